@@ -1,0 +1,192 @@
+"""The `kvcalib` command line: a thin Typer shell over the library.
+
+The only module that imports typer or rich. Each command parses its arguments, calls one
+library function and renders the result: `--json` prints the result's `to_dict()` on
+stdout, everything for humans goes to stderr. `KvcalibError` is the one error boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .errors import KvcalibError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU.",
+)
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _fail(err: KvcalibError) -> NoReturn:
+    console = _stderr()
+    console.print(f"[bold red]error:[/] {err.message}", soft_wrap=True)
+    if err.hint:
+        console.print(f"[yellow]hint:[/] {err.hint}", soft_wrap=True)
+    raise typer.Exit(err.exit_code)
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    try:
+        yield
+    except KvcalibError as err:
+        _fail(err)
+    except KeyboardInterrupt:
+        _stderr().print("[bold red]interrupted[/]: nothing was written")
+        raise typer.Exit(130) from None
+
+
+def _print_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Argument(..., help="Local Hugging Face checkpoint directory (or a hub id when online)."),
+    dataset: str = typer.Option(..., "--dataset", "-d", help="Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, or a hub id."),
+    output: Path = typer.Option(..., "--output", "-o", help="New checkpoint directory to write."),
+    target: str = typer.Option("trn2", "--target", "-t", help="Chip the scales are sized for: trn2 (FP8 max 240), trn3 or gpu (448)."),
+    split: str = typer.Option("train", "--split", "--dataset-split", help="Dataset split."),
+    text_column: str | None = typer.Option(None, "--text-column", help="Column with the text (default: 'text', else chat 'messages')."),
+    num_samples: int = typer.Option(512, "--num-samples", "--num-calibration-samples", help="First N rows of the split."),
+    max_seq_len: int = typer.Option(2048, "--max-seq-len", "--max-seq-length", help="Tokens per sample at most."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per forward pass."),
+    seed: int = typer.Option(42, "--seed", help="Shuffle seed (llm-compressor's default)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), bfloat16, float16 or float32."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint."""
+    from .calibrate import CalibrateOptions
+    from .calibrate import calibrate as run_calibrate
+
+    options = CalibrateOptions(
+        target=target, split=split, text_column=text_column, num_samples=num_samples,
+        max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
+        overwrite=overwrite, trust_remote_code=trust_remote_code,
+    )
+    console = _stderr()
+    with _errors(), _progress_bar(console) as on_progress:
+        result = run_calibrate(model, dataset, output, options, progress=on_progress)
+    _render_calibration(console, result)
+    if as_json:
+        _print_json(result.to_dict())
+
+
+@contextmanager
+def _progress_bar(console: Console) -> Iterator[Callable[[Any], None]]:
+    """A progress callback that draws on stderr once the library reports its first stage."""
+    columns = (
+        TextColumn("{task.description}"), BarColumn(),
+        TextColumn("{task.fields[samples]} samples"), TextColumn("{task.fields[tokens]} tok"),
+        TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+    )
+    bar = Progress(*columns, console=console, transient=True)
+    task = bar.add_task("starting", total=None, samples="-", tokens="-", rate="-")
+    observe_started: list[float] = []
+    labels = {"load-data": "reading dataset", "load-model": "loading model", "write": "writing checkpoint"}
+
+    def on_progress(p: Any) -> None:
+        if not bar.live.is_started:
+            bar.start()
+        if p.stage != "observe":
+            bar.update(task, description=labels.get(p.stage, p.stage))
+            return
+        if not observe_started:
+            observe_started.append(time.perf_counter())
+        elapsed = time.perf_counter() - observe_started[0]
+        rate = f"{p.tokens_done / elapsed:,.0f}" if elapsed > 0 and p.tokens_done else "-"
+        bar.update(task, description="calibrating", total=p.tokens_total, completed=p.tokens_done,
+                   samples=f"{p.samples_done}/{p.samples_total}",
+                   tokens=f"{p.tokens_done:,}/{p.tokens_total:,}", rate=rate)
+
+    try:
+        yield on_progress
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+
+
+def _render_calibration(console: Console, result: Any) -> None:
+    table = Table(title=f"KV scales for {result.target}: absmax / {result.fp8_max:g}")
+    for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale"):
+        table.add_column(column, justify="right")
+    for layer in result.layers:
+        table.add_row(str(layer.layer), f"{layer.k_absmax:.4g}", f"{layer.v_absmax:.4g}",
+                      f"{layer.k_scale:.4g}", f"{layer.v_scale:.4g}")
+    console.print(table)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    if result.validation is not None:
+        n_warn = sum(1 for f in result.validation["findings"] if f["severity"] == "warning")
+        console.print(f"validation: [green]ok[/] for {result.target}" + (f" ({n_warn} warning(s))" if n_warn else ""))
+    console.print(
+        f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
+        f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all"
+    )
+
+
+@app.command()
+def validate(
+    checkpoint: Path = typer.Argument(..., help="Checkpoint directory to check."),
+    target: str = typer.Option("trn2", "--target", "-t", help="trn2, trn3 or gpu."),
+    strict: bool = typer.Option(False, "--strict", help="Count warnings as errors."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+) -> None:
+    """Check a checkpoint against vLLM-on-Neuron's rules and the silent failures it lets through."""
+    from .validate import validate_checkpoint
+
+    with _errors():
+        report = validate_checkpoint(checkpoint, target, strict=strict)
+    _render_report(_stderr(), report)
+    if as_json:
+        _print_json(report.to_dict())
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _render_report(console: Console, report: Any) -> None:
+    if report.findings:
+        table = Table(title=f"validate {report.checkpoint} for {report.target}")
+        for column in ("rule", "severity", "where", "message", "hint"):
+            table.add_column(column, overflow="fold")
+        colors = {"error": "red", "warning": "yellow", "info": "cyan"}
+        for f in report.findings:
+            table.add_row(f.rule, f"[{colors.get(f.severity, 'white')}]{f.severity}[/]", f.location or "",
+                          f.message, f.hint or "")
+        console.print(table)
+    verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
+    console.print(f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
+                  + (" (strict: warnings count as errors)" if report.strict else ""))
+
+
+def _quiet_libraries() -> None:
+    """kvcalib draws its own progress; the libraries' bars and notices would only add noise."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
+def main() -> None:
+    _quiet_libraries()
+    app(prog_name="kvcalib")

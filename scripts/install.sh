@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install kvcalib into ./.venv on a fresh machine: torch pinned first (a CPU wheel), then the
+# project with its test extras, then Debian's `fortunes` (real prose for the demo and tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+if [ ! -f /usr/share/games/fortunes/fortunes ]; then
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq fortunes) >/dev/null
+  else
+    echo "install Debian's fortunes package (sudo apt-get install fortunes) for the demo data" >&2
+  fi
+fi

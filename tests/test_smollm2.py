@@ -1,0 +1,68 @@
+"""The real SmolLM2-135M-Instruct (30 layers, 3 KV heads, bf16): oracle and end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.schema import SCALES_FILENAME, neuron_scale_key
+from test_calibrate import calibration_sequences, oracle_absmax, tree_digest
+
+pytestmark = pytest.mark.slow
+OPTS = dict(num_samples=6, max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def smol_calibrated(smollm2, text_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smol") / "smollm2-fp8kv"
+    before = tree_digest(smollm2)
+    result = calibrate(smollm2, str(text_dataset), out, CalibrateOptions(batch_size=1, **OPTS))
+    assert tree_digest(smollm2) == before
+    return out, result
+
+
+def test_smollm2_scales_equal_absmax_from_transformers_cache(smollm2, text_dataset, smol_calibrated):
+    from safetensors.torch import load_file
+
+    out, result = smol_calibrated
+    seqs = calibration_sequences(smollm2, text_dataset, **OPTS)
+    k, v = oracle_absmax(smollm2, seqs)
+    scales = load_file(out / SCALES_FILENAME)
+    assert len(result.layers) == 30
+    for i in range(30):
+        assert result.layers[i].k_absmax == k[i].item(), i
+        assert result.layers[i].v_absmax == v[i].item(), i
+        assert scales[neuron_scale_key(i, "k")].item() == pytest.approx(k[i].item() / 240, rel=1e-6)
+        assert scales[neuron_scale_key(i, "v")].item() == pytest.approx(v[i].item() / 240, rel=1e-6)
+
+
+def test_smollm2_batched_matches_one_by_one(smollm2, text_dataset, smol_calibrated, tmp_path):
+    _, one = smol_calibrated
+    batched = calibrate(smollm2, str(text_dataset), tmp_path / "b", CalibrateOptions(batch_size=6, **OPTS))
+    # bf16 matmuls over differently shaped batches may round differently: within one bf16 step.
+    for a, b in zip(one.layers, batched.layers):
+        assert b.k_absmax == pytest.approx(a.k_absmax, rel=2**-7)
+        assert b.v_absmax == pytest.approx(a.v_absmax, rel=2**-7)
+
+
+def test_smollm2_checkpoint_is_valid_and_reloads(smollm2, smol_calibrated):
+    from transformers import AutoModelForCausalLM
+
+    out, result = smol_calibrated
+    assert result.validation["ok"] is True
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    orig = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).state_dict()
+    loaded = model.state_dict()
+    for name, tensor in orig.items():
+        assert torch.equal(tensor, loaded[name]), name
+    # transformers + compressed-tensors read our scales into the attention modules
+    for layer in (0, 29):
+        for kind in "kv":
+            key = neuron_scale_key(layer, kind)
+            expected = getattr(result.layers[layer], f"{kind}_scale")
+            assert loaded[key].float().item() == pytest.approx(expected, rel=2**-8), key  # held in bf16
