@@ -109,7 +109,71 @@ class CalibrateOptions:
     device: str = "cpu"
     overwrite: bool = False
     trust_remote_code: bool = False
+    engine: str = "native"
     extra_provenance: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    """What an observation engine gets: everything checked and loaded except the weights."""
+
+    model_dir: Path
+    config: dict[str, Any]
+    data: CalibrationData
+    options: CalibrateOptions
+    dtype: torch.dtype | None  # None: the checkpoint's own dtype
+    device: torch.device
+    pad_id: int
+    notify: ProgressCallback
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an engine measured: per-layer absmax of K and V over every calibration token."""
+
+    k_absmax: torch.Tensor  # [num_layers] float32, on the CPU
+    v_absmax: torch.Tensor  # [num_layers] float32, on the CPU
+    observed: tuple[int, ...]  # forward passes that reached each layer (0: never observed)
+    attention_paths: dict[int, str]  # layer -> state-dict path of its attention module
+    seconds: float  # time spent observing (for tokens/s)
+
+
+Engine = Callable[[EngineInputs], Observation]
+
+# Engines by name, as "module:function" so that optional ones import only when chosen.
+ENGINES: dict[str, str] = {
+    "native": "kvcalib.calibrate:native_engine",
+}
+
+
+def _resolve_engine(name: str) -> Engine:
+    import importlib
+
+    if name not in ENGINES:
+        raise UsageError(f"unknown engine {name!r}", hint=f"use one of {', '.join(sorted(ENGINES))}")
+    module, function = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def native_engine(inputs: EngineInputs) -> Observation:
+    """The whole model in memory; every batch through the decoder stack with the observing attention."""
+    inputs.notify(Progress("load-model"))
+    hf_model = _load_model(inputs.model_dir, inputs.dtype, inputs.device, inputs.options.trust_remote_code)
+    num_layers = _num_layers(hf_model)
+    attn_paths = attention_modules(hf_model)
+    missing = [i for i in range(num_layers) if i not in attn_paths]
+    if missing:
+        raise UnsupportedModelError(
+            f"{inputs.model_dir}: no attention module with k_proj/v_proj found for layer(s) {missing}",
+            hint="kvcalib observes attention modules that call transformers' attention interface",
+        )
+    observer = KVAbsmaxObserver(num_layers, device=inputs.device)
+    started = time.perf_counter()
+    _observe(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device, inputs.notify)
+    return Observation(
+        k_absmax=observer.k_absmax.cpu(), v_absmax=observer.v_absmax.cpu(), observed=tuple(observer.observed),
+        attention_paths=attn_paths, seconds=time.perf_counter() - started,
+    )
 
 
 def calibrate(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions | None = None,
@@ -139,25 +203,14 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     )
 
     # --- observe ---------------------------------------------------------------------
-    notify(Progress("load-model"))
-    hf_model = _load_model(model_dir, config, torch_dtype, device, opts.trust_remote_code)
-    num_layers = _num_layers(hf_model)
-    attn_paths = attention_modules(hf_model)
-    missing = [i for i in range(num_layers) if i not in attn_paths]
-    if missing:
-        raise UnsupportedModelError(
-            f"{model_dir}: no attention module with k_proj/v_proj found for layer(s) {missing}",
-            hint="kvcalib observes attention modules that call transformers' attention interface",
-        )
-    observer = KVAbsmaxObserver(num_layers, device=device)
-    observe_started = time.perf_counter()
-    _observe(hf_model, observer, data, opts.batch_size, _pad_id(tokenizer), device, notify)
-    observe_seconds = time.perf_counter() - observe_started
-    del hf_model
+    engine = _resolve_engine(opts.engine)
+    observation = engine(EngineInputs(model_dir, config, data, opts, torch_dtype, device, _pad_id(tokenizer), notify))
+    observe_seconds = observation.seconds
 
     # --- scales, checkpoint ------------------------------------------------------------
-    layers, warnings = _layer_scales(observer, attn_paths, target, model_dir)
-    provenance = _provenance(model_dir, data, opts, target, layers, hf_dtype=str(torch_dtype or config.get("dtype") or config.get("torch_dtype")))
+    layers, warnings = _layer_scales(observation, target, model_dir)
+    dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype else str(config.get("dtype") or config.get("torch_dtype"))
+    provenance = _provenance(model_dir, data, opts, target, layers, dtype_name)
     scales = {}
     for layer in layers:
         scales[layer.k_key] = torch.tensor([layer.k_scale], dtype=torch.float32)
@@ -285,7 +338,7 @@ def _load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
                                     hint="the checkpoint needs its tokenizer files (tokenizer.json, ...)") from None
 
 
-def _load_model(model_dir: Path, config_dict: dict[str, Any], dtype: torch.dtype | None, device: torch.device,
+def _load_model(model_dir: Path, dtype: torch.dtype | None, device: torch.device,
                 trust_remote_code: bool) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -326,16 +379,15 @@ def _observe(model: torch.nn.Module, observer: KVAbsmaxObserver, data: Calibrati
         notify(Progress("observe", done_samples, total_samples, done_tokens, total_tokens))
 
 
-def _layer_scales(observer: KVAbsmaxObserver, attn_paths: dict[int, str], target: fp8.Target,
-                  model_dir: Path) -> tuple[list[LayerScales], list[str]]:
-    unobserved = [i for i, n in enumerate(observer.observed) if n == 0]
+def _layer_scales(observation: Observation, target: fp8.Target, model_dir: Path) -> tuple[list[LayerScales], list[str]]:
+    unobserved = [i for i, n in enumerate(observation.observed) if n == 0]
     if unobserved:
         raise CalibrationError(
             f"{model_dir}: decoder layer(s) {unobserved} were never observed during calibration",
             hint="the model's attention does not go through transformers' attention interface for these layers",
         )
-    k_absmax = observer.k_absmax.cpu()
-    v_absmax = observer.v_absmax.cpu()
+    k_absmax = observation.k_absmax.float().cpu()
+    v_absmax = observation.v_absmax.float().cpu()
     warnings: list[str] = []
     for kind, values in (("K", k_absmax), ("V", v_absmax)):
         for i, value in enumerate(values.tolist()):
@@ -352,15 +404,15 @@ def _layer_scales(observer: KVAbsmaxObserver, attn_paths: dict[int, str], target
         LayerScales(
             layer=i, k_absmax=float(k_absmax[i]), v_absmax=float(v_absmax[i]),
             k_scale=k_scales[i], v_scale=v_scales[i],
-            k_key=scale_key(attn_paths[i], "k"), v_key=scale_key(attn_paths[i], "v"),
+            k_key=scale_key(observation.attention_paths[i], "k"), v_key=scale_key(observation.attention_paths[i], "v"),
         )
-        for i in range(observer.num_layers)
+        for i in range(len(observation.observed))
     ]
     return layers, warnings
 
 
 def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, target: fp8.Target,
-                layers: list[LayerScales], hf_dtype: str) -> dict[str, Any]:
+                layers: list[LayerScales], dtype_name: str) -> dict[str, Any]:
     return {
         "tool": "kvcalib",
         "kvcalib_version": __version__,
@@ -369,7 +421,8 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "fp8_max": target.fp8_max,
         "scales_file": SCALES_FILENAME,
         "model": str(model_dir),
-        "dtype": hf_dtype,
+        "dtype": dtype_name,
+        "engine": opts.engine,
         "dataset": data.source,
         "split": data.split,
         "column": data.column,
