@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -c scripts/constraints.txt -e '.[dev]'
 if [ ! -f /usr/share/games/fortunes/fortunes ]; then
   if [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq fortunes) >/dev/null
