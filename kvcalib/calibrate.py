@@ -398,8 +398,8 @@ def _layer_scales(observation: Observation, target: fp8.Target, model_dir: Path)
                 )
             if value == 0.0:
                 warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at {fp8.SCALE_FLOOR}")
-    k_scales = fp8.scale_from_absmax(k_absmax, target.fp8_max).tolist()
-    v_scales = fp8.scale_from_absmax(v_absmax, target.fp8_max).tolist()
+    k_scales = fp8.scale_from_absmax(k_absmax, target).tolist()
+    v_scales = fp8.scale_from_absmax(v_absmax, target).tolist()
     layers = [
         LayerScales(
             layer=i, k_absmax=float(k_absmax[i]), v_absmax=float(v_absmax[i]),
@@ -416,7 +416,7 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
     return {
         "tool": "kvcalib",
         "kvcalib_version": __version__,
-        "scale_convention": "x = fp8 * scale; scale = absmax / fp8_max",
+        "scale_convention": "x = fp8 * scale; scale = absmax / fp8_max (rounded up so the chip never saturates absmax)",
         "target": target.name,
         "fp8_max": target.fp8_max,
         "scales_file": SCALES_FILENAME,

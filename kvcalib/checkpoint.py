@@ -436,3 +436,26 @@ def _publish(tmp: Path, output: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, output)
+
+
+def read_kv_scales(ckpt_dir: Path, num_layers: int, layers_prefix: str = "model.layers") -> tuple[list[float], list[float]]:
+    """Per-layer (k_scales, v_scales) as the Neuron loader reads them; an error names a missing key."""
+    from .schema import neuron_scale_key
+
+    files = scan_checkpoint(ckpt_dir)
+    values: dict[str, list[float]] = {"k": [], "v": []}
+    for kind in ("k", "v"):
+        for layer in range(num_layers):
+            key = neuron_scale_key(layer, kind, layers_prefix)
+            name = files.file_of(key)
+            if name is None or name not in files.headers or key not in files.headers[name].tensors:
+                raise CheckpointReadError(
+                    f"{ckpt_dir}: no KV scale {key}",
+                    hint=f"run `kvcalib validate {ckpt_dir}`; calibrate it with `kvcalib calibrate`",
+                )
+            tensor = load_tensors(ckpt_dir / name, [key])[key]
+            if tensor.numel() != 1:
+                raise CheckpointReadError(f"{ckpt_dir}: {key} has shape {list(tensor.shape)}, not [1]",
+                                          hint="kvcalib evaluates per-tensor scales only")
+            values[kind].append(float(tensor.float().reshape(())))
+    return values["k"], values["v"]

@@ -7,6 +7,9 @@ embedding (and after k-norm where a model has one), before the grouped-query rep
 shape `[batch, kv_heads, seq, head_dim]`. No model forward is copied and nothing is
 fake-quantised.
 
+An observer's `observe(layer_idx, key, value)` may return replacement (key, value): that
+is how kvcalib.emulate runs attention on an FP8-quantised KV cache.
+
 The observer reaches the attention function as a forward keyword argument, which
 transformers passes through to every attention call, so there is no global state.
 """
@@ -69,7 +72,10 @@ def _observing_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 
     observer = kwargs.pop(OBSERVER_KWARG, None)
     if observer is not None:
-        observer.observe(getattr(module, "layer_idx", None), key, value)
+        # An observer may also replace K/V (kvcalib.emulate quantises them as the chip would).
+        replaced = observer.observe(getattr(module, "layer_idx", None), key, value)
+        if replaced is not None:
+            key, value = replaced
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

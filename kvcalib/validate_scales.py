@@ -14,7 +14,7 @@ from typing import Any
 
 from .checkpoint import read_json, read_tensor
 from .errors import KvcalibError
-from .fp8 import SCALE_FLOOR, TARGETS, bf16_reciprocal_ok, implied_fp8_max
+from .fp8 import SCALE_FLOOR, SCALE_ROUNDING_TOLERANCE, TARGETS, bf16_reciprocal_ok, implied_fp8_max
 from .schema import (
     KV_KINDS,
     NEURON_ALT_LAYERS_PREFIX,
@@ -331,7 +331,8 @@ def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCh
                 disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
             elif absmax is not None and absmax > 0 and actual > SCALE_FLOOR * 2:
                 implied = implied_fp8_max(absmax, actual)
-                if abs(implied - fp8_max) > 1e-3 * fp8_max:
+                # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
+                if abs(implied - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max:
                     disagree.append(
                         f"{key} = {actual:.6g} with absmax {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}"
                     )

@@ -62,11 +62,12 @@ def build(root: Path, shards: int, shard_mb: float, layers: int) -> int:
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
 
-    fp8_max = TARGETS["trn2"].fp8_max
+    target = TARGETS["trn2"]
+    fp8_max = target.fp8_max
     scales, entries = {}, []
     for i in range(layers):
         k_absmax, v_absmax = 8.0 + i / 10, 3.0 + i / 10
-        k, v = scale_from_absmax(k_absmax, fp8_max).reshape(1), scale_from_absmax(v_absmax, fp8_max).reshape(1)
+        k, v = scale_from_absmax(k_absmax, target).reshape(1), scale_from_absmax(v_absmax, target).reshape(1)
         scales[neuron_scale_key(i, "k")], scales[neuron_scale_key(i, "v")] = k, v
         entries.append({"layer": i, "k_absmax": k_absmax, "v_absmax": v_absmax, "k_scale": k.item(), "v_scale": v.item()})
     provenance = {"target": "trn2", "fp8_max": fp8_max, "layers": entries}

@@ -8,10 +8,11 @@ PYTHON=${PYTHON:-python3}
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -c scripts/constraints.txt -e '.[dev]'
-if [ ! -f /usr/share/games/fortunes/fortunes ]; then
+# Real prose for calibration (fortunes) and held-out evaluation (the Python tutorial).
+if [ ! -f /usr/share/games/fortunes/fortunes ] || [ ! -d /usr/share/doc/python3.11/html/_sources/tutorial ]; then
   if [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && apt-get install -y -qq fortunes) >/dev/null
+    (apt-get update -qq && apt-get install -y -qq fortunes python3.11-doc) >/dev/null
   else
-    echo "install Debian's fortunes package (sudo apt-get install fortunes) for the demo data" >&2
+    echo "install Debian's fortunes and python3.11-doc packages (sudo apt-get install ...) for the demo data" >&2
   fi
 fi

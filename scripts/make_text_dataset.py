@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Write a calibration dataset (JSON lines, a `text` column) from real prose on this machine.
+"""Write a dataset (JSON lines, a `text` column) from real prose on this machine.
 
-Debian's `fortunes` package (apt-get install fortunes) holds ~2.4 MB of short prose,
-entries separated by a line holding `%`. Consecutive entries are joined into samples of
-about --chars characters, so sequences are long enough to exercise many positions.
+--source fortunes (default): Debian's `fortunes` package (apt-get install fortunes), ~2.4 MB
+of short prose, entries separated by a line holding `%`.
+--source python-tutorial: the Python tutorial from Debian's `python3.11-doc` package, split
+into paragraphs; held-out text for `kvcalib eval` of a model calibrated on fortunes.
+Consecutive entries are joined into samples of about --chars characters, so sequences are
+long enough to exercise many positions.
 
-    python scripts/make_text_dataset.py OUT.jsonl [--chars 2000] [--max-rows 2000]
+    python scripts/make_text_dataset.py OUT.jsonl [--source fortunes] [--chars 2000] [--max-rows 2000]
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ import sys
 from pathlib import Path
 
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
+TUTORIAL_DIR = Path("/usr/share/doc/python3.11/html/_sources/tutorial")
+
+
+def tutorial_paragraphs(directory: Path = TUTORIAL_DIR) -> list[str]:
+    files = sorted(directory.glob("*.rst.txt")) if directory.is_dir() else []
+    paragraphs = [p.strip() for path in files for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    if not paragraphs:
+        sys.exit(f"no tutorial found under {directory}: run `apt-get install python3.11-doc` first")
+    return paragraphs
 
 
 def fortune_entries(directory: Path = FORTUNES_DIR) -> list[str]:
@@ -49,10 +61,12 @@ def join_entries(entries: list[str], chars: int, max_rows: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
+    parser.add_argument("--source", choices=["fortunes", "python-tutorial"], default="fortunes")
     parser.add_argument("--chars", type=int, default=2000)
     parser.add_argument("--max-rows", type=int, default=2000)
     args = parser.parse_args()
-    rows = join_entries(fortune_entries(), args.chars, args.max_rows)
+    entries = fortune_entries() if args.source == "fortunes" else tutorial_paragraphs()
+    rows = join_entries(entries, args.chars, args.max_rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         for row in rows:

@@ -114,3 +114,15 @@ def smollm2_checkpoint(tmp_dir: Path) -> Path:
     out = tmp_dir / "smollm2"
     subprocess.run([sys.executable, str(SCRIPTS / "prepare_smollm2.py"), str(out)], check=True)
     return out
+
+
+def assert_scale_sized(scale: float, absmax: float, target_name: str) -> None:
+    """`scale` is absmax / fp8_max, rounded up by at most 2^-6, and the chip never saturates absmax."""
+    import torch
+
+    from kvcalib import fp8
+
+    target = fp8.TARGETS[target_name]
+    exact = absmax / target.fp8_max
+    assert exact * (1 - 1e-7) <= scale <= exact * (1 + 2**-6), (scale, absmax, target_name)
+    assert float(fp8.to_fp8_domain(torch.tensor(absmax), scale, target)) <= target.fp8_max

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import write_jsonl
+from helpers import assert_scale_sized, write_jsonl
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.checkpoint import WritePlan, write_checkpoint
 from kvcalib.errors import (
@@ -75,8 +75,8 @@ def test_scales_equal_absmax_from_transformers_cache(tiny_llama_master, text_dat
     k, v = oracle_absmax(tiny_llama_master, seqs)
     scales = read_scales(out)
     for i in range(3):
-        assert scales[neuron_scale_key(i, "k")].item() == pytest.approx((k[i] / 240).item(), rel=1e-6)
-        assert scales[neuron_scale_key(i, "v")].item() == pytest.approx((v[i] / 240).item(), rel=1e-6)
+        assert_scale_sized(scales[neuron_scale_key(i, "k")].item(), k[i].item(), "trn2")
+        assert_scale_sized(scales[neuron_scale_key(i, "v")].item(), v[i].item(), "trn2")
         assert result.layers[i].k_absmax == k[i].item()
         assert result.layers[i].v_absmax == v[i].item()
     assert result.num_tokens == sum(len(s) for s in seqs)
@@ -160,7 +160,7 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
     assert side["target"] == "trn3" and side["fp8_max"] == 448.0
     assert [l["k_scale"] for l in side["layers"]] == [l.k_scale for l in result.layers]
     for layer in result.layers:
-        assert layer.k_scale == pytest.approx(layer.k_absmax / 448.0, rel=1e-6)
+        assert_scale_sized(layer.k_scale, layer.k_absmax, "trn3")
 
     # reloads in transformers with identical weights
     orig = AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict()
@@ -177,7 +177,9 @@ def test_trn2_scales_are_448_over_240_times_gpu_scales(tiny_llama_master, text_d
     gpu = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b", CalibrateOptions(target="gpu", **SMALL))
     for a, b in zip(trn2.layers, gpu.layers):
         assert a.k_absmax == b.k_absmax
-        assert a.k_scale == pytest.approx(b.k_scale * 448 / 240, rel=1e-6)
+        assert_scale_sized(a.k_scale, a.k_absmax, "trn2")
+        assert_scale_sized(b.k_scale, b.k_absmax, "gpu")
+        assert a.k_scale == pytest.approx(b.k_scale * 448 / 240, rel=2**-6)
 
 
 def test_recalibrating_replaces_scales_and_overwrite(tiny_llama_master, text_dataset, tmp_path):
@@ -187,7 +189,7 @@ def test_recalibrating_replaces_scales_and_overwrite(tiny_llama_master, text_dat
     result = calibrate(first, str(text_dataset), second, CalibrateOptions(target="trn2", **SMALL))
     index = json.loads((second / INDEX_FILENAME).read_text())
     assert index["weight_map"][neuron_scale_key(0, "k")] == SCALES_FILENAME
-    assert read_scales(second)[neuron_scale_key(0, "k")].item() == pytest.approx(result.layers[0].k_absmax / 240)
+    assert_scale_sized(read_scales(second)[neuron_scale_key(0, "k")].item(), result.layers[0].k_absmax, "trn2")
     assert result.validation["ok"]
     # --overwrite replaces an existing output whole
     (second / "stray.txt").write_text("old")
@@ -227,7 +229,7 @@ def test_zero_absmax_gets_a_floor_and_a_warning(tiny_llama, text_dataset, tmp_pa
     save_file(tensors, shard, metadata={"format": "pt"})
     result = calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
     assert result.layers[1].v_absmax == 0.0
-    assert result.layers[1].v_scale == pytest.approx(1e-8)
+    assert result.layers[1].v_scale == pytest.approx(1e-8, rel=2**-6)
     assert "layer 1: V was exactly zero on every token; its scale is floored at 1e-08" in result.warnings
 
 
