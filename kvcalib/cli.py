@@ -7,7 +7,9 @@ stdout, everything for humans goes to stderr. `KvcalibError` is the one error bo
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -93,7 +95,7 @@ def calibrate(
 
 
 @contextmanager
-def _progress_bar(console: Console) -> Iterator[Callable[[Any], None]]:
+def _progress_bar(console: Console, label: str = "calibrating") -> Iterator[Callable[[Any], None]]:
     """A progress callback that draws on stderr once the library reports its first stage."""
     columns = (
         TextColumn("{task.description}"), BarColumn(),
@@ -115,7 +117,7 @@ def _progress_bar(console: Console) -> Iterator[Callable[[Any], None]]:
             observe_started.append(time.perf_counter())
         elapsed = time.perf_counter() - observe_started[0]
         rate = f"{p.tokens_done / elapsed:,.0f}" if elapsed > 0 and p.tokens_done else "-"
-        bar.update(task, description="calibrating", total=p.tokens_total, completed=p.tokens_done,
+        bar.update(task, description=label, total=p.tokens_total, completed=p.tokens_done,
                    samples=f"{p.samples_done}/{p.samples_total}",
                    tokens=f"{p.tokens_done:,}/{p.tokens_total:,}", rate=rate)
 
@@ -176,6 +178,55 @@ def _render_report(console: Console, report: Any) -> None:
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     console.print(f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
                   + (" (strict: warnings count as errors)" if report.strict else ""))
+
+
+@app.command("eval")
+def eval_command(
+    checkpoint: str = typer.Argument(..., help="Calibrated checkpoint directory (its weights and scales)."),
+    dataset: str = typer.Option(..., "--dataset", "-d", help="Held-out text, in any form calibrate accepts."),
+    target: str = typer.Option("trn2", "--target", "-t", help="Chip numerics to emulate: trn2 (240), trn3 or gpu (448)."),
+    compare: list[str] = typer.Option([], "--compare", help="Also run 'unit' (all scales 1.0) or another checkpoint's scales; repeatable."),
+    split: str = typer.Option("train", "--split", help="Dataset split."),
+    text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
+    num_samples: int = typer.Option(64, "--num-samples", help="First N rows of the split."),
+    max_seq_len: int = typer.Option(512, "--max-seq-len", help="Tokens per sample at most."),
+    batch_size: int = typer.Option(2, "--batch-size", help="Sequences per forward pass."),
+    seed: int = typer.Option(42, "--seed", help="Shuffle seed."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, bfloat16, float16 or float32."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of per-layer absmax, SQNR and clipping."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
+    from .evaluate import EvalOptions, evaluate
+    from .plot import plot_eval
+
+    options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
+                          max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
+                          compare=tuple(compare))
+    console = _stderr()
+    with _errors(), _progress_bar(console, "evaluating") as on_progress:
+        result = evaluate(checkpoint, dataset, options, progress=on_progress)
+        if plot is not None:
+            result = dataclasses.replace(result, plot=str(plot_eval(result, plot)))
+    _render_eval(console, result)
+    if as_json:
+        _print_json(result.to_dict())
+
+
+def _render_eval(console: Console, result: Any) -> None:
+    table = Table(title=f"FP8 KV on {result.target} vs an unquantised KV cache, {result.num_tokens:,} tokens")
+    for column in ("scales", "NLL", "PPL", "ΔNLL", "KL", "top-1", "K clip", "V clip", "K SQNR"):
+        table.add_column(column, justify="right" if column != "scales" else "left", overflow="fold")
+    table.add_row("none (bf16)", f"{result.baseline_nll:.4f}", f"{math.exp(result.baseline_nll):.3f}",
+                  "", "", "", "", "", "")
+    for run in result.runs:
+        min_k = min(l.k_sqnr_db for l in run.layers)
+        table.add_row(run.name, f"{run.nll:.4f}", f"{run.ppl:.3f}", f"{run.delta_nll:+.4f}", f"{run.kl:.5f}",
+                      f"{run.top1:.2%}", f"{run.k_clipped:.3%}", f"{run.v_clipped:.3%}", f"{min_k:.1f} dB")
+    console.print(table)
+    if result.plot:
+        console.print(f"plot: {result.plot}")
 
 
 def _quiet_libraries() -> None:

@@ -4,7 +4,8 @@ The checkpoint's model runs over held-out text twice or more per batch: once wit
 unquantised KV cache (the baseline), then once per scale configuration with K and V
 quantised exactly as the chip stores them (kvcalib.fp8.fake_quantize through the attention
 hook of kvcalib.observe). Teacher-forced: every token attends to the quantised K/V of all
-earlier tokens, as in decoding from an FP8 cache.
+earlier tokens, as in decoding from an FP8 cache. Per-layer figures (SQNR, saturation) are
+measured on the unquantised pass's K/V, so each is its own layer's quantiser's.
 
 Metrics against the baseline, over real (non-padding) next-token predictions: mean NLL and
 perplexity, ΔNLL, mean KL(baseline || quantised), top-1 agreement; per layer, the SQNR of K
@@ -37,7 +38,7 @@ from .calibrate import (
 )
 from .checkpoint import read_config, read_kv_scales
 from .data import batches, load_calibration_data
-from .emulate import KVQuantizer, LayerQuantStats
+from .emulate import KVErrorMeter, KVQuantizer, LayerQuantStats
 from .errors import UsageError
 from .observe import OBSERVER_KWARG
 
@@ -149,7 +150,8 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     if _num_layers(model) != num_layers:
         raise UsageError(f"{model_dir}: config says {num_layers} layers, the model has {_num_layers(model)}")
 
-    totals = {name: _Totals(quantizer=KVQuantizer(k, v, target, device)) for name, (k, v) in configs.items()}
+    totals = {name: _Totals(quantizer=KVQuantizer(k, v, target)) for name, (k, v) in configs.items()}
+    meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device)
     baseline = _Totals()
     done_samples = done_tokens = 0
     notify(Progress("observe", 0, len(data.sequences), 0, data.num_tokens))
@@ -157,15 +159,15 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         input_ids, mask = input_ids.to(device), mask.to(device)
         scored = (mask[:, 1:] & mask[:, :-1]).bool()  # predicting token t+1 from a real token t
         targets = input_ids[:, 1:]
-        base_logp = _log_probs(model, input_ids, mask, None)
+        meter.token_mask = mask.bool()
+        base_logp = _log_probs(model, input_ids, mask, meter)
+        meter.token_mask = None
         base_nll = -base_logp.gather(-1, targets[..., None])[..., 0][scored]
         baseline.nll += base_nll.double().sum().item()
         baseline.count += int(scored.sum())
         base_top1 = base_logp.argmax(-1)
         for run in totals.values():
-            run.quantizer.token_mask = mask.bool()
             logp = _log_probs(model, input_ids, mask, run.quantizer)
-            run.quantizer.token_mask = None
             run.nll += (-logp.gather(-1, targets[..., None])[..., 0][scored]).double().sum().item()
             kl = (base_logp.exp() * (base_logp - logp)).sum(-1)
             run.kl += kl[scored].double().sum().item()
@@ -181,7 +183,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         RunResult(
             name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
             delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
-            layers=tuple(t.quantizer.layer_stats()),
+            layers=tuple(meter.layer_stats(name)),
         )
         for name, t in totals.items()
     )
@@ -193,10 +195,9 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
 
 
 @torch.inference_mode()
-def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor,
-               quantizer: KVQuantizer | None) -> torch.Tensor:
-    """Next-token log-probabilities [B, S-1, V] in float32."""
-    kwargs = {OBSERVER_KWARG: quantizer} if quantizer is not None else {}
+def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any) -> torch.Tensor:
+    """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
+    kwargs = {OBSERVER_KWARG: hook}
     logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False, **kwargs).logits
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 
