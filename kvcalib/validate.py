@@ -70,7 +70,7 @@ from pathlib import Path
 
 from .checkpoint import read_config
 from .errors import UnknownTargetError
-from .fp8 import TARGETS
+from .fp8 import get_target
 from .validate_config import (
     declared_kv_cache_scheme,
     llama_gate,
@@ -105,11 +105,10 @@ def validate_checkpoint(
     Raises UnknownTargetError, CheckpointNotFoundError (no directory or config.json) and
     CheckpointReadError (config.json not a JSON object); nothing else.
     """
-    if target not in TARGETS:
-        raise UnknownTargetError(
-            f"unknown target {target!r}",
-            hint=f"choose one of: {', '.join(sorted(TARGETS))}",
-        )
+    try:
+        get_target(target)
+    except ValueError as exc:
+        raise UnknownTargetError(str(exc), hint="use --target trn2, trn3 or gpu") from None
     root = Path(path)
     config = read_config(root)
     findings: list[Finding] = []

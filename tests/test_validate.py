@@ -575,7 +575,7 @@ def test_unreadable_checkpoint_raises(calibrated: Path, setup, error, message) -
 def test_unknown_target_raises(calibrated: Path) -> None:
     with pytest.raises(UnknownTargetError) as info:
         validate_checkpoint(calibrated, "trn1")
-    assert (str(info.value), info.value.hint) == ("unknown target 'trn1'", "choose one of: gpu, trn2, trn3")
+    assert (str(info.value), info.value.hint) == ("unknown target 'trn1'; known targets: gpu, trn2, trn3", "use --target trn2, trn3 or gpu")
 
 
 # --- the report ---------------------------------------------------------------------------
