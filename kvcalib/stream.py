@@ -70,7 +70,9 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     batch_list = [(ids.to(inputs.device), mask.to(inputs.device))
                   for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)]
     started = time.perf_counter()
-    with torch.inference_mode(), _HiddenStates(_spill_needed(decoder, layers, batch_list, dtype)) as states:
+    copies = inputs.options.ranks.local_world_size if inputs.options.ranks else 1  # ranks sharing this host
+    spill = _spill_needed(decoder, layers, batch_list, dtype, copies)
+    with torch.inference_mode(), _HiddenStates(spill) as states:
         for b, (ids, mask) in enumerate(batch_list):
             hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
             states.put(b, hidden)
@@ -253,13 +255,13 @@ class _HiddenStates:
 
 
 def _spill_needed(decoder: torch.nn.Module, layers: torch.nn.ModuleList,
-                  batch_list: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> bool:
-    """Spill when the hidden states of every batch would take over a share of the memory left."""
+                  batch_list: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, copies: int) -> bool:
+    """Spill when the hidden states of every batch would take over a share of this process's memory left."""
     hidden_size = int(_text_config(decoder).hidden_size)
     element = torch.tensor([], dtype=dtype).element_size()
     hidden_bytes = sum(ids.numel() for ids, _mask in batch_list) * hidden_size * element
     largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
-    left = available_memory().available - 2 * largest_layer  # a layer, and its load-time copy
+    left = available_memory().available // copies - 2 * largest_layer  # a layer, and its load-time copy
     return hidden_bytes > HIDDEN_STATES_MEMORY_SHARE * left
 
 
