@@ -84,7 +84,7 @@ def available_memory(device: torch.device | None = None) -> MemoryLimit:
     cgroup = _cgroup_headroom()
     if cgroup is not None:
         limits.append(MemoryLimit(cgroup, "cgroup memory limit"))
-    status = _proc_status()
+    status = proc_status()
     for name, used_key in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
         soft, _hard = resource.getrlimit(getattr(resource, name))
         if soft != resource.RLIM_INFINITY and soft < _NO_LIMIT:
@@ -136,7 +136,7 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _proc_status() -> dict[str, int]:
+def proc_status() -> dict[str, int]:
     """VmSize, VmData, VmRSS, VmHWM, ... of this process in bytes."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
@@ -188,7 +188,7 @@ def _cgroup_headroom() -> int | None:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far (VmHWM)."""
-    return _proc_status().get("VmHWM", 0)
+    return proc_status().get("VmHWM", 0)
 
 
 def out_of_memory_error(exc: BaseException, engine: str, device: torch.device) -> OutOfMemoryError | None:

@@ -19,11 +19,11 @@ from transformers import AutoTokenizer
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.data import load_calibration_data
 from kvcalib.errors import KvcalibError
-from kvcalib.memory import _proc_status
+from kvcalib.memory import proc_status
 
 engine, model, dataset, out, headroom_mb, samples, seq_len = sys.argv[1:8]
 load_calibration_data(dataset, AutoTokenizer.from_pretrained(model), num_samples=int(samples), max_seq_len=int(seq_len))
-cap = _proc_status()["VmSize"] + (int(headroom_mb) << 20)
+cap = proc_status()["VmSize"] + (int(headroom_mb) << 20)
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 try:
     result = calibrate(model, dataset, out, CalibrateOptions(engine=engine, num_samples=int(samples),
