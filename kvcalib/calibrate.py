@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 from . import __version__, fp8
 from .checkpoint import WritePlan, check_output_path, read_config, write_checkpoint
 from .data import CalibrationData, batches, load_calibration_data
+from .distributed import Ranks, observe_across_ranks, rank_device
 from .errors import (
     CalibrationError,
     CheckpointNotFoundError,
@@ -28,6 +29,7 @@ from .errors import (
     UsageError,
     ValidationFailedError,
 )
+from .memory import choose_engine, out_of_memory_error
 from .observe import KVAbsmaxObserver, attention_modules, observe_batch, register_attention
 from .schema import SCALES_FILENAME, kv_only_quantization_config, scale_key
 
@@ -43,6 +45,8 @@ class Progress:
     samples_total: int = 0
     tokens_done: int = 0
     tokens_total: int = 0
+    layer: int = 0  # the stream engine: the layer being observed, of num_layers
+    num_layers: int = 0
 
 
 ProgressCallback = Callable[[Progress], None]
@@ -109,8 +113,9 @@ class CalibrateOptions:
     device: str = "cpu"
     overwrite: bool = False
     trust_remote_code: bool = False
-    engine: str = "native"
+    engine: str = "auto"  # "auto": "stream" when the weights would not fit in memory, else "native"
     extra_provenance: dict[str, Any] = field(default_factory=dict)
+    ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,7 @@ Engine = Callable[[EngineInputs], Observation]
 # Engines by name, as "module:function" so that optional ones import only when chosen.
 ENGINES: dict[str, str] = {
     "native": "kvcalib.calibrate:native_engine",
+    "stream": "kvcalib.stream:stream_engine",
 }
 
 
@@ -194,6 +200,10 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     check_supported_model(model_dir, config, opts.trust_remote_code)
     output = Path(output)
     check_output_path(output, model_dir, opts.overwrite)
+    device = rank_device(device, opts.ranks)
+    local_copies = opts.ranks.local_world_size if opts.ranks else 1
+    choice = choose_engine(opts.engine, model_dir, torch_dtype, device, copies=local_copies)
+    opts = replace(opts, engine=choice.engine)
 
     notify(Progress("load-data"))
     tokenizer = _load_tokenizer(model_dir, opts.trust_remote_code)
@@ -204,7 +214,14 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
 
     # --- observe ---------------------------------------------------------------------
     engine = _resolve_engine(opts.engine)
-    observation = engine(EngineInputs(model_dir, config, data, opts, torch_dtype, device, _pad_id(tokenizer), notify))
+    inputs = EngineInputs(model_dir, config, data, opts, torch_dtype, device, _pad_id(tokenizer), notify)
+    try:
+        if opts.ranks is not None and opts.ranks.world_size > 1:
+            observation = observe_across_ranks(engine, inputs, opts.ranks)
+        else:
+            observation = engine(inputs)
+    except (MemoryError, RuntimeError) as exc:
+        raise out_of_memory_error(exc, opts.engine, device) or exc
     observe_seconds = observation.seconds
 
     # --- scales, checkpoint ------------------------------------------------------------
@@ -215,6 +232,16 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     for layer in layers:
         scales[layer.k_key] = torch.tensor([layer.k_scale], dtype=torch.float32)
         scales[layer.v_key] = torch.tensor([layer.v_scale], dtype=torch.float32)
+
+    if choice.reason:
+        warnings.append(choice.reason)
+    if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
+        return CalibrationResult(
+            output=str(output), model=str(model), target=target.name, fp8_max=target.fp8_max,
+            num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
+            seconds=time.perf_counter() - started, observe_seconds=observe_seconds,
+            warnings=tuple(warnings) + (f"rank {opts.ranks.rank}: nothing written (rank 0 writes)",),
+        )
 
     notify(Progress("write"))
     validation: dict[str, Any] = {}

@@ -45,10 +45,12 @@ def _fail(err: KvcalibError) -> NoReturn:
 
 
 @contextmanager
-def _errors() -> Iterator[None]:
+def _errors(quiet: bool = False) -> Iterator[None]:
     try:
         yield
     except KvcalibError as err:
+        if quiet:  # a torchrun rank other than 0: rank 0 reports (with this rank's message)
+            raise typer.Exit(err.exit_code) from None
         _fail(err)
     except KeyboardInterrupt:
         _stderr().print("[bold red]interrupted[/]: nothing was written")
@@ -76,16 +78,27 @@ def calibrate(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    stream_layers: bool = typer.Option(False, "--stream-layers", help="Load one decoder layer at a time (models larger than memory; chosen automatically when the weights would not fit)."),
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint."""
+    import os
+
     from .calibrate import CalibrateOptions
     from .calibrate import calibrate as run_calibrate
+    from .distributed import Ranks
 
+    with _errors():
+        ranks = Ranks.from_env(os.environ)  # set by torchrun; None in a plain run
     options = CalibrateOptions(
         target=target, split=split, text_column=text_column, num_samples=num_samples,
         max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
         overwrite=overwrite, trust_remote_code=trust_remote_code,
+        engine="stream" if stream_layers else "auto", ranks=ranks,
     )
+    if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports
+        with _errors(quiet=True):
+            run_calibrate(model, dataset, output, options)
+        return
     console = _stderr()
     with _errors(), _progress_bar(console) as on_progress:
         result = run_calibrate(model, dataset, output, options, progress=on_progress)
@@ -117,7 +130,8 @@ def _progress_bar(console: Console, label: str = "calibrating") -> Iterator[Call
             observe_started.append(time.perf_counter())
         elapsed = time.perf_counter() - observe_started[0]
         rate = f"{p.tokens_done / elapsed:,.0f}" if elapsed > 0 and p.tokens_done else "-"
-        bar.update(task, description=label, total=p.tokens_total, completed=p.tokens_done,
+        where = f" layer {p.layer + 1}/{p.num_layers}" if getattr(p, "num_layers", 0) else ""
+        bar.update(task, description=label + where, total=p.tokens_total, completed=p.tokens_done,
                    samples=f"{p.samples_done}/{p.samples_total}",
                    tokens=f"{p.tokens_done:,}/{p.tokens_total:,}", rate=rate)
 

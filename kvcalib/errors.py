@@ -65,3 +65,7 @@ class ValidationFailedError(KvcalibError):
     def __init__(self, message: str, hint: str | None = None, report: object = None) -> None:
         super().__init__(message, hint)
         self.report = report
+
+
+class OutOfMemoryError(KvcalibError):
+    """The model (or its activations) did not fit in host or device memory."""
