@@ -65,3 +65,11 @@ class ValidationFailedError(KvcalibError):
     def __init__(self, message: str, hint: str | None = None, report: object = None) -> None:
         super().__init__(message, hint)
         self.report = report
+
+
+class RecipeError(UsageError):
+    """An llm-compressor recipe kvcalib cannot read, or a kv_cache_scheme the target cannot serve."""
+
+
+class MissingDependencyError(KvcalibError):
+    """An optional dependency (an extra such as kvcalib[llmcompressor]) is not installed."""
