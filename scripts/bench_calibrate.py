@@ -16,8 +16,10 @@ One run, three fresh processes in turn, on the same model, samples, dtype and th
 
 All three read the samples with kvcalib.data.load_calibration_data (the first N rows,
 shuffled with seed 42, truncated to --max-seq-len). Each process gets OMP_NUM_THREADS and
-MKL_NUM_THREADS = --threads. Wall time is measured around the process, peak RSS is the
-child's ru_maxrss from wait4. Prints the ratios a/b (target <= 0.5) and a/c (target <= 0.9).
+MKL_NUM_THREADS = --threads. Wall time is measured around the process; CPU time (user +
+system) and peak RSS are the child's own rusage from wait4. With --reps, a, b and c take
+turns and the medians are printed. Prints the ratios a/b (target <= 0.5) and a/c (target
+<= 0.9). On a shared machine wall time swings with the other load; CPU time swings less.
 Timing is for reading: nothing is asserted.
 
     python scripts/bench_calibrate.py [--model DIR] [--dataset FILE] [--num-samples 64]
@@ -144,6 +146,8 @@ def main() -> None:
             runs["b"].append(tuple(measured))
             *measured, _ = run_measured([*child, "forward"], env)
             runs["c"].append(tuple(measured))
+            print(f"run {rep + 1}/{args.reps}: " + "   ".join(
+                f"{key} {runs[key][-1][0]:.1f} s wall, {runs[key][-1][1]:.1f} s CPU" for key in "abc"), flush=True)
 
     med = {k: tuple(statistics.median(run[i] for run in v) for i in range(3)) for k, v in runs.items()}
     print(f"model {args.model}: {info['num_samples']} samples, {info['num_tokens']:,} tokens "
