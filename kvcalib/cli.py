@@ -76,7 +76,7 @@ def calibrate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
     recipe: Path | None = typer.Option(None, "--recipe", help="llm-compressor recipe (YAML) whose kv_cache_scheme to use, e.g. recipes/kv-fp8-trn2.yaml."),
-    engine: str = typer.Option("native", "--engine", help="native, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib[llmcompressor])."),
+    engine: str = typer.Option("native", "--engine", help="native, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor])."),
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint."""
     from .calibrate import CalibrateOptions

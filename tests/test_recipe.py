@@ -185,3 +185,9 @@ def test_engine_llmcompressor_without_llmcompressor_says_how_to_get_it(tiny_llam
     assert result.stderr.splitlines() == ["error: --engine llmcompressor needs llm-compressor, which is not installed",
                                           "hint: pip install kvcalib[llmcompressor]"]
     assert not (tmp_path / "o").exists()
+
+
+def test_help_names_the_extra():
+    result = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0
+    assert "pip install kvcalib[llmcompressor]" in result.stdout and "--recipe" in result.stdout
