@@ -31,6 +31,7 @@ from .errors import (
 )
 from .memory import choose_engine, out_of_memory_error
 from .observe import KVAbsmaxObserver, attention_modules, observe_batch, register_attention
+from .recipe import plan_recipe
 from .schema import SCALES_FILENAME, kv_only_quantization_config, scale_key
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -102,7 +103,7 @@ class CalibrationResult:
 
 @dataclass(frozen=True)
 class CalibrateOptions:
-    target: str = fp8.DEFAULT_TARGET
+    target: str | None = None  # None: the recipe's kvcalib.target, else fp8.DEFAULT_TARGET
     split: str = "train"
     text_column: str | None = None
     num_samples: int = 512
@@ -114,6 +115,7 @@ class CalibrateOptions:
     overwrite: bool = False
     trust_remote_code: bool = False
     engine: str = "auto"  # "auto": "stream" when the weights would not fit in memory, else "native"
+    recipe: str | None = None  # an llm-compressor recipe whose kv_cache_scheme to use (kvcalib.recipe)
     extra_provenance: dict[str, Any] = field(default_factory=dict)
     ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
 
@@ -149,6 +151,7 @@ Engine = Callable[[EngineInputs], Observation]
 ENGINES: dict[str, str] = {
     "native": "kvcalib.calibrate:native_engine",
     "stream": "kvcalib.stream:stream_engine",
+    "llmcompressor": "kvcalib.llmcompressor_engine:llmcompressor_engine",
 }
 
 
@@ -190,7 +193,9 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     started = time.perf_counter()
 
     # --- cheap checks, before any weight is loaded ------------------------------------
-    target = _resolve_target(opts.target)
+    plan = plan_recipe(opts.recipe, opts.target, opts.engine)  # --recipe, --target, --engine checked together
+    target = _resolve_target(plan.target)
+    opts = replace(opts, extra_provenance={**plan.provenance, **opts.extra_provenance})
     if opts.batch_size < 1:
         raise UsageError(f"--batch-size must be at least 1, not {opts.batch_size}")
     torch_dtype = _resolve_dtype(opts.dtype)
@@ -270,7 +275,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
         output=str(output), model=str(model), target=target.name, fp8_max=target.fp8_max,
         num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
         seconds=time.perf_counter() - started, observe_seconds=observe_seconds,
-        warnings=tuple(warnings + notes), validation=validation or None,
+        warnings=tuple(list(plan.warnings) + warnings + notes), validation=validation or None,
     )
 
 

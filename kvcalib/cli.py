@@ -19,10 +19,11 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from .errors import KvcalibError
+from .errors import KvcalibError, UsageError
 
 app = typer.Typer(
     add_completion=False,
@@ -38,9 +39,9 @@ def _stderr() -> Console:
 
 def _fail(err: KvcalibError) -> NoReturn:
     console = _stderr()
-    console.print(f"[bold red]error:[/] {err.message}", soft_wrap=True)
-    if err.hint:
-        console.print(f"[yellow]hint:[/] {err.hint}", soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
+    if err.hint:  # escaped: a hint such as `pip install kvcalib[llmcompressor]` is no markup
+        console.print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
     raise typer.Exit(err.exit_code)
 
 
@@ -66,7 +67,7 @@ def calibrate(
     model: str = typer.Argument(..., help="Local Hugging Face checkpoint directory (or a hub id when online)."),
     dataset: str = typer.Option(..., "--dataset", "-d", help="Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, or a hub id."),
     output: Path = typer.Option(..., "--output", "-o", help="New checkpoint directory to write."),
-    target: str = typer.Option("trn2", "--target", "-t", help="Chip the scales are sized for: trn2 (FP8 max 240), trn3 or gpu (448)."),
+    target: str | None = typer.Option(None, "--target", "-t", help="Chip the scales are sized for: trn2 (FP8 max 240), trn3 or gpu (448). Default: the recipe's kvcalib.target, else trn2."),
     split: str = typer.Option("train", "--split", "--dataset-split", help="Dataset split."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text (default: 'text', else chat 'messages')."),
     num_samples: int = typer.Option(512, "--num-samples", "--num-calibration-samples", help="First N rows of the split."),
@@ -79,6 +80,8 @@ def calibrate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
     stream_layers: bool = typer.Option(False, "--stream-layers", help="Load one decoder layer at a time (models larger than memory; chosen automatically when the weights would not fit)."),
+    recipe: Path | None = typer.Option(None, "--recipe", help="llm-compressor recipe (YAML) whose kv_cache_scheme to use, e.g. recipes/kv-fp8-trn2.yaml."),
+    engine: str = typer.Option("auto", "--engine", help="auto (native, or stream when the weights would not fit), native, stream, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor])."),
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint."""
     import os
@@ -89,11 +92,13 @@ def calibrate(
 
     with _errors():
         ranks = Ranks.from_env(os.environ)  # set by torchrun; None in a plain run
+        engine = _engine(engine, stream_layers)
     options = CalibrateOptions(
         target=target, split=split, text_column=text_column, num_samples=num_samples,
         max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
         overwrite=overwrite, trust_remote_code=trust_remote_code,
-        engine="stream" if stream_layers else "auto", ranks=ranks,
+        engine=engine, ranks=ranks,
+        recipe=str(recipe) if recipe is not None else None,
     )
     if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports
         with _errors(quiet=True):
@@ -105,6 +110,13 @@ def calibrate(
     _render_calibration(console, result)
     if as_json:
         _print_json(result.to_dict())
+
+
+def _engine(engine: str, stream_layers: bool) -> str:
+    """--stream-layers is --engine stream."""
+    if stream_layers and engine not in ("auto", "stream"):
+        raise UsageError(f"--stream-layers contradicts --engine {engine}", hint="pass one of them")
+    return "stream" if stream_layers else engine
 
 
 @contextmanager
@@ -250,6 +262,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_DISABLED", "true")  # --engine llmcompressor: it logs to stdout
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def main() -> None:

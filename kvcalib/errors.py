@@ -69,3 +69,11 @@ class ValidationFailedError(KvcalibError):
 
 class OutOfMemoryError(KvcalibError):
     """The model (or its activations) did not fit in host or device memory."""
+
+
+class RecipeError(UsageError):
+    """An llm-compressor recipe kvcalib cannot read, or a kv_cache_scheme the target cannot serve."""
+
+
+class MissingDependencyError(KvcalibError):
+    """An optional dependency (an extra such as kvcalib[llmcompressor]) is not installed."""
