@@ -288,6 +288,8 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     pre = preflight(checkpoint, options.device, tp=options.tp, max_model_len=options.max_model_len,
                     max_num_seqs=options.max_num_seqs, vllm_python=options.vllm_python, env=options.env,
                     force=options.force, sysfs_root=options.sysfs_root, cpuinfo=options.cpuinfo)
+    if options.port:
+        require_free_port(options.port)
     prompts = options.prompts or BUILTIN_PROMPTS
     log_dir = Path(options.log_dir) if options.log_dir else Path(tempfile.mkdtemp(prefix="kvcalib-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
