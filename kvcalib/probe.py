@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 from .errors import ServerError
 
 REQUEST_TIMEOUT_S = 600.0
+DEATH_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,9 @@ class ServerClient:
             raise ServerError(f"the server's answer to {path} is not JSON", log=self.log) from None
 
     def _lost(self, path: str, err: Exception) -> ServerError:
-        code = self.exit_code()
+        deadline = time.monotonic() + DEATH_GRACE_S  # a dropped connection often means a process on its way out
+        while (code := self.exit_code()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         if code is not None:
             return ServerError(f"the vLLM server exited (code {code}) while answering {path}",
                                hint="see the log tail above for why", log=self.log)

@@ -237,3 +237,14 @@ def test_the_fake_neuron_ls_without_a_driver_behaves_like_the_real_one():
     devices = json.loads(subprocess.run([str(FAKE_BIN / "neuron-ls"), "--json-output"], capture_output=True,
                                         text=True, env={**os.environ, "FAKE_NEURON_LS": "trn2"}).stdout)
     assert set(devices[0]) == set(json.loads(TRN1_JSON)[0]) and isinstance(devices[0]["numa_node"], str)
+
+
+def test_a_dropped_connection_waits_for_the_process_to_finish_dying():
+    from kvcalib.probe import ServerClient
+
+    calls = iter([None, None, None, 1])  # the process is still exiting when the connection drops
+    client = ServerClient(f"http://127.0.0.1:{free_port()}", "m", lambda: next(calls, 1), log="server.log")
+    with pytest.raises(ServerError) as caught:
+        client.complete("hello", 4)
+    assert caught.value.message == "the vLLM server exited (code 1) while answering /v1/completions"
+    assert caught.value.log == "server.log"
