@@ -43,18 +43,48 @@ def build_llama_head32(out_dir: Path) -> Path:
 
 
 def processes_mentioning(marker: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process whose command line contains `marker`."""
+    """(pid, command line) of every live process whose command line or environment contains `marker`.
+
+    The environment also catches children that keep it, such as multiprocessing's resource
+    tracker. vLLM's engine core and workers rename themselves (VLLM::EngineCore), which overwrites
+    both: `vllm_processes` finds those.
+    """
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (entry / "environ").read_bytes().decode(errors="replace")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if marker in cmdline and state not in ("Z", "X"):
+        if (marker in cmdline or marker in environ) and state not in ("Z", "X"):
             found.append((int(entry.name), cmdline))
+    return found
+
+
+def vllm_processes() -> set[tuple[int, str]]:
+    """Live processes with "vllm" in their command line (VLLM::EngineCore, .venv-vllm/bin/python, ...),
+    this test process and its ancestors excepted."""
+    mine, pid = set(), os.getpid()
+    while pid > 1:
+        mine.add(pid)
+        try:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if "vllm" in cmdline.lower() and state not in ("Z", "X"):
+            found.add((int(entry.name), cmdline))
     return found
 
 

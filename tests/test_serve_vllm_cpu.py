@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.cli import app
-from serve_helpers import assert_nothing_left
+from serve_helpers import assert_nothing_left, vllm_processes
 
 VLLM_PYTHON = os.environ.get("KVCALIB_VLLM_PYTHON")
 pytestmark = [
@@ -53,11 +54,16 @@ def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
 def serve_check(ckpt: Path, home: Path, monkeypatch) -> tuple[int, dict, str]:
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))  # nothing may land in the home directory
+    log_dir = ckpt.parent / f"logs-{ckpt.name}"
+    before = vllm_processes()
     result = runner.invoke(app, ["serve-check", str(ckpt), "--device", "cpu", "--vllm-python", VLLM_PYTHON,
-                                 "--log-dir", str(ckpt.parent / f"logs-{ckpt.name}"), "--startup-timeout", "600",
-                                 "--json"])
+                                 "--log-dir", str(log_dir), "--startup-timeout", "600", "--json"])
     assert "Traceback" not in result.stderr, result.stderr
-    assert_nothing_left(str(ckpt), result.stderr)
+    assert_nothing_left(str(log_dir), result.stderr)
+    deadline = time.monotonic() + 10
+    while vllm_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert vllm_processes() - before == set()  # no VLLM::EngineCore / VLLM::Worker either
     assert sorted(p.name for p in home.iterdir()) == []
     return result.exit_code, json.loads(result.stdout), result.stderr
 
