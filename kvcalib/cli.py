@@ -255,6 +255,129 @@ def _render_eval(console: Console, result: Any) -> None:
         console.print(f"plot: {result.plot}")
 
 
+@app.command("serve-check")
+def serve_check(
+    checkpoint: Path = typer.Argument(..., help="Calibrated checkpoint directory to serve."),
+    device: str = typer.Option(..., "--device", help="trn2 or trn3 (vLLM on Neuron), or cpu (vLLM on CPU)."),
+    tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel size (default: every NeuronCore; 1 on cpu)."),
+    max_model_len: int = typer.Option(2048, "--max-model-len", help="Also --max-num-batched-tokens (Neuron needs them equal)."),
+    max_num_seqs: int = typer.Option(4, "--max-num-seqs"),
+    port: int | None = typer.Option(None, "--port", help="Port on 127.0.0.1 (default: a free one)."),
+    startup_timeout: float = typer.Option(1800.0, "--startup-timeout", help="Seconds to wait for GET /health."),
+    stop_timeout: float = typer.Option(60.0, "--stop-timeout", help="Seconds between SIGTERM and SIGKILL."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="Prompts: one per line, or .jsonl with 'prompt'."),
+    baseline: bool | None = typer.Option(None, "--baseline/--no-baseline", help="Also serve without FP8 KV and compare (default: on for cpu)."),
+    vllm_python: Path = typer.Option(Path(sys.executable), "--vllm-python", help="Interpreter of the environment with vLLM."),
+    log_dir: Path | None = typer.Option(None, "--log-dir", help="Where the server logs go (default: a new temp dir)."),
+    neuron_visible_devices: str | None = typer.Option(None, "--neuron-visible-devices", help="NEURON_VISIBLE_DEVICES for the server, e.g. 0-7."),
+    force: bool = typer.Option(False, "--force", help="Serve scales sized for a larger FP8 max than the chip's."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Serve CKPT with vLLM's FP8 KV cache, probe it, compare with a baseline, and always stop the server."""
+    import os
+
+    from .prompts import read_prompts_file
+    from .serve import ServeOptions
+    from .serve import serve_check as run_serve_check
+
+    console = _stderr()
+    with _errors(), _servers_stopped_on_interrupt(console), _sigterm_as_interrupt(), \
+            _serve_status(console) as on_event:
+        options = ServeOptions(
+            device=device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs, port=port,
+            startup_timeout_s=startup_timeout, stop_timeout_s=stop_timeout, baseline=baseline,
+            prompts=read_prompts_file(prompts) if prompts else None, vllm_python=vllm_python, log_dir=log_dir,
+            neuron_visible_devices=neuron_visible_devices, force=force, env=dict(os.environ),
+        )
+        result = run_serve_check(checkpoint, options, progress=on_event)
+    _render_serve_check(console, result)
+    if as_json:
+        _print_json(result.to_dict())
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@contextmanager
+def _servers_stopped_on_interrupt(console: Console) -> Iterator[None]:
+    try:
+        yield
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted[/]: every vLLM server serve-check started was stopped")
+        raise typer.Exit(130) from None
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a CI timeout, `kill`) takes the same path as Ctrl-C, so the servers are stopped."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
+    """Live status on stderr: the command, then elapsed time and the log's last line while waiting."""
+    status = console.status("", spinner="dots") if console.is_terminal else None
+    last_print = [0.0]
+
+    def on_event(event: Any) -> None:
+        if event.stage == "launch":
+            console.print(f"{event.server} server: {event.message}", soft_wrap=True, markup=False, style="bold")
+            if status is not None:
+                status.start()
+        elif event.stage == "wait":
+            line = f"{event.server}: waiting for /health, {event.elapsed_s:.0f} s | {event.message[-100:]}"
+            if status is not None:
+                status.update(line)
+            elif event.elapsed_s - last_print[0] >= 15 or event.elapsed_s < last_print[0]:
+                last_print[0] = event.elapsed_s
+                console.print(line, soft_wrap=True, markup=False)
+        elif event.stage == "ready":
+            console.print(f"{event.server} server healthy after {event.elapsed_s:.1f} s")
+            last_print[0] = 0.0
+        elif event.stage == "probe" and status is not None:
+            status.update(f"{event.server}: {event.message}")
+        elif event.stage == "stopped" and status is not None:
+            status.stop()
+
+    try:
+        yield on_event
+    finally:
+        if status is not None:
+            status.stop()
+
+
+def _render_serve_check(console: Console, result: Any) -> None:
+    table = Table(title=escape(f"serve-check {result.checkpoint} on {result.device}"))
+    for column in ("prompt", "output (FP8 KV)", "baseline", "agreement"):
+        table.add_column(column, overflow="fold")
+    for p in result.prompts:
+        agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
+        table.add_row(escape(p.prompt), escape(repr(p.output)),
+                      "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
+                      agreement + (f" [red]{escape(p.problem)}[/]" if p.problem else ""))
+    console.print(table)
+    nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None else f", baseline {result.nll_baseline:.3f}")
+    agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
+    baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
+    console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    for failure in result.failures:
+        console.print(f"[red]failed:[/] {escape(failure)}", soft_wrap=True)
+    console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")
+
+
 def _quiet_libraries() -> None:
     """kvcalib draws its own progress; the libraries' bars and notices would only add noise."""
     import os

@@ -77,3 +77,28 @@ class RecipeError(UsageError):
 
 class MissingDependencyError(KvcalibError):
     """An optional dependency (an extra such as kvcalib[llmcompressor]) is not installed."""
+
+
+# serve-check: exit codes 3 (the environment cannot run the check) and 4 (the server failed).
+
+
+class DeviceError(KvcalibError):
+    """The requested device is not usable here: no Neuron devices, wrong chip, CPU lacks AVX-512."""
+
+    exit_code = 3
+
+
+class VllmNotFoundError(KvcalibError):
+    """The interpreter given for vLLM does not exist or has no vLLM (or no Neuron plugin)."""
+
+    exit_code = 3
+
+
+class ServerError(KvcalibError):
+    """The vLLM server exited, never became healthy, or stopped answering; `log` is its log file."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, hint: str | None = None, log: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.log = log

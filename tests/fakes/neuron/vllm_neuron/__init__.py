@@ -1,0 +1,1 @@
+"""A fake Neuron plugin: its presence makes the fake vLLM server behave as the Neuron platform."""
