@@ -121,9 +121,10 @@ def choose_engine(requested: str, model_dir: Path, dtype: torch.dtype | None, de
     return EngineChoice("native", needed, copies, host, None)
 
 
-def _meminfo() -> dict[str, int]:
+def _read_kib_fields(path: str, prefix: str = "") -> dict[str, int]:
+    """`Name:  123 kB` lines of a /proc file (fields starting with `prefix`), in bytes."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             lines = f.read().splitlines()
     except OSError:
         return {}
@@ -131,25 +132,18 @@ def _meminfo() -> dict[str, int]:
     for line in lines:
         name, _, rest = line.partition(":")
         parts = rest.split()
-        if parts and parts[0].isdigit():
+        if name.startswith(prefix) and parts and parts[0].isdigit():
             out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return out
 
 
+def _meminfo() -> dict[str, int]:
+    return _read_kib_fields("/proc/meminfo")
+
+
 def proc_status() -> dict[str, int]:
     """VmSize, VmData, VmRSS, VmHWM, ... of this process in bytes."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return {}
-    out: dict[str, int] = {}
-    for line in lines:
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if name.startswith("Vm") and len(parts) == 2 and parts[0].isdigit():
-            out[name] = int(parts[0]) * 1024
-    return out
+    return _read_kib_fields("/proc/self/status", prefix="Vm")
 
 
 def _read_int(path: Path) -> int | None:

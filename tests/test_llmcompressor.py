@@ -24,11 +24,10 @@ import pytest
 import torch
 import yaml
 
-from helpers import REPO
-from helpers import assert_scale_sized
+from helpers import REPO, assert_scale_sized
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.schema import PROVENANCE_FILENAME, SCALES_FILENAME, neuron_scale_key
-from test_calibrate import calibration_sequences
+from test_calibrate import calibration_sequences, oracle_absmax
 
 pytest.importorskip("llmcompressor")  # the optional extra: pip install kvcalib[llmcompressor]
 
@@ -65,19 +64,7 @@ def saved_scales(ckpt):
 
 def eager_absmax(model_dir, sequences):
     """K/V absmax from transformers' own cache after a plain forward with eager attention, one sample at a time."""
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    n = model.config.num_hidden_layers
-    k, v = torch.zeros(n), torch.zeros(n)
-    with torch.inference_mode():
-        for seq in sequences:
-            cache = DynamicCache(config=model.config)
-            model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True)
-            for i, layer in enumerate(cache.layers):
-                k[i] = torch.maximum(k[i], layer.keys.abs().max().float())
-                v[i] = torch.maximum(v[i], layer.values.abs().max().float())
-    return k, v
+    return oracle_absmax(model_dir, sequences, attn_implementation="eager")
 
 
 def cross_check(native, static, default, label):
