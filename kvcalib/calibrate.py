@@ -169,13 +169,7 @@ def native_engine(inputs: EngineInputs) -> Observation:
     inputs.notify(Progress("load-model"))
     hf_model = _load_model(inputs.model_dir, inputs.dtype, inputs.device, inputs.options.trust_remote_code)
     num_layers = _num_layers(hf_model)
-    attn_paths = attention_modules(hf_model)
-    missing = [i for i in range(num_layers) if i not in attn_paths]
-    if missing:
-        raise UnsupportedModelError(
-            f"{inputs.model_dir}: no attention module with k_proj/v_proj found for layer(s) {missing}",
-            hint="kvcalib observes attention modules that call transformers' attention interface",
-        )
+    attn_paths = attention_modules(hf_model, num_layers, inputs.model_dir)
     observer = KVAbsmaxObserver(num_layers, device=inputs.device)
     started = time.perf_counter()
     _observe(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device, inputs.notify)

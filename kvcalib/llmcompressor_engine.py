@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .calibrate import EngineInputs, Observation, Progress
-from .errors import CalibrationError, UnsupportedModelError
+from .errors import CalibrationError
 from .observe import attention_modules
 from .recipe import load_recipe, require_llmcompressor
 from .schema import kv_cache_scheme_args
@@ -40,11 +40,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     inputs.notify(Progress("load-model"))
     model = _load_model(inputs.model_dir, inputs.dtype, inputs.device, opts.trust_remote_code)
     num_layers = int(model.config.get_text_config().num_hidden_layers)
-    attn_paths = attention_modules(model)
-    missing = [i for i in range(num_layers) if i not in attn_paths]
-    if missing:
-        raise UnsupportedModelError(f"{inputs.model_dir}: no attention module with k_proj/v_proj found for "
-                                    f"layer(s) {missing}", hint="use the native engine's error report to see why")
+    attn_paths = attention_modules(model, num_layers, inputs.model_dir)
 
     sequences = inputs.data.sequences
     dataset = Dataset.from_dict({"input_ids": [list(s) for s in sequences],

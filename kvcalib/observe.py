@@ -89,13 +89,24 @@ def register_attention() -> str:
     return ATTN_IMPLEMENTATION
 
 
-def attention_modules(model: torch.nn.Module) -> dict[int, str]:
-    """layer index -> state-dict path of the attention module that owns that layer's KV cache."""
+def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:
+    """layer index -> state-dict path of the attention module that owns that layer's KV cache.
+
+    Every layer 0..num_layers-1 must have one; UnsupportedModelError (naming `where`) otherwise.
+    """
+    from .errors import UnsupportedModelError
+
     found: dict[int, str] = {}
     for name, module in model.named_modules():
         layer_idx = getattr(module, "layer_idx", None)
         if isinstance(layer_idx, int) and hasattr(module, "k_proj") and hasattr(module, "v_proj"):
             found.setdefault(layer_idx, name)
+    missing = [i for i in range(num_layers) if i not in found]
+    if missing:
+        raise UnsupportedModelError(
+            f"{where}: no attention module with k_proj/v_proj found for layer(s) {missing}",
+            hint="kvcalib observes attention modules that call transformers' attention interface",
+        )
     return found
 
 

@@ -54,13 +54,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     prefix = f"{model.base_model_prefix}." if decoder is not model else ""
     num_layers = _text_config(model).num_hidden_layers
     layers_name, layers = _decoder_layers(decoder, num_layers, inputs.model_dir)
-    attn_paths = attention_modules(model)
-    missing = [i for i in range(num_layers) if i not in attn_paths]
-    if missing:
-        raise UnsupportedModelError(
-            f"{inputs.model_dir}: no attention module with k_proj/v_proj found for layer(s) {missing}",
-            hint="kvcalib observes attention modules that call transformers' attention interface",
-        )
+    attn_paths = attention_modules(model, num_layers, inputs.model_dir)
     weights = _Weights(inputs.model_dir, files, inputs.device)
     weights.check(decoder, prefix)  # every weight findable before the long work starts
     weights.load(decoder, prefix, skip=f"{layers_name}.")
