@@ -84,16 +84,21 @@ def cross_check(native, static, default, label):
     return largest, below
 
 
+def three_engines(model, dataset, root, data_opts):
+    """The same samples through the native engine, llm-compressor static_minmax, and its default observer."""
+    opts = dict(target="gpu", batch_size=1, **data_opts)
+    native = calibrate(model, str(dataset), root / "native", CalibrateOptions(**opts))
+    static = calibrate(model, str(dataset), root / "static", CalibrateOptions(
+        engine="llmcompressor", recipe=str(RECIPES / "kv-fp8-gpu.yaml"), **opts))
+    default = calibrate(model, str(dataset), root / "default", CalibrateOptions(
+        engine="llmcompressor", recipe=str(default_observer_recipe(root / "default.yaml")), **opts))
+    return native, static, default
+
+
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_llama_master, text_dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("llmc-tiny")
-    opts = dict(target="gpu", batch_size=1, **TINY)
-    native = calibrate(tiny_llama_master, str(text_dataset), root / "native", CalibrateOptions(**opts))
-    static = calibrate(tiny_llama_master, str(text_dataset), root / "static", CalibrateOptions(
-        engine="llmcompressor", recipe=str(RECIPES / "kv-fp8-gpu.yaml"), **opts))
-    default = calibrate(tiny_llama_master, str(text_dataset), root / "default", CalibrateOptions(
-        engine="llmcompressor", recipe=str(default_observer_recipe(root / "default.yaml")), **opts))
-    return native, static, default, root
+    return (*three_engines(tiny_llama_master, text_dataset, root, TINY), root)
 
 
 @pytest.mark.parametrize("target", ["trn2", "trn3", "gpu"])
@@ -171,12 +176,7 @@ def test_engine_end_to_end_from_the_command_line(tiny_llama_master, text_dataset
 
 @pytest.mark.slow
 def test_smollm2_native_equals_llmcompressor_static_minmax(smollm2, text_dataset, tmp_path):
-    opts = dict(target="gpu", batch_size=1, **SMOL)
-    native = calibrate(smollm2, str(text_dataset), tmp_path / "native", CalibrateOptions(**opts))
-    static = calibrate(smollm2, str(text_dataset), tmp_path / "static", CalibrateOptions(
-        engine="llmcompressor", recipe=str(RECIPES / "kv-fp8-gpu.yaml"), **opts))
-    default = calibrate(smollm2, str(text_dataset), tmp_path / "default", CalibrateOptions(
-        engine="llmcompressor", recipe=str(default_observer_recipe(tmp_path / "default.yaml")), **opts))
+    native, static, default = three_engines(smollm2, text_dataset, tmp_path, SMOL)
     largest, below = cross_check(native, static, default, "smollm2")
     assert len(native.layers) == 30
     assert largest <= BF16_STEP + BF16_SCALE_ROUNDING
