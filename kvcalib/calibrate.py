@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from . import __version__, fp8
-from .checkpoint import WritePlan, check_output_path, read_config, write_checkpoint
+from .checkpoint import WritePlan, check_output_path, read_config, scan_checkpoint, write_checkpoint
+from .cpu import ComputePath, HostCpu, choose_compute, compute_path
 from .data import CalibrationData, batches, load_calibration_data
 from .distributed import Ranks, observe_across_ranks, rank_device
 from .errors import (
@@ -80,6 +81,7 @@ class CalibrationResult:
     observe_seconds: float
     warnings: tuple[str, ...] = ()
     validation: dict[str, Any] | None = None
+    compute: str = ""  # the compute path (kvcalib.cpu.ComputePath.describe())
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,6 +97,7 @@ class CalibrationResult:
             "num_tokens": self.num_tokens,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 1),
+            "compute": self.compute,
             "layers": [layer.to_dict() for layer in self.layers],
             "warnings": list(self.warnings),
             "validation": self.validation,
@@ -116,6 +119,8 @@ class CalibrateOptions:
     trust_remote_code: bool = False
     engine: str = "auto"  # "auto": "stream" when the weights would not fit in memory, else "native"
     recipe: str | None = None  # an llm-compressor recipe whose kv_cache_scheme to use (kvcalib.recipe)
+    bf16_compute: str = "auto"  # auto | native | float32 (kvcalib.cpu: bf16 matmuls in float32 where bf16 is slow)
+    cpu: HostCpu | None = None  # the host CPU (the CLI reads it); None: assumed to have native bf16
     extra_provenance: dict[str, Any] = field(default_factory=dict)
     ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
 
@@ -132,6 +137,7 @@ class EngineInputs:
     device: torch.device
     pad_id: int
     notify: ProgressCallback
+    compute: ComputePath = ComputePath("native", "not chosen")
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,9 @@ def native_engine(inputs: EngineInputs) -> Observation:
     attn_paths = attention_modules(hf_model, num_layers, inputs.model_dir)
     observer = KVAbsmaxObserver(num_layers, device=inputs.device)
     started = time.perf_counter()
-    _observe(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device, inputs.notify)
+    with compute_path(inputs.compute):
+        _observe(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device,
+                 inputs.notify)
     return Observation(
         k_absmax=observer.k_absmax.cpu(), v_absmax=observer.v_absmax.cpu(), observed=tuple(observer.observed),
         attention_paths=attn_paths, seconds=time.perf_counter() - started,
@@ -203,6 +211,9 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     local_copies = opts.ranks.local_world_size if opts.ranks else 1
     choice = choose_engine(opts.engine, model_dir, torch_dtype, device, copies=local_copies)
     opts = replace(opts, engine=choice.engine)
+    compute = resolve_compute(opts.bf16_compute, torch_dtype, model_dir, config, device, opts.cpu)
+    if opts.engine == "llmcompressor":  # its oneshot runs the model as its users run it
+        compute = ComputePath("native", "llm-compressor's oneshot runs the model natively")
 
     notify(Progress("load-data"))
     tokenizer = _load_tokenizer(model_dir, opts.trust_remote_code)
@@ -213,7 +224,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
 
     # --- observe ---------------------------------------------------------------------
     engine = _resolve_engine(opts.engine)
-    inputs = EngineInputs(model_dir, config, data, opts, torch_dtype, device, _pad_id(tokenizer), notify)
+    inputs = EngineInputs(model_dir, config, data, opts, torch_dtype, device, _pad_id(tokenizer), notify, compute)
     try:
         if opts.ranks is not None and opts.ranks.world_size > 1:
             observation = observe_across_ranks(engine, inputs, opts.ranks)
@@ -227,6 +238,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     layers, warnings = _layer_scales(observation, target, model_dir)
     dtype_name = str(torch_dtype).removeprefix("torch.") if torch_dtype else str(config.get("dtype") or config.get("torch_dtype"))
     provenance = _provenance(model_dir, data, opts, target, layers, dtype_name)
+    provenance["compute"] = compute.describe()
     scales = {}
     for layer in layers:
         scales[layer.k_key] = torch.tensor([layer.k_scale], dtype=torch.float32)
@@ -240,6 +252,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
             num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
             seconds=time.perf_counter() - started, observe_seconds=observe_seconds,
             warnings=tuple(warnings) + (f"rank {opts.ranks.rank}: nothing written (rank 0 writes)",),
+            compute=compute.describe(),
         )
 
     notify(Progress("write"))
@@ -270,6 +283,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
         num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
         seconds=time.perf_counter() - started, observe_seconds=observe_seconds,
         warnings=tuple(list(plan.warnings) + warnings + notes), validation=validation or None,
+        compute=compute.describe(),
     )
 
 
@@ -286,6 +300,18 @@ def _resolve_dtype(name: str) -> torch.dtype | None:
     if name not in DTYPES:
         raise UsageError(f"unknown --dtype {name!r}", hint=f"use auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def resolve_compute(requested: str, dtype: torch.dtype | None, model_dir: Path, config: dict[str, Any],
+                    device: torch.device, cpu: HostCpu | None) -> ComputePath:
+    """The compute path for the model's effective dtype (`dtype`, else the checkpoint's own)."""
+    from .stream import checkpoint_dtype
+
+    try:
+        effective = dtype or checkpoint_dtype(config, scan_checkpoint(model_dir))
+        return choose_compute(requested, effective, device, cpu)
+    except ValueError as exc:
+        raise UsageError(str(exc), hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16") from None
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -58,6 +58,24 @@ def _errors(quiet: bool = False) -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
+def _host_cpu(with_capability: bool = True) -> Any:
+    """The CPU this runs on: /proc/cpuinfo's flags, or KVCALIB_CPU_FLAGS (space-separated) to describe another."""
+    import os
+
+    from .cpu import HostCpu
+
+    capability = "unknown"
+    if with_capability:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    return HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), capability, override=os.environ.get("KVCALIB_CPU_FLAGS"))
+
+
+BF16_COMPUTE_HELP = ("bf16 models on CPU: auto (float32 matmuls with bf16 rounding where the CPU has no native "
+                     "bf16 matmul, i.e. no avx512_bf16/amx_bf16), native, or float32.")
+
+
 def _print_json(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -82,6 +100,7 @@ def calibrate(
     stream_layers: bool = typer.Option(False, "--stream-layers", help="Load one decoder layer at a time (models larger than memory; chosen automatically when the weights would not fit)."),
     recipe: Path | None = typer.Option(None, "--recipe", help="llm-compressor recipe (YAML) whose kv_cache_scheme to use, e.g. recipes/kv-fp8-trn2.yaml."),
     engine: str = typer.Option("auto", "--engine", help="auto (native, or stream when the weights would not fit), native, stream, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor])."),
+    bf16_compute: str = typer.Option("auto", "--bf16-compute", help=BF16_COMPUTE_HELP),
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint."""
     import os
@@ -99,6 +118,7 @@ def calibrate(
         overwrite=overwrite, trust_remote_code=trust_remote_code,
         engine=engine, ranks=ranks,
         recipe=str(recipe) if recipe is not None else None,
+        bf16_compute=bf16_compute, cpu=_host_cpu(),
     )
     if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports
         with _errors(quiet=True):
@@ -167,6 +187,7 @@ def _render_calibration(console: Console, result: Any) -> None:
     if result.validation is not None:
         n_warn = sum(1 for f in result.validation["findings"] if f["severity"] == "warning")
         console.print(f"validation: [green]ok[/] for {result.target}" + (f" ({n_warn} warning(s))" if n_warn else ""))
+    console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
     console.print(
         f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
         f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all"
@@ -222,6 +243,7 @@ def eval_command(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of per-layer absmax, SQNR and clipping."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    bf16_compute: str = typer.Option("auto", "--bf16-compute", help=BF16_COMPUTE_HELP),
 ) -> None:
     """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
     from .evaluate import EvalOptions, evaluate
@@ -229,7 +251,7 @@ def eval_command(
 
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
-                          compare=tuple(compare))
+                          compare=tuple(compare), bf16_compute=bf16_compute, cpu=_host_cpu())
     console = _stderr()
     with _errors(), _progress_bar(console, "evaluating") as on_progress:
         result = evaluate(checkpoint, dataset, options, progress=on_progress)
@@ -251,6 +273,7 @@ def _render_eval(console: Console, result: Any) -> None:
         table.add_row(run.name, f"{run.nll:.4f}", f"{run.ppl:.3f}", f"{run.delta_nll:+.4f}", f"{run.kl:.5f}",
                       f"{run.top1:.2%}", f"{run.k_clipped:.3%}", f"{run.v_clipped:.3%}", f"{min_k:.1f} dB")
     console.print(table)
+    console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
     if result.plot:
         console.print(f"plot: {result.plot}")
 
@@ -288,6 +311,7 @@ def serve_check(
             startup_timeout_s=startup_timeout, stop_timeout_s=stop_timeout, baseline=baseline,
             prompts=read_prompts_file(prompts) if prompts else None, vllm_python=vllm_python, log_dir=log_dir,
             neuron_visible_devices=neuron_visible_devices, force=force, env=dict(os.environ),
+            cpu=_host_cpu(with_capability=False),
         )
         result = run_serve_check(checkpoint, options, progress=on_event)
     _render_serve_check(console, result)

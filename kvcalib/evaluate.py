@@ -34,8 +34,10 @@ from .calibrate import (
     _resolve_dtype,
     _resolve_target,
     check_supported_model,
+    resolve_compute,
     resolve_model_dir,
 )
+from .cpu import ComputePath, HostCpu, compute_path
 from .checkpoint import read_config, read_kv_scales
 from .data import batches, load_calibration_data
 from .emulate import KVErrorMeter, KVQuantizer, LayerQuantStats
@@ -59,6 +61,8 @@ class EvalOptions:
     device: str = "cpu"
     compare: tuple[str, ...] = ()
     trust_remote_code: bool = False
+    bf16_compute: str = "auto"  # as calibrate's (kvcalib.cpu)
+    cpu: HostCpu | None = None
 
 
 @dataclass(frozen=True)
@@ -95,10 +99,11 @@ class EvalResult:
     runs: tuple[RunResult, ...]
     seconds: float = 0.0
     plot: str | None = None
+    compute: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max,
+            "checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "compute": self.compute,
             "num_samples": self.num_samples, "num_tokens": self.num_tokens,
             "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll)},
             "runs": [r.to_dict() for r in self.runs], "seconds": round(self.seconds, 3), "plot": self.plot,
@@ -136,6 +141,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     check_supported_model(model_dir, config, opts.trust_remote_code)
     num_layers = _config_num_layers(config)
     configs = _scale_configs(model_dir, opts.compare, num_layers)
+    compute = resolve_compute(opts.bf16_compute, dtype, model_dir, config, device, opts.cpu)
 
     notify(Progress("load-data"))
     tokenizer = _load_tokenizer(model_dir, opts.trust_remote_code)
@@ -160,14 +166,14 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         scored = (mask[:, 1:] & mask[:, :-1]).bool()  # predicting token t+1 from a real token t
         targets = input_ids[:, 1:]
         meter.token_mask = mask.bool()
-        base_logp = _log_probs(model, input_ids, mask, meter)
+        base_logp = _log_probs(model, input_ids, mask, meter, compute)
         meter.token_mask = None
         base_nll = -base_logp.gather(-1, targets[..., None])[..., 0][scored]
         baseline.nll += base_nll.double().sum().item()
         baseline.count += int(scored.sum())
         base_top1 = base_logp.argmax(-1)
         for run in totals.values():
-            logp = _log_probs(model, input_ids, mask, run.quantizer)
+            logp = _log_probs(model, input_ids, mask, run.quantizer, compute)
             run.nll += (-logp.gather(-1, targets[..., None])[..., 0][scored]).double().sum().item()
             kl = (base_logp.exp() * (base_logp - logp)).sum(-1)
             run.kl += kl[scored].double().sum().item()
@@ -190,15 +196,17 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     return EvalResult(
         checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max,
         num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
-        runs=runs, seconds=time.perf_counter() - started,
+        runs=runs, seconds=time.perf_counter() - started, compute=compute.describe(),
     )
 
 
 @torch.inference_mode()
-def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any) -> torch.Tensor:
+def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any,
+               compute: ComputePath) -> torch.Tensor:
     """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
     kwargs = {OBSERVER_KWARG: hook}
-    logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False, **kwargs).logits
+    with compute_path(compute):
+        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False, **kwargs).logits
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .cpu import HostCpu
 from .errors import ServerError
 from .probe import Completion, ServerClient, degenerate
 from .prompts import BUILTIN_PROMPTS, NLL_TEXT, Prompt
@@ -58,7 +59,7 @@ class ServeOptions:
     force: bool = False
     env: Mapping[str, str] = field(default_factory=dict)  # the environment servers and tools inherit
     sysfs_root: Path = Path("/sys")
-    cpuinfo: Path = Path("/proc/cpuinfo")
+    cpu: HostCpu | None = None  # the host CPU (the CLI reads it); None: left to vLLM to refuse
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     options = replace(options, vllm_python=interpreter_path(options.vllm_python, options.env.get("PATH")))
     pre = preflight(checkpoint, options.device, tp=options.tp, max_model_len=options.max_model_len,
                     max_num_seqs=options.max_num_seqs, vllm_python=options.vllm_python, env=options.env,
-                    force=options.force, sysfs_root=options.sysfs_root, cpuinfo=options.cpuinfo)
+                    force=options.force, sysfs_root=options.sysfs_root, cpu=options.cpu)
     if options.port:
         require_free_port(options.port)
     prompts = options.prompts or BUILTIN_PROMPTS

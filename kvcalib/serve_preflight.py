@@ -4,7 +4,7 @@
   cpu as "gpu": vLLM on CPU stores OCP E4M3FN, max 448). Errors stop; with `force`, only the
   FP8-range mismatch (448 scales on trn2) is let through, as a warning;
 - the device: Neuron devices of the right chip family (`neuron.detect_neuron_host`), or a
-  CPU with AVX-512/AMX and a head size divisible by 32 (what vLLM's CPU FP8 KV cache needs);
+  CPU (`cpu.HostCpu`, read by the CLI) with AVX-512/AMX and a head size divisible by 32 (what vLLM's CPU FP8 KV cache needs);
 - a vLLM in `--vllm-python`'s environment (and the Neuron plugin for trn2/trn3).
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import read_config
+from .cpu import HostCpu
 from .errors import DeviceError, UsageError, ValidationFailedError, VllmNotFoundError
 from .neuron import NeuronHost, detect_neuron_host, require_family
 from .schema import PROVENANCE_FILENAME
@@ -28,7 +29,6 @@ DEVICES = ("trn2", "trn3", "cpu")
 NEURON_DEVICES = ("trn2", "trn3")
 MAX_NEURON_MODEL_LEN = 16384  # Neuron: --max-num-batched-tokens == --max-model-len, at most this
 FORCEABLE_RULES = frozenset({"RANGE-TARGET-MISMATCH"})
-CPU_FP8_FLAGS = ("avx512f", "amx_tile")
 VLLM_PROBE_TIMEOUT_S = 120.0
 # Run inside --vllm-python: is vLLM importable (without importing it: that takes seconds), which version?
 _VLLM_PROBE = """
@@ -99,23 +99,12 @@ def head_size(config: dict[str, Any]) -> int | None:
     return None
 
 
-def cpu_flags(cpuinfo: Path) -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo, or None where that cannot be read."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return None
+def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
+    """DeviceError when vLLM's CPU backend cannot keep this model's KV cache in FP8 here.
 
-
-def check_cpu(config: dict[str, Any], cpuinfo: Path) -> None:
-    """DeviceError when vLLM's CPU backend cannot keep this model's KV cache in FP8 here."""
-    flags = cpu_flags(cpuinfo)
-    if flags is not None and not any(flag in flags for flag in CPU_FP8_FLAGS):
+    `cpu` None or with unknown flags: left to vLLM, whose own message is diagnosed.
+    """
+    if cpu is not None and cpu.vllm_fp8_kv is False:
         raise DeviceError(
             "this CPU has neither AVX-512 (avx512f) nor AMX (amx_tile): vLLM on CPU cannot use an FP8 KV cache here "
             "(it stops with 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')",
@@ -157,7 +146,7 @@ def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
 
 def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: int, max_num_seqs: int,
               vllm_python: Path, env: Mapping[str, str], force: bool = False,
-              sysfs_root: Path = Path("/sys"), cpuinfo: Path = Path("/proc/cpuinfo")) -> Preflight:
+              sysfs_root: Path = Path("/sys"), cpu: HostCpu | None = None) -> Preflight:
     """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
     if device not in DEVICES:
         raise UsageError(f"unknown device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
@@ -175,7 +164,7 @@ def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: i
         host = detect_neuron_host(env, sysfs_root)
         require_family(host, device)
     else:
-        check_cpu(config, cpuinfo)
+        check_cpu(config, cpu)
     version = find_vllm(vllm_python, env, neuron)
     tensor_parallel_size = tp or (host.num_cores if host is not None else 1)
     return Preflight(target, recorded_fp8_max(checkpoint), tensor_parallel_size, version, config, host,

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .checkpoint import CheckpointFiles, load_tensors, scan_checkpoint
+from .cpu import compute_path
 from .data import batches
 from .errors import UnsupportedModelError
 from .memory import available_memory
@@ -65,7 +66,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     started = time.perf_counter()
     copies = inputs.options.ranks.local_world_size if inputs.options.ranks else 1  # ranks sharing this host
     spill = _spill_needed(decoder, layers, batch_list, dtype, copies)
-    with torch.inference_mode(), _HiddenStates(spill) as states:
+    with torch.inference_mode(), compute_path(inputs.compute), _HiddenStates(spill) as states:
         for b, (ids, mask) in enumerate(batch_list):
             hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
             states.put(b, hidden)

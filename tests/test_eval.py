@@ -109,13 +109,20 @@ def test_eval_needs_scales(tiny_llama_master, text_dataset):
 
 @pytest.mark.slow
 def test_smollm2_outlier_variant_under_trn2(smollm2, text_dataset, tmp_path):
-    outlier = make_outlier(smollm2, tmp_path / "outlier", 16)
+    """K x64 (absmax 640-1260 on these samples, 2.7-5x trn2's 240): scale 1.0 provably clips; calibrated scales do not.
+
+    Asserted only where the gap is far outside the noise (measured: unit ΔNLL 0.46 and KL 0.53
+    against 0.006 and 0.010 calibrated, the same on native bf16 and on float32 matmuls), never
+    the order of two small numbers.
+    """
+    outlier = make_outlier(smollm2, tmp_path / "outlier", 64)
     ids = list(range(100, 164))
     assert torch.equal(logits(smollm2, ids), logits(outlier, ids)), "bf16 without FP8 KV must be unchanged"
     opts = dict(num_samples=4, max_seq_len=128)
-    calibrate(outlier, str(text_dataset), tmp_path / "cal", CalibrateOptions(target="trn2", **opts))
+    cal = calibrate(outlier, str(text_dataset), tmp_path / "cal", CalibrateOptions(target="trn2", **opts))
+    assert min(l.k_absmax for l in cal.layers) > 2 * 240, "every layer's K must be far beyond trn2's range"
     result = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(target="trn2", compare=("unit",), **opts))
     calibrated, unit = result.runs
-    assert unit.k_clipped > 0.0 and calibrated.k_clipped == 0.0
-    assert calibrated.delta_nll <= unit.delta_nll
-    assert calibrated.kl < unit.kl
+    assert unit.k_clipped > 0.01 and calibrated.k_clipped == 0.0
+    assert unit.delta_nll > calibrated.delta_nll + 0.2
+    assert unit.kl > 10 * calibrated.kl

@@ -15,6 +15,7 @@ bf16(absmax / 448) of an eager-attention forward (asserted below).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,7 +30,11 @@ from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.schema import PROVENANCE_FILENAME, SCALES_FILENAME, neuron_scale_key
 from test_calibrate import calibration_sequences, oracle_absmax
 
-pytest.importorskip("llmcompressor")  # the optional extra: pip install kvcalib[llmcompressor]
+pytestmark = [
+    pytest.mark.proof("llmcompressor"),
+    pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None,
+                       reason="llm-compressor is not installed (the optional extra: pip install kvcalib[llmcompressor])"),
+]
 
 RECIPES = REPO / "recipes"
 TINY = dict(num_samples=12, max_seq_len=128)

@@ -284,6 +284,8 @@ def _torchrun(args: list[str], timeout: int = 300) -> subprocess.CompletedProces
 CLI_ARGS = ["--num-samples", "24", "--max-seq-len", "64", "--batch-size", "4"]
 
 
+@pytest.mark.proof("torchrun")
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
 @pytest.mark.parametrize("engine_args", [[], ["--stream-layers"]], ids=["in-memory", "streamed"])
 def test_two_processes_equal_one_bit_for_bit(engine_args, tiny_llama_master, text_dataset, tmp_path):
     one = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "one",
@@ -299,6 +301,8 @@ def test_two_processes_equal_one_bit_for_bit(engine_args, tiny_llama_master, tex
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no temporary output left"
 
 
+@pytest.mark.proof("torchrun")
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
 @pytest.mark.parametrize("mode", ["raise", "die"])
 def test_a_failing_rank_does_not_hang_the_others(mode, tiny_llama_master, text_dataset, tmp_path):
     proc = _torchrun([str(REPO / "tests" / "torchrun_faulty_rank.py"), mode, "calibrate", str(tiny_llama_master),
@@ -310,6 +314,8 @@ def test_a_failing_rank_does_not_hang_the_others(mode, tiny_llama_master, text_d
                                  "(rank 1: rank one's scratch disk is full); nothing was written") == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.proof("torchrun")
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
 def test_more_processes_than_batches_is_a_usage_error_on_every_rank(tiny_llama_master, text_dataset, tmp_path):
     proc = _torchrun(["-m", "kvcalib", "calibrate", str(tiny_llama_master), "--dataset", str(text_dataset),
                       "-o", str(tmp_path / "out"), "--num-samples", "3", "--batch-size", "4"], timeout=120)

@@ -25,6 +25,13 @@ from serve_helpers import FAKE_BIN, assert_nothing_left, build_llama_head32, fak
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parent.parent
+# The fake host's CPU, as serve-check's pre-flight reads it: AVX-512, whatever CPU runs the tests.
+FAKE_HOST_CPU_FLAGS = "fpu sse2 avx avx2 fma avx512f avx512bw"
+
+
+@pytest.fixture(autouse=True)
+def fake_host_cpu(monkeypatch):
+    monkeypatch.setenv("KVCALIB_CPU_FLAGS", FAKE_HOST_CPU_FLAGS)
 
 
 @pytest.fixture(scope="session")
@@ -157,6 +164,16 @@ def test_the_cpu_backends_own_refusal_is_recognised(ckpt, cpu_python, monkeypatc
     assert result.exit_code == 4
     assert "vLLM on CPU needs AVX-512 or AMX for an FP8 KV cache, and this CPU has neither" in result.stderr
     assert "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX." in result.stderr
+    assert_nothing_left(str(ckpt), result.stderr)
+
+
+def test_a_cpu_without_avx512_is_refused_before_any_server_starts(ckpt, cpu_python, monkeypatch):
+    result = serve(ckpt, cpu_python, "--device", "cpu", "--no-baseline", env={"KVCALIB_CPU_FLAGS": "fpu sse2 avx2 fma"},
+                   monkeypatch=monkeypatch)
+    assert result.exit_code != 0 and result.exit_code != 4
+    assert "error: this CPU has neither AVX-512 (avx512f) nor AMX (amx_tile)" in result.stderr
+    assert "hint: run serve-check --device cpu on an x86 machine with AVX-512 or AMX" in result.stderr
+    assert not (ckpt.parent / "logs").exists()  # nothing was launched
     assert_nothing_left(str(ckpt), result.stderr)
 
 

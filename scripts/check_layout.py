@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""The package's layout rules, read from the source with `ast` (nothing is imported or run).
+
+- No import circle between kvcalib's modules, counting every import: module-level,
+  function-local and `if TYPE_CHECKING:` ones alike. A package's `__init__` is a module of
+  its own: `from kvcalib.calibrate import x` is an edge to kvcalib/calibrate/__init__.py.
+- No module over MAX_MODULE_LINES lines, no function over MAX_FUNCTION_LINES lines.
+- typer and rich are imported only by kvcalib/cli.py.
+
+Prints the numbers (modules, lines, circles, the biggest module, the longest function) and
+exits 1 with the reasons when a rule is broken. CI runs it (scripts/test.sh).
+
+    python scripts/check_layout.py [PACKAGE_DIR]
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+UI_PACKAGES = ("typer", "rich")
+UI_MODULE = "kvcalib.cli"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def resolve(node: ast.ImportFrom | ast.Import, current: str, is_package: bool, modules: set[str]) -> list[str]:
+    """The kvcalib modules an import statement names (a `from X import y` may name module X.y)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = current.split(".") if is_package else current.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        stem = ".".join(base + ([node.module] if node.module else []))
+    else:
+        stem = node.module or ""
+    found = []
+    for alias in node.names:
+        candidate = f"{stem}.{alias.name}"
+        found.append(candidate if candidate in modules else stem)
+    return found
+
+
+def read_package(root: Path) -> tuple[dict[str, Path], dict[str, set[str]], dict[str, set[str]]]:
+    """Modules by name, kvcalib import edges, and every top-level package each module imports."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    modules = set(files)
+    edges: dict[str, set[str]] = {name: set() for name in files}
+    external: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in resolve(node, name, path.name == "__init__.py", modules):
+                top = target.split(".")[0]
+                if top == root.name:
+                    while target not in modules and "." in target:
+                        target = target.rsplit(".", 1)[0]
+                    if target != name:
+                        edges[name].add(target)
+                elif top:
+                    external[name].add(top)
+    return files, edges, external
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges.get(v, ()):
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def functions(files: dict[str, Path]) -> list[tuple[int, str]]:
+    """(lines, "module:qualname") of every function and method."""
+    out = []
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+
+        def walk(node: ast.AST, prefix: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    qual = f"{prefix}{child.name}"
+                    start = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                    out.append((child.end_lineno - start + 1, f"{name}:{qual}"))
+                    walk(child, qual + ".")
+                elif isinstance(child, ast.ClassDef):
+                    walk(child, f"{prefix}{child.name}.")
+
+        walk(tree, "")
+    return sorted(out, reverse=True)
+
+
+def main() -> int:
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "kvcalib").resolve()
+    files, edges, external = read_package(root)
+    lines = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in files.items()}
+    found_circles = circles(edges)
+    funcs = functions(files)
+    biggest = max(lines, key=lines.get)
+    packages = sorted({n for n, p in files.items() if p.name == "__init__.py" and n != root.name})
+    print(f"{len(files)} modules, {sum(lines.values())} lines, {len(packages)} subpackages, "
+          f"{len(found_circles)} import circle(s)")
+    print(f"biggest module: {biggest} ({lines[biggest]} lines); longest function: {funcs[0][1]} ({funcs[0][0]} lines)")
+    problems = [f"import circle: {' -> '.join(c)}" for c in found_circles]
+    problems += [f"{n}: {count} lines (at most {MAX_MODULE_LINES})" for n, count in lines.items() if count > MAX_MODULE_LINES]
+    problems += [f"{where}: {count} lines (at most {MAX_FUNCTION_LINES})" for count, where in funcs
+                 if count > MAX_FUNCTION_LINES]
+    problems += [f"{n} imports {', '.join(sorted(set(UI_PACKAGES) & ext))} (only {UI_MODULE} may)"
+                 for n, ext in external.items() if n != UI_MODULE and set(UI_PACKAGES) & ext]
+    for problem in problems:
+        print(f"layout: {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
