@@ -11,19 +11,26 @@ import dataclasses
 import json
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
-from .errors import KvcalibError, UsageError
+from kvcalib.core.errors import KvcalibError, UsageError
 
 app = typer.Typer(
     add_completion=False,
@@ -62,7 +69,7 @@ def _host_cpu(with_capability: bool = True) -> Any:
     """The CPU this runs on: /proc/cpuinfo's flags, or KVCALIB_CPU_FLAGS (space-separated) to describe another."""
     import os
 
-    from .cpu import HostCpu
+    from kvcalib.core.cpu import HostCpu
 
     capability = "unknown"
     if with_capability:
@@ -74,6 +81,11 @@ def _host_cpu(with_capability: bool = True) -> Any:
 
 BF16_COMPUTE_HELP = ("bf16 models on CPU: auto (float32 matmuls with bf16 rounding where the CPU has no native "
                      "bf16 matmul, i.e. no avx512_bf16/amx_bf16), native, or float32.")
+
+# Options several commands share, declared once.
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
+Bf16Compute = Annotated[str, typer.Option("--bf16-compute", help=BF16_COMPUTE_HELP)]
 
 
 def _print_json(obj: dict[str, Any]) -> None:
@@ -93,21 +105,21 @@ def calibrate(
     batch_size: int = typer.Option(4, "--batch-size", help="Sequences per forward pass."),
     seed: int = typer.Option(42, "--seed", help="Shuffle seed (llm-compressor's default)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's), bfloat16, float16 or float32."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: Device = "cpu",
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    as_json: AsJson = False,
     stream_layers: bool = typer.Option(False, "--stream-layers", help="Load one decoder layer at a time (models larger than memory; chosen automatically when the weights would not fit)."),
     recipe: Path | None = typer.Option(None, "--recipe", help="llm-compressor recipe (YAML) whose kv_cache_scheme to use, e.g. recipes/kv-fp8-trn2.yaml."),
     engine: str = typer.Option("auto", "--engine", help="auto (native, or stream when the weights would not fit), native, stream, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor])."),
-    bf16_compute: str = typer.Option("auto", "--bf16-compute", help=BF16_COMPUTE_HELP),
+    bf16_compute: Bf16Compute = "auto",
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint."""
     import os
 
-    from .calibrate import CalibrateOptions
-    from .calibrate import calibrate as run_calibrate
-    from .distributed import Ranks
+    from kvcalib.calibrate import CalibrateOptions, Ranks
+    from kvcalib.calibrate import calibrate as run_calibrate
+    from kvcalib.calibrate.memory import available_memory
 
     with _errors():
         ranks = Ranks.from_env(os.environ)  # set by torchrun; None in a plain run
@@ -118,7 +130,8 @@ def calibrate(
         overwrite=overwrite, trust_remote_code=trust_remote_code,
         engine=engine, ranks=ranks,
         recipe=str(recipe) if recipe is not None else None,
-        bf16_compute=bf16_compute, cpu=_host_cpu(),
+        bf16_compute=bf16_compute, cpu=_host_cpu(), memory=available_memory(),
+        scratch_dir=Path(tempfile.gettempdir()),
     )
     if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports
         with _errors(quiet=True):
@@ -202,7 +215,7 @@ def validate(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:
     """Check a checkpoint against vLLM-on-Neuron's rules and the silent failures it lets through."""
-    from .validate import validate_checkpoint
+    from kvcalib.validate import validate_checkpoint
 
     with _errors():
         report = validate_checkpoint(checkpoint, target, strict=strict)
@@ -240,14 +253,14 @@ def eval_command(
     batch_size: int = typer.Option(2, "--batch-size", help="Sequences per forward pass."),
     seed: int = typer.Option(42, "--seed", help="Shuffle seed."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, bfloat16, float16 or float32."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: Device = "cpu",
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of per-layer absmax, SQNR and clipping."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
-    bf16_compute: str = typer.Option("auto", "--bf16-compute", help=BF16_COMPUTE_HELP),
+    as_json: AsJson = False,
+    bf16_compute: Bf16Compute = "auto",
 ) -> None:
     """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
-    from .evaluate import EvalOptions, evaluate
-    from .plot import plot_eval
+    from kvcalib.evaluate import EvalOptions, evaluate
+    from kvcalib.evaluate.plot import plot_eval
 
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
@@ -294,14 +307,14 @@ def serve_check(
     log_dir: Path | None = typer.Option(None, "--log-dir", help="Where the server logs go (default: a new temp dir)."),
     neuron_visible_devices: str | None = typer.Option(None, "--neuron-visible-devices", help="NEURON_VISIBLE_DEVICES for the server, e.g. 0-7."),
     force: bool = typer.Option(False, "--force", help="Serve scales sized for a larger FP8 max than the chip's."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    as_json: AsJson = False,
 ) -> None:
     """Serve CKPT with vLLM's FP8 KV cache, probe it, compare with a baseline, and always stop the server."""
     import os
 
-    from .prompts import read_prompts_file
-    from .serve import ServeOptions
-    from .serve import serve_check as run_serve_check
+    from kvcalib.serve import ServeOptions
+    from kvcalib.serve import serve_check as run_serve_check
+    from kvcalib.serve.prompts import read_prompts_file
 
     console = _stderr()
     with _errors(), _servers_stopped_on_interrupt(console), _sigterm_as_interrupt(), \

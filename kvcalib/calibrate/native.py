@@ -1,0 +1,53 @@
+"""The "native" engine: the whole model in memory, every batch through the decoder stack once."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvcalib.calibrate.engine import EngineInputs, Observation
+from kvcalib.core.progress import Progress, ProgressCallback
+from kvcalib.hf.attention import (
+    KVAbsmaxObserver,
+    attention_modules,
+    observe_batch,
+    register_attention,
+)
+from kvcalib.hf.compute import compute_path
+from kvcalib.hf.data import CalibrationData, batches
+from kvcalib.hf.model import load_model, num_layers
+
+__all__ = ["native_engine", "observe_all"]
+
+
+def native_engine(inputs: EngineInputs) -> Observation:
+    """The whole model in memory; every batch through the decoder stack with the observing attention."""
+    inputs.notify(Progress("load-model"))
+    hf_model = load_model(inputs.model_dir, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
+                          attn_implementation=register_attention())
+    layers = num_layers(hf_model)
+    attn_paths = attention_modules(hf_model, layers, inputs.model_dir)
+    observer = KVAbsmaxObserver(layers, device=inputs.device)
+    started = time.perf_counter()
+    with compute_path(inputs.compute):
+        observe_all(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device,
+                    inputs.notify)
+    return Observation(
+        k_absmax=observer.k_absmax.cpu(), v_absmax=observer.v_absmax.cpu(), observed=tuple(observer.observed),
+        attention_paths=attn_paths, seconds=time.perf_counter() - started,
+    )
+
+
+def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: CalibrationData, batch_size: int,
+                pad_id: int, device: torch.device, notify: ProgressCallback) -> None:
+    """Every right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
+    decoder = getattr(model, model.base_model_prefix, model)  # the stack without the LM head
+    total_samples, total_tokens = len(data.sequences), data.num_tokens
+    done_samples = done_tokens = 0
+    notify(Progress("observe", 0, total_samples, 0, total_tokens))
+    for input_ids, mask in batches(data.sequences, batch_size, pad_id):
+        observe_batch(decoder, observer, input_ids.to(device), mask.to(device))
+        done_samples += input_ids.shape[0]
+        done_tokens += int(mask.sum())
+        notify(Progress("observe", done_samples, total_samples, done_tokens, total_tokens))

@@ -1,0 +1,79 @@
+"""What calibrate takes (CalibrateOptions) and what it returns (CalibrationResult)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcalib.calibrate.memory import MemoryLimit
+from kvcalib.calibrate.ranks import Ranks
+from kvcalib.hf.model import RunOptions
+
+__all__ = ["CalibrateOptions", "CalibrationResult", "LayerScales"]
+
+
+@dataclass(frozen=True)
+class CalibrateOptions(RunOptions):
+    target: str | None = None  # None: the recipe's kvcalib.target, else fp8.DEFAULT_TARGET
+    num_samples: int = 512
+    max_seq_len: int = 2048
+    batch_size: int = 4
+    overwrite: bool = False
+    engine: str = "auto"  # "auto": "stream" when the weights would not fit in memory, else "native"
+    recipe: str | None = None  # an llm-compressor recipe whose kv_cache_scheme to use (calibrate.recipe)
+    extra_provenance: dict[str, Any] = field(default_factory=dict)
+    ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
+    # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
+    memory: MemoryLimit | None = None  # the host memory this process may use
+    scratch_dir: Path | None = None  # where the stream engine spills hidden states
+
+
+@dataclass(frozen=True)
+class LayerScales:
+    layer: int
+    k_absmax: float
+    v_absmax: float
+    k_scale: float
+    v_scale: float
+    k_key: str
+    v_key: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    output: str
+    model: str
+    target: str
+    fp8_max: float
+    num_samples: int
+    num_tokens: int
+    layers: tuple[LayerScales, ...]
+    seconds: float
+    observe_seconds: float
+    warnings: tuple[str, ...] = ()
+    validation: dict[str, Any] | None = None
+    compute: str = ""  # the compute path (core.cpu.ComputePath.describe())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.observe_seconds if self.observe_seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "model": self.model,
+            "target": self.target,
+            "fp8_max": self.fp8_max,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "compute": self.compute,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "warnings": list(self.warnings),
+            "validation": self.validation,
+        }

@@ -1,0 +1,237 @@
+"""calibrate: per-layer K/V absmax over a dataset -> FP8 scales -> a new checkpoint.
+
+Cheap checks first (target, model config, output path, dataset), then the model is loaded
+and every calibration token runs through the decoder stack once (no LM head, nothing after
+the last layer's K/V). The scales `absmax / fp8_max(target)` go into a new checkpoint
+written atomically, which is validated before it is put in place.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcalib import __version__
+from kvcalib.calibrate.distributed import observe_across_ranks
+from kvcalib.calibrate.engine import Engine, EngineInputs, Observation
+from kvcalib.calibrate.llmcompressor import llmcompressor_engine
+from kvcalib.calibrate.memory import EngineChoice, choose_engine, out_of_memory_error
+from kvcalib.calibrate.native import native_engine
+from kvcalib.calibrate.options import CalibrateOptions, CalibrationResult, LayerScales
+from kvcalib.calibrate.ranks import rank_device
+from kvcalib.calibrate.recipe import RecipePlan, plan_recipe
+from kvcalib.calibrate.stream import stream_engine
+from kvcalib.calibrate.writer import WritePlan, check_output_path, write_checkpoint
+from kvcalib.core import fp8
+from kvcalib.core.checkpoint import Checkpoint
+from kvcalib.core.cpu import NATIVE, ComputePath
+from kvcalib.core.errors import CalibrationError, UsageError, ValidationFailedError
+from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.core.schema import SCALES_FILENAME, kv_only_quantization_config, scale_key
+from kvcalib.hf.data import CalibrationData, load_calibration_data
+from kvcalib.hf.model import (
+    load_tokenizer,
+    pad_id,
+    prepare_run,
+    resolve_compute,
+    resolve_target,
+)
+
+__all__ = ["ENGINES", "calibrate", "register_engine"]
+
+# The engines by name. llm-compressor itself is imported only when its engine runs.
+ENGINES: dict[str, Engine] = {
+    "native": native_engine,
+    "stream": stream_engine,
+    "llmcompressor": llmcompressor_engine,
+}
+
+
+def register_engine(name: str, engine: Engine) -> None:
+    """Make `engine` the one --engine NAME runs (a new name, or one of the built-in ones)."""
+    ENGINES[name] = engine
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything checked before the long work starts."""
+
+    options: CalibrateOptions
+    recipe: RecipePlan
+    target: fp8.Target
+    checkpoint: Checkpoint
+    output: Path
+    dtype: torch.dtype | None
+    device: torch.device
+    engine: EngineChoice
+    compute: ComputePath
+
+
+def calibrate(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions | None = None,
+              progress: ProgressCallback | None = None) -> CalibrationResult:
+    """Calibrate `model` on `dataset` and write the FP8-KV checkpoint to `output`."""
+    notify = progress or no_progress
+    started = time.perf_counter()
+    plan = _check(model, Path(output), options or CalibrateOptions())
+    opts = plan.options
+
+    notify(Progress("load-data"))
+    tokenizer = load_tokenizer(plan.checkpoint.root, opts.trust_remote_code)
+    data = load_calibration_data(
+        dataset, tokenizer, split=opts.split, text_column=opts.text_column,
+        num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
+    )
+    inputs = EngineInputs(plan.checkpoint, data, opts, plan.dtype, plan.device, pad_id(tokenizer), notify,
+                          plan.compute, plan.engine.limit if plan.engine.limit is not None else opts.memory)
+    observation = _observe(plan, inputs)
+
+    layers, warnings = _layer_scales(observation, plan.target, plan.checkpoint.root)
+    if plan.engine.reason:
+        warnings.append(plan.engine.reason)
+
+    def result(more_warnings: list[str], validation: dict[str, Any] | None) -> CalibrationResult:
+        return CalibrationResult(
+            output=str(output), model=str(model), target=plan.target.name, fp8_max=plan.target.fp8_max,
+            num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
+            seconds=time.perf_counter() - started, observe_seconds=observation.seconds,
+            warnings=tuple(more_warnings), validation=validation, compute=plan.compute.describe(),
+        )
+
+    if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
+        return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)
+    notify(Progress("write"))
+    notes, validation = _write(plan, data, layers)
+    return result(list(plan.recipe.warnings) + warnings + notes, validation or None)
+
+
+def _check(model: str | Path, output: Path, opts: CalibrateOptions) -> _Plan:
+    """The cheap checks, before any weight is loaded; the plan of the run."""
+    recipe = plan_recipe(opts.recipe, opts.target, opts.engine)  # --recipe, --target, --engine checked together
+    target = resolve_target(recipe.target)
+    opts = replace(opts, extra_provenance={**recipe.provenance, **opts.extra_provenance})
+    run = prepare_run(model, opts, opts.batch_size)
+    checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
+    check_output_path(output, checkpoint.root, opts.overwrite)
+    device = rank_device(device, opts.ranks)
+    local_copies = opts.ranks.local_world_size if opts.ranks else 1
+    choice = choose_engine(opts.engine, checkpoint, dtype, device, copies=local_copies, host=opts.memory)
+    opts = replace(opts, engine=choice.engine)
+    if opts.engine not in ENGINES:
+        raise UsageError(f"unknown engine {opts.engine!r}", hint=f"use one of {', '.join(sorted(ENGINES))}")
+    compute = resolve_compute(opts.bf16_compute, dtype, checkpoint, device, opts.cpu)
+    if opts.engine == "llmcompressor":  # its oneshot runs the model as its users run it
+        compute = ComputePath(NATIVE, "llm-compressor's oneshot runs the model natively")
+    return _Plan(opts, recipe, target, checkpoint, output, dtype, device, choice, compute)
+
+
+def _observe(plan: _Plan, inputs: EngineInputs) -> Observation:
+    engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
+    try:
+        if ranks is not None and ranks.world_size > 1:
+            return observe_across_ranks(engine, inputs, ranks)
+        return engine(inputs)
+    except (MemoryError, RuntimeError) as exc:
+        raise out_of_memory_error(exc, plan.options.engine, plan.device) or exc
+
+
+def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales]) -> tuple[list[str], dict[str, Any]]:
+    """Write, validate and publish the checkpoint; (notes, the validation report as a dict)."""
+    config = plan.checkpoint.config
+    dtype_name = (str(plan.dtype).removeprefix("torch.") if plan.dtype
+                  else str(config.get("dtype") or config.get("torch_dtype")))
+    provenance = _provenance(plan.checkpoint.root, data, plan.options, plan.target, layers, dtype_name)
+    provenance["compute"] = plan.compute.describe()
+    scales = {}
+    for layer in layers:
+        scales[layer.k_key] = torch.tensor([layer.k_scale], dtype=torch.float32)
+        scales[layer.v_key] = torch.tensor([layer.v_scale], dtype=torch.float32)
+    validation: dict[str, Any] = {}
+
+    def check(tmp_dir: Path) -> None:
+        from kvcalib.validate.pipeline import validate_checkpoint
+
+        report = validate_checkpoint(tmp_dir, plan.target.name)
+        validation.update(report.to_dict())
+        validation["checkpoint"] = str(plan.output)
+        if not report.ok:
+            first = report.errors[0]
+            raise ValidationFailedError(
+                f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} error(s)); "
+                f"first: [{first.rule}] {first.message}",
+                hint="nothing was written; please report this as a kvcalib bug",
+                report=report,
+            )
+
+    notes = write_checkpoint(
+        plan.checkpoint, plan.output,
+        WritePlan(scales=scales, quantization_config=kv_only_quantization_config(), provenance=provenance),
+        overwrite=plan.options.overwrite, check=check,
+    )
+    return notes, validation
+
+
+def _layer_scales(observation: Observation, target: fp8.Target, model_dir: Path) -> tuple[list[LayerScales], list[str]]:
+    unobserved = [i for i, n in enumerate(observation.observed) if n == 0]
+    if unobserved:
+        raise CalibrationError(
+            f"{model_dir}: decoder layer(s) {unobserved} were never observed during calibration",
+            hint="the model's attention does not go through transformers' attention interface for these layers",
+        )
+    k_absmax = observation.k_absmax.float().cpu()
+    v_absmax = observation.v_absmax.float().cpu()
+    warnings: list[str] = []
+    for kind, values in (("K", k_absmax), ("V", v_absmax)):
+        for i, value in enumerate(values.tolist()):
+            if not math.isfinite(value):
+                raise CalibrationError(
+                    f"layer {i}: {kind} absmax is {value} (overflow in the calibration dtype)",
+                    hint="calibrate with --dtype bfloat16 or --dtype float32",
+                )
+            if value == 0.0:
+                warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at {fp8.SCALE_FLOOR}")
+    k_scales = fp8.scale_from_absmax(k_absmax, target).tolist()
+    v_scales = fp8.scale_from_absmax(v_absmax, target).tolist()
+    layers = [
+        LayerScales(
+            layer=i, k_absmax=float(k_absmax[i]), v_absmax=float(v_absmax[i]),
+            k_scale=k_scales[i], v_scale=v_scales[i],
+            k_key=scale_key(observation.attention_paths[i], "k"), v_key=scale_key(observation.attention_paths[i], "v"),
+        )
+        for i in range(len(observation.observed))
+    ]
+    return layers, warnings
+
+
+def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, target: fp8.Target,
+                layers: list[LayerScales], dtype_name: str) -> dict[str, Any]:
+    return {
+        "tool": "kvcalib",
+        "kvcalib_version": __version__,
+        "scale_convention": "x = fp8 * scale; scale = absmax / fp8_max (rounded up so the chip never saturates absmax)",
+        "target": target.name,
+        "fp8_max": target.fp8_max,
+        "scales_file": SCALES_FILENAME,
+        "model": str(model_dir),
+        "dtype": dtype_name,
+        "engine": opts.engine,
+        "dataset": data.source,
+        "split": data.split,
+        "column": data.column,
+        "seed": opts.seed,
+        "max_seq_len": opts.max_seq_len,
+        "num_samples": len(data.sequences),
+        "num_rows_selected": data.rows_selected,
+        "num_rows_empty": data.rows_empty,
+        "num_tokens": data.num_tokens,
+        "observer": "static_minmax",
+        "layers": [
+            {"layer": l.layer, "k_absmax": l.k_absmax, "v_absmax": l.v_absmax, "k_scale": l.k_scale, "v_scale": l.v_scale}
+            for l in layers
+        ],
+        **opts.extra_provenance,
+    }

@@ -1,0 +1,267 @@
+"""llm-compressor recipes: read the kv_cache_scheme a user already has; refuse what the target cannot serve.
+
+A recipe is llm-compressor's YAML (or JSON): `<name>_stage` -> `<group>_modifiers` ->
+`<ModifierName>` -> arguments, one of which may be `kv_cache_scheme`, a compressed-tensors
+`QuantizationArgs`. kvcalib parses that scheme with compressed-tensors' own model and runs
+the KV-cache part only.
+
+llm-compressor cannot be told a chip's FP8 max: compressed-tensors' `calculate_range` sizes
+every FP8 scale for the OCP E4M3FN max (448, `FP8_E4M3_DATA.max`) from `type` and
+`num_bits` alone, `QuantizationArgs` forbids extra fields, and neither `observer_kwargs`
+nor `scale_dtype` reach the range. So a recipe carries the target in a top-level key that
+llm-compressor ignores (it reads only `*_stage` sections and `args`):
+
+    kvcalib:
+      target: trn2
+
+and kvcalib applies that target's FP8 max itself when it turns the observed range into scales.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core import fp8
+from kvcalib.core.errors import MissingDependencyError, RecipeError
+
+__all__ = [
+    "KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE",
+    "LLMCOMPRESSOR_HINT", "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan",
+    "check_servable", "load_recipe", "plan_recipe", "require_llmcompressor",
+]
+
+RECIPE_KEY = "kvcalib"  # the top-level key with kvcalib's own settings
+KV_SCHEME_KEY = "kv_cache_scheme"
+# Arguments of a modifier that quantise something other than the KV cache.
+OTHER_SCHEME_KEYS = ("scheme", "config_groups")
+# What the native engine measures: the absmax over every calibration token.
+NATIVE_OBSERVER = "static_minmax"
+# llm-compressor 0.14 observes K/V with "minmax" when a kv_cache_scheme names no observer
+# (llmcompressor.modifiers.quantization.calibration.initialize_observer): a moving average
+# of per-batch ranges (factor 0.01) that ends below the absmax.
+LLMCOMPRESSOR_DEFAULT_OBSERVER = "minmax"
+LLMCOMPRESSOR_ENGINE = "llmcompressor"
+LLMCOMPRESSOR_HINT = "pip install kvcalib[llmcompressor]"
+
+
+@dataclass(frozen=True)
+class KvRecipe:
+    """The KV-cache part of an llm-compressor recipe."""
+
+    path: str
+    location: str  # where the kv_cache_scheme sits, e.g. quant_stage.quant_modifiers.QuantizationModifier
+    scheme: dict[str, Any]  # the kv_cache_scheme as compressed-tensors dumps it (JSON types)
+    target: str | None  # the recipe's kvcalib.target, if it names one
+    ignored: tuple[str, ...] = ()  # modifiers (or their parts) that quantise something else
+
+    @property
+    def observer(self) -> str | None:
+        return self.scheme.get("observer")
+
+    def quantization_args(self) -> Any:
+        """The scheme as compressed-tensors `QuantizationArgs`."""
+        from compressed_tensors.quantization import QuantizationArgs
+
+        return QuantizationArgs.model_validate(self.scheme)
+
+
+@dataclass(frozen=True)
+class RecipePlan:
+    """--recipe, --target and --engine checked together, before any weight is loaded."""
+
+    target: str  # the target name to calibrate for (not yet checked against fp8.TARGETS)
+    recipe: KvRecipe | None
+    observer: str  # what the engine will run
+    warnings: tuple[str, ...] = ()
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def load_recipe(path: str | Path) -> KvRecipe:
+    """Read the kv_cache_scheme (and kvcalib's target, if any) from an llm-compressor recipe file."""
+    import yaml
+
+    recipe_path = Path(path).expanduser()
+    if not recipe_path.is_file():
+        raise RecipeError(f"recipe not found: {path}",
+                          hint="pass an llm-compressor recipe file, e.g. recipes/kv-fp8-trn2.yaml")
+    try:
+        obj = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))  # JSON is YAML too
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(f"{path}: not a YAML or JSON recipe ({first})") from None
+    if not isinstance(obj, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
+                          hint="see recipes/kv-fp8-trn2.yaml")
+    target = _recipe_target(obj, path)
+    found, ignored = _find_kv_schemes(obj, path)
+    if not found:
+        raise RecipeError(
+            f"{path}: no {KV_SCHEME_KEY} in the recipe",
+            hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY}; "
+            "see recipes/kv-fp8-trn2.yaml",
+        )
+    parsed = [(location, _parse_scheme(value, location, path)) for location, value in found]
+    schemes = {_canonical(scheme) for _, scheme in parsed}
+    if len(schemes) > 1:
+        raise RecipeError(f"{path}: {len(parsed)} different {KV_SCHEME_KEY} entries "
+                          f"({', '.join(location for location, _ in parsed)})",
+                          hint="keep one kv_cache_scheme; the KV cache has one format")
+    location, scheme = parsed[0]
+    return KvRecipe(str(path), location, scheme, target, tuple(ignored))
+
+
+def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
+    """Refuse a kv_cache_scheme that vLLM on `target` cannot serve from kvcalib's checkpoint."""
+    s = recipe.scheme
+    where = f"{recipe.path}: {recipe.location}.{KV_SCHEME_KEY}"
+    example = f"recipes/kv-fp8-{target.name}.yaml"
+    if s["type"] != "float":
+        raise RecipeError(
+            f"{where} has type {s['type']!r} ({s['num_bits']}-bit integer KV), which {target.name} cannot serve: "
+            "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
+            hint=f"set type: float and num_bits: 8, as in {example}",
+        )
+    if s["num_bits"] != 8:
+        raise RecipeError(f"{where} has num_bits {s['num_bits']}, which {target.name} cannot serve: "
+                          "vLLM's KV cache is FP8 (num_bits 8)", hint=f"set num_bits: 8, as in {example}")
+    if s["dynamic"] is not False:
+        raise RecipeError(
+            f"{where} has dynamic: {s['dynamic']!r}, which {target.name} cannot serve: vLLM reads static "
+            "per-layer KV scales from the checkpoint",
+            hint=f"set dynamic: false, as in {example}",
+        )
+    if s["strategy"] == "attn_head":
+        if target.neuron:
+            raise RecipeError(
+                f"{where} has strategy attn_head (one scale per KV head), which {target.name} cannot serve: "
+                "vLLM on Neuron reads one k_scale and one v_scale per layer, shape [1]",
+                hint=f"set strategy: tensor, as in {example}",
+            )
+        raise RecipeError(f"{where} has strategy attn_head (one scale per KV head); kvcalib writes one scale "
+                          "per layer", hint="set strategy: tensor, or make per-head scales with llm-compressor itself")
+    if s["strategy"] != "tensor":
+        raise RecipeError(f"{where} has strategy {s['strategy']!r}, which is no KV-cache strategy "
+                          f"{target.name} serves", hint=f"set strategy: tensor, as in {example}")
+    if s["symmetric"] is not True:
+        raise RecipeError(f"{where} has symmetric: false (a zero point), which {target.name} cannot serve: "
+                          "vLLM's FP8 KV cache is symmetric (x = fp8 * scale)", hint="set symmetric: true")
+
+
+def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str) -> RecipePlan:
+    """Read the recipe (if any), settle the target, and check the scheme and engine can work."""
+    recipe = load_recipe(recipe_path) if recipe_path is not None else None
+    if recipe is not None and recipe.target is not None and target is not None and target != recipe.target:
+        raise RecipeError(f"--target {target} contradicts {recipe.path}, which is for {recipe.target} "
+                          f"({RECIPE_KEY}.target)", hint=f"drop --target, or use recipes/kv-fp8-{target}.yaml")
+    chosen = target or (recipe.target if recipe else None) or fp8.DEFAULT_TARGET
+    warnings: list[str] = []
+    if recipe is not None:
+        known = fp8.TARGETS.get(chosen)
+        if known is not None:  # an unknown name is reported by the caller, as without a recipe
+            check_servable(recipe, known)
+        if recipe.ignored:
+            warnings.append(f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
+                            f"{', '.join(recipe.ignored)}")
+    if engine == LLMCOMPRESSOR_ENGINE:
+        require_llmcompressor()
+        observer = (recipe.observer if recipe else NATIVE_OBSERVER) or LLMCOMPRESSOR_DEFAULT_OBSERVER
+    else:
+        observer = NATIVE_OBSERVER
+        if recipe is not None and recipe.observer != NATIVE_OBSERVER:
+            named = (f"observer {recipe.observer!r}" if recipe.observer
+                     else f"no observer (llm-compressor would run {LLMCOMPRESSOR_DEFAULT_OBSERVER!r})")
+            warnings.append(f"{recipe.path}: {named}; the native engine measures the absmax over every token "
+                            f"({NATIVE_OBSERVER}); --engine {LLMCOMPRESSOR_ENGINE} runs the recipe's observer")
+    provenance: dict[str, Any] = {"observer": observer}
+    if recipe is not None:
+        provenance.update(recipe=recipe.path, kv_cache_scheme=recipe.scheme)
+    if engine == LLMCOMPRESSOR_ENGINE:
+        from importlib.metadata import version
+
+        provenance["llmcompressor_version"] = version("llmcompressor")
+    return RecipePlan(chosen, recipe, observer, tuple(warnings), provenance)
+
+
+def require_llmcompressor() -> None:
+    """MissingDependencyError, with the install command, unless llm-compressor can be imported."""
+    if importlib.util.find_spec("llmcompressor") is None:
+        raise MissingDependencyError(
+            f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
+            hint=LLMCOMPRESSOR_HINT,
+        )
+
+
+def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:
+    settings = obj.get(RECIPE_KEY)
+    if settings is None:
+        return None
+    if not isinstance(settings, dict) or set(settings) - {"target"}:
+        raise RecipeError(f"{path}: {RECIPE_KEY} must be a mapping with the key target only, not {settings!r}",
+                          hint=f"{RECIPE_KEY}: {{target: trn2}}")
+    target = settings.get("target")
+    if target is not None and target not in fp8.TARGETS:
+        raise RecipeError(f"{path}: {RECIPE_KEY}.target {target!r} is not a known target",
+                          hint=f"use one of {', '.join(sorted(fp8.TARGETS))}")
+    return target
+
+
+def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[str, Any]], list[str]]:
+    """(location, kv_cache_scheme) for every modifier that has one; modifiers that quantise more."""
+    found: list[tuple[str, Any]] = []
+    ignored: list[str] = []
+    for stage_key, stage in obj.items():
+        if not (isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, dict)):
+            continue
+        for group_key, group in stage.items():
+            if not (isinstance(group_key, str) and group_key.endswith("_modifiers") and isinstance(group, dict)):
+                continue
+            for modifier, arguments in group.items():
+                location = f"{stage_key}.{group_key}.{modifier}"
+                arguments = {} if arguments is None else arguments
+                if not isinstance(arguments, dict):
+                    raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}")
+                if arguments.get(KV_SCHEME_KEY) is not None:
+                    found.append((location, arguments[KV_SCHEME_KEY]))
+                    others = [key for key in OTHER_SCHEME_KEYS if arguments.get(key)]
+                    if others:
+                        ignored.append(f"{location} ({', '.join(others)})")
+                else:
+                    ignored.append(location)
+    return found, ignored
+
+
+def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:
+    """The scheme through compressed-tensors' QuantizationArgs, as JSON types; the observer as written."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    where = f"{path}: {location}.{KV_SCHEME_KEY}"
+    if not isinstance(value, dict):
+        raise RecipeError(f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
+                          hint="see recipes/kv-fp8-trn2.yaml")
+    try:
+        args = QuantizationArgs.model_validate(value)
+    except (ValueError, TypeError, NotImplementedError) as exc:  # pydantic's ValidationError is a ValueError
+        raise RecipeError(f"{where} is not a valid compressed-tensors QuantizationArgs: {_describe(exc)}",
+                          hint="see recipes/kv-fp8-trn2.yaml") from None
+    return args.model_dump(mode="json")
+
+
+def _describe(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        parts = []
+        for error in errors():
+            loc = ".".join(str(p) for p in error.get("loc", ()))
+            msg = str(error.get("msg", "")).removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}" if loc else msg)
+        return "; ".join(parts)
+    return str(exc)
+
+
+def _canonical(scheme: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(scheme, sort_keys=True)

@@ -1,0 +1,267 @@
+"""The "stream" engine: calibrate a model larger than memory, one decoder layer at a time.
+
+The model is built with its parameters on the meta device (no weight memory; buffers such as
+the rotary frequencies are real, computed by the model's own constructor). Everything of the
+decoder but its layers (embedding, rotary embedding, final norm) is loaded, then each decoder
+layer in turn: its tensors only, read by key from the memory-mapped safetensors shards, cast
+the way `from_pretrained` casts them. Every batch's hidden states go through that layer with
+kvcalib's observing attention, then the layer goes back to the meta device and the next one
+is loaded. Peak memory: one layer + the embedding + the hidden states of all samples (spilled
+to a temporary directory, one file per batch, when they would not fit).
+
+No model forward is copied. What each layer receives (masks, rotary cos/sin, position ids,
+and the embedding output for layer 0) is captured from the model's own forward: the decoder
+runs with every layer standing in as the identity, and the stand-in at layer i records the
+arguments it is called with and stops the forward. So sliding-window or per-layer-type masks
+come out exactly as the full model builds them, and the scales equal the in-memory engine's
+for the same dtype and batches (the same right-padded batches, in the same order).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcalib.calibrate.engine import EngineInputs, Observation
+from kvcalib.calibrate.memory import MemoryLimit, available_memory
+from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
+from kvcalib.core.errors import UnsupportedModelError
+from kvcalib.core.progress import Progress
+from kvcalib.hf.attention import (
+    OBSERVER_KWARG,
+    KVAbsmaxObserver,
+    StopForward,
+    attention_modules,
+    register_attention,
+)
+from kvcalib.hf.compute import compute_path
+from kvcalib.hf.data import batches
+from kvcalib.hf.model import build_skeleton, effective_dtype, num_layers, text_config
+
+__all__ = ["HIDDEN_STATES_MEMORY_SHARE", "capture_layer_inputs", "stream_engine"]
+
+
+# Hidden states stay in memory while they take at most this share of the memory left after
+# the weights being streamed; beyond it they are spilled to disk, one file per batch.
+HIDDEN_STATES_MEMORY_SHARE = 0.5
+
+
+def stream_engine(inputs: EngineInputs) -> Observation:
+    """Observe K/V absmax layer by layer (see the module docstring)."""
+    inputs.notify(Progress("load-model"))
+    files = inputs.checkpoint.files
+    dtype = effective_dtype(inputs.checkpoint, inputs.dtype)
+    model = build_skeleton(inputs.model_dir, dtype, inputs.options.trust_remote_code, register_attention())
+    decoder = getattr(model, model.base_model_prefix, model)
+    prefix = f"{model.base_model_prefix}." if decoder is not model else ""
+    n_layers = num_layers(model)
+    layers_name, layers = _decoder_layers(decoder, n_layers, inputs.model_dir)
+    attn_paths = attention_modules(model, n_layers, inputs.model_dir)
+    weights = _Weights(inputs.model_dir, files, inputs.device)
+    weights.check(decoder, prefix)  # every weight findable before the long work starts
+    weights.load(decoder, prefix, skip=f"{layers_name}.")
+
+    observer = KVAbsmaxObserver(n_layers, device=inputs.device)
+    batch_list = [(ids.to(inputs.device), mask.to(inputs.device))
+                  for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)]
+    started = time.perf_counter()
+    copies = inputs.options.ranks.local_world_size if inputs.options.ranks else 1  # ranks sharing this host
+    spill = _spill_needed(decoder, layers, batch_list, dtype, copies, inputs.memory or available_memory())
+    with torch.inference_mode(), compute_path(inputs.compute), \
+            _HiddenStates(spill, inputs.options.scratch_dir) as states:
+        for b, (ids, mask) in enumerate(batch_list):
+            hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
+            states.put(b, hidden)
+        progress = _LayerProgress(inputs, batch_list, n_layers)
+        for i, layer in enumerate(layers):
+            weights.load(layer, f"{prefix}{layers_name}.{i}.")
+            for b, (ids, mask) in enumerate(batch_list):
+                _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
+                observer.token_mask = mask.bool()
+                try:
+                    out = layer(states.get(b).to(inputs.device), *args, **kwargs)
+                    states.put(b, out[0] if isinstance(out, tuple) else out)
+                except StopForward:  # the last layer: nothing after its K/V is needed
+                    pass
+                finally:
+                    observer.token_mask = None
+                progress.step(i, b)
+            layer.to("meta")  # frees the layer's weights
+    return Observation(
+        k_absmax=observer.k_absmax.cpu(), v_absmax=observer.v_absmax.cpu(), observed=tuple(observer.observed),
+        attention_paths=attn_paths, seconds=time.perf_counter() - started,
+    )
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.layer_args, self.layer_kwargs = args, kwargs
+
+
+def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, index: int, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor, observer: KVAbsmaxObserver
+                         ) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]:
+    """(hidden states, other args, kwargs) the decoder's own forward passes to layer `index` for this batch.
+
+    The decoder is called exactly as the in-memory engine calls it; while it runs, every layer
+    is the identity and layer `index` stops the forward, so no layer weight is needed. The
+    hidden states are real only for layer 0 (the embedding output).
+    """
+
+    def stand_in(i: int):
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if i == index:
+                raise _Captured(args, kwargs)
+            return args[0] if args else kwargs["hidden_states"]
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = stand_in(i)  # an instance attribute shadows the class's forward
+    try:
+        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{OBSERVER_KWARG: observer})
+    except _Captured as captured:
+        args, kwargs = captured.layer_args, dict(captured.layer_kwargs)
+    else:
+        raise UnsupportedModelError(f"the decoder's forward never called decoder layer {index}",
+                                    hint="calibrate this model without --stream-layers")
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)
+    if args:
+        return args[0], args[1:], kwargs
+    return kwargs.pop("hidden_states"), (), kwargs
+
+
+class _Weights:
+    """Loads a module's tensors by key from the checkpoint's shards (safe_open, memory-mapped)."""
+
+    def __init__(self, model_dir: Path, files: CheckpointFiles, device: torch.device) -> None:
+        self.model_dir, self.files, self.device = model_dir, files, device
+
+    def _key(self, key: str, prefix: str) -> str | None:
+        if self.files.file_of(key) is not None:
+            return key
+        bare = key.removeprefix(prefix)  # a checkpoint saved from the base model has no prefix
+        return bare if prefix and self.files.file_of(bare) is not None else None
+
+    def _meta_tensors(self, module: torch.nn.Module, skip: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if tensor.device.type == "meta" and not (skip and name.startswith(skip)):
+                yield name, tensor
+
+    def check(self, module: torch.nn.Module, prefix: str) -> None:
+        for name, _tensor in self._meta_tensors(module, None):
+            if self._key(prefix + name, prefix) is None:
+                raise UnsupportedModelError(
+                    f"{self.model_dir}: the model's weight {prefix + name} is not in the checkpoint's safetensors files",
+                    hint="this checkpoint names or fuses its weights differently from the model's modules; "
+                    "calibrate it in memory (without --stream-layers) on a larger machine",
+                )
+
+    def load(self, module: torch.nn.Module, prefix: str, skip: str | None = None) -> None:
+        """Put `module`'s meta tensors (except those under `skip`) on the device, cast like from_pretrained."""
+        wanted: dict[str, list[tuple[str, str, torch.Tensor]]] = {}
+        for name, tensor in self._meta_tensors(module, skip):
+            key = self._key(prefix + name, prefix)
+            if key is None:
+                raise UnsupportedModelError(f"{self.model_dir}: weight {prefix + name} is not in the checkpoint")
+            wanted.setdefault(str(self.files.file_of(key)), []).append((name, key, tensor))
+        state: dict[str, torch.Tensor] = {}
+        for file, entries in wanted.items():
+            loaded = load_tensors(self.model_dir / file, [key for _n, key, _t in entries])
+            for name, key, meta in entries:
+                value = loaded.pop(key)
+                if value.is_floating_point() and meta.is_floating_point():
+                    value = value.to(meta.dtype)
+                state[name] = value.to(self.device)
+        module.load_state_dict(state, strict=False, assign=True)
+        for name, buffer in module.named_buffers():  # buffers the constructor computed (rotary frequencies)
+            if not (skip and name.startswith(skip)) and buffer.device != self.device:
+                owner, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(owner) if owner else module, attr, buffer.to(self.device))
+
+
+class _HiddenStates:
+    """Each batch's hidden states between two layers: in memory, or one safetensors file per batch."""
+
+    def __init__(self, spill: bool, scratch_dir: Path | None) -> None:
+        self.spill, self.scratch_dir = spill, scratch_dir
+        self._memory: dict[int, torch.Tensor] = {}
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> _HiddenStates:
+        if self.spill:
+            self._dir = tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=self.scratch_dir)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._memory.clear()
+        if self._dir is not None:
+            self._dir.cleanup()
+
+    def _path(self, b: int) -> Path:
+        assert self._dir is not None
+        return Path(self._dir.name) / f"batch-{b:06d}.safetensors"
+
+    def put(self, b: int, hidden: torch.Tensor) -> None:
+        if not self.spill:
+            self._memory[b] = hidden.cpu() if hidden.device.type != "cpu" else hidden
+            return
+        from safetensors.torch import save_file
+
+        tmp = self._path(b).with_suffix(".tmp")
+        save_file({"hidden": hidden.detach().contiguous().cpu()}, str(tmp))
+        os.replace(tmp, self._path(b))
+
+    def get(self, b: int) -> torch.Tensor:
+        if not self.spill:
+            return self._memory[b]
+        from safetensors.torch import load_file
+
+        return load_file(str(self._path(b)))["hidden"]
+
+
+def _spill_needed(decoder: torch.nn.Module, layers: torch.nn.ModuleList,
+                  batch_list: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, copies: int,
+                  memory: MemoryLimit) -> bool:
+    """Spill when the hidden states of every batch would take over a share of this process's memory left."""
+    hidden_size = int(text_config(decoder).hidden_size)
+    element = torch.tensor([], dtype=dtype).element_size()
+    hidden_bytes = sum(ids.numel() for ids, _mask in batch_list) * hidden_size * element
+    largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+    left = memory.available // copies - 2 * largest_layer  # a layer, and its load-time copy
+    return hidden_bytes > HIDDEN_STATES_MEMORY_SHARE * left
+
+
+class _LayerProgress:
+    """Progress over layers x batches, reported as samples/tokens through the whole model."""
+
+    def __init__(self, inputs: EngineInputs, batch_list: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int):
+        self.notify, self.num_layers = inputs.notify, num_layers
+        self.samples = [int(ids.shape[0]) for ids, _m in batch_list]
+        self.tokens = [int(mask.sum()) for _i, mask in batch_list]
+        self.total_samples, self.total_tokens = sum(self.samples), sum(self.tokens)
+        self.done_samples = self.done_tokens = 0
+
+    def step(self, layer: int, b: int) -> None:
+        self.done_samples += self.samples[b]
+        self.done_tokens += self.tokens[b]
+        self.notify(Progress("observe", self.done_samples // self.num_layers, self.total_samples,
+                             self.done_tokens // self.num_layers, self.total_tokens,
+                             layer=layer, num_layers=self.num_layers))
+
+
+def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) -> tuple[str, torch.nn.ModuleList]:
+    """The decoder's ModuleList of layers (`layers` in every transformers decoder)."""
+    for name, child in decoder.named_children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers:
+            return name, child
+    raise UnsupportedModelError(f"{model_dir}: no list of {num_layers} decoder layers found in {type(decoder).__name__}",
+                                hint="calibrate this model without --stream-layers")

@@ -1,0 +1,319 @@
+"""Checkpoint files, read side: config, index, safetensors headers, tensors by key.
+
+Reading never loads a tensor unless asked for it by key (`load_tensors`), so a checkpoint of
+any size is inspected in about the time it takes to read a few headers. `Checkpoint` reads a
+directory once: config.json when opened, the headers and index on first use, so one run
+that asks many questions of the same checkpoint reads each file once. (Writing a new
+checkpoint is kvcalib.calibrate.writer's job.)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError
+from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME, neuron_scale_key
+
+__all__ = [
+    "DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
+    "TensorInfo", "load_tensors", "read_config", "read_json", "read_kv_scales", "read_safetensors_header",
+    "read_tensor", "scan_checkpoint", "torch_dtype_name", "write_json",
+]
+
+
+# safetensors refuses headers above 100 MB; so do we, before reading them.
+MAX_HEADER_BYTES = 100_000_000
+
+# The one table of safetensors dtypes: name -> (bytes per element, torch dtype name).
+_DTYPES = {
+    "BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"), "F8_E8M0": (1, "float8_e8m0fnu"), "I16": (2, "int16"), "U16": (2, "uint16"),
+    "F16": (2, "float16"), "BF16": (2, "bfloat16"), "I32": (4, "int32"), "U32": (4, "uint32"),
+    "F32": (4, "float32"), "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64"),
+}
+DTYPE_SIZES = {name: size for name, (size, _torch) in _DTYPES.items()}
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # what from_pretrained casts to the model's dtype
+
+
+def torch_dtype_name(dtype: str) -> str:
+    """The torch name ("bfloat16") of a safetensors dtype ("BF16")."""
+    return _DTYPES[dtype][1]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as its safetensors header describes it."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offsets[1] - self.data_offsets[0]
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed safetensors header: tensors by key, the metadata, where the data starts."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] | None
+    data_start: int
+    file_size: int
+
+
+def read_json(path: Path, what: str) -> Any:
+    """Parse a JSON file; a clear CheckpointReadError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{what} not found: {path}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        # ValueError: JSONDecodeError, UnicodeDecodeError and an over-long integer literal;
+        # RecursionError: arrays/objects nested too deep for the json module.
+        raise CheckpointReadError(
+            f"cannot parse {what} {path}: {exc}",
+            hint="the file is not valid JSON; restore it from the original checkpoint",
+        ) from None
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """JSON with indent=2 and sorted keys, so diffs between checkpoints stay small."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def read_config(ckpt_dir: Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory, as a dict."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointNotFoundError(
+            f"checkpoint directory not found: {ckpt_dir}",
+            hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)",
+        )
+    config = read_json(ckpt_dir / CONFIG_FILENAME, "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointReadError(f"{ckpt_dir / CONFIG_FILENAME} is not a JSON object")
+    return config
+
+
+def read_safetensors_header(path: Path) -> SafetensorsHeader:
+    """Parse the header of a safetensors file without reading any tensor data."""
+    path = Path(path)
+    try:
+        file_size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointReadError(
+                    f"{path}: truncated safetensors file ({file_size} bytes, no header length)",
+                    hint="the file was cut short; copy it again from the source",
+                )
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointReadError(
+                    f"{path}: safetensors header of {header_len} bytes is over the {MAX_HEADER_BYTES} byte limit",
+                    hint="the file is corrupt or not a safetensors file",
+                )
+            if 8 + header_len > file_size:
+                raise CheckpointReadError(
+                    f"{path}: truncated safetensors file (header says {header_len} bytes, file has {file_size})",
+                    hint="the file was cut short; copy it again from the source",
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise CheckpointReadError(f"cannot read {path}: {exc}") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # see read_json
+        raise CheckpointReadError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointReadError(f"{path}: safetensors header is not a JSON object")
+    data_start = 8 + header_len
+    data_size = file_size - data_start
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise CheckpointReadError(f"{path}: __metadata__ must map strings to strings")
+    tensors: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        tensors[key] = _tensor_info(path, key, entry, data_size)
+    return SafetensorsHeader(path, tensors, metadata, data_start, file_size)
+
+
+def _tensor_info(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo:
+    bad = CheckpointReadError(f"{path}: malformed header entry for tensor {key!r}")
+    if not isinstance(entry, dict):
+        raise bad
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if (
+        not isinstance(dtype, str)
+        or dtype not in DTYPE_SIZES
+        or not isinstance(shape, list)
+        or not all(isinstance(d, int) and d >= 0 for d in shape)
+        or not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+    ):
+        raise bad
+    begin, end = offsets
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not 0 <= begin <= end <= data_size or end - begin != numel * DTYPE_SIZES[dtype]:
+        raise CheckpointReadError(
+            f"{path}: tensor {key!r} points outside the file or has the wrong byte size",
+            hint="the file is truncated or corrupt; copy it again from the source",
+        )
+    return TensorInfo(key, dtype, tuple(shape), (begin, end))
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The safetensors side of a checkpoint directory: files, headers, and the index if any."""
+
+    root: Path
+    files: tuple[str, ...]  # top-level *.safetensors, sorted
+    headers: dict[str, SafetensorsHeader]
+    index: dict[str, Any] | None
+    key_files: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> files holding it
+
+    def file_of(self, key: str) -> str | None:
+        """The file a loader reads `key` from: the index's entry if there is an index."""
+        if self.index is not None:
+            wm = self.index.get("weight_map")
+            return wm.get(key) if isinstance(wm, dict) else None
+        files = self.key_files.get(key)
+        return files[0] if files else None
+
+
+def scan_checkpoint(ckpt_dir: Path) -> CheckpointFiles:
+    """Read every top-level safetensors header and the index (no tensor data)."""
+    ckpt_dir = Path(ckpt_dir)
+    files = tuple(sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.is_file()))
+    headers = {name: read_safetensors_header(ckpt_dir / name) for name in files}
+    index_path = ckpt_dir / INDEX_FILENAME
+    index = read_json(index_path, "safetensors index") if index_path.exists() else None
+    if index is not None and not isinstance(index, dict):
+        raise CheckpointReadError(f"{index_path} is not a JSON object")
+    key_files: dict[str, list[str]] = {}
+    for name in files:
+        for key in headers[name].tensors:
+            key_files.setdefault(key, []).append(name)
+    return CheckpointFiles(
+        ckpt_dir, files, headers, index, {k: tuple(v) for k, v in key_files.items()}
+    )
+
+
+def read_tensor(header: SafetensorsHeader, key: str) -> Any:
+    """One tensor of a parsed file, read at its offsets (a torch tensor; nothing else is read).
+
+    Unlike `load_tensors`, this needs only what `read_safetensors_header` checked, so it
+    also reads files that safetensors itself would refuse for unrelated reasons.
+    """
+    import torch
+
+    info = header.tensors[key]
+    dtype = getattr(torch, torch_dtype_name(info.dtype), None)
+    if dtype is None:
+        raise CheckpointReadError(f"{header.path}: tensor {key!r} has dtype {info.dtype}, which this torch cannot read")
+    try:
+        with open(header.path, "rb") as f:
+            f.seek(header.data_start + info.data_offsets[0])
+            raw = f.read(info.nbytes)
+    except OSError as exc:
+        raise CheckpointReadError(f"cannot read {header.path}: {exc}") from None
+    if len(raw) != info.nbytes:
+        raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}")
+    if not raw:
+        return torch.empty(info.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(info.shape)
+
+
+
+
+def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, Any]:
+    """Load just `keys` from one safetensors file (as torch tensors)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in keys}
+
+
+
+
+def read_kv_scales(ckpt_dir: Path, num_layers: int, layers_prefix: str = "model.layers") -> tuple[list[float], list[float]]:
+    """Per-layer (k_scales, v_scales) as the Neuron loader reads them; an error names a missing key."""
+    files = scan_checkpoint(ckpt_dir)
+    values: dict[str, list[float]] = {"k": [], "v": []}
+    for kind in ("k", "v"):
+        for layer in range(num_layers):
+            key = neuron_scale_key(layer, kind, layers_prefix)
+            name = files.file_of(key)
+            if name is None or name not in files.headers or key not in files.headers[name].tensors:
+                raise CheckpointReadError(
+                    f"{ckpt_dir}: no KV scale {key}",
+                    hint=f"run `kvcalib validate {ckpt_dir}`; calibrate it with `kvcalib calibrate`",
+                )
+            tensor = load_tensors(ckpt_dir / name, [key])[key]
+            if tensor.numel() != 1:
+                raise CheckpointReadError(f"{ckpt_dir}: {key} has shape {list(tensor.shape)}, not [1]",
+                                          hint="kvcalib evaluates per-tensor scales only")
+            values[kind].append(float(tensor.float().reshape(())))
+    return values["k"], values["v"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint directory, each of its files read once: config.json now, the rest on first use."""
+
+    root: Path
+    config: dict[str, Any]
+
+    @classmethod
+    def open(cls, root: Path) -> Checkpoint:
+        return cls(Path(root), read_config(root))
+
+    @cached_property
+    def files(self) -> CheckpointFiles:
+        """Every top-level safetensors header and the index (read on first use)."""
+        return scan_checkpoint(self.root)
+
+    def stored_dtype(self) -> str | None:
+        """What `from_pretrained(dtype="auto")` picks: config's dtype, else the first floating tensor's."""
+        name = self.config.get("dtype") or self.config.get("torch_dtype")
+        if isinstance(name, str) and name in {torch for _size, torch in _DTYPES.values()}:
+            return name
+        for file in self.files.files:
+            for info in self.files.headers[file].tensors.values():
+                if info.dtype in FLOAT_DTYPES:
+                    return torch_dtype_name(info.dtype)
+        return None
+
+    def stored_float_dtypes(self) -> list[str]:
+        """The torch names of the floating dtypes the tensors are stored in, sorted."""
+        return sorted({torch_dtype_name(info.dtype) for header in self.files.headers.values()
+                       for info in header.tensors.values() if info.dtype in FLOAT_DTYPES})
+
+    def weight_bytes(self, element_size: int | None) -> int:
+        """Bytes the tensors take with floating ones at `element_size` (None: as stored)."""
+        total = 0
+        for header in self.files.headers.values():
+            for info in header.tensors.values():
+                if element_size is not None and info.dtype in FLOAT_DTYPES:
+                    total += info.nbytes // DTYPE_SIZES[info.dtype] * element_size
+                else:
+                    total += info.nbytes
+        return total

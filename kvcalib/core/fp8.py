@@ -1,0 +1,158 @@
+"""FP8 numerics: chip targets, the scale convention, and the chip-faithful quantiser.
+
+Pure numerics: imports nothing else from kvcalib.
+
+The one scale convention used everywhere (vLLM, compressed-tensors, the Neuron plugin):
+
+    x ≈ fp8 * s          s = absmax / fp8_max
+
+`s` is the dequantisation multiplier. Kernels that multiply by the reciprocal compute it
+themselves; it is never stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DEFAULT_TARGET", "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok",
+    "fake_quantize", "from_fp8_domain", "get_target", "implied_fp8_max", "neuron_reciprocal",
+    "scale_from_absmax", "sqnr_db", "to_fp8_domain",
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A serving target: the largest finite FP8 value its KV cache saturates at."""
+
+    name: str
+    fp8_max: float
+    neuron: bool  # served by vLLM's Neuron plugin (its bf16 reciprocal and clamp), not GPU vLLM
+
+
+# The one place that knows the chips. TRN2's FP8 E4M3 keeps inf/NaN encodings, so its
+# largest finite value is 240 (the Neuron plugin clamps to ±240); TRN3 and GPUs use OCP
+# E4M3FN with 448.
+TARGETS: dict[str, Target] = {
+    "trn2": Target("trn2", 240.0, neuron=True),  # AWS Trainium 2: FP8 E4M3, max 240
+    "trn3": Target("trn3", 448.0, neuron=True),  # AWS Trainium 3: OCP E4M3FN, max 448
+    "gpu": Target("gpu", 448.0, neuron=False),  # vLLM on GPU/CPU: OCP E4M3FN, max 448
+}
+
+DEFAULT_TARGET = "trn2"
+
+# A layer whose K or V is exactly zero on every calibration token would get s = 0, which
+# the Neuron loader turns into an infinite reciprocal. Floor the scale instead: any positive
+# scale represents zeros exactly, and 1/SCALE_FLOOR is finite in bf16.
+SCALE_FLOOR = 1e-8
+
+
+def get_target(name: str) -> Target:
+    """The target called `name`; ValueError naming the known ones otherwise."""
+    try:
+        return TARGETS[name]
+    except KeyError:
+        known = ", ".join(sorted(TARGETS))
+        raise ValueError(f"unknown target {name!r}; known targets: {known}") from None
+
+
+# kvcalib may raise a scale by up to this much (relative) above absmax / fp8_max: on Neuron
+# the scale is rounded up onto the bf16 grid (8 significant bits) so that the chip's own
+# reciprocal never pushes the calibrated absmax past fp8_max.
+SCALE_ROUNDING_TOLERANCE = 2.0**-6
+
+
+def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Tensor:
+    """The scale(s) kvcalib writes for `absmax` (element-wise), float32, floored at SCALE_FLOOR.
+
+    `s = absmax / fp8_max`, nudged up to the smallest value for which the target's own
+    arithmetic maps absmax inside ±fp8_max, so the calibrated maximum never saturates:
+    on Neuron `absmax * bf16(1 / bf16(s)) <= fp8_max` with `s` on the bf16 grid (the plugin
+    reads it through bf16 anyway); on GPU `absmax / s <= fp8_max` in float32.
+    """
+    absmax = torch.as_tensor(absmax, dtype=torch.float32)
+    flat = [_safe_scale(float(a), target) for a in absmax.reshape(-1).tolist()]
+    return torch.tensor(flat, dtype=torch.float32).reshape(absmax.shape)
+
+
+def _safe_scale(absmax: float, target: Target) -> float:
+    a = torch.tensor(absmax, dtype=torch.float32)
+    s = torch.clamp(a / target.fp8_max, min=SCALE_FLOOR)
+    if not torch.isfinite(s):
+        return float(s)
+    if target.neuron:
+        s_bf16 = s.to(torch.bfloat16)
+        if s_bf16.float() < s:
+            s_bf16 = _next_bf16_up(s_bf16)
+        while a * neuron_reciprocal(s_bf16.float()) > target.fp8_max:
+            s_bf16 = _next_bf16_up(s_bf16)
+        return float(s_bf16.float())
+    while a / s > target.fp8_max:
+        s = torch.nextafter(s, torch.tensor(float("inf")))
+    return float(s)
+
+
+def _next_bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """The next larger bf16 value after positive bf16 `x`."""
+    return (x.view(torch.int16) + 1).view(torch.bfloat16)
+
+
+def implied_fp8_max(absmax: float, scale: float) -> float:
+    """The FP8 max a scale was sized for, given the absmax it came from."""
+    return absmax / scale
+
+
+def bf16_reciprocal_ok(scale: float) -> bool:
+    """Whether the Neuron plugin's `bf16(1 / bf16(s))` is finite and non-zero."""
+    s_bf16 = torch.tensor(scale, dtype=torch.float32).to(torch.bfloat16)
+    if not torch.isfinite(s_bf16) or s_bf16 == 0:
+        return False
+    r = (1.0 / s_bf16.float()).to(torch.bfloat16)
+    return bool(torch.isfinite(r)) and bool(r != 0)
+
+
+# --- the chip's quantiser, emulated -------------------------------------------------------
+
+def neuron_reciprocal(scale: torch.Tensor | float) -> torch.Tensor:
+    """The multiplier the Neuron plugin stores for scale `s`: `r = bf16(1 / bf16(s))` (float32 holder)."""
+    s_bf16 = torch.as_tensor(scale, dtype=torch.float32).to(torch.bfloat16)
+    return (1.0 / s_bf16.float()).to(torch.bfloat16).float()
+
+
+def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
+    """`x` in float32 as the chip feeds it to the FP8 cast: `x * r` on Neuron, `x / s` on GPU."""
+    if target.neuron:
+        return x.float() * neuron_reciprocal(scale).to(x.device)
+    return x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+
+
+def from_fp8_domain(q: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
+    """Back from the FP8 domain: `q / r` on Neuron (1/r is folded into the kernels), `q * s` on GPU."""
+    if target.neuron:
+        return q / neuron_reciprocal(scale).to(q.device)
+    return q * torch.as_tensor(scale, dtype=torch.float32, device=q.device)
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
+    """Quantise `x` to FP8 and back exactly as `target` stores its KV cache.
+
+    Neuron (trn2/trn3): `q = clamp(x * r, ±fp8_max).to(float8_e4m3fn)`, `x̂ = q / r` with
+    `r = neuron_reciprocal(s)`; trn2 clamps at 240 (its E4M3 has the e4m3fn grid below 240).
+    GPU: `q = saturate(x / s)` in e4m3fn (max 448), `x̂ = q * s`. Returns x̂ in x's dtype.
+    """
+    scaled = to_fp8_domain(x, scale, target)
+    q = scaled.clamp(-target.fp8_max, target.fp8_max).to(torch.float8_e4m3fn).float()
+    return from_fp8_domain(q, scale, target).to(x.dtype)
+
+
+def sqnr_db(signal_power: float, noise_power: float) -> float:
+    """Signal-to-quantisation-noise ratio in dB (inf when there is no noise)."""
+    import math
+
+    if noise_power == 0.0:
+        return math.inf
+    if signal_power == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal_power / noise_power)

@@ -1,0 +1,146 @@
+"""Names and schemas: scale tensor keys, file names, and the compressed-tensors config.
+
+The one place that builds `model.layers.{i}.self_attn.k_scale` and the KV-only
+`quantization_config`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = [
+    "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS", "NEURON_ALT_LAYERS_PREFIX",
+    "NEURON_LAYERS_PREFIX", "PROVENANCE_FILENAME", "PROVENANCE_METADATA_KEY", "SCALES_FILENAME",
+    "SINGLE_WEIGHTS_FILENAME", "is_kv_scale_key", "kv_cache_scheme_args", "kv_only_quantization_config",
+    "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key", "parse_neuron_scale_key", "scale_key",
+]
+
+KV_KINDS = ("k", "v")
+
+# Files kvcalib adds to a checkpoint directory.
+SCALES_FILENAME = "kv_scales.safetensors"
+PROVENANCE_FILENAME = "kvcalib_calibration.json"
+CONFIG_FILENAME = "config.json"
+INDEX_FILENAME = "model.safetensors.index.json"
+SINGLE_WEIGHTS_FILENAME = "model.safetensors"
+
+# Key in the scale file's safetensors metadata that holds the provenance JSON.
+PROVENANCE_METADATA_KEY = "kvcalib"
+
+# The decoder-layer prefix every Neuron scale loader reads (neuron-platform.md §3).
+NEURON_LAYERS_PREFIX = "model.layers"
+NEURON_ALT_LAYERS_PREFIX = "model.language_model.layers"
+
+MAX_LAYERS = 10_000  # far more than any model has; bounds the loop over a hostile config
+
+
+def num_hidden_layers(config: dict[str, Any]) -> int | None:
+    """config.json's num_hidden_layers, top level or under text_config (multimodal configs); None if unusable."""
+    for holder in (config, config.get("text_config")):
+        if isinstance(holder, dict):
+            n = holder.get("num_hidden_layers")
+            if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_LAYERS:
+                return n
+    return None
+
+
+def scale_key(attention_module_path: str, kind: str) -> str:
+    """`<attention module path>.k_scale` / `.v_scale`: the attention module's own state-dict name."""
+    if kind not in KV_KINDS:
+        raise ValueError(f"kind must be 'k' or 'v', not {kind!r}")
+    return f"{attention_module_path}.{kind}_scale"
+
+
+def neuron_scale_key(layer: int, kind: str, layers_prefix: str = NEURON_LAYERS_PREFIX) -> str:
+    """The exact key vLLM on Neuron reads for layer `layer`."""
+    return scale_key(f"{layers_prefix}.{layer}.self_attn", kind)
+
+
+# Names other tools have used for KV scales that the Neuron loader does NOT read.
+# Each pattern captures (prefix, layer, kind or None for a shared k/v scale).
+_FOREIGN_SCALE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"), "k_proj/v_proj.output_scale (pre-2024 llm-compressor)"),
+    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale$"), "k_proj/v_proj.*_scale"),
+    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.([kv])_scale$"), "self_attn.attn.*_scale (vLLM module path)"),
+    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.kv_scale$"), "kv_scale (one scale for K and V)"),
+    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.kv_scale$"), "attn.kv_scale (one scale for K and V)"),
+)
+
+_NEURON_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+def parse_neuron_scale_key(key: str) -> tuple[str, int, str] | None:
+    """(layers prefix, layer, 'k'|'v') for a `*.layers.{i}.self_attn.{k,v}_scale` key."""
+    m = _NEURON_SCALE_RE.match(key)
+    if not m:
+        return None
+    return m.group(1), int(m.group(2)), m.group(3)
+
+
+def parse_foreign_scale_key(key: str) -> tuple[int, str | None, str] | None:
+    """(layer, kind or None, description) for a KV scale under a name Neuron ignores."""
+    for pattern, description in _FOREIGN_SCALE_PATTERNS:
+        m = pattern.match(key)
+        if m:
+            kind = m.group(3) if m.lastindex and m.lastindex >= 3 else None
+            return int(m.group(2)), kind, description
+    return None
+
+
+def is_kv_scale_key(key: str) -> bool:
+    """Any KV-cache scale, under the Neuron name or a foreign one."""
+    return parse_neuron_scale_key(key) is not None or parse_foreign_scale_key(key) is not None
+
+
+# --- compressed-tensors quantization_config -------------------------------------------
+
+# The kv_cache_scheme fields we write. Older compressed-tensors versions forbid unknown
+# keys, so we write only fields every version since 0.11 knows (checkpoint-format.md).
+_KV_SCHEME_FIELDS = ("num_bits", "type", "strategy", "dynamic", "symmetric", "observer")
+
+
+def kv_cache_scheme_args() -> Any:
+    """compressed-tensors `QuantizationArgs` for static per-tensor FP8 KV."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(
+        num_bits=8,
+        type="float",
+        strategy="tensor",
+        dynamic=False,
+        symmetric=True,
+        observer="static_minmax",
+    )
+
+
+def kv_only_quantization_config() -> dict[str, Any]:
+    """The KV-only `quantization_config` for config.json, built with compressed-tensors' models.
+
+    Round-trips through `QuantizationConfig.model_validate` before it is returned.
+    """
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig(
+        config_groups={},
+        kv_cache_scheme=kv_cache_scheme_args(),
+        format="dense",
+        quantization_status="compressed",
+        ignore=[],
+    )
+    dumped = config.model_dump(mode="json")
+    scheme = {k: dumped["kv_cache_scheme"][k] for k in _KV_SCHEME_FIELDS}
+    result = {
+        "config_groups": {},
+        "format": dumped["format"],
+        "ignore": [],
+        "kv_cache_scheme": scheme,
+        "quant_method": dumped["quant_method"],
+        "quantization_status": dumped["quantization_status"],
+        "version": compressed_tensors.__version__,
+    }
+    reread = QuantizationConfig.model_validate({k: v for k, v in result.items() if k != "version"})
+    if reread.kv_cache_scheme is None or reread.kv_cache_scheme.model_dump() != config.kv_cache_scheme.model_dump():
+        raise RuntimeError("compressed-tensors did not read back the kv_cache_scheme kvcalib wrote")
+    return result

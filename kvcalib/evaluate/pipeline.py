@@ -1,0 +1,230 @@
+"""eval: predict FP8-KV accuracy on CPU (or GPU) with the target chip's own numerics.
+
+The checkpoint's model runs over held-out text twice or more per batch: once with an
+unquantised KV cache (the baseline), then once per scale configuration with K and V
+quantised exactly as the chip stores them (kvcalib.fp8.fake_quantize through the attention
+hook of kvcalib.observe). Teacher-forced: every token attends to the quantised K/V of all
+earlier tokens, as in decoding from an FP8 cache. Per-layer figures (SQNR, saturation) are
+measured on the unquantised pass's K/V, so each is its own layer's quantiser's.
+
+Metrics against the baseline, over real (non-padding) next-token predictions: mean NLL and
+perplexity, ΔNLL, mean KL(baseline || quantised), top-1 agreement; per layer, the SQNR of K
+and V and the fraction of elements that saturated.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcalib.core import fp8
+from kvcalib.core.checkpoint import read_config, read_kv_scales
+from kvcalib.core.cpu import ComputePath
+from kvcalib.core.errors import UsageError
+from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.core.schema import num_hidden_layers
+from kvcalib.evaluate.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats
+from kvcalib.hf.attention import OBSERVER_KWARG, register_attention
+from kvcalib.hf.compute import compute_path
+from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
+from kvcalib.hf.model import (
+    RunOptions,
+    load_model,
+    load_tokenizer,
+    num_layers,
+    pad_id,
+    prepare_run,
+    resolve_compute,
+    resolve_target,
+)
+
+__all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate"]
+
+UNIT = "unit"  # --compare unit: every scale 1.0 (what a checkpoint without scales runs with)
+CHECKPOINT = "checkpoint"
+
+
+@dataclass(frozen=True)
+class EvalOptions(RunOptions):
+    target: str = fp8.DEFAULT_TARGET
+    num_samples: int = 64
+    max_seq_len: int = 512
+    batch_size: int = 2
+    compare: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunResult:
+    name: str
+    nll: float
+    ppl: float
+    delta_nll: float
+    kl: float
+    top1: float
+    layers: tuple[LayerQuantStats, ...]
+
+    @property
+    def k_clipped(self) -> float:
+        return _mean(l.k_clipped for l in self.layers)
+
+    @property
+    def v_clipped(self) -> float:
+        return _mean(l.v_clipped for l in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "nll": self.nll, "ppl": self.ppl, "delta_nll": self.delta_nll,
+                "kl": self.kl, "top1": self.top1, "layers": [l.to_dict() for l in self.layers]}
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    checkpoint: str
+    target: str
+    fp8_max: float
+    num_samples: int
+    num_tokens: int  # next-token predictions scored
+    baseline_nll: float
+    runs: tuple[RunResult, ...]
+    seconds: float = 0.0
+    plot: str | None = None
+    compute: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "compute": self.compute,
+            "num_samples": self.num_samples, "num_tokens": self.num_tokens,
+            "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll)},
+            "runs": [r.to_dict() for r in self.runs], "seconds": round(self.seconds, 3), "plot": self.plot,
+        }
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+@dataclass
+class _Totals:
+    """Running sums over scored tokens for one configuration."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    agree: float = 0.0
+    count: int = 0
+    quantizer: KVQuantizer | None = field(default=None)
+
+
+def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None = None,
+             progress: ProgressCallback | None = None) -> EvalResult:
+    """Evaluate `checkpoint`'s KV scales (and `options.compare`) against an unquantised KV cache."""
+    opts = options or EvalOptions()
+    notify = progress or no_progress
+    started = time.perf_counter()
+    target = resolve_target(opts.target)
+    run = prepare_run(checkpoint, opts, opts.batch_size)
+    ckpt, dtype, device = run.checkpoint, run.dtype, run.device
+    layers = _config_num_layers(ckpt.config, ckpt.root)
+    configs = _scale_configs(ckpt.root, opts.compare, layers)
+    compute = resolve_compute(opts.bf16_compute, dtype, ckpt, device, opts.cpu)
+
+    notify(Progress("load-data"))
+    tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
+    data = load_calibration_data(dataset, tokenizer, split=opts.split, text_column=opts.text_column,
+                                 num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed)
+    if sum(len(s) - 1 for s in data.sequences) < 1:
+        raise UsageError("the evaluation samples are all one token long: nothing to score",
+                         hint="pass longer texts or a larger --max-seq-len")
+    notify(Progress("load-model"))
+    model = load_model(ckpt.root, dtype, device, opts.trust_remote_code, attn_implementation=register_attention())
+    if num_layers(model) != layers:
+        raise UsageError(f"{ckpt.root}: config says {layers} layers, the model has {num_layers(model)}")
+
+    totals = {name: _Totals(quantizer=KVQuantizer(k, v, target)) for name, (k, v) in configs.items()}
+    meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device)
+    baseline = _score(model, data, opts.batch_size, pad_id(tokenizer), device, compute, meter, totals, notify)
+    base_nll_mean = baseline.nll / baseline.count
+    runs = tuple(
+        RunResult(
+            name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
+            delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
+            layers=tuple(meter.layer_stats(name)),
+        )
+        for name, t in totals.items()
+    )
+    return EvalResult(
+        checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max,
+        num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
+        runs=runs, seconds=time.perf_counter() - started, compute=compute.describe(),
+    )
+
+
+def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: int, device: torch.device,
+           compute: ComputePath, meter: KVErrorMeter, totals: dict[str, _Totals], notify: ProgressCallback) -> _Totals:
+    """Every batch unquantised (the baseline, returned; `meter` rides along) and once per scale configuration."""
+    baseline = _Totals()
+    done_samples = done_tokens = 0
+    notify(Progress("observe", 0, len(data.sequences), 0, data.num_tokens))
+    for input_ids, mask in batches(data.sequences, batch_size, pad):
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        scored = (mask[:, 1:] & mask[:, :-1]).bool()  # predicting token t+1 from a real token t
+        targets = input_ids[:, 1:]
+        meter.token_mask = mask.bool()
+        base_logp = _log_probs(model, input_ids, mask, meter, compute)
+        meter.token_mask = None
+        base_nll = -base_logp.gather(-1, targets[..., None])[..., 0][scored]
+        baseline.nll += base_nll.double().sum().item()
+        baseline.count += int(scored.sum())
+        base_top1 = base_logp.argmax(-1)
+        for run in totals.values():
+            logp = _log_probs(model, input_ids, mask, run.quantizer, compute)
+            run.nll += (-logp.gather(-1, targets[..., None])[..., 0][scored]).double().sum().item()
+            kl = (base_logp.exp() * (base_logp - logp)).sum(-1)
+            run.kl += kl[scored].double().sum().item()
+            run.agree += (logp.argmax(-1) == base_top1)[scored].sum().item()
+            run.count += int(scored.sum())
+            del logp, kl
+        done_samples += input_ids.shape[0]
+        done_tokens += int(mask.sum())
+        notify(Progress("observe", done_samples, len(data.sequences), done_tokens, data.num_tokens))
+    return baseline
+
+
+@torch.inference_mode()
+def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any,
+               compute: ComputePath) -> torch.Tensor:
+    """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
+    kwargs = {OBSERVER_KWARG: hook}
+    with compute_path(compute):
+        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False, **kwargs).logits
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1)
+
+
+def _config_num_layers(config: dict[str, Any], where: Path) -> int:
+    layers = num_hidden_layers(config)
+    if layers is None:
+        raise UsageError(f"{where}: config.json has no usable num_hidden_layers",
+                         hint=f"run `kvcalib validate {where}`")
+    return layers
+
+
+def _scale_configs(model_dir: Path, compare: tuple[str, ...], num_layers: int) -> dict[str, tuple[list[float], list[float]]]:
+    """name -> (k_scales, v_scales): the checkpoint's own, then each --compare entry."""
+    configs = {CHECKPOINT: read_kv_scales(model_dir, num_layers)}
+    for entry in compare:
+        if entry in configs:
+            raise UsageError(f"--compare {entry} given twice")
+        if entry == UNIT:
+            configs[UNIT] = ([1.0] * num_layers, [1.0] * num_layers)
+            continue
+        other = Path(entry)
+        other_layers = _config_num_layers(read_config(other), other)
+        if other_layers != num_layers:
+            raise UsageError(f"--compare {entry}: {other_layers} layers, but {model_dir} has {num_layers}",
+                             hint="compare checkpoints of the same model")
+        configs[entry] = read_kv_scales(other, num_layers)
+    return configs

@@ -1,0 +1,70 @@
+"""A picture of an eval: per layer, K/V absmax against each configuration's clip level, SQNR,
+and the fraction of K/V that saturated. matplotlib is an optional extra (`kvcalib[plot]`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.errors import UsageError
+
+__all__ = ["plot_eval"]
+
+
+def plot_eval(result: Any, path: Path) -> Path:
+    """Write a PNG for an `EvalResult` to `path` (atomically) and return the path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise UsageError("--plot needs matplotlib", hint="pip install 'kvcalib[plot]'") from None
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise UsageError(f"--plot writes a PNG; {path} does not end in .png")
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot: directory {path.parent} does not exist")
+
+    fig, axes = plt.subplots(3, 2, figsize=(12, 11), sharex=True)
+    first = result.runs[0]
+    layers = [l.layer for l in first.layers]
+    for col, kind in enumerate(("k", "v")):
+        ax = axes[0][col]
+        ax.plot(layers, [getattr(l, f"{kind}_absmax") for l in first.layers], "k-", lw=2, label=f"{kind.upper()} absmax")
+        for run in result.runs:
+            ax.plot(layers, [getattr(l, f"{kind}_clip_at") for l in run.layers], "--", label=f"clips above ({_label(run.name)})")
+        ax.set_yscale("log")
+        ax.set_title(f"{kind.upper()}: absmax on the eval text vs where each configuration saturates")
+        ax.legend(fontsize=7)
+        for row, (metric, title) in enumerate(((f"{kind}_sqnr_db", "SQNR (dB)"), (f"{kind}_clipped", "fraction clipped")), start=1):
+            ax = axes[row][col]
+            for run in result.runs:
+                values = [getattr(l, metric) for l in run.layers]
+                ax.plot(layers, [v if math.isfinite(v) else float("nan") for v in values], "o-", ms=3, label=_label(run.name))
+            ax.set_title(f"{kind.upper()} {title}")
+            ax.legend(fontsize=7)
+            if row == 2:
+                ax.set_xlabel("layer")
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(
+        f"{result.checkpoint} on {result.target} (FP8 max {result.fp8_max:g}), {result.num_tokens:,} tokens: "
+        + ", ".join(f"{_label(r.name)} ΔNLL {r.delta_nll:+.4f}" for r in result.runs),
+        fontsize=9,
+    )
+    fig.tight_layout()
+    partial = path.with_name(f".{path.name}.partial.png")
+    try:
+        fig.savefig(partial, dpi=90)
+        os.replace(partial, path)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _label(name: str) -> str:
+    return name if len(name) <= 28 else "…" + name[-27:]

@@ -1,0 +1,228 @@
+"""The model side shared by calibrate and eval: resolve, check and load a checkpoint with transformers.
+
+Also the choices made from the command line's words (target, dtype, device, compute path),
+each with the error a user can act on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcalib.core import fp8
+from kvcalib.core.checkpoint import Checkpoint
+from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute
+from kvcalib.core.errors import (
+    CheckpointNotFoundError,
+    UnknownTargetError,
+    UnsupportedModelError,
+    UsageError,
+)
+
+__all__ = [
+    "DTYPES", "PreparedRun", "RunOptions", "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
+    "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
+    "resolve_model_dir", "resolve_target", "text_config",
+]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What calibrate and eval both take: the data split and column, the seed, how the model runs."""
+
+    split: str = "train"
+    text_column: str | None = None
+    seed: int = 42
+    dtype: str = "auto"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    bf16_compute: str = "auto"  # auto | native | float32 (core.cpu: bf16 matmuls in float32 where bf16 is slow)
+    cpu: HostCpu | None = None  # the host CPU, as the CLI reads it; None: assumed to have native bf16
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """The checked model side of a run, before any weight is loaded."""
+
+    checkpoint: Checkpoint
+    dtype: torch.dtype | None  # None: the checkpoint's own
+    device: torch.device
+
+
+def prepare_run(model: str | Path, options: RunOptions, batch_size: int) -> PreparedRun:
+    """--batch-size, --dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
+    dtype, device = resolve_dtype(options.dtype), resolve_device(options.device)
+    checkpoint = Checkpoint.open(resolve_model_dir(model))
+    check_supported_model(checkpoint, options.trust_remote_code)
+    return PreparedRun(checkpoint, dtype, device)
+
+
+def resolve_target(name: str) -> fp8.Target:
+    try:
+        return fp8.get_target(name)
+    except ValueError as exc:
+        raise UnknownTargetError(str(exc), hint="use --target trn2, trn3 or gpu") from None
+
+
+def resolve_dtype(name: str) -> torch.dtype | None:
+    """--dtype: None for auto (the checkpoint's own)."""
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise UsageError(f"unknown --dtype {name!r}", hint=f"use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown --device {name!r}", hint="use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but torch sees no CUDA device", hint="use --device cpu")
+    return device
+
+
+def effective_dtype(checkpoint: Checkpoint, dtype: torch.dtype | None) -> torch.dtype:
+    """`dtype`, else what `from_pretrained(dtype="auto")` picks for this checkpoint."""
+    if dtype is not None:
+        return dtype
+    stored = checkpoint.stored_dtype()
+    return getattr(torch, stored) if stored else torch.get_default_dtype()
+
+
+def resolve_compute(requested: str, dtype: torch.dtype | None, checkpoint: Checkpoint, device: torch.device,
+                    cpu: HostCpu | None) -> ComputePath:
+    """The compute path for the model's effective dtype (`dtype`, else the checkpoint's own)."""
+    try:
+        return choose_compute(requested, effective_dtype(checkpoint, dtype), device, cpu)
+    except ValueError as exc:
+        raise UsageError(str(exc), hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16") from None
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A local checkpoint directory for `model`: the path itself, or a hub snapshot when online."""
+    path = Path(model).expanduser()
+    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        if not path.is_dir():
+            raise CheckpointNotFoundError(
+                f"model directory not found: {model}",
+                hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)",
+            )
+        return path
+    try:  # looks like a hub id (org/name) and is not a local path
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.py"]))
+    except Exception as exc:  # huggingface_hub raises many types; all mean "could not fetch"
+        raise CheckpointNotFoundError(
+            f"model {model} is not a local directory and could not be fetched from the hub ({type(exc).__name__})",
+            hint="pass a local checkpoint directory, or run where the hub is reachable",
+        ) from None
+
+
+def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
+    """A causal LM, unquantised (or KV-only), with safetensors weights."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_dir, config = checkpoint.root, checkpoint.config
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    remote = trust_remote_code and "AutoModelForCausalLM" in (config.get("auto_map") or {})
+    if architectures:
+        causal = any(isinstance(a, str) and (a in causal_classes or a.endswith("ForCausalLM")) for a in architectures)
+    else:
+        causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if not (causal or remote):
+        raise UnsupportedModelError(
+            f"{model_dir}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a causal "
+            "language model transformers can load with AutoModelForCausalLM",
+            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)",
+        )
+    qcfg = config.get("quantization_config") or config.get("compression_config")
+    if qcfg:
+        method = str(qcfg.get("quant_method", "")).lower().replace("_", "-") if isinstance(qcfg, dict) else ""
+        groups = qcfg.get("config_groups") if isinstance(qcfg, dict) else None
+        if method != "compressed-tensors" or groups:
+            raise UnsupportedModelError(
+                f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
+                f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
+                hint="calibrate from the unquantised (bf16/fp16) checkpoint",
+            )
+    if not checkpoint.files.files:
+        raise UnsupportedModelError(
+            f"{model_dir}: no *.safetensors weights",
+            hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
+        )
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModelError(f"{model_dir}: cannot load the tokenizer ({exc})",
+                                    hint="the checkpoint needs its tokenizer files (tokenizer.json, ...)") from None
+
+
+def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
+    """transformers' config of the model, without a quantization config (an earlier KV-only calibration
+    must not make transformers load through a quantizer)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    for attr in ("quantization_config", "compression_config"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    return config
+
+
+def load_model(model_dir: Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
+               attn_implementation: str | None = None) -> torch.nn.Module:
+    """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=load_model_config(model_dir, trust_remote_code), dtype=dtype if dtype is not None else "auto",
+        attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+    )
+    return model.to(device).eval()
+
+
+def build_skeleton(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
+                   attn_implementation: str) -> torch.nn.Module:
+    """The model with every parameter on the meta device and real buffers (rotary frequencies)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(load_model_config(model_dir, trust_remote_code), dtype=dtype,
+                                                 attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+    return model.requires_grad_(False).eval()
+
+
+def text_config(model: torch.nn.Module) -> Any:
+    """The language model's config (a multimodal model's text_config)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def num_layers(model: torch.nn.Module) -> int:
+    return int(text_config(model).num_hidden_layers)
+
+
+def pad_id(tokenizer: Any) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0

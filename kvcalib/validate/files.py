@@ -1,0 +1,258 @@
+"""Checkpoint integrity (rule 4 of `kvcalib.validate`): what the two Neuron loader variants see.
+
+Variant A globs every top-level `*.safetensors` file and ignores the index; variant B uses
+only the index's `weight_map` (neuron-platform.md §5). Headers and the index are read, no
+tensor data. Every problem becomes a finding; nothing here raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.checkpoint import (
+    SafetensorsHeader,
+    read_json,
+    read_safetensors_header,
+)
+from kvcalib.core.errors import KvcalibError
+from kvcalib.core.schema import INDEX_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key
+from kvcalib.validate.report import ERROR, WARNING, Finding, short_repr
+
+__all__ = ["CheckpointScan", "scan_for_validation"]
+
+_EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """The safetensors side of a checkpoint as validation sees it (unreadable parts left out)."""
+
+    root: Path
+    files: tuple[str, ...]  # top-level *.safetensors, sorted
+    headers: dict[str, SafetensorsHeader]  # the files whose header parsed
+    weight_map: dict[str, Any] | None  # None: no index, or an unreadable one
+    key_files: dict[str, tuple[str, ...]]  # key -> files whose header holds it (variant A)
+
+    @property
+    def unreadable(self) -> tuple[str, ...]:
+        return tuple(name for name in self.files if name not in self.headers)
+
+    def source_of(self, key: str) -> str | None:
+        """The file a scale is read from: the index's file if it has the key, else the first holder."""
+        holders = self.key_files.get(key, ())
+        mapped = self.weight_map.get(key) if self.weight_map is not None else None
+        if mapped in holders:
+            return mapped
+        return holders[0] if holders else None
+
+    def header_of(self, key: str) -> SafetensorsHeader | None:
+        name = self.source_of(key)
+        return self.headers[name] if name is not None else None
+
+
+def _examples(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:_EXAMPLES])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > _EXAMPLES else "")
+
+
+def scan_for_validation(root: Path) -> tuple[CheckpointScan, list[Finding]]:
+    """Read every header and the index; report what cannot be read or does not agree."""
+    findings: list[Finding] = []
+    files = tuple(sorted(p.name for p in root.glob("*.safetensors") if p.is_file()))
+    headers: dict[str, SafetensorsHeader] = {}
+    for name in files:
+        try:
+            headers[name] = read_safetensors_header(root / name)
+        except KvcalibError as exc:
+            findings.append(Finding("CKPT-HEADER", ERROR, exc.message, exc.hint, name))
+    key_files: dict[str, list[str]] = {}
+    for name, header in headers.items():
+        for key in header.tensors:
+            key_files.setdefault(key, []).append(name)
+    index = _read_index(root, findings)
+    weight_map = index.get("weight_map") if index is not None else None
+    if not files and not (root / INDEX_FILENAME).exists():
+        findings.append(Finding(
+            "CKPT-NO-SAFETENSORS",
+            ERROR,
+            f"no *.safetensors file in {root}: the Neuron loaders read safetensors only",
+            "convert the weights to safetensors (save_pretrained(..., safe_serialization=True))",
+            str(root),
+        ))
+    scan = CheckpointScan(root, files, headers, weight_map, {k: tuple(v) for k, v in key_files.items()})
+    findings += _duplicate_findings(scan)
+    if index is not None:
+        findings += _index_findings(scan, index["weight_map"])
+        findings += _total_size_findings(scan, index)
+        findings += _single_file_shadow_findings(scan)
+    return scan, findings
+
+
+def _single_file_shadow_findings(scan: CheckpointScan) -> list[Finding]:
+    """transformers loads a top-level model.safetensors and never reads the index beside it."""
+    if SINGLE_WEIGHTS_FILENAME not in scan.headers:
+        return []
+    shadowed = sorted(k for k, files in scan.key_files.items() if SINGLE_WEIGHTS_FILENAME not in files)
+    if not shadowed:
+        return []
+    scales = [k for k in shadowed if is_kv_scale_key(k)]
+    return [Finding(
+        "CKPT-SINGLE-FILE-SHADOWS-INDEX",
+        WARNING,
+        f"{SINGLE_WEIGHTS_FILENAME} exists beside {INDEX_FILENAME}: transformers (and compressed-tensors "
+        f"through it) loads only {SINGLE_WEIGHTS_FILENAME} and ignores {_examples(scales or shadowed)} in other "
+        "files; vLLM and the Neuron loaders are not affected",
+        f"rename {SINGLE_WEIGHTS_FILENAME} to model-00001-of-00001.safetensors and update weight_map "
+        "(kvcalib calibrate writes this layout)",
+        SINGLE_WEIGHTS_FILENAME,
+    )]
+
+
+def _read_index(root: Path, findings: list[Finding]) -> dict[str, Any] | None:
+    """The index, if there is one whose weight_map is an object."""
+    path = root / INDEX_FILENAME
+    if not path.exists():
+        return None
+    try:
+        index = read_json(path, "safetensors index")
+    except KvcalibError as exc:
+        findings.append(Finding("CKPT-INDEX-UNREADABLE", ERROR, exc.message, exc.hint, INDEX_FILENAME))
+        return None
+    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
+        return index
+    what = "its weight_map" if isinstance(index, dict) else "the index"
+    findings.append(Finding(
+        "CKPT-INDEX-UNREADABLE",
+        ERROR,
+        f"{INDEX_FILENAME}: {what} is not a JSON object: an index-based loader cannot use it",
+        "restore the index from the original checkpoint, or delete it if all weights are in one file",
+        INDEX_FILENAME,
+    ))
+    return None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte
+        return False
+
+
+def _bare_safetensors_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name.endswith(".safetensors")
+        and "/" not in name
+        and "\\" not in name
+        and ":" not in name  # a Windows drive
+        and not name.startswith(".")
+    )
+
+
+def _index_findings(scan: CheckpointScan, weight_map: dict[str, Any]) -> list[Finding]:
+    findings: list[Finding] = []
+    location = f"{INDEX_FILENAME}:weight_map"
+    by_file: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+        by_file.setdefault(name if isinstance(name, str) else short_repr(name), []).append(key)
+    for name, keys in by_file.items():
+        if not _bare_safetensors_name(name):
+            findings.append(Finding(
+                "CKPT-INDEX-FILE-NAME",
+                ERROR,
+                f"weight_map names {name!r} for {_examples(keys)}: an index-based loader accepts only "
+                "bare top-level *.safetensors file names and refuses the checkpoint",
+                "move the file next to config.json and map its keys to its bare file name",
+                location,
+            ))
+        elif not _is_file(scan.root / name):
+            findings.append(Finding(
+                "CKPT-INDEX-FILE-MISSING",
+                ERROR,
+                f"weight_map names {name!r}, which does not exist, for {_examples(keys)}: an "
+                "index-based loader refuses the checkpoint",
+                "restore the missing file, or rebuild the index from the files present",
+                location,
+            ))
+        elif name in scan.headers:
+            stale = [key for key in keys if key not in scan.headers[name].tensors]
+            findings += _per_key_or_file(
+                "CKPT-INDEX-KEY-STALE",
+                stale,
+                name,
+                f"weight_map maps {{keys}} to {name}, which holds no such tensor: an index-based "
+                "loader cannot find it",
+                "rebuild weight_map from the safetensors headers",
+            )
+    for name, header in scan.headers.items():
+        findings += _per_key_or_file(
+            "CKPT-INDEX-KEY-UNMAPPED",
+            [key for key in header.tensors if key not in weight_map],
+            name,
+            f"{{keys}} in {name} is missing from weight_map: loaders that glob *.safetensors read "
+            "it, index-based loaders silently ignore it (a scale missing there runs at 1.0)",
+            f"add every key of {name} to weight_map with the bare file name {name!r}",
+        )
+    return findings
+
+
+def _per_key_or_file(rule: str, keys: list[str], name: str, message: str, hint: str) -> list[Finding]:
+    """An error per KV-scale key (those decide the numerics); one warning for a file's other keys."""
+    scale_keys = sorted(k for k in keys if is_kv_scale_key(k))
+    other = [k for k in keys if not is_kv_scale_key(k)]
+    findings = [Finding(rule, ERROR, message.replace("{keys}", key), hint, f"{name}:{key}") for key in scale_keys]
+    if other:
+        findings.append(Finding(rule, WARNING, message.replace("{keys}", _examples(other)), hint, name))
+    return findings
+
+
+def _duplicate_findings(scan: CheckpointScan) -> list[Finding]:
+    by_files: dict[tuple[str, ...], list[str]] = {}
+    for key, names in scan.key_files.items():
+        if len(names) > 1:
+            by_files.setdefault(names, []).append(key)
+    findings = []
+    for names, keys in sorted(by_files.items()):
+        scale_keys = [k for k in keys if is_kv_scale_key(k)]
+        findings.append(Finding(
+            "CKPT-DUPLICATE-KEY",
+            ERROR,
+            f"{_examples(scale_keys or keys)} stored in more than one file ({', '.join(names)}): "
+            "which copy a loader uses is not defined",
+            "keep each tensor in exactly one file",
+            ", ".join(names),
+        ))
+    return findings
+
+
+def _total_size_findings(scan: CheckpointScan, index: dict[str, Any]) -> list[Finding]:
+    metadata = index.get("metadata")
+    total_size = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if total_size is None:
+        return []
+    location = f"{INDEX_FILENAME}:metadata.total_size"
+    if not isinstance(total_size, int) or isinstance(total_size, bool):
+        return [Finding(
+            "CKPT-TOTAL-SIZE", WARNING, f"metadata.total_size is {short_repr(total_size)}, not an integer",
+            "set it to the sum of the byte sizes of the tensors in weight_map", location,
+        )]
+    actual = 0
+    for key, name in index["weight_map"].items():
+        header = scan.headers.get(name) if isinstance(name, str) else None
+        if header is None:
+            return []  # an unreadable or missing file: reported above, no size to compare
+        if key in header.tensors:
+            actual += header.tensors[key].nbytes
+    if actual == total_size:
+        return []
+    return [Finding(
+        "CKPT-TOTAL-SIZE",
+        WARNING,
+        f"metadata.total_size is {total_size}, but the tensors in weight_map hold {actual} bytes",
+        f"set metadata.total_size to {actual}",
+        location,
+    )]

@@ -1,0 +1,121 @@
+"""`kvcalib validate`: will vLLM on Neuron accept this checkpoint, and use its scales?
+
+Reads config.json, the index, every safetensors header and the scale tensors only (a few
+bytes each), so a checkpoint of any size validates in about the time of a few headers.
+`validate_checkpoint` raises only when the checkpoint cannot be read at all or the target is
+unknown; everything else is a `Finding`. The rule ids are stable:
+
+1. The Neuron platform's quantization-config validator, exactly (neuron-platform.md §1),
+   after vLLM's normalisation of quant_method; the platform's own words as the message.
+   - NEURON-QCFG-MX            error  quant_method contains "mx" (mxfp4, gpt_oss_mxfp4, ...)
+   - NEURON-QCFG-WEIGHTS       error  a config group quantizes weights
+   - NEURON-QCFG-OUTPUT-ACT    error  a config group quantizes output activations
+   - NEURON-QCFG-INPUT-ACT     error  input activations on targets none of which contains
+                                      "Attention" (re:.*self_attn$ does not; a string never does)
+   - NEURON-QCFG-MALFORMED     error  a shape vLLM or the platform crashes on: quantization_config
+                                      not an object (null is fine), quant_method not a string,
+                                      config_groups not an object, a group not an object,
+                                      non-iterable targets or a non-string target with input
+                                      activations
+2. NEURON-LLAMA-QUANT-METHOD  error  Llama model, quant_method not compressed-tensors/modelopt
+                                      (fp8 included), checked when the platform accepted.
+3. The scales Neuron reads, model.layers.{i}.self_attn.{k,v}_scale (or
+   model.language_model.layers...) for i < num_hidden_layers:
+   - SCALE-MISSING        error    a key is missing while others are there: that layer runs at 1.0
+   - SCALE-FOREIGN-NAME   error    only under a name Neuron ignores (kv_scale, k_proj.output_scale, ...)
+   - SCALE-SHAPE          error    shape [] (loader IndexError) or more than one element (reshape)
+   - SCALE-VALUE          error    non-finite, zero, negative, or 1/s not finite non-zero in bf16
+   - SCALE-UNREADABLE     error    the scale's bytes cannot be read
+   - SCALE-DTYPE          warning  not float32
+   - SCALE-UNCALIBRATED   warning  every scale is exactly 1.0
+   - SCALE-NONE           warning  no KV scales at all: a plain model, FP8 KV would run at 1.0
+                          error    ... although quantization_config declares a kv_cache_scheme
+   - SCALE-NO-KV-SCHEME   warning  scales but no kv_cache_scheme (error for --target gpu: GPU
+                                   vLLM ignores the scales)
+   - SCALE-LAYER-COUNT    warning  no usable num_hidden_layers; the layers the scales name are checked
+   - SCALE-EXTRA-LAYER    warning  scales for layers the model does not have
+4. Checkpoint integrity, for both Neuron loader variants (glob *.safetensors / index only):
+   - CKPT-NO-SAFETENSORS     error  no *.safetensors file and no index
+   - CKPT-HEADER             error  a safetensors header does not parse (truncated, oversized, ...)
+   - CKPT-INDEX-UNREADABLE   error  the index is not JSON, or its weight_map is not an object
+   - CKPT-INDEX-FILE-NAME    error  weight_map names a file that is not a bare *.safetensors name
+   - CKPT-INDEX-FILE-MISSING error  weight_map names a file that does not exist
+   - CKPT-INDEX-KEY-UNMAPPED error for a scale key, warning for other keys: in a file but not in
+                                    weight_map (the glob loader sees it, the index loader does not)
+   - CKPT-INDEX-KEY-STALE    same severities: weight_map points at a file that lacks the key
+   - CKPT-DUPLICATE-KEY      error  one key in two files
+   - CKPT-TOTAL-SIZE         warning metadata.total_size is not the sum of the mapped tensors' bytes
+   - CKPT-SINGLE-FILE-SHADOWS-INDEX warning  a model.safetensors beside an index: transformers reads
+                                    only that file and never loads tensors (scales) from the others
+5. The FP8 range, from the provenance `kvcalib calibrate` writes (kvcalib_calibration.json
+   and/or the "kvcalib" metadata of the scale file):
+   - RANGE-TARGET-MISMATCH      error  sized for a larger FP8 max than the target's (448 on trn2:
+                                       values above 0.54 of absmax clip); info when smaller
+   - RANGE-PROVENANCE-DISAGREES warning the tensors (or the two records) disagree with it
+   - RANGE-PROVENANCE-MALFORMED warning unreadable provenance
+   - RANGE-UNKNOWN              info   scales present, no provenance: FP8 max unknown
+6. Portability:
+   - PORT-KV-SCHEME-INVALID     error  kv_cache_scheme does not parse as QuantizationArgs
+   - PORT-KV-SCHEME-FORMAT      error  not num_bits 8, type float, symmetric
+   - PORT-KV-SCHEME-STRATEGY    error  strategy not "tensor" or dynamic not false (warning on gpu)
+   - PORT-CONFIG-GROUPS-MISSING warning compressed-tensors without config_groups (error on gpu)
+   - PORT-NO-SCALE-LOADER       warning scales on an architecture other than Llama, Qwen3, GPT-OSS
+                                        (info on gpu)
+   - PORT-COMPRESSION-CONFIG    warning the 2024 key compression_config instead of quantization_config
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvcalib.core.checkpoint import read_config
+from kvcalib.core.errors import UnknownTargetError
+from kvcalib.core.fp8 import get_target
+from kvcalib.validate.config import (
+    declared_kv_cache_scheme,
+    llama_gate,
+    neuron_quantization_verdict,
+    portability_findings,
+)
+from kvcalib.validate.files import scan_for_validation
+from kvcalib.validate.report import Finding, ValidationReport
+from kvcalib.validate.scales import range_findings, scale_findings
+
+__all__ = ["validate_checkpoint"]
+
+
+def validate_checkpoint(
+    path: Path,
+    target: str = "trn2",
+    *,
+    strict: bool = False,
+    neuron_config: dict | None = None,
+) -> ValidationReport:
+    """Every finding for the checkpoint at `path` served on `target` ("trn2", "trn3", "gpu").
+
+    `neuron_config` is the serve command's `additional_config["neuron_config"]`, if known.
+    Raises UnknownTargetError, CheckpointNotFoundError (no directory or config.json) and
+    CheckpointReadError (config.json not a JSON object); nothing else.
+    """
+    try:
+        get_target(target)
+    except ValueError as exc:
+        raise UnknownTargetError(str(exc), hint="use --target trn2, trn3 or gpu") from None
+    root = Path(path)
+    config = read_config(root)
+    findings: list[Finding] = []
+    verdict = neuron_quantization_verdict(config.get("quantization_config"), neuron_config)
+    if verdict is not None:
+        findings.append(verdict)
+    else:  # the Llama model is built only once the platform has accepted the config
+        gate = llama_gate(config)
+        if gate is not None:
+            findings.append(gate)
+    scan, integrity = scan_for_validation(root)
+    scheme_declared = declared_kv_cache_scheme(config) is not None
+    scales, check = scale_findings(config, scan, scheme_declared, target)
+    findings += scales
+    findings += integrity
+    findings += range_findings(scan, check, target)
+    findings += portability_findings(config, target, check.present)
+    return ValidationReport(str(path), target, tuple(findings), strict)

@@ -1,0 +1,75 @@
+"""What `kvcalib validate` returns: findings and the report that holds them.
+
+Kept apart from the rules so that every rule module can build findings without importing
+`validate` (which imports the rule modules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["ERROR", "Finding", "INFO", "SEVERITIES", "ValidationReport", "WARNING", "short_repr"]
+
+ERROR = "error"
+WARNING = "warning"
+INFO = "info"
+SEVERITIES = (ERROR, WARNING, INFO)
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """repr() of a value read from a file, cut to `limit` characters, for messages."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "<a deeply nested value>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing validation found: a stable rule id, how bad it is, and where."""
+
+    rule: str
+    severity: str  # "error" | "warning" | "info"
+    message: str
+    hint: str | None = None
+    location: str | None = None  # a file, a key, or "config.json:quantization_config..."
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """Every finding for one checkpoint and target; `ok` is the verdict."""
+
+    checkpoint: str
+    target: str
+    findings: tuple[Finding, ...]
+    strict: bool = False
+
+    @property
+    def errors(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == ERROR)
+
+    @property
+    def warnings(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == WARNING)
+
+    @property
+    def ok(self) -> bool:
+        """No errors; with `strict`, no warnings either."""
+        return not self.errors and not (self.strict and self.warnings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint,
+            "target": self.target,
+            "ok": self.ok,
+            "findings": [f.to_dict() for f in self.findings],
+        }

@@ -1,0 +1,113 @@
+"""The command line: exit codes, JSON on stdout, humans on stderr, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from kvcalib.cli import app
+
+runner = CliRunner()
+
+
+def test_calibrate_json_on_stdout_and_table_on_stderr(tiny_llama_master, text_dataset, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(out),
+                                 "--num-samples", "8", "--max-seq-len", "64", "--target", "trn3", "--json"])
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert {"output", "target", "fp8_max", "num_samples", "num_tokens", "layers"} <= set(payload)
+    assert payload["target"] == "trn3" and payload["fp8_max"] == 448.0 and payload["num_samples"] == 8
+    assert [layer["layer"] for layer in payload["layers"]] == [0, 1, 2]
+    assert set(payload["layers"][0]) >= {"layer", "k_absmax", "v_absmax", "k_scale", "v_scale"}
+    assert "KV scales for trn3" in result.stderr and f"wrote {out}" in result.stderr
+    assert (out / "config.json").exists()
+
+
+def test_llm_compressor_argument_names(tiny_llama_master, text_dataset, tmp_path):
+    result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
+                                 str(tmp_path / "out"), "--num-calibration-samples", "3", "--max-seq-length", "16",
+                                 "--dataset-split", "train", "--json"])
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["num_samples"] == 3 and payload["num_tokens"] <= 48
+
+
+def test_calibrate_user_errors_are_one_line_and_a_hint(tiny_llama_master, text_dataset, tmp_path):
+    cases = [
+        (["calibrate", str(tmp_path / "nope"), "--dataset", str(text_dataset), "-o", str(tmp_path / "o")], 2,
+         f"error: model directory not found: {tmp_path / 'nope'}"),
+        (["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(tmp_path / "o"),
+          "--target", "h100"], 2, "error: unknown target 'h100'; known targets: gpu, trn2, trn3"),
+        (["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(tmp_path / "o"),
+          "--text-column", "body"], 1, "error: dataset"),
+        (["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(tmp_path),
+          ], 1, f"error: output {tmp_path} already exists"),
+    ]
+    for args, code, first_line in cases:
+        result = runner.invoke(app, args)
+        assert result.exit_code == code, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert lines[0].startswith(first_line), result.stderr
+        assert lines[-1].startswith("hint: "), result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not (tmp_path / "o").exists()
+
+
+def test_python_dash_m_works():
+    proc = subprocess.run([sys.executable, "-m", "kvcalib", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("calibrate", "validate"):
+        assert command in proc.stdout
+
+
+def _calibrated_copy(tiny_llama_master, tmp_path):
+    import shutil
+
+    from checkpoints import make_calibrated
+
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama_master, dst)
+    return make_calibrated(dst)
+
+
+def test_validate_exit_codes_and_json(tiny_llama_master, tmp_path):
+    ckpt = _calibrated_copy(tiny_llama_master, tmp_path)
+    ok = runner.invoke(app, ["validate", str(ckpt), "--json"])
+    assert ok.exit_code == 0, ok.stderr
+    payload = json.loads(ok.stdout)
+    assert set(payload) == {"checkpoint", "target", "ok", "findings"}
+    assert payload["ok"] is True and payload["target"] == "trn2"
+    assert "OK: 0 error(s)" in ok.stderr
+
+    # a warning: fine unless --strict
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["MistralForCausalLM"], "mistral"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert runner.invoke(app, ["validate", str(ckpt)]).exit_code == 0
+    strict = runner.invoke(app, ["validate", str(ckpt), "--strict", "--json"])
+    assert strict.exit_code == 1
+    assert [f["rule"] for f in json.loads(strict.stdout)["findings"]] == ["PORT-NO-SCALE-LOADER"]
+
+    # an error
+    (ckpt / "kv_scales.safetensors").unlink()
+    bad = runner.invoke(app, ["validate", str(ckpt), "--json"])
+    assert bad.exit_code == 1
+    rules = {f["rule"] for f in json.loads(bad.stdout)["findings"] if f["severity"] == "error"}
+    assert "CKPT-INDEX-FILE-MISSING" in rules
+    assert "FAILED" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_validate_unreadable_is_exit_2(tmp_path):
+    missing = runner.invoke(app, ["validate", str(tmp_path / "nope")])
+    assert missing.exit_code == 2
+    assert missing.stderr.startswith(f"error: checkpoint directory not found: {tmp_path / 'nope'}")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{not json")
+    broken = runner.invoke(app, ["validate", str(tmp_path / "ckpt")])
+    assert broken.exit_code == 2 and "cannot parse config.json" in broken.stderr
+    target = runner.invoke(app, ["validate", str(tmp_path / "ckpt"), "--target", "a100"])
+    assert target.exit_code == 2 and "unknown target 'a100'" in target.stderr

@@ -1,0 +1,270 @@
+"""serve-check's parts: Neuron detection, log diagnosis, judging, the process-group teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from serve_helpers import FAKE_BIN, listening
+
+from kvcalib.core.cpu import HostCpu
+from kvcalib.core.errors import DeviceError, ServerError, UsageError
+from kvcalib.serve.neuron import (
+    NeuronDevice,
+    NeuronHost,
+    detect_neuron_host,
+    parse_logfmt,
+    parse_neuron_ls_json,
+    require_family,
+)
+from kvcalib.serve.pipeline import (
+    ServerRun,
+    baseline_kv_dtype,
+    cpu_kv_cache_bytes,
+    judge,
+)
+from kvcalib.serve.preflight import check_cpu
+from kvcalib.serve.probe import Completion, degenerate
+from kvcalib.serve.prompts import Prompt, read_prompts_file
+from kvcalib.serve.server import (
+    VllmServer,
+    diagnose,
+    free_port,
+    group_members,
+    port_in_use,
+)
+
+# What neuron-ls --json-output prints on a trn1.2xlarge (neuron-platform.md §7).
+TRN1_JSON = ('[{"neuron_device": 0, "bdf": "0000:00:1e.0", "cpu_affinity": "0-7", "numa_node": "-1", '
+             '"connected_to": null, "nc_count": 2, "memory_size": 34359738368, "neuroncore_ids": [0, 1], '
+             '"neuron_processes": []}]')
+
+
+def test_logfmt_fields():
+    line = 'level=fatal msg="Failed to load MLA system information" error="failed to discover Neuron devices"'
+    assert parse_logfmt(line) == {"level": "fatal", "msg": "Failed to load MLA system information",
+                                  "error": "failed to discover Neuron devices"}
+    assert parse_logfmt('a=1 b="x \\"y\\""') == {"a": "1", "b": 'x "y"'}
+
+
+@pytest.mark.parametrize("text, devices, error", [
+    ("named", (NeuronDevice(0, 2, 34359738368, "0000:00:1e.0"),), None),
+    ("[]", (), None),
+    ("not json", None, "printed something that is not JSON"),
+    ('{"nc_count": 2}', None, "did not print a JSON array of devices"),
+    ('[{"neuron_device": 0}]', None, "device entry 0 has no integer nc_count"),
+])
+def test_neuron_ls_json(text, devices, error):
+    text = TRN1_JSON if text == "named" else text
+    if error:
+        with pytest.raises(DeviceError, match=error):
+            parse_neuron_ls_json(text)
+    else:
+        assert parse_neuron_ls_json(text) == devices
+
+
+def test_family_from_sysfs_beats_neuron_ls_and_the_override_beats_both(tmp_path, monkeypatch):
+    env = {"PATH": f"{FAKE_BIN}{os.pathsep}/usr/bin:/bin", "FAKE_NEURON_LS": "trn2", "FAKE_NEURON_DEVICES": "2"}
+    arch = tmp_path / "devices/virtual/neuron_device/neuron0/info/architecture"
+    arch.mkdir(parents=True)
+    (arch / "instance_type").write_text("trn3.48xlarge\n")
+    host = detect_neuron_host(env, sysfs_root=tmp_path)
+    assert (host.family, host.instance_type, host.family_source, host.num_cores) == ("trn3", "trn3.48xlarge", "sysfs", 8)
+    assert host.neuron_ls == str(FAKE_BIN / "neuron-ls")
+    table = detect_neuron_host(env, sysfs_root=tmp_path / "no-sysfs")
+    assert (table.family, table.instance_type, table.family_source) == ("trn2", "trn2.3xlarge", "neuron-ls")
+    forced = detect_neuron_host({**env, "NEURON_PLATFORM_TARGET_OVERRIDE": "trn3"}, sysfs_root=tmp_path / "no-sysfs")
+    assert (forced.family, forced.family_source) == ("trn3", "NEURON_PLATFORM_TARGET_OVERRIDE")
+
+
+def test_require_family():
+    host = NeuronHost("inf2", "inf2.xlarge", "sysfs", (NeuronDevice(0, 2, 1),))
+    with pytest.raises(DeviceError, match=r"this host is inf2 \(inf2.xlarge from sysfs\), not trn2"):
+        require_family(host, "trn2")
+    require_family(NeuronHost("trn2", None, "neuron-ls"), "trn2")
+
+
+@pytest.mark.parametrize("text, ids, why", [
+    (" Paris. It is", [1, 2, 3, 4, 5], None),
+    ("", [], "empty output"),
+    ("   \n", [7, 7], "empty output"),
+    ("!!!!!!!!", [0] * 8, "8 tokens but only 1 distinct"),
+    ("-" * 32, [12] * 32, "32 tokens but only 1 distinct"),
+    ("ab" * 16, [1, 2] * 16, "32 tokens but only 2 distinct"),
+    ("ab" * 4, [1, 2] * 4, None),  # 8 tokens may alternate two
+    (" six, seven, eight, nine, ten, eleven,", [5, 28, 6, 28, 7, 28, 8, 28, 9, 28, 10, 28], None),
+])
+def test_degenerate(text, ids, why):
+    assert degenerate(text, ids) == why
+
+
+@pytest.mark.parametrize("line, cause", [
+    ("ValueError: Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale). "
+     "Weight quantization in config_groups['group_0'] is not supported.", "refused the checkpoint's quantization_config"),
+    ("ValueError: Neuron does not support MX quantization: quant_method='mxfp4'.", "refused the checkpoint's"),
+    ("ValueError: Unsupported quantization_config.quant_method=fp8. Llama3 currently supports: 'modelopt', "
+     "'compressed-tensors'.", "Neuron Llama model refused the quant_method"),
+    ("IndexError: slice() cannot be applied to a 0-dim tensor.", "a KV scale is a 0-d tensor"),
+    ("NotImplementedError: FP8 segmented prefill requires a packed KV cache; attention_segmented_cte cannot read",
+     "cannot use segmented prefill"),
+    ("ValueError: Unsupported kv_cache_dtype 'fp8_e5m2' on Neuron. Supported values: 'auto'", "does not support this"),
+    ("NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.", "needs AVX-512 or AMX"),
+    ("NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU.", "head sizes divisible by 32"),
+    ("RuntimeError: operator torchvision::nms does not exist", "torchvision/torchaudio/torchcodec"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "ran out of memory"),
+    ("ValueError: Available memory on node 0 (10.59/12.21 GiB) on startup is less than desired CPU memory "
+     "utilization (0.92, 11.24 GiB).", "ran out of memory"),
+    ("ERROR nrt_tensor_allocate status=4 message=\"Allocation Failure\"", "ran out of memory"),
+    ("OSError: [Errno 98] Address already in use", "the port is already taken"),
+    ("api_server.py: error: unrecognized arguments: --no-async-scheduling", "does not accept a flag"),
+    ("/usr/bin/python3: Error while finding module specification for 'vllm.entrypoints.openai.api_server' "
+     "(ModuleNotFoundError: No module named 'vllm')", "vLLM is not installed"),
+])
+def test_known_causes(line, cause):
+    found = diagnose(f"INFO starting\n{line}\nINFO shutting down")
+    assert found is not None and cause in found.cause and found.line == line.strip()
+
+
+def test_unknown_failures_are_not_guessed():
+    assert diagnose("RuntimeError: something nobody has seen before\nTraceback ...") is None
+    assert diagnose("INFO Loading torchvision-free model\n") is None
+
+
+def test_cpu_kv_cache_is_sized_from_the_config():
+    smollm2 = {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64, "num_attention_heads": 9,
+               "hidden_size": 576}
+    assert cpu_kv_cache_bytes(smollm2, 2048, 4) == 360 << 20  # 2 x 2048 x 4 x 23040 B, rounded up to MiB
+    assert cpu_kv_cache_bytes({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 128}, 64, 1) == 64 << 20
+    assert cpu_kv_cache_bytes({}, 2048, 4) == 1 << 30
+
+
+def test_baseline_kv_dtype_is_the_models_16_bit_type():
+    assert [baseline_kv_dtype({"dtype": d}) for d in ("bfloat16", "float16", "float32")] == \
+        ["bfloat16", "float16", "bfloat16"]
+    assert baseline_kv_dtype({"torch_dtype": "float16"}) == "float16"
+
+
+def test_cpu_without_avx512_or_amx_is_refused_before_starting(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    config = {"head_dim": 64}
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    with pytest.raises(DeviceError, match=r"this CPU has neither AVX-512 \(avx512f\) nor AMX \(amx_tile\)"):
+        check_cpu(config, HostCpu.from_cpuinfo(cpuinfo))
+    for flags in ("avx2 avx512f avx512bw", "avx2 amx_tile amx_bf16"):
+        cpuinfo.write_text(f"flags\t\t: {flags}\n")
+        check_cpu(config, HostCpu.from_cpuinfo(cpuinfo))
+    check_cpu(config, HostCpu.from_cpuinfo(tmp_path / "missing"))  # unreadable: left to vLLM, whose message is diagnosed
+    check_cpu(config, None)
+    with pytest.raises(DeviceError, match="head size 48 is not divisible by 32"):
+        check_cpu({"hidden_size": 384, "num_attention_heads": 8}, HostCpu.from_cpuinfo(tmp_path / "missing"))
+
+
+def test_prompts_files(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_text("first prompt\n\n  second, indented\n")
+    assert read_prompts_file(txt) == (Prompt("first prompt"), Prompt("  second, indented"))
+    cases = [("empty.txt", "\n\n", "has no prompts"), ("bad.jsonl", "{not json\n", "bad.jsonl:1: not JSON"),
+             ("nokey.jsonl", '{"text": "x"}\n', "nokey.jsonl:1: no non-empty string 'prompt'")]
+    for name, content, message in cases:
+        (tmp_path / name).write_text(content)
+        with pytest.raises(UsageError, match=message):
+            read_prompts_file(tmp_path / name)
+
+
+def _run(nll: float, agreements=None, texts=(" Paris. It is",)) -> ServerRun:
+    completions = tuple(Completion(t, tuple(ord(c) for c in t), (1, 2)) for t in texts)
+    return ServerRun("cmd", "log", 1.0, completions, nll, agreements)
+
+
+@pytest.mark.parametrize("fp8, baseline, failures", [
+    (_run(2.90, (0.94,)), _run(2.84), []),
+    (_run(2.90, (0.79,)), _run(2.84), ["mean agreement with the baseline 0.79 < 0.8"]),
+    (_run(3.20, (1.0,)), _run(2.84), ["FP8 NLL 3.200 > baseline 2.840 x 1.1"]),
+    (_run(9.45, None, ("-" * 32,)), None, ["prompt 1 ('The capital of France is'): degenerate output, "
+                                           "32 tokens but only 1 distinct"]),
+    (_run(5.0, None), None, []),  # without a baseline the NLL is reported, not judged
+])
+def test_judge(fp8, baseline, failures):
+    results, found, agreement = judge([Prompt("The capital of France is", "Paris")], fp8, baseline)
+    assert found == failures
+    assert agreement == (fp8.agreements[0] if baseline else None)
+    assert results[0].to_dict()["expected_found"] == ("Paris" in fp8.completions[0].text)
+
+
+def _server(tmp_path: Path, code: str, port: int, stop_timeout_s: float) -> VllmServer:
+    argv = [sys.executable, "-c", code, str(port)]
+    return VllmServer("test", argv, dict(os.environ), port, tmp_path / "server.log", tmp_path, stop_timeout_s)
+
+
+SERVE_AND_FORK = """
+import http.server, signal, subprocess, sys
+if len(sys.argv) > 2:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("ignore_sigterm", [False, True])
+def test_teardown_kills_the_whole_group_and_frees_the_port(tmp_path, ignore_sigterm):
+    port = free_port()
+    server = _server(tmp_path, SERVE_AND_FORK, port, stop_timeout_s=1.0)
+    if ignore_sigterm:
+        server.argv.append("ignore")
+    with server:
+        deadline = time.monotonic() + 30
+        while not listening(port):
+            assert time.monotonic() < deadline and server.exit_code() is None
+            time.sleep(0.05)
+        pgid = server.process.pid
+        assert len(group_members(pgid)) == 2  # the server and the child that ignores SIGTERM
+    assert group_members(pgid) == [] and not port_in_use(port)
+    assert server.exit_code() == (-9 if ignore_sigterm else -15)
+
+
+def test_teardown_on_an_exception_inside_the_context(tmp_path):
+    port = free_port()
+    server = _server(tmp_path, SERVE_AND_FORK, port, stop_timeout_s=1.0)
+    with pytest.raises(RuntimeError, match="boom"):
+        with server:
+            time.sleep(0.5)
+            raise RuntimeError("boom")
+    assert group_members(server.process.pid) == []
+
+
+def test_wait_healthy_reports_progress_and_a_dead_server(tmp_path):
+    port = free_port()
+    script = "import sys, time; print('loading weights', flush=True); time.sleep(0.7); print('boom: out of memory'); sys.exit(3)"
+    ticks = []
+    with _server(tmp_path, script, port, stop_timeout_s=1.0) as server, pytest.raises(ServerError) as caught:
+        server.wait_healthy(30, ticks.append)
+    assert "exited with code 3 before it was healthy: the server ran out of memory\n  boom: out of memory" \
+        in caught.value.message
+    assert caught.value.log == str(tmp_path / "server.log")
+    assert ticks and ticks[0].name == "test" and any(t.last_log_line == "loading weights" for t in ticks)
+
+
+def test_the_fake_neuron_ls_without_a_driver_behaves_like_the_real_one():
+    proc = subprocess.run([str(FAKE_BIN / "neuron-ls"), "--json-output"], capture_output=True, text=True,
+                          env={**os.environ, "FAKE_NEURON_LS": "nodriver"})
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert parse_logfmt(proc.stderr.strip())["level"] == "fatal"
+    devices = json.loads(subprocess.run([str(FAKE_BIN / "neuron-ls"), "--json-output"], capture_output=True,
+                                        text=True, env={**os.environ, "FAKE_NEURON_LS": "trn2"}).stdout)
+    assert set(devices[0]) == set(json.loads(TRN1_JSON)[0]) and isinstance(devices[0]["numa_node"], str)
+
+
+def test_a_dropped_connection_waits_for_the_process_to_finish_dying():
+    from kvcalib.serve.probe import ServerClient
+
+    calls = iter([None, None, None, 1])  # the process is still exiting when the connection drops
+    client = ServerClient(f"http://127.0.0.1:{free_port()}", "m", lambda: next(calls, 1), log="server.log")
+    with pytest.raises(ServerError) as caught:
+        client.complete("hello", 4)
+    assert caught.value.message == "the vLLM server exited (code 1) while answering /v1/completions"
+    assert caught.value.log == "server.log"

@@ -1,0 +1,129 @@
+"""Builders for test inputs: tiny real models, real text, the real SmolLM2 checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = Path(__file__).resolve().parent
+SCRIPTS = REPO / "scripts"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Calibration measures the largest key and value in every layer.",
+    "FP8 keeps eight bits per element: four for the exponent and three for the mantissa.",
+    "Trainium two saturates at two hundred and forty; the OCP format at four hundred and forty-eight.",
+]
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer trained in-process on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_llama(
+    out_dir: Path,
+    *,
+    num_layers: int = 3,
+    dtype: str = "float32",
+    max_shard_size: str = "60KB",
+    seed: int = 0,
+) -> Path:
+    """Save a tiny random Llama (GQA: 4 heads, 2 KV heads) sharded, with its tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    with torch.no_grad():  # larger weights than the default init, so K/V have some range
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight"):
+                param.mul_(8.0)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def fortune_texts(n: int, chars: int = 600) -> list[str]:
+    """`n` samples of real prose from Debian's fortunes (installed by .ci/run)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from make_text_dataset import fortune_entries, join_entries
+    finally:
+        sys.path.pop(0)
+    return join_entries(fortune_entries(), chars, n)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def smollm2_checkpoint(tmp_dir: Path) -> Path:
+    """SmolLM2 as safetensors: $KVCALIB_SMOLLM2 if set (CI prepares it once), else converted here."""
+    ready = os.environ.get("KVCALIB_SMOLLM2")
+    if ready and (Path(ready) / "config.json").exists():
+        return Path(ready)
+    out = tmp_dir / "smollm2"
+    subprocess.run([sys.executable, str(SCRIPTS / "prepare_smollm2.py"), str(out)], check=True)
+    return out
+
+
+def assert_scale_sized(scale: float, absmax: float, target_name: str) -> None:
+    """`scale` is absmax / fp8_max, rounded up by at most 2^-6, and the chip never saturates absmax."""
+    import torch
+
+    from kvcalib.core import fp8
+
+    target = fp8.TARGETS[target_name]
+    exact = absmax / target.fp8_max
+    assert exact * (1 - 1e-7) <= scale <= exact * (1 + 2**-6), (scale, absmax, target_name)
+    assert float(fp8.to_fp8_domain(torch.tensor(absmax), scale, target)) <= target.fp8_max
