@@ -1,4 +1,8 @@
-"""The "native" engine: the whole model in memory, every batch through the decoder stack once."""
+"""The "native" engine: the whole model in memory, every batch through the decoder stack once.
+
+The model runs with its own attention (transformers' default for it); K/V are recorded by the
+cache it writes them to (kvcalib.hf.attention.RecordingCache).
+"""
 
 from __future__ import annotations
 
@@ -12,11 +16,10 @@ from kvcalib.hf.attention import (
     KVAbsmaxObserver,
     attention_modules,
     observe_batch,
-    register_attention,
 )
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import CalibrationData, batches
-from kvcalib.hf.model import load_model, num_layers
+from kvcalib.hf.model import faithful_attention, load_model, num_layers
 
 __all__ = ["native_engine", "observe_all"]
 
@@ -25,7 +28,7 @@ def native_engine(inputs: EngineInputs) -> Observation:
     """The whole model in memory; every batch through the decoder stack with the observing attention."""
     inputs.notify(Progress("load-model"))
     hf_model = load_model(inputs.model_dir, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
-                          attn_implementation=register_attention())
+                          attn_implementation=faithful_attention(inputs.config))
     layers = num_layers(hf_model)
     attn_paths = attention_modules(hf_model, layers, inputs.model_dir)
     observer = KVAbsmaxObserver(layers, device=inputs.device)

@@ -34,15 +34,20 @@ from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
 from kvcalib.hf.attention import (
-    OBSERVER_KWARG,
     KVAbsmaxObserver,
+    RecordingCache,
     StopForward,
     attention_modules,
-    register_attention,
 )
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
-from kvcalib.hf.model import build_skeleton, effective_dtype, num_layers, text_config
+from kvcalib.hf.model import (
+    build_skeleton,
+    effective_dtype,
+    faithful_attention,
+    num_layers,
+    text_config,
+)
 
 __all__ = ["HIDDEN_STATES_MEMORY_SHARE", "capture_layer_inputs", "stream_engine"]
 
@@ -57,7 +62,8 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     inputs.notify(Progress("load-model"))
     files = inputs.checkpoint.files
     dtype = effective_dtype(inputs.checkpoint, inputs.dtype)
-    model = build_skeleton(inputs.model_dir, dtype, inputs.options.trust_remote_code, register_attention())
+    model = build_skeleton(inputs.model_dir, dtype, inputs.options.trust_remote_code,
+                           faithful_attention(inputs.config))
     decoder = getattr(model, model.base_model_prefix, model)
     prefix = f"{model.base_model_prefix}." if decoder is not model else ""
     n_layers = num_layers(model)
@@ -125,7 +131,8 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
     for i, layer in enumerate(layers):
         layer.forward = stand_in(i)  # an instance attribute shadows the class's forward
     try:
-        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{OBSERVER_KWARG: observer})
+        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                past_key_values=RecordingCache(decoder.config, observer))
     except _Captured as captured:
         args, kwargs = captured.layer_args, dict(captured.layer_kwargs)
     else:

@@ -29,11 +29,12 @@ from kvcalib.core.errors import UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import num_hidden_layers
 from kvcalib.evaluate.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats
-from kvcalib.hf.attention import OBSERVER_KWARG, register_attention
+from kvcalib.hf.attention import RecordingCache
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
 from kvcalib.hf.model import (
     RunOptions,
+    faithful_attention,
     load_model,
     load_tokenizer,
     num_layers,
@@ -140,7 +141,8 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         raise UsageError("the evaluation samples are all one token long: nothing to score",
                          hint="pass longer texts or a larger --max-seq-len")
     notify(Progress("load-model"))
-    model = load_model(ckpt.root, dtype, device, opts.trust_remote_code, attn_implementation=register_attention())
+    model = load_model(ckpt.root, dtype, device, opts.trust_remote_code,
+                       attn_implementation=faithful_attention(ckpt.config))
     if num_layers(model) != layers:
         raise UsageError(f"{ckpt.root}: config says {layers} layers, the model has {num_layers(model)}")
 
@@ -198,9 +200,9 @@ def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: 
 def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any,
                compute: ComputePath) -> torch.Tensor:
     """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
-    kwargs = {OBSERVER_KWARG: hook}
     with compute_path(compute):
-        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False, **kwargs).logits
+        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=True,
+                       past_key_values=RecordingCache(model.config, hook)).logits
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 
 

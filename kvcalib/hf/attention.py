@@ -1,17 +1,17 @@
-"""Observe the K and V that attention writes to its KV cache, through transformers' attention interface.
+"""Observe the K and V each attention layer writes to its KV cache, by being that cache.
 
-kvcalib registers an attention implementation (`kvcalib_sdpa`) that records per-layer
-absmax of K and V, then runs transformers' own SDPA attention. A model's attention module
-calls it with `key`/`value` exactly as it would hand them to the cache: after rotary
-embedding (and after k-norm where a model has one), before the grouped-query repeat,
-shape `[batch, kv_heads, seq, head_dim]`. No model forward is copied and nothing is
-fake-quantised.
+kvcalib hands the decoder a `RecordingCache` as `past_key_values`. Every attention module
+of every transformers family calls `past_key_values.update(key, value, layer_idx)` with
+exactly what it stores: K after rotary embedding (and after k-norm where a model has one),
+V as is, before the grouped-query repeat, shape `[batch, kv_heads, seq, head_dim]`. The
+cache records them and hands them straight back, storing nothing (a calibration forward is
+one prefill). The model then runs its own attention, whatever it is (SDPA, eager with
+attention sinks as in GPT-OSS, soft-capping as in Gemma2, sliding windows): nothing of it is
+replaced, copied or fake-quantised.
 
-An observer's `observe(layer_idx, key, value)` may return replacement (key, value): that
-is how kvcalib.emulate runs attention on an FP8-quantised KV cache.
-
-The observer reaches the attention function as a forward keyword argument, which
-transformers passes through to every attention call, so there is no global state.
+An observer's `observe(layer_idx, key, value)` may return replacement (key, value): that is
+how kvcalib.evaluate runs attention on an FP8-quantised KV cache. The observer lives in the
+cache object made for each forward, so there is no global state.
 """
 
 from __future__ import annotations
@@ -19,16 +19,28 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from kvcalib.core.errors import UnsupportedModelError
 
-__all__ = [
-    "ATTN_IMPLEMENTATION", "KVAbsmaxObserver", "OBSERVER_KWARG", "StopForward", "attention_modules",
-    "observe_batch", "register_attention",
-]
+__all__ = ["KVAbsmaxObserver", "RecordingCache", "StopForward", "attention_modules", "observe_batch"]
 
-ATTN_IMPLEMENTATION = "kvcalib_sdpa"
-OBSERVER_KWARG = "kvcalib_observer"
+
+class RecordingCache(DynamicCache):
+    """A DynamicCache for one prefill forward whose `update` shows K/V to an observer and stores nothing.
+
+    Built from the model's config, so masks, sliding windows and layer types come out as the
+    model's own cache would make them; only `update` differs.
+    """
+
+    def __init__(self, config: Any, observer: Any) -> None:
+        super().__init__(config=config)
+        self.observer = observer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        replaced = self.observer.observe(layer_idx, key_states, value_states)
+        return replaced if replaced is not None else (key_states, value_states)
 
 
 class StopForward(Exception):
@@ -73,44 +85,24 @@ class KVAbsmaxObserver:
             raise StopForward
 
 
-def _observing_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                         value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    observer = kwargs.pop(OBSERVER_KWARG, None)
-    if observer is not None:
-        # An observer may also replace K/V (kvcalib.emulate quantises them as the chip would).
-        replaced = observer.observe(getattr(module, "layer_idx", None), key, value)
-        if replaced is not None:
-            key, value = replaced
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def register_attention() -> str:
-    """Register kvcalib's observing attention (and SDPA's mask builder) under one name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _observing_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-    return ATTN_IMPLEMENTATION
-
-
 def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:
     """layer index -> state-dict path of the attention module that owns that layer's KV cache.
 
-    Every layer 0..num_layers-1 must have one; UnsupportedModelError (naming `where`) otherwise.
+    The attention module of a transformers decoder layer is the one whose class is an
+    `...Attention` and that knows its `layer_idx` (with k_proj/v_proj, or a fused qkv_proj as in
+    Phi3: how K/V are projected does not matter). Every layer 0..num_layers-1 must have one;
+    UnsupportedModelError (naming `where`) otherwise.
     """
     found: dict[int, str] = {}
     for name, module in model.named_modules():
         layer_idx = getattr(module, "layer_idx", None)
-        if isinstance(layer_idx, int) and hasattr(module, "k_proj") and hasattr(module, "v_proj"):
+        if isinstance(layer_idx, int) and type(module).__name__.endswith("Attention"):
             found.setdefault(layer_idx, name)
     missing = [i for i in range(num_layers) if i not in found]
     if missing:
         raise UnsupportedModelError(
-            f"{where}: no attention module with k_proj/v_proj found for layer(s) {missing}",
-            hint="kvcalib observes attention modules that call transformers' attention interface",
+            f"{where}: no attention module (a ...Attention with a layer_idx) found for layer(s) {missing}",
+            hint="kvcalib observes the K/V that transformers' attention modules write to their KV cache",
         )
     return found
 
@@ -125,8 +117,8 @@ def observe_batch(decoder: torch.nn.Module, observer: KVAbsmaxObserver, input_id
     """
     observer.token_mask = attention_mask.bool()
     try:
-        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                **{OBSERVER_KWARG: observer})
+        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                past_key_values=RecordingCache(decoder.config, observer))
     except StopForward:
         pass
     finally:

@@ -23,7 +23,7 @@ from kvcalib.core.errors import (
 )
 
 __all__ = [
-    "DTYPES", "PreparedRun", "RunOptions", "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
+    "DTYPES", "PreparedRun", "RunOptions", "faithful_attention", "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
     "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
     "resolve_model_dir", "resolve_target", "text_config",
 ]
@@ -186,20 +186,39 @@ def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
     return config
 
 
+def faithful_attention(config: dict[str, Any]) -> str | None:
+    """The attention implementation that computes what the model really computes: None (transformers' default)
+    unless that default would drop part of the math.
+
+    transformers' SDPA path ignores attention-logit soft-capping (Gemma2's attn_logit_softcapping), so
+    such a model runs its eager attention; GPT-OSS's default is already eager (attention sinks).
+    """
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return "eager" if text.get("attn_logit_softcapping") else None
+
+
 def load_model(model_dir: Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
                attn_implementation: str | None = None) -> torch.nn.Module:
     """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=load_model_config(model_dir, trust_remote_code), dtype=dtype if dtype is not None else "auto",
-        attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
-    )
+    config = load_model_config(model_dir, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, dtype=dtype if dtype is not None else "auto",
+            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+        )
+    except (ValueError, ImportError, NotImplementedError) as exc:  # what transformers raises for a model it cannot run
+        raise UnsupportedModelError(
+            f"{model_dir}: transformers cannot run this {type(config).__name__.removesuffix('Config')} model "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+            hint="upgrade transformers to a version that supports this model family, or calibrate another checkpoint",
+        ) from None
     return model.to(device).eval()
 
 
 def build_skeleton(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
-                   attn_implementation: str) -> torch.nn.Module:
+                   attn_implementation: str | None = None) -> torch.nn.Module:
     """The model with every parameter on the meta device and real buffers (rotary frequencies)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM

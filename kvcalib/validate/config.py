@@ -14,7 +14,7 @@ from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = [
     "LLAMA_ARCHITECTURES", "LLAMA_METHODS", "PLATFORM_PREFIX", "QCFG_LOCATION", "SCALE_LOADER_ARCHITECTURES",
-    "SCALE_LOADER_MODEL_TYPES", "declared_kv_cache_scheme", "has_neuron_scale_loader", "is_llama",
+    "SCALE_LOADER_MODEL_TYPES", "UNSCALED_FP8_MODEL_TYPES", "declared_kv_cache_scheme", "has_neuron_scale_loader", "is_llama",
     "json_type", "llama_gate", "neuron_quantization_verdict", "normalise_quant_method", "portability_findings",
 ]
 
@@ -28,8 +28,14 @@ LLAMA_METHODS = ("modelopt", "compressed-tensors")
 
 # Architectures whose Neuron model reads model.layers.{i}.self_attn.{k,v}_scale (§3).
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
-SCALE_LOADER_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM"})
-SCALE_LOADER_MODEL_TYPES = frozenset({"llama", "qwen3", "gpt_oss"})
+# The families whose Neuron model reads model.layers.{i}.self_attn.{k,v}_scale (neuron-platform.md §3),
+# checked against the public plugin (vllm-project/vllm-neuron): vllm_neuron/model/registry.py registers
+# Llama, GPT-OSS and Qwen3; vllm_neuron/model/qwen3_moe/factory.py builds Qwen3-MoE; and
+# vllm_neuron/model/qwen3_5/ (model_type qwen3_5, qwen3_5_moe) casts K/V to FP8 with no scale at all.
+SCALE_LOADER_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                        "GptOssForCausalLM"})
+SCALE_LOADER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "gpt_oss"})
+UNSCALED_FP8_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 
 def json_type(value: Any) -> str:
@@ -265,10 +271,13 @@ def portability_findings(config: dict[str, Any], target: str, scales_present: bo
             findings.extend(_kv_scheme_findings(scheme, target))
     if (scales_present or declared_kv_cache_scheme(config) is not None) and not has_neuron_scale_loader(config):
         names = ", ".join(_architectures(config)) or f"model_type {short_repr(config.get('model_type'))}"
+        unscaled = _model_type(config) in UNSCALED_FP8_MODEL_TYPES
         findings.append(Finding(
             "PORT-NO-SCALE-LOADER",
             INFO if target == "gpu" else WARNING,
-            f"{names} has no Neuron KV-scale loader (only Llama, Qwen3 dense and GPT-OSS read "
+            f"{names}: the Neuron model casts K/V straight to FP8 with no scale and no clamp, so the scales are "
+            "ignored and values beyond the FP8 range are not saturated" if unscaled else
+            f"{names} has no Neuron KV-scale loader (only Llama, Qwen3 dense, Qwen3-MoE and GPT-OSS read "
             "them): on Neuron the scales are ignored and FP8 KV runs with scale 1.0",
             "serve this model on GPU, or expect uncalibrated FP8 KV on Neuron",
             "config.json:architectures",

@@ -59,8 +59,8 @@ unknown; everything else is a `Finding`. The rule ids are stable:
    - PORT-KV-SCHEME-FORMAT      error  not num_bits 8, type float, symmetric
    - PORT-KV-SCHEME-STRATEGY    error  strategy not "tensor" or dynamic not false (warning on gpu)
    - PORT-CONFIG-GROUPS-MISSING warning compressed-tensors without config_groups (error on gpu)
-   - PORT-NO-SCALE-LOADER       warning scales on an architecture other than Llama, Qwen3, GPT-OSS
-                                        (info on gpu)
+   - PORT-NO-SCALE-LOADER       warning scales on an architecture other than Llama, Qwen3, Qwen3-MoE,
+                                        GPT-OSS (info on gpu); Qwen3.5 casts K/V to FP8 unscaled
    - PORT-COMPRESSION-CONFIG    warning the 2024 key compression_config instead of quantization_config
 """
 

@@ -127,3 +127,19 @@ def assert_scale_sized(scale: float, absmax: float, target_name: str) -> None:
     exact = absmax / target.fp8_max
     assert exact * (1 - 1e-7) <= scale <= exact * (1 + 2**-6), (scale, absmax, target_name)
     assert float(fp8.to_fp8_domain(torch.tensor(absmax), scale, target)) <= target.fp8_max
+
+
+def build_word_tokenizer():
+    """A word-level tokenizer over the words of Debian's fortunes (or the built-in corpus), made in-process."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from collections import Counter
+
+    counts = Counter(w for text in fortune_texts(200, chars=400) + _CORPUS for w in text.split())
+    words = sorted(w for w, _n in counts.most_common(3000))
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<pad>", "<s>", "</s>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")

@@ -372,8 +372,14 @@ CASES = [
           "num_bits 8, type 'float', symmetric true")),
     case("architecture without a Neuron scale loader",
          edit_config(lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral")),
-         ("PORT-NO-SCALE-LOADER", W, "MistralForCausalLM has no Neuron KV-scale loader (only Llama, Qwen3 dense and "
-          "GPT-OSS read them): on Neuron the scales are ignored and FP8 KV runs with scale 1.0")),
+         ("PORT-NO-SCALE-LOADER", W, "MistralForCausalLM has no Neuron KV-scale loader (only Llama, Qwen3 dense, "
+          "Qwen3-MoE and GPT-OSS read them): on Neuron the scales are ignored and FP8 KV runs with scale 1.0")),
+    case("qwen3.5 casts K/V to FP8 without scales",
+         edit_config(lambda c: c.update(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5")),
+         ("PORT-NO-SCALE-LOADER", W, "Qwen3_5ForConditionalGeneration: the Neuron model casts K/V straight to FP8 "
+          "with no scale and no clamp, so the scales are ignored and values beyond the FP8 range are not saturated")),
+    case("qwen3-moe reads scales", edit_config(lambda c: c.update(architectures=["Qwen3MoeForCausalLM"],
+                                                                   model_type="qwen3_moe"))),
     case("model.safetensors beside an index hides the scales from transformers", shard_renamed_to_single_file,
          ("CKPT-SINGLE-FILE-SHADOWS-INDEX", W, "model.safetensors exists beside model.safetensors.index.json: "
           "transformers (and compressed-tensors through it) loads only model.safetensors and ignores "
