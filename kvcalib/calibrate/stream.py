@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +68,9 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     n_layers = num_layers(model)
     layers_name, layers = _decoder_layers(decoder, n_layers, inputs.model_dir)
     attn_paths = attention_modules(model, n_layers, inputs.model_dir)
-    weights = _Weights(inputs.model_dir, files, inputs.device)
-    weights.check(decoder, prefix)  # every weight findable before the long work starts
-    weights.load(decoder, prefix, skip=f"{layers_name}.")
+    weights = _Weights(model, inputs.model_dir, files, inputs.device, dtype)
+    weights.check(prefix)  # every weight findable before the long work starts
+    weights.load(prefix, skip=f"{prefix}{layers_name}.")
 
     observer = KVAbsmaxObserver(n_layers, device=inputs.device)
     batch_list = [(ids.to(inputs.device), mask.to(inputs.device))
@@ -86,7 +85,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
             states.put(b, hidden)
         progress = _LayerProgress(inputs, batch_list, n_layers)
         for i, layer in enumerate(layers):
-            weights.load(layer, f"{prefix}{layers_name}.{i}.")
+            weights.load(f"{prefix}{layers_name}.{i}.")
             for b, (ids, mask) in enumerate(batch_list):
                 _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
                 observer.token_mask = mask.bool()
@@ -147,52 +146,74 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
 
 
 class _Weights:
-    """Loads a module's tensors by key from the checkpoint's shards (safe_open, memory-mapped)."""
+    """Loads one module's weights at a time through transformers' own load-time conversion.
 
-    def __init__(self, model_dir: Path, files: CheckpointFiles, device: torch.device) -> None:
-        self.model_dir, self.files, self.device = model_dir, files, device
+    Checkpoint keys are mapped to the model's parameters with the conversion mapping
+    `from_pretrained` applies (renamings, per-expert MoE tensors fused into one parameter,
+    ...), and each module's share is read by key from the memory-mapped shards and converted
+    by transformers' own loader, cast as `from_pretrained` casts.
+    """
 
-    def _key(self, key: str, prefix: str) -> str | None:
-        if self.files.file_of(key) is not None:
-            return key
-        bare = key.removeprefix(prefix)  # a checkpoint saved from the base model has no prefix
-        return bare if prefix and self.files.file_of(bare) is not None else None
+    def __init__(self, model: torch.nn.Module, model_dir: Path, files: CheckpointFiles, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
 
-    def _meta_tensors(self, module: torch.nn.Module, skip: str | None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if tensor.device.type == "meta" and not (skip and name.startswith(skip)):
-                yield name, tensor
+        self.model, self.model_dir, self.files, self.device, self.dtype = model, model_dir, files, device, dtype
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        meta = dict(model.state_dict())
+        self.sources: dict[str, list[str]] = {}  # model parameter -> the checkpoint keys it is made from
+        keys = self.files.index.get("weight_map", {}) if isinstance(self.files.index, dict) else self.files.key_files
+        for key in keys:
+            target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            self.sources.setdefault(target, []).append(key)
 
-    def check(self, module: torch.nn.Module, prefix: str) -> None:
-        for name, _tensor in self._meta_tensors(module, None):
-            if self._key(prefix + name, prefix) is None:
-                raise UnsupportedModelError(
-                    f"{self.model_dir}: the model's weight {prefix + name} is not in the checkpoint's safetensors files",
-                    hint="this checkpoint names or fuses its weights differently from the model's modules; "
-                    "calibrate it in memory (without --stream-layers) on a larger machine",
-                )
+    def _meta(self, prefix: str, skip: str | None) -> list[str]:
+        return [name for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
+                if name.startswith(prefix) and not (skip and name.startswith(skip)) and tensor.device.type == "meta"]
 
-    def load(self, module: torch.nn.Module, prefix: str, skip: str | None = None) -> None:
-        """Put `module`'s meta tensors (except those under `skip`) on the device, cast like from_pretrained."""
-        wanted: dict[str, list[tuple[str, str, torch.Tensor]]] = {}
-        for name, tensor in self._meta_tensors(module, skip):
-            key = self._key(prefix + name, prefix)
-            if key is None:
-                raise UnsupportedModelError(f"{self.model_dir}: weight {prefix + name} is not in the checkpoint")
-            wanted.setdefault(str(self.files.file_of(key)), []).append((name, key, tensor))
+    def _missing(self, name: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
+            hint="the checkpoint does not hold every weight this model's config describes; calibrate it in "
+            "memory (without --stream-layers) to see transformers' own report",
+        )
+
+    def check(self, prefix: str) -> None:
+        """Every weight under `prefix` has a source in the checkpoint, before the long work starts."""
+        for name in self._meta(prefix, None):
+            if name not in self.sources:
+                raise self._missing(name)
+
+    def load(self, prefix: str, skip: str | None = None) -> None:
+        """Put the meta weights under `prefix` (except those under `skip`) on the device."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        wanted = self._meta(prefix, skip)
+        by_file: dict[str, list[str]] = {}
+        for name in wanted:
+            for key in self.sources.get(name, []):
+                by_file.setdefault(str(self.files.file_of(key)), []).append(key)
         state: dict[str, torch.Tensor] = {}
-        for file, entries in wanted.items():
-            loaded = load_tensors(self.model_dir / file, [key for _n, key, _t in entries])
-            for name, key, meta in entries:
-                value = loaded.pop(key)
-                if value.is_floating_point() and meta.is_floating_point():
-                    value = value.to(meta.dtype)
-                state[name] = value.to(self.device)
-        module.load_state_dict(state, strict=False, assign=True)
-        for name, buffer in module.named_buffers():  # buffers the constructor computed (rotary frequencies)
-            if not (skip and name.startswith(skip)) and buffer.device != self.device:
+        for file, keys in by_file.items():
+            state.update(load_tensors(self.model_dir / file, keys))
+        config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(self.model), dtype=self.dtype)
+        convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
+        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if not name.startswith(prefix) or (skip and name.startswith(skip)):
+                continue
+            if tensor.device.type == "meta":
+                raise self._missing(name)
+            if tensor.device != self.device:
                 owner, _, attr = name.rpartition(".")
-                setattr(module.get_submodule(owner) if owner else module, attr, buffer.to(self.device))
+                holder = self.model.get_submodule(owner) if owner else self.model
+                moved = tensor.to(self.device)
+                setattr(holder, attr, torch.nn.Parameter(moved, requires_grad=False)
+                        if isinstance(tensor, torch.nn.Parameter) else moved)
 
 
 class _HiddenStates:
