@@ -25,7 +25,7 @@ __all__ = ["native_engine", "observe_all"]
 
 
 def native_engine(inputs: EngineInputs) -> Observation:
-    """The whole model in memory; every batch through the decoder stack with the observing attention."""
+    """The whole model in memory; every batch through the decoder stack, K/V recorded by the cache."""
     inputs.notify(Progress("load-model"))
     hf_model = load_model(inputs.model_dir, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
                           attn_implementation=faithful_attention(inputs.config))

@@ -3,9 +3,10 @@
 The model is built with its parameters on the meta device (no weight memory; buffers such as
 the rotary frequencies are real, computed by the model's own constructor). Everything of the
 decoder but its layers (embedding, rotary embedding, final norm) is loaded, then each decoder
-layer in turn: its tensors only, read by key from the memory-mapped safetensors shards, cast
-the way `from_pretrained` casts them. Every batch's hidden states go through that layer with
-kvcalib's observing attention, then the layer goes back to the meta device and the next one
+layer in turn: its tensors only, read by key from the memory-mapped safetensors shards and
+loaded through transformers' own load-time conversion (so per-expert MoE checkpoints fuse as
+`from_pretrained` fuses them), cast the way it casts them. Every batch's hidden states go
+through that layer with kvcalib's recording cache, then the layer goes back to meta and the next one
 is loaded. Peak memory: one layer + the embedding + the hidden states of all samples (spilled
 to a temporary directory, one file per batch, when they would not fit).
 

@@ -23,12 +23,30 @@ from kvcalib.core.errors import (
 )
 
 __all__ = [
-    "DTYPES", "PreparedRun", "RunOptions", "faithful_attention", "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
+    "DTYPES", "MXFP4_HINT", "MXFP4_REFUSAL", "PreparedRun", "RunOptions", "dequantize_mxfp4", "faithful_attention",
+    "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
     "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
     "resolve_model_dir", "resolve_target", "text_config",
 ]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# MXFP4 experts (GPT-OSS as released): no checkpoint form serves those weights with KV scales on both
+# platforms. The Neuron platform rejects any quant_method containing "mx" (unless the server is started
+# with neuron_config quantization "mxfp8"); GPU vLLM's MXFP4 config gives attention no quant method
+# (vllm/model_executor/layers/quantization/mxfp4.py: Mxfp4Config.get_quant_method returns None for
+# Attention), so no KV scale is loaded and FP8 KV runs at 1.0; and a compressed-tensors config cannot
+# describe MXFP4 experts. The form that works everywhere has bf16 experts (README: GPT-OSS).
+MXFP4_REFUSAL = (
+    "{model_dir}: the experts are MXFP4 (quant_method mxfp4): no checkpoint with these weights serves KV scales on "
+    "both Neuron (which rejects MX quantization) and GPU vLLM (whose MXFP4 config loads no KV scales, so FP8 KV "
+    "would run at scale 1.0)"
+)
+MXFP4_HINT = (
+    "dequantize the experts to bf16 first, then calibrate that checkpoint: python -c \"from kvcalib.hf.model "
+    "import dequantize_mxfp4; dequantize_mxfp4('MODEL', 'BF16_DIR')\"; it loads with its scales on Neuron and "
+    "GPU vLLM"
+)
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,8 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
     if qcfg:
         method = str(qcfg.get("quant_method", "")).lower().replace("_", "-") if isinstance(qcfg, dict) else ""
         groups = qcfg.get("config_groups") if isinstance(qcfg, dict) else None
+        if "mxfp4" in method:
+            raise UnsupportedModelError(MXFP4_REFUSAL.format(model_dir=model_dir), hint=MXFP4_HINT)
         if method != "compressed-tensors" or groups:
             raise UnsupportedModelError(
                 f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
@@ -228,6 +248,23 @@ def build_skeleton(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
                                                  attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
     return model.requires_grad_(False).eval()
+
+
+def dequantize_mxfp4(model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB") -> Path:
+    """Write `model_dir` (MXFP4 experts) again with its experts dequantised to bf16, by transformers' own MXFP4
+    support on the CPU, with the tokenizer and no quantization_config: the form calibrate takes.
+
+    Saved without transformers' reverse weight conversion (`save_original_format=False`): with it,
+    transformers 5.17 writes the dequantised experts under names it cannot load back.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=Mxfp4Config(dequantize=True))
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    model.save_pretrained(output, max_shard_size=max_shard_size, save_original_format=False)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(output)
+    return Path(output)
 
 
 def text_config(model: torch.nn.Module) -> Any:

@@ -10,12 +10,14 @@ two, so the layers differ clearly and a layer mix-up shows.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-
 from helpers import build_word_tokenizer
-from kvcalib.calibrate import CalibrateOptions, calibrate
 from oracle import calibration_sequences
+
+from kvcalib.calibrate import CalibrateOptions, calibrate
 
 OPTS = dict(num_samples=6, max_seq_len=48, batch_size=3, target="gpu")
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -84,14 +86,16 @@ def family(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param) / request.param
     model.save_pretrained(out, max_shard_size="100KB")
     tokenizer.save_pretrained(out)
+    assert len(list(out.glob("*.safetensors"))) > 1, "sharded, so the index is used"
     return request.param, out
 
 
 def oracle(model_dir, sequences) -> tuple[list[float], list[float]]:
-    """Per-layer K/V absmax from the model's own eager attention and a full DynamicCache, row by row."""
+    """Per-layer K/V absmax from the model's own eager attention and a full DynamicCache, row by row, in the
+    checkpoint's own dtype."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype="auto").eval()
     n = model.config.num_hidden_layers
     k, v = [0.0] * n, [0.0] * n
     with torch.inference_mode():
@@ -117,3 +121,50 @@ def test_absmax_equals_the_models_own_cache(family, engine, text_dataset, tmp_pa
         assert layer.k_absmax == pytest.approx(k[layer.layer], rel=1e-6), (name, layer.layer, "K")
         assert layer.v_absmax == pytest.approx(v[layer.layer], rel=1e-6), (name, layer.layer, "V")
     assert result.validation["ok"] is True
+
+
+def test_gpt_oss_with_mxfp4_experts_is_refused_with_the_form_that_works(tmp_path, text_dataset):
+    """GPT-OSS as released (MXFP4 experts): the documented refusal, then the documented bf16 form end to end."""
+    from mxfp4 import save_as_mxfp4
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+    from kvcalib.hf.model import dequantize_mxfp4
+    from kvcalib.validate import validate_checkpoint
+
+    tokenizer = build_word_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("gpt_oss", len(tokenizer), tokenizer.pad_token_id))
+    scale_k_per_layer(model)
+    released = tmp_path / "gpt-oss-mxfp4"
+    model.to(torch.bfloat16).save_pretrained(released)
+    tokenizer.save_pretrained(released)
+    save_as_mxfp4(released)
+    assert json.loads((released / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+
+    result = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
+                                      str(tmp_path / "out"), "--num-samples", "4", "--max-seq-len", "32"])
+    assert result.exit_code != 0 and "Traceback" not in result.stderr
+    assert "the experts are MXFP4 (quant_method mxfp4): no checkpoint with these weights serves KV scales" in \
+        result.stderr
+    assert "dequantize_mxfp4('MODEL', 'BF16_DIR')" in result.stderr
+    assert not (tmp_path / "out").exists()
+    # validate gives the platform's own verdict on the released form: MX quantization is refused on Neuron
+    assert "NEURON-QCFG-MX" in [f.rule for f in validate_checkpoint(released, "trn2").errors]
+
+    # the documented form: experts dequantised to bf16 by transformers, then calibrated
+    bf16 = dequantize_mxfp4(released, tmp_path / "gpt-oss-bf16", max_shard_size="100KB")
+    loaded, info = AutoModelForCausalLM.from_pretrained(bf16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]  # every expert weight written and read back
+    dequantized = AutoModelForCausalLM.from_pretrained(released, quantization_config=Mxfp4Config(dequantize=True))
+    assert torch.equal(loaded.model.layers[1].mlp.experts.gate_up_proj,
+                       dequantized.model.layers[1].mlp.experts.gate_up_proj)
+    out = tmp_path / "gpt-oss-fp8kv"
+    calibrated = calibrate(bf16, str(text_dataset), out, CalibrateOptions(**{**OPTS, "target": "trn2"}))
+    k, v = oracle(bf16, calibration_sequences(bf16, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"]))
+    for layer in calibrated.layers:
+        assert layer.k_absmax == pytest.approx(k[layer.layer], rel=1e-6)
+        assert layer.v_absmax == pytest.approx(v[layer.layer], rel=1e-6)
+    for target in ("trn2", "gpu"):
+        assert validate_checkpoint(out, target).ok
