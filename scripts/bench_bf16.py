@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_calibrate import DEFAULT_MODEL, REPO, run_measured  # noqa: E402
+from bench_calibrate import DEFAULT_MODEL, REPO, child_env, default_dataset, require_model, run_measured  # noqa: E402
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
             "KVCALIB_CPU_FLAGS": "fpu sse2 avx avx2 fma"}
@@ -51,19 +49,11 @@ def main() -> None:
     parser.add_argument("--emulate-avx2", action="store_true", help="run every child as on an AVX2-only CPU")
     parser.add_argument("--with-native", action="store_true", help="also (d): bf16 with native bf16 matmuls")
     args = parser.parse_args()
-    if not (Path(args.model) / "config.json").exists():
-        sys.exit(f"no model at {args.model}: run `python scripts/prepare_smollm2.py .cache/smollm2` or pass --model")
-
+    require_model(args.model)
     with tempfile.TemporaryDirectory(prefix="kvcalib-bench-bf16-") as tmp:
         work = Path(tmp)
-        if args.dataset is None:
-            args.dataset = str(work / "fortunes.jsonl")
-            subprocess.run([sys.executable, str(REPO / "scripts" / "make_text_dataset.py"), args.dataset,
-                            "--max-rows", str(args.num_samples)], check=True, capture_output=True)
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "TRANSFORMERS_VERBOSITY": "error", **(AVX2_ENV if args.emulate_avx2 else {})}
+        default_dataset(args, work)
+        env = child_env(args.threads, **(AVX2_ENV if args.emulate_avx2 else {}))
         data = ["--num-samples", str(args.num_samples), "--max-seq-len", str(args.max_seq_len),
                 "--batch-size", str(args.batch_size)]
 

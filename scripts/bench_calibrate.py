@@ -58,6 +58,27 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, flo
         return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, out.read()
 
 
+def require_model(model: str) -> None:
+    if not (Path(model) / "config.json").exists():
+        sys.exit(f"no model at {model}: run `python scripts/prepare_smollm2.py .cache/smollm2` or pass --model")
+
+
+def default_dataset(args: argparse.Namespace, work: Path) -> None:
+    """Without --dataset: real prose from Debian's fortunes, one row per sample, written under `work`."""
+    if args.dataset is None:
+        args.dataset = str(work / "fortunes.jsonl")
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_text_dataset.py"), args.dataset,
+                        "--max-rows", str(args.num_samples)], check=True, capture_output=True)
+
+
+def child_env(threads: int, **extra: str) -> dict[str, str]:
+    """The environment every measured child gets: `threads` threads, this checkout importable, offline, quiet."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+            "TOKENIZERS_PARALLELISM": "false", "LLM_COMPRESSOR_LOG_DISABLED": "true", "TQDM_DISABLE": "1",
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", **extra}
+
+
 # --- the child processes (b) and (c) ------------------------------------------------------
 
 
@@ -118,18 +139,11 @@ def main() -> None:
         (child_oneshot if args.child == "oneshot" else child_forward)(args)
         return
 
-    if not (Path(args.model) / "config.json").exists():
-        sys.exit(f"no model at {args.model}: run `python scripts/prepare_smollm2.py .cache/smollm2` or pass --model")
+    require_model(args.model)
     with tempfile.TemporaryDirectory(prefix="kvcalib-bench-") as tmp:
         work = Path(tmp)
-        if args.dataset is None:
-            args.dataset = str(work / "fortunes.jsonl")
-            subprocess.run([sys.executable, str(REPO / "scripts" / "make_text_dataset.py"), args.dataset,
-                            "--max-rows", str(args.num_samples)], check=True, capture_output=True)
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-               "TOKENIZERS_PARALLELISM": "false", "LLM_COMPRESSOR_LOG_DISABLED": "true", "TQDM_DISABLE": "1",
-               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        default_dataset(args, work)
+        env = child_env(args.threads)
         common = ["--num-samples", str(args.num_samples), "--max-seq-len", str(args.max_seq_len), "--dtype", args.dtype]
         child = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--dataset", args.dataset,
                  "--batch-size", str(args.batch_size), *common, "--child"]
