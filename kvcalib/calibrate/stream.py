@@ -33,6 +33,7 @@ from kvcalib.calibrate.memory import MemoryLimit, available_memory
 from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
+from kvcalib.core.schema import is_kv_scale_key
 from kvcalib.hf.attention import (
     KVAbsmaxObserver,
     RecordingCache,
@@ -170,6 +171,9 @@ class _Weights:
         for key in keys:
             target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
             self.sources.setdefault(target, []).append(key)
+        # checkpoint tensors the model has no place for (earlier KV scales aside)
+        self.unexpected = sorted(k for target, ks in self.sources.items() if target not in meta
+                                 for k in ks if not is_kv_scale_key(k))
 
     def _meta(self, prefix: str, skip: str | None) -> list[str]:
         return [name for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
@@ -183,7 +187,13 @@ class _Weights:
         )
 
     def check(self, prefix: str) -> None:
-        """Every weight under `prefix` has a source in the checkpoint, before the long work starts."""
+        """Every weight under `prefix` has a source in the checkpoint, and every tensor a place, before the long work."""
+        if self.unexpected:
+            raise UnsupportedModelError(
+                f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
+                f"the model ({', '.join(self.unexpected[:3])}{', ...' if len(self.unexpected) > 3 else ''})",
+                hint="use the config.json and the *.safetensors files of one and the same model",
+            )
         for name in self._meta(prefix, None):
             if name not in self.sources:
                 raise self._missing(name)

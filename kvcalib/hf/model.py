@@ -21,9 +21,10 @@ from kvcalib.core.errors import (
     UnsupportedModelError,
     UsageError,
 )
+from kvcalib.core.schema import is_kv_scale_key
 
 __all__ = [
-    "DTYPES", "MXFP4_HINT", "MXFP4_REFUSAL", "PreparedRun", "RunOptions", "dequantize_mxfp4", "faithful_attention",
+    "DTYPES", "MXFP4_HINT", "MXFP4_REFUSAL", "PreparedRun", "RunOptions", "check_loading_info", "dequantize_mxfp4", "faithful_attention",
     "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
     "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
     "resolve_model_dir", "resolve_target", "text_config",
@@ -224,9 +225,9 @@ def load_model(model_dir: Path, dtype: torch.dtype | None, device: torch.device,
 
     config = load_model_config(model_dir, trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             model_dir, config=config, dtype=dtype if dtype is not None else "auto",
-            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, output_loading_info=True,
         )
     except (ValueError, ImportError, NotImplementedError) as exc:  # what transformers raises for a model it cannot run
         raise UnsupportedModelError(
@@ -234,7 +235,25 @@ def load_model(model_dir: Path, dtype: torch.dtype | None, device: torch.device,
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
             hint="upgrade transformers to a version that supports this model family, or calibrate another checkpoint",
         ) from None
+    check_loading_info(model_dir, info)
     return model.to(device).eval()
+
+
+def check_loading_info(model_dir: Path, info: dict[str, Any]) -> None:
+    """UnsupportedModelError when the weights transformers loaded do not match the config: it would have filled
+    missing weights with random values, and calibrated scales of a random model look just as plausible."""
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not is_kv_scale_key(k))
+    mismatched = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or ())
+    problems = [f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+                for what, keys in (("missing from the checkpoint", missing), ("not in the model", unexpected),
+                                   ("with the wrong shape", mismatched)) if keys]
+    if problems:
+        raise UnsupportedModelError(
+            f"{model_dir}: the safetensors weights do not match config.json: " + "; ".join(problems),
+            hint="transformers would fill missing weights with random values; use the config.json and the "
+                 "*.safetensors files of one and the same model",
+        )
 
 
 def build_skeleton(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,

@@ -297,6 +297,28 @@ def test_error_not_a_causal_lm(text_dataset, tmp_path):
     _no_output_left(tmp_path, "out")
 
 
+def test_error_weights_that_do_not_match_the_config(tiny_llama, text_dataset, tmp_path):
+    """config.json says 5 layers, the shards hold 3: transformers would random-initialise layers 3-4."""
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config["num_hidden_layers"] = 5
+    (tiny_llama / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"the safetensors weights do not match config.json: \d+ missing "
+                                                    r"from the checkpoint \(model\.layers\.3\.") as exc:
+        calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
+    assert "random values" in exc.value.hint
+    _no_output_left(tmp_path, "out")
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.3\.\S+ is not in the checkpoint's safetensors"):
+        calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(engine="stream", **SMALL))
+    _no_output_left(tmp_path, "out")
+    config["num_hidden_layers"] = 2  # now the shards hold a layer the model does not have
+    (tiny_llama / "config.json").write_text(json.dumps(config))
+    for engine in ("native", "stream"):
+        with pytest.raises(UnsupportedModelError, match=r"do not match config.json: \d+ not in the model "
+                                                        r"\(model\.layers\.2\."):
+            calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(engine=engine, **SMALL))
+        _no_output_left(tmp_path, "out")
+
+
 def test_error_already_weight_quantised(tiny_llama, text_dataset, tmp_path):
     config = json.loads((tiny_llama / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
