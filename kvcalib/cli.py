@@ -52,17 +52,49 @@ def _fail(err: KvcalibError) -> NoReturn:
     raise typer.Exit(err.exit_code)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C would raise KeyboardInterrupt, so every command cleans up alike."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# The signals every command treats as Ctrl-C: a CI timeout or `kill` (SIGTERM), a closed terminal (SIGHUP).
+_TERMINATING = ("SIGTERM", "SIGHUP")
+
+
 @contextmanager
-def _errors(quiet: bool = False) -> Iterator[None]:
+def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") -> Iterator[None]:
+    """The error boundary: a KvcalibError is one message (exit code by class); SIGINT, SIGTERM and SIGHUP
+    unwind the command like Ctrl-C (its cleanup runs) and exit 128 + the signal's number."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    previous = {}
+    for name in _TERMINATING:
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            try:
+                previous[signum] = signal.signal(signum, interrupt)
+            except ValueError:  # not the main thread: leave signals alone
+                break
     try:
         yield
     except KvcalibError as err:
         if quiet:  # a torchrun rank other than 0: rank 0 reports (with this rank's message)
             raise typer.Exit(err.exit_code) from None
         _fail(err)
-    except KeyboardInterrupt:
-        _stderr().print("[bold red]interrupted[/]: nothing was written")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        if not quiet:
+            _stderr().print(f"[bold red]interrupted[/] ({signal.Signals(signum).name}): {escape(interrupted)}")
+        raise typer.Exit(128 + signum) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _host_cpu(with_capability: bool = True) -> Any:
@@ -260,13 +292,15 @@ def eval_command(
 ) -> None:
     """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
     from kvcalib.evaluate import EvalOptions, evaluate
-    from kvcalib.evaluate.plot import plot_eval
+    from kvcalib.evaluate.plot import check_plot_path, plot_eval
 
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
                           compare=tuple(compare), bf16_compute=bf16_compute, cpu=_host_cpu())
     console = _stderr()
     with _errors(), _progress_bar(console, "evaluating") as on_progress:
+        if plot is not None:
+            check_plot_path(plot, [checkpoint, dataset, *compare])
         result = evaluate(checkpoint, dataset, options, progress=on_progress)
         if plot is not None:
             result = dataclasses.replace(result, plot=str(plot_eval(result, plot)))
@@ -317,7 +351,7 @@ def serve_check(
     from kvcalib.serve.prompts import read_prompts_file
 
     console = _stderr()
-    with _errors(), _servers_stopped_on_interrupt(console), _sigterm_as_interrupt(), \
+    with _errors(interrupted="every vLLM server serve-check started was stopped"), \
             _serve_status(console) as on_event:
         options = ServeOptions(
             device=device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs, port=port,
@@ -331,34 +365,6 @@ def serve_check(
     if as_json:
         _print_json(result.to_dict())
     raise typer.Exit(0 if result.ok else 1)
-
-
-@contextmanager
-def _servers_stopped_on_interrupt(console: Console) -> Iterator[None]:
-    try:
-        yield
-    except KeyboardInterrupt:
-        console.print("[bold red]interrupted[/]: every vLLM server serve-check started was stopped")
-        raise typer.Exit(130) from None
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a CI timeout, `kill`) takes the same path as Ctrl-C, so the servers are stopped."""
-    import signal
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

@@ -68,6 +68,7 @@ PROOFS = {
     "torchrun": "torchrun with 2 processes",
     "llmcompressor": "llm-compressor cross-check",
     "cuda": "calibrate --device cuda",
+    "disk-full": "disk full and too small on a real tmpfs (needs root to mount it)",
 }
 _proof_of: dict[str, str] = {}
 _proof_outcomes: dict[str, list[tuple[str, str]]] = {name: [] for name in PROOFS}

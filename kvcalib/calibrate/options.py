@@ -8,6 +8,7 @@ from typing import Any
 
 from kvcalib.calibrate.memory import MemoryLimit
 from kvcalib.calibrate.ranks import Ranks
+from kvcalib.core.errors import check_at_least
 from kvcalib.hf.model import RunOptions
 
 __all__ = ["CalibrateOptions", "CalibrationResult", "LayerScales"]
@@ -27,6 +28,12 @@ class CalibrateOptions(RunOptions):
     # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
     memory: MemoryLimit | None = None  # the host memory this process may use
     scratch_dir: Path | None = None  # where the stream engine spills hidden states
+
+    def check_arguments(self) -> None:
+        """The numbers a user passes, checked before anything is read (UsageError naming the flag)."""
+        check_at_least("--num-samples", self.num_samples, 1, what="rows of the dataset to calibrate on")
+        check_at_least("--max-seq-len", self.max_seq_len, 1, what="tokens per sample")
+        check_at_least("--batch-size", self.batch_size, 1, what="sequences per forward pass")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,12 @@ from kvcalib.calibrate.options import CalibrateOptions, CalibrationResult, Layer
 from kvcalib.calibrate.ranks import rank_device
 from kvcalib.calibrate.recipe import RecipePlan, plan_recipe
 from kvcalib.calibrate.stream import stream_engine
-from kvcalib.calibrate.writer import WritePlan, check_output_path, write_checkpoint
+from kvcalib.calibrate.writer import (
+    WritePlan,
+    check_output_path,
+    check_room,
+    write_checkpoint,
+)
 from kvcalib.core import fp8
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
@@ -70,6 +75,8 @@ class _Plan:
     device: torch.device
     engine: EngineChoice
     compute: ComputePath
+    inputs: tuple[tuple[str, Path], ...]  # what the output must not overlap
+    recovered: tuple[str, ...]  # what was restored or removed from interrupted runs
 
 
 def calibrate(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions | None = None,
@@ -77,7 +84,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     """Calibrate `model` on `dataset` and write the FP8-KV checkpoint to `output`."""
     notify = progress or no_progress
     started = time.perf_counter()
-    plan = _check(model, Path(output), options or CalibrateOptions())
+    plan = _check(model, dataset, Path(output), options or CalibrateOptions())
     opts = plan.options
 
     notify(Progress("load-data"))
@@ -106,27 +113,35 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
         return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)
     notify(Progress("write"))
     notes, validation = _write(plan, data, layers)
-    return result(list(plan.recipe.warnings) + warnings + notes, validation or None)
+    return result(list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation or None)
 
 
-def _check(model: str | Path, output: Path, opts: CalibrateOptions) -> _Plan:
+def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions) -> _Plan:
     """The cheap checks, before any weight is loaded; the plan of the run."""
+    opts.check_arguments()
     recipe = plan_recipe(opts.recipe, opts.target, opts.engine)  # --recipe, --target, --engine checked together
     target = resolve_target(recipe.target)
     opts = replace(opts, extra_provenance={**recipe.provenance, **opts.extra_provenance})
     run = prepare_run(model, opts, opts.batch_size)
     checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
-    check_output_path(output, checkpoint.root, opts.overwrite)
+    inputs = [("the model checkpoint", checkpoint.root), ("the dataset", Path(dataset).expanduser())]
+    if opts.recipe is not None:
+        inputs.append(("the recipe", Path(opts.recipe)))
+    writer = opts.ranks is None or opts.ranks.is_writer  # under torchrun only rank 0 touches the output's parent
+    recovered = check_output_path(output, inputs, opts.overwrite, recover_leftovers=writer)
+    if writer:
+        check_room(output, checkpoint)
     device = rank_device(device, opts.ranks)
     local_copies = opts.ranks.local_world_size if opts.ranks else 1
     choice = choose_engine(opts.engine, checkpoint, dtype, device, copies=local_copies, host=opts.memory)
     opts = replace(opts, engine=choice.engine)
     if opts.engine not in ENGINES:
-        raise UsageError(f"unknown engine {opts.engine!r}", hint=f"use one of {', '.join(sorted(ENGINES))}")
+        raise UsageError(f"unknown --engine {opts.engine!r}", hint=f"use one of {', '.join(sorted(ENGINES))}")
     compute = resolve_compute(opts.bf16_compute, dtype, checkpoint, device, opts.cpu)
     if opts.engine == "llmcompressor":  # its oneshot runs the model as its users run it
         compute = ComputePath(NATIVE, "llm-compressor's oneshot runs the model natively")
-    return _Plan(opts, recipe, target, checkpoint, output, dtype, device, choice, compute)
+    return _Plan(opts, recipe, target, checkpoint, output, dtype, device, choice, compute, tuple(inputs),
+                 tuple(recovered))
 
 
 def _observe(plan: _Plan, inputs: EngineInputs) -> Observation:
@@ -170,7 +185,7 @@ def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales]) -> tup
     notes = write_checkpoint(
         plan.checkpoint, plan.output,
         WritePlan(scales=scales, quantization_config=kv_only_quantization_config(), provenance=provenance),
-        overwrite=plan.options.overwrite, check=check,
+        overwrite=plan.options.overwrite, check=check, inputs=plan.inputs,
     )
     return notes, validation
 

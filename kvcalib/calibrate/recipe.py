@@ -26,6 +26,7 @@ from typing import Any
 
 from kvcalib.core import fp8
 from kvcalib.core.errors import MissingDependencyError, RecipeError
+from kvcalib.core.paths import require_regular_file
 
 __all__ = [
     "KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE",
@@ -83,15 +84,17 @@ def load_recipe(path: str | Path) -> KvRecipe:
     """Read the kv_cache_scheme (and kvcalib's target, if any) from an llm-compressor recipe file."""
     import yaml
 
-    recipe_path = Path(path).expanduser()
-    if not recipe_path.is_file():
-        raise RecipeError(f"recipe not found: {path}",
-                          hint="pass an llm-compressor recipe file, e.g. recipes/kv-fp8-trn2.yaml")
+    recipe_path = require_regular_file(Path(path).expanduser(), "recipe", error=RecipeError, missing=RecipeError,
+                                       hint="pass an llm-compressor recipe file, e.g. recipes/kv-fp8-trn2.yaml")
     try:
         obj = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))  # JSON is YAML too
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe {path}: {exc.strerror or exc}",
+                          hint="check the file's permissions") from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RecipeError(f"{path}: not a YAML or JSON recipe ({first})") from None
+        raise RecipeError(f"{path}: not a YAML or JSON recipe ({first})",
+                          hint="fix the YAML, or start from recipes/kv-fp8-trn2.yaml") from None
     if not isinstance(obj, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
                           hint="see recipes/kv-fp8-trn2.yaml")
@@ -222,7 +225,8 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                 location = f"{stage_key}.{group_key}.{modifier}"
                 arguments = {} if arguments is None else arguments
                 if not isinstance(arguments, dict):
-                    raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}")
+                    raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
+                                      hint="see recipes/kv-fp8-trn2.yaml for the layout")
                 if arguments.get(KV_SCHEME_KEY) is not None:
                     found.append((location, arguments[KV_SCHEME_KEY]))
                     others = [key for key in OTHER_SCHEME_KEYS if arguments.get(key)]

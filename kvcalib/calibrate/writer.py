@@ -1,24 +1,29 @@
 """Writing a calibrated checkpoint: the original weights linked, the scales, index and config, atomically.
 
-The input checkpoint is never written to. Everything goes to a temporary sibling of the
-output, is checked, and is then renamed into place.
+The input checkpoint is never written to. Everything goes to a staging sibling of the
+output, is checked, and is then put in place atomically (calibrate.publish). Whether the
+output can be written at all, and has room, is checked before calibrating (check_room).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcalib.calibrate.publish import discard, publish, recover, stage
 from kvcalib.core.checkpoint import Checkpoint, SafetensorsHeader, write_json
-from kvcalib.core.errors import CheckpointReadError, OutputExistsError
+from kvcalib.core.errors import CheckpointReadError, OutputExistsError, OutputWriteError
+from kvcalib.core.paths import overlapping
 from kvcalib.core.schema import (
     CONFIG_FILENAME,
     INDEX_FILENAME,
@@ -29,8 +34,8 @@ from kvcalib.core.schema import (
     is_kv_scale_key,
 )
 
-__all__ = ["SHARDED_SINGLE_FILENAME", "WritePlan", "check_output_path", "copy_without_keys", "link_or_copy",
-           "write_checkpoint"]
+__all__ = ["SHARDED_SINGLE_FILENAME", "WritePlan", "bytes_needed", "check_output_path", "check_room",
+           "copy_without_keys", "link_or_copy", "write_checkpoint"]
 
 # transformers loads a top-level model.safetensors and ignores the index beside it, so it
 # would never see the scales file: a single-file checkpoint's weights are linked under the
@@ -38,27 +43,129 @@ __all__ = ["SHARDED_SINGLE_FILENAME", "WritePlan", "check_output_path", "copy_wi
 SHARDED_SINGLE_FILENAME = "model-00001-of-00001.safetensors"
 
 
-def check_output_path(output: Path, source: Path, overwrite: bool) -> None:
-    """Refuse an output that exists (without overwrite) or that would touch the input."""
-    out = Path(output).resolve()
-    src = Path(source).resolve()
-    if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrite: bool, *,
+                      recover_leftovers: bool = True) -> list[str]:
+    """Refuse an output that overlaps an input, is a link, or exists (without overwrite); recover leftovers.
+
+    `inputs` are (what, path) pairs: the model directory, the dataset, the recipe. Symlinks are
+    resolved first, so a link into an input is refused like the input. What interrupted runs
+    left next to OUT is restored or removed first (publish.recover); the notes say what.
+    """
+    output = Path(output)
+    for what, path in inputs:
+        if os.path.lexists(path) and overlapping(output, path):
+            raise OutputExistsError(
+                f"output {output} overlaps {what} {path}" + _resolved_note(output, path),
+                hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}",
+            )
+    if output.is_symlink():
         raise OutputExistsError(
-            f"output {output} overlaps the input checkpoint {source}",
-            hint="kvcalib never modifies its input; choose an output directory outside it",
+            f"output {output} is a symbolic link (to {os.readlink(output)})",
+            hint="pass a real directory path: the new checkpoint is renamed into place, which would replace "
+                 "the link itself",
         )
-    if out.exists() and not overwrite:
-        raise OutputExistsError(
-            f"output {output} already exists",
-            hint="choose a new path, or pass --overwrite to replace it",
+    ancestor = _existing_ancestor(output)
+    if not ancestor.is_dir():
+        raise OutputExistsError(f"output {output} cannot be created: {ancestor} is not a directory",
+                                hint="choose an output path whose parent is a directory")
+    notes = recover(output) if recover_leftovers else []
+    if output.exists() and not overwrite:
+        raise OutputExistsError(f"output {output} already exists" + "".join(f"; {note}" for note in notes),
+                                hint="choose a new path, or pass --overwrite to replace it")
+    if output.exists() and not output.is_dir():
+        raise OutputExistsError(f"output {output} exists and is not a directory",
+                                hint="choose another path; --overwrite replaces only a directory")
+    return notes
+
+
+def check_room(output: Path, source: Checkpoint) -> None:
+    """Before any work: can OUT's parent (or its nearest existing ancestor) take the new files?
+
+    Writes and removes a probe file there, tries a hard link of a weight file (then the weights
+    cost no space), and compares what the new files need with the free space.
+    """
+    output = Path(output)
+    ancestor = _existing_ancestor(output)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{output.name}.kvcalib-probe-", dir=ancestor)
+    except OSError as exc:
+        raise _write_error(exc, output, ancestor) from None
+    os.close(fd)
+    try:
+        linkable = _can_link(source, Path(probe))
+    finally:
+        Path(probe).unlink(missing_ok=True)
+    needed = bytes_needed(source, linkable)
+    free = shutil.disk_usage(ancestor).free
+    if needed > free:
+        raise OutputWriteError(
+            f"not enough space for {output}: the new files need {needed / 1e6:,.1f} MB, {ancestor} has "
+            f"{free / 1e6:,.1f} MB free" + ("" if linkable else " (the weights are copied: hard links do not work there)"),
+            hint="free some space, or choose an output on a filesystem with room (on the model's own filesystem "
+                 "the weights are hard links and take no space)",
         )
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"output {output} exists and is not a directory")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise OutputExistsError(f"output {output} cannot be created: {parent} is not a directory")
-            break
+
+
+def bytes_needed(source: Checkpoint, linkable: bool) -> int:
+    """What write_checkpoint adds on disk: copied weights (all of them if links fail), other files, the new JSON."""
+    total = 64 << 10  # scales, config, provenance: a few KB; the margin covers the filesystem's blocks
+    files = source.files
+    for name in files.files:
+        header = files.headers[name]
+        if not linkable or any(is_kv_scale_key(k) for k in header.tensors):
+            total += header.file_size
+    index = source.root / INDEX_FILENAME
+    total += 2 * index.stat().st_size if index.is_file() else 0
+    for entry in source.root.iterdir():
+        if entry.is_file() and not entry.name.endswith(".safetensors"):
+            total += entry.stat().st_size
+        elif entry.is_dir() and not entry.name.startswith("."):
+            total += sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+    return total
+
+
+def _can_link(source: Checkpoint, probe: Path) -> bool:
+    names = source.files.files
+    if not names:
+        return True
+    probe.unlink(missing_ok=True)
+    try:
+        os.link(source.root / names[0], probe)
+    except OSError:
+        return False
+    return True
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing parent (absolute)."""
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _resolved_note(output: Path, path: Path) -> str:
+    real_out, real_in = Path(output).resolve(), Path(path).resolve()
+    if real_out != Path(os.path.abspath(output)) or real_in != Path(os.path.abspath(path)):
+        return f" (after symlinks: {real_out} and {real_in})"
+    return ""
+
+
+_ERRNO_HINTS = {
+    errno.ENOSPC: "the filesystem is full: free some space, or choose an output elsewhere",
+    errno.EDQUOT: "your disk quota is used up: free some space, or choose an output elsewhere",
+    errno.EROFS: "the filesystem is read-only: choose an output on a writable one",
+    errno.EACCES: "you may not write there: choose a directory you own, or fix its permissions",
+    errno.EPERM: "the directory refuses writes (immutable or a restricted mount): choose another output",
+}
+
+
+def _write_error(exc: OSError, output: Path, where: Path | None = None) -> OutputWriteError:
+    where = exc.filename or where or output
+    return OutputWriteError(
+        f"cannot write {output}: {exc.strerror or exc} ({where}); nothing at {output} was changed",
+        hint=_ERRNO_HINTS.get(exc.errno or 0, "check the output directory: permissions, space, the filesystem"),
+    )
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
@@ -95,7 +202,7 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
             while remaining:
                 chunk = fin.read(min(remaining, 64 << 20))
                 if not chunk:
-                    raise CheckpointReadError(f"{src}: unexpected end of file")
+                    raise CheckpointReadError(f"{src}: unexpected end of file", hint="copy the file again from the source")
                 fout.write(chunk)
                 remaining -= len(chunk)
 
@@ -124,40 +231,69 @@ class _Index:
 
 
 def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *, overwrite: bool = False,
-                     check: Callable[[Path], None] | None = None) -> list[str]:
-    """Write a new checkpoint: source files + scales + index + config, atomically.
+                     check: Callable[[Path], None] | None = None,
+                     inputs: Sequence[tuple[str, Path]] = ()) -> list[str]:
+    """Write a new checkpoint: source files + scales + index + config, published atomically.
 
     Weight files are hard-linked or copied byte for byte (a single `model.safetensors` under
     the sharded name `model-00001-of-00001.safetensors`, see SHARDED_SINGLE_FILENAME). A shard that already holds KV
     scales (from an earlier calibration) is rewritten without them, the kept tensors' bytes
-    copied verbatim. Everything is written to a temporary sibling of `output`; `check` runs
-    on it before it is renamed into place. Any failure or interrupt removes the temporary
-    directory, and `source` is never written to. Returns notes for the user.
+    copied verbatim. Everything is written in a staging sibling of `output` (calibrate.publish);
+    `check` runs on it before it is put in place. A failure or an interrupt removes the staging
+    directory and leaves OUT as it was; an OSError (disk full, read-only) becomes one
+    OutputWriteError naming the path. `source` is never written to. Returns notes for the user.
     """
     source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
-    output = Path(output)
-    check_output_path(output, source.root, overwrite)
-    output.resolve().parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.kvcalib-", dir=output.resolve().parent))
+    output = Path(os.path.abspath(output))
+    notes = check_output_path(output, [("the model checkpoint", source.root), *inputs], overwrite)
+    created = _make_parents(output)
+    staging = None
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published checkpoint is not
-        index = _Index()
-        notes = _write_weights(source, tmp, index)
-        _copy_other_files(source.root, tmp)
-        _write_scales(tmp, plan, index)
-        _write_index(tmp, source.files.index, index)
-        config = dict(source.config)
-        config.pop("compression_config", None)  # the 2024 name of quantization_config
-        config["quantization_config"] = plan.quantization_config
-        write_json(tmp / CONFIG_FILENAME, config)
-        write_json(tmp / PROVENANCE_FILENAME, plan.provenance)
+        staging = stage(output)
+        notes += _write_files(source, staging.checkpoint, plan)
         if check is not None:
-            check(tmp)
-        _publish(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+            check(staging.checkpoint)
+        publish(staging)
+    except BaseException as exc:
+        if staging is not None:
+            discard(staging)
+        _remove_empty(created)
+        if isinstance(exc, OSError):
+            raise _write_error(exc, output) from None
         raise
     return notes
+
+
+def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
+    index = _Index()
+    notes = _write_weights(source, dest, index)
+    _copy_other_files(source.root, dest)
+    _write_scales(dest, plan, index)
+    _write_index(dest, source.files.index, index)
+    config = dict(source.config)
+    config.pop("compression_config", None)  # the 2024 name of quantization_config
+    config["quantization_config"] = plan.quantization_config
+    write_json(dest / CONFIG_FILENAME, config)
+    write_json(dest / PROVENANCE_FILENAME, plan.provenance)
+    return notes
+
+
+def _make_parents(output: Path) -> list[Path]:
+    """Create OUT's missing parents; the ones created, deepest first (removed again on failure)."""
+    missing = []
+    parent = output.parent
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = parent.parent
+    for path in reversed(missing):
+        path.mkdir()
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for path in dirs:
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
@@ -187,7 +323,8 @@ def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
     scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
     clash = sorted(set(scales) & set(index.weight_map))
     if clash:
-        raise CheckpointReadError(f"scale key {clash[0]} already exists in {index.weight_map[clash[0]]}")
+        raise CheckpointReadError(f"scale key {clash[0]} already exists in {index.weight_map[clash[0]]}",
+                                  hint="the model's weights hold a tensor under a KV scale's name; please report this")
     save_file(scales, str(tmp / SCALES_FILENAME),
               metadata={"format": "pt", PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True)})
     os.chmod(tmp / SCALES_FILENAME, 0o644)
@@ -216,15 +353,3 @@ def _copy_other_files(source: Path, dest: Path) -> None:
             shutil.copytree(entry, dest / entry.name, copy_function=link_or_copy)
         elif entry.is_file():
             shutil.copy2(entry, dest / entry.name)
-
-
-def _publish(tmp: Path, output: Path) -> None:
-    """Rename the finished temporary directory into place, replacing an old output."""
-    if output.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.resolve().parent))
-        os.replace(output, trash / "old")
-        os.replace(tmp, output)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, output)
-

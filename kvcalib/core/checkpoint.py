@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError
+from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME, neuron_scale_key
 
 __all__ = [
@@ -73,12 +74,16 @@ class SafetensorsHeader:
 
 def read_json(path: Path, what: str) -> Any:
     """Parse a JSON file; a clear CheckpointReadError naming the file otherwise."""
+    require_regular_file(path, what, hint=f"restore {Path(path).name} from the original checkpoint")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{what} not found: {path}") from None
-    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointNotFoundError(f"{what} not found: {path}", hint="check the path") from None
+    except OSError as exc:  # permission denied, an I/O error: not a parse problem
+        raise CheckpointReadError(f"cannot read {what} {path}: {exc.strerror or exc}",
+                                  hint="check the file's permissions") from None
+    except (ValueError, RecursionError) as exc:
         # ValueError: JSONDecodeError, UnicodeDecodeError and an over-long integer literal;
         # RecursionError: arrays/objects nested too deep for the json module.
         raise CheckpointReadError(
@@ -104,7 +109,8 @@ def read_config(ckpt_dir: Path) -> dict[str, Any]:
         )
     config = read_json(ckpt_dir / CONFIG_FILENAME, "config.json")
     if not isinstance(config, dict):
-        raise CheckpointReadError(f"{ckpt_dir / CONFIG_FILENAME} is not a JSON object")
+        raise CheckpointReadError(f"{ckpt_dir / CONFIG_FILENAME} is not a JSON object",
+                                  hint="config.json holds one object; restore it from the original checkpoint")
     return config
 
 
@@ -133,28 +139,49 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
                 )
             raw = f.read(header_len)
     except OSError as exc:
-        raise CheckpointReadError(f"cannot read {path}: {exc}") from None
+        raise CheckpointReadError(f"cannot read {path}: {exc.strerror or exc}",
+                                  hint="check the file's permissions, or copy it again from the source") from None
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # see read_json
-        raise CheckpointReadError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+        raise CheckpointReadError(f"{path}: safetensors header is not valid JSON ({exc})", hint=_CORRUPT) from None
     if not isinstance(header, dict):
-        raise CheckpointReadError(f"{path}: safetensors header is not a JSON object")
+        raise CheckpointReadError(f"{path}: safetensors header is not a JSON object", hint=_CORRUPT)
     data_start = 8 + header_len
     data_size = file_size - data_start
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
-        raise CheckpointReadError(f"{path}: __metadata__ must map strings to strings")
+        raise CheckpointReadError(f"{path}: __metadata__ must map strings to strings", hint=_CORRUPT)
     tensors: dict[str, TensorInfo] = {}
     for key, entry in header.items():
         tensors[key] = _tensor_info(path, key, entry, data_size)
+    _check_layout(path, tensors, data_size)
     return SafetensorsHeader(path, tensors, metadata, data_start, file_size)
 
 
+_CORRUPT = "the file is corrupt or not a safetensors file; copy it again from the source"
+
+
+def _check_layout(path: Path, tensors: dict[str, TensorInfo], data_size: int) -> None:
+    """The format's rule (and safetensors' own check): the tensors tile the data, in order, no gap, no overlap."""
+    end, previous = 0, None
+    for info in sorted(tensors.values(), key=lambda t: t.data_offsets):
+        begin = info.data_offsets[0]
+        if begin != end:
+            what = (f"overlaps tensor {previous!r}" if begin < end else
+                    f"leaves {begin - end} bytes no tensor covers before it")
+            raise CheckpointReadError(f"{path}: tensor {info.key!r} at bytes {list(info.data_offsets)} {what}; "
+                                      "safetensors refuses the file", hint=_CORRUPT)
+        end, previous = info.data_offsets[1], info.key
+    if end != data_size:
+        raise CheckpointReadError(f"{path}: the tensors cover {end} of the {data_size} data bytes; "
+                                  "safetensors refuses a file with bytes no tensor covers", hint=_CORRUPT)
+
+
 def _tensor_info(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo:
-    bad = CheckpointReadError(f"{path}: malformed header entry for tensor {key!r}")
+    bad = CheckpointReadError(f"{path}: malformed header entry for tensor {key!r}", hint=_CORRUPT)
     if not isinstance(entry, dict):
         raise bad
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -207,7 +234,8 @@ def scan_checkpoint(ckpt_dir: Path) -> CheckpointFiles:
     index_path = ckpt_dir / INDEX_FILENAME
     index = read_json(index_path, "safetensors index") if index_path.exists() else None
     if index is not None and not isinstance(index, dict):
-        raise CheckpointReadError(f"{index_path} is not a JSON object")
+        raise CheckpointReadError(f"{index_path} is not a JSON object",
+                                  hint="restore the index from the original checkpoint")
     key_files: dict[str, list[str]] = {}
     for name in files:
         for key in headers[name].tensors:
@@ -228,15 +256,18 @@ def read_tensor(header: SafetensorsHeader, key: str) -> Any:
     info = header.tensors[key]
     dtype = getattr(torch, torch_dtype_name(info.dtype), None)
     if dtype is None:
-        raise CheckpointReadError(f"{header.path}: tensor {key!r} has dtype {info.dtype}, which this torch cannot read")
+        raise CheckpointReadError(f"{header.path}: tensor {key!r} has dtype {info.dtype}, which this torch cannot read",
+                                  hint="upgrade torch, or store the tensor in a common dtype")
     try:
         with open(header.path, "rb") as f:
             f.seek(header.data_start + info.data_offsets[0])
             raw = f.read(info.nbytes)
     except OSError as exc:
-        raise CheckpointReadError(f"cannot read {header.path}: {exc}") from None
+        raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}",
+                                  hint="check the file's permissions, or copy it again from the source") from None
     if len(raw) != info.nbytes:
-        raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}")
+        raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}",
+                                  hint="the file was cut short; copy it again from the source")
     if not raw:
         return torch.empty(info.shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(info.shape)

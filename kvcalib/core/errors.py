@@ -8,9 +8,9 @@ from __future__ import annotations
 
 __all__ = [
     "CalibrationError", "CheckpointNotFoundError", "CheckpointReadError", "DatasetError", "DeviceError",
-    "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "RecipeError",
+    "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "OutputWriteError", "RecipeError",
     "ServerError", "UnknownTargetError", "UnsupportedModelError", "UsageError", "ValidationFailedError",
-    "VllmNotFoundError",
+    "VllmNotFoundError", "check_at_least",
 ]
 
 
@@ -63,7 +63,13 @@ class CalibrationError(KvcalibError):
 
 
 class OutputExistsError(KvcalibError):
-    """The output path exists and --overwrite was not given, or it would clobber the input."""
+    """The output path exists and --overwrite was not given, or it would clobber an input."""
+
+    exit_code = 2
+
+
+class OutputWriteError(KvcalibError):
+    """The output cannot be written: read-only, permission denied, disk full (nothing at OUT changed)."""
 
 
 class ValidationFailedError(KvcalibError):
@@ -107,5 +113,13 @@ class ServerError(KvcalibError):
     exit_code = 4
 
     def __init__(self, message: str, hint: str | None = None, log: str | None = None) -> None:
-        super().__init__(message, hint)
+        super().__init__(message, hint or (f"the server's log is {log}" if log else
+                                           "rerun with --log-dir DIR to keep the server's log"))
         self.log = log
+
+
+def check_at_least(flag: str, value: float | None, minimum: float, *, what: str = "") -> None:
+    """UsageError naming `flag` unless `value` (None: not given) is at least `minimum`."""
+    if value is not None and not value >= minimum:
+        raise UsageError(f"{flag} must be at least {minimum:g}, not {value:g}" + (f" ({what})" if what else ""),
+                         hint=f"pass {flag} {minimum:g} or more, or leave it out for the default")

@@ -25,7 +25,7 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.core.checkpoint import read_config, read_kv_scales
 from kvcalib.core.cpu import ComputePath
-from kvcalib.core.errors import UsageError
+from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import num_hidden_layers
 from kvcalib.evaluate.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats
@@ -57,6 +57,12 @@ class EvalOptions(RunOptions):
     max_seq_len: int = 512
     batch_size: int = 2
     compare: tuple[str, ...] = ()
+
+    def check_arguments(self) -> None:
+        """The numbers a user passes, checked before anything is read (UsageError naming the flag)."""
+        check_at_least("--num-samples", self.num_samples, 1, what="rows of the dataset to score")
+        check_at_least("--max-seq-len", self.max_seq_len, 2, what="tokens per sample: one predicts the next")
+        check_at_least("--batch-size", self.batch_size, 1, what="sequences per forward pass")
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
              progress: ProgressCallback | None = None) -> EvalResult:
     """Evaluate `checkpoint`'s KV scales (and `options.compare`) against an unquantised KV cache."""
     opts = options or EvalOptions()
+    opts.check_arguments()
     notify = progress or no_progress
     started = time.perf_counter()
     target = resolve_target(opts.target)
@@ -144,7 +151,8 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     model = load_model(ckpt.root, dtype, device, opts.trust_remote_code,
                        attn_implementation=faithful_attention(ckpt.config))
     if num_layers(model) != layers:
-        raise UsageError(f"{ckpt.root}: config says {layers} layers, the model has {num_layers(model)}")
+        raise UsageError(f"{ckpt.root}: config says {layers} layers, the model has {num_layers(model)}",
+                         hint="use the config.json and the weights of one and the same model")
 
     totals = {name: _Totals(quantizer=KVQuantizer(k, v, target)) for name, (k, v) in configs.items()}
     meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device)
@@ -219,7 +227,7 @@ def _scale_configs(model_dir: Path, compare: tuple[str, ...], num_layers: int) -
     configs = {CHECKPOINT: read_kv_scales(model_dir, num_layers)}
     for entry in compare:
         if entry in configs:
-            raise UsageError(f"--compare {entry} given twice")
+            raise UsageError(f"--compare {entry} given twice", hint="name each comparison once")
         if entry == UNIT:
             configs[UNIT] = ([1.0] * num_layers, [1.0] * num_layers)
             continue

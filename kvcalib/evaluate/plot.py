@@ -5,12 +5,28 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvcalib.core.errors import UsageError
+from kvcalib.core.paths import overlapping
 
-__all__ = ["plot_eval"]
+__all__ = ["check_plot_path", "plot_eval"]
+
+
+def check_plot_path(path: Path, inputs: Sequence[str | Path] = ()) -> Path:
+    """Refuse a --plot path that is no .png, has no directory, or lies in (or is) an input; before any work."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise UsageError(f"--plot writes a PNG; {path} does not end in .png", hint="pass a path ending in .png")
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot: directory {path.parent} does not exist", hint="create it, or pick another path")
+    for item in inputs:
+        if os.path.lexists(item) and overlapping(path, Path(item)):
+            raise UsageError(f"--plot {path} would write into the input {item}",
+                             hint="kvcalib never writes over its inputs; put the plot elsewhere")
+    return path
 
 
 def plot_eval(result: Any, path: Path) -> Path:
@@ -23,11 +39,7 @@ def plot_eval(result: Any, path: Path) -> Path:
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise UsageError("--plot needs matplotlib", hint="pip install 'kvcalib[plot]'") from None
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise UsageError(f"--plot writes a PNG; {path} does not end in .png")
-    if not path.parent.is_dir():
-        raise UsageError(f"--plot: directory {path.parent} does not exist")
+    path = check_plot_path(path)
 
     fig, axes = plt.subplots(3, 2, figsize=(12, 11), sharex=True)
     first = result.runs[0]

@@ -8,6 +8,8 @@ with the model's chat template first.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from kvcalib.core.errors import DatasetError
+from kvcalib.core.paths import require_regular_file
 
 __all__ = [
     "BUILDERS", "CHAT_COLUMN", "CalibrationData", "DEFAULT_TEXT_COLUMN", "batches", "load_calibration_data",
@@ -56,18 +59,14 @@ def load_rows(dataset: str, split: str):
 
     path = Path(dataset).expanduser()
     try:
-        if path.is_file():
+        if os.path.lexists(path) and not path.is_dir():
+            require_regular_file(path, "dataset file", error=DatasetError, missing=DatasetError,
+                                 hint=f"pass a {', '.join(sorted(BUILDERS))} file, or a directory of them")
             return _load_files([path], split)
         if path.is_dir():
             if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():
                 return _pick_split(datasets.load_from_disk(str(path)), split, dataset)
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
-            if not files:
-                raise DatasetError(
-                    f"no data files in {path}",
-                    hint=f"put {', '.join(sorted(BUILDERS))} files there, or a dataset saved with save_to_disk",
-                )
-            return _load_files(files, split)
+            return _load_files(_data_files(path), split)
         if dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS:
             raise DatasetError(f"dataset not found: {dataset}", hint="check the path")
         return datasets.load_dataset(dataset, split=split)
@@ -82,7 +81,26 @@ def load_rows(dataset: str, split: str):
     except Exception as exc:  # datasets raises its own families (DatasetGenerationError, hub errors)
         if type(exc).__module__.split(".")[0] not in {"datasets", "huggingface_hub", "pyarrow", "requests", "httpx"}:
             raise
-        raise DatasetError(f"cannot read dataset {dataset} (split {split!r}): {exc}") from None
+        cause = exc.__cause__ or exc.__context__
+        raise DatasetError(f"cannot read dataset {dataset} (split {split!r}): {exc}"
+                           + (f" ({cause})" if cause is not None else ""),
+                           hint="check that every file is well-formed (one JSON object per line in .jsonl, a header "
+                                "row in .csv)") from None
+
+
+def _data_files(path: Path) -> list[Path]:
+    """The data files under a directory; an entry with a data suffix that is no regular file is refused."""
+    files = []
+    for entry in sorted(path.rglob("*")):
+        if entry.suffix.lower() not in BUILDERS or entry.is_dir():
+            continue
+        files.append(require_regular_file(entry, "dataset file", error=DatasetError, missing=DatasetError))
+    if not files:
+        raise DatasetError(
+            f"no data files in {path}",
+            hint=f"put {', '.join(sorted(BUILDERS))} files there, or a dataset saved with save_to_disk",
+        )
+    return files
 
 
 def _load_files(files: list[Path], split: str):
@@ -104,10 +122,41 @@ def _load_files(files: list[Path], split: str):
             hint="drop --split, or save a DatasetDict with save_to_disk to keep named splits",
         )
     (builder,) = builders
+    for path in files:
+        _check_file(path)
     ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
     if builder == "text":  # one row per line; blank lines are no samples
         ds = ds.filter(lambda row: bool(row["text"].strip()))
     return ds
+
+
+def _check_file(path: Path) -> None:
+    """Read what datasets' builders report badly (or with a traceback): an empty file, a bad JSON line."""
+    try:
+        with open(path, "rb") as f:
+            if path.suffix.lower() != ".jsonl":
+                if not f.read(1):
+                    raise DatasetError(f"dataset file {path} is empty", hint="pass a file with text in it")
+                return
+            rows = 0
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as exc:
+                    raise DatasetError(f"{path}: line {number} is not valid JSON ({exc})",
+                                       hint='each line of a .jsonl file is one JSON object, e.g. {"text": "..."}') from None
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object",
+                                       hint='each line of a .jsonl file is one JSON object, e.g. {"text": "..."}')
+                rows += 1
+    except OSError as exc:
+        raise DatasetError(f"cannot read dataset file {path}: {exc.strerror or exc}",
+                           hint="check the file's permissions") from None
+    if rows == 0:
+        raise DatasetError(f"dataset file {path} has no rows (it is empty or blank)",
+                           hint='pass a .jsonl file with one JSON object per line, e.g. {"text": "..."}')
 
 
 def _pick_split(obj: Any, split: str, name: str):
@@ -139,15 +188,17 @@ def load_calibration_data(dataset: str, tokenizer: Any, *, split: str = "train",
                           num_samples: int = 512, max_seq_len: int = 2048, seed: int = 42) -> CalibrationData:
     """Select, render and tokenise calibration samples (see the module docstring)."""
     if num_samples < 1:
-        raise DatasetError(f"--num-samples must be at least 1, not {num_samples}")
+        raise DatasetError(f"--num-samples must be at least 1, not {num_samples}", hint="pass --num-samples 1 or more")
     if max_seq_len < 1:
-        raise DatasetError(f"--max-seq-len must be at least 1, not {max_seq_len}")
+        raise DatasetError(f"--max-seq-len must be at least 1, not {max_seq_len}", hint="pass --max-seq-len 1 or more")
     ds = load_rows(dataset, split)
     column = resolve_column(list(ds.column_names), text_column, dataset)
     if len(ds) == 0:
         raise DatasetError(f"dataset {dataset} (split {split!r}) has no rows", hint="pass a dataset with text in it")
-    ds = ds.select(range(min(num_samples, len(ds)))).shuffle(seed=seed)
-    texts = [_render(row, column, tokenizer, dataset) for row in ds[column]]
+    ds = ds.select(range(min(num_samples, len(ds))))
+    rendered = [_render(row, column, tokenizer, dataset, number) for number, row in enumerate(ds[column], start=1)]
+    order = _shuffled_rows(len(rendered), seed)  # the order ds.shuffle(seed=seed) gives, as llm-compressor's
+    texts = [rendered[i] for i in order]
     encoded = tokenizer(texts, add_special_tokens=False, truncation=True, max_length=max_seq_len)["input_ids"]
     sequences = tuple(tuple(ids) for ids in encoded if len(ids) > 0)
     if not sequences:
@@ -156,18 +207,42 @@ def load_calibration_data(dataset: str, tokenizer: Any, *, split: str = "train",
     return CalibrationData(sequences, dataset, split, column, len(texts), len(texts) - len(sequences))
 
 
-def _render(value: Any, column: str, tokenizer: Any, source: str) -> str:
+def _shuffled_rows(n: int, seed: int) -> list[int]:
+    import datasets
+
+    return list(datasets.Dataset.from_dict({"row": list(range(n))}).shuffle(seed=seed)["row"])
+
+
+def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> str:
+    """The text of one row (1-based `row`, for the messages); chat messages through the model's template."""
     if isinstance(value, str):
         return value
-    if value is None:
+    if value is None or (isinstance(value, list) and not value):
         return ""
-    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+    where = f"{source}: row {row}, column {column!r}"
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         if not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(f"column {column!r} of {source} holds chat messages but the model has no chat template",
+            raise DatasetError(f"{where} holds chat messages but the model has no chat template",
                                hint="pass a text column with --text-column")
-        return tokenizer.apply_chat_template(value, tokenize=False)
-    raise DatasetError(f"column {column!r} of {source} holds {type(value).__name__}, not text or chat messages",
-                       hint="name a text column with --text-column")
+        for number, message in enumerate(value, start=1):
+            _check_message(message, f"{where}, message {number}")
+        try:
+            return tokenizer.apply_chat_template(value, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 -- jinja2's errors, or the template's own raise_exception
+            raise DatasetError(f"{where}: the model's chat template refuses these messages ({exc})",
+                               hint="each message needs a 'role' the template knows and string 'content'") from None
+    kind = "a list of non-messages" if isinstance(value, list) else type(value).__name__
+    raise DatasetError(f"{where} holds {kind}, not text or chat messages",
+                       hint='name a text column with --text-column, or give chat rows as [{"role": ..., "content": ...}]')
+
+
+def _check_message(message: dict, where: str) -> None:
+    hint = 'a chat message is {"role": "user", "content": "..."}, both strings'
+    for key in ("role", "content"):
+        if message.get(key) is None:  # datasets fills a key other rows have with None
+            raise DatasetError(f"{where} has no {key!r}", hint=hint)
+        if not isinstance(message[key], str):
+            raise DatasetError(f"{where}: {key!r} is {type(message[key]).__name__}, not a string", hint=hint)
 
 
 def batches(sequences: tuple[tuple[int, ...], ...], batch_size: int, pad_id: int = 0

@@ -17,14 +17,16 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute
 from kvcalib.core.errors import (
     CheckpointNotFoundError,
+    CheckpointReadError,
     UnknownTargetError,
     UnsupportedModelError,
     UsageError,
 )
-from kvcalib.core.schema import is_kv_scale_key
+from kvcalib.core.paths import require_regular_file
+from kvcalib.core.schema import INDEX_FILENAME, is_kv_scale_key
 
 __all__ = [
-    "DTYPES", "MXFP4_HINT", "MXFP4_REFUSAL", "PreparedRun", "RunOptions", "check_loading_info", "dequantize_mxfp4", "faithful_attention",
+    "DTYPES", "MXFP4_HINT", "MXFP4_REFUSAL", "PreparedRun", "RunOptions", "check_index_files", "check_loading_info", "dequantize_mxfp4", "faithful_attention",
     "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
     "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
     "resolve_model_dir", "resolve_target", "text_config",
@@ -76,7 +78,7 @@ class PreparedRun:
 def prepare_run(model: str | Path, options: RunOptions, batch_size: int) -> PreparedRun:
     """--batch-size, --dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run."""
     if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, not {batch_size}")
+        raise UsageError(f"--batch-size must be at least 1, not {batch_size}", hint="pass --batch-size 1 or more")
     dtype, device = resolve_dtype(options.dtype), resolve_device(options.device)
     checkpoint = Checkpoint.open(resolve_model_dir(model))
     check_supported_model(checkpoint, options.trust_remote_code)
@@ -183,6 +185,42 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
             f"{model_dir}: no *.safetensors weights",
             hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
         )
+    check_index_files(checkpoint)
+    _refuse_special_files(model_dir)
+    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
+        raise UnsupportedModelError(f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
+                                    hint="a decoder needs at least one layer; restore config.json from the original")
+
+
+def _refuse_special_files(model_dir: Path) -> None:
+    """A FIFO or device among the checkpoint's files would block the tokenizer or the loader for ever."""
+    for entry in sorted(model_dir.iterdir()):
+        if entry.is_dir() or entry.name.startswith("."):
+            continue
+        require_regular_file(entry, "checkpoint file", error=CheckpointReadError,
+                             hint="every file of a checkpoint is a regular file; replace it with the real one")
+
+
+def check_index_files(checkpoint: Checkpoint) -> None:
+    """Every shard the index names exists (transformers would stop on the first one missing, with a traceback)."""
+    index = checkpoint.files.index
+    weight_map = index.get("weight_map") if index is not None else None
+    if index is not None and not isinstance(weight_map, dict):
+        raise CheckpointReadError(f"{checkpoint.root / INDEX_FILENAME}: weight_map is not a JSON object",
+                                  hint="restore the index from the original checkpoint")
+    missing: dict[str, list[str]] = {}
+    for key, name in (weight_map or {}).items():
+        if not isinstance(name, str) or name not in checkpoint.files.headers:
+            missing.setdefault(str(name), []).append(key)
+    if missing:
+        name, keys = min(missing.items())
+        raise CheckpointReadError(
+            f"{checkpoint.root / INDEX_FILENAME} names {name}, which is not in {checkpoint.root} "
+            f"({len(keys)} tensor(s), e.g. {min(keys)})"
+            + (f"; {len(missing) - 1} more file(s) are missing" if len(missing) > 1 else ""),
+            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way",
+        )
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
@@ -228,6 +266,7 @@ def load_model(model_dir: Path, dtype: torch.dtype | None, device: torch.device,
         model, info = AutoModelForCausalLM.from_pretrained(
             model_dir, config=config, dtype=dtype if dtype is not None else "auto",
             attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported in the loading info (and refused there), not raised
         )
     except (ValueError, ImportError, NotImplementedError) as exc:  # what transformers raises for a model it cannot run
         raise UnsupportedModelError(

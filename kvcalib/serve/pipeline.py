@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.cpu import HostCpu
-from kvcalib.core.errors import ServerError
+from kvcalib.core.errors import ServerError, UsageError, check_at_least
+from kvcalib.core.paths import overlapping
 from kvcalib.serve.launch import (
     baseline_kv_dtype,
     command_line,
@@ -69,6 +70,17 @@ class ServeOptions:
     sysfs_root: Path = Path("/sys")
     dev_root: Path = Path("/dev")
     cpu: HostCpu | None = None  # the host CPU (the CLI reads it); None: left to vLLM to refuse
+
+    def check_arguments(self) -> None:
+        """The numbers a user passes, checked before anything is read or started (UsageError naming the flag)."""
+        check_at_least("--tp", self.tp, 1, what="tensor-parallel size")
+        check_at_least("--max-model-len", self.max_model_len, 1, what="tokens per sequence")
+        check_at_least("--max-num-seqs", self.max_num_seqs, 1, what="sequences at once")
+        check_at_least("--startup-timeout", self.startup_timeout_s, 1, what="seconds to wait for the server")
+        check_at_least("--stop-timeout", self.stop_timeout_s, 0, what="seconds between SIGTERM and SIGKILL")
+        check_at_least("--port", self.port, 1, what="a TCP port")
+        if self.port is not None and self.port > 65535:
+            raise UsageError(f"--port must be at most 65535, not {self.port}", hint="pass a TCP port, or leave it out")
 
 
 @dataclass(frozen=True)
@@ -223,8 +235,16 @@ def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None)
 def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | None = None) -> ServeCheckResult:
     """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
     emit = progress or (lambda event: None)
+    options.check_arguments()
     checkpoint = Path(checkpoint).resolve()
+    if options.log_dir is not None and overlapping(options.log_dir, checkpoint):
+        raise UsageError(f"--log-dir {options.log_dir} overlaps the checkpoint {checkpoint}",
+                         hint="kvcalib never writes into the checkpoint it checks; put the logs elsewhere")
     options = replace(options, vllm_python=interpreter_path(options.vllm_python, options.env.get("PATH")))
+    if not options.vllm_python.exists():
+        raise UsageError(f"--vllm-python {options.vllm_python}: no such file",
+                         hint="pass the python of the environment that has vLLM (for CPU: bash "
+                              "scripts/setup_vllm_cpu.sh prints it)")
     pre = preflight(checkpoint, options.device, tp=options.tp, max_model_len=options.max_model_len,
                     max_num_seqs=options.max_num_seqs, vllm_python=options.vllm_python, env=options.env,
                     force=options.force, sysfs_root=options.sysfs_root, dev_root=options.dev_root, cpu=options.cpu)

@@ -32,7 +32,7 @@ from kvcalib.serve.neuron import detect_neuron_host, require_family
 from kvcalib.validate.pipeline import validate_checkpoint
 
 __all__ = [
-    "DEVICES", "FORCEABLE_RULES", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight",
+    "DEVICES", "FORCEABLE_RULES", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight", "UNSCALED_RULES",
     "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation", "find_vllm", "head_size", "preflight",
     "recorded_fp8_max", "validate_target",
 ]
@@ -80,6 +80,10 @@ def recorded_fp8_max(checkpoint: Path) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+# A checkpoint without real scales: FP8 KV runs at 1.0, which no smoke test should pass as calibrated.
+UNSCALED_RULES = frozenset({"SCALE-NONE", "SCALE-UNCALIBRATED"})
+
+
 def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
     """Warnings to carry on; ValidationFailedError for errors (`force` lets the FP8-range one through)."""
     report = validate_checkpoint(checkpoint, target)
@@ -93,6 +97,14 @@ def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
             f"{checkpoint} fails validation for {target}: {listed}{more}",
             hint=(f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
                   if only_range else f"run `kvcalib validate {checkpoint} --target {target}` for the details"),
+            report=report,
+        )
+    unscaled = [f for f in report.warnings if f.rule in UNSCALED_RULES]
+    if unscaled:
+        raise ValidationFailedError(
+            f"{checkpoint} has no calibrated KV scales ({unscaled[0].rule}): serve-check would serve every layer's "
+            "k_scale and v_scale as 1.0, which proves nothing about a calibrated checkpoint",
+            hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT",
             report=report,
         )
     warnings = [f"forced past {f.rule}: {f.message}" for f in forced]
@@ -161,10 +173,11 @@ def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: i
               ) -> Preflight:
     """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
     if device not in DEVICES:
-        raise UsageError(f"unknown device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
+        raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
     neuron = device in NEURON_DEVICES
     if max_model_len < 1 or max_num_seqs < 1 or (tp is not None and tp < 1):
-        raise UsageError("--max-model-len, --max-num-seqs and --tp must be positive")
+        raise UsageError("--max-model-len, --max-num-seqs and --tp must be positive",
+                         hint="pass 1 or more for each, or leave them out for the defaults")
     if neuron and max_model_len > MAX_NEURON_MODEL_LEN:
         raise UsageError(f"--max-model-len {max_model_len} is over {MAX_NEURON_MODEL_LEN}",
                          hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcalib.core.errors import UsageError
+from kvcalib.core.paths import require_regular_file
 
 __all__ = ["BUILTIN_PROMPTS", "NLL_TEXT", "Prompt", "read_prompts_file"]
 
@@ -50,7 +51,8 @@ NLL_TEXT = (
 
 def read_prompts_file(path: Path) -> tuple[Prompt, ...]:
     """Prompts from a file: .jsonl rows {"prompt": ..., "expected": ...}, else one per non-blank line."""
-    path = Path(path)
+    hint = "pass a UTF-8 text file with one prompt per line, or a .jsonl with a 'prompt' key"
+    path = require_regular_file(Path(path), "prompts file", error=UsageError, missing=UsageError, hint=hint)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:

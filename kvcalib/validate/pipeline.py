@@ -26,6 +26,7 @@ unknown; everything else is a `Finding`. The rule ids are stable:
    - SCALE-SHAPE          error    shape [] (loader IndexError) or more than one element (reshape)
    - SCALE-VALUE          error    non-finite, zero, negative, or 1/s not finite non-zero in bf16
    - SCALE-UNREADABLE     error    the scale's bytes cannot be read
+   - SCALE-IMPLAUSIBLE    warning  above 64 (|x| <= 1 becomes an FP8 subnormal) or below 1e-6
    - SCALE-DTYPE          warning  not float32
    - SCALE-UNCALIBRATED   warning  every scale is exactly 1.0
    - SCALE-NONE           warning  no KV scales at all: a plain model, FP8 KV would run at 1.0

@@ -223,7 +223,28 @@ def _check_one(
         ))
     else:
         check.values[key] = value
+        findings += _implausible(key, value, location)
     return findings
+
+
+# Bounds outside which no real K or V needs the scale. Above 64 = 2^6, x / s maps every value
+# of magnitude <= 1 below E4M3's smallest normal 2^-6 (a subnormal, 3 bits or fewer); below
+# 1e-6 the scale is sized for an absmax under 0.00045 even at 448, and larger values saturate.
+IMPLAUSIBLY_LARGE_SCALE = 64.0
+IMPLAUSIBLY_SMALL_SCALE = 1e-6
+
+
+def _implausible(key: str, value: float, location: str) -> list[Finding]:
+    if IMPLAUSIBLY_SMALL_SCALE <= value <= IMPLAUSIBLY_LARGE_SCALE:
+        return []
+    if value > IMPLAUSIBLY_LARGE_SCALE:
+        why = (f"above {IMPLAUSIBLY_LARGE_SCALE:g}, every K/V value of magnitude 1 or less becomes an FP8 "
+               "subnormal (x / s < 2^-6) and loses its precision")
+    else:
+        why = (f"below {IMPLAUSIBLY_SMALL_SCALE:g}, it is sized for an absmax under {value * 448:.3g}, and "
+               "every larger value saturates (a layer that saw only zeros while calibrating gets such a floor)")
+    return [Finding("SCALE-IMPLAUSIBLE", WARNING, f"{key} = {value:.3g}: no real K/V needs this scale; {why}",
+                    "recalibrate it (kvcalib calibrate), or check the tool that wrote it", location)]
 
 
 def range_findings(scan: CheckpointScan, check: ScaleCheck, target: str) -> list[Finding]:

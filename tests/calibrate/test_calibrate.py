@@ -359,9 +359,9 @@ def test_error_existing_output_without_overwrite(tiny_llama_master, text_dataset
 
 def test_error_output_inside_input(tiny_llama, text_dataset):
     before = tree_digest(tiny_llama)
-    with pytest.raises(OutputExistsError, match="overlaps the input checkpoint"):
+    with pytest.raises(OutputExistsError, match="overlaps the model checkpoint"):
         calibrate(tiny_llama, str(text_dataset), tiny_llama / "calibrated", CalibrateOptions(overwrite=True))
-    with pytest.raises(OutputExistsError, match="overlaps the input checkpoint"):
+    with pytest.raises(OutputExistsError, match="overlaps the model checkpoint"):
         calibrate(tiny_llama, str(text_dataset), tiny_llama, CalibrateOptions(overwrite=True))
     assert tree_digest(tiny_llama) == before
 

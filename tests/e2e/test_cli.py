@@ -45,7 +45,7 @@ def test_calibrate_user_errors_are_one_line_and_a_hint(tiny_llama_master, text_d
         (["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(tmp_path / "o"),
           "--text-column", "body"], 1, "error: dataset"),
         (["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(tmp_path),
-          ], 1, f"error: output {tmp_path} already exists"),
+          ], 2, f"error: output {tmp_path} already exists"),
     ]
     for args, code, first_line in cases:
         result = runner.invoke(app, args)

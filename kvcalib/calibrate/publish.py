@@ -1,0 +1,232 @@
+"""Putting a new checkpoint at OUT so that no interruption, at any instant, loses the old one.
+
+While a run writes OUT, everything lives in one sibling directory:
+
+    PARENT/.OUT.kvcalib-XXXXXXXX/
+        .kvcalib-staging     the marker: {"output": "OUT", "pid": ..., "host": ..., "started": ...}
+        checkpoint/          the new checkpoint, written and validated here
+        old/                 (fallback publish only) the previous OUT, until the new one is in place
+
+Publishing exchanges checkpoint/ and OUT in one `renameat2(RENAME_EXCHANGE)` (Linux 3.15+,
+glibc 2.28+): OUT holds the old checkpoint until the instant it holds the new one. Where the
+call or the filesystem lacks it, the fallback renames OUT to old/ and checkpoint/ to OUT; a
+kill between the two leaves OUT absent and the old checkpoint in old/, and `recover` puts it
+back. The marker is removed last, so a sibling is recognisable (by its name and the marker)
+until it is gone; `recover`, run before every calibration, restores or removes what a killed
+run left, and reports it. Signals are deferred while the renames and the cleanup run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcalib.core.errors import OutputExistsError
+
+__all__ = ["MARKER", "Staging", "discard", "publish", "recover", "siblings", "stage"]
+
+MARKER = ".kvcalib-staging"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """The sibling a run writes OUT in (see the module docstring)."""
+
+    root: Path
+    output: Path
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "checkpoint"
+
+    @property
+    def old(self) -> Path:
+        return self.root / "old"
+
+
+def _prefix(output: Path) -> str:
+    return f".{output.name}.kvcalib-"
+
+
+def stage(output: Path) -> Staging:
+    """A new staging sibling of `output` (its parent must exist), with its marker and an empty checkpoint/."""
+    output = Path(output)
+    root = Path(tempfile.mkdtemp(prefix=_prefix(output), dir=output.parent))
+    staging = Staging(root, output)
+    try:
+        os.chmod(root, 0o755)  # mkdtemp makes it private; the published checkpoint is not
+        marker = {"output": output.name, "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        (root / MARKER).write_text(json.dumps(marker) + "\n")
+        staging.checkpoint.mkdir()
+    except BaseException:
+        discard(staging)
+        raise
+    return staging
+
+
+def publish(staging: Staging) -> None:
+    """Put staging's checkpoint at OUT (replacing an old OUT atomically where the OS can), then discard the rest."""
+    with _signals_deferred():
+        if os.path.lexists(staging.output):
+            try:
+                _rename_exchange(staging.checkpoint, staging.output)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EPERM):
+                    raise
+                os.rename(staging.output, staging.old)  # the fallback: see the module docstring
+                os.rename(staging.checkpoint, staging.output)
+        else:
+            os.rename(staging.checkpoint, staging.output)
+        discard(staging)
+
+
+def discard(staging: Staging) -> bool:
+    """Remove a staging sibling; first put old/ back at OUT if OUT is gone. True if it restored OUT."""
+    restored = False
+    with _signals_deferred():
+        if staging.old.is_dir() and not os.path.lexists(staging.output):
+            os.rename(staging.old, staging.output)
+            restored = True
+        for child in sorted(staging.root.iterdir()) if staging.root.is_dir() else ():
+            if child.name != MARKER:  # the marker goes last: until then the sibling stays recognisable
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (staging.root / MARKER).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            staging.root.rmdir()
+    return restored
+
+
+def siblings(output: Path) -> list[Path]:
+    """Staging siblings of `output` that kvcalib made: the name, and the marker (or nothing at all) inside."""
+    output = Path(output)
+    if not output.parent.is_dir():
+        return []
+    found = []
+    for entry in sorted(output.parent.glob(_prefix(output) + "*")):
+        if entry.is_dir() and not entry.is_symlink() and ((entry / MARKER).is_file() or not any(entry.iterdir())):
+            found.append(entry)
+    return found
+
+
+def _unmarked(output: Path) -> list[Path]:
+    if not output.parent.is_dir():
+        return []
+    named = [*output.parent.glob(_prefix(output) + "*"), *output.parent.glob(f".{output.name}.old-*")]
+    marked = set(siblings(output))
+    return sorted(p for p in named if p.is_dir() and not p.is_symlink() and p not in marked)
+
+
+def recover(output: Path) -> list[str]:
+    """Restore or remove what interrupted runs left next to `output`; a note for each. Refuses a live writer.
+
+    A sibling with kvcalib's name but no marker (an earlier kvcalib's temporary or old directory)
+    is reported and left alone: without the marker nothing says it is safe to delete.
+    """
+    output = Path(output)
+    notes = [f"{path} next to {output} looks like a leftover of an earlier kvcalib run, without the marker "
+             "that would make it safe to remove: left alone; delete it if nothing uses it"
+             for path in _unmarked(output)]
+    for root in siblings(output):
+        owner = _owner(root)
+        if owner is not None and _alive(*owner):
+            raise OutputExistsError(
+                f"another kvcalib (pid {owner[0]}) is writing {output} (its staging directory {root})",
+                hint="wait for it to finish, or stop it; two runs must not write one output",
+            )
+        who = f"pid {owner[0]}" if owner else "a process killed as it began"
+        if discard(Staging(root, output)):
+            notes.append(f"restored the previous {output} from {root.name}, left by an interrupted run ({who})")
+        else:
+            notes.append(f"removed {root.name} next to {output}, left by an interrupted run ({who})")
+    return notes
+
+
+def _owner(root: Path) -> tuple[int, str, float] | None:
+    """(pid, host, started) from the marker; None if missing or unreadable (a run killed while writing it)."""
+    try:
+        marker = json.loads((root / MARKER).read_text())
+        return int(marker["pid"]), str(marker["host"]), float(marker["started"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _alive(pid: int, host: str, started: float) -> bool:
+    """Whether the marker's writer still runs. On another host it cannot be known: assume it does."""
+    if host != socket.gethostname():
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    began = _process_start(pid)
+    return began is None or began <= started + 2.0  # a process that began after the marker reuses the pid
+
+
+def _process_start(pid: int) -> float | None:
+    """When `pid` started (seconds since the epoch), from /proc; None where that cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _rename_exchange(a: Path, b: Path) -> None:
+    """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE); OSError(ENOSYS) where it does not exist."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    func = getattr(libc, "renameat2", None)
+    if func is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if func(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP until the block ends, then act on the first one as it would have.
+
+    The Python-level handlers are swapped (blocking the signal in this thread would not do: the
+    kernel hands it to another of the process's threads, and Python runs the handler anyway).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in _DEFERRED}
+    for signum in _DEFERRED:
+        signal.signal(signum, lambda number, frame: pending.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if pending:
+            handler = previous[pending[0]]
+            if callable(handler):
+                handler(pending[0], None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(pending[0])

@@ -1,0 +1,56 @@
+"""Paths a user hands kvcalib: files that must be regular files, outputs that must not overlap inputs.
+
+A FIFO, socket or device where a file is expected is refused before it is opened: opening
+a FIFO for reading blocks until something writes to it, and a device never ends.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from kvcalib.core.errors import (
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    KvcalibError,
+)
+
+__all__ = ["file_kind", "overlapping", "require_regular_file"]
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """'a regular file', 'a directory', 'a FIFO (named pipe)', ... for an st_mode."""
+    for test, kind in _KINDS:
+        if test(mode):
+            return kind
+    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
+
+
+def require_regular_file(path: Path, what: str, *, error: type[KvcalibError] = CheckpointReadError,
+                         missing: type[KvcalibError] = CheckpointNotFoundError, hint: str | None = None) -> Path:
+    """`path` if it is a regular file (after symlinks) that exists; a clear `error` naming it otherwise.
+
+    Nothing is opened, so a FIFO cannot block. `missing` is raised when there is nothing at `path`.
+    """
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise missing(f"{what} not found: {path}", hint=hint or "check the path") from None
+    except OSError as exc:  # a permission-denied directory on the way, a loop of links, a name too long
+        raise error(f"cannot read {what} {path}: {exc.strerror}",
+                    hint="check the path and its permissions") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} {path} is {file_kind(st.st_mode)}, not a regular file",
+                    hint=hint or f"pass the {what} itself, as a regular file")
+    return path
+
+
+def overlapping(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` are the same path or one is inside the other, symlinks resolved."""
+    ra, rb = Path(a).resolve(), Path(b).resolve()
+    return ra == rb or ra.is_relative_to(rb) or rb.is_relative_to(ra)
