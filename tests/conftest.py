@@ -69,6 +69,7 @@ PROOFS = {
     "llmcompressor": "llm-compressor cross-check",
     "cuda": "calibrate --device cuda",
     "disk-full": "disk full and too small on a real tmpfs (needs root to mount it)",
+    "permissions": "permission denied, as an unprivileged user (needs root and setpriv)",
 }
 _proof_of: dict[str, str] = {}
 _proof_outcomes: dict[str, list[tuple[str, str]]] = {name: [] for name in PROOFS}

@@ -34,7 +34,7 @@ from kvcalib.core.schema import (
     is_kv_scale_key,
 )
 
-__all__ = ["SHARDED_SINGLE_FILENAME", "WritePlan", "bytes_needed", "check_output_path", "check_room",
+__all__ = ["LINK_AT_BYTES", "SHARDED_SINGLE_FILENAME", "WritePlan", "bytes_needed", "check_output_path", "check_room",
            "copy_without_keys", "link_or_copy", "write_checkpoint"]
 
 # transformers loads a top-level model.safetensors and ignores the index beside it, so it
@@ -64,7 +64,10 @@ def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrit
             hint="pass a real directory path: the new checkpoint is renamed into place, which would replace "
                  "the link itself",
         )
-    ancestor = _existing_ancestor(output)
+    if os.path.lexists(output) and not output.is_dir():
+        raise OutputExistsError(f"output {output} exists and is not a directory",
+                                hint="choose another path; --overwrite replaces only a directory")
+    ancestor = _existing_ancestor(output.parent)
     if not ancestor.is_dir():
         raise OutputExistsError(f"output {output} cannot be created: {ancestor} is not a directory",
                                 hint="choose an output path whose parent is a directory")
@@ -72,9 +75,12 @@ def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrit
     if output.exists() and not overwrite:
         raise OutputExistsError(f"output {output} already exists" + "".join(f"; {note}" for note in notes),
                                 hint="choose a new path, or pass --overwrite to replace it")
-    if output.exists() and not output.is_dir():
-        raise OutputExistsError(f"output {output} exists and is not a directory",
-                                hint="choose another path; --overwrite replaces only a directory")
+    if output.exists() and any(output.iterdir()) and not (output / CONFIG_FILENAME).is_file():
+        raise OutputExistsError(
+            f"output {output} exists and is not a checkpoint (no {CONFIG_FILENAME}): --overwrite replaces only "
+            "an earlier checkpoint or an empty directory",
+            hint="choose a new path for the checkpoint; nothing in that directory was touched",
+        )
     return notes
 
 
@@ -116,11 +122,11 @@ def bytes_needed(source: Checkpoint, linkable: bool) -> int:
             total += header.file_size
     index = source.root / INDEX_FILENAME
     total += 2 * index.stat().st_size if index.is_file() else 0
-    for entry in source.root.iterdir():
-        if entry.is_file() and not entry.name.endswith(".safetensors"):
-            total += entry.stat().st_size
-        elif entry.is_dir() and not entry.name.startswith("."):
-            total += sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+    for entry in _other_files(source.root):
+        for path in entry.rglob("*") if entry.is_dir() else [entry]:
+            if path.is_file():
+                size = path.stat().st_size
+                total += size if size < LINK_AT_BYTES or not linkable else 0
     return total
 
 
@@ -343,13 +349,29 @@ def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) 
     write_json(tmp / INDEX_FILENAME, out)
 
 
-def _copy_other_files(source: Path, dest: Path) -> None:
-    """Tokenizer, generation config, remote code, ...: everything but what we rewrite."""
+# Files at least this large (a pytorch_model.bin, an original/ consolidated.pth) are hard-linked like
+# the weights; smaller ones (tokenizer, generation config) are copied, so that editing them in the
+# output in place (as some editors do with linked files) cannot change the input.
+LINK_AT_BYTES = 16 << 20
+
+
+def _other_files(source: Path) -> list[Path]:
+    """Tokenizer, generation config, remote code, ...: everything the writer carries over unchanged."""
     rewritten = {CONFIG_FILENAME, INDEX_FILENAME, PROVENANCE_FILENAME}
-    for entry in sorted(source.iterdir()):
-        if entry.name.startswith(".") or entry.name in rewritten or entry.name.endswith(".safetensors"):
-            continue
+    return [entry for entry in sorted(source.iterdir())
+            if not (entry.name.startswith(".") or entry.name in rewritten or entry.name.endswith(".safetensors"))]
+
+
+def _copy_other_files(source: Path, dest: Path) -> None:
+    for entry in _other_files(source):
         if entry.is_dir():
-            shutil.copytree(entry, dest / entry.name, copy_function=link_or_copy)
+            shutil.copytree(entry, dest / entry.name, copy_function=_carry)
         elif entry.is_file():
-            shutil.copy2(entry, dest / entry.name)
+            _carry(entry, dest / entry.name)
+
+
+def _carry(src: str | Path, dst: str | Path) -> None:
+    if os.path.getsize(src) >= LINK_AT_BYTES:
+        link_or_copy(Path(src), Path(dst))
+    else:
+        shutil.copy2(src, dst)

@@ -22,6 +22,9 @@ def check_plot_path(path: Path, inputs: Sequence[str | Path] = ()) -> Path:
         raise UsageError(f"--plot writes a PNG; {path} does not end in .png", hint="pass a path ending in .png")
     if not path.parent.is_dir():
         raise UsageError(f"--plot: directory {path.parent} does not exist", hint="create it, or pick another path")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--plot: cannot write in {path.parent} (permission denied or read-only)",
+                         hint="pick a path in a directory you can write to")
     for item in inputs:
         if os.path.lexists(item) and overlapping(path, Path(item)):
             raise UsageError(f"--plot {path} would write into the input {item}",
@@ -72,6 +75,10 @@ def plot_eval(result: Any, path: Path) -> Path:
     try:
         fig.savefig(partial, dpi=90)
         os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise UsageError(f"--plot: cannot write {path}: {exc.strerror or exc}",
+                         hint="pick a path in a directory you can write to, on a filesystem with room") from None
     finally:
         plt.close(fig)
         partial.unlink(missing_ok=True)

@@ -21,6 +21,8 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +80,8 @@ class Case:
     names: str  # what the message must name (a substring of the output), formatted like argv
     setup: Callable[[World], None] = lambda w: None
     hint: bool = True
-    root: bool = False  # needs root (mounts)
+    root: bool = False  # needs root (mounts, chattr)
+    cleanup: Callable[[World], None] = lambda w: None
     json_finding: str | None = None  # validate: a finding with this severity must name the thing
     marks: tuple = field(default=())
 
@@ -300,6 +303,21 @@ def read_only_mount(w: World) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(parent)], check=True)
 
 
+def unmount_ro(w: World) -> None:
+    subprocess.run(["umount", str(w.root / "ro")], check=False, capture_output=True)
+
+
+def immutable_dir(w: World) -> None:
+    """OUT's parent carries the immutable attribute (chattr +i): even root cannot create files in it."""
+    (w.root / "imm").mkdir()
+    if subprocess.run(["chattr", "+i", str(w.root / "imm")], capture_output=True, check=False).returncode:
+        pytest.skip("this filesystem has no immutable attribute (chattr +i failed)")
+
+
+def mutable_again(w: World) -> None:
+    subprocess.run(["chattr", "-i", str(w.root / "imm")], capture_output=True, check=False)
+
+
 def fake_vllm_python(w: World) -> None:
     (w.root / "bin").mkdir()
 
@@ -327,9 +345,14 @@ CASES = [
     Case("out-dangling-symlink", CAL[:5] + ("{w}/dangling",), 2, "{w}/dangling",
          setup=lambda w: (w.root / "dangling").symlink_to(w.root / "nowhere")),
     Case("out-exists", CAL, 2, "{out}", setup=existing_out),
+    Case("out-overwrite-not-a-checkpoint", CAL + ("--overwrite",), 2, "{out}",
+         setup=lambda w: (w.out.mkdir(), (w.out / "notes.txt").write_text("mine"))),
     Case("out-is-file", CAL + ("--overwrite",), 2, "{out}", setup=write_text(lambda w: w.out, "x")),
     Case("out-parent-is-file", CAL[:5] + ("{data}/x",), 2, "{data}"),
-    Case("out-read-only-fs", CAL[:5] + ("{w}/ro/out",), 1, "{w}/ro", setup=read_only_mount, root=True),
+    Case("out-read-only-fs", CAL[:5] + ("{w}/ro/out",), 1, "{w}/ro", setup=read_only_mount, root=True,
+         cleanup=unmount_ro),
+    Case("out-immutable-parent", CAL[:5] + ("{w}/imm/out",), 1, "{w}/imm", setup=immutable_dir, root=True,
+         cleanup=mutable_again),
     # arguments, found before any model is loaded
     Case("num-samples-0", CAL[:7] + ("0",) + CAL[8:], 2, "--num-samples"),
     Case("batch-size-0", CAL + ("--batch-size", "0"), 2, "--batch-size"),
@@ -450,8 +473,7 @@ def test_hostile_input(case: Case, world: World):
         result = run_cli([world.fmt(a) for a in case.argv])
         after = snapshot(world.root)
     finally:
-        if case.root:
-            subprocess.run(["umount", str(world.root / "ro")], check=False)
+        case.cleanup(world)
     output = result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), (
         f"traceback:\n{output}\n{result.exception!r}")
@@ -470,3 +492,55 @@ def test_hostile_input(case: Case, world: World):
             assert "hint:" in output, output
     changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
     assert not changed, f"changed or left behind: {sorted(changed)}\n{output}"
+
+
+# --- permissions, for real: as an unprivileged user (root reads and writes through any mode) ------
+
+
+def as_nobody(argv: list[str], home: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "TMPDIR": str(home),
+           "HF_HOME": str(home / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO), "MPLCONFIGDIR": str(home / "mpl")}
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+                           sys.executable, "-m", "kvcalib", *argv], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+PERMISSION_CASES = [
+    # (id, spoil (as root), argv, exit, what the message names)
+    ("validate-config-unreadable", lambda w: os.chmod(w.ckpt / "config.json", 0), VAL, 2, "config.json"),
+    ("calibrate-data-unreadable", lambda w: os.chmod(w.data, 0), CAL, 1, "{data}"),
+    ("calibrate-out-parent-not-writable", lambda w: (w.root.joinpath("locked").mkdir(mode=0o555)),
+     CAL[:5] + ("{w}/locked/out",), 1, "{w}/locked"),
+    ("eval-plot-dir-not-writable", lambda w: (w.root.joinpath("locked").mkdir(mode=0o555)),
+     EVAL + ("--plot", "{w}/locked/p.png"), 2, "{w}/locked"),
+]
+
+
+@pytest.mark.proof("permissions")
+@pytest.mark.parametrize("case", PERMISSION_CASES, ids=lambda c: c[0])
+def test_permission_denied(case, world_master: Path):
+    if not IS_ROOT or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv, to run kvcalib as the unprivileged user 65534")
+    _id, spoil, argv, code, names = case
+    base = Path(tempfile.mkdtemp(prefix="kvcalib-perm-"))
+    try:
+        os.chmod(base, 0o755)
+        shutil.copytree(world_master, base / "w", symlinks=True)
+        world = World(base / "w")
+        (base / "home").mkdir()
+        subprocess.run(["chown", "-R", "65534:65534", str(base / "home")], check=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(world.root)], check=True)
+        os.chmod(world.root, 0o1777)  # OUT's parent: writable by the user, like /tmp
+        spoil(world)
+        before = snapshot(world.root)
+        done = as_nobody([world.fmt(a) for a in argv], base / "home")
+        output = done.stdout + done.stderr
+        assert done.returncode == code, output
+        assert "Traceback" not in output and "hint:" in output and "ermission denied" in output, output
+        assert world.fmt(names) in output, output
+        assert "KV scales for" not in output  # refused before calibrating
+        assert snapshot(world.root) == before
+    finally:
+        subprocess.run(["chmod", "-R", "u+rwX", str(base)], check=False)
+        shutil.rmtree(base, ignore_errors=True)

@@ -119,3 +119,27 @@ def test_discard_is_idempotent(tmp_path):
     publish.discard(staging)
     publish.discard(Staging(staging.root, staging.output))
     assert names(tmp_path) == []
+
+
+def test_large_extra_files_are_linked_small_ones_copied(tiny_llama_master, tmp_path):
+    """A pytorch_model.bin beside the safetensors costs no space; an editable tokenizer file is a copy."""
+    import shutil
+
+    import torch
+
+    from kvcalib.calibrate.writer import LINK_AT_BYTES, WritePlan, bytes_needed, write_checkpoint
+    from kvcalib.core.checkpoint import Checkpoint
+    from kvcalib.core.schema import kv_only_quantization_config, neuron_scale_key
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama_master, src)
+    with open(src / "pytorch_model.bin", "wb") as f:  # sparse: its size, none of its blocks
+        f.truncate(LINK_AT_BYTES)
+    layers = Checkpoint.open(src).config["num_hidden_layers"]
+    scales = {neuron_scale_key(i, kind): torch.tensor([0.01]) for i in range(layers) for kind in "kv"}
+    write_checkpoint(src, tmp_path / "out", WritePlan(scales, kv_only_quantization_config(), {}))
+    out = tmp_path / "out"
+    assert (out / "pytorch_model.bin").stat().st_ino == (src / "pytorch_model.bin").stat().st_ino
+    assert (out / "tokenizer.json").stat().st_ino != (src / "tokenizer.json").stat().st_ino
+    linked, copied = bytes_needed(Checkpoint.open(src), True), bytes_needed(Checkpoint.open(src), False)
+    assert copied - linked >= LINK_AT_BYTES  # the .bin counts only where links fail
