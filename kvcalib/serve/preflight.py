@@ -28,16 +28,17 @@ from kvcalib.core.errors import (
 )
 from kvcalib.core.fp8 import TARGETS
 from kvcalib.core.schema import PROVENANCE_FILENAME
+from kvcalib.serve.cuda import check_cuda
 from kvcalib.serve.neuron import detect_neuron_host, require_family
 from kvcalib.validate.pipeline import validate_checkpoint
 
 __all__ = [
-    "DEVICES", "FORCEABLE_RULES", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight", "UNSCALED_RULES",
+    "DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight", "UNSCALED_RULES",
     "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation", "find_vllm", "head_size", "preflight",
     "recorded_fp8_max", "validate_target",
 ]
 
-DEVICES = ("trn2", "trn3", "cpu")
+DEVICES = ("trn2", "trn3", "cpu", "cuda")
 NEURON_DEVICES = tuple(name for name, target in TARGETS.items() if target.neuron)  # trn2, trn3
 MAX_NEURON_MODEL_LEN = 16384  # Neuron: --max-num-batched-tokens == --max-model-len, at most this
 FORCEABLE_RULES = frozenset({"RANGE-TARGET-MISMATCH"})
@@ -167,11 +168,18 @@ def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
     return found.get("version") or "vllm (version unknown)"
 
 
-def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: int, max_num_seqs: int,
-              vllm_python: Path, env: Mapping[str, str], force: bool = False,
-              sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev"), cpu: HostCpu | None = None
-              ) -> Preflight:
-    """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
+@dataclass(frozen=True)
+class Environment:
+    """What the machine offers a server, found without the checkpoint's scales."""
+
+    tensor_parallel_size: int
+    vllm_version: str
+
+
+def check_environment(config: dict[str, Any], device: str, *, tp: int | None, max_model_len: int,
+                      max_num_seqs: int, vllm_python: Path, env: Mapping[str, str], sysfs_root: Path = Path("/sys"),
+                      dev_root: Path = Path("/dev"), cpu: HostCpu | None = None) -> Environment:
+    """The device, the arguments and vLLM, for a model with `config`: what `calibrate --serve-check` checks first."""
     if device not in DEVICES:
         raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
     neuron = device in NEURON_DEVICES
@@ -181,16 +189,29 @@ def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: i
     if neuron and max_model_len > MAX_NEURON_MODEL_LEN:
         raise UsageError(f"--max-model-len {max_model_len} is over {MAX_NEURON_MODEL_LEN}",
                          hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384")
-    config = read_config(checkpoint)
-    target = validate_target(device)
-    warnings = check_validation(checkpoint, target, force)
     host = None
     if neuron:
         host = detect_neuron_host(env, sysfs_root, dev_root)
         require_family(host, device)
-    else:
+    elif device == "cpu":
         check_cpu(config, cpu)
     version = find_vllm(vllm_python, env, neuron)
-    tensor_parallel_size = tp or (host.num_cores if host is not None else 1)
-    return Preflight(target, recorded_fp8_max(checkpoint), tensor_parallel_size, version, config,
-                     tuple(warnings))
+    if device == "cuda":
+        check_cuda(vllm_python, env, tp)
+    return Environment(tp or (host.num_cores if host is not None else 1), version)
+
+
+def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: int, max_num_seqs: int,
+              vllm_python: Path, env: Mapping[str, str], force: bool = False,
+              sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev"), cpu: HostCpu | None = None
+              ) -> Preflight:
+    """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
+    if device not in DEVICES:
+        raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
+    config = read_config(checkpoint)
+    target = validate_target(device)
+    warnings = check_validation(checkpoint, target, force)
+    machine = check_environment(config, device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                vllm_python=vllm_python, env=env, sysfs_root=sysfs_root, dev_root=dev_root, cpu=cpu)
+    return Preflight(target, recorded_fp8_max(checkpoint), machine.tensor_parallel_size, machine.vllm_version,
+                     config, tuple(warnings))

@@ -99,3 +99,23 @@ def test_sqnr_db_edges():
 def test_unknown_target_names_the_known_ones():
     with pytest.raises(ValueError, match=r"^unknown target 'h100'; known targets: gpu, trn2, trn3$"):
         fp8.get_target("h100")
+
+
+def test_vllm_cpu_numerics_truncate_toward_zero():
+    """The emulated vLLM CPU cast is the largest E4M3FN magnitude not above |x / s| (x * (1/s)), sign kept."""
+    import torch
+
+    from kvcalib.core import fp8
+
+    target = fp8.get_target("vllm-cpu")
+    assert target.fp8_max == 448.0 and target.toward_zero and "vllm-cpu" not in fp8.TARGETS
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every finite magnitude
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(4000) * 50, torch.randn(1000) * 1e-3, torch.tensor([0.0, 448.0, -500.0, 1e-9])])
+    for scale in (1.0, 0.04345703125, 0.0625):
+        got = fp8.fake_quantize(x, scale, target) / scale
+        y = (x * (1.0 / torch.tensor(scale))).clamp(-448, 448)
+        expected = torch.sign(y) * grid[torch.searchsorted(grid, y.abs(), right=True) - 1]
+        assert torch.allclose(got, expected, rtol=1e-6, atol=0), scale
+    nearest = fp8.fake_quantize(x, 1.0, fp8.get_target("gpu"))
+    assert (fp8.fake_quantize(x, 1.0, target).abs() <= nearest.abs()).all()

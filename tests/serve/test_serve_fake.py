@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,9 +19,9 @@ import pytest
 from serve_helpers import (
     FAKE_BIN,
     assert_nothing_left,
-    build_llama_head32,
     fake_python,
     processes_mentioning,
+    serve,
 )
 from typer.testing import CliRunner
 
@@ -31,65 +30,6 @@ from kvcalib.cli import app
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[2]
-# The fake host's CPU, as serve-check's pre-flight reads it: AVX-512, whatever CPU runs the tests.
-FAKE_HOST_CPU_FLAGS = "fpu sse2 avx avx2 fma avx512f avx512bw"
-
-
-@pytest.fixture(autouse=True)
-def fake_host_cpu(monkeypatch):
-    monkeypatch.setenv("KVCALIB_CPU_FLAGS", FAKE_HOST_CPU_FLAGS)
-
-
-@pytest.fixture(scope="session")
-def head32_calibrated(tmp_path_factory, text_dataset) -> dict[str, Path]:
-    """A small bf16 Llama (head_dim 32) calibrated for trn2 (max 240) and for gpu (max 448)."""
-    root = tmp_path_factory.mktemp("head32")
-    model = build_llama_head32(root / "llama")
-    out = {}
-    for target in ("trn2", "gpu"):
-        out[target] = root / f"llama-{target}"
-        calibrate(model, str(text_dataset), out[target], CalibrateOptions(target=target, num_samples=4, max_seq_len=32))
-    return out
-
-
-@pytest.fixture
-def ckpt(head32_calibrated, tmp_path) -> Path:
-    """A private copy (its path marks this test's server processes)."""
-    dst = tmp_path / "ckpt-trn2"
-    shutil.copytree(head32_calibrated["trn2"], dst)
-    return dst
-
-
-@pytest.fixture
-def ckpt448(head32_calibrated, tmp_path) -> Path:
-    dst = tmp_path / "ckpt-gpu"
-    shutil.copytree(head32_calibrated["gpu"], dst)
-    return dst
-
-
-@pytest.fixture
-def cpu_python(tmp_path) -> Path:
-    return fake_python(tmp_path / "fake-cpu")
-
-
-@pytest.fixture
-def neuron_env(tmp_path, monkeypatch) -> Path:
-    """A Neuron host: the fake neuron-ls on PATH, and a python whose vLLM has the Neuron plugin."""
-    monkeypatch.setenv("PATH", f"{FAKE_BIN}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
-    return fake_python(tmp_path / "fake-neuron", neuron=True)
-
-
-def serve(ckpt: Path, python: Path, *extra: str, env: dict[str, str] | None = None, monkeypatch=None):
-    for key, value in (env or {}).items():
-        monkeypatch.setenv(key, value)
-    args = ["serve-check", str(ckpt), "--vllm-python", str(python), "--log-dir", str(ckpt.parent / "logs"),
-            "--stop-timeout", "5", *extra]
-    result = runner.invoke(app, args)
-    assert "Traceback" not in result.stderr.split("--- last lines of")[0], result.stderr
-    return result
-
-
 def test_cpu_passes_with_the_platform_flags_and_a_baseline(ckpt, cpu_python):
     result = serve(ckpt, cpu_python, "--device", "cpu", "--json")
     assert result.exit_code == 0, result.stderr

@@ -13,10 +13,11 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 FAKE_BIN = FAKES / "bin"  # the fake neuron-ls
 
 
-def fake_python(directory: Path, neuron: bool = False) -> Path:
-    """An executable `python` that runs this interpreter with the fake vllm (and Neuron plugin) importable."""
+def fake_python(directory: Path, neuron: bool = False, cuda: bool = False) -> Path:
+    """An executable `python` that runs this interpreter with the fake vllm (and Neuron plugin, or a CUDA torch)
+    importable."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = [str(FAKES)] + ([str(FAKES / "neuron")] if neuron else [])
+    paths = [str(FAKES)] + ([str(FAKES / "neuron")] if neuron else []) + ([str(FAKES / "cuda")] if cuda else [])
     script = directory / "python"
     script.write_text(f'#!/bin/sh\nPYTHONPATH="{os.pathsep.join(paths)}" exec "{sys.executable}" "$@"\n')
     script.chmod(0o755)
@@ -106,3 +107,21 @@ def assert_nothing_left(marker: str, output: str) -> None:
     assert processes_mentioning(marker) == []
     for port in ports_in(output):
         assert not listening(port), f"port {port} still listening"
+
+
+# The fake host's CPU, as serve-check's pre-flight reads it: AVX-512, whatever CPU runs the tests.
+FAKE_HOST_CPU_FLAGS = "fpu sse2 avx avx2 fma avx512f avx512bw"
+
+
+def serve(ckpt: Path, python: Path, *extra: str, env: dict[str, str] | None = None, monkeypatch=None):
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    args = ["serve-check", str(ckpt), "--vllm-python", str(python), "--log-dir", str(ckpt.parent / "logs"),
+            "--stop-timeout", "5", *extra]
+    from typer.testing import CliRunner
+
+    from kvcalib.cli import app
+
+    result = CliRunner().invoke(app, args)
+    assert "Traceback" not in result.stderr.split("--- last lines of")[0], result.stderr
+    return result

@@ -24,6 +24,11 @@ $FAKE_VLLM_MODE breaks servers whose KV cache is FP8 (the baseline stays healthy
   die-mid-probe   the engine dies on the second completion request
   degenerate      every completion is one token repeated
   diverge         FP8 ranks the baseline's tokens second (agreement 0) and its NLL is worse
+  ignore-scales   FP8 answers the same whatever the checkpoint's KV scales (the bug the canary exists for)
+  inverted-scales FP8 applies the scales the wrong way round: larger scales clip (scale x64 is "right")
+Otherwise an FP8 server honours the scales: the fraction of each layer's K/V range that saturates
+(the provenance's absmax against scale x FP8 max: 448 on CPU, 240 on Neuron) costs log-prob, and
+above half of it the answers diverge, as a real model's do.
 $FAKE_VLLM_IGNORE_SIGTERM=1 makes the server and its child ignore SIGTERM (only SIGKILL works).
 """
 
@@ -156,15 +161,52 @@ def tokenize(text: str) -> list[str]:
     return re.findall(r"\s*\S+|\s+", text)
 
 
+def kv_scale_values(model: Path) -> dict[str, float]:
+    """Every float32 *k_scale / *v_scale of shape [1] in the checkpoint, read from its safetensors files."""
+    values = {}
+    for file in sorted(model.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            for key, entry in header.items():
+                if key.endswith(("k_scale", "v_scale")) and isinstance(entry, dict) and entry.get("dtype") == "F32" \
+                        and entry.get("shape") == [1]:
+                    f.seek(8 + n + entry["data_offsets"][0])
+                    (values[key],) = struct.unpack("<f", f.read(4))
+    return values
+
+
+def saturation(model: Path, fp8_max: float) -> float:
+    """The mean fraction of each layer's K/V range above scale x fp8_max (0 without kvcalib provenance)."""
+    if MODE == "ignore-scales":
+        return 0.0
+    try:
+        layers = json.loads((model / "kvcalib_calibration.json").read_text())["layers"]
+    except (OSError, ValueError, KeyError):
+        return 0.0
+    scales = kv_scale_values(model)
+    fractions = []
+    for entry in layers:
+        for kind in ("k", "v"):
+            scale, absmax = scales.get(f"model.layers.{entry['layer']}.self_attn.{kind}_scale"), entry[f"{kind}_absmax"]
+            if scale and absmax > 0:
+                if MODE == "inverted-scales":
+                    scale = (absmax / fp8_max) ** 2 / scale  # the mirror image around the right scale
+                fractions.append(max(0.0, 1.0 - scale * fp8_max / absmax))
+    return sum(fractions) / len(fractions) if fractions else 0.0
+
+
 class Engine:
-    def __init__(self, model: str, names: list[str], fp8: bool) -> None:
+    def __init__(self, model: str, names: list[str], fp8: bool, fp8_max: float = 448.0) -> None:
         self.model, self.names, self.fp8 = model, names, fp8
         self.requests = 0
+        self.saturated = saturation(Path(model), fp8_max) if fp8 else 0.0
+        self.broken = MODE == "diverge" or self.saturated > 0.5
 
     def logprob(self, tid: int) -> float:
         lp = -(1.0 + (tid % 7) / 10)
         if self.fp8:
-            lp -= 3.0 if MODE == "diverge" else 0.05
+            lp -= 3.0 if MODE == "diverge" else 0.05 + 3.0 * self.saturated
         return lp
 
     def complete(self, body: dict) -> dict:
@@ -184,7 +226,7 @@ class Engine:
             pieces = ["!"] * max_tokens
         else:
             source = CONTINUATIONS.get(text_prompt or "", GENERIC)
-            if MODE == "diverge" and self.fp8:
+            if self.broken:
                 source = " purple " + source
             words = tokenize(source)
             pieces = [words[i % len(words)] for i in range(max_tokens)]
@@ -197,7 +239,7 @@ class Engine:
         if top is not None:
             entries = [None]
             for tid in prompt_ids[1:]:
-                rank = 2 if (MODE == "diverge" and self.fp8) else 1
+                rank = 2 if self.broken else 1
                 entry = {str(tid): {"logprob": self.logprob(tid), "rank": rank, "decoded_token": "?"}}
                 if top >= 1 and rank != 1:
                     entry[str(tid + 1)] = {"logprob": -0.5, "rank": 1, "decoded_token": "?"}
@@ -261,10 +303,11 @@ def main() -> None:
              "Use `repo_type` argument if needed.")
     kv_dtype = resolve_kv_dtype(args, config, neuron)
     fp8 = kv_dtype.startswith("fp8")
-    log(f"platform: {'neuron' if neuron else 'cpu'}, kv cache dtype {kv_dtype}")
+    platform = "neuron" if neuron else os.environ.get("FAKE_VLLM_PLATFORM", "cpu")
+    log(f"platform: {platform}, kv cache dtype {kv_dtype}")
     if neuron:
         check_neuron(args, config, kv_dtype)
-    else:
+    elif platform == "cpu":
         check_cpu(config, kv_dtype)
     child = start_engine_core(args.model)
 
@@ -292,7 +335,7 @@ def main() -> None:
         log("still compiling ...")
         time.sleep(1.0)
     names = args.served_model_name or [args.model]
-    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), make_handler(Engine(args.model, names, fp8)))
+    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), make_handler(Engine(args.model, names, fp8, 240.0 if neuron else 448.0)))
     log(f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     while True:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -21,15 +19,15 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Table
 
+from kvcalib.cli.render import (
+    progress_bar,
+    render_calibration,
+    render_eval,
+    render_report,
+    render_serve_check,
+    serve_status,
+)
 from kvcalib.core.errors import KvcalibError, UsageError
 
 app = typer.Typer(
@@ -114,10 +112,20 @@ def _host_cpu(with_capability: bool = True) -> Any:
 BF16_COMPUTE_HELP = ("bf16 models on CPU: auto (float32 matmuls with bf16 rounding where the CPU has no native "
                      "bf16 matmul, i.e. no avx512_bf16/amx_bf16), native, or float32.")
 
+CANARY_HELP = ("Also serve a copy with every K/V scale divided by 64, which must answer worse: proof that the server "
+               "applies the scales (default: on for cpu and cuda, off on Neuron, where each copy is another compile).")
+PREDICT_HELP = "kvcalib's emulated ΔNLL of the probe text (in-process on CPU) next to the served one."
+
 # Options several commands share, declared once.
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 Bf16Compute = Annotated[str, typer.Option("--bf16-compute", help=BF16_COMPUTE_HELP)]
+# serve-check's, which calibrate --serve-check takes too
+Tp = Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: every NeuronCore; 1 on cpu).")]
+MaxModelLen = Annotated[int, typer.Option("--max-model-len", help="Also --max-num-batched-tokens (Neuron needs them equal).")]
+StartupTimeout = Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for GET /health.")]
+VllmPython = Annotated[Path, typer.Option("--vllm-python", help="Interpreter of the environment with vLLM.")]
+LogDir = Annotated[Path | None, typer.Option("--log-dir", help="Where the server logs go (default: a new temp dir).")]
 
 
 def _print_json(obj: dict[str, Any]) -> None:
@@ -145,8 +153,14 @@ def calibrate(
     recipe: Path | None = typer.Option(None, "--recipe", help="llm-compressor recipe (YAML) whose kv_cache_scheme to use, e.g. recipes/kv-fp8-trn2.yaml."),
     engine: str = typer.Option("auto", "--engine", help="auto (native, or stream when the weights would not fit), native, stream, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor])."),
     bf16_compute: Bf16Compute = "auto",
+    serve_device: str | None = typer.Option(None, "--serve-check", help="Then serve the new checkpoint with FP8 KV and probe it, as `kvcalib serve-check OUT --device DEVICE` does (trn2, trn3, cpu, cuda); the device and vLLM are checked before calibrating."),
+    vllm_python: VllmPython = Path(sys.executable),
+    tp: Tp = None,
+    max_model_len: MaxModelLen = 2048,
+    startup_timeout: StartupTimeout = 1800.0,
+    log_dir: LogDir = None,
 ) -> None:
-    """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint."""
+    """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
     import os
 
     from kvcalib.calibrate import CalibrateOptions, Ranks
@@ -165,16 +179,64 @@ def calibrate(
         bf16_compute=bf16_compute, cpu=_host_cpu(), memory=available_memory(),
         scratch_dir=Path(tempfile.gettempdir()),
     )
-    if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports
+    if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports (and serves)
         with _errors(quiet=True):
             run_calibrate(model, dataset, output, options)
         return
+    serving = None
+    if serve_device is not None:  # everything serving needs but the scales, before an hour of calibration
+        with _errors():
+            serving = _serve_options(model, options, serve_device, vllm_python=vllm_python, tp=tp,
+                                     max_model_len=max_model_len, startup_timeout_s=startup_timeout, log_dir=log_dir)
     console = _stderr()
-    with _errors(), _progress_bar(console) as on_progress:
+    with _errors(), progress_bar(console) as on_progress:
         result = run_calibrate(model, dataset, output, options, progress=on_progress)
-    _render_calibration(console, result)
+    _report_calibration(console, result, serving, as_json)
+
+
+def _report_calibration(console: Console, result: Any, serving: Any, as_json: bool) -> None:
+    """The table; then, with --serve-check, serve-check's run on the published checkpoint and its exit code."""
+    render_calibration(console, result)
+    if serving is None:
+        if as_json:
+            _print_json(result.to_dict())
+        return
+    served = _run_serve_check(console, Path(result.output), serving)
     if as_json:
-        _print_json(result.to_dict())
+        _print_json({"calibration": result.to_dict(), "serve_check": served.to_dict()})
+    raise typer.Exit(0 if served.ok else 1)
+
+
+def _serve_options(model: str, calibration: Any, device: str, **given: Any) -> Any:
+    """serve-check's options for `calibrate --serve-check DEVICE`, checked against the model and the machine."""
+    import os
+
+    from kvcalib.calibrate.recipe import plan_recipe
+    from kvcalib.hf.model import resolve_model_dir, resolve_target
+    from kvcalib.serve import ServeOptions
+    from kvcalib.serve.pipeline import check_serving
+    from kvcalib.serve.preflight import validate_target
+
+    options = ServeOptions(device=device, env=dict(os.environ), cpu=_host_cpu(with_capability=False),
+                           memory_bytes=calibration.memory.available if calibration.memory else None, **given)
+    options.check_arguments()
+    sized_for = resolve_target(plan_recipe(calibration.recipe, calibration.target, calibration.engine).target)
+    served_on = resolve_target(validate_target(device))
+    if sized_for.fp8_max > served_on.fp8_max:
+        raise UsageError(f"--target {sized_for.name} sizes the scales for FP8 max {sized_for.fp8_max:g}, but "
+                         f"{device} clamps at {served_on.fp8_max:g}: serve-check would refuse the result",
+                         hint=f"calibrate with --target {served_on.name} for --serve-check {device}")
+    check_serving(resolve_model_dir(model), options)
+    return options
+
+
+def _run_serve_check(console: Console, checkpoint: Path, options: Any) -> Any:
+    from kvcalib.serve import serve_check as run_serve_check
+
+    with _errors(interrupted="every vLLM server serve-check started was stopped"), serve_status(console) as on_event:
+        result = run_serve_check(checkpoint, options, progress=on_event)
+    render_serve_check(console, result)
+    return result
 
 
 def _engine(engine: str, stream_layers: bool) -> str:
@@ -182,61 +244,6 @@ def _engine(engine: str, stream_layers: bool) -> str:
     if stream_layers and engine not in ("auto", "stream"):
         raise UsageError(f"--stream-layers contradicts --engine {engine}", hint="pass one of them")
     return "stream" if stream_layers else engine
-
-
-@contextmanager
-def _progress_bar(console: Console, label: str = "calibrating") -> Iterator[Callable[[Any], None]]:
-    """A progress callback that draws on stderr once the library reports its first stage."""
-    columns = (
-        TextColumn("{task.description}"), BarColumn(),
-        TextColumn("{task.fields[samples]} samples"), TextColumn("{task.fields[tokens]} tok"),
-        TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-    )
-    bar = Progress(*columns, console=console, transient=True)
-    task = bar.add_task("starting", total=None, samples="-", tokens="-", rate="-")
-    observe_started: list[float] = []
-    labels = {"load-data": "reading dataset", "load-model": "loading model", "write": "writing checkpoint"}
-
-    def on_progress(p: Any) -> None:
-        if not bar.live.is_started:
-            bar.start()
-        if p.stage != "observe":
-            bar.update(task, description=labels.get(p.stage, p.stage))
-            return
-        if not observe_started:
-            observe_started.append(time.perf_counter())
-        elapsed = time.perf_counter() - observe_started[0]
-        rate = f"{p.tokens_done / elapsed:,.0f}" if elapsed > 0 and p.tokens_done else "-"
-        where = f" layer {p.layer + 1}/{p.num_layers}" if getattr(p, "num_layers", 0) else ""
-        bar.update(task, description=label + where, total=p.tokens_total, completed=p.tokens_done,
-                   samples=f"{p.samples_done}/{p.samples_total}",
-                   tokens=f"{p.tokens_done:,}/{p.tokens_total:,}", rate=rate)
-
-    try:
-        yield on_progress
-    finally:
-        if bar.live.is_started:
-            bar.stop()
-
-
-def _render_calibration(console: Console, result: Any) -> None:
-    table = Table(title=f"KV scales for {result.target}: absmax / {result.fp8_max:g}")
-    for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale"):
-        table.add_column(column, justify="right")
-    for layer in result.layers:
-        table.add_row(str(layer.layer), f"{layer.k_absmax:.4g}", f"{layer.v_absmax:.4g}",
-                      f"{layer.k_scale:.4g}", f"{layer.v_scale:.4g}")
-    console.print(table)
-    for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
-    if result.validation is not None:
-        n_warn = sum(1 for f in result.validation["findings"] if f["severity"] == "warning")
-        console.print(f"validation: [green]ok[/] for {result.target}" + (f" ({n_warn} warning(s))" if n_warn else ""))
-    console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
-    console.print(
-        f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
-        f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all"
-    )
 
 
 @app.command()
@@ -251,25 +258,10 @@ def validate(
 
     with _errors():
         report = validate_checkpoint(checkpoint, target, strict=strict)
-    _render_report(_stderr(), report)
+    render_report(_stderr(), report)
     if as_json:
         _print_json(report.to_dict())
     raise typer.Exit(0 if report.ok else 1)
-
-
-def _render_report(console: Console, report: Any) -> None:
-    if report.findings:
-        table = Table(title=f"validate {report.checkpoint} for {report.target}")
-        for column in ("rule", "severity", "where", "message", "hint"):
-            table.add_column(column, overflow="fold")
-        colors = {"error": "red", "warning": "yellow", "info": "cyan"}
-        for f in report.findings:
-            table.add_row(f.rule, f"[{colors.get(f.severity, 'white')}]{f.severity}[/]", f.location or "",
-                          f.message, f.hint or "")
-        console.print(table)
-    verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
-    console.print(f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
-                  + (" (strict: warnings count as errors)" if report.strict else ""))
 
 
 @app.command("eval")
@@ -298,127 +290,61 @@ def eval_command(
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
                           compare=tuple(compare), bf16_compute=bf16_compute, cpu=_host_cpu())
     console = _stderr()
-    with _errors(), _progress_bar(console, "evaluating") as on_progress:
+    with _errors(), progress_bar(console, "evaluating") as on_progress:
         if plot is not None:
             check_plot_path(plot, [checkpoint, dataset, *compare])
         result = evaluate(checkpoint, dataset, options, progress=on_progress)
         if plot is not None:
             result = dataclasses.replace(result, plot=str(plot_eval(result, plot)))
-    _render_eval(console, result)
+    render_eval(console, result)
     if as_json:
         _print_json(result.to_dict())
-
-
-def _render_eval(console: Console, result: Any) -> None:
-    table = Table(title=f"FP8 KV on {result.target} vs an unquantised KV cache, {result.num_tokens:,} tokens")
-    for column in ("scales", "NLL", "PPL", "ΔNLL", "KL", "top-1", "K clip", "V clip", "K SQNR"):
-        table.add_column(column, justify="right" if column != "scales" else "left", overflow="fold")
-    table.add_row("none (bf16)", f"{result.baseline_nll:.4f}", f"{math.exp(result.baseline_nll):.3f}",
-                  "", "", "", "", "", "")
-    for run in result.runs:
-        min_k = min(l.k_sqnr_db for l in run.layers)
-        table.add_row(run.name, f"{run.nll:.4f}", f"{run.ppl:.3f}", f"{run.delta_nll:+.4f}", f"{run.kl:.5f}",
-                      f"{run.top1:.2%}", f"{run.k_clipped:.3%}", f"{run.v_clipped:.3%}", f"{min_k:.1f} dB")
-    console.print(table)
-    console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
-    if result.plot:
-        console.print(f"plot: {result.plot}")
 
 
 @app.command("serve-check")
 def serve_check(
     checkpoint: Path = typer.Argument(..., help="Calibrated checkpoint directory to serve."),
-    device: str = typer.Option(..., "--device", help="trn2 or trn3 (vLLM on Neuron), or cpu (vLLM on CPU)."),
-    tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel size (default: every NeuronCore; 1 on cpu)."),
-    max_model_len: int = typer.Option(2048, "--max-model-len", help="Also --max-num-batched-tokens (Neuron needs them equal)."),
+    device: str = typer.Option(..., "--device", help="trn2 or trn3 (vLLM on Neuron), cpu (vLLM on CPU) or cuda (vLLM on GPU)."),
+    tp: Tp = None,
+    max_model_len: MaxModelLen = 2048,
     max_num_seqs: int = typer.Option(4, "--max-num-seqs"),
     port: int | None = typer.Option(None, "--port", help="Port on 127.0.0.1 (default: a free one)."),
-    startup_timeout: float = typer.Option(1800.0, "--startup-timeout", help="Seconds to wait for GET /health."),
+    startup_timeout: StartupTimeout = 1800.0,
     stop_timeout: float = typer.Option(60.0, "--stop-timeout", help="Seconds between SIGTERM and SIGKILL."),
     prompts: Path | None = typer.Option(None, "--prompts", help="Prompts: one per line, or .jsonl with 'prompt'."),
     baseline: bool | None = typer.Option(None, "--baseline/--no-baseline", help="Also serve without FP8 KV and compare (default: on for cpu)."),
-    vllm_python: Path = typer.Option(Path(sys.executable), "--vllm-python", help="Interpreter of the environment with vLLM."),
-    log_dir: Path | None = typer.Option(None, "--log-dir", help="Where the server logs go (default: a new temp dir)."),
+    vllm_python: VllmPython = Path(sys.executable),
+    log_dir: LogDir = None,
     neuron_visible_devices: str | None = typer.Option(None, "--neuron-visible-devices", help="NEURON_VISIBLE_DEVICES for the server, e.g. 0-7."),
     force: bool = typer.Option(False, "--force", help="Serve scales sized for a larger FP8 max than the chip's."),
+    canary: bool | None = typer.Option(None, "--canary/--no-canary", help=CANARY_HELP),
+    predict: bool = typer.Option(True, "--predict/--no-predict", help=PREDICT_HELP),
     as_json: AsJson = False,
 ) -> None:
     """Serve CKPT with vLLM's FP8 KV cache, probe it, compare with a baseline, and always stop the server."""
     import os
 
+    from kvcalib.calibrate.memory import available_memory
     from kvcalib.serve import ServeOptions
     from kvcalib.serve import serve_check as run_serve_check
     from kvcalib.serve.prompts import read_prompts_file
 
     console = _stderr()
     with _errors(interrupted="every vLLM server serve-check started was stopped"), \
-            _serve_status(console) as on_event:
+            serve_status(console) as on_event:
         options = ServeOptions(
             device=device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs, port=port,
             startup_timeout_s=startup_timeout, stop_timeout_s=stop_timeout, baseline=baseline,
             prompts=read_prompts_file(prompts) if prompts else None, vllm_python=vllm_python, log_dir=log_dir,
             neuron_visible_devices=neuron_visible_devices, force=force, env=dict(os.environ),
-            cpu=_host_cpu(with_capability=False),
+            cpu=_host_cpu(with_capability=False), canary=canary, predict=predict,
+            memory_bytes=available_memory().available,
         )
         result = run_serve_check(checkpoint, options, progress=on_event)
-    _render_serve_check(console, result)
+    render_serve_check(console, result)
     if as_json:
         _print_json(result.to_dict())
     raise typer.Exit(0 if result.ok else 1)
-
-
-@contextmanager
-def _serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
-    """Live status on stderr: the command, then elapsed time and the log's last line while waiting."""
-    status = console.status("", spinner="dots") if console.is_terminal else None
-    last_print = [0.0]
-
-    def on_event(event: Any) -> None:
-        if event.stage == "launch":
-            console.print(f"{event.server} server: {event.message}", soft_wrap=True, markup=False, style="bold")
-            if status is not None:
-                status.start()
-        elif event.stage == "wait":
-            line = f"{event.server}: waiting for /health, {event.elapsed_s:.0f} s | {event.message[-100:]}"
-            if status is not None:
-                status.update(line)
-            elif event.elapsed_s - last_print[0] >= 15 or event.elapsed_s < last_print[0]:
-                last_print[0] = event.elapsed_s
-                console.print(line, soft_wrap=True, markup=False)
-        elif event.stage == "ready":
-            console.print(f"{event.server} server healthy after {event.elapsed_s:.1f} s")
-            last_print[0] = 0.0
-        elif event.stage == "probe" and status is not None:
-            status.update(f"{event.server}: {event.message}")
-        elif event.stage == "stopped" and status is not None:
-            status.stop()
-
-    try:
-        yield on_event
-    finally:
-        if status is not None:
-            status.stop()
-
-
-def _render_serve_check(console: Console, result: Any) -> None:
-    table = Table(title=escape(f"serve-check {result.checkpoint} on {result.device}"))
-    for column in ("prompt", "output (FP8 KV)", "baseline", "agreement"):
-        table.add_column(column, overflow="fold")
-    for p in result.prompts:
-        agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
-        table.add_row(escape(p.prompt), escape(repr(p.output)),
-                      "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
-                      agreement + (f" [red]{escape(p.problem)}[/]" if p.problem else ""))
-    console.print(table)
-    nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None else f", baseline {result.nll_baseline:.3f}")
-    agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
-    baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
-    console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
-    for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
-    for failure in result.failures:
-        console.print(f"[red]failed:[/] {escape(failure)}", soft_wrap=True)
-    console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")
 
 
 def _quiet_libraries() -> None:

@@ -1,0 +1,184 @@
+"""What the commands print: the tables, the progress bar, serve-check's live status (rich, on stderr)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+__all__ = ["progress_bar", "render_calibration", "render_eval", "render_report", "render_serve_check", "render_variants",
+           "serve_status"]
+
+
+@contextmanager
+def progress_bar(console: Console, label: str = "calibrating") -> Iterator[Callable[[Any], None]]:
+    """A progress callback that draws on stderr once the library reports its first stage."""
+    columns = (
+        TextColumn("{task.description}"), BarColumn(),
+        TextColumn("{task.fields[samples]} samples"), TextColumn("{task.fields[tokens]} tok"),
+        TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+    )
+    bar = Progress(*columns, console=console, transient=True)
+    task = bar.add_task("starting", total=None, samples="-", tokens="-", rate="-")
+    observe_started: list[float] = []
+    labels = {"load-data": "reading dataset", "load-model": "loading model", "write": "writing checkpoint"}
+
+    def on_progress(p: Any) -> None:
+        if not bar.live.is_started:
+            bar.start()
+        if p.stage != "observe":
+            bar.update(task, description=labels.get(p.stage, p.stage))
+            return
+        if not observe_started:
+            observe_started.append(time.perf_counter())
+        elapsed = time.perf_counter() - observe_started[0]
+        rate = f"{p.tokens_done / elapsed:,.0f}" if elapsed > 0 and p.tokens_done else "-"
+        where = f" layer {p.layer + 1}/{p.num_layers}" if getattr(p, "num_layers", 0) else ""
+        bar.update(task, description=label + where, total=p.tokens_total, completed=p.tokens_done,
+                   samples=f"{p.samples_done}/{p.samples_total}",
+                   tokens=f"{p.tokens_done:,}/{p.tokens_total:,}", rate=rate)
+
+    try:
+        yield on_progress
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+
+
+def render_calibration(console: Console, result: Any) -> None:
+    table = Table(title=f"KV scales for {result.target}: absmax / {result.fp8_max:g}")
+    for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale"):
+        table.add_column(column, justify="right")
+    for layer in result.layers:
+        table.add_row(str(layer.layer), f"{layer.k_absmax:.4g}", f"{layer.v_absmax:.4g}",
+                      f"{layer.k_scale:.4g}", f"{layer.v_scale:.4g}")
+    console.print(table)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    if result.validation is not None:
+        n_warn = sum(1 for f in result.validation["findings"] if f["severity"] == "warning")
+        console.print(f"validation: [green]ok[/] for {result.target}" + (f" ({n_warn} warning(s))" if n_warn else ""))
+    console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
+    console.print(
+        f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
+        f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all"
+    )
+
+
+def render_report(console: Console, report: Any) -> None:
+    if report.findings:
+        table = Table(title=f"validate {report.checkpoint} for {report.target}")
+        for column in ("rule", "severity", "where", "message", "hint"):
+            table.add_column(column, overflow="fold")
+        colors = {"error": "red", "warning": "yellow", "info": "cyan"}
+        for f in report.findings:
+            table.add_row(f.rule, f"[{colors.get(f.severity, 'white')}]{f.severity}[/]", f.location or "",
+                          f.message, f.hint or "")
+        console.print(table)
+    verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
+    console.print(f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
+                  + (" (strict: warnings count as errors)" if report.strict else ""))
+
+
+def render_eval(console: Console, result: Any) -> None:
+    table = Table(title=f"FP8 KV on {result.target} vs an unquantised KV cache, {result.num_tokens:,} tokens")
+    for column in ("scales", "NLL", "PPL", "ΔNLL", "KL", "top-1", "K clip", "V clip", "K SQNR"):
+        table.add_column(column, justify="right" if column != "scales" else "left", overflow="fold")
+    table.add_row("none (bf16)", f"{result.baseline_nll:.4f}", f"{math.exp(result.baseline_nll):.3f}",
+                  "", "", "", "", "", "")
+    for run in result.runs:
+        min_k = min(l.k_sqnr_db for l in run.layers)
+        table.add_row(run.name, f"{run.nll:.4f}", f"{run.ppl:.3f}", f"{run.delta_nll:+.4f}", f"{run.kl:.5f}",
+                      f"{run.top1:.2%}", f"{run.k_clipped:.3%}", f"{run.v_clipped:.3%}", f"{min_k:.1f} dB")
+    console.print(table)
+    console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
+    if result.plot:
+        console.print(f"plot: {result.plot}")
+
+
+@contextmanager
+def serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
+    """Live status on stderr: the command, then elapsed time and the log's last line while waiting."""
+    status = console.status("", spinner="dots") if console.is_terminal else None
+    last_print = [0.0]
+
+    def on_event(event: Any) -> None:
+        if event.stage == "launch":
+            console.print(f"{event.server} server: {event.message}", soft_wrap=True, markup=False, style="bold")
+            if status is not None:
+                status.start()
+        elif event.stage == "wait":
+            line = f"{event.server}: waiting for /health, {event.elapsed_s:.0f} s | {event.message[-100:]}"
+            if status is not None:
+                status.update(line)
+            elif event.elapsed_s - last_print[0] >= 15 or event.elapsed_s < last_print[0]:
+                last_print[0] = event.elapsed_s
+                console.print(line, soft_wrap=True, markup=False)
+        elif event.stage == "ready":
+            console.print(f"{event.server} server healthy after {event.elapsed_s:.1f} s")
+            last_print[0] = 0.0
+        elif event.stage == "probe" and status is not None:
+            status.update(f"{event.server}: {event.message}")
+        elif event.stage == "stopped" and status is not None:
+            status.stop()
+
+    try:
+        yield on_event
+    finally:
+        if status is not None:
+            status.stop()
+
+
+def render_serve_check(console: Console, result: Any) -> None:
+    table = Table(title=escape(f"serve-check {result.checkpoint} on {result.device}"))
+    for column in ("prompt", "output (FP8 KV)", "baseline", "agreement"):
+        table.add_column(column, overflow="fold")
+    for p in result.prompts:
+        agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
+        table.add_row(escape(p.prompt), escape(repr(p.output)),
+                      "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
+                      agreement + (f" [red]{escape(p.problem)}[/]" if p.problem else ""))
+    console.print(table)
+    nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None else f", baseline {result.nll_baseline:.3f}")
+    agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
+    baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
+    console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
+    if result.canary is not None or result.prediction is not None:
+        render_variants(console, result)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    for failure in result.failures:
+        console.print(f"[red]failed:[/] {escape(failure)}", soft_wrap=True)
+    console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")
+
+
+def render_variants(console: Console, result: Any) -> None:
+    """Calibrated vs 1.0 vs the canary: what each server measured, and what kvcalib predicted."""
+    table = Table(title="KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline")
+    for column in ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"):
+        table.add_column(column, justify="left" if column == "scales" else "right")
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for row in result.variants():
+        table.add_row(row["name"], num(row["nll"], ".4f"), num(row["agreement"], ".2f"),
+                      num(row["served_delta_nll"], "+.4f"), num(row["predicted_delta_nll"], "+.4f"))
+    console.print(table)
+    if result.canary is not None:
+        color = "green" if result.canary.ok else "red"
+        console.print(f"canary: [{color}]{'ok' if result.canary.ok else 'FAILED'}[/] {escape(result.canary.reason)}",
+                      soft_wrap=True)

@@ -1,0 +1,92 @@
+"""The canary: does the server apply this checkpoint's KV scales, and the right way round?
+
+A server that ignores the scales (runs every layer at 1.0, resets them, skips them in one
+kernel) passes a smoke test whenever 1.0 happens to be harmless. So serve-check also serves
+a variant of the checkpoint whose every k_scale and v_scale is divided by CANARY_DIVISOR:
+K and V then saturate FP8 at 1/64 of their range, which no model survives unharmed. If the
+variant answers like the checkpoint, the server did not apply the scales; if it answers
+better, it applied them the wrong way round. Either fails the check.
+
+A variant is a directory of symlinks to the checkpoint's files (no weight is copied, the
+checkpoint is never written) in which only the safetensors files that hold KV scales are
+rewritten. `make_variant` builds it; `judge_canary` compares the two runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.checkpoint import scan_checkpoint
+from kvcalib.core.schema import is_kv_scale_key
+
+__all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant"]
+
+CANARY_DIVISOR = 64.0  # measured on SmolLM2 / vLLM CPU: /100 makes it print "-" over and over
+MIN_NLL_CHANGE = 0.05  # nats: less than this on the fixed text, and the same outputs, is "no change"
+SAME_AGREEMENT = 0.01  # agreement within this of the calibrated run's is "the same"
+
+
+@dataclass(frozen=True)
+class CanaryResult:
+    ok: bool
+    factor: float  # what every K/V scale was multiplied by
+    nll: float
+    agreement: float | None  # the variant's mean top-1 agreement with the reference continuations
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "factor": self.factor, "nll": self.nll, "agreement": self.agreement,
+                "reason": self.reason}
+
+
+def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, value: float | None = None) -> Path:
+    """`dest`: `checkpoint` with every KV scale times `factor` (or set to `value`), everything else symlinked."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    checkpoint, dest = Path(checkpoint).resolve(), Path(dest)
+    dest.mkdir(parents=True)
+    files = scan_checkpoint(checkpoint)
+    rewrite = {name for name, header in files.headers.items() if any(is_kv_scale_key(k) for k in header.tensors)}
+    for entry in sorted(checkpoint.iterdir()):
+        if entry.name not in rewrite:
+            os.symlink(entry, dest / entry.name)
+    for name in sorted(rewrite):
+        with safe_open(str(checkpoint / name), framework="pt") as f:
+            metadata = f.metadata()
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 -- safe_open has no iterator
+        for key, tensor in tensors.items():
+            if is_kv_scale_key(key):
+                tensors[key] = torch.full_like(tensor, value) if value is not None else tensor * factor
+        save_file(tensors, str(dest / name), metadata=metadata)
+    return dest
+
+
+def _mean(values: tuple[float | None, ...] | None) -> float | None:
+    scored = [v for v in values or () if v is not None]
+    return sum(scored) / len(scored) if scored else None
+
+
+def judge_canary(calibrated: Any, canary: Any, factor: float, device: str, server: str) -> CanaryResult:
+    """Compare the variant's run with the checkpoint's (two `ServerRun`s against the same reference)."""
+    change = canary.nll - calibrated.nll
+    agreement, reference_agreement = _mean(canary.agreements), _mean(calibrated.agreements)
+    same_text = [c.text for c in canary.completions] == [c.text for c in calibrated.completions]
+    same_agreement = (agreement is None or reference_agreement is None
+                      or abs(agreement - reference_agreement) < SAME_AGREEMENT)
+    shown = f"NLL {canary.nll:.3f} vs {calibrated.nll:.3f}" + (
+        "" if agreement is None else f", agreement {agreement:.2f} vs {reference_agreement:.2f}")
+    if abs(change) < MIN_NLL_CHANGE and same_agreement and same_text:
+        return CanaryResult(False, factor, canary.nll, agreement, (
+            f"the server did not apply the checkpoint's KV scales: with every scale x{factor:g} it answered as with "
+            f"the calibrated ones ({shown}) on {device}, {server}"))
+    if change <= -MIN_NLL_CHANGE:
+        return CanaryResult(False, factor, canary.nll, agreement, (
+            f"the server applies the checkpoint's KV scales the wrong way round: every scale x{factor:g} served "
+            f"better than the calibrated ones ({shown}) on {device}, {server}"))
+    return CanaryResult(True, factor, canary.nll, agreement, (
+        f"scales x{factor:g} changed the answers ({shown}): the server applies the checkpoint's scales"))

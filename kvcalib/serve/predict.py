@@ -1,0 +1,59 @@
+"""kvcalib's own prediction of what the server should measure, next to what it measured.
+
+The same fixed text serve-check scores on the server (prompts.NLL_TEXT) is run in-process
+through kvcalib's eval emulation: the model with an unquantised KV cache, then with K and V
+quantised to FP8 with the serving chip's numerics (E4M3 clamped at 240 on trn2, 448 on
+trn3 and GPU, and vLLM CPU's truncating cast on cpu: core.fp8.EMULATED) and the checkpoint's scales, and with the canary's and 1.0 scales too.
+`predicted ΔNLL` (FP8 minus unquantised) then sits next to `served ΔNLL` (FP8 server minus
+the baseline server); on Neuron, where a baseline costs a second compile, the prediction
+stands in for it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.cpu import HostCpu
+from kvcalib.evaluate import EvalOptions, evaluate
+from kvcalib.evaluate.pipeline import UNIT
+
+__all__ = ["Prediction", "predict"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    target: str  # the numerics emulated
+    baseline_nll: float  # unquantised KV
+    nll: float  # the checkpoint's scales
+    delta_nll: float
+    unit_delta_nll: float | None = None  # every scale 1.0
+    canary_delta_nll: float | None = None  # the canary's scales
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "baseline_nll": self.baseline_nll, "nll": self.nll,
+                "delta_nll": self.delta_nll, "unit_delta_nll": self.unit_delta_nll,
+                "canary_delta_nll": self.canary_delta_nll, "seconds": round(self.seconds, 3)}
+
+
+def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = None, unit: bool = True,
+            cpu: HostCpu | None = None) -> Prediction:
+    """The emulated NLLs of `text` (one sample, as the server scores it) for the checkpoint's scales and the others."""
+    compare = ((UNIT,) if unit else ()) + ((str(canary),) if canary is not None else ())
+    with tempfile.TemporaryDirectory(prefix="kvcalib-predict-") as tmp:
+        data = Path(tmp) / "probe.jsonl"
+        data.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+        result = evaluate(checkpoint, str(data), EvalOptions(target=target, num_samples=1, max_seq_len=4096,
+                                                              batch_size=1, compare=compare, cpu=cpu))
+    runs = {run.name: run for run in result.runs}
+    own = result.runs[0]
+    return Prediction(
+        target=target, baseline_nll=result.baseline_nll, nll=own.nll, delta_nll=own.delta_nll,
+        unit_delta_nll=runs[UNIT].delta_nll if unit else None,
+        canary_delta_nll=runs[str(canary)].delta_nll if canary is not None else None,
+        seconds=result.seconds,
+    )
