@@ -10,9 +10,12 @@ the OS lets us drop a file's cached pages) cold:
   validate   kvcalib.validate.validate_checkpoint(ckpt, "trn2")
   baseline   safetensors.torch.load_file on every shard, touching every page (every tensor read once)
 
-and prints the medians and their ratio. Nothing is asserted: timing is for reading.
+and prints the medians and their ratio. Then the whole process, as a user or a CI job pays it:
+`python -m kvcalib validate CKPT` next to `python -c pass`, on the synthetic checkpoint and on
+each --checkpoint given (e.g. the demo's out/smollm2-fp8kv-trn2). Nothing is asserted: timing is
+for reading.
 
-    python scripts/bench_validate.py [--shards 100] [--shard-mb 4] [--layers 80] [--reps 5]
+    python scripts/bench_validate.py [--shards 100] [--shard-mb 4] [--layers 80] [--reps 5] [--checkpoint DIR ...]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -129,6 +133,26 @@ def timed(fn, root: Path, reps: int, cold: bool) -> float:
     return statistics.median(times)
 
 
+def process_seconds(argv: list[str], reps: int) -> float:
+    """The median wall time of running `argv` as a new process (output discarded)."""
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def process_timings(checkpoints: list[Path], reps: int) -> None:
+    """`kvcalib validate` as a whole process, against an interpreter that does nothing."""
+    idle = process_seconds([sys.executable, "-c", "pass"], reps)
+    print(f"\n{'whole process (median of ' + str(reps) + ')':<34}{'seconds':>9}{'x python -c pass':>18}")
+    print(f"{'python -c pass':<34}{idle:>9.3f}{1:>17.0f}x")
+    for ckpt in checkpoints:
+        took = process_seconds([sys.executable, "-m", "kvcalib", "validate", str(ckpt)], reps)
+        print(f"{'kvcalib validate ' + ckpt.name:<34}{took:>9.3f}{took / idle:>17.0f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=100)
@@ -137,6 +161,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where to build (default: a temporary directory)")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    parser.add_argument("--checkpoint", type=Path, action="append", default=[],
+                        help="also time the whole `kvcalib validate` process on this checkpoint (repeatable)")
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="kvcalib-bench-", dir=args.dir))
@@ -157,6 +183,7 @@ def main() -> None:
             print(f"{label:<11}{v * 1000:>16.1f} ms{b * 1000:>25.1f} ms{b / v:>9.0f}x")
         if not can_drop:
             print("(this OS cannot drop a file's cached pages: cold timings skipped)")
+        process_timings([root, *args.checkpoint], args.reps)
     finally:
         if args.keep:
             print(f"kept {root}")

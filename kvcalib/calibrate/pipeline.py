@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvcalib import __version__
+from kvcalib.calibrate.card import summarize, write_card
 from kvcalib.calibrate.distributed import observe_across_ranks
 from kvcalib.calibrate.engine import Engine, EngineInputs, Observation
 from kvcalib.calibrate.llmcompressor import llmcompressor_engine
@@ -173,6 +174,8 @@ def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales]) -> tup
         report = validate_checkpoint(tmp_dir, plan.target.name)
         validation.update(report.to_dict())
         validation["checkpoint"] = str(plan.output)
+        if report.ok:  # the card says what validate said, and is published with the rest
+            write_card(tmp_dir, summarize(validation), base_model=_base_model(config))
         if not report.ok:
             first = report.errors[0]
             raise ValidationFailedError(
@@ -188,6 +191,14 @@ def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales]) -> tup
         overwrite=plan.options.overwrite, check=check, inputs=plan.inputs,
     )
     return notes, validation
+
+
+def _base_model(config: dict[str, Any]) -> str | None:
+    """The hub id the model came from, when config.json names one (a local path is no base_model)."""
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return name
+    return None
 
 
 def _layer_scales(observation: Observation, target: fp8.Target, model_dir: Path) -> tuple[list[LayerScales], list[str]]:

@@ -38,8 +38,24 @@ app = typer.Typer(
 )
 
 
-def _stderr() -> Console:
-    return Console(stderr=True, highlight=False)
+def _print_version(value: bool) -> None:
+    if value:
+        from kvcalib import __version__
+
+        sys.stdout.write(f"kvcalib {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print kvcalib's version and exit."),
+) -> None:
+    """FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU."""
+
+
+def _stderr(quiet: bool = False) -> Console:
+    return Console(stderr=True, highlight=False, quiet=quiet)
 
 
 def _fail(err: KvcalibError) -> NoReturn:
@@ -120,6 +136,7 @@ PREDICT_HELP = "kvcalib's emulated ΔNLL of the probe text (in-process on CPU) n
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 Bf16Compute = Annotated[str, typer.Option("--bf16-compute", help=BF16_COMPUTE_HELP)]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on stderr but errors: no progress, no table.")]
 # serve-check's, which calibrate --serve-check takes too
 Tp = Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: every NeuronCore; 1 on cpu).")]
 MaxModelLen = Annotated[int, typer.Option("--max-model-len", help="Also --max-num-batched-tokens (Neuron needs them equal).")]
@@ -159,6 +176,7 @@ def calibrate(
     max_model_len: MaxModelLen = 2048,
     startup_timeout: StartupTimeout = 1800.0,
     log_dir: LogDir = None,
+    quiet: Quiet = False,
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
     import os
@@ -180,18 +198,21 @@ def calibrate(
         scratch_dir=Path(tempfile.gettempdir()),
     )
     if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports (and serves)
-        with _errors(quiet=True):
-            run_calibrate(model, dataset, output, options)
-        return
+        return _quiet_rank(run_calibrate, model, dataset, output, options)
     serving = None
     if serve_device is not None:  # everything serving needs but the scales, before an hour of calibration
         with _errors():
             serving = _serve_options(model, options, serve_device, vllm_python=vllm_python, tp=tp,
                                      max_model_len=max_model_len, startup_timeout_s=startup_timeout, log_dir=log_dir)
-    console = _stderr()
+    console = _stderr(quiet)
     with _errors(), progress_bar(console) as on_progress:
         result = run_calibrate(model, dataset, output, options, progress=on_progress)
     _report_calibration(console, result, serving, as_json)
+
+
+def _quiet_rank(run: Any, *args: Any) -> None:
+    with _errors(quiet=True):
+        run(*args)
 
 
 def _report_calibration(console: Console, result: Any, serving: Any, as_json: bool) -> None:
@@ -201,7 +222,11 @@ def _report_calibration(console: Console, result: Any, serving: Any, as_json: bo
         if as_json:
             _print_json(result.to_dict())
         return
+    from kvcalib.calibrate.card import summarize, write_card
+
     served = _run_serve_check(console, Path(result.output), serving)
+    with _errors():  # the card gets serve-check's figures too
+        write_card(Path(result.output), summarize(result.validation), serve=served.to_dict())
     if as_json:
         _print_json({"calibration": result.to_dict(), "serve_check": served.to_dict()})
     raise typer.Exit(0 if served.ok else 1)
@@ -252,13 +277,14 @@ def validate(
     target: str = typer.Option("trn2", "--target", "-t", help="trn2, trn3 or gpu."),
     strict: bool = typer.Option(False, "--strict", help="Count warnings as errors."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    quiet: Quiet = False,
 ) -> None:
     """Check a checkpoint against vLLM-on-Neuron's rules and the silent failures it lets through."""
     from kvcalib.validate import validate_checkpoint
 
     with _errors():
         report = validate_checkpoint(checkpoint, target, strict=strict)
-    render_report(_stderr(), report)
+    render_report(_stderr(quiet), report)
     if as_json:
         _print_json(report.to_dict())
     raise typer.Exit(0 if report.ok else 1)
@@ -281,6 +307,7 @@ def eval_command(
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of per-layer absmax, SQNR and clipping."),
     as_json: AsJson = False,
     bf16_compute: Bf16Compute = "auto",
+    quiet: Quiet = False,
 ) -> None:
     """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
     from kvcalib.evaluate import EvalOptions, evaluate
@@ -289,8 +316,8 @@ def eval_command(
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
                           compare=tuple(compare), bf16_compute=bf16_compute, cpu=_host_cpu())
-    console = _stderr()
-    with _errors(), progress_bar(console, "evaluating") as on_progress:
+    console = _stderr(quiet)
+    with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
             check_plot_path(plot, [checkpoint, dataset, *compare])
         result = evaluate(checkpoint, dataset, options, progress=on_progress)
@@ -320,6 +347,7 @@ def serve_check(
     canary: bool | None = typer.Option(None, "--canary/--no-canary", help=CANARY_HELP),
     predict: bool = typer.Option(True, "--predict/--no-predict", help=PREDICT_HELP),
     as_json: AsJson = False,
+    quiet: Quiet = False,
 ) -> None:
     """Serve CKPT with vLLM's FP8 KV cache, probe it, compare with a baseline, and always stop the server."""
     import os
@@ -329,7 +357,7 @@ def serve_check(
     from kvcalib.serve import serve_check as run_serve_check
     from kvcalib.serve.prompts import read_prompts_file
 
-    console = _stderr()
+    console = _stderr(quiet)
     with _errors(interrupted="every vLLM server serve-check started was stopped"), \
             serve_status(console) as on_event:
         options = ServeOptions(

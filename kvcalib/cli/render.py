@@ -19,13 +19,17 @@ from rich.progress import (
 )
 from rich.table import Table
 
-__all__ = ["progress_bar", "render_calibration", "render_eval", "render_report", "render_serve_check", "render_variants",
+__all__ = ["PLAIN_INTERVAL_S", "plain_progress", "progress_bar", "render_calibration", "render_eval", "render_report", "render_serve_check", "render_variants",
            "serve_status"]
 
 
 @contextmanager
-def progress_bar(console: Console, label: str = "calibrating") -> Iterator[Callable[[Any], None]]:
-    """A progress callback that draws on stderr once the library reports its first stage."""
+def progress_bar(console: Console, label: str = "calibrating", name: str = "calibrate"
+                 ) -> Iterator[Callable[[Any], None]]:
+    """A progress callback: the rich bar on a terminal, plain `name: ...` lines elsewhere (a log, a pipe, CI)."""
+    if not console.is_terminal:
+        yield plain_progress(console, name)
+        return
     columns = (
         TextColumn("{task.description}"), BarColumn(),
         TextColumn("{task.fields[samples]} samples"), TextColumn("{task.fields[tokens]} tok"),
@@ -56,6 +60,46 @@ def progress_bar(console: Console, label: str = "calibrating") -> Iterator[Calla
     finally:
         if bar.live.is_started:
             bar.stop()
+
+
+# Without a terminal: one line at most this often, and at the start and the end of the work.
+PLAIN_INTERVAL_S = 30.0
+_STAGES = {"load-data": "reading dataset", "load-model": "loading model", "write": "writing checkpoint"}
+
+
+def plain_progress(console: Console, name: str) -> Callable[[Any], None]:
+    """Progress as plain lines: `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 9m12s`."""
+    state: dict[str, Any] = {"stage": None, "started": None, "last": None, "finished": False}
+
+    def on_progress(p: Any) -> None:
+        now = time.monotonic()
+        if p.stage != "observe":
+            if p.stage != state["stage"]:
+                console.print(f"{name}: {_STAGES.get(p.stage, p.stage)}", markup=False, highlight=False)
+            state["stage"] = p.stage
+            return
+        state["stage"] = "observe"
+        state["started"] = state["started"] or now
+        layers = getattr(p, "num_layers", 0)
+        finished = p.tokens_done >= p.tokens_total and (not layers or p.layer + 1 == layers)
+        due = state["last"] is None or now - state["last"] >= PLAIN_INTERVAL_S or (finished and not state["finished"])
+        if not due:
+            return
+        state["last"], state["finished"] = now, finished
+        elapsed = now - state["started"]
+        rate = p.tokens_done / elapsed if elapsed > 0 and p.tokens_done else 0.0
+        where = f" layer {p.layer + 1}/{layers}," if layers else ""
+        eta = _duration((p.tokens_total - p.tokens_done) / rate) if rate else "-"
+        console.print(f"{name}:{where} {p.samples_done}/{p.samples_total} samples, {p.tokens_done:,} tokens, "
+                      f"{rate:,.0f} tok/s, ETA {eta}", markup=False, highlight=False, soft_wrap=True)
+
+    return on_progress
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    return (f"{hours}h" if hours else "") + (f"{rest // 60}m" if hours or rest >= 60 else "") + f"{rest % 60}s"
 
 
 def render_calibration(console: Console, result: Any) -> None:
@@ -124,7 +168,7 @@ def serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
             line = f"{event.server}: waiting for /health, {event.elapsed_s:.0f} s | {event.message[-100:]}"
             if status is not None:
                 status.update(line)
-            elif event.elapsed_s - last_print[0] >= 15 or event.elapsed_s < last_print[0]:
+            elif event.elapsed_s - last_print[0] >= PLAIN_INTERVAL_S or event.elapsed_s < last_print[0]:
                 last_print[0] = event.elapsed_s
                 console.print(line, soft_wrap=True, markup=False)
         elif event.stage == "ready":

@@ -23,7 +23,7 @@ from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME, neuron_scale_ke
 
 __all__ = [
     "DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
-    "TensorInfo", "load_tensors", "read_config", "read_json", "read_kv_scales", "read_safetensors_header",
+    "TensorInfo", "load_tensors", "read_config", "read_json", "read_kv_scales", "read_safetensors_header", "read_scalar",
     "read_tensor", "scan_checkpoint", "torch_dtype_name", "write_json",
 ]
 
@@ -273,6 +273,32 @@ def read_tensor(header: SafetensorsHeader, key: str) -> Any:
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(info.shape)
 
 
+
+
+# struct formats of the dtypes a scalar is read from without torch (the FP8 ones need it)
+_STRUCT = {"F64": "<d", "F32": "<f", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b",
+           "U64": "<Q", "U32": "<I", "U16": "<H", "U8": "<B", "BOOL": "<?"}
+
+
+def read_scalar(header: SafetensorsHeader, key: str) -> float:
+    """The first element of one tensor as a float, read at its offsets with `struct` (torch only for FP8)."""
+    info = header.tensors[key]
+    size = DTYPE_SIZES[info.dtype]
+    if info.dtype not in _STRUCT and info.dtype != "BF16":
+        return float(read_tensor(header, key).reshape(-1)[0].double())
+    try:
+        with open(header.path, "rb") as f:
+            f.seek(header.data_start + info.data_offsets[0])
+            raw = f.read(size)
+    except OSError as exc:
+        raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}",
+                                  hint="check the file's permissions, or copy it again from the source") from None
+    if len(raw) != size or info.nbytes < size:
+        raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}",
+                                  hint="the file was cut short; copy it again from the source")
+    if info.dtype == "BF16":  # the top half of a float32
+        return float(struct.unpack("<f", b"\0\0" + raw)[0])
+    return float(struct.unpack(_STRUCT[info.dtype], raw)[0])
 
 
 def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, Any]:

@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BF16_COMPUTE_CHOICES", "ComputePath", "HostCpu", "choose_compute", "parse_cpu_flags"]
 
@@ -97,6 +100,8 @@ class ComputePath:
 
 def choose_compute(requested: str, dtype: torch.dtype, device: torch.device, cpu: HostCpu | None) -> ComputePath:
     """The compute path for a model in `dtype` on `device`; ValueError for an unknown `requested`."""
+    import torch
+
     if requested not in BF16_COMPUTE_CHOICES:
         raise ValueError(f"unknown bf16 compute {requested!r}; use one of {', '.join(BF16_COMPUTE_CHOICES)}")
     if dtype != torch.bfloat16:

@@ -12,9 +12,14 @@ themselves; it is never stored.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_TARGET", "EMULATED", "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok",
@@ -81,12 +86,16 @@ def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Ten
     on Neuron `absmax * bf16(1 / bf16(s)) <= fp8_max` with `s` on the bf16 grid (the plugin
     reads it through bf16 anyway); on GPU `absmax / s <= fp8_max` in float32.
     """
+    import torch
+
     absmax = torch.as_tensor(absmax, dtype=torch.float32)
     flat = [_safe_scale(float(a), target) for a in absmax.reshape(-1).tolist()]
     return torch.tensor(flat, dtype=torch.float32).reshape(absmax.shape)
 
 
 def _safe_scale(absmax: float, target: Target) -> float:
+    import torch
+
     a = torch.tensor(absmax, dtype=torch.float32)
     s = torch.clamp(a / target.fp8_max, min=SCALE_FLOOR)
     if not torch.isfinite(s):
@@ -105,6 +114,8 @@ def _safe_scale(absmax: float, target: Target) -> float:
 
 def _next_bf16_up(x: torch.Tensor) -> torch.Tensor:
     """The next larger bf16 value after positive bf16 `x`."""
+    import torch
+
     return (x.view(torch.int16) + 1).view(torch.bfloat16)
 
 
@@ -114,24 +125,44 @@ def implied_fp8_max(absmax: float, scale: float) -> float:
 
 
 def bf16_reciprocal_ok(scale: float) -> bool:
-    """Whether the Neuron plugin's `bf16(1 / bf16(s))` is finite and non-zero."""
-    s_bf16 = torch.tensor(scale, dtype=torch.float32).to(torch.bfloat16)
-    if not torch.isfinite(s_bf16) or s_bf16 == 0:
+    """Whether the Neuron plugin's `bf16(1 / bf16(s))` is finite and non-zero (pure Python, no torch)."""
+    s_bf16 = _bf16(scale)
+    if not math.isfinite(s_bf16) or s_bf16 == 0:
         return False
-    r = (1.0 / s_bf16.float()).to(torch.bfloat16)
-    return bool(torch.isfinite(r)) and bool(r != 0)
+    r = _bf16(_f32(1.0 / s_bf16))
+    return math.isfinite(r) and r != 0
 
 
-# --- the chip's quantiser, emulated -------------------------------------------------------
+def _f32(x: float) -> float:
+    """`x` rounded to float32 (to nearest even), as torch.tensor(x, dtype=float32) does; inf past its range."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _bf16(x: float) -> float:
+    """`x` rounded to float32, then to bfloat16 (to nearest even), as torch's casts do."""
+    x = _f32(x)
+    if not math.isfinite(x):
+        return x
+    (bits,) = struct.unpack("<I", struct.pack("<f", x))
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
 
 def neuron_reciprocal(scale: torch.Tensor | float) -> torch.Tensor:
     """The multiplier the Neuron plugin stores for scale `s`: `r = bf16(1 / bf16(s))` (float32 holder)."""
+    import torch
+
     s_bf16 = torch.as_tensor(scale, dtype=torch.float32).to(torch.bfloat16)
     return (1.0 / s_bf16.float()).to(torch.bfloat16).float()
 
 
 def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
     """`x` in float32 as the chip feeds it to the FP8 cast: `x * r` on Neuron, `x / s` on GPU."""
+    import torch
+
     if target.neuron:
         return x.float() * neuron_reciprocal(scale).to(x.device)
     if target.toward_zero:  # vLLM CPU multiplies by the float32 reciprocal
@@ -141,6 +172,8 @@ def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
 
 def from_fp8_domain(q: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
     """Back from the FP8 domain: `q / r` on Neuron (1/r is folded into the kernels), `q * s` on GPU."""
+    import torch
+
     if target.neuron:
         return q / neuron_reciprocal(scale).to(q.device)
     return q * torch.as_tensor(scale, dtype=torch.float32, device=q.device)
@@ -153,6 +186,8 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
     `r = neuron_reciprocal(s)`; trn2 clamps at 240 (its E4M3 has the e4m3fn grid below 240).
     GPU: `q = saturate(x / s)` in e4m3fn (max 448), `x̂ = q * s`. Returns x̂ in x's dtype.
     """
+    import torch
+
     scaled = to_fp8_domain(x, scale, target).clamp(-target.fp8_max, target.fp8_max)
     q = _toward_zero(scaled) if target.toward_zero else scaled.to(torch.float8_e4m3fn).float()
     return from_fp8_domain(q, scale, target).to(x.dtype)
@@ -160,6 +195,8 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
 
 def _toward_zero(y: torch.Tensor) -> torch.Tensor:
     """E4M3FN with the mantissa truncated: the nearest-even cast, one code down where it rounded away from zero."""
+    import torch
+
     q = y.to(torch.float8_e4m3fn)
     away = q.float().abs() > y.abs()
     codes = q.view(torch.uint8)

@@ -206,7 +206,7 @@ def _check_one(
             "Neuron takes one per-tensor scale per layer: write float32, shape [1]", location,
         )]
     try:
-        value = float(checkpoint.read_tensor(header, key).reshape(-1)[0].double())
+        value = checkpoint.read_scalar(header, key)
     except KvcalibError as exc:
         return findings + [Finding("SCALE-UNREADABLE", ERROR, exc.message, exc.hint, location)]
     if not math.isfinite(value) or value <= 0:

@@ -119,3 +119,24 @@ def test_vllm_cpu_numerics_truncate_toward_zero():
         assert torch.allclose(got, expected, rtol=1e-6, atol=0), scale
     nearest = fp8.fake_quantize(x, 1.0, fp8.get_target("gpu"))
     assert (fp8.fake_quantize(x, 1.0, target).abs() <= nearest.abs()).all()
+
+
+def test_bf16_reciprocal_check_needs_no_torch_and_agrees_with_it():
+    """validate's bf16 check is pure Python (validate imports no torch); torch's casts are the reference."""
+    import random
+
+    import torch
+
+    from kvcalib.core import fp8
+
+    def with_torch(scale: float) -> bool:
+        s = torch.tensor(scale, dtype=torch.float32).to(torch.bfloat16)
+        if not torch.isfinite(s) or s == 0:
+            return False
+        r = (1.0 / s.float()).to(torch.bfloat16)
+        return bool(torch.isfinite(r)) and bool(r != 0)
+
+    rng = random.Random(0)
+    values = [rng.choice((1, -1)) * 10 ** rng.uniform(-45, 45) for _ in range(20000)]
+    values += [0.0, 1e-38, 1e-39, 1e-40, 2**-126, 2**-133, 2**-134, 3.39e38, 3.4e38, 1e39, float("inf"), float("nan")]
+    assert [fp8.bf16_reciprocal_ok(v) for v in values] == [with_torch(v) for v in values]

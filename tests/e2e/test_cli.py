@@ -50,8 +50,8 @@ def test_calibrate_user_errors_are_one_line_and_a_hint(tiny_llama_master, text_d
     for args, code, first_line in cases:
         result = runner.invoke(app, args)
         assert result.exit_code == code, (args, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        assert lines[0].startswith(first_line), result.stderr
+        lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("calibrate: ")]
+        assert lines[0].startswith(first_line), result.stderr  # after any progress line the work got to
         assert lines[-1].startswith("hint: "), result.stderr
         assert "Traceback" not in result.stderr and result.stdout == ""
     assert not (tmp_path / "o").exists()
@@ -111,3 +111,62 @@ def test_validate_unreadable_is_exit_2(tmp_path):
     assert broken.exit_code == 2 and "cannot parse config.json" in broken.stderr
     target = runner.invoke(app, ["validate", str(tmp_path / "ckpt"), "--target", "a100"])
     assert target.exit_code == 2 and "unknown target 'a100'" in target.stderr
+
+
+# --- what a user sees in a log: plain progress lines, --quiet, --json, --version ----------------------
+
+
+def test_progress_lines_without_a_terminal(tiny_llama_master, text_dataset, tmp_path, monkeypatch):
+    """stderr that is no terminal (CliRunner's, a log file, CI) gets plain lines instead of the bar."""
+    from kvcalib.cli import render
+
+    monkeypatch.setattr(render, "PLAIN_INTERVAL_S", 0.0)  # every update; 30 s in real runs
+    result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
+                                 str(tmp_path / "out"), "--num-samples", "6", "--batch-size", "1", "--max-seq-len", "32"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("calibrate:")]
+    samples = [line.split()[1] for line in lines if " samples, " in line]
+    assert lines[:2] == ["calibrate: reading dataset", "calibrate: loading model"]
+    assert samples[0] == "0/6" and samples[-1] == "6/6" and len(samples) >= 4, lines
+    assert all(" tokens, " in line and " tok/s, ETA " in line for line in lines if " samples, " in line)
+    assert "calibrate: writing checkpoint" in lines
+
+
+def test_progress_through_a_real_pipe_starts_and_ends(tiny_llama_master, text_dataset, tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvcalib", "calibrate", str(tiny_llama_master), "--dataset",
+                           str(text_dataset), "-o", str(tmp_path / "out"), "--num-samples", "4", "--max-seq-len", "32",
+                           "--json"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["num_samples"] == 4  # stdout stays pure JSON
+    lines = [line for line in done.stderr.splitlines() if " samples, " in line]
+    assert lines[0].startswith("calibrate: 0/4 samples") and lines[-1].startswith("calibrate: 4/4 samples"), lines
+
+
+def test_quiet_prints_nothing_but_errors(tiny_llama_master, text_dataset, tmp_path):
+    """As a process (the libraries' own bars are silenced by the CLI's entry point, as for every user)."""
+    import subprocess
+    import sys
+
+    def kvcalib(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvcalib", *args], capture_output=True, text=True, check=False)
+
+    args = ("calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "--num-samples", "4",
+            "--max-seq-len", "32", "--quiet")
+    quiet = kvcalib(*args, "-o", str(tmp_path / "a"))
+    assert (quiet.returncode, quiet.stderr, quiet.stdout) == (0, "", "")
+    as_json = kvcalib(*args, "-o", str(tmp_path / "b"), "--json")
+    assert as_json.returncode == 0 and as_json.stderr == "" and json.loads(as_json.stdout)["target"] == "trn2"
+    failed = kvcalib(*args, "-o", str(tmp_path / "a"))  # exists: an error is still said
+    assert failed.returncode == 2 and failed.stderr.startswith("error: output") and "hint:" in failed.stderr
+    validated = kvcalib("validate", str(tmp_path / "a"), "--quiet")
+    assert (validated.returncode, validated.stderr, validated.stdout) == (0, "", "")
+
+
+def test_version():
+    from kvcalib import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout == f"kvcalib {__version__}\n"

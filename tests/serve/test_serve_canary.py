@@ -144,6 +144,8 @@ def test_calibrate_then_serve_check(head32_model, text_dataset, cpu_python, tmp_
     assert payload["calibration"]["output"] == str(out) and payload["serve_check"]["checkpoint"] == str(out)
     assert payload["serve_check"]["ok"] is True and payload["serve_check"]["canary"]["ok"] is True
     assert "KV scales for gpu" in result.stderr and "PASSED" in result.stderr
+    card = (out / "README.md").read_text()  # the model card has serve-check's figures too
+    assert "### serve-check" in card and "on cpu" not in card and ": passed." in card and "| calibrated |" in card
     assert_nothing_left(str(out), result.stderr)
 
 

@@ -594,8 +594,9 @@ def test_reads_only_the_scale_tensors(calibrated: Path, monkeypatch: pytest.Monk
     from kvcalib.core import checkpoint
 
     read: list[str] = []
-    real = checkpoint.read_tensor  # the public reader validate uses for every tensor it reads
-    monkeypatch.setattr(checkpoint, "read_tensor", lambda header, key: read.append(key) or real(header, key))
+    real = checkpoint.read_scalar  # the public reader validate uses for every tensor it reads
+    monkeypatch.setattr(checkpoint, "read_scalar", lambda header, key: read.append(key) or real(header, key))
+    monkeypatch.setattr(checkpoint, "read_tensor", lambda *a: pytest.fail("a whole tensor was read"))
     for name in ("safe_open", "load_file"):
         for module in (safetensors, safetensors.torch):
             if hasattr(module, name):
@@ -649,3 +650,45 @@ def test_read_json_turns_every_parse_failure_into_a_read_error(tmp_path: Path, t
     path.write_text(text)
     with pytest.raises(CheckpointReadError):
         read_json(path, "x")
+
+
+def _schemes() -> list:
+    plain = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    variants = [dict(plain, observer=o) for o in ("static_minmax", "minmax", "mse", "memoryless_minmax", None)]
+    variants.append(dict(plain))
+    changes = {"num_bits": [4, 16, "8", 8.0, True], "type": ["int", "FLOAT", None], "symmetric": [False, 1, "true"],
+               "strategy": ["channel", "token", "attn_head", "group", "TENSOR", None],
+               "dynamic": [True, "local", 0, None], "observer": [7, ["minmax"]], "group_size": [128, None],
+               "calibration": [{"dataset": "x"}]}
+    for key, values in changes.items():
+        variants += [dict(plain, **{key: v}) for v in values]
+    variants += [{k: v for k, v in plain.items() if k != key} for key in plain]
+    return variants + ["fp8", None, [], {}, 8]
+
+
+@pytest.mark.parametrize("target", ["trn2", "gpu"])
+def test_plain_kv_scheme_fast_path_agrees_with_compressed_tensors(target):
+    """validate recognises the plain static per-tensor FP8 scheme without compressed-tensors (and torch): on
+    every scheme of the table the verdict is compressed-tensors' own."""
+    from kvcalib.core.schema import kv_only_quantization_config
+    from kvcalib.validate import config
+
+    schemes = _schemes() + [kv_only_quantization_config()["kv_cache_scheme"]]
+    fast = [s for s in schemes if config._plain_fp8_scheme(s)]
+    assert len(fast) == 7 and config._plain_fp8_scheme(kv_only_quantization_config()["kv_cache_scheme"])
+    for scheme in schemes:
+        assert config._kv_scheme_findings(scheme, target) == config._parsed_kv_scheme_findings(scheme, target), scheme
+
+
+def test_validate_imports_neither_torch_nor_transformers(tiny_llama_master, tmp_path):
+    """`kvcalib validate` as a process: no torch, transformers or compressed-tensors on the path."""
+    import subprocess
+    import sys
+
+    ckpt = make_calibrated(shutil.copytree(tiny_llama_master, tmp_path / "ckpt"))
+    code = ("import sys\nfrom kvcalib.cli import main\nsys.argv = ['kvcalib', 'validate', sys.argv[1]]\n"
+            "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'compressed_tensors', 'datasets') if m in sys.modules)\n"
+            "print(code, heavy)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "0 []", done.stdout + done.stderr

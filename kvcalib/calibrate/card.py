@@ -1,0 +1,139 @@
+"""The model card calibrate writes: the input's README.md kept, plus a section kvcalib owns.
+
+The section sits between two markers and is replaced, never appended to, when the checkpoint
+is calibrated again; the user's text around it and their front matter stay. It says what the
+scales are sized for, what they were measured on, the per-layer table (read back from the
+scales file), validate's verdict, the exact vLLM commands serve-check runs on Neuron and GPU,
+and, after `calibrate --serve-check`, what the server measured. The front matter follows the
+hub's model-card conventions (`base_model`, `tags`), through huggingface_hub's ModelCard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.checkpoint import read_safetensors_header, read_scalar
+from kvcalib.core.schema import PROVENANCE_FILENAME, SCALES_FILENAME
+
+__all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
+           "write_card"]
+
+CARD_FILENAME = "README.md"
+CHECKPOINT_PLACEHOLDER = "/path/to/this/checkpoint"
+BEGIN = "<!-- kvcalib:begin: written by `kvcalib calibrate`, replaced when it runs again -->"
+END = "<!-- kvcalib:end -->"
+TAGS = ("fp8", "kv-cache", "kvcalib", "vllm", "neuron", "compressed-tensors")
+_SECTION = re.compile(re.escape(BEGIN.split(":", 2)[0]) + r".*?" + re.escape(END) + r"\n?", re.S)
+# serve-check's defaults, so the card's commands are the ones it runs (kvcalib.serve.launch.server_argv)
+SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 4}
+
+
+def serve_commands(checkpoint: str) -> dict[str, str]:
+    """device -> the vLLM command serve-check runs for `checkpoint` (its defaults: port 8000, tp 1, 2048 x 4)."""
+    from kvcalib.serve.launch import server_argv  # noqa: PLC0415 -- calibrate needs serve only for the card
+
+    return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), SERVE_DEFAULTS["port"], fp8=True,
+                                           device=device, tp=SERVE_DEFAULTS["tp"],
+                                           max_model_len=SERVE_DEFAULTS["max_model_len"],
+                                           max_num_seqs=SERVE_DEFAULTS["max_num_seqs"]))
+            for device in ("trn2", "trn3", "cuda")}
+
+
+def write_card(ckpt: Path, validation: str, serve: dict[str, Any] | None = None, base_model: str | None = None) -> Path:
+    """Write (atomically) `ckpt`/README.md: its current text with kvcalib's section put in or replaced."""
+    ckpt = Path(ckpt)
+    path = ckpt / CARD_FILENAME
+    existing = path.read_text(encoding="utf-8") if path.is_file() else ""
+    text = card_text(existing, _section(ckpt, validation, serve), base_model)
+    partial = ckpt / f".{CARD_FILENAME}.partial"
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)  # a hard-linked README.md from the input is replaced, never written through
+    return path
+
+
+def card_text(existing: str, section: str, base_model: str | None) -> str:
+    """`existing` (a card or nothing) with `section` between the markers and kvcalib's front matter merged in."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(existing if existing.startswith("---") else "---\ntags: []\n---\n" + existing)
+    body = _SECTION.sub("", card.text).rstrip()
+    card.text = (body + "\n\n" if body else "") + section
+    card.data.tags = sorted(set(card.data.tags or []) | set(TAGS))
+    if base_model and not getattr(card.data, "base_model", None):
+        card.data.base_model = base_model
+    return str(card)
+
+
+def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
+    provenance = json.loads((ckpt / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
+    target, fp8_max = provenance["target"], provenance["fp8_max"]
+    note = ("also safe on 448-range hardware (trn3, GPU), where they use the range up to 240" if fp8_max < 448 else
+            "they clip on trn2 (max 240): calibrate again with --target trn2 to serve on Trainium 2")
+    lines = [BEGIN, "## FP8 KV cache (kvcalib)", "",
+             f"Per-tensor FP8 KV-cache scales sized for **{target}** (E4M3, max {fp8_max:g}): "
+             f"`k_scale = absmax(K) / {fp8_max:g}` per layer, after rotary embedding; {note}.", "",
+             "| | |", "|---|---|",
+             f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
+             f"{provenance.get('column')}) |",
+             f"| samples | {provenance.get('num_samples')} ({provenance.get('num_tokens'):,} tokens, at most "
+             f"{provenance.get('max_seq_len')} each, seed {provenance.get('seed')}) |",
+             f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
+             f"| validate | {validation} |", ""]
+    commands = serve_commands(CHECKPOINT_PLACEHOLDER)
+    lines += ["### Serving it", "", "vLLM on Neuron (Trainium 2; `trn3` is the same command), as "
+              "`kvcalib serve-check CKPT --device trn2` runs it (set `--tensor-parallel-size` to your "
+              f"NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where it is):", "", "```bash", commands["trn2"], "```", "",
+              "vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):", "", "```bash", commands["cuda"], "```", ""]
+    if serve is not None:
+        lines += _serve_lines(serve)
+    lines += ["### Scales", "", "| layer | k absmax | v absmax | k_scale | v_scale |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {row['layer']} | {row['k_absmax']:.6g} | {row['v_absmax']:.6g} | {row['k_scale']:.6g} | "
+              f"{row['v_scale']:.6g} |" for row in _scale_rows(ckpt, provenance)]
+    return "\n".join(lines + ["", END, ""])
+
+
+def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-layer table: absmax from the provenance, the scales read back from the scales file itself."""
+    header = read_safetensors_header(ckpt / SCALES_FILENAME)
+    by_layer = {row["layer"]: row for row in provenance.get("layers", [])}
+    rows = []
+    for key in sorted(header.tensors, key=lambda k: (int(re.search(r"\.(\d+)\.", k).group(1)), k)):
+        layer, kind = int(re.search(r"\.(\d+)\.", key).group(1)), key.rsplit(".", 1)[1][0]
+        row = rows[-1] if rows and rows[-1]["layer"] == layer else None
+        if row is None:
+            prov = by_layer.get(layer, {})
+            row = {"layer": layer, "k_absmax": prov.get("k_absmax", float("nan")),
+                   "v_absmax": prov.get("v_absmax", float("nan"))}
+            rows.append(row)
+        row[f"{kind}_scale"] = read_scalar(header, key)
+    return rows
+
+
+def _serve_lines(serve: dict[str, Any]) -> list[str]:
+    verdict = "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
+    lines = ["### serve-check", "", f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: "
+             f"{verdict}.", "", "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |", "|---|---:|---:|---:|---:|"]
+
+    def num(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for row in serve.get("variants") or []:
+        lines.append(f"| {row['name']} | {num(row['nll'], '.4f')} | {num(row['agreement'], '.2f')} | "
+                     f"{num(row['served_delta_nll'], '+.4f')} | {num(row['predicted_delta_nll'], '+.4f')} |")
+    if serve.get("canary"):
+        lines += ["", f"Canary: {serve['canary']['reason']}."]
+    return lines + [""]
+
+
+def summarize(validation: dict[str, Any]) -> str:
+    """validate's verdict in a line, from a ValidationReport's to_dict()."""
+    findings = validation.get("findings") or []
+    errors = sum(1 for f in findings if f.get("severity") == "error")
+    warnings = sum(1 for f in findings if f.get("severity") == "warning")
+    return (f"{'OK' if validation.get('ok') else 'FAILED'} for {validation.get('target')}: "
+            f"{errors} error(s), {warnings} warning(s)")

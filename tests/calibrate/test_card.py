@@ -1,0 +1,74 @@
+"""The model card calibrate writes into the output (kvcalib/calibrate/card.py)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibrate.card import BEGIN, CHECKPOINT_PLACEHOLDER, END, SERVE_DEFAULTS, TAGS
+from kvcalib.core.schema import SCALES_FILENAME
+from kvcalib.serve.launch import server_argv
+
+SMALL = {"num_samples": 4, "max_seq_len": 32}
+USER_CARD = "---\nlicense: apache-2.0\ntags: [tiny]\n---\n# Tiny Llama\n\nThe user's own words.\n"
+
+
+@pytest.fixture
+def carded(tiny_llama_master, tmp_path) -> Path:
+    src = shutil.copytree(tiny_llama_master, tmp_path / "src")
+    (src / "README.md").write_text(USER_CARD)
+    return src
+
+
+def test_front_matter_parses_with_huggingface_hub(carded, text_dataset, tmp_path):
+    from huggingface_hub import ModelCard
+
+    out = tmp_path / "out"
+    calibrate(carded, str(text_dataset), out, CalibrateOptions(**SMALL))
+    card = ModelCard.load(out / "README.md")
+    assert set(TAGS) | {"tiny"} <= set(card.data.tags) and card.data.license == "apache-2.0"
+    assert card.text.startswith("# Tiny Llama\n\nThe user's own words.\n") and card.text.count(BEGIN) == 1
+    assert (carded / "README.md").read_text() == USER_CARD  # the input's card is never written
+
+
+def test_scale_table_is_the_scales_file(tiny_llama_master, text_dataset, tmp_path):
+    out = tmp_path / "out"
+    calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(**SMALL))
+    text = (out / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| \S+ \| \S+ \| (\S+) \| (\S+) \|$", text, re.M)
+    scales = load_file(out / SCALES_FILENAME)
+    assert len(rows) == 3
+    for layer, k, v in rows:
+        for kind, shown in (("k", k), ("v", v)):
+            value = float(scales[f"model.layers.{layer}.self_attn.{kind}_scale"])
+            assert float(shown) == pytest.approx(value, rel=1e-5)
+    assert "OK for trn2: 0 error(s), 0 warning(s)" in text and "sized for **trn2** (E4M3, max 240)" in text
+
+
+def test_recalibration_replaces_its_section_and_keeps_the_users_text(carded, text_dataset, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    calibrate(carded, str(text_dataset), first, CalibrateOptions(**SMALL))
+    with open(first / "README.md", "a") as f:
+        f.write("\nA note the user added after calibrating.\n")
+    calibrate(first, str(text_dataset), second, CalibrateOptions(target="gpu", **SMALL))
+    text = (second / "README.md").read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1 and "sized for **gpu**" in text
+    assert "sized for **trn2**" not in text
+    assert "The user's own words." in text and "A note the user added after calibrating." in text
+
+
+def test_serve_commands_are_the_ones_serve_check_runs(tiny_llama_master, text_dataset, tmp_path):
+    out = tmp_path / "out"
+    calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(**SMALL))
+    blocks = re.findall(r"```bash\n(.*?)\n```", (out / "README.md").read_text(), re.S)
+    expected = [shlex.join(server_argv(Path("python"), Path(CHECKPOINT_PLACEHOLDER), SERVE_DEFAULTS["port"], fp8=True,
+                                       device=device, tp=SERVE_DEFAULTS["tp"],
+                                       max_model_len=SERVE_DEFAULTS["max_model_len"],
+                                       max_num_seqs=SERVE_DEFAULTS["max_num_seqs"])) for device in ("trn2", "cuda")]
+    assert blocks == expected and all("--kv-cache-dtype fp8" in b for b in blocks)
