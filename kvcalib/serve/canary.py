@@ -15,6 +15,7 @@ rewritten. `make_variant` builds it; `judge_canary` compares the two runs.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 from kvcalib.core.checkpoint import scan_checkpoint
 from kvcalib.core.schema import is_kv_scale_key
 
-__all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant"]
+__all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant",
+           "mean_agreement"]
 
 CANARY_DIVISOR = 64.0  # measured on SmolLM2 / vLLM CPU: /100 makes it print "-" over and over
 MIN_NLL_CHANGE = 0.05  # nats: less than this on the fixed text, and the same outputs, is "no change"
@@ -66,7 +68,8 @@ def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, v
     return dest
 
 
-def _mean(values: tuple[float | None, ...] | None) -> float | None:
+def mean_agreement(values: Sequence[float | None] | None) -> float | None:
+    """The mean of the per-prompt agreements that were scored (None: none was)."""
     scored = [v for v in values or () if v is not None]
     return sum(scored) / len(scored) if scored else None
 
@@ -74,7 +77,7 @@ def _mean(values: tuple[float | None, ...] | None) -> float | None:
 def judge_canary(calibrated: Any, canary: Any, factor: float, device: str, server: str) -> CanaryResult:
     """Compare the variant's run with the checkpoint's (two `ServerRun`s against the same reference)."""
     change = canary.nll - calibrated.nll
-    agreement, reference_agreement = _mean(canary.agreements), _mean(calibrated.agreements)
+    agreement, reference_agreement = mean_agreement(canary.agreements), mean_agreement(calibrated.agreements)
     same_text = [c.text for c in canary.completions] == [c.text for c in calibrated.completions]
     same_agreement = (agreement is None or reference_agreement is None
                       or abs(agreement - reference_agreement) < SAME_AGREEMENT)

@@ -29,6 +29,13 @@ from kvcalib.core.checkpoint import Checkpoint, read_config
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import ServerError, UsageError, check_at_least
 from kvcalib.core.paths import overlapping
+from kvcalib.serve.canary import (
+    CANARY_DIVISOR,
+    CanaryResult,
+    judge_canary,
+    make_variant,
+    mean_agreement,
+)
 from kvcalib.serve.launch import (
     baseline_kv_dtype,
     command_line,
@@ -37,9 +44,14 @@ from kvcalib.serve.launch import (
     server_argv,
     server_env,
 )
-from kvcalib.serve.canary import CANARY_DIVISOR, CanaryResult, judge_canary, make_variant
 from kvcalib.serve.predict import Prediction, predict
-from kvcalib.serve.preflight import NEURON_DEVICES, Environment, Preflight, check_environment, preflight
+from kvcalib.serve.preflight import (
+    NEURON_DEVICES,
+    Environment,
+    Preflight,
+    check_environment,
+    preflight,
+)
 from kvcalib.serve.probe import Completion, ServerClient, degenerate
 from kvcalib.serve.prompts import BUILTIN_PROMPTS, NLL_TEXT, Prompt
 from kvcalib.serve.server import VllmServer, free_port, require_free_port
@@ -170,7 +182,7 @@ class ServeCheckResult:
         rows.append({"name": "calibrated", "nll": self.nll_fp8, "agreement": self.agreement,
                      "served_delta_nll": self.served_delta_nll, "predicted_delta_nll": pred.delta_nll if pred else None})
         if self.unit is not None:
-            rows.append(self._row("scales 1.0", self.unit.nll, _mean(self.unit.agreements),
+            rows.append(self._row("scales 1.0", self.unit.nll, mean_agreement(self.unit.agreements),
                                   pred.unit_delta_nll if pred else None))
         if self.canary is not None:
             rows.append(self._row(f"scales x{self.canary.factor:g}", self.canary.nll, self.canary.agreement,
@@ -193,17 +205,12 @@ class ServeCheckResult:
             "baseline_ready_s": self.baseline_ready_s, "baseline_command": self.baseline_command,
             "baseline_log": self.baseline_log,
             "canary": self.canary.to_dict() if self.canary else None,
-            "unit": None if self.unit is None else {"nll": self.unit.nll, "agreement": _mean(self.unit.agreements)},
+            "unit": None if self.unit is None else {"nll": self.unit.nll, "agreement": mean_agreement(self.unit.agreements)},
             "prediction": self.prediction.to_dict() if self.prediction else None,
             "delta_nll": {"served": self.served_delta_nll,
                           "predicted": self.prediction.delta_nll if self.prediction else None},
             "variants": self.variants(),
         }
-
-
-def _mean(values: Sequence[float | None] | None) -> float | None:
-    scored = [v for v in values or () if v is not None]
-    return sum(scored) / len(scored) if scored else None
 
 
 Progress = Callable[[ServeEvent], None]
@@ -272,8 +279,7 @@ def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None)
             fp8.agreements[i] if fp8.agreements else None, prompt.expected, problem))
     agreement = None
     if baseline is not None and fp8.agreements is not None:
-        scored = [a for a in fp8.agreements if a is not None]
-        agreement = sum(scored) / len(scored) if scored else None
+        agreement = mean_agreement(fp8.agreements)
         if agreement is not None and agreement < AGREEMENT_THRESHOLD:
             failures.append(f"mean agreement with the baseline {agreement:.2f} < {AGREEMENT_THRESHOLD}")
         if fp8.nll > baseline.nll * (1 + NLL_TOLERANCE):

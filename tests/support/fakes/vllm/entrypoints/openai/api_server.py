@@ -95,17 +95,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_kv_scale_shapes(model: Path) -> dict[str, list[int]]:
-    """Shapes of every *k_scale / *v_scale tensor in the checkpoint's safetensors headers."""
-    shapes = {}
+def kv_scale_entries(model: Path):
+    """(open file, data start, key, header entry) of every *k_scale / *v_scale tensor in the checkpoint."""
     for file in sorted(model.glob("*.safetensors")):
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
-        for key, entry in header.items():
-            if key.endswith(("k_scale", "v_scale")) and isinstance(entry, dict):
-                shapes[key] = entry.get("shape", [])
-    return shapes
+            for key, entry in header.items():
+                if key.endswith(("k_scale", "v_scale")) and isinstance(entry, dict):
+                    yield f, 8 + n, key, entry
+
+
+def read_kv_scale_shapes(model: Path) -> dict[str, list[int]]:
+    """Shapes of every *k_scale / *v_scale tensor in the checkpoint's safetensors headers."""
+    return {key: entry.get("shape", []) for _f, _start, key, entry in kv_scale_entries(model)}
 
 
 def resolve_kv_dtype(args: argparse.Namespace, config: dict, neuron: bool) -> str:
@@ -164,15 +167,10 @@ def tokenize(text: str) -> list[str]:
 def kv_scale_values(model: Path) -> dict[str, float]:
     """Every float32 *k_scale / *v_scale of shape [1] in the checkpoint, read from its safetensors files."""
     values = {}
-    for file in sorted(model.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-            for key, entry in header.items():
-                if key.endswith(("k_scale", "v_scale")) and isinstance(entry, dict) and entry.get("dtype") == "F32" \
-                        and entry.get("shape") == [1]:
-                    f.seek(8 + n + entry["data_offsets"][0])
-                    (values[key],) = struct.unpack("<f", f.read(4))
+    for f, start, key, entry in kv_scale_entries(model):
+        if entry.get("dtype") == "F32" and entry.get("shape") == [1]:
+            f.seek(start + entry["data_offsets"][0])
+            (values[key],) = struct.unpack("<f", f.read(4))
     return values
 
 
