@@ -17,7 +17,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from kvcalib.core.checkpoint import read_safetensors_header, read_scalar
+from kvcalib.core.checkpoint import read_safetensors_header, read_values
 from kvcalib.core.schema import PROVENANCE_FILENAME, SCALES_FILENAME
 
 __all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
@@ -74,9 +74,15 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     target, fp8_max = provenance["target"], provenance["fp8_max"]
     note = ("also safe on 448-range hardware (trn3, GPU), where they use the range up to 240" if fp8_max < 448 else
             "they clip on trn2 (max 240): calibrate again with --target trn2 to serve on Trainium 2")
+    per_head, queries = provenance.get("strategy") == "attn_head", bool(provenance.get("attention_scales"))
+    what = ("Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
+            "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)" if per_head
+            else "Per-tensor FP8 KV-cache scales")
     lines = [BEGIN, "## FP8 KV cache (kvcalib)", "",
-             f"Per-tensor FP8 KV-cache scales sized for **{target}** (E4M3, max {fp8_max:g}): "
-             f"`k_scale = absmax(K) / {fp8_max:g}` per layer, after rotary embedding; {note}.", "",
+             f"{what} sized for **{target}** (E4M3, max {fp8_max:g}): "
+             f"`k_scale = absmax(K) / {fp8_max:g}` per {'head' if per_head else 'layer'}, after rotary embedding; "
+             f"{note}." + (" With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
+                           "attention reads it; the Neuron plugin does not consume it today." if queries else ""), "",
              "| | |", "|---|---|",
              f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
              f"{provenance.get('column')}) |",
@@ -85,15 +91,23 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
              f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
              f"| validate | {validation} |", ""]
     commands = serve_commands(CHECKPOINT_PLACEHOLDER)
-    lines += ["### Serving it", "", "vLLM on Neuron (Trainium 2; `trn3` is the same command), as "
-              "`kvcalib serve-check CKPT --device trn2` runs it (set `--tensor-parallel-size` to your "
-              f"NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where it is):", "", "```bash", commands["trn2"], "```", "",
-              "vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):", "", "```bash", commands["cuda"], "```", ""]
+    lines += ["### Serving it", ""]
+    if not per_head:
+        lines += ["vLLM on Neuron (Trainium 2; `trn3` is the same command), as `kvcalib serve-check CKPT --device trn2` "
+                  f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
+                  "it is):", "", "```bash", commands["trn2"], "```", ""]
+    lines += ["vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):", "", "```bash", commands["cuda"], "```", ""]
     if serve is not None:
         lines += _serve_lines(serve)
-    lines += ["### Scales", "", "| layer | k absmax | v absmax | k_scale | v_scale |", "|---:|---:|---:|---:|---:|"]
+    q = " q absmax | q_scale |" if queries else ""
+    lines += ["### Scales", "", *(["Each layer's largest head; every head's in `kvcalib_calibration.json`.", ""]
+                                  if per_head else []),
+              f"| layer | k absmax | v absmax | k_scale | v_scale |{q}", "|---:|---:|---:|---:|---:|"
+              + ("---:|---:|" if queries else "")]
     lines += [f"| {row['layer']} | {row['k_absmax']:.6g} | {row['v_absmax']:.6g} | {row['k_scale']:.6g} | "
-              f"{row['v_scale']:.6g} |" for row in _scale_rows(ckpt, provenance)]
+              f"{row['v_scale']:.6g} |" + (f" {row.get('q_absmax', float('nan')):.6g} | "
+                                           f"{row.get('q_scale', float('nan')):.6g} |" if queries else "")
+              for row in _scale_rows(ckpt, provenance)]
     return "\n".join(lines + ["", END, ""])
 
 
@@ -107,10 +121,9 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> list[dict[str, Any]]:
         row = rows[-1] if rows and rows[-1]["layer"] == layer else None
         if row is None:
             prov = by_layer.get(layer, {})
-            row = {"layer": layer, "k_absmax": prov.get("k_absmax", float("nan")),
-                   "v_absmax": prov.get("v_absmax", float("nan"))}
+            row = {"layer": layer, **{f"{k}_absmax": prov.get(f"{k}_absmax", float("nan")) for k in "kvq"}}
             rows.append(row)
-        row[f"{kind}_scale"] = read_scalar(header, key)
+        row[f"{kind}_scale"] = max(read_values(header, key))  # per head: the largest
     return rows
 
 

@@ -120,20 +120,26 @@ def _gather_statuses(failure: BaseException | None, world_size: int) -> list[str
 
 
 def _reduce(local: Observation, device: torch.device) -> Observation:
-    """absmax: MAX (exact in float64: float32 values embed exactly); forward counts: SUM; observe time: MAX."""
+    """absmax per head: MAX (exact in float64: float32 values embed exactly); forward counts: SUM;
+    observe time: MAX. Every rank runs the same model, so the per-layer head counts agree."""
     import torch.distributed as dist
 
-    num_layers = local.k_absmax.numel()
-    packed = torch.cat([local.k_absmax.double(), local.v_absmax.double(), torch.tensor([local.seconds], dtype=torch.float64)])
+    groups = [*local.k_heads, *local.v_heads, *local.q_heads]
+    sizes = [g.numel() for g in groups]
+    packed = torch.cat([*(g.reshape(-1).double() for g in groups), torch.tensor([local.seconds], dtype=torch.float64)])
     packed = packed.to(device)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    counts = torch.tensor(local.observed, dtype=torch.int64, device=device)
+    counts = torch.tensor([*local.observed, *local.q_observed], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    packed, counts = packed.cpu(), counts.cpu()
+    packed, counts = packed.cpu(), counts.cpu().tolist()
+    reduced = [part.float() for part in torch.split(packed[:-1], sizes)]
+    n_kv, n_q = len(local.k_heads), len(local.q_heads)
     return dataclasses.replace(
         local,
-        k_absmax=packed[:num_layers].float(),
-        v_absmax=packed[num_layers:2 * num_layers].float(),
-        observed=tuple(int(c) for c in counts.tolist()),
+        k_heads=tuple(reduced[:n_kv]),
+        v_heads=tuple(reduced[n_kv:2 * n_kv]),
+        q_heads=tuple(reduced[2 * n_kv:2 * n_kv + n_q]),
+        observed=tuple(int(c) for c in counts[:n_kv]),
+        q_observed=tuple(int(c) for c in counts[n_kv:]),
         seconds=float(packed[-1]),
     )

@@ -48,13 +48,41 @@ class EngineInputs:
 
 @dataclass(frozen=True)
 class Observation:
-    """What an engine measured: per-layer absmax of K and V over every calibration token."""
+    """What an engine measured: absmax of K and V per layer and per KV head over every calibration token
+    (and of Q per query head, when asked for), float32 on the CPU."""
 
-    k_absmax: torch.Tensor  # [num_layers] float32, on the CPU
-    v_absmax: torch.Tensor  # [num_layers] float32, on the CPU
+    k_heads: tuple[torch.Tensor, ...]  # per layer: [kv_heads] (or [1] from an engine that sees only tensors)
+    v_heads: tuple[torch.Tensor, ...]
     observed: tuple[int, ...]  # forward passes that reached each layer (0: never observed)
     attention_paths: dict[int, str]  # layer -> state-dict path of its attention module
     seconds: float  # time spent observing (for tokens/s)
+    q_heads: tuple[torch.Tensor, ...] = ()  # per layer: [attention heads]; () when Q was not observed
+    q_observed: tuple[int, ...] = ()
+    attention_classes: tuple[str, ...] = ()  # the attention modules' class names (FP8-attention config targets)
+
+    @property
+    def k_absmax(self) -> torch.Tensor:
+        """[num_layers]: each layer's max over its heads (exact: max does not round)."""
+        return torch.stack([h.max() for h in self.k_heads]) if self.k_heads else torch.zeros(0)
+
+    @property
+    def v_absmax(self) -> torch.Tensor:
+        return torch.stack([h.max() for h in self.v_heads]) if self.v_heads else torch.zeros(0)
+
+    @classmethod
+    def of(cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module
+           ) -> Observation:
+        """From a kvcalib.hf.attention.KVAbsmaxObserver (a layer never observed gets one zero per head)."""
+        def heads(store: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+            return tuple(h.float().cpu() if h is not None else torch.zeros(1) for h in store)
+
+        return cls(
+            k_heads=heads(observer.k_heads), v_heads=heads(observer.v_heads), observed=tuple(observer.observed),
+            attention_paths=attention_paths, seconds=seconds,
+            q_heads=heads(observer.q_heads) if observer.queries else (),
+            q_observed=tuple(observer.q_observed) if observer.queries else (),
+            attention_classes=tuple(sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})),
+        )
 
 
 Engine = Callable[[EngineInputs], Observation]

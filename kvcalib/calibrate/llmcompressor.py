@@ -39,7 +39,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     opts = inputs.options
-    scheme = load_recipe(opts.recipe).quantization_args() if opts.recipe else kv_cache_scheme_args()
+    scheme = load_recipe(opts.recipe).quantization_args() if opts.recipe else kv_cache_scheme_args(opts.strategy or "tensor")
     inputs.notify(Progress("load-model"))
     # As llm-compressor users load it: AutoModelForCausalLM with the default attention.
     model = load_model(inputs.model_dir, inputs.dtype, inputs.device, opts.trust_remote_code)
@@ -65,20 +65,22 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     seconds = time.perf_counter() - started
 
     _, sized_for = calculate_range(scheme, "cpu")  # the FP8 max llm-compressor divided by
-    absmax = {"k": [], "v": []}
+    absmax: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
+    per_head = str(getattr(scheme.strategy, "value", scheme.strategy)) == "attn_head"
     for i in range(n_layers):
         module = model.get_submodule(attn_paths[i])
         for kind in ("k", "v"):
             scale = getattr(module, f"{kind}_scale", None)
-            if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+            if not isinstance(scale, torch.Tensor) or (scale.numel() != 1 and not per_head):
                 raise CalibrationError(
-                    f"layer {i}: llm-compressor left no per-tensor {kind}_scale on {attn_paths[i]} "
-                    f"({'none' if scale is None else tuple(scale.shape)})",
-                    hint="the engine needs a static per-tensor kv_cache_scheme; see recipes/kv-fp8-trn2.yaml",
+                    f"layer {i}: llm-compressor left no {'per-head' if per_head else 'per-tensor'} {kind}_scale on "
+                    f"{attn_paths[i]} ({'none' if scale is None else tuple(scale.shape)})",
+                    hint="the engine needs a static kv_cache_scheme; see recipes/kv-fp8-trn2.yaml",
                 )
-            absmax[kind].append(scale.detach().float().cpu().reshape(()) * sized_for.float().cpu())
+            # llm-compressor's per-head scales are [kv_heads, 1, 1]
+            absmax[kind].append(scale.detach().float().cpu().reshape(-1) * sized_for.float().cpu())
     return Observation(
-        k_absmax=torch.stack(absmax["k"]), v_absmax=torch.stack(absmax["v"]), observed=tuple(calls),
+        k_heads=tuple(absmax["k"]), v_heads=tuple(absmax["v"]), observed=tuple(calls),
         attention_paths=attn_paths, seconds=seconds,
     )
 

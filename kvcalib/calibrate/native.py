@@ -31,15 +31,12 @@ def native_engine(inputs: EngineInputs) -> Observation:
                           attn_implementation=faithful_attention(inputs.config))
     layers = num_layers(hf_model)
     attn_paths = attention_modules(hf_model, layers, inputs.model_dir)
-    observer = KVAbsmaxObserver(layers, device=inputs.device)
+    observer = KVAbsmaxObserver(layers, device=inputs.device, queries=inputs.options.attention_scales)
     started = time.perf_counter()
     with compute_path(inputs.compute):
         observe_all(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device,
                     inputs.notify)
-    return Observation(
-        k_absmax=observer.k_absmax.cpu(), v_absmax=observer.v_absmax.cpu(), observed=tuple(observer.observed),
-        attention_paths=attn_paths, seconds=time.perf_counter() - started,
-    )
+    return Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
 
 
 def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: CalibrationData, batch_size: int,

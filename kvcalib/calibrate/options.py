@@ -23,6 +23,8 @@ class CalibrateOptions(RunOptions):
     overwrite: bool = False
     engine: str = "auto"  # "auto": "stream" when the weights would not fit in memory, else "native"
     recipe: str | None = None  # an llm-compressor recipe whose kv_cache_scheme to use (calibrate.recipe)
+    strategy: str | None = None  # "tensor" or "attn_head" (per KV head; gpu only); None: the recipe's, else tensor
+    attention_scales: bool = False  # also observe Q and write q_scale + the FP8-attention config group
     extra_provenance: dict[str, Any] = field(default_factory=dict)
     ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
     # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
@@ -38,6 +40,9 @@ class CalibrateOptions(RunOptions):
 
 @dataclass(frozen=True)
 class LayerScales:
+    """One layer's measurements and scales. k_scale/v_scale are per tensor; with strategy attn_head the
+    per-head values are in k_heads (absmax, scale) pairs and k_scale is their max (what vLLM reports)."""
+
     layer: int
     k_absmax: float
     v_absmax: float
@@ -45,9 +50,18 @@ class LayerScales:
     v_scale: float
     k_key: str
     v_key: str
+    k_head_absmax: tuple[float, ...] | None = None
+    v_head_absmax: tuple[float, ...] | None = None
+    k_head_scales: tuple[float, ...] | None = None
+    v_head_scales: tuple[float, ...] | None = None
+    q_absmax: float | None = None  # with attention scales (FP8 attention)
+    q_scale: float | None = None
+    q_key: str | None = None
+    q_head_absmax: tuple[float, ...] | None = None
+    q_head_scales: tuple[float, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)

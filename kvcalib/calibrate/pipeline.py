@@ -8,7 +8,6 @@ written atomically, which is validated before it is put in place.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from kvcalib.calibrate.native import native_engine
 from kvcalib.calibrate.options import CalibrateOptions, CalibrationResult, LayerScales
 from kvcalib.calibrate.ranks import rank_device
 from kvcalib.calibrate.recipe import RecipePlan, plan_recipe
+from kvcalib.calibrate.scales import layer_scales, scale_tensors
 from kvcalib.calibrate.stream import stream_engine
 from kvcalib.calibrate.writer import (
     WritePlan,
@@ -36,9 +36,9 @@ from kvcalib.calibrate.writer import (
 from kvcalib.core import fp8
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
-from kvcalib.core.errors import CalibrationError, UsageError, ValidationFailedError
+from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import SCALES_FILENAME, kv_only_quantization_config, scale_key
+from kvcalib.core.schema import SCALES_FILENAME, kv_only_quantization_config
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.model import (
     load_tokenizer,
@@ -98,7 +98,8 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
                           plan.compute, plan.engine.limit if plan.engine.limit is not None else opts.memory)
     observation = _observe(plan, inputs)
 
-    layers, warnings = _layer_scales(observation, plan.target, plan.checkpoint.root)
+    layers, warnings = layer_scales(observation, plan.target, plan.checkpoint.root, plan.recipe.strategy,
+                                    queries=opts.attention_scales)
     if plan.engine.reason:
         warnings.append(plan.engine.reason)
 
@@ -113,16 +114,20 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
         return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)
     notify(Progress("write"))
-    notes, validation = _write(plan, data, layers)
+    notes, validation = _write(plan, data, layers, observation.attention_classes if opts.attention_scales else ())
     return result(list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation or None)
 
 
 def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions) -> _Plan:
     """The cheap checks, before any weight is loaded; the plan of the run."""
     opts.check_arguments()
-    recipe = plan_recipe(opts.recipe, opts.target, opts.engine)  # --recipe, --target, --engine checked together
+    recipe = plan_recipe(opts.recipe, opts.target, opts.engine, opts.strategy)  # checked together
     target = resolve_target(recipe.target)
-    opts = replace(opts, extra_provenance={**recipe.provenance, **opts.extra_provenance})
+    opts = replace(opts, strategy=recipe.strategy,
+                   extra_provenance={**recipe.provenance, **opts.extra_provenance})
+    if opts.attention_scales and opts.engine == "llmcompressor":
+        raise UsageError("--attention-scales observes Q with kvcalib's own engines; --engine llmcompressor "
+                         "observes K/V only", hint="drop --engine llmcompressor (native or stream observe Q)")
     run = prepare_run(model, opts, opts.batch_size)
     checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
     inputs = [("the model checkpoint", checkpoint.root), ("the dataset", Path(dataset).expanduser())]
@@ -155,17 +160,15 @@ def _observe(plan: _Plan, inputs: EngineInputs) -> Observation:
         raise out_of_memory_error(exc, plan.options.engine, plan.device) or exc
 
 
-def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales]) -> tuple[list[str], dict[str, Any]]:
+def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales], attention_classes: tuple[str, ...]
+           ) -> tuple[list[str], dict[str, Any]]:
     """Write, validate and publish the checkpoint; (notes, the validation report as a dict)."""
     config = plan.checkpoint.config
     dtype_name = (str(plan.dtype).removeprefix("torch.") if plan.dtype
                   else str(config.get("dtype") or config.get("torch_dtype")))
     provenance = _provenance(plan.checkpoint.root, data, plan.options, plan.target, layers, dtype_name)
     provenance["compute"] = plan.compute.describe()
-    scales = {}
-    for layer in layers:
-        scales[layer.k_key] = torch.tensor([layer.k_scale], dtype=torch.float32)
-        scales[layer.v_key] = torch.tensor([layer.v_scale], dtype=torch.float32)
+    scales = scale_tensors(layers)
     validation: dict[str, Any] = {}
 
     def check(tmp_dir: Path) -> None:
@@ -187,7 +190,8 @@ def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales]) -> tup
 
     notes = write_checkpoint(
         plan.checkpoint, plan.output,
-        WritePlan(scales=scales, quantization_config=kv_only_quantization_config(), provenance=provenance),
+        WritePlan(scales=scales, provenance=provenance, quantization_config=kv_only_quantization_config(
+            plan.recipe.strategy, attention_classes)),
         overwrite=plan.options.overwrite, check=check, inputs=plan.inputs,
     )
     return notes, validation
@@ -199,38 +203,6 @@ def _base_model(config: dict[str, Any]) -> str | None:
     if isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~")):
         return name
     return None
-
-
-def _layer_scales(observation: Observation, target: fp8.Target, model_dir: Path) -> tuple[list[LayerScales], list[str]]:
-    unobserved = [i for i, n in enumerate(observation.observed) if n == 0]
-    if unobserved:
-        raise CalibrationError(
-            f"{model_dir}: decoder layer(s) {unobserved} were never observed during calibration",
-            hint="the model's attention does not go through transformers' attention interface for these layers",
-        )
-    k_absmax = observation.k_absmax.float().cpu()
-    v_absmax = observation.v_absmax.float().cpu()
-    warnings: list[str] = []
-    for kind, values in (("K", k_absmax), ("V", v_absmax)):
-        for i, value in enumerate(values.tolist()):
-            if not math.isfinite(value):
-                raise CalibrationError(
-                    f"layer {i}: {kind} absmax is {value} (overflow in the calibration dtype)",
-                    hint="calibrate with --dtype bfloat16 or --dtype float32",
-                )
-            if value == 0.0:
-                warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at {fp8.SCALE_FLOOR}")
-    k_scales = fp8.scale_from_absmax(k_absmax, target).tolist()
-    v_scales = fp8.scale_from_absmax(v_absmax, target).tolist()
-    layers = [
-        LayerScales(
-            layer=i, k_absmax=float(k_absmax[i]), v_absmax=float(v_absmax[i]),
-            k_scale=k_scales[i], v_scale=v_scales[i],
-            k_key=scale_key(observation.attention_paths[i], "k"), v_key=scale_key(observation.attention_paths[i], "v"),
-        )
-        for i in range(len(observation.observed))
-    ]
-    return layers, warnings
 
 
 def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, target: fp8.Target,
@@ -255,9 +227,8 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "num_rows_empty": data.rows_empty,
         "num_tokens": data.num_tokens,
         "observer": "static_minmax",
-        "layers": [
-            {"layer": l.layer, "k_absmax": l.k_absmax, "v_absmax": l.v_absmax, "k_scale": l.k_scale, "v_scale": l.v_scale}
-            for l in layers
-        ],
+        "strategy": opts.strategy,
+        "attention_scales": opts.attention_scales,
+        "layers": [{k: v for k, v in l.to_dict().items() if not k.endswith("_key")} for l in layers],
         **opts.extra_provenance,
     }

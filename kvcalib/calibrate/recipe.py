@@ -25,16 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core import fp8
-from kvcalib.core.errors import MissingDependencyError, RecipeError
+from kvcalib.core.errors import MissingDependencyError, RecipeError, UsageError
 from kvcalib.core.paths import require_regular_file
+from kvcalib.core.schema import NEURON_PER_HEAD_REASON
 
 __all__ = [
     "KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE",
-    "LLMCOMPRESSOR_HINT", "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan",
+    "LLMCOMPRESSOR_HINT", "NATIVE_OBSERVER", "ATTN_HEAD", "NEURON_PER_HEAD_REASON", "STRATEGIES", "TENSOR", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan",
     "check_servable", "load_recipe", "plan_recipe", "require_llmcompressor",
 ]
 
 RECIPE_KEY = "kvcalib"  # the top-level key with kvcalib's own settings
+# KV-cache scale strategies (llm-compressor's names): one scale per layer, or one per KV head.
+TENSOR = "tensor"
+ATTN_HEAD = "attn_head"
+STRATEGIES = (TENSOR, ATTN_HEAD)
+
 KV_SCHEME_KEY = "kv_cache_scheme"
 # Arguments of a modifier that quantise something other than the KV cache.
 OTHER_SCHEME_KEYS = ("scheme", "config_groups")
@@ -76,6 +82,7 @@ class RecipePlan:
     target: str  # the target name to calibrate for (not yet checked against fp8.TARGETS)
     recipe: KvRecipe | None
     observer: str  # what the engine will run
+    strategy: str = TENSOR  # tensor or attn_head: --strategy, else the recipe's kv_cache_scheme
     warnings: tuple[str, ...] = ()
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -136,16 +143,10 @@ def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
             "per-layer KV scales from the checkpoint",
             hint=f"set dynamic: false, as in {example}",
         )
-    if s["strategy"] == "attn_head":
-        if target.neuron:
-            raise RecipeError(
-                f"{where} has strategy attn_head (one scale per KV head), which {target.name} cannot serve: "
-                "vLLM on Neuron reads one k_scale and one v_scale per layer, shape [1]",
-                hint=f"set strategy: tensor, as in {example}",
-            )
-        raise RecipeError(f"{where} has strategy attn_head (one scale per KV head); kvcalib writes one scale "
-                          "per layer", hint="set strategy: tensor, or make per-head scales with llm-compressor itself")
-    if s["strategy"] != "tensor":
+    if s["strategy"] == ATTN_HEAD and target.neuron:
+        raise RecipeError(f"{where} has strategy attn_head (one scale per KV head), which {target.name} cannot "
+                          f"serve: {NEURON_PER_HEAD_REASON}", hint=f"set strategy: tensor, as in {example}")
+    if s["strategy"] not in STRATEGIES:
         raise RecipeError(f"{where} has strategy {s['strategy']!r}, which is no KV-cache strategy "
                           f"{target.name} serves", hint=f"set strategy: tensor, as in {example}")
     if s["symmetric"] is not True:
@@ -153,8 +154,9 @@ def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
                           "vLLM's FP8 KV cache is symmetric (x = fp8 * scale)", hint="set symmetric: true")
 
 
-def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str) -> RecipePlan:
-    """Read the recipe (if any), settle the target, and check the scheme and engine can work."""
+def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
+                strategy: str | None = None) -> RecipePlan:
+    """Read the recipe (if any), settle the target and the strategy, and check the scheme and engine can work."""
     recipe = load_recipe(recipe_path) if recipe_path is not None else None
     if recipe is not None and recipe.target is not None and target is not None and target != recipe.target:
         raise RecipeError(f"--target {target} contradicts {recipe.path}, which is for {recipe.target} "
@@ -168,6 +170,7 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str)
         if recipe.ignored:
             warnings.append(f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
                             f"{', '.join(recipe.ignored)}")
+    strategy = _plan_strategy(strategy, recipe, chosen)
     if engine == LLMCOMPRESSOR_ENGINE:
         require_llmcompressor()
         observer = (recipe.observer if recipe else NATIVE_OBSERVER) or LLMCOMPRESSOR_DEFAULT_OBSERVER
@@ -185,7 +188,26 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str)
         from importlib.metadata import version
 
         provenance["llmcompressor_version"] = version("llmcompressor")
-    return RecipePlan(chosen, recipe, observer, tuple(warnings), provenance)
+    return RecipePlan(chosen, recipe, observer, strategy, tuple(warnings), provenance)
+
+
+def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -> str:
+    """--strategy, else the recipe's; refused for a Neuron target before anything is loaded."""
+    if strategy is not None and strategy not in STRATEGIES:
+        raise UsageError(f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
+                         hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)")
+    from_recipe = recipe.scheme.get("strategy") if recipe is not None else None
+    if strategy is not None and from_recipe is not None and strategy != from_recipe:
+        raise RecipeError(f"--strategy {strategy} contradicts {recipe.path}, whose {KV_SCHEME_KEY} has strategy "
+                          f"{from_recipe}", hint="drop --strategy, or change the recipe")
+    chosen = strategy or from_recipe or TENSOR
+    known = fp8.TARGETS.get(target)
+    if chosen == ATTN_HEAD and known is not None and known.neuron:
+        raise UsageError(f"--strategy attn_head (one scale per KV head) cannot serve on {target}: "
+                         f"{NEURON_PER_HEAD_REASON}",
+                         hint="use --strategy tensor for Neuron; per-head scales are for --target gpu "
+                         "(vLLM's FlashAttention backend)")
+    return chosen
 
 
 def require_llmcompressor() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from kvcalib.hf.attention import (
     RecordingCache,
     StopForward,
     attention_modules,
+    observing_queries,
 )
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
@@ -74,7 +76,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     weights.check(prefix)  # every weight findable before the long work starts
     weights.load(prefix, skip=f"{prefix}{layers_name}.")
 
-    observer = KVAbsmaxObserver(n_layers, device=inputs.device)
+    observer = KVAbsmaxObserver(n_layers, device=inputs.device, queries=inputs.options.attention_scales)
     batch_list = [(ids.to(inputs.device), mask.to(inputs.device))
                   for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)]
     started = time.perf_counter()
@@ -92,7 +94,8 @@ def stream_engine(inputs: EngineInputs) -> Observation:
                 _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
                 observer.token_mask = mask.bool()
                 try:
-                    out = layer(states.get(b).to(inputs.device), *args, **kwargs)
+                    with observing_queries(observer) if observer.queries else nullcontext():
+                        out = layer(states.get(b).to(inputs.device), *args, **kwargs)
                     states.put(b, out[0] if isinstance(out, tuple) else out)
                 except StopForward:  # the last layer: nothing after its K/V is needed
                     pass
@@ -100,10 +103,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
                     observer.token_mask = None
                 progress.step(i, b)
             layer.to("meta")  # frees the layer's weights
-    return Observation(
-        k_absmax=observer.k_absmax.cpu(), v_absmax=observer.v_absmax.cpu(), observed=tuple(observer.observed),
-        attention_paths=attn_paths, seconds=time.perf_counter() - started,
-    )
+    return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
 
 
 class _Captured(Exception):

@@ -169,6 +169,8 @@ def calibrate(
     stream_layers: bool = typer.Option(False, "--stream-layers", help="Load one decoder layer at a time (models larger than memory; chosen automatically when the weights would not fit)."),
     recipe: Path | None = typer.Option(None, "--recipe", help="llm-compressor recipe (YAML) whose kv_cache_scheme to use, e.g. recipes/kv-fp8-trn2.yaml."),
     engine: str = typer.Option("auto", "--engine", help="auto (native, or stream when the weights would not fit), native, stream, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor])."),
+    strategy: str | None = typer.Option(None, "--strategy", help="tensor (one K and one V scale per layer) or attn_head (one per KV head; --target gpu only: vLLM on Neuron cannot load them). Default: the recipe's kv_cache_scheme, else tensor."),
+    attention_scales: bool = typer.Option(False, "--attention-scales", help="Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet)."),
     bf16_compute: Bf16Compute = "auto",
     serve_device: str | None = typer.Option(None, "--serve-check", help="Then serve the new checkpoint with FP8 KV and probe it, as `kvcalib serve-check OUT --device DEVICE` does (trn2, trn3, cpu, cuda); the device and vLLM are checked before calibrating."),
     vllm_python: VllmPython = Path(sys.executable),
@@ -191,9 +193,8 @@ def calibrate(
     options = CalibrateOptions(
         target=target, split=split, text_column=text_column, num_samples=num_samples,
         max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
-        overwrite=overwrite, trust_remote_code=trust_remote_code,
-        engine=engine, ranks=ranks,
-        recipe=str(recipe) if recipe is not None else None,
+        overwrite=overwrite, trust_remote_code=trust_remote_code, engine=engine, ranks=ranks,
+        recipe=str(recipe) if recipe is not None else None, strategy=strategy, attention_scales=attention_scales,
         bf16_compute=bf16_compute, cpu=_host_cpu(), memory=available_memory(),
         scratch_dir=Path(tempfile.gettempdir()),
     )
@@ -240,13 +241,14 @@ def _serve_options(model: str, calibration: Any, device: str, **given: Any) -> A
     from kvcalib.hf.model import resolve_model_dir, resolve_target
     from kvcalib.serve import ServeOptions
     from kvcalib.serve.pipeline import check_serving
-    from kvcalib.serve.preflight import validate_target
+    from kvcalib.serve.preflight import check_strategy, validate_target
 
     options = ServeOptions(device=device, env=dict(os.environ), cpu=_host_cpu(with_capability=False),
                            memory_bytes=calibration.memory.available if calibration.memory else None, **given)
     options.check_arguments()
-    sized_for = resolve_target(plan_recipe(calibration.recipe, calibration.target, calibration.engine).target)
-    served_on = resolve_target(validate_target(device))
+    plan = plan_recipe(calibration.recipe, calibration.target, calibration.engine, calibration.strategy)
+    sized_for, served_on = resolve_target(plan.target), resolve_target(validate_target(device))
+    check_strategy(plan.strategy, device)
     if sized_for.fp8_max > served_on.fp8_max:
         raise UsageError(f"--target {sized_for.name} sizes the scales for FP8 max {sized_for.fp8_max:g}, but "
                          f"{device} clamps at {served_on.fp8_max:g}: serve-check would refuse the result",
@@ -305,6 +307,7 @@ def eval_command(
     dtype: str = typer.Option("auto", "--dtype", help="auto, bfloat16, float16 or float32."),
     device: Device = "cpu",
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of per-layer absmax, SQNR and clipping."),
+    fp8_attention: bool = typer.Option(False, "--fp8-attention", help="Also run every checkpoint that has q_scale as FP8 attention: Q quantised with the target's numerics too, the attention matmuls on the FP8 values in float32."),
     as_json: AsJson = False,
     bf16_compute: Bf16Compute = "auto",
     quiet: Quiet = False,
@@ -315,7 +318,8 @@ def eval_command(
 
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
-                          compare=tuple(compare), bf16_compute=bf16_compute, cpu=_host_cpu())
+                          compare=tuple(compare), fp8_attention=fp8_attention, bf16_compute=bf16_compute,
+                          cpu=_host_cpu())
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:

@@ -103,12 +103,16 @@ def _duration(seconds: float) -> str:
 
 
 def render_calibration(console: Console, result: Any) -> None:
-    table = Table(title=f"KV scales for {result.target}: absmax / {result.fp8_max:g}")
-    for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale"):
+    per_head = any(layer.k_head_scales is not None for layer in result.layers)
+    queries = any(layer.q_scale is not None for layer in result.layers)
+    table = Table(title=f"{'per-head ' if per_head else ''}KV scales for {result.target}: absmax / {result.fp8_max:g}"
+                  + (" (each layer's largest head; every head's in --json)" if per_head else ""))
+    for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale", *(("q absmax", "q_scale") if queries else ())):
         table.add_column(column, justify="right")
     for layer in result.layers:
+        q = (f"{layer.q_absmax:.4g}", f"{layer.q_scale:.4g}") if queries else ()
         table.add_row(str(layer.layer), f"{layer.k_absmax:.4g}", f"{layer.v_absmax:.4g}",
-                      f"{layer.k_scale:.4g}", f"{layer.v_scale:.4g}")
+                      f"{layer.k_scale:.4g}", f"{layer.v_scale:.4g}", *q)
     console.print(table)
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
@@ -138,16 +142,17 @@ def render_report(console: Console, report: Any) -> None:
 
 
 def render_eval(console: Console, result: Any) -> None:
-    table = Table(title=f"FP8 KV on {result.target} vs an unquantised KV cache, {result.num_tokens:,} tokens")
-    for column in ("scales", "NLL", "PPL", "ΔNLL", "KL", "top-1", "K clip", "V clip", "K SQNR"):
-        table.add_column(column, justify="right" if column != "scales" else "left", overflow="fold")
-    table.add_row("none (bf16)", f"{result.baseline_nll:.4f}", f"{math.exp(result.baseline_nll):.3f}",
-                  "", "", "", "", "", "")
+    table = Table(title=f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
+                  f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens")
+    for column in ("scales", "kind", "ΔNLL", "KL", "top-1", "K clip", "V clip", "K SQNR", "V SQNR", "Q SQNR"):
+        table.add_column(column, justify="left" if column in ("scales", "kind") else "right", overflow="fold")
     for run in result.runs:
-        min_k = min(l.k_sqnr_db for l in run.layers)
-        table.add_row(run.name, f"{run.nll:.4f}", f"{run.ppl:.3f}", f"{run.delta_nll:+.4f}", f"{run.kl:.5f}",
-                      f"{run.top1:.2%}", f"{run.k_clipped:.3%}", f"{run.v_clipped:.3%}", f"{min_k:.1f} dB")
+        q = [l.q_sqnr_db for l in run.layers if l.q_sqnr_db is not None]
+        table.add_row(run.name, run.kind, f"{run.delta_nll:+.4f}", f"{run.kl:.5f}", f"{run.top1:.2%}",
+                      f"{run.k_clipped:.2%}", f"{run.v_clipped:.2%}", f"{min(l.k_sqnr_db for l in run.layers):.1f}",
+                      f"{min(l.v_sqnr_db for l in run.layers):.1f}", f"{min(q):.1f}" if q else "-")
     console.print(table)
+    console.print("SQNR (dB): the worst layer's; every layer's in --json and --plot", style="dim")
     console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
     if result.plot:
         console.print(f"plot: {result.plot}")

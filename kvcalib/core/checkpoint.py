@@ -24,6 +24,7 @@ from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME, neuron_scale_ke
 __all__ = [
     "DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
     "TensorInfo", "load_tensors", "read_config", "read_json", "read_kv_scales", "read_safetensors_header", "read_scalar",
+    "read_values",
     "read_tensor", "scan_checkpoint", "torch_dtype_name", "write_json",
 ]
 
@@ -282,23 +283,29 @@ _STRUCT = {"F64": "<d", "F32": "<f", "F16": "<e", "I64": "<q", "I32": "<i", "I16
 
 def read_scalar(header: SafetensorsHeader, key: str) -> float:
     """The first element of one tensor as a float, read at its offsets with `struct` (torch only for FP8)."""
+    return read_values(header, key, 1)[0]
+
+
+def read_values(header: SafetensorsHeader, key: str, count: int | None = None) -> list[float]:
+    """The first `count` elements (None: all) of one tensor as floats, read with `struct` (torch only for FP8)."""
     info = header.tensors[key]
     size = DTYPE_SIZES[info.dtype]
+    count = info.nbytes // size if count is None else count
     if info.dtype not in _STRUCT and info.dtype != "BF16":
-        return float(read_tensor(header, key).reshape(-1)[0].double())
+        return [float(x) for x in read_tensor(header, key).reshape(-1)[:count].double().tolist()]
     try:
         with open(header.path, "rb") as f:
             f.seek(header.data_start + info.data_offsets[0])
-            raw = f.read(size)
+            raw = f.read(size * count)
     except OSError as exc:
         raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}",
                                   hint="check the file's permissions, or copy it again from the source") from None
-    if len(raw) != size or info.nbytes < size:
+    if count < 1 or len(raw) != size * count or info.nbytes < size * count:
         raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}",
                                   hint="the file was cut short; copy it again from the source")
     if info.dtype == "BF16":  # the top half of a float32
-        return float(struct.unpack("<f", b"\0\0" + raw)[0])
-    return float(struct.unpack(_STRUCT[info.dtype], raw)[0])
+        return [float(struct.unpack("<f", b"\0\0" + raw[i:i + 2])[0]) for i in range(0, len(raw), 2)]
+    return [float(x[0]) for x in struct.iter_unpack(_STRUCT[info.dtype], raw)]
 
 
 def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, Any]:

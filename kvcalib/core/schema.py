@@ -12,7 +12,7 @@ from typing import Any
 __all__ = [
     "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS", "NEURON_ALT_LAYERS_PREFIX",
     "NEURON_LAYERS_PREFIX", "PROVENANCE_FILENAME", "PROVENANCE_METADATA_KEY", "SCALES_FILENAME",
-    "SINGLE_WEIGHTS_FILENAME", "is_kv_scale_key", "kv_cache_scheme_args", "kv_only_quantization_config",
+    "SINGLE_WEIGHTS_FILENAME", "ATTENTION_GROUP", "NEURON_PER_HEAD_REASON", "is_kv_scale_key", "kv_cache_scheme_args", "kv_only_quantization_config",
     "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key", "parse_neuron_scale_key", "scale_key",
 ]
 
@@ -32,6 +32,10 @@ PROVENANCE_METADATA_KEY = "kvcalib"
 NEURON_LAYERS_PREFIX = "model.layers"
 NEURON_ALT_LAYERS_PREFIX = "model.language_model.layers"
 
+# Why per-head KV scales (kv_cache_scheme strategy attn_head) cannot serve on Neuron.
+NEURON_PER_HEAD_REASON = ("vLLM on Neuron reads one k_scale and one v_scale per layer, and its loader's reshape "
+                          "to [1, 1] crashes on a per-head scale (RuntimeError: shape '[1, 1]' is invalid)")
+
 MAX_LAYERS = 10_000  # far more than any model has; bounds the loop over a hostile config
 
 
@@ -46,9 +50,10 @@ def num_hidden_layers(config: dict[str, Any]) -> int | None:
 
 
 def scale_key(attention_module_path: str, kind: str) -> str:
-    """`<attention module path>.k_scale` / `.v_scale`: the attention module's own state-dict name."""
-    if kind not in KV_KINDS:
-        raise ValueError(f"kind must be 'k' or 'v', not {kind!r}")
+    """`<attention module path>.k_scale` / `.v_scale` (and `.q_scale` for FP8 attention): the attention
+    module's own state-dict name."""
+    if kind not in (*KV_KINDS, "q"):
+        raise ValueError(f"kind must be 'k', 'v' or 'q', not {kind!r}")
     return f"{attention_module_path}.{kind}_scale"
 
 
@@ -88,9 +93,13 @@ def parse_foreign_scale_key(key: str) -> tuple[int, str | None, str] | None:
     return None
 
 
+_Q_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.q_scale$")
+
+
 def is_kv_scale_key(key: str) -> bool:
-    """Any KV-cache scale, under the Neuron name or a foreign one."""
-    return parse_neuron_scale_key(key) is not None or parse_foreign_scale_key(key) is not None
+    """Any KV-cache scale, under the Neuron name or a foreign one, or an attention layer's q_scale (FP8 attention)."""
+    return (parse_neuron_scale_key(key) is not None or parse_foreign_scale_key(key) is not None
+            or _Q_SCALE_RE.match(key) is not None)
 
 
 # --- compressed-tensors quantization_config -------------------------------------------
@@ -100,31 +109,45 @@ def is_kv_scale_key(key: str) -> bool:
 _KV_SCHEME_FIELDS = ("num_bits", "type", "strategy", "dynamic", "symmetric", "observer")
 
 
-def kv_cache_scheme_args() -> Any:
-    """compressed-tensors `QuantizationArgs` for static per-tensor FP8 KV."""
+def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
+    """compressed-tensors `QuantizationArgs` for static FP8 KV: one scale per layer ("tensor") or per KV
+    head ("attn_head", llm-compressor's name)."""
     from compressed_tensors.quantization import QuantizationArgs
 
     return QuantizationArgs(
         num_bits=8,
         type="float",
-        strategy="tensor",
+        strategy=strategy,
         dynamic=False,
         symmetric=True,
         observer="static_minmax",
     )
 
 
-def kv_only_quantization_config() -> dict[str, Any]:
-    """The KV-only `quantization_config` for config.json, built with compressed-tensors' models.
+# The config group llm-compressor writes for FP8 attention (Q in FP8 too): input activations of the
+# model's attention class, e.g. {"attention": {"targets": ["LlamaAttention"], "input_activations": ...}}.
+# GPU vLLM recognises such a group only with exactly one target whose name ends in "Attention"
+# (CompressedTensorsConfig.from_config); Neuron's validator accepts it because the target contains
+# "Attention" (neuron-platform.md section 1, rule 6c).
+ATTENTION_GROUP = "attention"
+
+
+def kv_only_quantization_config(strategy: str = "tensor", attention_classes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The KV `quantization_config` for config.json, built with compressed-tensors' models; with
+    `attention_classes`, also the FP8-attention group(s) (one per class, one target each).
 
     Round-trips through `QuantizationConfig.model_validate` before it is returned.
     """
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
+    args = kv_cache_scheme_args(strategy)
+    names = [ATTENTION_GROUP] if len(attention_classes) == 1 else [f"{ATTENTION_GROUP}_{c}" for c in attention_classes]
+    groups = {name: QuantizationScheme(targets=[cls], input_activations=args)
+              for name, cls in zip(names, attention_classes)}
     config = QuantizationConfig(
-        config_groups={},
-        kv_cache_scheme=kv_cache_scheme_args(),
+        config_groups=groups,
+        kv_cache_scheme=args,
         format="dense",
         quantization_status="compressed",
         ignore=[],
@@ -132,7 +155,8 @@ def kv_only_quantization_config() -> dict[str, Any]:
     dumped = config.model_dump(mode="json")
     scheme = {k: dumped["kv_cache_scheme"][k] for k in _KV_SCHEME_FIELDS}
     result = {
-        "config_groups": {},
+        "config_groups": {name: {"targets": dumped["config_groups"][name]["targets"], "weights": None,
+                                 "input_activations": dict(scheme), "output_activations": None} for name in groups},
         "format": dumped["format"],
         "ignore": [],
         "kv_cache_scheme": scheme,
@@ -143,4 +167,6 @@ def kv_only_quantization_config() -> dict[str, Any]:
     reread = QuantizationConfig.model_validate({k: v for k, v in result.items() if k != "version"})
     if reread.kv_cache_scheme is None or reread.kv_cache_scheme.model_dump() != config.kv_cache_scheme.model_dump():
         raise RuntimeError("compressed-tensors did not read back the kv_cache_scheme kvcalib wrote")
+    if {n: g.model_dump() for n, g in reread.config_groups.items()} != {n: g.model_dump() for n, g in groups.items()}:
+        raise RuntimeError("compressed-tensors did not read back the attention config group kvcalib wrote")
     return result

@@ -1,9 +1,14 @@
 """Run a model with its KV cache quantised to FP8 exactly as the target chip does it.
 
-`KVQuantizer` plugs into the same attention hook as calibration (kvcalib.observe): every
+`KVQuantizer` plugs into the same attention hook as calibration (kvcalib.hf.attention): every
 layer's K and V, as written to the cache, are replaced by `fp8.fake_quantize(x, s, target)`
-before attention reads them. `KVErrorMeter` rides along the unquantised pass and measures,
-per layer, what each configuration's quantiser does to the real K/V (SQNR, saturation).
+before attention reads them; a scale is one number per layer or one per KV head ([1, H, 1, 1],
+broadcast over [batch, kv_heads, seq, head_dim]). With `fp8_attention` it also runs each attention
+call itself, as FP8 attention does: Q quantised with its q_scale on the target's numerics, then the
+model's own attention function on the FP8 values of Q, K and V in float32 (float32 accumulation
+of both matmuls; the softmax probabilities stay unquantised: vLLM's compressed-tensors path has no
+prob_scale). `KVErrorMeter` rides along the unquantised pass and measures, per layer, what each
+configuration's quantiser does to the real K/V (and Q): SQNR, saturation.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 from kvcalib.core import fp8
 
-__all__ = ["KVErrorMeter", "KVQuantizer", "LayerQuantStats"]
+__all__ = ["KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "head_scale"]
 
 
 @dataclass(frozen=True)
@@ -27,40 +32,81 @@ class LayerQuantStats:
     v_clipped: float
     k_absmax: float  # of the unquantised K on the evaluation tokens
     v_absmax: float
-    k_clip_at: float  # |K| above this saturates with this layer's scale
+    k_clip_at: float  # |K| above this saturates with this layer's scale (its largest head scale's, per head)
     v_clip_at: float
+    q_sqnr_db: float | None = None  # FP8 attention only
+    q_clipped: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "k_sqnr_db": self.k_sqnr_db, "v_sqnr_db": self.v_sqnr_db,
-                "k_clipped": self.k_clipped, "v_clipped": self.v_clipped,
-                "k_absmax": self.k_absmax, "v_absmax": self.v_absmax,
-                "k_clip_at": self.k_clip_at, "v_clip_at": self.v_clip_at}
+        out = {"layer": self.layer, "k_sqnr_db": self.k_sqnr_db, "v_sqnr_db": self.v_sqnr_db,
+               "k_clipped": self.k_clipped, "v_clipped": self.v_clipped,
+               "k_absmax": self.k_absmax, "v_absmax": self.v_absmax,
+               "k_clip_at": self.k_clip_at, "v_clip_at": self.v_clip_at}
+        if self.q_sqnr_db is not None:
+            out.update(q_sqnr_db=self.q_sqnr_db, q_clipped=self.q_clipped)
+        return out
+
+
+Scale = float | torch.Tensor  # one per layer, or [1, heads, 1, 1] per head
+
+
+def head_scale(values: list[float]) -> Scale:
+    """A layer's scale as the quantiser takes it: a float for one value, [1, H, 1, 1] for one per head."""
+    if len(values) == 1:
+        return float(values[0])
+    return torch.tensor(values, dtype=torch.float32).reshape(1, -1, 1, 1)
+
+
+def _largest(scale: Scale) -> float:
+    return float(scale.max()) if isinstance(scale, torch.Tensor) else scale
 
 
 class KVQuantizer:
-    """Replaces every layer's K/V with their FP8 round trip on the target (an attention hook)."""
+    """Replaces every layer's K/V with their FP8 round trip on the target (an attention hook); with
+    `fp8_attention` (and q_scales) also Q, and runs the attention on the FP8 values in float32."""
 
-    def __init__(self, k_scales: list[float], v_scales: list[float], target: fp8.Target) -> None:
+    def __init__(self, k_scales: list[Scale], v_scales: list[Scale], target: fp8.Target,
+                 q_scales: list[Scale] | None = None, fp8_attention: bool = False) -> None:
         if len(k_scales) != len(v_scales):
             raise ValueError("k_scales and v_scales differ in length")
+        if fp8_attention and q_scales is None:
+            raise ValueError("FP8 attention needs q_scales")
         self.num_layers = len(k_scales)
         self.k_scales = k_scales
         self.v_scales = v_scales
+        self.q_scales = q_scales
         self.target = target
+        self.fp8_attention = fp8_attention
+        self.queries = fp8_attention  # kvcalib.hf.attention.observing_queries runs while this is set
 
     def _check(self, layer_idx: Any) -> int:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise RuntimeError(f"attention layer {layer_idx!r} has no scale ({self.num_layers} layers)")
         return layer_idx
 
+    def _quantize(self, x: torch.Tensor, scale: Scale) -> torch.Tensor:
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(x.device)
+        out = fp8.fake_quantize(x, scale, self.target)
+        return out.float() if self.fp8_attention else out  # FP8 attention: the FP8 values, exactly, in float32
+
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         i = self._check(layer_idx)
-        return (fp8.fake_quantize(key, self.k_scales[i], self.target),
-                fp8.fake_quantize(value, self.v_scales[i], self.target))
+        return self._quantize(key, self.k_scales[i]), self._quantize(value, self.v_scales[i])
+
+    def attend(self, function: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+        """One attention call as FP8 attention computes it (see the module docstring)."""
+        i = self._check(getattr(module, "layer_idx", None))
+        q = self._quantize(query, self.q_scales[i])
+        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() \
+            else attention_mask
+        output, weights = function(module, q, key.float(), value.float(), mask, *args, **kwargs)
+        return output.to(query.dtype), weights
 
 
 class KVErrorMeter:
-    """On the unquantised pass: what each configuration's quantiser would do to the model's real K/V.
+    """On the unquantised pass: what each configuration's quantiser would do to the model's real K/V (and Q).
 
     Per layer and configuration: SQNR and the fraction of elements that saturate, over real
     tokens only (`token_mask`, [B, S] bool, set per batch). Measured on the unquantised K/V so
@@ -71,28 +117,42 @@ class KVErrorMeter:
         self.configs = configs
         self.num_layers = next(iter(configs.values())).num_layers
         self.token_mask: torch.Tensor | None = None
-        # [config, layer, kind(k/v), (signal, noise, clipped, count)] float64 sums; absmax [layer, kind]
-        self._sums = torch.zeros(len(configs), self.num_layers, 2, 4, dtype=torch.float64, device=device)
-        self._absmax = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=device)
+        self.queries = any(q.fp8_attention for q in configs.values())
+        # [config, layer, kind(k/v/q), (signal, noise, clipped, count)] float64 sums; absmax [layer, kind]
+        self._sums = torch.zeros(len(configs), self.num_layers, 3, 4, dtype=torch.float64, device=device)
+        self._absmax = torch.zeros(self.num_layers, 3, dtype=torch.float64, device=device)
 
-    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _check(self, layer_idx: Any) -> int:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise RuntimeError(f"attention layer {layer_idx!r} is outside the model's {self.num_layers} layers")
-        for kind, x in enumerate((key, value)):  # x: [B, H_kv, S, D]
-            xf = x.float()
-            if self.token_mask is not None:
-                xf = xf.transpose(1, 2)[self.token_mask]  # [real tokens, H_kv, D]
-            if xf.numel() == 0:
-                continue
-            self._absmax[layer_idx, kind] = torch.maximum(self._absmax[layer_idx, kind], xf.abs().max().double())
-            signal = xf.double().pow(2).sum()
-            for c, quantizer in enumerate(self.configs.values()):
-                scale = (quantizer.k_scales, quantizer.v_scales)[kind][layer_idx]
-                noise = (fp8.fake_quantize(xf, scale, quantizer.target) - xf).double().pow(2).sum()
-                clipped = (fp8.to_fp8_domain(xf, scale, quantizer.target).abs() > quantizer.target.fp8_max).sum()
-                self._sums[c, layer_idx, kind] += torch.stack(
-                    [signal, noise, clipped.double(), torch.tensor(float(xf.numel()), dtype=torch.float64, device=xf.device)]
-                )
+        return layer_idx
+
+    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+        i = self._check(layer_idx)
+        for kind, x in enumerate((key, value)):
+            self._measure(i, kind, x, [(c, (q.k_scales, q.v_scales)[kind][i], q.target)
+                                       for c, q in enumerate(self.configs.values())])
+
+    def observe_query(self, layer_idx: Any, query: torch.Tensor) -> None:
+        i = self._check(layer_idx)
+        self._measure(i, 2, query, [(c, q.q_scales[i], q.target) for c, q in enumerate(self.configs.values())
+                                    if q.fp8_attention])
+
+    def _measure(self, layer: int, kind: int, x: torch.Tensor, scales: list[tuple[int, Scale, fp8.Target]]) -> None:
+        xf = x.float()  # [B, H, S, D]
+        if self.token_mask is not None:
+            xf = xf.transpose(1, 2)[self.token_mask]  # [real tokens, H, D]
+        if xf.numel() == 0:
+            return
+        self._absmax[layer, kind] = torch.maximum(self._absmax[layer, kind], xf.abs().max().double())
+        signal = xf.double().pow(2).sum()
+        count = torch.tensor(float(xf.numel()), dtype=torch.float64, device=xf.device)
+        for c, scale, target in scales:
+            if isinstance(scale, torch.Tensor):  # [1, H, 1, 1] -> [1, H, 1] for [tokens, H, D]
+                scale = scale.reshape(1, -1, 1).to(xf.device)
+            noise = (fp8.fake_quantize(xf, scale, target) - xf).double().pow(2).sum()
+            clipped = (fp8.to_fp8_domain(xf, scale, target).abs() > target.fp8_max).sum()
+            self._sums[c, layer, kind] += torch.stack([signal, noise, clipped.double(), count])
 
     def layer_stats(self, name: str) -> list[LayerQuantStats]:
         c = list(self.configs).index(name)
@@ -100,13 +160,14 @@ class KVErrorMeter:
         sums, absmax = self._sums[c].cpu(), self._absmax.cpu()
         stats = []
         for i in range(self.num_layers):
-            (ks, kn, kc, kcount), (vs, vn, vc, vcount) = sums[i].tolist()
+            (ks, kn, kc, kcount), (vs, vn, vc, vcount), (qs, qn, qc, qcount) = sums[i].tolist()
+            q = {"q_sqnr_db": fp8.sqnr_db(qs, qn), "q_clipped": qc / max(qcount, 1.0)} if quantizer.fp8_attention else {}
             stats.append(LayerQuantStats(
                 layer=i, k_sqnr_db=fp8.sqnr_db(ks, kn), v_sqnr_db=fp8.sqnr_db(vs, vn),
                 k_clipped=kc / max(kcount, 1.0), v_clipped=vc / max(vcount, 1.0),
                 k_absmax=absmax[i, 0].item(), v_absmax=absmax[i, 1].item(),
-                k_clip_at=_clip_threshold(quantizer.k_scales[i], quantizer.target),
-                v_clip_at=_clip_threshold(quantizer.v_scales[i], quantizer.target),
+                k_clip_at=_clip_threshold(_largest(quantizer.k_scales[i]), quantizer.target),
+                v_clip_at=_clip_threshold(_largest(quantizer.v_scales[i]), quantizer.target), **q,
             ))
         return stats
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,14 @@ from typing import Any
 import torch
 
 from kvcalib.core import fp8
-from kvcalib.core.checkpoint import read_config, read_kv_scales
+from kvcalib.core.checkpoint import read_config
 from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import num_hidden_layers
+from kvcalib.core.schema import NEURON_PER_HEAD_REASON, num_hidden_layers
 from kvcalib.evaluate.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats
-from kvcalib.hf.attention import RecordingCache
+from kvcalib.evaluate.scales import ScaleSet, read_scale_set, unit_scale_set
+from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
 from kvcalib.hf.model import (
@@ -43,6 +45,7 @@ from kvcalib.hf.model import (
     resolve_compute,
     resolve_target,
 )
+from kvcalib.validate.heads import head_counts
 
 __all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate"]
 
@@ -57,6 +60,7 @@ class EvalOptions(RunOptions):
     max_seq_len: int = 512
     batch_size: int = 2
     compare: tuple[str, ...] = ()
+    fp8_attention: bool = False  # also run each configuration with q_scale as FP8 attention (Q quantised too)
 
     def check_arguments(self) -> None:
         """The numbers a user passes, checked before anything is read (UsageError naming the flag)."""
@@ -74,6 +78,7 @@ class RunResult:
     kl: float
     top1: float
     layers: tuple[LayerQuantStats, ...]
+    kind: str = ""  # "KV per-tensor", "KV per-head", "FP8 attn, per-tensor" (Q too), "FP8 attn, per-head"
 
     @property
     def k_clipped(self) -> float:
@@ -84,7 +89,7 @@ class RunResult:
         return _mean(l.v_clipped for l in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "nll": self.nll, "ppl": self.ppl, "delta_nll": self.delta_nll,
+        return {"name": self.name, "kind": self.kind, "nll": self.nll, "ppl": self.ppl, "delta_nll": self.delta_nll,
                 "kl": self.kl, "top1": self.top1, "layers": [l.to_dict() for l in self.layers]}
 
 
@@ -137,7 +142,8 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     run = prepare_run(checkpoint, opts, opts.batch_size)
     ckpt, dtype, device = run.checkpoint, run.dtype, run.device
     layers = _config_num_layers(ckpt.config, ckpt.root)
-    configs = _scale_configs(ckpt.root, opts.compare, layers)
+    configs = _scale_configs(ckpt.root, opts.compare, layers, target, ckpt.config)
+    quantizers = _quantizers(configs, target, opts.fp8_attention)
     compute = resolve_compute(opts.bf16_compute, dtype, ckpt, device, opts.cpu)
 
     notify(Progress("load-data"))
@@ -154,7 +160,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         raise UsageError(f"{ckpt.root}: config says {layers} layers, the model has {num_layers(model)}",
                          hint="use the config.json and the weights of one and the same model")
 
-    totals = {name: _Totals(quantizer=KVQuantizer(k, v, target)) for name, (k, v) in configs.items()}
+    totals = {name: _Totals(quantizer=quantizer) for name, quantizer in quantizers.items()}
     meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device)
     baseline = _score(model, data, opts.batch_size, pad_id(tokenizer), device, compute, meter, totals, notify)
     base_nll_mean = baseline.nll / baseline.count
@@ -162,7 +168,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         RunResult(
             name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
             delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
-            layers=tuple(meter.layer_stats(name)),
+            layers=tuple(meter.layer_stats(name)), kind=_kind(t.quantizer),
         )
         for name, t in totals.items()
     )
@@ -208,7 +214,7 @@ def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: 
 def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any,
                compute: ComputePath) -> torch.Tensor:
     """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
-    with compute_path(compute):
+    with compute_path(compute), observing_queries(hook) if getattr(hook, "queries", False) else nullcontext():
         logits = model(input_ids=input_ids, attention_mask=mask, use_cache=True,
                        past_key_values=RecordingCache(model.config, hook)).logits
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -222,19 +228,48 @@ def _config_num_layers(config: dict[str, Any], where: Path) -> int:
     return layers
 
 
-def _scale_configs(model_dir: Path, compare: tuple[str, ...], num_layers: int) -> dict[str, tuple[list[float], list[float]]]:
-    """name -> (k_scales, v_scales): the checkpoint's own, then each --compare entry."""
-    configs = {CHECKPOINT: read_kv_scales(model_dir, num_layers)}
+def _scale_configs(model_dir: Path, compare: tuple[str, ...], num_layers: int, target: fp8.Target,
+                   config: dict[str, Any]) -> dict[str, ScaleSet]:
+    """name -> its scales: the checkpoint's own, then each --compare entry (per tensor or per head)."""
+    heads = head_counts(config)
+    configs = {CHECKPOINT: read_scale_set(model_dir, num_layers, heads["k"], heads["q"])}
     for entry in compare:
         if entry in configs:
             raise UsageError(f"--compare {entry} given twice", hint="name each comparison once")
         if entry == UNIT:
-            configs[UNIT] = ([1.0] * num_layers, [1.0] * num_layers)
+            configs[UNIT] = unit_scale_set(num_layers)
             continue
         other = Path(entry)
         other_layers = _config_num_layers(read_config(other), other)
         if other_layers != num_layers:
             raise UsageError(f"--compare {entry}: {other_layers} layers, but {model_dir} has {num_layers}",
                              hint="compare checkpoints of the same model")
-        configs[entry] = read_kv_scales(other, num_layers)
+        configs[entry] = read_scale_set(other, num_layers, heads["k"], heads["q"])
+    for name, scales in configs.items():
+        if scales.per_head and target.neuron:
+            raise UsageError(f"{model_dir if name == CHECKPOINT else name}: per-head KV scales, which {target.name} "
+                             f"cannot serve: {NEURON_PER_HEAD_REASON}",
+                             hint="evaluate per-head scales with --target gpu; calibrate per tensor for Neuron")
     return configs
+
+
+FP8_ATTENTION_SUFFIX = " +fp8-attn"
+
+
+def _kind(quantizer: KVQuantizer) -> str:
+    heads = "per-head" if any(isinstance(s, torch.Tensor) for s in (*quantizer.k_scales, *quantizer.v_scales)) \
+        else "per-tensor"
+    return f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}"
+
+
+def _quantizers(configs: dict[str, ScaleSet], target: fp8.Target, fp8_attention: bool) -> dict[str, KVQuantizer]:
+    """One run per configuration (K/V in FP8); with --fp8-attention one more for each that has q_scale."""
+    runs = {name: KVQuantizer(s.k, s.v, target) for name, s in configs.items()}
+    if fp8_attention:
+        with_q = {name: s for name, s in configs.items() if s.q is not None}
+        if not with_q:
+            raise UsageError("--fp8-attention needs q_scale, and no checkpoint evaluated has one",
+                             hint="calibrate with kvcalib calibrate --attention-scales")
+        for name, s in with_q.items():
+            runs[name + FP8_ATTENTION_SUFFIX] = KVQuantizer(s.k, s.v, target, q_scales=s.q, fp8_attention=True)
+    return runs

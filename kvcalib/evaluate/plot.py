@@ -44,7 +44,7 @@ def plot_eval(result: Any, path: Path) -> Path:
         raise UsageError("--plot needs matplotlib", hint="pip install 'kvcalib[plot]'") from None
     path = check_plot_path(path)
 
-    fig, axes = plt.subplots(3, 2, figsize=(12, 11), sharex=True)
+    fig, axes = plt.subplots(4, 2, figsize=(12, 14))
     first = result.runs[0]
     layers = [l.layer for l in first.layers]
     for col, kind in enumerate(("k", "v")):
@@ -53,6 +53,7 @@ def plot_eval(result: Any, path: Path) -> Path:
         for run in result.runs:
             ax.plot(layers, [getattr(l, f"{kind}_clip_at") for l in run.layers], "--", label=f"clips above ({_label(run.name)})")
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"{kind.upper()}: absmax on the eval text vs where each configuration saturates")
         ax.legend(fontsize=7)
         for row, (metric, title) in enumerate(((f"{kind}_sqnr_db", "SQNR (dB)"), (f"{kind}_clipped", "fraction clipped")), start=1):
@@ -62,9 +63,8 @@ def plot_eval(result: Any, path: Path) -> Path:
                 ax.plot(layers, [v if math.isfinite(v) else float("nan") for v in values], "o-", ms=3, label=_label(run.name))
             ax.set_title(f"{kind.upper()} {title}")
             ax.legend(fontsize=7)
-            if row == 2:
-                ax.set_xlabel("layer")
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _query_and_summary(result, axes[3], layers)
     fig.suptitle(
         f"{result.checkpoint} on {result.target} (FP8 max {result.fp8_max:g}), {result.num_tokens:,} tokens: "
         + ", ".join(f"{_label(r.name)} ΔNLL {r.delta_nll:+.4f}" for r in result.runs),
@@ -83,6 +83,30 @@ def plot_eval(result: Any, path: Path) -> Path:
         plt.close(fig)
         partial.unlink(missing_ok=True)
     return path
+
+
+def _query_and_summary(result: Any, axes: Any, layers: list[int]) -> None:
+    """Bottom row: Q SQNR per layer (FP8 attention runs) and ΔNLL, KL, top-1 of every run."""
+    ax = axes[0]
+    for run in result.runs:
+        if run.layers and run.layers[0].q_sqnr_db is not None:
+            ax.plot(layers, [l.q_sqnr_db if math.isfinite(l.q_sqnr_db) else float("nan") for l in run.layers], "o-",
+                    ms=3, label=_label(run.name))
+    ax.set_title("Q SQNR (dB), FP8 attention" if ax.lines else "Q: no FP8-attention run (eval --fp8-attention)")
+    ax.set_xlabel("layer")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    ax = axes[1]
+    names = [_label(r.name) for r in result.runs]
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [r.delta_nll for r in result.runs], width=0.4, label="ΔNLL")
+    ax.bar([i + 0.2 for i in x], [r.kl for r in result.runs], width=0.4, label="KL")
+    for i, r in enumerate(result.runs):
+        ax.annotate(f"top-1 {r.top1:.1%}", (i, max(r.delta_nll, r.kl, 0)), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), [f"{n}\n{r.kind}" for n, r in zip(names, result.runs)], fontsize=7)
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_title("against the unquantised run: ΔNLL, KL (bars), top-1 agreement")
+    ax.legend(fontsize=7)
 
 
 def _label(name: str) -> str:

@@ -11,11 +11,17 @@ replaced, copied or fake-quantised.
 
 An observer's `observe(layer_idx, key, value)` may return replacement (key, value): that is
 how kvcalib.evaluate runs attention on an FP8-quantised KV cache. The observer lives in the
-cache object made for each forward, so there is no global state.
+cache object made for each forward.
+
+Q (for FP8 attention's q_scale) never reaches the cache: `observing_queries` shows it, as the
+attention module hands it to its attention function (after RoPE and q-norm), by wrapping the
+function transformers' AttentionInterface returns, for the duration of one forward only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -23,7 +29,8 @@ from transformers import DynamicCache
 
 from kvcalib.core.errors import UnsupportedModelError
 
-__all__ = ["KVAbsmaxObserver", "RecordingCache", "StopForward", "attention_modules", "observe_batch"]
+__all__ = ["KVAbsmaxObserver", "RecordingCache", "StopForward", "attention_modules", "observe_batch",
+           "observing_queries"]
 
 
 class RecordingCache(DynamicCache):
@@ -48,41 +55,112 @@ class StopForward(Exception):
 
 
 class KVAbsmaxObserver:
-    """Running absmax of K and V per decoder layer, kept on the model's device.
+    """Running absmax of K and V per decoder layer and per KV head (and of Q per query head, when
+    `queries` is set), kept on the model's device.
 
-    `token_mask` ([batch, seq] bool, True for real tokens) must be set before each forward
-    so that padding positions never reach the statistics.
+    Per-tensor absmax is the max over a layer's heads: max is exact, so per-head and per-tensor
+    scales come from one observation. `token_mask` ([batch, seq] bool, True for real tokens) must
+    be set before each forward so that padding positions never reach the statistics.
     """
 
-    def __init__(self, num_layers: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_layers: int, device: torch.device | str = "cpu", queries: bool = False) -> None:
         self.num_layers = num_layers
-        self.k_absmax = torch.zeros(num_layers, dtype=torch.float32, device=device)
-        self.v_absmax = torch.zeros(num_layers, dtype=torch.float32, device=device)
+        self.device = device
+        self.queries = queries  # also observe Q (see observing_queries); the forward stops after the last Q
+        self.k_heads: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads] float32 per layer
+        self.v_heads: list[torch.Tensor | None] = [None] * num_layers
+        self.q_heads: list[torch.Tensor | None] = [None] * num_layers  # [attention heads] float32 per layer
         self.observed = [0] * num_layers  # forward calls that reached each layer
+        self.q_observed = [0] * num_layers
         self.token_mask: torch.Tensor | None = None
 
-    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+    @property
+    def k_absmax(self) -> torch.Tensor:
+        return _per_tensor(self.k_heads, self.device)
+
+    @property
+    def v_absmax(self) -> torch.Tensor:
+        return _per_tensor(self.v_heads, self.device)
+
+    def _check_layer(self, layer_idx: Any) -> None:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise UnsupportedModelError(
                 f"an attention layer reported layer_idx {layer_idx!r}, outside the model's {self.num_layers} layers",
                 hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
             )
-        # key, value: [B, H_kv, S, D] -> per-token absmax [B, S] (NaN/inf propagate on purpose)
-        k_tok = key.detach().abs().amax(dim=(1, 3)).float()
-        v_tok = value.detach().abs().amax(dim=(1, 3)).float()
+
+    def _head_absmax(self, layer_idx: int, states: torch.Tensor) -> torch.Tensor:
+        """[B, H, S, D] -> absmax per head [H] over the real tokens (NaN/inf propagate on purpose)."""
+        per_token = states.detach().abs().amax(dim=3).float()  # [B, H, S]
         mask = self.token_mask
         if mask is not None:
-            if mask.shape != k_tok.shape:
-                raise RuntimeError(
-                    f"layer {layer_idx}: K/V cover {tuple(k_tok.shape)} tokens but the batch mask is {tuple(mask.shape)}"
-                )
-            k_tok = k_tok.masked_fill(~mask, 0.0)
-            v_tok = v_tok.masked_fill(~mask, 0.0)
-        self.k_absmax[layer_idx] = torch.maximum(self.k_absmax[layer_idx], k_tok.max())
-        self.v_absmax[layer_idx] = torch.maximum(self.v_absmax[layer_idx], v_tok.max())
+            if mask.shape != (per_token.shape[0], per_token.shape[2]):
+                raise RuntimeError(f"layer {layer_idx}: K/V/Q cover {(per_token.shape[0], per_token.shape[2])} "
+                                   f"tokens but the batch mask is {tuple(mask.shape)}")
+            per_token = per_token.masked_fill(~mask[:, None, :], 0.0)
+        return per_token.amax(dim=(0, 2))
+
+    @staticmethod
+    def _merge(store: list[torch.Tensor | None], layer_idx: int, heads: torch.Tensor, what: str) -> None:
+        old = store[layer_idx]
+        if old is not None and old.shape != heads.shape:
+            raise UnsupportedModelError(f"layer {layer_idx}: {what} had {old.numel()} heads in one forward and "
+                                        f"{heads.numel()} in another", hint="kvcalib needs a fixed head count per layer")
+        store[layer_idx] = heads if old is None else torch.maximum(old, heads)
+
+    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._check_layer(layer_idx)
+        self._merge(self.k_heads, layer_idx, self._head_absmax(layer_idx, key), "K")
+        self._merge(self.v_heads, layer_idx, self._head_absmax(layer_idx, value), "V")
         self.observed[layer_idx] += 1
+        if layer_idx == self.num_layers - 1 and not self.queries:
+            raise StopForward
+
+    def observe_query(self, layer_idx: Any, query: torch.Tensor) -> None:
+        """Q as the attention module hands it to its attention function: after RoPE (and q-norm)."""
+        self._check_layer(layer_idx)
+        self._merge(self.q_heads, layer_idx, self._head_absmax(layer_idx, query), "Q")
+        self.q_observed[layer_idx] += 1
         if layer_idx == self.num_layers - 1:
             raise StopForward
+
+
+def _per_tensor(heads: list[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:
+    """[num_layers] float32: each layer's max over its heads (0 for a layer never observed)."""
+    values = [h.max() if h is not None else torch.zeros((), device=device) for h in heads]
+    return torch.stack(values).to(device) if values else torch.zeros(0, device=device)
+
+
+@contextmanager
+def observing_queries(observer: Any) -> Iterator[None]:
+    """While inside, every attention module that looks up its attention function in transformers'
+    AttentionInterface (every family kvcalib serves does) shows its query to `observer.observe_query`
+    before the function runs, unchanged: the module, its arguments and the function are the model's own.
+    An observer with an `attend(function, module, query, key, value, ...)` method runs the call itself
+    (kvcalib.evaluate's FP8 attention: Q quantised, the matmuls in float32).
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    interface = ALL_ATTENTION_FUNCTIONS
+    real = type(interface).get_interface
+
+    def get_interface(attn_implementation: str, default: Any) -> Any:
+        function = real(interface, attn_implementation, default)
+
+        def observed(module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            attend = getattr(observer, "attend", None)  # an observer that runs the attention itself (eval's FP8)
+            if attend is not None:
+                return attend(function, module, query, *args, **kwargs)
+            observer.observe_query(getattr(module, "layer_idx", None), query)
+            return function(module, query, *args, **kwargs)
+
+        return observed
+
+    interface.get_interface = get_interface  # an instance attribute shadows the class's method
+    try:
+        yield
+    finally:
+        vars(interface).pop("get_interface", None)
 
 
 def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:
@@ -117,8 +195,9 @@ def observe_batch(decoder: torch.nn.Module, observer: KVAbsmaxObserver, input_id
     """
     observer.token_mask = attention_mask.bool()
     try:
-        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                past_key_values=RecordingCache(decoder.config, observer))
+        with observing_queries(observer) if observer.queries else nullcontext():
+            decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                    past_key_values=RecordingCache(decoder.config, observer))
     except StopForward:
         pass
     finally:

@@ -174,7 +174,7 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
         groups = qcfg.get("config_groups") if isinstance(qcfg, dict) else None
         if "mxfp4" in method:
             raise UnsupportedModelError(MXFP4_REFUSAL.format(model_dir=model_dir), hint=MXFP4_HINT)
-        if method != "compressed-tensors" or groups:
+        if method != "compressed-tensors" or (groups and not _attention_only(groups)):
             raise UnsupportedModelError(
                 f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
                 f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
@@ -191,6 +191,17 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
     if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
         raise UnsupportedModelError(f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
                                     hint="a decoder needs at least one layer; restore config.json from the original")
+
+
+def _attention_only(groups: Any) -> bool:
+    """Every config group is FP8 attention (input activations of ...Attention targets, nothing else): the
+    weights are unquantised, as after `kvcalib calibrate --attention-scales`."""
+    return isinstance(groups, dict) and all(
+        isinstance(g, dict) and not g.get("weights") and not g.get("output_activations")
+        and isinstance(g.get("targets"), list) and bool(g["targets"])
+        and all(isinstance(t, str) and t.endswith("Attention") for t in g["targets"])
+        for g in groups.values()
+    )
 
 
 def _refuse_special_files(model_dir: Path) -> None:

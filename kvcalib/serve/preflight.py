@@ -27,13 +27,13 @@ from kvcalib.core.errors import (
     VllmNotFoundError,
 )
 from kvcalib.core.fp8 import TARGETS
-from kvcalib.core.schema import PROVENANCE_FILENAME
+from kvcalib.core.schema import NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME
 from kvcalib.serve.cuda import check_cuda
 from kvcalib.serve.neuron import detect_neuron_host, require_family
 from kvcalib.validate.pipeline import validate_checkpoint
 
 __all__ = [
-    "DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight", "UNSCALED_RULES",
+    "DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "check_strategy", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight", "UNSCALED_RULES",
     "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation", "find_vllm", "head_size", "preflight",
     "recorded_fp8_max", "validate_target",
 ]
@@ -176,6 +176,16 @@ class Environment:
     vllm_version: str
 
 
+def check_strategy(strategy: Any, device: str) -> None:
+    """Per-head KV scales (strategy attn_head) serve on GPU vLLM's FlashAttention only: refused elsewhere."""
+    if strategy != "attn_head" or device == "cuda":
+        return
+    why = (NEURON_PER_HEAD_REASON if device in NEURON_DEVICES else
+           "vLLM reads per-head KV scales on its FlashAttention backend only, and its CPU backend refuses them")
+    raise UsageError(f"per-head KV scales (strategy attn_head) cannot serve on --device {device}: {why}",
+                     hint="serve-check them with --device cuda, or calibrate per tensor (--strategy tensor)")
+
+
 def check_environment(config: dict[str, Any], device: str, *, tp: int | None, max_model_len: int,
                       max_num_seqs: int, vllm_python: Path, env: Mapping[str, str], sysfs_root: Path = Path("/sys"),
                       dev_root: Path = Path("/dev"), cpu: HostCpu | None = None) -> Environment:
@@ -183,6 +193,9 @@ def check_environment(config: dict[str, Any], device: str, *, tp: int | None, ma
     if device not in DEVICES:
         raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
     neuron = device in NEURON_DEVICES
+    qc = config.get("quantization_config")
+    check_strategy((qc.get("kv_cache_scheme") or {}).get("strategy") if isinstance(qc, dict)
+                   and isinstance(qc.get("kv_cache_scheme"), dict) else None, device)
     if max_model_len < 1 or max_num_seqs < 1 or (tp is not None and tp < 1):
         raise UsageError("--max-model-len, --max-num-seqs and --tp must be positive",
                          hint="pass 1 or more for each, or leave them out for the defaults")

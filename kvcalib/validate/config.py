@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from kvcalib.core.schema import NEURON_PER_HEAD_REASON
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = [
@@ -334,7 +335,19 @@ def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
             location,
         ))
     strategy = str(getattr(args.strategy, "value", args.strategy))
-    if strategy != "tensor" or args.dynamic is not False:
+    if strategy == "attn_head" and args.dynamic is False:
+        findings.append(Finding(
+            "PORT-KV-SCHEME-STRATEGY",
+            INFO if target == "gpu" else ERROR,
+            "kv_cache_scheme has strategy 'attn_head' (one scale per KV head): GPU vLLM reads it on its "
+            "FlashAttention backend only (other backends refuse per-head scales at startup)" if target == "gpu" else
+            f"kv_cache_scheme has strategy 'attn_head' (one scale per KV head), which {target} cannot serve: "
+            f"{NEURON_PER_HEAD_REASON}",
+            "serve it on GPU with FlashAttention" if target == "gpu" else
+            "recalibrate per tensor for Neuron (kvcalib calibrate --target trn2 --strategy tensor)",
+            location,
+        ))
+    elif strategy != "tensor" or args.dynamic is not False:
         dynamic = getattr(args.dynamic, "value", args.dynamic)
         findings.append(Finding(
             "PORT-KV-SCHEME-STRATEGY",

@@ -35,6 +35,11 @@ unknown; everything else is a `Finding`. The rule ids are stable:
                                    vLLM ignores the scales)
    - SCALE-LAYER-COUNT    warning  no usable num_hidden_layers; the layers the scales name are checked
    - SCALE-EXTRA-LAYER    warning  scales for layers the model does not have
+   - SCALE-HEADS          error    --target gpu, strategy attn_head: a per-head scale whose count is
+                                   not the model's KV heads, or a head's value not finite and > 0
+   - SCALE-Q-UNUSED       info     q_scale on Neuron: not consumed by the plugin today
+   - SCALE-Q-MISSING      warning  --target gpu: FP8 attention declared, a layer has no q_scale (1.0)
+   - SCALE-Q-SHAPE/VALUE  error    --target gpu: a q_scale vLLM cannot load
 4. Checkpoint integrity, for both Neuron loader variants (glob *.safetensors / index only):
    - CKPT-NO-SAFETENSORS     error  no *.safetensors file and no index
    - CKPT-HEADER             error  a safetensors header does not parse (truncated, oversized, ...)
@@ -58,7 +63,9 @@ unknown; everything else is a `Finding`. The rule ids are stable:
 6. Portability:
    - PORT-KV-SCHEME-INVALID     error  kv_cache_scheme does not parse as QuantizationArgs
    - PORT-KV-SCHEME-FORMAT      error  not num_bits 8, type float, symmetric
-   - PORT-KV-SCHEME-STRATEGY    error  strategy not "tensor" or dynamic not false (warning on gpu)
+   - PORT-KV-SCHEME-STRATEGY    error  strategy not "tensor" or dynamic not false (warning on gpu;
+                                       attn_head on gpu: info, FlashAttention reads it)
+   - PORT-ATTENTION-GROUP       warning --target gpu: an FP8-attention group vLLM does not recognise
    - PORT-CONFIG-GROUPS-MISSING warning compressed-tensors without config_groups (error on gpu)
    - PORT-NO-SCALE-LOADER       warning scales on an architecture other than Llama, Qwen3, Qwen3-MoE,
                                         GPT-OSS (info on gpu); Qwen3.5 casts K/V to FP8 unscaled
@@ -79,6 +86,7 @@ from kvcalib.validate.config import (
     portability_findings,
 )
 from kvcalib.validate.files import scan_for_validation
+from kvcalib.validate.heads import ATTN_HEAD, attention_group_findings, query_findings
 from kvcalib.validate.report import Finding, ValidationReport
 from kvcalib.validate.scales import range_findings, scale_findings
 
@@ -119,4 +127,6 @@ def validate_checkpoint(
     findings += integrity
     findings += range_findings(scan, check, target)
     findings += portability_findings(config, target, check.present)
+    findings += query_findings(config, scan, target, ATTN_HEAD if check.per_head else None)
+    findings += attention_group_findings(config, target)
     return ValidationReport(str(path), target, tuple(findings), strict)

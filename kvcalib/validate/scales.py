@@ -33,7 +33,9 @@ from kvcalib.core.schema import (
     parse_foreign_scale_key,
     parse_neuron_scale_key,
 )
+from kvcalib.validate.config import declared_kv_cache_scheme
 from kvcalib.validate.files import CheckpointScan
+from kvcalib.validate.heads import ATTN_HEAD, head_counts, per_head_findings
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = ["ScaleCheck", "range_findings", "scale_findings"]
@@ -49,6 +51,9 @@ class ScaleCheck:
     values: dict[str, float] = field(default_factory=dict)
     present: bool = False  # any KV scale at all, under any name
     files: set[str] = field(default_factory=set)  # files holding Neuron-named scales
+    target: str = "trn2"
+    per_head: bool = False  # kv_cache_scheme strategy attn_head: one scale per KV head (GPU vLLM)
+    heads: dict[str, int | None] = field(default_factory=dict)  # kind -> head count from config.json
 
 
 def _layers_prefix(keys: list[str]) -> str:
@@ -66,7 +71,9 @@ def scale_findings(
 ) -> tuple[list[Finding], ScaleCheck]:
     """Rule 3: every layer's k_scale and v_scale, under the exact name Neuron reads."""
     findings: list[Finding] = []
-    check = ScaleCheck(prefix=_layers_prefix(sorted(scan.key_files)))
+    scheme = declared_kv_cache_scheme(config)
+    check = ScaleCheck(prefix=_layers_prefix(sorted(scan.key_files)), target=target, heads=head_counts(config),
+                       per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD)
     own, foreign = _sort_scale_keys(scan, check)
     check.present = bool(own or foreign)
     if not check.present:
@@ -197,14 +204,14 @@ def _check_one(
             "SCALE-SHAPE", ERROR, f"{key} has shape [] (a 0-d scalar): the Neuron loader crashes with {_SCALAR_CRASH}",
             "write the scale with shape [1]", location,
         )]
-    numel = math.prod(info.shape)
-    if numel != 1:
-        return findings + [Finding(
-            "SCALE-SHAPE", ERROR,
-            f"{key} has shape {list(info.shape)} ({numel} values, e.g. per-head): the Neuron loader's reshape "
-            f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
-            "Neuron takes one per-tensor scale per layer: write float32, shape [1]", location,
-        )]
+    if check.per_head and check.target == "gpu":
+        more, heads = per_head_findings(header, key, kind, check.heads.get(kind), location)
+        if heads is not None:
+            check.values[key] = max(heads)
+            findings += _implausible(key, max(heads), location)
+        return findings + more
+    if math.prod(info.shape) != 1:
+        return findings + [_many_values(key, info.shape, check.per_head, location)]
     try:
         value = checkpoint.read_scalar(header, key)
     except KvcalibError as exc:
@@ -225,6 +232,18 @@ def _check_one(
         check.values[key] = value
         findings += _implausible(key, value, location)
     return findings
+
+
+def _many_values(key: str, shape: tuple[int, ...], per_head: bool, location: str) -> Finding:
+    numel = math.prod(shape)
+    return Finding(
+        "SCALE-SHAPE", ERROR,
+        f"{key} has shape {list(shape)} ({numel} values, e.g. per-head): the Neuron loader's reshape "
+        f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
+        "Neuron takes one per-tensor scale per layer: write float32, shape [1]"
+        + ("; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)" if per_head else ""),
+        location,
+    )
 
 
 # Bounds outside which no real K or V needs the scale. Above 64 = 2^6, x / s maps every value

@@ -193,3 +193,23 @@ def test_smollm2_native_equals_llmcompressor_static_minmax(smollm2, text_dataset
     for s, d in zip(static.layers, default.layers):  # both bf16: the moving average may round one step up
         assert d.k_absmax <= s.k_absmax * (1 + BF16_STEP) and d.v_absmax <= s.v_absmax * (1 + BF16_STEP)
     assert max(below) > 0.01
+
+
+def test_per_head_native_equals_llmcompressor_attn_head(tiny_llama_master, text_dataset, tmp_path):
+    """--strategy attn_head in both engines: llm-compressor's own per-head static_minmax scales ([kv_heads, 1, 1])
+    stand for the same per-head absmax kvcalib measures (float32 model: to float32 rounding)."""
+    from safetensors.torch import load_file
+
+    recipe = yaml.safe_load((RECIPES / "kv-fp8-gpu.yaml").read_text())
+    recipe["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    (tmp_path / "heads.yaml").write_text(yaml.safe_dump(recipe))
+    opts = dict(target="gpu", batch_size=1, **TINY)
+    native = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "native",
+                       CalibrateOptions(strategy="attn_head", **opts))
+    theirs = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "llmc",
+                       CalibrateOptions(engine="llmcompressor", recipe=str(tmp_path / "heads.yaml"), **opts))
+    for mine, other in zip(native.layers, theirs.layers):
+        assert len(other.k_head_absmax) == 2
+        assert list(other.k_head_absmax) == pytest.approx(list(mine.k_head_absmax), rel=1e-6)
+        assert list(other.v_head_absmax) == pytest.approx(list(mine.v_head_absmax), rel=1e-6)
+    assert load_file(tmp_path / "llmc" / "kv_scales.safetensors")["model.layers.0.self_attn.k_scale"].shape == (2, 1, 1)

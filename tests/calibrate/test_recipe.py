@@ -52,12 +52,10 @@ REFUSED = [
      "has dynamic: True, which trn2 cannot serve: vLLM reads static per-layer KV scales from the checkpoint"),
     ("per-head on trn2", dict(strategy="attn_head"), "trn2",
      "has strategy attn_head (one scale per KV head), which trn2 cannot serve: vLLM on Neuron reads one k_scale "
-     "and one v_scale per layer, shape [1]"),
+     "and one v_scale per layer, and its loader's reshape to [1, 1] crashes on a per-head scale"),
     ("per-head on trn3", dict(strategy="attn_head"), "trn3",
      "has strategy attn_head (one scale per KV head), which trn3 cannot serve: vLLM on Neuron reads one k_scale "
-     "and one v_scale per layer, shape [1]"),
-    ("per-head on gpu", dict(strategy="attn_head"), "gpu",
-     "has strategy attn_head (one scale per KV head); kvcalib writes one scale per layer"),
+     "and one v_scale per layer, and its loader's reshape to [1, 1] crashes on a per-head scale"),
     ("int8", dict(type="int"), "trn2",
      "has type 'int' (8-bit integer KV), which trn2 cannot serve: vLLM keeps an FP8 KV cache (type float, "
      "num_bits 8); compressed-tensors reads a missing type as int"),
@@ -86,6 +84,35 @@ def test_schemes_the_target_cannot_serve_are_refused(case, changes, target, mess
     assert exc.value.message.startswith(f"{path}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme "
                                         f"{message}"), exc.value.message
     assert exc.value.hint
+
+
+def test_a_per_head_recipe_sets_the_strategy_for_gpu(tmp_path):
+    path = write_recipe(tmp_path / "recipe.yaml", {**FP8, "strategy": "attn_head"})
+    assert plan_recipe(path, "gpu", "native").strategy == "attn_head"
+    assert plan_recipe(None, "gpu", "native", "attn_head").strategy == "attn_head"
+    assert plan_recipe(None, "gpu", "native").strategy == "tensor"
+    with pytest.raises(RecipeError) as exc:
+        plan_recipe(path, "gpu", "native", "tensor")
+    assert exc.value.message == (f"--strategy tensor contradicts {path}, whose kv_cache_scheme has strategy "
+                                 "attn_head")
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+def test_per_head_is_refused_for_neuron_before_anything_is_loaded(target, tmp_path):
+    """--strategy attn_head on a Neuron target: refused with the loader's reason, before the model is even found."""
+    from kvcalib.core.errors import UsageError
+
+    with pytest.raises(UsageError) as exc:
+        calibrate(tmp_path / "no-such-model", str(tmp_path / "no-such-data"), tmp_path / "out",
+                  CalibrateOptions(target=target, strategy="attn_head"))
+    assert exc.value.message == (
+        f"--strategy attn_head (one scale per KV head) cannot serve on {target}: vLLM on Neuron reads one k_scale "
+        "and one v_scale per layer, and its loader's reshape to [1, 1] crashes on a per-head scale "
+        "(RuntimeError: shape '[1, 1]' is invalid)")
+    assert "--target gpu" in exc.value.hint
+    with pytest.raises(UsageError, match="--strategy 'channel' is not a KV-cache strategy kvcalib writes"):
+        plan_recipe(None, "gpu", "native", "channel")
+    assert not (tmp_path / "out").exists()
 
 
 def test_unreadable_recipes(tmp_path):

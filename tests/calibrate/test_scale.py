@@ -38,7 +38,7 @@ def absmax(result) -> list[tuple[float, float]]:
 
 def scale_bits(ckpt: Path) -> dict[str, list[int]]:
     """Every scale as its float32 bit pattern: equality here is bit-for-bit."""
-    return {k: v.view(torch.int32).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
+    return {k: v.view(torch.int32).reshape(-1).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
 
 
 def build_tiny(arch: str, out: Path) -> Path:
@@ -305,18 +305,25 @@ CLI_ARGS = ["--num-samples", "24", "--max-seq-len", "64", "--batch-size", "4"]
 
 @pytest.mark.proof("torchrun")
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
-@pytest.mark.parametrize("engine_args", [[], ["--stream-layers"]], ids=["in-memory", "streamed"])
+@pytest.mark.parametrize("engine_args", [[], ["--stream-layers"],
+                                         ["--target", "gpu", "--strategy", "attn_head", "--attention-scales"],
+                                         ["--stream-layers", "--target", "gpu", "--strategy", "attn_head",
+                                          "--attention-scales"]],
+                         ids=["in-memory", "streamed", "in-memory-per-head-q", "streamed-per-head-q"])
 def test_two_processes_equal_one_bit_for_bit(engine_args, tiny_llama_master, text_dataset, tmp_path):
+    per_head = dict(target="gpu", strategy="attn_head", attention_scales=True) if "--strategy" in engine_args else {}
     one = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "one",
-                    CalibrateOptions(num_samples=24, max_seq_len=64, batch_size=4))
+                    CalibrateOptions(num_samples=24, max_seq_len=64, batch_size=4, **per_head))
     proc = _torchrun(["-m", "kvcalib", "calibrate", str(tiny_llama_master), "--dataset", str(text_dataset),
                       "-o", str(tmp_path / "two"), *CLI_ARGS, *engine_args, "--json"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)  # one JSON object: only rank 0 prints
     assert [(l["k_absmax"], l["v_absmax"]) for l in two["layers"]] == absmax(one)
+    assert two["layers"] == [l.to_dict() for l in one.layers]  # per head and Q too, where observed
     assert two["num_samples"] == 24 and two["num_tokens"] == one.num_tokens
     assert scale_bits(tmp_path / "two") == scale_bits(tmp_path / "one")
-    assert proc.stderr.count("KV scales for trn2") == 1 and proc.stderr.count("validation: ok") == 1
+    assert proc.stderr.count(f"KV scales for {per_head.get('target', 'trn2')}") == 1
+    assert proc.stderr.count("validation: ok") == 1
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no temporary output left"
 
 

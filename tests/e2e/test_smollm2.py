@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from helpers import assert_scale_sized, fortune_texts, write_jsonl
-from oracle import calibration_sequences, oracle_absmax, tree_digest
+from oracle import calibration_sequences, oracle_absmax, oracle_heads, tree_digest
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.core.schema import SCALES_FILENAME, neuron_scale_key
@@ -98,3 +98,40 @@ def test_smollm2_float32_path_stays_within_bf16_noise_of_native_bf16(smollm2, tm
     for layer in result.layers:  # the scales still never saturate on the chip: sized for their own absmax
         assert_scale_sized(layer.k_scale, layer.k_absmax, "trn2")
         assert_scale_sized(layer.v_scale, layer.v_absmax, "trn2")
+
+
+def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, smol_calibrated, tmp_path):
+    """SmolLM2 (3 KV heads, 9 query heads): K/V per KV head equal to transformers' own cache, to the bit (the same
+    kernels, sample by sample); Q per head within bf16 noise of the query its own eager attention is handed
+    (eager and SDPA layers round apart in bf16); every per-head scale by the rounding rule; the per-tensor run's
+    scales are the max over its heads."""
+    from safetensors.torch import load_file
+
+    from kvcalib.validate import validate_checkpoint
+
+    _, per_tensor = smol_calibrated
+    out = tmp_path / "heads"
+    result = calibrate(smollm2, str(text_dataset), out, CalibrateOptions(batch_size=1, target="gpu",
+                                                                         strategy="attn_head", attention_scales=True,
+                                                                         **OPTS))
+    seqs = calibration_sequences(smollm2, text_dataset, **OPTS)
+    k, v, _ = oracle_heads(smollm2, seqs, attn_implementation="sdpa")
+    _, _, q = oracle_heads(smollm2, seqs)
+    scales = load_file(out / SCALES_FILENAME)
+    q_diffs = []
+    for layer in result.layers:
+        i = layer.layer
+        assert list(layer.k_head_absmax) == k[i].tolist() and list(layer.v_head_absmax) == v[i].tolist(), i
+        assert (layer.k_absmax, layer.v_absmax) == (per_tensor.layers[i].k_absmax, per_tensor.layers[i].v_absmax)
+        assert len(layer.q_head_absmax) == 9
+        q_diffs += [abs(a - b) / b for a, b in zip(layer.q_head_absmax, q[i].tolist())]
+        for kind, absmax in (("k", layer.k_head_absmax), ("v", layer.v_head_absmax), ("q", layer.q_head_absmax)):
+            tensor = scales[f"model.layers.{i}.self_attn.{kind}_scale"]
+            assert tuple(tensor.shape) == (len(absmax), 1, 1)
+            for scale, a in zip(tensor.reshape(-1).tolist(), absmax):
+                assert_scale_sized(scale, a, "gpu")
+    assert q_diffs[:9] == [0.0] * 9, "layer 0's Q comes before any attention: exact"
+    assert max(q_diffs) <= 2**-5
+    spread = [max(l.k_head_absmax) / min(l.k_head_absmax) for l in result.layers]
+    print(f"SmolLM2 K absmax, largest / smallest head per layer: median {sorted(spread)[15]:.2f}, max {max(spread):.2f}")
+    assert validate_checkpoint(out, "gpu").ok and not validate_checkpoint(out, "trn2").ok

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 from helpers import build_word_tokenizer
-from oracle import calibration_sequences
+from oracle import calibration_sequences, oracle_heads
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
 
@@ -120,6 +120,26 @@ def test_absmax_equals_the_models_own_cache(family, engine, text_dataset, tmp_pa
     for layer in result.layers:
         assert layer.k_absmax == pytest.approx(k[layer.layer], rel=1e-6), (name, layer.layer, "K")
         assert layer.v_absmax == pytest.approx(v[layer.layer], rel=1e-6), (name, layer.layer, "V")
+    assert result.validation["ok"] is True
+
+
+@pytest.mark.parametrize("engine", ["native", "stream"])
+def test_per_head_and_q_absmax_equal_the_models_own(family, engine, text_dataset, tmp_path):
+    """--strategy attn_head --attention-scales: K/V per KV head as the model's cache holds them, Q per head as the
+    model hands it to its own attention function (after RoPE, and q-norm in Qwen3), for every family."""
+    name, model_dir = family
+    result = calibrate(model_dir, str(text_dataset), tmp_path / "out",
+                       CalibrateOptions(engine=engine, strategy="attn_head", attention_scales=True, **OPTS))
+    k, v, q = oracle_heads(model_dir, calibration_sequences(model_dir, text_dataset, OPTS["num_samples"],
+                                                            OPTS["max_seq_len"]))
+    for layer in result.layers:
+        i = layer.layer
+        for mine, theirs in ((layer.k_head_absmax, k[i]), (layer.v_head_absmax, v[i]), (layer.q_head_absmax, q[i])):
+            assert len(mine) == theirs.numel(), (name, i)
+            assert list(mine) == pytest.approx(theirs.tolist(), rel=1e-6), (name, i)
+        assert layer.q_absmax == max(layer.q_head_absmax)
+        assert len(layer.k_head_absmax) == 2 and len(layer.q_head_absmax) == 4
+    assert len({round(max(k[i]).item() / max(q[i]).item(), 3) for i in range(3)}) == 3, "Q is not K"
     assert result.validation["ok"] is True
 
 

@@ -365,8 +365,11 @@ CASES = [
          ("PORT-KV-SCHEME-STRATEGY", E, "kv_cache_scheme has strategy='channel', dynamic=False: Neuron reads one "
           "static per-tensor scale per layer (strategy 'tensor', dynamic false)")),
     case("dynamic kv scheme", set_qc("kv_cache_scheme.dynamic", True), ("PORT-KV-SCHEME-STRATEGY", E, None)),
-    case("attn_head on gpu is a warning", set_qc("kv_cache_scheme.strategy", "attn_head"),
-         ("PORT-KV-SCHEME-STRATEGY", W, None), ("RANGE-TARGET-MISMATCH", I, None), target="gpu"),
+    case("attn_head on gpu is information (FlashAttention only; [1] scales broadcast over the heads)",
+         set_qc("kv_cache_scheme.strategy", "attn_head"),
+         ("PORT-KV-SCHEME-STRATEGY", I, "kv_cache_scheme has strategy 'attn_head' (one scale per KV head): GPU vLLM "
+          "reads it on its FlashAttention backend only (other backends refuse per-head scales at startup)"),
+         ("RANGE-TARGET-MISMATCH", I, None), target="gpu"),
     case("int8 kv scheme", set_qc("kv_cache_scheme.type", "int"),
          ("PORT-KV-SCHEME-FORMAT", E, "kv_cache_scheme is num_bits=8, type='int', symmetric=True: FP8 KV needs "
           "num_bits 8, type 'float', symmetric true")),
