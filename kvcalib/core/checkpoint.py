@@ -24,8 +24,7 @@ from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME, neuron_scale_ke
 __all__ = [
     "DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
     "TensorInfo", "load_tensors", "read_config", "read_json", "read_kv_scales", "read_safetensors_header", "read_scalar",
-    "read_values",
-    "read_tensor", "scan_checkpoint", "torch_dtype_name", "write_json",
+    "read_tensor", "read_values", "scan_checkpoint", "torch_dtype_name", "write_json",
 ]
 
 

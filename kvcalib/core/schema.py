@@ -10,10 +10,11 @@ import re
 from typing import Any
 
 __all__ = [
-    "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS", "NEURON_ALT_LAYERS_PREFIX",
-    "NEURON_LAYERS_PREFIX", "PROVENANCE_FILENAME", "PROVENANCE_METADATA_KEY", "SCALES_FILENAME",
-    "SINGLE_WEIGHTS_FILENAME", "ATTENTION_GROUP", "NEURON_PER_HEAD_REASON", "is_kv_scale_key", "kv_cache_scheme_args", "kv_only_quantization_config",
-    "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key", "parse_neuron_scale_key", "scale_key",
+    "ATTENTION_GROUP", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS", "NEURON_ALT_LAYERS_PREFIX",
+    "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME", "PROVENANCE_METADATA_KEY",
+    "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "head_counts", "is_kv_scale_key", "kv_cache_scheme_args",
+    "kv_only_quantization_config", "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key",
+    "parse_neuron_scale_key", "parse_q_scale_key", "scale_key",
 ]
 
 KV_KINDS = ("k", "v")
@@ -47,6 +48,19 @@ def num_hidden_layers(config: dict[str, Any]) -> int | None:
             if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_LAYERS:
                 return n
     return None
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
+    """kind -> how many scales a per-head tensor holds: KV heads for k/v, attention heads for q (from
+    config.json, top level or text_config; None when it does not say)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    q = _positive_int(text.get("num_attention_heads"))
+    kv = _positive_int(text.get("num_key_value_heads")) or q
+    return {"k": kv, "v": kv, "q": q}
 
 
 def scale_key(attention_module_path: str, kind: str) -> str:
@@ -96,10 +110,16 @@ def parse_foreign_scale_key(key: str) -> tuple[int, str | None, str] | None:
 _Q_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.q_scale$")
 
 
+def parse_q_scale_key(key: str) -> tuple[str, int] | None:
+    """(layers prefix, layer) for a `*.layers.{i}.self_attn.q_scale` key (FP8 attention's Q scale)."""
+    m = _Q_SCALE_RE.match(key)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
 def is_kv_scale_key(key: str) -> bool:
     """Any KV-cache scale, under the Neuron name or a foreign one, or an attention layer's q_scale (FP8 attention)."""
     return (parse_neuron_scale_key(key) is not None or parse_foreign_scale_key(key) is not None
-            or _Q_SCALE_RE.match(key) is not None)
+            or parse_q_scale_key(key) is not None)
 
 
 # --- compressed-tensors quantization_config -------------------------------------------

@@ -28,7 +28,7 @@ from kvcalib.core.checkpoint import read_config
 from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import NEURON_PER_HEAD_REASON, num_hidden_layers
+from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
 from kvcalib.evaluate.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats
 from kvcalib.evaluate.scales import ScaleSet, read_scale_set, unit_scale_set
 from kvcalib.hf.attention import RecordingCache, observing_queries
@@ -45,7 +45,6 @@ from kvcalib.hf.model import (
     resolve_compute,
     resolve_target,
 )
-from kvcalib.validate.heads import head_counts
 
 __all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate"]
 

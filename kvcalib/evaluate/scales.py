@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvcalib.core.checkpoint import CheckpointFiles, read_values, scan_checkpoint
 from kvcalib.core.errors import CheckpointReadError, UsageError
-from kvcalib.core.schema import neuron_scale_key, scale_key
+from kvcalib.core.schema import neuron_scale_key
 from kvcalib.evaluate.emulate import Scale, head_scale
 
 __all__ = ["ScaleSet", "read_scale_set", "unit_scale_set"]
@@ -52,7 +52,7 @@ def read_scale_set(ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_head
     found: dict[str, list[Scale]] = {"k": [], "v": [], "q": []}
     for kind, heads in (("k", kv_heads), ("v", kv_heads), ("q", q_heads)):
         for layer in range(num_layers):
-            key = neuron_scale_key(layer, kind) if kind != "q" else scale_key(f"model.layers.{layer}.self_attn", "q")
+            key = neuron_scale_key(layer, kind)
             values = _values(ckpt_dir, files, key)
             if values is None:
                 if kind == "q":

@@ -17,7 +17,6 @@ ending in "Attention").
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from kvcalib.core import checkpoint
@@ -25,37 +24,17 @@ from kvcalib.core.errors import KvcalibError
 from kvcalib.core.schema import (
     NEURON_ALT_LAYERS_PREFIX,
     NEURON_LAYERS_PREFIX,
+    head_counts,
     num_hidden_layers,
+    parse_q_scale_key,
 )
 from kvcalib.validate.files import CheckpointScan
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding
 
-__all__ = ["attention_group_findings", "head_counts", "per_head_findings", "query_findings", "read_heads"]
+__all__ = ["attention_group_findings", "per_head_findings", "query_findings"]
 
 ATTN_HEAD = "attn_head"
-_Q_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.q_scale$")
 _QCFG = "config.json:quantization_config"
-
-
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    text = config.get("text_config")
-    return text if isinstance(text, dict) else config
-
-
-def _positive_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
-    """kind -> how many scales a per-head tensor holds: KV heads for k/v, attention heads for q."""
-    text = _text_config(config)
-    q = _positive_int(text.get("num_attention_heads"))
-    kv = _positive_int(text.get("num_key_value_heads")) or q
-    return {"k": kv, "v": kv, "q": q}
-
-
-def read_heads(header: checkpoint.SafetensorsHeader, key: str) -> list[float]:
-    return checkpoint.read_values(header, key)
 
 
 def per_head_findings(header: checkpoint.SafetensorsHeader, key: str, kind: str, expected: int | None,
@@ -72,7 +51,7 @@ def per_head_findings(header: checkpoint.SafetensorsHeader, key: str, kind: str,
             f"write one scale per head, shape [{expected}, 1, 1] (llm-compressor's layout)", location,
         )], None
     try:
-        values = read_heads(header, key)
+        values = checkpoint.read_values(header, key)
     except KvcalibError as exc:
         return [Finding("SCALE-UNREADABLE", ERROR, exc.message, exc.hint, location)], None
     bad = [(i, v) for i, v in enumerate(values) if not math.isfinite(v) or v <= 0]
@@ -87,9 +66,9 @@ def per_head_findings(header: checkpoint.SafetensorsHeader, key: str, kind: str,
 def _q_keys(scan: CheckpointScan) -> dict[int, str]:
     found: dict[int, str] = {}
     for key in sorted(scan.key_files):
-        m = _Q_SCALE_RE.match(key)
-        if m and m.group(1) in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX):
-            found.setdefault(int(m.group(2)), key)
+        parsed = parse_q_scale_key(key)
+        if parsed and parsed[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX):
+            found.setdefault(parsed[1], key)
     return found
 
 

@@ -28,6 +28,7 @@ from kvcalib.core.schema import (
     NEURON_LAYERS_PREFIX,
     PROVENANCE_FILENAME,
     PROVENANCE_METADATA_KEY,
+    head_counts,
     neuron_scale_key,
     num_hidden_layers,
     parse_foreign_scale_key,
@@ -35,7 +36,7 @@ from kvcalib.core.schema import (
 )
 from kvcalib.validate.config import declared_kv_cache_scheme
 from kvcalib.validate.files import CheckpointScan
-from kvcalib.validate.heads import ATTN_HEAD, head_counts, per_head_findings
+from kvcalib.validate.heads import ATTN_HEAD, per_head_findings
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = ["ScaleCheck", "range_findings", "scale_findings"]

@@ -135,3 +135,35 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, s
     spread = [max(l.k_head_absmax) / min(l.k_head_absmax) for l in result.layers]
     print(f"SmolLM2 K absmax, largest / smallest head per layer: median {sorted(spread)[15]:.2f}, max {max(spread):.2f}")
     assert validate_checkpoint(out, "gpu").ok and not validate_checkpoint(out, "trn2").ok
+
+
+@pytest.mark.proof("torchrun")
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(smollm2, text_dataset, tmp_path):
+    """Per-head K/V and Q scales of the real bf16 model: layer by layer, and split over 2 torchrun processes,
+    the very bits of the in-memory run."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO, SUPPORT
+    from safetensors.torch import load_file
+
+    def bits(ckpt):
+        return {k: v.view(torch.int32).reshape(-1).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
+
+    args = dict(target="gpu", strategy="attn_head", attention_scales=True, batch_size=2, **OPTS)
+    memory = calibrate(smollm2, str(text_dataset), tmp_path / "memory", CalibrateOptions(**args))
+    streamed = calibrate(smollm2, str(text_dataset), tmp_path / "stream", CalibrateOptions(engine="stream", **args))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "kvcalib", "calibrate", str(smollm2), "--dataset", str(text_dataset), "-o",
+                           str(tmp_path / "two"), "--target", "gpu", "--strategy", "attn_head", "--attention-scales",
+                           "--batch-size", "2", "--num-samples", str(OPTS["num_samples"]), "--max-seq-len",
+                           str(OPTS["max_seq_len"]), "--json"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = bits(tmp_path / "memory")
+    assert len(expected) == 90 and len(expected["model.layers.0.self_attn.k_scale"]) == 3
+    assert bits(tmp_path / "stream") == expected and bits(tmp_path / "two") == expected
+    assert [l.to_dict() for l in streamed.layers] == [l.to_dict() for l in memory.layers]
+    assert json.loads(proc.stdout)["layers"] == [l.to_dict() for l in memory.layers]
