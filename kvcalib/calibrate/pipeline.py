@@ -123,7 +123,7 @@ def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions
     opts.check_arguments()
     recipe = plan_recipe(opts.recipe, opts.target, opts.engine, opts.strategy)  # checked together
     target = resolve_target(recipe.target)
-    opts = replace(opts, strategy=recipe.strategy,
+    opts = replace(opts, strategy=recipe.strategy, attention_scales=opts.attention_scales or recipe.attention_scales,
                    extra_provenance={**recipe.provenance, **opts.extra_provenance})
     if opts.attention_scales and opts.engine == "llmcompressor":
         raise UsageError("--attention-scales observes Q with kvcalib's own engines; --engine llmcompressor "

@@ -63,6 +63,7 @@ class KvRecipe:
     scheme: dict[str, Any]  # the kv_cache_scheme as compressed-tensors dumps it (JSON types)
     target: str | None  # the recipe's kvcalib.target, if it names one
     ignored: tuple[str, ...] = ()  # modifiers (or their parts) that quantise something else
+    attention: bool = False  # an FP8-attention config group: Q scales too (calibrate --attention-scales)
 
     @property
     def observer(self) -> str | None:
@@ -83,6 +84,7 @@ class RecipePlan:
     recipe: KvRecipe | None
     observer: str  # what the engine will run
     strategy: str = TENSOR  # tensor or attn_head: --strategy, else the recipe's kv_cache_scheme
+    attention_scales: bool = False  # the recipe has llm-compressor's FP8-attention group
     warnings: tuple[str, ...] = ()
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -106,21 +108,23 @@ def load_recipe(path: str | Path) -> KvRecipe:
         raise RecipeError(f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
                           hint="see recipes/kv-fp8-trn2.yaml")
     target = _recipe_target(obj, path)
-    found, ignored = _find_kv_schemes(obj, path)
+    found, ignored, attention = _find_kv_schemes(obj, path)
     if not found:
         raise RecipeError(
             f"{path}: no {KV_SCHEME_KEY} in the recipe",
-            hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY}; "
-            "see recipes/kv-fp8-trn2.yaml",
+            hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} (or an "
+            "FP8-attention config group); see recipes/kv-fp8-trn2.yaml",
         )
-    parsed = [(location, _parse_scheme(value, location, path)) for location, value in found]
+    parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
     schemes = {_canonical(scheme) for _, scheme in parsed}
     if len(schemes) > 1:
-        raise RecipeError(f"{path}: {len(parsed)} different {KV_SCHEME_KEY} entries "
-                          f"({', '.join(location for location, _ in parsed)})",
-                          hint="keep one kv_cache_scheme; the KV cache has one format")
+        places = ", ".join(f"{location}.{field}" if field != KV_SCHEME_KEY else location
+                           for location, field, _ in found)
+        raise RecipeError(f"{path}: {len(parsed)} different {KV_SCHEME_KEY} entries ({places})",
+                          hint="keep one kv_cache_scheme; the KV cache has one format (an FP8-attention group "
+                          "quantises K/V with its own input_activations)")
     location, scheme = parsed[0]
-    return KvRecipe(str(path), location, scheme, target, tuple(ignored))
+    return KvRecipe(str(path), location, scheme, target, tuple(ignored), attention)
 
 
 def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
@@ -188,7 +192,8 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
         from importlib.metadata import version
 
         provenance["llmcompressor_version"] = version("llmcompressor")
-    return RecipePlan(chosen, recipe, observer, strategy, tuple(warnings), provenance)
+    return RecipePlan(chosen, recipe, observer, strategy, bool(recipe and recipe.attention), tuple(warnings),
+                      provenance)
 
 
 def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -> str:
@@ -233,10 +238,23 @@ def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:
     return target
 
 
-def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[str, Any]], list[str]]:
-    """(location, kv_cache_scheme) for every modifier that has one; modifiers that quantise more."""
-    found: list[tuple[str, Any]] = []
+def _attention_groups(groups: Any) -> dict[str, Any]:
+    """name -> input_activations of llm-compressor's FP8-attention config groups (every target an ...Attention
+    class, input activations and nothing else): they quantise Q, and K/V with the same arguments."""
+    if not isinstance(groups, dict):
+        return {}
+    return {name: g["input_activations"] for name, g in groups.items()
+            if isinstance(g, dict) and g.get("input_activations") and not g.get("weights")
+            and not g.get("output_activations") and isinstance(g.get("targets"), list) and g["targets"]
+            and all(isinstance(t, str) and t.endswith("Attention") for t in g["targets"])}
+
+
+def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[str, str, Any]], list[str], bool]:
+    """(modifier location, field, scheme) for every kv_cache_scheme and FP8-attention group's input activations;
+    modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
+    found: list[tuple[str, str, Any]] = []
     ignored: list[str] = []
+    attention = False
     for stage_key, stage in obj.items():
         if not (isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, dict)):
             continue
@@ -249,21 +267,27 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                 if not isinstance(arguments, dict):
                     raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
                                       hint="see recipes/kv-fp8-trn2.yaml for the layout")
+                groups = arguments.get("config_groups")
+                fp8_attention = _attention_groups(groups)
+                attention = attention or bool(fp8_attention)
+                found += [(location, f"config_groups.{name}.input_activations", args)
+                          for name, args in fp8_attention.items()]
                 if arguments.get(KV_SCHEME_KEY) is not None:
-                    found.append((location, arguments[KV_SCHEME_KEY]))
-                    others = [key for key in OTHER_SCHEME_KEYS if arguments.get(key)]
-                    if others:
-                        ignored.append(f"{location} ({', '.join(others)})")
-                else:
+                    found.append((location, KV_SCHEME_KEY, arguments[KV_SCHEME_KEY]))
+                others = [key for key in OTHER_SCHEME_KEYS if arguments.get(key)
+                          and not (key == "config_groups" and len(fp8_attention) == len(groups))]
+                if arguments.get(KV_SCHEME_KEY) is None and not fp8_attention:
                     ignored.append(location)
-    return found, ignored
+                elif others:
+                    ignored.append(f"{location} ({', '.join(others)})")
+    return found, ignored, attention
 
 
 def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:
     """The scheme through compressed-tensors' QuantizationArgs, as JSON types; the observer as written."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    where = f"{path}: {location}.{KV_SCHEME_KEY}"
+    where = f"{path}: {location}"
     if not isinstance(value, dict):
         raise RecipeError(f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
                           hint="see recipes/kv-fp8-trn2.yaml")

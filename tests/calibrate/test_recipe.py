@@ -218,3 +218,27 @@ def test_help_names_the_extra():
     result = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "300"})
     assert result.exit_code == 0
     assert "pip install kvcalib[llmcompressor]" in result.stdout and "--recipe" in result.stdout
+
+
+def test_llm_compressors_fp8_attention_recipe_means_attention_scales(tiny_llama_master, text_dataset, tmp_path):
+    """llm-compressor's FP8-attention example (a config group on LlamaAttention's input activations, no
+    kv_cache_scheme: it quantises K/V with the same arguments) calibrates Q too, as --attention-scales does."""
+    attention = {"targets": ["LlamaAttention"], "input_activations": {**FP8, "strategy": "attn_head"}}
+    path = write_recipe(tmp_path / "attention.yaml", target="gpu", config_groups={"attention": attention})
+    recipe = load_recipe(path)
+    assert recipe.attention and recipe.scheme["strategy"] == "attn_head" and recipe.ignored == ()
+    plan = plan_recipe(path, None, "native")
+    assert (plan.strategy, plan.attention_scales) == ("attn_head", True)
+    result = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(recipe=str(path),
+                                                                                                 **SMALL))
+    assert len(result.layers[0].q_head_scales) == 4 and len(result.layers[0].k_head_scales) == 2
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["attention"]["targets"] == ["LlamaAttention"]
+    # the same group beside a kv_cache_scheme that differs: one KV format only
+    clash = write_recipe(tmp_path / "clash.yaml", FP8, target="gpu", config_groups={"attention": attention})
+    with pytest.raises(RecipeError, match="2 different kv_cache_scheme entries"):
+        load_recipe(clash)
+    # a weight group beside it is still reported as ignored
+    mixed = write_recipe(tmp_path / "mixed.yaml", target="gpu", config_groups={
+        "attention": attention, "w8": {"targets": ["Linear"], "weights": {**FP8, "strategy": "channel"}}})
+    assert load_recipe(mixed).ignored == ("quant_stage.quant_modifiers.QuantizationModifier (config_groups)",)
