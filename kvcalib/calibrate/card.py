@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.checkpoint import read_safetensors_header, read_values
-from kvcalib.core.schema import PROVENANCE_FILENAME, SCALES_FILENAME
+from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME
 
 __all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
            "write_card"]
@@ -74,7 +74,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     target, fp8_max = provenance["target"], provenance["fp8_max"]
     note = ("also safe on 448-range hardware (trn3, GPU), where they use the range up to 240" if fp8_max < 448 else
             "they clip on trn2 (max 240): calibrate again with --target trn2 to serve on Trainium 2")
-    per_head, queries = provenance.get("strategy") == "attn_head", bool(provenance.get("attention_scales"))
+    per_head, queries = provenance.get("strategy") == ATTN_HEAD, bool(provenance.get("attention_scales"))
     what = ("Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
             "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)" if per_head
             else "Per-tensor FP8 KV-cache scales")

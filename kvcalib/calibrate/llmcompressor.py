@@ -23,7 +23,7 @@ from kvcalib.calibrate.engine import EngineInputs, Observation
 from kvcalib.calibrate.recipe import load_recipe, require_llmcompressor
 from kvcalib.core.errors import CalibrationError
 from kvcalib.core.progress import Progress
-from kvcalib.core.schema import kv_cache_scheme_args
+from kvcalib.core.schema import ATTN_HEAD, kv_cache_scheme_args
 from kvcalib.hf.attention import attention_modules
 from kvcalib.hf.model import load_model, num_layers
 
@@ -66,7 +66,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
 
     _, sized_for = calculate_range(scheme, "cpu")  # the FP8 max llm-compressor divided by
     absmax: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
-    per_head = str(getattr(scheme.strategy, "value", scheme.strategy)) == "attn_head"
+    per_head = str(getattr(scheme.strategy, "value", scheme.strategy)) == ATTN_HEAD
     for i in range(n_layers):
         module = model.get_submodule(attn_paths[i])
         for kind in ("k", "v"):

@@ -31,7 +31,7 @@ def native_engine(inputs: EngineInputs) -> Observation:
                           attn_implementation=faithful_attention(inputs.config))
     layers = num_layers(hf_model)
     attn_paths = attention_modules(hf_model, layers, inputs.model_dir)
-    observer = KVAbsmaxObserver(layers, device=inputs.device, queries=inputs.options.attention_scales)
+    observer = KVAbsmaxObserver(layers, queries=inputs.options.attention_scales)
     started = time.perf_counter()
     with compute_path(inputs.compute):
         observe_all(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device,

@@ -27,18 +27,20 @@ from typing import Any
 from kvcalib.core import fp8
 from kvcalib.core.errors import MissingDependencyError, RecipeError, UsageError
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import NEURON_PER_HEAD_REASON
+from kvcalib.core.schema import (
+    ATTN_HEAD,
+    NEURON_PER_HEAD_REASON,
+    TENSOR,
+    fp8_attention_groups,
+)
 
 __all__ = [
     "KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE",
-    "LLMCOMPRESSOR_HINT", "NATIVE_OBSERVER", "ATTN_HEAD", "NEURON_PER_HEAD_REASON", "STRATEGIES", "TENSOR", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan",
+    "LLMCOMPRESSOR_HINT", "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan", "STRATEGIES",
     "check_servable", "load_recipe", "plan_recipe", "require_llmcompressor",
 ]
 
 RECIPE_KEY = "kvcalib"  # the top-level key with kvcalib's own settings
-# KV-cache scale strategies (llm-compressor's names): one scale per layer, or one per KV head.
-TENSOR = "tensor"
-ATTN_HEAD = "attn_head"
 STRATEGIES = (TENSOR, ATTN_HEAD)
 
 KV_SCHEME_KEY = "kv_cache_scheme"
@@ -238,17 +240,6 @@ def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:
     return target
 
 
-def _attention_groups(groups: Any) -> dict[str, Any]:
-    """name -> input_activations of llm-compressor's FP8-attention config groups (every target an ...Attention
-    class, input activations and nothing else): they quantise Q, and K/V with the same arguments."""
-    if not isinstance(groups, dict):
-        return {}
-    return {name: g["input_activations"] for name, g in groups.items()
-            if isinstance(g, dict) and g.get("input_activations") and not g.get("weights")
-            and not g.get("output_activations") and isinstance(g.get("targets"), list) and g["targets"]
-            and all(isinstance(t, str) and t.endswith("Attention") for t in g["targets"])}
-
-
 def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[str, str, Any]], list[str], bool]:
     """(modifier location, field, scheme) for every kv_cache_scheme and FP8-attention group's input activations;
     modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
@@ -268,7 +259,7 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                     raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
                                       hint="see recipes/kv-fp8-trn2.yaml for the layout")
                 groups = arguments.get("config_groups")
-                fp8_attention = _attention_groups(groups)
+                fp8_attention = fp8_attention_groups(groups)
                 attention = attention or bool(fp8_attention)
                 found += [(location, f"config_groups.{name}.input_activations", args)
                           for name, args in fp8_attention.items()]

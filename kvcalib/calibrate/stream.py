@@ -76,7 +76,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     weights.check(prefix)  # every weight findable before the long work starts
     weights.load(prefix, skip=f"{prefix}{layers_name}.")
 
-    observer = KVAbsmaxObserver(n_layers, device=inputs.device, queries=inputs.options.attention_scales)
+    observer = KVAbsmaxObserver(n_layers, queries=inputs.options.attention_scales)
     batch_list = [(ids.to(inputs.device), mask.to(inputs.device))
                   for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)]
     started = time.perf_counter()

@@ -24,7 +24,7 @@ from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME, neuron_scale_ke
 __all__ = [
     "DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
     "TensorInfo", "load_tensors", "read_config", "read_json", "read_kv_scales", "read_safetensors_header", "read_scalar",
-    "read_tensor", "read_values", "scan_checkpoint", "torch_dtype_name", "write_json",
+    "read_scale_values", "read_tensor", "read_values", "scan_checkpoint", "torch_dtype_name", "write_json",
 ]
 
 
@@ -317,6 +317,20 @@ def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, Any]:
 
 
 
+def read_scale_values(ckpt_dir: Path, files: CheckpointFiles, key: str, required: bool = True) -> list[float] | None:
+    """Every value of scale `key` where a loader finds it (None if absent and not `required`; else an error)."""
+    name = files.file_of(key)
+    if name is None or name not in files.headers or key not in files.headers[name].tensors:
+        if not required:
+            return None
+        raise CheckpointReadError(f"{ckpt_dir}: no KV scale {key}",
+                                  hint=f"run `kvcalib validate {ckpt_dir}`; calibrate it with `kvcalib calibrate`")
+    values = read_values(files.headers[name], key)
+    if not values:
+        raise CheckpointReadError(f"{ckpt_dir}: {key} is empty", hint=f"run `kvcalib validate {ckpt_dir}`")
+    return values
+
+
 def read_kv_scales(ckpt_dir: Path, num_layers: int, layers_prefix: str = "model.layers") -> tuple[list[float], list[float]]:
     """Per-layer (k_scales, v_scales) as the Neuron loader reads them; an error names a missing key."""
     files = scan_checkpoint(ckpt_dir)
@@ -324,17 +338,12 @@ def read_kv_scales(ckpt_dir: Path, num_layers: int, layers_prefix: str = "model.
     for kind in ("k", "v"):
         for layer in range(num_layers):
             key = neuron_scale_key(layer, kind, layers_prefix)
-            name = files.file_of(key)
-            if name is None or name not in files.headers or key not in files.headers[name].tensors:
-                raise CheckpointReadError(
-                    f"{ckpt_dir}: no KV scale {key}",
-                    hint=f"run `kvcalib validate {ckpt_dir}`; calibrate it with `kvcalib calibrate`",
-                )
-            tensor = load_tensors(ckpt_dir / name, [key])[key]
-            if tensor.numel() != 1:
-                raise CheckpointReadError(f"{ckpt_dir}: {key} has shape {list(tensor.shape)}, not [1]",
+            found = read_scale_values(ckpt_dir, files, key)
+            if len(found) != 1:
+                shape = files.headers[files.file_of(key)].tensors[key].shape
+                raise CheckpointReadError(f"{ckpt_dir}: {key} has shape {list(shape)}, not [1]",
                                           hint="kvcalib evaluates per-tensor scales only")
-            values[kind].append(float(tensor.float().reshape(())))
+            values[kind].append(found[0])
     return values["k"], values["v"]
 
 

@@ -10,9 +10,9 @@ import re
 from typing import Any
 
 __all__ = [
-    "ATTENTION_GROUP", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS", "NEURON_ALT_LAYERS_PREFIX",
+    "ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS", "NEURON_ALT_LAYERS_PREFIX",
     "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME", "PROVENANCE_METADATA_KEY",
-    "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "head_counts", "is_kv_scale_key", "kv_cache_scheme_args",
+    "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "fp8_attention_groups", "head_counts", "is_kv_scale_key", "kv_cache_scheme_args",
     "kv_only_quantization_config", "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key",
     "parse_neuron_scale_key", "parse_q_scale_key", "scale_key",
 ]
@@ -32,6 +32,10 @@ PROVENANCE_METADATA_KEY = "kvcalib"
 # The decoder-layer prefix every Neuron scale loader reads (neuron-platform.md §3).
 NEURON_LAYERS_PREFIX = "model.layers"
 NEURON_ALT_LAYERS_PREFIX = "model.language_model.layers"
+
+# KV-cache scale strategies (llm-compressor's names): one scale per layer, or one per KV head.
+TENSOR = "tensor"
+ATTN_HEAD = "attn_head"
 
 # Why per-head KV scales (kv_cache_scheme strategy attn_head) cannot serve on Neuron.
 NEURON_PER_HEAD_REASON = ("vLLM on Neuron reads one k_scale and one v_scale per layer, and its loader's reshape "
@@ -150,6 +154,17 @@ def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
 # (CompressedTensorsConfig.from_config); Neuron's validator accepts it because the target contains
 # "Attention" (neuron-platform.md section 1, rule 6c).
 ATTENTION_GROUP = "attention"
+
+
+def fp8_attention_groups(groups: Any) -> dict[str, Any]:
+    """name -> input_activations of llm-compressor's FP8-attention config groups in `groups` (every target an
+    ...Attention class, input activations and nothing else: Q quantised, weights left as they are)."""
+    if not isinstance(groups, dict):
+        return {}
+    return {name: g["input_activations"] for name, g in groups.items()
+            if isinstance(g, dict) and g.get("input_activations") and not g.get("weights")
+            and not g.get("output_activations") and isinstance(g.get("targets"), list) and g["targets"]
+            and all(isinstance(t, str) and t.endswith("Attention") for t in g["targets"])}
 
 
 def kv_only_quantization_config(strategy: str = "tensor", attention_classes: tuple[str, ...] = ()) -> dict[str, Any]:

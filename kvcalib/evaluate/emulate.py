@@ -20,7 +20,7 @@ import torch
 
 from kvcalib.core import fp8
 
-__all__ = ["KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "head_scale"]
+__all__ = ["KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "head_scale", "is_per_head"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ def head_scale(values: list[float]) -> Scale:
     if len(values) == 1:
         return float(values[0])
     return torch.tensor(values, dtype=torch.float32).reshape(1, -1, 1, 1)
+
+
+def is_per_head(*per_layer: list[Scale]) -> bool:
+    """Whether any layer's scale is one per head."""
+    return any(isinstance(s, torch.Tensor) for scales in per_layer for s in scales)
 
 
 def _largest(scale: Scale) -> float:

@@ -29,7 +29,12 @@ from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
-from kvcalib.evaluate.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats
+from kvcalib.evaluate.emulate import (
+    KVErrorMeter,
+    KVQuantizer,
+    LayerQuantStats,
+    is_per_head,
+)
 from kvcalib.evaluate.scales import ScaleSet, read_scale_set, unit_scale_set
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import compute_path
@@ -256,8 +261,7 @@ FP8_ATTENTION_SUFFIX = " +fp8-attn"
 
 
 def _kind(quantizer: KVQuantizer) -> str:
-    heads = "per-head" if any(isinstance(s, torch.Tensor) for s in (*quantizer.k_scales, *quantizer.v_scales)) \
-        else "per-tensor"
+    heads = "per-head" if is_per_head(quantizer.k_scales, quantizer.v_scales) else "per-tensor"
     return f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}"
 
 

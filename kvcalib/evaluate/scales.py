@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcalib.core.checkpoint import CheckpointFiles, read_values, scan_checkpoint
-from kvcalib.core.errors import CheckpointReadError, UsageError
+from kvcalib.core.checkpoint import read_scale_values, scan_checkpoint
+from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import neuron_scale_key
-from kvcalib.evaluate.emulate import Scale, head_scale
+from kvcalib.evaluate.emulate import Scale, head_scale, is_per_head
 
 __all__ = ["ScaleSet", "read_scale_set", "unit_scale_set"]
 
@@ -24,22 +24,12 @@ class ScaleSet:
 
     @property
     def per_head(self) -> bool:
-        return any(not isinstance(s, float) for s in (*self.k, *self.v))
+        return is_per_head(self.k, self.v)
 
 
 def unit_scale_set(num_layers: int) -> ScaleSet:
     """Every scale 1.0: what a checkpoint without scales runs with."""
     return ScaleSet([1.0] * num_layers, [1.0] * num_layers, None)
-
-
-def _values(ckpt_dir: Path, files: CheckpointFiles, key: str) -> list[float] | None:
-    name = files.file_of(key)
-    if name is None or name not in files.headers or key not in files.headers[name].tensors:
-        return None
-    values = read_values(files.headers[name], key)
-    if not values:
-        raise CheckpointReadError(f"{ckpt_dir}: {key} is empty", hint=f"run `kvcalib validate {ckpt_dir}`")
-    return values
 
 
 def read_scale_set(ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_heads: int | None) -> ScaleSet:
@@ -53,12 +43,9 @@ def read_scale_set(ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_head
     for kind, heads in (("k", kv_heads), ("v", kv_heads), ("q", q_heads)):
         for layer in range(num_layers):
             key = neuron_scale_key(layer, kind)
-            values = _values(ckpt_dir, files, key)
-            if values is None:
-                if kind == "q":
-                    break
-                raise CheckpointReadError(f"{ckpt_dir}: no KV scale {key}",
-                                          hint=f"run `kvcalib validate {ckpt_dir}`; calibrate it with `kvcalib calibrate`")
+            values = read_scale_values(ckpt_dir, files, key, required=kind != "q")
+            if values is None:  # no q_scale: a KV-only checkpoint
+                break
             if len(values) != 1 and len(values) != heads:
                 raise UsageError(f"{ckpt_dir}: {key} has {len(values)} values; the model has {heads} heads",
                                  hint=f"run `kvcalib validate {ckpt_dir} --target gpu`")

@@ -56,16 +56,15 @@ class StopForward(Exception):
 
 class KVAbsmaxObserver:
     """Running absmax of K and V per decoder layer and per KV head (and of Q per query head, when
-    `queries` is set), kept on the model's device.
+    `queries` is set), kept on the device the K/V are on.
 
     Per-tensor absmax is the max over a layer's heads: max is exact, so per-head and per-tensor
     scales come from one observation. `token_mask` ([batch, seq] bool, True for real tokens) must
     be set before each forward so that padding positions never reach the statistics.
     """
 
-    def __init__(self, num_layers: int, device: torch.device | str = "cpu", queries: bool = False) -> None:
+    def __init__(self, num_layers: int, queries: bool = False) -> None:
         self.num_layers = num_layers
-        self.device = device
         self.queries = queries  # also observe Q (see observing_queries); the forward stops after the last Q
         self.k_heads: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads] float32 per layer
         self.v_heads: list[torch.Tensor | None] = [None] * num_layers
@@ -73,14 +72,6 @@ class KVAbsmaxObserver:
         self.observed = [0] * num_layers  # forward calls that reached each layer
         self.q_observed = [0] * num_layers
         self.token_mask: torch.Tensor | None = None
-
-    @property
-    def k_absmax(self) -> torch.Tensor:
-        return _per_tensor(self.k_heads, self.device)
-
-    @property
-    def v_absmax(self) -> torch.Tensor:
-        return _per_tensor(self.v_heads, self.device)
 
     def _check_layer(self, layer_idx: Any) -> None:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
@@ -123,12 +114,6 @@ class KVAbsmaxObserver:
         self.q_observed[layer_idx] += 1
         if layer_idx == self.num_layers - 1:
             raise StopForward
-
-
-def _per_tensor(heads: list[torch.Tensor | None], device: torch.device | str) -> torch.Tensor:
-    """[num_layers] float32: each layer's max over its heads (0 for a layer never observed)."""
-    values = [h.max() if h is not None else torch.zeros((), device=device) for h in heads]
-    return torch.stack(values).to(device) if values else torch.zeros(0, device=device)
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from kvcalib.core.errors import (
     UsageError,
 )
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import INDEX_FILENAME, is_kv_scale_key
+from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key
 
 __all__ = [
     "DTYPES", "MXFP4_HINT", "MXFP4_REFUSAL", "PreparedRun", "RunOptions", "check_index_files", "check_loading_info", "dequantize_mxfp4", "faithful_attention",
@@ -174,7 +174,8 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
         groups = qcfg.get("config_groups") if isinstance(qcfg, dict) else None
         if "mxfp4" in method:
             raise UnsupportedModelError(MXFP4_REFUSAL.format(model_dir=model_dir), hint=MXFP4_HINT)
-        if method != "compressed-tensors" or (groups and not _attention_only(groups)):
+        # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
+        if method != "compressed-tensors" or (groups and len(fp8_attention_groups(groups)) != len(groups)):
             raise UnsupportedModelError(
                 f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
                 f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
@@ -191,17 +192,6 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
     if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
         raise UnsupportedModelError(f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
                                     hint="a decoder needs at least one layer; restore config.json from the original")
-
-
-def _attention_only(groups: Any) -> bool:
-    """Every config group is FP8 attention (input activations of ...Attention targets, nothing else): the
-    weights are unquantised, as after `kvcalib calibrate --attention-scales`."""
-    return isinstance(groups, dict) and all(
-        isinstance(g, dict) and not g.get("weights") and not g.get("output_activations")
-        and isinstance(g.get("targets"), list) and bool(g["targets"])
-        and all(isinstance(t, str) and t.endswith("Attention") for t in g["targets"])
-        for g in groups.values()
-    )
 
 
 def _refuse_special_files(model_dir: Path) -> None:

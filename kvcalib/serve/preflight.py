@@ -27,7 +27,7 @@ from kvcalib.core.errors import (
     VllmNotFoundError,
 )
 from kvcalib.core.fp8 import TARGETS
-from kvcalib.core.schema import NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME
+from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME
 from kvcalib.serve.cuda import check_cuda
 from kvcalib.serve.neuron import detect_neuron_host, require_family
 from kvcalib.validate.pipeline import validate_checkpoint
@@ -178,7 +178,7 @@ class Environment:
 
 def check_strategy(strategy: Any, device: str) -> None:
     """Per-head KV scales (strategy attn_head) serve on GPU vLLM's FlashAttention only: refused elsewhere."""
-    if strategy != "attn_head" or device == "cuda":
+    if strategy != ATTN_HEAD or device == "cuda":
         return
     why = (NEURON_PER_HEAD_REASON if device in NEURON_DEVICES else
            "vLLM reads per-head KV scales on its FlashAttention backend only, and its CPU backend refuses them")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from kvcalib.core.schema import NEURON_PER_HEAD_REASON
+from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = [
@@ -335,7 +335,7 @@ def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
             location,
         ))
     strategy = str(getattr(args.strategy, "value", args.strategy))
-    if strategy == "attn_head" and args.dynamic is False:
+    if strategy == ATTN_HEAD and args.dynamic is False:
         findings.append(Finding(
             "PORT-KV-SCHEME-STRATEGY",
             INFO if target == "gpu" else ERROR,

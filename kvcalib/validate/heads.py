@@ -22,6 +22,7 @@ from typing import Any
 from kvcalib.core import checkpoint
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.schema import (
+    ATTN_HEAD,
     NEURON_ALT_LAYERS_PREFIX,
     NEURON_LAYERS_PREFIX,
     head_counts,
@@ -33,7 +34,6 @@ from kvcalib.validate.report import ERROR, INFO, WARNING, Finding
 
 __all__ = ["attention_group_findings", "per_head_findings", "query_findings"]
 
-ATTN_HEAD = "attn_head"
 _QCFG = "config.json:quantization_config"
 
 

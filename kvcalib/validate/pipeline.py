@@ -79,6 +79,7 @@ from pathlib import Path
 from kvcalib.core.checkpoint import read_config
 from kvcalib.core.errors import UnknownTargetError
 from kvcalib.core.fp8 import get_target
+from kvcalib.core.schema import ATTN_HEAD
 from kvcalib.validate.config import (
     declared_kv_cache_scheme,
     llama_gate,
@@ -86,7 +87,7 @@ from kvcalib.validate.config import (
     portability_findings,
 )
 from kvcalib.validate.files import scan_for_validation
-from kvcalib.validate.heads import ATTN_HEAD, attention_group_findings, query_findings
+from kvcalib.validate.heads import attention_group_findings, query_findings
 from kvcalib.validate.report import Finding, ValidationReport
 from kvcalib.validate.scales import range_findings, scale_findings
 

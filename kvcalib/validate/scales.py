@@ -23,6 +23,7 @@ from kvcalib.core.fp8 import (
     implied_fp8_max,
 )
 from kvcalib.core.schema import (
+    ATTN_HEAD,
     KV_KINDS,
     NEURON_ALT_LAYERS_PREFIX,
     NEURON_LAYERS_PREFIX,
@@ -36,7 +37,7 @@ from kvcalib.core.schema import (
 )
 from kvcalib.validate.config import declared_kv_cache_scheme
 from kvcalib.validate.files import CheckpointScan
-from kvcalib.validate.heads import ATTN_HEAD, per_head_findings
+from kvcalib.validate.heads import per_head_findings
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = ["ScaleCheck", "range_findings", "scale_findings"]
