@@ -142,6 +142,7 @@ class ServerRun:
     completions: tuple[Completion, ...]
     nll: float
     agreements: tuple[float | None, ...] | None = None
+    pid: int | None = None  # the server's process id: it leads its own session and process group
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class ServeCheckResult:
     canary: CanaryResult | None = None
     unit: ServerRun | None = None  # every scale 1.0 (cpu, with the canary)
     prediction: Prediction | None = None
+    server_pids: Mapping[str, int] = field(default_factory=dict)  # name -> pid: each server's session and group
 
     @property
     def served_delta_nll(self) -> float | None:
@@ -210,6 +212,7 @@ class ServeCheckResult:
             "delta_nll": {"served": self.served_delta_nll,
                           "predicted": self.prediction.delta_nll if self.prediction else None},
             "variants": self.variants(),
+            "server_pids": dict(self.server_pids),
         }
 
 
@@ -242,7 +245,7 @@ def _run_server(name: str, checkpoint: Path, options: ServeOptions, pre: Preflig
             progress(ServeEvent("stop", name))
     finally:
         progress(ServeEvent("stopped", name))
-    return ServerRun(command, str(log_path), ready_s, *run)
+    return ServerRun(command, str(log_path), ready_s, *run, pid=server.pid)
 
 
 def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOptions, prompts: Sequence[Prompt],
@@ -344,14 +347,14 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     fp8 = _run_server("fp8", checkpoint, options, pre, log_dir, prompts,
                       baseline.completions if baseline else None, emit)
     results, failures, agreement = judge(prompts, fp8, baseline)
-    canary, unit = None, None
+    canary, unit, canary_run = None, None, None
     if canary_dir is not None:
         reference = (baseline or fp8).completions
         if options.device == "cpu":  # cheap here: the table shows calibrated vs 1.0 vs broken
             unit_dir = make_variant(checkpoint, log_dir / "variants" / "scales-1.0", value=1.0)
             unit = _run_server("unit", unit_dir, options, pre, log_dir, prompts, reference, emit)
-        run = _run_server("canary", canary_dir, options, pre, log_dir, prompts, reference, emit)
-        canary = judge_canary(fp8 if baseline else _self_agreement(fp8), run, 1 / CANARY_DIVISOR,
+        canary_run = _run_server("canary", canary_dir, options, pre, log_dir, prompts, reference, emit)
+        canary = judge_canary(fp8 if baseline else _self_agreement(fp8), canary_run, 1 / CANARY_DIVISOR,
                               options.device, pre.vllm_version)
         if not canary.ok:
             failures.append(canary.reason)
@@ -363,6 +366,8 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
         vllm_version=pre.vllm_version, baseline_ready_s=baseline.ready_s if baseline else None,
         baseline_command=baseline.command if baseline else None, baseline_log=baseline.log if baseline else None,
         canary=canary, unit=unit, prediction=prediction,
+        server_pids={name: r.pid for name, r in (("baseline", baseline), ("fp8", fp8), ("unit", unit),
+                                                 ("canary", canary_run)) if r is not None and r.pid is not None},
     )
 
 

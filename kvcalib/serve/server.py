@@ -192,6 +192,11 @@ class VllmServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, which is also its session and process group id (start_new_session)."""
+        return None if self.process is None else self.process.pid
+
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 

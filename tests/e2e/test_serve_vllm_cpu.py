@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
-from serve_helpers import assert_nothing_left, vllm_processes
+from serve_helpers import assert_nothing_left, assert_sessions_gone
 from typer.testing import CliRunner
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
@@ -58,13 +57,14 @@ def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
     return dst
 
 
-def no_leftovers(log_dir: Path, home: Path, before: set, stderr: str) -> None:
+def no_leftovers(log_dir: Path, home: Path, payload: dict, stderr: str) -> None:
+    """Nothing of the servers this serve-check started is left: no process in their sessions (the renamed
+    VLLM::EngineCore / VLLM::Worker too), none mentioning the log directory, no port still listening.
+    Only what the run itself started is followed: other vLLM work on the host is none of its business."""
     assert "Traceback" not in stderr, stderr
+    assert payload["server_pids"], payload  # every server that ran is reported
+    assert_sessions_gone(payload["server_pids"].values())
     assert_nothing_left(str(log_dir), stderr)
-    deadline = time.monotonic() + 10
-    while vllm_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert vllm_processes() - before == set()  # no VLLM::EngineCore / VLLM::Worker either
     assert sorted(p.name for p in home.iterdir()) == []
 
 
@@ -72,11 +72,11 @@ def serve_check(ckpt: Path, home: Path, monkeypatch, *extra: str) -> tuple[int, 
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))  # nothing may land in the home directory
     log_dir = ckpt.parent / f"logs-{ckpt.name}"
-    before = vllm_processes()
     result = runner.invoke(app, ["serve-check", str(ckpt), "--device", "cpu", "--vllm-python", VLLM_PYTHON,
                                  "--log-dir", str(log_dir), "--startup-timeout", "600", "--json", *extra])
-    no_leftovers(log_dir, home, before, result.stderr)
-    return result.exit_code, json.loads(result.stdout), result.stderr
+    payload = json.loads(result.stdout)
+    no_leftovers(log_dir, home, payload, result.stderr)
+    return result.exit_code, payload, result.stderr
 
 
 def test_calibrate_then_serve_check_on_vllm_cpu(smollm2, text_dataset, tmp_path, monkeypatch):
@@ -85,14 +85,14 @@ def test_calibrate_then_serve_check_on_vllm_cpu(smollm2, text_dataset, tmp_path,
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))  # the servers write nothing there; the datasets cache goes elsewhere:
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
-    before = vllm_processes()
     result = runner.invoke(app, ["calibrate", str(smollm2), "--dataset", str(text_dataset), "-o", str(out),
                                  "--target", "trn2", "--num-samples", "16", "--max-seq-len", "256",
                                  "--serve-check", "cpu", "--vllm-python", VLLM_PYTHON, "--log-dir", str(log_dir),
                                  "--startup-timeout", "600", "--json"])
-    no_leftovers(log_dir, home, before, result.stderr)
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)["serve_check"]
+    no_leftovers(log_dir, home, payload, result.stderr)
+    assert set(payload["server_pids"]) == {"baseline", "fp8", "unit", "canary"}
     assert payload["ok"] and payload["vllm"] == "vllm-cpu 0.32.0" and payload["fp8_max"] == 240.0
     assert payload["agreement"] >= 0.8 and payload["nll"]["fp8"] <= payload["nll"]["baseline"] * 1.1
     assert payload["nll"]["fp8"] != payload["nll"]["baseline"]  # FP8 KV really was on, and only in one server

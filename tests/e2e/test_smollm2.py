@@ -40,13 +40,44 @@ def test_smollm2_scales_equal_absmax_from_transformers_cache(smollm2, text_datas
         assert_scale_sized(scales[neuron_scale_key(i, "v")].item(), v[i].item(), "trn2")
 
 
+def _batch_vs_one(one, batched) -> list[float]:
+    return [abs(b - a) / a for x, y in zip(one.layers, batched.layers)
+            for a, b in ((x.k_absmax, y.k_absmax), (x.v_absmax, y.v_absmax))]
+
+
+def test_smollm2_batching_is_exact_to_float32_rounding(smollm2, text_dataset, tmp_path):
+    """Batching and right padding change no token's K/V: in float32 the absmax agrees to a few float32 ulps.
+
+    Not bit for bit: a GEMM over 6 rows blocks its sums differently from one over 1 row. Measured
+    (6 x 128 tokens, batch 6 against batch 1): at most 2.9e-7 relative (2-3 ulps), 58-59 of 60 values
+    equal, under ATen's AVX2 and default kernels and oneDNN restricted to SSE4.1. The bound, 2^-16, is
+    50x that; a padding token leaking into the statistics or a shifted rotary phase moves values by
+    percent.
+    """
+    opts = dict(OPTS, dtype="float32")
+    one = calibrate(smollm2, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=1, **opts))
+    batched = calibrate(smollm2, str(text_dataset), tmp_path / "six", CalibrateOptions(batch_size=6, **opts))
+    diffs = _batch_vs_one(one, batched)
+    print(f"float32 batch 6 vs 1: largest {max(diffs):.3g}, {sum(d == 0 for d in diffs)} of {len(diffs)} equal")
+    assert max(diffs) <= 2**-16
+
+
 def test_smollm2_batched_matches_one_by_one(smollm2, text_dataset, smol_calibrated, tmp_path):
+    """In bf16 the kernels themselves decide: a bf16 matmul over 6 rows rounds differently from one over 1.
+
+    Measured, batch 6 against batch 1 on 6 x 128 tokens: up to 0.67% on AVX2 (58 of 60 values equal),
+    1.5% (two bf16 steps, 4.09375 against 4.15625) on Intel AMX; two native bf16 kernels differ from each
+    other by up to 1.7% on SmolLM2 (test_smollm2_float32_path_stays_within_bf16_noise_of_native_bf16).
+    So: within 2^-5 (3.1%), and nine values in ten within 2^-6. What batching must not change is exact
+    in float32 (test_smollm2_batching_is_exact_to_float32_rounding).
+    """
     _, one = smol_calibrated
     batched = calibrate(smollm2, str(text_dataset), tmp_path / "b", CalibrateOptions(batch_size=6, **OPTS))
-    # bf16 matmuls over differently shaped batches may round differently: within one bf16 step.
-    for a, b in zip(one.layers, batched.layers):
-        assert b.k_absmax == pytest.approx(a.k_absmax, rel=2**-7)
-        assert b.v_absmax == pytest.approx(a.v_absmax, rel=2**-7)
+    diffs = _batch_vs_one(one, batched)
+    print(f"bf16 batch 6 vs 1: largest {max(diffs):.2%}, {sum(d > 2**-6 for d in diffs)} of {len(diffs)} "
+          f"beyond 2^-6, {sum(d == 0 for d in diffs)} equal ({batched.compute})")
+    assert max(diffs) <= 2**-5
+    assert sum(d <= 2**-6 for d in diffs) >= 0.9 * len(diffs)
 
 
 def test_smollm2_checkpoint_is_valid_and_reloads(smollm2, smol_calibrated):

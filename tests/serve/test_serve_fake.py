@@ -19,9 +19,11 @@ import pytest
 from serve_helpers import (
     FAKE_BIN,
     assert_nothing_left,
+    assert_sessions_gone,
     fake_python,
     processes_mentioning,
     serve,
+    session_members,
 )
 from typer.testing import CliRunner
 
@@ -49,6 +51,34 @@ def test_cpu_passes_with_the_platform_flags_and_a_baseline(ckpt, cpu_python):
     assert f"fp8 server: {fp8}" in result.stderr and "PASSED" in result.stderr
     assert Path(payload["log"]).read_text().count("Starting vLLM API server") == 1
     assert_nothing_left(str(ckpt), result.stderr)
+
+
+@pytest.fixture
+def vllm_dummy():
+    """An unrelated process named like vLLM (another user's server, a second CI job): never ours to count."""
+    proc = subprocess.Popen(["bash", "-c", "exec -a vllm-dummy sleep 600"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_leftovers_are_the_servers_own_sessions_not_the_hosts_vllm_processes(ckpt, cpu_python, vllm_dummy):
+    result = serve(ckpt, cpu_python, "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.stderr
+    pids = json.loads(result.stdout)["server_pids"]
+    assert set(pids) == {"baseline", "fp8", "unit", "canary"} and len(set(pids.values())) == 4
+    assert_sessions_gone(pids.values())  # each server and its engine-core child
+    assert vllm_dummy.poll() is None and session_members(pids.values()) == set()
+    # the check sees what a server leaves in its session, and nothing outside it
+    leftover = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        assert {pid for pid, _ in session_members([leftover.pid])} == {leftover.pid}
+        assert session_members([vllm_dummy.pid]) == set()  # it leads no session or group of its own
+        with pytest.raises(AssertionError, match="left behind"):
+            assert_sessions_gone([leftover.pid], timeout_s=0.5)
+    finally:
+        leftover.kill()
+        leftover.wait()
 
 
 def test_trn2_uses_every_neuroncore_no_eager_and_no_baseline(ckpt, neuron_env, monkeypatch):
@@ -100,6 +130,10 @@ def test_a_server_that_ignores_sigterm_is_killed(ckpt, cpu_python, monkeypatch):
     result = serve(ckpt, cpu_python, "--device", "cpu", "--no-baseline", "--startup-timeout", "2",
                    env={"FAKE_VLLM_MODE": "hang", "FAKE_VLLM_IGNORE_SIGTERM": "1"}, monkeypatch=monkeypatch)
     assert result.exit_code == 4 and "was not healthy after 2 s" in result.stderr
+    # SIGTERM first (the server logged that it ignored it), SIGKILL only after the whole grace: a lower
+    # bound the code guarantees by construction (it waits the grace out), which a loaded machine can only
+    # lengthen; no upper bound is asserted.
+    assert "SIGTERM received and ignored" in (ckpt.parent / "logs" / "vllm-fp8.log").read_text()
     assert time.monotonic() - started >= 2 + 5 - 0.5  # the startup timeout, then the whole SIGTERM grace
     assert_nothing_left(str(ckpt), result.stderr)
 

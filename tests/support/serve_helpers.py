@@ -7,6 +7,7 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 FAKES = Path(__file__).resolve().parent / "fakes"
@@ -47,7 +48,7 @@ def processes_mentioning(marker: str) -> list[tuple[int, str]]:
 
     The environment also catches children that keep it, such as multiprocessing's resource
     tracker. vLLM's engine core and workers rename themselves (VLLM::EngineCore), which overwrites
-    both: `vllm_processes` finds those.
+    both: `session_members` finds those, by the sessions serve-check's servers lead.
     """
     found = []
     for entry in Path("/proc").iterdir():
@@ -64,28 +65,32 @@ def processes_mentioning(marker: str) -> list[tuple[int, str]]:
     return found
 
 
-def vllm_processes() -> set[tuple[int, str]]:
-    """Live processes with "vllm" in their command line (VLLM::EngineCore, .venv-vllm/bin/python, ...),
-    this test process and its ancestors excepted."""
-    mine, pid = set(), os.getpid()
-    while pid > 1:
-        mine.add(pid)
-        try:
-            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
+def session_members(leaders: Iterable[int]) -> set[tuple[int, str]]:
+    """Live processes in the sessions or process groups that `leaders` lead: everything a server that
+    serve-check started (start_new_session: pid == session == group) left behind, vLLM's renamed
+    VLLM::EngineCore and workers included. Processes of anyone else on the host never count."""
+    wanted = {str(pid) for pid in leaders}
     found = set()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in mine:
+        if not entry.name.isdigit():
             continue
         try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if "vllm" in cmdline.lower() and state not in ("Z", "X"):
+        if fields[0] not in ("Z", "X") and (fields[2] in wanted or fields[3] in wanted):
             found.add((int(entry.name), cmdline))
     return found
+
+
+def assert_sessions_gone(leaders: Iterable[int], timeout_s: float = 10.0) -> None:
+    """Nothing is left of the servers whose pids serve-check reported (waits for the kernel to reap)."""
+    leaders = list(leaders)
+    deadline = time.monotonic() + timeout_s
+    while session_members(leaders) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert session_members(leaders) == set(), f"left behind by the servers {leaders}"
 
 
 def listening(port: int) -> bool:

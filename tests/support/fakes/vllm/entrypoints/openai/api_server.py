@@ -315,7 +315,10 @@ def main() -> None:
         child.wait()
         sys.exit(0)
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_VLLM_IGNORE_SIGTERM") else shutdown)
+    def ignore(signum, frame) -> None:
+        log("SIGTERM received and ignored")
+
+    signal.signal(signal.SIGTERM, ignore if os.environ.get("FAKE_VLLM_IGNORE_SIGTERM") else shutdown)
     if fp8 and MODE == "crash":
         time.sleep(0.3)
         fail("IndexError", "slice() cannot be applied to a 0-dim tensor.")
