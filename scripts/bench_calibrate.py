@@ -8,6 +8,7 @@ One run, three fresh processes in turn, on the same model, samples, dtype and th
   (b) oneshot    llm-compressor's `oneshot(model=MODEL, recipe=recipes/kv-fp8-trn2.yaml,
                  dataset=<the same token ids>, output_dir=OUT)`, end to end, as a user runs it
                  (its defaults: batch size 1, sequential pipeline; it saves the model)
+  (d) absmax     (a) with --scale-objective absmax: a/d is what the attention objective's search costs
   (c) forward    the floor: a process that imports torch and transformers, reads the same
                  samples through the same selection, loads the model and runs one full
                  `AutoModelForCausalLM` forward (every layer and the LM head, no KV cache,
@@ -18,12 +19,12 @@ All three read the samples with kvcalib.data.load_calibration_data (the first N 
 shuffled with seed 42, truncated to --max-seq-len). Each process gets OMP_NUM_THREADS and
 MKL_NUM_THREADS = --threads. Wall time is measured around the process; CPU time (user +
 system) and peak RSS are the child's own rusage from wait4. With --reps, a, b and c take
-turns and the medians are printed. Prints the ratios a/b (target <= 0.5) and a/c (target
-<= 0.9). On a shared machine wall time swings with the other load; CPU time swings less.
+turns and the medians are printed. Prints the ratios a/b (target <= 0.5), a/c (target
+<= 0.9) and a/d (the search, target <= 1.25). On a shared machine wall time swings with the other load; CPU time swings less.
 Timing is for reading: nothing is asserted.
 
     python scripts/bench_calibrate.py [--model DIR] [--dataset FILE] [--num-samples 64]
-        [--max-seq-len 512] [--dtype auto] [--threads 1] [--batch-size 4] [--reps 1]
+        [--max-seq-len 512] [--dtype auto] [--threads 1] [--batch-size 4] [--reps 1] [--skip-oneshot]
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4, help="kvcalib's and the forward's batch size")
-    parser.add_argument("--reps", type=int, default=1, help="runs of each (a, b, c in turn); medians are printed")
+    parser.add_argument("--reps", type=int, default=1, help="runs of each (a, b, d, c in turn); medians are printed")
+    parser.add_argument("--skip-oneshot", action="store_true", help="leave out (b), llm-compressor's oneshot")
     parser.add_argument("--child", choices=["oneshot", "forward"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -147,35 +149,46 @@ def main() -> None:
         common = ["--num-samples", str(args.num_samples), "--max-seq-len", str(args.max_seq_len), "--dtype", args.dtype]
         child = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--dataset", args.dataset,
                  "--batch-size", str(args.batch_size), *common, "--child"]
-        runs: dict[str, list[tuple[float, float, float]]] = {"a": [], "b": [], "c": []}
+        keys = "adc" if args.skip_oneshot else "abdc"
+        runs: dict[str, list[tuple[float, float, float]]] = {key: [] for key in keys}
         info: dict = {}
+        kvcalib = [sys.executable, "-m", "kvcalib", "calibrate", args.model, "--dataset", args.dataset,
+                   "--batch-size", str(args.batch_size), *common, "--json"]
         for rep in range(args.reps):
             out = work / f"rep{rep}"
-            *measured, stdout = run_measured(
-                [sys.executable, "-m", "kvcalib", "calibrate", args.model, "--dataset", args.dataset,
-                 "-o", str(out / "kvcalib"), "--batch-size", str(args.batch_size), *common, "--json"], env)
+            *measured, stdout = run_measured([*kvcalib, "-o", str(out / "kvcalib")], env)
             runs["a"].append(tuple(measured))
             info = json.loads(stdout)
-            *measured, _ = run_measured([*child, "oneshot", "--out", str(out / "oneshot")], env)
-            runs["b"].append(tuple(measured))
+            if not args.skip_oneshot:
+                *measured, _ = run_measured([*child, "oneshot", "--out", str(out / "oneshot")], env)
+                runs["b"].append(tuple(measured))
+            *measured, _ = run_measured([*kvcalib, "-o", str(out / "absmax"), "--scale-objective", "absmax"], env)
+            runs["d"].append(tuple(measured))
             *measured, _ = run_measured([*child, "forward"], env)
             runs["c"].append(tuple(measured))
             print(f"run {rep + 1}/{args.reps}: " + "   ".join(
-                f"{key} {runs[key][-1][0]:.1f} s wall, {runs[key][-1][1]:.1f} s CPU" for key in "abc"), flush=True)
+                f"{key} {runs[key][-1][0]:.1f} s wall, {runs[key][-1][1]:.1f} s CPU" for key in keys), flush=True)
 
     med = {k: tuple(statistics.median(run[i] for run in v) for i in range(3)) for k, v in runs.items()}
     print(f"model {args.model}: {info['num_samples']} samples, {info['num_tokens']:,} tokens "
           f"(max {args.max_seq_len}/sample), dtype {args.dtype}, {args.threads} thread(s), "
           f"kvcalib batch {args.batch_size}, median of {args.reps} run(s)")
-    labels = {"a": "(a) kvcalib calibrate", "b": "(b) llm-compressor oneshot", "c": "(c) full forward (floor)"}
+    labels = {"a": "(a) kvcalib calibrate", "b": "(b) llm-compressor oneshot",
+              "d": "(d) kvcalib, absmax objective", "c": "(c) full forward (floor)"}
     print(f"{'':30s} {'wall s':>8s} {'CPU s':>8s} {'peak RSS MiB':>13s}")
     for key, label in labels.items():
-        print(f"{label:30s} {med[key][0]:8.1f} {med[key][1]:8.1f} {med[key][2]:13.0f}")
-    print(f"kvcalib observing: {info['tokens_per_s']:,.0f} tok/s, {info['seconds']:.1f} s inside calibrate()")
-    ratio = {i: (med["a"][i] / med["b"][i], med["a"][i] / med["c"][i]) for i in range(3)}
-    print(f"wall a/b = {ratio[0][0]:.2f} (target <= 0.5)   wall a/c = {ratio[0][1]:.2f} (target <= 0.9)")
-    print(f"CPU  a/b = {ratio[1][0]:.2f}   CPU  a/c = {ratio[1][1]:.2f}   "
-          f"peak RSS a/b = {ratio[2][0]:.2f}, a/c = {ratio[2][1]:.2f}")
+        if key in med:
+            print(f"{label:30s} {med[key][0]:8.1f} {med[key][1]:8.1f} {med[key][2]:13.0f}")
+    print(f"kvcalib observing: {info['tokens_per_s']:,.0f} tok/s, {info['seconds']:.1f} s inside calibrate(), "
+          f"{info['objective_seconds']:.1f} s of it the scale objective's search")
+    if "b" in med:
+        ratio = {i: med["a"][i] / med["b"][i] for i in range(3)}
+        print(f"wall a/b = {ratio[0]:.2f} (target <= 0.5)   CPU a/b = {ratio[1]:.2f}   peak RSS a/b = {ratio[2]:.2f}")
+    ratio = {i: (med["a"][i] / med["c"][i], med["d"][i] / med["c"][i], med["a"][i] / med["d"][i]) for i in range(3)}
+    print(f"wall a/c = {ratio[0][0]:.2f} (target <= 0.9)   wall d/c = {ratio[0][1]:.2f}   "
+          f"search cost a/d = {ratio[0][2]:.2f} (target <= 1.25)")
+    print(f"CPU  a/c = {ratio[1][0]:.2f}   CPU  d/c = {ratio[1][1]:.2f}   CPU  a/d = {ratio[1][2]:.2f}   "
+          f"peak RSS a/c = {ratio[2][0]:.2f}, a/d = {ratio[2][2]:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ would; the batches (whole batches, never single samples) are dealt out so each r
 about the same number of padded tokens. Each rank runs the chosen engine on its share, then
 one all_gather of a status (did this rank fail, and why) and two all_reduces (absmax: MAX,
 forward counts: SUM) combine the results. The max of the same values is the same number in
-any order, so the scales equal one process's bit for bit. Only rank 0 writes the checkpoint.
+any order, so the scales equal one process's bit for bit. The scale objective's terms are then
+gathered and summed exactly (math.fsum), so its choice is one process's too. Only rank 0 writes
+the checkpoint.
 
 Failures: a rank whose engine raises still joins the status exchange, so no rank waits on
 it; every rank then raises (rank 0 with the failing ranks' messages). A rank that dies
@@ -59,9 +61,12 @@ def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_
     return [tuple(share) for share in shares]
 
 
-def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: EngineInputs,
-                         ranks: Ranks) -> Observation:
-    """Run `engine` on this rank's share of the batches and combine every rank's observation."""
+def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: EngineInputs, ranks: Ranks,
+                         finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any] | None = None
+                         ) -> tuple[Observation, Any]:
+    """Run `engine` on this rank's share of the batches and combine every rank's observation; then
+    `finish(observation, gather)` (the scale objective) while the processes are still together, where
+    `gather(local_list)` returns every rank's lists concatenated in rank order."""
     share = batch_shares(inputs.data.sequences, inputs.options.batch_size, ranks.world_size, inputs.pad_id)[ranks.rank]
     local_inputs = dataclasses.replace(inputs, data=dataclasses.replace(inputs.data, sequences=share))
     with _process_group(ranks, inputs.device) as collective_device:
@@ -85,7 +90,8 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
                 f"{len(failed)} of {ranks.world_size} processes failed during calibration ({detail}); nothing was written",
                 hint="fix what the failing rank reports and run again",
             )
-        return _reduce(observation, collective_device)
+        reduced = _reduce(observation, collective_device)
+        return reduced, finish(reduced, _gather_lists) if finish is not None else None
 
 
 @contextmanager
@@ -117,6 +123,14 @@ def _gather_statuses(failure: BaseException | None, world_size: int) -> list[str
     statuses: list[str | None] = [None] * world_size
     dist.all_gather_object(statuses, status)
     return statuses
+
+
+def _gather_lists(local: list[Any]) -> list[Any]:
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    return [item for part in everyone for item in part]
 
 
 def _reduce(local: Observation, device: torch.device) -> Observation:

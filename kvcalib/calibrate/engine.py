@@ -19,6 +19,7 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.progress import ProgressCallback
 from kvcalib.hf.data import CalibrationData
+from kvcalib.hf.samples import AttentionSample, AttentionSampler
 
 __all__ = ["Engine", "EngineInputs", "Observation"]
 
@@ -36,6 +37,11 @@ class EngineInputs:
     notify: ProgressCallback
     compute: ComputePath = ComputePath(NATIVE, "not chosen")
     memory: MemoryLimit | None = None  # this host's memory limit (the stream engine sizes its spill by it)
+    sample_sequences: frozenset[tuple[int, ...]] = frozenset()  # the scale objective's sequences (none: absmax)
+
+    def sampler(self, num_layers: int) -> AttentionSampler | None:
+        """What keeps the scale objective's attention samples (None when the objective needs none)."""
+        return AttentionSampler(num_layers, self.sample_sequences) if self.sample_sequences else None
 
     @property
     def model_dir(self) -> Path:
@@ -59,6 +65,7 @@ class Observation:
     q_heads: tuple[torch.Tensor, ...] = ()  # per layer: [attention heads]; () when Q was not observed
     q_observed: tuple[int, ...] = ()
     attention_classes: tuple[str, ...] = ()  # the attention modules' class names (FP8-attention config targets)
+    samples: tuple[tuple[AttentionSample, ...], ...] = ()  # per layer: the scale objective's (this rank's)
 
     @property
     def k_absmax(self) -> torch.Tensor:
@@ -82,6 +89,7 @@ class Observation:
             q_heads=heads(observer.q_heads) if observer.queries else (),
             q_observed=tuple(observer.q_observed) if observer.queries else (),
             attention_classes=tuple(sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})),
+            samples=tuple(tuple(layer) for layer in observer.sampler.samples) if observer.sampler is not None else (),
         )
 
 

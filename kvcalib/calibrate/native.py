@@ -6,6 +6,7 @@ cache it writes them to (kvcalib.hf.attention.RecordingCache).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -20,8 +21,9 @@ from kvcalib.hf.attention import (
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import CalibrationData, batches
 from kvcalib.hf.model import faithful_attention, load_model, num_layers
+from kvcalib.hf.samples import AttentionSample
 
-__all__ = ["native_engine", "observe_all"]
+__all__ = ["native_engine", "observe_all", "sample_attention"]
 
 
 def native_engine(inputs: EngineInputs) -> Observation:
@@ -31,7 +33,7 @@ def native_engine(inputs: EngineInputs) -> Observation:
                           attn_implementation=faithful_attention(inputs.config))
     layers = num_layers(hf_model)
     attn_paths = attention_modules(hf_model, layers, inputs.model_dir)
-    observer = KVAbsmaxObserver(layers, queries=inputs.options.attention_scales)
+    observer = KVAbsmaxObserver(layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(layers))
     started = time.perf_counter()
     with compute_path(inputs.compute):
         observe_all(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device,
@@ -51,3 +53,18 @@ def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: Calibr
         done_samples += input_ids.shape[0]
         done_tokens += int(mask.sum())
         notify(Progress("observe", done_samples, total_samples, done_tokens, total_tokens))
+
+
+def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:
+    """The scale objective's samples alone, for an engine that cannot take them (llm-compressor's oneshot):
+    the model in memory once more, through the sampled sequences only."""
+    hf_model = load_model(inputs.model_dir, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
+                          attn_implementation=faithful_attention(inputs.config))
+    layers = num_layers(hf_model)
+    observer = KVAbsmaxObserver(layers, sampler=inputs.sampler(layers))
+    data = dataclasses.replace(inputs.data, sequences=tuple(s for s in inputs.data.sequences
+                                                            if s in inputs.sample_sequences))
+    with compute_path(inputs.compute):
+        observe_all(hf_model, observer, data, inputs.options.batch_size, inputs.pad_id, inputs.device,
+                    lambda progress: None)
+    return tuple(tuple(layer) for layer in observer.sampler.samples)

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvcalib.calibrate.memory import MemoryLimit
 from kvcalib.calibrate.ranks import Ranks
-from kvcalib.core.errors import check_at_least
+from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.hf.model import RunOptions
 
 __all__ = ["CalibrateOptions", "CalibrationResult", "LayerScales"]
@@ -25,6 +25,7 @@ class CalibrateOptions(RunOptions):
     recipe: str | None = None  # an llm-compressor recipe whose kv_cache_scheme to use (calibrate.recipe)
     strategy: str | None = None  # "tensor" or "attn_head" (per KV head; gpu only); None: the recipe's, else tensor
     attention_scales: bool = False  # also observe Q and write q_scale + the FP8-attention config group
+    scale_objective: str = "attention"  # "attention" (kvcalib.calibrate.objective) or "absmax" (never clip)
     extra_provenance: dict[str, Any] = field(default_factory=dict)
     ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
     # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
@@ -36,6 +37,10 @@ class CalibrateOptions(RunOptions):
         check_at_least("--num-samples", self.num_samples, 1, what="rows of the dataset to calibrate on")
         check_at_least("--max-seq-len", self.max_seq_len, 1, what="tokens per sample")
         check_at_least("--batch-size", self.batch_size, 1, what="sequences per forward pass")
+        if self.scale_objective not in ("attention", "absmax"):
+            raise UsageError(f"unknown --scale-objective {self.scale_objective!r}",
+                             hint="use attention (the default: the scales that keep attention right) or absmax "
+                                  "(absmax / fp8_max, never clipping, as llm-compressor sizes them)")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,10 @@ class LayerScales:
     q_key: str | None = None
     q_head_absmax: tuple[float, ...] | None = None
     q_head_scales: tuple[float, ...] | None = None
+    k_range: float | None = None  # |K| the scale maps to the FP8 max (absmax unless the objective clips)
+    v_range: float | None = None
+    k_choice: dict[str, Any] | None = None  # the scale objective's choice and what the alternatives cost
+    v_choice: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
@@ -78,6 +87,8 @@ class CalibrationResult:
     warnings: tuple[str, ...] = ()
     validation: dict[str, Any] | None = None
     compute: str = ""  # the compute path (core.cpu.ComputePath.describe())
+    scale_objective: str = "absmax"
+    objective_seconds: float = 0.0  # the scale objective's search, after observing
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,6 +105,8 @@ class CalibrationResult:
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 1),
             "compute": self.compute,
+            "scale_objective": self.scale_objective,
+            "objective_seconds": round(self.objective_seconds, 3),
             "layers": [layer.to_dict() for layer in self.layers],
             "warnings": list(self.warnings),
             "validation": self.validation,

@@ -21,7 +21,8 @@ from kvcalib.calibrate.distributed import observe_across_ranks
 from kvcalib.calibrate.engine import Engine, EngineInputs, Observation
 from kvcalib.calibrate.llmcompressor import llmcompressor_engine
 from kvcalib.calibrate.memory import EngineChoice, choose_engine, out_of_memory_error
-from kvcalib.calibrate.native import native_engine
+from kvcalib.calibrate.native import native_engine, sample_attention
+from kvcalib.calibrate.objective import ATTENTION, Gather, absmax_warnings, search
 from kvcalib.calibrate.options import CalibrateOptions, CalibrationResult, LayerScales
 from kvcalib.calibrate.ranks import rank_device
 from kvcalib.calibrate.recipe import RecipePlan, plan_recipe
@@ -38,8 +39,9 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import SCALES_FILENAME, kv_only_quantization_config
+from kvcalib.core.schema import ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config
 from kvcalib.hf.data import CalibrationData, load_calibration_data
+from kvcalib.hf.samples import sample_sequences
 from kvcalib.hf.model import (
     load_tokenizer,
     pad_id,
@@ -94,12 +96,17 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
         dataset, tokenizer, split=opts.split, text_column=opts.text_column,
         num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
     )
+    sampled = sample_sequences(data.sequences, opts.batch_size, pad_id(tokenizer)) \
+        if opts.scale_objective == ATTENTION else frozenset()
     inputs = EngineInputs(plan.checkpoint, data, opts, plan.dtype, plan.device, pad_id(tokenizer), notify,
-                          plan.compute, plan.engine.limit if plan.engine.limit is not None else opts.memory)
-    observation = _observe(plan, inputs)
+                          plan.compute, plan.engine.limit if plan.engine.limit is not None else opts.memory,
+                          sample_sequences=sampled)
+    observation, choices, objective_seconds = _observe(plan, inputs)
 
     layers, warnings = layer_scales(observation, plan.target, plan.checkpoint.root, plan.recipe.strategy,
-                                    queries=opts.attention_scales)
+                                    queries=opts.attention_scales, choices=choices)
+    if choices is not None:
+        warnings.extend(absmax_warnings(layers, observation.samples, plan.target))
     if plan.engine.reason:
         warnings.append(plan.engine.reason)
 
@@ -109,6 +116,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
             num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
             seconds=time.perf_counter() - started, observe_seconds=observation.seconds,
             warnings=tuple(more_warnings), validation=validation, compute=plan.compute.describe(),
+            scale_objective=opts.scale_objective, objective_seconds=objective_seconds,
         )
 
     if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
@@ -150,14 +158,34 @@ def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions
                  tuple(recovered))
 
 
-def _observe(plan: _Plan, inputs: EngineInputs) -> Observation:
+def _observe(plan: _Plan, inputs: EngineInputs) -> tuple[Observation, list | None, float]:
+    """The engine's observation, the scale objective's choices (None: absmax) and the seconds the search took."""
     engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
+    timing = [0.0]
+
+    def finish(observation: Observation, gather: Gather) -> list | None:
+        if not inputs.sample_sequences:
+            return None
+        inputs.notify(Progress("objective"))
+        started = time.perf_counter()
+        samples = observation.samples
+        if not samples:  # an engine that keeps none (llm-compressor's): rank 0 takes them in a pass of its own
+            samples = sample_attention(inputs) if ranks is None or ranks.rank == 0 \
+                else tuple(() for _ in observation.k_heads)
+        chosen = search(samples, observation.k_heads, observation.v_heads, plan.target,
+                        plan.recipe.strategy == ATTN_HEAD, gather)
+        timing[0] = time.perf_counter() - started
+        return chosen
+
     try:
         if ranks is not None and ranks.world_size > 1:
-            return observe_across_ranks(engine, inputs, ranks)
-        return engine(inputs)
+            observation, choices = observe_across_ranks(engine, inputs, ranks, finish)
+        else:
+            observation = engine(inputs)
+            choices = finish(observation, lambda local: local)
     except (MemoryError, RuntimeError) as exc:
         raise out_of_memory_error(exc, plan.options.engine, plan.device) or exc
+    return observation, choices, timing[0]
 
 
 def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales], attention_classes: tuple[str, ...]
@@ -210,7 +238,9 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
     return {
         "tool": "kvcalib",
         "kvcalib_version": __version__,
-        "scale_convention": "x = fp8 * scale; scale = absmax / fp8_max (rounded up so the chip never saturates absmax)",
+        "scale_convention": "x = fp8 * scale; scale = range / fp8_max, rounded up so the chip never saturates "
+                            "range; range = absmax, or with the attention objective the clip it chose (layers[].k_range)",
+        "scale_objective": opts.scale_objective,
         "target": target.name,
         "fp8_max": target.fp8_max,
         "scales_file": SCALES_FILENAME,

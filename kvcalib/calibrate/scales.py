@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kvcalib.calibrate.engine import Observation
+from kvcalib.calibrate.objective import Candidates, KindChoice
 from kvcalib.calibrate.options import LayerScales
 from kvcalib.core import fp8
 from kvcalib.core.errors import CalibrationError
@@ -44,8 +45,10 @@ def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
 
 
 def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, strategy: str = "tensor",
-                 queries: bool = False) -> tuple[list[LayerScales], list[str]]:
-    """Per-layer scales for `target`, with per-head values when `strategy` is attn_head and Q's when `queries`."""
+                 queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None
+                 ) -> tuple[list[LayerScales], list[str]]:
+    """Per-layer scales for `target`, with per-head values when `strategy` is attn_head and Q's when `queries`:
+    absmax / fp8_max, or for K and V the scale objective's `choices` (kvcalib.calibrate.objective.search)."""
     _unobserved(observation.observed, model_dir, "were")
     if queries:
         _unobserved(observation.q_observed, model_dir, "had their Q")
@@ -64,6 +67,13 @@ def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, 
             heads = per_layer[i].float()
             head_scales = fp8.scale_from_absmax(heads, target)
             fields[f"{k}_absmax"] = float(heads.max())
+            if choices is not None and k in "kv":
+                choice, cands = choices[i][0 if k == "k" else 1], choices[i][2 if k == "k" else 3]
+                picked = choice.index * heads.numel() if len(choice.index) == 1 else choice.index
+                head_scales = torch.stack([cands.scales[c, h] for h, c in enumerate(picked)])
+                ranges = torch.stack([cands.ranges[c, h] for h, c in enumerate(picked)])
+                fields[f"{k}_range"] = float(ranges[int(head_scales.argmax())])
+                fields[f"{k}_choice"] = choice.to_dict()
             fields[f"{k}_scale"] = float(head_scales.max())  # scale_from_absmax is monotone: the max's scale
             fields[f"{k}_key"] = scale_key(observation.attention_paths[i], k)
             if per_head:

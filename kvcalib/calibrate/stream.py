@@ -76,7 +76,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     weights.check(prefix)  # every weight findable before the long work starts
     weights.load(prefix, skip=f"{prefix}{layers_name}.")
 
-    observer = KVAbsmaxObserver(n_layers, queries=inputs.options.attention_scales)
+    observer = KVAbsmaxObserver(n_layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(n_layers))
     batch_list = [(ids.to(inputs.device), mask.to(inputs.device))
                   for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)]
     started = time.perf_counter()
@@ -92,15 +92,15 @@ def stream_engine(inputs: EngineInputs) -> Observation:
             weights.load(f"{prefix}{layers_name}.{i}.")
             for b, (ids, mask) in enumerate(batch_list):
                 _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
-                observer.token_mask = mask.bool()
+                observer.start_batch(ids, mask)
                 try:
-                    with observing_queries(observer) if observer.queries else nullcontext():
+                    with observing_queries(observer) if observer.sees_attention_calls else nullcontext():
                         out = layer(states.get(b).to(inputs.device), *args, **kwargs)
                     states.put(b, out[0] if isinstance(out, tuple) else out)
                 except StopForward:  # the last layer: nothing after its K/V is needed
                     pass
                 finally:
-                    observer.token_mask = None
+                    observer.end_batch()
                 progress.step(i, b)
             layer.to("meta")  # frees the layer's weights
     return Observation.of(observer, attn_paths, time.perf_counter() - started, model)

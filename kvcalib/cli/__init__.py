@@ -172,6 +172,7 @@ def calibrate(
     strategy: str | None = typer.Option(None, "--strategy", help="tensor (one K and one V scale per layer) or attn_head (one per KV head; --target gpu only: vLLM on Neuron cannot load them). Default: the recipe's kv_cache_scheme, else tensor."),
     attention_scales: bool = typer.Option(False, "--attention-scales", help="Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet)."),
     bf16_compute: Bf16Compute = "auto",
+    scale_objective: str = typer.Option("attention", "--scale-objective", help="attention (default: per layer, the scale whose attention output is closest to the unquantised one, clipping where that helps) or absmax (absmax / FP8 max, never clipping: llm-compressor's rule)."),
     serve_device: str | None = typer.Option(None, "--serve-check", help="Then serve the new checkpoint with FP8 KV and probe it, as `kvcalib serve-check OUT --device DEVICE` does (trn2, trn3, cpu, cuda); the device and vLLM are checked before calibrating."),
     vllm_python: VllmPython = Path(sys.executable),
     tp: Tp = None,
@@ -183,8 +184,7 @@ def calibrate(
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
     import os
 
-    from kvcalib.calibrate import CalibrateOptions, Ranks
-    from kvcalib.calibrate import calibrate as run_calibrate
+    from kvcalib.calibrate import CalibrateOptions, Ranks, calibrate as run_calibrate  # noqa: I001
     from kvcalib.calibrate.memory import available_memory
 
     with _errors():
@@ -195,7 +195,7 @@ def calibrate(
         max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
         overwrite=overwrite, trust_remote_code=trust_remote_code, engine=engine, ranks=ranks,
         recipe=str(recipe) if recipe is not None else None, strategy=strategy, attention_scales=attention_scales,
-        bf16_compute=bf16_compute, cpu=_host_cpu(), memory=available_memory(),
+        bf16_compute=bf16_compute, scale_objective=scale_objective, cpu=_host_cpu(), memory=available_memory(),
         scratch_dir=Path(tempfile.gettempdir()),
     )
     if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports (and serves)

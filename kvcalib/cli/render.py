@@ -38,7 +38,7 @@ def progress_bar(console: Console, label: str = "calibrating", name: str = "cali
     bar = Progress(*columns, console=console, transient=True)
     task = bar.add_task("starting", total=None, samples="-", tokens="-", rate="-")
     observe_started: list[float] = []
-    labels = {"load-data": "reading dataset", "load-model": "loading model", "write": "writing checkpoint"}
+    labels = _STAGES
 
     def on_progress(p: Any) -> None:
         if not bar.live.is_started:
@@ -64,7 +64,8 @@ def progress_bar(console: Console, label: str = "calibrating", name: str = "cali
 
 # Without a terminal: one line at most this often, and at the start and the end of the work.
 PLAIN_INTERVAL_S = 30.0
-_STAGES = {"load-data": "reading dataset", "load-model": "loading model", "write": "writing checkpoint"}
+_STAGES = {"load-data": "reading dataset", "load-model": "loading model", "objective": "choosing the scales",
+           "write": "writing checkpoint"}
 
 
 def plain_progress(console: Console, name: str) -> Callable[[Any], None]:
@@ -144,15 +145,21 @@ def render_report(console: Console, report: Any) -> None:
 def render_eval(console: Console, result: Any) -> None:
     table = Table(title=f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
                   f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens")
-    for column in ("scales", "kind", "ΔNLL", "KL", "top-1", "K clip", "V clip", "K SQNR", "V SQNR", "Q SQNR"):
+    for column in ("scales", "kind", "ΔNLL", "KL", "top-1", "K clip", "V clip", "attn err", "K SQNR", "V SQNR",
+                   "Q SQNR"):
         table.add_column(column, justify="left" if column in ("scales", "kind") else "right", overflow="fold")
     for run in result.runs:
         q = [l.q_sqnr_db for l in run.layers if l.q_sqnr_db is not None]
+        errors = [(l.attention_error, l.layer) for l in run.layers if l.attention_error is not None]
         table.add_row(run.name, run.kind, f"{run.delta_nll:+.4f}", f"{run.kl:.5f}", f"{run.top1:.2%}",
-                      f"{run.k_clipped:.2%}", f"{run.v_clipped:.2%}", f"{min(l.k_sqnr_db for l in run.layers):.1f}",
+                      f"{run.k_clipped:.2%}", f"{run.v_clipped:.2%}",
+                      "{:.3f} (layer {})".format(*max(errors)) if errors else "-",
+                      f"{min(l.k_sqnr_db for l in run.layers):.1f}",
                       f"{min(l.v_sqnr_db for l in run.layers):.1f}", f"{min(q):.1f}" if q else "-")
     console.print(table)
-    console.print("SQNR (dB): the worst layer's; every layer's in --json and --plot", style="dim")
+    console.print("attn err: the worst layer's attention-output error ||ΔO||/||O|| with K and V quantised (what "
+                  "serving sees); SQNR (dB): the worst layer's, which can rank scales backwards; every layer's in "
+                  "--json and --plot", style="dim")
     console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
     if result.plot:
         console.print(f"plot: {result.plot}")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvcalib.core import fp8
+from kvcalib.hf.samples import AttentionSampler, attention_error
 
 __all__ = ["KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "head_scale", "is_per_head"]
 
@@ -36,6 +37,7 @@ class LayerQuantStats:
     v_clip_at: float
     q_sqnr_db: float | None = None  # FP8 attention only
     q_clipped: float | None = None
+    attention_error: float | None = None  # ||ΔO|| / ||O|| of the layer's attention output, K and V quantised
 
     def to_dict(self) -> dict[str, Any]:
         out = {"layer": self.layer, "k_sqnr_db": self.k_sqnr_db, "v_sqnr_db": self.v_sqnr_db,
@@ -44,6 +46,8 @@ class LayerQuantStats:
                "k_clip_at": self.k_clip_at, "v_clip_at": self.v_clip_at}
         if self.q_sqnr_db is not None:
             out.update(q_sqnr_db=self.q_sqnr_db, q_clipped=self.q_clipped)
+        if self.attention_error is not None:
+            out["attention_error"] = self.attention_error
         return out
 
 
@@ -118,11 +122,14 @@ class KVErrorMeter:
     that each layer's figure is its own quantiser's, not error carried in from earlier layers.
     """
 
-    def __init__(self, configs: dict[str, KVQuantizer], device: torch.device | str = "cpu") -> None:
+    def __init__(self, configs: dict[str, KVQuantizer], device: torch.device | str = "cpu",
+                 sampler: AttentionSampler | None = None) -> None:
         self.configs = configs
         self.num_layers = next(iter(configs.values())).num_layers
         self.token_mask: torch.Tensor | None = None
-        self.queries = any(q.fp8_attention for q in configs.values())
+        self.fp8_attention = any(q.fp8_attention for q in configs.values())
+        self.sampler = sampler  # attention samples: each configuration's attention-output error per layer
+        self.queries = self.fp8_attention or sampler is not None  # kvcalib.hf.attention.observing_queries runs
         # [config, layer, kind(k/v/q), (signal, noise, clipped, count)] float64 sums; absmax [layer, kind]
         self._sums = torch.zeros(len(configs), self.num_layers, 3, 4, dtype=torch.float64, device=device)
         self._absmax = torch.zeros(self.num_layers, 3, dtype=torch.float64, device=device)
@@ -142,6 +149,15 @@ class KVErrorMeter:
         i = self._check(layer_idx)
         self._measure(i, 2, query, [(c, q.q_scales[i], q.target) for c, q in enumerate(self.configs.values())
                                     if q.fp8_attention])
+
+    def observe_call(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """One unquantised attention call: Q's error under FP8 attention, and the attention samples."""
+        i = self._check(getattr(module, "layer_idx", None))
+        if self.fp8_attention:
+            self.observe_query(i, query)
+        if self.sampler is not None:
+            self.sampler.record(i, query, key, value, attention_mask, kwargs, module)
 
     def _measure(self, layer: int, kind: int, x: torch.Tensor, scales: list[tuple[int, Scale, fp8.Target]]) -> None:
         xf = x.float()  # [B, H, S, D]
@@ -173,6 +189,8 @@ class KVErrorMeter:
                 k_absmax=absmax[i, 0].item(), v_absmax=absmax[i, 1].item(),
                 k_clip_at=_clip_threshold(_largest(quantizer.k_scales[i]), quantizer.target),
                 v_clip_at=_clip_threshold(_largest(quantizer.v_scales[i]), quantizer.target), **q,
+                attention_error=None if self.sampler is None else attention_error(
+                    self.sampler.samples[i], quantizer.k_scales[i], quantizer.v_scales[i], quantizer.target),
             ))
         return stats
 

@@ -50,6 +50,7 @@ from kvcalib.hf.model import (
     resolve_compute,
     resolve_target,
 )
+from kvcalib.hf.samples import AttentionSampler, sample_sequences
 
 __all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate"]
 
@@ -165,7 +166,8 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
                          hint="use the config.json and the weights of one and the same model")
 
     totals = {name: _Totals(quantizer=quantizer) for name, quantizer in quantizers.items()}
-    meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device)
+    sampler = AttentionSampler(layers, sample_sequences(data.sequences, opts.batch_size, pad_id(tokenizer)))
+    meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device, sampler)
     baseline = _score(model, data, opts.batch_size, pad_id(tokenizer), device, compute, meter, totals, notify)
     base_nll_mean = baseline.nll / baseline.count
     runs = tuple(
@@ -194,8 +196,12 @@ def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: 
         scored = (mask[:, 1:] & mask[:, :-1]).bool()  # predicting token t+1 from a real token t
         targets = input_ids[:, 1:]
         meter.token_mask = mask.bool()
+        if meter.sampler is not None:
+            meter.sampler.start_batch(input_ids, mask)
         base_logp = _log_probs(model, input_ids, mask, meter, compute)
         meter.token_mask = None
+        if meter.sampler is not None:
+            meter.sampler.end_batch()
         base_nll = -base_logp.gather(-1, targets[..., None])[..., 0][scored]
         baseline.nll += base_nll.double().sum().item()
         baseline.count += int(scored.sum())

@@ -15,7 +15,8 @@ cache object made for each forward.
 
 Q (for FP8 attention's q_scale) never reaches the cache: `observing_queries` shows it, as the
 attention module hands it to its attention function (after RoPE and q-norm), by wrapping the
-function transformers' AttentionInterface returns, for the duration of one forward only.
+function transformers' AttentionInterface returns, for the duration of one forward only. The
+same wrapper hands the scale objective its samples of whole attention calls (kvcalib.hf.samples).
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ class KVAbsmaxObserver:
     be set before each forward so that padding positions never reach the statistics.
     """
 
-    def __init__(self, num_layers: int, queries: bool = False) -> None:
+    def __init__(self, num_layers: int, queries: bool = False, sampler: Any = None) -> None:
         self.num_layers = num_layers
         self.queries = queries  # also observe Q (see observing_queries); the forward stops after the last Q
+        self.sampler = sampler  # a kvcalib.hf.samples.AttentionSampler: keeps the chosen sequences' attention calls
         self.k_heads: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads] float32 per layer
         self.v_heads: list[torch.Tensor | None] = [None] * num_layers
         self.q_heads: list[torch.Tensor | None] = [None] * num_layers  # [attention heads] float32 per layer
@@ -104,14 +106,40 @@ class KVAbsmaxObserver:
         self._merge(self.k_heads, layer_idx, self._head_absmax(layer_idx, key), "K")
         self._merge(self.v_heads, layer_idx, self._head_absmax(layer_idx, value), "V")
         self.observed[layer_idx] += 1
-        if layer_idx == self.num_layers - 1 and not self.queries:
+        if layer_idx == self.num_layers - 1 and not self.sees_attention_calls:
             raise StopForward
+
+    @property
+    def sees_attention_calls(self) -> bool:
+        """Whether the attention function's calls are needed (Q, or the objective's samples): observing_queries."""
+        return self.queries or self.sampler is not None
+
+    def start_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """Before each forward: which tokens are real (padding never counts), which rows are sampled."""
+        self.token_mask = attention_mask.bool()
+        if self.sampler is not None:
+            self.sampler.start_batch(input_ids, attention_mask)
+
+    def end_batch(self) -> None:
+        self.token_mask = None
+        if self.sampler is not None:
+            self.sampler.end_batch()
 
     def observe_query(self, layer_idx: Any, query: torch.Tensor) -> None:
         """Q as the attention module hands it to its attention function: after RoPE (and q-norm)."""
         self._check_layer(layer_idx)
         self._merge(self.q_heads, layer_idx, self._head_absmax(layer_idx, query), "Q")
         self.q_observed[layer_idx] += 1
+
+    def observe_call(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """One attention call as the module makes it: Q's absmax, the objective's sample; stops after the last."""
+        layer_idx = getattr(module, "layer_idx", None)
+        self._check_layer(layer_idx)
+        if self.queries:
+            self.observe_query(layer_idx, query)
+        if self.sampler is not None:
+            self.sampler.record(layer_idx, query, key, value, attention_mask, kwargs, module)
         if layer_idx == self.num_layers - 1:
             raise StopForward
 
@@ -132,12 +160,17 @@ def observing_queries(observer: Any) -> Iterator[None]:
     def get_interface(attn_implementation: str, default: Any) -> Any:
         function = real(interface, attn_implementation, default)
 
-        def observed(module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def observed(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
             attend = getattr(observer, "attend", None)  # an observer that runs the attention itself (eval's FP8)
             if attend is not None:
-                return attend(function, module, query, *args, **kwargs)
-            observer.observe_query(getattr(module, "layer_idx", None), query)
-            return function(module, query, *args, **kwargs)
+                return attend(function, module, query, key, value, attention_mask, *args, **kwargs)
+            call = getattr(observer, "observe_call", None)
+            if call is not None:
+                call(module, query, key, value, attention_mask, kwargs)
+            else:
+                observer.observe_query(getattr(module, "layer_idx", None), query)
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
 
         return observed
 
@@ -178,12 +211,12 @@ def observe_batch(decoder: torch.nn.Module, observer: KVAbsmaxObserver, input_id
     With right padding every real token keeps the positions (and so the rotary phases) it
     has when run alone, and causal attention never lets it see the padding after it.
     """
-    observer.token_mask = attention_mask.bool()
+    observer.start_batch(input_ids, attention_mask)
     try:
-        with observing_queries(observer) if observer.queries else nullcontext():
+        with observing_queries(observer) if observer.sees_attention_calls else nullcontext():
             decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                     past_key_values=RecordingCache(decoder.config, observer))
     except StopForward:
         pass
     finally:
-        observer.token_mask = None
+        observer.end_batch()

@@ -60,6 +60,12 @@ unknown; everything else is a `Finding`. The rule ids are stable:
    - RANGE-PROVENANCE-DISAGREES warning the tensors (or the two records) disagree with it
    - RANGE-PROVENANCE-MALFORMED warning unreadable provenance
    - RANGE-UNKNOWN              info   scales present, no provenance: FP8 max unknown
+   - OUTLIER-K-CHANNELS         warning k_proj biases put near-constant K channels (RoPE pairs that
+                                       barely rotate) at >= 1/4 of the range k_scale is sized for, and
+                                       the scales were not chosen by kvcalib's attention objective
+                                       (validate/outliers.py)
+   - OUTLIER-K-UNKNOWN          info   kvcalib sized the scales by absmax (--scale-objective absmax) and
+                                       there is no k_proj bias to probe: only `kvcalib eval` can tell
 6. Portability:
    - PORT-KV-SCHEME-INVALID     error  kv_cache_scheme does not parse as QuantizationArgs
    - PORT-KV-SCHEME-FORMAT      error  not num_bits 8, type float, symmetric
@@ -88,6 +94,7 @@ from kvcalib.validate.config import (
 )
 from kvcalib.validate.files import scan_for_validation
 from kvcalib.validate.heads import attention_group_findings, query_findings
+from kvcalib.validate.outliers import outlier_findings
 from kvcalib.validate.report import Finding, ValidationReport
 from kvcalib.validate.scales import range_findings, scale_findings
 
@@ -127,6 +134,7 @@ def validate_checkpoint(
     findings += scales
     findings += integrity
     findings += range_findings(scan, check, target)
+    findings += outlier_findings(config, scan, check.values, check.prefix, target)
     findings += portability_findings(config, target, check.present)
     findings += query_findings(config, scan, target, ATTN_HEAD if check.per_head else None)
     findings += attention_group_findings(config, target)

@@ -378,7 +378,9 @@ def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCh
         for kind in KV_KINDS:
             key = neuron_scale_key(layer, kind, check.prefix)
             actual = check.values.get(key)
-            recorded, absmax = _number(entry.get(f"{kind}_scale")), _number(entry.get(f"{kind}_absmax"))
+            recorded = _number(entry.get(f"{kind}_scale"))
+            # what the scale was sized for: the clip the scale objective chose (k_range), else the absmax
+            absmax = _number(entry.get(f"{kind}_range", entry.get(f"{kind}_absmax")))
             if actual is None:
                 continue
             if recorded is not None and abs(recorded - actual) > 1e-5 * max(abs(recorded), abs(actual)):
@@ -388,7 +390,7 @@ def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCh
                 # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
                 if abs(implied - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max:
                     disagree.append(
-                        f"{key} = {actual:.6g} with absmax {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}"
+                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}"
                     )
     if not disagree:
         return []

@@ -183,14 +183,17 @@ def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(smo
     def bits(ckpt):
         return {k: v.view(torch.int32).reshape(-1).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
 
-    args = dict(target="gpu", strategy="attn_head", attention_scales=True, batch_size=2, **OPTS)
+    # One compute path for all three, named: the library's default (no CPU given: native bf16) and the CLI's
+    # (this CPU's flags: float32 matmuls without avx512_bf16/amx) differ on AVX2 machines, and so do the bits.
+    args = dict(target="gpu", strategy="attn_head", attention_scales=True, batch_size=2, bf16_compute="float32",
+                **OPTS)
     memory = calibrate(smollm2, str(text_dataset), tmp_path / "memory", CalibrateOptions(**args))
     streamed = calibrate(smollm2, str(text_dataset), tmp_path / "stream", CalibrateOptions(engine="stream", **args))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "kvcalib", "calibrate", str(smollm2), "--dataset", str(text_dataset), "-o",
                            str(tmp_path / "two"), "--target", "gpu", "--strategy", "attn_head", "--attention-scales",
-                           "--batch-size", "2", "--num-samples", str(OPTS["num_samples"]), "--max-seq-len",
+                           "--bf16-compute", "float32", "--batch-size", "2", "--num-samples", str(OPTS["num_samples"]), "--max-seq-len",
                            str(OPTS["max_seq_len"]), "--json"], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = bits(tmp_path / "memory")

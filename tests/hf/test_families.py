@@ -188,3 +188,60 @@ def test_gpt_oss_with_mxfp4_experts_is_refused_with_the_form_that_works(tmp_path
         assert layer.v_absmax == pytest.approx(v[layer.layer], rel=1e-6)
     for target in ("trn2", "gpu"):
         assert validate_checkpoint(out, target).ok
+
+
+class _Comparing:
+    """Runs each attention call itself: the model's own function, and the scale objective's recomputation
+    (kvcalib.hf.samples.attention_rows) of the same rows, side by side."""
+
+    def __init__(self, sampler):
+        self.sampler, self.outputs = sampler, {}
+
+    def attend(self, function, module, query, key, value, attention_mask, *args, **kwargs):
+        self.sampler.record(module.layer_idx, query, key, value, attention_mask, kwargs, module)
+        output, weights = function(module, query, key, value, attention_mask, *args, **kwargs)
+        self.outputs[module.layer_idx] = output.detach()  # [batch, seq, heads, head_dim]
+        return output, weights
+
+
+@pytest.mark.parametrize("attn", ["eager", "kvcalib's"])
+def test_the_objectives_attention_is_the_models_own(family, attn, text_dataset):
+    """The scale objective scores attention outputs it recomputes from the samples (mask rows, scaling,
+    soft-capping, sinks, grouped heads): equal to what the model's own attention function returns for those
+    rows, for every family, padded batch included."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcalib.hf.attention import RecordingCache, observing_queries
+    from kvcalib.hf.data import batches
+    from kvcalib.hf.model import faithful_attention
+    from kvcalib.hf.samples import AttentionSampler, attention_rows
+
+    name, model_dir = family
+    if attn != "eager":  # what kvcalib runs: transformers' default, eager where SDPA would drop soft-capping
+        attn = faithful_attention(json.loads((model_dir / "config.json").read_text()))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32).eval()
+    sequences = [tuple(s) for s in calibration_sequences(model_dir, text_dataset, 4, 40)]
+    sampler = AttentionSampler(3, sequences, rows=64)  # every position of every sequence
+    ids, mask = next(batches(tuple(sequences), 4, 0))
+    hook = _Comparing(sampler)
+    sampler.start_batch(ids, mask)
+    with torch.inference_mode(), observing_queries(hook):
+        model.model(input_ids=ids, attention_mask=mask, use_cache=True,
+                    past_key_values=RecordingCache(model.config, hook_cache := _PassThrough()))
+    assert hook_cache.calls == 3
+    order = sorted(sequences, key=len, reverse=True)
+    for layer in range(3):
+        assert len(sampler.samples[layer]) == len(sequences)
+        for row, sample in enumerate(sampler.samples[layer]):
+            mine, _ = attention_rows(sample)  # [kv_heads, groups * rows, head_dim]
+            positions = list(range(1, len(order[row])))
+            theirs = hook.outputs[layer][row, positions].transpose(0, 1)  # [heads, rows, head_dim]
+            theirs = theirs.reshape(mine.shape)
+            assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), (name, attn, layer, row)
+
+
+class _PassThrough:
+    calls = 0
+
+    def observe(self, layer_idx, key, value):
+        self.calls += 1

@@ -1,0 +1,254 @@
+"""The scale objective: per layer (or per KV head), the K and V scales that keep attention right.
+
+`absmax / fp8_max` never clips, and that can be the worst scale there is. A K channel that is
+large and nearly constant across tokens (bias-driven, in a RoPE pair that barely rotates) sits
+on a coarse part of the FP8 grid, and where its value is near a rounding boundary it flips
+between two grid points from token to token: noise far larger than its own variation, multiplied
+into every q·k. Saturating it instead makes it exactly constant, which softmax ignores. What
+matters is the error of the attention output, not of K: SQNR ranks such scales backwards.
+
+The search ("attention grid"): for every layer, candidate scales `absmax x 2^(-j/2)` (j = 0..10,
+so 1 down to 1/32 of the never-clipping scale), `absmax / 448` where the target's FP8 max is not
+448, and 1.0. Each is scored on the attention samples (kvcalib.hf.samples: the model's own Q,
+mask, scaling, soft-capping and sinks, K/V as the cache stores them) by the squared error of
+the attention output with K (then V) fake-quantised on the target's numerics, against the
+unquantised output; V is scored through the exact probabilities. Half of each sequence's sampled
+query rows choose, the other half (held out) confirm and report. absmax stays unless a candidate
+at least halves its error (GAIN) on the choosing and the held-out rows alike: scales that are
+equally good differ by up to ~30 % on a few hundred rows (where FP8 rounding falls), and every
+clip costs headroom at long context. Of those that do, the least-clipping one within TOLERANCE
+(25 %) of their best is chosen; per KV head with `attn_head`, where
+heads are scored apart. Sums are exactly rounded (math.fsum), so batches dealt to any number of
+ranks give the same choice as one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcalib.core import fp8
+from kvcalib.hf.samples import AttentionSample, attention_rows
+
+__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "Candidates", "Gather",
+           "KindChoice", "candidates", "choose", "sample_terms", "search", "sum_terms"]
+
+ATTENTION = "attention"
+ABSMAX = "absmax"
+OBJECTIVES = (ATTENTION, ABSMAX)
+DEFAULT_OBJECTIVE = ATTENTION
+FACTORS = tuple(2.0 ** (-j / 2) for j in range(11))
+GAIN = 0.5  # a scale other than absmax must halve absmax's attention error (equivalent scales differ by up to ~30 %)
+TOLERANCE = 0.25  # of those that do, the least clipping within 25 % of their best
+UNIT_LABEL = "1.0"
+ABSMAX_LABEL = "absmax"
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """One layer's candidate scales for one kind, in order of preference (least clipping first)."""
+
+    labels: tuple[str, ...]
+    scales: torch.Tensor  # [C, kv_heads] float32
+    ranges: torch.Tensor  # [C, kv_heads]: the |x| each scale maps to the FP8 max
+
+    clip_at: torch.Tensor  # [C, kv_heads]: |x| above this saturates on the target (range, after the scale's rounding)
+
+    @property
+    def unit(self) -> int:
+        return self.labels.index(UNIT_LABEL)
+
+
+def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv_heads: int | None = None
+               ) -> Candidates:
+    """The grid for one layer's K or V (head_absmax: [kv_heads], or [1] from an engine that sees only tensors);
+    per tensor, every one of the `kv_heads` heads shares the layer's."""
+    heads = head_absmax.float().reshape(-1)
+    base = heads if per_head else heads.max().expand(kv_heads or heads.numel())
+    factors = sorted({*FACTORS, *((target.fp8_max / 448.0,) if target.fp8_max != 448.0 else ())}, reverse=True)
+    labels, scales, ranges = [], [], []
+    for f in factors:
+        labels.append(ABSMAX_LABEL if f == 1.0 else ("absmax/448" if f == target.fp8_max / 448.0
+                                                     else f"absmax x{f:.4g}"))
+        ranges.append(base * f)
+        scales.append(fp8.scale_from_absmax(base * f, target))
+    labels.append(UNIT_LABEL)
+    scales.append(torch.ones_like(base))
+    ranges.append(torch.full_like(base, target.fp8_max))
+    stacked = torch.stack(scales)
+    clip_at = fp8.from_fp8_domain(torch.full_like(stacked, target.fp8_max), stacked, target)
+    return Candidates(tuple(labels), stacked, torch.stack(ranges), clip_at)
+
+
+
+
+def sample_terms(sample: AttentionSample, k: Candidates, v: Candidates, target: fp8.Target
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample's additive terms: float64 [2 kinds, 4, C, kv_heads] (per kind: the squared attention-output
+    error on the choosing rows, on the held-out rows, the K/V elements each candidate saturates, the elements)
+    and [2, kv_heads] (the unquantised output's squared norm on the choosing and the held-out rows)."""
+    reference, probabilities = attention_rows(sample)  # [Hkv, groups * rows, D]
+    rows = sample.query.shape[1]
+    held = sample.held_out.repeat(reference.shape[1] // rows)  # the same rows in every query head of a group
+    out = torch.zeros(2, 4, k.scales.shape[0], k.scales.shape[1], dtype=torch.float64)
+    for kind, (values, cands) in enumerate(((sample.key, k), (sample.value, v))):
+        quantised = _fake_quantized(values, cands.scales[:, :, None, None], target)  # [C, Hkv, L, D]
+        if kind == 0:
+            output, _ = attention_rows(sample, key=quantised)
+        else:
+            output, _ = attention_rows(sample, value=quantised, probabilities=probabilities)
+        error = (output - reference).pow_(2).sum(dim=-1).double()  # [C, Hkv, groups * rows]
+        out[kind, 0] = error[..., ~held].sum(dim=-1)
+        out[kind, 1] = error[..., held].sum(dim=-1)
+        out[kind, 2] = (values.abs()[None] > cands.clip_at[:, :, None, None]).sum(dim=(-1, -2))  # saturated
+        out[kind, 3] = float(values.shape[-1] * values.shape[-2])
+    norm = reference.pow(2).sum(dim=-1, dtype=torch.float64)  # [Hkv, groups * rows]
+    return out, torch.stack([norm[..., ~held].sum(dim=-1), norm[..., held].sum(dim=-1)])
+
+
+def _fake_quantized(values: torch.Tensor, scale: torch.Tensor, target: fp8.Target) -> torch.Tensor:
+    """fp8.fake_quantize(values[None], scale, target), every candidate at once, in place where it can be."""
+    if target.toward_zero:
+        return fp8.fake_quantize(values[None], scale, target)
+    if target.neuron:  # x * r, clamp, cast, / r (core.fp8.to_fp8_domain / from_fp8_domain)
+        r = fp8.neuron_reciprocal(scale)
+        scaled = values[None] * r
+    else:  # x / s, saturate, cast, * s
+        scaled = values[None] / scale
+    q = scaled.clamp_(-target.fp8_max, target.fp8_max).to(torch.float8_e4m3fn).float()
+    return q.div_(r) if target.neuron else q.mul_(scale)
+
+
+def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The exactly rounded sum over samples (math.fsum, element by element): independent of their order."""
+    if not per_sample:
+        raise ValueError("no attention samples to sum")
+    stacked = torch.stack([t.double() for t in per_sample]).reshape(len(per_sample), -1)
+    sums = [math.fsum(column) for column in stacked.T.tolist()]
+    return torch.tensor(sums, dtype=torch.float64).reshape(per_sample[0].shape)
+
+
+@dataclass(frozen=True)
+class KindChoice:
+    """What the objective chose for one layer's K or V, and what the alternatives would have cost."""
+
+    label: str  # the chosen candidate ("absmax", "absmax x0.5", "1.0", ...)
+    index: tuple[int, ...]  # the chosen candidate per KV head (one entry per tensor)
+    clipped: float  # the fraction of the sample's elements the chosen scale saturates
+    error: float  # held-out relative attention-output error ||ΔO|| / ||O|| of the chosen scale
+    error_absmax: float
+    error_unit: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "clipped": self.clipped, "attention_error": self.error,
+                "attention_error_absmax": self.error_absmax, "attention_error_unit": self.error_unit}
+
+
+def _relative(error: float, norm: float) -> float:
+    return math.sqrt(error / norm) if norm > 0 else 0.0
+
+
+def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head: bool) -> KindChoice:
+    """The choice for one kind from its summed terms ([4, C, kv_heads]) and the reference norms ([2, kv_heads])."""
+    choosing, held, clipped, count = terms[0], terms[1], terms[2], terms[3]
+    if per_head:
+        index = tuple(_pick(choosing[:, h].tolist(), held[:, h].tolist()) for h in range(choosing.shape[1]))
+    else:
+        index = (_pick([math.fsum(row) for row in choosing.tolist()],
+                       [math.fsum(row) for row in held.tolist()]),) * choosing.shape[1]
+
+    def held_error(per_head_index: Sequence[int]) -> float:
+        err = math.fsum(held[c, h].item() for h, c in enumerate(per_head_index))
+        return _relative(err, math.fsum(norms[1].tolist()))
+
+    heads = range(choosing.shape[1])
+    labels = {cands.labels[c] for c in index}
+    return KindChoice(
+        label=labels.pop() if len(labels) == 1 else "per head",
+        index=index if per_head else index[:1],
+        clipped=math.fsum(clipped[c, h].item() for h, c in zip(heads, index)) / max(math.fsum(count[0].tolist()), 1.0),
+        error=held_error(index), error_absmax=held_error([0] * len(heads)),
+        error_unit=held_error([cands.unit] * len(heads)),
+    )
+
+
+def _pick(errors: Sequence[float], held_out: Sequence[float]) -> int:
+    """absmax (candidate 0) unless a candidate at least halves (GAIN) its attention error on the choosing rows
+    and on the held-out rows alike; then, of those, the first (least clipping) within TOLERANCE of their best."""
+    better = [c for c in range(1, len(errors))
+              if errors[c] < GAIN**2 * errors[0] and held_out[c] < GAIN**2 * held_out[0]]  # squared errors
+    if not better:
+        return 0
+    best = min(errors[c] for c in better)
+    return next(c for c in better if errors[c] <= best * (1 + TOLERANCE) ** 2)
+
+
+Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (one process: the list itself)
+
+
+def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch.Tensor],
+           v_heads: Sequence[torch.Tensor], target: fp8.Target, per_head: bool,
+           gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
+    """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`)."""
+    def kv_heads(i: int) -> int | None:
+        return samples[i][0].key.shape[0] if samples[i] else None
+
+    grids = [(candidates(k_heads[i], target, per_head, kv_heads(i)), candidates(v_heads[i], target, per_head, kv_heads(i)))
+             for i in range(len(samples))]
+    local = [[sample_terms(s, *grids[i], target) for s in layer] for i, layer in enumerate(samples)]
+    everyone = gather([local])  # one entry per rank: its per-layer lists
+    chosen = []
+    for i, (k, v) in enumerate(grids):
+        pairs = [pair for rank in everyone for pair in rank[i]]
+        if not pairs:
+            raise ValueError(f"layer {i}: no attention samples")
+        terms, norms = sum_terms([t for t, _ in pairs]), sum_terms([n for _, n in pairs])
+        chosen.append((choose(terms[0], norms, k, per_head), choose(terms[1], norms, v, per_head), k, v))
+    return chosen
+
+
+FAR_WORSE = 2.0  # absmax's attention error this many times the chosen scale's (and above WORTH_WARNING): warn
+WORTH_WARNING = 0.05
+
+
+def near_constant_channels(samples: Sequence[AttentionSample], kind: str, absmax: float,
+                           limit: int = 6) -> tuple[int, list[tuple[int, float, float]]] | None:
+    """(head, [(channel, mean, std)]) of the head with the most near-constant outlier channels: |mean| at
+    least a quarter of the layer's absmax, std under 5 % of |mean|, over every sampled token. None: none."""
+    if not samples:
+        return None
+    x = torch.cat([(s.key if kind == "k" else s.value).float() for s in samples], dim=1)  # [Hkv, tokens, D]
+    mean, std = x.mean(dim=1), x.std(dim=1, correction=0)
+    flagged = (mean.abs() >= 0.25 * absmax) & (std <= 0.05 * mean.abs())
+    if not bool(flagged.any()):
+        return None
+    head = int(flagged.sum(dim=1).argmax())
+    channels = sorted(flagged[head].nonzero().flatten().tolist(), key=lambda c: -abs(float(mean[head, c])))
+    return head, [(c, float(mean[head, c]), float(std[head, c])) for c in channels[:limit]]
+
+
+def absmax_warnings(layers: Sequence[Any], samples: Sequence[Sequence[AttentionSample]], target: fp8.Target
+                    ) -> list[str]:
+    """A line for every layer's K or V where absmax / fp8_max would have been far worse than the chosen scale."""
+    lines = []
+    for layer in layers:
+        for kind in "kv":
+            choice = getattr(layer, f"{kind}_choice")
+            if not choice or choice["attention_error_absmax"] <= max(FAR_WORSE * choice["attention_error"],
+                                                                      WORTH_WARNING):
+                continue
+            line = (f"layer {layer.layer} {kind.upper()}: absmax/{target.fp8_max:g} would cost attention-output error "
+                    f"{choice['attention_error_absmax']:.3f} against {choice['attention_error']:.3f} for the chosen "
+                    f"{choice['label']} ({choice['clipped']:.1%} clipped)")
+            found = near_constant_channels(samples[layer.layer] if layer.layer < len(samples) else (), kind,
+                                           getattr(layer, f"{kind}_absmax"))
+            if found is not None:
+                head, channels = found
+                listed = ", ".join(f"{c} (mean {m:.4g}, std {s:.2g})" for c, m, s in channels)
+                line += f"; KV head {head} has near-constant outlier channels: {listed}"
+            lines.append(line)
+    return lines

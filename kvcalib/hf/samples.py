@@ -1,0 +1,171 @@
+"""Attention samples: what the scale objective scores, taken from the model's own attention calls.
+
+For a few calibration sequences (chosen before the run, the same in every engine and on every
+rank), each layer's attention call is kept as the model made it: the query rows at a spread of
+positions, K and V of the whole sequence (after RoPE, as the cache stores them, before the
+grouped-query repeat), the rows of the mask the model passed (causal, padding, sliding window),
+and the call's own scaling, soft-capping and attention sinks. `attention_rows` then recomputes
+those rows' attention output in float32 with any K or V put in: the eager formula every
+transformers family kvcalib serves uses (tested against the model's own attention function).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcalib.hf.data import batches
+
+__all__ = ["ROWS_PER_SEQUENCE", "SAMPLE_TOKENS", "AttentionSample", "AttentionSampler", "attention_error",
+           "attention_rows", "sample_sequences"]
+
+# The objective's share of the calibration set: whole batches in the run's own order (longest
+# first) until SAMPLE_TOKENS tokens of K/V are kept, at least one batch; ROWS_PER_SEQUENCE query
+# rows of each, spread over its positions, alternately chosen from and held out.
+SAMPLE_TOKENS = 2048
+ROWS_PER_SEQUENCE = 16
+
+
+@dataclass(frozen=True)
+class AttentionSample:
+    """One sequence's attention call at one layer (CPU tensors; q/k/v in float32, holding the model's values)."""
+
+    query: torch.Tensor  # [heads, rows, head_dim]: the sampled query rows
+    key: torch.Tensor  # [kv_heads, length, head_dim]
+    value: torch.Tensor  # [kv_heads, length, head_dim]
+    bias: torch.Tensor  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive mask)
+    held_out: torch.Tensor  # [rows] bool: scored for the report, never for the choice
+    scaling: float
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [heads] float32 (GPT-OSS)
+
+
+def sample_sequences(sequences: tuple[tuple[int, ...], ...], batch_size: int, pad_id: int,
+                     budget: int = SAMPLE_TOKENS) -> frozenset[tuple[int, ...]]:
+    """The sequences the objective scores: whole batches of the run's own batching, in order, to `budget` tokens."""
+    chosen: set[tuple[int, ...]] = set()
+    tokens = 0
+    for ids, mask in batches(sequences, batch_size, pad_id):
+        if chosen and tokens >= budget:
+            break
+        for row in range(ids.shape[0]):
+            length = int(mask[row].sum())
+            chosen.add(tuple(ids[row, :length].tolist()))
+            tokens += length
+    return frozenset(chosen)
+
+
+def _rows(length: int, count: int) -> list[int]:
+    """`count` query positions spread over 1..length-1 (position 0 attends to itself alone), last first."""
+    if length <= 1:
+        return [0]
+    count = min(count, length - 1)
+    return sorted({length - 1 - (j * (length - 1)) // count for j in range(count)})
+
+
+class AttentionSampler:
+    """Keeps the attention calls of the chosen sequences, per layer (see the module docstring)."""
+
+    def __init__(self, num_layers: int, sequences: Iterable[tuple[int, ...]], rows: int = ROWS_PER_SEQUENCE):
+        self.sequences = frozenset(sequences)
+        self.rows = rows
+        self.samples: list[list[AttentionSample]] = [[] for _ in range(num_layers)]
+        self._batch: list[tuple[int, int]] = []  # (row in the batch, length) of the current batch's chosen rows
+
+    def start_batch(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        lengths = mask.sum(dim=1).tolist()
+        self._batch = [(r, int(n)) for r, n in enumerate(lengths)
+                       if tuple(input_ids[r, :int(n)].tolist()) in self.sequences]
+
+    def end_batch(self) -> None:
+        self._batch = []
+
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, kwargs: dict[str, Any], module: torch.nn.Module) -> None:
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+        softcap = kwargs.get("softcap")
+        sinks = kwargs.get("s_aux")
+        for row, length in self._batch:
+            positions = _rows(length, self.rows)
+            index = torch.tensor(positions, device=query.device)
+            held_out = torch.tensor([j % 2 == 1 for j in range(len(positions))])
+            self.samples[layer].append(AttentionSample(
+                query=query[row].index_select(1, index).detach().float().cpu(),
+                key=key[row, :, :length].detach().float().cpu(),
+                value=value[row, :, :length].detach().float().cpu(),
+                bias=_bias(attention_mask, row, index, length),
+                held_out=held_out, scaling=float(scaling), softcap=float(softcap) if softcap else None,
+                sinks=sinks.detach().float().cpu().clone() if isinstance(sinks, torch.Tensor) else None,
+            ))
+
+
+def _bias(attention_mask: torch.Tensor | None, row: int, index: torch.Tensor, length: int) -> torch.Tensor:
+    """The additive mask of the sampled rows over the sequence's keys (causal where the model passed none)."""
+    if attention_mask is None:  # SDPA's is_causal path: no padding, no window
+        keys = torch.arange(length)
+        allowed = keys[None, :] <= index.cpu()[:, None]
+        return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    rows = attention_mask[row if attention_mask.shape[0] > 1 else 0, 0].index_select(0, index)[:, :length].cpu()
+    if rows.dtype == torch.bool:
+        return torch.zeros(rows.shape).masked_fill(~rows, float("-inf"))
+    additive = rows.float()  # eager's masks: 0 where allowed, the dtype's min where masked
+    return additive.masked_fill(additive < -1e30, float("-inf"))
+
+
+def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                   probabilities: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, probabilities) of the sampled rows in float32: `softmax(scaling q kᵀ [softcap] + mask [sinks]) v`.
+
+    `key`/`value` replace the sample's ([..., kv_heads, length, head_dim]: leading dimensions, e.g.
+    candidate scales, broadcast); `probabilities` skips the softmax (V's objective reuses the exact ones).
+    Query heads are grouped under the KV head they read (no repeat): output
+    [..., kv_heads, groups * rows, head_dim] (query head h is group h // groups), probabilities
+    [..., kv_heads, groups * rows, length].
+    """
+    kv_heads = sample.key.shape[0]
+    groups = sample.query.shape[0] // kv_heads
+    if probabilities is None:
+        q = sample.query.float().reshape(kv_heads, groups * sample.query.shape[1], -1)
+        k = (sample.key if key is None else key).float()
+        logits = torch.matmul(q, k.transpose(-1, -2)).mul_(sample.scaling)
+        if sample.softcap is not None:
+            logits = torch.tanh(logits / sample.softcap) * sample.softcap
+        logits = logits + sample.bias.repeat(groups, 1)
+        if sample.sinks is not None:  # one logit per query head that takes probability and gives no value
+            sinks = sample.sinks.float().reshape(kv_heads, groups, 1, 1).expand(-1, -1, sample.query.shape[1], 1)
+            combined = torch.cat([logits, sinks.reshape(kv_heads, -1, 1).expand(*logits.shape[:-1], 1)], dim=-1)
+            probabilities = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        else:
+            probabilities = torch.softmax(logits, dim=-1)
+    v = (sample.value if value is None else value).float()
+    return torch.matmul(probabilities, v), probabilities
+
+
+def attention_error(samples: Sequence[AttentionSample], k_scale: Any, v_scale: Any, target: Any) -> float | None:
+    """The relative attention-output error ||O(K̂, V̂) - O|| / ||O|| over the samples' rows, K and V quantised
+    together with `k_scale`/`v_scale` (a float, or one per KV head) on `target`'s numerics. None: no samples."""
+    from kvcalib.core import fp8
+
+    if not samples:
+        return None
+    error, norm = [], []
+    for sample in samples:
+        reference, _ = attention_rows(sample)
+        k = fp8.fake_quantize(sample.key, _per_head(k_scale), target)
+        v = fp8.fake_quantize(sample.value, _per_head(v_scale), target)
+        output, _ = attention_rows(sample, key=k, value=v)
+        error.append(float((output - reference).double().pow(2).sum()))
+        norm.append(float(reference.double().pow(2).sum()))
+    total = math.fsum(norm)
+    return math.sqrt(math.fsum(error) / total) if total > 0 else 0.0
+
+
+def _per_head(scale: Any) -> Any:
+    """A float as is; a [1, H, 1, 1] (or [H]) per-head scale as [H, 1, 1] for [H, length, head_dim]."""
+    return scale.reshape(-1, 1, 1) if isinstance(scale, torch.Tensor) else scale

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Give a Llama checkpoint near-constant outlier K channels: the case where absmax / fp8_max is the worst scale.
+
+Real models with q/k biases (Qwen2.5) have K channels in the RoPE pairs that barely rotate
+which sit at |K| of a few hundred with a spread of about one across tokens. `absmax / fp8_max`
+then puts them on a coarse part of the FP8 grid; a channel whose value sits on a rounding
+boundary flips between two grid points from token to token, and that noise, multiplied into
+q·k, scrambles attention. A clipped scale saturates them into exact constants, which softmax
+ignores.
+
+This script builds that mechanism into SmolLM2 (or any Llama whose attention has no biases):
+attention biases are switched on (all zero), then in layer `--layer`, KV head `--head`:
+- k_proj's bias moves 2 x `--dims` channels, the first halves of the lowest-frequency RoPE
+  pairs, to large constants: one at `--absmax`, the others on the FP8 rounding boundaries (the
+  midpoints between grid values 128..240 in scaled units) of the scale absmax / fp8_max would
+  take, measured on `--dataset` first;
+- k_proj's weight rows of those channels are scaled by `--k-spread` (0.25): their spread across
+  tokens becomes a fraction of one, enough to cross a rounding boundary, too little to carry
+  much of the attention;
+- q_proj's bias gives the query heads that read that KV head weight ±`--q-bias` in those dims.
+Without quantisation the model is nearly unchanged (a constant added to every key's q·k is what
+softmax ignores; these pairs rotate by < 0.05 rad over 256 tokens): the script prints both NLLs.
+
+    python scripts/make_constant_k_model.py SRC OUT --dataset DATA [--target trn2] [--layer 0]
+        [--head 0] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 0.25] [--num-samples 32] [--max-seq-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def outlier_dims(head_dim: int, count: int) -> list[int]:
+    """The first halves of the `count` lowest-frequency rotary pairs (transformers' rotate_half layout).
+
+    A constant c in the first half of a pair rotates into c·cos θ there (second order in θ: a
+    constant for q·k) and c·sin θ in the second half, which gets no query bias."""
+    half = head_dim // 2
+    return list(range(half - count, half))
+
+
+def boundary_values(scale: float, target_name: str, count: int, absmax: float) -> list[float]:
+    """`count` channel means: the largest at `absmax`, the rest where the chip's scaled value is exactly a rounding
+    midpoint (136, 152, ... between the FP8 grid values 128..240), alternating in sign."""
+    from kvcalib.core import fp8
+
+    import torch
+
+    multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, fp8.get_target(target_name)))
+    midpoints = [136.0 + 16.0 * j for j in range(7)]
+    values = [absmax]
+    for j in range(count - 1):
+        sign = -1.0 if j % 2 == 0 else 1.0
+        values.append(sign * midpoints[j % len(midpoints)] / multiplier)
+    return values
+
+
+def build(src: Path, out: Path, k_values: list[float], layer: int, head: int, dims: int, q_bias: float,
+          k_spread: float) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(src)
+    if getattr(config, "attention_bias", None) is None:
+        sys.exit(f"{src}: not a Llama-style config (no attention_bias)")
+    config.attention_bias = True
+    model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype="auto")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // config.num_key_value_heads
+    with torch.no_grad():
+        for module in model.modules():
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                linear = getattr(module, name, None)
+                if isinstance(linear, torch.nn.Linear) and linear.bias is not None:
+                    linear.bias.zero_()
+        attention = model.model.layers[layer].self_attn
+        channels = outlier_dims(head_dim, 2 * dims)
+        for d, value in zip(channels, k_values):
+            attention.k_proj.bias[head * head_dim + d] = value
+            attention.k_proj.weight[head * head_dim + d].mul_(k_spread)  # what varies across tokens: small
+        for q_head in range(head * group, (head + 1) * group):
+            for j, d in enumerate(channels):
+                attention.q_proj.bias[q_head * head_dim + d] = q_bias if (j + q_head) % 2 == 0 else -q_bias
+    partial = out.with_name(out.name + ".partial")
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(src).save_pretrained(partial)
+    os.replace(partial, out)
+
+
+def layer_absmax(model: Path, dataset: str, layer: int, num_samples: int, max_seq_len: int) -> float:
+    from kvcalib.calibrate import CalibrateOptions, calibrate
+    from kvcalib.core.cpu import HostCpu
+
+    cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
+    with tempfile.TemporaryDirectory() as tmp:  # as `kvcalib calibrate` runs it on this machine
+        result = calibrate(model, dataset, Path(tmp) / "out", CalibrateOptions(
+            num_samples=num_samples, max_seq_len=max_seq_len, scale_objective="absmax", cpu=cpu))
+    return result.layers[layer].k_absmax
+
+
+def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int = 0, head: int = 0, dims: int = 4,
+         absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 0.25, num_samples: int = 32,
+         max_seq_len: int = 256) -> tuple[list[float], float, float]:
+    """Build the variant; (the K channel values, the measured absmax, its scale on `target`)."""
+    from kvcalib.core import fp8
+
+    count = 2 * dims
+    with tempfile.TemporaryDirectory() as tmp:  # first pass: where absmax / fp8_max puts the grid
+        first = Path(tmp) / "first"
+        guess = boundary_values(absmax / fp8.get_target(target).fp8_max, target, count, absmax)
+        build(src, first, guess, layer, head, dims, q_bias, k_spread)
+        measured = layer_absmax(first, dataset, layer, num_samples, max_seq_len)
+    scale = float(fp8.scale_from_absmax(measured, fp8.get_target(target)))
+    values = boundary_values(scale, target, count, absmax)
+    build(src, out, values, layer, head, dims, q_bias, k_spread)
+    return values, measured, scale
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--target", default="trn2")
+    parser.add_argument("--layer", type=int, default=0)
+    parser.add_argument("--head", type=int, default=0)
+    parser.add_argument("--dims", type=int, default=4, help="2x this many channels (the lowest-frequency pairs)")
+    parser.add_argument("--absmax", type=float, default=350.0)
+    parser.add_argument("--q-bias", type=float, default=3.0)
+    parser.add_argument("--k-spread", type=float, default=0.25, help="k_proj rows of those channels x this")
+    parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--max-seq-len", type=int, default=256)
+    args = parser.parse_args()
+    values, measured, scale = make(args.src, args.out, args.dataset, args.target, args.layer, args.head, args.dims,
+                                   args.absmax, args.q_bias, args.k_spread, args.num_samples, args.max_seq_len)
+    print(f"{args.out}: layer {args.layer} KV head {args.head}, K channels at "
+          f"{', '.join(f'{v:.1f}' for v in values)} (absmax {measured:.1f}, scale {scale:.4g} on {args.target}); "
+          f"q bias ±{args.q_bias:g}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
