@@ -60,7 +60,8 @@ def sample_sequences(sequences: tuple[tuple[int, ...], ...], batch_size: int, pa
 
 
 def _rows(length: int, count: int) -> list[int]:
-    """`count` query positions spread over 1..length-1 (position 0 attends to itself alone), last first."""
+    """`count` query positions spread evenly over 1..length-1, the last included, in order (position 0 attends
+    to itself alone: no scale changes its output)."""
     if length <= 1:
         return [0]
     count = min(count, length - 1)

@@ -20,7 +20,9 @@ OPTS = dict(num_samples=6, max_seq_len=128)
 def smol_calibrated(smollm2, text_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("smol") / "smollm2-fp8kv"
     before = tree_digest(smollm2)
-    result = calibrate(smollm2, str(text_dataset), out, CalibrateOptions(batch_size=1, **OPTS))
+    # absmax: what these tests compare with transformers' own cache (the attention objective: test_scale_objective)
+    result = calibrate(smollm2, str(text_dataset), out, CalibrateOptions(batch_size=1, scale_objective="absmax",
+                                                                         **OPTS))
     assert tree_digest(smollm2) == before
     return out, result
 
@@ -116,7 +118,8 @@ def test_smollm2_float32_path_stays_within_bf16_noise_of_native_bf16(smollm2, tm
     """
     opts = dict(num_samples=16, max_seq_len=256)
     long_texts = write_jsonl(tmp_path / "long.jsonl", [{"text": t} for t in fortune_texts(16, chars=2000)])
-    result = calibrate(smollm2, str(long_texts), tmp_path / "f32", CalibrateOptions(bf16_compute="float32", **opts))
+    result = calibrate(smollm2, str(long_texts), tmp_path / "f32", CalibrateOptions(
+        bf16_compute="float32", scale_objective="absmax", **opts))
     assert result.compute.startswith("bf16 model, matmuls and attention in float32 with bf16 rounding")
     assert result.num_tokens == 16 * 256
     k, v = oracle_absmax(smollm2, calibration_sequences(smollm2, long_texts, **opts))  # native bf16
@@ -144,7 +147,7 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, s
     out = tmp_path / "heads"
     result = calibrate(smollm2, str(text_dataset), out, CalibrateOptions(batch_size=1, target="gpu",
                                                                          strategy="attn_head", attention_scales=True,
-                                                                         **OPTS))
+                                                                         scale_objective="absmax", **OPTS))
     seqs = calibration_sequences(smollm2, text_dataset, **OPTS)
     k, v, _ = oracle_heads(smollm2, seqs, attn_implementation="sdpa")
     _, _, q = oracle_heads(smollm2, seqs)
