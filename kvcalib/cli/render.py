@@ -106,7 +106,9 @@ def _duration(seconds: float) -> str:
 def render_calibration(console: Console, result: Any) -> None:
     per_head = any(layer.k_head_scales is not None for layer in result.layers)
     queries = any(layer.q_scale is not None for layer in result.layers)
-    table = Table(title=f"{'per-head ' if per_head else ''}KV scales for {result.target}: absmax / {result.fp8_max:g}"
+    rule = "absmax / " + f"{result.fp8_max:g}" if result.scale_objective == "absmax" \
+        else f"the attention objective (FP8 max {result.fp8_max:g})"
+    table = Table(title=f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
                   + (" (each layer's largest head; every head's in --json)" if per_head else ""))
     for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale", *(("q absmax", "q_scale") if queries else ())):
         table.add_column(column, justify="right")
@@ -115,6 +117,13 @@ def render_calibration(console: Console, result: Any) -> None:
         table.add_row(str(layer.layer), f"{layer.k_absmax:.4g}", f"{layer.v_absmax:.4g}",
                       f"{layer.k_scale:.4g}", f"{layer.v_scale:.4g}", *q)
     console.print(table)
+    clipped = [f"layer {layer.layer} {kind.upper()} {getattr(layer, kind + '_choice')['label']}"
+               for layer in result.layers for kind in "kv"
+               if (getattr(layer, kind + "_choice") or {}).get("label", "absmax") != "absmax"]
+    if result.scale_objective != "absmax":
+        console.print(f"scale objective: attention; not absmax / {result.fp8_max:g}: "
+                      + (", ".join(clipped) if clipped else "none (no clip halves any layer's attention error)"),
+                      soft_wrap=True, markup=False)
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     if result.validation is not None:

@@ -141,7 +141,7 @@ def test_progress_through_a_real_pipe_starts_and_ends(tiny_llama_master, text_da
                            "--json"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["num_samples"] == 4  # stdout stays pure JSON
-    lines = [line for line in done.stderr.splitlines() if " samples, " in line]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("calibrate: ") and " samples, " in line]
     assert lines[0].startswith("calibrate: 0/4 samples") and lines[-1].startswith("calibrate: 4/4 samples"), lines
 
 
