@@ -147,7 +147,7 @@ class KVAbsmaxObserver:
 @contextmanager
 def observing_queries(observer: Any) -> Iterator[None]:
     """While inside, every attention module that looks up its attention function in transformers'
-    AttentionInterface (every family kvcalib serves does) shows its query to `observer.observe_query`
+    AttentionInterface (every family kvcalib serves does) shows its call to `observer.observe_call`
     before the function runs, unchanged: the module, its arguments and the function are the model's own.
     An observer with an `attend(function, module, query, key, value, ...)` method runs the call itself
     (kvcalib.evaluate's FP8 attention: Q quantised, the matmuls in float32).
@@ -165,11 +165,7 @@ def observing_queries(observer: Any) -> Iterator[None]:
             attend = getattr(observer, "attend", None)  # an observer that runs the attention itself (eval's FP8)
             if attend is not None:
                 return attend(function, module, query, key, value, attention_mask, *args, **kwargs)
-            call = getattr(observer, "observe_call", None)
-            if call is not None:
-                call(module, query, key, value, attention_mask, kwargs)
-            else:
-                observer.observe_query(getattr(module, "layer_idx", None), query)
+            observer.observe_call(module, query, key, value, attention_mask, kwargs)
             return function(module, query, key, value, attention_mask, *args, **kwargs)
 
         return observed
