@@ -207,6 +207,14 @@ def serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
             status.stop()
 
 
+def _problem(p: Any) -> str:
+    if p.problem is None:
+        return ""
+    if not p.failed:
+        return f" [yellow]{escape(p.problem)}, as the baseline's[/]"
+    return f" [red]{escape(p.problem)}[/]"
+
+
 def render_serve_check(console: Console, result: Any) -> None:
     table = Table(title=escape(f"serve-check {result.checkpoint} on {result.device}"))
     for column in ("prompt", "output (FP8 KV)", "baseline", "agreement"):
@@ -215,7 +223,7 @@ def render_serve_check(console: Console, result: Any) -> None:
         agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
         table.add_row(escape(p.prompt), escape(repr(p.output)),
                       "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
-                      agreement + (f" [red]{escape(p.problem)}[/]" if p.problem else ""))
+                      agreement + _problem(p))
     console.print(table)
     nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None else f", baseline {result.nll_baseline:.3f}")
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"

@@ -125,6 +125,19 @@ def test_failure_paths_exit_code_message_and_no_leftovers(ckpt, cpu_python, monk
     assert_nothing_left(str(ckpt), result.stderr)
 
 
+def test_repetition_the_baseline_server_shares_is_the_model_not_the_cache(ckpt, cpu_python, monkeypatch):
+    """Both servers repeat one token: judged against the baseline's own outputs that is no failure, and
+    the result says why; the same FP8 outputs with no baseline to compare fail (the case above)."""
+    result = serve(ckpt, cpu_python, "--device", "cpu", "--json", env={"FAKE_VLLM_MODE": "repetitive"},
+                   monkeypatch=monkeypatch)
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    prompts = payload["prompts"]
+    assert all(p["problem"] and p["baseline_problem"] and not p["failed"] for p in prompts), prompts
+    assert "degenerate output" not in result.stderr and "PASSED" in result.stderr
+    assert_nothing_left(str(ckpt), result.stderr)
+
+
 def test_a_server_that_ignores_sigterm_is_killed(ckpt, cpu_python, monkeypatch):
     started = time.monotonic()
     result = serve(ckpt, cpu_python, "--device", "cpu", "--no-baseline", "--startup-timeout", "2",

@@ -188,12 +188,18 @@ def _run(nll: float, agreements=None, texts=(" Paris. It is",)) -> ServerRun:
     (_run(9.45, None, ("-" * 32,)), None, ["prompt 1 ('The capital of France is'): degenerate output, "
                                            "32 tokens but only 1 distinct"]),
     (_run(5.0, None), None, []),  # without a baseline the NLL is reported, not judged
+    # judged against the baseline: the same repetition from both servers is the model, not the cache
+    (_run(2.90, (1.0,), ("-" * 32,)), _run(2.84, None, ("-" * 32,)), []),
+    (_run(2.90, (1.0,), ("-" * 32,)), _run(2.84), ["prompt 1 ('The capital of France is'): degenerate output, "
+                                                  "32 tokens but only 1 distinct, where the baseline's is not"]),
+    (_run(2.90, (1.0,), ("",)), _run(2.84, None, ("",)), []),
 ])
 def test_judge(fp8, baseline, failures):
     results, found, agreement = judge([Prompt("The capital of France is", "Paris")], fp8, baseline)
     assert found == failures
     assert agreement == (fp8.agreements[0] if baseline else None)
     assert results[0].to_dict()["expected_found"] == ("Paris" in fp8.completions[0].text)
+    assert results[0].failed == bool(failures and "degenerate" in failures[-1])
 
 
 def _server(tmp_path: Path, code: str, port: int, stop_timeout_s: float) -> VllmServer:

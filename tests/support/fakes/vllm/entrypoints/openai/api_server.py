@@ -23,6 +23,7 @@ $FAKE_VLLM_MODE breaks servers whose KV cache is FP8 (the baseline stays healthy
   hang            never becomes healthy
   die-mid-probe   the engine dies on the second completion request
   degenerate      every completion is one token repeated
+  repetitive      every server, the baseline too, repeats one token (a small base model can)
   diverge         FP8 ranks the baseline's tokens second (agreement 0) and its NLL is worse
   ignore-scales   FP8 answers the same whatever the checkpoint's KV scales (the bug the canary exists for)
   inverted-scales FP8 applies the scales the wrong way round: larger scales clip (scale x64 is "right")
@@ -220,7 +221,7 @@ class Engine:
             text_prompt = str(prompt)
             prompt_ids = [token_id(p) for p in tokenize(text_prompt)]
         max_tokens = int(body.get("max_tokens") or 16)
-        if MODE == "degenerate" and self.fp8:
+        if (MODE == "degenerate" and self.fp8) or MODE == "repetitive":
             pieces = ["!"] * max_tokens
         else:
             source = CONTINUATIONS.get(text_prompt or "", GENERIC)
