@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-.venv/bin/python scripts/prepare_smollm2.py .cache/smollm2
+.venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
 [ -f .cache/fortunes.jsonl ] || .venv/bin/python scripts/make_text_dataset.py .cache/fortunes.jsonl
 .venv/bin/kvcalib calibrate .cache/smollm2 --dataset .cache/fortunes.jsonl -o out/smollm2-fp8kv-trn2 \
   --target trn2 --num-samples "${NUM_SAMPLES:-128}" --max-seq-len 512 --overwrite "$@"

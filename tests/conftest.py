@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the tests' helpers and fakes
 
-from helpers import build_tiny_llama, fortune_texts, smollm2_checkpoint, write_jsonl  # noqa: E402
+from helpers import build_tiny_llama, fortune_texts, real_model_checkpoint, smollm2_checkpoint, write_jsonl  # noqa: E402
 
 # Tests never reach a hub: everything they load is built here or shipped in a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,6 +48,18 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return smollm2_checkpoint(tmp_path_factory.mktemp("smollm2"))
 
 
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Gemma-3-270M (base; its tokenizer adds <bos>) as a bf16 safetensors checkpoint."""
+    return real_model_checkpoint("gemma3-270m", tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="session")
+def qwen25(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Qwen2.5-Coder-0.5B-Instruct (q/k/v biases, K absmax ~200) as a bf16 safetensors checkpoint."""
+    return real_model_checkpoint("qwen2.5-coder-0.5b", tmp_path_factory.mktemp("qwen25"))
+
+
 @pytest.fixture
 def read_json():
     def _read(path: Path):
@@ -81,6 +93,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The real Gemma and Qwen tests run last: scripts/test.sh converts those models in the background
+    # meanwhile (on the core a one-process pytest leaves idle).
+    items.sort(key=lambda item: item.get_closest_marker("real_model") is not None)
     for item in items:
         marker = item.get_closest_marker("proof")
         if marker is not None:

@@ -88,6 +88,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
              f"{provenance.get('column')}) |",
              f"| samples | {provenance.get('num_samples')} ({provenance.get('num_tokens'):,} tokens, at most "
              f"{provenance.get('max_seq_len')} each, seed {provenance.get('seed')}) |",
+             f"| tokens | {_tokens_row(provenance)} |",
              f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
              f"| validate | {validation} |", ""]
     commands = serve_commands(CHECKPOINT_PLACEHOLDER)
@@ -109,6 +110,13 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
                                            f"{row.get('q_scale', float('nan')):.6g} |" if queries else "")
               for row in _scale_rows(ckpt, provenance)]
     return "\n".join(lines + ["", END, ""])
+
+
+def _tokens_row(provenance: dict[str, Any]) -> str:
+    """How the calibration rows were tokenised: the server's stream (BOS included) or not."""
+    rule = provenance.get("special_tokens") or "not recorded (kvcalib tokenised without special tokens then)"
+    added = provenance.get("special_tokens_added")
+    return rule + (f"; ids added to plain text: {added}" if added else "")
 
 
 def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> list[dict[str, Any]]:

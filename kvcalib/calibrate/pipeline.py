@@ -95,6 +95,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     data = load_calibration_data(
         dataset, tokenizer, split=opts.split, text_column=opts.text_column,
         num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
+        add_special_tokens=opts.add_special_tokens,
     )
     sampled = sample_sequences(data.sequences, opts.batch_size, pad_id(tokenizer)) \
         if opts.scale_objective == ATTENTION else frozenset()
@@ -255,6 +256,8 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "num_samples": len(data.sequences),
         "num_rows_selected": data.rows_selected,
         "num_rows_empty": data.rows_empty,
+        "special_tokens": data.special_tokens_rule,
+        "special_tokens_added": list(data.special_tokens),  # e.g. [BOS]: what the plain-text rows start with
         "num_tokens": data.num_tokens,
         "observer": "static_minmax",
         "strategy": opts.strategy,

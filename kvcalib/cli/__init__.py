@@ -136,6 +136,10 @@ PREDICT_HELP = "kvcalib's emulated ΔNLL of the probe text (in-process on CPU) n
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 Device = Annotated[str, typer.Option("--device", help="cpu or cuda.")]
 Bf16Compute = Annotated[str, typer.Option("--bf16-compute", help=BF16_COMPUTE_HELP)]
+SpecialTokens = Annotated[bool | None, typer.Option(
+    "--add-special-tokens/--no-add-special-tokens", show_default=False,
+    help="Add the tokenizer's special tokens (e.g. BOS) to every row / to none. Default: as vLLM serves it, "
+         "plain text with them, chat-template text without.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on stderr but errors: no progress, no table.")]
 # serve-check's, which calibrate --serve-check takes too
 Tp = Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: every NeuronCore; 1 on cpu).")]
@@ -172,6 +176,7 @@ def calibrate(
     strategy: str | None = typer.Option(None, "--strategy", help="tensor (one K and one V scale per layer) or attn_head (one per KV head; --target gpu only: vLLM on Neuron cannot load them). Default: the recipe's kv_cache_scheme, else tensor."),
     attention_scales: bool = typer.Option(False, "--attention-scales", help="Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet)."),
     bf16_compute: Bf16Compute = "auto",
+    add_special_tokens: SpecialTokens = None,
     scale_objective: str = typer.Option("attention", "--scale-objective", help="attention (default: per layer, the scale whose attention output is closest to the unquantised one, clipping where that helps) or absmax (absmax / FP8 max, never clipping: llm-compressor's rule)."),
     serve_device: str | None = typer.Option(None, "--serve-check", help="Then serve the new checkpoint with FP8 KV and probe it, as `kvcalib serve-check OUT --device DEVICE` does (trn2, trn3, cpu, cuda); the device and vLLM are checked before calibrating."),
     vllm_python: VllmPython = Path(sys.executable),
@@ -195,9 +200,8 @@ def calibrate(
         max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
         overwrite=overwrite, trust_remote_code=trust_remote_code, engine=engine, ranks=ranks,
         recipe=str(recipe) if recipe is not None else None, strategy=strategy, attention_scales=attention_scales,
-        bf16_compute=bf16_compute, scale_objective=scale_objective, cpu=_host_cpu(), memory=available_memory(),
-        scratch_dir=Path(tempfile.gettempdir()),
-    )
+        bf16_compute=bf16_compute, scale_objective=scale_objective, add_special_tokens=add_special_tokens,
+        cpu=_host_cpu(), memory=available_memory(), scratch_dir=Path(tempfile.gettempdir()))
     if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports (and serves)
         return _quiet_rank(run_calibrate, model, dataset, output, options)
     serving = None
@@ -310,6 +314,7 @@ def eval_command(
     fp8_attention: bool = typer.Option(False, "--fp8-attention", help="Also run every checkpoint that has q_scale as FP8 attention: Q quantised with the target's numerics too, the attention matmuls on the FP8 values in float32."),
     as_json: AsJson = False,
     bf16_compute: Bf16Compute = "auto",
+    add_special_tokens: SpecialTokens = None,
     quiet: Quiet = False,
 ) -> None:
     """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
@@ -319,7 +324,7 @@ def eval_command(
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
                           compare=tuple(compare), fp8_attention=fp8_attention, bf16_compute=bf16_compute,
-                          cpu=_host_cpu())
+                          add_special_tokens=add_special_tokens, cpu=_host_cpu())
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:

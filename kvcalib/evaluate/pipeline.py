@@ -154,7 +154,8 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     notify(Progress("load-data"))
     tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
     data = load_calibration_data(dataset, tokenizer, split=opts.split, text_column=opts.text_column,
-                                 num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed)
+                                 num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
+                                 add_special_tokens=opts.add_special_tokens)
     if sum(len(s) - 1 for s in data.sequences) < 1:
         raise UsageError("the evaluation samples are all one token long: nothing to score",
                          hint="pass longer texts or a larger --max-seq-len")

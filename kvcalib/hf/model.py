@@ -63,6 +63,9 @@ class RunOptions:
     device: str = "cpu"
     trust_remote_code: bool = False
     bf16_compute: str = "auto"  # auto | native | float32 (core.cpu: bf16 matmuls in float32 where bf16 is slow)
+    # None: as vLLM serves it (plain text with the tokenizer's default special tokens, chat text with none);
+    # True / False: to every row / to none (llm-compressor's examples tokenise with False)
+    add_special_tokens: bool | None = None
     cpu: HostCpu | None = None  # the host CPU, as the CLI reads it; None: assumed to have native bf16
 
 

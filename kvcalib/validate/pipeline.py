@@ -66,6 +66,9 @@ unknown; everything else is a `Finding`. The rule ids are stable:
                                        (validate/outliers.py)
    - OUTLIER-K-UNKNOWN          info   kvcalib sized the scales by absmax (--scale-objective absmax) and
                                        there is no k_proj bias to probe: only `kvcalib eval` can tell
+   - CALIB-TOKENS-NOT-AS-SERVED warning kvcalib's provenance says the rows were tokenised without the
+                                       special tokens (BOS) tokenizer.json's post-processor adds to every
+                                       prompt vLLM serves (validate/tokens.py)
 6. Portability:
    - PORT-KV-SCHEME-INVALID     error  kv_cache_scheme does not parse as QuantizationArgs
    - PORT-KV-SCHEME-FORMAT      error  not num_bits 8, type float, symmetric
@@ -97,6 +100,7 @@ from kvcalib.validate.heads import attention_group_findings, query_findings
 from kvcalib.validate.outliers import outlier_findings
 from kvcalib.validate.report import Finding, ValidationReport
 from kvcalib.validate.scales import range_findings, scale_findings
+from kvcalib.validate.tokens import token_findings
 
 __all__ = ["validate_checkpoint"]
 
@@ -135,6 +139,7 @@ def validate_checkpoint(
     findings += integrity
     findings += range_findings(scan, check, target)
     findings += outlier_findings(config, scan, check.values, check.prefix, target)
+    findings += token_findings(scan)
     findings += portability_findings(config, target, check.present)
     findings += query_findings(config, scan, target, ATTN_HEAD if check.per_head else None)
     findings += attention_group_findings(config, target)

@@ -113,7 +113,28 @@ def smollm2_checkpoint(tmp_dir: Path) -> Path:
     if ready and (Path(ready) / "config.json").exists():
         return Path(ready)
     out = tmp_dir / "smollm2"
-    subprocess.run([sys.executable, str(SCRIPTS / "prepare_smollm2.py"), str(out)], check=True)
+    subprocess.run([sys.executable, str(SCRIPTS / "prepare_model.py"), "smollm2-135m", str(out)], check=True)
+    return out
+
+
+def real_model_checkpoint(name: str, tmp_dir: Path) -> Path:
+    """A real model from scripts/prepare_model.py: $KVCALIB_MODELS/NAME when CI prepares it (in the
+    background while the other tests run: wait for its status file), else converted here."""
+    import time
+
+    ready = os.environ.get("KVCALIB_MODELS")
+    if ready:
+        out, status = Path(ready) / name, Path(ready) / f"{name}.status"
+        deadline = time.monotonic() + 1800
+        while not status.exists() and time.monotonic() < deadline:
+            time.sleep(2)
+        if (out / "config.json").exists():
+            return out
+        log = Path(ready) / f"{name}.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+        raise RuntimeError(f"scripts/prepare_model.py {name} did not produce {out}:\n{tail}")
+    out = tmp_dir / name
+    subprocess.run([sys.executable, str(SCRIPTS / "prepare_model.py"), name, str(out)], check=True)
     return out
 
 

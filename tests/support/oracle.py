@@ -16,12 +16,13 @@ def tree_digest(root: Path) -> dict[str, str]:
     }
 
 
-def oracle_absmax(model_dir: Path, sequences: list[list[int]], attn_implementation: str | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def oracle_absmax(model_dir: Path, sequences: list[list[int]], attn_implementation: str | None = None,
+                  dtype: str | torch.dtype = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """K/V absmax read back from transformers' own KV cache after a plain forward, one sample at a time."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation,
+                                                 dtype=dtype).eval()
     n = model.config.num_hidden_layers
     k, v = torch.zeros(n), torch.zeros(n)
     with torch.inference_mode():
