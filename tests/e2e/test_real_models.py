@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import fortune_texts, write_jsonl
+from helpers import fortune_texts, tutorial_texts, write_jsonl
 from oracle import oracle_absmax
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
@@ -19,18 +19,9 @@ FAST = dict(bf16_compute="float32")  # native bf16 is slow on AVX2; the comparis
 
 @pytest.fixture(scope="module")
 def tutorial(tmp_path_factory):
-    """Held-out text: the Python tutorial (Debian's python3.11-doc, which scripts/install.sh installs)."""
-    import sys
-
-    from helpers import SCRIPTS
-
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        from make_text_dataset import join_entries, tutorial_paragraphs
-    finally:
-        sys.path.pop(0)
+    """Held-out text: the Python tutorial."""
     path = tmp_path_factory.mktemp("tutorial") / "tutorial.jsonl"
-    return write_jsonl(path, [{"text": t} for t in join_entries(tutorial_paragraphs(), 2000, 8)])
+    return write_jsonl(path, [{"text": t} for t in tutorial_texts(8)])
 
 
 @pytest.fixture(scope="module")

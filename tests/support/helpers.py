@@ -90,14 +90,26 @@ def build_tiny_llama(
     return out_dir
 
 
-def fortune_texts(n: int, chars: int = 600) -> list[str]:
-    """`n` samples of real prose from Debian's fortunes (installed by .ci/run)."""
+def _text_datasets():
+    """scripts/make_text_dataset.py, imported from the scripts folder."""
     sys.path.insert(0, str(SCRIPTS))
     try:
-        from make_text_dataset import fortune_entries, join_entries
+        import make_text_dataset
     finally:
         sys.path.pop(0)
-    return join_entries(fortune_entries(), chars, n)
+    return make_text_dataset
+
+
+def fortune_texts(n: int, chars: int = 600) -> list[str]:
+    """`n` samples of real prose from Debian's fortunes (installed by .ci/run)."""
+    texts = _text_datasets()
+    return texts.join_entries(texts.fortune_entries(), chars, n)
+
+
+def tutorial_texts(n: int, chars: int = 2000) -> list[str]:
+    """`n` samples of held-out prose: the Python tutorial (Debian's python3.11-doc, installed by .ci/run)."""
+    texts = _text_datasets()
+    return texts.join_entries(texts.tutorial_paragraphs(), chars, n)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
