@@ -61,14 +61,14 @@ def test_gemma3_calibrates_the_bos_prefixed_stream_vllm_builds(gemma3, prose, tm
 
 
 def test_gemma3_eval_scores_the_models_real_nll(gemma3, prose, tmp_path):
-    """With its <bos>, Gemma 3 scores prose at its real NLL (measured on 4 x 128 fortunes: 3.5 nats with it,
-    5.1 without; 3.8 and 6.6 on 32 rows)."""
+    """With its <bos>, Gemma 3 scores prose at its real NLL (measured on these 4 x 128 fortunes: 3.98 nats with
+    it, 6.21 without; 3.8 and 6.6 on 32 rows)."""
     calibrate(gemma3, str(prose), tmp_path / "ckpt", CalibrateOptions(num_samples=4, max_seq_len=96, **FAST))
     opts = dict(num_samples=4, max_seq_len=128, **FAST)
     served = evaluate(tmp_path / "ckpt", str(prose), EvalOptions(**opts))
     bare = evaluate(tmp_path / "ckpt", str(prose), EvalOptions(add_special_tokens=False, **opts))
     print(f"Gemma 3 NLL on fortunes: {served.baseline_nll:.3f} with <bos>, {bare.baseline_nll:.3f} without")
-    assert served.baseline_nll < 4.0 and bare.baseline_nll > served.baseline_nll + 1.0
+    assert served.baseline_nll < 4.5 and bare.baseline_nll > served.baseline_nll + 1.0
 
 
 # calibrated on 8 x 256 fortunes, scored on 8 x 256 tokens of the Python tutorial, measured: Gemma-3-270M
