@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the tests' helpers and fakes
 
 from helpers import build_tiny_llama, fortune_texts, real_model_checkpoint, smollm2_checkpoint, write_jsonl  # noqa: E402
+
+# A run started in the background of a non-interactive shell (`nohup bash .ci/run &`) inherits SIGINT
+# ignored, and so would every CLI the tests start, which then (rightly) ignores the Ctrl-C the interrupt
+# tests send. The tests' own children get the default back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Tests never reach a hub: everything they load is built here or shipped in a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
