@@ -18,7 +18,7 @@ from kvcalib.core.checkpoint import (
     read_safetensors_header,
 )
 from kvcalib.core.errors import KvcalibError
-from kvcalib.core.schema import INDEX_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key
+from kvcalib.core.schema import INDEX_FILENAME, PROVENANCE_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key
 from kvcalib.validate.report import ERROR, WARNING, Finding, short_repr
 
 __all__ = ["CheckpointScan", "scan_for_validation"]
@@ -39,6 +39,18 @@ class CheckpointScan:
     @property
     def unreadable(self) -> tuple[str, ...]:
         return tuple(name for name in self.files if name not in self.headers)
+
+    def provenance(self) -> dict[str, Any] | None:
+        """kvcalib's provenance (kvcalib_calibration.json) as an object; None when absent or unreadable
+        (rule 5, validate/scales.py, reports a malformed one)."""
+        path = self.root / PROVENANCE_FILENAME
+        if not path.exists():
+            return None
+        try:
+            data = read_json(path, "kvcalib provenance")
+        except KvcalibError:
+            return None
+        return data if isinstance(data, dict) else None
 
     def source_of(self, key: str) -> str | None:
         """The file a scale is read from: the index's file if it has the key, else the first holder."""

@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvcalib.core.checkpoint import read_json, read_values
+from kvcalib.core.checkpoint import read_values
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import get_target
-from kvcalib.core.schema import PROVENANCE_FILENAME, head_counts, neuron_scale_key, num_hidden_layers
+from kvcalib.core.schema import head_counts, neuron_scale_key, num_hidden_layers
 from kvcalib.validate.files import CheckpointScan
 from kvcalib.validate.report import INFO, WARNING, Finding
 
@@ -49,14 +49,8 @@ def still_channels(config: dict[str, Any], head_dim: int) -> set[int]:
 
 
 def _objective(scan: CheckpointScan) -> str | None:
-    path = scan.root / PROVENANCE_FILENAME
-    if not path.exists():
-        return None
-    try:
-        data = read_json(path, "kvcalib provenance")
-    except KvcalibError:
-        return None  # rule 5 reports a malformed provenance
-    return data.get("scale_objective") if isinstance(data, dict) else None
+    provenance = scan.provenance()
+    return provenance.get("scale_objective") if provenance else None
 
 
 def outlier_findings(config: dict[str, Any], scan: CheckpointScan, values: dict[str, float], prefix: str,

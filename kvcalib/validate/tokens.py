@@ -12,8 +12,6 @@ were calibrated).
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvcalib.core.checkpoint import read_json
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.schema import PROVENANCE_FILENAME
@@ -46,14 +44,8 @@ def served_special_tokens(scan: CheckpointScan) -> list[str]:
 
 
 def token_findings(scan: CheckpointScan) -> list[Finding]:
-    path = scan.root / PROVENANCE_FILENAME
-    if not path.exists():
-        return []
-    try:
-        provenance: Any = read_json(path, "kvcalib provenance")
-    except KvcalibError:
-        return []  # rule 5 reports a malformed provenance
-    if not isinstance(provenance, dict):
+    provenance = scan.provenance()
+    if provenance is None:
         return []
     rule = provenance.get("special_tokens")
     if isinstance(rule, str) and (rule.startswith(AS_SERVED) or rule.startswith("every row")):
