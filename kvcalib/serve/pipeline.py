@@ -344,7 +344,8 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     if options.port:
         require_free_port(options.port)
     prompts = options.prompts or BUILTIN_PROMPTS
-    log_dir = Path(options.log_dir) if options.log_dir else Path(tempfile.mkdtemp(prefix="kvcalib-serve-"))
+    # absolute: every server runs in the log directory, and the variants and caches under it are passed by path
+    log_dir = Path(options.log_dir).absolute() if options.log_dir else Path(tempfile.mkdtemp(prefix="kvcalib-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     with_baseline = options.baseline if options.baseline is not None else options.device not in NEURON_DEVICES
     with_canary = options.canary if options.canary is not None else options.device not in NEURON_DEVICES

@@ -53,6 +53,21 @@ def test_cpu_passes_with_the_platform_flags_and_a_baseline(ckpt, cpu_python):
     assert_nothing_left(str(ckpt), result.stderr)
 
 
+def test_a_relative_log_dir_serves_the_variants_too(ckpt, cpu_python, monkeypatch):
+    """Each server runs in the log directory: the canary's and the 1.0 copies under it must reach vLLM by a path
+    that holds there (a relative one was taken for a hub id, and the 1.0 server exited)."""
+    monkeypatch.chdir(ckpt.parent)
+    result = CliRunner().invoke(app, ["serve-check", ckpt.name, "--device", "cpu", "--vllm-python", str(cpu_python),
+                                      "--log-dir", "relative-logs", "--stop-timeout", "5", "--json"])
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert set(payload["server_pids"]) == {"baseline", "fp8", "unit", "canary"} and payload["canary"]["ok"]
+    logs = ckpt.parent / "relative-logs"
+    assert Path(payload["log"]) == logs / "vllm-fp8.log"
+    assert f"VLLM_CACHE_ROOT={logs}/cache/vllm " in payload["command"]  # not again under the server's cwd
+    assert_sessions_gone(payload["server_pids"].values())
+
+
 @pytest.fixture
 def vllm_dummy():
     """An unrelated process named like vLLM (another user's server, a second CI job): never ours to count."""
