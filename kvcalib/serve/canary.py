@@ -15,12 +15,14 @@ rewritten. `make_variant` builds it; `judge_canary` compares the two runs.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcalib.core.checkpoint import scan_checkpoint
+from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import is_kv_scale_key
 
 __all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant",
@@ -51,6 +53,8 @@ def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, v
     from safetensors.torch import save_file
 
     checkpoint, dest = Path(checkpoint).resolve(), Path(dest)
+    if dest.exists() or dest.is_symlink():
+        _remove_earlier_variant(dest)
     dest.mkdir(parents=True)
     files = scan_checkpoint(checkpoint)
     rewrite = {name for name, header in files.headers.items() if any(is_kv_scale_key(k) for k in header.tensors)}
@@ -66,6 +70,16 @@ def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, v
                 tensors[key] = torch.full_like(tensor, value) if value is not None else tensor * factor
         save_file(tensors, str(dest / name), metadata=metadata)
     return dest
+
+
+def _remove_earlier_variant(dest: Path) -> None:
+    """The variant an earlier serve-check left under the same --log-dir (symlinks and rewritten scale files, nothing
+    else) is replaced; anything else there is refused, never deleted."""
+    entries = list(dest.iterdir()) if dest.is_dir() and not dest.is_symlink() else None
+    if entries is None or not all(e.is_symlink() or (e.is_file() and e.suffix == ".safetensors") for e in entries):
+        raise UsageError(f"{dest} exists and is not a checkpoint variant serve-check made",
+                         hint="pass another --log-dir, or move it away")
+    shutil.rmtree(dest)
 
 
 def mean_agreement(values: Sequence[float | None] | None) -> float | None:

@@ -48,6 +48,14 @@ def test_an_honest_server_passes_the_canary(ckpt, cpu_python):
     assert tree(ckpt) == before  # the variants never write through to the checkpoint
     assert "canary: ok" in result.stderr and "predicted ΔNLL" in result.stderr
     assert_nothing_left(str(ckpt), result.stderr)
+    again = serve(ckpt, cpu_python, "--device", "cpu", "--json")  # the same --log-dir: the variants are made anew
+    assert again.exit_code == 0, again.stderr
+    assert json.loads(again.stdout)["canary"]["ok"] and tree(ckpt) == before
+    (variant / "notes.txt").write_text("mine")  # what serve-check did not make is never deleted
+    refused = serve(ckpt, cpu_python, "--device", "cpu", "--json")
+    assert refused.exit_code == 2 and f"{variant} exists and is not a checkpoint variant serve-check made" in \
+        refused.stderr, refused.stderr
+    assert (variant / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize(("mode", "message"), [
