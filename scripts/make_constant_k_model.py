@@ -12,8 +12,9 @@ This script builds that mechanism into SmolLM2 (or any Llama whose attention has
 attention biases are switched on (all zero), then in layer `--layer`, KV head `--head`:
 - k_proj's bias moves 2 x `--dims` channels, the first halves of the lowest-frequency RoPE
   pairs, to large constants: one at `--absmax`, the others on the FP8 rounding boundaries (the
-  midpoints between grid values 128..240 in scaled units) of the scale absmax / fp8_max would
-  take, measured on `--dataset` first;
+  midpoints between grid values 128..240 in scaled units, where a cast to nearest flips; with
+  `--boundaries toward-zero` the grid values, where vLLM CPU's truncating cast flips; `both`
+  alternates them) of the scale absmax / fp8_max would take, measured on `--dataset` first;
 - k_proj's weight rows of those channels are scaled by `--k-spread` (0.25): their spread across
   tokens becomes a fraction of one, enough to cross a rounding boundary, too little to carry
   much of the attention;
@@ -22,7 +23,8 @@ Without quantisation the model is nearly unchanged (a constant added to every ke
 softmax ignores; these pairs rotate by < 0.05 rad over 256 tokens): the script prints both NLLs.
 
     python scripts/make_constant_k_model.py SRC OUT --dataset DATA [--target trn2] [--layer 0]
-        [--head 0] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 0.25] [--num-samples 32] [--max-seq-len 256]
+        [--head 0] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 0.25] [--boundaries nearest|toward-zero|both]
+        [--num-samples 32] [--max-seq-len 256]
 """
 
 from __future__ import annotations
@@ -46,19 +48,28 @@ def outlier_dims(head_dim: int, count: int) -> list[int]:
     return list(range(half - count, half))
 
 
-def boundary_values(scale: float, target_name: str, count: int, absmax: float) -> list[float]:
-    """`count` channel means: the largest at `absmax`, the rest where the chip's scaled value is exactly a rounding
-    midpoint (136, 152, ... between the FP8 grid values 128..240), alternating in sign."""
+BOUNDARIES = ("nearest", "toward-zero", "both")
+
+
+def boundary_values(scale: float, target_name: str, count: int, absmax: float, boundaries: str = "nearest"
+                    ) -> list[float]:
+    """`count` channel means: the largest at `absmax`, the rest where the scaled value sits on a rounding boundary
+    of the FP8 grid values 128..240, alternating in sign. A cast that rounds to nearest flips at the midpoints
+    (136, 152, ...); one that truncates toward zero (vLLM on CPU) at the grid values themselves (144, 160, ...);
+    `both` alternates the two, so the mechanism bites whichever the server does."""
     from kvcalib.core import fp8
 
     import torch
 
     multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, fp8.get_target(target_name)))
     midpoints = [136.0 + 16.0 * j for j in range(7)]
+    grid = [144.0 + 16.0 * j for j in range(7)]
     values = [absmax]
     for j in range(count - 1):
         sign = -1.0 if j % 2 == 0 else 1.0
-        values.append(sign * midpoints[j % len(midpoints)] / multiplier)
+        toward_zero = boundaries == "toward-zero" or (boundaries == "both" and (j // 2) % 2 == 1)
+        places = grid if toward_zero else midpoints
+        values.append(sign * places[j % len(places)] / multiplier)
     return values
 
 
@@ -107,18 +118,18 @@ def layer_absmax(model: Path, dataset: str, layer: int, num_samples: int, max_se
 
 def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int = 0, head: int = 0, dims: int = 4,
          absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 0.25, num_samples: int = 32,
-         max_seq_len: int = 256) -> tuple[list[float], float, float]:
+         max_seq_len: int = 256, boundaries: str = "nearest") -> tuple[list[float], float, float]:
     """Build the variant; (the K channel values, the measured absmax, its scale on `target`)."""
     from kvcalib.core import fp8
 
     count = 2 * dims
     with tempfile.TemporaryDirectory() as tmp:  # first pass: where absmax / fp8_max puts the grid
         first = Path(tmp) / "first"
-        guess = boundary_values(absmax / fp8.get_target(target).fp8_max, target, count, absmax)
+        guess = boundary_values(absmax / fp8.get_target(target).fp8_max, target, count, absmax, boundaries)
         build(src, first, guess, layer, head, dims, q_bias, k_spread)
         measured = layer_absmax(first, dataset, layer, num_samples, max_seq_len)
     scale = float(fp8.scale_from_absmax(measured, fp8.get_target(target)))
-    values = boundary_values(scale, target, count, absmax)
+    values = boundary_values(scale, target, count, absmax, boundaries)
     build(src, out, values, layer, head, dims, q_bias, k_spread)
     return values, measured, scale
 
@@ -135,11 +146,15 @@ def main() -> None:
     parser.add_argument("--absmax", type=float, default=350.0)
     parser.add_argument("--q-bias", type=float, default=3.0)
     parser.add_argument("--k-spread", type=float, default=0.25, help="k_proj rows of those channels x this")
+    parser.add_argument("--boundaries", choices=BOUNDARIES, default="nearest",
+                        help="the rounding boundaries the channels sit on: of a cast to nearest (Neuron, GPU), "
+                             "of vLLM CPU's truncating cast, or both")
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=256)
     args = parser.parse_args()
     values, measured, scale = make(args.src, args.out, args.dataset, args.target, args.layer, args.head, args.dims,
-                                   args.absmax, args.q_bias, args.k_spread, args.num_samples, args.max_seq_len)
+                                   args.absmax, args.q_bias, args.k_spread, args.num_samples, args.max_seq_len,
+                                   args.boundaries)
     print(f"{args.out}: layer {args.layer} KV head {args.head}, K channels at "
           f"{', '.join(f'{v:.1f}' for v in values)} (absmax {measured:.1f}, scale {scale:.4g} on {args.target}); "
           f"q bias ±{args.q_bias:g}", file=sys.stderr)

@@ -9,17 +9,27 @@ matters is the error of the attention output, not of K: SQNR ranks such scales b
 
 The search ("attention grid"): for every layer, candidate scales `absmax x 2^(-j/2)` (j = 0..10,
 so 1 down to 1/32 of the never-clipping scale), `absmax / 448` where the target's FP8 max is not
-448, and 1.0. Each is scored on the attention samples (kvcalib.hf.samples: the model's own Q,
-mask, scaling, soft-capping and sinks, K/V as the cache stores them) by the squared error of
-the attention output with K (then V) fake-quantised on the target's numerics, against the
-unquantised output; V is scored through the exact probabilities. Half of each sequence's sampled
-query rows choose, the other half (held out) confirm and report. absmax stays unless a candidate
-at least halves its error (GAIN) on the choosing and the held-out rows alike: scales that are
-equally good differ by up to ~30 % on a few hundred rows (where FP8 rounding falls), and every
-clip costs headroom at long context. Of those that do, the least-clipping one within TOLERANCE
-(25 %) of their best is chosen; per KV head with `attn_head`, where
-heads are scored apart. Sums are exactly rounded (math.fsum), so batches dealt to any number of
-ranks give the same choice as one process.
+448, 1.0, and the wider scales `absmax x 2^(j/4)` (j = 1..3). Each is scored on the attention
+samples (kvcalib.hf.samples: the model's own Q, mask, scaling, soft-capping and sinks, K/V as the
+cache stores them) by the squared error of the attention output with K (then V) fake-quantised on
+the target's numerics, against the unquantised output; V is scored through the exact
+probabilities. Half of each sequence's sampled query rows choose, the other half (held out)
+confirm and report.
+
+Two kinds of candidate, two bars:
+- A clip must at least halve absmax's error (GAIN) on both halves: scales that are equally good
+  differ by up to ~30 % on a few hundred rows (where FP8 rounding falls), and every clip costs
+  headroom at long context. Of the clips that do, the least-clipping one within TOLERANCE (25 %)
+  of their best is chosen. Saturated near-constant channels are exact constants whatever text
+  comes later, so a clip that does this is preferred.
+- Otherwise a candidate that clips nothing absmax keeps (a scale at least absmax's: the wider
+  ones, and 1.0 where absmax is under the FP8 max) costs no headroom. FP8 is a floating-point
+  grid, so such a scale differs from absmax only in where each value falls between two grid
+  points, which matters for near-constant channels. The one with the lowest error wins when it
+  is at least a tenth (WIDER_GAIN) under absmax's on the choosing and the held-out rows alike:
+  V's equally good scales differ by 1-3 %, K's by ~5 %, and a pick by noise is no better.
+Per KV head with `attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum),
+so batches dealt to any number of ranks give the same choice as one process.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, attention_rows
 
-__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "Candidates", "Gather",
+__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER", "WIDER_GAIN",
+           "Candidates",
+           "Gather",
            "KindChoice", "candidates", "choose", "sample_terms", "search", "sum_terms"]
 
 ATTENTION = "attention"
@@ -42,7 +54,9 @@ ABSMAX = "absmax"
 OBJECTIVES = (ATTENTION, ABSMAX)
 DEFAULT_OBJECTIVE = ATTENTION
 FACTORS = tuple(2.0 ** (-j / 2) for j in range(11))
-GAIN = 0.5  # a scale other than absmax must halve absmax's attention error (equivalent scales differ by up to ~30 %)
+WIDER = tuple(2.0 ** (j / 4) for j in range(1, 4))  # never clip: other places on the FP8 grid for the same values
+GAIN = 0.5  # a clip must halve absmax's attention error (equivalent scales differ by up to ~30 %)
+WIDER_GAIN = 0.9  # a wider scale must cut it by a tenth (V's equally good scales differ by ~1-3 %, K's by ~5 %)
 TOLERANCE = 0.25  # of those that do, the least clipping within 25 % of their best
 UNIT_LABEL = "1.0"
 ABSMAX_LABEL = "absmax"
@@ -50,7 +64,8 @@ ABSMAX_LABEL = "absmax"
 
 @dataclass(frozen=True)
 class Candidates:
-    """One layer's candidate scales for one kind, in order of preference (least clipping first)."""
+    """One layer's candidate scales for one kind: absmax first, then the clips from the least clipping, 1.0, and the
+    wider scales."""
 
     labels: tuple[str, ...]
     scales: torch.Tensor  # [C, kv_heads] float32
@@ -61,6 +76,11 @@ class Candidates:
     @property
     def unit(self) -> int:
         return self.labels.index(UNIT_LABEL)
+
+    @property
+    def keeps_range(self) -> torch.Tensor:
+        """[C, kv_heads] bool: the scale is at least absmax's, so it clips nothing absmax keeps."""
+        return self.scales >= self.scales[0]
 
 
 def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv_heads: int | None = None
@@ -79,6 +99,10 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     labels.append(UNIT_LABEL)
     scales.append(torch.ones_like(base))
     ranges.append(torch.full_like(base, target.fp8_max))
+    for f in WIDER:
+        labels.append(f"absmax x{f:.4g}")
+        ranges.append(base * f)
+        scales.append(fp8.scale_from_absmax(base * f, target))
     stacked = torch.stack(scales)
     clip_at = fp8.from_fp8_domain(torch.full_like(stacked, target.fp8_max), stacked, target)
     return Candidates(tuple(labels), stacked, torch.stack(ranges), clip_at)
@@ -155,11 +179,13 @@ def _relative(error: float, norm: float) -> float:
 def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head: bool) -> KindChoice:
     """The choice for one kind from its summed terms ([4, C, kv_heads]) and the reference norms ([2, kv_heads])."""
     choosing, held, clipped, count = terms[0], terms[1], terms[2], terms[3]
+    keeps = cands.keeps_range
     if per_head:
-        index = tuple(_pick(choosing[:, h].tolist(), held[:, h].tolist()) for h in range(choosing.shape[1]))
+        index = tuple(_pick(choosing[:, h].tolist(), held[:, h].tolist(), keeps[:, h].tolist())
+                      for h in range(choosing.shape[1]))
     else:
-        index = (_pick([math.fsum(row) for row in choosing.tolist()],
-                       [math.fsum(row) for row in held.tolist()]),) * choosing.shape[1]
+        index = (_pick([math.fsum(row) for row in choosing.tolist()], [math.fsum(row) for row in held.tolist()],
+                       keeps.all(dim=1).tolist()),) * choosing.shape[1]
 
     def held_error(per_head_index: Sequence[int]) -> float:
         err = math.fsum(held[c, h].item() for h, c in enumerate(per_head_index))
@@ -176,15 +202,20 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
     )
 
 
-def _pick(errors: Sequence[float], held_out: Sequence[float]) -> int:
-    """absmax (candidate 0) unless a candidate at least halves (GAIN) its attention error on the choosing rows
-    and on the held-out rows alike; then, of those, the first (least clipping) within TOLERANCE of their best."""
-    better = [c for c in range(1, len(errors))
-              if errors[c] < GAIN**2 * errors[0] and held_out[c] < GAIN**2 * held_out[0]]  # squared errors
-    if not better:
-        return 0
-    best = min(errors[c] for c in better)
-    return next(c for c in better if errors[c] <= best * (1 + TOLERANCE) ** 2)
+def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:
+    """The candidate for one kind from its squared errors on the choosing and the held-out rows (candidate 0 is
+    absmax; `keeps_range`: the candidate clips nothing absmax keeps). A clip where one at least halves (GAIN)
+    absmax's error on both halves: of those, the first (least clipping) within TOLERANCE of their best. Else, of
+    absmax and the candidates that keep its range and cut its error by a tenth (WIDER_GAIN) on both halves, the
+    lowest on the choosing rows."""
+    better = [c for c in range(1, len(errors)) if not keeps_range[c]
+              and errors[c] < GAIN**2 * errors[0] and held_out[c] < GAIN**2 * held_out[0]]  # squared errors
+    if better:
+        best = min(errors[c] for c in better)
+        return next(c for c in better if errors[c] <= best * (1 + TOLERANCE) ** 2)
+    return min((c for c in range(len(errors)) if c == 0 or (
+                keeps_range[c] and errors[c] < WIDER_GAIN**2 * errors[0] and held_out[c] < WIDER_GAIN**2 * held_out[0])),
+               key=lambda c: (errors[c], c))
 
 
 Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (one process: the list itself)

@@ -122,12 +122,16 @@ def test_stream_engine_chooses_what_the_native_engine_chooses(planted, text_data
     assert [l.to_dict() for l in streamed.layers] == [l.to_dict() for l in native.layers]
 
 
-def test_a_model_without_the_mechanism_keeps_absmax(tmp_path, text_dataset):
-    """Scales that are equally good differ by up to ~30 % on a few hundred rows: nothing but absmax clears GAIN."""
+def test_a_model_without_the_mechanism_clips_nothing(tmp_path, text_dataset):
+    """Scales that are equally good differ by up to ~30 % on a few hundred rows: no clip clears GAIN. What is
+    written keeps absmax's range (absmax, or a wider scale a tenth better on both halves) and clips nothing."""
     model = build_tiny_llama(tmp_path / "tiny")
     for target in ("trn2", "gpu"):
         result = calibrate(model, str(text_dataset), tmp_path / target, CalibrateOptions(target=target, **SMALL))
-        assert [(l.k_choice["label"], l.v_choice["label"]) for l in result.layers] == [("absmax", "absmax")] * 3
+        for layer in result.layers:
+            for choice in (layer.k_choice, layer.v_choice):
+                assert not choice["label"].startswith(("absmax x0", "absmax/")), choice
+                assert choice["clipped"] == 0.0 and choice["attention_error"] <= choice["attention_error_absmax"]
 
 
 def test_exact_sums_do_not_depend_on_the_order():
@@ -141,17 +145,42 @@ def test_exact_sums_do_not_depend_on_the_order():
     assert any(not torch.equal(naive[0], other) for other in naive)  # a plain sum would differ by rank split
 
 
-@pytest.mark.parametrize("errors, held, expected", [
-    ([1.0, 0.9, 0.8, 0.3], [1.0, 0.9, 0.8, 0.3], 0),  # nothing halves the (relative) error: absmax
+CLIPS = [False, False, False, False]  # candidates 1-3 clip
+WIDER = [False, False, True, True]  # candidates 2 and 3 keep absmax's range (1.0 under the FP8 max, a wider scale)
+
+
+@pytest.mark.parametrize("errors, held, keeps, expected", [
+    ([1.0, 0.9, 0.8, 0.3], [1.0, 0.9, 0.8, 0.3], CLIPS, 0),  # nothing halves the (relative) error: absmax
     # squared errors: 0.15 is within (1 + TOLERANCE)^2 = 1.5625 of the best, 0.1, and clips less
-    ([1.0, 0.15, 0.1, 0.1], [1.0, 0.15, 0.1, 0.1], 1),
-    ([1.0, 0.2, 0.05, 0.04], [1.0, 0.2, 0.05, 0.04], 2),
-    ([1.0, 0.1, 0.1, 0.1], [1.0, 0.9, 0.1, 0.1], 2),  # the held-out rows do not confirm candidate 1
-    ([1.0, 0.1, 0.1, 0.1], [1.0, 0.9, 0.9, 0.9], 0),  # nor any: absmax
-    ([0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], 0),  # no error at all
+    ([1.0, 0.15, 0.1, 0.1], [1.0, 0.15, 0.1, 0.1], CLIPS, 1),
+    ([1.0, 0.2, 0.05, 0.04], [1.0, 0.2, 0.05, 0.04], CLIPS, 2),
+    ([1.0, 0.1, 0.1, 0.1], [1.0, 0.9, 0.1, 0.1], CLIPS, 2),  # the held-out rows do not confirm candidate 1
+    ([1.0, 0.1, 0.1, 0.1], [1.0, 0.9, 0.9, 0.9], CLIPS, 0),  # nor any: absmax
+    ([0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], CLIPS, 0),  # no error at all
+    # with no clip halving it, a scale that keeps absmax's range must cut the error by a tenth (squared: 0.81) on
+    # both halves; the lowest of those wins
+    ([1.0, 0.9, 0.8, 0.7], [1.0, 0.9, 0.8, 0.7], WIDER, 3),
+    ([1.0, 0.9, 0.8, 0.7], [1.0, 0.9, 0.8, 0.85], WIDER, 2),  # 3 does not on the held-out rows
+    ([1.0, 0.9, 0.85, 0.7], [1.0, 0.9, 0.8, 1.1], WIDER, 0),  # neither does on both: absmax
+    ([1.0, 0.9, 0.82, 0.82], [1.0, 0.9, 0.82, 0.82], WIDER, 0),  # lower, but by less than a tenth: absmax
+    # a clip that halves absmax's error comes first, even where a wider scale is as good
+    ([1.0, 0.2, 0.2, 0.1], [1.0, 0.2, 0.2, 0.1], WIDER, 1),
 ])
-def test_the_pick_rule(errors, held, expected):
-    assert objective._pick(errors, held) == expected
+def test_the_pick_rule(errors, held, keeps, expected):
+    assert objective._pick(errors, held, keeps) == expected
+
+
+def test_the_wider_candidates_keep_absmaxs_range():
+    """1.0 keeps the range only where absmax is under the FP8 max; the wider scales always do, and clip nothing."""
+    target = fp8.get_target("trn2")
+    for absmax, unit_keeps in ((100.0, True), (300.0, False)):
+        grid = objective.candidates(torch.tensor([absmax]), target, per_head=False, kv_heads=2)
+        keeps = dict(zip(grid.labels, grid.keeps_range.all(dim=1).tolist()))
+        assert keeps["absmax"] and keeps["1.0"] is unit_keeps
+        assert [keeps[f"absmax x{f:.4g}"] for f in objective.WIDER] == [True] * 3
+        assert not any(keeps[label] for label in grid.labels if label.startswith("absmax x0") or label == "absmax/448")
+        wider = torch.tensor([label.startswith("absmax x1") for label in grid.labels])
+        assert bool((grid.clip_at[wider] >= absmax).all())
 
 
 def test_eval_and_validate_see_what_absmax_does(planted, text_dataset, tmp_path):
