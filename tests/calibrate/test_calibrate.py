@@ -40,7 +40,8 @@ def read_scales(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_scales_equal_absmax_from_transformers_cache(tiny_llama_master, text_dataset, tmp_path):
     out = tmp_path / "out"
-    result = calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(batch_size=1, **SMALL))
+    result = calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(batch_size=1, scale_objective="absmax",
+                                                                                   **SMALL))
     seqs = calibration_sequences(tiny_llama_master, text_dataset, **SMALL)
     k, v = oracle_absmax(tiny_llama_master, seqs)
     scales = read_scales(out)
@@ -130,7 +131,7 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
     assert side["target"] == "trn3" and side["fp8_max"] == 448.0
     assert [l["k_scale"] for l in side["layers"]] == [l.k_scale for l in result.layers]
     for layer in result.layers:
-        assert_scale_sized(layer.k_scale, layer.k_absmax, "trn3")
+        assert_scale_sized(layer.k_scale, layer.k_range, "trn3")  # the range the objective chose (absmax or wider)
 
     # reloads in transformers with identical weights
     orig = AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict()
@@ -143,8 +144,9 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
 
 
 def test_trn2_scales_are_448_over_240_times_gpu_scales(tiny_llama_master, text_dataset, tmp_path):
-    trn2 = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "a", CalibrateOptions(target="trn2", **SMALL))
-    gpu = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b", CalibrateOptions(target="gpu", **SMALL))
+    absmax = dict(scale_objective="absmax", **SMALL)  # the sizing rule itself
+    trn2 = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "a", CalibrateOptions(target="trn2", **absmax))
+    gpu = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b", CalibrateOptions(target="gpu", **absmax))
     for a, b in zip(trn2.layers, gpu.layers):
         assert a.k_absmax == b.k_absmax
         assert_scale_sized(a.k_scale, a.k_absmax, "trn2")
@@ -159,7 +161,7 @@ def test_recalibrating_replaces_scales_and_overwrite(tiny_llama_master, text_dat
     result = calibrate(first, str(text_dataset), second, CalibrateOptions(target="trn2", **SMALL))
     index = json.loads((second / INDEX_FILENAME).read_text())
     assert index["weight_map"][neuron_scale_key(0, "k")] == SCALES_FILENAME
-    assert_scale_sized(read_scales(second)[neuron_scale_key(0, "k")].item(), result.layers[0].k_absmax, "trn2")
+    assert_scale_sized(read_scales(second)[neuron_scale_key(0, "k")].item(), result.layers[0].k_range, "trn2")
     assert result.validation["ok"]
     # --overwrite replaces an existing output whole
     (second / "stray.txt").write_text("old")

@@ -32,8 +32,8 @@ def scale_bits(ckpt) -> dict[str, list[int]]:
 @pytest.mark.parametrize("batch_size", [1, 5])
 def test_per_head_and_q_scales_equal_the_oracle(batch_size, tiny_llama_master, text_dataset, tmp_path):
     out = tmp_path / "out"
-    result = calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(batch_size=batch_size, **PER_HEAD,
-                                                                                   **SMALL))
+    result = calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(
+        batch_size=batch_size, scale_objective="absmax", **PER_HEAD, **SMALL))  # sized by each head's absmax
     seqs = calibration_sequences(tiny_llama_master, text_dataset, **SMALL)
     _, _, q = oracle_heads(tiny_llama_master, seqs)  # Q from the model's own (eager) attention call
     k, v, _ = oracle_heads(tiny_llama_master, seqs, attn_implementation="sdpa")  # the attention kvcalib runs

