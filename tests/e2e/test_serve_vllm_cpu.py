@@ -142,7 +142,8 @@ def test_real_models_serve_as_kvcalib_predicts(model, request, tmp_path, monkeyp
     print(f"{model}: baseline NLL served {served['baseline']:.4f}, predicted {predicted['baseline_nll']:.4f}; "
           f"ΔNLL served {payload['delta_nll']['served']:+.4f}, predicted {predicted['delta_nll']:+.4f}")
     assert abs(served["baseline"] - predicted["baseline_nll"]) < 0.01  # measured 0.0008 (Gemma), 0.0004 (Qwen)
-    assert abs(payload["delta_nll"]["served"] - predicted["delta_nll"]) < 0.03  # measured 0.012 on both
+    # measured: 0.012 on both with the README's data; on this test's, Gemma 0.005, Qwen 0.016
+    assert abs(payload["delta_nll"]["served"] - predicted["delta_nll"]) < 0.03
 
 
 KERNEL_PROBE = """
