@@ -45,9 +45,7 @@ from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, attention_rows
 
 __all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER", "WIDER_GAIN",
-           "Candidates",
-           "Gather",
-           "KindChoice", "candidates", "choose", "sample_terms", "search", "sum_terms"]
+           "Candidates", "Gather", "KindChoice", "candidates", "choose", "sample_terms", "search", "sum_terms"]
 
 ATTENTION = "attention"
 ABSMAX = "absmax"
@@ -208,13 +206,14 @@ def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Seque
     absmax's error on both halves: of those, the first (least clipping) within TOLERANCE of their best. Else, of
     absmax and the candidates that keep its range and cut its error by a tenth (WIDER_GAIN) on both halves, the
     lowest on the choosing rows."""
-    better = [c for c in range(1, len(errors)) if not keeps_range[c]
-              and errors[c] < GAIN**2 * errors[0] and held_out[c] < GAIN**2 * held_out[0]]  # squared errors
+    def cuts(c: int, gain: float) -> bool:  # below gain x absmax's relative error on both halves (squared errors)
+        return errors[c] < gain**2 * errors[0] and held_out[c] < gain**2 * held_out[0]
+
+    better = [c for c in range(1, len(errors)) if not keeps_range[c] and cuts(c, GAIN)]
     if better:
         best = min(errors[c] for c in better)
         return next(c for c in better if errors[c] <= best * (1 + TOLERANCE) ** 2)
-    return min((c for c in range(len(errors)) if c == 0 or (
-                keeps_range[c] and errors[c] < WIDER_GAIN**2 * errors[0] and held_out[c] < WIDER_GAIN**2 * held_out[0])),
+    return min((c for c in range(len(errors)) if c == 0 or (keeps_range[c] and cuts(c, WIDER_GAIN))),
                key=lambda c: (errors[c], c))
 
 
