@@ -9,7 +9,7 @@ q·k, scrambles attention. A clipped scale saturates them into exact constants, 
 ignores.
 
 This script builds that mechanism into SmolLM2 (or any Llama whose attention has no biases):
-attention biases are switched on (all zero), then in layer `--layer`, KV head `--head`:
+attention biases are switched on (all zero), then in each layer of `--layer` and KV head of `--head`:
 - k_proj's bias moves 2 x `--dims` channels, the first halves of the lowest-frequency RoPE
   pairs, to large constants: one at `--absmax`, the others on the FP8 rounding boundaries (the
   midpoints between grid values 128..240 in scaled units, where a cast to nearest flips; with
@@ -22,8 +22,8 @@ attention biases are switched on (all zero), then in layer `--layer`, KV head `-
 Without quantisation the model is nearly unchanged (a constant added to every key's q·k is what
 softmax ignores; these pairs rotate by < 0.05 rad over 256 tokens): the script prints both NLLs.
 
-    python scripts/make_constant_k_model.py SRC OUT --dataset DATA [--target trn2] [--layer 0]
-        [--head 0] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 0.25] [--boundaries nearest|toward-zero|both]
+    python scripts/make_constant_k_model.py SRC OUT --dataset DATA [--target trn2] [--layer 0[,1..]]
+        [--head 0[,1..]] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 0.25] [--boundaries nearest|toward-zero|both]
         [--num-samples 32] [--max-seq-len 256]
 """
 
@@ -73,8 +73,9 @@ def boundary_values(scale: float, target_name: str, count: int, absmax: float, b
     return values
 
 
-def build(src: Path, out: Path, k_values: list[float], layer: int, head: int, dims: int, q_bias: float,
+def build(src: Path, out: Path, k_values: dict[int, list[float]], heads: list[int], dims: int, q_bias: float,
           k_spread: float) -> None:
+    """The variant of `src` with `k_values[layer]` as the outlier channels' K bias in every KV head of `heads`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -91,47 +92,59 @@ def build(src: Path, out: Path, k_values: list[float], layer: int, head: int, di
                 linear = getattr(module, name, None)
                 if isinstance(linear, torch.nn.Linear) and linear.bias is not None:
                     linear.bias.zero_()
-        attention = model.model.layers[layer].self_attn
         channels = outlier_dims(head_dim, 2 * dims)
-        for d, value in zip(channels, k_values):
-            attention.k_proj.bias[head * head_dim + d] = value
-            attention.k_proj.weight[head * head_dim + d].mul_(k_spread)  # what varies across tokens: small
-        for q_head in range(head * group, (head + 1) * group):
-            for j, d in enumerate(channels):
-                attention.q_proj.bias[q_head * head_dim + d] = q_bias if (j + q_head) % 2 == 0 else -q_bias
+        for layer, values in k_values.items():
+            attention = model.model.layers[layer].self_attn
+            for head in heads:
+                for d, value in zip(channels, values):
+                    attention.k_proj.bias[head * head_dim + d] = value
+                    attention.k_proj.weight[head * head_dim + d].mul_(k_spread)  # what varies across tokens: small
+                for q_head in range(head * group, (head + 1) * group):
+                    for j, d in enumerate(channels):
+                        attention.q_proj.bias[q_head * head_dim + d] = q_bias if (j + q_head) % 2 == 0 else -q_bias
     partial = out.with_name(out.name + ".partial")
     model.save_pretrained(partial)
     AutoTokenizer.from_pretrained(src).save_pretrained(partial)
     os.replace(partial, out)
 
 
-def layer_absmax(model: Path, dataset: str, layer: int, num_samples: int, max_seq_len: int) -> float:
+def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int) -> list[float]:
+    """Every layer's K absmax, as `kvcalib calibrate` measures it on this machine."""
     from kvcalib.calibrate import CalibrateOptions, calibrate
     from kvcalib.core.cpu import HostCpu
 
     cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
-    with tempfile.TemporaryDirectory() as tmp:  # as `kvcalib calibrate` runs it on this machine
+    with tempfile.TemporaryDirectory() as tmp:
         result = calibrate(model, dataset, Path(tmp) / "out", CalibrateOptions(
             num_samples=num_samples, max_seq_len=max_seq_len, scale_objective="absmax", cpu=cpu))
-    return result.layers[layer].k_absmax
+    return [layer.k_absmax for layer in result.layers]
 
 
-def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int = 0, head: int = 0, dims: int = 4,
-         absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 0.25, num_samples: int = 32,
-         max_seq_len: int = 256, boundaries: str = "nearest") -> tuple[list[float], float, float]:
-    """Build the variant; (the K channel values, the measured absmax, its scale on `target`)."""
+def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int | list[int] = 0,
+         head: int | list[int] = 0, dims: int = 4, absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 0.25,
+         num_samples: int = 32, max_seq_len: int = 256, boundaries: str = "nearest"
+         ) -> tuple[list[float], float, float]:
+    """Build the variant (the mechanism in every KV head of `head` of every layer of `layer`); the first layer's
+    K channel values, its measured absmax and its scale on `target`."""
     from kvcalib.core import fp8
 
+    layers = [layer] if isinstance(layer, int) else list(layer)
+    heads = [head] if isinstance(head, int) else list(head)
+    chip = fp8.get_target(target)
     count = 2 * dims
     with tempfile.TemporaryDirectory() as tmp:  # first pass: where absmax / fp8_max puts the grid
         first = Path(tmp) / "first"
-        guess = boundary_values(absmax / fp8.get_target(target).fp8_max, target, count, absmax, boundaries)
-        build(src, first, guess, layer, head, dims, q_bias, k_spread)
-        measured = layer_absmax(first, dataset, layer, num_samples, max_seq_len)
-    scale = float(fp8.scale_from_absmax(measured, fp8.get_target(target)))
-    values = boundary_values(scale, target, count, absmax, boundaries)
-    build(src, out, values, layer, head, dims, q_bias, k_spread)
-    return values, measured, scale
+        guess = boundary_values(absmax / chip.fp8_max, target, count, absmax, boundaries)
+        build(src, first, {i: guess for i in layers}, heads, dims, q_bias, k_spread)
+        measured = layer_absmax(first, dataset, num_samples, max_seq_len)
+    scales = {i: float(fp8.scale_from_absmax(measured[i], chip)) for i in layers}
+    values = {i: boundary_values(scales[i], target, count, absmax, boundaries) for i in layers}
+    build(src, out, values, heads, dims, q_bias, k_spread)
+    return values[layers[0]], measured[layers[0]], scales[layers[0]]
+
+
+def _numbers(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
 
 
 def main() -> None:
@@ -140,8 +153,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--target", default="trn2")
-    parser.add_argument("--layer", type=int, default=0)
-    parser.add_argument("--head", type=int, default=0)
+    parser.add_argument("--layer", type=_numbers, default=[0], help="the layer, or layers: 0,1,2")
+    parser.add_argument("--head", type=_numbers, default=[0], help="the KV head, or heads: 0,1")
     parser.add_argument("--dims", type=int, default=4, help="2x this many channels (the lowest-frequency pairs)")
     parser.add_argument("--absmax", type=float, default=350.0)
     parser.add_argument("--q-bias", type=float, default=3.0)
@@ -155,7 +168,8 @@ def main() -> None:
     values, measured, scale = make(args.src, args.out, args.dataset, args.target, args.layer, args.head, args.dims,
                                    args.absmax, args.q_bias, args.k_spread, args.num_samples, args.max_seq_len,
                                    args.boundaries)
-    print(f"{args.out}: layer {args.layer} KV head {args.head}, K channels at "
+    print(f"{args.out}: layer {','.join(map(str, args.layer))} KV head {','.join(map(str, args.head))}, "
+          f"K channels (layer {args.layer[0]}) at "
           f"{', '.join(f'{v:.1f}' for v in values)} (absmax {measured:.1f}, scale {scale:.4g} on {args.target}); "
           f"q bias ±{args.q_bias:g}", file=sys.stderr)
 

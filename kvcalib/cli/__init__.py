@@ -312,6 +312,8 @@ def eval_command(
     device: Device = "cpu",
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of per-layer absmax, SQNR and clipping."),
     fp8_attention: bool = typer.Option(False, "--fp8-attention", help="Also run every checkpoint that has q_scale as FP8 attention: Q quantised with the target's numerics too, the attention matmuls on the FP8 values in float32."),
+    layer_rows: int = typer.Option(2, "--layer-rows", help="Rows on which each layer is quantised alone, for its own ΔNLL (one forward pass per layer and scale set); 0: skip."),
+    per_layer: bool = typer.Option(False, "--per-layer", help="Print every layer's attention error, ΔNLL alone, SQNR and clipping."),
     as_json: AsJson = False,
     bf16_compute: Bf16Compute = "auto",
     add_special_tokens: SpecialTokens = None,
@@ -324,7 +326,7 @@ def eval_command(
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
                           compare=tuple(compare), fp8_attention=fp8_attention, bf16_compute=bf16_compute,
-                          add_special_tokens=add_special_tokens, cpu=_host_cpu())
+                          add_special_tokens=add_special_tokens, cpu=_host_cpu(), layer_rows=layer_rows)
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
@@ -332,7 +334,7 @@ def eval_command(
         result = evaluate(checkpoint, dataset, options, progress=on_progress)
         if plot is not None:
             result = dataclasses.replace(result, plot=str(plot_eval(result, plot)))
-    render_eval(console, result)
+    render_eval(console, result, per_layer)
     if as_json:
         _print_json(result.to_dict())
 

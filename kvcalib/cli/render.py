@@ -65,7 +65,7 @@ def progress_bar(console: Console, label: str = "calibrating", name: str = "cali
 # Without a terminal: one line at most this often, and at the start and the end of the work.
 PLAIN_INTERVAL_S = 30.0
 _STAGES = {"load-data": "reading dataset", "load-model": "loading model", "objective": "choosing the scales",
-           "write": "writing checkpoint"}
+           "write": "writing checkpoint", "layers-alone": "quantising one layer at a time"}
 
 
 def plain_progress(console: Console, name: str) -> Callable[[Any], None]:
@@ -151,27 +151,55 @@ def render_report(console: Console, report: Any) -> None:
                   + (" (strict: warnings count as errors)" if report.strict else ""))
 
 
-def render_eval(console: Console, result: Any) -> None:
+def _worst(values: list[tuple[float, int]], fmt: str) -> str:
+    return "-" if not values else (fmt + " (layer {})").format(*max(values))
+
+
+def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
     table = Table(title=f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
                   f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens")
-    for column in ("scales", "kind", "ΔNLL", "KL", "top-1", "K clip", "V clip", "attn err", "K SQNR", "V SQNR",
-                   "Q SQNR"):
+    for column in ("scales", "kind", "ΔNLL", "KL", "top-1", "K clip", "V clip", "attn err", "layer alone",
+                   "K SQNR", "V SQNR", "Q SQNR"):
         table.add_column(column, justify="left" if column in ("scales", "kind") else "right", overflow="fold")
     for run in result.runs:
         q = [l.q_sqnr_db for l in run.layers if l.q_sqnr_db is not None]
-        errors = [(l.attention_error, l.layer) for l in run.layers if l.attention_error is not None]
         table.add_row(run.name, run.kind, f"{run.delta_nll:+.4f}", f"{run.kl:.5f}", f"{run.top1:.2%}",
                       f"{run.k_clipped:.2%}", f"{run.v_clipped:.2%}",
-                      "{:.3f} (layer {})".format(*max(errors)) if errors else "-",
+                      _worst([(l.attention_error, l.layer) for l in run.layers if l.attention_error is not None],
+                             "{:.3f}"),
+                      _worst([(l.kl_alone, l.layer) for l in run.layers if l.kl_alone is not None], "{:.5f}"),
                       f"{min(l.k_sqnr_db for l in run.layers):.1f}",
                       f"{min(l.v_sqnr_db for l in run.layers):.1f}", f"{min(q):.1f}" if q else "-")
     console.print(table)
+    if per_layer:
+        for run in result.runs:
+            _render_layers(console, run, result.layer_rows)
+    alone = (f"layer alone: the costliest layer's KL with only its K/V quantised, on the first "
+             f"{result.layer_rows} row(s) (its ΔNLL with --per-layer); " if result.layer_rows else "")
     console.print("attn err: the worst layer's attention-output error ||ΔO||/||O|| with K and V quantised (what "
-                  "serving sees); SQNR (dB): the worst layer's, which can rank scales backwards; every layer's in "
-                  "--json and --plot", style="dim")
+                  f"serving sees); {alone}SQNR (dB): the worst layer's, which can rank scales backwards; every "
+                  "layer's with --per-layer, in --json and --plot", style="dim")
     console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
     if result.plot:
         console.print(f"plot: {result.plot}")
+
+
+def _render_layers(console: Console, run: Any, layer_rows: int) -> None:
+    """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping."""
+    table = Table(title=escape(f"{run.name}: per layer" + (f" (alone: that layer quantised, the others not, on "
+                                                           f"{layer_rows} row(s))" if layer_rows else "")))
+    for column in ("layer", "attn err", "ΔNLL alone", "KL alone", "K SQNR", "V SQNR", "K clip", "V clip", "K clips above",
+                   "K absmax"):
+        table.add_column(column, justify="right")
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for l in run.layers:
+        table.add_row(str(l.layer), num(l.attention_error, ".3f"), num(l.delta_nll_alone, "+.4f"), num(l.kl_alone, ".5f"),
+                      f"{l.k_sqnr_db:.1f}", f"{l.v_sqnr_db:.1f}", f"{l.k_clipped:.2%}", f"{l.v_clipped:.2%}",
+                      f"{l.k_clip_at:.4g}", f"{l.k_absmax:.4g}")
+    console.print(table)
 
 
 @contextmanager

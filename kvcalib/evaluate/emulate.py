@@ -38,6 +38,8 @@ class LayerQuantStats:
     q_sqnr_db: float | None = None  # FP8 attention only
     q_clipped: float | None = None
     attention_error: float | None = None  # ||ΔO|| / ||O|| of the layer's attention output, K and V quantised
+    delta_nll_alone: float | None = None  # ΔNLL with only this layer's K/V quantised (eval's first layer_rows rows)
+    kl_alone: float | None = None  # KL(unquantised || quantised) likewise
 
     def to_dict(self) -> dict[str, Any]:
         out = {"layer": self.layer, "k_sqnr_db": self.k_sqnr_db, "v_sqnr_db": self.v_sqnr_db,
@@ -48,6 +50,8 @@ class LayerQuantStats:
             out.update(q_sqnr_db=self.q_sqnr_db, q_clipped=self.q_clipped)
         if self.attention_error is not None:
             out["attention_error"] = self.attention_error
+        if self.delta_nll_alone is not None:
+            out.update(delta_nll_alone=self.delta_nll_alone, kl_alone=self.kl_alone)
         return out
 
 
@@ -175,7 +179,8 @@ class KVErrorMeter:
             clipped = (fp8.to_fp8_domain(xf, scale, target).abs() > target.fp8_max).sum()
             self._sums[c, layer, kind] += torch.stack([signal, noise, clipped.double(), count])
 
-    def layer_stats(self, name: str) -> list[LayerQuantStats]:
+    def layer_stats(self, name: str, alone: list[Any] | None = None) -> list[LayerQuantStats]:
+        """Per layer, configuration `name`'s figures; `alone`: each layer's ΔNLL quantised alone, if measured."""
         c = list(self.configs).index(name)
         quantizer = self.configs[name]
         sums, absmax = self._sums[c].cpu(), self._absmax.cpu()
@@ -191,6 +196,8 @@ class KVErrorMeter:
                 v_clip_at=_clip_threshold(_largest(quantizer.v_scales[i]), quantizer.target), **q,
                 attention_error=None if self.sampler is None else attention_error(
                     self.sampler.samples[i], quantizer.k_scales[i], quantizer.v_scales[i], quantizer.target),
+                delta_nll_alone=None if alone is None or alone[i] is None else alone[i].delta_nll,
+                kl_alone=None if alone is None or alone[i] is None else alone[i].kl,
             ))
         return stats
 

@@ -35,6 +35,7 @@ from kvcalib.evaluate.emulate import (
     LayerQuantStats,
     is_per_head,
 )
+from kvcalib.evaluate.layers import LayerAlone, layers_alone
 from kvcalib.evaluate.scales import ScaleSet, read_scale_set, unit_scale_set
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import compute_path
@@ -66,12 +67,14 @@ class EvalOptions(RunOptions):
     batch_size: int = 2
     compare: tuple[str, ...] = ()
     fp8_attention: bool = False  # also run each configuration with q_scale as FP8 attention (Q quantised too)
+    layer_rows: int = 2  # per-layer ΔNLL (one layer quantised at a time) on this many of the rows; 0: none
 
     def check_arguments(self) -> None:
         """The numbers a user passes, checked before anything is read (UsageError naming the flag)."""
         check_at_least("--num-samples", self.num_samples, 1, what="rows of the dataset to score")
         check_at_least("--max-seq-len", self.max_seq_len, 2, what="tokens per sample: one predicts the next")
         check_at_least("--batch-size", self.batch_size, 1, what="sequences per forward pass")
+        check_at_least("--layer-rows", self.layer_rows, 0, what="rows on which each layer is quantised alone")
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class EvalResult:
     seconds: float = 0.0
     plot: str | None = None
     compute: str = ""
+    layer_rows: int = 0  # rows the per-layer ΔNLL (LayerQuantStats.delta_nll_alone) was measured on
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +121,7 @@ class EvalResult:
             "num_samples": self.num_samples, "num_tokens": self.num_tokens,
             "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll)},
             "runs": [r.to_dict() for r in self.runs], "seconds": round(self.seconds, 3), "plot": self.plot,
+            "layer_rows": self.layer_rows,
         }
 
 
@@ -171,11 +176,12 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device, sampler)
     baseline = _score(model, data, opts.batch_size, pad_id(tokenizer), device, compute, meter, totals, notify)
     base_nll_mean = baseline.nll / baseline.count
+    alone = _layers_alone(model, data, opts, pad_id(tokenizer), device, compute, quantizers, notify)
     runs = tuple(
         RunResult(
             name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
             delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
-            layers=tuple(meter.layer_stats(name)), kind=_kind(t.quantizer),
+            layers=tuple(meter.layer_stats(name, alone.get(name))), kind=_kind(t.quantizer),
         )
         for name, t in totals.items()
     )
@@ -183,7 +189,20 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max,
         num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
         runs=runs, seconds=time.perf_counter() - started, compute=compute.describe(),
+        layer_rows=min(opts.layer_rows, len(data.sequences)),
     )
+
+
+def _layers_alone(model: torch.nn.Module, data: CalibrationData, opts: EvalOptions, pad: int, device: torch.device,
+                  compute: ComputePath, quantizers: dict[str, KVQuantizer], notify: ProgressCallback
+                  ) -> dict[str, list[LayerAlone | None]]:
+    """Per configuration, each layer's ΔNLL and KL with only that layer quantised, on the first `layer_rows` rows."""
+    rows = data.sequences[:opts.layer_rows]
+    if not rows:
+        return {}
+    notify(Progress("layers-alone"))
+    return layers_alone(lambda ids, mask, hook: _log_probs(model, ids, mask, hook, compute), rows,
+                           opts.batch_size, pad, device, quantizers)
 
 
 def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: int, device: torch.device,

@@ -48,7 +48,7 @@ def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = N
         data = Path(tmp) / "probe.jsonl"
         data.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
         result = evaluate(checkpoint, str(data), EvalOptions(target=target, num_samples=1, max_seq_len=4096,
-                                                              batch_size=1, compare=compare, cpu=cpu))
+                                                              batch_size=1, compare=compare, cpu=cpu, layer_rows=0))
     runs = {run.name: run for run in result.runs}
     own = result.runs[0]
     return Prediction(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS
+from helpers import SCRIPTS, build_tiny_llama
 from typer.testing import CliRunner
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
@@ -97,6 +97,36 @@ def test_eval_json_and_plot(tiny_outlier, text_dataset, tmp_path):
         assert {"layer", "k_sqnr_db", "v_sqnr_db", "k_clipped", "v_clipped"} <= set(run["layers"][0])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "FP8 KV on trn2" in result.stderr
+
+
+def test_a_one_layer_model_quantised_alone_is_the_whole_run(text_dataset, tmp_path):
+    """By construction: with one layer and every row, "that layer alone" is the whole quantised run."""
+    model = build_tiny_llama(tmp_path / "one-layer", num_layers=1)
+    calibrate(model, str(text_dataset), tmp_path / "cal", CalibrateOptions(**DATA))
+    result = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(compare=("unit",), layer_rows=8, **DATA))
+    assert result.layer_rows == 8
+    for run in result.runs:
+        [layer] = run.layers
+        assert layer.delta_nll_alone == pytest.approx(run.delta_nll, abs=1e-9)
+        assert layer.kl_alone == pytest.approx(run.kl, abs=1e-9)
+
+
+def test_layers_alone_in_the_cli_and_off_with_zero_rows(tiny_outlier, text_dataset):
+    _, trn2_ckpt, _, _ = tiny_outlier
+    args = ["eval", str(trn2_ckpt), "--dataset", str(text_dataset), "--num-samples", "4", "--max-seq-len", "64"]
+    shown = CliRunner().invoke(app, [*args, "--compare", "unit", "--per-layer", "--json"])
+    assert shown.exit_code == 0, shown.stderr
+    assert "unit: per layer (alone: that layer quantised, the others not, on 2 row(s))" in shown.stderr
+    payload = json.loads(shown.stdout)
+    assert payload["layer_rows"] == 2
+    for run in payload["runs"]:
+        assert all({"delta_nll_alone", "kl_alone"} <= set(layer) for layer in run["layers"])
+    skipped = CliRunner().invoke(app, [*args, "--layer-rows", "0", "--json"])
+    assert skipped.exit_code == 0, skipped.stderr
+    payload = json.loads(skipped.stdout)
+    assert payload["layer_rows"] == 0 and "kl_alone" not in payload["runs"][0]["layers"][0]
+    bad = CliRunner().invoke(app, [*args, "--layer-rows", "-1"])
+    assert bad.exit_code == 2 and "--layer-rows" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_eval_needs_scales(tiny_llama_master, text_dataset):
