@@ -64,7 +64,7 @@ def test_gemma3_eval_scores_the_models_real_nll(gemma3, prose, tmp_path):
     """With its <bos>, Gemma 3 scores prose at its real NLL (measured on these 4 x 128 fortunes: 3.98 nats with
     it, 6.21 without; 3.8 and 6.6 on 32 rows)."""
     calibrate(gemma3, str(prose), tmp_path / "ckpt", CalibrateOptions(num_samples=4, max_seq_len=96, **FAST))
-    opts = dict(num_samples=4, max_seq_len=128, **FAST)
+    opts = dict(num_samples=4, max_seq_len=128, layer_rows=0, **FAST)
     served = evaluate(tmp_path / "ckpt", str(prose), EvalOptions(**opts))
     bare = evaluate(tmp_path / "ckpt", str(prose), EvalOptions(add_special_tokens=False, **opts))
     print(f"Gemma 3 NLL on fortunes: {served.baseline_nll:.3f} with <bos>, {bare.baseline_nll:.3f} without")
@@ -91,7 +91,7 @@ def test_trn2_scales_beat_llm_compressors_448_on_trn2(model, prose, tutorial, tm
     report = validate_checkpoint(tmp_path / "trn2", "trn2")
     assert report.ok, report
     result = evaluate(tmp_path / "trn2", str(tutorial), EvalOptions(target="trn2", compare=(str(tmp_path / "448"),),
-                                                                    **opts))
+                                                                    layer_rows=0, **opts))
     own, clipped = result.runs
     print(f"{model} on trn2: calibrated {own.delta_nll:+.4f}, absmax/448 {clipped.delta_nll:+.4f}")
     assert own.delta_nll < 0.05
