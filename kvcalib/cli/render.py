@@ -171,6 +171,16 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
                       f"{min(l.k_sqnr_db for l in run.layers):.1f}",
                       f"{min(l.v_sqnr_db for l in run.layers):.1f}", f"{min(q):.1f}" if q else "-")
     console.print(table)
+    for run in result.runs:
+        nll, accuracy = run.intervals
+        for interval, what, fmt, higher in ((nll, "ΔNLL (nats)", "{:+.4f}", True),
+                                            (accuracy, "next-token top-1 accuracy", "{:+.2%}", False)):
+            if interval is not None:
+                console.print(f"{escape(run.name)}: {escape(interval.verdict(what, fmt, worse_if_higher=higher))}",
+                              soft_wrap=True, highlight=False)
+    if any(i is not None for run in result.runs for i in run.intervals):
+        console.print(f"intervals: {result.runs[0].intervals[0].method if result.runs[0].intervals[0] else ''}, "
+                      "sequences whole, per-token means", style="dim")
     if per_layer:
         for run in result.runs:
             _render_layers(console, run, result.layer_rows)

@@ -36,6 +36,7 @@ from kvcalib.evaluate.emulate import (
     is_per_head,
 )
 from kvcalib.evaluate.layers import LayerAlone, layers_alone
+from kvcalib.evaluate.significance import Interval, paired_bootstrap
 from kvcalib.evaluate.scales import ScaleSet, read_scale_set, unit_scale_set
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import compute_path
@@ -87,6 +88,16 @@ class RunResult:
     top1: float
     layers: tuple[LayerQuantStats, ...]
     kind: str = ""  # "KV per-tensor", "KV per-head", "FP8 attn, per-tensor" (Q too), "FP8 attn, per-head"
+    accuracy: float = 0.0  # next-token top-1 accuracy (top1 is the agreement with the unquantised run's top-1)
+    intervals: tuple[Interval | None, Interval | None] = (None, None)  # paired: ΔNLL, Δ accuracy (None: < 2 rows)
+
+    @property
+    def delta_nll_interval(self) -> Interval | None:
+        return self.intervals[0]
+
+    @property
+    def delta_accuracy_interval(self) -> Interval | None:
+        return self.intervals[1]
 
     @property
     def k_clipped(self) -> float:
@@ -97,8 +108,12 @@ class RunResult:
         return _mean(l.v_clipped for l in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
+        nll, accuracy = self.intervals
         return {"name": self.name, "kind": self.kind, "nll": self.nll, "ppl": self.ppl, "delta_nll": self.delta_nll,
-                "kl": self.kl, "top1": self.top1, "layers": [l.to_dict() for l in self.layers]}
+                "kl": self.kl, "top1": self.top1, "accuracy": self.accuracy,
+                "delta_nll_interval": None if nll is None else nll.to_dict(),
+                "delta_accuracy_interval": None if accuracy is None else accuracy.to_dict(),
+                "layers": [l.to_dict() for l in self.layers]}
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,7 @@ class EvalResult:
     num_tokens: int  # next-token predictions scored
     baseline_nll: float
     runs: tuple[RunResult, ...]
+    baseline_accuracy: float = 0.0  # next-token top-1 accuracy of the unquantised run
     seconds: float = 0.0
     plot: str | None = None
     compute: str = ""
@@ -119,7 +135,7 @@ class EvalResult:
         return {
             "checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "compute": self.compute,
             "num_samples": self.num_samples, "num_tokens": self.num_tokens,
-            "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll)},
+            "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll), "accuracy": self.baseline_accuracy},
             "runs": [r.to_dict() for r in self.runs], "seconds": round(self.seconds, 3), "plot": self.plot,
             "layer_rows": self.layer_rows,
         }
@@ -132,13 +148,36 @@ def _mean(values: Any) -> float:
 
 @dataclass
 class _Totals:
-    """Running sums over scored tokens for one configuration."""
+    """Running sums over scored tokens for one configuration, and per sequence (for the paired intervals)."""
 
     nll: float = 0.0
     kl: float = 0.0
     agree: float = 0.0
     count: int = 0
     quantizer: KVQuantizer | None = field(default=None)
+    row_nll: list[float] = field(default_factory=list)  # per sequence: Σ NLL, correct top-1 predictions, tokens
+    row_correct: list[float] = field(default_factory=list)
+    row_tokens: list[int] = field(default_factory=list)
+
+    def add(self, nll: torch.Tensor, correct: torch.Tensor, scored: torch.Tensor) -> None:
+        """One batch: per-row sums of NLL and correct predictions ([B] float64) over its scored tokens."""
+        self.nll += float(nll.sum())
+        self.count += int(scored.sum())
+        self.row_nll += nll.tolist()
+        self.row_correct += correct.tolist()
+        self.row_tokens += scored.sum(dim=1).tolist()
+
+
+def _row_sums(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """[B, S] per-token values -> [B] float64 sums over the scored tokens."""
+    return torch.where(scored, values.double(), 0.0).sum(dim=1)
+
+
+def _intervals(run: _Totals, baseline: _Totals) -> tuple[Interval | None, Interval | None]:
+    """Paired intervals over sequences: ΔNLL per token, and the change in top-1 accuracy (next token)."""
+    nll = paired_bootstrap([q - b for q, b in zip(run.row_nll, baseline.row_nll)], baseline.row_tokens)
+    top1 = paired_bootstrap([q - b for q, b in zip(run.row_correct, baseline.row_correct)], baseline.row_tokens)
+    return nll, top1
 
 
 def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None = None,
@@ -182,12 +221,14 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
             name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
             delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
             layers=tuple(meter.layer_stats(name, alone.get(name))), kind=_kind(t.quantizer),
+            accuracy=sum(t.row_correct) / t.count, intervals=_intervals(t, baseline),
         )
         for name, t in totals.items()
     )
     return EvalResult(
         checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max,
         num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
+        baseline_accuracy=sum(baseline.row_correct) / baseline.count,
         runs=runs, seconds=time.perf_counter() - started, compute=compute.describe(),
         layer_rows=min(opts.layer_rows, len(data.sequences)),
     )
@@ -202,7 +243,7 @@ def _layers_alone(model: torch.nn.Module, data: CalibrationData, opts: EvalOptio
         return {}
     notify(Progress("layers-alone"))
     return layers_alone(lambda ids, mask, hook: _log_probs(model, ids, mask, hook, compute), rows,
-                           opts.batch_size, pad, device, quantizers)
+                        opts.batch_size, pad, device, quantizers)
 
 
 def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: int, device: torch.device,
@@ -222,17 +263,17 @@ def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: 
         meter.token_mask = None
         if meter.sampler is not None:
             meter.sampler.end_batch()
-        base_nll = -base_logp.gather(-1, targets[..., None])[..., 0][scored]
-        baseline.nll += base_nll.double().sum().item()
-        baseline.count += int(scored.sum())
         base_top1 = base_logp.argmax(-1)
+        baseline.add(_row_sums(-base_logp.gather(-1, targets[..., None])[..., 0], scored),
+                     _row_sums(base_top1 == targets, scored), scored)
         for run in totals.values():
             logp = _log_probs(model, input_ids, mask, run.quantizer, compute)
-            run.nll += (-logp.gather(-1, targets[..., None])[..., 0][scored]).double().sum().item()
+            top1 = logp.argmax(-1)
+            run.add(_row_sums(-logp.gather(-1, targets[..., None])[..., 0], scored), _row_sums(top1 == targets, scored),
+                    scored)
             kl = (base_logp.exp() * (base_logp - logp)).sum(-1)
             run.kl += kl[scored].double().sum().item()
-            run.agree += (logp.argmax(-1) == base_top1)[scored].sum().item()
-            run.count += int(scored.sum())
+            run.agree += (top1 == base_top1)[scored].sum().item()
             del logp, kl
         done_samples += input_ids.shape[0]
         done_tokens += int(mask.sum())

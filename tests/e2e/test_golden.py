@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("KVCALIB_UPDATE_GOLDEN") == "1"
-VOLATILE = {"seconds", "tokens_per_s", "ready_s", "objective_seconds"}  # timings: compared by type only
+VOLATILE = {"seconds", "tokens_per_s", "ready_s", "objective_seconds",  # timings: compared by type only
+            "significant"}  # whether an interval of near-zero differences excludes 0: CPU rounding decides
 HELP_ENV = {"COLUMNS": "120", "TERMINAL_WIDTH": "120", "NO_COLOR": "1", "FORCE_COLOR": None}
 
 

@@ -89,7 +89,7 @@ def test_eval_json_and_plot(tiny_outlier, text_dataset, tmp_path):
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     assert {"target", "num_tokens", "baseline", "runs"} <= set(payload)
-    assert set(payload["baseline"]) == {"nll", "ppl"}
+    assert set(payload["baseline"]) == {"nll", "ppl", "accuracy"}
     assert payload["baseline"]["ppl"] == pytest.approx(math.exp(payload["baseline"]["nll"]))
     assert [r["name"] for r in payload["runs"]] == ["checkpoint", "unit"]
     for run in payload["runs"]:
