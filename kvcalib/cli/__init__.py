@@ -26,6 +26,7 @@ from kvcalib.cli.render import (
     render_eval,
     render_report,
     render_serve_check,
+    render_tasks,
     serve_status,
 )
 from kvcalib.core.errors import KvcalibError, UsageError
@@ -299,9 +300,13 @@ def validate(
 @app.command("eval")
 def eval_command(
     checkpoint: str = typer.Argument(..., help="Calibrated checkpoint directory (its weights and scales)."),
-    dataset: str = typer.Option(..., "--dataset", "-d", help="Held-out text, in any form calibrate accepts."),
+    dataset: str | None = typer.Option(None, "--dataset", "-d", help="Held-out text, in any form calibrate accepts."),
     target: str = typer.Option("trn2", "--target", "-t", help="Chip numerics to emulate: trn2 (240), trn3 or gpu (448)."),
     compare: list[str] = typer.Option([], "--compare", help="Also run 'unit' (all scales 1.0) or another checkpoint's scales; repeatable."),
+    tasks: str | None = typer.Option(None, "--tasks", help="lm-eval tasks instead of --dataset, comma-separated (e.g. lambada_openai,arc_easy): each run scored on the same items, paired against the baseline (the [tasks] extra)."),
+    limit: int | None = typer.Option(None, "--limit", help="With --tasks: items per task (lm-eval's --limit)."),
+    num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="With --tasks: examples in each prompt (lm-eval's)."),
+    include_path: list[str] = typer.Option([], "--include-path", help="With --tasks: a folder of task YAML (lm-eval's); repeatable."),
     split: str = typer.Option("train", "--split", help="Dataset split."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
     num_samples: int = typer.Option(64, "--num-samples", help="First N rows of the split."),
@@ -323,6 +328,10 @@ def eval_command(
     from kvcalib.evaluate import EvalOptions, evaluate
     from kvcalib.evaluate.plot import check_plot_path, plot_eval
 
+    if tasks is not None or dataset is None:
+        _eval_tasks(checkpoint, dataset, tasks, target, compare, limit, num_fewshot, include_path, batch_size, dtype,
+                    device, bf16_compute, as_json, quiet)
+        return
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
                           compare=tuple(compare), fp8_attention=fp8_attention, bf16_compute=bf16_compute,
@@ -335,6 +344,29 @@ def eval_command(
         if plot is not None:
             result = dataclasses.replace(result, plot=str(plot_eval(result, plot)))
     render_eval(console, result, per_layer)
+    if as_json:
+        _print_json(result.to_dict())
+
+
+def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, target: str, compare: list[str],
+                limit: int | None, num_fewshot: int | None, include_path: list[str], batch_size: int, dtype: str,
+                device: str, bf16_compute: str, as_json: bool, quiet: bool) -> None:
+    """eval --tasks: lm-eval tasks, each run paired against the baseline (kvcalib.evaluate.tasks)."""
+    from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
+
+    console = _stderr(quiet)
+    with _errors():
+        if dataset is not None or tasks is None:
+            raise UsageError("eval needs --dataset (held-out text) or --tasks (lm-eval tasks), not both"
+                             if dataset is not None else "eval needs --dataset DATA or --tasks TASK[,TASK]",
+                             hint="e.g. kvcalib eval CKPT --dataset held-out.jsonl, or --tasks lambada_openai --limit 200")
+        options = TaskOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), target=target,
+                              compare=tuple(compare), limit=limit, num_fewshot=num_fewshot,
+                              include_path=tuple(include_path), batch_size=batch_size, dtype=dtype, device=device,
+                              bf16_compute=bf16_compute)
+        with progress_bar(console, "evaluating tasks", "eval") as on_progress:
+            result = evaluate_tasks(checkpoint, options, progress=on_progress)
+    render_tasks(console, result)
     if as_json:
         _print_json(result.to_dict())
 

@@ -194,6 +194,26 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
         console.print(f"plot: {result.plot}")
 
 
+def render_tasks(console: Console, result: Any) -> None:
+    """eval --tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
+    table = Table(title=escape(f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
+                               + (f", {result.limit} items per task at most" if result.limit else "")))
+    for column in ("task", "metric", "items", "baseline", "scales", "score", "difference (95% interval)", "verdict"):
+        table.add_column(column, justify="left" if column in ("task", "metric", "scales", "verdict") else "right",
+                         overflow="fold")
+    for row in result.rows:
+        for name, score in row.scores.items():
+            interval = row.intervals.get(name)
+            spread = "-" if interval is None else f"{interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]"
+            verdict = row.verdict(name).split(" (", 1)[0].replace(" from the unquantised cache", "")
+            table.add_row(row.task, f"{row.metric} ({row.filter})", str(row.items), f"{row.baseline:.4f}", name,
+                          f"{score:.4f}", spread, escape(verdict))
+    console.print(table)
+    console.print("intervals: paired bootstrap over the task's items (2000 resamples, seed 0) of the run's score "
+                  "minus the baseline's on the same item", style="dim")
+    console.print(f"compute: {result.compute}; lm-eval {result.lm_eval_version}", soft_wrap=True, markup=False)
+
+
 def _render_layers(console: Console, run: Any, layer_rows: int) -> None:
     """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping."""
     table = Table(title=escape(f"{run.name}: per layer" + (f" (alone: that layer quantised, the others not, on "

@@ -30,8 +30,8 @@ from transformers import DynamicCache
 
 from kvcalib.core.errors import UnsupportedModelError
 
-__all__ = ["KVAbsmaxObserver", "RecordingCache", "StopForward", "attention_modules", "observe_batch",
-           "observing_queries"]
+__all__ = ["KVAbsmaxObserver", "QuantizingCache", "RecordingCache", "StopForward", "attention_modules",
+           "observe_batch", "observing_queries"]
 
 
 class RecordingCache(DynamicCache):
@@ -49,6 +49,21 @@ class RecordingCache(DynamicCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         replaced = self.observer.observe(layer_idx, key_states, value_states)
         return replaced if replaced is not None else (key_states, value_states)
+
+
+class QuantizingCache(DynamicCache):
+    """A real DynamicCache (prefill and decoding) that stores what `quantizer.observe` makes of every K/V written:
+    attention reads the FP8 values, as from a chip's FP8 KV cache. `quantizer` None: an ordinary cache."""
+
+    def __init__(self, config: Any, quantizer: Any) -> None:
+        super().__init__(config=config)
+        self.quantizer = quantizer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.quantizer is not None:
+            key_states, value_states = self.quantizer.observe(layer_idx, key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class StopForward(Exception):

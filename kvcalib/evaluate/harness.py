@@ -1,0 +1,135 @@
+"""kvcalib's FP8-KV emulation as an lm-eval-harness model (lm-eval 0.4.13, the `[tasks]` extra).
+
+`import kvcalib.evaluate.harness` registers the lm-eval model "kvcalib". lm-eval has no plugin
+discovery, so its stock `lm_eval` command line cannot see it; call it from Python, or use
+`kvcalib eval CKPT --tasks ...`, a thin caller of the same model:
+
+    import lm_eval, kvcalib.evaluate.harness
+    lm_eval.simple_evaluate(model="kvcalib", model_args="pretrained=CKPT,target=trn2,scales=checkpoint",
+                            tasks=["lambada_openai"])
+
+`scales`: `checkpoint` (the checkpoint's own k_scale/v_scale), `unit` (every scale 1.0, what a
+checkpoint without scales runs with), `none` (no quantisation: lm-eval's own HF model, the
+baseline) or the path of another checkpoint whose scales to run with. The model is lm-eval's HFLM
+with one change: every forward, loglikelihood scoring and generation alike, gets a
+kvcalib.hf.attention.QuantizingCache, so K and V are stored as the target chip stores them (the
+quantiser of `kvcalib eval`, kvcalib.evaluate.emulate.KVQuantizer) and every later token, in
+the prompt and in decoding, reads the FP8 values back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from kvcalib.core.checkpoint import read_config
+from kvcalib.core.cpu import ComputePath, HostCpu
+from kvcalib.core.errors import UsageError
+from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
+from kvcalib.evaluate.emulate import KVQuantizer
+from kvcalib.evaluate.scales import read_scale_set, unit_scale_set
+from kvcalib.hf.attention import QuantizingCache
+from kvcalib.hf.compute import compute_path
+from kvcalib.hf.model import (
+    RunOptions,
+    faithful_attention,
+    load_model,
+    load_tokenizer,
+    prepare_run,
+    resolve_compute,
+    resolve_target,
+)
+
+__all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load", "quantizer_for"]
+
+BASELINE = "none"  # scales=none: no quantisation
+CHECKPOINT = "checkpoint"
+UNIT = "unit"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A checkpoint's model and tokenizer in memory, shared by every scale set a run compares."""
+
+    root: Path
+    config: dict[str, Any]
+    model: torch.nn.Module
+    tokenizer: Any
+    compute: ComputePath
+
+
+def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_compute: str = "auto",
+         trust_remote_code: bool = False, cpu: HostCpu | None = None) -> LoadedModel:
+    """The model as `kvcalib eval` loads it (the attention that computes what the model computes, the compute path
+    for this CPU)."""
+    options = RunOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute)
+    run = prepare_run(checkpoint, options, 1)
+    if cpu is None:
+        cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
+    compute = resolve_compute(bf16_compute, run.dtype, run.checkpoint, run.device, cpu)
+    model = load_model(run.checkpoint.root, run.dtype, run.device, trust_remote_code,
+                       attn_implementation=faithful_attention(run.checkpoint.config))
+    return LoadedModel(run.checkpoint.root, run.checkpoint.config, model,
+                       load_tokenizer(run.checkpoint.root, trust_remote_code), compute)
+
+
+def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuantizer | None:
+    """The quantiser of `scales` (see the module docstring) on `target_name`'s numerics; None for the baseline."""
+    target = resolve_target(target_name)
+    if scales == BASELINE:
+        return None
+    layers = num_hidden_layers(loaded.config)
+    heads = head_counts(loaded.config)
+    if scales == UNIT:
+        scale_set = unit_scale_set(layers)
+    else:
+        source = loaded.root if scales == CHECKPOINT else Path(scales)
+        other = num_hidden_layers(read_config(source)) if source != loaded.root else layers
+        if other != layers:
+            raise UsageError(f"scales={scales}: {other} layers, but {loaded.root} has {layers}",
+                             hint="use the scales of a checkpoint of the same model")
+        scale_set = read_scale_set(source, layers, heads["k"], heads["q"])
+    if scale_set.per_head and target.neuron:
+        raise UsageError(f"scales={scales}: per-head KV scales, which {target.name} cannot serve: "
+                         f"{NEURON_PER_HEAD_REASON}", hint="evaluate per-head scales with target=gpu")
+    return KVQuantizer(scale_set.k, scale_set.v, target)
+
+
+@register_model("kvcalib")
+class KvcalibLM(HFLM):
+    """lm-eval's HFLM whose KV cache is stored in FP8 as `target` stores it (see the module docstring)."""
+
+    def __init__(self, pretrained: str | LoadedModel, target: str = "trn2", scales: str = CHECKPOINT,
+                 bf16_compute: str = "auto", dtype: str = "auto", device: str = "cpu",
+                 trust_remote_code: bool = False, **kwargs: Any) -> None:
+        loaded = pretrained if isinstance(pretrained, LoadedModel) else load(
+            pretrained, dtype, device, bf16_compute, bool(trust_remote_code))
+        self.loaded = loaded
+        # lm-eval's model_args parser turns "none" into None
+        self.scales = BASELINE if scales is None or str(scales).lower() == BASELINE else str(scales)
+        self.quantizer = quantizer_for(loaded, self.scales, target)
+        super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, **kwargs)
+
+    def _cache(self) -> QuantizingCache:
+        return QuantizingCache(self.model.config, self.quantizer)
+
+    def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None) -> torch.Tensor:
+        with compute_path(self.loaded.compute):
+            if self.quantizer is None:
+                return super()._model_call(inps, attn_mask, labels)
+            with torch.no_grad():
+                return self.model(inps, past_key_values=self._cache(), use_cache=True).logits
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
+                        ) -> torch.Tensor:
+        if self.quantizer is not None:
+            generation_kwargs["past_key_values"] = self._cache()
+        with compute_path(self.loaded.compute):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)

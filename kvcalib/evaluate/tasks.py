@@ -1,0 +1,201 @@
+"""eval --tasks: lm-eval-harness tasks under the target chip's FP8 KV numerics, paired against the baseline.
+
+For the unquantised baseline and every scale set (the checkpoint's, `--compare unit`, `--compare
+OTHER_CKPT`), lm-eval runs the same items with its own task definitions, prompts and metrics,
+through kvcalib.evaluate.harness.KvcalibLM (one model in memory, shared). Per task and metric:
+each run's score and, for metrics that are a mean over items (acc, acc_norm, exact_match, ...), a
+paired bootstrap interval of the difference against the baseline over the same items, with a
+verdict. A metric aggregated otherwise (perplexity, corpus BLEU) has no paired per-item form: it is
+reported without an interval, never with a made-up one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcalib.core.errors import UsageError, check_at_least
+from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.evaluate.significance import Interval, paired_bootstrap
+
+__all__ = ["TaskOptions", "TaskResult", "TaskRow", "evaluate_tasks"]
+
+BASELINE_NAME = "baseline"
+EXTRA_HINT = "install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)"
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    tasks: tuple[str, ...]
+    target: str = "trn2"
+    compare: tuple[str, ...] = ()
+    limit: int | None = None  # items per task (lm-eval's --limit)
+    num_fewshot: int | None = None
+    include_path: tuple[str, ...] = ()  # folders of task YAML (lm-eval's --include-path)
+    batch_size: int = 1
+    dtype: str = "auto"
+    device: str = "cpu"
+    bf16_compute: str = "auto"
+    trust_remote_code: bool = False
+    seed: int = 1234  # lm-eval's own default seeds (few-shot sampling)
+
+    def check_arguments(self) -> None:
+        if not self.tasks:
+            raise UsageError("--tasks names no task", hint="pass e.g. --tasks lambada_openai,arc_easy")
+        if self.limit is not None:
+            check_at_least("--limit", self.limit, 1, what="items per task")
+        if self.num_fewshot is not None:
+            check_at_least("--num-fewshot", self.num_fewshot, 0, what="examples in each prompt")
+        check_at_least("--batch-size", self.batch_size, 1, what="requests per forward pass")
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One task, metric and filter: the baseline's score, each scale set's, and the paired intervals."""
+
+    task: str
+    metric: str
+    filter: str
+    items: int
+    higher_is_better: bool
+    baseline: float
+    scores: dict[str, float]
+    intervals: dict[str, Interval | None]  # scale set -> paired difference against the baseline (None: no form)
+    no_interval_reason: str = ""
+
+    def verdict(self, name: str) -> str:
+        interval = self.intervals.get(name)
+        if interval is None:
+            return f"no paired interval: {self.no_interval_reason}" if self.no_interval_reason else "no interval"
+        return interval.verdict(self.metric, "{:+.4f}", worse_if_higher=not self.higher_is_better).split(": ", 1)[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task": self.task, "metric": self.metric, "filter": self.filter, "items": self.items,
+                "higher_is_better": self.higher_is_better, "baseline": self.baseline, "scores": self.scores,
+                "intervals": {n: None if i is None else i.to_dict() for n, i in self.intervals.items()},
+                "verdicts": {n: self.verdict(n) for n in self.scores}, "no_interval_reason": self.no_interval_reason}
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    checkpoint: str
+    target: str
+    tasks: tuple[str, ...]
+    rows: tuple[TaskRow, ...]
+    runs: tuple[str, ...]  # the scale sets, in order
+    limit: int | None
+    num_fewshot: int | None
+    compute: str = ""
+    seconds: float = 0.0
+    lm_eval_version: str = ""
+    failures: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "target": self.target, "tasks": list(self.tasks),
+                "runs": list(self.runs), "limit": self.limit, "num_fewshot": self.num_fewshot,
+                "compute": self.compute, "seconds": round(self.seconds, 3), "lm_eval": self.lm_eval_version,
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+def _lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ImportError:
+        raise UsageError("--tasks needs lm-eval-harness, which is not installed", hint=EXTRA_HINT) from None
+    return lm_eval
+
+
+def _task_manager(options: TaskOptions) -> Any:
+    """lm-eval's TaskManager with the user's folders; an unknown task is refused with the close names."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=list(options.include_path) or None)
+    known = set(manager.all_tasks)
+    for task in options.tasks:
+        if task not in known:
+            close = difflib.get_close_matches(task, sorted(known), n=5, cutoff=0.6)
+            raise UsageError(f"unknown task {task!r}" + (f"; close names: {', '.join(close)}" if close else ""),
+                             hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path DIR "
+                                  "with its YAML")
+    return manager
+
+
+def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCallback | None = None) -> TaskResult:
+    """Run `options.tasks` for the baseline and each scale set; pair every run with the baseline item by item."""
+    options.check_arguments()
+    notify = progress or no_progress
+    lm_eval = _lm_eval()
+    from kvcalib.evaluate import harness
+
+    manager = _task_manager(options)
+    started = time.perf_counter()
+    notify(Progress("load-model"))
+    loaded = harness.load(checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code)
+    runs = {BASELINE_NAME: harness.BASELINE, "checkpoint": harness.CHECKPOINT}
+    runs.update({entry: entry for entry in options.compare})
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    configs: dict[str, Any] = {}
+    for done, (name, scales) in enumerate(runs.items()):
+        notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs, {len(options.tasks)} task(s)"
+                        + (f", {options.limit} items each)" if options.limit else ")")))
+        model = harness.KvcalibLM(loaded, target=options.target, scales=scales, batch_size=options.batch_size)
+        out = lm_eval.simple_evaluate(model=model, tasks=list(options.tasks), num_fewshot=options.num_fewshot,
+                                      limit=options.limit, task_manager=manager, log_samples=True,
+                                      random_seed=options.seed, numpy_random_seed=options.seed,
+                                      torch_random_seed=options.seed, fewshot_random_seed=options.seed,
+                                      bootstrap_iters=0)
+        samples[name] = out["samples"]
+        configs = out["configs"]
+    rows = tuple(row for task in options.tasks for row in _rows(task, configs.get(task, {}), samples, list(runs)))
+    return TaskResult(checkpoint=str(checkpoint), target=options.target, tasks=options.tasks, rows=rows,
+                      runs=tuple(runs), limit=options.limit, num_fewshot=options.num_fewshot,
+                      compute=loaded.compute.describe(), seconds=time.perf_counter() - started,
+                      lm_eval_version=getattr(lm_eval, "__version__", ""))
+
+
+def _rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[dict[str, Any]]]],
+          names: list[str]) -> list[TaskRow]:
+    """Per metric and filter of `task`: the per-item values of each run, paired by (doc_id, filter)."""
+    rows = []
+    for spec in config.get("metric_list", []):
+        metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
+        mean = aggregation == "mean"
+        per_run = {name: _values(samples[name].get(task, []), metric) for name in names}
+        for filter_name in sorted({f for f, _ in per_run[BASELINE_NAME]}):
+            base = {doc: v for (f, doc), v in per_run[BASELINE_NAME].items() if f == filter_name}
+            if not base:
+                continue
+            docs = sorted(base)
+            scores, intervals = {}, {}
+            for name in names[1:]:
+                mine = {doc: v for (f, doc), v in per_run[name].items() if f == filter_name}
+                numeric = mean and all(isinstance(mine.get(d), float) and isinstance(base[d], float) for d in docs)
+                scores[name] = _mean([mine[d] for d in docs]) if numeric else math.nan
+                intervals[name] = paired_bootstrap([mine[d] - base[d] for d in docs]) if numeric else None
+            baseline = _mean(list(base.values())) if mean else math.nan
+            rows.append(TaskRow(task=task, metric=metric, filter=filter_name, items=len(docs),
+                                higher_is_better=bool(spec.get("higher_is_better", True)), baseline=baseline,
+                                scores=scores, intervals=intervals,
+                                no_interval_reason="" if mean else f"aggregated by {aggregation}, not a mean over items"))
+    return rows
+
+
+def _values(items: list[dict[str, Any]], metric: str) -> dict[tuple[str, int], Any]:
+    """(filter, doc_id) -> the item's value of `metric` (a float where it is a number)."""
+    out = {}
+    for item in items:
+        value = item.get(metric)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            pass
+        out[(item.get("filter", "none"), int(item["doc_id"]))] = value
+    return out
+
+
+def _mean(values: list[Any]) -> float:
+    numbers = [v for v in values if isinstance(v, float)]
+    return math.fsum(numbers) / len(numbers) if numbers and len(numbers) == len(values) else math.nan

@@ -1,0 +1,131 @@
+"""eval --tasks and the lm-eval model "kvcalib": lm-eval's own tasks, prompts and metrics on local YAML tasks."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import lm_eval
+import pytest
+import torch
+from lm_eval.tasks import TaskManager
+from tasks import write_tiny_tasks
+from typer.testing import CliRunner
+
+import kvcalib.evaluate.harness as harness
+from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.cli import app
+from kvcalib.core import fp8
+from kvcalib.core.errors import UsageError
+from kvcalib.evaluate.emulate import KVQuantizer
+from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
+from kvcalib.hf.attention import QuantizingCache
+
+TASKS = ["kvcalib_tiny_mc", "kvcalib_tiny_gen"]
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    return write_tiny_tasks(tmp_path_factory.mktemp("tasks"))
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_llama_master, text_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tasks-ckpt") / "cal"
+    calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(num_samples=8, max_seq_len=64))
+    return out
+
+
+def responses(out: dict, task: str) -> dict:
+    return {item["doc_id"]: item["filtered_resps"] for item in out["samples"][task]}
+
+
+def run(model: str, args: str, task_dir) -> dict:
+    return lm_eval.simple_evaluate(model=model, model_args=args, tasks=TASKS, log_samples=True, device="cpu",
+                                   task_manager=TaskManager(include_path=str(task_dir)))
+
+
+@pytest.fixture(scope="module")
+def hf_run(tiny_llama_master, task_dir):
+    """lm-eval's own HF model on the uncalibrated weights (a calibrated checkpoint's quantization_config would make
+    transformers load it through compressed-tensors, which quantises the KV cache itself)."""
+    return run("hf", f"pretrained={tiny_llama_master},dtype=float32", task_dir)
+
+
+def test_the_registered_model_with_no_scales_is_lm_evals_hf_model(hf_run, calibrated, task_dir):
+    ours = run("kvcalib", f"pretrained={calibrated},scales=none", task_dir)
+    quantised = run("kvcalib", f"pretrained={calibrated},scales=checkpoint,target=trn2", task_dir)
+    for task in TASKS:
+        assert responses(ours, task) == responses(hf_run, task)  # identical, item by item
+    base, fp8_kv = responses(ours, TASKS[0]), responses(quantised, TASKS[0])
+    assert base != fp8_kv  # the K/V really are quantised ...
+    for doc, answers in base.items():  # ... and by FP8's small amount
+        assert [a[0] for a in fp8_kv[doc]] == pytest.approx([a[0] for a in answers], abs=0.5)
+
+
+def test_eval_tasks_end_to_end(hf_run, calibrated, task_dir):
+    result = CliRunner().invoke(app, ["eval", str(calibrated), "--tasks", ",".join([*TASKS, "kvcalib_tiny_ppl"]),
+                                      "--include-path", str(task_dir), "--compare", "unit", "--json"])
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["runs"] == ["baseline", "checkpoint", "unit"] and payload["lm_eval"] == "0.4.13"
+    rows = {row["task"]: row for row in payload["rows"]}
+    mc = rows["kvcalib_tiny_mc"]
+    assert mc["metric"] == "acc" and mc["items"] == 6
+    assert mc["baseline"] == hf_run["results"]["kvcalib_tiny_mc"]["acc,none"]  # the baseline is lm-eval's own
+    for name in ("checkpoint", "unit"):
+        interval = mc["intervals"][name]
+        assert interval["items"] == 6 and interval["low"] <= interval["estimate"] <= interval["high"]
+        assert interval["estimate"] == pytest.approx(mc["scores"][name] - mc["baseline"])
+    assert rows["kvcalib_tiny_gen"]["baseline"] == hf_run["results"]["kvcalib_tiny_gen"]["exact_match,none"]
+    ppl = rows["kvcalib_tiny_ppl"]  # aggregated by weighted perplexity: no per-item paired form, no interval
+    assert ppl["intervals"] == {"checkpoint": None, "unit": None}
+    assert "weighted_perplexity" in ppl["no_interval_reason"]
+    assert "lm-eval tasks with FP8 KV on trn2" in result.stderr and "paired bootstrap" in result.stderr
+
+
+def test_generation_decodes_from_the_quantised_cache(calibrated):
+    """Prefill then one decoded token reads the same FP8 K/V as one prefill of the whole sequence; generation
+    writes every new token's K/V through the quantiser."""
+    loaded = harness.load(calibrated, dtype="float32")
+    quantizer = harness.quantizer_for(loaded, "checkpoint", "trn2")
+    ids = torch.tensor([[5, 17, 23, 42, 8, 9, 11]])
+    with torch.inference_mode():
+        whole = loaded.model(ids, past_key_values=QuantizingCache(loaded.model.config, quantizer)).logits[0, -1]
+        cache = QuantizingCache(loaded.model.config, quantizer)
+        loaded.model(ids[:, :-1], past_key_values=cache)
+        stepped = loaded.model(ids[:, -1:], past_key_values=cache).logits[0, -1]
+    torch.testing.assert_close(stepped, whole, atol=1e-4, rtol=1e-4)
+
+    calls = []
+
+    class Counting(KVQuantizer):
+        def observe(self, layer_idx, key, value):
+            calls.append(key.shape[2])
+            return super().observe(layer_idx, key, value)
+
+    model = harness.KvcalibLM(loaded, scales="checkpoint")
+    model.quantizer = Counting(quantizer.k_scales, quantizer.v_scales, fp8.get_target("trn2"))
+    out = model._model_generate(ids, max_length=ids.shape[1] + 4, stop=[], do_sample=False)
+    layers = loaded.model.config.num_hidden_layers
+    assert out.shape[1] == ids.shape[1] + 4
+    assert calls == [ids.shape[1]] * layers + [1] * (3 * layers)  # the prompt, then each decoded token's K/V
+
+
+def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, monkeypatch):
+    base = ["eval", str(calibrated), "--include-path", str(task_dir)]
+    cases = [
+        ([*base, "--tasks", "kvcalib_tiny_mcc"], "unknown task 'kvcalib_tiny_mcc'; close names: kvcalib_tiny_mc"),
+        ([*base, "--tasks", "kvcalib_tiny_mc", "--limit", "0"], "--limit"),
+        ([*base, "--tasks", "kvcalib_tiny_mc", "--limit", "-1"], "--limit"),
+        ([*base, "--tasks", "kvcalib_tiny_mc", "--num-fewshot", "-1"], "--num-fewshot"),
+        ([*base, "--tasks", "kvcalib_tiny_mc", "--dataset", "x.jsonl"], "not both"),
+        (["eval", str(calibrated)], "eval needs --dataset DATA or --tasks"),
+    ]
+    for argv, message in cases:
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr, argv
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
+    with pytest.raises(UsageError, match="lm-eval-harness, which is not installed") as exc:
+        evaluate_tasks(str(calibrated), TaskOptions(tasks=("kvcalib_tiny_mc",)))
+    assert "kvcalib[tasks]" in exc.value.hint
