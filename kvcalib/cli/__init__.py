@@ -307,6 +307,7 @@ def eval_command(
     limit: int | None = typer.Option(None, "--limit", help="With --tasks: items per task (lm-eval's --limit)."),
     num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="With --tasks: examples in each prompt (lm-eval's)."),
     include_path: list[str] = typer.Option([], "--include-path", help="With --tasks: a folder of task YAML (lm-eval's); repeatable."),
+    task_data: str | None = typer.Option(None, "--task-data", help="With --tasks: task data laid out offline by scripts/prepare_tasks.py DIR (lm-eval's tasks, local data)."),
     split: str = typer.Option("train", "--split", help="Dataset split."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
     num_samples: int = typer.Option(64, "--num-samples", help="First N rows of the split."),
@@ -329,8 +330,8 @@ def eval_command(
     from kvcalib.evaluate.plot import check_plot_path, plot_eval
 
     if tasks is not None or dataset is None:
-        _eval_tasks(checkpoint, dataset, tasks, target, compare, limit, num_fewshot, include_path, batch_size, dtype,
-                    device, bf16_compute, as_json, quiet)
+        _eval_tasks(checkpoint, dataset, tasks, target, compare, limit, num_fewshot, include_path, task_data,
+                    batch_size, dtype, device, bf16_compute, as_json, quiet)
         return
     options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
@@ -349,7 +350,8 @@ def eval_command(
 
 
 def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, target: str, compare: list[str],
-                limit: int | None, num_fewshot: int | None, include_path: list[str], batch_size: int, dtype: str,
+                limit: int | None, num_fewshot: int | None, include_path: list[str], task_data: str | None,
+                batch_size: int, dtype: str,
                 device: str, bf16_compute: str, as_json: bool, quiet: bool) -> None:
     """eval --tasks: lm-eval tasks, each run paired against the baseline (kvcalib.evaluate.tasks)."""
     from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
@@ -362,7 +364,8 @@ def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, target:
                              hint="e.g. kvcalib eval CKPT --dataset held-out.jsonl, or --tasks lambada_openai --limit 200")
         options = TaskOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), target=target,
                               compare=tuple(compare), limit=limit, num_fewshot=num_fewshot,
-                              include_path=tuple(include_path), batch_size=batch_size, dtype=dtype, device=device,
+                              include_path=tuple(include_path), task_data=task_data, batch_size=batch_size,
+                              dtype=dtype, device=device,
                               bf16_compute=bf16_compute)
         with progress_bar(console, "evaluating tasks", "eval") as on_progress:
             result = evaluate_tasks(checkpoint, options, progress=on_progress)

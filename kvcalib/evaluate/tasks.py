@@ -15,6 +15,7 @@ import difflib
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvcalib.core.errors import UsageError, check_at_least
@@ -35,6 +36,7 @@ class TaskOptions:
     limit: int | None = None  # items per task (lm-eval's --limit)
     num_fewshot: int | None = None
     include_path: tuple[str, ...] = ()  # folders of task YAML (lm-eval's --include-path)
+    task_data: str | None = None  # a folder scripts/prepare_tasks.py laid out: its tasks/ override lm-eval's data
     batch_size: int = 1
     dtype: str = "auto"
     device: str = "cpu"
@@ -112,7 +114,14 @@ def _task_manager(options: TaskOptions) -> Any:
     """lm-eval's TaskManager with the user's folders; an unknown task is refused with the close names."""
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=list(options.include_path) or None)
+    folders = list(options.include_path)
+    if options.task_data is not None:
+        tasks_dir = Path(options.task_data) / "tasks"
+        if not tasks_dir.is_dir():
+            raise UsageError(f"--task-data {options.task_data}: no tasks/ folder of task YAML there",
+                             hint=f"lay it out with: python scripts/prepare_tasks.py {options.task_data}")
+        folders.append(str(tasks_dir))
+    manager = TaskManager(include_path=folders or None)
     known = set(manager.all_tasks)
     for task in options.tasks:
         if task not in known:
@@ -137,6 +146,7 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
     runs = {BASELINE_NAME: harness.BASELINE, "checkpoint": harness.CHECKPOINT}
     runs.update({entry: entry for entry in options.compare})
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    scores: dict[str, dict[str, Any]] = {}  # run -> lm-eval's own aggregate results
     configs: dict[str, Any] = {}
     for done, (name, scales) in enumerate(runs.items()):
         notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs, {len(options.tasks)} task(s)"
@@ -147,9 +157,9 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
                                       random_seed=options.seed, numpy_random_seed=options.seed,
                                       torch_random_seed=options.seed, fewshot_random_seed=options.seed,
                                       bootstrap_iters=0)
-        samples[name] = out["samples"]
-        configs = out["configs"]
-    rows = tuple(row for task in options.tasks for row in _rows(task, configs.get(task, {}), samples, list(runs)))
+        samples[name], scores[name], configs = out["samples"], out["results"], out["configs"]
+    rows = tuple(row for task in options.tasks
+                 for row in _rows(task, configs.get(task, {}), samples, scores, list(runs)))
     return TaskResult(checkpoint=str(checkpoint), target=options.target, tasks=options.tasks, rows=rows,
                       runs=tuple(runs), limit=options.limit, num_fewshot=options.num_fewshot,
                       compute=loaded.compute.describe(), seconds=time.perf_counter() - started,
@@ -157,8 +167,9 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
 
 
 def _rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[dict[str, Any]]]],
-          names: list[str]) -> list[TaskRow]:
-    """Per metric and filter of `task`: the per-item values of each run, paired by (doc_id, filter)."""
+          results: dict[str, dict[str, Any]], names: list[str]) -> list[TaskRow]:
+    """Per metric and filter of `task`: the per-item values of each run, paired by (doc_id, filter); a metric
+    aggregated otherwise than by a mean over items gets lm-eval's own aggregate and no interval."""
     rows = []
     for spec in config.get("metric_list", []):
         metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
@@ -173,14 +184,24 @@ def _rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[d
             for name in names[1:]:
                 mine = {doc: v for (f, doc), v in per_run[name].items() if f == filter_name}
                 numeric = mean and all(isinstance(mine.get(d), float) and isinstance(base[d], float) for d in docs)
-                scores[name] = _mean([mine[d] for d in docs]) if numeric else math.nan
+                scores[name] = _mean([mine[d] for d in docs]) if numeric else _aggregate(results, name, task, metric,
+                                                                                          filter_name)
                 intervals[name] = paired_bootstrap([mine[d] - base[d] for d in docs]) if numeric else None
-            baseline = _mean(list(base.values())) if mean else math.nan
+            baseline = _mean(list(base.values())) if mean else _aggregate(results, BASELINE_NAME, task, metric,
+                                                                          filter_name)
             rows.append(TaskRow(task=task, metric=metric, filter=filter_name, items=len(docs),
                                 higher_is_better=bool(spec.get("higher_is_better", True)), baseline=baseline,
                                 scores=scores, intervals=intervals,
                                 no_interval_reason="" if mean else f"aggregated by {aggregation}, not a mean over items"))
     return rows
+
+
+def _aggregate(results: dict[str, dict[str, Any]], run: str, task: str, metric: str, filter_name: str) -> float:
+    """lm-eval's own aggregate of `metric` for one run (NaN where it reported none)."""
+    try:
+        return float(results[run][task][f"{metric},{filter_name}"])
+    except (KeyError, TypeError, ValueError):
+        return math.nan
 
 
 def _values(items: list[dict[str, Any]], metric: str) -> dict[tuple[str, int], Any]:

@@ -81,6 +81,7 @@ def test_eval_tasks_end_to_end(hf_run, calibrated, task_dir):
     ppl = rows["kvcalib_tiny_ppl"]  # aggregated by weighted perplexity: no per-item paired form, no interval
     assert ppl["intervals"] == {"checkpoint": None, "unit": None}
     assert "weighted_perplexity" in ppl["no_interval_reason"]
+    assert ppl["baseline"] > 1 and ppl["scores"]["unit"] > 1  # lm-eval's own aggregate, reported as it is
     assert "lm-eval tasks with FP8 KV on trn2" in result.stderr and "paired bootstrap" in result.stderr
 
 
