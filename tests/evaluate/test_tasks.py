@@ -18,6 +18,7 @@ from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
 from kvcalib.evaluate.emulate import KVQuantizer
+import kvcalib.evaluate.tasks as tasks_module
 from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
 from kvcalib.hf.attention import QuantizingCache
 
@@ -126,6 +127,18 @@ def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, 
     for argv, message in cases:
         result = CliRunner().invoke(app, argv)
         assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr, argv
+    missing = CliRunner().invoke(app, [*base, "--tasks", "kvcalib_tiny_mc", "--task-data", str(task_dir / "none")])
+    assert missing.exit_code == 2 and "no tasks/ folder" in missing.stderr and "prepare_tasks.py" in missing.stderr
+
+    # a hub task with no way to the hub: refused at once, naming the task and the offline way
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(tasks_module, "_hub_reachable", lambda: False)
+    offline = CliRunner().invoke(app, ["eval", str(calibrated), "--tasks", "arc_easy", "--limit", "2"])
+    assert offline.exit_code == 2, offline.stderr
+    assert "task arc_easy reads allenai/ai2_arc from the Hugging Face hub" in offline.stderr
+    assert "--task-data" in offline.stderr
+
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
     with pytest.raises(UsageError, match="lm-eval-harness, which is not installed") as exc:
         evaluate_tasks(str(calibrated), TaskOptions(tasks=("kvcalib_tiny_mc",)))

