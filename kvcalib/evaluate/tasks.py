@@ -46,6 +46,8 @@ class TaskOptions:
     bf16_compute: str = "auto"
     trust_remote_code: bool = False
     seed: int = 1234  # lm-eval's own default seeds (few-shot sampling)
+    # library only: more runs on the same items, (name, scales, target), e.g. other chips' numerics in one pass
+    extra_runs: tuple[tuple[str, str, str], ...] = ()
 
     def check_arguments(self) -> None:
         if not self.tasks:
@@ -148,11 +150,37 @@ def _check_data(manager: Any, options: TaskOptions) -> None:
                              hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` and "
                                   "pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1")
         try:
-            get_task_dict([task], manager)
+            loaded = get_task_dict([task], manager)
         except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
             raise UsageError(f"task {task}: its data could not be read ({type(exc).__name__}: {str(exc)[:300]})",
                              hint="offline: lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py "
                                   "DIR` and pass --task-data DIR, or give your own task YAML with --include-path") from None
+        if options.num_fewshot:
+            for name, task_obj in _leaves(loaded):
+                pool = _fewshot_pool(task_obj)
+                if pool < options.num_fewshot:
+                    raise UsageError(f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw "
+                                     "from", hint=f"pass --num-fewshot {max(pool - 1, 0)} or less")
+
+
+def _leaves(tree: dict) -> list[tuple[str, Any]]:
+    """The task objects of lm-eval's (possibly grouped) task dict."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _leaves(value)
+        else:
+            out.append((getattr(key, "group_name", key) if not isinstance(key, str) else key, value))
+    return out
+
+
+def _fewshot_pool(task: Any) -> int:
+    """How many documents lm-eval can draw few-shot examples from (the evaluated one excluded where the pool is the
+    evaluated split)."""
+    docs = task.fewshot_docs()
+    size = len(docs) if docs is not None else 0
+    same = docs is not None and any(docs is getattr(task, f"{split}_docs")() for split in ("test", "validation"))
+    return max(size - 1, 0) if same else size
 
 
 LOCAL_BUILDERS = {"json", "arrow", "csv", "parquet", "text", "pandas"}
@@ -193,15 +221,16 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
     started = time.perf_counter()
     notify(Progress("load-model"))
     loaded = harness.load(checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code)
-    runs = {BASELINE_NAME: harness.BASELINE, "checkpoint": harness.CHECKPOINT}
-    runs.update({entry: entry for entry in options.compare})
+    runs = {BASELINE_NAME: (harness.BASELINE, options.target), "checkpoint": (harness.CHECKPOINT, options.target)}
+    runs.update({entry: (entry, options.target) for entry in options.compare})
+    runs.update({name: (scales, target) for name, scales, target in options.extra_runs})
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
     scores: dict[str, dict[str, Any]] = {}  # run -> lm-eval's own aggregate results
     configs: dict[str, Any] = {}
-    for done, (name, scales) in enumerate(runs.items()):
+    for done, (name, (scales, target)) in enumerate(runs.items()):
         notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs, {len(options.tasks)} task(s)"
                         + (f", {options.limit} items each)" if options.limit else ")")))
-        model = harness.KvcalibLM(loaded, target=options.target, scales=scales, batch_size=options.batch_size)
+        model = harness.KvcalibLM(loaded, target=target, scales=scales, batch_size=options.batch_size)
         out = lm_eval.simple_evaluate(model=model, tasks=list(options.tasks), num_fewshot=options.num_fewshot,
                                       limit=options.limit, task_manager=manager, log_samples=True,
                                       random_seed=options.seed, numpy_random_seed=options.seed,

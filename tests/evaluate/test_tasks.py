@@ -121,6 +121,8 @@ def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, 
         ([*base, "--tasks", "kvcalib_tiny_mc", "--limit", "0"], "--limit"),
         ([*base, "--tasks", "kvcalib_tiny_mc", "--limit", "-1"], "--limit"),
         ([*base, "--tasks", "kvcalib_tiny_mc", "--num-fewshot", "-1"], "--num-fewshot"),
+        ([*base, "--tasks", "kvcalib_tiny_mc", "--num-fewshot", "6"],  # 6 items: 5 others to draw from
+         "--num-fewshot 6: task kvcalib_tiny_mc has 5 example(s) to draw from"),
         ([*base, "--tasks", "kvcalib_tiny_mc", "--dataset", "x.jsonl"], "not both"),
         (["eval", str(calibrated)], "eval needs --dataset DATA or --tasks"),
     ]
