@@ -392,6 +392,9 @@ def serve_check(
     force: bool = typer.Option(False, "--force", help="Serve scales sized for a larger FP8 max than the chip's."),
     canary: bool | None = typer.Option(None, "--canary/--no-canary", help=CANARY_HELP),
     predict: bool = typer.Option(True, "--predict/--no-predict", help=PREDICT_HELP),
+    tasks: str | None = typer.Option(None, "--tasks", help="Also run lm-eval tasks (comma-separated) against the baseline and FP8 servers, paired item by item, next to kvcalib's prediction (the [tasks] extra)."),
+    limit: int | None = typer.Option(None, "--limit", help="With --tasks: items per task."),
+    task_data: str | None = typer.Option(None, "--task-data", help="With --tasks: offline task data (scripts/prepare_tasks.py DIR)."),
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
@@ -402,6 +405,7 @@ def serve_check(
     from kvcalib.serve import ServeOptions
     from kvcalib.serve import serve_check as run_serve_check
     from kvcalib.serve.prompts import read_prompts_file
+    from kvcalib.serve.tasks import TaskSpec
 
     console = _stderr(quiet)
     with _errors(interrupted="every vLLM server serve-check started was stopped"), \
@@ -412,7 +416,7 @@ def serve_check(
             prompts=read_prompts_file(prompts) if prompts else None, vllm_python=vllm_python, log_dir=log_dir,
             neuron_visible_devices=neuron_visible_devices, force=force, env=dict(os.environ),
             cpu=_host_cpu(with_capability=False), canary=canary, predict=predict,
-            memory_bytes=available_memory().available,
+            memory_bytes=available_memory().available, tasks=TaskSpec.from_flags(tasks, limit, task_data),
         )
         result = run_serve_check(checkpoint, options, progress=on_event)
     render_serve_check(console, result)

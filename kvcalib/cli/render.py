@@ -289,11 +289,38 @@ def render_serve_check(console: Console, result: Any) -> None:
     console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
     if result.canary is not None or result.prediction is not None:
         render_variants(console, result)
+    if result.tasks:
+        render_served_tasks(console, result.tasks)
     for warning in result.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
     for failure in result.failures:
         console.print(f"[red]failed:[/] {escape(failure)}", soft_wrap=True)
     console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")
+
+
+def render_served_tasks(console: Console, rows: Any) -> None:
+    """serve-check --tasks: served baseline and FP8 scores with the paired interval, and kvcalib's prediction."""
+    table = Table(title="lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib")
+    for column in ("task", "metric", "items", "served baseline", "served FP8", "served difference", "predicted baseline",
+                   "predicted FP8", "predicted difference"):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right", overflow="fold")
+
+    def diff(part: Any) -> str:
+        interval = part and part.get("interval")
+        if not interval:
+            return "-"
+        return f"{interval['estimate']:+.4f} [{interval['low']:+.4f}, {interval['high']:+.4f}]"
+
+    for row in rows:
+        served, predicted = row["served"], row["predicted"] or {}
+        table.add_row(row["task"], f"{row['metric']} ({row['filter']})", str(row["items"]), f"{served['baseline']:.4f}",
+                      f"{served['fp8']:.4f}", diff(served),
+                      "-" if not predicted else f"{predicted['baseline']:.4f}",
+                      "-" if not predicted else f"{predicted['fp8']:.4f}", diff(predicted))
+    console.print(table)
+    for row in rows:
+        console.print(f"{row['task']} {row['metric']}: served {escape(row['served']['verdict'])}", soft_wrap=True,
+                      highlight=False)
 
 
 def render_variants(console: Console, result: Any) -> None:

@@ -25,7 +25,8 @@ from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluate.significance import Interval, paired_bootstrap
 
-__all__ = ["TaskOptions", "TaskResult", "TaskRow", "evaluate_tasks"]
+__all__ = ["BASELINE_NAME", "TaskOptions", "TaskResult", "TaskRow", "evaluate_tasks", "paired_rows", "require_lm_eval",
+           "task_manager"]
 
 BASELINE_NAME = "baseline"
 EXTRA_HINT = "install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)"
@@ -107,7 +108,7 @@ class TaskResult:
                 "rows": [r.to_dict() for r in self.rows]}
 
 
-def _lm_eval() -> Any:
+def require_lm_eval() -> Any:
     try:
         import lm_eval
     except ImportError:
@@ -115,7 +116,7 @@ def _lm_eval() -> Any:
     return lm_eval
 
 
-def _task_manager(options: TaskOptions) -> Any:
+def task_manager(options: TaskOptions) -> Any:
     """lm-eval's TaskManager with the user's folders; an unknown task is refused with the close names."""
     from lm_eval.tasks import TaskManager
 
@@ -141,8 +142,6 @@ def _task_manager(options: TaskOptions) -> Any:
 def _check_data(manager: Any, options: TaskOptions) -> None:
     """Every task's data read once before any model loads: a task whose data cannot be read (offline, no copy)
     is refused naming it and the way to supply it, instead of failing after the model has run."""
-    from lm_eval.tasks import get_task_dict
-
     for task in options.tasks:
         hub = _hub_dataset(manager, task)
         if hub is not None and not _offline_mode() and not _hub_reachable():
@@ -150,28 +149,17 @@ def _check_data(manager: Any, options: TaskOptions) -> None:
                              hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` and "
                                   "pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1")
         try:
-            loaded = get_task_dict([task], manager)
+            loaded = manager.load([task])["tasks"]  # {name: Task}, every leaf of a group
         except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
             raise UsageError(f"task {task}: its data could not be read ({type(exc).__name__}: {str(exc)[:300]})",
                              hint="offline: lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py "
                                   "DIR` and pass --task-data DIR, or give your own task YAML with --include-path") from None
         if options.num_fewshot:
-            for name, task_obj in _leaves(loaded):
+            for name, task_obj in loaded.items():
                 pool = _fewshot_pool(task_obj)
                 if pool < options.num_fewshot:
                     raise UsageError(f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw "
                                      "from", hint=f"pass --num-fewshot {max(pool - 1, 0)} or less")
-
-
-def _leaves(tree: dict) -> list[tuple[str, Any]]:
-    """The task objects of lm-eval's (possibly grouped) task dict."""
-    out = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out += _leaves(value)
-        else:
-            out.append((getattr(key, "group_name", key) if not isinstance(key, str) else key, value))
-    return out
 
 
 def _fewshot_pool(task: Any) -> int:
@@ -214,10 +202,10 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
     """Run `options.tasks` for the baseline and each scale set; pair every run with the baseline item by item."""
     options.check_arguments()
     notify = progress or no_progress
-    lm_eval = _lm_eval()
+    lm_eval = require_lm_eval()
     from kvcalib.evaluate import harness
 
-    manager = _task_manager(options)
+    manager = task_manager(options)
     started = time.perf_counter()
     notify(Progress("load-model"))
     loaded = harness.load(checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code)
@@ -238,14 +226,14 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
                                       bootstrap_iters=0)
         samples[name], scores[name], configs = out["samples"], out["results"], out["configs"]
     rows = tuple(row for task in options.tasks
-                 for row in _rows(task, configs.get(task, {}), samples, scores, list(runs)))
+                 for row in paired_rows(task, configs.get(task, {}), samples, scores, list(runs)))
     return TaskResult(checkpoint=str(checkpoint), target=options.target, tasks=options.tasks, rows=rows,
                       runs=tuple(runs), limit=options.limit, num_fewshot=options.num_fewshot,
                       compute=loaded.compute.describe(), seconds=time.perf_counter() - started,
                       lm_eval_version=getattr(lm_eval, "__version__", ""))
 
 
-def _rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[dict[str, Any]]]],
+def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[dict[str, Any]]]],
           results: dict[str, dict[str, Any]], names: list[str]) -> list[TaskRow]:
     """Per metric and filter of `task`: the per-item values of each run, paired by (doc_id, filter); a metric
     aggregated otherwise than by a mean over items gets lm-eval's own aggregate and no interval."""

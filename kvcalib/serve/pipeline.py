@@ -95,6 +95,7 @@ class ServeOptions:
     canary: bool | None = None  # None: on for cpu and cuda, off on Neuron (each variant is another compile)
     predict: bool = True  # kvcalib's emulated ΔNLL next to the served one (skipped if the model is too big)
     memory_bytes: int | None = None  # host memory the prediction may use (the CLI reads it); None: unknown
+    tasks: Any = None  # a kvcalib.serve.tasks.TaskSpec: lm-eval tasks against the baseline and FP8 servers (kvcalib.serve.tasks)
 
     def check_arguments(self) -> None:
         """The numbers a user passes, checked before anything is read or started (UsageError naming the flag)."""
@@ -152,6 +153,7 @@ class ServerRun:
     completions: tuple[Completion, ...]
     nll: float
     agreements: tuple[float | None, ...] | None = None
+    task_output: Any = None  # a kvcalib.serve.tasks.ServedTasks; serve-check --tasks: lm-eval's output against this server
     pid: int | None = None  # the server's process id: it leads its own session and process group
 
 
@@ -179,6 +181,7 @@ class ServeCheckResult:
     unit: ServerRun | None = None  # every scale 1.0 (cpu, with the canary)
     prediction: Prediction | None = None
     server_pids: Mapping[str, int] = field(default_factory=dict)  # name -> pid: each server's session and group
+    tasks: tuple[dict[str, Any], ...] = ()  # serve-check --tasks: served and predicted scores per task and metric
 
     @property
     def served_delta_nll(self) -> float | None:
@@ -222,7 +225,7 @@ class ServeCheckResult:
             "delta_nll": {"served": self.served_delta_nll,
                           "predicted": self.prediction.delta_nll if self.prediction else None},
             "variants": self.variants(),
-            "server_pids": dict(self.server_pids),
+            "server_pids": dict(self.server_pids), "tasks": list(self.tasks),
         }
 
 
@@ -272,12 +275,18 @@ def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOption
         if reference is not None:
             progress(ServeEvent("probe", name, message="agreement with the baseline"))
             agreements = tuple(client.top1_agreement(ref.prompt_token_ids, ref.token_ids) for ref in reference)
+        task_output = None
+        if options.tasks is not None and name in ("baseline", "fp8"):
+            progress(ServeEvent("probe", name, message=f"lm-eval tasks {','.join(options.tasks.tasks)}"))
+            from kvcalib.serve.tasks import run_served_tasks
+
+            task_output = run_served_tasks(server.url, checkpoint, options.tasks)
     except ServerError:
         if server.exit_code() is not None:  # it died: show why, as for a failed start
             raise server.failure(f"the {name} vLLM server exited with code {server.exit_code()} during the probe") \
                 from None
         raise
-    return tuple(completions), nll, agreements
+    return tuple(completions), nll, agreements, task_output
 
 
 def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None) -> tuple[list[PromptResult], list[str], float | None]:
@@ -349,18 +358,26 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     log_dir.mkdir(parents=True, exist_ok=True)
     with_baseline = options.baseline if options.baseline is not None else options.device not in NEURON_DEVICES
     with_canary = options.canary if options.canary is not None else options.device not in NEURON_DEVICES
+    if options.tasks is not None and not with_baseline:
+        raise UsageError("--tasks pairs the FP8 server's scores with the baseline server's, which is off",
+                         hint="pass --baseline (on Neuron a second compile), or leave out --tasks")
     warnings = list(pre.warnings)
     if not with_canary:
         warnings.append("the canary is off (on Neuron each variant is another compile): nothing proves the server "
                         "applies the checkpoint's scales; pass --canary to check")
     canary_dir = make_variant(checkpoint, log_dir / "variants" / f"scales-div{CANARY_DIVISOR:g}",
                               factor=1 / CANARY_DIVISOR) if with_canary else None
+    if options.tasks is not None:
+        from kvcalib.serve.tasks import check_tasks
+
+        check_tasks(options.tasks)  # lm-eval there, the tasks known and their data readable: before any server
     prediction = _predict(checkpoint, options, pre, canary_dir, warnings)
     baseline = _run_server("baseline", checkpoint, options, pre, log_dir, prompts, None, emit) \
         if with_baseline else None
     fp8 = _run_server("fp8", checkpoint, options, pre, log_dir, prompts,
                       baseline.completions if baseline else None, emit)
     results, failures, agreement = judge(prompts, fp8, baseline)
+    tasks = _task_rows(options, checkpoint, pre, baseline, fp8)
     canary, unit, canary_run = None, None, None
     if canary_dir is not None:
         reference = (baseline or fp8).completions
@@ -379,10 +396,21 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
         warnings=tuple(warnings), fp8_max=pre.fp8_max, tensor_parallel_size=pre.tensor_parallel_size,
         vllm_version=pre.vllm_version, baseline_ready_s=baseline.ready_s if baseline else None,
         baseline_command=baseline.command if baseline else None, baseline_log=baseline.log if baseline else None,
-        canary=canary, unit=unit, prediction=prediction,
+        canary=canary, unit=unit, prediction=prediction, tasks=tuple(tasks),
         server_pids={name: r.pid for name, r in (("baseline", baseline), ("fp8", fp8), ("unit", unit),
                                                  ("canary", canary_run)) if r is not None and r.pid is not None},
     )
+
+
+def _task_rows(options: ServeOptions, checkpoint: Path, pre: Preflight, baseline: ServerRun | None,
+               fp8: ServerRun) -> list[dict[str, Any]]:
+    """serve-check --tasks: the FP8 server's task scores paired with the baseline's, next to kvcalib's prediction."""
+    if options.tasks is None or baseline is None:
+        return []
+    from kvcalib.serve.tasks import served_rows
+
+    numerics = EMULATED_DEVICES.get(options.device, pre.target) if options.predict else None
+    return served_rows(options.tasks, baseline.task_output, fp8.task_output, checkpoint, numerics)
 
 
 def _self_agreement(run: ServerRun) -> ServerRun:

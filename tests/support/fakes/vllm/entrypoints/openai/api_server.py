@@ -14,7 +14,8 @@ For tests on machines without vLLM or a Neuron device. Standard library only. It
   kills the leader leaves a process behind;
 - answers GET /health only after $FAKE_VLLM_HEALTH_DELAY seconds (default 1), then serves
   /v1/models and /v1/completions (greedy text, return_token_ids, prompt_logprobs, token-id
-  prompts, 404 for an unknown model).
+  prompts, batches of prompts, OpenAI's echo + logprobs as lm-eval asks for them, 404 for an
+  unknown model).
 
 $FAKE_VLLM_MODE breaks servers whose KV cache is FP8 (the baseline stays healthy):
   crash           exit 1 while starting, with the Neuron loader's 0-d scale IndexError
@@ -209,6 +210,15 @@ class Engine:
         return lp
 
     def complete(self, body: dict) -> dict:
+        """A batch of prompts (a list of strings or of token-id lists, as lm-eval sends them) gets one choice each."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            answers = [self.complete({**body, "prompt": one}) for one in prompt]
+            choices = [dict(a["choices"][0], index=i) for i, a in enumerate(answers)]
+            return dict(answers[-1], choices=choices)
+        return self.complete_one(body)
+
+    def complete_one(self, body: dict) -> dict:
         self.requests += 1
         if MODE == "die-mid-probe" and self.fp8 and self.requests >= 2:
             print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace "
@@ -244,6 +254,13 @@ class Engine:
                     entry[str(tid + 1)] = {"logprob": -0.5, "rank": 1, "decoded_token": "?"}
                 entries.append(entry)
             choice["prompt_logprobs"] = entries
+        if body.get("echo") and body.get("logprobs") is not None:  # OpenAI's form: the prompt's tokens, then the new
+            ids = prompt_ids + [token_id(p) for p in pieces]
+            lps = [None] + [self.logprob(t) for t in ids[1:]]
+            choice["text"] = (text_prompt or "") + choice["text"]
+            choice["logprobs"] = {"tokens": [str(t) for t in ids], "token_logprobs": lps,
+                                  "top_logprobs": [None] + [{str(t + 1 if self.broken else t): -0.5} for t in ids[1:]],
+                                  "text_offset": list(range(len(ids)))}
         return {"id": f"cmpl-{self.requests}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model, "choices": [choice],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": max_tokens}}
