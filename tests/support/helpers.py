@@ -90,14 +90,20 @@ def build_tiny_llama(
     return out_dir
 
 
-def _text_datasets():
-    """scripts/make_text_dataset.py, imported from the scripts folder."""
+def import_script(name: str):
+    """scripts/NAME.py as a module, imported from the scripts folder."""
+    import importlib
+
     sys.path.insert(0, str(SCRIPTS))
     try:
-        import make_text_dataset
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return make_text_dataset
+
+
+def _text_datasets():
+    """scripts/make_text_dataset.py, imported from the scripts folder."""
+    return import_script("make_text_dataset")
 
 
 def fortune_texts(n: int, chars: int = 600) -> list[str]:
