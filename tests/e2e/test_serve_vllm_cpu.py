@@ -100,8 +100,9 @@ def test_the_constant_k_fixture_serves_with_the_default_scales_and_fails_with_ab
     makes them flip between grid values and fails serve-check's own judge, and kvcalib predicted both."""
     data = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(32, chars=1200)])
     fixture = tmp_path / "smollm2-constant-k"
-    import_script("make_constant_k_model").make(smollm2, fixture, str(data), target="gpu", layer=[0, 1, 2], head=[0, 1, 2],
-                                  q_bias=6.0, boundaries="both", num_samples=16, max_seq_len=256)
+    import_script("make_constant_k_model").make(smollm2, fixture, str(data), target="gpu", layer=[0, 1, 2],
+                                                head=[0, 1, 2], q_bias=6.0, boundaries="both", num_samples=16,
+                                                max_seq_len=256)
     runs = {}
     for objective in ("attention", "absmax"):
         out = tmp_path / objective
