@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import math
 import os
 import socket
@@ -127,7 +128,14 @@ def task_manager(options: TaskOptions) -> Any:
             raise UsageError(f"--task-data {options.task_data}: no tasks/ folder of task YAML there",
                              hint=f"lay it out with: python scripts/prepare_tasks.py {options.task_data}")
         folders.append(str(tasks_dir))
-    manager = TaskManager(include_path=folders or None)
+    index_log = logging.getLogger("lm_eval.tasks._index")
+    level = index_log.level
+    if options.task_data is not None:  # its YAML overrides lm-eval's on purpose: no warning line per task for that
+        index_log.setLevel(logging.ERROR)
+    try:
+        manager = TaskManager(include_path=folders or None)
+    finally:
+        index_log.setLevel(level)
     known = set(manager.all_tasks)
     for task in options.tasks:
         if task not in known:
