@@ -28,12 +28,10 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from kvcalib.core.checkpoint import read_config
 from kvcalib.core.cpu import ComputePath, HostCpu
-from kvcalib.core.errors import UsageError
-from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
+from kvcalib.core.schema import num_hidden_layers
 from kvcalib.evaluate.emulate import KVQuantizer
-from kvcalib.evaluate.scales import read_scale_set, unit_scale_set
+from kvcalib.evaluate.pipeline import CHECKPOINT, UNIT, scale_set
 from kvcalib.hf.attention import QuantizingCache
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.model import (
@@ -49,8 +47,6 @@ from kvcalib.hf.model import (
 __all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load", "quantizer_for"]
 
 BASELINE = "none"  # scales=none: no quantisation
-CHECKPOINT = "checkpoint"
-UNIT = "unit"
 
 
 @dataclass(frozen=True)
@@ -84,21 +80,9 @@ def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuant
     target = resolve_target(target_name)
     if scales == BASELINE:
         return None
-    layers = num_hidden_layers(loaded.config)
-    heads = head_counts(loaded.config)
-    if scales == UNIT:
-        scale_set = unit_scale_set(layers)
-    else:
-        source = loaded.root if scales == CHECKPOINT else Path(scales)
-        other = num_hidden_layers(read_config(source)) if source != loaded.root else layers
-        if other != layers:
-            raise UsageError(f"scales={scales}: {other} layers, but {loaded.root} has {layers}",
-                             hint="use the scales of a checkpoint of the same model")
-        scale_set = read_scale_set(source, layers, heads["k"], heads["q"])
-    if scale_set.per_head and target.neuron:
-        raise UsageError(f"scales={scales}: per-head KV scales, which {target.name} cannot serve: "
-                         f"{NEURON_PER_HEAD_REASON}", hint="evaluate per-head scales with target=gpu")
-    return KVQuantizer(scale_set.k, scale_set.v, target)
+    chosen = scale_set(scales, loaded.root, num_hidden_layers(loaded.config), target, loaded.config,
+                       what=f"scales={scales}")
+    return KVQuantizer(chosen.k, chosen.v, target)
 
 
 @register_model("kvcalib")

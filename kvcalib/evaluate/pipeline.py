@@ -302,26 +302,36 @@ def _config_num_layers(config: dict[str, Any], where: Path) -> int:
 def _scale_configs(model_dir: Path, compare: tuple[str, ...], num_layers: int, target: fp8.Target,
                    config: dict[str, Any]) -> dict[str, ScaleSet]:
     """name -> its scales: the checkpoint's own, then each --compare entry (per tensor or per head)."""
-    heads = head_counts(config)
-    configs = {CHECKPOINT: read_scale_set(model_dir, num_layers, heads["k"], heads["q"])}
+    configs = {CHECKPOINT: scale_set(CHECKPOINT, model_dir, num_layers, target, config)}
     for entry in compare:
         if entry in configs:
             raise UsageError(f"--compare {entry} given twice", hint="name each comparison once")
-        if entry == UNIT:
-            configs[UNIT] = unit_scale_set(num_layers)
-            continue
-        other = Path(entry)
-        other_layers = _config_num_layers(read_config(other), other)
-        if other_layers != num_layers:
-            raise UsageError(f"--compare {entry}: {other_layers} layers, but {model_dir} has {num_layers}",
-                             hint="compare checkpoints of the same model")
-        configs[entry] = read_scale_set(other, num_layers, heads["k"], heads["q"])
-    for name, scales in configs.items():
-        if scales.per_head and target.neuron:
-            raise UsageError(f"{model_dir if name == CHECKPOINT else name}: per-head KV scales, which {target.name} "
-                             f"cannot serve: {NEURON_PER_HEAD_REASON}",
-                             hint="evaluate per-head scales with --target gpu; calibrate per tensor for Neuron")
+        configs[entry] = scale_set(entry, model_dir, num_layers, target, config)
     return configs
+
+
+def scale_set(entry: str, model_dir: Path, num_layers: int, target: fp8.Target, config: dict[str, Any],
+              what: str | None = None) -> ScaleSet:
+    """One configuration's scales: CHECKPOINT (model_dir's own), UNIT (every scale 1.0) or another checkpoint's
+    path (of the same model: as many layers), per tensor or per head; per-head scales refused for Neuron.
+    `what` names the entry in messages (default "--compare ENTRY")."""
+    what = what or f"--compare {entry}"
+    if entry == UNIT:
+        scales = unit_scale_set(num_layers)
+    else:
+        source = model_dir if entry == CHECKPOINT else Path(entry)
+        if source != model_dir:
+            other_layers = _config_num_layers(read_config(source), source)
+            if other_layers != num_layers:
+                raise UsageError(f"{what}: {other_layers} layers, but {model_dir} has {num_layers}",
+                                 hint="compare checkpoints of the same model")
+        heads = head_counts(config)
+        scales = read_scale_set(source, num_layers, heads["k"], heads["q"])
+    if scales.per_head and target.neuron:
+        raise UsageError(f"{model_dir if entry == CHECKPOINT else entry}: per-head KV scales, which {target.name} "
+                         f"cannot serve: {NEURON_PER_HEAD_REASON}",
+                         hint="evaluate per-head scales with --target gpu; calibrate per tensor for Neuron")
+    return scales
 
 
 FP8_ATTENTION_SUFFIX = " +fp8-attn"

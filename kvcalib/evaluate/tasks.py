@@ -26,8 +26,8 @@ from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluate.significance import Interval, paired_bootstrap
 
-__all__ = ["BASELINE_NAME", "TaskOptions", "TaskResult", "TaskRow", "evaluate_tasks", "paired_rows", "require_lm_eval",
-           "task_manager"]
+__all__ = ["BASELINE_NAME", "TaskOptions", "TaskResult", "TaskRow", "check_data", "evaluate_tasks", "paired_rows",
+           "require_lm_eval", "task_manager"]
 
 BASELINE_NAME = "baseline"
 EXTRA_HINT = "install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)"
@@ -143,11 +143,10 @@ def task_manager(options: TaskOptions) -> Any:
             raise UsageError(f"unknown task {task!r}" + (f"; close names: {', '.join(close)}" if close else ""),
                              hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path DIR "
                                   "with its YAML")
-    _check_data(manager, options)
     return manager
 
 
-def _check_data(manager: Any, options: TaskOptions) -> None:
+def check_data(manager: Any, options: TaskOptions) -> None:
     """Every task's data read once before any model loads: a task whose data cannot be read (offline, no copy)
     is refused naming it and the way to supply it, instead of failing after the model has run."""
     for task in options.tasks:
@@ -214,6 +213,7 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
     from kvcalib.evaluate import harness
 
     manager = task_manager(options)
+    check_data(manager, options)
     started = time.perf_counter()
     notify(Progress("load-model"))
     loaded = harness.load(checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code)

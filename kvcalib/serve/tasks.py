@@ -19,6 +19,7 @@ from kvcalib.evaluate.tasks import (
     BASELINE_NAME,
     TaskOptions,
     TaskRow,
+    check_data,
     evaluate_tasks,
     paired_rows,
     require_lm_eval,
@@ -73,7 +74,7 @@ def check_tasks(spec: TaskSpec) -> None:
     except ImportError as exc:
         raise UsageError(f"serve-check --tasks needs lm-eval's API models, which need {exc.name}",
                          hint="pip install 'kvcalib[tasks]' (it brings lm-eval[api])") from None
-    task_manager(options)
+    check_data(task_manager(options), options)
 
 
 def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> ServedTasks:
