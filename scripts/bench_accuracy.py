@@ -12,13 +12,14 @@ absmax/448:
   item (`kvcalib eval --tasks`), baseline once per model.
 Prints one markdown table, with the item and token counts. Nothing is asserted.
 
-    python scripts/bench_accuracy.py [MODEL ...] [--limit 50] [--calib 16x256] [--held-out 16x256]
+    python scripts/bench_accuracy.py [MODEL ...] [--limit 30] [--calib 16x256] [--held-out 16x256]
             [--task-data .cache/tasks] [--out out/accuracy] [--bf16-compute float32]
 
 Defaults: SmolLM2-135M, Gemma-3-270M and Qwen2.5-Coder-0.5B as scripts/prepare_model.py lays them out
-under .cache (the task data: scripts/prepare_tasks.py .cache/tasks); 50 items per task (450
-loglikelihood requests per run, 7 runs per model); bf16 through float32 matmuls. Measured on 2
-cores beside other work: SmolLM2 18 minutes.
+under .cache (the task data: scripts/prepare_tasks.py .cache/tasks); 30 items per task (about 270
+loglikelihood requests per run, 7 runs per model); bf16 through float32 matmuls. These defaults keep the
+three models under 60 minutes on 2 cores (see the README for the measured times); `--limit` buys
+narrower intervals for time.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def main() -> None:
     parser.add_argument("models", type=Path, nargs="*",
                         default=[REPO / ".cache" / "smollm2", REPO / ".cache" / "models" / "gemma3-270m",
                                  REPO / ".cache" / "models" / "qwen2.5-coder-0.5b"])
-    parser.add_argument("--limit", type=int, default=50, help="items per task")
+    parser.add_argument("--limit", type=int, default=30, help="items per task")
     parser.add_argument("--calib", type=size, default=(16, 256))
     parser.add_argument("--held-out", type=size, default=(16, 256))
     parser.add_argument("--task-data", default=str(REPO / ".cache" / "tasks"))

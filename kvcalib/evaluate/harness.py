@@ -33,7 +33,7 @@ from kvcalib.core.schema import num_hidden_layers
 from kvcalib.evaluate.emulate import KVQuantizer
 from kvcalib.evaluate.pipeline import CHECKPOINT, UNIT, scale_set
 from kvcalib.hf.attention import QuantizingCache
-from kvcalib.hf.compute import compute_path
+from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.model import (
     RunOptions,
     faithful_attention,
@@ -58,6 +58,7 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: Any
     compute: ComputePath
+    weights: Float32Weights  # float32 copies of the weights, kept across forwards (when compute is emulated)
 
 
 def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_compute: str = "auto",
@@ -72,7 +73,7 @@ def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_
     model = load_model(run.checkpoint.root, run.dtype, run.device, trust_remote_code,
                        attn_implementation=faithful_attention(run.checkpoint.config))
     return LoadedModel(run.checkpoint.root, run.checkpoint.config, model,
-                       load_tokenizer(run.checkpoint.root, trust_remote_code), compute)
+                       load_tokenizer(run.checkpoint.root, trust_remote_code), compute, Float32Weights())
 
 
 def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuantizer | None:
@@ -103,17 +104,40 @@ class KvcalibLM(HFLM):
     def _cache(self) -> QuantizingCache:
         return QuantizingCache(self.model.config, self.quantizer)
 
+    def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
+        # the longest continuation: _model_call's logits need cover no more than that past each row's end
+        self._continuation = max((len(continuation) for _, _, continuation in requests), default=0)
+        try:
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+        finally:
+            self._continuation = 0
+
+    def _logits_to_keep(self, inps: torch.Tensor) -> int:
+        """How many last positions of `inps` lm-eval reads logits at: the longest continuation plus the most
+        right padding of a row (counted as trailing zeros, lm-eval's padding, so never fewer); 0 keeps all.
+
+        HFLM slices each row's continuation relative to the end of the logits it gets, so logits of the last
+        positions only score the same; the language-model head and log-softmax then run over a few positions
+        instead of the whole prompt (for Gemma 3's 262k vocabulary, most of a forward pass)."""
+        if not getattr(self, "_continuation", 0):
+            return 0
+        nonzero = (inps != 0).int()
+        last = torch.where(nonzero.any(dim=1), nonzero.shape[1] - 1 - nonzero.flip(1).argmax(dim=1), -1)
+        keep = self._continuation + int((inps.shape[1] - 1 - last).max())
+        return 0 if keep >= inps.shape[1] else keep
+
     def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
                     labels: torch.Tensor | None = None) -> torch.Tensor:
-        with compute_path(self.loaded.compute):
+        with compute_path(self.loaded.compute, self.loaded.weights):
             if self.quantizer is None:
                 return super()._model_call(inps, attn_mask, labels)
             with torch.no_grad():
-                return self.model(inps, past_key_values=self._cache(), use_cache=True).logits
+                return self.model(inps, past_key_values=self._cache(), use_cache=True,
+                                  logits_to_keep=self._logits_to_keep(inps)).logits
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
                         ) -> torch.Tensor:
         if self.quantizer is not None:
             generation_kwargs["past_key_values"] = self._cache()
-        with compute_path(self.loaded.compute):
+        with compute_path(self.loaded.compute, self.loaded.weights):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)

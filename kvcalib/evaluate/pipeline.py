@@ -14,9 +14,11 @@ and V and the fraction of elements that saturated.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ from kvcalib.evaluate.layers import LayerAlone, layers_alone
 from kvcalib.evaluate.significance import Interval, paired_bootstrap
 from kvcalib.evaluate.scales import ScaleSet, read_scale_set, unit_scale_set
 from kvcalib.hf.attention import RecordingCache, observing_queries
-from kvcalib.hf.compute import compute_path
+from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
 from kvcalib.hf.model import (
     RunOptions,
@@ -213,9 +215,10 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     totals = {name: _Totals(quantizer=quantizer) for name, quantizer in quantizers.items()}
     sampler = AttentionSampler(layers, sample_sequences(data.sequences, opts.batch_size, pad_id(tokenizer)))
     meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device, sampler)
-    baseline = _score(model, data, opts.batch_size, pad_id(tokenizer), device, compute, meter, totals, notify)
+    forward = functools.partial(_log_probs, model, compute=compute, weights=Float32Weights())
+    baseline = _score(forward, data, opts.batch_size, pad_id(tokenizer), device, meter, totals, notify)
     base_nll_mean = baseline.nll / baseline.count
-    alone = _layers_alone(model, data, opts, pad_id(tokenizer), device, compute, quantizers, notify)
+    alone = _layers_alone(forward, data, opts, pad_id(tokenizer), device, quantizers, notify)
     runs = tuple(
         RunResult(
             name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
@@ -234,20 +237,19 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     )
 
 
-def _layers_alone(model: torch.nn.Module, data: CalibrationData, opts: EvalOptions, pad: int, device: torch.device,
-                  compute: ComputePath, quantizers: dict[str, KVQuantizer], notify: ProgressCallback
+def _layers_alone(forward: Callable[..., torch.Tensor], data: CalibrationData, opts: EvalOptions, pad: int,
+                  device: torch.device, quantizers: dict[str, KVQuantizer], notify: ProgressCallback
                   ) -> dict[str, list[LayerAlone | None]]:
     """Per configuration, each layer's ΔNLL and KL with only that layer quantised, on the first `layer_rows` rows."""
     rows = data.sequences[:opts.layer_rows]
     if not rows:
         return {}
     notify(Progress("layers-alone"))
-    return layers_alone(lambda ids, mask, hook: _log_probs(model, ids, mask, hook, compute), rows,
-                        opts.batch_size, pad, device, quantizers)
+    return layers_alone(forward, rows, opts.batch_size, pad, device, quantizers)
 
 
-def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: int, device: torch.device,
-           compute: ComputePath, meter: KVErrorMeter, totals: dict[str, _Totals], notify: ProgressCallback) -> _Totals:
+def _score(forward: Callable[..., torch.Tensor], data: CalibrationData, batch_size: int, pad: int,
+           device: torch.device, meter: KVErrorMeter, totals: dict[str, _Totals], notify: ProgressCallback) -> _Totals:
     """Every batch unquantised (the baseline, returned; `meter` rides along) and once per scale configuration."""
     baseline = _Totals()
     done_samples = done_tokens = 0
@@ -259,7 +261,7 @@ def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: 
         meter.token_mask = mask.bool()
         if meter.sampler is not None:
             meter.sampler.start_batch(input_ids, mask)
-        base_logp = _log_probs(model, input_ids, mask, meter, compute)
+        base_logp = forward(input_ids, mask, meter)
         meter.token_mask = None
         if meter.sampler is not None:
             meter.sampler.end_batch()
@@ -267,7 +269,7 @@ def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: 
         baseline.add(_row_sums(-base_logp.gather(-1, targets[..., None])[..., 0], scored),
                      _row_sums(base_top1 == targets, scored), scored)
         for run in totals.values():
-            logp = _log_probs(model, input_ids, mask, run.quantizer, compute)
+            logp = forward(input_ids, mask, run.quantizer)
             top1 = logp.argmax(-1)
             run.add(_row_sums(-logp.gather(-1, targets[..., None])[..., 0], scored), _row_sums(top1 == targets, scored),
                     scored)
@@ -282,10 +284,10 @@ def _score(model: torch.nn.Module, data: CalibrationData, batch_size: int, pad: 
 
 
 @torch.inference_mode()
-def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any,
-               compute: ComputePath) -> torch.Tensor:
+def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any, *,
+               compute: ComputePath, weights: Float32Weights | None = None) -> torch.Tensor:
     """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
-    with compute_path(compute), observing_queries(hook) if getattr(hook, "queries", False) else nullcontext():
+    with compute_path(compute, weights), observing_queries(hook) if getattr(hook, "queries", False) else nullcontext():
         logits = model(input_ids=input_ids, attention_mask=mask, use_cache=True,
                        past_key_values=RecordingCache(model.config, hook)).logits
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)

@@ -114,6 +114,22 @@ def test_generation_decodes_from_the_quantised_cache(calibrated):
     assert calls == [ids.shape[1]] * layers + [1] * (3 * layers)  # the prompt, then each decoded token's K/V
 
 
+def test_scoring_the_continuations_logits_only_changes_no_answer(calibrated, task_dir):
+    """Under FP8 KV, logits are made for the last positions of each batch only (the longest continuation plus the
+    padding): every log-likelihood and greedy flag is the one full logits give, in right-padded batches too."""
+    loaded = harness.load(calibrated, dtype="float32")
+    kept, full = (harness.KvcalibLM(loaded, scales="checkpoint", batch_size=3) for _ in range(2))
+    full._logits_to_keep = lambda inps: 0
+    widths = []
+    keep = kept._logits_to_keep
+    kept._logits_to_keep = lambda inps: widths.append((keep(inps), inps.shape[1])) or widths[-1][0]
+    manager = TaskManager(include_path=str(task_dir))
+    outs = [lm_eval.simple_evaluate(model=m, tasks=TASKS[:1], log_samples=True, task_manager=manager)
+            for m in (kept, full)]
+    assert responses(outs[0], TASKS[0]) == responses(outs[1], TASKS[0])
+    assert any(0 < kept_ < width for kept_, width in widths)  # it really scored fewer positions (0: all of them)
+
+
 def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, monkeypatch):
     base = ["eval", str(calibrated), "--include-path", str(task_dir)]
     cases = [

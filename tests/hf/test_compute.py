@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute, parse_cpu_flags
 from kvcalib.core.errors import UsageError
-from kvcalib.hf.compute import UPCAST_BLOCK_ELEMENTS, bf16_via_float32
+from kvcalib.hf.compute import UPCAST_BLOCK_ELEMENTS, Float32Weights, bf16_via_float32
 
 AVX2_EPYC = HostCpu(frozenset({"fpu", "sse2", "avx", "avx2", "fma"}), "AVX2")
 AVX512_BF16 = HostCpu(frozenset({"avx2", "avx512f", "avx512bw", "avx512_bf16"}), "AVX512")
@@ -149,6 +149,28 @@ def test_a_bf16_model_keeps_its_weights_under_emulation(tiny_llama_master):
     assert {name: (p.dtype, p.data_ptr()) for name, p in model.named_parameters()} == before
     assert emulated.dtype == torch.bfloat16
     assert _sqnr_db(emulated.float(), native.double()) > 30  # the same bf16 model, other roundings
+
+
+def test_kept_float32_weights_change_nothing_but_the_upcasts(tiny_llama_master):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_master, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([list(range(5, 40)), list(range(40, 75))])
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    kept, none_kept = Float32Weights(), Float32Weights(budget=0)
+    with torch.inference_mode():
+        with bf16_via_float32():
+            plain = model(input_ids=ids).logits
+        with bf16_via_float32(kept):
+            first, again = model(input_ids=ids).logits, model(input_ids=ids).logits
+        with bf16_via_float32(none_kept):
+            over_budget = model(input_ids=ids).logits
+    assert torch.equal(first, plain) and torch.equal(again, plain) and torch.equal(over_budget, plain)
+    assert kept.used == sum(w.numel() * 4 for w in {id(w): w for w in linears}.values())  # each weight once
+    assert all(kept.get(w).dtype == torch.float32 and torch.equal(kept.get(w), w.float()) for w in linears)
+    assert none_kept.used == 0 and none_kept.get(linears[0]) is None  # past the budget: upcast per call
+    assert Float32Weights().get(torch.ones(3, 3, dtype=torch.bfloat16)) is None  # activations are never kept
+    assert all(w.dtype == torch.bfloat16 for w in model.parameters())
 
 
 def test_streamed_equals_in_memory_on_the_float32_path(tiny_llama_master, text_dataset, tmp_path):
