@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from checkpoints import make_calibrated
 from helpers import fortune_texts, write_jsonl
+from tasks import write_tiny_tasks
 from test_corpus import snapshot
 from typer.testing import CliRunner
 
@@ -140,15 +141,19 @@ def test_stale_sibling_of_a_live_run_is_not_touched(inputs, tmp_path):
     assert siblings(out) == [] and not out.exists()
 
 
-@pytest.mark.parametrize(("command", "sig"), [("eval", T), ("validate", H)])
-def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, tmp_path):
+@pytest.mark.parametrize(("command", "sig"), [("eval", T), ("validate", H), ("tasks", I)])
+def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, tmp_path, tmp_path_factory):
+    """Stopped mid-run, eval (with --plot), eval --tasks (inside lm-eval's scoring, run from an empty folder) and
+    validate exit as Ctrl-C does, write nothing and leave the checkpoint as it was."""
     plot = tmp_path / "plot.png"
     args = {"eval": ["eval", str(inputs["old"]), "--dataset", str(inputs["data"]), "--num-samples", "2",
                      "--plot", str(plot)],
-            "validate": ["validate", str(inputs["old"])]}[command]
+            "validate": ["validate", str(inputs["old"])],
+            "tasks": ["eval", str(inputs["old"]), "--tasks", "kvcalib_tiny_mc", "--compare", "unit",
+                      "--include-path", str(write_tiny_tasks(tmp_path_factory.mktemp("tasks")))]}[command]
     before = snapshot(inputs["old"])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), command, "--", *args], env=env, text=True,
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), command, "--", *args], env=env, text=True, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for(proc, f"AT {command}")
     proc.send_signal(sig)

@@ -12,6 +12,7 @@ signal then; without one the run goes on):
 - between    the fallback publish (no renameat2): OUT moved into the sibling, the new one not yet in place
 - eval       (kvcalib eval) before the model is loaded
 - validate   (kvcalib validate) before the safetensors headers are read
+- tasks      (kvcalib eval --tasks) inside lm-eval's scoring, the model loaded and the task data read
 
 Everything else is the real CLI, run as `kvcalib` runs it.
 """
@@ -71,6 +72,11 @@ def main() -> None:
     elif point == "validate":
         real_scan = validate_pipeline.scan_for_validation
         validate_pipeline.scan_for_validation = lambda *a: (pause(point), real_scan(*a))[1]
+    elif point == "tasks":
+        from kvcalib.evaluate.harness import KvcalibLM
+
+        real_score = KvcalibLM._loglikelihood_tokens
+        KvcalibLM._loglikelihood_tokens = lambda *a, **k: (pause(point), real_score(*a, **k))[1]
     else:
         raise SystemExit(f"unknown point {point}")
     from kvcalib.cli import main as cli_main
