@@ -20,15 +20,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvcalib.cli.render import (
-    progress_bar,
-    render_calibration,
-    render_eval,
-    render_report,
-    render_serve_check,
-    render_tasks,
-    serve_status,
-)
+from kvcalib.cli.render import (progress_bar, render_calibration, render_context, render_eval, render_report,
+                                render_serve_check, render_tasks, serve_status)
 from kvcalib.core.errors import KvcalibError, UsageError
 
 app = typer.Typer(
@@ -308,6 +301,7 @@ def eval_command(
     num_fewshot: int | None = typer.Option(None, "--num-fewshot", help="With --tasks: examples in each prompt (lm-eval's)."),
     include_path: list[str] = typer.Option([], "--include-path", help="With --tasks: a folder of task YAML (lm-eval's); repeatable."),
     task_data: str | None = typer.Option(None, "--task-data", help="With --tasks: task data laid out offline by scripts/prepare_tasks.py DIR (lm-eval's tasks, local data)."),
+    context: str | None = typer.Option(None, "--context", help="Lengths, comma-separated (e.g. 2048,8192): samples packed from --dataset to each, --num-samples per length at most; per layer the K/V saturation and absmax past the scales, and ΔNLL on each sample's last quarter."),
     split: str = typer.Option("train", "--split", help="Dataset split."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
     num_samples: int = typer.Option(64, "--num-samples", help="First N rows of the split."),
@@ -338,6 +332,9 @@ def eval_command(
                           compare=tuple(compare), fp8_attention=fp8_attention, bf16_compute=bf16_compute,
                           add_special_tokens=add_special_tokens, cpu=_host_cpu(), layer_rows=layer_rows)
     console = _stderr(quiet)
+    if context is not None:
+        _eval_context(checkpoint, dataset, context, options, console, as_json)
+        return
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
             check_plot_path(plot, [checkpoint, dataset, *compare])
@@ -349,10 +346,20 @@ def eval_command(
         _print_json(result.to_dict())
 
 
+def _eval_context(checkpoint: str, dataset: str, context: str, options: Any, console: Console, as_json: bool) -> None:
+    """eval --context: saturation and ΔNLL at long context (kvcalib.evaluate.context)."""
+    from kvcalib.evaluate.context import evaluate_context, parse_lengths
+
+    with _errors(), progress_bar(console, "evaluating long context", "eval") as on_progress:
+        result = evaluate_context(checkpoint, dataset, parse_lengths(context), options, progress=on_progress)
+    render_context(console, result)
+    if as_json:
+        _print_json(result.to_dict())
+
+
 def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, target: str, compare: list[str],
                 limit: int | None, num_fewshot: int | None, include_path: list[str], task_data: str | None,
-                batch_size: int, dtype: str,
-                device: str, bf16_compute: str, as_json: bool, quiet: bool) -> None:
+                batch_size: int, dtype: str, device: str, bf16_compute: str, as_json: bool, quiet: bool) -> None:
     """eval --tasks: lm-eval tasks, each run paired against the baseline (kvcalib.evaluate.tasks)."""
     from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
 
@@ -365,8 +372,7 @@ def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, target:
         options = TaskOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), target=target,
                               compare=tuple(compare), limit=limit, num_fewshot=num_fewshot,
                               include_path=tuple(include_path), task_data=task_data, batch_size=batch_size,
-                              dtype=dtype, device=device,
-                              bf16_compute=bf16_compute)
+                              dtype=dtype, device=device, bf16_compute=bf16_compute)
         with progress_bar(console, "evaluating tasks", "eval") as on_progress:
             result = evaluate_tasks(checkpoint, options, progress=on_progress)
     render_tasks(console, result)

@@ -194,6 +194,26 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
         console.print(f"plot: {result.plot}")
 
 
+def render_context(console: Console, result: Any) -> None:
+    """eval --context: per length and scale set, ΔNLL on the last quarter, and the worst layer's saturation."""
+    table = Table(title=f"FP8 KV on {result.target} at long context: {result.tokens_available:,} tokens of text packed "
+                  f"(model's max {result.max_positions or '?'}, memory's {result.memory_bound:,})")
+    for column in ("length", "scales", "samples", "base NLL", "ΔNLL last quarter [95%]", "K clipped", "V clipped",
+                   "K absmax/clip", "V absmax/clip"):
+        table.add_column(column, justify="left" if column == "scales" else "right", overflow="fold")
+    for row in result.rows:
+        spread = "" if row.interval is None else f" [{row.interval.low:+.4f}, {row.interval.high:+.4f}]"
+        beyond = [row.beyond(kind) for kind in ("k", "v")]
+        table.add_row(f"{row.length:,}", escape(row.name), str(row.samples), f"{row.baseline_nll:.4f}",
+                      f"{row.delta_nll:+.4f}{spread}", f"{row.k_clipped:.3%}", f"{row.v_clipped:.3%}",
+                      *(f"{ratio:.2f} (L{layer})" for ratio, layer in beyond))
+    console.print(table)
+    console.print("ΔNLL on the last quarter of each sample's positions; interval: paired bootstrap over 64-token "
+                  "blocks of them. Clipped: the worst layer's fraction of elements that saturate; absmax/clip: the "
+                  "worst layer's absmax over the largest value its scale represents (above 1: past the scales)",
+                  style="dim")
+
+
 def render_tasks(console: Console, result: Any) -> None:
     """eval --tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
     table = Table(title=escape(f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"

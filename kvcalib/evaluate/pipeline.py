@@ -44,6 +44,7 @@ from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
 from kvcalib.hf.model import (
+    PreparedRun,
     RunOptions,
     faithful_attention,
     load_model,
@@ -56,7 +57,7 @@ from kvcalib.hf.model import (
 )
 from kvcalib.hf.samples import AttentionSampler, sample_sequences
 
-__all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate"]
+__all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate", "prepare_scales"]
 
 UNIT = "unit"  # --compare unit: every scale 1.0 (what a checkpoint without scales runs with)
 CHECKPOINT = "checkpoint"
@@ -189,13 +190,9 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     opts.check_arguments()
     notify = progress or no_progress
     started = time.perf_counter()
-    target = resolve_target(opts.target)
-    run = prepare_run(checkpoint, opts, opts.batch_size)
+    run, quantizers, compute = prepare_scales(checkpoint, opts)
     ckpt, dtype, device = run.checkpoint, run.dtype, run.device
     layers = _config_num_layers(ckpt.config, ckpt.root)
-    configs = _scale_configs(ckpt.root, opts.compare, layers, target, ckpt.config)
-    quantizers = _quantizers(configs, target, opts.fp8_attention)
-    compute = resolve_compute(opts.bf16_compute, dtype, ckpt, device, opts.cpu)
 
     notify(Progress("load-data"))
     tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
@@ -228,6 +225,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         )
         for name, t in totals.items()
     )
+    target = quantizers[CHECKPOINT].target
     return EvalResult(
         checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max,
         num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
@@ -235,6 +233,18 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         runs=runs, seconds=time.perf_counter() - started, compute=compute.describe(),
         layer_rows=min(opts.layer_rows, len(data.sequences)),
     )
+
+
+def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> tuple[PreparedRun, dict[str, KVQuantizer],
+                                                                      ComputePath]:
+    """The checkpoint read and checked, a quantiser per scale set (the checkpoint's, then --compare), the compute
+    path: everything eval checks before it reads data or loads the model."""
+    target = resolve_target(opts.target)
+    run = prepare_run(checkpoint, opts, opts.batch_size)
+    layers = _config_num_layers(run.checkpoint.config, run.checkpoint.root)
+    configs = _scale_configs(run.checkpoint.root, opts.compare, layers, target, run.checkpoint.config)
+    quantizers = _quantizers(configs, target, opts.fp8_attention)
+    return run, quantizers, resolve_compute(opts.bf16_compute, run.dtype, run.checkpoint, run.device, opts.cpu)
 
 
 def _layers_alone(forward: Callable[..., torch.Tensor], data: CalibrationData, opts: EvalOptions, pad: int,

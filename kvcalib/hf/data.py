@@ -28,7 +28,7 @@ from kvcalib.core.errors import DatasetError
 from kvcalib.core.paths import require_regular_file
 
 __all__ = [
-    "BUILDERS", "CHAT_COLUMN", "CalibrationData", "DEFAULT_TEXT_COLUMN", "batches", "default_special_tokens",
+    "BUILDERS", "CHAT_COLUMN", "CalibrationData", "DEFAULT_TEXT_COLUMN", "batches", "default_special_tokens", "leading_special_tokens",
     "load_calibration_data", "load_rows", "resolve_column", "special_tokens_rule", "tokenize_as_served",
 ]
 
@@ -251,6 +251,16 @@ def default_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     bare = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
     return tuple(i for i in full if i not in bare) if full != bare else ()
+
+
+def leading_special_tokens(tokenizer: Any) -> tuple[int, ...]:
+    """The ids the tokenizer puts before plain text by default (BOS), in order; () if none."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            return tuple(full[:start])
+    return ()
 
 
 def _shuffled_rows(n: int, seed: int) -> list[int]:

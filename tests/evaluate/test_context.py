@@ -1,0 +1,121 @@
+"""eval --context: packed long samples, the last quarter's ΔNLL and per-layer saturation, against a hand computation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import scaled_copy
+from typer.testing import CliRunner
+
+from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.cli import app
+from kvcalib.core import fp8
+from kvcalib.core.errors import DatasetError, UsageError
+from kvcalib.evaluate import EvalOptions
+from kvcalib.evaluate.context import (
+    BLOCK,
+    check_lengths,
+    evaluate_context,
+    forward_bytes,
+    pack,
+    packed_stream,
+    scored_positions,
+)
+from kvcalib.evaluate.scales import read_scale_set
+from kvcalib.hf.attention import RecordingCache
+from kvcalib.hf.model import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_llama_master, text_dataset, tmp_path_factory):
+    root = tmp_path_factory.mktemp("context")
+    calibrate(tiny_llama_master, str(text_dataset), root / "cal", CalibrateOptions(num_samples=4, max_seq_len=16))
+    return root / "cal", scaled_copy(root / "cal", root / "small", 1 / 8)  # scales sized for far less: clips
+
+
+def test_samples_are_the_prefix_then_consecutive_pieces_of_the_text():
+    stream = list(range(100, 130))
+    assert pack(stream, [1], 8, 10) == [[1, *range(100, 107)], [1, *range(107, 114)], [1, *range(114, 121)],
+                                        [1, *range(121, 128)]]  # 30 tokens hold four pieces of 7; 2 left over
+    assert pack(stream, [], 10, 2) == [list(range(100, 110)), list(range(110, 120))]
+    assert pack(stream, [1], 32, 5) == []
+    assert [scored_positions(n) for n in (8, 64, 8192)] == [2, 16, 2048]
+
+
+class Collect:
+    """Keeps every layer's K and V as written to the cache."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def observe(self, layer, key, value):
+        self.k.setdefault(layer, []).append(key.float())
+        self.v.setdefault(layer, []).append(value.float())
+
+
+def test_the_last_quarter_and_saturation_are_what_a_hand_computation_gives(calibrated, tiny_llama_master,
+                                                                           text_dataset):
+    cal, small = calibrated
+    result = evaluate_context(cal, str(text_dataset), (32, 64),
+                              EvalOptions(num_samples=3, compare=(str(small),), dtype="float32"))
+    tokenizer = load_tokenizer(cal, False)
+    stream, prefix = packed_stream(str(text_dataset), tokenizer, "train", None)
+    model = load_model(cal, torch.float32, torch.device("cpu"), False)
+    target = fp8.get_target("trn2")
+    for length in (32, 64):
+        samples = pack(stream, prefix, length, 3)
+        assert len(samples) == 3 and all(len(s) == length for s in samples)
+        rows = {r.name: r for r in result.rows if r.length == length}
+        q = scored_positions(length)
+        nll, seen = [], Collect()
+        with torch.inference_mode():
+            for sample in samples:
+                ids = torch.tensor([sample])
+                logits = model(input_ids=ids, past_key_values=RecordingCache(model.config, seen)).logits[0]
+                nll.append(torch.nn.functional.cross_entropy(logits[-q - 1:-1], ids[0, -q:], reduction="none"))
+        base = torch.cat(nll)
+        for name, row in rows.items():
+            assert row.samples == 3 and row.tokens == 3 * q
+            assert row.baseline_nll == pytest.approx(float(base.mean()), abs=1e-5)
+            scales = read_scale_set(cal if name == "checkpoint" else small, 3, 2, 4)
+            for layer in row.layers:
+                k = torch.cat(seen.k[layer.layer])
+                clipped = (fp8.to_fp8_domain(k, scales.k[layer.layer], target).abs() > target.fp8_max).float().mean()
+                assert layer.k_clipped == pytest.approx(float(clipped), abs=1e-6)
+                assert layer.k_absmax == pytest.approx(float(k.abs().max()), rel=1e-6)
+            assert row.interval is not None and row.interval.items == 3 * -(-q // BLOCK)
+        assert rows[str(small)].k_clipped > max(0.01, 5 * rows["checkpoint"].k_clipped)
+        assert rows[str(small)].beyond("k")[0] > 2 * rows["checkpoint"].beyond("k")[0]
+        assert rows[str(small)].delta_nll > rows["checkpoint"].delta_nll
+
+
+def test_lengths_past_the_model_or_memory_are_refused_naming_both_numbers(calibrated, text_dataset, tmp_path):
+    cal, _ = calibrated
+    config = json.loads((cal / "config.json").read_text())
+    limit = config["max_position_embeddings"]
+    with pytest.raises(UsageError, match=f"--context {limit + 1} is above the model's max_position_embeddings {limit}"):
+        evaluate_context(cal, str(text_dataset), (16, limit + 1), EvalOptions())
+    need = forward_bytes(config, 64, 10**6)
+    with pytest.raises(UsageError, match=r"--context 64: one forward needs about .* GiB, and .* GiB is available"):
+        check_lengths((64,), config, cal, 10**6, need // 4)
+    with pytest.raises(UsageError, match="too short"):
+        check_lengths((4,), config, cal, 10**6, 1 << 40)
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "a few words"}\n')
+    with pytest.raises(DatasetError, match=r"short.jsonl: \d+ tokens of text, too few for one sample of 64"):
+        evaluate_context(cal, str(short), (64,), EvalOptions())
+
+
+def test_the_command_line(calibrated, text_dataset):
+    cal, small = calibrated
+    result = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,64",
+                                      "--compare", str(small), "--num-samples", "2", "--json"])
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert [(r["length"], r["name"]) for r in payload["rows"]] == [(32, "checkpoint"), (32, str(small)),
+                                                                    (64, "checkpoint"), (64, str(small))]
+    assert payload["rows"][1]["k_clipped_max"] > 0 and "last quarter" in result.stderr
+    bad = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,x"])
+    assert bad.exit_code == 2 and "--context" in bad.stderr and "Traceback" not in bad.stderr
