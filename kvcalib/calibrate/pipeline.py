@@ -39,7 +39,7 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config
+from kvcalib.core.schema import ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config, max_position_embeddings
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.samples import sample_sequences
 from kvcalib.hf.model import (
@@ -110,6 +110,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
         warnings.extend(absmax_warnings(layers, observation.samples, plan.target))
     if plan.engine.reason:
         warnings.append(plan.engine.reason)
+    warnings.extend(context_warning(data, opts.max_seq_len, plan.checkpoint.config, output))
 
     def result(more_warnings: list[str], validation: dict[str, Any] | None) -> CalibrationResult:
         return CalibrationResult(
@@ -125,6 +126,19 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     notify(Progress("write"))
     notes, validation = _write(plan, data, layers, observation.attention_classes if opts.attention_scales else ())
     return result(list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation or None)
+
+
+def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, Any], output: str | Path) -> list[str]:
+    """A warning when the calibration samples are far shorter (under half) than the context the model serves: K's
+    absmax grows with more text and later positions (SmolLM2-135M: the 8k absmax is up to 1.34x the first 256's)."""
+    context = max_position_embeddings(config)
+    longest = max((len(s) for s in data.sequences), default=0)
+    if context is None or 2 * longest >= context:
+        return []
+    return [f"calibration samples are at most {longest} tokens (--max-seq-len {max_seq_len}), the model serves up "
+            f"to {context}: K/V later in long prompts can exceed the absmax seen here and saturate. Measure it with "
+            f"`kvcalib eval {output} --dataset HELD_OUT --context {min(context, 8192)}`, or calibrate on longer "
+            f"samples (--max-seq-len)"]
 
 
 def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions) -> _Plan:
@@ -195,7 +209,7 @@ def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales], attent
     config = plan.checkpoint.config
     dtype_name = (str(plan.dtype).removeprefix("torch.") if plan.dtype
                   else str(config.get("dtype") or config.get("torch_dtype")))
-    provenance = _provenance(plan.checkpoint.root, data, plan.options, plan.target, layers, dtype_name)
+    provenance = _provenance(plan.checkpoint.root, data, plan.options, plan.target, layers, dtype_name, config)
     provenance["compute"] = plan.compute.describe()
     scales = scale_tensors(layers)
     validation: dict[str, Any] = {}
@@ -235,7 +249,7 @@ def _base_model(config: dict[str, Any]) -> str | None:
 
 
 def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, target: fp8.Target,
-                layers: list[LayerScales], dtype_name: str) -> dict[str, Any]:
+                layers: list[LayerScales], dtype_name: str, config: dict[str, Any]) -> dict[str, Any]:
     return {
         "tool": "kvcalib",
         "kvcalib_version": __version__,
@@ -253,6 +267,8 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "column": data.column,
         "seed": opts.seed,
         "max_seq_len": opts.max_seq_len,
+        "longest_sample": max((len(s) for s in data.sequences), default=0),
+        "model_context": max_position_embeddings(config),
         "num_samples": len(data.sequences),
         "num_rows_selected": data.rows_selected,
         "num_rows_empty": data.rows_empty,

@@ -54,6 +54,12 @@ def num_hidden_layers(config: dict[str, Any]) -> int | None:
     return None
 
 
+def max_position_embeddings(config: dict[str, Any]) -> int | None:
+    """The longest context the model serves (max_position_embeddings, top level or text_config); None if unusable."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return _positive_int(text.get("max_position_embeddings"))
+
+
 def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 

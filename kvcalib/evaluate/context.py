@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvcalib.core.errors import DatasetError, UsageError
+from kvcalib.core.schema import max_position_embeddings
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluate.emulate import KVErrorMeter, LayerQuantStats
 from kvcalib.evaluate.significance import Interval, paired_bootstrap
@@ -124,11 +125,6 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return text if isinstance(text, dict) else config
 
 
-def max_positions(config: dict[str, Any]) -> int | None:
-    value = _text_config(config).get("max_position_embeddings")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
 def forward_bytes(config: dict[str, Any], length: int, weight_bytes: int) -> int:
     """A generous estimate of one batch-1 forward's peak memory at `length` tokens: the weights and their float32
     copies, float32 activations (hidden and MLP), the attention scores of one 256-query block, and the last
@@ -160,7 +156,7 @@ def check_lengths(lengths: tuple[int, ...], config: dict[str, Any], where: Path,
                   available: int) -> int:
     """Each --context length usable: at least MIN_LENGTH, within max_position_embeddings and memory. Returns the
     memory bound."""
-    limit = max_positions(config)
+    limit = max_position_embeddings(config)
     bound = memory_bound(config, weight_bytes, available)
     for length in lengths:
         if length < MIN_LENGTH:
@@ -260,7 +256,7 @@ def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, .
 
     rows = tuple(row for length, samples in packed.items()
                  for row in run_length(model, samples, quantizers, run.device, forward, notify, length))
-    return ContextResult(checkpoint=str(checkpoint), target=opts.target, max_positions=max_positions(ckpt.config),
+    return ContextResult(checkpoint=str(checkpoint), target=opts.target, max_positions=max_position_embeddings(ckpt.config),
                          tokens_available=len(stream), memory_bound=bound, rows=rows,
                          seconds=time.perf_counter() - started)
 

@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
-from helpers import scaled_copy
+from helpers import fortune_texts, scaled_copy, write_jsonl
 from typer.testing import CliRunner
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import DatasetError, UsageError
+from kvcalib.core.schema import PROVENANCE_FILENAME
 from kvcalib.evaluate import EvalOptions
 from kvcalib.evaluate.context import (
     BLOCK,
@@ -119,3 +120,18 @@ def test_the_command_line(calibrated, text_dataset):
     assert payload["rows"][1]["k_clipped_max"] > 0 and "last quarter" in result.stderr
     bad = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,x"])
     assert bad.exit_code == 2 and "--context" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_calibrate_warns_when_its_samples_are_far_shorter_than_the_context(tiny_llama_master, text_dataset, tmp_path):
+    short = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "short",
+                      CalibrateOptions(num_samples=2, max_seq_len=16))
+    warning = [w for w in short.warnings if "the model serves up to" in w]
+    assert len(warning) == 1 and "at most 16 tokens (--max-seq-len 16), the model serves up to 512" in warning[0]
+    assert "--context 512" in warning[0]
+    provenance = json.loads((tmp_path / "short" / PROVENANCE_FILENAME).read_text())
+    assert provenance["longest_sample"] == 16 and provenance["model_context"] == 512
+    write_jsonl(tmp_path / "long.jsonl", [{"text": " ".join(fortune_texts(40, chars=100))}])
+    long = calibrate(tiny_llama_master, str(tmp_path / "long.jsonl"), tmp_path / "long",
+                     CalibrateOptions(num_samples=1, max_seq_len=300))
+    assert json.loads((tmp_path / "long" / PROVENANCE_FILENAME).read_text())["longest_sample"] == 300
+    assert not [w for w in long.warnings if "the model serves up to" in w]
