@@ -132,7 +132,7 @@ def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, A
     """A warning when the calibration samples are far shorter (under half) than the context the model serves: K's
     absmax grows with more text and later positions (SmolLM2-135M: the 8k absmax is up to 1.34x the first 256's)."""
     context = max_position_embeddings(config)
-    longest = max((len(s) for s in data.sequences), default=0)
+    longest = data.longest
     if context is None or 2 * longest >= context:
         return []
     return [f"calibration samples are at most {longest} tokens (--max-seq-len {max_seq_len}), the model serves up "
@@ -267,7 +267,7 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "column": data.column,
         "seed": opts.seed,
         "max_seq_len": opts.max_seq_len,
-        "longest_sample": max((len(s) for s in data.sequences), default=0),
+        "longest_sample": data.longest,
         "model_context": max_position_embeddings(config),
         "num_samples": len(data.sequences),
         "num_rows_selected": data.rows_selected,

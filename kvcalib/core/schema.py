@@ -12,7 +12,7 @@ from typing import Any
 __all__ = [
     "ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS", "NEURON_ALT_LAYERS_PREFIX",
     "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME", "PROVENANCE_METADATA_KEY",
-    "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "fp8_attention_groups", "head_counts", "is_kv_scale_key", "kv_cache_scheme_args",
+    "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "fp8_attention_groups", "head_counts", "is_kv_scale_key", "kv_cache_scheme_args", "max_position_embeddings", "text_config",
     "kv_only_quantization_config", "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key",
     "parse_neuron_scale_key", "parse_q_scale_key", "scale_key",
 ]
@@ -54,10 +54,15 @@ def num_hidden_layers(config: dict[str, Any]) -> int | None:
     return None
 
 
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of config.json: text_config in a multimodal config, else the config itself."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def max_position_embeddings(config: dict[str, Any]) -> int | None:
     """The longest context the model serves (max_position_embeddings, top level or text_config); None if unusable."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    return _positive_int(text.get("max_position_embeddings"))
+    return _positive_int(text_config(config).get("max_position_embeddings"))
 
 
 def _positive_int(value: Any) -> int | None:
@@ -67,7 +72,7 @@ def _positive_int(value: Any) -> int | None:
 def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
     """kind -> how many scales a per-head tensor holds: KV heads for k/v, attention heads for q (from
     config.json, top level or text_config; None when it does not say)."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = text_config(config)
     q = _positive_int(text.get("num_attention_heads"))
     kv = _positive_int(text.get("num_key_value_heads")) or q
     return {"k": kv, "v": kv, "q": q}

@@ -29,13 +29,14 @@ from typing import Any
 import torch
 
 from kvcalib.core.errors import DatasetError, UsageError
-from kvcalib.core.schema import max_position_embeddings
+from kvcalib.core.schema import max_position_embeddings, text_config
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluate.emulate import KVErrorMeter, LayerQuantStats
 from kvcalib.evaluate.significance import Interval, paired_bootstrap
 from kvcalib.hf.attention import RecordingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
+from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
 
 __all__ = ["BLOCK", "ContextResult", "ContextRow", "check_lengths", "evaluate_context", "forward_bytes", "pack", "parse_lengths",
            "scored_positions"]
@@ -120,16 +121,11 @@ def scored_positions(length: int) -> int:
     return length // 4
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    text = config.get("text_config")
-    return text if isinstance(text, dict) else config
-
-
 def forward_bytes(config: dict[str, Any], length: int, weight_bytes: int) -> int:
     """A generous estimate of one batch-1 forward's peak memory at `length` tokens: the weights and their float32
     copies, float32 activations (hidden and MLP), the attention scores of one 256-query block, and the last
     quarter's logits and log-probabilities over the vocabulary."""
-    text = _text_config(config)
+    text = text_config(config)
     hidden = int(text.get("hidden_size") or 0)
     inter = int(text.get("intermediate_size") or 4 * hidden)
     heads = int(text.get("num_attention_heads") or 1)
@@ -236,8 +232,6 @@ def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, .
     weight_bytes = sum(f.stat().st_size for f in ckpt.root.glob("*.safetensors"))
     bound = check_lengths(lengths, ckpt.config, ckpt.root, weight_bytes, available_memory(run.device).available)
     notify(Progress("load-data"))
-    from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
-
     stream, prefix = packed_stream(dataset, load_tokenizer(ckpt.root, opts.trust_remote_code), opts.split,
                                    opts.text_column)
     packed = {length: pack(stream, prefix, length, opts.num_samples) for length in lengths}

@@ -61,6 +61,10 @@ class CalibrationData:
     def num_tokens(self) -> int:
         return sum(len(s) for s in self.sequences)
 
+    @property
+    def longest(self) -> int:
+        return max((len(s) for s in self.sequences), default=0)
+
 
 def load_rows(dataset: str, split: str):
     """A `datasets.Dataset` for `dataset` (path or hub id) and `split`."""
@@ -246,17 +250,20 @@ def tokenize_as_served(tokenizer: Any, texts: list[str], chat: list[bool], max_s
     return out
 
 
+def _bare_and_full(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """A one-letter text's ids without and with the tokenizer's default special tokens."""
+    return tokenizer("a", add_special_tokens=False)["input_ids"], tokenizer("a", add_special_tokens=True)["input_ids"]
+
+
 def default_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids the tokenizer adds around plain text by default (BOS, EOS ...), in order."""
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    bare, full = _bare_and_full(tokenizer)
     return tuple(i for i in full if i not in bare) if full != bare else ()
 
 
 def leading_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids the tokenizer puts before plain text by default (BOS), in order; () if none."""
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    bare, full = _bare_and_full(tokenizer)
     for start in range(len(full) - len(bare) + 1):
         if full[start:start + len(bare)] == bare:
             return tuple(full[:start])
