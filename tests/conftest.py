@@ -32,6 +32,9 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Tests read the CLI's messages whole: a console wide enough that rich wraps no path (pytest-xdist's
+# temporary paths are long).
+os.environ.setdefault("COLUMNS", "240")
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +106,6 @@ PROOFS = {
     "disk-full": "disk full and too small on a real tmpfs (needs root to mount it)",
     "permissions": "permission denied, as an unprivileged user (needs root and setpriv)",
 }
-_proof_of: dict[str, str] = {}
 _proof_outcomes: dict[str, list[tuple[str, str]]] = {name: [] for name in PROOFS}
 _counts = {"passed": 0, "failed": 0, "skipped": 0}
 
@@ -114,14 +116,15 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     # The real Gemma and Qwen tests run last: scripts/test.sh converts those models in the background
-    # meanwhile (on the core a one-process pytest leaves idle).
+    # meanwhile. Under pytest-xdist every worker sorts alike, so the controller hands their files out last.
     items.sort(key=lambda item: item.get_closest_marker("real_model") is not None)
     for item in items:
         marker = item.get_closest_marker("proof")
         if marker is not None:
             if marker.args[0] not in PROOFS:
                 raise pytest.UsageError(f"{item.nodeid}: unknown proof {marker.args[0]!r}")
-            _proof_of[item.nodeid] = marker.args[0]
+            # carried by every report, so a pytest-xdist controller (which collects nothing) knows it too
+            item.user_properties.append(("proof", marker.args[0]))
 
 
 def pytest_runtest_logreport(report):
@@ -134,9 +137,9 @@ def pytest_runtest_logreport(report):
     else:
         return
     _counts[outcome] += 1
-    name = _proof_of.get(report.nodeid)
+    name = dict(report.user_properties).get("proof")
     if name is not None:
-        skipped = report.skipped and isinstance(report.longrepr, tuple)
+        skipped = report.skipped and isinstance(report.longrepr, (tuple, list))
         _proof_outcomes[name].append((outcome, report.longrepr[2].removeprefix("Skipped: ") if skipped else ""))
 
 
@@ -159,6 +162,8 @@ def _proof_lines() -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter):
+    if hasattr(terminalreporter.config, "workerinput"):
+        return  # a pytest-xdist worker: its controller reports
     path = os.environ.get("KVCALIB_PROOF_REPORT")
     if not path:
         for line in _proof_lines():

@@ -1,0 +1,14 @@
+"""Real Qwen2.5-Coder-0.5B (scripts/prepare_model.py; q/k/v biases, K absmax ~200): kvcalib's trn2 scales against
+llm-compressor's absmax/448 under trn2 numerics. A file of its own so that pytest-xdist runs it beside the Gemma
+tests (tests/e2e/test_real_models.py), both last, while the two models convert."""
+
+from __future__ import annotations
+
+import pytest
+from real_models import trn2_beats_448
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+
+def test_trn2_scales_beat_llm_compressors_448_on_trn2(qwen25, prose, tutorial, tmp_path):
+    trn2_beats_448(qwen25, prose, tutorial, tmp_path, gap=0.04)
