@@ -1,6 +1,6 @@
 """The `kvcalib` command line: a thin Typer shell over the library.
 
-The only module that imports typer or rich. Each command parses its arguments, calls one
+The only package that imports typer or rich (kvcalib.cli.common holds what every command shares). Each command parses its arguments, calls one
 library function and renders the result: `--json` prints the result's `to_dict()` on
 stdout, everything for humans goes to stderr. `KvcalibError` is the one error boundary.
 """
@@ -8,21 +8,18 @@ stdout, everything for humans goes to stderr. `KvcalibError` is the one error bo
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
+from kvcalib.cli.common import _errors, _host_cpu, _print_json, _stderr
 from kvcalib.cli.render import (progress_bar, render_calibration, render_context, render_eval, render_report,
-                                render_serve_check, render_tasks, serve_status)
-from kvcalib.core.errors import KvcalibError, UsageError
+                                render_needle, render_serve_check, render_tasks, serve_status)
+from kvcalib.core.errors import UsageError
 
 app = typer.Typer(
     add_completion=False,
@@ -48,77 +45,6 @@ def _root(
     """FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU."""
 
 
-def _stderr(quiet: bool = False) -> Console:
-    return Console(stderr=True, highlight=False, quiet=quiet)
-
-
-def _fail(err: KvcalibError) -> NoReturn:
-    console = _stderr()
-    console.print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
-    if err.hint:  # escaped: a hint such as `pip install kvcalib[llmcompressor]` is no markup
-        console.print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
-    raise typer.Exit(err.exit_code)
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised where Ctrl-C would raise KeyboardInterrupt, so every command cleans up alike."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-# The signals every command treats as Ctrl-C: a CI timeout or `kill` (SIGTERM), a closed terminal (SIGHUP).
-_TERMINATING = ("SIGTERM", "SIGHUP")
-
-
-@contextmanager
-def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") -> Iterator[None]:
-    """The error boundary: a KvcalibError is one message (exit code by class); SIGINT, SIGTERM and SIGHUP
-    unwind the command like Ctrl-C (its cleanup runs) and exit 128 + the signal's number."""
-    import signal
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise Interrupted(signum)
-
-    previous = {}
-    for name in _TERMINATING:
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            try:
-                previous[signum] = signal.signal(signum, interrupt)
-            except ValueError:  # not the main thread: leave signals alone
-                break
-    try:
-        yield
-    except KvcalibError as err:
-        if quiet:  # a torchrun rank other than 0: rank 0 reports (with this rank's message)
-            raise typer.Exit(err.exit_code) from None
-        _fail(err)
-    except KeyboardInterrupt as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        if not quiet:
-            _stderr().print(f"[bold red]interrupted[/] ({signal.Signals(signum).name}): {escape(interrupted)}")
-        raise typer.Exit(128 + signum) from None
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _host_cpu(with_capability: bool = True) -> Any:
-    """The CPU this runs on: /proc/cpuinfo's flags, or KVCALIB_CPU_FLAGS (space-separated) to describe another."""
-    import os
-
-    from kvcalib.core.cpu import HostCpu
-
-    capability = "unknown"
-    if with_capability:
-        import torch
-
-        capability = torch.backends.cpu.get_cpu_capability()
-    return HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), capability, override=os.environ.get("KVCALIB_CPU_FLAGS"))
-
-
 BF16_COMPUTE_HELP = ("bf16 models on CPU: auto (float32 matmuls with bf16 rounding where the CPU has no native "
                      "bf16 matmul, i.e. no avx512_bf16/amx_bf16), native, or float32.")
 
@@ -141,10 +67,6 @@ MaxModelLen = Annotated[int, typer.Option("--max-model-len", help="Also --max-nu
 StartupTimeout = Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for GET /health.")]
 VllmPython = Annotated[Path, typer.Option("--vllm-python", help="Interpreter of the environment with vLLM.")]
 LogDir = Annotated[Path | None, typer.Option("--log-dir", help="Where the server logs go (default: a new temp dir).")]
-
-
-def _print_json(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 @app.command()
@@ -302,9 +224,10 @@ def eval_command(
     include_path: list[str] = typer.Option([], "--include-path", help="With --tasks: a folder of task YAML (lm-eval's); repeatable."),
     task_data: str | None = typer.Option(None, "--task-data", help="With --tasks: task data laid out offline by scripts/prepare_tasks.py DIR (lm-eval's tasks, local data)."),
     context: str | None = typer.Option(None, "--context", help="Lengths, comma-separated (e.g. 2048,8192): samples packed from --dataset to each, --num-samples per length at most; per layer the K/V saturation and absmax past the scales, and ΔNLL on each sample's last quarter."),
+    needle: bool = typer.Option(False, "--needle", help="With --context: the needle probe instead; a 6-digit key placed at 0-100% depth of held-out text of each length, asked for at the end and greedy-decoded reading the FP8 cache; keys found per length, depth and scale set, paired against the unquantised cache (--plot: the heatmap)."),
     split: str = typer.Option("train", "--split", help="Dataset split."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
-    num_samples: int = typer.Option(64, "--num-samples", help="First N rows of the split."),
+    num_samples: int | None = typer.Option(None, "--num-samples", help="First N rows of the split (default 64); with --context, samples per length; with --needle, keys per length and depth (default 4)."),
     max_seq_len: int = typer.Option(512, "--max-seq-len", help="Tokens per sample at most."),
     batch_size: int = typer.Option(2, "--batch-size", help="Sequences per forward pass."),
     seed: int = typer.Option(42, "--seed", help="Shuffle seed."),
@@ -327,13 +250,17 @@ def eval_command(
         _eval_tasks(checkpoint, dataset, tasks, target, compare, limit, num_fewshot, include_path, task_data,
                     batch_size, dtype, device, bf16_compute, as_json, quiet)
         return
-    options = EvalOptions(target=target, split=split, text_column=text_column, num_samples=num_samples,
+    if needle and context is None:
+        with _errors():
+            raise UsageError("--needle runs at the lengths of --context", hint="e.g. --context 1024,4096 --needle")
+    options = EvalOptions(target=target, split=split, text_column=text_column,
+                          num_samples=64 if num_samples is None else num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
                           compare=tuple(compare), fp8_attention=fp8_attention, bf16_compute=bf16_compute,
                           add_special_tokens=add_special_tokens, cpu=_host_cpu(), layer_rows=layer_rows)
     console = _stderr(quiet)
     if context is not None:
-        _eval_context(checkpoint, dataset, context, options, console, as_json)
+        _eval_context(checkpoint, dataset, context, options, console, as_json, plot, num_samples if needle else -1)
         return
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
@@ -346,13 +273,28 @@ def eval_command(
         _print_json(result.to_dict())
 
 
-def _eval_context(checkpoint: str, dataset: str, context: str, options: Any, console: Console, as_json: bool) -> None:
-    """eval --context: saturation and ΔNLL at long context (kvcalib.evaluate.context)."""
+def _eval_context(checkpoint: str, dataset: str, context: str, options: Any, console: Console, as_json: bool,
+                  plot: Path | None, keys: int | None) -> None:
+    """eval --context: saturation and ΔNLL at long context (kvcalib.evaluate.context); with --needle (keys not -1),
+    the needle probe (kvcalib.evaluate.needle)."""
     from kvcalib.evaluate.context import evaluate_context, parse_lengths
+    from kvcalib.evaluate.needle import evaluate_needle
+    from kvcalib.evaluate.plot import check_plot_path, plot_needle
 
     with _errors(), progress_bar(console, "evaluating long context", "eval") as on_progress:
-        result = evaluate_context(checkpoint, dataset, parse_lengths(context), options, progress=on_progress)
-    render_context(console, result)
+        lengths = parse_lengths(context)
+        if keys == -1:
+            if plot is not None:
+                raise UsageError("--plot with --context draws the needle heatmap: add --needle",
+                                 hint="or drop --plot")
+            result = evaluate_context(checkpoint, dataset, lengths, options, progress=on_progress)
+        else:
+            if plot is not None:
+                check_plot_path(plot, [checkpoint, dataset, *options.compare])
+            result = evaluate_needle(checkpoint, dataset, lengths, options, keys, progress=on_progress)
+            if plot is not None:
+                result = dataclasses.replace(result, plot=str(plot_needle(result, plot)))
+    (render_context if keys == -1 else render_needle)(console, result)
     if as_json:
         _print_json(result.to_dict())
 

@@ -214,6 +214,27 @@ def render_context(console: Console, result: Any) -> None:
                   style="dim")
 
 
+def render_needle(console: Console, result: Any) -> None:
+    """eval --context --needle: keys found per length and scale set, by depth, and the paired verdict."""
+    table = Table(title=escape(f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
+                               f"{result.prefill}; decoding reads the FP8 cache)"))
+    for column in ("length", "scales", "found", "rate [Wilson 95%]",
+                   *(f"depth {d:.0%}" for d in result.depths), "difference [95%]", "verdict"):
+        table.add_column(column, justify="left" if column in ("scales", "verdict") else "right", overflow="fold")
+    for row in result.rows:
+        low, high = row.rate_interval
+        spread = "-" if row.interval is None else \
+            f"{row.interval.estimate:+.1%} [{row.interval.low:+.1%}, {row.interval.high:+.1%}]"
+        verdict = row.verdict().split(": ", 1)[1].split(" (", 1)[0].replace(" from the unquantised cache", "")
+        table.add_row(f"{row.length:,}", escape(row.name), f"{row.found}/{row.trials}",
+                      f"{row.rate:.0%} [{low:.0%}, {high:.0%}]", *(f"{f}/{n}" for _, f, n in row.by_depth), spread,
+                      escape(verdict))
+    console.print(table)
+    console.print("a trial is found when the key's 6 digits are in the greedy answer; difference: paired bootstrap "
+                  "over trials (2000 resamples, seed 0) of the run's hits minus the unquantised cache's"
+                  + (f"; heatmap: {result.plot}" if result.plot else ""), style="dim", soft_wrap=True)
+
+
 def render_tasks(console: Console, result: Any) -> None:
     """eval --tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
     table = Table(title=escape(f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"

@@ -12,7 +12,7 @@ from typing import Any
 from kvcalib.core.errors import UsageError
 from kvcalib.core.paths import overlapping
 
-__all__ = ["check_plot_path", "plot_eval"]
+__all__ = ["check_plot_path", "plot_eval", "plot_needle"]
 
 
 def check_plot_path(path: Path, inputs: Sequence[str | Path] = ()) -> Path:
@@ -32,16 +32,49 @@ def check_plot_path(path: Path, inputs: Sequence[str | Path] = ()) -> Path:
     return path
 
 
-def plot_eval(result: Any, path: Path) -> Path:
-    """Write a PNG for an `EvalResult` to `path` (atomically) and return the path."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise UsageError("--plot needs matplotlib", hint="pip install 'kvcalib[plot]'") from None
+    return plt
+
+
+def plot_needle(result: Any, path: Path) -> Path:
+    """Write the needle probe's heatmaps (a `NeedleResult`), one per scale set: depth x length, the share of keys
+    found in each cell, as long-context papers draw them; atomically, to `path`."""
+    plt = _pyplot()
+    path = check_plot_path(path)
+    names = list(dict.fromkeys(row.name for row in result.rows))
+    lengths = list(dict.fromkeys(row.length for row in result.rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(2.2 + 1.1 * len(lengths) * len(names), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        rows = {row.length: row for row in result.rows if row.name == name}
+        grid = [[rows[length].by_depth[i][1] / max(rows[length].by_depth[i][2], 1) for length in lengths]
+                for i in range(len(result.depths))]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for i, depth in enumerate(result.depths):
+            for j, length in enumerate(lengths):
+                _, hit, n = rows[length].by_depth[i]
+                ax.text(j, i, f"{hit}/{n}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{length:,}" for length in lengths])
+        ax.set_yticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(_label(name), fontsize=9)
+    fig.colorbar(image, ax=axes[0].tolist(), label="keys found")
+    fig.suptitle(f"needle retrieval, FP8 KV on {result.target} (prefill: {result.prefill})", fontsize=10)
+    return _save(fig, plt, path)
+
+
+def plot_eval(result: Any, path: Path) -> Path:
+    """Write a PNG for an `EvalResult` to `path` (atomically) and return the path."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     path = check_plot_path(path)
 
     fig, axes = plt.subplots(4, 2, figsize=(12, 14))
@@ -71,6 +104,11 @@ def plot_eval(result: Any, path: Path) -> Path:
         fontsize=9,
     )
     fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def _save(fig: Any, plt: Any, path: Path) -> Path:
+    """`fig` as a PNG at `path`, written beside it and renamed (never half a file), then closed."""
     partial = path.with_name(f".{path.name}.partial.png")
     try:
         fig.savefig(partial, dpi=90)

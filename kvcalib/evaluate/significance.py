@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LEVEL", "RESAMPLES", "SEED", "Interval", "paired_bootstrap"]
+__all__ = ["LEVEL", "RESAMPLES", "SEED", "Interval", "paired_bootstrap", "wilson"]
 
 RESAMPLES = 2000
 SEED = 0
@@ -75,3 +75,13 @@ def paired_bootstrap(differences: Sequence[float], weights: Sequence[float] | No
     tail = (1 - level) / 2
     low, high = torch.quantile(stats, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
     return Interval(estimate=float(d.sum() / w.sum()), low=low, high=high, items=n, level=level)
+
+
+def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson's score interval (95% by default) for a rate of successes / trials; (0, 1) with no trial."""
+    if trials <= 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)

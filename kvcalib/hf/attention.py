@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from kvcalib.core.errors import UnsupportedModelError
 
-__all__ = ["KVAbsmaxObserver", "QuantizingCache", "RecordingCache", "StopForward", "attention_modules",
+__all__ = ["FanOutCache", "KVAbsmaxObserver", "QuantizingCache", "RecordingCache", "StopForward", "attention_modules",
            "observe_batch", "observing_queries"]
 
 
@@ -63,6 +63,22 @@ class QuantizingCache(DynamicCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if self.quantizer is not None:
             key_states, value_states = self.quantizer.observe(layer_idx, key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class FanOutCache(DynamicCache):
+    """An ordinary cache whose `update` also writes every K/V into `children` (e.g. one QuantizingCache per scale
+    set) while attention reads the fresh K/V: one prefill fills them all, as a chip that attends to the K/V it
+    has just computed and writes them to its FP8 cache. Empty `children` to stop writing them."""
+
+    def __init__(self, config: Any, children: list[DynamicCache]) -> None:
+        super().__init__(config=config)
+        self.children = children
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        for child in self.children:
+            child.update(key_states, value_states, layer_idx, *args, **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 

@@ -117,20 +117,37 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
     blocks = []
     for start in range(0, q_len, SDPA_QUERY_BLOCK):
         stop = min(q_len, start + SDPA_QUERY_BLOCK)
-        scores = (query[..., start:stop, :].float() @ kf_t) * scale  # [B, H, q, kv] float32
-        if is_causal:
-            rows = torch.arange(start, stop, device=query.device)[:, None]
-            scores = scores.masked_fill(torch.arange(kv_len, device=query.device)[None, :] > rows, float("-inf"))
+        block_mask = None
         if attn_mask is not None:
             block_mask = attn_mask[..., start:stop, :] if attn_mask.shape[-2] == q_len else attn_mask
+        lo, hi = _open_columns(block_mask, kv_len, stop if is_causal else kv_len)
+        scores = (query[..., start:stop, :].float() @ kf_t[..., lo:hi]) * scale  # [B, H, q, hi - lo] float32
+        if is_causal:
+            rows = torch.arange(start, stop, device=query.device)[:, None]
+            scores = scores.masked_fill(torch.arange(lo, hi, device=query.device)[None, :] > rows, float("-inf"))
+        if block_mask is not None:
+            block_mask = block_mask[..., lo:hi]
             scores = (scores.masked_fill(~block_mask, float("-inf")) if block_mask.dtype == torch.bool
                       else scores + block_mask.float())
         row_max = scores.amax(dim=-1, keepdim=True).nan_to_num(neginf=0.0)  # a fully masked row: zeros
         exp = torch.exp(scores - row_max)
         total = exp.sum(dim=-1, keepdim=True)
-        out = (exp.to(torch.bfloat16).float() @ vf) / total
+        out = (exp.to(torch.bfloat16).float() @ vf[..., lo:hi, :]) / total
         blocks.append(out.nan_to_num(nan=0.0).to(torch.bfloat16))
     return torch.cat(blocks, dim=-2)
+
+
+def _open_columns(block_mask: torch.Tensor | None, kv_len: int, causal_end: int) -> tuple[int, int]:
+    """The key columns [lo, hi) outside which every row of a query block is masked (causal: past `causal_end`;
+    a mask: no True, or a float at its dtype's minimum or -inf). Their exp(score - max) is exactly 0, so leaving them
+    out changes no value but the work: half of a long causal prefill, all but the window of a sliding one."""
+    lo, hi = 0, min(kv_len, causal_end)
+    if block_mask is not None and block_mask.shape[-1] == kv_len:
+        allowed = block_mask if block_mask.dtype == torch.bool else block_mask > torch.finfo(block_mask.dtype).min / 2
+        columns = allowed.reshape(-1, kv_len).any(dim=0).nonzero()
+        if columns.numel():
+            lo, hi = max(lo, int(columns[0])), min(hi, int(columns[-1]) + 1)
+    return (lo, hi) if lo < hi else (0, kv_len)
 
 
 _F = torch.nn.functional

@@ -1,0 +1,94 @@
+"""What every command shares: the stderr console, the error boundary (KvcalibError and the terminating
+signals), the host CPU, JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from kvcalib.core.errors import KvcalibError
+
+__all__ = ["Interrupted", "_errors", "_fail", "_host_cpu", "_print_json", "_stderr"]
+
+
+def _stderr(quiet: bool = False) -> Console:
+    return Console(stderr=True, highlight=False, quiet=quiet)
+
+
+def _fail(err: KvcalibError) -> NoReturn:
+    console = _stderr()
+    console.print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
+    if err.hint:  # escaped: a hint such as `pip install kvcalib[llmcompressor]` is no markup
+        console.print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
+    raise typer.Exit(err.exit_code)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C would raise KeyboardInterrupt, so every command cleans up alike."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# The signals every command treats as Ctrl-C: a CI timeout or `kill` (SIGTERM), a closed terminal (SIGHUP).
+_TERMINATING = ("SIGTERM", "SIGHUP")
+
+
+@contextmanager
+def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") -> Iterator[None]:
+    """The error boundary: a KvcalibError is one message (exit code by class); SIGINT, SIGTERM and SIGHUP
+    unwind the command like Ctrl-C (its cleanup runs) and exit 128 + the signal's number."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    previous = {}
+    for name in _TERMINATING:
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            try:
+                previous[signum] = signal.signal(signum, interrupt)
+            except ValueError:  # not the main thread: leave signals alone
+                break
+    try:
+        yield
+    except KvcalibError as err:
+        if quiet:  # a torchrun rank other than 0: rank 0 reports (with this rank's message)
+            raise typer.Exit(err.exit_code) from None
+        _fail(err)
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        if not quiet:
+            _stderr().print(f"[bold red]interrupted[/] ({signal.Signals(signum).name}): {escape(interrupted)}")
+        raise typer.Exit(128 + signum) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _host_cpu(with_capability: bool = True) -> Any:
+    """The CPU this runs on: /proc/cpuinfo's flags, or KVCALIB_CPU_FLAGS (space-separated) to describe another."""
+    import os
+
+    from kvcalib.core.cpu import HostCpu
+
+    capability = "unknown"
+    if with_capability:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    return HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), capability, override=os.environ.get("KVCALIB_CPU_FLAGS"))
+
+
+def _print_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
