@@ -26,6 +26,7 @@ class CalibrateOptions(RunOptions):
     strategy: str | None = None  # "tensor" or "attn_head" (per KV head; gpu only); None: the recipe's, else tensor
     attention_scales: bool = False  # also observe Q and write q_scale + the FP8-attention config group
     scale_objective: str = "attention"  # "attention" (kvcalib.calibrate.objective) or "absmax" (never clip)
+    headroom: float = 1.0  # K/V scales that clip nothing sized for headroom x absmax (long context; see calibrate.scales)
     extra_provenance: dict[str, Any] = field(default_factory=dict)
     ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
     # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
@@ -37,6 +38,9 @@ class CalibrateOptions(RunOptions):
         check_at_least("--num-samples", self.num_samples, 1, what="rows of the dataset to calibrate on")
         check_at_least("--max-seq-len", self.max_seq_len, 1, what="tokens per sample")
         check_at_least("--batch-size", self.batch_size, 1, what="sequences per forward pass")
+        if not 1.0 <= self.headroom <= 16.0:
+            raise UsageError(f"--headroom {self.headroom:g}: must be between 1 (none) and 16",
+                             hint="e.g. --headroom 1.4142 (a square root of 2) for contexts far longer than the samples")
         if self.scale_objective not in ("attention", "absmax"):
             raise UsageError(f"unknown --scale-objective {self.scale_objective!r}",
                              hint="use attention (the default: the scales that keep attention right) or absmax "

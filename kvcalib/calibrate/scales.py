@@ -20,7 +20,7 @@ from kvcalib.core import fp8
 from kvcalib.core.errors import CalibrationError
 from kvcalib.core.schema import ATTN_HEAD, scale_key
 
-__all__ = ["layer_scales", "scale_tensors"]
+__all__ = ["layer_scales", "scale_tensors", "with_headroom"]
 
 
 def _check_finite(kind: str, per_layer: list[torch.Tensor], warnings: list[str]) -> None:
@@ -44,11 +44,22 @@ def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
         )
 
 
+def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: float, target: fp8.Target) -> torch.Tensor:
+    """Each head's scale raised to cover headroom x its absmax, unless the scale clips that absmax (a deliberate clip
+    of the scale objective stays as chosen). FP8 is a floating-point grid: a wider scale keeps the relative
+    precision of every value in the normal range and only moves the smallest toward the subnormals."""
+    if headroom == 1.0:
+        return head_scales
+    keeps = head_scales >= fp8.scale_from_absmax(heads, target)
+    return torch.where(keeps, torch.maximum(head_scales, fp8.scale_from_absmax(heads * headroom, target)), head_scales)
+
+
 def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, strategy: str = "tensor",
-                 queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None
-                 ) -> tuple[list[LayerScales], list[str]]:
+                 queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None,
+                 headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
     """Per-layer scales for `target`, with per-head values when `strategy` is attn_head and Q's when `queries`:
-    absmax / fp8_max, or for K and V the scale objective's `choices` (kvcalib.calibrate.objective.search)."""
+    absmax / fp8_max, or for K and V the scale objective's `choices` (kvcalib.calibrate.objective.search); K and V
+    scales that clip nothing then cover `headroom` x absmax (with_headroom)."""
     _unobserved(observation.observed, model_dir, "were")
     if queries:
         _unobserved(observation.q_observed, model_dir, "had their Q")
@@ -74,6 +85,9 @@ def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, 
                 ranges = torch.stack([cands.ranges[c, h] for h, c in enumerate(picked)])
                 fields[f"{k}_range"] = float(ranges[int(head_scales.argmax())])
                 fields[f"{k}_choice"] = choice.to_dict()
+            if k in "kv" and headroom != 1.0:
+                head_scales = with_headroom(head_scales, heads, headroom, target)
+                fields[f"{k}_range"] = float(head_scales.max()) * target.fp8_max
             fields[f"{k}_scale"] = float(head_scales.max())  # scale_from_absmax is monotone: the max's scale
             fields[f"{k}_key"] = scale_key(observation.attention_paths[i], k)
             if per_head:

@@ -94,6 +94,7 @@ def calibrate(
     bf16_compute: Bf16Compute = "auto",
     add_special_tokens: SpecialTokens = None,
     scale_objective: str = typer.Option("attention", "--scale-objective", help="attention (default: per layer, the scale whose attention output is closest to the unquantised one, clipping where that helps) or absmax (absmax / FP8 max, never clipping: llm-compressor's rule)."),
+    headroom: float = typer.Option(1.0, "--headroom", help="K/V scales that clip nothing sized for this many times the absmax seen (1: none): room for contexts far longer than the samples, where absmax grows (e.g. 1.4142)."),
     serve_device: str | None = typer.Option(None, "--serve-check", help="Then serve the new checkpoint with FP8 KV and probe it, as `kvcalib serve-check OUT --device DEVICE` does (trn2, trn3, cpu, cuda); the device and vLLM are checked before calibrating."),
     vllm_python: VllmPython = Path(sys.executable),
     tp: Tp = None,
@@ -116,7 +117,7 @@ def calibrate(
         max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
         overwrite=overwrite, trust_remote_code=trust_remote_code, engine=engine, ranks=ranks,
         recipe=str(recipe) if recipe is not None else None, strategy=strategy, attention_scales=attention_scales,
-        bf16_compute=bf16_compute, scale_objective=scale_objective, add_special_tokens=add_special_tokens,
+        bf16_compute=bf16_compute, scale_objective=scale_objective, headroom=headroom, add_special_tokens=add_special_tokens,
         cpu=_host_cpu(), memory=available_memory(), scratch_dir=Path(tempfile.gettempdir()))
     if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports (and serves)
         return _quiet_rank(run_calibrate, model, dataset, output, options)

@@ -10,7 +10,7 @@ from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
 
 pytestmark = pytest.mark.slow
-LIMIT = 60  # /64: 0.28 -> 0.00 on 100 items, interval [-0.37, -0.19]; calibrated identical on every item
+LIMIT = 40  # /64: 0.28 -> 0.00 on 100 items, interval [-0.37, -0.19]; calibrated identical on every item
 
 
 def test_lambada_tells_broken_scales_from_calibrated_ones(smollm2, text_dataset, task_data, tmp_path):

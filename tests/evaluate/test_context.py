@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import fortune_texts, scaled_copy, write_jsonl
+from helpers import fortune_texts, scaled_copy, tutorial_texts, write_jsonl
 from typer.testing import CliRunner
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
@@ -135,3 +135,48 @@ def test_calibrate_warns_when_its_samples_are_far_shorter_than_the_context(tiny_
                      CalibrateOptions(num_samples=1, max_seq_len=300))
     assert json.loads((tmp_path / "long" / PROVENANCE_FILENAME).read_text())["longest_sample"] == 300
     assert not [w for w in long.warnings if "the model serves up to" in w]
+
+
+def test_headroom_widens_the_scales_that_clip_nothing_and_keeps_a_chosen_clip(tiny_llama_master, text_dataset,
+                                                                               tmp_path):
+    opts = dict(num_samples=2, max_seq_len=16)
+    plain = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "plain", CalibrateOptions(**opts))
+    wide = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "wide", CalibrateOptions(headroom=2**0.5, **opts))
+    assert not [w for w in wide.warnings if "the model serves up to" in w]  # the room asked for is the remedy
+    assert "--headroom 1.4142" in next(w for w in plain.warnings if "the model serves up to" in w)
+    target = fp8.get_target("trn2")
+    for before, after in zip(plain.layers, wide.layers):
+        for kind in ("k", "v"):
+            absmax, old, new = (getattr(before, f"{kind}_absmax"), getattr(before, f"{kind}_scale"),
+                                getattr(after, f"{kind}_scale"))
+            if old >= float(fp8.scale_from_absmax(torch.tensor(absmax), target)):  # clips nothing: widened
+                assert new == max(old, float(fp8.scale_from_absmax(torch.tensor(absmax * 2**0.5), target)))
+            else:  # the objective's clip stays
+                assert new == old
+            assert getattr(after, f"{kind}_range") == pytest.approx(new * 240, rel=1e-6)
+    provenance = json.loads((tmp_path / "wide" / PROVENANCE_FILENAME).read_text())
+    assert provenance["headroom"] == pytest.approx(2**0.5)
+    with pytest.raises(UsageError, match="--headroom 0.5: must be between 1"):
+        CalibrateOptions(headroom=0.5).check_arguments()
+
+
+@pytest.mark.slow
+def test_smollm2_clips_at_8k_with_256_token_scales_and_headroom_removes_it(smollm2, tmp_path):
+    """Measured: calibrated on 16 x 256 fortunes, at 8,192 tokens of the Python tutorial K reaches 1.18x the largest
+    value its scale represents (layer 17) and V 1.22x (layer 15), 20 of 30 layers clip; --headroom 1.4142: 0.84x
+    and 0.87x, none clips (ΔNLL on the last quarter +0.022 -> +0.016; at 16 x 256 tokens +0.0066 -> +0.0046)."""
+    held_out = write_jsonl(tmp_path / "tutorial.jsonl", [{"text": t} for t in tutorial_texts(24)])
+    fortunes = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(16, chars=2000)])
+    opts = dict(num_samples=16, max_seq_len=256, dtype="float32")  # clipping is no matter of bf16 rounding
+    calibrate(smollm2, str(fortunes), tmp_path / "short", CalibrateOptions(**opts))
+    calibrate(smollm2, str(fortunes), tmp_path / "room", CalibrateOptions(headroom=2**0.5, **opts))
+    result = evaluate_context(tmp_path / "short", str(held_out), (8192,),
+                              EvalOptions(num_samples=1, dtype="float32", compare=(str(tmp_path / "room"),)))
+    short, room = result.rows
+    print(f"at 8,192: K/V absmax over clip {short.beyond('k')[0]:.2f}/{short.beyond('v')[0]:.2f}, clipped "
+          f"{short.k_clipped:.4%}/{short.v_clipped:.4%}; with headroom {room.beyond('k')[0]:.2f}/"
+          f"{room.beyond('v')[0]:.2f}, {room.k_clipped:.4%}/{room.v_clipped:.4%}")
+    assert max(short.beyond("k")[0], short.beyond("v")[0]) > 1.1
+    assert sum(l.k_clipped > 0 or l.v_clipped > 0 for l in short.layers) >= 5
+    assert max(room.beyond("k")[0], room.beyond("v")[0]) < 0.95
+    assert room.k_clipped == 0 and room.v_clipped == 0

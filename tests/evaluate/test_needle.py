@@ -192,7 +192,7 @@ def test_smollm2_finds_the_key_with_calibrated_scales_and_loses_it_at_div64(smol
               CalibrateOptions(num_samples=16, max_seq_len=256, bf16_compute="float32"))
     broken = scaled_copy(tmp_path / "cal", tmp_path / "div64", 1 / 64)
     result = evaluate_needle(tmp_path / "cal", str(held_out_text), (1024,),
-                             EvalOptions(compare=(str(broken),), bf16_compute="float32"), keys=2)
+                             EvalOptions(compare=(str(broken),), dtype="float32"), keys=2)
     rows = {row.name: row for row in result.rows}
     print("\n".join(f"{name}: {row.found}/{row.trials} {row.verdict()}" for name, row in rows.items()))
     assert rows[BASELINE].found >= 9
