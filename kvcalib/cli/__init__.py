@@ -108,7 +108,6 @@ def calibrate(
 
     from kvcalib.calibrate import CalibrateOptions, Ranks, calibrate as run_calibrate  # noqa: I001
     from kvcalib.calibrate.memory import available_memory
-
     with _errors():
         ranks = Ranks.from_env(os.environ)  # set by torchrun; None in a plain run
         engine = _engine(engine, stream_layers)
