@@ -260,7 +260,7 @@ def eval_command(
                           add_special_tokens=add_special_tokens, cpu=_host_cpu(), layer_rows=layer_rows)
     console = _stderr(quiet)
     if context is not None:
-        _eval_context(checkpoint, dataset, context, options, console, as_json, plot, num_samples if needle else -1)
+        _eval_context(checkpoint, dataset, context, options, console, as_json, plot, needle, num_samples)
         return
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
@@ -274,16 +274,16 @@ def eval_command(
 
 
 def _eval_context(checkpoint: str, dataset: str, context: str, options: Any, console: Console, as_json: bool,
-                  plot: Path | None, keys: int | None) -> None:
-    """eval --context: saturation and ΔNLL at long context (kvcalib.evaluate.context); with --needle (keys not -1),
-    the needle probe (kvcalib.evaluate.needle)."""
+                  plot: Path | None, needle: bool, keys: int | None) -> None:
+    """eval --context: saturation and ΔNLL at long context (kvcalib.evaluate.context); with --needle, the needle
+    probe (kvcalib.evaluate.needle), `keys` per length and depth (None: its default)."""
     from kvcalib.evaluate.context import evaluate_context, parse_lengths
     from kvcalib.evaluate.needle import evaluate_needle
     from kvcalib.evaluate.plot import check_plot_path, plot_needle
 
     with _errors(), progress_bar(console, "evaluating long context", "eval") as on_progress:
         lengths = parse_lengths(context)
-        if keys == -1:
+        if not needle:
             if plot is not None:
                 raise UsageError("--plot with --context draws the needle heatmap: add --needle",
                                  hint="or drop --plot")
@@ -294,7 +294,7 @@ def _eval_context(checkpoint: str, dataset: str, context: str, options: Any, con
             result = evaluate_needle(checkpoint, dataset, lengths, options, keys, progress=on_progress)
             if plot is not None:
                 result = dataclasses.replace(result, plot=str(plot_needle(result, plot)))
-    (render_context if keys == -1 else render_needle)(console, result)
+    (render_needle if needle else render_context)(console, result)
     if as_json:
         _print_json(result.to_dict())
 

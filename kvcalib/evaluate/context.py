@@ -38,8 +38,8 @@ from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
 from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
 
-__all__ = ["BLOCK", "ContextResult", "ContextRow", "check_lengths", "evaluate_context", "forward_bytes", "pack", "parse_lengths",
-           "scored_positions"]
+__all__ = ["BLOCK", "ContextResult", "ContextRow", "LongContext", "check_lengths", "evaluate_context", "forward_bytes", "pack", "parse_lengths",
+           "prepare_long_context", "scored_positions"]
 
 BLOCK = 64  # scored positions per bootstrap unit
 MIN_LENGTH = 8  # the last quarter must hold at least two predictions
@@ -219,38 +219,64 @@ def run_length(model: torch.nn.Module, samples: list[list[int]], quantizers: dic
         layers=tuple(meter.layer_stats(name))) for name, run in runs.items())
 
 
-def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
-                     progress: ProgressCallback | None = None) -> ContextResult:
-    """eval --context (see the module docstring); `opts` an EvalOptions (target, compare, samples per length)."""
+@dataclass(frozen=True)
+class LongContext:
+    """What eval --context and its needle probe share before a forward: the checkpoint and its scale sets checked,
+    the lengths checked, the held-out text as one token stream, the tokenizer."""
+
+    run: Any  # kvcalib.evaluate.pipeline's prepared run
+    quantizers: dict[str, Any]
+    compute: Any
+    memory_bound: int
+    tokenizer: Any
+    stream: list[int]
+    prefix: list[int]
+
+    def load_model(self, opts: Any, notify: ProgressCallback) -> torch.nn.Module:
+        notify(Progress("load-model"))
+        root = self.run.checkpoint.root
+        return load_model(root, self.run.dtype, self.run.device, opts.trust_remote_code,
+                          attn_implementation=faithful_attention(self.run.checkpoint.config))
+
+
+def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
+                         notify: ProgressCallback) -> LongContext:
+    """Everything checked (scales, lengths against max_position_embeddings and memory) and the text read, before the
+    model loads."""
     from kvcalib.calibrate.memory import available_memory
     from kvcalib.evaluate.pipeline import prepare_scales
 
-    started = time.perf_counter()
-    notify = progress or no_progress
     run, quantizers, compute = prepare_scales(checkpoint, opts)
     ckpt = run.checkpoint
     weight_bytes = sum(f.stat().st_size for f in ckpt.root.glob("*.safetensors"))
     bound = check_lengths(lengths, ckpt.config, ckpt.root, weight_bytes, available_memory(run.device).available)
     notify(Progress("load-data"))
-    stream, prefix = packed_stream(dataset, load_tokenizer(ckpt.root, opts.trust_remote_code), opts.split,
-                                   opts.text_column)
-    packed = {length: pack(stream, prefix, length, opts.num_samples) for length in lengths}
+    tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
+    stream, prefix = packed_stream(dataset, tokenizer, opts.split, opts.text_column)
+    return LongContext(run, quantizers, compute, bound, tokenizer, stream, prefix)
+
+
+def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
+                     progress: ProgressCallback | None = None) -> ContextResult:
+    """eval --context (see the module docstring); `opts` an EvalOptions (target, compare, samples per length)."""
+    started = time.perf_counter()
+    notify = progress or no_progress
+    long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
+    packed = {length: pack(long.stream, long.prefix, length, opts.num_samples) for length in lengths}
     for length, samples in packed.items():
         if not samples:
-            raise DatasetError(f"{dataset}: {len(stream)} tokens of text, too few for one sample of {length} "
+            raise DatasetError(f"{dataset}: {len(long.stream)} tokens of text, too few for one sample of {length} "
                                f"(--context {length})", hint="pass a longer held-out text, or shorter lengths")
-    notify(Progress("load-model"))
-    model = load_model(ckpt.root, run.dtype, run.device, opts.trust_remote_code,
-                       attn_implementation=faithful_attention(ckpt.config))
+    model = long.load_model(opts, notify)
     weights = Float32Weights()
 
     def forward(ids: torch.Tensor, hook: Any) -> torch.Tensor:
-        with compute_path(compute, weights):
+        with compute_path(long.compute, weights):
             return _last_quarter_nll(model, ids, hook)
 
     rows = tuple(row for length, samples in packed.items()
-                 for row in run_length(model, samples, quantizers, run.device, forward, notify, length))
-    return ContextResult(checkpoint=str(checkpoint), target=opts.target, max_positions=max_position_embeddings(ckpt.config),
-                         tokens_available=len(stream), memory_bound=bound, rows=rows,
+                 for row in run_length(model, samples, long.quantizers, long.run.device, forward, notify, length))
+    return ContextResult(checkpoint=str(checkpoint), target=opts.target,
+                         max_positions=max_position_embeddings(long.run.checkpoint.config),
+                         tokens_available=len(long.stream), memory_bound=long.memory_bound, rows=rows,
                          seconds=time.perf_counter() - started)
-

@@ -32,13 +32,13 @@ import torch
 
 from kvcalib.core.errors import DatasetError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.evaluate.context import prepare_long_context
 from kvcalib.evaluate.significance import Interval, paired_bootstrap, wilson
 from kvcalib.hf.attention import FanOutCache, QuantizingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
-from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
 
 __all__ = ["ANSWER_TOKENS", "BASELINE", "DEPTHS", "NEEDLE", "QUESTION", "NeedleResult", "NeedleRow", "Trial",
-           "evaluate_needle", "found", "insertion_point", "needle_prompts", "prefill_reads_fp8"]
+           "evaluate_needle", "found", "insertion_point", "line_breaks", "needle_prompts", "prefill_reads_fp8"]
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 NEEDLE = "\n\nRemember this: the magic number is {key}. The magic number is {key}.\n\n"
@@ -137,11 +137,17 @@ def insertion_point(stream: list[int], start: int, at: int, breaks: set[int]) ->
     return at
 
 
+def line_breaks(stream: list[int], tokenizer: Any) -> set[int]:
+    """The ids in `stream` whose text holds a line break."""
+    return {t for t in set(stream) if "\n" in tokenizer.decode([t])}
+
+
 def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length: int, depths: tuple[float, ...],
-                   keys: int, seed: int) -> list[tuple[Trial, list[int]]]:
-    """keys trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question."""
+                   keys: int, seed: int, breaks: set[int] | None = None) -> list[tuple[Trial, list[int]]]:
+    """keys trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question
+    (`breaks`: line_breaks of the stream, when the caller has them)."""
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-    breaks = {t for t in set(stream) if "\n" in tokenizer.decode([t])}
+    breaks = line_breaks(stream, tokenizer) if breaks is None else breaks
     rng = random.Random(f"{seed}-{length}")
     out = []
     for depth in depths:
@@ -217,36 +223,27 @@ def summarise(trials: list[Trial], names: list[str], depths: tuple[float, ...]) 
 def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any, keys: int | None = None,
                     progress: ProgressCallback | None = None) -> NeedleResult:
     """eval --context --needle (see the module docstring); `opts` an EvalOptions (target, compare, seed)."""
-    from kvcalib.calibrate.memory import available_memory
-    from kvcalib.evaluate.context import check_lengths, packed_stream
-    from kvcalib.evaluate.pipeline import prepare_scales
-
     started = time.perf_counter()
     notify = progress or no_progress
     keys = DEFAULT_KEYS if keys is None else keys
     if keys < 1:
         raise UsageError(f"--num-samples {keys}: the needle needs at least one key per length and depth",
                          hint=f"pass --num-samples 1 or more (default {DEFAULT_KEYS} with --needle)")
-    run, quantizers, compute = prepare_scales(checkpoint, opts)
-    ckpt = run.checkpoint
-    weight_bytes = sum(f.stat().st_size for f in ckpt.root.glob("*.safetensors"))
-    check_lengths(lengths, ckpt.config, ckpt.root, weight_bytes, available_memory(run.device).available)
-    notify(Progress("load-data"))
-    tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
-    stream, prefix = packed_stream(dataset, tokenizer, opts.split, opts.text_column)
-    prompts = [p for length in lengths for p in needle_prompts(stream, prefix, tokenizer, length, DEPTHS, keys, opts.seed)]
-    notify(Progress("load-model"))
-    model = load_model(ckpt.root, run.dtype, run.device, opts.trust_remote_code,
-                       attn_implementation=faithful_attention(ckpt.config))
+    long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
+    breaks = line_breaks(long.stream, long.tokenizer)
+    prompts = [p for length in lengths for p in needle_prompts(long.stream, long.prefix, long.tokenizer, length, DEPTHS,
+                                                               keys, opts.seed, breaks)]
+    model = long.load_model(opts, notify)
     weights, reads_fp8 = Float32Weights(), prefill_reads_fp8(opts.target)
-    trials, total = [], sum(len(ids) for _, ids in prompts)
+    trials, done, total = [], 0, sum(len(ids) for _, ids in prompts)
     for n, (trial, ids) in enumerate(prompts):
-        notify(Progress(f"needle {trial.length}", n, len(prompts), sum(len(i) for _, i in prompts[:n]), total))
-        with compute_path(compute, weights):
-            answers = answer(model, ids, quantizers, reads_fp8, run.device)
+        notify(Progress(f"needle {trial.length}", n, len(prompts), done, total))
+        with compute_path(long.compute, weights):
+            answers = answer(model, ids, long.quantizers, reads_fp8, long.run.device)
         trials.append(Trial(trial.length, trial.depth, trial.key, trial.offset, trial.position,
-                            {name: tokenizer.decode(tokens) for name, tokens in answers.items()}))
+                            {name: long.tokenizer.decode(tokens) for name, tokens in answers.items()}))
+        done += len(ids)
     return NeedleResult(checkpoint=str(checkpoint), target=opts.target,
                         prefill="FP8 cache (GPU vLLM)" if reads_fp8 else "fresh K/V (Neuron)", depths=DEPTHS,
-                        rows=summarise(trials, [BASELINE, *quantizers], DEPTHS), trials=tuple(trials),
+                        rows=summarise(trials, [BASELINE, *long.quantizers], DEPTHS), trials=tuple(trials),
                         seconds=time.perf_counter() - started)
