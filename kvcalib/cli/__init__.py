@@ -224,6 +224,7 @@ def eval_command(
     include_path: list[str] = typer.Option([], "--include-path", help="With --tasks: a folder of task YAML (lm-eval's); repeatable."),
     task_data: str | None = typer.Option(None, "--task-data", help="With --tasks: task data laid out offline by scripts/prepare_tasks.py DIR (lm-eval's tasks, local data)."),
     context: str | None = typer.Option(None, "--context", help="Lengths, comma-separated (e.g. 2048,8192): samples packed from --dataset to each, --num-samples per length at most; per layer the K/V saturation and absmax past the scales, and ΔNLL on each sample's last quarter."),
+    saturation_only: bool = typer.Option(False, "--saturation-only", help="With --context: only the unquantised forward per sample (saturation and absmax against each scale set), no ΔNLL: one forward instead of one per scale set more."),
     needle: bool = typer.Option(False, "--needle", help="With --context: the needle probe instead; a 6-digit key placed at 0-100% depth of held-out text of each length, asked for at the end and greedy-decoded reading the FP8 cache; keys found per length, depth and scale set, paired against the unquantised cache (--plot: the heatmap)."),
     split: str = typer.Option("train", "--split", help="Dataset split."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
@@ -250,17 +251,15 @@ def eval_command(
         _eval_tasks(checkpoint, dataset, tasks, target, compare, limit, num_fewshot, include_path, task_data,
                     batch_size, dtype, device, bf16_compute, as_json, quiet)
         return
-    if needle and context is None:
-        with _errors():
-            raise UsageError("--needle runs at the lengths of --context", hint="e.g. --context 1024,4096 --needle")
     options = EvalOptions(target=target, split=split, text_column=text_column,
                           num_samples=64 if num_samples is None else num_samples,
                           max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
                           compare=tuple(compare), fp8_attention=fp8_attention, bf16_compute=bf16_compute,
                           add_special_tokens=add_special_tokens, cpu=_host_cpu(), layer_rows=layer_rows)
     console = _stderr(quiet)
-    if context is not None:
-        _eval_context(checkpoint, dataset, context, options, console, as_json, plot, needle, num_samples)
+    if context is not None or needle or saturation_only:
+        _eval_context(checkpoint, dataset, context, options, console, as_json, plot, needle, num_samples,
+                      not saturation_only)
         return
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
@@ -273,8 +272,8 @@ def eval_command(
         _print_json(result.to_dict())
 
 
-def _eval_context(checkpoint: str, dataset: str, context: str, options: Any, console: Console, as_json: bool,
-                  plot: Path | None, needle: bool, keys: int | None) -> None:
+def _eval_context(checkpoint: str, dataset: str, context: str | None, options: Any, console: Console, as_json: bool,
+                  plot: Path | None, needle: bool, keys: int | None, nll: bool = True) -> None:
     """eval --context: saturation and ΔNLL at long context (kvcalib.evaluate.context); with --needle, the needle
     probe (kvcalib.evaluate.needle), `keys` per length and depth (None: its default)."""
     from kvcalib.evaluate.context import evaluate_context, parse_lengths
@@ -282,12 +281,15 @@ def _eval_context(checkpoint: str, dataset: str, context: str, options: Any, con
     from kvcalib.evaluate.plot import check_plot_path, plot_needle
 
     with _errors(), progress_bar(console, "evaluating long context", "eval") as on_progress:
+        if context is None or needle and not nll:
+            raise UsageError("--needle or --saturation-only runs at the lengths of --context (not both)",
+                             hint="e.g. --context 1024,4096 --needle")
         lengths = parse_lengths(context)
         if not needle:
             if plot is not None:
                 raise UsageError("--plot with --context draws the needle heatmap: add --needle",
                                  hint="or drop --plot")
-            result = evaluate_context(checkpoint, dataset, lengths, options, progress=on_progress)
+            result = evaluate_context(checkpoint, dataset, lengths, options, progress=on_progress, nll=nll)
         else:
             if plot is not None:
                 check_plot_path(plot, [checkpoint, dataset, *options.compare])
@@ -343,6 +345,7 @@ def serve_check(
     tasks: str | None = typer.Option(None, "--tasks", help="Also run lm-eval tasks (comma-separated) against the baseline and FP8 servers, paired item by item, next to kvcalib's prediction (lm-eval: the 'tasks' extra)."),
     limit: int | None = typer.Option(None, "--limit", help="With --tasks: items per task."),
     task_data: str | None = typer.Option(None, "--task-data", help="With --tasks: offline task data (scripts/prepare_tasks.py DIR)."),
+    context: int | None = typer.Option(None, "--context", help="Also send a passkey prompt of about this many tokens (within --max-model-len): the FP8 server must find the key where the baseline does."),
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
@@ -365,6 +368,7 @@ def serve_check(
             neuron_visible_devices=neuron_visible_devices, force=force, env=dict(os.environ),
             cpu=_host_cpu(with_capability=False), canary=canary, predict=predict,
             memory_bytes=available_memory().available, tasks=TaskSpec.from_flags(tasks, limit, task_data),
+            context=context,
         )
         result = run_serve_check(checkpoint, options, progress=on_event)
     render_serve_check(console, result)

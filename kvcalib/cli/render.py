@@ -204,8 +204,8 @@ def render_context(console: Console, result: Any) -> None:
     for row in result.rows:
         spread = "" if row.interval is None else f" [{row.interval.low:+.4f}, {row.interval.high:+.4f}]"
         beyond = [row.beyond(kind) for kind in ("k", "v")]
-        table.add_row(f"{row.length:,}", escape(row.name), str(row.samples), f"{row.baseline_nll:.4f}",
-                      f"{row.delta_nll:+.4f}{spread}", f"{row.k_clipped:.3%}", f"{row.v_clipped:.3%}",
+        delta = "-" if row.delta_nll is None else f"{row.delta_nll:+.4f}{spread}"
+        table.add_row(f"{row.length:,}", escape(row.name), str(row.samples), f"{row.baseline_nll:.4f}", delta, f"{row.k_clipped:.3%}", f"{row.v_clipped:.3%}",
                       *(f"{ratio:.2f} (L{layer})" for ratio, layer in beyond))
     console.print(table)
     console.print("ΔNLL on the last quarter of each sample's positions; interval: paired bootstrap over 64-token "
@@ -320,7 +320,7 @@ def render_serve_check(console: Console, result: Any) -> None:
         table.add_column(column, overflow="fold")
     for p in result.prompts:
         agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
-        table.add_row(escape(p.prompt), escape(repr(p.output)),
+        table.add_row(escape(p.label or p.prompt), escape(repr(p.output)),
                       "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
                       agreement + _problem(p))
     console.print(table)

@@ -55,7 +55,7 @@ class ContextRow:
     samples: int
     tokens: int  # predictions scored (last quarter of every sample)
     baseline_nll: float
-    delta_nll: float
+    delta_nll: float | None  # None: saturation only (no forward with the scale set)
     interval: Interval | None
     layers: tuple[LayerQuantStats, ...]
 
@@ -199,8 +199,8 @@ def _last_quarter_nll(model: torch.nn.Module, ids: torch.Tensor, hook: Any) -> t
 
 
 def run_length(model: torch.nn.Module, samples: list[list[int]], quantizers: dict[str, Any], device: torch.device,
-               forward: Any, notify: ProgressCallback, length: int) -> tuple[ContextRow, ...]:
-    """Every sample of one length: the baseline with the meter riding along, then each scale set."""
+               forward: Any, notify: ProgressCallback, length: int, nll: bool = True) -> tuple[ContextRow, ...]:
+    """Every sample of one length: the baseline with the meter riding along, then (with `nll`) each scale set."""
     meter = KVErrorMeter(quantizers, device)
     base, runs = _Sums([], []), {name: _Sums([], []) for name in quantizers}
     for n, sample in enumerate(samples):
@@ -209,13 +209,13 @@ def run_length(model: torch.nn.Module, samples: list[list[int]], quantizers: dic
         sums, tokens = _block_sums(forward(ids, meter))
         base.nll += sums
         base.tokens += tokens
-        for name, quantizer in quantizers.items():
+        for name, quantizer in quantizers.items() if nll else ():
             runs[name].nll += _block_sums(forward(ids, quantizer))[0]
     total = sum(base.tokens)
     return tuple(ContextRow(
         length=length, name=name, samples=len(samples), tokens=total, baseline_nll=sum(base.nll) / total,
-        delta_nll=(sum(run.nll) - sum(base.nll)) / total,
-        interval=paired_bootstrap([r - b for r, b in zip(run.nll, base.nll)], base.tokens),
+        delta_nll=(sum(run.nll) - sum(base.nll)) / total if nll else None,
+        interval=paired_bootstrap([r - b for r, b in zip(run.nll, base.nll)], base.tokens) if nll else None,
         layers=tuple(meter.layer_stats(name))) for name, run in runs.items())
 
 
@@ -257,8 +257,10 @@ def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[in
 
 
 def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
-                     progress: ProgressCallback | None = None) -> ContextResult:
-    """eval --context (see the module docstring); `opts` an EvalOptions (target, compare, samples per length)."""
+                     progress: ProgressCallback | None = None, nll: bool = True) -> ContextResult:
+    """eval --context (see the module docstring); `opts` an EvalOptions (target, compare, samples per length).
+    Without `nll` (--saturation-only) only the unquantised forward runs: saturation and absmax per scale set, no
+    ΔNLL (one forward per sample instead of one plus one per scale set)."""
     started = time.perf_counter()
     notify = progress or no_progress
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
@@ -275,7 +277,7 @@ def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, .
             return _last_quarter_nll(model, ids, hook)
 
     rows = tuple(row for length, samples in packed.items()
-                 for row in run_length(model, samples, long.quantizers, long.run.device, forward, notify, length))
+                 for row in run_length(model, samples, long.quantizers, long.run.device, forward, notify, length, nll))
     return ContextResult(checkpoint=str(checkpoint), target=opts.target,
                          max_positions=max_position_embeddings(long.run.checkpoint.config),
                          tokens_available=len(long.stream), memory_bound=long.memory_bound, rows=rows,

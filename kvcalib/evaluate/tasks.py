@@ -119,8 +119,6 @@ def require_lm_eval() -> Any:
 
 def task_manager(options: TaskOptions) -> Any:
     """lm-eval's TaskManager with the user's folders; an unknown task is refused with the close names."""
-    from lm_eval.tasks import TaskManager
-
     folders = list(options.include_path)
     if options.task_data is not None:
         tasks_dir = Path(options.task_data) / "tasks"
@@ -128,14 +126,7 @@ def task_manager(options: TaskOptions) -> Any:
             raise UsageError(f"--task-data {options.task_data}: no tasks/ folder of task YAML there",
                              hint=f"lay it out with: python scripts/prepare_tasks.py {options.task_data}")
         folders.append(str(tasks_dir))
-    index_log = logging.getLogger("lm_eval.tasks._index")
-    level = index_log.level
-    if options.task_data is not None:  # its YAML overrides lm-eval's on purpose: no warning line per task for that
-        index_log.setLevel(logging.ERROR)
-    try:
-        manager = TaskManager(include_path=folders or None)
-    finally:
-        index_log.setLevel(level)
+    manager = _indexed(tuple(folders), tuple(_mtime(f) for f in folders), options.task_data is not None)
     known = set(manager.all_tasks)
     for task in options.tasks:
         if task not in known:
@@ -144,6 +135,29 @@ def task_manager(options: TaskOptions) -> Any:
                              hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path DIR "
                                   "with its YAML")
     return manager
+
+
+def _mtime(folder: str) -> int:
+    try:
+        return os.stat(folder).st_mtime_ns
+    except OSError:
+        return -1
+
+
+@functools.lru_cache(maxsize=4)
+def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> Any:
+    """lm-eval's TaskManager over its own tasks and `folders`: indexing every task YAML lm-eval ships takes seconds,
+    so one index serves every call with the same folders unchanged (`mtimes`: a file added or removed re-indexes)."""
+    from lm_eval.tasks import TaskManager
+
+    index_log = logging.getLogger("lm_eval.tasks._index")
+    level = index_log.level
+    if quiet:  # --task-data's YAML overrides lm-eval's on purpose: no warning line per task for that
+        index_log.setLevel(logging.ERROR)
+    try:
+        return TaskManager(include_path=list(folders) or None)
+    finally:
+        index_log.setLevel(level)
 
 
 def check_data(manager: Any, options: TaskOptions) -> None:

@@ -57,7 +57,8 @@ from kvcalib.serve.preflight import (
     preflight,
 )
 from kvcalib.serve.probe import Completion, ServerClient, degenerate
-from kvcalib.serve.prompts import BUILTIN_PROMPTS, NLL_TEXT, Prompt
+from kvcalib.serve.prompts import (BUILTIN_PROMPTS, MIN_CONTEXT, NLL_TEXT, Prompt, contains, context_prompt,
+                                  unjudged_passkeys)
 from kvcalib.serve.server import VllmServer, free_port, require_free_port
 
 __all__ = [
@@ -96,6 +97,7 @@ class ServeOptions:
     predict: bool = True  # kvcalib's emulated ΔNLL next to the served one (skipped if the model is too big)
     memory_bytes: int | None = None  # host memory the prediction may use (the CLI reads it); None: unknown
     tasks: Any = None  # a kvcalib.serve.tasks.TaskSpec: lm-eval tasks against the baseline and FP8 servers (kvcalib.serve.tasks)
+    context: int | None = None  # --context L: one more prompt, a passkey of about L tokens (prompts.passkey_prompt)
 
     def check_arguments(self) -> None:
         """The numbers a user passes, checked before anything is read or started (UsageError naming the flag)."""
@@ -105,6 +107,11 @@ class ServeOptions:
         check_at_least("--startup-timeout", self.startup_timeout_s, 1, what="seconds to wait for the server")
         check_at_least("--stop-timeout", self.stop_timeout_s, 0, what="seconds between SIGTERM and SIGKILL")
         check_at_least("--port", self.port, 1, what="a TCP port")
+        check_at_least("--context", self.context, MIN_CONTEXT, what="tokens in the long prompt")
+        if self.context is not None and self.context + self.max_tokens > self.max_model_len:
+            raise UsageError(f"--context {self.context} plus the {self.max_tokens} tokens of the answer exceeds "
+                             f"--max-model-len {self.max_model_len}",
+                             hint=f"pass --max-model-len {self.context + self.max_tokens} or more, or a shorter --context")
         if self.port is not None and self.port > 65535:
             raise UsageError(f"--port must be at most 65535, not {self.port}", hint="pass a TCP port, or leave it out")
 
@@ -128,6 +135,7 @@ class PromptResult:
     expected: str | None = None
     problem: str | None = None  # why the FP8 output is degenerate
     baseline_problem: str | None = None  # why the baseline's is (then the FP8 one's is not a failure)
+    label: str | None = None  # what to show instead of a long prompt (--context's passkey)
 
     @property
     def failed(self) -> bool:
@@ -140,6 +148,7 @@ class PromptResult:
             "agreement": self.agreement, "expected": self.expected,
             "expected_found": None if self.expected is None else self.expected.lower() in self.output.lower(),
             "problem": self.problem, "baseline_problem": self.baseline_problem, "failed": self.failed,
+            "label": self.label,
         }
 
 
@@ -297,10 +306,16 @@ def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None)
         result = PromptResult(
             prompt.text, out.text, reference.text if reference else None,
             fp8.agreements[i] if fp8.agreements else None, prompt.expected, degenerate(out.text, out.token_ids),
-            degenerate(reference.text, reference.token_ids) if reference else None)
+            degenerate(reference.text, reference.token_ids) if reference else None,
+            f"passkey prompt, {prompt.tokens or len(out.prompt_token_ids):,} tokens, key {prompt.expected}"
+            if prompt.required else None)
         if result.failed:
             against = ", where the baseline's is not" if reference else ""
             failures.append(f"prompt {i + 1} ({prompt.text[:40]!r}): degenerate output, {result.problem}{against}")
+        elif prompt.required and reference and contains(reference.text, prompt.expected) \
+                and not contains(out.text, prompt.expected):
+            failures.append(f"prompt {i + 1} (the {prompt.tokens or len(out.prompt_token_ids):,}-token passkey): the "
+                            f"baseline answers the key {prompt.expected}, the FP8 server does not ({out.text[:40]!r})")
         results.append(result)
     agreement = None
     if baseline is not None and fp8.agreements is not None:
@@ -352,7 +367,8 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
                     force=options.force, sysfs_root=options.sysfs_root, dev_root=options.dev_root, cpu=options.cpu)
     if options.port:
         require_free_port(options.port)
-    prompts = options.prompts or BUILTIN_PROMPTS
+    prompts = (*(options.prompts or BUILTIN_PROMPTS),
+               *((context_prompt(checkpoint, pre.config, options.context),) if options.context else ()))
     # absolute: every server runs in the log directory, and the variants and caches under it are passed by path
     log_dir = Path(options.log_dir).absolute() if options.log_dir else Path(tempfile.mkdtemp(prefix="kvcalib-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -377,6 +393,7 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     fp8 = _run_server("fp8", checkpoint, options, pre, log_dir, prompts,
                       baseline.completions if baseline else None, emit)
     results, failures, agreement = judge(prompts, fp8, baseline)
+    warnings += unjudged_passkeys(prompts, results)
     tasks = _task_rows(options, checkpoint, pre, baseline, fp8)
     canary, unit, canary_run = None, None, None
     if canary_dir is not None:

@@ -10,19 +10,80 @@ that moves when the KV cache is quantised badly.
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvcalib.core.errors import UsageError
 from kvcalib.core.paths import require_regular_file
 
-__all__ = ["BUILTIN_PROMPTS", "NLL_TEXT", "Prompt", "read_prompts_file"]
+__all__ = ["BUILTIN_PROMPTS", "FILLER", "MIN_CONTEXT", "NLL_TEXT", "Prompt", "contains", "context_prompt", "passkey_prompt", "unjudged_passkeys", "read_prompts_file"]
+
+# The passkey test's haystack (Mohtashami & Jaggi 2023, "Landmark Attention"): one line repeated, so that
+# the key is the only thing in the prompt worth remembering.
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+PASSKEY = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+MIN_CONTEXT = 64  # tokens: below this the "long" prompt is no longer than the built-in ones
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
     expected: str | None = None  # a word a sane continuation contains (informative, not judged)
+    required: bool = False  # judged: the FP8 output must contain `expected` where the baseline's does
+    tokens: int | None = None  # the prompt's length in the model's tokens, where it was measured
+
+
+def passkey_prompt(length: int, count_tokens: Callable[[str], int], seed: int = 0) -> Prompt:
+    """A passkey prompt of about `length` tokens (at most `length`): the filler, a random 5-digit key halfway
+    in, and the question at the end; `count_tokens(text)` counts as the server will (special tokens included)."""
+    key = str(random.Random(f"passkey-{seed}-{length}").randint(10000, 99999))
+    needle, question = PASSKEY.format(key=key), PASSKEY_QUESTION
+
+    def build(lines: int) -> str:
+        half = lines // 2
+        return FILLER * half + needle + FILLER * (lines - half) + question
+
+    shortest, eight = count_tokens(build(1)), count_tokens(build(9)) - count_tokens(build(1))
+    if shortest > length:
+        raise UsageError(f"--context {length}: the shortest passkey prompt is {shortest} tokens for this tokenizer",
+                         hint=f"pass --context {max(MIN_CONTEXT, shortest)} or more")
+    lines = 1 + max(0, (length - shortest) * 8 // max(1, eight))
+    while lines > 1 and count_tokens(build(lines)) > length:  # the estimate is exact for most tokenizers
+        lines -= 1
+    text = build(lines)
+    return Prompt(text, key, required=True, tokens=count_tokens(text))
+
+
+def contains(text: str, expected: str | None) -> bool:
+    """Whether `expected` (case aside) is in `text`."""
+    return expected is not None and expected.lower() in text.lower()
+
+
+def unjudged_passkeys(prompts: Sequence[Prompt], results: Sequence[Any]) -> list[str]:
+    """Warnings for passkeys the FP8 server missed with no baseline to judge by (`results`: serve-check's
+    PromptResult, one per prompt)."""
+    return [f"the FP8 server did not answer the {p.tokens:,}-token passkey ({p.expected}); with no baseline to "
+            "compare, nothing says whether the model retrieves at that length without FP8 (pass --baseline)"
+            for p, r in zip(prompts, results) if p.required and r.baseline_output is None
+            and not contains(r.output, p.expected)]
+
+
+def context_prompt(checkpoint: Path, config: dict[str, Any], length: int) -> Prompt:
+    """serve-check --context: the passkey prompt of about `length` tokens, counted with the checkpoint's tokenizer as
+    vLLM's completions API counts them (special tokens added); UsageError past the model's context."""
+    from kvcalib.core.schema import max_position_embeddings
+    from kvcalib.hf.model import load_tokenizer
+
+    most = max_position_embeddings(config)
+    if most is not None and length > most:
+        raise UsageError(f"--context {length} is longer than the model's context (max_position_embeddings {most})",
+                         hint=f"pass --context {most} or less")
+    tokenizer = load_tokenizer(checkpoint, trust_remote_code=False)
+    return passkey_prompt(length, lambda text: len(tokenizer(text)["input_ids"]))
 
 
 BUILTIN_PROMPTS: tuple[Prompt, ...] = (

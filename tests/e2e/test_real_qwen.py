@@ -11,4 +11,4 @@ pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 
 def test_trn2_scales_beat_llm_compressors_448_on_trn2(qwen25, prose, tutorial, tmp_path):
-    trn2_beats_448(qwen25, prose, tutorial, tmp_path, gap=0.04)
+    trn2_beats_448(qwen25, prose, tutorial, tmp_path, gap=0.04, eval_samples=4)

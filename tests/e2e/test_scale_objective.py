@@ -46,18 +46,19 @@ def test_the_attention_objective_rescues_what_absmax_breaks(smollm2, tmp_path):
     assert validate_checkpoint(tmp_path / "attention", "trn2").ok
 
     result = evaluate(tmp_path / "attention", str(held_out), EvalOptions(
-        num_samples=8, max_seq_len=256, compare=(str(tmp_path / "absmax"),), layer_rows=0, **FAST))
+        num_samples=4, max_seq_len=256, compare=(str(tmp_path / "absmax"),), layer_rows=0, **FAST))
     runs = {run.name: run for run in result.runs}
     mine, theirs = runs["checkpoint"], runs[str(tmp_path / "absmax")]
     print(f"ΔNLL on {result.num_tokens} tokens: attention objective {mine.delta_nll:+.4f}, "
           f"absmax {theirs.delta_nll:+.4f}")
-    assert theirs.delta_nll > 0.08  # measured +0.23 here, +0.18 on 16 rows x 512 tokens
-    assert mine.delta_nll < 0.03  # measured +0.005 here, +0.009 on 16 x 512: FP8's own cost on SmolLM2 (+0.008)
+    assert theirs.delta_nll > 0.08  # measured +0.26 here, +0.22 on 8 rows, +0.18 on 16 rows x 512 tokens
+    assert mine.delta_nll < 0.03  # measured +0.005 here, +0.006 on 8, +0.009 on 16 x 512: FP8's own cost on SmolLM2
     assert theirs.delta_nll > 4 * max(mine.delta_nll, 0.01)
     # eval names the layer: absmax's layer 0 alone costs the model what its whole run does, the default's does not
-    # (one row of 128 tokens, each of the 30 layers quantised alone for both scale sets)
+    # (one row of 64 tokens, each of the 30 layers quantised alone for both scale sets; measured: absmax's layer 0
+    # alone KL 0.45, the default's 0.006, the next worst layer 0.005)
     result = evaluate(tmp_path / "attention", str(held_out), EvalOptions(
-        num_samples=1, max_seq_len=128, compare=(str(tmp_path / "absmax"),), layer_rows=1, **FAST))
+        num_samples=1, max_seq_len=64, compare=(str(tmp_path / "absmax"),), layer_rows=1, **FAST))
     mine, theirs = result.runs
     alone = [(l.layer, round(l.kl_alone, 4), round(t.kl_alone, 4)) for l, t in zip(mine.layers, theirs.layers)]
     print("KL with one layer quantised alone (layer, default, absmax):", alone)

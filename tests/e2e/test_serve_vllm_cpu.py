@@ -129,13 +129,18 @@ def test_the_constant_k_fixture_serves_with_the_default_scales_and_fails_with_ab
 def test_real_models_serve_as_kvcalib_predicts(model, request, tmp_path, monkeypatch):
     """calibrate, then serve-check on real vLLM CPU: the server and kvcalib's prediction score the same token
     stream (the unquantised NLLs agree, so the BOS the server adds is in the prediction too) and the FP8 cost
-    kvcalib predicts is the one served."""
+    kvcalib predicts is the one served. With --context 2000: a passkey prompt of ~2,000 tokens, whose key both
+    models find in transformers (measured: 1,000 and 2,000 tokens, two keys each, float32), and the FP8 server
+    must find it too."""
     path = request.getfixturevalue(model)
     data = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(16, chars=1200)])
     out = tmp_path / model
     calibrate(path, str(data), out, CalibrateOptions(num_samples=16, max_seq_len=256, bf16_compute="float32"))
-    code, payload, stderr = serve_check(out, tmp_path / "home", monkeypatch, "--no-canary")
+    code, payload, stderr = serve_check(out, tmp_path / "home", monkeypatch, "--no-canary", "--context", "2000")
     assert code == 0 and payload["ok"], stderr
+    passkey = payload["prompts"][-1]
+    assert passkey["label"].startswith("passkey prompt, 1,9") and passkey["expected_found"], passkey
+    assert passkey["expected"] in passkey["baseline_output"], passkey
     served, predicted = payload["nll"], payload["prediction"]
     print(f"{model}: baseline NLL served {served['baseline']:.4f}, predicted {predicted['baseline_nll']:.4f}; "
           f"ΔNLL served {payload['delta_nll']['served']:+.4f}, predicted {predicted['delta_nll']:+.4f}")

@@ -118,6 +118,12 @@ def test_the_command_line(calibrated, text_dataset):
     assert [(r["length"], r["name"]) for r in payload["rows"]] == [(32, "checkpoint"), (32, str(small)),
                                                                     (64, "checkpoint"), (64, str(small))]
     assert payload["rows"][1]["k_clipped_max"] > 0 and "last quarter" in result.stderr
+    only = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,64",
+                                    "--compare", str(small), "--num-samples", "2", "--saturation-only", "--json"])
+    assert only.exit_code == 0, only.stderr
+    rows = json.loads(only.stdout)["rows"]  # the same saturation from the one unquantised forward, no ΔNLL
+    assert [r["layers"] for r in rows] == [r["layers"] for r in payload["rows"]]
+    assert all(r["delta_nll"] is None and r["delta_nll_interval"] is None for r in rows)
     bad = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,x"])
     assert bad.exit_code == 2 and "--context" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -170,8 +176,8 @@ def test_smollm2_clips_at_8k_with_256_token_scales_and_headroom_removes_it(smoll
     opts = dict(num_samples=16, max_seq_len=256, dtype="float32")  # clipping is no matter of bf16 rounding
     calibrate(smollm2, str(fortunes), tmp_path / "short", CalibrateOptions(**opts))
     calibrate(smollm2, str(fortunes), tmp_path / "room", CalibrateOptions(headroom=2**0.5, **opts))
-    result = evaluate_context(tmp_path / "short", str(held_out), (8192,),
-                              EvalOptions(num_samples=1, dtype="float32", compare=(str(tmp_path / "room"),)))
+    result = evaluate_context(tmp_path / "short", str(held_out), (8192,),  # --saturation-only: one 8k forward
+                              EvalOptions(num_samples=1, dtype="float32", compare=(str(tmp_path / "room"),)), nll=False)
     short, room = result.rows
     print(f"at 8,192: K/V absmax over clip {short.beyond('k')[0]:.2f}/{short.beyond('v')[0]:.2f}, clipped "
           f"{short.k_clipped:.4%}/{short.v_clipped:.4%}; with headroom {room.beyond('k')[0]:.2f}/"

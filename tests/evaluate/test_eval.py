@@ -148,7 +148,7 @@ def test_smollm2_outlier_variant_under_trn2(smollm2, text_dataset, tmp_path):
     outlier = make_outlier(smollm2, tmp_path / "outlier", 64)
     ids = list(range(100, 164))
     assert torch.equal(logits(smollm2, ids), logits(outlier, ids)), "bf16 without FP8 KV must be unchanged"
-    opts = dict(num_samples=4, max_seq_len=128)
+    opts = dict(num_samples=4, max_seq_len=128, bf16_compute="float32")  # the measured gap holds on both paths
     cal = calibrate(outlier, str(text_dataset), tmp_path / "cal", CalibrateOptions(target="trn2", **opts))
     assert min(l.k_absmax for l in cal.layers) > 2 * 240, "every layer's K must be far beyond trn2's range"
     result = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(target="trn2", compare=("unit",), layer_rows=0,

@@ -170,7 +170,8 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, text_dataset, tmp_path
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--needle"], "--needle runs at the lengths of --context"),
+    (["--needle"], "--needle or --saturation-only runs at the lengths of --context"),
+    (["--context", "300", "--needle", "--saturation-only"], "(not both)"),
     (["--context", "300", "--plot", "x.png"], "draws the needle heatmap: add --needle"),
     (["--context", "40", "--needle"], "--context 40 --needle: too short"),
     (["--context", "300", "--needle", "--num-samples", "0"], "at least one key"),

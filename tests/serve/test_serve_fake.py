@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -272,6 +273,36 @@ def test_prompts_file(ckpt, cpu_python, tmp_path):
     rows = json.loads(result.stdout)["prompts"]
     assert [r["prompt"] for r in rows] == ["Tell me a story", "Once upon a time"]
     assert rows[0]["expected"] == "story" and rows[0]["expected_found"] is True and rows[1]["expected"] is None
+
+
+def test_context_sends_a_passkey_prompt_the_fp8_server_must_answer(ckpt, cpu_python, monkeypatch):
+    """--context L: one more prompt, about L tokens, the key halfway in; the fake answers it as a model that
+    retrieves does, and with FAKE_VLLM_MODE=forget-long its FP8 server loses keys far back (short prompts stay right)."""
+    result = serve(ckpt, cpu_python, "--device", "cpu", "--context", "1500", "--no-canary", "--no-predict", "--json")
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["prompts"]
+    assert len(rows) == 7 and rows[-1]["prompt"].rstrip().endswith("The pass key is")
+    assert rows[-1]["expected_found"] is True and rows[-1]["output"].startswith(f" {rows[-1]['expected']}.")
+    result = serve(ckpt, cpu_python, "--device", "cpu", "--context", "1500", "--no-canary", "--no-predict",
+                   env={"FAKE_VLLM_MODE": "forget-long"}, monkeypatch=monkeypatch)
+    assert result.exit_code == 1, result.stderr
+    assert re.search(r"prompt 7 \(the 1,4\d\d-token passkey\): the baseline answers the key \d{5}, the FP8 server does not",
+                     result.stderr.replace("\n", " ")), result.stderr
+    assert "FAILED" in result.stderr
+    assert_nothing_left(str(ckpt), result.stderr)
+
+
+def test_context_usage_errors_before_any_server(ckpt, cpu_python):
+    cases = [(["--context", "32"], "error: --context must be at least 64"),
+             (["--context", "2040"], "error: --context 2040 plus the 32 tokens of the answer exceeds --max-model-len 2048"),
+             (["--context", "5000", "--max-model-len", "8192"],
+              "error: --context 5000 is longer than the model's context (max_position_embeddings 4096)")]
+    for args, message in cases:
+        result = serve(ckpt, cpu_python, "--device", "cpu", *args)
+        assert result.exit_code == 2, (args, result.stderr)
+        assert message in result.stderr, result.stderr
+        assert "fp8 server:" not in result.stderr
+    assert_nothing_left(str(ckpt), "")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])

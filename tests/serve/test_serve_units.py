@@ -30,7 +30,14 @@ from kvcalib.serve.pipeline import (
 )
 from kvcalib.serve.preflight import check_cpu
 from kvcalib.serve.probe import Completion, degenerate
-from kvcalib.serve.prompts import Prompt, read_prompts_file
+from kvcalib.serve.prompts import (
+    FILLER,
+    Prompt,
+    context_prompt,
+    passkey_prompt,
+    read_prompts_file,
+    unjudged_passkeys,
+)
 from kvcalib.serve.server import (
     VllmServer,
     diagnose,
@@ -176,9 +183,53 @@ def test_prompts_files(tmp_path):
             read_prompts_file(tmp_path / name)
 
 
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.parametrize("length", [64, 100, 1000, 4096])
+def test_the_passkey_prompt_fills_the_length_with_the_key_halfway(length):
+    prompt = passkey_prompt(length, _words)
+    line = _words(FILLER)
+    assert prompt.required and prompt.expected.isdigit() and len(prompt.expected) == 5
+    assert length - line < prompt.tokens == _words(prompt.text) <= length  # the longest that fits, by whole lines
+    head, _, tail = prompt.text.partition(f"The pass key is {prompt.expected}.")
+    assert abs(head.count(FILLER) - tail.count(FILLER)) <= 1 and tail.rstrip().endswith("The pass key is")
+    assert passkey_prompt(length, _words) == prompt and passkey_prompt(length, _words, seed=1).expected != prompt.expected
+    with pytest.raises(UsageError, match=r"--context 20: the shortest passkey prompt is \d+ tokens"):
+        passkey_prompt(20, _words)
+
+
+def test_the_passkey_prompt_counts_the_checkpoints_tokens(head32_model):
+    """Counted by the model's own tokenizer, BOS included, as vLLM's completions API counts the prompt."""
+    from transformers import AutoTokenizer
+
+    prompt = context_prompt(head32_model, {"max_position_embeddings": 4096}, 1000)
+    ids = AutoTokenizer.from_pretrained(head32_model)(prompt.text)["input_ids"]
+    assert prompt.tokens == len(ids) and 900 < len(ids) <= 1000
+    with pytest.raises(UsageError, match=r"--context 5000 is longer than the model's context "
+                                         r"\(max_position_embeddings 4096\)"):
+        context_prompt(head32_model, {"max_position_embeddings": 4096}, 5000)
+
+
 def _run(nll: float, agreements=None, texts=(" Paris. It is",)) -> ServerRun:
     completions = tuple(Completion(t, tuple(ord(c) for c in t), (1, 2)) for t in texts)
     return ServerRun("cmd", "log", 1.0, completions, nll, agreements)
+
+
+def test_judge_the_passkey():
+    """The long prompt's key must be in the FP8 answer where the baseline's has it (where neither has it, the
+    model cannot retrieve at that length, and FP8 is not to blame)."""
+    passkey = Prompt("... What is the pass key? The pass key is", "12345", required=True, tokens=4000)
+    cases = [((" 12345.", " 12345."), []), ((" 12345.", " 54321."),
+             ["prompt 1 (the 4,000-token passkey): the baseline answers the key 12345, the FP8 server does not "
+              "(' 54321.')"]), ((" 54321.", " 99999."), [])]
+    for (base, fp8), failures in cases:
+        assert judge([passkey], _run(2.9, (1.0,), (fp8,)), _run(2.8, None, (base,)))[1] == failures
+    results, failures, _ = judge([passkey], _run(2.9, None, (" 54321.",)), None)  # no baseline: a warning, no failure
+    assert failures == [] and unjudged_passkeys([passkey], results) == [
+        "the FP8 server did not answer the 4,000-token passkey (12345); with no baseline to compare, nothing says "
+        "whether the model retrieves at that length without FP8 (pass --baseline)"]
 
 
 @pytest.mark.parametrize("fp8, baseline, failures", [

@@ -28,6 +28,10 @@ $FAKE_VLLM_MODE breaks servers whose KV cache is FP8 (the baseline stays healthy
   diverge         FP8 ranks the baseline's tokens second (agreement 0) and its NLL is worse
   ignore-scales   FP8 answers the same whatever the checkpoint's KV scales (the bug the canary exists for)
   inverted-scales FP8 applies the scales the wrong way round: larger scales clip (scale x64 is "right")
+  forget-long     FP8 loses a passkey more than LONG_PROMPT tokens back (the long-context failure of a backend
+                  whose FP8 attention is wrong only at length; short prompts stay right)
+A prompt that holds "The pass key is N." and ends asking for it is answered with the key, as a model
+that retrieves does; a prompt longer than --max-model-len gets vLLM's HTTP 400 for it.
 Otherwise an FP8 server honours the scales: the fraction of each layer's K/V range that saturates
 (the provenance's absmax against scale x FP8 max: 448 on CPU, 240 on Neuron) costs log-prob, and
 above half of it the answers diverge, as a real model's do.
@@ -63,6 +67,7 @@ CONTINUATIONS = {
     "One, two, three, four, five,": " six, seven, eight, nine, ten, eleven, twelve, thirteen and fourteen",
 }
 GENERIC = " and then the story went on with new words every time it was told to a friend"
+LONG_PROMPT = 256  # tokens (the fake's: words and spaces)
 
 
 def log(message: str, level: str = "INFO") -> None:
@@ -197,8 +202,9 @@ def saturation(model: Path, fp8_max: float) -> float:
 
 
 class Engine:
-    def __init__(self, model: str, names: list[str], fp8: bool, fp8_max: float = 448.0) -> None:
-        self.model, self.names, self.fp8 = model, names, fp8
+    def __init__(self, model: str, names: list[str], fp8: bool, fp8_max: float = 448.0,
+                 max_model_len: int | None = None) -> None:
+        self.model, self.names, self.fp8, self.max_model_len = model, names, fp8, max_model_len
         self.requests = 0
         self.saturated = saturation(Path(model), fp8_max) if fp8 else 0.0
         self.broken = MODE == "diverge" or self.saturated > 0.5
@@ -214,6 +220,9 @@ class Engine:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             answers = [self.complete({**body, "prompt": one}) for one in prompt]
+            refused = [a for a in answers if "status" in a]
+            if refused:
+                return refused[0]
             choices = [dict(a["choices"][0], index=i) for i, a in enumerate(answers)]
             return dict(answers[-1], choices=choices)
         return self.complete_one(body)
@@ -231,10 +240,20 @@ class Engine:
             text_prompt = str(prompt)
             prompt_ids = [token_id(p) for p in tokenize(text_prompt)]
         max_tokens = int(body.get("max_tokens") or 16)
+        if self.max_model_len and len(prompt_ids) + max_tokens > self.max_model_len:
+            return {"status": 400, "error": {
+                "message": f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                           f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, {max_tokens} in "
+                           "the completion). Please reduce the length of the messages or completion.",
+                "type": "BadRequestError", "param": None, "code": 400}}
         if (MODE == "degenerate" and self.fp8) or MODE == "repetitive":
             pieces = ["!"] * max_tokens
         else:
             source = CONTINUATIONS.get(text_prompt or "", GENERIC)
+            passkey = re.search(r"The pass key is (\d+)\.", text_prompt or "")
+            if passkey and (text_prompt or "").rstrip().endswith("The pass key is"):
+                lost = self.fp8 and MODE == "forget-long" and len(prompt_ids) > LONG_PROMPT
+                source = f" {'not given' if lost else passkey.group(1)}. The grass is green."
             if self.broken:
                 source = " purple " + source
             words = tokenize(source)
@@ -295,7 +314,8 @@ def make_handler(engine: Engine):
                 self._send(404, {"error": {"message": f"The model `{body.get('model')}` does not exist.",
                                            "type": "NotFoundError", "param": "model", "code": 404}})
             else:
-                self._send(200, engine.complete(body))
+                answer = engine.complete(body)
+                self._send(answer.pop("status", 200), answer)
 
     return Handler
 
@@ -354,7 +374,8 @@ def main() -> None:
         log("still compiling ...")
         time.sleep(1.0)
     names = args.served_model_name or [args.model]
-    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), make_handler(Engine(args.model, names, fp8, 240.0 if neuron else 448.0)))
+    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), make_handler(
+        Engine(args.model, names, fp8, 240.0 if neuron else 448.0, args.max_model_len)))
     log(f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     while True:
