@@ -45,11 +45,16 @@ def clipping(ckpt: Path, room: Path, held_out: Path, lengths: list[int], target:
     return result["rows"]
 
 
-def short_delta(ckpt: Path, room: Path, held_out: Path, held: tuple[int, int], target: str) -> list[float]:
+def short_delta(ckpt: Path, room: Path, held_out: Path, held: tuple[int, int], target: str) -> list[dict]:
     result = json.loads(run([*KVCALIB, "eval", str(ckpt), "--dataset", str(held_out), "--target", target,
                              "--num-samples", str(held[0]), "--max-seq-len", str(held[1]), "--compare", str(room),
                              "--layer-rows", "0", "--bf16-compute", "float32", "--json", "--quiet"]))
-    return [r["delta_nll"] for r in result["runs"]]
+    return [{"delta_nll": r["delta_nll"], "interval": r.get("delta_nll_interval")} for r in result["runs"]]
+
+
+def delta(run: dict) -> str:
+    spread = run["interval"]
+    return f"{run['delta_nll']:+.4f}" + ("" if not spread else f" [{spread['low']:+.4f}, {spread['high']:+.4f}]")
 
 
 def clipped_layers(row: dict, kind: str) -> int:
@@ -57,7 +62,7 @@ def clipped_layers(row: dict, kind: str) -> int:
                and layer[f"{kind}_absmax"] > layer[f"{kind}_clip_at"])
 
 
-def table(model: str, rows: list[dict], deltas: list[float], seconds: list[float], headroom: float,
+def table(model: str, rows: list[dict], deltas: list[dict], seconds: list[float], headroom: float,
           args: argparse.Namespace) -> str:
     names = ["default", f"headroom {headroom:g}"]
     lines = [f"### {model} ({args.target}; calibrated on {args.calib[0]} x {args.calib[1]} fortunes)", "",
@@ -67,7 +72,7 @@ def table(model: str, rows: list[dict], deltas: list[float], seconds: list[float
         lines.append(f"| {row['length']:,} | {name} | {row['k_beyond']:.2f} | {row['v_beyond']:.2f} | "
                      f"{clipped_layers(row, 'k')}, {clipped_layers(row, 'v')} |")
     lines += ["", f"Short context ({args.held_out[0]} x {args.held_out[1]} tutorial tokens): ΔNLL "
-              f"{deltas[0]:+.4f} default, {deltas[1]:+.4f} with headroom; calibration {seconds[0]:.0f} s and "
+              f"{delta(deltas[0])} default, {delta(deltas[1])} with headroom (95% paired intervals); calibration {seconds[0]:.0f} s and "
               f"{seconds[1]:.0f} s."]
     return "\n".join(lines)
 
