@@ -7,7 +7,7 @@ special tokens, then cut into consecutive pieces of L - len(prefix) tokens, each
 tokens the tokenizer puts before plain text (Llama's and Gemma's BOS), as one long prompt reaches
 a server. Each sample runs once unquantised (the baseline; kvcalib.evaluate.emulate.KVErrorMeter
 measures on its real K/V what every scale set would saturate) and once per scale set with K/V
-stored in FP8. Per length and scale set:
+stored in FP8 (--saturation-only: the unquantised run alone, no ΔNLL). Per length and scale set:
 
 - per layer, the fraction of K and V elements that saturate, and the absmax seen against the
   largest value the scale represents (above 1.0, the cache goes past what the scales were sized for);

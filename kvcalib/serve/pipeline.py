@@ -8,7 +8,8 @@
    top-1 agreement with the baseline's continuation (teacher-forced, see probe.py).
 4. The verdict. With a baseline, FP8 is judged against the baseline server's own outputs: mean
    agreement >= AGREEMENT_THRESHOLD, FP8 NLL <= baseline NLL * (1 + NLL_TOLERANCE), and no
-   prompt's output degenerate (empty, a token or two repeated) where the baseline's is not. A
+   prompt's output degenerate (empty, a token or two repeated) where the baseline's is not, and
+   (--context) the long passkey prompt's key answered wherever the baseline answers it. A
    small base model legitimately repeats itself; when the baseline writes the same kind of
    output, that is the model, not the FP8 cache. Without a baseline (Neuron's default, where
    one costs a second compile) a degenerate output fails on its own.

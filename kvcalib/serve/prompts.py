@@ -5,6 +5,10 @@ under greedy decoding, so an FP8 server that answers differently from the bf16 o
 telling us something. The NLL text is public-domain prose (the opening of Dickens' "A Tale
 of Two Cities", 1859): its mean negative log-likelihood under prompt log-probs is a number
 that moves when the KV cache is quantised badly.
+
+serve-check --context L adds a long prompt: the passkey test (a filler line repeated, a 5-digit
+key halfway in, the question at the end), as many tokens as fit in L by the checkpoint's own
+tokenizer. It is the one judged prompt: the FP8 server must answer the key where the baseline does.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 from kvcalib.core.errors import UsageError
 from kvcalib.core.paths import require_regular_file
 
-__all__ = ["BUILTIN_PROMPTS", "FILLER", "MIN_CONTEXT", "NLL_TEXT", "Prompt", "contains", "context_prompt", "passkey_prompt", "unjudged_passkeys", "read_prompts_file"]
+__all__ = ["BUILTIN_PROMPTS", "FILLER", "MIN_CONTEXT", "NLL_TEXT", "Prompt", "contains", "context_prompt",
+           "passkey_prompt", "read_prompts_file", "unjudged_passkeys"]
 
 # The passkey test's haystack (Mohtashami & Jaggi 2023, "Landmark Attention"): one line repeated, so that
 # the key is the only thing in the prompt worth remembering.
@@ -66,7 +71,7 @@ def contains(text: str, expected: str | None) -> bool:
 def unjudged_passkeys(prompts: Sequence[Prompt], results: Sequence[Any]) -> list[str]:
     """Warnings for passkeys the FP8 server missed with no baseline to judge by (`results`: serve-check's
     PromptResult, one per prompt)."""
-    return [f"the FP8 server did not answer the {p.tokens:,}-token passkey ({p.expected}); with no baseline to "
+    return [f"the FP8 server did not answer the {p.tokens or 0:,}-token passkey ({p.expected}); with no baseline to "
             "compare, nothing says whether the model retrieves at that length without FP8 (pass --baseline)"
             for p, r in zip(prompts, results) if p.required and r.baseline_output is None
             and not contains(r.output, p.expected)]
