@@ -147,7 +147,7 @@ class PromptResult:
         return {
             "prompt": self.prompt, "output": self.output, "baseline_output": self.baseline_output,
             "agreement": self.agreement, "expected": self.expected,
-            "expected_found": None if self.expected is None else self.expected.lower() in self.output.lower(),
+            "expected_found": None if self.expected is None else contains(self.output, self.expected),
             "problem": self.problem, "baseline_problem": self.baseline_problem, "failed": self.failed,
             "label": self.label,
         }
@@ -304,18 +304,18 @@ def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None)
     results, failures = [], []
     for i, (prompt, out) in enumerate(zip(prompts, fp8.completions)):
         reference = baseline.completions[i] if baseline else None
+        tokens = prompt.tokens or len(out.prompt_token_ids)
         result = PromptResult(
             prompt.text, out.text, reference.text if reference else None,
             fp8.agreements[i] if fp8.agreements else None, prompt.expected, degenerate(out.text, out.token_ids),
             degenerate(reference.text, reference.token_ids) if reference else None,
-            f"passkey prompt, {prompt.tokens or len(out.prompt_token_ids):,} tokens, key {prompt.expected}"
-            if prompt.required else None)
+            f"passkey prompt, {tokens:,} tokens, key {prompt.expected}" if prompt.required else None)
         if result.failed:
             against = ", where the baseline's is not" if reference else ""
             failures.append(f"prompt {i + 1} ({prompt.text[:40]!r}): degenerate output, {result.problem}{against}")
         elif prompt.required and reference and contains(reference.text, prompt.expected) \
                 and not contains(out.text, prompt.expected):
-            failures.append(f"prompt {i + 1} (the {prompt.tokens or len(out.prompt_token_ids):,}-token passkey): the "
+            failures.append(f"prompt {i + 1} (the {tokens:,}-token passkey): the "
                             f"baseline answers the key {prompt.expected}, the FP8 server does not ({out.text[:40]!r})")
         results.append(result)
     agreement = None

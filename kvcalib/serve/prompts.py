@@ -52,15 +52,17 @@ def passkey_prompt(length: int, count_tokens: Callable[[str], int], seed: int = 
         half = lines // 2
         return FILLER * half + needle + FILLER * (lines - half) + question
 
-    shortest, eight = count_tokens(build(1)), count_tokens(build(9)) - count_tokens(build(1))
+    shortest = count_tokens(build(1))
     if shortest > length:
         raise UsageError(f"--context {length}: the shortest passkey prompt is {shortest} tokens for this tokenizer",
                          hint=f"pass --context {max(MIN_CONTEXT, shortest)} or more")
+    eight = count_tokens(build(9)) - shortest  # tokens of eight filler lines
     lines = 1 + max(0, (length - shortest) * 8 // max(1, eight))
-    while lines > 1 and count_tokens(build(lines)) > length:  # the estimate is exact for most tokenizers
+    tokens = count_tokens(build(lines))
+    while lines > 1 and tokens > length:  # the estimate is exact for most tokenizers
         lines -= 1
-    text = build(lines)
-    return Prompt(text, key, required=True, tokens=count_tokens(text))
+        tokens = count_tokens(build(lines))
+    return Prompt(build(lines), key, required=True, tokens=tokens)
 
 
 def contains(text: str, expected: str | None) -> bool:
