@@ -38,7 +38,7 @@ GiB = 2**30
 CHILD = """
 import json, sys
 from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.calibrate.memory import peak_rss_bytes
+from kvcalib.hf.memory import peak_rss_bytes
 engine, model, data, out, samples, seq_len = sys.argv[1:7]
 r = calibrate(model, data, out, CalibrateOptions(engine=engine, num_samples=int(samples), max_seq_len=int(seq_len),
                                                  batch_size=4))

@@ -5,7 +5,9 @@
   function-local and `if TYPE_CHECKING:` ones alike. A package's `__init__` is a module of
   its own: `from kvcalib.calibrate import x` is an edge to kvcalib/calibrate/__init__.py.
 - No module over MAX_MODULE_LINES lines, no function over MAX_FUNCTION_LINES lines.
-- typer and rich are imported only by kvcalib.cli (the package: its commands and what they print).
+
+Which way imports go between the layers (cli -> jobs -> hf -> core), and that typer and rich stay in
+kvcalib.cli, are import-linter's contracts in pyproject.toml (`lint-imports`).
 
 Prints the numbers (modules, lines, circles, the biggest module, the longest function) and
 exits 1 with the reasons when a rule is broken. CI runs it (scripts/test.sh).
@@ -21,8 +23,6 @@ from pathlib import Path
 
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
-UI_PACKAGES = ("typer", "rich")
-UI_MODULE = "kvcalib.cli"
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -49,12 +49,11 @@ def resolve(node: ast.ImportFrom | ast.Import, current: str, is_package: bool, m
     return found
 
 
-def read_package(root: Path) -> tuple[dict[str, Path], dict[str, set[str]], dict[str, set[str]]]:
-    """Modules by name, kvcalib import edges, and every top-level package each module imports."""
+def read_package(root: Path) -> tuple[dict[str, Path], dict[str, set[str]]]:
+    """Modules by name and kvcalib import edges."""
     files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
     modules = set(files)
     edges: dict[str, set[str]] = {name: set() for name in files}
-    external: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         for node in ast.walk(tree):
@@ -67,9 +66,7 @@ def read_package(root: Path) -> tuple[dict[str, Path], dict[str, set[str]], dict
                         target = target.rsplit(".", 1)[0]
                     if target != name:
                         edges[name].add(target)
-                elif top:
-                    external[name].add(top)
-    return files, edges, external
+    return files, edges
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -132,7 +129,7 @@ def functions(files: dict[str, Path]) -> list[tuple[int, str]]:
 
 def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "kvcalib").resolve()
-    files, edges, external = read_package(root)
+    files, edges = read_package(root)
     lines = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in files.items()}
     found_circles = circles(edges)
     funcs = functions(files)
@@ -145,9 +142,6 @@ def main() -> int:
     problems += [f"{n}: {count} lines (at most {MAX_MODULE_LINES})" for n, count in lines.items() if count > MAX_MODULE_LINES]
     problems += [f"{where}: {count} lines (at most {MAX_FUNCTION_LINES})" for count, where in funcs
                  if count > MAX_FUNCTION_LINES]
-    problems += [f"{n} imports {', '.join(sorted(set(UI_PACKAGES) & ext))} (only {UI_MODULE} may)"
-                 for n, ext in external.items()
-                 if n != UI_MODULE and not n.startswith(UI_MODULE + ".") and set(UI_PACKAGES) & ext]
     for problem in problems:
         print(f"layout: {problem}")
     return 1 if problems else 0

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvcalib.core.checkpoint import read_safetensors_header, read_values
 from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME
+from kvcalib.serve.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
 
 __all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
            "write_card"]
@@ -35,8 +36,6 @@ SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 
 
 def serve_commands(checkpoint: str) -> dict[str, str]:
     """device -> the vLLM command serve-check runs for `checkpoint` (its defaults: port 8000, tp 1, 2048 x 4)."""
-    from kvcalib.serve.launch import server_argv  # noqa: PLC0415 -- calibrate needs serve only for the card
-
     return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), SERVE_DEFAULTS["port"], fp8=True,
                                            device=device, tp=SERVE_DEFAULTS["tp"],
                                            max_model_len=SERVE_DEFAULTS["max_model_len"],

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvcalib.calibrate.memory import MemoryLimit
+from kvcalib.hf.memory import MemoryLimit
 from kvcalib.calibrate.options import CalibrateOptions
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath

@@ -75,7 +75,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
                 raise CalibrationError(
                     f"layer {i}: llm-compressor left no {'per-head' if per_head else 'per-tensor'} {kind}_scale on "
                     f"{attn_paths[i]} ({'none' if scale is None else tuple(scale.shape)})",
-                    hint="the engine needs a static kv_cache_scheme; see recipes/kv-fp8-trn2.yaml",
+                    hint="the engine needs a static kv_cache_scheme; see the shipped recipe (--recipe trn2)",
                 )
             # llm-compressor's per-head scales are [kv_heads, 1, 1]
             absmax[kind].append(scale.detach().float().cpu().reshape(-1) * sized_for.float().cpu())

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcalib.calibrate.memory import MemoryLimit
+from kvcalib.hf.memory import MemoryLimit
 from kvcalib.calibrate.ranks import Ranks
 from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.hf.model import RunOptions

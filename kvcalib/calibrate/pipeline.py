@@ -20,7 +20,6 @@ from kvcalib.calibrate.card import summarize, write_card
 from kvcalib.calibrate.distributed import observe_across_ranks
 from kvcalib.calibrate.engine import Engine, EngineInputs, Observation
 from kvcalib.calibrate.llmcompressor import llmcompressor_engine
-from kvcalib.calibrate.memory import EngineChoice, choose_engine, out_of_memory_error
 from kvcalib.calibrate.native import native_engine, sample_attention
 from kvcalib.calibrate.objective import ATTENTION, Gather, absmax_warnings, search
 from kvcalib.calibrate.options import CalibrateOptions, CalibrationResult, LayerScales
@@ -41,7 +40,7 @@ from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config, max_position_embeddings
 from kvcalib.hf.data import CalibrationData, load_calibration_data
-from kvcalib.hf.samples import sample_sequences
+from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
 from kvcalib.hf.model import (
     load_tokenizer,
     pad_id,
@@ -49,6 +48,8 @@ from kvcalib.hf.model import (
     resolve_compute,
     resolve_target,
 )
+from kvcalib.hf.samples import sample_sequences
+from kvcalib.validate.pipeline import validate_checkpoint  # calibrate validates what it wrote (pyproject.toml)
 
 __all__ = ["ENGINES", "calibrate", "register_engine"]
 
@@ -217,8 +218,6 @@ def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales], attent
     validation: dict[str, Any] = {}
 
     def check(tmp_dir: Path) -> None:
-        from kvcalib.validate.pipeline import validate_checkpoint
-
         report = validate_checkpoint(tmp_dir, plan.target.name)
         validation.update(report.to_dict())
         validation["checkpoint"] = str(plan.output)

@@ -37,7 +37,8 @@ from kvcalib.core.schema import (
 __all__ = [
     "KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE",
     "LLMCOMPRESSOR_HINT", "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan", "STRATEGIES",
-    "check_servable", "load_recipe", "plan_recipe", "require_llmcompressor",
+    "BUILTIN_RECIPES", "builtin_recipes", "check_servable", "load_recipe", "plan_recipe", "recipe_file",
+    "require_llmcompressor",
 ]
 
 RECIPE_KEY = "kvcalib"  # the top-level key with kvcalib's own settings
@@ -91,12 +92,37 @@ class RecipePlan:
     provenance: dict[str, Any] = field(default_factory=dict)
 
 
+# The recipes kvcalib ships (the repository's recipes/, installed as the package kvcalib.recipes), by name.
+BUILTIN_RECIPES = ("trn2", "trn3", "gpu")
+
+
+def builtin_recipes() -> Path:
+    """The folder of the shipped recipes: kvcalib.recipes when installed (a wheel or an editable install),
+    else the source tree's recipes/ (kvcalib imported from a checkout without installing it)."""
+    spec = importlib.util.find_spec("kvcalib.recipes")  # a folder of YAML: a namespace package
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def recipe_file(recipe: str | Path) -> Path:
+    """`--recipe`: a shipped recipe by name (trn2, trn3, gpu: kv-fp8-NAME.yaml) or a recipe file's path. A file
+    of that name in the working directory is the user's and wins."""
+    text = str(recipe)
+    if text in BUILTIN_RECIPES and not Path(text).exists():
+        return builtin_recipes() / f"kv-fp8-{text}.yaml"
+    return Path(text).expanduser()
+
+
 def load_recipe(path: str | Path) -> KvRecipe:
-    """Read the kv_cache_scheme (and kvcalib's target, if any) from an llm-compressor recipe file."""
+    """Read the kv_cache_scheme (and kvcalib's target, if any) from an llm-compressor recipe: a file, or a shipped
+    recipe by name (`recipe_file`)."""
     import yaml
 
-    recipe_path = require_regular_file(Path(path).expanduser(), "recipe", error=RecipeError, missing=RecipeError,
-                                       hint="pass an llm-compressor recipe file, e.g. recipes/kv-fp8-trn2.yaml")
+    path = recipe_file(path)
+    recipe_path = require_regular_file(path, "recipe", error=RecipeError, missing=RecipeError,
+                                       hint="pass a recipe file, or a shipped recipe by name: "
+                                       + ", ".join(BUILTIN_RECIPES))
     try:
         obj = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))  # JSON is YAML too
     except OSError as exc:
@@ -105,17 +131,17 @@ def load_recipe(path: str | Path) -> KvRecipe:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RecipeError(f"{path}: not a YAML or JSON recipe ({first})",
-                          hint="fix the YAML, or start from recipes/kv-fp8-trn2.yaml") from None
+                          hint="fix the YAML, or start from the shipped one: --recipe trn2") from None
     if not isinstance(obj, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
-                          hint="see recipes/kv-fp8-trn2.yaml")
+                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
     target = _recipe_target(obj, path)
     found, ignored, attention = _find_kv_schemes(obj, path)
     if not found:
         raise RecipeError(
             f"{path}: no {KV_SCHEME_KEY} in the recipe",
             hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} (or an "
-            "FP8-attention config group); see recipes/kv-fp8-trn2.yaml",
+            "FP8-attention config group); see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)",
         )
     parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
     schemes = {_canonical(scheme) for _, scheme in parsed}
@@ -133,7 +159,7 @@ def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
     """Refuse a kv_cache_scheme that vLLM on `target` cannot serve from kvcalib's checkpoint."""
     s = recipe.scheme
     where = f"{recipe.path}: {recipe.location}.{KV_SCHEME_KEY}"
-    example = f"recipes/kv-fp8-{target.name}.yaml"
+    example = f"recipes/kv-fp8-{target.name}.yaml (--recipe {target.name})"
     if s["type"] != "float":
         raise RecipeError(
             f"{where} has type {s['type']!r} ({s['num_bits']}-bit integer KV), which {target.name} cannot serve: "
@@ -166,7 +192,7 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
     recipe = load_recipe(recipe_path) if recipe_path is not None else None
     if recipe is not None and recipe.target is not None and target is not None and target != recipe.target:
         raise RecipeError(f"--target {target} contradicts {recipe.path}, which is for {recipe.target} "
-                          f"({RECIPE_KEY}.target)", hint=f"drop --target, or use recipes/kv-fp8-{target}.yaml")
+                          f"({RECIPE_KEY}.target)", hint=f"drop --target, or use --recipe {target}")
     chosen = target or (recipe.target if recipe else None) or fp8.DEFAULT_TARGET
     warnings: list[str] = []
     if recipe is not None:
@@ -257,7 +283,7 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                 arguments = {} if arguments is None else arguments
                 if not isinstance(arguments, dict):
                     raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                                      hint="see recipes/kv-fp8-trn2.yaml for the layout")
+                                      hint="see the shipped recipe for the layout (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
                 groups = arguments.get("config_groups")
                 fp8_attention = fp8_attention_groups(groups)
                 attention = attention or bool(fp8_attention)
@@ -281,12 +307,12 @@ def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]
     where = f"{path}: {location}"
     if not isinstance(value, dict):
         raise RecipeError(f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
-                          hint="see recipes/kv-fp8-trn2.yaml")
+                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
     try:
         args = QuantizationArgs.model_validate(value)
     except (ValueError, TypeError, NotImplementedError) as exc:  # pydantic's ValidationError is a ValueError
         raise RecipeError(f"{where} is not a valid compressed-tensors QuantizationArgs: {_describe(exc)}",
-                          hint="see recipes/kv-fp8-trn2.yaml") from None
+                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)") from None
     return args.model_dump(mode="json")
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvcalib.calibrate.engine import EngineInputs, Observation
-from kvcalib.calibrate.memory import MemoryLimit, available_memory
+from kvcalib.hf.memory import MemoryLimit, available_memory
 from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress

@@ -87,7 +87,7 @@ def calibrate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
     as_json: AsJson = False,
     stream_layers: bool = typer.Option(False, "--stream-layers", help="Load one decoder layer at a time (models larger than memory; chosen automatically when the weights would not fit)."),
-    recipe: Path | None = typer.Option(None, "--recipe", help="llm-compressor recipe (YAML) whose kv_cache_scheme to use, e.g. recipes/kv-fp8-trn2.yaml."),
+    recipe: str | None = typer.Option(None, "--recipe", help="llm-compressor recipe whose kv_cache_scheme to use: a shipped one by name (trn2, trn3, gpu) or a YAML file."),
     engine: str = typer.Option("auto", "--engine", help="auto (native, or stream when the weights would not fit), native, stream, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor])."),
     strategy: str | None = typer.Option(None, "--strategy", help="tensor (one K and one V scale per layer) or attn_head (one per KV head; --target gpu only: vLLM on Neuron cannot load them). Default: the recipe's kv_cache_scheme, else tensor."),
     attention_scales: bool = typer.Option(False, "--attention-scales", help="Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet)."),
@@ -107,7 +107,7 @@ def calibrate(
     import os
 
     from kvcalib.calibrate import CalibrateOptions, Ranks, calibrate as run_calibrate  # noqa: I001
-    from kvcalib.calibrate.memory import available_memory
+    from kvcalib.hf.memory import available_memory
     with _errors():
         ranks = Ranks.from_env(os.environ)  # set by torchrun; None in a plain run
         engine = _engine(engine, stream_layers)
@@ -352,7 +352,7 @@ def serve_check(
     """Serve CKPT with vLLM's FP8 KV cache, probe it, compare with a baseline, and always stop the server."""
     import os
 
-    from kvcalib.calibrate.memory import available_memory
+    from kvcalib.hf.memory import available_memory
     from kvcalib.serve import ServeOptions
     from kvcalib.serve import serve_check as run_serve_check
     from kvcalib.serve.prompts import read_prompts_file

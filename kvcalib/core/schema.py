@@ -159,6 +159,14 @@ def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
     )
 
 
+
+def parse_kv_scheme(scheme: Any) -> Any:
+    """A kv_cache_scheme parsed by compressed-tensors itself (`QuantizationArgs.model_validate`), the authority on
+    what the platform will accept; raises what pydantic raises. Imports compressed-tensors (and torch) on demand."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs.model_validate(scheme)
+
 # The config group llm-compressor writes for FP8 attention (Q in FP8 too): input activations of the
 # model's attention class, e.g. {"attention": {"targets": ["LlamaAttention"], "input_activations": ...}}.
 # GPU vLLM recognises such a group only with exactly one target whose name ends in "Attention"

@@ -243,7 +243,7 @@ def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[in
                          notify: ProgressCallback) -> LongContext:
     """Everything checked (scales, lengths against max_position_embeddings and memory) and the text read, before the
     model loads."""
-    from kvcalib.calibrate.memory import available_memory
+    from kvcalib.hf.memory import available_memory
     from kvcalib.evaluate.pipeline import prepare_scales
 
     run, quantizers, compute = prepare_scales(checkpoint, opts)

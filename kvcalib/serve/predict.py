@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.cpu import HostCpu
-from kvcalib.evaluate import EvalOptions, evaluate
-from kvcalib.evaluate.pipeline import UNIT
 
 __all__ = ["Prediction", "predict"]
 
@@ -42,7 +40,12 @@ class Prediction:
 
 def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = None, unit: bool = True,
             cpu: HostCpu | None = None) -> Prediction:
-    """The emulated NLLs of `text` (one sample, as the server scores it) for the checkpoint's scales and the others."""
+    """The emulated NLLs of `text` (one sample, as the server scores it) for the checkpoint's scales and the others.
+    kvcalib.evaluate (torch, transformers) is imported here, on the first prediction: `import kvcalib.serve` stays
+    light for the server-only paths (tests/test_layering.py)."""
+    from kvcalib.evaluate import EvalOptions, evaluate
+    from kvcalib.evaluate.pipeline import UNIT
+
     compare = ((UNIT,) if unit else ()) + ((str(canary),) if canary is not None else ())
     with tempfile.TemporaryDirectory(prefix="kvcalib-predict-") as tmp:
         data = Path(tmp) / "probe.jsonl"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON
+from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, parse_kv_scheme
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = [
@@ -307,13 +307,11 @@ def _kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
 
 
 def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
-    from compressed_tensors.quantization import QuantizationArgs
-
     location = f"{QCFG_LOCATION}.kv_cache_scheme"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            args = QuantizationArgs.model_validate(scheme)
+            args = parse_kv_scheme(scheme)
     except Exception as exc:  # noqa: BLE001 - third-party validation: any failure is a finding
         return [Finding(
             "PORT-KV-SCHEME-INVALID",

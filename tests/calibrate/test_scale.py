@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from kvcalib.calibrate import CalibrateOptions, calibrate, stream
 from kvcalib.calibrate.distributed import batch_shares
-from kvcalib.calibrate.memory import (
+from kvcalib.hf.memory import (
     MemoryLimit,
     available_memory,
     choose_engine,

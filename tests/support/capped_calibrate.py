@@ -17,7 +17,7 @@ import sys
 from transformers import AutoTokenizer
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.calibrate.memory import proc_status
+from kvcalib.hf.memory import proc_status
 from kvcalib.core.errors import KvcalibError
 from kvcalib.hf.data import load_calibration_data
 
