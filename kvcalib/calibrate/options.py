@@ -6,9 +6,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcalib.hf.memory import MemoryLimit
 from kvcalib.calibrate.ranks import Ranks
 from kvcalib.core.errors import UsageError, check_at_least
+from kvcalib.hf.memory import MemoryLimit
 from kvcalib.hf.model import RunOptions
 
 __all__ = ["CalibrateOptions", "CalibrationResult", "LayerScales"]
@@ -93,6 +93,7 @@ class CalibrationResult:
     compute: str = ""  # the compute path (core.cpu.ComputePath.describe())
     scale_objective: str = "absmax"
     objective_seconds: float = 0.0  # the scale objective's search, after observing
+    serve_check: Any = None  # with --serve-check: serve-check's result (kvcalib.serve.ServeCheckResult)
 
     @property
     def tokens_per_s(self) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvcalib import __version__
+from kvcalib._version import __version__
 from kvcalib.calibrate.card import summarize, write_card
 from kvcalib.calibrate.distributed import observe_across_ranks
 from kvcalib.calibrate.engine import Engine, EngineInputs, Observation

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from kvcalib.cli.common import _errors, _host_cpu, _print_json, _stderr
+from kvcalib.cli.common import _errors, _print_json, _stderr, captured_notes
 from kvcalib.cli.render import (progress_bar, render_calibration, render_context, render_eval, render_report,
                                 render_needle, render_serve_check, render_tasks, serve_status)
 from kvcalib.core.errors import UsageError
@@ -31,7 +30,7 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from kvcalib import __version__
+        from kvcalib._version import __version__
 
         sys.stdout.write(f"kvcalib {__version__}\n")
         raise typer.Exit(0)
@@ -87,7 +86,7 @@ def calibrate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
     as_json: AsJson = False,
     stream_layers: bool = typer.Option(False, "--stream-layers", help="Load one decoder layer at a time (models larger than memory; chosen automatically when the weights would not fit)."),
-    recipe: str | None = typer.Option(None, "--recipe", help="llm-compressor recipe whose kv_cache_scheme to use: a shipped one by name (trn2, trn3, gpu) or a YAML file."),
+    recipe: str | None = typer.Option(None, "--recipe", metavar="NAME|FILE", help="llm-compressor recipe whose kv_cache_scheme to use: a shipped one by name (trn2, trn3, gpu) or a YAML file."),
     engine: str = typer.Option("auto", "--engine", help="auto (native, or stream when the weights would not fit), native, stream, or llmcompressor (llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor])."),
     strategy: str | None = typer.Option(None, "--strategy", help="tensor (one K and one V scale per layer) or attn_head (one per KV head; --target gpu only: vLLM on Neuron cannot load them). Default: the recipe's kv_cache_scheme, else tensor."),
     attention_scales: bool = typer.Option(False, "--attention-scales", help="Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet)."),
@@ -104,31 +103,27 @@ def calibrate(
     quiet: Quiet = False,
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
-    import os
+    from kvcalib.calibrate.api import calibrate_options, plan_serve_check, run_calibration
 
-    from kvcalib.calibrate import CalibrateOptions, Ranks, calibrate as run_calibrate  # noqa: I001
-    from kvcalib.hf.memory import available_memory
-    with _errors():
-        ranks = Ranks.from_env(os.environ)  # set by torchrun; None in a plain run
-        engine = _engine(engine, stream_layers)
-    options = CalibrateOptions(
-        target=target, split=split, text_column=text_column, num_samples=num_samples,
-        max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
-        overwrite=overwrite, trust_remote_code=trust_remote_code, engine=engine, ranks=ranks,
-        recipe=str(recipe) if recipe is not None else None, strategy=strategy, attention_scales=attention_scales,
-        bf16_compute=bf16_compute, scale_objective=scale_objective, headroom=headroom, add_special_tokens=add_special_tokens,
-        cpu=_host_cpu(), memory=available_memory(), scratch_dir=Path(tempfile.gettempdir()))
-    if ranks is not None and not ranks.is_writer:  # other ranks work quietly; rank 0 reports (and serves)
-        return _quiet_rank(run_calibrate, model, dataset, output, options)
+    with _errors():  # kvcalib.calibrate(...) is these three calls; the CLI renders between them
+        options = calibrate_options(
+            target=target, split=split, text_column=text_column, num_samples=num_samples,
+            max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
+            overwrite=overwrite, trust_remote_code=trust_remote_code, engine=_engine(engine, stream_layers),
+            recipe=recipe, strategy=strategy, attention_scales=attention_scales, bf16_compute=bf16_compute,
+            scale_objective=scale_objective, headroom=headroom, add_special_tokens=add_special_tokens)
+    if options.ranks is not None and not options.ranks.is_writer:  # other ranks work quietly; rank 0 reports
+        return _quiet_rank(run_calibration, model, dataset, output, options)
     serving = None
     if serve_device is not None:  # everything serving needs but the scales, before an hour of calibration
         with _errors():
-            serving = _serve_options(model, options, serve_device, vllm_python=vllm_python, tp=tp,
-                                     max_model_len=max_model_len, startup_timeout_s=startup_timeout, log_dir=log_dir)
+            serving = plan_serve_check(model, options, serve_device, vllm_python=vllm_python, tp=tp,
+                                       max_model_len=max_model_len, startup_timeout_s=startup_timeout,
+                                       log_dir=log_dir)
     console = _stderr(quiet)
-    with _errors(), progress_bar(console) as on_progress:
-        result = run_calibrate(model, dataset, output, options, progress=on_progress)
-    _report_calibration(console, result, serving, as_json)
+    with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
+        result = run_calibration(model, dataset, output, options, progress=on_progress)
+    _report_calibration(console, result, notes, serving, as_json)
 
 
 def _quiet_rank(run: Any, *args: Any) -> None:
@@ -136,54 +131,23 @@ def _quiet_rank(run: Any, *args: Any) -> None:
         run(*args)
 
 
-def _report_calibration(console: Console, result: Any, serving: Any, as_json: bool) -> None:
-    """The table; then, with --serve-check, serve-check's run on the published checkpoint and its exit code."""
-    render_calibration(console, result)
+def _report_calibration(console: Console, result: Any, notes: list[str], serving: Any, as_json: bool) -> None:
+    """The table; then, with --serve-check, serve-check's run on the published checkpoint (its figures go into
+    the model card) and its exit code."""
+    from kvcalib.calibrate.api import serve_calibrated
+
+    render_calibration(console, result, notes)
     if serving is None:
         if as_json:
             _print_json(result.to_dict())
         return
-    from kvcalib.calibrate.card import summarize, write_card
-
-    served = _run_serve_check(console, Path(result.output), serving)
-    with _errors():  # the card gets serve-check's figures too
-        write_card(Path(result.output), summarize(result.validation), serve=served.to_dict())
+    with _errors(interrupted="every vLLM server serve-check started was stopped"), \
+            serve_status(console) as on_event, captured_notes() as notes:
+        served = serve_calibrated(result, serving, on_event).serve_check
+    render_serve_check(console, served, notes)
     if as_json:
         _print_json({"calibration": result.to_dict(), "serve_check": served.to_dict()})
     raise typer.Exit(0 if served.ok else 1)
-
-
-def _serve_options(model: str, calibration: Any, device: str, **given: Any) -> Any:
-    """serve-check's options for `calibrate --serve-check DEVICE`, checked against the model and the machine."""
-    import os
-
-    from kvcalib.calibrate.recipe import plan_recipe
-    from kvcalib.hf.model import resolve_model_dir, resolve_target
-    from kvcalib.serve import ServeOptions
-    from kvcalib.serve.pipeline import check_serving
-    from kvcalib.serve.preflight import check_strategy, validate_target
-
-    options = ServeOptions(device=device, env=dict(os.environ), cpu=_host_cpu(with_capability=False),
-                           memory_bytes=calibration.memory.available if calibration.memory else None, **given)
-    options.check_arguments()
-    plan = plan_recipe(calibration.recipe, calibration.target, calibration.engine, calibration.strategy)
-    sized_for, served_on = resolve_target(plan.target), resolve_target(validate_target(device))
-    check_strategy(plan.strategy, device)
-    if sized_for.fp8_max > served_on.fp8_max:
-        raise UsageError(f"--target {sized_for.name} sizes the scales for FP8 max {sized_for.fp8_max:g}, but "
-                         f"{device} clamps at {served_on.fp8_max:g}: serve-check would refuse the result",
-                         hint=f"calibrate with --target {served_on.name} for --serve-check {device}")
-    check_serving(resolve_model_dir(model), options)
-    return options
-
-
-def _run_serve_check(console: Console, checkpoint: Path, options: Any) -> Any:
-    from kvcalib.serve import serve_check as run_serve_check
-
-    with _errors(interrupted="every vLLM server serve-check started was stopped"), serve_status(console) as on_event:
-        result = run_serve_check(checkpoint, options, progress=on_event)
-    render_serve_check(console, result)
-    return result
 
 
 def _engine(engine: str, stream_layers: bool) -> str:
@@ -202,10 +166,10 @@ def validate(
     quiet: Quiet = False,
 ) -> None:
     """Check a checkpoint against vLLM-on-Neuron's rules and the silent failures it lets through."""
-    from kvcalib.validate import validate_checkpoint
+    from kvcalib.validate.api import validate as run_validate
 
     with _errors():
-        report = validate_checkpoint(checkpoint, target, strict=strict)
+        report = run_validate(checkpoint, target=target, strict=strict)
     render_report(_stderr(quiet), report)
     if as_json:
         _print_json(report.to_dict())
@@ -244,18 +208,17 @@ def eval_command(
     quiet: Quiet = False,
 ) -> None:
     """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
-    from kvcalib.evaluate import EvalOptions, evaluate
+    from kvcalib.evaluate.api import eval_options, evaluate
     from kvcalib.evaluate.plot import check_plot_path, plot_eval
 
     if tasks is not None or dataset is None:
         _eval_tasks(checkpoint, dataset, tasks, target, compare, limit, num_fewshot, include_path, task_data,
                     batch_size, dtype, device, bf16_compute, as_json, quiet)
         return
-    options = EvalOptions(target=target, split=split, text_column=text_column,
-                          num_samples=64 if num_samples is None else num_samples,
-                          max_seq_len=max_seq_len, batch_size=batch_size, seed=seed, dtype=dtype, device=device,
-                          compare=tuple(compare), fp8_attention=fp8_attention, bf16_compute=bf16_compute,
-                          add_special_tokens=add_special_tokens, cpu=_host_cpu(), layer_rows=layer_rows)
+    options = eval_options(target=target, compare=compare, split=split, text_column=text_column,
+                           num_samples=64 if num_samples is None else num_samples, max_seq_len=max_seq_len,
+                           batch_size=batch_size, seed=seed, dtype=dtype, device=device, fp8_attention=fp8_attention,
+                           bf16_compute=bf16_compute, add_special_tokens=add_special_tokens, layer_rows=layer_rows)
     console = _stderr(quiet)
     if context is not None or needle or saturation_only:
         _eval_context(checkpoint, dataset, context, options, console, as_json, plot, needle, num_samples,
@@ -264,7 +227,7 @@ def eval_command(
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
             check_plot_path(plot, [checkpoint, dataset, *compare])
-        result = evaluate(checkpoint, dataset, options, progress=on_progress)
+        result = evaluate(checkpoint, dataset, options=options, progress=on_progress)
         if plot is not None:
             result = dataclasses.replace(result, plot=str(plot_eval(result, plot)))
     render_eval(console, result, per_layer)
@@ -276,8 +239,8 @@ def _eval_context(checkpoint: str, dataset: str, context: str | None, options: A
                   plot: Path | None, needle: bool, keys: int | None, nll: bool = True) -> None:
     """eval --context: saturation and ΔNLL at long context (kvcalib.evaluate.context); with --needle, the needle
     probe (kvcalib.evaluate.needle), `keys` per length and depth (None: its default)."""
-    from kvcalib.evaluate.context import evaluate_context, parse_lengths
-    from kvcalib.evaluate.needle import evaluate_needle
+    from kvcalib.evaluate.api import evaluate_context, evaluate_needle
+    from kvcalib.evaluate.context import parse_lengths
     from kvcalib.evaluate.plot import check_plot_path, plot_needle
 
     with _errors(), progress_bar(console, "evaluating long context", "eval") as on_progress:
@@ -289,11 +252,11 @@ def _eval_context(checkpoint: str, dataset: str, context: str | None, options: A
             if plot is not None:
                 raise UsageError("--plot with --context draws the needle heatmap: add --needle",
                                  hint="or drop --plot")
-            result = evaluate_context(checkpoint, dataset, lengths, options, progress=on_progress, nll=nll)
+            result = evaluate_context(checkpoint, dataset, lengths, options=options, progress=on_progress, nll=nll)
         else:
             if plot is not None:
                 check_plot_path(plot, [checkpoint, dataset, *options.compare])
-            result = evaluate_needle(checkpoint, dataset, lengths, options, keys, progress=on_progress)
+            result = evaluate_needle(checkpoint, dataset, lengths, keys=keys, options=options, progress=on_progress)
             if plot is not None:
                 result = dataclasses.replace(result, plot=str(plot_needle(result, plot)))
     (render_needle if needle else render_context)(console, result)
@@ -305,7 +268,7 @@ def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, target:
                 limit: int | None, num_fewshot: int | None, include_path: list[str], task_data: str | None,
                 batch_size: int, dtype: str, device: str, bf16_compute: str, as_json: bool, quiet: bool) -> None:
     """eval --tasks: lm-eval tasks, each run paired against the baseline (kvcalib.evaluate.tasks)."""
-    from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
+    from kvcalib.evaluate.api import evaluate_tasks, task_options
 
     console = _stderr(quiet)
     with _errors():
@@ -313,12 +276,12 @@ def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, target:
             raise UsageError("eval needs --dataset (held-out text) or --tasks (lm-eval tasks), not both"
                              if dataset is not None else "eval needs --dataset DATA or --tasks TASK[,TASK]",
                              hint="e.g. kvcalib eval CKPT --dataset held-out.jsonl, or --tasks lambada_openai --limit 200")
-        options = TaskOptions(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), target=target,
-                              compare=tuple(compare), limit=limit, num_fewshot=num_fewshot,
-                              include_path=tuple(include_path), task_data=task_data, batch_size=batch_size,
-                              dtype=dtype, device=device, bf16_compute=bf16_compute)
+        options = task_options([t.strip() for t in tasks.split(",") if t.strip()], target=target, compare=compare,
+                               limit=limit, num_fewshot=num_fewshot, include_path=tuple(include_path),
+                               task_data=task_data, batch_size=batch_size, dtype=dtype, device=device,
+                               bf16_compute=bf16_compute)
         with progress_bar(console, "evaluating tasks", "eval") as on_progress:
-            result = evaluate_tasks(checkpoint, options, progress=on_progress)
+            result = evaluate_tasks(checkpoint, options.tasks, options=options, progress=on_progress)
     render_tasks(console, result)
     if as_json:
         _print_json(result.to_dict())
@@ -350,28 +313,22 @@ def serve_check(
     quiet: Quiet = False,
 ) -> None:
     """Serve CKPT with vLLM's FP8 KV cache, probe it, compare with a baseline, and always stop the server."""
-    import os
-
-    from kvcalib.hf.memory import available_memory
-    from kvcalib.serve import ServeOptions
-    from kvcalib.serve import serve_check as run_serve_check
+    from kvcalib.serve.api import serve_check as run_serve_check, serve_options
     from kvcalib.serve.prompts import read_prompts_file
     from kvcalib.serve.tasks import TaskSpec
 
     console = _stderr(quiet)
     with _errors(interrupted="every vLLM server serve-check started was stopped"), \
-            serve_status(console) as on_event:
-        options = ServeOptions(
-            device=device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs, port=port,
+            serve_status(console) as on_event, captured_notes() as notes:
+        options = serve_options(
+            device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs, port=port,
             startup_timeout_s=startup_timeout, stop_timeout_s=stop_timeout, baseline=baseline,
             prompts=read_prompts_file(prompts) if prompts else None, vllm_python=vllm_python, log_dir=log_dir,
-            neuron_visible_devices=neuron_visible_devices, force=force, env=dict(os.environ),
-            cpu=_host_cpu(with_capability=False), canary=canary, predict=predict,
-            memory_bytes=available_memory().available, tasks=TaskSpec.from_flags(tasks, limit, task_data),
-            context=context,
+            neuron_visible_devices=neuron_visible_devices, force=force, canary=canary, predict=predict,
+            tasks=TaskSpec.from_flags(tasks, limit, task_data), context=context,
         )
-        result = run_serve_check(checkpoint, options, progress=on_event)
-    render_serve_check(console, result)
+        result = run_serve_check(checkpoint, options=options, progress=on_event)
+    render_serve_check(console, result, notes)
     if as_json:
         _print_json(result.to_dict())
     raise typer.Exit(0 if result.ok else 1)

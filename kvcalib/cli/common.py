@@ -1,13 +1,13 @@
 """What every command shares: the stderr console, the error boundary (KvcalibError and the terminating
-signals), the host CPU, JSON on stdout."""
+signals), the library's notes, JSON on stdout."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from kvcalib.core.errors import KvcalibError
 
-__all__ = ["Interrupted", "_errors", "_fail", "_host_cpu", "_print_json", "_stderr"]
+__all__ = ["Interrupted", "_errors", "_fail", "_print_json", "_stderr", "captured_notes"]
 
 
 def _stderr(quiet: bool = False) -> Console:
@@ -76,18 +76,25 @@ def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") 
             signal.signal(signum, handler)
 
 
-def _host_cpu(with_capability: bool = True) -> Any:
-    """The CPU this runs on: /proc/cpuinfo's flags, or KVCALIB_CPU_FLAGS (space-separated) to describe another."""
-    import os
+@contextmanager
+def captured_notes() -> Iterator[list[str]]:
+    """The `kvcalib` logger's records while a job runs (the API logs a result's notes there), kept for the renderer
+    to print where they belong, after the table and not through a progress bar; meanwhile they do not reach
+    the root logger's handlers, so each is printed once."""
+    notes: list[str] = []
 
-    from kvcalib.core.cpu import HostCpu
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            notes.append(record.getMessage())
 
-    capability = "unknown"
-    if with_capability:
-        import torch
-
-        capability = torch.backends.cpu.get_cpu_capability()
-    return HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), capability, override=os.environ.get("KVCALIB_CPU_FLAGS"))
+    logger, handler = logging.getLogger("kvcalib"), Collect(logging.WARNING)
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(handler)
+    try:
+        yield notes
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _print_json(obj: dict[str, Any]) -> None:

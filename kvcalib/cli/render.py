@@ -103,7 +103,9 @@ def _duration(seconds: float) -> str:
     return (f"{hours}h" if hours else "") + (f"{rest // 60}m" if hours or rest >= 60 else "") + f"{rest % 60}s"
 
 
-def render_calibration(console: Console, result: Any) -> None:
+def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
+    """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records (the API logs the
+    result's warnings there)."""
     per_head = any(layer.k_head_scales is not None for layer in result.layers)
     queries = any(layer.q_scale is not None for layer in result.layers)
     rule = "absmax / " + f"{result.fp8_max:g}" if result.scale_objective == "absmax" \
@@ -124,8 +126,8 @@ def render_calibration(console: Console, result: Any) -> None:
         console.print(f"scale objective: attention; not absmax / {result.fp8_max:g}: "
                       + (", ".join(clipped) if clipped else "none (no clip halves any layer's attention error)"),
                       soft_wrap=True, markup=False)
-    for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
+    for note in notes:
+        console.print(f"[yellow]warning:[/] {note}", soft_wrap=True)
     if result.validation is not None:
         n_warn = sum(1 for f in result.validation["findings"] if f["severity"] == "warning")
         console.print(f"validation: [green]ok[/] for {result.target}" + (f" ({n_warn} warning(s))" if n_warn else ""))
@@ -314,7 +316,8 @@ def _problem(p: Any) -> str:
     return f" [red]{escape(p.problem)}[/]"
 
 
-def render_serve_check(console: Console, result: Any) -> None:
+def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
+    """serve-check's table, its variants and tasks, then `notes` (the kvcalib logger's records), failures, verdict."""
     table = Table(title=escape(f"serve-check {result.checkpoint} on {result.device}"))
     for column in ("prompt", "output (FP8 KV)", "baseline", "agreement"):
         table.add_column(column, overflow="fold")
@@ -332,8 +335,8 @@ def render_serve_check(console: Console, result: Any) -> None:
         render_variants(console, result)
     if result.tasks:
         render_served_tasks(console, result.tasks)
-    for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    for note in notes:
+        console.print(f"[yellow]warning:[/] {escape(note)}", soft_wrap=True)
     for failure in result.failures:
         console.print(f"[red]failed:[/] {escape(failure)}", soft_wrap=True)
     console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")

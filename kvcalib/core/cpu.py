@@ -60,6 +60,19 @@ class HostCpu:
             flags = None
         return cls(flags, capability, str(path))
 
+    @classmethod
+    def detect(cls, with_capability: bool = True) -> HostCpu:
+        """The CPU this runs on: /proc/cpuinfo's flags, or $KVCALIB_CPU_FLAGS (space-separated) to describe
+        another; `with_capability` asks torch for its kernels' capability too (it imports torch)."""
+        import os
+
+        capability = "unknown"
+        if with_capability:
+            import torch
+
+            capability = torch.backends.cpu.get_cpu_capability()
+        return cls.from_cpuinfo(Path("/proc/cpuinfo"), capability, override=os.environ.get("KVCALIB_CPU_FLAGS"))
+
     @property
     def native_bf16(self) -> bool | None:
         """Whether bf16 matmul runs natively (fast); None when the flags are unknown."""
