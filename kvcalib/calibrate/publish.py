@@ -127,7 +127,7 @@ def siblings(output: Path) -> list[Path]:
 def _unmarked(output: Path) -> list[Path]:
     if not output.parent.is_dir():
         return []
-    named = [*output.parent.glob(_prefix(output) + "*"), *output.parent.glob(f".{output.name}.old-*")]
+    named = list(output.parent.glob(_prefix(output) + "*"))
     marked = set(siblings(output))
     return sorted(p for p in named if p.is_dir() and not p.is_symlink() and p not in marked)
 

@@ -7,7 +7,6 @@ from kvcalib.core.checkpoint import (
     Checkpoint,
     CheckpointFiles,
     read_config,
-    read_kv_scales,
     scan_checkpoint,
 )
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute
@@ -31,6 +30,6 @@ from kvcalib.core.schema import (
 __all__ = [
     "DEFAULT_TARGET", "TARGETS", "Checkpoint", "CheckpointFiles", "ComputePath", "HostCpu", "KvcalibError",
     "Progress", "ProgressCallback", "Target", "choose_compute", "fake_quantize", "get_target",
-    "kv_only_quantization_config", "neuron_scale_key", "num_hidden_layers", "read_config", "read_kv_scales",
+    "kv_only_quantization_config", "neuron_scale_key", "num_hidden_layers", "read_config",
     "scale_from_absmax", "scale_key", "scan_checkpoint",
 ]

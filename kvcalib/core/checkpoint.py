@@ -17,13 +17,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError
+from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError, KvcalibError
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME, neuron_scale_key
+from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME
 
 __all__ = [
     "DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
-    "TensorInfo", "load_tensors", "read_config", "read_json", "read_kv_scales", "read_safetensors_header", "read_scalar",
+    "TensorInfo", "load_tensors", "read_config", "read_json", "read_safetensors_header",
     "read_scale_values", "read_tensor", "read_values", "scan_checkpoint", "torch_dtype_name", "write_json",
 ]
 
@@ -209,40 +209,78 @@ def _tensor_info(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """The safetensors side of a checkpoint directory: files, headers, and the index if any."""
+    """The safetensors side of a checkpoint directory: files, headers, and the index if any (kvcalib's one
+    scanner: calibrate, eval, serve-check and validate read checkpoints through it)."""
 
     root: Path
     files: tuple[str, ...]  # top-level *.safetensors, sorted
-    headers: dict[str, SafetensorsHeader]
-    index: dict[str, Any] | None
+    headers: dict[str, SafetensorsHeader]  # the files whose header parsed (all of them unless tolerant)
+    index: dict[str, Any] | None  # None: no index (or, tolerant, an unusable one)
     key_files: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> files holding it
+    problems: tuple[tuple[str, KvcalibError], ...] = ()  # tolerant scans: (file name, what was wrong with it)
+
+    @property
+    def weight_map(self) -> dict[str, Any] | None:
+        return self.index.get("weight_map") if self.index is not None else None
+
+    @property
+    def unreadable(self) -> tuple[str, ...]:
+        return tuple(name for name in self.files if name not in self.headers)
 
     def file_of(self, key: str) -> str | None:
-        """The file a loader reads `key` from: the index's entry if there is an index."""
-        if self.index is not None:
-            wm = self.index.get("weight_map")
-            return wm.get(key) if isinstance(wm, dict) else None
-        files = self.key_files.get(key)
-        return files[0] if files else None
+        """The file a loader reads `key` from: the index's entry when that file holds it, else the first file
+        that does (a loader that globs the files finds it there); None when no readable file holds it."""
+        holders = self.key_files.get(key, ())
+        mapped = self.weight_map.get(key) if self.weight_map is not None else None
+        if mapped in holders:
+            return mapped
+        return holders[0] if holders else None
+
+    def header_of(self, key: str) -> SafetensorsHeader | None:
+        name = self.file_of(key)
+        return self.headers[name] if name is not None else None
 
 
-def scan_checkpoint(ckpt_dir: Path) -> CheckpointFiles:
-    """Read every top-level safetensors header and the index (no tensor data)."""
+def scan_checkpoint(ckpt_dir: Path, *, tolerant: bool = False) -> CheckpointFiles:
+    """Read every top-level safetensors header and the index (no tensor data). A header or an index that cannot
+    be used raises CheckpointReadError; with `tolerant` (validate) it is left out and listed in `problems`."""
     ckpt_dir = Path(ckpt_dir)
     files = tuple(sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.is_file()))
-    headers = {name: read_safetensors_header(ckpt_dir / name) for name in files}
-    index_path = ckpt_dir / INDEX_FILENAME
-    index = read_json(index_path, "safetensors index") if index_path.exists() else None
-    if index is not None and not isinstance(index, dict):
-        raise CheckpointReadError(f"{index_path} is not a JSON object",
-                                  hint="restore the index from the original checkpoint")
-    key_files: dict[str, list[str]] = {}
+    headers: dict[str, SafetensorsHeader] = {}
+    problems: list[tuple[str, KvcalibError]] = []
     for name in files:
-        for key in headers[name].tensors:
+        try:
+            headers[name] = read_safetensors_header(ckpt_dir / name)
+        except KvcalibError as exc:
+            if not tolerant:
+                raise
+            problems.append((name, exc))
+    try:
+        index = _read_index(ckpt_dir / INDEX_FILENAME)
+    except KvcalibError as exc:
+        if not tolerant:
+            raise
+        index = None
+        problems.append((INDEX_FILENAME, exc))
+    key_files: dict[str, list[str]] = {}
+    for name, header in headers.items():
+        for key in header.tensors:
             key_files.setdefault(key, []).append(name)
-    return CheckpointFiles(
-        ckpt_dir, files, headers, index, {k: tuple(v) for k, v in key_files.items()}
-    )
+    return CheckpointFiles(ckpt_dir, files, headers, index, {k: tuple(v) for k, v in key_files.items()},
+                           tuple(problems))
+
+
+def _read_index(path: Path) -> dict[str, Any] | None:
+    """The safetensors index, if there is one: an object whose weight_map is an object."""
+    if not path.exists():
+        return None
+    index = read_json(path, "safetensors index")
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        what = "its weight_map" if isinstance(index, dict) else "the index"
+        raise CheckpointReadError(f"{path.name}: {what} is not a JSON object: an index-based loader cannot use it",
+                                  hint="restore the index from the original checkpoint, or delete it if all "
+                                       "weights are in one file")
+    return index
 
 
 def read_tensor(header: SafetensorsHeader, key: str) -> Any:
@@ -278,11 +316,6 @@ def read_tensor(header: SafetensorsHeader, key: str) -> Any:
 # struct formats of the dtypes a scalar is read from without torch (the FP8 ones need it)
 _STRUCT = {"F64": "<d", "F32": "<f", "F16": "<e", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b",
            "U64": "<Q", "U32": "<I", "U16": "<H", "U8": "<B", "BOOL": "<?"}
-
-
-def read_scalar(header: SafetensorsHeader, key: str) -> float:
-    """The first element of one tensor as a float, read at its offsets with `struct` (torch only for FP8)."""
-    return read_values(header, key, 1)[0]
 
 
 def read_values(header: SafetensorsHeader, key: str, count: int | None = None) -> list[float]:
@@ -329,22 +362,6 @@ def read_scale_values(ckpt_dir: Path, files: CheckpointFiles, key: str, required
     if not values:
         raise CheckpointReadError(f"{ckpt_dir}: {key} is empty", hint=f"run `kvcalib validate {ckpt_dir}`")
     return values
-
-
-def read_kv_scales(ckpt_dir: Path, num_layers: int, layers_prefix: str = "model.layers") -> tuple[list[float], list[float]]:
-    """Per-layer (k_scales, v_scales) as the Neuron loader reads them; an error names a missing key."""
-    files = scan_checkpoint(ckpt_dir)
-    values: dict[str, list[float]] = {"k": [], "v": []}
-    for kind in ("k", "v"):
-        for layer in range(num_layers):
-            key = neuron_scale_key(layer, kind, layers_prefix)
-            found = read_scale_values(ckpt_dir, files, key)
-            if len(found) != 1:
-                shape = files.headers[files.file_of(key)].tensors[key].shape
-                raise CheckpointReadError(f"{ckpt_dir}: {key} has shape {list(shape)}, not [1]",
-                                          hint="kvcalib evaluates per-tensor scales only")
-            values[kind].append(found[0])
-    return values["k"], values["v"]
 
 
 @dataclass(frozen=True)

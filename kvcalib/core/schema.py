@@ -10,11 +10,13 @@ import re
 from typing import Any
 
 __all__ = [
-    "ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS", "NEURON_ALT_LAYERS_PREFIX",
-    "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME", "PROVENANCE_METADATA_KEY",
-    "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "fp8_attention_groups", "head_counts", "is_kv_scale_key", "kv_cache_scheme_args", "max_position_embeddings", "text_config",
-    "kv_only_quantization_config", "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key",
-    "parse_neuron_scale_key", "parse_q_scale_key", "scale_key",
+    "ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS",
+    "NEURON_ALT_LAYERS_PREFIX", "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME",
+    "PROVENANCE_METADATA_KEY", "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "attention_groups",
+    "fp8_attention_groups", "head_counts", "head_dim", "is_attention_target", "is_kv_scale_key",
+    "kv_cache_scheme_args", "kv_only_quantization_config", "max_position_embeddings", "neuron_scale_key",
+    "num_hidden_layers", "parse_foreign_scale_key", "parse_kv_scheme", "parse_neuron_scale_key", "parse_q_scale_key",
+    "scale_key", "text_config",
 ]
 
 KV_KINDS = ("k", "v")
@@ -76,6 +78,17 @@ def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
     q = _positive_int(text.get("num_attention_heads"))
     kv = _positive_int(text.get("num_key_value_heads")) or q
     return {"k": kv, "v": kv, "q": q}
+
+
+def head_dim(config: dict[str, Any]) -> int | None:
+    """The attention head size: head_dim, else hidden_size / num_attention_heads (top level or text_config);
+    None when config.json does not say."""
+    text = text_config(config)
+    explicit = _positive_int(text.get("head_dim"))
+    if explicit is not None:
+        return explicit
+    hidden, heads = _positive_int(text.get("hidden_size")), _positive_int(text.get("num_attention_heads"))
+    return hidden // heads if hidden is not None and heads is not None else None
 
 
 def scale_key(attention_module_path: str, kind: str) -> str:
@@ -170,20 +183,34 @@ def parse_kv_scheme(scheme: Any) -> Any:
 # The config group llm-compressor writes for FP8 attention (Q in FP8 too): input activations of the
 # model's attention class, e.g. {"attention": {"targets": ["LlamaAttention"], "input_activations": ...}}.
 # GPU vLLM recognises such a group only with exactly one target whose name ends in "Attention"
-# (CompressedTensorsConfig.from_config); Neuron's validator accepts it because the target contains
-# "Attention" (neuron-platform.md section 1, rule 6c).
+# (vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py,
+# CompressedTensorsConfig.from_config). The Neuron platform's validator has a looser test of its own ("Attention"
+# anywhere in a target), which kvcalib.validate.config replicates as the platform runs it; everywhere else
+# kvcalib recognises an attention target with `is_attention_target` alone.
 ATTENTION_GROUP = "attention"
+
+
+def is_attention_target(target: Any) -> bool:
+    """A config group's target that names an attention class (LlamaAttention, Qwen2Attention, ...): a string
+    ending in "Attention", GPU vLLM's test."""
+    return isinstance(target, str) and target.endswith("Attention")
+
+
+def attention_groups(groups: Any) -> dict[str, list[Any]]:
+    """name -> targets of every config group that quantises input activations (and no weights) of at least one
+    attention target: the groups that declare FP8 attention, well formed or not."""
+    if not isinstance(groups, dict):
+        return {}
+    return {name: g["targets"] for name, g in groups.items()
+            if isinstance(g, dict) and g.get("input_activations") and not g.get("weights")
+            and isinstance(g.get("targets"), list) and any(is_attention_target(t) for t in g["targets"])}
 
 
 def fp8_attention_groups(groups: Any) -> dict[str, Any]:
     """name -> input_activations of llm-compressor's FP8-attention config groups in `groups` (every target an
-    ...Attention class, input activations and nothing else: Q quantised, weights left as they are)."""
-    if not isinstance(groups, dict):
-        return {}
-    return {name: g["input_activations"] for name, g in groups.items()
-            if isinstance(g, dict) and g.get("input_activations") and not g.get("weights")
-            and not g.get("output_activations") and isinstance(g.get("targets"), list) and g["targets"]
-            and all(isinstance(t, str) and t.endswith("Attention") for t in g["targets"])}
+    attention class, input activations and nothing else: Q quantised, weights left as they are)."""
+    return {name: groups[name]["input_activations"] for name, targets in attention_groups(groups).items()
+            if not groups[name].get("output_activations") and all(is_attention_target(t) for t in targets)}
 
 
 def kv_only_quantization_config(strategy: str = "tensor", attention_classes: tuple[str, ...] = ()) -> dict[str, Any]:

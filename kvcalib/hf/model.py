@@ -208,13 +208,8 @@ def _refuse_special_files(model_dir: Path) -> None:
 
 def check_index_files(checkpoint: Checkpoint) -> None:
     """Every shard the index names exists (transformers would stop on the first one missing, with a traceback)."""
-    index = checkpoint.files.index
-    weight_map = index.get("weight_map") if index is not None else None
-    if index is not None and not isinstance(weight_map, dict):
-        raise CheckpointReadError(f"{checkpoint.root / INDEX_FILENAME}: weight_map is not a JSON object",
-                                  hint="restore the index from the original checkpoint")
-    missing: dict[str, list[str]] = {}
-    for key, name in (weight_map or {}).items():
+    missing: dict[str, list[str]] = {}  # the scanner refused an index that is not an object, or its weight_map
+    for key, name in (checkpoint.files.weight_map or {}).items():
         if not isinstance(name, str) or name not in checkpoint.files.headers:
             missing.setdefault(str(name), []).append(key)
     if missing:

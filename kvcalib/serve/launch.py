@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcalib.core.schema import num_hidden_layers
+from kvcalib.core.schema import head_counts, head_dim, num_hidden_layers
 
 __all__ = ["API_SERVER_MODULE", "baseline_kv_dtype", "command_line", "cpu_kv_cache_bytes", "interpreter_path",
            "server_argv", "server_env"]
@@ -26,12 +26,10 @@ def cpu_kv_cache_bytes(config: Mapping[str, Any], max_model_len: int, max_num_se
     vLLM on CPU otherwise reserves a fraction of the whole machine's memory and refuses to
     start when that much is not free.
     """
-    layers = num_hidden_layers(dict(config))
-    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
-    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // max(1, config.get("num_attention_heads") or 1))
-    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, head_dim)):
+    layers, heads, size = num_hidden_layers(dict(config)), head_counts(dict(config))["k"], head_dim(dict(config))
+    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, size)):
         return 1 << 30
-    per_token = 2 * layers * heads * head_dim * 2  # K and V, bf16
+    per_token = 2 * layers * heads * size * 2  # K and V, bf16
     wanted = 2 * per_token * max_model_len * max_num_seqs
     return max(MIN_CPU_KV_CACHE_BYTES, -(-wanted // (1 << 20)) * (1 << 20))
 

@@ -27,14 +27,14 @@ from kvcalib.core.errors import (
     VllmNotFoundError,
 )
 from kvcalib.core.fp8 import TARGETS
-from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME
+from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME, head_dim
 from kvcalib.serve.cuda import check_cuda
 from kvcalib.serve.neuron import detect_neuron_host, require_family
 from kvcalib.validate.pipeline import validate_checkpoint
 
 __all__ = [
     "DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "check_strategy", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight", "UNSCALED_RULES",
-    "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation", "find_vllm", "head_size", "preflight",
+    "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation", "find_vllm", "preflight",
     "recorded_fp8_max", "validate_target",
 ]
 
@@ -113,16 +113,6 @@ def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
     return warnings
 
 
-def head_size(config: dict[str, Any]) -> int | None:
-    head_dim = config.get("head_dim")
-    if isinstance(head_dim, int) and head_dim > 0:
-        return head_dim
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        return hidden // heads
-    return None
-
-
 def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
     """DeviceError when vLLM's CPU backend cannot keep this model's KV cache in FP8 here.
 
@@ -134,7 +124,7 @@ def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
             "(it stops with 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')",
             hint="run serve-check --device cpu on an x86 machine with AVX-512 or AMX, or on a Neuron host",
         )
-    size = head_size(config)
+    size = head_dim(config)
     if size is not None and size % 32:
         raise DeviceError(
             f"head size {size} is not divisible by 32: vLLM on CPU supports an FP8 KV cache only for head sizes "

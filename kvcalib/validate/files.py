@@ -8,61 +8,30 @@ tensor data. Every problem becomes a finding; nothing here raises.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcalib.core.checkpoint import (
-    SafetensorsHeader,
-    read_json,
-    read_safetensors_header,
-)
+from kvcalib.core.checkpoint import CheckpointFiles, read_json, scan_checkpoint
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.schema import INDEX_FILENAME, PROVENANCE_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key
 from kvcalib.validate.report import ERROR, WARNING, Finding, short_repr
 
-__all__ = ["CheckpointScan", "scan_for_validation"]
+__all__ = ["read_provenance", "scan_for_validation"]
 
 _EXAMPLES = 3
 
 
-@dataclass(frozen=True)
-class CheckpointScan:
-    """The safetensors side of a checkpoint as validation sees it (unreadable parts left out)."""
-
-    root: Path
-    files: tuple[str, ...]  # top-level *.safetensors, sorted
-    headers: dict[str, SafetensorsHeader]  # the files whose header parsed
-    weight_map: dict[str, Any] | None  # None: no index, or an unreadable one
-    key_files: dict[str, tuple[str, ...]]  # key -> files whose header holds it (variant A)
-
-    @property
-    def unreadable(self) -> tuple[str, ...]:
-        return tuple(name for name in self.files if name not in self.headers)
-
-    def provenance(self) -> dict[str, Any] | None:
-        """kvcalib's provenance (kvcalib_calibration.json) as an object; None when absent or unreadable
-        (rule 5, validate/scales.py, reports a malformed one)."""
-        path = self.root / PROVENANCE_FILENAME
-        if not path.exists():
-            return None
-        try:
-            data = read_json(path, "kvcalib provenance")
-        except KvcalibError:
-            return None
-        return data if isinstance(data, dict) else None
-
-    def source_of(self, key: str) -> str | None:
-        """The file a scale is read from: the index's file if it has the key, else the first holder."""
-        holders = self.key_files.get(key, ())
-        mapped = self.weight_map.get(key) if self.weight_map is not None else None
-        if mapped in holders:
-            return mapped
-        return holders[0] if holders else None
-
-    def header_of(self, key: str) -> SafetensorsHeader | None:
-        name = self.source_of(key)
-        return self.headers[name] if name is not None else None
+def read_provenance(scan: CheckpointFiles) -> dict[str, Any] | None:
+    """kvcalib's provenance (kvcalib_calibration.json) as an object; None when absent or unreadable
+    (rule 5, validate/scales.py, reports a malformed one)."""
+    path = scan.root / PROVENANCE_FILENAME
+    if not path.exists():
+        return None
+    try:
+        data = read_json(path, "kvcalib provenance")
+    except KvcalibError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _examples(keys: Iterable[str]) -> str:
@@ -71,23 +40,13 @@ def _examples(keys: Iterable[str]) -> str:
     return shown + (f", ... ({len(keys)} in all)" if len(keys) > _EXAMPLES else "")
 
 
-def scan_for_validation(root: Path) -> tuple[CheckpointScan, list[Finding]]:
-    """Read every header and the index; report what cannot be read or does not agree."""
-    findings: list[Finding] = []
-    files = tuple(sorted(p.name for p in root.glob("*.safetensors") if p.is_file()))
-    headers: dict[str, SafetensorsHeader] = {}
-    for name in files:
-        try:
-            headers[name] = read_safetensors_header(root / name)
-        except KvcalibError as exc:
-            findings.append(Finding("CKPT-HEADER", ERROR, exc.message, exc.hint, name))
-    key_files: dict[str, list[str]] = {}
-    for name, header in headers.items():
-        for key in header.tensors:
-            key_files.setdefault(key, []).append(name)
-    index = _read_index(root, findings)
-    weight_map = index.get("weight_map") if index is not None else None
-    if not files and not (root / INDEX_FILENAME).exists():
+def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
+    """Read every header and the index (core.checkpoint.scan_checkpoint, tolerant); report what cannot be read or
+    does not agree."""
+    scan = scan_checkpoint(root, tolerant=True)
+    findings = [Finding("CKPT-INDEX-UNREADABLE" if name == INDEX_FILENAME else "CKPT-HEADER", ERROR, exc.message,
+                        exc.hint, name) for name, exc in scan.problems]
+    if not scan.files and not (root / INDEX_FILENAME).exists():
         findings.append(Finding(
             "CKPT-NO-SAFETENSORS",
             ERROR,
@@ -95,16 +54,15 @@ def scan_for_validation(root: Path) -> tuple[CheckpointScan, list[Finding]]:
             "convert the weights to safetensors (save_pretrained(..., safe_serialization=True))",
             str(root),
         ))
-    scan = CheckpointScan(root, files, headers, weight_map, {k: tuple(v) for k, v in key_files.items()})
     findings += _duplicate_findings(scan)
-    if index is not None:
-        findings += _index_findings(scan, index["weight_map"])
-        findings += _total_size_findings(scan, index)
+    if scan.index is not None:
+        findings += _index_findings(scan, scan.index["weight_map"])
+        findings += _total_size_findings(scan, scan.index)
         findings += _single_file_shadow_findings(scan)
     return scan, findings
 
 
-def _single_file_shadow_findings(scan: CheckpointScan) -> list[Finding]:
+def _single_file_shadow_findings(scan: CheckpointFiles) -> list[Finding]:
     """transformers loads a top-level model.safetensors and never reads the index beside it."""
     if SINGLE_WEIGHTS_FILENAME not in scan.headers:
         return []
@@ -122,29 +80,6 @@ def _single_file_shadow_findings(scan: CheckpointScan) -> list[Finding]:
         "(kvcalib calibrate writes this layout)",
         SINGLE_WEIGHTS_FILENAME,
     )]
-
-
-def _read_index(root: Path, findings: list[Finding]) -> dict[str, Any] | None:
-    """The index, if there is one whose weight_map is an object."""
-    path = root / INDEX_FILENAME
-    if not path.exists():
-        return None
-    try:
-        index = read_json(path, "safetensors index")
-    except KvcalibError as exc:
-        findings.append(Finding("CKPT-INDEX-UNREADABLE", ERROR, exc.message, exc.hint, INDEX_FILENAME))
-        return None
-    if isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
-        return index
-    what = "its weight_map" if isinstance(index, dict) else "the index"
-    findings.append(Finding(
-        "CKPT-INDEX-UNREADABLE",
-        ERROR,
-        f"{INDEX_FILENAME}: {what} is not a JSON object: an index-based loader cannot use it",
-        "restore the index from the original checkpoint, or delete it if all weights are in one file",
-        INDEX_FILENAME,
-    ))
-    return None
 
 
 def _is_file(path: Path) -> bool:
@@ -165,7 +100,7 @@ def _bare_safetensors_name(name: Any) -> bool:
     )
 
 
-def _index_findings(scan: CheckpointScan, weight_map: dict[str, Any]) -> list[Finding]:
+def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[Finding]:
     findings: list[Finding] = []
     location = f"{INDEX_FILENAME}:weight_map"
     by_file: dict[str, list[str]] = {}
@@ -222,7 +157,7 @@ def _per_key_or_file(rule: str, keys: list[str], name: str, message: str, hint: 
     return findings
 
 
-def _duplicate_findings(scan: CheckpointScan) -> list[Finding]:
+def _duplicate_findings(scan: CheckpointFiles) -> list[Finding]:
     by_files: dict[tuple[str, ...], list[str]] = {}
     for key, names in scan.key_files.items():
         if len(names) > 1:
@@ -241,7 +176,7 @@ def _duplicate_findings(scan: CheckpointScan) -> list[Finding]:
     return findings
 
 
-def _total_size_findings(scan: CheckpointScan, index: dict[str, Any]) -> list[Finding]:
+def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[Finding]:
     metadata = index.get("metadata")
     total_size = metadata.get("total_size") if isinstance(metadata, dict) else None
     if total_size is None:

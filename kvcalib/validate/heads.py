@@ -20,16 +20,18 @@ import math
 from typing import Any
 
 from kvcalib.core import checkpoint
+from kvcalib.core.checkpoint import CheckpointFiles
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.schema import (
     ATTN_HEAD,
     NEURON_ALT_LAYERS_PREFIX,
     NEURON_LAYERS_PREFIX,
+    attention_groups,
     head_counts,
+    is_attention_target,
     num_hidden_layers,
     parse_q_scale_key,
 )
-from kvcalib.validate.files import CheckpointScan
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding
 
 __all__ = ["attention_group_findings", "per_head_findings", "query_findings"]
@@ -63,7 +65,7 @@ def per_head_findings(header: checkpoint.SafetensorsHeader, key: str, kind: str,
     return [], values
 
 
-def _q_keys(scan: CheckpointScan) -> dict[int, str]:
+def _q_keys(scan: CheckpointFiles) -> dict[int, str]:
     found: dict[int, str] = {}
     for key in sorted(scan.key_files):
         parsed = parse_q_scale_key(key)
@@ -72,19 +74,10 @@ def _q_keys(scan: CheckpointScan) -> dict[int, str]:
     return found
 
 
-def attention_groups(config: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(name, targets) of every config group that quantises input activations of attention targets."""
+def declared_attention_groups(config: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(name, targets) of every config group that declares FP8 attention (core.schema.attention_groups)."""
     qc = config.get("quantization_config")
-    groups = qc.get("config_groups") if isinstance(qc, dict) else None
-    if not isinstance(groups, dict):
-        return []
-    found = []
-    for name, group in groups.items():
-        if isinstance(group, dict) and group.get("input_activations") and not group.get("weights"):
-            targets = group.get("targets")
-            if isinstance(targets, list) and any(isinstance(t, str) and "Attention" in t for t in targets):
-                found.append((name, targets))
-    return found
+    return list(attention_groups(qc.get("config_groups") if isinstance(qc, dict) else None).items())
 
 
 def attention_group_findings(config: dict[str, Any], target: str) -> list[Finding]:
@@ -98,14 +91,14 @@ def attention_group_findings(config: dict[str, Any], target: str) -> list[Findin
         "treats it as a linear-layer scheme",
         "one group per attention class, e.g. {\"targets\": [\"LlamaAttention\"], \"input_activations\": {...}}",
         f"{_QCFG}.config_groups.{name}",
-    ) for name, targets in attention_groups(config)
-        if not (len(targets) == 1 and isinstance(targets[0], str) and targets[0].endswith("Attention"))]
+    ) for name, targets in declared_attention_groups(config)
+        if not (len(targets) == 1 and is_attention_target(targets[0]))]
 
 
-def query_findings(config: dict[str, Any], scan: CheckpointScan, target: str, strategy: str | None) -> list[Finding]:
+def query_findings(config: dict[str, Any], scan: CheckpointFiles, target: str, strategy: str | None) -> list[Finding]:
     """q_scale: information on Neuron (not read); on gpu, present on every layer when FP8 attention is declared."""
     keys = _q_keys(scan)
-    declared = bool(attention_groups(config))
+    declared = bool(declared_attention_groups(config))
     if target != "gpu":
         if not keys:
             return []

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvcalib.core.checkpoint import read_values
+from kvcalib.core.checkpoint import CheckpointFiles, read_values
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import get_target
-from kvcalib.core.schema import head_counts, neuron_scale_key, num_hidden_layers
-from kvcalib.validate.files import CheckpointScan
+from kvcalib.core.schema import head_counts, head_dim, neuron_scale_key, num_hidden_layers, text_config
+from kvcalib.validate.files import read_provenance
 from kvcalib.validate.report import INFO, WARNING, Finding
 
 __all__ = ["OUTLIER_SHARE", "outlier_findings"]
@@ -32,39 +32,33 @@ STILL_RADIANS = 0.25  # a RoPE pair that turns less than this over STILL_POSITIO
 STILL_POSITIONS = 1024
 
 
-def _text(config: dict[str, Any]) -> dict[str, Any]:
-    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
-
-
-def still_channels(config: dict[str, Any], head_dim: int) -> set[int]:
+def still_channels(config: dict[str, Any], size: int) -> set[int]:
     """The channels of the RoPE pairs that turn less than STILL_RADIANS over STILL_POSITIONS positions."""
-    text = _text(config)
+    text = text_config(config)
     rope = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
     theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 1:
         theta = 10000.0
-    half = head_dim // 2
-    still = {i for i in range(half) if STILL_POSITIONS * float(theta) ** (-2.0 * i / head_dim) < STILL_RADIANS}
+    half = size // 2
+    still = {i for i in range(half) if STILL_POSITIONS * float(theta) ** (-2.0 * i / size) < STILL_RADIANS}
     return still | {i + half for i in still}
 
 
-def _objective(scan: CheckpointScan) -> str | None:
-    provenance = scan.provenance()
+def _objective(scan: CheckpointFiles) -> str | None:
+    provenance = read_provenance(scan)
     return provenance.get("scale_objective") if provenance else None
 
 
-def outlier_findings(config: dict[str, Any], scan: CheckpointScan, values: dict[str, float], prefix: str,
+def outlier_findings(config: dict[str, Any], scan: CheckpointFiles, values: dict[str, float], prefix: str,
                      target: str) -> list[Finding]:
     """Warnings for near-constant outlier K channels sized by absmax (see the module docstring)."""
     objective = _objective(scan)
     if not values or objective == "attention":
         return []  # nothing to size, or kvcalib's attention objective already weighed every layer's clip
-    text = _text(config)
-    kv_heads, q_heads, layers = head_counts(config)["k"], head_counts(config)["q"], num_hidden_layers(config)
-    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // q_heads if q_heads else 0)
-    if not (kv_heads and isinstance(head_dim, int) and head_dim > 1 and layers):
+    kv_heads, layers, size = head_counts(config)["k"], num_hidden_layers(config), head_dim(config)
+    if not (kv_heads and size is not None and size > 1 and layers):
         return []
-    still, fp8_max, found, probed = still_channels(config, head_dim), get_target(target).fp8_max, [], False
+    still, fp8_max, found, probed = still_channels(config, size), get_target(target).fp8_max, [], False
     for layer in range(layers):
         key = f"{prefix}.{layer}.self_attn.k_proj.bias"
         header, scale = scan.header_of(key), values.get(neuron_scale_key(layer, "k", prefix))
@@ -76,9 +70,9 @@ def outlier_findings(config: dict[str, Any], scan: CheckpointScan, values: dict[
             continue
         probed = True
         limit = OUTLIER_SHARE * scale * fp8_max
-        for head in range(min(kv_heads, len(bias) // head_dim)):
-            channels = [(c, bias[head * head_dim + c]) for c in sorted(still)
-                        if math.isfinite(bias[head * head_dim + c]) and abs(bias[head * head_dim + c]) >= limit]
+        for head in range(min(kv_heads, len(bias) // size)):
+            channels = [(c, bias[head * size + c]) for c in sorted(still)
+                        if math.isfinite(bias[head * size + c]) and abs(bias[head * size + c]) >= limit]
             if channels:
                 found.append((layer, head, channels, scale * fp8_max))
     if found:

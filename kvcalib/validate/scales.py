@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcalib.core import checkpoint
-from kvcalib.core.checkpoint import read_json
+from kvcalib.core.checkpoint import CheckpointFiles, read_json
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import (
     SCALE_FLOOR,
@@ -36,7 +36,6 @@ from kvcalib.core.schema import (
     parse_neuron_scale_key,
 )
 from kvcalib.validate.config import declared_kv_cache_scheme
-from kvcalib.validate.files import CheckpointScan
 from kvcalib.validate.heads import per_head_findings
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
@@ -69,7 +68,7 @@ def _layers_prefix(keys: list[str]) -> str:
 
 
 def scale_findings(
-    config: dict[str, Any], scan: CheckpointScan, scheme_declared: bool, target: str
+    config: dict[str, Any], scan: CheckpointFiles, scheme_declared: bool, target: str
 ) -> tuple[list[Finding], ScaleCheck]:
     """Rule 3: every layer's k_scale and v_scale, under the exact name Neuron reads."""
     findings: list[Finding] = []
@@ -111,7 +110,7 @@ def scale_findings(
     return findings, check
 
 
-def _sort_scale_keys(scan: CheckpointScan, check: ScaleCheck
+def _sort_scale_keys(scan: CheckpointFiles, check: ScaleCheck
                      ) -> tuple[dict[tuple[int, str], str], dict[tuple[int, str], list[str]]]:
     """(layer, kind) -> the key under the chosen prefix; (layer, kind) -> the names Neuron ignores."""
     own: dict[tuple[int, str], str] = {}
@@ -120,7 +119,7 @@ def _sort_scale_keys(scan: CheckpointScan, check: ScaleCheck
         parsed = parse_neuron_scale_key(key)
         if parsed and parsed[0] == check.prefix:
             own[(parsed[1], parsed[2])] = key
-            check.files.add(scan.source_of(key))
+            check.files.add(scan.file_of(key))
             continue
         if parsed:  # the right leaf name under a prefix Neuron does not read
             layer, kinds = parsed[1], (parsed[2],)
@@ -176,7 +175,7 @@ def _layer_list(layers: list[int]) -> str:
 
 
 def _check_one(
-    scan: CheckpointScan, check: ScaleCheck, layer: int, kind: str, key: str | None, others: list[str] | None
+    scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, key: str | None, others: list[str] | None
 ) -> list[Finding]:
     expected = neuron_scale_key(layer, kind, check.prefix)
     what = f"layer {layer}'s {kind.upper()} cache runs with scale 1.0 on Neuron (no error, no log line)"
@@ -186,7 +185,7 @@ def _check_one(
             ERROR,
             f"found {', '.join(others)} but Neuron reads only {expected}: {what}",
             f"store the scale as {expected} (float32, shape [1])",
-            f"{scan.source_of(others[0])}:{others[0]}",
+            f"{scan.file_of(others[0])}:{others[0]}",
         )]
     if key is None:
         hint = "recalibrate, or add the missing scale (float32, shape [1])"
@@ -215,7 +214,7 @@ def _check_one(
     if math.prod(info.shape) != 1:
         return findings + [_many_values(key, info.shape, check.per_head, location)]
     try:
-        value = checkpoint.read_scalar(header, key)
+        value = checkpoint.read_values(header, key, 1)[0]
     except KvcalibError as exc:
         return findings + [Finding("SCALE-UNREADABLE", ERROR, exc.message, exc.hint, location)]
     if not math.isfinite(value) or value <= 0:
@@ -268,7 +267,7 @@ def _implausible(key: str, value: float, location: str) -> list[Finding]:
                     "recalibrate it (kvcalib calibrate), or check the tool that wrote it", location)]
 
 
-def range_findings(scan: CheckpointScan, check: ScaleCheck, target: str) -> list[Finding]:
+def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> list[Finding]:
     """Rule 5: the FP8 max the scales were sized for, from kvcalib's provenance, against the target."""
     if not check.present:
         return []
@@ -320,7 +319,7 @@ def range_findings(scan: CheckpointScan, check: ScaleCheck, target: str) -> list
     return findings + _compare_layers(provenance, where, fp8_max, check)
 
 
-def _provenance_sources(scan: CheckpointScan, check: ScaleCheck, findings: list[Finding]) -> list[tuple[str, dict]]:
+def _provenance_sources(scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]) -> list[tuple[str, dict]]:
     sources: list[tuple[str, dict]] = []
     path = scan.root / PROVENANCE_FILENAME
     if path.exists():

@@ -12,10 +12,10 @@ were calibrated).
 
 from __future__ import annotations
 
-from kvcalib.core.checkpoint import read_json
+from kvcalib.core.checkpoint import CheckpointFiles, read_json
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.schema import PROVENANCE_FILENAME
-from kvcalib.validate.files import CheckpointScan
+from kvcalib.validate.files import read_provenance
 from kvcalib.validate.report import WARNING, Finding
 
 __all__ = ["served_special_tokens", "token_findings"]
@@ -23,7 +23,7 @@ __all__ = ["served_special_tokens", "token_findings"]
 AS_SERVED = "as served"  # how the provenance's rule starts when rows were tokenised as vLLM does
 
 
-def served_special_tokens(scan: CheckpointScan) -> list[str]:
+def served_special_tokens(scan: CheckpointFiles) -> list[str]:
     """The special tokens tokenizer.json's post-processor puts around a plain prompt ([] if none or unknown)."""
     path = scan.root / "tokenizer.json"
     if not path.is_file():
@@ -43,8 +43,8 @@ def served_special_tokens(scan: CheckpointScan) -> list[str]:
     return found
 
 
-def token_findings(scan: CheckpointScan) -> list[Finding]:
-    provenance = scan.provenance()
+def token_findings(scan: CheckpointFiles) -> list[Finding]:
+    provenance = read_provenance(scan)
     if provenance is None:
         return []
     rule = provenance.get("special_tokens")

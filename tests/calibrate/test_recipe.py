@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -11,7 +12,7 @@ from helpers import REPO
 from typer.testing import CliRunner
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.calibrate.recipe import load_recipe, plan_recipe
+from kvcalib.calibrate.recipe import load_recipe, plan_recipe, recipe_file
 from kvcalib.cli import app
 from kvcalib.core.errors import MissingDependencyError, RecipeError
 from kvcalib.core.schema import PROVENANCE_FILENAME, kv_cache_scheme_args
@@ -149,7 +150,21 @@ def test_target_comes_from_the_recipe_unless_given(tmp_path):
     with pytest.raises(RecipeError) as exc:
         plan_recipe(RECIPES / "kv-fp8-trn2.yaml", "gpu", "native")
     assert exc.value.message == f"--target gpu contradicts {RECIPES / 'kv-fp8-trn2.yaml'}, which is for trn2 (kvcalib.target)"
-    assert exc.value.hint == "drop --target, or use recipes/kv-fp8-gpu.yaml"
+    assert exc.value.hint == "drop --target, or use --recipe gpu"
+
+
+def test_shipped_recipes_by_name(tmp_path, monkeypatch):
+    """--recipe trn2|trn3|gpu: the recipes kvcalib ships (here the source tree's recipes/; installed, the package
+    data kvcalib.recipes: tests/test_wheel.py); a file of that name in the working directory is the user's."""
+    for name in ("trn2", "trn3", "gpu"):
+        assert recipe_file(name) == RECIPES / f"kv-fp8-{name}.yaml"
+        assert plan_recipe(name, None, "native").target == name
+    monkeypatch.chdir(tmp_path)
+    write_recipe(tmp_path / "gpu", FP8)
+    assert recipe_file("gpu") == Path("gpu") and plan_recipe("gpu", None, "native").target == "trn2"
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("trn4")
+    assert "trn4" in exc.value.message and exc.value.hint.endswith("trn2, trn3, gpu"), exc.value
 
 
 def test_what_kvcalib_does_not_run_is_said(tmp_path):

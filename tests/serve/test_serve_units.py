@@ -150,6 +150,18 @@ def test_cpu_kv_cache_is_sized_from_the_config():
     assert cpu_kv_cache_bytes({}, 2048, 4) == 1 << 30
 
 
+def test_a_multimodal_config_is_sized_from_its_text_config():
+    """Gemma 3 4B+ and other multimodal configs keep the language model's shape under text_config (core.schema
+    reads both forms; serve once read the top level only and sized such a cache at the 1 GiB fallback)."""
+    gemma3_4b_text = {"num_hidden_layers": 34, "num_key_value_heads": 4, "num_attention_heads": 8, "head_dim": 256,
+                      "hidden_size": 2560}
+    nested = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": gemma3_4b_text,
+              "vision_config": {"hidden_size": 1152, "num_attention_heads": 16, "num_hidden_layers": 27}}
+    assert cpu_kv_cache_bytes(nested, 2048, 4) == cpu_kv_cache_bytes(gemma3_4b_text, 2048, 4) == 2176 << 20
+    with pytest.raises(DeviceError, match="head size 40 is not divisible by 32"):
+        check_cpu({"text_config": {"head_dim": 40}, "head_dim": 64}, None)
+
+
 def test_baseline_kv_dtype_is_the_models_16_bit_type():
     assert [baseline_kv_dtype({"dtype": d}) for d in ("bfloat16", "float16", "float32")] == \
         ["bfloat16", "float16", "bfloat16"]

@@ -597,8 +597,9 @@ def test_reads_only_the_scale_tensors(calibrated: Path, monkeypatch: pytest.Monk
     from kvcalib.core import checkpoint
 
     read: list[str] = []
-    real = checkpoint.read_scalar  # the public reader validate uses for every tensor it reads
-    monkeypatch.setattr(checkpoint, "read_scalar", lambda header, key: read.append(key) or real(header, key))
+    real = checkpoint.read_values  # the public reader validate uses for every tensor it reads
+    monkeypatch.setattr(checkpoint, "read_values",
+                        lambda header, key, count=None: read.append(key) or real(header, key, count))
     monkeypatch.setattr(checkpoint, "read_tensor", lambda *a: pytest.fail("a whole tensor was read"))
     for name in ("safe_open", "load_file"):
         for module in (safetensors, safetensors.torch):
