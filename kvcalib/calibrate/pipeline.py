@@ -154,7 +154,7 @@ def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions
     if opts.attention_scales and opts.engine == "llmcompressor":
         raise UsageError("--attention-scales observes Q with kvcalib's own engines; --engine llmcompressor "
                          "observes K/V only", hint="drop --engine llmcompressor (native or stream observe Q)")
-    run = prepare_run(model, opts, opts.batch_size)
+    run = prepare_run(model, opts)
     checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
     inputs = [("the model checkpoint", checkpoint.root), ("the dataset", Path(dataset).expanduser())]
     if opts.recipe is not None:

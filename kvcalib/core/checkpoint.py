@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -86,6 +87,13 @@ def read_json(path: Path, what: str) -> Any:
     except (ValueError, RecursionError) as exc:
         # ValueError: JSONDecodeError, UnicodeDecodeError and an over-long integer literal;
         # RecursionError: arrays/objects nested too deep for the json module.
+        if not isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)) and "integer string" in str(exc):
+            raise CheckpointReadError(
+                f"{what} {path} holds an integer of more than {sys.get_int_max_str_digits()} digits, which "
+                "Python refuses to read (its integer-size limit, sys.get_int_max_str_digits): the JSON is valid, "
+                "but no setting of a checkpoint is that long",
+                hint=f"restore {Path(path).name} from the original checkpoint, or shorten that number",
+            ) from None
         raise CheckpointReadError(
             f"cannot parse {what} {path}: {exc}",
             hint="the file is not valid JSON; restore it from the original checkpoint",

@@ -66,7 +66,7 @@ def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_
     """The model as `kvcalib eval` loads it (the attention that computes what the model computes, the compute path
     for this CPU)."""
     options = RunOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute)
-    run = prepare_run(checkpoint, options, 1)
+    run = prepare_run(checkpoint, options)
     if cpu is None:
         cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
     compute = resolve_compute(bf16_compute, run.dtype, run.checkpoint, run.device, cpu)

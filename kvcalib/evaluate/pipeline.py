@@ -187,7 +187,6 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
              progress: ProgressCallback | None = None) -> EvalResult:
     """Evaluate `checkpoint`'s KV scales (and `options.compare`) against an unquantised KV cache."""
     opts = options or EvalOptions()
-    opts.check_arguments()
     notify = progress or no_progress
     started = time.perf_counter()
     run, quantizers, compute = prepare_scales(checkpoint, opts)
@@ -238,9 +237,10 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
 def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> tuple[PreparedRun, dict[str, KVQuantizer],
                                                                       ComputePath]:
     """The checkpoint read and checked, a quantiser per scale set (the checkpoint's, then --compare), the compute
-    path: everything eval checks before it reads data or loads the model."""
+    path: everything eval checks before it reads data or loads the model (the numbers a user passes first)."""
+    opts.check_arguments()
     target = resolve_target(opts.target)
-    run = prepare_run(checkpoint, opts, opts.batch_size)
+    run = prepare_run(checkpoint, opts)
     layers = _config_num_layers(run.checkpoint.config, run.checkpoint.root)
     configs = _scale_configs(run.checkpoint.root, opts.compare, layers, target, run.checkpoint.config)
     quantizers = _quantizers(configs, target, opts.fp8_attention)

@@ -78,10 +78,9 @@ class PreparedRun:
     device: torch.device
 
 
-def prepare_run(model: str | Path, options: RunOptions, batch_size: int) -> PreparedRun:
-    """--batch-size, --dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run."""
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be at least 1, not {batch_size}", hint="pass --batch-size 1 or more")
+def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
+    """--dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run (the numbers, such as
+    --batch-size, are the options' check_arguments')."""
     dtype, device = resolve_dtype(options.dtype), resolve_device(options.device)
     checkpoint = Checkpoint.open(resolve_model_dir(model))
     check_supported_model(checkpoint, options.trust_remote_code)

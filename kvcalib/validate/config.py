@@ -301,9 +301,40 @@ def _plain_fp8_scheme(scheme: Any) -> bool:
 
 
 def _kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
-    if _plain_fp8_scheme(scheme):  # no finding, exactly as compressed-tensors' parse would give
+    observer = observer_findings(scheme)
+    if _plain_fp8_scheme(scheme):  # nothing more, exactly as compressed-tensors' parse would give
+        return observer
+    return observer + _parsed_kv_scheme_findings(scheme, target)
+
+
+# What the observer a kv_cache_scheme records made of the scales (llm-compressor 0.14,
+# llmcompressor/observers/min_max.py and mse.py): only static_minmax keeps the whole calibration set's maximum.
+_LAST_BATCH = ("the last calibration batch's range only (each batch replaces the one before), so the scales "
+               "come from one batch, not the whole set")
+_MOVING_AVERAGE = ("a moving average of the per-batch ranges (llm-compressor's averaging_constant, 0.01 by "
+                   "default), not their maximum, so the scales sit below the largest K/V the set produced")
+PARTIAL_OBSERVERS = {"memoryless_minmax": _LAST_BATCH, "memoryless_mse": _LAST_BATCH, "memoryless": _LAST_BATCH,
+                     "minmax": _MOVING_AVERAGE, "mse": _MOVING_AVERAGE}
+_NO_OBSERVER = ("names no observer: llm-compressor 0.14 then observes K/V with minmax, " + _MOVING_AVERAGE
+                + "; compressed-tensors versions that fill the field in (QuantizationArgs.validate_model_after) "
+                "write memoryless_minmax, " + _LAST_BATCH)
+
+
+def observer_findings(scheme: Any) -> list[Finding]:
+    """KV-OBSERVER: a kv_cache_scheme whose observer is not a whole-set maximum (or names none)."""
+    if not isinstance(scheme, dict) or scheme.get("dynamic") is not False:
         return []
-    return _parsed_kv_scheme_findings(scheme, target)
+    observer = scheme.get("observer")
+    if observer is not None and (not isinstance(observer, str) or observer not in PARTIAL_OBSERVERS):
+        return []  # static_minmax (the whole set's maximum), or an observer kvcalib does not know
+    what = _NO_OBSERVER if observer is None else f"records observer {observer!r}: {PARTIAL_OBSERVERS[observer]}"
+    return [Finding(
+        "KV-OBSERVER", WARNING,
+        f"kv_cache_scheme {what}; K/V beyond those scales saturate in FP8",
+        "recalibrate with observer: static_minmax in the recipe's kv_cache_scheme (as kvcalib's "
+        "recipes/kv-fp8-trn2.yaml), or with `kvcalib calibrate`, which takes the whole set's absmax",
+        f"{QCFG_LOCATION}.kv_cache_scheme.observer",
+    )]
 
 
 def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:

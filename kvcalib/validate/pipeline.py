@@ -25,6 +25,7 @@ unknown; everything else is a `Finding`. The rule ids are stable:
    - SCALE-FOREIGN-NAME   error    only under a name Neuron ignores (kv_scale, k_proj.output_scale, ...)
    - SCALE-SHAPE          error    shape [] (loader IndexError) or more than one element (reshape)
    - SCALE-VALUE          error    non-finite, zero, negative, or 1/s not finite non-zero in bf16
+   - SCALE-ALL-ZERO       error    every k_scale (or v_scale) is 0.0: one finding naming the layers
    - SCALE-UNREADABLE     error    the scale's bytes cannot be read
    - SCALE-IMPLAUSIBLE    warning  above 64 (|x| <= 1 becomes an FP8 subnormal) or below 1e-6
    - SCALE-DTYPE          warning  not float32
@@ -70,6 +71,9 @@ unknown; everything else is a `Finding`. The rule ids are stable:
                                        special tokens (BOS) tokenizer.json's post-processor adds to every
                                        prompt vLLM serves (validate/tokens.py)
 6. Portability:
+   - KV-OBSERVER                warning kv_cache_scheme's observer is not the whole set's maximum:
+                                       memoryless_* (the last batch), minmax/mse (moving averages), or
+                                       none named (llm-compressor's default for K/V, minmax)
    - PORT-KV-SCHEME-INVALID     error  kv_cache_scheme does not parse as QuantizationArgs
    - PORT-KV-SCHEME-FORMAT      error  not num_bits 8, type float, symmetric
    - PORT-KV-SCHEME-STRATEGY    error  strategy not "tensor" or dynamic not false (warning on gpu;

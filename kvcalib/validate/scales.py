@@ -55,6 +55,7 @@ class ScaleCheck:
     target: str = "trn2"
     per_head: bool = False  # kv_cache_scheme strategy attn_head: one scale per KV head (GPU vLLM)
     heads: dict[str, int | None] = field(default_factory=dict)  # kind -> head count from config.json
+    zero: dict[str, list[int]] = field(default_factory=dict)  # kind -> the layers whose scale is 0.0
 
 
 def _layers_prefix(keys: list[str]) -> str:
@@ -106,8 +107,30 @@ def scale_findings(
     for layer in layers:
         for kind in KV_KINDS:
             findings += _check_one(scan, check, layer, kind, own.get((layer, kind)), foreign.get((layer, kind)))
+    findings = _all_zero(findings, check, len(layers))
     findings += _whole_set_findings(check, own, n_layers, 2 * len(layers), scheme_declared, target)
     return findings, check
+
+
+def _all_zero(findings: list[Finding], check: ScaleCheck, n_layers: int) -> list[Finding]:
+    """SCALE-ALL-ZERO: every K (or V) scale 0.0, one error naming the layers in place of one per layer
+    (llm-compressor has published such checkpoints; 0 is what an observer that never saw K or V leaves).
+    Served, dividing by the scale gives inf and NaN."""
+    for kind in KV_KINDS:
+        zero = check.zero.get(kind, [])
+        if n_layers < 2 or len(zero) < n_layers:
+            continue
+        names = {f"{check.prefix}.{layer}.self_attn.{kind}_scale" for layer in zero}
+        findings = [f for f in findings if not (f.rule == "SCALE-VALUE" and f.message.split(" = ")[0] in names)]
+        findings.append(Finding(
+            "SCALE-ALL-ZERO", ERROR,
+            f"every {kind}_scale is 0.0 (layers {_layer_list(zero)}): no {kind.upper()} was observed, and served "
+            f"with FP8 KV every {kind.upper()} becomes inf or NaN (x / 0)",
+            "recalibrate, e.g. `kvcalib calibrate`; with llm-compressor, check that its KV observer hooks this "
+            "model's attention class (a non-zero scale on each layer)",
+            f"{check.prefix}.*.self_attn.{kind}_scale",
+        ))
+    return findings
 
 
 def _sort_scale_keys(scan: CheckpointFiles, check: ScaleCheck
@@ -217,6 +240,9 @@ def _check_one(
         value = checkpoint.read_values(header, key, 1)[0]
     except KvcalibError as exc:
         return findings + [Finding("SCALE-UNREADABLE", ERROR, exc.message, exc.hint, location)]
+    parsed = parse_neuron_scale_key(key)
+    if value == 0 and parsed is not None:
+        check.zero.setdefault(kind, []).append(parsed[1])
     if not math.isfinite(value) or value <= 0:
         problem = "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
         findings.append(Finding(

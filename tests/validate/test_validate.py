@@ -272,6 +272,9 @@ CASES = [
     case("shape [1, 1] loads", set_scale(K0, torch.full((1, 1), 10.0 / 240, dtype=torch.float32))),
     case("zero scale", set_scale(K0, torch.tensor([0.0])),
          ("SCALE-VALUE", E, "model.layers.0.self_attn.k_scale = 0.0 is zero: a scale must be finite and > 0")),
+    case("every k_scale zero", edit_scales(lambda t: {k: torch.zeros(1) if "k_scale" in k else v for k, v in t.items()}),
+         ("SCALE-ALL-ZERO", E, "every k_scale is 0.0 (layers 0..2): no K was observed, and served with FP8 KV "
+          "every K becomes inf or NaN (x / 0)")),
     case("negative scale", set_scale(K0, torch.tensor([-0.5])),
          ("SCALE-VALUE", E, "model.layers.0.self_attn.k_scale = -0.5 is negative: a scale must be finite and > 0")),
     case("nan scale", set_scale(K0, torch.tensor([float("nan")])),
@@ -356,6 +359,20 @@ CASES = [
          ("PORT-KV-SCHEME-INVALID", E, "kv_cache_scheme does not parse as compressed-tensors QuantizationArgs: "
           "calibration: Extra inputs are not permitted")),
     case("kv_cache_scheme not an object", set_qc("kv_cache_scheme", "fp8"), ("PORT-KV-SCHEME-INVALID", E, None)),
+    # the observer a kv_cache_scheme records: only static_minmax (kvcalib's) is the whole set's maximum
+    case("observer memoryless_minmax", set_qc("kv_cache_scheme.observer", "memoryless_minmax"),
+         ("KV-OBSERVER", W, "kv_cache_scheme records observer 'memoryless_minmax': the last calibration batch's "
+          "range only (each batch replaces the one before), so the scales come from one batch, not the whole set; "
+          "K/V beyond those scales saturate in FP8")),
+    case("observer minmax", set_qc("kv_cache_scheme.observer", "minmax"), ("KV-OBSERVER", W, None)),
+    case("observer mse", set_qc("kv_cache_scheme.observer", "mse"), ("KV-OBSERVER", W, None)),
+    case("no observer named", set_qc("kv_cache_scheme.observer", DELETE),
+         ("KV-OBSERVER", W, "kv_cache_scheme names no observer: llm-compressor 0.14 then observes K/V with minmax, "
+          "a moving average of the per-batch ranges (llm-compressor's averaging_constant, 0.01 by default), not "
+          "their maximum, so the scales sit below the largest K/V the set produced; compressed-tensors versions "
+          "that fill the field in (QuantizationArgs.validate_model_after) write memoryless_minmax, the last "
+          "calibration batch's range only (each batch replaces the one before), so the scales come from one "
+          "batch, not the whole set; K/V beyond those scales saturate in FP8")),
     case("no config_groups", set_qc("config_groups", DELETE),
          ("PORT-CONFIG-GROUPS-MISSING", W, "quantization_config has no config_groups: GPU vLLM's compressed-tensors "
           "loader indexes it and fails with KeyError: 'config_groups'")),
@@ -648,12 +665,19 @@ def test_header_reader_refuses_broken_files(tmp_path: Path, make, message) -> No
     assert str(info.value).startswith(message.format(p=path))
 
 
-@pytest.mark.parametrize("text", ["[" * 100_000, "1" * 5000, "{"], ids=["deep", "huge integer", "not JSON"])
-def test_read_json_turns_every_parse_failure_into_a_read_error(tmp_path: Path, text: str) -> None:
+@pytest.mark.parametrize("text,message", [
+    ("[" * 100_000, "cannot parse x {p}"),
+    ('{"n": ' + "1" * 5000 + "}", "x {p} holds an integer of more than 4300 digits, which Python refuses to read "
+                                  "(its integer-size limit, sys.get_int_max_str_digits): the JSON is valid"),
+    ("{", "cannot parse x {p}: Expecting property name"),
+], ids=["deep", "huge integer", "not JSON"])
+def test_read_json_turns_every_parse_failure_into_a_read_error(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "x.json"
     path.write_text(text)
-    with pytest.raises(CheckpointReadError):
+    with pytest.raises(CheckpointReadError) as info:
         read_json(path, "x")
+    assert info.value.message.startswith(message.format(p=path)), info.value.message
+    assert ("not valid JSON" in info.value.hint) == ("integer" not in message), info.value.hint
 
 
 def _schemes() -> list:
@@ -680,8 +704,9 @@ def test_plain_kv_scheme_fast_path_agrees_with_compressed_tensors(target):
     schemes = _schemes() + [kv_only_quantization_config()["kv_cache_scheme"]]
     fast = [s for s in schemes if config._plain_fp8_scheme(s)]
     assert len(fast) == 7 and config._plain_fp8_scheme(kv_only_quantization_config()["kv_cache_scheme"])
-    for scheme in schemes:
-        assert config._kv_scheme_findings(scheme, target) == config._parsed_kv_scheme_findings(scheme, target), scheme
+    for scheme in schemes:  # the observer's finding (KV-OBSERVER) comes first on both paths
+        parsed = config.observer_findings(scheme) + config._parsed_kv_scheme_findings(scheme, target)
+        assert config._kv_scheme_findings(scheme, target) == parsed, scheme
 
 
 def test_validate_imports_neither_torch_nor_transformers(tiny_llama_master, tmp_path):
