@@ -15,7 +15,7 @@ One run, three fresh processes in turn, on the same model, samples, dtype and th
                  under inference_mode) over the same right-padded batches kvcalib uses,
                  and writes nothing. A calibrator that runs the model cannot do less.
 
-All three read the samples with kvcalib.data.load_calibration_data (the first N rows,
+All three read the samples with kvcalib.hf.data.load_calibration_data (the first N rows,
 shuffled with seed 42, truncated to --max-seq-len). Each process gets OMP_NUM_THREADS and
 MKL_NUM_THREADS = --threads. Wall time is measured around the process; CPU time (user +
 system) and peak RSS are the child's own rusage from wait4. With --reps, a, b and c take

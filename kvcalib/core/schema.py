@@ -31,7 +31,8 @@ SINGLE_WEIGHTS_FILENAME = "model.safetensors"
 # Key in the scale file's safetensors metadata that holds the provenance JSON.
 PROVENANCE_METADATA_KEY = "kvcalib"
 
-# The decoder-layer prefix every Neuron scale loader reads (neuron-platform.md §3).
+# The decoder-layer prefix every Neuron scale loader reads (vllm-neuron's models, _load_kv_cache_scales; one fork
+# of a multimodal model reads the language_model one).
 NEURON_LAYERS_PREFIX = "model.layers"
 NEURON_ALT_LAYERS_PREFIX = "model.language_model.layers"
 
@@ -153,7 +154,7 @@ def is_kv_scale_key(key: str) -> bool:
 # --- compressed-tensors quantization_config -------------------------------------------
 
 # The kv_cache_scheme fields we write. Older compressed-tensors versions forbid unknown
-# keys, so we write only fields every version since 0.11 knows (checkpoint-format.md).
+# keys (compressed_tensors/quantization/quant_args.py), so we write only fields every version since 0.11 knows.
 _KV_SCHEME_FIELDS = ("num_bits", "type", "strategy", "dynamic", "symmetric", "observer")
 
 

@@ -2,8 +2,8 @@
 
 The checkpoint's model runs over held-out text twice or more per batch: once with an
 unquantised KV cache (the baseline), then once per scale configuration with K and V
-quantised exactly as the chip stores them (kvcalib.fp8.fake_quantize through the attention
-hook of kvcalib.observe). Teacher-forced: every token attends to the quantised K/V of all
+quantised exactly as the chip stores them (kvcalib.core.fp8.fake_quantize through the attention
+hook of kvcalib.hf.attention). Teacher-forced: every token attends to the quantised K/V of all
 earlier tokens, as in decoding from an FP8 cache. Per-layer figures (SQNR, saturation) are
 measured on the unquantised pass's K/V, so each is its own layer's quantiser's.
 

@@ -1,4 +1,4 @@
-"""Is this a Neuron host, and which chip? (neuron-platform.md §7)
+"""Is this a Neuron host, and which chip? (the AWS Neuron tools' `neuron-ls`, and the driver's sysfs)
 
 Uses the tools a Neuron host has: `neuron-ls --json-output` lists the devices (one JSON object
 each, with `nc_count` NeuronCores); the chip family is the instance type's prefix (`trn2`,

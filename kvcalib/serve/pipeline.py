@@ -15,7 +15,7 @@
    one costs a second compile) a degenerate output fails on its own.
 
 Every server is a `VllmServer` context: stopped (group SIGTERM, SIGKILL after the grace,
-port free) on every path. The command lines are the platform's (neuron-platform.md §6):
+port free) on every path. The command lines are the plugin's own (vllm-neuron test/utils/server/):
 `python -m vllm.entrypoints.openai.api_server`, prefix caching off, max-num-batched-tokens
 == max-model-len, synchronous scheduling; on cpu also `--enforce-eager` and a KV cache sized
 for max-model-len x max-num-seqs.

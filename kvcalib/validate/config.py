@@ -21,15 +21,16 @@ __all__ = [
 
 QCFG_LOCATION = "config.json:quantization_config"
 
-# Words the platform itself uses (neuron-platform.md §1, §2), so users can search for them.
+# Words the platform itself uses (vllm_neuron/platform.py, _validate_quantization_config), so users can search for
+# them.
 PLATFORM_PREFIX = (
     "Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale)."
 )
 LLAMA_METHODS = ("modelopt", "compressed-tensors")
 
-# Architectures whose Neuron model reads model.layers.{i}.self_attn.{k,v}_scale (§3).
+# The Llama architectures the Llama gate applies to (vllm_neuron/model/llama3/).
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
-# The families whose Neuron model reads model.layers.{i}.self_attn.{k,v}_scale (neuron-platform.md §3),
+# The families whose Neuron model reads model.layers.{i}.self_attn.{k,v}_scale (their _load_kv_cache_scales),
 # checked against the public plugin (vllm-project/vllm-neuron): vllm_neuron/model/registry.py registers
 # Llama, GPT-OSS and Qwen3; vllm_neuron/model/qwen3_moe/factory.py builds Qwen3-MoE; and
 # vllm_neuron/model/qwen3_5/ (model_type qwen3_5, qwen3_5_moe) casts K/V to FP8 with no scale at all.
@@ -77,7 +78,8 @@ _KV_ONLY_HINT = (
 def neuron_quantization_verdict(
     quantization_config: object, neuron_config: dict | None = None
 ) -> Finding | None:
-    """The Neuron platform's quantization-config check, exactly (neuron-platform.md §1).
+    """The Neuron platform's quantization-config check, exactly (vllm-neuron: vllm_neuron/platform.py,
+    NeuronPlatform._validate_quantization_config).
 
     `quantization_config` is the raw value from config.json (un-normalised); `neuron_config`
     is `additional_config["neuron_config"]` of the serve command, if known. None when the
@@ -136,7 +138,8 @@ def neuron_quantization_verdict(
 
 
 def _group_verdict(name: str, group: Any) -> Finding | None:
-    """One config group, as the platform checks it: rule 6 a-c of neuron-platform.md §1."""
+    """One config group, as the platform checks it: weights, output activations, then input activations on
+    targets none of which contains "Attention" (in that order)."""
     location = f"{QCFG_LOCATION}.config_groups['{name}']"
     if not isinstance(group, dict):
         return _malformed(
@@ -216,7 +219,8 @@ def has_neuron_scale_loader(config: dict[str, Any]) -> bool:
 
 
 def llama_gate(config: dict[str, Any]) -> Finding | None:
-    """The Neuron Llama model's own check at model build (neuron-platform.md §2)."""
+    """The Neuron Llama model's own check at model build (vllm-neuron: vllm_neuron/model/llama3/,
+    QuantizationSpec.from_hf_quantization_config: modelopt or compressed-tensors only)."""
     qc = config.get("quantization_config")
     if not is_llama(config) or not qc or not isinstance(qc, dict):
         return None

@@ -1,7 +1,7 @@
 """Checkpoint integrity (rule 4 of `kvcalib.validate`): what the two Neuron loader variants see.
 
 Variant A globs every top-level `*.safetensors` file and ignores the index; variant B uses
-only the index's `weight_map` (neuron-platform.md §5). Headers and the index are read, no
+only the index's `weight_map` (the plugin and its public forks load checkpoints both ways). Headers and the index are read, no
 tensor data. Every problem becomes a finding; nothing here raises.
 """
 

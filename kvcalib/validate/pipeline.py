@@ -5,7 +5,7 @@ bytes each), so a checkpoint of any size validates in about the time of a few he
 `validate_checkpoint` raises only when the checkpoint cannot be read at all or the target is
 unknown; everything else is a `Finding`. The rule ids are stable:
 
-1. The Neuron platform's quantization-config validator, exactly (neuron-platform.md §1),
+1. The Neuron platform's quantization-config validator, exactly (vllm_neuron/platform.py),
    after vLLM's normalisation of quant_method; the platform's own words as the message.
    - NEURON-QCFG-MX            error  quant_method contains "mx" (mxfp4, gpt_oss_mxfp4, ...)
    - NEURON-QCFG-WEIGHTS       error  a config group quantizes weights

@@ -46,7 +46,7 @@ from kvcalib.serve.server import (
     port_in_use,
 )
 
-# What neuron-ls --json-output prints on a trn1.2xlarge (neuron-platform.md §7).
+# What neuron-ls --json-output prints on a trn1.2xlarge (a public capture of the AWS Neuron tool).
 TRN1_JSON = ('[{"neuron_device": 0, "bdf": "0000:00:1e.0", "cpu_affinity": "0-7", "numa_node": "-1", '
              '"connected_to": null, "nc_count": 2, "memory_size": 34359738368, "neuroncore_ids": [0, 1], '
              '"neuron_processes": []}]')
