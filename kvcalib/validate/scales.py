@@ -220,9 +220,8 @@ def _check_one(
     info = header.tensors[key]
     findings = []
     if info.dtype != "F32":
-        findings.append(Finding(
-            "SCALE-DTYPE", WARNING, f"{key} is {info.dtype}, not F32", "write scales as float32, shape [1]", location,
-        ))
+        findings.append(Finding("SCALE-DTYPE", WARNING, f"{key} is {info.dtype}, not F32",
+                                "write scales as float32, shape [1]", location))
     if info.shape == ():
         return findings + [Finding(
             "SCALE-SHAPE", ERROR, f"{key} has shape [] (a 0-d scalar): the Neuron loader crashes with {_SCALAR_CRASH}",
@@ -240,9 +239,8 @@ def _check_one(
         value = checkpoint.read_values(header, key, 1)[0]
     except KvcalibError as exc:
         return findings + [Finding("SCALE-UNREADABLE", ERROR, exc.message, exc.hint, location)]
-    parsed = parse_neuron_scale_key(key)
-    if value == 0 and parsed is not None:
-        check.zero.setdefault(kind, []).append(parsed[1])
+    if value == 0:
+        check.zero.setdefault(kind, []).append(layer)
     if not math.isfinite(value) or value <= 0:
         problem = "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
         findings.append(Finding(

@@ -9,7 +9,6 @@ wrong way round (inverted-scales). The CUDA paths use a fake CUDA torch and vLLM
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
