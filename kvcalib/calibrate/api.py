@@ -24,9 +24,10 @@ from kvcalib.core.errors import UsageError
 from kvcalib.core.progress import ProgressCallback
 
 if TYPE_CHECKING:
+    from kvcalib.calibrate.plan import CalibrationPlan
     from kvcalib.serve import ServeEvent, ServeOptions
 
-__all__ = ["calibrate", "calibrate_options", "plan_serve_check", "run_calibration", "serve_calibrated"]
+__all__ = ["calibrate", "calibrate_options", "plan", "plan_serve_check", "run_calibration", "serve_calibrated"]
 
 logger = logging.getLogger("kvcalib")
 
@@ -88,6 +89,15 @@ def serve_calibrated(result: CalibrationResult, serving: ServeOptions,
     served = serve_check(result.output, options=serving, progress=progress)
     write_card(Path(result.output), summarize(result.validation), serve=served.to_dict())
     return dataclasses.replace(result, serve_check=served)
+
+
+def plan(model: str | Path, dataset: str, output: str | Path, *, options: CalibrateOptions | None = None,
+         progress: ProgressCallback | None = None, **fields: Any) -> CalibrationPlan:
+    """`kvcalib calibrate ... --plan`: the engine, memory, disk and an estimated wall time from a short timed probe,
+    and what would stop the run, with nothing written (kvcalib.calibrate.plan). `fields`: as for `calibrate`."""
+    from kvcalib.calibrate.plan import plan_calibration
+
+    return plan_calibration(model, dataset, output, options or calibrate_options(**fields), progress=progress)
 
 
 def calibrate(model: str | Path, dataset: str, output: str | Path, *, target: str | None = None,

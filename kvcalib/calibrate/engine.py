@@ -38,6 +38,7 @@ class EngineInputs:
     compute: ComputePath = ComputePath(NATIVE, "not chosen")
     memory: MemoryLimit | None = None  # this host's memory limit (the stream engine sizes its spill by it)
     sample_sequences: frozenset[tuple[int, ...]] = frozenset()  # the scale objective's sequences (none: absmax)
+    probe_layers: int | None = None  # calibrate --plan's timed probe: the stream engine stops after this many layers
 
     def sampler(self, num_layers: int) -> AttentionSampler | None:
         """What keeps the scale objective's attention samples (None when the objective needs none)."""

@@ -51,7 +51,7 @@ from kvcalib.hf.model import (
 from kvcalib.hf.samples import sample_sequences
 from kvcalib.validate.pipeline import validate_checkpoint  # calibrate validates what it wrote (pyproject.toml)
 
-__all__ = ["ENGINES", "calibrate", "register_engine"]
+__all__ = ["ENGINES", "RunPlan", "calibrate", "check_run", "engine_inputs", "read_data", "register_engine"]
 
 # The engines by name. llm-compressor itself is imported only when its engine runs.
 ENGINES: dict[str, Engine] = {
@@ -67,7 +67,7 @@ def register_engine(name: str, engine: Engine) -> None:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class RunPlan:
     """Everything checked before the long work starts."""
 
     options: CalibrateOptions
@@ -88,21 +88,12 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     """Calibrate `model` on `dataset` and write the FP8-KV checkpoint to `output`."""
     notify = progress or no_progress
     started = time.perf_counter()
-    plan = _check(model, dataset, Path(output), options or CalibrateOptions())
+    plan = check_run(model, dataset, Path(output), options or CalibrateOptions())
     opts = plan.options
 
     notify(Progress("load-data"))
-    tokenizer = load_tokenizer(plan.checkpoint.root, opts.trust_remote_code)
-    data = load_calibration_data(
-        dataset, tokenizer, split=opts.split, text_column=opts.text_column,
-        num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
-        add_special_tokens=opts.add_special_tokens,
-    )
-    sampled = sample_sequences(data.sequences, opts.batch_size, pad_id(tokenizer)) \
-        if opts.scale_objective == ATTENTION else frozenset()
-    inputs = EngineInputs(plan.checkpoint, data, opts, plan.dtype, plan.device, pad_id(tokenizer), notify,
-                          plan.compute, plan.engine.limit if plan.engine.limit is not None else opts.memory,
-                          sample_sequences=sampled)
+    data, pad = read_data(plan, dataset)
+    inputs = engine_inputs(plan, data, pad, notify)
     observation, choices, objective_seconds = _observe(plan, inputs)
 
     layers, warnings = layer_scales(observation, plan.target, plan.checkpoint.root, plan.recipe.strategy,
@@ -129,6 +120,29 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     return result(list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation or None)
 
 
+def read_data(plan: RunPlan, dataset: str) -> tuple[CalibrationData, int]:
+    """The calibration samples, tokenised as the run tokenises them, and the padding id."""
+    opts = plan.options
+    tokenizer = load_tokenizer(plan.checkpoint.root, opts.trust_remote_code)
+    data = load_calibration_data(
+        dataset, tokenizer, split=opts.split, text_column=opts.text_column,
+        num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
+        add_special_tokens=opts.add_special_tokens,
+    )
+    return data, pad_id(tokenizer)
+
+
+def engine_inputs(plan: RunPlan, data: CalibrationData, pad: int, notify: ProgressCallback,
+                  probe_layers: int | None = None) -> EngineInputs:
+    """What the engine gets for `data`: the scale objective's sequences among them, the memory limit it sizes by."""
+    opts = plan.options
+    sampled = sample_sequences(data.sequences, opts.batch_size, pad) if opts.scale_objective == ATTENTION \
+        else frozenset()
+    return EngineInputs(plan.checkpoint, data, opts, plan.dtype, plan.device, pad, notify, plan.compute,
+                        plan.engine.limit if plan.engine.limit is not None else opts.memory,
+                        sample_sequences=sampled, probe_layers=probe_layers)
+
+
 def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, Any], output: str | Path,
                     headroom: float = 1.0) -> list[str]:
     """A warning when the calibration samples are far shorter (under half) than the context the model serves and no
@@ -144,8 +158,9 @@ def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, A
             f"1.4142 (room for the growth), or on longer samples (--max-seq-len)"]
 
 
-def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions) -> _Plan:
-    """The cheap checks, before any weight is loaded; the plan of the run."""
+def check_run(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions, *, dry: bool = False) -> RunPlan:
+    """The cheap checks, before any weight is loaded; the plan of the run. `dry` (calibrate --plan): leftovers of
+    interrupted runs are left as they are (only a real run restores or removes them)."""
     opts.check_arguments()
     recipe = plan_recipe(opts.recipe, opts.target, opts.engine, opts.strategy)  # checked together
     target = resolve_target(recipe.target)
@@ -160,7 +175,7 @@ def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions
     if opts.recipe is not None:
         inputs.append(("the recipe", Path(opts.recipe)))
     writer = opts.ranks is None or opts.ranks.is_writer  # under torchrun only rank 0 touches the output's parent
-    recovered = check_output_path(output, inputs, opts.overwrite, recover_leftovers=writer)
+    recovered = check_output_path(output, inputs, opts.overwrite, recover_leftovers=writer and not dry)
     if writer:
         check_room(output, checkpoint)
     device = rank_device(device, opts.ranks)
@@ -172,11 +187,11 @@ def _check(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions
     compute = resolve_compute(opts.bf16_compute, dtype, checkpoint, device, opts.cpu)
     if opts.engine == "llmcompressor":  # its oneshot runs the model as its users run it
         compute = ComputePath(NATIVE, "llm-compressor's oneshot runs the model natively")
-    return _Plan(opts, recipe, target, checkpoint, output, dtype, device, choice, compute, tuple(inputs),
+    return RunPlan(opts, recipe, target, checkpoint, output, dtype, device, choice, compute, tuple(inputs),
                  tuple(recovered))
 
 
-def _observe(plan: _Plan, inputs: EngineInputs) -> tuple[Observation, list | None, float]:
+def _observe(plan: RunPlan, inputs: EngineInputs) -> tuple[Observation, list | None, float]:
     """The engine's observation, the scale objective's choices (None: absmax) and the seconds the search took."""
     engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
     timing = [0.0]
@@ -206,7 +221,7 @@ def _observe(plan: _Plan, inputs: EngineInputs) -> tuple[Observation, list | Non
     return observation, choices, timing[0]
 
 
-def _write(plan: _Plan, data: CalibrationData, layers: list[LayerScales], attention_classes: tuple[str, ...]
+def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], attention_classes: tuple[str, ...]
            ) -> tuple[list[str], dict[str, Any]]:
     """Write, validate and publish the checkpoint; (notes, the validation report as a dict)."""
     config = plan.checkpoint.config

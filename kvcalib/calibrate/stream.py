@@ -88,7 +88,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
             hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
             states.put(b, hidden)
         progress = _LayerProgress(inputs, batch_list, n_layers)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(layers[:inputs.probe_layers]):
             weights.load(f"{prefix}{layers_name}.{i}.")
             for b, (ids, mask) in enumerate(batch_list):
                 _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)

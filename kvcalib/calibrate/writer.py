@@ -34,7 +34,8 @@ from kvcalib.core.schema import (
     is_kv_scale_key,
 )
 
-__all__ = ["LINK_AT_BYTES", "SHARDED_SINGLE_FILENAME", "WritePlan", "bytes_needed", "check_output_path", "check_room",
+__all__ = ["LINK_AT_BYTES", "SHARDED_SINGLE_FILENAME", "Room", "WritePlan", "bytes_needed", "check_output_path",
+           "check_room", "measure_room",
            "copy_without_keys", "link_or_copy", "write_checkpoint"]
 
 # transformers loads a top-level model.safetensors and ignores the index beside it, so it
@@ -84,12 +85,19 @@ def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrit
     return notes
 
 
-def check_room(output: Path, source: Checkpoint) -> None:
-    """Before any work: can OUT's parent (or its nearest existing ancestor) take the new files?
+@dataclass(frozen=True)
+class Room:
+    """What writing OUT takes on its filesystem: the new bytes, whether the weights are hard links, the free space."""
 
-    Writes and removes a probe file there, tries a hard link of a weight file (then the weights
-    cost no space), and compares what the new files need with the free space.
-    """
+    needed: int
+    free: int
+    linkable: bool
+    where: Path  # OUT's nearest existing ancestor
+
+
+def measure_room(output: Path, source: Checkpoint) -> Room:
+    """Writes and removes a probe file in OUT's parent (or its nearest existing ancestor), tries a hard link of a
+    weight file there (then the weights cost no space), and adds up what the new files need."""
     output = Path(output)
     ancestor = _existing_ancestor(output)
     try:
@@ -101,8 +109,13 @@ def check_room(output: Path, source: Checkpoint) -> None:
         linkable = _can_link(source, Path(probe))
     finally:
         Path(probe).unlink(missing_ok=True)
-    needed = bytes_needed(source, linkable)
-    free = shutil.disk_usage(ancestor).free
+    return Room(bytes_needed(source, linkable), shutil.disk_usage(ancestor).free, linkable, ancestor)
+
+
+def check_room(output: Path, source: Checkpoint) -> None:
+    """Before any work: can OUT's parent (or its nearest existing ancestor) take the new files? (measure_room)"""
+    room = measure_room(output, source)
+    needed, free, linkable, ancestor = room.needed, room.free, room.linkable, room.where
     if needed > free:
         raise OutputWriteError(
             f"not enough space for {output}: the new files need {needed / 1e6:,.1f} MB, {ancestor} has "

@@ -16,8 +16,8 @@ import typer
 from rich.console import Console
 
 from kvcalib.cli.common import _errors, _print_json, _stderr, captured_notes
-from kvcalib.cli.render import (progress_bar, render_calibration, render_context, render_eval, render_report,
-                                render_needle, render_serve_check, render_tasks, serve_status)
+from kvcalib.cli.render import (progress_bar, render_calibration, render_context, render_eval, render_needle,
+                                render_plan, render_report, render_serve_check, render_tasks, serve_status)
 from kvcalib.core.errors import UsageError
 
 app = typer.Typer(
@@ -100,6 +100,7 @@ def calibrate(
     max_model_len: MaxModelLen = 2048,
     startup_timeout: StartupTimeout = 1800.0,
     log_dir: LogDir = None,
+    plan: bool = typer.Option(False, "--plan", help="Print what the run would do and take (engine, memory, disk, an estimated time from a short timed probe, anything that would stop it), write nothing, exit 0."),
     quiet: Quiet = False,
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
@@ -112,6 +113,8 @@ def calibrate(
             overwrite=overwrite, trust_remote_code=trust_remote_code, engine=_engine(engine, stream_layers),
             recipe=recipe, strategy=strategy, attention_scales=attention_scales, bf16_compute=bf16_compute,
             scale_objective=scale_objective, headroom=headroom, add_special_tokens=add_special_tokens)
+    if plan:
+        return _plan(model, dataset, output, options, as_json, quiet)
     if options.ranks is not None and not options.ranks.is_writer:  # other ranks work quietly; rank 0 reports
         return _quiet_rank(run_calibration, model, dataset, output, options)
     serving = None
@@ -124,6 +127,18 @@ def calibrate(
     with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
         result = run_calibration(model, dataset, output, options, progress=on_progress)
     _report_calibration(console, result, notes, serving, as_json)
+
+
+def _plan(model: str, dataset: str, output: Path, options: Any, as_json: bool, quiet: bool) -> None:
+    """calibrate --plan: the plan, rendered (and --json); nothing written, exit 0."""
+    from kvcalib.calibrate.api import plan
+
+    console = _stderr(quiet)
+    with _errors(), progress_bar(console, "probing", "plan") as on_progress:
+        result = plan(model, dataset, output, options=options, progress=on_progress)
+    render_plan(console, result)
+    if as_json:
+        _print_json(result.to_dict())
 
 
 def _quiet_rank(run: Any, *args: Any) -> None:

@@ -138,6 +138,40 @@ def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
     )
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def render_plan(console: Console, plan: Any) -> None:
+    """calibrate --plan: what would stop the run, else the engine, memory, disk and the estimated time."""
+    if plan.refusals:
+        for refusal in plan.refusals:
+            console.print(f"[red]calibrate would stop:[/] {escape(refusal)}", soft_wrap=True)
+        console.print("plan: nothing written")
+        return
+    est, probe = plan.estimate, plan.probe
+    rows = [
+        ("target", plan.target), ("engine", plan.engine + (f" ({plan.engine_reason})" if plan.engine_reason else "")),
+        ("compute", plan.compute), ("samples", f"{plan.num_samples:,} ({plan.num_tokens:,} tokens), {plan.num_layers} layers"),
+        ("peak memory", f"~{_size(plan.peak_memory_bytes)} (weights {_size(plan.weight_bytes)}; available "
+                        + (f"{_size(plan.memory_limit_bytes)}, {plan.memory_source})" if plan.memory_limit_bytes else "unknown)")),
+        ("output", f"{_size(plan.output_bytes)} new, weights {'hard-linked' if plan.weights_linked else 'copied'}; "
+                   f"{_size(plan.free_bytes)} free"),
+        ("scratch", _size(plan.scratch_bytes) if plan.scratch_bytes else "none"),
+        ("probe", f"{probe['batches']} batch(es), {probe['layers']} layer(s), {probe['tokens']:,} tokens: "
+                  f"{probe['seconds']:.1f} s"),
+        ("estimate", f"{_duration(est.total)} (load {est.load:.0f} s, observe {est.observe:.0f} s, objective "
+                     f"{est.objective:.0f} s, write {est.write:.0f} s)"),
+    ]
+    table = Table(title=f"calibrate --plan: {escape(plan.model)} -> {escape(plan.output)}", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("", overflow="fold")
+    for name, value in rows:
+        table.add_row(name, escape(str(value)))
+    console.print(table)
+    console.print("plan: nothing written")
+
+
 def render_report(console: Console, report: Any) -> None:
     if report.findings:
         table = Table(title=f"validate {report.checkpoint} for {report.target}")

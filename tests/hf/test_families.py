@@ -170,6 +170,14 @@ def test_gpt_oss_with_mxfp4_experts_is_refused_with_the_form_that_works(tmp_path
         result.stderr
     assert "dequantize_mxfp4('MODEL', 'BF16_DIR')" in result.stderr
     assert not (tmp_path / "out").exists()
+    # calibrate --plan says the same before a long run, exits 0 and writes nothing
+    planned = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
+                                       str(tmp_path / "out"), "--num-samples", "4", "--max-seq-len", "32", "--plan",
+                                       "--json"])
+    assert planned.exit_code == 0 and "Traceback" not in planned.stderr, planned.stderr
+    refusal = json.loads(planned.stdout)["refusals"]
+    assert len(refusal) == 1 and "the experts are MXFP4" in refusal[0] and "dequantize_mxfp4" in refusal[0]
+    assert "calibrate would stop" in planned.stderr and not (tmp_path / "out").exists()
     # validate gives the platform's own verdict on the released form: MX quantization is refused on Neuron
     assert "NEURON-QCFG-MX" in [f.rule for f in validate_checkpoint(released, "trn2").errors]
 

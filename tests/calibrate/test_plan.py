@@ -1,0 +1,69 @@
+"""calibrate --plan: the checks, the engine, memory and disk, and a wall-time estimate from a short timed probe,
+with nothing written; the estimate within a factor of 2 of the run it predicts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcalib.cli import app
+
+runner = CliRunner()
+
+
+def plan(*args) -> tuple[int, dict, str]:
+    result = runner.invoke(app, ["calibrate", *map(str, args), "--plan", "--json"])
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.exit_code, json.loads(result.stdout) if result.stdout else {}, result.stderr
+
+
+def listing(path) -> list[str]:
+    return sorted(os.listdir(path))
+
+
+@pytest.mark.slow
+def test_the_estimate_is_within_2x_of_the_smollm2_run(smollm2, text_dataset, tmp_path):
+    """SmolLM2-135M, 16 x 64 (measured here, 16 x 256 fortunes: estimate 26 s against 26.4 s; the stream engine
+    27.2 s against 25.8 s)."""
+    out, args = tmp_path / "out", ["--num-samples", "16", "--max-seq-len", "64", "--bf16-compute", "float32"]
+    code, planned, stderr = plan(smollm2, "--dataset", text_dataset, "-o", out, *args)
+    assert code == 0 and planned["refusals"] == [] and listing(tmp_path) == [], stderr
+    assert planned["engine"] == "native" and planned["weights_linked"] and planned["num_layers"] == 30
+    assert planned["probe"]["batches"] == 2 and planned["probe"]["tokens"] > 0
+    assert planned["peak_memory_bytes"] >= planned["weight_bytes"] > 200 << 20  # 135M parameters in bf16
+    assert "plan: nothing written" in stderr and "estimate" in stderr
+    run = runner.invoke(app, ["calibrate", str(smollm2), "--dataset", str(text_dataset), "-o", str(out), *args,
+                              "--json"])
+    assert run.exit_code == 0, run.stderr
+    seconds, estimate = json.loads(run.stdout)["seconds"], planned["estimate_seconds"]["total"]
+    print(f"SmolLM2 16 x 64: estimated {estimate:.1f} s, ran {seconds:.1f} s")
+    assert estimate / 2 <= seconds <= estimate * 2, (estimate, seconds)
+
+
+def test_the_stream_engine_is_probed_on_its_first_layers(tiny_llama_master, text_dataset, tmp_path):
+    code, planned, stderr = plan(tiny_llama_master, "--dataset", text_dataset, "-o", tmp_path / "out",
+                                 "--num-samples", "8", "--max-seq-len", "32", "--engine", "stream")
+    assert code == 0 and planned["engine"] == "stream", stderr
+    probe, estimate = planned["probe"], planned["estimate_seconds"]
+    assert probe["layers"] == 2 and probe["batches"] == 2 and planned["num_layers"] == 3
+    assert estimate["total"] > 0 and estimate["observe"] > 0 and listing(tmp_path) == []
+
+
+def test_what_would_stop_the_run_is_a_refusal_and_nothing_is_touched(tiny_llama_master, text_dataset, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("a user's file")
+    leftover = tmp_path / ".out.kvcalib-interrupted"  # an interrupted run's staging directory: only a run recovers it
+    leftover.mkdir()
+    before = listing(tmp_path)
+    code, planned, stderr = plan(tiny_llama_master, "--dataset", text_dataset, "-o", out, "--num-samples", "4",
+                                 "--max-seq-len", "32")
+    assert code == 0 and len(planned["refusals"]) == 1 and "exists" in planned["refusals"][0], stderr
+    assert "calibrate would stop" in stderr and listing(tmp_path) == before and listing(out) == ["mine.txt"]
+    # wrong arguments are usage errors, as for a run (exit 2, before anything is read)
+    bad = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
+                              str(tmp_path / "o2"), "--num-samples", "0", "--plan"])
+    assert bad.exit_code == 2 and "--num-samples" in bad.stderr
