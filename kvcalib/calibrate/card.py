@@ -20,6 +20,7 @@ from typing import Any
 from kvcalib.core.checkpoint import read_safetensors_header, read_values
 from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME
 from kvcalib.serve.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
+from kvcalib.validate.experts import NEURON_QUANTIZATION
 
 __all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
            "write_card"]
@@ -34,12 +35,14 @@ _SECTION = re.compile(re.escape(BEGIN.split(":", 2)[0]) + r".*?" + re.escape(END
 SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 4}
 
 
-def serve_commands(checkpoint: str) -> dict[str, str]:
-    """device -> the vLLM command serve-check runs for `checkpoint` (its defaults: port 8000, tp 1, 2048 x 4)."""
+def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
+    """device -> the vLLM command serve-check runs for `checkpoint` (its defaults: port 8000, tp 1, 2048 x 4);
+    `mxfp4`: GPT-OSS with MXFP4 experts (Neuron only; the neuron_config quantization its GPT-OSS model needs)."""
     return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), SERVE_DEFAULTS["port"], fp8=True,
                                            device=device, tp=SERVE_DEFAULTS["tp"],
                                            max_model_len=SERVE_DEFAULTS["max_model_len"],
-                                           max_num_seqs=SERVE_DEFAULTS["max_num_seqs"]))
+                                           max_num_seqs=SERVE_DEFAULTS["max_num_seqs"],
+                                           neuron_quantization=NEURON_QUANTIZATION.get(device) if mxfp4 else None))
             for device in ("trn2", "trn3", "cuda")}
 
 
@@ -90,13 +93,23 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
              f"| tokens | {_tokens_row(provenance)} |",
              f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
              f"| validate | {validation} |", ""]
-    commands = serve_commands(CHECKPOINT_PLACEHOLDER)
+    mxfp4 = bool(provenance.get("mxfp4_weights"))
+    commands = serve_commands(CHECKPOINT_PLACEHOLDER, mxfp4)
     lines += ["### Serving it", ""]
     if not per_head:
-        lines += ["vLLM on Neuron (Trainium 2; `trn3` is the same command), as `kvcalib serve-check CKPT --device trn2` "
+        lines += ["vLLM on Neuron (Trainium 2" + ("" if mxfp4 else "; `trn3` is the same command")
+                  + "), as `kvcalib serve-check CKPT --device trn2` "
                   f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
                   "it is):", "", "```bash", commands["trn2"], "```", ""]
-    lines += ["vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):", "", "```bash", commands["cuda"], "```", ""]
+    if mxfp4:
+        trn3 = json.dumps({"neuron_config": {"quantization": NEURON_QUANTIZATION["trn3"]}})
+        lines += [f"On Trainium 3 the same with `--additional-config '{trn3}'`: its GPT-OSS model runs the MXFP4 "
+                  "experts as they are (on Trainium 2 it dequantizes them at load).", "",
+                  "Not for GPU: the experts stay MXFP4, which GPU vLLM loads only under its MXFP4 config, and that "
+                  "reads no KV scales (FP8 KV at 1.0). For GPU calibrate the dequantised form (`dequantize_mxfp4`, "
+                  "then `--target gpu`).", ""]
+    else:
+        lines += ["vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):", "", "```bash", commands["cuda"], "```", ""]
     if serve is not None:
         lines += _serve_lines(serve)
     q = " q absmax | q_scale |" if queries else ""

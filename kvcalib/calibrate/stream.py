@@ -30,11 +30,10 @@ from typing import Any
 import torch
 
 from kvcalib.calibrate.engine import EngineInputs, Observation
-from kvcalib.hf.memory import MemoryLimit, available_memory
 from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
-from kvcalib.core.schema import is_kv_scale_key
+from kvcalib.core.schema import is_kv_scale_key, mxfp4_weights
 from kvcalib.hf.attention import (
     KVAbsmaxObserver,
     RecordingCache,
@@ -44,10 +43,12 @@ from kvcalib.hf.attention import (
 )
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
+from kvcalib.hf.memory import MemoryLimit, available_memory
 from kvcalib.hf.model import (
     build_skeleton,
     effective_dtype,
     faithful_attention,
+    mxfp4_dequantizer,
     num_layers,
     text_config,
 )
@@ -158,11 +159,12 @@ class _Weights:
 
     def __init__(self, model: torch.nn.Module, model_dir: Path, files: CheckpointFiles, device: torch.device,
                  dtype: torch.dtype) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, rename_source_key
 
         self.model, self.model_dir, self.files, self.device, self.dtype = model, model_dir, files, device, dtype
-        transforms = get_model_conversion_mapping(model)
+        # MXFP4 experts: transformers' own dequantization, as from_pretrained applies it (hf.model.load_model)
+        self.quantizer = mxfp4_dequantizer() if mxfp4_weights(files.key_files) else None
+        transforms = self._mapping()
         renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         meta = dict(model.state_dict())
@@ -174,6 +176,11 @@ class _Weights:
         # checkpoint tensors the model has no place for (earlier KV scales aside)
         self.unexpected = sorted(k for target, ks in self.sources.items() if target not in meta
                                  for k in ks if not is_kv_scale_key(k))
+
+    def _mapping(self) -> list[Any]:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        return get_model_conversion_mapping(self.model, hf_quantizer=self.quantizer)
 
     def _meta(self, prefix: str, skip: str | None) -> list[str]:
         return [name for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
@@ -200,7 +207,6 @@ class _Weights:
 
     def load(self, prefix: str, skip: str | None = None) -> None:
         """Put the meta weights under `prefix` (except those under `skip`) on the device."""
-        from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
@@ -212,7 +218,7 @@ class _Weights:
         state: dict[str, torch.Tensor] = {}
         for file, keys in by_file.items():
             state.update(load_tensors(self.model_dir / file, keys))
-        config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(self.model), dtype=self.dtype)
+        config = LoadStateDictConfig(weight_mapping=self._mapping(), dtype=self.dtype)
         convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if not name.startswith(prefix) or (skip and name.startswith(skip)):

@@ -23,10 +23,10 @@ from kvcalib.core.errors import (
     UsageError,
 )
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key
+from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key, mxfp4_weights
 
 __all__ = [
-    "DTYPES", "MXFP4_HINT", "MXFP4_REFUSAL", "PreparedRun", "RunOptions", "check_index_files", "check_loading_info", "dequantize_mxfp4", "faithful_attention",
+    "DTYPES", "MXFP4_GPU_REFUSAL", "MXFP4_HINT", "PreparedRun", "RunOptions", "check_index_files", "check_loading_info", "dequantize_mxfp4", "faithful_attention", "mxfp4_dequantizer",
     "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
     "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
     "resolve_model_dir", "resolve_target", "text_config",
@@ -34,21 +34,20 @@ __all__ = [
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-# MXFP4 experts (GPT-OSS as released): no checkpoint form serves those weights with KV scales on both
-# platforms. The Neuron platform rejects any quant_method containing "mx" (unless the server is started
-# with neuron_config quantization "mxfp8"); GPU vLLM's MXFP4 config gives attention no quant method
-# (vllm/model_executor/layers/quantization/mxfp4.py: Mxfp4Config.get_quant_method returns None for
-# Attention), so no KV scale is loaded and FP8 KV runs at 1.0; and a compressed-tensors config cannot
-# describe MXFP4 experts. The form that works everywhere has bf16 experts (README: GPT-OSS).
-MXFP4_REFUSAL = (
-    "{model_dir}: the experts are MXFP4 (quant_method mxfp4): no checkpoint with these weights serves KV scales on "
-    "both Neuron (which rejects MX quantization) and GPU vLLM (whose MXFP4 config loads no KV scales, so FP8 KV "
-    "would run at scale 1.0)"
+# MXFP4 experts (GPT-OSS as released) are calibrated as they are: transformers dequantizes them in memory as it
+# loads them (Mxfp4Config(dequantize=True)), and the new checkpoint keeps them, linked, for Neuron, whose GPT-OSS
+# models read them by name (vllm-neuron docs/model-recipes/gpt-oss.md serves the released checkpoint on trn2 with
+# its quantization_config emptied). GPU vLLM's MXFP4 config gives attention no quant method
+# (vllm/model_executor/layers/quantization/mxfp4.py: Mxfp4Config.get_quant_method returns None for Attention), so
+# no KV scale is loaded there and FP8 KV runs at 1.0: for GPU the experts are dequantized to bf16 first.
+MXFP4_GPU_REFUSAL = (
+    "{model_dir}: the experts are MXFP4: GPU vLLM's MXFP4 support loads no KV scales (Mxfp4Config gives attention "
+    "no quantization method), so FP8 KV would run at scale 1.0 whatever kvcalib writes"
 )
 MXFP4_HINT = (
-    "dequantize the experts to bf16 first, then calibrate that checkpoint: python -c \"from kvcalib.hf.model "
-    "import dequantize_mxfp4; dequantize_mxfp4('MODEL', 'BF16_DIR')\"; it loads with its scales on Neuron and "
-    "GPU vLLM"
+    "for GPU, dequantize the experts to bf16 first and calibrate that checkpoint: python -c \"from kvcalib.hf.model "
+    "import dequantize_mxfp4; dequantize_mxfp4('MODEL', 'BF16_DIR')\"; for Neuron (--target trn2 or trn3) "
+    "calibrate the MXFP4 checkpoint as it is"
 )
 
 
@@ -174,10 +173,11 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
     if qcfg:
         method = str(qcfg.get("quant_method", "")).lower().replace("_", "-") if isinstance(qcfg, dict) else ""
         groups = qcfg.get("config_groups") if isinstance(qcfg, dict) else None
-        if "mxfp4" in method:
-            raise UnsupportedModelError(MXFP4_REFUSAL.format(model_dir=model_dir), hint=MXFP4_HINT)
+        # MXFP4 experts are calibrated as they are (MXFP4_GPU_REFUSAL: only --target gpu is refused, by calibrate);
         # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
-        if method != "compressed-tensors" or (groups and len(fp8_attention_groups(groups)) != len(groups)):
+        released_mxfp4 = "mxfp4" in method and bool(mxfp4_weights(checkpoint.files.key_files))
+        if not released_mxfp4 and (method != "compressed-tensors"
+                                   or (groups and len(fp8_attention_groups(groups)) != len(groups))):
             raise UnsupportedModelError(
                 f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
                 f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
@@ -254,17 +254,30 @@ def faithful_attention(config: dict[str, Any]) -> str | None:
     return "eager" if text.get("attn_logit_softcapping") else None
 
 
+def mxfp4_dequantizer() -> Any:
+    """transformers' own MXFP4 quantizer, set to dequantize the experts (to bf16, in memory) as they load."""
+    from transformers import Mxfp4Config
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    return AutoHfQuantizer.from_config(Mxfp4Config(dequantize=True), pre_quantized=True)
+
+
 def load_model(model_dir: Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
                attn_implementation: str | None = None) -> torch.nn.Module:
-    """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode. MXFP4 experts (GPT-OSS
+    as released, or kvcalib's Neuron form of it) are dequantized by transformers as they load; nothing is written."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
     config = load_model_config(model_dir, trust_remote_code)
+    mxfp4 = bool(mxfp4_weights(Checkpoint.open(model_dir).files.key_files))
+    if mxfp4:  # pre-quantized MXFP4 whatever config.json declares (kvcalib's Neuron form declares KV-only)
+        config.quantization_config = {"quant_method": "mxfp4"}
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             model_dir, config=config, dtype=dtype if dtype is not None else "auto",
             attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, output_loading_info=True,
             ignore_mismatched_sizes=True,  # reported in the loading info (and refused there), not raised
+            **({"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}),
         )
     except (ValueError, ImportError, NotImplementedError) as exc:  # what transformers raises for a model it cannot run
         raise UnsupportedModelError(

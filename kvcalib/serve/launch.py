@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -42,8 +43,9 @@ def baseline_kv_dtype(config: Mapping[str, Any]) -> str:
 
 def server_argv(python: Path, checkpoint: Path, port: int, *, fp8: bool, device: str, tp: int,
                 max_model_len: int, max_num_seqs: int, kv_cache_bytes: int | None = None,
-                baseline_dtype: str = "bfloat16") -> list[str]:
-    """The vLLM command line: the same for both servers except `--kv-cache-dtype`."""
+                baseline_dtype: str = "bfloat16", neuron_quantization: str | None = None) -> list[str]:
+    """The vLLM command line: the same for both servers except `--kv-cache-dtype`. `neuron_quantization`: the
+    neuron_config quantization to name (GPT-OSS with MXFP4 experts: "bf16" on trn2, "mxfp4" on trn3)."""
     argv = [str(python), "-m", API_SERVER_MODULE, "--model", str(checkpoint), "--host", "127.0.0.1",
             "--port", str(port), "--tensor-parallel-size", str(tp), "--max-model-len", str(max_model_len),
             "--max-num-batched-tokens", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
@@ -51,6 +53,8 @@ def server_argv(python: Path, checkpoint: Path, port: int, *, fp8: bool, device:
     # The baseline names its KV dtype: with "auto", vLLM (CPU and GPU) turns FP8 on by itself when
     # the checkpoint's quantization_config has a kv_cache_scheme, as ours does.
     argv += ["--kv-cache-dtype", "fp8" if fp8 else baseline_dtype]
+    if neuron_quantization is not None:
+        argv += ["--additional-config", json.dumps({"neuron_config": {"quantization": neuron_quantization}})]
     if device == "cpu":
         argv += ["--enforce-eager"]
         if kv_cache_bytes:

@@ -83,6 +83,10 @@ unknown; everything else is a `Finding`. The rule ids are stable:
    - PORT-NO-SCALE-LOADER       warning scales on an architecture other than Llama, Qwen3, Qwen3-MoE,
                                         GPT-OSS (info on gpu); Qwen3.5 casts K/V to FP8 unscaled
    - PORT-COMPRESSION-CONFIG    warning the 2024 key compression_config instead of quantization_config
+   - PORT-MXFP4-GPU             error  --target gpu: MXFP4 experts (GPU vLLM's MXFP4 config loads no KV scales)
+   - PORT-MXFP4-NEURON          info   trn2/trn3: MXFP4 experts kept as released, and how Neuron serves them
+   - CKPT-MXFP4-PAIR            error  an MXFP4 `_blocks` tensor without its `_scales` (or the reverse)
+   (validate/experts.py)
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ from kvcalib.validate.config import (
     neuron_quantization_verdict,
     portability_findings,
 )
+from kvcalib.validate.experts import mxfp4_findings
 from kvcalib.validate.files import scan_for_validation
 from kvcalib.validate.heads import attention_group_findings, query_findings
 from kvcalib.validate.outliers import outlier_findings
@@ -147,4 +152,5 @@ def validate_checkpoint(
     findings += portability_findings(config, target, check.present)
     findings += query_findings(config, scan, target, ATTN_HEAD if check.per_head else None)
     findings += attention_group_findings(config, target)
+    findings += mxfp4_findings(config, scan, target)
     return ValidationReport(str(path), target, tuple(findings), strict)

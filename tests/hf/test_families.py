@@ -17,6 +17,7 @@ import torch
 from helpers import build_word_tokenizer
 from oracle import calibration_sequences, oracle_heads
 
+import kvcalib
 from kvcalib.calibrate import CalibrateOptions, calibrate
 
 OPTS = dict(num_samples=6, max_seq_len=48, batch_size=3, target="gpu")
@@ -143,8 +144,11 @@ def test_per_head_and_q_absmax_equal_the_models_own(family, engine, text_dataset
     assert result.validation["ok"] is True
 
 
-def test_gpt_oss_with_mxfp4_experts_is_refused_with_the_form_that_works(tmp_path, text_dataset):
-    """GPT-OSS as released (MXFP4 experts): the documented refusal, then the documented bf16 form end to end."""
+def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dataset):
+    """GPT-OSS as released (MXFP4 experts, quantised by the test itself): calibrated for Neuron directly, the
+    experts dequantised in memory by transformers, with the absmax of the bf16-dequantised checkpoint bit for bit
+    (in memory and streamed); the output keeps the released weights as hard links and writes nothing bf16;
+    --target gpu is refused with the reason and the form that works there, which is then calibrated too."""
     from mxfp4 import save_as_mxfp4
     from transformers import AutoModelForCausalLM, Mxfp4Config
     from typer.testing import CliRunner
@@ -162,40 +166,65 @@ def test_gpt_oss_with_mxfp4_experts_is_refused_with_the_form_that_works(tmp_path
     tokenizer.save_pretrained(released)
     save_as_mxfp4(released)
     assert json.loads((released / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
-
-    result = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
-                                      str(tmp_path / "out"), "--num-samples", "4", "--max-seq-len", "32"])
-    assert result.exit_code != 0 and "Traceback" not in result.stderr
-    assert "the experts are MXFP4 (quant_method mxfp4): no checkpoint with these weights serves KV scales" in \
-        result.stderr
-    assert "dequantize_mxfp4('MODEL', 'BF16_DIR')" in result.stderr
-    assert not (tmp_path / "out").exists()
-    # calibrate --plan says the same before a long run, exits 0 and writes nothing
-    planned = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
-                                       str(tmp_path / "out"), "--num-samples", "4", "--max-seq-len", "32", "--plan",
-                                       "--json"])
-    assert planned.exit_code == 0 and "Traceback" not in planned.stderr, planned.stderr
-    refusal = json.loads(planned.stdout)["refusals"]
-    assert len(refusal) == 1 and "the experts are MXFP4" in refusal[0] and "dequantize_mxfp4" in refusal[0]
-    assert "calibrate would stop" in planned.stderr and not (tmp_path / "out").exists()
     # validate gives the platform's own verdict on the released form: MX quantization is refused on Neuron
     assert "NEURON-QCFG-MX" in [f.rule for f in validate_checkpoint(released, "trn2").errors]
 
-    # the documented form: experts dequantised to bf16 by transformers, then calibrated
+    gpu = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
+                                   str(tmp_path / "gpu"), "--num-samples", "4", "--max-seq-len", "32", "--target", "gpu"])
+    assert gpu.exit_code != 0 and "Traceback" not in gpu.stderr
+    assert "GPU vLLM's MXFP4 support loads no KV scales" in gpu.stderr and "dequantize_mxfp4(" in gpu.stderr
+    assert not (tmp_path / "gpu").exists()
+
+    # the GPU form: experts dequantised to bf16 by transformers, then calibrated
     bf16 = dequantize_mxfp4(released, tmp_path / "gpt-oss-bf16", max_shard_size="100KB")
     loaded, info = AutoModelForCausalLM.from_pretrained(bf16, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]  # every expert weight written and read back
     dequantized = AutoModelForCausalLM.from_pretrained(released, quantization_config=Mxfp4Config(dequantize=True))
     assert torch.equal(loaded.model.layers[1].mlp.experts.gate_up_proj,
                        dequantized.model.layers[1].mlp.experts.gate_up_proj)
-    out = tmp_path / "gpt-oss-fp8kv"
-    calibrated = calibrate(bf16, str(text_dataset), out, CalibrateOptions(**{**OPTS, "target": "trn2"}))
+    runs = {}
+    for name, source, engine, target in [("bf16-gpu", bf16, "native", "gpu"), ("bf16", bf16, "native", "trn2"),
+                                         ("mxfp4", released, "native", "trn2"), ("mxfp4-stream", released, "stream", "trn2")]:
+        runs[name] = calibrate(source, str(text_dataset), tmp_path / name,
+                               CalibrateOptions(**{**OPTS, "target": target, "engine": engine}))
     k, v = oracle(bf16, calibration_sequences(bf16, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"]))
-    for layer in calibrated.layers:
+    for layer in runs["bf16-gpu"].layers:
         assert layer.k_absmax == pytest.approx(k[layer.layer], rel=1e-6)
         assert layer.v_absmax == pytest.approx(v[layer.layer], rel=1e-6)
+    assert validate_checkpoint(tmp_path / "bf16-gpu", "gpu").ok
     for target in ("trn2", "gpu"):
-        assert validate_checkpoint(out, target).ok
+        assert validate_checkpoint(tmp_path / "bf16", target).ok
+
+    def measured(result):
+        return [(l.k_absmax, l.v_absmax, l.k_scale, l.v_scale, l.k_range, l.v_range) for l in result.layers]
+
+    assert measured(runs["mxfp4"]) == measured(runs["bf16"]) == measured(runs["mxfp4-stream"])  # bit for bit
+    out = tmp_path / "mxfp4"
+    weights = {p.name: p for p in out.glob("model-*.safetensors")}
+    assert weights and all(p.stat().st_nlink > 1 for p in weights.values())  # the released bytes, linked
+    written = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.stat().st_nlink == 1)
+    assert written < 200_000, written  # scales, config, card, tokenizer: nothing bf16 (the experts alone are ~1 MB)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"  # KV-only: the platform accepts it
+    provenance = json.loads((out / "kvcalib_calibration.json").read_text())
+    assert provenance["mxfp4_weights"] == 6 and provenance["source_quantization_config"]["quant_method"] == "mxfp4"
+    rules = {t: [(f.rule, f.severity) for f in validate_checkpoint(out, t).findings] for t in ("trn2", "trn3", "gpu")}
+    assert rules["trn2"] == [("PORT-MXFP4-NEURON", "info")] and validate_checkpoint(out, "trn3").ok, rules
+    assert ("PORT-MXFP4-GPU", "error") in rules["gpu"], rules
+    card = (out / "README.md").read_text()
+    assert """--additional-config '{"neuron_config": {"quantization": "bf16"}}'""" in card and "Not for GPU" in card
+    # kvcalib reads its own Neuron form back (eval dequantises the linked experts the same way)
+    scored = kvcalib.evaluate(out, str(text_dataset), num_samples=2, max_seq_len=16, layer_rows=0)
+    assert scored.baseline_nll > 0
+    # calibrate --plan on the released checkpoint: no refusal for trn2, the GPU refusal for --target gpu
+    for target, refused in (("trn2", False), ("gpu", True)):
+        planned = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
+                                           str(tmp_path / f"plan-{target}"), "--num-samples", "4", "--max-seq-len",
+                                           "32", "--target", target, "--plan", "--json"])
+        assert planned.exit_code == 0 and "Traceback" not in planned.stderr, planned.stderr
+        refusals = json.loads(planned.stdout)["refusals"]
+        assert bool(refusals) == refused and (not refused or "GPU vLLM's MXFP4 support" in refusals[0]), refusals
+        assert not (tmp_path / f"plan-{target}").exists()
 
 
 class _Comparing:
