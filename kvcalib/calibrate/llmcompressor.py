@@ -42,7 +42,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     scheme = load_recipe(opts.recipe).quantization_args() if opts.recipe else kv_cache_scheme_args(opts.strategy or "tensor")
     inputs.notify(Progress("load-model"))
     # As llm-compressor users load it: AutoModelForCausalLM with the default attention.
-    model = load_model(inputs.model_dir, inputs.dtype, inputs.device, opts.trust_remote_code)
+    model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, opts.trust_remote_code)
     n_layers = num_layers(model)
     attn_paths = attention_modules(model, n_layers, inputs.model_dir)
 

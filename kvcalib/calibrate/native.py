@@ -29,7 +29,7 @@ __all__ = ["native_engine", "observe_all", "sample_attention"]
 def native_engine(inputs: EngineInputs) -> Observation:
     """The whole model in memory; every batch through the decoder stack, K/V recorded by the cache."""
     inputs.notify(Progress("load-model"))
-    hf_model = load_model(inputs.model_dir, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
+    hf_model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
                           attn_implementation=faithful_attention(inputs.config))
     layers = num_layers(hf_model)
     attn_paths = attention_modules(hf_model, layers, inputs.model_dir)
@@ -58,7 +58,7 @@ def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: Calibr
 def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:
     """The scale objective's samples alone, for an engine that cannot take them (llm-compressor's oneshot):
     the model in memory once more, through the sampled sequences only."""
-    hf_model = load_model(inputs.model_dir, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
+    hf_model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
                           attn_implementation=faithful_attention(inputs.config))
     layers = num_layers(hf_model)
     observer = KVAbsmaxObserver(layers, sampler=inputs.sampler(layers))

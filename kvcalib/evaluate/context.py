@@ -234,8 +234,7 @@ class LongContext:
 
     def load_model(self, opts: Any, notify: ProgressCallback) -> torch.nn.Module:
         notify(Progress("load-model"))
-        root = self.run.checkpoint.root
-        return load_model(root, self.run.dtype, self.run.device, opts.trust_remote_code,
+        return load_model(self.run.checkpoint, self.run.dtype, self.run.device, opts.trust_remote_code,
                           attn_implementation=faithful_attention(self.run.checkpoint.config))
 
 

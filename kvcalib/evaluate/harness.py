@@ -70,7 +70,7 @@ def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_
     if cpu is None:
         cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
     compute = resolve_compute(bf16_compute, run.dtype, run.checkpoint, run.device, cpu)
-    model = load_model(run.checkpoint.root, run.dtype, run.device, trust_remote_code,
+    model = load_model(run.checkpoint, run.dtype, run.device, trust_remote_code,
                        attn_implementation=faithful_attention(run.checkpoint.config))
     return LoadedModel(run.checkpoint.root, run.checkpoint.config, model,
                        load_tokenizer(run.checkpoint.root, trust_remote_code), compute, Float32Weights())

@@ -202,7 +202,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         raise UsageError("the evaluation samples are all one token long: nothing to score",
                          hint="pass longer texts or a larger --max-seq-len")
     notify(Progress("load-model"))
-    model = load_model(ckpt.root, dtype, device, opts.trust_remote_code,
+    model = load_model(ckpt, dtype, device, opts.trust_remote_code,
                        attn_implementation=faithful_attention(ckpt.config))
     if num_layers(model) != layers:
         raise UsageError(f"{ckpt.root}: config says {layers} layers, the model has {num_layers(model)}",

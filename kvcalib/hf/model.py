@@ -262,14 +262,17 @@ def mxfp4_dequantizer() -> Any:
     return AutoHfQuantizer.from_config(Mxfp4Config(dequantize=True), pre_quantized=True)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
+def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
                attn_implementation: str | None = None) -> torch.nn.Module:
     """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode. MXFP4 experts (GPT-OSS
-    as released, or kvcalib's Neuron form of it) are dequantized by transformers as they load; nothing is written."""
+    as released, or kvcalib's Neuron form of it) are dequantized by transformers as they load; nothing is written.
+    `model`: a Checkpoint already read (its headers are not read again), or a directory."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
+    checkpoint = model if isinstance(model, Checkpoint) else Checkpoint.open(Path(model))
+    model_dir = checkpoint.root
     config = load_model_config(model_dir, trust_remote_code)
-    mxfp4 = bool(mxfp4_weights(Checkpoint.open(model_dir).files.key_files))
+    mxfp4 = bool(mxfp4_weights(checkpoint.files.key_files))
     if mxfp4:  # pre-quantized MXFP4 whatever config.json declares (kvcalib's Neuron form declares KV-only)
         config.quantization_config = {"quant_method": "mxfp4"}
     try:
