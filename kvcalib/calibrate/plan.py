@@ -30,7 +30,7 @@ from kvcalib.calibrate.pipeline import ENGINES, RunPlan, check_run, engine_input
 from kvcalib.calibrate.writer import measure_room
 from kvcalib.core.errors import KvcalibError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import ATTN_HEAD, num_hidden_layers
+from kvcalib.core.schema import ATTN_HEAD, num_hidden_layers, text_config
 from kvcalib.hf.memory import HEADROOM, peak_rss_bytes, weight_bytes
 
 __all__ = ["PROBE_BATCHES", "PROBE_LAYERS", "CalibrationPlan", "Estimate", "plan_calibration"]
@@ -140,7 +140,8 @@ def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCall
         stamps.append((time.perf_counter(), event))
         notify(event)
 
-    engine = ENGINES["native" if plan.options.engine == "llmcompressor" else plan.options.engine]
+    name = "native" if plan.options.engine == "llmcompressor" else plan.options.engine  # oneshot: native's probe
+    engine = ENGINES[name]
     inputs = engine_inputs(plan, probe_data, pad, stamp, probe_layers=probed if stream else None)
     started = time.perf_counter()
     observation = engine(inputs)
@@ -152,7 +153,7 @@ def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCall
         objective = time.perf_counter() - observed
     sampled = sum(len(s) for s in engine_inputs(plan, data, pad, no_progress).sample_sequences)
     return {
-        "engine": "native" if plan.options.engine == "llmcompressor" else plan.options.engine,
+        "engine": name,
         "batches": math.ceil(len(rows) / opts.batch_size), "layers": probed, "tokens": probe_data.num_tokens,
         "objective_tokens": sum(len(s) for s in inputs.sample_sequences), "run_objective_tokens": sampled,
         "seconds": round(observed - started + objective, 3), "objective_seconds": round(objective, 3),
@@ -201,9 +202,7 @@ def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, i
     not fit: then one batch in memory and the rest on disk)."""
     if plan.options.engine != "stream":
         return int(weights * HEADROOM), 0
-    config = plan.checkpoint.config
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    hidden = int(text.get("hidden_size") or 0)
+    hidden = int(text_config(plan.checkpoint.config).get("hidden_size") or 0)
     element = (plan.dtype.itemsize if plan.dtype is not None else 2)
     longest = max((len(s) for s in data.sequences), default=0)
     states = len(data.sequences) * longest * hidden * element

@@ -41,8 +41,8 @@ def mxfp4_findings(config: dict[str, Any], scan: CheckpointFiles, target: str) -
                         "restore the weight files from the released checkpoint", key) for key in orphans[:3]]
     if not weights:
         return findings
-    method = (config.get("quantization_config") or {}).get("quant_method") \
-        if isinstance(config.get("quantization_config"), dict) else None
+    qcfg = config.get("quantization_config")
+    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
     if target == "gpu":
         findings.append(Finding(
             "PORT-MXFP4-GPU", ERROR,

@@ -121,7 +121,7 @@ def _all_zero(findings: list[Finding], check: ScaleCheck, n_layers: int) -> list
         if n_layers < 2 or len(zero) < n_layers:
             continue
         names = {f"{check.prefix}.{layer}.self_attn.{kind}_scale" for layer in zero}
-        findings = [f for f in findings if not (f.rule == "SCALE-VALUE" and f.message.split(" = ")[0] in names)]
+        findings = [f for f in findings if not (f.rule == "SCALE-VALUE" and f.location.rsplit(":", 1)[-1] in names)]
         findings.append(Finding(
             "SCALE-ALL-ZERO", ERROR,
             f"every {kind}_scale is 0.0 (layers {_layer_list(zero)}): no {kind.upper()} was observed, and served "
