@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.checkpoint import read_safetensors_header, read_values
-from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME
+from kvcalib.core.schema import ATTN_HEAD, NEURON_QUANTIZATION, PROVENANCE_FILENAME, SCALES_FILENAME
 from kvcalib.serve.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
-from kvcalib.validate.experts import NEURON_QUANTIZATION
 
 __all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
            "write_card"]

@@ -95,6 +95,10 @@ def head_dim(config: dict[str, Any]) -> int | None:
 # GPT-OSS as released keeps its experts in MXFP4: `<experts>.gate_up_proj_blocks` (FP4 codes) beside
 # `<experts>.gate_up_proj_scales` (exponents), the same for down_proj.
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+# The neuron_config quantization vLLM-Neuron's GPT-OSS needs for MXFP4 experts, per chip: model_bf16 dequantises
+# them at load (trn2), model_mxfp4 runs them (trn3; refused on trn2) (vllm_neuron/model/gpt_oss/factory.py,
+# jinhuang12/vllm-neuron)
+NEURON_QUANTIZATION = {"trn2": "bf16", "trn3": "mxfp4"}
 
 
 def mxfp4_weights(keys: Any) -> list[str]:

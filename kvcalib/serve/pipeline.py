@@ -252,7 +252,7 @@ def _run_server(name: str, checkpoint: Path, options: ServeOptions, pre: Preflig
     argv = server_argv(options.vllm_python, checkpoint, port, fp8=(name != "baseline"), device=options.device,
                        tp=pre.tensor_parallel_size, max_model_len=options.max_model_len,
                        max_num_seqs=options.max_num_seqs, kv_cache_bytes=kv_bytes,
-                       baseline_dtype=baseline_kv_dtype(pre.config))
+                       baseline_dtype=baseline_kv_dtype(pre.config), neuron_quantization=pre.neuron_quantization)
     env, added = server_env(options.env, log_dir / "cache", options.neuron_visible_devices)
     command = command_line(argv, added)
     log_path = log_dir / f"vllm-{name}.log"

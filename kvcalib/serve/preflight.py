@@ -5,7 +5,9 @@
   FP8-range mismatch (448 scales on trn2) is let through, as a warning;
 - the device: Neuron devices of the right chip family (`neuron.detect_neuron_host`), or a
   CPU (`cpu.HostCpu`, read by the CLI) with AVX-512/AMX and a head size divisible by 32 (what vLLM's CPU FP8 KV cache needs);
-- a vLLM in `--vllm-python`'s environment (and the Neuron plugin for trn2/trn3).
+- a vLLM in `--vllm-python`'s environment (and the Neuron plugin for trn2/trn3);
+- for GPT-OSS with MXFP4 experts on Neuron (kvcalib's Neuron form), the neuron_config quantization its model
+  needs on this chip (`Preflight.neuron_quantization`, passed in --additional-config).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcalib.core.checkpoint import read_config
+from kvcalib.core.checkpoint import read_config, scan_checkpoint
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import (
     DeviceError,
@@ -27,7 +29,14 @@ from kvcalib.core.errors import (
     VllmNotFoundError,
 )
 from kvcalib.core.fp8 import TARGETS
-from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME, head_dim
+from kvcalib.core.schema import (
+    ATTN_HEAD,
+    NEURON_PER_HEAD_REASON,
+    NEURON_QUANTIZATION,
+    PROVENANCE_FILENAME,
+    head_dim,
+    mxfp4_weights,
+)
 from kvcalib.serve.cuda import check_cuda
 from kvcalib.serve.neuron import detect_neuron_host, require_family
 from kvcalib.validate.pipeline import validate_checkpoint
@@ -65,6 +74,7 @@ class Preflight:
     vllm_version: str
     config: dict[str, Any]
     warnings: tuple[str, ...]
+    neuron_quantization: str | None = None  # MXFP4 experts on Neuron: --additional-config's neuron_config quantization
 
 
 def validate_target(device: str) -> str:
@@ -216,5 +226,6 @@ def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: i
     warnings = check_validation(checkpoint, target, force)
     machine = check_environment(config, device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                 vllm_python=vllm_python, env=env, sysfs_root=sysfs_root, dev_root=dev_root, cpu=cpu)
+    mxfp4 = device in NEURON_DEVICES and mxfp4_weights(scan_checkpoint(checkpoint).key_files)
     return Preflight(target, recorded_fp8_max(checkpoint), machine.tensor_parallel_size, machine.vllm_version,
-                     config, tuple(warnings))
+                     config, tuple(warnings), NEURON_QUANTIZATION[device] if mxfp4 else None)

@@ -20,13 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvcalib.core.checkpoint import CheckpointFiles
-from kvcalib.core.schema import MXFP4_BLOCKS, MXFP4_SCALES, mxfp4_weights
+from kvcalib.core.schema import MXFP4_BLOCKS, MXFP4_SCALES, NEURON_QUANTIZATION, mxfp4_weights
 from kvcalib.validate.report import ERROR, INFO, Finding
 
-__all__ = ["NEURON_QUANTIZATION", "mxfp4_findings"]
+__all__ = ["mxfp4_findings"]
 
-# neuron_config quantization for MXFP4 experts, per chip (vllm_neuron/model/gpt_oss/factory.py)
-NEURON_QUANTIZATION = {"trn2": "bf16", "trn3": "mxfp4"}
 _DEQUANTIZE = ("calibrate the dequantised form for GPU: python -c \"from kvcalib.hf.model import dequantize_mxfp4; "
                "dequantize_mxfp4('MODEL', 'BF16_DIR')\", then kvcalib calibrate BF16_DIR --target gpu")
 

@@ -114,6 +114,8 @@ def test_degenerate(text, ids, why):
     ("ValueError: Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale). "
      "Weight quantization in config_groups['group_0'] is not supported.", "refused the checkpoint's quantization_config"),
     ("ValueError: Neuron does not support MX quantization: quant_method='mxfp4'.", "refused the checkpoint's"),
+    ("ValueError: quantization='mxfp4' is not supported on TRN2. Please use quantization='bf16'",
+     "MXFP4 experts as MXFP4 only on trn3"),
     ("ValueError: Unsupported quantization_config.quant_method=fp8. Llama3 currently supports: 'modelopt', "
      "'compressed-tensors'.", "Neuron Llama model refused the quant_method"),
     ("IndexError: slice() cannot be applied to a 0-dim tensor.", "a KV scale is a 0-d tensor"),

@@ -46,3 +46,19 @@ def save_as_mxfp4(model_dir: Path) -> Path:
     config["quantization_config"] = MXFP4_QUANTIZATION_CONFIG
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir
+
+
+def build_gpt_oss_mxfp4(out_dir: Path, layers: int = 3) -> Path:
+    """A tiny GPT-OSS saved as released: MXFP4 experts (this module's quantiser), the MXFP4 quantization_config."""
+    from helpers import build_word_tokenizer
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    tokenizer = build_word_tokenizer()
+    config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                          num_local_experts=4, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
+                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return save_as_mxfp4(out_dir)

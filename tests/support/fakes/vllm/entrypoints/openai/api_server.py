@@ -6,7 +6,8 @@ For tests on machines without vLLM or a Neuron device. Standard library only. It
   CPU: FP8 KV needs AVX-512/AMX (flags from $FAKE_VLLM_CPU_FLAGS, default "avx512f") and a head
   size divisible by 32; Neuron (when the `vllm_neuron` package is importable): the platform's
   quantization-config validator, unsupported KV dtypes, FP8 KV with segmented prefill (prefix
-  caching on, or max-num-batched-tokens < max-model-len), a 0-d KV scale. Two Neuron refusals
+  caching on, or max-num-batched-tokens < max-model-len), a 0-d KV scale, and for GPT-OSS the plugin's own
+  model choice and weight and scale loading (the fake plugin's vllm_neuron/gpt_oss.py). Two Neuron refusals
   have no public text we could find, so their wording is ours: --enforce-eager, and async
   scheduling without on-device sampling;
 - like vLLM on CPU, turns FP8 KV on by itself for "auto" when config.json has a kv_cache_scheme;
@@ -125,31 +126,53 @@ def resolve_kv_dtype(args: argparse.Namespace, config: dict, neuron: bool) -> st
     return args.kv_cache_dtype
 
 
-def check_neuron(args: argparse.Namespace, config: dict, kv_dtype: str) -> None:
-    quant = config.get("quantization_config") or {}
-    if quant.get("quant_method") == "compressed-tensors":
-        for name, group in (quant.get("config_groups") or {}).items():
-            if group.get("weights"):
-                fail("ValueError", "Neuron only supports compressed-tensors for KV cache quantization "
-                     f"(q_scale/k_scale/v_scale). Weight quantization in config_groups['{name}'] is not supported.")
+def check_neuron(args: argparse.Namespace, config: dict, kv_dtype: str) -> dict[str, float] | None:
+    """The Neuron platform's refusals, then the model's load; the KV scales the kernels run with where the model
+    is one the fake plugin follows (GPT-OSS), else None (every *k_scale / *v_scale in the files is read)."""
+    from vllm_neuron.platform import platform_target, validate_quantization_config
+
+    neuron_config = (args.additional_config or {}).get("neuron_config") or {}
+    try:
+        validate_quantization_config(config.get("quantization_config"), neuron_config)
+    except ValueError as exc:
+        fail("ValueError", str(exc))
     if kv_dtype not in NEURON_KV_CACHE_DTYPES and kv_dtype != "auto":
         fail("ValueError", f"Unsupported kv_cache_dtype '{kv_dtype}' on Neuron. "
              f"Supported values: 'auto', {sorted(NEURON_KV_CACHE_DTYPES)}")
     if args.enforce_eager:
         fail("ValueError", "enforce_eager is not supported on the Neuron platform: eager mode is CPU-only.")
-    neuron_config = (args.additional_config or {}).get("neuron_config") or {}
     if args.async_scheduling is not False and neuron_config.get("on_device_sampling_config") is None:
         fail("ValueError", "Async scheduling requires on-device sampling: set neuron_config.on_device_sampling_config "
              "in --additional-config, or pass --no-async-scheduling.")
-    for key, shape in read_kv_scale_shapes(Path(args.model)).items():
-        if shape == []:
-            fail("IndexError", "slice() cannot be applied to a 0-dim tensor.")
+    scales = None
+    if "GptOssForCausalLM" in (config.get("architectures") or []):
+        scales = load_gpt_oss(Path(args.model), config, neuron_config, platform_target(), kv_dtype)
+    else:
+        for key, shape in read_kv_scale_shapes(Path(args.model)).items():
+            if shape == []:
+                fail("IndexError", "slice() cannot be applied to a 0-dim tensor.")
     segmented = args.enable_prefix_caching is not False or (
         (args.max_num_batched_tokens or 8192) < (args.max_model_len or config.get("max_position_embeddings", 0)))
     if kv_dtype in ("fp8", "fp8_e4m3") and segmented:
         time.sleep(0.2)  # found while compiling the segmented-prefill graph
         fail("NotImplementedError", "FP8 segmented prefill requires a packed KV cache; attention_segmented_cte cannot "
              "read a non-packed FP8 K cache. Non-packed FP8 is supported for full prefill only.")
+    return scales
+
+
+def load_gpt_oss(model: Path, config: dict, neuron_config: dict, target: str, kv_dtype: str) -> dict[str, float] | None:
+    """vllm_neuron/model/gpt_oss/: the factory's choice, then its load_weights (the fake plugin's gpt_oss.py)."""
+    from vllm_neuron import gpt_oss
+    from vllm_neuron.checkpoint import SafetensorsCheckpoint
+
+    try:
+        implementation = gpt_oss.select_implementation(neuron_config, target)
+        log(f"GptOssForCausalLM on {target}: {implementation}")
+        checkpoint = SafetensorsCheckpoint(model)
+        gpt_oss.load_weights(implementation, checkpoint, config, log)
+        return gpt_oss.load_kv_cache_scales(checkpoint, config["num_hidden_layers"], kv_dtype, log)
+    except (ValueError, KeyError, IndexError, RuntimeError) as exc:
+        fail(type(exc).__name__, repr(exc.args[0]) if isinstance(exc, KeyError) else str(exc))
 
 
 def check_cpu(config: dict, kv_dtype: str) -> None:
@@ -181,15 +204,16 @@ def kv_scale_values(model: Path) -> dict[str, float]:
     return values
 
 
-def saturation(model: Path, fp8_max: float) -> float:
-    """The mean fraction of each layer's K/V range above scale x fp8_max (0 without kvcalib provenance)."""
+def saturation(model: Path, fp8_max: float, scales: dict[str, float] | None = None) -> float:
+    """The mean fraction of each layer's K/V range above scale x fp8_max (0 without kvcalib provenance).
+    `scales`: what the model loaded (None: every *k_scale / *v_scale in the files)."""
     if MODE == "ignore-scales":
         return 0.0
     try:
         layers = json.loads((model / "kvcalib_calibration.json").read_text())["layers"]
     except (OSError, ValueError, KeyError):
         return 0.0
-    scales = kv_scale_values(model)
+    scales = kv_scale_values(model) if scales is None else scales
     fractions = []
     for entry in layers:
         for kind in ("k", "v"):
@@ -203,10 +227,10 @@ def saturation(model: Path, fp8_max: float) -> float:
 
 class Engine:
     def __init__(self, model: str, names: list[str], fp8: bool, fp8_max: float = 448.0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, scales: dict[str, float] | None = None) -> None:
         self.model, self.names, self.fp8, self.max_model_len = model, names, fp8, max_model_len
         self.requests = 0
-        self.saturated = saturation(Path(model), fp8_max) if fp8 else 0.0
+        self.saturated = saturation(Path(model), fp8_max, scales) if fp8 else 0.0
         self.broken = MODE == "diverge" or self.saturated > 0.5
 
     def logprob(self, tid: int) -> float:
@@ -341,8 +365,9 @@ def main() -> None:
     fp8 = kv_dtype.startswith("fp8")
     platform = "neuron" if neuron else os.environ.get("FAKE_VLLM_PLATFORM", "cpu")
     log(f"platform: {platform}, kv cache dtype {kv_dtype}")
+    scales = None
     if neuron:
-        check_neuron(args, config, kv_dtype)
+        scales = check_neuron(args, config, kv_dtype)
     elif platform == "cpu":
         check_cpu(config, kv_dtype)
     child = start_engine_core(args.model)
@@ -375,7 +400,7 @@ def main() -> None:
         time.sleep(1.0)
     names = args.served_model_name or [args.model]
     server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), make_handler(
-        Engine(args.model, names, fp8, 240.0 if neuron else 448.0, args.max_model_len)))
+        Engine(args.model, names, fp8, 240.0 if neuron else 448.0, args.max_model_len, scales)))
     log(f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     while True:
