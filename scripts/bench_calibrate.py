@@ -12,8 +12,9 @@ One run, three fresh processes in turn, on the same model, samples, dtype and th
   (c) forward    the floor: a process that imports torch and transformers, reads the same
                  samples through the same selection, loads the model and runs one full
                  `AutoModelForCausalLM` forward (every layer and the LM head, no KV cache,
-                 under inference_mode) over the same right-padded batches kvcalib uses,
-                 and writes nothing. A calibrator that runs the model cannot do less.
+                 under inference_mode, on kvcalib's compute path: a bf16 model's matmuls in
+                 float32 where the CPU has no native bf16) over the same right-padded batches
+                 kvcalib uses, and writes nothing. A calibrator that runs the model cannot do less.
 
 All three read the samples with kvcalib.hf.data.load_calibration_data (the first N rows,
 shuffled with seed 42, truncated to --max-seq-len). Each process gets OMP_NUM_THREADS and
@@ -108,13 +109,18 @@ def child_forward(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kvcalib.core.cpu import HostCpu, choose_compute
+    from kvcalib.hf.compute import compute_path
     from kvcalib.hf.data import batches
 
     tokenizer, data = child_sequences(args)
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    with torch.inference_mode():
+    # kvcalib's compute path (a bf16 model's matmuls in float32 on CPUs without native bf16), so that (a) and (c)
+    # differ only in what kvcalib adds
+    path = choose_compute("auto", model.dtype, torch.device("cpu"), HostCpu.detect())
+    with torch.inference_mode(), compute_path(path):
         for input_ids, mask in batches(data.sequences, args.batch_size, pad_id):
             model(input_ids=input_ids, attention_mask=mask, use_cache=False)
 

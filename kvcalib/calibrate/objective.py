@@ -123,7 +123,7 @@ def sample_terms(sample: AttentionSample, k: Candidates, v: Candidates, target: 
             output, _ = attention_rows(sample, key=quantised)
         else:
             output, _ = attention_rows(sample, value=quantised, probabilities=probabilities)
-        error = (output - reference).pow_(2).sum(dim=-1).double()  # [C, Hkv, groups * rows]
+        error = output.sub_(reference).pow_(2).sum(dim=-1).double()  # [C, Hkv, groups * rows]
         out[kind, 0] = error[..., ~held].sum(dim=-1)
         out[kind, 1] = error[..., held].sum(dim=-1)
         out[kind, 2] = (values.abs()[None] > cands.clip_at[:, :, None, None]).sum(dim=(-1, -2))  # saturated
@@ -141,7 +141,7 @@ def _fake_quantized(values: torch.Tensor, scale: torch.Tensor, target: fp8.Targe
         scaled = values[None] * r
     else:  # x / s, saturate, cast, * s
         scaled = values[None] / scale
-    q = scaled.clamp_(-target.fp8_max, target.fp8_max).to(torch.float8_e4m3fn).float()
+    q = fp8.round_to_e4m3(scaled.clamp_(-target.fp8_max, target.fp8_max))
     return q.div_(r) if target.neuron else q.mul_(scale)
 
 

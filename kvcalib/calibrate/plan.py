@@ -7,7 +7,9 @@ engine the run would use (the in-memory engine: the whole model loaded, as the r
 the first PROBE_LAYERS layers only, each loaded from disk as the run loads it), and the scale objective's search
 on what the probe observed. The estimate scales each measured part by what the run has more of:
 
-- load: measured (in memory), or the stream engine's start-up (skeleton, embeddings, the first inputs);
+- load: the checks and the data as the run makes them (in a fresh process that includes importing transformers,
+  which a run pays too), then the model's load (in memory) or the stream engine's start-up (skeleton,
+  embeddings, the first inputs);
 - observe: the probe's per-token compute time times the run's tokens (per layer for the stream engine, which
   also pays each layer's load once);
 - objective: the probe's search time times (the run's objective tokens / the probe's) and (layers / probed);
@@ -38,7 +40,7 @@ __all__ = ["PROBE_BATCHES", "PROBE_LAYERS", "CalibrationPlan", "Estimate", "plan
 PROBE_BATCHES = 2  # two, so a batch's compute is told apart from what a run pays once
 PROBE_LAYERS = 2  # the stream engine's probe: two layers, so a layer's load is told apart from its compute
 WRITE_BYTES_PER_S = 200e6  # copying weights where hard links do not work (an assumption, not measured)
-VALIDATE_SECONDS = 1.0
+VALIDATE_SECONDS = 0.1  # the config, card, scales and links, then validate: 0.01-0.03 s measured (SmolLM2, Qwen2.5-0.5B)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
     notify = progress or no_progress
     opts = options or CalibrateOptions()
     opts.check_arguments()
+    began = time.perf_counter()
     try:
         plan = check_run(model, dataset, Path(output), opts, dry=True)
         room = measure_room(Path(output), plan.checkpoint)
@@ -112,7 +115,8 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
     except KvcalibError as err:
         return CalibrationPlan(str(model), str(output), refusals=(err.message + (f" ({err.hint})" if err.hint else ""),))
     layers = num_hidden_layers(plan.checkpoint.config) or 1
-    probe = _probe(plan, data, pad, layers, notify)
+    setup = time.perf_counter() - began  # check_run and read_data: what the run does before its engine
+    probe = {**_probe(plan, data, pad, layers, notify), "setup_seconds": round(setup, 3)}
     needed = weight_bytes(plan.checkpoint, plan.dtype)
     peak, scratch = _memory(plan, data, needed, layers)
     limit = plan.engine.limit or opts.memory
@@ -193,7 +197,7 @@ def _estimate(probe: dict[str, Any], tokens: int, layers: int, output_bytes: int
     objective = probe["objective_seconds"] * probe["run_objective_tokens"] / max(probe["objective_tokens"], 1) \
         * layers / max(probe["layers"], 1)
     write = VALIDATE_SECONDS + (0.0 if linked else output_bytes / WRITE_BYTES_PER_S)
-    return Estimate(probe["load_seconds"], observe, objective, write)
+    return Estimate(probe["setup_seconds"] + probe["load_seconds"], observe, objective, write)
 
 
 def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, int]:

@@ -49,6 +49,7 @@ from kvcalib.hf.model import (
     effective_dtype,
     faithful_attention,
     mxfp4_dequantizer,
+    mxfp4_in_expert_chunks,
     num_layers,
     text_config,
 )
@@ -219,7 +220,8 @@ class _Weights:
         for file, keys in by_file.items():
             state.update(load_tensors(self.model_dir / file, keys))
         config = LoadStateDictConfig(weight_mapping=self._mapping(), dtype=self.dtype)
-        convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
+        with mxfp4_in_expert_chunks() if self.quantizer is not None else nullcontext():
+            convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if not name.startswith(prefix) or (skip and name.startswith(skip)):
                 continue

@@ -1,6 +1,6 @@
 """bf16 at float32 speed: a bf16 model's matmuls and attention computed in float32, rounded as bf16 rounds.
 
-`bf16_via_float32()` runs a bf16 model's `F.linear`, matmuls and SDPA in float32, rounding
+`bf16_via_float32()` runs a bf16 model's `F.linear`, matmuls, SDPA and MoE experts' grouped_mm in float32, rounding
 to bf16 exactly where the bf16 model rounds: bf16 inputs (upcast exactly), float32
 accumulation, the result rounded once to bf16. Every other op (norms, rotary embedding,
 activations, the K/V kvcalib records) stays the bf16 model's own. Weights stay in memory
@@ -168,10 +168,36 @@ class _Bf16ViaFloat32(TorchFunctionMode):
             return _linear(*args, **kwargs, weights=self.weights)
         if func is _F.scaled_dot_product_attention and _any_bf16(args[:3]):
             return _sdpa(*args, **kwargs)
+        if func in _GROUPED_MM and _any_bf16(args[:2]) and _experts_layout(*args, **kwargs):
+            return _grouped_mm(*args, **kwargs)
         if func in _UPCAST_OPS and _any_bf16(args):
             out = func(*(_up_all(a) for a in args), **{k: _up_all(v) for k, v in kwargs.items()})
             return out.to(torch.bfloat16) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
         return func(*args, **kwargs)
+
+
+# F.grouped_mm reaches a torch function mode as torch._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+_GROUPED_MM = frozenset(f for f in (getattr(torch, "_grouped_mm", None), getattr(_F, "grouped_mm", None)) if f)
+
+
+def _experts_layout(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> bool:
+    """grouped_mm as MoE experts call it (transformers.integrations.moe): tokens [M, in] sorted by expert, weights
+    [experts, in, out], `offs` the groups' end rows; anything else runs as it is."""
+    return (bias is None and out_dtype in (None, torch.bfloat16) and isinstance(offs, torch.Tensor)
+            and isinstance(mat_a, torch.Tensor) and isinstance(mat_b, torch.Tensor) and mat_a.dim() == 2
+            and mat_b.dim() == 3 and offs.numel() == mat_b.shape[0])
+
+
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+    """Each expert's rows times its own weight, upcast alone ([in, out], never the [experts, in, out] whole), in
+    float32, rounded to bf16 once; rows past the last group are zero."""
+    out = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]), dtype=torch.bfloat16)
+    start = 0
+    for expert, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = (mat_a[start:end].float() @ mat_b[expert].float()).to(torch.bfloat16)
+        start = end
+    return out
 
 
 def _any_bf16(args: tuple[Any, ...]) -> bool:

@@ -6,6 +6,8 @@ each with the error a user can act on.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,6 +264,41 @@ def mxfp4_dequantizer() -> Any:
     return AutoHfQuantizer.from_config(Mxfp4Config(dequantize=True), pre_quantized=True)
 
 
+MXFP4_EXPERTS_PER_CHUNK = 8  # experts dequantised at once: GPT-OSS-120B's gate_up, 8 of 128, is 265 MB in bf16
+
+
+@contextmanager
+def mxfp4_in_expert_chunks() -> Iterator[None]:
+    """transformers' MXFP4 dequantisation (transformers/integrations/mxfp4.py `convert_moe_packed_tensors`, which
+    `dequantize_convertops` calls as it loads) applied MXFP4_EXPERTS_PER_CHUNK experts at a time into one result.
+    The values are the same (it decodes element by element, then transposes each expert), the transient memory is
+    a chunk's instead of twice a layer's experts (its whole output, then a transposed copy of it: +8.5 GB for
+    GPT-OSS-120B's gate_up alone)."""
+    from transformers.integrations import mxfp4 as integration
+
+    original = integration.convert_moe_packed_tensors
+
+    def chunked(blocks: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        experts = blocks.shape[0] if blocks.dim() >= 3 else 0
+        if experts <= MXFP4_EXPERTS_PER_CHUNK:
+            return original(blocks, scales, **kwargs)
+        out = None
+        for first in range(0, experts, MXFP4_EXPERTS_PER_CHUNK):
+            last = min(first + MXFP4_EXPERTS_PER_CHUNK, experts)
+            part = original(blocks[first:last], scales[first:last], **kwargs)
+            if out is None:
+                out = part.new_empty((experts, *part.shape[1:]))
+            out[first:last] = part
+            del part
+        return out
+
+    integration.convert_moe_packed_tensors = chunked
+    try:
+        yield
+    finally:
+        integration.convert_moe_packed_tensors = original
+
+
 def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
                attn_implementation: str | None = None) -> torch.nn.Module:
     """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode. MXFP4 experts (GPT-OSS
@@ -276,12 +313,14 @@ def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torc
     if mxfp4:  # pre-quantized MXFP4 whatever config.json declares (kvcalib's Neuron form declares KV-only)
         config.quantization_config = {"quant_method": "mxfp4"}
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            model_dir, config=config, dtype=dtype if dtype is not None else "auto",
-            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, output_loading_info=True,
-            ignore_mismatched_sizes=True,  # reported in the loading info (and refused there), not raised
-            **({"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}),
-        )
+        with mxfp4_in_expert_chunks() if mxfp4 else nullcontext():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                model_dir, config=config, dtype=dtype if dtype is not None else "auto",
+                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported in the loading info (and refused there), not raised
+                **({"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}),
+            )
     except (ValueError, ImportError, NotImplementedError) as exc:  # what transformers raises for a model it cannot run
         raise UnsupportedModelError(
             f"{model_dir}: transformers cannot run this {type(config).__name__.removesuffix('Config')} model "
@@ -331,7 +370,8 @@ def dequantize_mxfp4(model_dir: str | Path, output: str | Path, max_shard_size: 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=Mxfp4Config(dequantize=True))
+    with mxfp4_in_expert_chunks():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=Mxfp4Config(dequantize=True))
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(output, max_shard_size=max_shard_size, save_original_format=False)

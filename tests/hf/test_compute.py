@@ -87,6 +87,26 @@ def test_emulated_linear_upcasts_a_large_weight_in_row_blocks():
     assert y.shape == (2, rows) and torch.equal(y, F.linear(x.float(), w.float(), b.float()).bfloat16())
 
 
+def test_emulated_grouped_mm_is_each_experts_float32_product_rounded_once():
+    """MoE experts (transformers' grouped_mm): each expert's rows times its own weight in float32, rounded once to
+    bf16, the [experts, in, out] weight never upcast whole; empty groups and rows past the last group are zero.
+    Other layouts run natively."""
+    torch.manual_seed(0)
+    a, b = torch.randn(40, 64).bfloat16(), torch.randn(4, 64, 96).bfloat16()
+    offs = torch.tensor([10, 10, 25, 36], dtype=torch.int32)  # expert 1 gets no rows; rows 36.. none
+    with bf16_via_float32():
+        out = F.grouped_mm(a, b, offs=offs)
+    bounds = [0, 10, 10, 25, 36]
+    expected = torch.zeros(40, 96, dtype=torch.bfloat16)
+    for e in range(4):
+        expected[bounds[e]:bounds[e + 1]] = (a[bounds[e]:bounds[e + 1]].float() @ b[e].float()).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    x = torch.randn(4, 5, 64).bfloat16()
+    with bf16_via_float32():  # 3-D x 3-D (batched) is not the experts' layout: left to torch
+        batched = F.grouped_mm(x, b)
+    assert torch.equal(batched, F.grouped_mm(x, b))
+
+
 def test_other_dtypes_and_ops_are_untouched():
     torch.manual_seed(0)
     x32, w32 = torch.randn(4, 8), torch.randn(5, 8)

@@ -21,11 +21,12 @@ MXFP4_QUANTIZATION_CONFIG = {
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks, scales) of an experts weight [E, in, out]."""
-    rows = weight.transpose(1, 2).float()  # [E, out, in]
+    rows = weight.transpose(1, 2).float().contiguous()  # [E, out, in]
     groups = rows.reshape(*rows.shape[:2], rows.shape[2] // 32, 32)
     exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
     scaled = groups / torch.exp2(exponent)[..., None]
-    magnitude = (scaled.abs()[..., None] - FP4_MAGNITUDES).abs().argmin(-1)
+    # the nearest FP4 magnitude, a tie to the smaller one: the midpoints between magnitudes as bucket boundaries
+    magnitude = torch.bucketize(scaled.abs(), (FP4_MAGNITUDES[1:] + FP4_MAGNITUDES[:-1]) / 2)
     code = magnitude + 8 * ((scaled < 0) & (magnitude > 0)).long()
     return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
 
