@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -81,12 +82,18 @@ def test_the_estimate_is_within_2x_of_the_tiny_mxfp4_gpt_oss_run(text_dataset, t
     out = tmp_path / "out"
     command = [sys.executable, "-m", "kvcalib", "calibrate", str(model), "--dataset", str(text_dataset), "-o",
                str(out), "--num-samples", "16", "--max-seq-len", "64", "--target", "trn2", "--engine", "stream", "--json"]
-    planned = subprocess.run([*command, "--plan"], capture_output=True, text=True, timeout=300)
-    assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
-    plan_json = json.loads(planned.stdout)
-    assert plan_json["refusals"] == [] and plan_json["engine"] == "stream" and plan_json["weights_linked"]
-    assert listing(tmp_path) == ["released"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    seconds, estimate = json.loads(run.stdout)["seconds"], plan_json["estimate_seconds"]
-    assert estimate["total"] / 2 <= seconds <= estimate["total"] * 2, (estimate, seconds)
+    pairs = []
+    for _attempt in range(2):  # a few seconds each: a neighbour's burst on a shared 2-core CI host can double one
+        shutil.rmtree(out, ignore_errors=True)
+        planned = subprocess.run([*command, "--plan"], capture_output=True, text=True, timeout=300)
+        assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
+        plan_json = json.loads(planned.stdout)
+        assert plan_json["refusals"] == [] and plan_json["engine"] == "stream" and plan_json["weights_linked"]
+        assert listing(tmp_path) == ["released"]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        pairs.append((plan_json["estimate_seconds"]["total"], json.loads(run.stdout)["seconds"]))
+        if pairs[-1][0] / 2 <= pairs[-1][1] <= pairs[-1][0] * 2:
+            break
+    else:
+        raise AssertionError(f"(estimate, run) seconds outside 2x twice: {pairs}")
