@@ -208,18 +208,13 @@ class _Weights:
 
     def load(self, prefix: str, skip: str | None = None) -> None:
         """Put the meta weights under `prefix` (except those under `skip`) on the device."""
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-        from transformers.modeling_utils import LoadStateDictConfig
-
         wanted = self._meta(prefix, skip)
         # MXFP4 experts one weight at a time, each source pair dropped once converted: a layer's MXFP4 tensors are
         # never all in memory beside its dequantised experts (GPT-OSS-120B: 1.6 GB of them a layer)
-        mxfp4 = [[name] for name in wanted if self.quantizer is not None
+        alone = [name for name in wanted if self.quantizer is not None
                  and any(k.endswith(MXFP4_BLOCKS) for k in self.sources.get(name, []))]
-        rest = [name for name in wanted if [name] not in mxfp4]
-        for names in [rest, *mxfp4]:
-            self._convert(names, LoadStateDictConfig(weight_mapping=self._mapping(), dtype=self.dtype),
-                          convert_and_load_state_dict_in_model)
+        for names in [[name for name in wanted if name not in alone], *([name] for name in alone)]:
+            self._convert(names)
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if not name.startswith(prefix) or (skip and name.startswith(skip)):
                 continue
@@ -232,9 +227,11 @@ class _Weights:
                 setattr(holder, attr, torch.nn.Parameter(moved, requires_grad=False)
                         if isinstance(tensor, torch.nn.Parameter) else moved)
 
-
-    def _convert(self, names: list[str], config: Any, convert: Any) -> None:
+    def _convert(self, names: list[str]) -> None:
         """Read the checkpoint tensors `names` are made from and load them through transformers' conversion."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
         by_file: dict[str, list[str]] = {}
         for name in names:
             for key in self.sources.get(name, []):
@@ -242,9 +239,11 @@ class _Weights:
         state: dict[str, torch.Tensor] = {}
         for file, keys in by_file.items():
             state.update(load_tensors(self.model_dir / file, keys))
-        if state:
-            with mxfp4_in_expert_chunks() if self.quantizer is not None else nullcontext():
-                convert(model=self.model, state_dict=state, load_config=config)
+        if not state:
+            return
+        config = LoadStateDictConfig(weight_mapping=self._mapping(), dtype=self.dtype)
+        with mxfp4_in_expert_chunks() if self.quantizer is not None else nullcontext():
+            convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
 
 
 class _HiddenStates:

@@ -289,7 +289,6 @@ def mxfp4_in_expert_chunks() -> Iterator[None]:
             if out is None:
                 out = part.new_empty((experts, *part.shape[1:]))
             out[first:last] = part
-            del part
         return out
 
     integration.convert_moe_packed_tensors = chunked

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from serve_helpers import FAKE_BIN, assert_nothing_left, fake_python, serve
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.serve.launch import server_argv
 from kvcalib.serve.server import free_port
 
 LAYERS = 3
@@ -41,11 +42,9 @@ def forms(tmp_path_factory, text_dataset) -> dict[str, Path]:
 
 def start(model: Path, python: Path, chip: str, neuron_config: dict | None, kv: str = "fp8") -> tuple[int | None, str]:
     """Start the fake server on a Neuron host of `chip` until it serves or exits: (exit code or None, its output)."""
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(free_port()),
-            "--kv-cache-dtype", kv, "--max-model-len", "256", "--max-num-batched-tokens", "256",
-            "--no-enable-prefix-caching", "--no-async-scheduling"]
-    if neuron_config is not None:
-        argv += ["--additional-config", json.dumps({"neuron_config": neuron_config})]
+    argv = server_argv(python, model, free_port(), fp8=kv == "fp8", device=chip, tp=1, max_model_len=256,
+                       max_num_seqs=4, baseline_dtype=kv,
+                       neuron_quantization=(neuron_config or {}).get("quantization"))
     env = {**os.environ, "FAKE_NEURON_LS": chip, "FAKE_VLLM_HEALTH_DELAY": "0"}
     env.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
