@@ -300,3 +300,24 @@ def test_mxfp4_dequantised_a_few_experts_at_a_time_is_transformers_own(monkeypat
         chunked = integration.dequantize_convertops(blocks, scales)
     assert integration.convert_moe_packed_tensors.__name__ == "convert_moe_packed_tensors"  # restored
     assert chunked.shape == whole.shape == (10, 64, 6) and torch.equal(chunked, whole)
+
+
+def test_the_stream_engine_dequantises_mxfp4_from_the_stored_bytes(tmp_path, text_dataset, monkeypatch):
+    """The stream loader hands transformers' dequantisation the MXFP4 blocks and scales as stored (uint8), as
+    from_pretrained does for a pre-quantized checkpoint: loaded without the quantizer, transformers casts them to
+    the model's dtype first, and for GPT-OSS-120B that bf16 copy of a layer's blocks was 2 GiB of the peak."""
+    from mxfp4 import build_gpt_oss_mxfp4
+    from transformers.integrations import mxfp4 as integration
+
+    seen = []
+    original = integration.convert_moe_packed_tensors
+
+    def recording(blocks, scales, **kwargs):
+        seen.append((blocks.dtype, scales.dtype))
+        return original(blocks, scales, **kwargs)
+
+    monkeypatch.setattr(integration, "convert_moe_packed_tensors", recording)
+    released = build_gpt_oss_mxfp4(tmp_path / "released", layers=2)
+    calibrate(released, str(text_dataset), tmp_path / "out",
+              CalibrateOptions(**{**OPTS, "target": "trn2", "engine": "stream", "scale_objective": "absmax"}))
+    assert seen and set(seen) == {(torch.uint8, torch.uint8)}, seen
