@@ -21,7 +21,8 @@ shuffled with seed 42, truncated to --max-seq-len). Each process gets OMP_NUM_TH
 MKL_NUM_THREADS = --threads. Wall time is measured around the process; CPU time (user +
 system) and peak RSS are the child's own rusage from wait4. With --reps, a, b and c take
 turns and the medians are printed. Prints the ratios a/b (target <= 0.5), a/c (target
-<= 0.9) and a/d (the search, target <= 1.25). On a shared machine wall time swings with the other load; CPU time swings less.
+<= 0.85: the forward stops after the last layer's K/V, so the floor is about 0.8) and a/d (the search, target
+<= 1.25). On a shared machine wall time swings with the other load; CPU time swings less.
 Timing is for reading: nothing is asserted.
 
     python scripts/bench_calibrate.py [--model DIR] [--dataset FILE] [--num-samples 64]
@@ -191,7 +192,7 @@ def main() -> None:
         ratio = {i: med["a"][i] / med["b"][i] for i in range(3)}
         print(f"wall a/b = {ratio[0]:.2f} (target <= 0.5)   CPU a/b = {ratio[1]:.2f}   peak RSS a/b = {ratio[2]:.2f}")
     ratio = {i: (med["a"][i] / med["c"][i], med["d"][i] / med["c"][i], med["a"][i] / med["d"][i]) for i in range(3)}
-    print(f"wall a/c = {ratio[0][0]:.2f} (target <= 0.9)   wall d/c = {ratio[0][1]:.2f}   "
+    print(f"wall a/c = {ratio[0][0]:.2f} (target <= 0.85)   wall d/c = {ratio[0][1]:.2f}   "
           f"search cost a/d = {ratio[0][2]:.2f} (target <= 1.25)")
     print(f"CPU  a/c = {ratio[1][0]:.2f}   CPU  d/c = {ratio[1][1]:.2f}   CPU  a/d = {ratio[1][2]:.2f}   "
           f"peak RSS a/c = {ratio[2][0]:.2f}, a/d = {ratio[2][2]:.2f}")

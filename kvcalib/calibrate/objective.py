@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from kvcalib.core import fp8
-from kvcalib.hf.samples import AttentionSample, attention_rows
+from kvcalib.hf.samples import AttentionSample, Workspace, attention_rows
 
 __all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER", "WIDER_GAIN",
            "Candidates", "Gather", "KindChoice", "candidates", "choose", "sample_terms", "search", "sum_terms"]
@@ -88,60 +88,64 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     heads = head_absmax.float().reshape(-1)
     base = heads if per_head else heads.max().expand(kv_heads or heads.numel())
     factors = sorted({*FACTORS, *((target.fp8_max / 448.0,) if target.fp8_max != 448.0 else ())}, reverse=True)
-    labels, scales, ranges = [], [], []
-    for f in factors:
-        labels.append(ABSMAX_LABEL if f == 1.0 else ("absmax/448" if f == target.fp8_max / 448.0
-                                                     else f"absmax x{f:.4g}"))
-        ranges.append(base * f)
-        scales.append(fp8.scale_from_absmax(base * f, target))
-    labels.append(UNIT_LABEL)
-    scales.append(torch.ones_like(base))
-    ranges.append(torch.full_like(base, target.fp8_max))
-    for f in WIDER:
-        labels.append(f"absmax x{f:.4g}")
-        ranges.append(base * f)
-        scales.append(fp8.scale_from_absmax(base * f, target))
-    stacked = torch.stack(scales)
+    labels = [ABSMAX_LABEL if f == 1.0 else ("absmax/448" if f == target.fp8_max / 448.0 else f"absmax x{f:.4g}")
+              for f in factors]
+    labels += [UNIT_LABEL, *(f"absmax x{f:.4g}" for f in WIDER)]
+    unit = len(factors)
+    ranges = torch.stack([base * f for f in factors] + [torch.full_like(base, target.fp8_max)]
+                         + [base * f for f in WIDER])
+    stacked = fp8.scale_from_absmax(ranges, target)  # element-wise: every candidate's scale at once
+    stacked[unit] = 1.0
     clip_at = fp8.from_fp8_domain(torch.full_like(stacked, target.fp8_max), stacked, target)
-    return Candidates(tuple(labels), stacked, torch.stack(ranges), clip_at)
+    return Candidates(tuple(labels), stacked, ranges, clip_at)
 
 
 
 
-def sample_terms(sample: AttentionSample, k: Candidates, v: Candidates, target: fp8.Target
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_terms(sample: AttentionSample, k: Candidates, v: Candidates, target: fp8.Target,
+                 work: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample's additive terms: float64 [2 kinds, 4, C, kv_heads] (per kind: the squared attention-output
     error on the choosing rows, on the held-out rows, the K/V elements each candidate saturates, the elements)
-    and [2, kv_heads] (the unquantised output's squared norm on the choosing and the held-out rows)."""
+    and [2, kv_heads] (the unquantised output's squared norm on the choosing and the held-out rows). `work`: the
+    buffers of a search, reused from sample to sample."""
+    work = work or Workspace()
     reference, probabilities = attention_rows(sample)  # [Hkv, groups * rows, D]
     rows = sample.query.shape[1]
     held = sample.held_out.repeat(reference.shape[1] // rows)  # the same rows in every query head of a group
     out = torch.zeros(2, 4, k.scales.shape[0], k.scales.shape[1], dtype=torch.float64)
     for kind, (values, cands) in enumerate(((sample.key, k), (sample.value, v))):
-        quantised = _fake_quantized(values, cands.scales[:, :, None, None], target)  # [C, Hkv, L, D]
+        quantised = _fake_quantized(values, cands.scales[:, :, None, None], target, work)  # [C, Hkv, L, D]
         if kind == 0:
-            output, _ = attention_rows(sample, key=quantised)
+            output, _ = attention_rows(sample, key=quantised, work=work)
         else:
-            output, _ = attention_rows(sample, value=quantised, probabilities=probabilities)
+            output, _ = attention_rows(sample, value=quantised, probabilities=probabilities, work=work)
         error = output.sub_(reference).pow_(2).sum(dim=-1).double()  # [C, Hkv, groups * rows]
         out[kind, 0] = error[..., ~held].sum(dim=-1)
         out[kind, 1] = error[..., held].sum(dim=-1)
-        out[kind, 2] = (values.abs()[None] > cands.clip_at[:, :, None, None]).sum(dim=(-1, -2))  # saturated
+        magnitude = values.abs().flatten(-2)  # [Hkv, L * D]
+        saturated = work.get("saturated", (cands.clip_at.shape[0], *magnitude.shape))
+        # as 0.0/1.0: a comparison into float32 and its sum (exact below 2^24) are vectorised, a bool one is not
+        out[kind, 2] = torch.gt(magnitude[None], cands.clip_at[:, :, None], out=saturated).sum(dim=-1)
         out[kind, 3] = float(values.shape[-1] * values.shape[-2])
     norm = reference.pow(2).sum(dim=-1, dtype=torch.float64)  # [Hkv, groups * rows]
     return out, torch.stack([norm[..., ~held].sum(dim=-1), norm[..., held].sum(dim=-1)])
 
 
-def _fake_quantized(values: torch.Tensor, scale: torch.Tensor, target: fp8.Target) -> torch.Tensor:
-    """fp8.fake_quantize(values[None], scale, target), every candidate at once, in place where it can be."""
+def _fake_quantized(values: torch.Tensor, scale: torch.Tensor, target: fp8.Target, work: Workspace | None = None
+                    ) -> torch.Tensor:
+    """fp8.fake_quantize(values[None], scale, target), every candidate at once, in `work`'s buffers (valid until
+    the next call). A negative value that rounds to zero is +0 (fp8.round_to_e4m3_)."""
     if target.toward_zero:
         return fp8.fake_quantize(values[None], scale, target)
+    work = work or Workspace()
+    shape = (scale.shape[0], *values.shape)
+    scaled = work.get("fp8", shape)
     if target.neuron:  # x * r, clamp, cast, / r (core.fp8.to_fp8_domain / from_fp8_domain)
         r = fp8.neuron_reciprocal(scale)
-        scaled = values[None] * r
+        torch.mul(values[None], r, out=scaled)
     else:  # x / s, saturate, cast, * s
-        scaled = values[None] / scale
-    q = fp8.round_to_e4m3(scaled.clamp_(-target.fp8_max, target.fp8_max))
+        torch.div(values[None], scale, out=scaled)
+    q = fp8.round_to_e4m3_(scaled.clamp_(-target.fp8_max, target.fp8_max), work.get("scratch", shape))
     return q.div_(r) if target.neuron else q.mul_(scale)
 
 
@@ -229,7 +233,8 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
 
     grids = [(candidates(k_heads[i], target, per_head, kv_heads(i)), candidates(v_heads[i], target, per_head, kv_heads(i)))
              for i in range(len(samples))]
-    local = [[sample_terms(s, *grids[i], target) for s in layer] for i, layer in enumerate(samples)]
+    work = Workspace()
+    local = [[sample_terms(s, *grids[i], target, work) for s in layer] for i, layer in enumerate(samples)]
     everyone = gather([local])  # one entry per rank: its per-layer lists
     chosen = []
     for i, (k, v) in enumerate(grids):

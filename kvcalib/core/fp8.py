@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TARGET", "EMULATED", "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok",
     "fake_quantize", "from_fp8_domain", "get_target", "implied_fp8_max", "neuron_reciprocal", "round_to_e4m3",
-    "scale_from_absmax", "sqnr_db", "to_fp8_domain",
+    "round_to_e4m3_", "scale_from_absmax", "sqnr_db", "to_fp8_domain",
 ]
 
 
@@ -84,32 +84,23 @@ def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Ten
     `s = absmax / fp8_max`, nudged up to the smallest value for which the target's own
     arithmetic maps absmax inside ±fp8_max, so the calibrated maximum never saturates:
     on Neuron `absmax * bf16(1 / bf16(s)) <= fp8_max` with `s` on the bf16 grid (the plugin
-    reads it through bf16 anyway); on GPU `absmax / s <= fp8_max` in float32.
+    reads it through bf16 anyway); on GPU `absmax / s <= fp8_max` in float32. A non-finite
+    `absmax / fp8_max` is returned as it is.
     """
     import torch
 
-    absmax = torch.as_tensor(absmax, dtype=torch.float32)
-    flat = [_safe_scale(float(a), target) for a in absmax.reshape(-1).tolist()]
-    return torch.tensor(flat, dtype=torch.float32).reshape(absmax.shape)
-
-
-def _safe_scale(absmax: float, target: Target) -> float:
-    import torch
-
-    a = torch.tensor(absmax, dtype=torch.float32)
+    a = torch.as_tensor(absmax, dtype=torch.float32)
     s = torch.clamp(a / target.fp8_max, min=SCALE_FLOOR)
-    if not torch.isfinite(s):
-        return float(s)
+    finite = torch.isfinite(s)
     if target.neuron:
-        s_bf16 = s.to(torch.bfloat16)
-        if s_bf16.float() < s:
-            s_bf16 = _next_bf16_up(s_bf16)
-        while a * neuron_reciprocal(s_bf16.float()) > target.fp8_max:
-            s_bf16 = _next_bf16_up(s_bf16)
-        return float(s_bf16.float())
-    while a / s > target.fp8_max:
-        s = torch.nextafter(s, torch.tensor(float("inf")))
-    return float(s)
+        b = s.to(torch.bfloat16)
+        b = torch.where(b.float() < s, _next_bf16_up(b), b)
+        while bool((over := finite & (a * neuron_reciprocal(b.float()) > target.fp8_max)).any()):
+            b = torch.where(over, _next_bf16_up(b), b)
+        return torch.where(finite, b.float(), s)
+    while bool((over := finite & (a / s > target.fp8_max)).any()):
+        s = torch.where(over, torch.nextafter(s, torch.tensor(float("inf"))), s)
+    return s
 
 
 def _next_bf16_up(x: torch.Tensor) -> torch.Tensor:
@@ -191,29 +182,39 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
     return from_fp8_domain(q, scale, target).to(x.dtype)
 
 
-# Veltkamp's splitting constant for 4 significant bits of float32's 24 (E4M3: 1 + 3 mantissa bits), and the
-# constant whose binade's spacing is E4M3's subnormal step 2^-9 (1.5 x 2^14)
-_SPLIT, _SUBNORMAL = float(2**20 + 1), 24576.0
+# round_to_e4m3: float32's exponent field; 1.5 x 2^20 (times 2^e: a binade whose float32 spacing, 2^(e+20-23), is
+# E4M3's step 2^(e-3) in y's binade); 1.5 x 2^14, the one whose spacing is E4M3's subnormal step 2^-9
+_EXPONENT_BITS, _BINADE, _SUBNORMAL = 0x7F800000, 1.5 * 2.0**20, 1.5 * 2.0**14
 
 
 def round_to_e4m3(y: torch.Tensor) -> torch.Tensor:
     """float32 `y` (|y| <= 448) rounded to the nearest E4M3FN value, ties to even: the same values as
-    `y.to(torch.float8_e4m3fn).float()`, bit for bit (checked on every float32 in [-448, 448]), in float32
-    arithmetic, faster on CPU than the round trip through float8 (2.9 against 4.2 ms for 786k values).
-    Normal range (|y| >= 2^-6): Veltkamp's splitting keeps the 4 leading significant bits; below it, adding and
-    removing 1.5 x 2^14 rounds to E4M3's subnormal step 2^-9."""
+    `y.to(torch.float8_e4m3fn).float()`, bit for bit (checked on every float32 in [-448, 448], both zeros
+    included), in float32 arithmetic, about 4x faster on CPU than the round trip through float8.
+
+    E4M3 keeps 4 significant bits, so its step in y's binade [2^e, 2^(e+1)) is 2^(e-3), and 2^-9 below 2^-6
+    (its subnormals). c = 1.5 x 2^(e+20), floored at 1.5 x 2^14, is a float32 whose binade has exactly that
+    spacing, and wide enough that y + c stays in it: the float32 sum rounds y to the step, to even (c's
+    significand is even), and subtracting c again is exact (Sterbenz). No masks and no data-dependent
+    branch: six elementwise passes."""
+    y = y.float()
+    c = _rounding_constant(y)
+    return (y + c).sub_(c).copysign_(y)  # copysign: a negative value that rounds to zero is -0, as the cast gives
+
+
+def round_to_e4m3_(y: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """round_to_e4m3 in place on float32 `y`, with `scratch` (float32, y's shape) for the constant: the same
+    values, except that a negative value rounding to zero gives +0 (no difference to any sum or square)."""
+    c = _rounding_constant(y, out=scratch)
+    return y.add_(c).sub_(c)
+
+
+def _rounding_constant(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """round_to_e4m3's c for every element of float32 `y`: 1.5 x 2^(e+20), at least 1.5 x 2^14."""
     import torch
 
-    y = y.float()  # the splitting is float32's (24 significant bits)
-    c = y * _SPLIT
-    d = c - y
-    c.sub_(d)  # c - (c - y): y to 4 significant bits
-    small = torch.abs(y, out=d) < 2.0**-6
-    if bool(small.any()):  # few: K/V in the FP8 domain are mostly far above E4M3's subnormals
-        index = small.nonzero(as_tuple=True)
-        tiny = y[index]
-        c[index] = (tiny + _SUBNORMAL).sub_(_SUBNORMAL).copysign_(tiny)
-    return c
+    bits = torch.bitwise_and(y.view(torch.int32), _EXPONENT_BITS, out=None if out is None else out.view(torch.int32))
+    return bits.view(torch.float32).mul_(_BINADE).clamp_min_(_SUBNORMAL)  # 2^e (0 for zeros, subnormals) x 1.5 x 2^20
 
 
 def _toward_zero(y: torch.Tensor) -> torch.Tensor:

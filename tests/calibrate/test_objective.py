@@ -248,3 +248,51 @@ def test_the_searchs_quantiser_is_the_chips(target):
     scale = grid.scales[:, :, None, None]
     fast = objective._fake_quantized(values, scale, fp8.get_target(target))
     assert torch.equal(fast, fp8.fake_quantize(values[None], scale, fp8.get_target(target)))
+
+
+def _sample(length: int, seed: int, sinks: bool = False, softcap: float | None = None):
+    from kvcalib.hf.samples import AttentionSample
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.tensor([0, length // 3, length // 2, length - 1])
+    causal = torch.arange(length)[None, :] <= rows[:, None]
+    return AttentionSample(
+        query=torch.randn(4, len(rows), 8, generator=g) * 3, key=torch.randn(2, length, 8, generator=g) * 20,
+        value=torch.randn(2, length, 8, generator=g), bias=torch.zeros(causal.shape).masked_fill(~causal, float("-inf")),
+        held_out=torch.tensor([False, True, False, True]), scaling=8**-0.5, softcap=softcap,
+        sinks=torch.randn(4, generator=g) if sinks else None)
+
+
+@pytest.mark.parametrize("target", ["trn2", "gpu", "vllm-cpu"])
+def test_the_terms_are_each_candidates_own_attention(target):
+    """sample_terms scores every candidate at once, in buffers reused from sample to sample: each candidate's
+    terms are what quantising K (then V) with it alone and recomputing the rows' attention give, and the elements
+    it saturates are counted exactly; samples of different lengths (and soft-capping, sinks) through one Workspace
+    give what they give alone."""
+    from kvcalib.hf.samples import Workspace, attention_rows
+
+    chip = fp8.get_target(target)
+    work = Workspace()
+    samples = [_sample(40, 0), _sample(17, 1, sinks=True), _sample(64, 2, softcap=5.0), _sample(40, 3)]
+    for sample in samples:
+        k = objective.candidates(sample.key.abs().amax(dim=(1, 2)), chip, per_head=True)
+        v = objective.candidates(sample.value.abs().amax(dim=(1, 2)), chip, per_head=False, kv_heads=2)
+        terms, norms = objective.sample_terms(sample, k, v, chip, work)
+        alone, _ = objective.sample_terms(sample, k, v, chip)
+        assert torch.equal(terms, alone)
+        reference, probabilities = attention_rows(sample)
+        held = sample.held_out.repeat(2)
+        for kind, (values, cands) in enumerate(((sample.key, k), (sample.value, v))):
+            for c in range(cands.scales.shape[0]):
+                quantised = fp8.fake_quantize(values, cands.scales[c][:, None, None], chip)
+                output, _ = attention_rows(sample, **({"key": quantised} if kind == 0 else {"value": quantised}))
+                error = (output - reference).double().pow(2).sum(dim=-1)  # [Hkv, rows]
+                assert terms[kind, 0, c].tolist() == pytest.approx(error[:, ~held].sum(-1).tolist(), rel=1e-5, abs=1e-9)
+                assert terms[kind, 1, c].tolist() == pytest.approx(error[:, held].sum(-1).tolist(), rel=1e-5, abs=1e-9)
+                saturated = (values.abs() > cands.clip_at[c][:, None, None]).sum(dim=(1, 2))
+                assert terms[kind, 2, c].tolist() == saturated.tolist()
+            assert set(terms[kind, 3].flatten().tolist()) == {float(values.shape[1] * values.shape[2])}
+        squares = reference.double().pow(2).sum(-1)
+        assert norms.flatten().tolist() == pytest.approx(
+            squares[:, ~held].sum(-1).tolist() + squares[:, held].sum(-1).tolist(), rel=1e-6)
+        assert probabilities.shape == (2, 8, sample.key.shape[1])

@@ -143,10 +143,10 @@ def test_bf16_reciprocal_check_needs_no_torch_and_agrees_with_it():
 
 
 def test_round_to_e4m3_is_the_float8_cast_bit_for_bit():
-    """The arithmetic rounding (Veltkamp's splitting, and the subnormal step) against torch's own cast on every
-    E4M3 value, every midpoint between neighbours (ties to even), one float32 ulp either side of each, the
-    subnormal range densely, and random values over every binade, both signs. (Run once over every float32 in
-    [-448, 448]: no difference.)"""
+    """The arithmetic rounding (adding and removing a constant whose binade's spacing is E4M3's step) against
+    torch's own cast on every E4M3 value, every midpoint between neighbours (ties to even), one float32 ulp either
+    side of each, the subnormal range densely, and random values over every binade, both signs and both zeros.
+    (Run once over every float32 in [-448, 448]: no difference.)"""
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448, no NaN
     mids = (grid[1:] + grid[:-1]) / 2
     points = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
@@ -154,3 +154,17 @@ def test_round_to_e4m3_is_the_float8_cast_bit_for_bit():
     points = torch.cat([points, -points]).clamp(-448, 448)
     expected = points.to(torch.float8_e4m3fn).float()
     assert torch.equal(fp8.round_to_e4m3(points).view(torch.int32), expected.view(torch.int32))
+    in_place = points.clone()  # the search's variant: the same values in its own buffers, +0 for -0
+    assert fp8.round_to_e4m3_(in_place, torch.empty_like(points)) is in_place and torch.equal(in_place, expected)
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3", "gpu"])
+def test_scale_from_absmax_is_element_by_element(target):
+    """Every element of a tensor gets the scale it gets alone (the search asks for all its candidates at once)."""
+    chip = fp8.get_target(target)
+    torch.manual_seed(0)
+    values = torch.cat([torch.exp2(torch.empty(300).uniform_(-40, 40)), torch.tensor(
+        [0.0, 1e-45, 1e-8, 239.9, 240.0, 448.0, 3.3e38, float("inf"), float("nan")])]).reshape(3, -1)
+    together = fp8.scale_from_absmax(values, chip)
+    alone = torch.stack([fp8.scale_from_absmax(float(a), chip) for a in values.flatten().tolist()]).reshape(3, -1)
+    assert together.shape == values.shape and torch.equal(together.view(torch.int32), alone.view(torch.int32))
