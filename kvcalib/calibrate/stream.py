@@ -43,7 +43,7 @@ from kvcalib.hf.attention import (
 )
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
-from kvcalib.hf.memory import MemoryLimit, available_memory
+from kvcalib.hf.memory import MemoryLimit, available_memory, release_free_memory
 from kvcalib.hf.model import (
     build_skeleton,
     effective_dtype,
@@ -105,6 +105,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
                     observer.end_batch()
                 progress.step(i, b)
             layer.to("meta")  # frees the layer's weights
+            release_free_memory()  # and the forward's freed activations, before the next layer loads
     return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
 
 

@@ -21,6 +21,8 @@ from kvcalib.hf.memory import (
     MemoryLimit,
     available_memory,
     choose_engine,
+    proc_status,
+    release_free_memory,
     weight_bytes,
 )
 from kvcalib.calibrate.ranks import Ranks
@@ -189,6 +191,34 @@ def test_weight_bytes_are_counted_in_the_calibration_dtype(tiny_llama_master):
     f32 = weight_bytes(tiny_llama_master, None)  # the checkpoint is float32
     assert f32 == sum(t.numel() * 4 for p in tiny_llama_master.glob("*.safetensors") for t in load_file(p).values())
     assert weight_bytes(tiny_llama_master, torch.bfloat16) == f32 // 2
+
+
+def test_freed_heap_memory_goes_back_to_the_system_between_layers():
+    """What the stream engine calls after each layer: blocks freed in the middle of glibc's heap (as a forward's
+    activations leave them, each pinned by a later allocation) stay resident until release_free_memory."""
+    import ctypes
+    import ctypes.util
+
+    if not release_free_memory():
+        pytest.skip("no glibc malloc_trim here (musl or macOS): the stream engine skips the call too")
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks, pins = [], []
+    for _ in range(1000):  # 100 kB blocks: under glibc's smallest mmap threshold, so they come from the heap
+        block = libc.malloc(100_000)
+        ctypes.memset(block, 1, 100_000)
+        blocks.append(block)
+        pins.append(libc.malloc(20_000))  # too large for the small free lists: taken from the heap's top, after it
+        ctypes.memset(pins[-1], 1, 20_000)
+    for block in blocks:
+        libc.free(block)
+    held = proc_status()["VmRSS"]
+    assert release_free_memory()
+    released = held - proc_status()["VmRSS"]
+    for pin in pins:
+        libc.free(pin)
+    assert released > 50 * 2**20, released
 
 
 def test_auto_keeps_a_small_model_in_memory(tiny_llama_master):
