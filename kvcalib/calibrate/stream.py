@@ -250,7 +250,7 @@ class _Weights:
             return
         config = LoadStateDictConfig(weight_mapping=self._mapping(), dtype=self.dtype,
                                      hf_quantizer=self.quantizer if quantized else None)
-        with mxfp4_in_expert_chunks() if self.quantizer is not None else nullcontext():
+        with mxfp4_in_expert_chunks() if quantized else nullcontext():
             convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
 
 

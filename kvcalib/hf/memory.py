@@ -9,9 +9,11 @@ layer by layer when the in-memory engine would not fit, and says why.
 
 from __future__ import annotations
 
+import functools
 import resource
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -172,19 +174,24 @@ def release_free_memory() -> bool:
     A layer's forward leaves hundreds of MB of freed activations in glibc's heaps (blocks under its mmap
     threshold stay there, and the ones in mid-heap are not trimmed on free), which the next layer's load then
     counts on top of its own peak. Nothing is freed that is in use; it costs a few milliseconds."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # musl, macOS: no malloc_trim
-        return False
+    trim = _malloc_trim()
     if trim is None:
         return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim among the symbols the process has loaded (None: musl, macOS, Windows)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def out_of_memory_error(exc: BaseException, engine: str, device: torch.device) -> OutOfMemoryError | None:

@@ -197,11 +197,10 @@ def test_freed_heap_memory_goes_back_to_the_system_between_layers():
     """What the stream engine calls after each layer: blocks freed in the middle of glibc's heap (as a forward's
     activations leave them, each pinned by a later allocation) stay resident until release_free_memory."""
     import ctypes
-    import ctypes.util
 
     if not release_free_memory():
         pytest.skip("no glibc malloc_trim here (musl or macOS): the stream engine skips the call too")
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc = ctypes.CDLL(None)  # the C library this process runs on
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     blocks, pins = [], []
