@@ -30,6 +30,11 @@ Two kinds of candidate, two bars:
   V's equally good scales differ by 1-3 %, K's by ~5 %, and a pick by noise is no better.
 Per KV head with `attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum),
 so batches dealt to any number of ranks give the same choice as one process.
+
+absmax's error is the bar every other candidate must get under, so it (and 1.0, whose error is
+reported) is scored on every sample first; a candidate whose error so far already reaches its bar
+is scored no further (errors only grow with samples): the same choices and reported errors as
+scoring everything, with about half the candidates scored on real models.
 """
 
 from __future__ import annotations
@@ -100,33 +105,37 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     return Candidates(tuple(labels), stacked, ranges, clip_at)
 
 
-
-
 def sample_terms(sample: AttentionSample, k: Candidates, v: Candidates, target: fp8.Target,
-                 work: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 work: Workspace | None = None, subset: tuple[list[int], list[int]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample's additive terms: float64 [2 kinds, 4, C, kv_heads] (per kind: the squared attention-output
     error on the choosing rows, on the held-out rows, the K/V elements each candidate saturates, the elements)
     and [2, kv_heads] (the unquantised output's squared norm on the choosing and the held-out rows). `work`: the
-    buffers of a search, reused from sample to sample."""
+    buffers of a search, reused from sample to sample. `subset`: the K and the V candidates to score (the others'
+    terms are 0); None: all."""
     work = work or Workspace()
     reference, probabilities = attention_rows(sample)  # [Hkv, groups * rows, D]
     rows = sample.query.shape[1]
     held = sample.held_out.repeat(reference.shape[1] // rows)  # the same rows in every query head of a group
     out = torch.zeros(2, 4, k.scales.shape[0], k.scales.shape[1], dtype=torch.float64)
     for kind, (values, cands) in enumerate(((sample.key, k), (sample.value, v))):
-        quantised = _fake_quantized(values, cands.scales[:, :, None, None], target, work)  # [C, Hkv, L, D]
+        chosen = slice(None) if subset is None else subset[kind]
+        out[kind, 3] = float(values.shape[-1] * values.shape[-2])
+        if subset is not None and not chosen:
+            continue
+        scales, clip_at = cands.scales[chosen], cands.clip_at[chosen]
+        quantised = _fake_quantized(values, scales[:, :, None, None], target, work)  # [C, Hkv, L, D]
         if kind == 0:
             output, _ = attention_rows(sample, key=quantised, work=work)
         else:
             output, _ = attention_rows(sample, value=quantised, probabilities=probabilities, work=work)
         error = output.sub_(reference).pow_(2).sum(dim=-1).double()  # [C, Hkv, groups * rows]
-        out[kind, 0] = error[..., ~held].sum(dim=-1)
-        out[kind, 1] = error[..., held].sum(dim=-1)
+        out[kind, 0, chosen] = error[..., ~held].sum(dim=-1)
+        out[kind, 1, chosen] = error[..., held].sum(dim=-1)
         magnitude = values.abs().flatten(-2)  # [Hkv, L * D]
-        saturated = work.get("saturated", (cands.clip_at.shape[0], *magnitude.shape))
+        saturated = work.get("saturated", (clip_at.shape[0], *magnitude.shape))
         # as 0.0/1.0: a comparison into float32 and its sum (exact below 2^24) are vectorised, a bool one is not
-        out[kind, 2] = torch.gt(magnitude[None], cands.clip_at[:, :, None], out=saturated).sum(dim=-1)
-        out[kind, 3] = float(values.shape[-1] * values.shape[-2])
+        out[kind, 2, chosen] = torch.gt(magnitude[None], clip_at[:, :, None], out=saturated).sum(dim=-1).double()
     norm = reference.pow(2).sum(dim=-1, dtype=torch.float64)  # [Hkv, groups * rows]
     return out, torch.stack([norm[..., ~held].sum(dim=-1), norm[..., held].sum(dim=-1)])
 
@@ -221,29 +230,83 @@ def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Seque
                key=lambda c: (errors[c], c))
 
 
-Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (one process: the list itself)
-
-
 def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch.Tensor],
            v_heads: Sequence[torch.Tensor], target: fp8.Target, per_head: bool,
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
-    """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`)."""
+    """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`).
+
+    absmax and 1.0 are scored on every sample first: absmax's error is the bar every other candidate must get
+    under (GAIN, WIDER_GAIN) to be chosen. The others are then scored sample by sample, and a candidate stops
+    being scored once its error so far already reaches its bar: errors only grow with more samples, so it could
+    not be chosen. The choice, and every error and clipped fraction it reports, are those of scoring everything
+    (on a rank, the bar is every rank's absmax and the sums its own samples'; gathered, they only grow)."""
     def kv_heads(i: int) -> int | None:
         return samples[i][0].key.shape[0] if samples[i] else None
 
     grids = [(candidates(k_heads[i], target, per_head, kv_heads(i)), candidates(v_heads[i], target, per_head, kv_heads(i)))
              for i in range(len(samples))]
     work = Workspace()
-    local = [[sample_terms(s, *grids[i], target, work) for s in layer] for i, layer in enumerate(samples)]
-    everyone = gather([local])  # one entry per rank: its per-layer lists
+    anchors = [([0, k.unit], [0, v.unit]) for k, v in grids]
+    local = [[sample_terms(s, *grids[i], target, work, anchors[i]) for s in layer] for i, layer in enumerate(samples)]
+    first = gather([local])  # one entry per rank: its per-layer lists
+    bars = [_sum_or_none([t for rank in first for t, _ in rank[i]]) for i in range(len(grids))]
+    rest = [_scored_until_ruled_out(layer, *grids[i], target, per_head, bars[i], anchors[i], work)
+            for i, layer in enumerate(samples)]
+    everyone = gather([rest])
     chosen = []
     for i, (k, v) in enumerate(grids):
-        pairs = [pair for rank in everyone for pair in rank[i]]
+        pairs = [pair for rank in first for pair in rank[i]]
         if not pairs:
             raise ValueError(f"layer {i}: no attention samples")
-        terms, norms = sum_terms([t for t, _ in pairs]), sum_terms([n for _, n in pairs])
+        terms = sum_terms([t for t, _ in pairs] + [t for rank in everyone for t in rank[i]])
+        norms = sum_terms([n for _, n in pairs])
         chosen.append((choose(terms[0], norms, k, per_head), choose(terms[1], norms, v, per_head), k, v))
     return chosen
+
+
+def _sum_or_none(per_sample: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    return sum_terms(per_sample) if per_sample else None
+
+
+# a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one: a candidate is ruled out
+# only this far past its bar, so that the exactly rounded sums choose() compares are past it too
+_MARGIN = 1.0 + 1e-9
+
+
+def _scored_until_ruled_out(layer: Sequence[AttentionSample], k: Candidates, v: Candidates, target: fp8.Target,
+                            per_head: bool, bars: torch.Tensor | None, anchors: tuple[list[int], list[int]],
+                            work: Workspace) -> list[torch.Tensor]:
+    """The terms of every candidate but the anchors, sample after sample, each until `bars` (absmax's summed
+    terms, [2, 4, C, kv_heads]) rule it out."""
+    if bars is None:
+        return []
+    active = tuple([c for c in range(cands.scales.shape[0]) if c not in anchors[kind]] for kind, cands in enumerate((k, v)))
+    sums = torch.zeros_like(bars)
+    out = []
+    for sample in layer:
+        if not any(active):
+            break
+        terms, _ = sample_terms(sample, k, v, target, work, active)
+        terms[:, 3] = 0.0  # the sample's elements are counted once, with the anchors
+        out.append(terms)
+        sums += terms
+        ruled = [_ruled_out(sums[kind, :2], bars[kind, :2, 0], cands.keeps_range, per_head)
+                 for kind, cands in enumerate((k, v))]
+        active = tuple([c for c in active[kind] if not ruled[kind][c]] for kind in range(2))
+    return out
+
+
+def _ruled_out(errors: torch.Tensor, absmax: torch.Tensor, keeps_range: torch.Tensor, per_head: bool) -> list[bool]:
+    """Per candidate: whether its squared errors so far ([2 halves, C, kv_heads]) already reach its bar on one half
+    or the other (per head: on every head), against absmax's whole ones ([2, kv_heads]): _pick could not choose it."""
+    if per_head:
+        gain = torch.where(keeps_range, WIDER_GAIN**2, GAIN**2).double()  # [C, kv_heads]
+        return (errors >= gain * absmax[:, None] * _MARGIN).any(dim=0).all(dim=1).tolist()
+    gain = torch.where(keeps_range.all(dim=1), WIDER_GAIN**2, GAIN**2).double()  # [C]
+    return (errors.sum(dim=2) >= gain * absmax.sum(dim=1, keepdim=True) * _MARGIN).any(dim=0).tolist()
+
+
+Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (one process: the list itself)
 
 
 FAR_WORSE = 2.0  # absmax's attention error this many times the chosen scale's (and above WORTH_WARNING): warn

@@ -250,14 +250,21 @@ def test_the_searchs_quantiser_is_the_chips(target):
     assert torch.equal(fast, fp8.fake_quantize(values[None], scale, fp8.get_target(target)))
 
 
-def _sample(length: int, seed: int, sinks: bool = False, softcap: float | None = None):
+def _sample(length: int, seed: int, sinks: bool = False, softcap: float | None = None, outlier: bool = False):
+    """outlier: K head 0's channel 0 near-constant at 232, a rounding midpoint of the grid absmax (240) gives on
+    trn2, and query heads 0-1 reading it: the mechanism a clip fixes."""
     from kvcalib.hf.samples import AttentionSample
 
     g = torch.Generator().manual_seed(seed)
     rows = torch.tensor([0, length // 3, length // 2, length - 1])
     causal = torch.arange(length)[None, :] <= rows[:, None]
+    query, key = torch.randn(4, len(rows), 8, generator=g) * 3, torch.randn(2, length, 8, generator=g) * 20
+    if outlier:
+        key[0, :, 0] = 232.0 + torch.randn(length, generator=g)
+        key[0, 0, 1] = 240.0
+        query[:2, :, 0] = 3.0
     return AttentionSample(
-        query=torch.randn(4, len(rows), 8, generator=g) * 3, key=torch.randn(2, length, 8, generator=g) * 20,
+        query=query, key=key,
         value=torch.randn(2, length, 8, generator=g), bias=torch.zeros(causal.shape).masked_fill(~causal, float("-inf")),
         held_out=torch.tensor([False, True, False, True]), scaling=8**-0.5, softcap=softcap,
         sinks=torch.randn(4, generator=g) if sinks else None)
@@ -299,3 +306,40 @@ def test_the_terms_are_each_candidates_own_attention(target):
         assert norms.flatten().tolist() == pytest.approx(
             squares[:, ~held].sum(-1).tolist() + squares[:, held].sum(-1).tolist(), rel=1e-6)
         assert probabilities.shape == (2, 8, sample.key.shape[1])
+
+
+@pytest.mark.parametrize("target", ["trn2", "gpu", "vllm-cpu"])
+def test_candidates_ruled_out_early_change_nothing(target, monkeypatch):
+    """search stops scoring a candidate once its error so far reaches the bar absmax's whole error sets: every
+    choice, error and clipped fraction is that of scoring every candidate on every sample, per tensor and per head
+    (clips, wider scales and absmax among them), with far fewer candidates scored."""
+    chip = fp8.get_target(target)
+    layers = [[_sample(48, 10 * i + j, sinks=i == 3, softcap=5.0 if i == 2 else None, outlier=i % 2 == 0)
+               for j in range(5)] for i in range(4)]
+    k_heads = [torch.stack([s.key.abs().amax(dim=(1, 2)) for s in layer]).amax(dim=0) for layer in layers]
+    v_heads = [torch.stack([s.value.abs().amax(dim=(1, 2)) for s in layer]).amax(dim=0) for layer in layers]
+    scored = []
+    real = objective.sample_terms
+
+    def counting(sample, k, v, chip, work=None, subset=None):
+        scored.append(2 * k.scales.shape[0] if subset is None else len(subset[0]) + len(subset[1]))
+        return real(sample, k, v, chip, work, subset)
+
+    labels = set()
+    for per_head in (False, True):
+        everything = []
+        for layer, k_absmax, v_absmax in zip(layers, k_heads, v_heads):
+            k = objective.candidates(k_absmax, chip, per_head)
+            v = objective.candidates(v_absmax, chip, per_head)
+            pairs = [objective.sample_terms(s, k, v, chip) for s in layer]
+            terms, norms = objective.sum_terms([t for t, _ in pairs]), objective.sum_terms([n for _, n in pairs])
+            everything.append((objective.choose(terms[0], norms, k, per_head), objective.choose(terms[1], norms, v, per_head)))
+        monkeypatch.setattr(objective, "sample_terms", counting)
+        chosen = [found[:2] for found in objective.search(layers, k_heads, v_heads, chip, per_head)]
+        monkeypatch.setattr(objective, "sample_terms", real)
+        assert chosen == everything
+        labels |= {choice.label for pair in chosen for choice in pair}
+    assert sum(scored) < 0.6 * 2 * 2 * 16 * 4 * 5  # of 2 kinds x 16 candidates x 4 layers x 5 samples, both ways
+    if target == "trn2":
+        assert {"absmax", "absmax x0.7071", "per head"} <= labels  # a clip, and per head a mix
+        assert any(label.startswith("absmax x1") for label in labels)  # a wider scale
