@@ -22,7 +22,9 @@ MKL_NUM_THREADS = --threads. Wall time is measured around the process; CPU time 
 system) and peak RSS are the child's own rusage from wait4. With --reps, a, b and c take
 turns and the medians are printed. Prints the ratios a/b (target <= 0.5), a/c (target
 <= 0.85: the forward stops after the last layer's K/V, so the floor is about 0.8) and a/d (the search, target
-<= 1.25). On a shared machine wall time swings with the other load; CPU time swings less.
+<= 1.25), and with --reps each run's own a/c and their median. On a shared machine wall time
+swings with the other load, and CPU time with it where that load slows the core rather than
+taking it (measured here: 31.7-37.5 s for the same (a) over five runs).
 Timing is for reading: nothing is asserted.
 
     python scripts/bench_calibrate.py [--model DIR] [--dataset FILE] [--num-samples 64]
@@ -196,6 +198,9 @@ def main() -> None:
           f"search cost a/d = {ratio[0][2]:.2f} (target <= 1.25)")
     print(f"CPU  a/c = {ratio[1][0]:.2f}   CPU  d/c = {ratio[1][1]:.2f}   CPU  a/d = {ratio[1][2]:.2f}   "
           f"peak RSS a/c = {ratio[2][0]:.2f}, a/d = {ratio[2][2]:.2f}")
+    if args.reps > 1:  # each run's (a) and (c) a minute apart: less of the machine's drifting load between them
+        paired = [a[0] / c[0] for a, c in zip(runs["a"], runs["c"])]
+        print(f"wall a/c run by run: {', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f})")
 
 
 if __name__ == "__main__":
