@@ -154,21 +154,24 @@ def resolve_model_dir(model: str | Path) -> Path:
 
 def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
     """A causal LM, unquantised (or KV-only), with safetensors weights."""
-    # transformers' top-level (lazy) AutoModelForCausalLM first, which the run loads the model with anyway:
-    # importing transformers.models.auto directly would run transformers/models/__init__.py, a scan of every
-    # model's directory (~0.4 s)
-    from transformers import AutoModelForCausalLM  # noqa: F401
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+
+    # the mapping from the module of transformers' top-level (lazy) AutoModelForCausalLM, which the run loads the
+    # model with anyway: importing transformers.models.auto directly would run transformers/models/__init__.py, a
+    # scan of every model's directory (~0.45 s)
+    causal_names = importlib.import_module(AutoModelForCausalLM.__module__).MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_dir, config = checkpoint.root, checkpoint.config
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
-    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    causal_classes = set(causal_names.values())
     remote = trust_remote_code and "AutoModelForCausalLM" in (config.get("auto_map") or {})
     if architectures:
         causal = any(isinstance(a, str) and (a in causal_classes or a.endswith("ForCausalLM")) for a in architectures)
     else:
-        causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        causal = model_type in causal_names
     if not (causal or remote):
         raise UnsupportedModelError(
             f"{model_dir}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a causal "
