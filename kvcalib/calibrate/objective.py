@@ -34,7 +34,7 @@ so batches dealt to any number of ranks give the same choice as one process.
 absmax's error is the bar every other candidate must get under, so it (and 1.0, whose error is
 reported) is scored on every sample first; a candidate whose error so far already reaches its bar
 is scored no further (errors only grow with samples): the same choices and reported errors as
-scoring everything, with about half the candidates scored on real models.
+scoring everything, with about 40 % of the candidate-samples scored on real models.
 """
 
 from __future__ import annotations
