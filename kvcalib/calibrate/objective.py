@@ -230,6 +230,9 @@ def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Seque
                key=lambda c: (errors[c], c))
 
 
+Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (one process: the list itself)
+
+
 def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch.Tensor],
            v_heads: Sequence[torch.Tensor], target: fp8.Target, per_head: bool,
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
@@ -304,9 +307,6 @@ def _ruled_out(errors: torch.Tensor, absmax: torch.Tensor, keeps_range: torch.Te
         return (errors >= gain * absmax[:, None] * _MARGIN).any(dim=0).all(dim=1).tolist()
     gain = torch.where(keeps_range.all(dim=1), WIDER_GAIN**2, GAIN**2).double()  # [C]
     return (errors.sum(dim=2) >= gain * absmax.sum(dim=1, keepdim=True) * _MARGIN).any(dim=0).tolist()
-
-
-Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (one process: the list itself)
 
 
 FAR_WORSE = 2.0  # absmax's attention error this many times the chosen scale's (and above WORTH_WARNING): warn
