@@ -50,7 +50,7 @@ from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, Workspace, attention_rows
 
 __all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER", "WIDER_GAIN",
-           "Candidates", "Gather", "KindChoice", "candidates", "choose", "sample_terms", "search", "sum_terms"]
+           "Candidates", "Gather", "KindChoice", "Reference", "candidates", "choose", "sample_terms", "search", "sum_terms"]
 
 ATTENTION = "attention"
 ABSMAX = "absmax"
@@ -75,6 +75,7 @@ class Candidates:
     ranges: torch.Tensor  # [C, kv_heads]: the |x| each scale maps to the FP8 max
 
     clip_at: torch.Tensor  # [C, kv_heads]: |x| above this saturates on the target (range, after the scale's rounding)
+    reciprocal: torch.Tensor | None = None  # [C, kv_heads] on Neuron: the multiplier into FP8 (fp8.neuron_reciprocal)
 
     @property
     def unit(self) -> int:
@@ -102,59 +103,96 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     stacked = fp8.scale_from_absmax(ranges, target)  # element-wise: every candidate's scale at once
     stacked[unit] = 1.0
     clip_at = fp8.from_fp8_domain(torch.full_like(stacked, target.fp8_max), stacked, target)
-    return Candidates(tuple(labels), stacked, ranges, clip_at)
+    return Candidates(tuple(labels), stacked, ranges, clip_at,
+                      fp8.neuron_reciprocal(stacked) if target.neuron else None)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What every candidate of one sample is compared with, computed once: the unquantised attention rows, and
+    which candidates reach the FP8 max on the sample (per kind: their indices)."""
+
+    output: torch.Tensor  # [Hkv, groups * rows, D]
+    probabilities: torch.Tensor  # [Hkv, groups * rows, length]
+    halves: torch.Tensor  # [groups * rows, 2] float64: 1.0 where a row is a choosing row, a held-out row
+    norms: torch.Tensor  # [2, Hkv] float64: the output's squared norm on each half
+    saturating: tuple[frozenset[int], frozenset[int]]  # the candidates that saturate some of K, of V (clip_at)
+    clamping: tuple[frozenset[int], frozenset[int]]  # the candidates that put some of K, of V past the FP8 max
+
+    @classmethod
+    def of(cls, sample: AttentionSample, k: Candidates, v: Candidates, target: fp8.Target) -> Reference:
+        output, probabilities = attention_rows(sample)
+        held = sample.held_out.repeat(output.shape[1] // sample.query.shape[1])  # the same rows in every group
+        halves = torch.stack([~held, held], dim=1).double()
+        norms = (output.pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
+        saturating, clamping = [], []
+        for values, cands in ((sample.key, k), (sample.value, v)):
+            peak = values.abs().amax(dim=(1, 2))  # [Hkv]
+            # float32 products and quotients round monotonically: peak x r (peak / s) is the largest there is
+            largest = peak * cands.reciprocal if target.neuron else peak / cands.scales
+            saturating.append(_indices((cands.clip_at < peak).any(dim=1)))
+            clamping.append(_indices((largest > target.fp8_max).any(dim=1)))
+        return cls(output, probabilities, halves, norms, tuple(saturating), tuple(clamping))
+
+
+def _indices(mask: torch.Tensor) -> frozenset[int]:
+    return frozenset(mask.nonzero().flatten().tolist())
 
 
 def sample_terms(sample: AttentionSample, k: Candidates, v: Candidates, target: fp8.Target,
-                 work: Workspace | None = None, subset: tuple[list[int], list[int]] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 work: Workspace | None = None, subset: tuple[list[int], list[int]] | None = None,
+                 reference: Reference | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample's additive terms: float64 [2 kinds, 4, C, kv_heads] (per kind: the squared attention-output
     error on the choosing rows, on the held-out rows, the K/V elements each candidate saturates, the elements)
     and [2, kv_heads] (the unquantised output's squared norm on the choosing and the held-out rows). `work`: the
     buffers of a search, reused from sample to sample. `subset`: the K and the V candidates to score (the others'
-    terms are 0); None: all."""
+    terms are 0); None: all. `reference`: the sample's, when it is scored more than once."""
     work = work or Workspace()
-    reference, probabilities = attention_rows(sample)  # [Hkv, groups * rows, D]
-    rows = sample.query.shape[1]
-    held = sample.held_out.repeat(reference.shape[1] // rows)  # the same rows in every query head of a group
+    reference = reference or Reference.of(sample, k, v, target)
     out = torch.zeros(2, 4, k.scales.shape[0], k.scales.shape[1], dtype=torch.float64)
+    out[:, 3] = float(sample.key.shape[-1] * sample.key.shape[-2])  # K and V have the same shape
     for kind, (values, cands) in enumerate(((sample.key, k), (sample.value, v))):
-        chosen = slice(None) if subset is None else subset[kind]
-        out[kind, 3] = float(values.shape[-1] * values.shape[-2])
-        if subset is not None and not chosen:
+        listed = list(range(cands.scales.shape[0])) if subset is None else subset[kind]
+        if not listed:
             continue
-        scales, clip_at = cands.scales[chosen], cands.clip_at[chosen]
-        quantised = _fake_quantized(values, scales[:, :, None, None], target, work)  # [C, Hkv, L, D]
+        chosen = torch.tensor(listed)
+        quantised = _fake_quantized(values, cands.scales[chosen][:, :, None, None], target, work,
+                                    None if cands.reciprocal is None else cands.reciprocal[chosen][:, :, None, None],
+                                    clamp=not reference.clamping[kind].isdisjoint(listed))  # [C, Hkv, L, D]
         if kind == 0:
             output, _ = attention_rows(sample, key=quantised, work=work)
         else:
-            output, _ = attention_rows(sample, value=quantised, probabilities=probabilities, work=work)
-        error = output.sub_(reference).pow_(2).sum(dim=-1).double()  # [C, Hkv, groups * rows]
-        out[kind, 0, chosen] = error[..., ~held].sum(dim=-1)
-        out[kind, 1, chosen] = error[..., held].sum(dim=-1)
-        magnitude = values.abs().flatten(-2)  # [Hkv, L * D]
-        saturated = work.get("saturated", (clip_at.shape[0], *magnitude.shape))
-        # as 0.0/1.0: a comparison into float32 and its sum (exact below 2^24) are vectorised, a bool one is not
-        out[kind, 2, chosen] = torch.gt(magnitude[None], clip_at[:, :, None], out=saturated).sum(dim=-1).double()
-    norm = reference.pow(2).sum(dim=-1, dtype=torch.float64)  # [Hkv, groups * rows]
-    return out, torch.stack([norm[..., ~held].sum(dim=-1), norm[..., held].sum(dim=-1)])
+            output, _ = attention_rows(sample, value=quantised, probabilities=reference.probabilities, work=work)
+        error = output.sub_(reference.output).pow_(2).sum(dim=-1).double()  # [C, Hkv, groups * rows]
+        out[kind, :2, chosen] = (error @ reference.halves).permute(2, 0, 1)
+        saturating = [i for i, c in enumerate(listed) if c in reference.saturating[kind]]
+        if saturating:  # the others saturate nothing of this sample
+            magnitude = values.abs().flatten(-2)  # [Hkv, L * D]
+            limits = cands.clip_at[chosen[saturating]]
+            flags = work.get("saturated", (limits.shape[0], *magnitude.shape))
+            # as 0.0/1.0: a comparison into float32 and its sum (exact below 2^24) are vectorised, a bool one is not
+            out[kind, 2, chosen[saturating]] = torch.gt(magnitude[None], limits[:, :, None], out=flags).sum(dim=-1).double()
+    return out, reference.norms
 
 
-def _fake_quantized(values: torch.Tensor, scale: torch.Tensor, target: fp8.Target, work: Workspace | None = None
-                    ) -> torch.Tensor:
+def _fake_quantized(values: torch.Tensor, scale: torch.Tensor, target: fp8.Target, work: Workspace | None = None,
+                    reciprocal: torch.Tensor | None = None, clamp: bool = True) -> torch.Tensor:
     """fp8.fake_quantize(values[None], scale, target), every candidate at once, in `work`'s buffers (valid until
-    the next call). A negative value that rounds to zero is +0 (fp8.round_to_e4m3_)."""
+    the next call). A negative value that rounds to zero is +0 (fp8.round_to_e4m3_). `reciprocal`: Neuron's
+    multiplier for `scale`, when known; `clamp` False: no value reaches the FP8 max (the clamp is skipped)."""
     if target.toward_zero:
         return fp8.fake_quantize(values[None], scale, target)
     work = work or Workspace()
     shape = (scale.shape[0], *values.shape)
     scaled = work.get("fp8", shape)
     if target.neuron:  # x * r, clamp, cast, / r (core.fp8.to_fp8_domain / from_fp8_domain)
-        r = fp8.neuron_reciprocal(scale)
+        r = fp8.neuron_reciprocal(scale) if reciprocal is None else reciprocal
         torch.mul(values[None], r, out=scaled)
     else:  # x / s, saturate, cast, * s
         torch.div(values[None], scale, out=scaled)
-    q = fp8.round_to_e4m3_(scaled.clamp_(-target.fp8_max, target.fp8_max), work.get("scratch", shape))
+    if clamp:
+        scaled.clamp_(-target.fp8_max, target.fp8_max)
+    q = fp8.round_to_e4m3_(scaled, work.get("scratch", shape))
     return q.div_(r) if target.neuron else q.mul_(scale)
 
 
@@ -236,39 +274,31 @@ Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (on
 def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch.Tensor],
            v_heads: Sequence[torch.Tensor], target: fp8.Target, per_head: bool,
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
-    """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`).
+    """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`, twice a layer).
 
     absmax and 1.0 are scored on every sample first: absmax's error is the bar every other candidate must get
-    under (GAIN, WIDER_GAIN) to be chosen. The others are then scored sample by sample, and a candidate stops
-    being scored once its error so far already reaches its bar: errors only grow with more samples, so it could
-    not be chosen. The choice, and every error and clipped fraction it reports, are those of scoring everything
-    (on a rank, the bar is every rank's absmax and the sums its own samples'; gathered, they only grow)."""
-    def kv_heads(i: int) -> int | None:
-        return samples[i][0].key.shape[0] if samples[i] else None
-
-    grids = [(candidates(k_heads[i], target, per_head, kv_heads(i)), candidates(v_heads[i], target, per_head, kv_heads(i)))
-             for i in range(len(samples))]
+    under (GAIN, WIDER_GAIN) to be chosen. The others are then scored sample by sample, and a candidate stops being
+    scored once its error so far already reaches its bar: errors only grow with more samples, so it could not be
+    chosen. The choice, and every error and clipped fraction it reports, are those of scoring everything (on a rank,
+    the bar is every rank's absmax and the sums its own samples'; gathered, they only grow). One layer at a time:
+    each sample's reference attention is computed once and kept only while its layer is scored."""
     work = Workspace()
-    anchors = [([0, k.unit], [0, v.unit]) for k, v in grids]
-    local = [[sample_terms(s, *grids[i], target, work, anchors[i]) for s in layer] for i, layer in enumerate(samples)]
-    first = gather([local])  # one entry per rank: its per-layer lists
-    bars = [_sum_or_none([t for rank in first for t, _ in rank[i]]) for i in range(len(grids))]
-    rest = [_scored_until_ruled_out(layer, *grids[i], target, per_head, bars[i], anchors[i], work)
-            for i, layer in enumerate(samples)]
-    everyone = gather([rest])
     chosen = []
-    for i, (k, v) in enumerate(grids):
-        pairs = [pair for rank in first for pair in rank[i]]
+    for i, layer in enumerate(samples):
+        kv_heads = layer[0].key.shape[0] if layer else None
+        k, v = (candidates(heads[i], target, per_head, kv_heads) for heads in (k_heads, v_heads))
+        references = [Reference.of(sample, k, v, target) for sample in layer]
+        anchors = ([0, k.unit], [0, v.unit])
+        local = [sample_terms(s, k, v, target, work, anchors, ref) for s, ref in zip(layer, references)]
+        pairs = [pair for rank in gather([local]) for pair in rank]
         if not pairs:
             raise ValueError(f"layer {i}: no attention samples")
-        terms = sum_terms([t for t, _ in pairs] + [t for rank in everyone for t in rank[i]])
+        bars = sum_terms([t for t, _ in pairs])
+        rest = _scored_until_ruled_out(list(zip(layer, references)), k, v, target, per_head, bars, anchors, work)
+        terms = sum_terms([t for t, _ in pairs] + [t for rank in gather([rest]) for t in rank])
         norms = sum_terms([n for _, n in pairs])
         chosen.append((choose(terms[0], norms, k, per_head), choose(terms[1], norms, v, per_head), k, v))
     return chosen
-
-
-def _sum_or_none(per_sample: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    return sum_terms(per_sample) if per_sample else None
 
 
 # a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one: a candidate is ruled out
@@ -276,20 +306,18 @@ def _sum_or_none(per_sample: Sequence[torch.Tensor]) -> torch.Tensor | None:
 _MARGIN = 1.0 + 1e-9
 
 
-def _scored_until_ruled_out(layer: Sequence[AttentionSample], k: Candidates, v: Candidates, target: fp8.Target,
-                            per_head: bool, bars: torch.Tensor | None, anchors: tuple[list[int], list[int]],
-                            work: Workspace) -> list[torch.Tensor]:
+def _scored_until_ruled_out(layer: Sequence[tuple[AttentionSample, Reference]], k: Candidates, v: Candidates,
+                            target: fp8.Target, per_head: bool, bars: torch.Tensor,
+                            anchors: tuple[list[int], list[int]], work: Workspace) -> list[torch.Tensor]:
     """The terms of every candidate but the anchors, sample after sample, each until `bars` (absmax's summed
     terms, [2, 4, C, kv_heads]) rule it out."""
-    if bars is None:
-        return []
     active = tuple([c for c in range(cands.scales.shape[0]) if c not in anchors[kind]] for kind, cands in enumerate((k, v)))
     sums = torch.zeros_like(bars)
     out = []
-    for sample in layer:
+    for sample, reference in layer:
         if not any(active):
             break
-        terms, _ = sample_terms(sample, k, v, target, work, active)
+        terms, _ = sample_terms(sample, k, v, target, work, active, reference)
         terms[:, 3] = 0.0  # the sample's elements are counted once, with the anchors
         out.append(terms)
         sums += terms

@@ -287,6 +287,8 @@ def test_the_terms_are_each_candidates_own_attention(target):
         terms, norms = objective.sample_terms(sample, k, v, chip, work)
         alone, _ = objective.sample_terms(sample, k, v, chip)
         assert torch.equal(terms, alone)
+        known = objective.Reference.of(sample, k, v, chip)  # which candidates reach the FP8 max: the clamp skipped
+        assert known.clamping[0] and set(range(k.scales.shape[0])) - known.clamping[0]  # both ways, for K
         reference, probabilities = attention_rows(sample)
         held = sample.held_out.repeat(2)
         # float32 products batched differently may differ in the last bits on another CPU: far below any
@@ -295,6 +297,9 @@ def test_the_terms_are_each_candidates_own_attention(target):
         for kind, (values, cands) in enumerate(((sample.key, k), (sample.value, v))):
             for c in range(cands.scales.shape[0]):
                 quantised = fp8.fake_quantize(values, cands.scales[c][:, None, None], chip)
+                fast = objective._fake_quantized(values, cands.scales[c][None, :, None, None], chip,
+                                                 clamp=c in known.clamping[kind])
+                assert torch.equal(fast[0], quantised)
                 output, _ = attention_rows(sample, **({"key": quantised} if kind == 0 else {"value": quantised}))
                 error = (output - reference).double().pow(2).sum(dim=-1)  # [Hkv, rows]
                 assert terms[kind, 0, c].tolist() == pytest.approx(error[:, ~held].sum(-1).tolist(), rel=1e-5, abs=slack)
@@ -321,9 +326,9 @@ def test_candidates_ruled_out_early_change_nothing(target, monkeypatch):
     scored = []
     real = objective.sample_terms
 
-    def counting(sample, k, v, chip, work=None, subset=None):
+    def counting(sample, k, v, chip, work=None, subset=None, reference=None):
         scored.append(2 * k.scales.shape[0] if subset is None else len(subset[0]) + len(subset[1]))
-        return real(sample, k, v, chip, work, subset)
+        return real(sample, k, v, chip, work, subset, reference)
 
     labels = set()
     for per_head in (False, True):
