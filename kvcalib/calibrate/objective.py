@@ -128,8 +128,8 @@ class Reference:
         saturating, clamping = [], []
         for values, cands in ((sample.key, k), (sample.value, v)):
             peak = values.abs().amax(dim=(1, 2))  # [Hkv]
-            # float32 products and quotients round monotonically: peak x r (peak / s) is the largest there is
-            largest = peak * cands.reciprocal if target.neuron else peak / cands.scales
+            # float32 products and quotients round monotonically: the peak's is the largest there is
+            largest = fp8.to_fp8_domain(peak, cands.scales, target)  # [C, Hkv]
             saturating.append(_indices((cands.clip_at < peak).any(dim=1)))
             clamping.append(_indices((largest > target.fp8_max).any(dim=1)))
         return cls(output, probabilities, halves, norms, tuple(saturating), tuple(clamping))
