@@ -17,6 +17,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from kvcalib.core import fp8
 from kvcalib.core.checkpoint import read_safetensors_header, read_values
 from kvcalib.core.schema import ATTN_HEAD, NEURON_QUANTIZATION, PROVENANCE_FILENAME, SCALES_FILENAME
 from kvcalib.serve.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
@@ -73,17 +74,14 @@ def card_text(existing: str, section: str, base_model: str | None) -> str:
 def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     provenance = json.loads((ckpt / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
     target, fp8_max = provenance["target"], provenance["fp8_max"]
-    note = ("also safe on 448-range hardware (trn3, GPU), where they use the range up to 240" if fp8_max < 448 else
-            "they clip on trn2 (max 240): calibrate again with --target trn2 to serve on Trainium 2")
     per_head, queries = provenance.get("strategy") == ATTN_HEAD, bool(provenance.get("attention_scales"))
     what = ("Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
             "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)" if per_head
             else "Per-tensor FP8 KV-cache scales")
     lines = [BEGIN, "## FP8 KV cache (kvcalib)", "",
-             f"{what} sized for **{target}** (E4M3, max {fp8_max:g}): "
-             f"`k_scale = absmax(K) / {fp8_max:g}` per {'head' if per_head else 'layer'}, after rotary embedding; "
-             f"{note}." + (" With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
-                           "attention reads it; the Neuron plugin does not consume it today." if queries else ""), "",
+             f"{what} sized for **{target}** (E4M3, max {fp8_max:g}): {_formula(provenance, per_head)}"
+             + (" With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
+                "attention reads it; the Neuron plugin does not consume it today." if queries else ""), "",
              "| | |", "|---|---|",
              f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
              f"{provenance.get('column')}) |",
@@ -112,15 +110,53 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     if serve is not None:
         lines += _serve_lines(serve)
     q = " q absmax | q_scale |" if queries else ""
+    ranges = _ranges(provenance)[0]
+    r = " k range | v range |" if ranges else ""
     lines += ["### Scales", "", *(["Each layer's largest head; every head's in `kvcalib_calibration.json`.", ""]
                                   if per_head else []),
-              f"| layer | k absmax | v absmax | k_scale | v_scale |{q}", "|---:|---:|---:|---:|---:|"
-              + ("---:|---:|" if queries else "")]
-    lines += [f"| {row['layer']} | {row['k_absmax']:.6g} | {row['v_absmax']:.6g} | {row['k_scale']:.6g} | "
-              f"{row['v_scale']:.6g} |" + (f" {row.get('q_absmax', float('nan')):.6g} | "
-                                           f"{row.get('q_scale', float('nan')):.6g} |" if queries else "")
+              f"| layer | k absmax | v absmax |{r} k_scale | v_scale |{q}", "|---:|---:|---:|---:|---:|"
+              + ("---:|---:|" if ranges else "") + ("---:|---:|" if queries else "")]
+    lines += [f"| {row['layer']} | {row['k_absmax']:.6g} | {row['v_absmax']:.6g} |"
+              + (f" {row['k_range']:.6g} | {row['v_range']:.6g} |" if ranges else "")
+              + f" {row['k_scale']:.6g} | {row['v_scale']:.6g} |"
+              + (f" {row.get('q_absmax', float('nan')):.6g} | {row.get('q_scale', float('nan')):.6g} |" if queries else "")
               for row in _scale_rows(ckpt, provenance)]
     return "\n".join(lines + ["", END, ""])
+
+
+def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
+    """(some range differs from its absmax, some range is below it: clipped), over the layers' K and V."""
+    pairs = [(row[f"{k}_range"], row.get(f"{k}_absmax", 0.0)) for row in provenance.get("layers", [])
+             if isinstance(row, dict) for k in "kv" if isinstance(row.get(f"{k}_range"), (int, float))]
+    return any(r != a for r, a in pairs), any(r < a for r, a in pairs)
+
+
+def _formula(provenance: dict[str, Any], per_head: bool) -> str:
+    """What was written and where it is right: absmax / fp8_max, or the scale objective's range where it chose
+    another, and the servers that choice was scored on (the provenance's scored_on)."""
+    fp8_max, target = provenance["fp8_max"], provenance["target"]
+    served = [t.name for t in fp8.served_numerics(fp8.get_target(target))[1:]]
+    smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]
+    refused = (f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate again with --target "
+               f"{smaller[0]} to serve there." if smaller else "")
+    per = "head" if per_head else "layer"
+    chosen, clipped = _ranges(provenance)
+    if not chosen:
+        text = f"`k_scale = absmax(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V)"
+    else:
+        text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
+                "range is the attention objective's choice (the table's range columns): absmax(K), or "
+                + ("below it where saturating near-constant channels keeps attention right, or " if clipped else "")
+                + "above it where a wider scale puts the values on better FP8 grid points")
+    if not clipped:
+        return (text + ": nothing clips" + (f"; also right on {', '.join(served)}, where the scales use the range up "
+                                            f"to {fp8_max:g}" if served else "") + "." + refused)
+    scored = [name for name in provenance.get("scored_on") or [] if name != target]
+    if scored:
+        return text + (f". Every candidate scale was scored on {target} and on {', '.join(scored)} (each saturates at "
+                       "its own FP8 max x scale) and chosen by its attention error where that is largest: the scales "
+                       "are right on each of them." + refused)
+    return text + f". The clips were scored on {target} alone: serve these scales on {target} only."
 
 
 def _tokens_row(provenance: dict[str, Any]) -> str:
@@ -140,7 +176,8 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> list[dict[str, Any]]:
         row = rows[-1] if rows and rows[-1]["layer"] == layer else None
         if row is None:
             prov = by_layer.get(layer, {})
-            row = {"layer": layer, **{f"{k}_absmax": prov.get(f"{k}_absmax", float("nan")) for k in "kvq"}}
+            row = {"layer": layer, **{f"{k}_absmax": prov.get(f"{k}_absmax", float("nan")) for k in "kvq"},
+                   **{f"{k}_range": prov.get(f"{k}_range", prov.get(f"{k}_absmax", float("nan"))) for k in "kv"}}
             rows.append(row)
         row[f"{kind}_scale"] = max(read_values(header, key))  # per head: the largest
     return rows

@@ -11,9 +11,12 @@ The search ("attention grid"): for every layer, candidate scales `absmax x 2^(-j
 so 1 down to 1/32 of the never-clipping scale), `absmax / 448` where the target's FP8 max is not
 448, 1.0, and the wider scales `absmax x 2^(j/4)` (j = 1..3). Each is scored on the attention
 samples (kvcalib.hf.samples: the model's own Q, mask, scaling, soft-capping and sinks, K/V as the
-cache stores them) by the squared error of the attention output with K (then V) fake-quantised on
-the target's numerics, against the unquantised output; V is scored through the exact
-probabilities. Half of each sequence's sampled query rows choose, the other half (held out)
+cache stores them) by the squared error of the attention output with K (then V) fake-quantised,
+against the unquantised output; V is scored through the exact probabilities. A candidate is
+scored on every numerics the checkpoint is served with (core.fp8.served_numerics: a trn2 scale
+saturates at 240 x s on trn2 but at 448 x s on trn3, GPU vLLM and vLLM CPU, where a clip chosen
+for 240 no longer saturates and can land a near-constant channel on rounding boundaries), and a
+candidate's error is its largest on any of them: a scale is chosen for every server it will meet. Half of each sequence's sampled query rows choose, the other half (held out)
 confirm and report.
 
 Two kinds of candidate, two bars:
@@ -28,7 +31,7 @@ Two kinds of candidate, two bars:
   points, which matters for near-constant channels. The one with the lowest error wins when it
   is at least a tenth (WIDER_GAIN) under absmax's on the choosing and the held-out rows alike:
   V's equally good scales differ by 1-3 %, K's by ~5 %, and a pick by noise is no better.
-Per KV head with `attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum),
+Every error is the candidate's on the server where it does worst (absmax's too). Per KV head with `attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum),
 so batches dealt to any number of ranks give the same choice as one process.
 
 absmax's error is the bar every other candidate must get under, so it (and 1.0, whose error is
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -81,6 +84,12 @@ class Candidates:
     def unit(self) -> int:
         return self.labels.index(UNIT_LABEL)
 
+    def on(self, numerics: fp8.Target) -> Candidates:
+        """The same scales as another server applies them: where it saturates, and its multiplier into FP8."""
+        clip_at = fp8.from_fp8_domain(torch.full_like(self.scales, numerics.fp8_max), self.scales, numerics)
+        return replace(self, clip_at=clip_at,
+                       reciprocal=fp8.neuron_reciprocal(self.scales) if numerics.neuron else None)
+
     @property
     def keeps_range(self) -> torch.Tensor:
         """[C, kv_heads] bool: the scale is at least absmax's, so it clips nothing absmax keeps."""
@@ -102,9 +111,7 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
                          + [base * f for f in WIDER])
     stacked = fp8.scale_from_absmax(ranges, target)  # element-wise: every candidate's scale at once
     stacked[unit] = 1.0
-    clip_at = fp8.from_fp8_domain(torch.full_like(stacked, target.fp8_max), stacked, target)
-    return Candidates(tuple(labels), stacked, ranges, clip_at,
-                      fp8.neuron_reciprocal(stacked) if target.neuron else None)
+    return Candidates(tuple(labels), stacked, ranges, stacked).on(target)
 
 
 @dataclass(frozen=True)
@@ -125,14 +132,18 @@ class Reference:
         held = sample.held_out.repeat(output.shape[1] // sample.query.shape[1])  # the same rows in every group
         halves = torch.stack([~held, held], dim=1).double()
         norms = (output.pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
+        return cls(output, probabilities, halves, norms, (), ()).on(sample, k, v, target)
+
+    def on(self, sample: AttentionSample, k: Candidates, v: Candidates, numerics: fp8.Target) -> Reference:
+        """The same reference, with which candidates saturate or clamp on `numerics` (k, v: on it, Candidates.on)."""
         saturating, clamping = [], []
         for values, cands in ((sample.key, k), (sample.value, v)):
             peak = values.abs().amax(dim=(1, 2))  # [Hkv]
             # float32 products and quotients round monotonically: the peak's is the largest there is
-            largest = fp8.to_fp8_domain(peak, cands.scales, target)  # [C, Hkv]
+            largest = fp8.to_fp8_domain(peak, cands.scales, numerics)  # [C, Hkv]
             saturating.append(_indices((cands.clip_at < peak).any(dim=1)))
-            clamping.append(_indices((largest > target.fp8_max).any(dim=1)))
-        return cls(output, probabilities, halves, norms, tuple(saturating), tuple(clamping))
+            clamping.append(_indices((largest > numerics.fp8_max).any(dim=1)))
+        return replace(self, saturating=tuple(saturating), clamping=tuple(clamping))
 
 
 def _indices(mask: torch.Tensor) -> frozenset[int]:
@@ -211,36 +222,47 @@ class KindChoice:
 
     label: str  # the chosen candidate ("absmax", "absmax x0.5", "1.0", ...)
     index: tuple[int, ...]  # the chosen candidate per KV head (one entry per tensor)
-    clipped: float  # the fraction of the sample's elements the chosen scale saturates
-    error: float  # held-out relative attention-output error ||ΔO|| / ||O|| of the chosen scale
+    clipped: float  # the fraction of the sample's elements the chosen scale saturates on the target
+    error: float  # held-out relative attention-output error ||ΔO|| / ||O|| of the chosen scale, on the target
     error_absmax: float
     error_unit: float
+    errors_on: tuple[tuple[str, float], ...] = ()  # (numerics, the chosen scale's held-out error there), target first
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "clipped": self.clipped, "attention_error": self.error,
-                "attention_error_absmax": self.error_absmax, "attention_error_unit": self.error_unit}
+                "attention_error_absmax": self.error_absmax, "attention_error_unit": self.error_unit,
+                "attention_error_on": dict(self.errors_on)}
 
 
 def _relative(error: float, norm: float) -> float:
     return math.sqrt(error / norm) if norm > 0 else 0.0
 
 
-def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head: bool) -> KindChoice:
-    """The choice for one kind from its summed terms ([4, C, kv_heads]) and the reference norms ([2, kv_heads])."""
-    choosing, held, clipped, count = terms[0], terms[1], terms[2], terms[3]
+def _worst(errors: torch.Tensor) -> list[float]:
+    """[numerics, C, kv_heads] squared errors -> per candidate, the largest over numerics of its (exactly rounded)
+    sum over heads: the layer's error on the server where the candidate does worst."""
+    return [max(math.fsum(row) for row in per) for per in errors.transpose(0, 1).tolist()]
+
+
+def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head: bool,
+           numerics: Sequence[fp8.Target] = ()) -> KindChoice:
+    """The choice for one kind from its summed terms ([numerics, 4, C, kv_heads], the target's first; [4, C,
+    kv_heads] for the target alone) and the reference norms ([2, kv_heads]). Each candidate, absmax included, is
+    judged by its error on the server where it does worst: a scale is chosen for every server that applies it."""
+    terms = terms[None] if terms.dim() == 3 else terms
+    choosing, held, clipped, count = terms[:, 0], terms[:, 1], terms[0, 2], terms[0, 3]
     keeps = cands.keeps_range
     if per_head:
-        index = tuple(_pick(choosing[:, h].tolist(), held[:, h].tolist(), keeps[:, h].tolist())
-                      for h in range(choosing.shape[1]))
+        index = tuple(_pick(choosing[:, :, h].amax(dim=0).tolist(), held[:, :, h].amax(dim=0).tolist(),
+                            keeps[:, h].tolist()) for h in range(choosing.shape[2]))
     else:
-        index = (_pick([math.fsum(row) for row in choosing.tolist()], [math.fsum(row) for row in held.tolist()],
-                       keeps.all(dim=1).tolist()),) * choosing.shape[1]
+        index = (_pick(_worst(choosing), _worst(held), keeps.all(dim=1).tolist()),) * choosing.shape[2]
 
-    def held_error(per_head_index: Sequence[int]) -> float:
-        err = math.fsum(held[c, h].item() for h, c in enumerate(per_head_index))
+    def held_error(per_head_index: Sequence[int], n: int = 0) -> float:
+        err = math.fsum(held[n, c, h].item() for h, c in enumerate(per_head_index))
         return _relative(err, math.fsum(norms[1].tolist()))
 
-    heads = range(choosing.shape[1])
+    heads = range(choosing.shape[2])
     labels = {cands.labels[c] for c in index}
     return KindChoice(
         label=labels.pop() if len(labels) == 1 else "per head",
@@ -248,15 +270,16 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
         clipped=math.fsum(clipped[c, h].item() for h, c in zip(heads, index)) / max(math.fsum(count[0].tolist()), 1.0),
         error=held_error(index), error_absmax=held_error([0] * len(heads)),
         error_unit=held_error([cands.unit] * len(heads)),
+        errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)),
     )
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:
     """The candidate for one kind from its squared errors on the choosing and the held-out rows (candidate 0 is
-    absmax; `keeps_range`: the candidate clips nothing absmax keeps). A clip where one at least halves (GAIN)
-    absmax's error on both halves: of those, the first (least clipping) within TOLERANCE of their best. Else, of
-    absmax and the candidates that keep its range and cut its error by a tenth (WIDER_GAIN) on both halves, the
-    lowest on the choosing rows."""
+    absmax; `keeps_range`: the candidate clips nothing absmax keeps), each on the server where it does worst. A clip
+    where one at least halves (GAIN) absmax's error on both halves: of those, the first (least clipping) within
+    TOLERANCE of their best. Else, of absmax and the candidates that keep its range and cut its error by a tenth
+    (WIDER_GAIN) on both halves, the lowest on the choosing rows."""
     def cuts(c: int, gain: float) -> bool:  # below gain x absmax's relative error on both halves (squared errors)
         return errors[c] < gain**2 * errors[0] and held_out[c] < gain**2 * held_out[0]
 
@@ -276,6 +299,9 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
     """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`, twice a layer).
 
+    Every candidate is scored on each numerics the checkpoint will be served with (fp8.served_numerics: for trn2
+    also the 448-range servers, where the same scale saturates at 448 x s) and judged by its error where that is
+    largest (choose).
     absmax and 1.0 are scored on every sample first: absmax's error is the bar every other candidate must get
     under (GAIN, WIDER_GAIN) to be chosen. The others are then scored sample by sample, and a candidate stops being
     scored once its error so far already reaches its bar: errors only grow with more samples, so it could not be
@@ -283,22 +309,34 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
     the bar is every rank's absmax and the sums its own samples'; gathered, they only grow). One layer at a time:
     each sample's reference attention is computed once and kept only while its layer is scored."""
     work = Workspace()
+    numerics = fp8.served_numerics(target)
     chosen = []
     for i, layer in enumerate(samples):
         kv_heads = layer[0].key.shape[0] if layer else None
         k, v = (candidates(heads[i], target, per_head, kv_heads) for heads in (k_heads, v_heads))
-        references = [Reference.of(sample, k, v, target) for sample in layer]
+        grids = [(k.on(chip), v.on(chip)) for chip in numerics]
+        scored = [(sample, [ref.on(sample, *grid, chip) for grid, chip in zip(grids, numerics)])
+                  for sample, ref in ((s, Reference.of(s, k, v, target)) for s in layer)]
         anchors = ([0, k.unit], [0, v.unit])
-        local = [sample_terms(s, k, v, target, work, anchors, ref) for s, ref in zip(layer, references)]
+        local = [_terms(sample, refs, grids, numerics, work, anchors) for sample, refs in scored]
         pairs = [pair for rank in gather([local]) for pair in rank]
         if not pairs:
             raise ValueError(f"layer {i}: no attention samples")
         bars = sum_terms([t for t, _ in pairs])
-        rest = _scored_until_ruled_out(list(zip(layer, references)), k, v, target, per_head, bars, anchors, work)
+        rest = _scored_until_ruled_out(scored, grids, numerics, per_head, bars, anchors, work)
         terms = sum_terms([t for t, _ in pairs] + [t for rank in gather([rest]) for t in rank])
         norms = sum_terms([n for _, n in pairs])
-        chosen.append((choose(terms[0], norms, k, per_head), choose(terms[1], norms, v, per_head), k, v))
+        chosen.append((choose(terms[:, 0], norms, k, per_head, numerics),
+                       choose(terms[:, 1], norms, v, per_head, numerics), k, v))
     return chosen
+
+
+def _terms(sample: AttentionSample, references: Sequence[Reference], grids: Sequence[tuple[Candidates, Candidates]],
+           numerics: Sequence[fp8.Target], work: Workspace, subset: tuple[list[int], list[int]] | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_terms on every numerics, stacked: [numerics, 2 kinds, 4, C, kv_heads], and the norms."""
+    per = [sample_terms(sample, *grid, chip, work, subset, ref) for ref, grid, chip in zip(references, grids, numerics)]
+    return torch.stack([t for t, _ in per]), per[0][1]
 
 
 # a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one: a candidate is ruled out
@@ -306,35 +344,40 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
 _MARGIN = 1.0 + 1e-9
 
 
-def _scored_until_ruled_out(layer: Sequence[tuple[AttentionSample, Reference]], k: Candidates, v: Candidates,
-                            target: fp8.Target, per_head: bool, bars: torch.Tensor,
-                            anchors: tuple[list[int], list[int]], work: Workspace) -> list[torch.Tensor]:
+def _scored_until_ruled_out(layer: Sequence[tuple[AttentionSample, Sequence[Reference]]],
+                            grids: Sequence[tuple[Candidates, Candidates]], numerics: Sequence[fp8.Target],
+                            per_head: bool, bars: torch.Tensor, anchors: tuple[list[int], list[int]],
+                            work: Workspace) -> list[torch.Tensor]:
     """The terms of every candidate but the anchors, sample after sample, each until `bars` (absmax's summed
-    terms, [2, 4, C, kv_heads]) rule it out."""
+    terms, [numerics, 2, 4, C, kv_heads]) rule it out."""
+    k, v = grids[0]
     active = tuple([c for c in range(cands.scales.shape[0]) if c not in anchors[kind]] for kind, cands in enumerate((k, v)))
     sums = torch.zeros_like(bars)
     out = []
-    for sample, reference in layer:
+    for sample, references in layer:
         if not any(active):
             break
-        terms, _ = sample_terms(sample, k, v, target, work, active, reference)
-        terms[:, 3] = 0.0  # the sample's elements are counted once, with the anchors
+        terms, _ = _terms(sample, references, grids, numerics, work, active)
+        terms[:, :, 3] = 0.0  # the sample's elements are counted once, with the anchors
         out.append(terms)
         sums += terms
-        ruled = [_ruled_out(sums[kind, :2], bars[kind, :2, 0], cands.keeps_range, per_head)
+        ruled = [_ruled_out(sums[:, kind, :2], bars[:, kind, :2, 0], cands.keeps_range, per_head)
                  for kind, cands in enumerate((k, v))]
         active = tuple([c for c in active[kind] if not ruled[kind][c]] for kind in range(2))
     return out
 
 
 def _ruled_out(errors: torch.Tensor, absmax: torch.Tensor, keeps_range: torch.Tensor, per_head: bool) -> list[bool]:
-    """Per candidate: whether its squared errors so far ([2 halves, C, kv_heads]) already reach its bar on one half
-    or the other (per head: on every head), against absmax's whole ones ([2, kv_heads]): _pick could not choose it."""
+    """Per candidate: whether its squared errors so far ([numerics, 2 halves, C, kv_heads]), on the server where they
+    are largest, already reach its bar on one half or the other (per head: on every head), against absmax's whole
+    ones on its worst server ([numerics, 2, kv_heads]): _pick could not choose it."""
     if per_head:
         gain = torch.where(keeps_range, WIDER_GAIN**2, GAIN**2).double()  # [C, kv_heads]
-        return (errors >= gain * absmax[:, None] * _MARGIN).any(dim=0).all(dim=1).tolist()
+        worst, bar = errors.amax(dim=0), absmax.amax(dim=0)  # [2, C, kv_heads], [2, kv_heads]
+        return (worst >= gain * bar[:, None] * _MARGIN).any(dim=0).all(dim=1).tolist()
     gain = torch.where(keeps_range.all(dim=1), WIDER_GAIN**2, GAIN**2).double()  # [C]
-    return (errors.sum(dim=2) >= gain * absmax.sum(dim=1, keepdim=True) * _MARGIN).any(dim=0).tolist()
+    worst, bar = errors.sum(dim=3).amax(dim=0), absmax.sum(dim=2).amax(dim=0)  # [2, C], [2]
+    return (worst >= gain * bar[:, None] * _MARGIN).any(dim=0).tolist()
 
 
 FAR_WORSE = 2.0  # absmax's attention error this many times the chosen scale's (and above WORTH_WARNING): warn

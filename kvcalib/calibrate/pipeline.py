@@ -287,6 +287,8 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "headroom": opts.headroom,
         "target": target.name,
         "fp8_max": target.fp8_max,
+        # the numerics the scale objective scored every candidate on (a clip is chosen only if good on all)
+        "scored_on": [chip.name for chip in fp8.served_numerics(target)] if opts.scale_objective == ATTENTION else [],
         "scales_file": SCALES_FILENAME,
         "model": str(model_dir),
         "dtype": dtype_name,

@@ -64,7 +64,9 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on std
 Tp = Annotated[int | None, typer.Option("--tp", help="Tensor-parallel size (default: every NeuronCore; 1 on cpu).")]
 MaxModelLen = Annotated[int, typer.Option("--max-model-len", help="Also --max-num-batched-tokens (Neuron needs them equal).")]
 StartupTimeout = Annotated[float, typer.Option("--startup-timeout", help="Seconds to wait for GET /health.")]
-VllmPython = Annotated[Path, typer.Option("--vllm-python", help="Interpreter of the environment with vLLM.")]
+# the default is this interpreter: shown as words, since a path depends on the machine (rich cuts a long one)
+VllmPython = Annotated[Path, typer.Option("--vllm-python", help="Interpreter of the environment with vLLM.",
+                                          show_default="this Python")]
 LogDir = Annotated[Path | None, typer.Option("--log-dir", help="Where the server logs go (default: a new temp dir).")]
 
 

@@ -414,7 +414,21 @@ def render_variants(console: Console, result: Any) -> None:
         table.add_row(row["name"], num(row["nll"], ".4f"), num(row["agreement"], ".2f"),
                       num(row["served_delta_nll"], "+.4f"), num(row["predicted_delta_nll"], "+.4f"))
     console.print(table)
+    _render_delta_intervals(console, result.intervals)
     if result.canary is not None:
         color = "green" if result.canary.ok else "red"
         console.print(f"canary: [{color}]{'ok' if result.canary.ok else 'FAILED'}[/] {escape(result.canary.reason)}",
                       soft_wrap=True)
+
+
+def _render_delta_intervals(console: Console, intervals: Any) -> None:
+    """The calibrated scales' ΔNLL on the probe text, served and predicted, with their 95 % intervals."""
+    shown = {name: found for name, found in (intervals or {}).items() if found is not None}
+    if not shown:
+        return
+    words = {"served": "served ΔNLL", "predicted": "predicted ΔNLL", "served_minus_predicted": "served - predicted"}
+    parts = [f"{words[name]} {found['estimate']:+.4f} [{found['low']:+.4f}, {found['high']:+.4f}]"
+             for name, found in shown.items()]
+    first = next(iter(shown.values()))
+    console.print(f"calibrated scales, 95% intervals ({first['method']}, {first['items']} blocks): " + "; ".join(parts),
+                  soft_wrap=True, highlight=False)

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TARGET", "EMULATED", "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok",
-    "fake_quantize", "from_fp8_domain", "get_target", "implied_fp8_max", "neuron_reciprocal", "round_to_e4m3",
+    "fake_quantize", "from_fp8_domain", "get_target",
+    "served_numerics", "implied_fp8_max", "neuron_reciprocal", "round_to_e4m3",
     "round_to_e4m3_", "scale_from_absmax", "sqnr_db", "to_fp8_domain",
 ]
 
@@ -61,6 +62,15 @@ SCALE_FLOOR = 1e-8
 EMULATED: dict[str, Target] = {
     "vllm-cpu": Target("vllm-cpu", 448.0, neuron=False, toward_zero=True),
 }
+
+
+def served_numerics(target: Target) -> tuple[Target, ...]:
+    """Every numerics a checkpoint sized for `target` is served with, `target` first: the targets and the emulated
+    servers whose FP8 range holds its scales' (fp8_max at least the target's). A trn2 checkpoint (240) runs on
+    trn3, GPU vLLM and vLLM CPU too (448), where the same scale saturates at 448 x s, not 240 x s: the scale
+    objective scores every candidate on each of them (kvcalib.calibrate.objective)."""
+    others = [t for t in (*TARGETS.values(), *EMULATED.values()) if t != target and t.fp8_max >= target.fp8_max]
+    return (target, *others)
 
 
 def get_target(name: str) -> Target:

@@ -93,6 +93,8 @@ class RunResult:
     kind: str = ""  # "KV per-tensor", "KV per-head", "FP8 attn, per-tensor" (Q too), "FP8 attn, per-head"
     accuracy: float = 0.0  # next-token top-1 accuracy (top1 is the agreement with the unquantised run's top-1)
     intervals: tuple[Interval | None, Interval | None] = (None, None)  # paired: ΔNLL, Δ accuracy (None: < 2 rows)
+    # every scored token's NLL, row after row (float64; not in to_dict): serve-check pairs them with the server's
+    token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def delta_nll_interval(self) -> Interval | None:
@@ -133,6 +135,7 @@ class EvalResult:
     plot: str | None = None
     compute: str = ""
     layer_rows: int = 0  # rows the per-layer ΔNLL (LayerQuantStats.delta_nll_alone) was measured on
+    baseline_token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)  # as RunResult's
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -161,14 +164,20 @@ class _Totals:
     row_nll: list[float] = field(default_factory=list)  # per sequence: Σ NLL, correct top-1 predictions, tokens
     row_correct: list[float] = field(default_factory=list)
     row_tokens: list[int] = field(default_factory=list)
+    token_nll: list[torch.Tensor] = field(default_factory=list)  # per row: its scored tokens' NLLs (float64)
 
-    def add(self, nll: torch.Tensor, correct: torch.Tensor, scored: torch.Tensor) -> None:
-        """One batch: per-row sums of NLL and correct predictions ([B] float64) over its scored tokens."""
+    def add(self, token_nll: torch.Tensor, correct: torch.Tensor, scored: torch.Tensor) -> None:
+        """One batch: per-token NLLs ([B, S-1]), per-row sums of correct predictions ([B] float64), scored tokens."""
+        nll = _row_sums(token_nll, scored)
         self.nll += float(nll.sum())
         self.count += int(scored.sum())
         self.row_nll += nll.tolist()
         self.row_correct += correct.tolist()
         self.row_tokens += scored.sum(dim=1).tolist()
+        self.token_nll += [values[mask].double().cpu() for values, mask in zip(token_nll, scored)]
+
+    def tokens(self) -> torch.Tensor:
+        return torch.cat(self.token_nll) if self.token_nll else torch.zeros(0, dtype=torch.float64)
 
 
 def _row_sums(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -220,7 +229,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
             name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
             delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
             layers=tuple(meter.layer_stats(name, alone.get(name))), kind=_kind(t.quantizer),
-            accuracy=sum(t.row_correct) / t.count, intervals=_intervals(t, baseline),
+            accuracy=sum(t.row_correct) / t.count, intervals=_intervals(t, baseline), token_nll=t.tokens(),
         )
         for name, t in totals.items()
     )
@@ -230,7 +239,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
         num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
         baseline_accuracy=sum(baseline.row_correct) / baseline.count,
         runs=runs, seconds=time.perf_counter() - started, compute=compute.describe(),
-        layer_rows=min(opts.layer_rows, len(data.sequences)),
+        layer_rows=min(opts.layer_rows, len(data.sequences)), baseline_token_nll=baseline.tokens(),
     )
 
 
@@ -276,13 +285,11 @@ def _score(forward: Callable[..., torch.Tensor], data: CalibrationData, batch_si
         if meter.sampler is not None:
             meter.sampler.end_batch()
         base_top1 = base_logp.argmax(-1)
-        baseline.add(_row_sums(-base_logp.gather(-1, targets[..., None])[..., 0], scored),
-                     _row_sums(base_top1 == targets, scored), scored)
+        baseline.add(-base_logp.gather(-1, targets[..., None])[..., 0], _row_sums(base_top1 == targets, scored), scored)
         for run in totals.values():
             logp = forward(input_ids, mask, run.quantizer)
             top1 = logp.argmax(-1)
-            run.add(_row_sums(-logp.gather(-1, targets[..., None])[..., 0], scored), _row_sums(top1 == targets, scored),
-                    scored)
+            run.add(-logp.gather(-1, targets[..., None])[..., 0], _row_sums(top1 == targets, scored), scored)
             kl = (base_logp.exp() * (base_logp - logp)).sum(-1)
             run.kl += kl[scored].double().sum().item()
             run.agree += (top1 == base_top1)[scored].sum().item()

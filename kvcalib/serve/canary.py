@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from kvcalib.core.checkpoint import scan_checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import is_kv_scale_key
 
-__all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant",
+__all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant", "self_agreement",
            "mean_agreement"]
 
 CANARY_DIVISOR = 64.0  # measured on SmolLM2 / vLLM CPU: /100 makes it print "-" over and over
@@ -107,3 +107,9 @@ def judge_canary(calibrated: Any, canary: Any, factor: float, device: str, serve
             f"better than the calibrated ones ({shown}) on {device}, {server}"))
     return CanaryResult(True, factor, canary.nll, agreement, (
         f"scales x{factor:g} changed the answers ({shown}): the server applies the checkpoint's scales"))
+
+
+def self_agreement(run: Any) -> Any:
+    """Without a baseline the canary is scored against the calibrated run's own continuations (agreement 1):
+    `run` (a pipeline.ServerRun) with every prompt's agreement 1.0."""
+    return replace(run, agreements=tuple(1.0 if c.token_ids else None for c in run.completions))

@@ -40,6 +40,7 @@ from kvcalib.serve.canary import (
     judge_canary,
     make_variant,
     mean_agreement,
+    self_agreement,
 )
 from kvcalib.serve.launch import (
     baseline_kv_dtype,
@@ -49,7 +50,7 @@ from kvcalib.serve.launch import (
     server_argv,
     server_env,
 )
-from kvcalib.serve.predict import Prediction, predict
+from kvcalib.serve.predict import Prediction, delta_intervals, predict
 from kvcalib.serve.preflight import (
     NEURON_DEVICES,
     Environment,
@@ -165,6 +166,7 @@ class ServerRun:
     agreements: tuple[float | None, ...] | None = None
     task_output: Any = None  # a kvcalib.serve.tasks.ServedTasks; serve-check --tasks: lm-eval's output against this server
     pid: int | None = None  # the server's process id: it leads its own session and process group
+    token_nll: tuple[float, ...] = ()  # each token's NLL of the fixed text (nll is their mean)
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,7 @@ class ServeCheckResult:
     prediction: Prediction | None = None
     server_pids: Mapping[str, int] = field(default_factory=dict)  # name -> pid: each server's session and group
     tasks: tuple[dict[str, Any], ...] = ()  # serve-check --tasks: served and predicted scores per task and metric
+    intervals: Mapping[str, Any] = field(default_factory=dict)  # the probe's ΔNLL intervals: predict.delta_intervals
 
     @property
     def served_delta_nll(self) -> float | None:
@@ -233,7 +236,8 @@ class ServeCheckResult:
             "unit": None if self.unit is None else {"nll": self.unit.nll, "agreement": mean_agreement(self.unit.agreements)},
             "prediction": self.prediction.to_dict() if self.prediction else None,
             "delta_nll": {"served": self.served_delta_nll,
-                          "predicted": self.prediction.delta_nll if self.prediction else None},
+                          "predicted": self.prediction.delta_nll if self.prediction else None,
+                          "intervals": dict(self.intervals)},
             "variants": self.variants(),
             "server_pids": dict(self.server_pids), "tasks": list(self.tasks),
         }
@@ -268,7 +272,8 @@ def _run_server(name: str, checkpoint: Path, options: ServeOptions, pre: Preflig
             progress(ServeEvent("stop", name))
     finally:
         progress(ServeEvent("stopped", name))
-    return ServerRun(command, str(log_path), ready_s, *run, pid=server.pid)
+    *answers, token_nll = run
+    return ServerRun(command, str(log_path), ready_s, *answers, pid=server.pid, token_nll=token_nll)
 
 
 def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOptions, prompts: Sequence[Prompt],
@@ -280,7 +285,7 @@ def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOption
             progress(ServeEvent("probe", name, message=f"prompt {i}/{len(prompts)}"))
             completions.append(client.complete(prompt.text, options.max_tokens))
         progress(ServeEvent("probe", name, message="NLL of the fixed text"))
-        nll = client.mean_nll(NLL_TEXT)
+        token_nll = client.token_nlls(NLL_TEXT)
         agreements = None
         if reference is not None:
             progress(ServeEvent("probe", name, message="agreement with the baseline"))
@@ -296,7 +301,7 @@ def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOption
             raise server.failure(f"the {name} vLLM server exited with code {server.exit_code()} during the probe") \
                 from None
         raise
-    return tuple(completions), nll, agreements, task_output
+    return tuple(completions), sum(token_nll) / len(token_nll), agreements, task_output, token_nll
 
 
 def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None) -> tuple[list[PromptResult], list[str], float | None]:
@@ -394,7 +399,7 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     fp8 = _run_server("fp8", checkpoint, options, pre, log_dir, prompts,
                       baseline.completions if baseline else None, emit)
     results, failures, agreement = judge(prompts, fp8, baseline)
-    warnings += unjudged_passkeys(prompts, results)
+    intervals, missing = delta_intervals(baseline and baseline.token_nll, fp8.token_nll, prediction)
     tasks = _task_rows(options, checkpoint, pre, baseline, fp8)
     canary, unit, canary_run = None, None, None
     if canary_dir is not None:
@@ -403,7 +408,7 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
             unit_dir = make_variant(checkpoint, log_dir / "variants" / "scales-1.0", value=1.0)
             unit = _run_server("unit", unit_dir, options, pre, log_dir, prompts, reference, emit)
         canary_run = _run_server("canary", canary_dir, options, pre, log_dir, prompts, reference, emit)
-        canary = judge_canary(fp8 if baseline else _self_agreement(fp8), canary_run, 1 / CANARY_DIVISOR,
+        canary = judge_canary(fp8 if baseline else self_agreement(fp8), canary_run, 1 / CANARY_DIVISOR,
                               options.device, pre.vllm_version)
         if not canary.ok:
             failures.append(canary.reason)
@@ -411,10 +416,10 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
         checkpoint=str(checkpoint), device=options.device, ok=not failures, ready_s=fp8.ready_s,
         command=fp8.command, log=fp8.log, prompts=tuple(results), nll_fp8=fp8.nll,
         nll_baseline=baseline.nll if baseline else None, agreement=agreement, failures=tuple(failures),
-        warnings=tuple(warnings), fp8_max=pre.fp8_max, tensor_parallel_size=pre.tensor_parallel_size,
+        warnings=tuple(warnings + unjudged_passkeys(prompts, results) + missing), fp8_max=pre.fp8_max, tensor_parallel_size=pre.tensor_parallel_size,
         vllm_version=pre.vllm_version, baseline_ready_s=baseline.ready_s if baseline else None,
         baseline_command=baseline.command if baseline else None, baseline_log=baseline.log if baseline else None,
-        canary=canary, unit=unit, prediction=prediction, tasks=tuple(tasks),
+        canary=canary, unit=unit, prediction=prediction, tasks=tuple(tasks), intervals=intervals,
         server_pids={name: r.pid for name, r in (("baseline", baseline), ("fp8", fp8), ("unit", unit),
                                                  ("canary", canary_run)) if r is not None and r.pid is not None},
     )
@@ -429,11 +434,6 @@ def _task_rows(options: ServeOptions, checkpoint: Path, pre: Preflight, baseline
 
     numerics = EMULATED_DEVICES.get(options.device, pre.target) if options.predict else None
     return served_rows(options.tasks, baseline.task_output, fp8.task_output, checkpoint, numerics)
-
-
-def _self_agreement(run: ServerRun) -> ServerRun:
-    """Without a baseline the canary is scored against the calibrated run's own continuations (agreement 1)."""
-    return replace(run, agreements=tuple(1.0 if c.token_ids else None for c in run.completions))
 
 
 def _predict(checkpoint: Path, options: ServeOptions, pre: Preflight, canary_dir: Path | None,

@@ -7,19 +7,26 @@ trn3 and GPU, and vLLM CPU's truncating cast on cpu: core.fp8.EMULATED) and the 
 `predicted ΔNLL` (FP8 minus unquantised) then sits next to `served ΔNLL` (FP8 server minus
 the baseline server); on Neuron, where a baseline costs a second compile, the prediction
 stands in for it.
+
+Both sides score every token of the text, so the two are paired token by token: `delta_intervals`
+puts a 95 % interval on the served ΔNLL, the predicted one and their difference, resampling blocks
+of BLOCK_TOKENS consecutive tokens (a block bootstrap: neighbouring tokens are not independent).
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcalib.core.cpu import HostCpu
 
-__all__ = ["Prediction", "predict"]
+__all__ = ["BLOCK_TOKENS", "Prediction", "delta_intervals", "predict"]
+
+BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class Prediction:
     unit_delta_nll: float | None = None  # every scale 1.0
     canary_delta_nll: float | None = None  # the canary's scales
     seconds: float = 0.0
+    token_delta: tuple[float, ...] = ()  # per scored token: the checkpoint's NLL minus the unquantised one
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "baseline_nll": self.baseline_nll, "nll": self.nll,
@@ -58,5 +66,42 @@ def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = N
         target=target, baseline_nll=result.baseline_nll, nll=own.nll, delta_nll=own.delta_nll,
         unit_delta_nll=runs[UNIT].delta_nll if unit else None,
         canary_delta_nll=runs[str(canary)].delta_nll if canary is not None else None,
-        seconds=result.seconds,
+        seconds=result.seconds, token_delta=tuple((own.token_nll - result.baseline_token_nll).tolist()),
     )
+
+
+def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], prediction: Prediction | None
+                    ) -> tuple[dict[str, Any], list[str]]:
+    """Intervals ("served", "predicted", "served_minus_predicted": Interval.to_dict() or None) from per-token NLLs:
+    the baseline and FP8 servers' (`baseline` None: no baseline server), and the prediction's ΔNLL per token
+    (None: no prediction). Warnings: why an interval is missing."""
+    from kvcalib.evaluate.significance import paired_bootstrap
+
+    predicted = None if prediction is None else prediction.token_delta
+
+    def blocks(values: Sequence[float]) -> tuple[list[float], list[int]]:
+        starts = range(0, len(values), BLOCK_TOKENS)
+        return [sum(values[i:i + BLOCK_TOKENS]) for i in starts], [len(values[i:i + BLOCK_TOKENS]) for i in starts]
+
+    def interval(values: Sequence[float] | None) -> dict[str, Any] | None:
+        if values is None:
+            return None
+        found = paired_bootstrap(*blocks(values))
+        return None if found is None else {**found.to_dict(), "method": f"paired bootstrap over blocks of "
+                                           f"{BLOCK_TOKENS} tokens, {found.method.split(', ', 1)[1]}"}
+
+    warnings = []
+    served = None if baseline is None else [f - b for f, b in zip(fp8, baseline)]
+    if baseline is not None and len(baseline) != len(fp8):
+        served = None
+        warnings.append(f"the baseline server scored {len(baseline)} tokens and the FP8 server {len(fp8)}: no served "
+                        "interval")
+    difference = None
+    if served is not None and predicted is not None:
+        if len(predicted) == len(served):
+            difference = [s - p for s, p in zip(served, predicted)]
+        else:
+            warnings.append(f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: the two "
+                            "tokenised the text differently, so served and predicted are not paired")
+    return {"served": interval(served), "predicted": interval(predicted),
+            "served_minus_predicted": interval(difference)}, warnings

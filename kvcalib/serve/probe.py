@@ -1,7 +1,7 @@
 """Talk to a running vLLM server over its OpenAI-compatible HTTP API, and judge what it says.
 
 - `complete`: greedy `/v1/completions`, with the token ids (`return_token_ids`).
-- `mean_nll`: mean negative log-likelihood of a fixed text from prompt log-probs.
+- `token_nlls`: the negative log-likelihood of each token of a fixed text, from prompt log-probs.
 - `top1_agreement`: feed the baseline's prompt + continuation token ids to this server as a
   prompt and count the continuation tokens this server also ranks first. Teacher-forced, so
   one early near-tie does not turn every later token into a disagreement; and in this
@@ -94,13 +94,13 @@ class ServerClient:
                                    "return_token_ids", log=self.log)
         return logprobs, ids
 
-    def mean_nll(self, text: str) -> float:
-        """Mean negative log-likelihood (nats per token) of `text` after its first token."""
+    def token_nlls(self, text: str) -> tuple[float, ...]:
+        """The negative log-likelihood (nats) of each token of `text` after its first."""
         logprobs, ids = self._prompt_logprobs(text, 0)
-        values = [_entry(logprobs[i], ids[i])["logprob"] for i in range(1, len(ids))]
+        values = tuple(-_entry(logprobs[i], ids[i])["logprob"] for i in range(1, len(ids)))
         if not values:
             raise ServerError("the NLL text is a single token", log=self.log)
-        return -sum(values) / len(values)
+        return values
 
     def top1_agreement(self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]) -> float | None:
         """Share of `continuation_ids` this server ranks first, given the same prefix (None if empty)."""

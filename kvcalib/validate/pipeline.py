@@ -58,6 +58,9 @@ unknown; everything else is a `Finding`. The rule ids are stable:
    and/or the "kvcalib" metadata of the scale file):
    - RANGE-TARGET-MISMATCH      error  sized for a larger FP8 max than the target's (448 on trn2:
                                        values above 0.54 of absmax clip); info when smaller
+   - RANGE-CLIPPED-UNSCORED     warning the scale objective clipped scales without scoring them on the
+                                       target's numerics (provenance `scored_on`): a clip chosen for 240
+                                       does not saturate at 448, and can land on rounding boundaries there
    - RANGE-PROVENANCE-DISAGREES warning the tensors (or the two records) disagree with it
    - RANGE-PROVENANCE-MALFORMED warning unreadable provenance
    - RANGE-UNKNOWN              info   scales present, no provenance: FP8 max unknown

@@ -35,6 +35,7 @@ from kvcalib.core.schema import (
     parse_foreign_scale_key,
     parse_neuron_scale_key,
 )
+from kvcalib.validate.clips import clipped_unscored, finite_number
 from kvcalib.validate.config import declared_kv_cache_scheme
 from kvcalib.validate.heads import per_head_findings
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
@@ -316,7 +317,7 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
                 f"{where} says fp8_max {short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
                 "recalibrate to get one consistent record", where,
             ))
-    if _number(fp8_max) is None or fp8_max <= 0:
+    if finite_number(fp8_max) is None or fp8_max <= 0:
         return findings + [_malformed_provenance(where, f"fp8_max is {short_repr(fp8_max)}, not a positive number")]
     fp8_max = float(fp8_max)
     target_max = TARGETS[target].fp8_max
@@ -330,7 +331,7 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
             f"{sized}, but {target} saturates at {target_max:g}: values above "
             f"{target_max:g}/{fp8_max:g} ≈ {target_max / fp8_max:.2f} of each layer's absmax clip",
             f"recalibrate with kvcalib calibrate --target {target} "
-            "(a trn2 checkpoint also serves correctly on 448-range hardware)",
+            "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)",
             where,
         ))
     elif fp8_max < target_max * (1 - 1e-6):
@@ -340,7 +341,7 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
             f"≈ {fp8_max / target_max:.2f} of the FP8 range",
             f"recalibrate with --target {target} for the full range", where,
         ))
-    return findings + _compare_layers(provenance, where, fp8_max, check)
+    return findings + clipped_unscored(provenance, where, target) + _compare_layers(provenance, where, fp8_max, check)
 
 
 def _provenance_sources(scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]) -> list[tuple[str, dict]]:
@@ -376,17 +377,6 @@ def _malformed_provenance(where: str, problem: str) -> Finding:
     )
 
 
-def _number(value: Any) -> float | None:
-    """A finite JSON number as a float; None for anything else (a huge integer included)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCheck) -> list[Finding]:
     layers = provenance.get("layers")
     if layers is None:
@@ -401,9 +391,9 @@ def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCh
         for kind in KV_KINDS:
             key = neuron_scale_key(layer, kind, check.prefix)
             actual = check.values.get(key)
-            recorded = _number(entry.get(f"{kind}_scale"))
+            recorded = finite_number(entry.get(f"{kind}_scale"))
             # what the scale was sized for: the clip the scale objective chose (k_range), else the absmax
-            absmax = _number(entry.get(f"{kind}_range", entry.get(f"{kind}_absmax")))
+            absmax = finite_number(entry.get(f"{kind}_range", entry.get(f"{kind}_absmax")))
             if actual is None:
                 continue
             if recorded is not None and abs(recorded - actual) > 1e-5 * max(abs(recorded), abs(actual)):

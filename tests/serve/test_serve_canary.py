@@ -40,8 +40,11 @@ def test_an_honest_server_passes_the_canary(ckpt, cpu_python):
     prediction = payload["prediction"]
     assert prediction["target"] == "vllm-cpu"  # the numbers themselves: a random tiny model barely reacts (see e2e)
     assert all(isinstance(prediction[k], float) for k in ("delta_nll", "unit_delta_nll", "canary_delta_nll"))
-    assert payload["delta_nll"] == {"served": pytest.approx(payload["nll"]["fp8"] - payload["nll"]["baseline"]),
-                                    "predicted": prediction["delta_nll"]}
+    delta = payload["delta_nll"]
+    assert delta["served"] == pytest.approx(payload["nll"]["fp8"] - payload["nll"]["baseline"])
+    assert delta["predicted"] == prediction["delta_nll"]
+    assert delta["intervals"]["served"]["estimate"] == pytest.approx(delta["served"])
+    assert delta["intervals"]["predicted"]["estimate"] == pytest.approx(delta["predicted"])
     variant = Path(payload["log"]).parent / "variants" / "scales-div64"
     assert (variant / "config.json").is_symlink() and not (variant / "kv_scales.safetensors").is_symlink()
     assert tree(ckpt) == before  # the variants never write through to the checkpoint

@@ -52,6 +52,12 @@ def test_cpu_passes_with_the_platform_flags_and_a_baseline(ckpt, cpu_python):
     assert f"fp8 server: {fp8}" in result.stderr and "PASSED" in result.stderr
     assert Path(payload["log"]).read_text().count("Starting vLLM API server") == 1
     assert_nothing_left(str(ckpt), result.stderr)
+    # intervals over blocks of 16 tokens; the fake's own token stream is not the tiny tokenizer's, so served and
+    # predicted are not paired, and serve-check says why
+    intervals = payload["delta_nll"]["intervals"]
+    assert intervals["served"]["items"] >= 2 and intervals["predicted"]["items"] >= 2
+    assert intervals["served_minus_predicted"] is None
+    assert any("tokenised the text differently" in w for w in payload["warnings"]), payload["warnings"]
 
 
 def test_a_relative_log_dir_serves_the_variants_too(ckpt, cpu_python, monkeypatch):
