@@ -119,43 +119,57 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     lines += [f"| {row['layer']} | {row['k_absmax']:.6g} | {row['v_absmax']:.6g} |"
               + (f" {row['k_range']:.6g} | {row['v_range']:.6g} |" if ranges else "")
               + f" {row['k_scale']:.6g} | {row['v_scale']:.6g} |"
-              + (f" {row.get('q_absmax', float('nan')):.6g} | {row.get('q_scale', float('nan')):.6g} |" if queries else "")
+              + (f" {row.get('q_absmax', float('nan')):.6g} | {row.get('q_scale', float('nan')):.6g} |"
+                 if queries else "")
               for row in _scale_rows(ckpt, provenance)]
     return "\n".join(lines + ["", END, ""])
 
 
 def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
-    """(some range differs from its absmax, some range is below it: clipped), over the layers' K and V."""
-    pairs = [(row[f"{k}_range"], row.get(f"{k}_absmax", 0.0)) for row in provenance.get("layers", [])
-             if isinstance(row, dict) for k in "kv" if isinstance(row.get(f"{k}_range"), (int, float))]
-    return any(r != a for r, a in pairs), any(r < a for r, a in pairs)
+    """(some range differs from its absmax, some range is below it: clipped), over every layer's K and V, per head
+    where the scales are (the range a scale maps to the FP8 max: scale x fp8_max, rounded up by at most
+    fp8.SCALE_ROUNDING_TOLERANCE)."""
+    fp8_max, pairs = provenance["fp8_max"], []
+    for row in provenance.get("layers", []):
+        for k in "kv":
+            if row.get(f"{k}_head_scales") and row.get(f"{k}_head_absmax"):
+                pairs += [(s * fp8_max, a) for s, a in zip(row[f"{k}_head_scales"], row[f"{k}_head_absmax"])]
+            elif isinstance(row.get(f"{k}_range"), (int, float)):
+                pairs.append((row[f"{k}_range"], row.get(f"{k}_absmax", 0.0)))
+    same = 1 + fp8.SCALE_ROUNDING_TOLERANCE
+    return (any(not a <= r <= a * same for r, a in pairs if a > 0),
+            any(r < a * (1 - 1e-6) for r, a in pairs if a > 0))
 
 
 def _formula(provenance: dict[str, Any], per_head: bool) -> str:
-    """What was written and where it is right: absmax / fp8_max, or the scale objective's range where it chose
-    another, and the servers that choice was scored on (the provenance's scored_on)."""
-    fp8_max, target = provenance["fp8_max"], provenance["target"]
-    served = [t.name for t in fp8.served_numerics(fp8.get_target(target))[1:]]
+    """What was written and where it is right: absmax / fp8_max, or the range the scale objective (or --headroom)
+    chose instead, and the servers that choice was scored on (the provenance's scored_on)."""
+    fp8_max, target, headroom = provenance["fp8_max"], provenance["target"], provenance.get("headroom") or 1.0
+    served = [] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))[1:]]
     smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]
     refused = (f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate again with --target "
                f"{smaller[0]} to serve there." if smaller else "")
     per = "head" if per_head else "layer"
     chosen, clipped = _ranges(provenance)
+    wider = f"{headroom:g} x absmax(K) (--headroom)" if headroom != 1.0 else ""
     if not chosen:
         text = f"`k_scale = absmax(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V)"
+    elif provenance.get("scale_objective") != "attention":
+        text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
+                f"range is {wider or 'absmax(K)'}")
     else:
         text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
                 "range is the attention objective's choice (the table's range columns): absmax(K), or "
                 + ("below it where saturating near-constant channels keeps attention right, or " if clipped else "")
-                + "above it where a wider scale puts the values on better FP8 grid points")
+                + "above it where a wider scale puts the values on better FP8 grid points"
+                + (f"; where it clips nothing, at least {wider}" if wider else ""))
     if not clipped:
         return (text + ": nothing clips" + (f"; also right on {', '.join(served)}, where the scales use the range up "
                                             f"to {fp8_max:g}" if served else "") + "." + refused)
     scored = [name for name in provenance.get("scored_on") or [] if name != target]
     if scored:
         return text + (f". Every candidate scale was scored on {target} and on {', '.join(scored)} (each saturates at "
-                       "its own FP8 max x scale) and chosen by its attention error where that is largest: the scales "
-                       "are right on each of them." + refused)
+                       "its own FP8 max x scale) and chosen by its attention error where that is largest." + refused)
     return text + f". The clips were scored on {target} alone: serve these scales on {target} only."
 
 

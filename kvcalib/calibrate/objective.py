@@ -8,16 +8,17 @@ into every q·k. Saturating it instead makes it exactly constant, which softmax 
 matters is the error of the attention output, not of K: SQNR ranks such scales backwards.
 
 The search ("attention grid"): for every layer, candidate scales `absmax x 2^(-j/2)` (j = 0..10,
-so 1 down to 1/32 of the never-clipping scale), `absmax / 448` where the target's FP8 max is not
-448, 1.0, and the wider scales `absmax x 2^(j/4)` (j = 1..3). Each is scored on the attention
-samples (kvcalib.hf.samples: the model's own Q, mask, scaling, soft-capping and sinks, K/V as the
-cache stores them) by the squared error of the attention output with K (then V) fake-quantised,
-against the unquantised output; V is scored through the exact probabilities. A candidate is
-scored on every numerics the checkpoint is served with (core.fp8.served_numerics: a trn2 scale
-saturates at 240 x s on trn2 but at 448 x s on trn3, GPU vLLM and vLLM CPU, where a clip chosen
-for 240 no longer saturates and can land a near-constant channel on rounding boundaries), and a
-candidate's error is its largest on any of them: a scale is chosen for every server it will meet. Half of each sequence's sampled query rows choose, the other half (held out)
-confirm and report.
+so 1 down to 1/32 of the never-clipping scale), `absmax / M` for each chip in the table with a
+larger FP8 max M (448 for trn2), 1.0, and the wider scales `absmax x 2^(j/4)` (j = 1..3). Each
+is scored on the attention samples (kvcalib.hf.samples: the model's own Q, mask, scaling,
+soft-capping and sinks, K/V as the cache stores them) by the squared error of the attention
+output with K (then V) fake-quantised, against the unquantised output; V is scored through the
+exact probabilities. A candidate is scored on every numerics the checkpoint is served with
+(core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2 but at 448 x s on trn3, GPU
+vLLM and vLLM CPU, where a clip chosen for 240 no longer saturates and can land a near-constant
+channel on rounding boundaries), and a candidate's error is its largest on any of them: a scale
+is chosen for every server it will meet. Half of each sequence's sampled query rows choose, the
+other half (held out) confirm and report.
 
 Two kinds of candidate, two bars:
 - A clip must at least halve absmax's error (GAIN) on both halves: scales that are equally good
@@ -31,13 +32,14 @@ Two kinds of candidate, two bars:
   points, which matters for near-constant channels. The one with the lowest error wins when it
   is at least a tenth (WIDER_GAIN) under absmax's on the choosing and the held-out rows alike:
   V's equally good scales differ by 1-3 %, K's by ~5 %, and a pick by noise is no better.
-Every error is the candidate's on the server where it does worst (absmax's too). Per KV head with `attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum),
-so batches dealt to any number of ranks give the same choice as one process.
+Every error is the candidate's on the server where it does worst (absmax's too). Per KV head with
+`attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum), so batches dealt
+to any number of ranks give the same choice as one process.
 
 absmax's error is the bar every other candidate must get under, so it (and 1.0, whose error is
 reported) is scored on every sample first; a candidate whose error so far already reaches its bar
 is scored no further (errors only grow with samples): the same choices and reported errors as
-scoring everything, with about 40 % of the candidate-samples scored on real models.
+scoring everything, with a fraction of the candidate-samples scored.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, Workspace, attention_rows
 
 __all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER", "WIDER_GAIN",
-           "Candidates", "Gather", "KindChoice", "Reference", "candidates", "choose", "sample_terms", "search", "sum_terms"]
+           "Candidates", "Gather", "KindChoice", "Reference", "candidates", "choose", "sample_terms", "scored_numerics",
+           "search", "sum_terms"]
 
 ATTENTION = "attention"
 ABSMAX = "absmax"
@@ -102,9 +105,11 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     per tensor, every one of the `kv_heads` heads shares the layer's."""
     heads = head_absmax.float().reshape(-1)
     base = heads if per_head else heads.max().expand(kv_heads or heads.numel())
-    factors = sorted({*FACTORS, *((target.fp8_max / 448.0,) if target.fp8_max != 448.0 else ())}, reverse=True)
-    labels = [ABSMAX_LABEL if f == 1.0 else ("absmax/448" if f == target.fp8_max / 448.0 else f"absmax x{f:.4g}")
-              for f in factors]
+    # the scale a chip with a larger FP8 max would write (absmax / 448 for trn2: llm-compressor's and GPU vLLM's)
+    others = {target.fp8_max / t.fp8_max: f"absmax/{t.fp8_max:g}" for t in fp8.TARGETS.values()
+              if t.fp8_max > target.fp8_max}
+    factors = sorted({*FACTORS, *others}, reverse=True)  # absmax (1) first: every other factor is below it
+    labels = [ABSMAX_LABEL if f == 1.0 else others.get(f, f"absmax x{f:.4g}") for f in factors]
     labels += [UNIT_LABEL, *(f"absmax x{f:.4g}" for f in WIDER)]
     unit = len(factors)
     ranges = torch.stack([base * f for f in factors] + [torch.full_like(base, target.fp8_max)]
@@ -294,6 +299,13 @@ def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Seque
 Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (one process: the list itself)
 
 
+def scored_numerics(target: fp8.Target, per_head: bool) -> tuple[fp8.Target, ...]:
+    """The numerics search scores every candidate on: each server the target's scales are for
+    (fp8.served_numerics); per-head scales serve on GPU vLLM's FlashAttention alone (neither Neuron nor vLLM CPU
+    loads them), so those are scored on the target only."""
+    return (target,) if per_head else fp8.served_numerics(target)
+
+
 def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch.Tensor],
            v_heads: Sequence[torch.Tensor], target: fp8.Target, per_head: bool,
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
@@ -309,7 +321,7 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
     the bar is every rank's absmax and the sums its own samples'; gathered, they only grow). One layer at a time:
     each sample's reference attention is computed once and kept only while its layer is scored."""
     work = Workspace()
-    numerics = fp8.served_numerics(target)
+    numerics = scored_numerics(target, per_head)
     chosen = []
     for i, layer in enumerate(samples):
         kv_heads = layer[0].key.shape[0] if layer else None

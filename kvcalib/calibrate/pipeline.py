@@ -21,7 +21,7 @@ from kvcalib.calibrate.distributed import observe_across_ranks
 from kvcalib.calibrate.engine import Engine, EngineInputs, Observation
 from kvcalib.calibrate.llmcompressor import llmcompressor_engine
 from kvcalib.calibrate.native import native_engine, sample_attention
-from kvcalib.calibrate.objective import ATTENTION, Gather, absmax_warnings, search
+from kvcalib.calibrate.objective import ATTENTION, Gather, absmax_warnings, scored_numerics, search
 from kvcalib.calibrate.options import CalibrateOptions, CalibrationResult, LayerScales
 from kvcalib.calibrate.ranks import rank_device
 from kvcalib.calibrate.recipe import RecipePlan, plan_recipe
@@ -175,7 +175,7 @@ def check_run(model: str | Path, dataset: str, output: Path, opts: CalibrateOpti
     run = prepare_run(model, opts)
     checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
     mxfp4 = mxfp4_weights(checkpoint.files.key_files)
-    if mxfp4 and target.name == "gpu":
+    if mxfp4 and not target.neuron:
         raise UnsupportedModelError(MXFP4_GPU_REFUSAL.format(model_dir=checkpoint.root), hint=MXFP4_HINT)
     if mxfp4 and opts.engine == "llmcompressor":
         raise UsageError("--engine llmcompressor does not dequantise MXFP4 experts; kvcalib's engines do",
@@ -288,7 +288,8 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "target": target.name,
         "fp8_max": target.fp8_max,
         # the numerics the scale objective scored every candidate on (a clip is chosen only if good on all)
-        "scored_on": [chip.name for chip in fp8.served_numerics(target)] if opts.scale_objective == ATTENTION else [],
+        "scored_on": [chip.name for chip in scored_numerics(target, opts.strategy == ATTN_HEAD)]
+        if opts.scale_objective == ATTENTION else [],
         "scales_file": SCALES_FILENAME,
         "model": str(model_dir),
         "dtype": dtype_name,

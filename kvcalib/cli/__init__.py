@@ -19,6 +19,7 @@ from kvcalib.cli.common import _errors, _print_json, _stderr, captured_notes
 from kvcalib.cli.render import (progress_bar, render_calibration, render_context, render_eval, render_needle,
                                 render_plan, render_report, render_serve_check, render_tasks, serve_status)
 from kvcalib.core.errors import UsageError
+from kvcalib.core.fp8 import DEFAULT_TARGET
 
 app = typer.Typer(
     add_completion=False,
@@ -177,7 +178,7 @@ def _engine(engine: str, stream_layers: bool) -> str:
 @app.command()
 def validate(
     checkpoint: Path = typer.Argument(..., help="Checkpoint directory to check."),
-    target: str = typer.Option("trn2", "--target", "-t", help="trn2, trn3 or gpu."),
+    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help="trn2, trn3 or gpu."),
     strict: bool = typer.Option(False, "--strict", help="Count warnings as errors."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
     quiet: Quiet = False,
@@ -197,7 +198,8 @@ def validate(
 def eval_command(
     checkpoint: str = typer.Argument(..., help="Calibrated checkpoint directory (its weights and scales)."),
     dataset: str | None = typer.Option(None, "--dataset", "-d", help="Held-out text, in any form calibrate accepts."),
-    target: str = typer.Option("trn2", "--target", "-t", help="Chip numerics to emulate: trn2 (240), trn3 or gpu (448)."),
+    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t",
+                               help="Chip numerics to emulate: trn2 (240), trn3 or gpu (448)."),
     compare: list[str] = typer.Option([], "--compare", help="Also run 'unit' (all scales 1.0) or another checkpoint's scales; repeatable."),
     tasks: str | None = typer.Option(None, "--tasks", help="lm-eval tasks instead of --dataset, comma-separated (e.g. lambada_openai,arc_easy): each run scored on the same items, paired against the baseline (lm-eval: the 'tasks' extra)."),
     limit: int | None = typer.Option(None, "--limit", help="With --tasks: items per task (lm-eval's --limit)."),

@@ -427,8 +427,8 @@ def _render_delta_intervals(console: Console, intervals: Any) -> None:
     if not shown:
         return
     words = {"served": "served ΔNLL", "predicted": "predicted ΔNLL", "served_minus_predicted": "served - predicted"}
-    parts = [f"{words[name]} {found['estimate']:+.4f} [{found['low']:+.4f}, {found['high']:+.4f}]"
-             for name, found in shown.items()]
-    first = next(iter(shown.values()))
-    console.print(f"calibrated scales, 95% intervals ({first['method']}, {first['items']} blocks): " + "; ".join(parts),
+    parts = [f"{words[name]} {found['estimate']:+.4f} [{found['low']:+.4f}, {found['high']:+.4f}] "
+             f"({found['items']} blocks)" for name, found in shown.items()]
+    method = next(iter(shown.values()))["method"]
+    console.print(f"calibrated scales, approximate 95% intervals ({method}): " + "; ".join(parts),
                   soft_wrap=True, highlight=False)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcalib.core.cpu import HostCpu
+from kvcalib.core.fp8 import DEFAULT_TARGET
 from kvcalib.core.progress import ProgressCallback
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["eval_options", "evaluate", "evaluate_context", "evaluate_needle", "evaluate_tasks", "task_options"]
 
 
-def eval_options(*, target: str = "trn2", compare: Sequence[str] = (), **fields: Any) -> EvalOptions:
+def eval_options(*, target: str = DEFAULT_TARGET, compare: Sequence[str] = (), **fields: Any) -> EvalOptions:
     """EvalOptions as the CLI makes them, with the host CPU read unless given."""
     from kvcalib.evaluate.pipeline import EvalOptions
 
@@ -31,7 +32,7 @@ def eval_options(*, target: str = "trn2", compare: Sequence[str] = (), **fields:
     return EvalOptions(target=target, compare=tuple(compare), **fields)
 
 
-def task_options(tasks: Sequence[str], *, target: str = "trn2", compare: Sequence[str] = (),
+def task_options(tasks: Sequence[str], *, target: str = DEFAULT_TARGET, compare: Sequence[str] = (),
                  **fields: Any) -> TaskOptions:
     """TaskOptions as the CLI makes them (lm-eval tasks by name; limit, num_fewshot, task_data, ...)."""
     from kvcalib.evaluate.tasks import TaskOptions
@@ -39,7 +40,7 @@ def task_options(tasks: Sequence[str], *, target: str = "trn2", compare: Sequenc
     return TaskOptions(tasks=tuple(tasks), target=target, compare=tuple(compare), **fields)
 
 
-def evaluate(checkpoint: str | Path, dataset: str, *, target: str = "trn2", compare: Sequence[str] = (),
+def evaluate(checkpoint: str | Path, dataset: str, *, target: str = DEFAULT_TARGET, compare: Sequence[str] = (),
              options: EvalOptions | None = None, progress: ProgressCallback | None = None, **fields: Any) -> EvalResult:
     """FP8-KV accuracy on held-out text with the chip's numerics against the unquantised cache (`kvcalib eval
     --dataset`): ΔNLL, KL and top-1, paired intervals, per layer. compare: "unit" (every scale 1.0) or other
@@ -51,7 +52,7 @@ def evaluate(checkpoint: str | Path, dataset: str, *, target: str = "trn2", comp
     return run(str(checkpoint), dataset, options, progress=progress)
 
 
-def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, target: str = "trn2",
+def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, target: str = DEFAULT_TARGET,
                      compare: Sequence[str] = (), nll: bool = True, options: EvalOptions | None = None,
                      progress: ProgressCallback | None = None, **fields: Any) -> ContextResult:
     """`kvcalib eval --context L,...`: per length and layer the K/V saturation and absmax past the scales, and
@@ -63,7 +64,7 @@ def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int
 
 
 def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, keys: int | None = None,
-                    target: str = "trn2", compare: Sequence[str] = (), options: EvalOptions | None = None,
+                    target: str = DEFAULT_TARGET, compare: Sequence[str] = (), options: EvalOptions | None = None,
                     progress: ProgressCallback | None = None, **fields: Any) -> NeedleResult:
     """`kvcalib eval --context L,... --needle`: keys found per length and depth, per scale set, paired against the
     unquantised cache."""
@@ -73,7 +74,7 @@ def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: Sequence[int]
     return run(str(checkpoint), dataset, tuple(lengths), options, keys, progress=progress)
 
 
-def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, target: str = "trn2",
+def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, target: str = DEFAULT_TARGET,
                    compare: Sequence[str] = (), options: TaskOptions | None = None,
                    progress: ProgressCallback | None = None, **fields: Any) -> TaskResult:
     """`kvcalib eval --tasks`: lm-eval tasks under the chip's FP8-KV numerics, each scale set paired item by item

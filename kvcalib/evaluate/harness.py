@@ -29,6 +29,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from kvcalib.core.cpu import ComputePath, HostCpu
+from kvcalib.core.fp8 import DEFAULT_TARGET
 from kvcalib.core.schema import num_hidden_layers
 from kvcalib.evaluate.emulate import KVQuantizer
 from kvcalib.evaluate.pipeline import CHECKPOINT, UNIT, scale_set
@@ -90,7 +91,7 @@ def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuant
 class KvcalibLM(HFLM):
     """lm-eval's HFLM whose KV cache is stored in FP8 as `target` stores it (see the module docstring)."""
 
-    def __init__(self, pretrained: str | LoadedModel, target: str = "trn2", scales: str = CHECKPOINT,
+    def __init__(self, pretrained: str | LoadedModel, target: str = DEFAULT_TARGET, scales: str = CHECKPOINT,
                  bf16_compute: str = "auto", dtype: str = "auto", device: str = "cpu",
                  trust_remote_code: bool = False, **kwargs: Any) -> None:
         loaded = pretrained if isinstance(pretrained, LoadedModel) else load(

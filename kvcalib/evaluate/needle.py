@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kvcalib.core import fp8
 from kvcalib.core.errors import DatasetError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluate.context import prepare_long_context
@@ -51,8 +52,8 @@ DEFAULT_KEYS = 4  # trials per length x depth when --num-samples is not given
 
 
 def prefill_reads_fp8(target: str) -> bool:
-    """Whether the chip's prefill attends to the FP8 cache (GPU vLLM) or to the fresh K/V (Neuron)."""
-    return target == "gpu"
+    """Whether the chip's prefill attends to the FP8 cache (GPU and CPU vLLM) or to the fresh K/V (Neuron)."""
+    return not fp8.get_target(target).neuron
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,8 @@ class _Totals:
         self.row_nll += nll.tolist()
         self.row_correct += correct.tolist()
         self.row_tokens += scored.sum(dim=1).tolist()
-        self.token_nll += [values[mask].double().cpu() for values, mask in zip(token_nll, scored)]
+        values, masks = token_nll.double().cpu(), scored.cpu()  # one transfer a batch
+        self.token_nll += [row[mask] for row, mask in zip(values, masks)]
 
     def tokens(self) -> torch.Tensor:
         return torch.cat(self.token_nll) if self.token_nll else torch.zeros(0, dtype=torch.float64)

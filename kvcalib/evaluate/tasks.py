@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.errors import UsageError, check_at_least
+from kvcalib.core.fp8 import DEFAULT_TARGET
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluate.significance import Interval, paired_bootstrap
 
@@ -36,7 +37,7 @@ EXTRA_HINT = "install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)"
 @dataclass(frozen=True)
 class TaskOptions:
     tasks: tuple[str, ...]
-    target: str = "trn2"
+    target: str = DEFAULT_TARGET
     compare: tuple[str, ...] = ()
     limit: int | None = None  # items per task (lm-eval's --limit)
     num_fewshot: int | None = None

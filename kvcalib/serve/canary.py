@@ -25,8 +25,8 @@ from kvcalib.core.checkpoint import scan_checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import is_kv_scale_key
 
-__all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant", "self_agreement",
-           "mean_agreement"]
+__all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant",
+           "mean_agreement", "self_agreement"]
 
 CANARY_DIVISOR = 64.0  # measured on SmolLM2 / vLLM CPU: /100 makes it print "-" over and over
 MIN_NLL_CHANGE = 0.05  # nats: less than this on the fixed text, and the same outputs, is "no change"

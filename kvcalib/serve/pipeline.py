@@ -380,26 +380,24 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
     log_dir.mkdir(parents=True, exist_ok=True)
     with_baseline = options.baseline if options.baseline is not None else options.device not in NEURON_DEVICES
     with_canary = options.canary if options.canary is not None else options.device not in NEURON_DEVICES
-    if options.tasks is not None and not with_baseline:
-        raise UsageError("--tasks pairs the FP8 server's scores with the baseline server's, which is off",
-                         hint="pass --baseline (on Neuron a second compile), or leave out --tasks")
+    if options.tasks is not None:
+        from kvcalib.serve.tasks import check_tasks
+
+        check_tasks(options.tasks, with_baseline)  # a baseline, lm-eval, the tasks and their data: before any server
     warnings = list(pre.warnings)
     if not with_canary:
         warnings.append("the canary is off (on Neuron each variant is another compile): nothing proves the server "
                         "applies the checkpoint's scales; pass --canary to check")
     canary_dir = make_variant(checkpoint, log_dir / "variants" / f"scales-div{CANARY_DIVISOR:g}",
                               factor=1 / CANARY_DIVISOR) if with_canary else None
-    if options.tasks is not None:
-        from kvcalib.serve.tasks import check_tasks
-
-        check_tasks(options.tasks)  # lm-eval there, the tasks known and their data readable: before any server
     prediction = _predict(checkpoint, options, pre, canary_dir, warnings)
     baseline = _run_server("baseline", checkpoint, options, pre, log_dir, prompts, None, emit) \
         if with_baseline else None
     fp8 = _run_server("fp8", checkpoint, options, pre, log_dir, prompts,
                       baseline.completions if baseline else None, emit)
     results, failures, agreement = judge(prompts, fp8, baseline)
-    intervals, missing = delta_intervals(baseline and baseline.token_nll, fp8.token_nll, prediction)
+    warnings += unjudged_passkeys(prompts, results)
+    intervals = delta_intervals(baseline.token_nll if baseline else None, fp8.token_nll, prediction, warnings)
     tasks = _task_rows(options, checkpoint, pre, baseline, fp8)
     canary, unit, canary_run = None, None, None
     if canary_dir is not None:
@@ -416,7 +414,7 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
         checkpoint=str(checkpoint), device=options.device, ok=not failures, ready_s=fp8.ready_s,
         command=fp8.command, log=fp8.log, prompts=tuple(results), nll_fp8=fp8.nll,
         nll_baseline=baseline.nll if baseline else None, agreement=agreement, failures=tuple(failures),
-        warnings=tuple(warnings + unjudged_passkeys(prompts, results) + missing), fp8_max=pre.fp8_max, tensor_parallel_size=pre.tensor_parallel_size,
+        warnings=tuple(warnings), fp8_max=pre.fp8_max, tensor_parallel_size=pre.tensor_parallel_size,
         vllm_version=pre.vllm_version, baseline_ready_s=baseline.ready_s if baseline else None,
         baseline_command=baseline.command if baseline else None, baseline_log=baseline.log if baseline else None,
         canary=canary, unit=unit, prediction=prediction, tasks=tuple(tasks), intervals=intervals,

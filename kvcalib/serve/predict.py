@@ -70,11 +70,11 @@ def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = N
     )
 
 
-def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], prediction: Prediction | None
-                    ) -> tuple[dict[str, Any], list[str]]:
+def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], prediction: Prediction | None,
+                    warnings: list[str]) -> dict[str, Any]:
     """Intervals ("served", "predicted", "served_minus_predicted": Interval.to_dict() or None) from per-token NLLs:
     the baseline and FP8 servers' (`baseline` None: no baseline server), and the prediction's ΔNLL per token
-    (None: no prediction). Warnings: why an interval is missing."""
+    (None: no prediction). Why an interval is missing is appended to `warnings`."""
     from kvcalib.evaluate.significance import paired_bootstrap
 
     predicted = None if prediction is None else prediction.token_delta
@@ -90,7 +90,6 @@ def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], pred
         return None if found is None else {**found.to_dict(), "method": f"paired bootstrap over blocks of "
                                            f"{BLOCK_TOKENS} tokens, {found.method.split(', ', 1)[1]}"}
 
-    warnings = []
     served = None if baseline is None else [f - b for f, b in zip(fp8, baseline)]
     if baseline is not None and len(baseline) != len(fp8):
         served = None
@@ -104,4 +103,4 @@ def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], pred
             warnings.append(f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: the two "
                             "tokenised the text differently, so served and predicted are not paired")
     return {"served": interval(served), "predicted": interval(predicted),
-            "served_minus_predicted": interval(difference)}, warnings
+            "served_minus_predicted": interval(difference)}

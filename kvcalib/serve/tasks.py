@@ -63,8 +63,12 @@ class ServedTasks:
     configs: dict[str, Any]
 
 
-def check_tasks(spec: TaskSpec) -> None:
-    """Before any server starts: lm-eval installed, the tasks known, their data readable, the numbers sane."""
+def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
+    """Before any server starts: a baseline server to pair with, lm-eval installed, the tasks known, their data
+    readable, the numbers sane."""
+    if not with_baseline:
+        raise UsageError("--tasks pairs the FP8 server's scores with the baseline server's, which is off",
+                         hint="pass --baseline (on Neuron a second compile), or leave out --tasks")
     options = spec.options()
     options.check_arguments()
     require_lm_eval()

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from kvcalib.core.schema import KV_KINDS
-from kvcalib.validate.report import WARNING, Finding
+from kvcalib.validate.report import WARNING, Finding, short_repr
 
 __all__ = ["clipped_unscored", "finite_number"]
 
@@ -37,7 +37,7 @@ def clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]
     if not isinstance(layers, list):
         return []
     scored_on = scored if isinstance(scored, list) else [provenance.get("target")]
-    if target in scored_on:
+    if any(name == target for name in scored_on):
         return []
     clipped = []
     for entry in layers:
@@ -45,11 +45,12 @@ def clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]
             continue
         for kind in KV_KINDS:
             clip, absmax = finite_number(entry.get(f"{kind}_range")), finite_number(entry.get(f"{kind}_absmax"))
-            if clip is not None and absmax is not None and clip < absmax * (1 - 1e-6):
-                clipped.append(f"layer {entry.get('layer')} {kind.upper()} at {clip / absmax:.2f} x absmax")
+            if clip is not None and absmax is not None and 0 <= clip < absmax * (1 - 1e-6):
+                clipped.append(f"layer {short_repr(entry.get('layer'))} {kind.upper()} at {clip / absmax:.2f} x absmax")
     if not clipped:
         return []
-    scored_text = ", ".join(str(name)[:24] for name in scored_on)
+    scored_text = ", ".join(name[:24] if isinstance(name, str) else short_repr(name, 24) for name in scored_on[:4]) \
+        + (", ..." if len(scored_on) > 4 else "")
     return [Finding(
         "RANGE-CLIPPED-UNSCORED", WARNING,
         f"the scale objective clipped {len(clipped)} scale(s) ({'; '.join(clipped[:3])}) scoring them on "

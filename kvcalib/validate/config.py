@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from kvcalib.core.fp8 import get_target
 from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, parse_kv_scheme
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
 
@@ -265,7 +266,7 @@ def portability_findings(config: dict[str, Any], target: str, scales_present: bo
         if "config_groups" not in qc:
             findings.append(Finding(
                 "PORT-CONFIG-GROUPS-MISSING",
-                ERROR if target == "gpu" else WARNING,
+                WARNING if get_target(target).neuron else ERROR,
                 "quantization_config has no config_groups: GPU vLLM's compressed-tensors loader "
                 "indexes it and fails with KeyError: 'config_groups'",
                 'add "config_groups": {} (empty for a KV-only checkpoint)',
@@ -279,7 +280,7 @@ def portability_findings(config: dict[str, Any], target: str, scales_present: bo
         unscaled = _model_type(config) in UNSCALED_FP8_MODEL_TYPES
         findings.append(Finding(
             "PORT-NO-SCALE-LOADER",
-            INFO if target == "gpu" else WARNING,
+            WARNING if get_target(target).neuron else INFO,
             f"{names}: the Neuron model casts K/V straight to FP8 with no scale and no clamp, so the scales are "
             "ignored and values beyond the FP8 range are not saturated" if unscaled else
             f"{names} has no Neuron KV-scale loader (only Llama, Qwen3 dense, Qwen3-MoE and GPT-OSS read "
@@ -369,22 +370,23 @@ def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
         ))
     strategy = str(getattr(args.strategy, "value", args.strategy))
     if strategy == ATTN_HEAD and args.dynamic is False:
+        neuron = get_target(target).neuron
         findings.append(Finding(
             "PORT-KV-SCHEME-STRATEGY",
-            INFO if target == "gpu" else ERROR,
-            "kv_cache_scheme has strategy 'attn_head' (one scale per KV head): GPU vLLM reads it on its "
-            "FlashAttention backend only (other backends refuse per-head scales at startup)" if target == "gpu" else
+            ERROR if neuron else INFO,
             f"kv_cache_scheme has strategy 'attn_head' (one scale per KV head), which {target} cannot serve: "
-            f"{NEURON_PER_HEAD_REASON}",
-            "serve it on GPU with FlashAttention" if target == "gpu" else
-            "recalibrate per tensor for Neuron (kvcalib calibrate --target trn2 --strategy tensor)",
+            f"{NEURON_PER_HEAD_REASON}" if neuron else
+            "kv_cache_scheme has strategy 'attn_head' (one scale per KV head): GPU vLLM reads it on its "
+            "FlashAttention backend only (other backends refuse per-head scales at startup)",
+            "recalibrate per tensor for Neuron (kvcalib calibrate --target trn2 --strategy tensor)" if neuron else
+            "serve it on GPU with FlashAttention",
             location,
         ))
     elif strategy != "tensor" or args.dynamic is not False:
         dynamic = getattr(args.dynamic, "value", args.dynamic)
         findings.append(Finding(
             "PORT-KV-SCHEME-STRATEGY",
-            WARNING if target == "gpu" else ERROR,
+            ERROR if get_target(target).neuron else WARNING,
             f"kv_cache_scheme has strategy={strategy!r}, dynamic={dynamic!r}: Neuron reads one static "
             "per-tensor scale per layer (strategy 'tensor', dynamic false)",
             "calibrate static per-tensor scales (kvcalib calibrate)",

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcalib.core.checkpoint import CheckpointFiles
+from kvcalib.core.fp8 import get_target
 from kvcalib.core.schema import MXFP4_BLOCKS, MXFP4_SCALES, NEURON_QUANTIZATION, mxfp4_weights
 from kvcalib.validate.report import ERROR, INFO, Finding
 
@@ -41,7 +42,7 @@ def mxfp4_findings(config: dict[str, Any], scan: CheckpointFiles, target: str) -
         return findings
     qcfg = config.get("quantization_config")
     method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
-    if target == "gpu":
+    if not get_target(target).neuron:
         findings.append(Finding(
             "PORT-MXFP4-GPU", ERROR,
             f"{len(weights)} expert weights are MXFP4 ({weights[0]}_blocks, ...): GPU vLLM reads them only under its "

@@ -22,6 +22,7 @@ from typing import Any
 from kvcalib.core import checkpoint
 from kvcalib.core.checkpoint import CheckpointFiles
 from kvcalib.core.errors import KvcalibError
+from kvcalib.core.fp8 import get_target
 from kvcalib.core.schema import (
     ATTN_HEAD,
     NEURON_ALT_LAYERS_PREFIX,
@@ -82,7 +83,7 @@ def declared_attention_groups(config: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def attention_group_findings(config: dict[str, Any], target: str) -> list[Finding]:
     """PORT-ATTENTION-GROUP: GPU vLLM skips an attention group only when it has one target ending in Attention."""
-    if target != "gpu":
+    if get_target(target).neuron:
         return []
     return [Finding(
         "PORT-ATTENTION-GROUP", WARNING,
@@ -99,7 +100,7 @@ def query_findings(config: dict[str, Any], scan: CheckpointFiles, target: str, s
     """q_scale: information on Neuron (not read); on gpu, present on every layer when FP8 attention is declared."""
     keys = _q_keys(scan)
     declared = bool(declared_attention_groups(config))
-    if target != "gpu":
+    if get_target(target).neuron:
         if not keys:
             return []
         return [Finding(

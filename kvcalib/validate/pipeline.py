@@ -98,7 +98,7 @@ from pathlib import Path
 
 from kvcalib.core.checkpoint import read_config
 from kvcalib.core.errors import UnknownTargetError
-from kvcalib.core.fp8 import get_target
+from kvcalib.core.fp8 import DEFAULT_TARGET, get_target
 from kvcalib.core.schema import ATTN_HEAD
 from kvcalib.validate.config import (
     declared_kv_cache_scheme,
@@ -119,7 +119,7 @@ __all__ = ["validate_checkpoint"]
 
 def validate_checkpoint(
     path: Path,
-    target: str = "trn2",
+    target: str = DEFAULT_TARGET,
     *,
     strict: bool = False,
     neuron_config: dict | None = None,

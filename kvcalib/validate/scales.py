@@ -16,10 +16,12 @@ from kvcalib.core import checkpoint
 from kvcalib.core.checkpoint import CheckpointFiles, read_json
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import (
+    DEFAULT_TARGET,
     SCALE_FLOOR,
     SCALE_ROUNDING_TOLERANCE,
     TARGETS,
     bf16_reciprocal_ok,
+    get_target,
     implied_fp8_max,
 )
 from kvcalib.core.schema import (
@@ -53,7 +55,7 @@ class ScaleCheck:
     values: dict[str, float] = field(default_factory=dict)
     present: bool = False  # any KV scale at all, under any name
     files: set[str] = field(default_factory=set)  # files holding Neuron-named scales
-    target: str = "trn2"
+    target: str = DEFAULT_TARGET
     per_head: bool = False  # kv_cache_scheme strategy attn_head: one scale per KV head (GPU vLLM)
     heads: dict[str, int | None] = field(default_factory=dict)  # kind -> head count from config.json
     zero: dict[str, list[int]] = field(default_factory=dict)  # kind -> the layers whose scale is 0.0
@@ -182,7 +184,7 @@ def _whole_set_findings(check: ScaleCheck, own: dict[tuple[int, str], str], n_la
     if not scheme_declared and own:
         findings.append(Finding(
             "SCALE-NO-KV-SCHEME",
-            ERROR if target == "gpu" else WARNING,
+            WARNING if get_target(target).neuron else ERROR,
             "KV scales are present but quantization_config declares no kv_cache_scheme: GPU vLLM "
             "does not load them and runs FP8 KV with scales 1.0 (Neuron reads them with "
             "--kv-cache-dtype fp8)",
@@ -228,7 +230,7 @@ def _check_one(
             "SCALE-SHAPE", ERROR, f"{key} has shape [] (a 0-d scalar): the Neuron loader crashes with {_SCALAR_CRASH}",
             "write the scale with shape [1]", location,
         )]
-    if check.per_head and check.target == "gpu":
+    if check.per_head and not get_target(check.target).neuron:
         more, heads = per_head_findings(header, key, kind, check.heads.get(kind), location)
         if heads is not None:
             check.values[key] = max(heads)
@@ -286,10 +288,22 @@ def _implausible(key: str, value: float, location: str) -> list[Finding]:
         why = (f"above {IMPLAUSIBLY_LARGE_SCALE:g}, every K/V value of magnitude 1 or less becomes an FP8 "
                "subnormal (x / s < 2^-6) and loses its precision")
     else:
-        why = (f"below {IMPLAUSIBLY_SMALL_SCALE:g}, it is sized for an absmax under {value * 448:.3g}, and "
+        why = (f"below {IMPLAUSIBLY_SMALL_SCALE:g}, it is sized for an absmax under {value * _LARGEST_MAX:.3g}, and "
                "every larger value saturates (a layer that saw only zeros while calibrating gets such a floor)")
     return [Finding("SCALE-IMPLAUSIBLE", WARNING, f"{key} = {value:.3g}: no real K/V needs this scale; {why}",
                     "recalibrate it (kvcalib calibrate), or check the tool that wrote it", location)]
+
+
+_LARGEST_MAX = max(t.fp8_max for t in TARGETS.values())  # OCP E4M3FN's 448: llm-compressor's and GPU vLLM's
+
+
+def _larger_convention(target: str) -> str:
+    """What scales sized for the largest FP8 max in the table do on `target`, when its max is smaller."""
+    own = TARGETS[target].fp8_max
+    if own >= _LARGEST_MAX:
+        return ""
+    return (f": scales sized as absmax/{_LARGEST_MAX:g} (llm-compressor, GPU vLLM) clip every value above "
+            f"{own:g}/{_LARGEST_MAX:g} ≈ {own / _LARGEST_MAX:.2f} of a layer's absmax on {target}")
 
 
 def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> list[Finding]:
@@ -302,9 +316,7 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
         return findings + [Finding(
             "RANGE-UNKNOWN",
             INFO,
-            "scales present, FP8 max unknown (no kvcalib provenance)"
-            + (": scales sized as absmax/448 (llm-compressor, GPU vLLM) clip every value above "
-               "240/448 ≈ 0.54 of a layer's absmax on trn2" if target == "trn2" else ""),
+            "scales present, FP8 max unknown (no kvcalib provenance)" + _larger_convention(target),
             "recalibrate with kvcalib calibrate --target to be sure of the range",
             None,
         )]
@@ -325,7 +337,9 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
     sized = f"scales were sized for FP8 max {fp8_max:g}" + (
         f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else ""
     )
-    if fp8_max > target_max * (1 + 1e-6):
+    larger = fp8_max > target_max * (1 + 1e-6)
+    clipped = [] if larger else clipped_unscored(provenance, where, target)  # (a larger max is an error already)
+    if larger:
         findings.append(Finding(
             "RANGE-TARGET-MISMATCH", ERROR,
             f"{sized}, but {target} saturates at {target_max:g}: values above "
@@ -334,14 +348,14 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
             "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)",
             where,
         ))
-    elif fp8_max < target_max * (1 - 1e-6):
+    elif fp8_max < target_max * (1 - 1e-6) and not clipped:  # "safe" unless a clip was never scored there
         findings.append(Finding(
             "RANGE-TARGET-MISMATCH", INFO,
             f"{sized}; {target} saturates at {target_max:g}: safe, using {fp8_max:g}/{target_max:g} "
             f"≈ {fp8_max / target_max:.2f} of the FP8 range",
             f"recalibrate with --target {target} for the full range", where,
         ))
-    return findings + clipped_unscored(provenance, where, target) + _compare_layers(provenance, where, fp8_max, check)
+    return findings + clipped + _compare_layers(provenance, where, fp8_max, check)
 
 
 def _provenance_sources(scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]) -> list[tuple[str, dict]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -60,20 +61,36 @@ def test_scale_table_is_the_scales_file(tiny_llama_master, text_dataset, tmp_pat
     assert "OK for trn2: 0 error(s), 0 warning(s)" in text and "sized for **trn2** (E4M3, max 240)" in text
 
 
-@pytest.mark.parametrize("objective", ["attention", "absmax"])
-def test_the_formula_states_what_was_written(objective, text_dataset, tmp_path):
+FORMULAS = {
+    "attention": {},
+    "absmax": {"scale_objective": "absmax"},
+    "headroom": {"scale_objective": "absmax", "headroom": 2.0},
+    "per-head": {"target": "gpu", "strategy": "attn_head"},
+}
+
+
+@pytest.mark.parametrize("name", FORMULAS)
+def test_the_formula_states_what_was_written(name, text_dataset, tmp_path):
     """The card's formula is what the scales are: absmax / 240 where nothing else was chosen, else the range the
-    attention objective chose, shown per layer; a clip names every server it was scored on (on the tiny Llama with
-    near-constant K channels, whose layer 0 K the objective clips)."""
+    attention objective (or --headroom) chose, shown per layer; a clip names every server it was scored on (on the
+    tiny Llama with near-constant K channels, whose layer 0 K the objective clips)."""
     model = build_planted_llama(tmp_path / "planted", text_dataset)
-    out = tmp_path / objective
+    out = tmp_path / name
     result = calibrate(model, str(text_dataset), out, CalibrateOptions(num_samples=16, max_seq_len=64,
-                                                                       scale_objective=objective))
+                                                                       **FORMULAS[name]))
     text = (out / "README.md").read_text()
     rows = scale_table(text)
-    if objective == "absmax":
+    if name == "absmax":
         assert "`k_scale = absmax(K) / 240` per layer" in text and "nothing clips; also right on trn3, gpu, vllm-cpu" \
             in text and "k range" not in text
+        return
+    if name == "headroom":
+        assert "`k_scale = range(K) / 240` per layer" in text and "where the range is 2 x absmax(K) (--headroom): " \
+            "nothing clips; also right on trn3, gpu, vllm-cpu" in text
+        return
+    if name == "per-head":  # GPU FlashAttention alone serves per-head scales: scored there, claimed nowhere else
+        assert "per head, after rotary embedding" in text and "also right on" not in text
+        assert json.loads((out / "kvcalib_calibration.json").read_text())["scored_on"] == ["gpu"]
         return
     assert result.layers[0].k_range < result.layers[0].k_absmax  # clipped
     assert "`k_scale = range(K) / 240` per layer" in text

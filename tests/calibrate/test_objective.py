@@ -182,7 +182,8 @@ def test_each_candidate_is_judged_on_the_server_where_it_does_worst():
     elsewhere[:2, 3] = 0.2  # candidate 3 halves absmax's error there too
     norms = torch.ones(2, 1)
     assert objective.choose(trn2, norms, k, False).index == (1,)  # trn2 alone: the least clipping
-    both = objective.choose(torch.stack([trn2, elsewhere]), norms, k, False, [fp8.get_target(n) for n in ("trn2", "gpu")])
+    servers = [fp8.get_target(name) for name in ("trn2", "gpu")]
+    both = objective.choose(torch.stack([trn2, elsewhere]), norms, k, False, servers)
     assert both.index == (3,) and [name for name, _ in both.errors_on] == ["trn2", "gpu"]
     assert [error for _, error in both.errors_on] == pytest.approx([0.1, math.sqrt(0.2)])
     elsewhere[:2, 3] = 0.5  # no clip halves absmax's error everywhere: absmax

@@ -207,6 +207,7 @@ as_gpu_calibration = edit_provenance(lambda p: p.update(fp8_max=448.0, target="g
 def calibrated_for_gpu(ckpt: Path) -> None:
     make_calibrated(ckpt, fp8_max=448.0, target="gpu")
 
+
 def clipped_layer_0(scored_on: list[str] | None) -> Mutation:
     """Layer 0's K scale sized for half its absmax (a clip of the scale objective), the provenance saying so, and
     which numerics it was scored on (None: not recorded, as before kvcalib recorded it)."""
@@ -357,14 +358,16 @@ CASES = [
     case("240 scales on gpu", None,
          ("RANGE-TARGET-MISMATCH", I, "scales were sized for FP8 max 240 (calibrated for trn2); gpu saturates at "
           "448: safe, using 240/448 ≈ 0.54 of the FP8 range"), target="gpu"),
-    case("a clip scored on trn2 alone, checked for gpu", clipped_layer_0(None),
-         ("RANGE-TARGET-MISMATCH", I, None),
+    case("a clip scored on trn2 alone, checked for gpu", clipped_layer_0(None),  # not "safe": only the warning
          ("RANGE-CLIPPED-UNSCORED", W, "the scale objective clipped 1 scale(s) (layer 0 K at 0.50 x absmax) scoring "
           "them on trn2 only, not on gpu: where gpu saturates elsewhere, a clip chosen to saturate near-constant "
           "channels can put them on FP8 rounding boundaries instead"), target="gpu"),
     case("a clip scored on trn2 alone is fine on trn2", clipped_layer_0(None)),
     case("a clip scored on every server, checked for gpu", clipped_layer_0(["trn2", "trn3", "gpu", "vllm-cpu"]),
          ("RANGE-TARGET-MISMATCH", I, None), target="gpu"),
+    case("hostile provenance: a negative range, a zero absmax, odd names", both(clipped_layer_0([None, {"a": 1}]),
+         edit_provenance(lambda p: p["layers"][1].update(k_range=-1.0, k_absmax=0.0, layer="x" * 500))),
+         ("RANGE-CLIPPED-UNSCORED", W, None), target="gpu"),  # no crash (a zero absmax), names cut short
     case("no provenance", strip_scales_metadata_and_file,
          ("RANGE-UNKNOWN", I, "scales present, FP8 max unknown (no kvcalib provenance): scales sized as absmax/448 "
           "(llm-compressor, GPU vLLM) clip every value above 240/448 ≈ 0.54 of a layer's absmax on trn2")),
