@@ -130,12 +130,11 @@ def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
     where the scales are (the range a scale maps to the FP8 max: scale x fp8_max, rounded up by at most
     fp8.SCALE_ROUNDING_TOLERANCE)."""
     fp8_max, pairs = provenance["fp8_max"], []
-    for row in provenance.get("layers", []):
-        for k in "kv":
-            if row.get(f"{k}_head_scales") and row.get(f"{k}_head_absmax"):
-                pairs += [(s * fp8_max, a) for s, a in zip(row[f"{k}_head_scales"], row[f"{k}_head_absmax"])]
-            elif isinstance(row.get(f"{k}_range"), (int, float)):
-                pairs.append((row[f"{k}_range"], row.get(f"{k}_absmax", 0.0)))
+    for kind in (row[k] for row in provenance.get("layers", []) for k in "kv"):
+        if kind.get("head_scales") and kind.get("head_absmax"):
+            pairs += [(s * fp8_max, a) for s, a in zip(kind["head_scales"], kind["head_absmax"])]
+        elif isinstance(kind.get("range"), (int, float)):
+            pairs.append((kind["range"], kind["absmax"]))
     same = 1 + fp8.SCALE_ROUNDING_TOLERANCE
     return (any(not a <= r <= a * same for r, a in pairs if a > 0),
             any(r < a * (1 - 1e-6) for r, a in pairs if a > 0))
@@ -189,9 +188,9 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> list[dict[str, Any]]:
         layer, kind = int(re.search(r"\.(\d+)\.", key).group(1)), key.rsplit(".", 1)[1][0]
         row = rows[-1] if rows and rows[-1]["layer"] == layer else None
         if row is None:
-            prov = by_layer.get(layer, {})
-            row = {"layer": layer, **{f"{k}_absmax": prov.get(f"{k}_absmax", float("nan")) for k in "kvq"},
-                   **{f"{k}_range": prov.get(f"{k}_range", prov.get(f"{k}_absmax", float("nan"))) for k in "kv"}}
+            prov = {k: by_layer.get(layer, {}).get(k, {}) for k in "kvq"}
+            row = {"layer": layer, **{f"{k}_absmax": prov[k].get("absmax", float("nan")) for k in "kvq"},
+                   **{f"{k}_range": prov[k].get("range", prov[k].get("absmax", float("nan"))) for k in "kv"}}
             rows.append(row)
         row[f"{kind}_scale"] = max(read_values(header, key))  # per head: the largest
     return rows

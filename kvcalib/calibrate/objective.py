@@ -418,7 +418,7 @@ def absmax_warnings(layers: Sequence[Any], samples: Sequence[Sequence[AttentionS
     lines = []
     for layer in layers:
         for kind in "kv":
-            choice = getattr(layer, f"{kind}_choice")
+            choice = getattr(layer, kind).choice
             if not choice or choice["attention_error_absmax"] <= max(FAR_WORSE * choice["attention_error"],
                                                                       WORTH_WARNING):
                 continue
@@ -426,7 +426,7 @@ def absmax_warnings(layers: Sequence[Any], samples: Sequence[Sequence[AttentionS
                     f"{choice['attention_error_absmax']:.3f} against {choice['attention_error']:.3f} for the chosen "
                     f"{choice['label']} ({choice['clipped']:.1%} clipped)")
             found = near_constant_channels(samples[layer.layer] if layer.layer < len(samples) else (), kind,
-                                           getattr(layer, f"{kind}_absmax"))
+                                           getattr(layer, kind).absmax)
             if found is not None:
                 head, channels = found
                 listed = ", ".join(f"{c} (mean {m:.4g}, std {s:.2g})" for c, m, s in channels)

@@ -11,7 +11,7 @@ from kvcalib.core.errors import UsageError, check_at_least
 from kvcalib.hf.memory import MemoryLimit
 from kvcalib.hf.model import RunOptions
 
-__all__ = ["CalibrateOptions", "CalibrationResult", "LayerScales"]
+__all__ = ["CalibrateOptions", "CalibrationResult", "KindScales", "LayerScales"]
 
 
 @dataclass(frozen=True)
@@ -48,33 +48,38 @@ class CalibrateOptions(RunOptions):
 
 
 @dataclass(frozen=True)
+class KindScales:
+    """One layer's K, V or Q: what was observed and the scale written. With strategy attn_head, head_absmax and
+    head_scales hold every head's (KV heads for K/V, attention heads for Q); scale is their max (vLLM reports it)."""
+
+    absmax: float
+    scale: float
+    key: str  # the tensor written (core.schema.scale_key)
+    head_absmax: tuple[float, ...] | None = None
+    head_scales: tuple[float, ...] | None = None
+    range: float | None = None  # |x| the scale maps to the FP8 max (absmax unless the objective or --headroom chose)
+    choice: dict[str, Any] | None = None  # K/V: the scale objective's choice and what the alternatives cost
+
+    def to_dict(self, key: bool = True) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()
+                if v is not None and (key or k != "key")}
+
+
+@dataclass(frozen=True)
 class LayerScales:
-    """One layer's measurements and scales. k_scale/v_scale are per tensor; with strategy attn_head the
-    per-head values are in k_heads (absmax, scale) pairs and k_scale is their max (what vLLM reports)."""
+    """One layer's scales, per kind: `{"layer": 0, "k": {...}, "v": {...}, "q": {...}}` in to_dict."""
 
     layer: int
-    k_absmax: float
-    v_absmax: float
-    k_scale: float
-    v_scale: float
-    k_key: str
-    v_key: str
-    k_head_absmax: tuple[float, ...] | None = None
-    v_head_absmax: tuple[float, ...] | None = None
-    k_head_scales: tuple[float, ...] | None = None
-    v_head_scales: tuple[float, ...] | None = None
-    q_absmax: float | None = None  # with attention scales (FP8 attention)
-    q_scale: float | None = None
-    q_key: str | None = None
-    q_head_absmax: tuple[float, ...] | None = None
-    q_head_scales: tuple[float, ...] | None = None
-    k_range: float | None = None  # |K| the scale maps to the FP8 max (absmax unless the objective clips)
-    v_range: float | None = None
-    k_choice: dict[str, Any] | None = None  # the scale objective's choice and what the alternatives cost
-    v_choice: dict[str, Any] | None = None
+    k: KindScales
+    v: KindScales
+    q: KindScales | None = None  # with attention scales (FP8 attention)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
+    def kinds(self) -> dict[str, KindScales]:
+        return {kind: s for kind, s in (("k", self.k), ("v", self.v), ("q", self.q)) if s is not None}
+
+    def to_dict(self, keys: bool = True) -> dict[str, Any]:
+        """keys=False: without the tensor names (the provenance's form)."""
+        return {"layer": self.layer, **{kind: s.to_dict(keys) for kind, s in self.kinds().items()}}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 
 from kvcalib.calibrate.engine import Observation
 from kvcalib.calibrate.objective import Candidates, KindChoice
-from kvcalib.calibrate.options import LayerScales
+from kvcalib.calibrate.options import KindScales, LayerScales
 from kvcalib.core import fp8
 from kvcalib.core.errors import CalibrationError
 from kvcalib.core.schema import ATTN_HEAD, scale_key
@@ -64,48 +64,43 @@ def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, 
     if queries:
         _unobserved(observation.q_observed, model_dir, "had their Q")
     warnings: list[str] = []
-    kinds = {"K": list(observation.k_heads), "V": list(observation.v_heads)}
+    kinds = {"k": list(observation.k_heads), "v": list(observation.v_heads)}
     if queries:
-        kinds["Q"] = list(observation.q_heads)
+        kinds["q"] = list(observation.q_heads)
     for kind, per_layer in kinds.items():
-        _check_finite(kind, per_layer, warnings)
-    per_head = strategy == ATTN_HEAD
+        _check_finite(kind.upper(), per_layer, warnings)
     layers = []
     for i in range(len(observation.observed)):
-        fields: dict = {"layer": i}
-        for kind, per_layer in kinds.items():
-            k = kind.lower()
-            heads = per_layer[i].float()
-            head_scales = fp8.scale_from_absmax(heads, target)
-            fields[f"{k}_absmax"] = float(heads.max())
-            if choices is not None and k in "kv":
-                choice, cands = choices[i][0 if k == "k" else 1], choices[i][2 if k == "k" else 3]
-                picked = choice.index * heads.numel() if len(choice.index) == 1 else choice.index
-                head_scales = torch.stack([cands.scales[c, h] for h, c in enumerate(picked)])
-                ranges = torch.stack([cands.ranges[c, h] for h, c in enumerate(picked)])
-                fields[f"{k}_range"] = float(ranges[int(head_scales.argmax())])
-                fields[f"{k}_choice"] = choice.to_dict()
-            if k in "kv" and headroom != 1.0:
-                head_scales = with_headroom(head_scales, heads, headroom, target)
-                fields[f"{k}_range"] = float(head_scales.max()) * target.fp8_max
-            fields[f"{k}_scale"] = float(head_scales.max())  # scale_from_absmax is monotone: the max's scale
-            fields[f"{k}_key"] = scale_key(observation.attention_paths[i], k)
-            if per_head:
-                fields[f"{k}_head_absmax"] = tuple(heads.tolist())
-                fields[f"{k}_head_scales"] = tuple(head_scales.tolist())
-        layers.append(LayerScales(**fields))
+        picks: dict[str, tuple[KindChoice, Candidates]] = {}
+        if choices is not None:
+            k_choice, v_choice, k_cands, v_cands = choices[i]
+            picks = {"k": (k_choice, k_cands), "v": (v_choice, v_cands)}
+        records = {kind: _kind_scales(per_layer[i].float(), target, scale_key(observation.attention_paths[i], kind),
+                                      strategy == ATTN_HEAD, picks.get(kind), 1.0 if kind == "q" else headroom)
+                   for kind, per_layer in kinds.items()}
+        layers.append(LayerScales(layer=i, **records))
     return layers, warnings
+
+
+def _kind_scales(heads: torch.Tensor, target: fp8.Target, key: str, per_head: bool,
+                 pick: tuple[KindChoice, Candidates] | None, headroom: float) -> KindScales:
+    """One kind's scales from its per-head absmax: absmax / fp8_max, or the objective's pick; then with_headroom."""
+    head_scales, chosen, choice = fp8.scale_from_absmax(heads, target), None, None
+    if pick is not None:
+        choice, cands = pick
+        index = choice.index * heads.numel() if len(choice.index) == 1 else choice.index
+        head_scales = torch.stack([cands.scales[c, h] for h, c in enumerate(index)])
+        chosen = float(torch.stack([cands.ranges[c, h] for h, c in enumerate(index)])[int(head_scales.argmax())])
+    if headroom != 1.0:
+        head_scales = with_headroom(head_scales, heads, headroom, target)
+        chosen = float(head_scales.max()) * target.fp8_max
+    return KindScales(absmax=float(heads.max()), scale=float(head_scales.max()),  # monotone: the max's scale
+                      key=key, head_absmax=tuple(heads.tolist()) if per_head else None,
+                      head_scales=tuple(head_scales.tolist()) if per_head else None, range=chosen,
+                      choice=None if choice is None else choice.to_dict())
 
 
 def scale_tensors(layers: list[LayerScales]) -> dict[str, torch.Tensor]:
     """The float32 tensors to write: [1] per tensor, [heads, 1, 1] per head."""
-    scales: dict[str, torch.Tensor] = {}
-    for layer in layers:
-        for k in ("k", "v", "q"):
-            key = getattr(layer, f"{k}_key")
-            if key is None:
-                continue
-            heads = getattr(layer, f"{k}_head_scales")
-            scales[key] = (torch.tensor(heads, dtype=torch.float32).reshape(-1, 1, 1) if heads is not None
-                           else torch.tensor([getattr(layer, f"{k}_scale")], dtype=torch.float32))
-    return scales
+    return {s.key: torch.tensor(s.head_scales, dtype=torch.float32).reshape(-1, 1, 1) if s.head_scales is not None
+            else torch.tensor([s.scale], dtype=torch.float32) for layer in layers for s in layer.kinds().values()}

@@ -106,8 +106,8 @@ def _duration(seconds: float) -> str:
 def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
     """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records (the API logs the
     result's warnings there)."""
-    per_head = any(layer.k_head_scales is not None for layer in result.layers)
-    queries = any(layer.q_scale is not None for layer in result.layers)
+    per_head = any(layer.k.head_scales is not None for layer in result.layers)
+    queries = any(layer.q is not None for layer in result.layers)
     rule = "absmax / " + f"{result.fp8_max:g}" if result.scale_objective == "absmax" \
         else f"the attention objective (FP8 max {result.fp8_max:g})"
     table = Table(title=f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
@@ -115,13 +115,12 @@ def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
     for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale", *(("q absmax", "q_scale") if queries else ())):
         table.add_column(column, justify="right")
     for layer in result.layers:
-        q = (f"{layer.q_absmax:.4g}", f"{layer.q_scale:.4g}") if queries else ()
-        table.add_row(str(layer.layer), f"{layer.k_absmax:.4g}", f"{layer.v_absmax:.4g}",
-                      f"{layer.k_scale:.4g}", f"{layer.v_scale:.4g}", *q)
+        q = (f"{layer.q.absmax:.4g}", f"{layer.q.scale:.4g}") if queries else ()
+        table.add_row(str(layer.layer), f"{layer.k.absmax:.4g}", f"{layer.v.absmax:.4g}",
+                      f"{layer.k.scale:.4g}", f"{layer.v.scale:.4g}", *q)
     console.print(table)
-    clipped = [f"layer {layer.layer} {kind.upper()} {getattr(layer, kind + '_choice')['label']}"
-               for layer in result.layers for kind in "kv"
-               if (getattr(layer, kind + "_choice") or {}).get("label", "absmax") != "absmax"]
+    clipped = [f"layer {layer.layer} {kind.upper()} {s.choice['label']}" for layer in result.layers
+               for kind, s in (("k", layer.k), ("v", layer.v)) if s.choice and s.choice["label"] != "absmax"]
     if result.scale_objective != "absmax":
         console.print(f"scale objective: attention; not absmax / {result.fp8_max:g}: "
                       + (", ".join(clipped) if clipped else "none (no clip halves any layer's attention error)"),
@@ -209,11 +208,11 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
     console.print(table)
     for run in result.runs:
         nll, accuracy = run.intervals
-        for interval, what, fmt, higher in ((nll, "ΔNLL (nats)", "{:+.4f}", True),
-                                            (accuracy, "next-token top-1 accuracy", "{:+.2%}", False)):
+        for interval, what, fmt in ((nll, "ΔNLL (nats)", "{:+.4f}"),
+                                    (accuracy, "next-token top-1 accuracy", "{:+.2%}")):
             if interval is not None:
-                console.print(f"{escape(run.name)}: {escape(interval.verdict(what, fmt, worse_if_higher=higher))}",
-                              soft_wrap=True, highlight=False)
+                console.print(f"{escape(run.name)}: {what}: {escape(interval.verdict(fmt))}", soft_wrap=True,
+                              highlight=False)
     if any(i is not None for run in result.runs for i in run.intervals):
         console.print(f"intervals: {result.runs[0].intervals[0].method if result.runs[0].intervals[0] else ''}, "
                       "sequences whole, per-token means", style="dim")
@@ -261,10 +260,9 @@ def render_needle(console: Console, result: Any) -> None:
         low, high = row.rate_interval
         spread = "-" if row.interval is None else \
             f"{row.interval.estimate:+.1%} [{row.interval.low:+.1%}, {row.interval.high:+.1%}]"
-        verdict = row.verdict().split(": ", 1)[1].split(" (", 1)[0].replace(" from the unquantised cache", "")
         table.add_row(f"{row.length:,}", escape(row.name), f"{row.found}/{row.trials}",
                       f"{row.rate:.0%} [{low:.0%}, {high:.0%}]", *(f"{f}/{n}" for _, f, n in row.by_depth), spread,
-                      escape(verdict))
+                      escape(row.verdict(cell=True)))
     console.print(table)
     console.print("a trial is found when the key's 6 digits are in the greedy answer; difference: paired bootstrap "
                   "over trials (2000 resamples, seed 0) of the run's hits minus the unquantised cache's"
@@ -282,9 +280,8 @@ def render_tasks(console: Console, result: Any) -> None:
         for name, score in row.scores.items():
             interval = row.intervals.get(name)
             spread = "-" if interval is None else f"{interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]"
-            verdict = row.verdict(name).split(" (", 1)[0].replace(" from the unquantised cache", "")
             table.add_row(row.task, f"{row.metric} ({row.filter})", str(row.items), f"{row.baseline:.4f}", name,
-                          f"{score:.4f}", spread, escape(verdict))
+                          f"{score:.4f}", spread, escape(row.verdict(name, cell=True)))
     console.print(table)
     console.print("intervals: paired bootstrap over the task's items (2000 resamples, seed 0) of the run's score "
                   "minus the baseline's on the same item", style="dim")

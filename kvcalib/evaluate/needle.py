@@ -98,11 +98,9 @@ class NeedleRow:
     def rate(self) -> float:
         return self.found / self.trials if self.trials else 0.0
 
-    def verdict(self) -> str:
-        what = f"{self.name} at {self.length:,} tokens"
-        if self.interval is None:
-            return f"{what}: the unquantised cache's own rate"
-        return self.interval.verdict(what, fmt="{:+.1%}", worse_if_higher=False)
+    def verdict(self, cell: bool = False) -> str:
+        """The difference's verdict (Interval.verdict; `cell`: for a table), or the baseline's own rate."""
+        return "the unquantised cache's own rate" if self.interval is None else self.interval.verdict("{:+.1%}", cell)
 
     def to_dict(self) -> dict[str, Any]:
         return {"length": self.length, "name": self.name, "found": self.found, "trials": self.trials,
@@ -217,7 +215,8 @@ def summarise(trials: list[Trial], names: list[str], depths: tuple[float, ...]) 
                 by_depth=tuple((d, sum(int(t.found(name)) for t in mine if t.depth == d),
                                 sum(1 for t in mine if t.depth == d)) for d in depths),
                 rate_interval=wilson(sum(hits), len(mine)),
-                interval=None if name == BASELINE else paired_bootstrap([h - b for h, b in zip(hits, base)])))
+                interval=None if name == BASELINE else
+                paired_bootstrap([h - b for h, b in zip(hits, base)], worse_if_higher=False)))
     return tuple(rows)
 
 

@@ -189,7 +189,8 @@ def _row_sums(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 def _intervals(run: _Totals, baseline: _Totals) -> tuple[Interval | None, Interval | None]:
     """Paired intervals over sequences: ΔNLL per token, and the change in top-1 accuracy (next token)."""
     nll = paired_bootstrap([q - b for q, b in zip(run.row_nll, baseline.row_nll)], baseline.row_tokens)
-    top1 = paired_bootstrap([q - b for q, b in zip(run.row_correct, baseline.row_correct)], baseline.row_tokens)
+    top1 = paired_bootstrap([q - b for q, b in zip(run.row_correct, baseline.row_correct)], baseline.row_tokens,
+                            worse_if_higher=False)
     return nll, top1
 
 

@@ -35,29 +35,38 @@ class Interval:
     items: int
     level: float = LEVEL
     method: str = f"paired bootstrap over items, {RESAMPLES} resamples, seed {SEED}"
+    worse_if_higher: bool = True  # a ΔNLL; an accuracy or a rate: False
 
     @property
     def significant(self) -> bool:
         """The interval excludes 0."""
         return self.low > 0 or self.high < 0
 
-    def verdict(self, what: str, fmt: str = "{:+.4f}", worse_if_higher: bool = True) -> str:
-        """"indistinguishable from the unquantised cache" or "worse by X ± Y" (Y: half the interval's width);
-        `fmt` formats a signed number (e.g. "{:+.4f}" for nats, "{:+.2%}" for an accuracy)."""
-        bounds = f"{self.level:.0%} interval [{fmt.format(self.low)}, {fmt.format(self.high)}], {self.items} items"
+    @property
+    def outcome(self) -> str:
+        """"worse" or "better" when the interval excludes 0, else "indistinguishable" (from the unquantised cache)."""
         if not self.significant:
-            return f"{what}: indistinguishable from the unquantised cache ({fmt.format(self.estimate)}, {bounds})"
-        worse = (self.estimate > 0) == worse_if_higher
+            return "indistinguishable"
+        return "worse" if (self.estimate > 0) == self.worse_if_higher else "better"
+
+    def verdict(self, fmt: str = "{:+.4f}", cell: bool = False) -> str:
+        """The outcome in words: "worse by X ± Y (95% interval [a, b], n items)" (Y: half the interval's width);
+        `cell`: without the interval, for a table; `fmt` formats a signed number ("{:+.2%}" for an accuracy)."""
+        bounds = f"{self.level:.0%} interval [{fmt.format(self.low)}, {fmt.format(self.high)}], {self.items} items"
+        if self.outcome == "indistinguishable":
+            return self.outcome + ("" if cell else f" from the unquantised cache ({fmt.format(self.estimate)}, "
+                                   f"{bounds})")
         size, spread = fmt.format(abs(self.estimate)).lstrip("+"), fmt.format((self.high - self.low) / 2).lstrip("+")
-        return f"{what}: {'worse' if worse else 'better'} by {size} ± {spread} ({bounds})"
+        return f"{self.outcome} by {size} ± {spread}" + ("" if cell else f" ({bounds})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"estimate": self.estimate, "low": self.low, "high": self.high, "items": self.items,
-                "level": self.level, "method": self.method, "significant": self.significant}
+                "level": self.level, "method": self.method, "significant": self.significant, "outcome": self.outcome}
 
 
 def paired_bootstrap(differences: Sequence[float], weights: Sequence[float] | None = None,
-                     resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL) -> Interval | None:
+                     resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL,
+                     worse_if_higher: bool = True) -> Interval | None:
     """The interval of Σ differences / Σ weights (weights: tokens per item; None: 1 each, a plain mean) over
     items resampled with replacement. None with fewer than MIN_ITEMS items or no weight at all."""
     d = torch.tensor([float(x) for x in differences], dtype=torch.float64)
@@ -74,7 +83,8 @@ def paired_bootstrap(differences: Sequence[float], weights: Sequence[float] | No
     stats = stats[totals > 0]
     tail = (1 - level) / 2
     low, high = torch.quantile(stats, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
-    return Interval(estimate=float(d.sum() / w.sum()), low=low, high=high, items=n, level=level)
+    return Interval(estimate=float(d.sum() / w.sum()), low=low, high=high, items=n, level=level,
+                    worse_if_higher=worse_if_higher)
 
 
 def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:

@@ -76,11 +76,12 @@ class TaskRow:
     intervals: dict[str, Interval | None]  # scale set -> paired difference against the baseline (None: no form)
     no_interval_reason: str = ""
 
-    def verdict(self, name: str) -> str:
+    def verdict(self, name: str, cell: bool = False) -> str:
+        """The interval's verdict (Interval.verdict; `cell`: for a table), or why there is none."""
         interval = self.intervals.get(name)
         if interval is None:
             return f"no paired interval: {self.no_interval_reason}" if self.no_interval_reason else "no interval"
-        return interval.verdict(self.metric, "{:+.4f}", worse_if_higher=not self.higher_is_better).split(": ", 1)[1]
+        return interval.verdict(cell=cell)
 
     def to_dict(self) -> dict[str, Any]:
         return {"task": self.task, "metric": self.metric, "filter": self.filter, "items": self.items,
@@ -263,7 +264,7 @@ def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, 
     rows = []
     for spec in config.get("metric_list", []):
         metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
-        mean = aggregation == "mean"
+        mean, higher_is_better = aggregation == "mean", bool(spec.get("higher_is_better", True))
         per_run = {name: _values(samples[name].get(task, []), metric) for name in names}
         for filter_name in sorted({f for f, _ in per_run[BASELINE_NAME]}):
             base = {doc: v for (f, doc), v in per_run[BASELINE_NAME].items() if f == filter_name}
@@ -276,11 +277,12 @@ def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, 
                 numeric = mean and all(isinstance(mine.get(d), float) and isinstance(base[d], float) for d in docs)
                 scores[name] = _mean([mine[d] for d in docs]) if numeric else _aggregate(results, name, task, metric,
                                                                                           filter_name)
-                intervals[name] = paired_bootstrap([mine[d] - base[d] for d in docs]) if numeric else None
+                intervals[name] = paired_bootstrap([mine[d] - base[d] for d in docs],
+                                                   worse_if_higher=not higher_is_better) if numeric else None
             baseline = _mean(list(base.values())) if mean else _aggregate(results, BASELINE_NAME, task, metric,
                                                                           filter_name)
             rows.append(TaskRow(task=task, metric=metric, filter=filter_name, items=len(docs),
-                                higher_is_better=bool(spec.get("higher_is_better", True)), baseline=baseline,
+                                higher_is_better=higher_is_better, baseline=baseline,
                                 scores=scores, intervals=intervals,
                                 no_interval_reason="" if mean else f"aggregated by {aggregation}, not a mean over items"))
     return rows

@@ -16,7 +16,13 @@ from typing import Any
 from kvcalib.core.schema import KV_KINDS
 from kvcalib.validate.report import WARNING, Finding, short_repr
 
-__all__ = ["clipped_unscored", "finite_number"]
+__all__ = ["clipped_unscored", "finite_number", "provenance_kind"]
+
+
+def provenance_kind(entry: dict, kind: str) -> dict:
+    """One layer's K or V in kvcalib's provenance: `{"k": {"absmax": ...}}` since 0.2.0, flat `k_absmax` before."""
+    nested = entry.get(kind)
+    return nested if isinstance(nested, dict) else {n[2:]: v for n, v in entry.items() if n.startswith(f"{kind}_")}
 
 
 def finite_number(value: Any) -> float | None:
@@ -44,7 +50,8 @@ def clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]
         if not isinstance(entry, dict):
             continue
         for kind in KV_KINDS:
-            clip, absmax = finite_number(entry.get(f"{kind}_range")), finite_number(entry.get(f"{kind}_absmax"))
+            record = provenance_kind(entry, kind)
+            clip, absmax = finite_number(record.get("range")), finite_number(record.get("absmax"))
             if clip is not None and absmax is not None and 0 <= clip < absmax * (1 - 1e-6):
                 clipped.append(f"layer {short_repr(entry.get('layer'))} {kind.upper()} at {clip / absmax:.2f} x absmax")
     if not clipped:

@@ -37,7 +37,7 @@ from kvcalib.core.schema import (
     parse_foreign_scale_key,
     parse_neuron_scale_key,
 )
-from kvcalib.validate.clips import clipped_unscored, finite_number
+from kvcalib.validate.clips import clipped_unscored, finite_number, provenance_kind
 from kvcalib.validate.config import declared_kv_cache_scheme
 from kvcalib.validate.heads import per_head_findings
 from kvcalib.validate.report import ERROR, INFO, WARNING, Finding, short_repr
@@ -405,9 +405,10 @@ def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCh
         for kind in KV_KINDS:
             key = neuron_scale_key(layer, kind, check.prefix)
             actual = check.values.get(key)
-            recorded = finite_number(entry.get(f"{kind}_scale"))
-            # what the scale was sized for: the clip the scale objective chose (k_range), else the absmax
-            absmax = finite_number(entry.get(f"{kind}_range", entry.get(f"{kind}_absmax")))
+            record = provenance_kind(entry, kind)
+            recorded = finite_number(record.get("scale"))
+            # what the scale was sized for: the range the scale objective chose, else the absmax
+            absmax = finite_number(record.get("range", record.get("absmax")))
             if actual is None:
                 continue
             if recorded is not None and abs(recorded - actual) > 1e-5 * max(abs(recorded), abs(actual)):
