@@ -43,7 +43,7 @@ engine, model, data, out, samples, seq_len = sys.argv[1:7]
 r = calibrate(model, data, out, CalibrateOptions(engine=engine, num_samples=int(samples), max_seq_len=int(seq_len),
                                                  batch_size=4))
 print(json.dumps({"peak_rss": peak_rss_bytes(), "tokens_per_s": r.tokens_per_s, "seconds": r.seconds,
-                  "absmax": [[l.k_absmax, l.v_absmax] for l in r.layers]}))
+                  "absmax": [[l.k.absmax, l.v.absmax] for l in r.layers]}))
 """
 
 
@@ -95,7 +95,7 @@ def run_cli(processes: int, model: Path, data: Path, out: Path, samples: int, se
     shutil.rmtree(out, ignore_errors=True)
     result = json.loads(proc.stdout)
     return {"tokens_per_s": result["tokens_per_s"], "wall": wall, "cpu": cpu, "tokens": result["num_tokens"],
-            "absmax": [[l["k_absmax"], l["v_absmax"]] for l in result["layers"]]}
+            "absmax": [[l["k"]["absmax"], l["v"]["absmax"]] for l in result["layers"]]}
 
 
 def _children_cpu() -> float:

@@ -73,7 +73,8 @@ def build(root: Path, shards: int, shard_mb: float, layers: int) -> int:
         k_absmax, v_absmax = 8.0 + i / 10, 3.0 + i / 10
         k, v = scale_from_absmax(k_absmax, target).reshape(1), scale_from_absmax(v_absmax, target).reshape(1)
         scales[neuron_scale_key(i, "k")], scales[neuron_scale_key(i, "v")] = k, v
-        entries.append({"layer": i, "k_absmax": k_absmax, "v_absmax": v_absmax, "k_scale": k.item(), "v_scale": v.item()})
+        entries.append({"layer": i, "k": {"absmax": k_absmax, "scale": k.item()},
+                        "v": {"absmax": v_absmax, "scale": v.item()}})
     provenance = {"target": "trn2", "fp8_max": fp8_max, "layers": entries}
     save_file(scales, root / SCALES_FILENAME, metadata={"format": "pt", "kvcalib": json.dumps(provenance)})
     weight_map.update(dict.fromkeys(scales, SCALES_FILENAME))

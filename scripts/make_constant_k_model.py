@@ -117,7 +117,7 @@ def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int) 
     with tempfile.TemporaryDirectory() as tmp:
         result = calibrate(model, dataset, Path(tmp) / "out", CalibrateOptions(
             num_samples=num_samples, max_seq_len=max_seq_len, scale_objective="absmax", cpu=cpu))
-    return [layer.k_absmax for layer in result.layers]
+    return [layer.k.absmax for layer in result.layers]
 
 
 def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int | list[int] = 0,

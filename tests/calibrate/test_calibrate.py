@@ -48,8 +48,8 @@ def test_scales_equal_absmax_from_transformers_cache(tiny_llama_master, text_dat
     for i in range(3):
         assert_scale_sized(scales[neuron_scale_key(i, "k")].item(), k[i].item(), "trn2")
         assert_scale_sized(scales[neuron_scale_key(i, "v")].item(), v[i].item(), "trn2")
-        assert result.layers[i].k_absmax == k[i].item()
-        assert result.layers[i].v_absmax == v[i].item()
+        assert result.layers[i].k.absmax == k[i].item()
+        assert result.layers[i].v.absmax == v[i].item()
     assert result.num_tokens == sum(len(s) for s in seqs)
     assert result.num_samples == len(seqs)
 
@@ -61,8 +61,8 @@ def test_padding_never_reaches_statistics(tiny_llama_master, text_dataset, tmp_p
     lengths = {len(s) for s in calibration_sequences(tiny_llama_master, text_dataset, **SMALL)}
     assert len(lengths) > 1, "the samples must differ in length, or nothing is padded"
     for a, b in zip(one.layers, batched.layers):
-        assert a.k_absmax == pytest.approx(b.k_absmax, rel=1e-6, abs=0)
-        assert a.v_absmax == pytest.approx(b.v_absmax, rel=1e-6, abs=0)
+        assert a.k.absmax == pytest.approx(b.k.absmax, rel=1e-6, abs=0)
+        assert a.v.absmax == pytest.approx(b.v.absmax, rel=1e-6, abs=0)
 
 
 def test_padding_tokens_would_change_the_result_if_counted(tiny_llama, text_dataset, tmp_path):
@@ -78,7 +78,7 @@ def test_padding_tokens_would_change_the_result_if_counted(tiny_llama, text_data
     one = calibrate(tiny_llama, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=1, **SMALL))
     batched = calibrate(tiny_llama, str(text_dataset), tmp_path / "all", CalibrateOptions(batch_size=12, **SMALL))
     for a, b in zip(one.layers, batched.layers):
-        assert a.v_absmax == pytest.approx(b.v_absmax, rel=1e-6, abs=0)
+        assert a.v.absmax == pytest.approx(b.v.absmax, rel=1e-6, abs=0)
 
 
 def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
@@ -129,9 +129,9 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
     side = json.loads((out / PROVENANCE_FILENAME).read_text())
     assert side == provenance
     assert side["target"] == "trn3" and side["fp8_max"] == 448.0
-    assert [l["k_scale"] for l in side["layers"]] == [l.k_scale for l in result.layers]
+    assert [l["k"]["scale"] for l in side["layers"]] == [l.k.scale for l in result.layers]
     for layer in result.layers:
-        assert_scale_sized(layer.k_scale, layer.k_range, "trn3")  # the range the objective chose (absmax or wider)
+        assert_scale_sized(layer.k.scale, layer.k.range, "trn3")  # the range the objective chose (absmax or wider)
 
     # reloads in transformers with identical weights
     orig = AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict()
@@ -148,10 +148,10 @@ def test_trn2_scales_are_448_over_240_times_gpu_scales(tiny_llama_master, text_d
     trn2 = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "a", CalibrateOptions(target="trn2", **absmax))
     gpu = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b", CalibrateOptions(target="gpu", **absmax))
     for a, b in zip(trn2.layers, gpu.layers):
-        assert a.k_absmax == b.k_absmax
-        assert_scale_sized(a.k_scale, a.k_absmax, "trn2")
-        assert_scale_sized(b.k_scale, b.k_absmax, "gpu")
-        assert a.k_scale == pytest.approx(b.k_scale * 448 / 240, rel=2**-6)
+        assert a.k.absmax == b.k.absmax
+        assert_scale_sized(a.k.scale, a.k.absmax, "trn2")
+        assert_scale_sized(b.k.scale, b.k.absmax, "gpu")
+        assert a.k.scale == pytest.approx(b.k.scale * 448 / 240, rel=2**-6)
 
 
 def test_recalibrating_replaces_scales_and_overwrite(tiny_llama_master, text_dataset, tmp_path):
@@ -161,7 +161,7 @@ def test_recalibrating_replaces_scales_and_overwrite(tiny_llama_master, text_dat
     result = calibrate(first, str(text_dataset), second, CalibrateOptions(target="trn2", **SMALL))
     index = json.loads((second / INDEX_FILENAME).read_text())
     assert index["weight_map"][neuron_scale_key(0, "k")] == SCALES_FILENAME
-    assert_scale_sized(read_scales(second)[neuron_scale_key(0, "k")].item(), result.layers[0].k_range, "trn2")
+    assert_scale_sized(read_scales(second)[neuron_scale_key(0, "k")].item(), result.layers[0].k.range, "trn2")
     assert result.validation["ok"]
     # --overwrite replaces an existing output whole
     (second / "stray.txt").write_text("old")
@@ -200,8 +200,8 @@ def test_zero_absmax_gets_a_floor_and_a_warning(tiny_llama, text_dataset, tmp_pa
     tensors["model.layers.1.self_attn.v_proj.weight"].zero_()
     save_file(tensors, shard, metadata={"format": "pt"})
     result = calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
-    assert result.layers[1].v_absmax == 0.0
-    assert result.layers[1].v_scale == pytest.approx(1e-8, rel=2**-6)
+    assert result.layers[1].v.absmax == 0.0
+    assert result.layers[1].v.scale == pytest.approx(1e-8, rel=2**-6)
     assert "layer 1: V was exactly zero on every token; its scale is floored at 1e-08" in result.warnings
 
 

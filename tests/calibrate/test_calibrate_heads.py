@@ -41,18 +41,18 @@ def test_per_head_and_q_scales_equal_the_oracle(batch_size, tiny_llama_master, t
     for layer in result.layers:
         i = layer.layer
         for kind, oracle, heads in (("k", k[i], 2), ("v", v[i], 2), ("q", q[i], 4)):
-            mine = getattr(layer, f"{kind}_head_absmax")
+            mine = getattr(layer, kind).head_absmax
             if batch_size == 1 and kind != "q":  # the very same computation, sample by sample: to the last bit
                 assert list(mine) == oracle.tolist(), (i, kind)
             else:  # padded batches (other matmul shapes), or Q after eager layers: the same values, rounded apart
                 assert list(mine) == pytest.approx(oracle.tolist(), rel=1e-6), (i, kind)
             tensor = scales[f"model.layers.{i}.self_attn.{kind}_scale"]
             assert tensor.dtype == torch.float32 and tuple(tensor.shape) == (heads, 1, 1)  # llm-compressor's layout
-            assert tensor.reshape(-1).tolist() == list(getattr(layer, f"{kind}_head_scales"))
+            assert tensor.reshape(-1).tolist() == list(getattr(layer, kind).head_scales)
             for scale, absmax in zip(tensor.reshape(-1).tolist(), mine):
                 assert_scale_sized(scale, absmax, "gpu")
-        assert layer.k_absmax == max(layer.k_head_absmax) and layer.k_scale == max(layer.k_head_scales)
-    assert len({tuple(l.k_head_absmax) for l in result.layers}) == 3 and k[0][0] != k[0][1], "heads must differ"
+        assert layer.k.absmax == max(layer.k.head_absmax) and layer.k.scale == max(layer.k.head_scales)
+    assert len({tuple(l.k.head_absmax) for l in result.layers}) == 3 and k[0][0] != k[0][1], "heads must differ"
 
 
 def test_the_checkpoint_is_what_llm_compressor_writes_and_gpu_vllm_reads(tiny_llama_master, text_dataset, tmp_path):
@@ -89,8 +89,8 @@ def test_per_tensor_q_scales_for_neuron_are_accepted_and_reported_unused(tiny_ll
     scales = load_file(out / SCALES_FILENAME)
     assert tuple(scales["model.layers.0.self_attn.q_scale"].shape) == (1,)
     for layer in result.layers:
-        assert_scale_sized(layer.q_scale, layer.q_absmax, "trn2")
-        assert layer.q_head_absmax is None and layer.k_head_scales is None
+        assert_scale_sized(layer.q.scale, layer.q.absmax, "trn2")
+        assert layer.q.head_absmax is None and layer.k.head_scales is None
     report = validate_checkpoint(out, "trn2")
     assert report.ok, report.errors
     unused = [f for f in report.findings if f.rule == "SCALE-Q-UNUSED"]
@@ -115,8 +115,8 @@ def test_per_tensor_scales_do_not_change_with_the_new_options(tiny_llama_master,
                                                                                              **opts))
     heads = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "h", CalibrateOptions(strategy="attn_head",
                                                                                             **opts))
-    assert [(l.k_scale, l.v_scale) for l in with_q.layers] == [(l.k_scale, l.v_scale) for l in plain.layers]
-    assert [(l.k_absmax, l.v_absmax) for l in heads.layers] == [(l.k_absmax, l.v_absmax) for l in plain.layers]
+    assert [(l.k.scale, l.v.scale) for l in with_q.layers] == [(l.k.scale, l.v.scale) for l in plain.layers]
+    assert [(l.k.absmax, l.v.absmax) for l in heads.layers] == [(l.k.absmax, l.v.absmax) for l in plain.layers]
     bits = scale_bits(tmp_path / "q")
     assert {k: v for k, v in bits.items() if not k.endswith("q_scale")} == scale_bits(tmp_path / "plain")
 
@@ -129,7 +129,7 @@ def test_the_cli_flags(tiny_llama_master, text_dataset, tmp_path):
                                "--attention-scales", "--json"])
     assert done.exit_code == 0, done.stderr
     layers = json.loads(done.stdout)["layers"]
-    assert len(layers[0]["k_head_scales"]) == 2 and len(layers[0]["q_head_scales"]) == 4
+    assert len(layers[0]["k"]["head_scales"]) == 2 and len(layers[0]["q"]["head_scales"]) == 4
     assert "per-head KV scales for gpu" in done.stderr and "q_scale" in done.stderr
     refused = runner.invoke(app, [*args, "-o", str(tmp_path / "no"), "--strategy", "attn_head"])
     assert refused.exit_code == 2 and "Traceback" not in refused.stderr
@@ -139,8 +139,8 @@ def test_the_cli_flags(tiny_llama_master, text_dataset, tmp_path):
     assert llmc.exit_code == 2 and "--attention-scales observes Q with kvcalib's own engines" in llmc.stderr
     provenance = json.loads((tmp_path / "out" / "kvcalib_calibration.json").read_text())
     assert provenance["strategy"] == "attn_head" and provenance["attention_scales"] is True
-    assert provenance["layers"][0]["k_head_absmax"] == layers[0]["k_head_absmax"]
-    assert neuron_scale_key(0, "k") not in provenance["layers"][0]
+    assert provenance["layers"][0]["k"]["head_absmax"] == layers[0]["k"]["head_absmax"]
+    assert layers[0]["k"]["key"] == neuron_scale_key(0, "k") and "key" not in provenance["layers"][0]["k"]
 
 
 def test_per_head_scales_are_refused_where_they_cannot_serve(tiny_llama_master, text_dataset, tmp_path):

@@ -92,12 +92,12 @@ def test_the_formula_states_what_was_written(name, text_dataset, tmp_path):
         assert "per head, after rotary embedding" in text and "also right on" not in text
         assert json.loads((out / "kvcalib_calibration.json").read_text())["scored_on"] == ["gpu"]
         return
-    assert result.layers[0].k_range < result.layers[0].k_absmax  # clipped
+    assert result.layers[0].k.range < result.layers[0].k.absmax  # clipped
     assert "`k_scale = range(K) / 240` per layer" in text
     assert "scored on trn2 and on trn3, gpu, vllm-cpu" in text
     for row, layer in zip(rows, result.layers):
         for kind in "kv":
-            assert row[f"{kind} range"] == pytest.approx(getattr(layer, f"{kind}_range"), rel=1e-5)
+            assert row[f"{kind} range"] == pytest.approx(getattr(layer, kind).range, rel=1e-5)
             # rounded up onto the bf16 grid so that the chip never saturates the range (core.fp8.scale_from_absmax)
             assert row[f"{kind}_scale"] * 240 / row[f"{kind} range"] == pytest.approx(1.0, abs=2**-6)
 

@@ -79,7 +79,7 @@ def cross_check(native, static, default, label):
     below = []
     for n, s, d in zip(native.layers, static.layers, default.layers):
         for kind in ("k", "v"):
-            a, b, c = (getattr(x, f"{kind}_absmax") for x in (n, s, d))
+            a, b, c = (getattr(x, kind).absmax for x in (n, s, d))
             largest = max(largest, abs(b - a) / a)
             below.append((a - c) / a)
             print(f"{label} {n.layer:3d} {kind} {a:10.5g} {(b - a) / a:+.2e} {(c - a) / a:+.2%}")
@@ -121,7 +121,7 @@ def test_recipes_run_in_llmcompressors_own_oneshot(target, tiny_llama_master, te
     scales = saved_scales(out)
     for layer in native.layers:
         for kind in ("k", "v"):
-            expected = getattr(layer, f"{kind}_absmax") / 448  # what llm-compressor can size for, whatever the target
+            expected = getattr(layer, kind).absmax / 448  # what llm-compressor can size for, whatever the target
             assert scales[neuron_scale_key(layer.layer, kind)].item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -130,7 +130,7 @@ def test_tiny_native_equals_llmcompressor_static_minmax(tiny_runs):
     largest, below = cross_check(native, static, default, "tiny")
     assert largest <= 1e-6  # float32 model: scales held in float32
     for s, d in zip(static.layers, default.layers):  # a moving average of per-batch maxima stays below their maximum
-        assert d.k_absmax <= s.k_absmax * (1 + 1e-6) and d.v_absmax <= s.v_absmax * (1 + 1e-6)
+        assert d.k.absmax <= s.k.absmax * (1 + 1e-6) and d.v.absmax <= s.v.absmax * (1 + 1e-6)
     assert max(below) > 0.01, "llm-compressor's default observer is expected to end below the absmax"
 
 
@@ -170,10 +170,10 @@ def test_engine_end_to_end_from_the_command_line(tiny_llama_master, text_dataset
     scales = load_file(out / SCALES_FILENAME)
     for mine, theirs in zip(native.layers, payload["layers"]):
         for kind in ("k", "v"):
-            assert theirs[f"{kind}_absmax"] == pytest.approx(getattr(mine, f"{kind}_absmax"), rel=1e-6)
+            assert theirs[kind]["absmax"] == pytest.approx(getattr(mine, kind).absmax, rel=1e-6)
             key = neuron_scale_key(mine.layer, kind)
             assert scales[key].dtype == torch.float32 and scales[key].shape == (1,)
-            assert_scale_sized(scales[key].item(), theirs[f"{kind}_range"], "trn2")  # the objective's chosen range
+            assert_scale_sized(scales[key].item(), theirs[kind]["range"], "trn2")  # the objective's chosen range
     provenance = json.loads((out / PROVENANCE_FILENAME).read_text())
     assert provenance["engine"] == "llmcompressor" and provenance["observer"] == "static_minmax"
     assert provenance["llmcompressor_version"] and provenance["recipe"] == str(RECIPES / "kv-fp8-trn2.yaml")
@@ -188,10 +188,10 @@ def test_smollm2_native_equals_llmcompressor_static_minmax(smollm2, text_dataset
     # why they differ: llm-compressor's scales are bf16(absmax / 448) of an eager-attention forward, exactly
     k, v = eager_absmax(smollm2, calibration_sequences(smollm2, text_dataset, **SMOL))
     for layer, k_eager, v_eager in zip(static.layers, k.tolist(), v.tolist()):
-        for theirs, eager in ((layer.k_absmax, k_eager), (layer.v_absmax, v_eager)):
+        for theirs, eager in ((layer.k.absmax, k_eager), (layer.v.absmax, v_eager)):
             assert theirs == pytest.approx(torch.tensor(eager / 448).bfloat16().item() * 448, rel=1e-6), layer.layer
     for s, d in zip(static.layers, default.layers):  # both bf16: the moving average may round one step up
-        assert d.k_absmax <= s.k_absmax * (1 + BF16_STEP) and d.v_absmax <= s.v_absmax * (1 + BF16_STEP)
+        assert d.k.absmax <= s.k.absmax * (1 + BF16_STEP) and d.v.absmax <= s.v.absmax * (1 + BF16_STEP)
     assert max(below) > 0.01
 
 
@@ -209,7 +209,7 @@ def test_per_head_native_equals_llmcompressor_attn_head(tiny_llama_master, text_
     theirs = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "llmc",
                        CalibrateOptions(engine="llmcompressor", recipe=str(tmp_path / "heads.yaml"), **opts))
     for mine, other in zip(native.layers, theirs.layers):
-        assert len(other.k_head_absmax) == 2
-        assert list(other.k_head_absmax) == pytest.approx(list(mine.k_head_absmax), rel=1e-6)
-        assert list(other.v_head_absmax) == pytest.approx(list(mine.v_head_absmax), rel=1e-6)
+        assert len(other.k.head_absmax) == 2
+        assert list(other.k.head_absmax) == pytest.approx(list(mine.k.head_absmax), rel=1e-6)
+        assert list(other.v.head_absmax) == pytest.approx(list(mine.v.head_absmax), rel=1e-6)
     assert load_file(tmp_path / "llmc" / "kv_scales.safetensors")["model.layers.0.self_attn.k_scale"].shape == (2, 1, 1)

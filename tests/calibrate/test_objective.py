@@ -65,9 +65,9 @@ def test_the_search_agrees_with_a_brute_force_oracle(planted, text_dataset, tmp_
 
     result = calibrate(planted, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
     chosen = result.layers[0]
-    assert chosen.k_choice["label"] != "absmax" and chosen.k_scale < chosen.k_absmax / 240
+    assert chosen.k.choice["label"] != "absmax" and chosen.k.scale < chosen.k.absmax / 240
     target = fp8.get_target("trn2")
-    grid = objective.candidates(torch.tensor([chosen.k_absmax]), target, per_head=False)
+    grid = objective.candidates(torch.tensor([chosen.k.absmax]), target, per_head=False)
     model = AutoModelForCausalLM.from_pretrained(planted, dtype=torch.float32).eval()
     sequences = calibration_sequences(planted, text_dataset, 16, 64)[:8]
     kl = {label: _kl(model, sequences, _OneLayerK(float(grid.scales[c, 0]), target))
@@ -75,16 +75,16 @@ def test_the_search_agrees_with_a_brute_force_oracle(planted, text_dataset, tmp_
     print({label: round(value, 5) for label, value in kl.items()})
     best = min(kl.values())
     assert kl["absmax"] > 10 * best  # the mechanism: absmax / 240 is the worst scale there is
-    assert kl[chosen.k_choice["label"]] <= 1.5 * best
-    assert kl[chosen.k_choice["label"]] < kl["absmax"] / 10
+    assert kl[chosen.k.choice["label"]] <= 1.5 * best
+    assert kl[chosen.k.choice["label"]] < kl["absmax"] / 10
     # the scale written is the chosen candidate's, sized for its range; validate agrees it is deliberate
-    assert chosen.k_scale == float(grid.scales[grid.labels.index(chosen.k_choice["label"]), 0])
-    assert chosen.k_range == float(grid.ranges[grid.labels.index(chosen.k_choice["label"]), 0])
+    assert chosen.k.scale == float(grid.scales[grid.labels.index(chosen.k.choice["label"]), 0])
+    assert chosen.k.range == float(grid.ranges[grid.labels.index(chosen.k.choice["label"]), 0])
     report = validate_checkpoint(tmp_path / "out", "trn2")
     assert report.ok and not [f for f in report.findings if f.rule.startswith("RANGE")], report.findings
     provenance = json.loads((tmp_path / "out" / PROVENANCE_FILENAME).read_text())
     assert provenance["scale_objective"] == "attention"
-    assert provenance["layers"][0]["k_choice"]["label"] == chosen.k_choice["label"]
+    assert provenance["layers"][0]["k"]["choice"]["label"] == chosen.k.choice["label"]
 
 
 def test_the_warning_names_the_layer_the_head_and_the_channels(planted, text_dataset, tmp_path):
@@ -100,7 +100,7 @@ def test_absmax_objective_keeps_the_never_clipping_rule(planted, text_dataset, t
     result = calibrate(planted, str(text_dataset), tmp_path / "out", CalibrateOptions(scale_objective="absmax", **SMALL))
     assert result.scale_objective == "absmax" and result.objective_seconds == 0.0
     for layer in result.layers:
-        assert layer.k_choice is None and layer.k_scale == float(fp8.scale_from_absmax(layer.k_absmax,
+        assert layer.k.choice is None and layer.k.scale == float(fp8.scale_from_absmax(layer.k.absmax,
                                                                                        fp8.get_target("trn2")))
     assert not [w for w in result.warnings if "attention-output error" in w]
     with pytest.raises(UsageError, match="unknown --scale-objective 'mse'"):
@@ -112,9 +112,9 @@ def test_per_head_search_clips_only_the_outlier_head(planted_gpu, text_dataset, 
     result = calibrate(planted_gpu, str(text_dataset), tmp_path / "out",
                        CalibrateOptions(target="gpu", strategy="attn_head", **SMALL))
     layer = result.layers[0]
-    absmax_scales = fp8.scale_from_absmax(torch.tensor(layer.k_head_absmax), fp8.get_target("gpu")).tolist()
-    assert layer.k_head_scales[0] < absmax_scales[0] / 1.5  # the planted head is clipped
-    assert layer.k_head_scales[1] == absmax_scales[1]  # the other keeps absmax
+    absmax_scales = fp8.scale_from_absmax(torch.tensor(layer.k.head_absmax), fp8.get_target("gpu")).tolist()
+    assert layer.k.head_scales[0] < absmax_scales[0] / 1.5  # the planted head is clipped
+    assert layer.k.head_scales[1] == absmax_scales[1]  # the other keeps absmax
 
 
 def test_stream_engine_chooses_what_the_native_engine_chooses(planted, text_dataset, tmp_path):
@@ -130,7 +130,7 @@ def test_a_model_without_the_mechanism_clips_nothing(tmp_path, text_dataset):
     for target in ("trn2", "gpu"):
         result = calibrate(model, str(text_dataset), tmp_path / target, CalibrateOptions(target=target, **SMALL))
         for layer in result.layers:
-            for choice in (layer.k_choice, layer.v_choice):
+            for choice in (layer.k.choice, layer.v.choice):
                 assert not choice["label"].startswith(("absmax x0", "absmax/")), choice
                 assert choice["clipped"] == 0.0 and choice["attention_error"] <= choice["attention_error_absmax"]
 
@@ -257,7 +257,7 @@ def test_two_processes_choose_what_one_chooses(engine_args, planted, text_datase
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)
     assert two["layers"] == [l.to_dict() for l in one.layers]
-    assert two["layers"][0]["k_choice"]["label"] != "absmax"
+    assert two["layers"][0]["k"]["choice"]["label"] != "absmax"
 
 
 @pytest.mark.parametrize("target", ["trn2", "trn3", "gpu"])

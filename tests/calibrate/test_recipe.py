@@ -246,7 +246,7 @@ def test_llm_compressors_fp8_attention_recipe_means_attention_scales(tiny_llama_
     assert (plan.strategy, plan.attention_scales) == ("attn_head", True)
     result = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(recipe=str(path),
                                                                                                  **SMALL))
-    assert len(result.layers[0].q_head_scales) == 4 and len(result.layers[0].k_head_scales) == 2
+    assert len(result.layers[0].q.head_scales) == 4 and len(result.layers[0].k.head_scales) == 2
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["config_groups"]["attention"]["targets"] == ["LlamaAttention"]
     # the same group beside a kv_cache_scheme that differs: one KV format only

@@ -35,7 +35,7 @@ SMALL = dict(num_samples=12, max_seq_len=64, batch_size=4)
 
 
 def absmax(result) -> list[tuple[float, float]]:
-    return [(layer.k_absmax, layer.v_absmax) for layer in result.layers]
+    return [(layer.k.absmax, layer.v.absmax) for layer in result.layers]
 
 
 def scale_bits(ckpt: Path) -> dict[str, list[int]]:
@@ -278,7 +278,7 @@ def test_streamed_run_completes_under_a_memory_cap_the_in_memory_run_cannot(wide
     # on every CPU, where native bf16 takes 40 s a run on AVX2)
     native = calibrate(model, str(text_dataset), tmp_path / "free", CalibrateOptions(engine="native",
                                                                                      bf16_compute="float32", **SMALL))
-    assert [(l["k_absmax"], l["v_absmax"]) for l in done["layers"]] == absmax(native)
+    assert [(l["k"]["absmax"], l["v"]["absmax"]) for l in done["layers"]] == absmax(native)
 
 
 # --- across processes ------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def test_two_processes_equal_one_bit_for_bit(engine_args, tiny_llama_master, tex
                       "-o", str(tmp_path / "two"), *CLI_ARGS, *engine_args, "--json"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)  # one JSON object: only rank 0 prints
-    assert [(l["k_absmax"], l["v_absmax"]) for l in two["layers"]] == absmax(one)
+    assert [(l["k"]["absmax"], l["v"]["absmax"]) for l in two["layers"]] == absmax(one)
     assert two["layers"] == [l.to_dict() for l in one.layers]  # per head and Q too, where observed
     assert two["num_samples"] == 24 and two["num_tokens"] == one.num_tokens
     assert scale_bits(tmp_path / "two") == scale_bits(tmp_path / "one")

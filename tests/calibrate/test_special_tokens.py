@@ -92,8 +92,8 @@ def test_calibrate_measures_the_stream_the_server_builds(bos_llama, text_dataset
     texts = [json.loads(line)["text"] for line in text_dataset.read_text().splitlines()]
     sequences = [tok(t, truncation=True, max_length=64)["input_ids"] for t in texts[:SMALL["num_samples"]]]
     k, v = oracle_absmax(bos_llama, sequences)
-    assert [layer.k_absmax for layer in result.layers] == [float(x) for x in k]
-    assert [layer.v_absmax for layer in result.layers] == [float(x) for x in v]
+    assert [layer.k.absmax for layer in result.layers] == [float(x) for x in k]
+    assert [layer.v.absmax for layer in result.layers] == [float(x) for x in v]
     assert result.num_tokens == sum(len(s) for s in sequences)
     provenance = json.loads((out / PROVENANCE_FILENAME).read_text())
     assert provenance["special_tokens_added"] == [tok.bos_token_id]

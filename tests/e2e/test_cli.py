@@ -22,7 +22,8 @@ def test_calibrate_json_on_stdout_and_table_on_stderr(tiny_llama_master, text_da
     assert {"output", "target", "fp8_max", "num_samples", "num_tokens", "layers"} <= set(payload)
     assert payload["target"] == "trn3" and payload["fp8_max"] == 448.0 and payload["num_samples"] == 8
     assert [layer["layer"] for layer in payload["layers"]] == [0, 1, 2]
-    assert set(payload["layers"][0]) >= {"layer", "k_absmax", "v_absmax", "k_scale", "v_scale"}
+    assert set(payload["layers"][0]) == {"layer", "k", "v"}
+    assert set(payload["layers"][0]["k"]) >= {"absmax", "scale", "key", "range", "choice"}
     assert "KV scales for trn3" in result.stderr and f"wrote {out}" in result.stderr
     assert (out / "config.json").exists()
 

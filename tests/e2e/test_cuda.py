@@ -16,7 +16,7 @@ SMALL = dict(num_samples=12, max_seq_len=64, batch_size=4)
 
 
 def _largest_rel_diff(a, b) -> float:
-    return max(max(abs(x.k_absmax - y.k_absmax) / y.k_absmax, abs(x.v_absmax - y.v_absmax) / y.v_absmax)
+    return max(max(abs(x.k.absmax - y.k.absmax) / y.k.absmax, abs(x.v.absmax - y.v.absmax) / y.v.absmax)
                for x, y in zip(a.layers, b.layers))
 
 

@@ -33,8 +33,8 @@ def test_gemma3_calibrates_the_bos_prefixed_stream_vllm_builds(gemma3, prose, tm
     served = [tok(t, truncation=True, max_length=96)["input_ids"] for t in texts]
     assert all(s[0] == tok.bos_token_id == 2 for s in served)
     k, v = oracle_absmax(gemma3, served, dtype=torch.float32)
-    assert [layer.k_absmax for layer in result.layers] == [float(x) for x in k]
-    assert [layer.v_absmax for layer in result.layers] == [float(x) for x in v]
+    assert [layer.k.absmax for layer in result.layers] == [float(x) for x in k]
+    assert [layer.v.absmax for layer in result.layers] == [float(x) for x in v]
     bare_k, bare_v = oracle_absmax(gemma3, [s[1:] for s in served], dtype=torch.float32)
     ratios = [float(a / b) for a, b in zip(list(k) + list(v), list(bare_k) + list(bare_v))]
     print("absmax with <bos> / without, per layer K then V:", [round(r, 3) for r in ratios])

@@ -39,8 +39,8 @@ def test_the_attention_objective_rescues_what_absmax_breaks(smollm2, tmp_path):
     absmax = calibrate(fixture, str(calibration), tmp_path / "absmax",
                        CalibrateOptions(scale_objective="absmax", **CALIBRATION, **FAST))
     layer0 = chosen.layers[0]
-    assert layer0.k_choice["label"] != "absmax" and layer0.k_scale < absmax.layers[0].k_scale / 1.5
-    assert layer0.k_choice["attention_error_absmax"] > 5 * layer0.k_choice["attention_error"]
+    assert layer0.k.choice["label"] != "absmax" and layer0.k.scale < absmax.layers[0].k.scale / 1.5
+    assert layer0.k.choice["attention_error_absmax"] > 5 * layer0.k.choice["attention_error"]
     assert any(w.startswith("layer 0 K: absmax/240 would cost") and "KV head 0 has near-constant" in w
                for w in chosen.warnings)
     assert validate_checkpoint(tmp_path / "attention", "trn2").ok

@@ -138,7 +138,7 @@ def test_a_trn2_checkpoint_serves_on_448_hardware_as_kvcalib_predicts(smollm2, t
     out = tmp_path / "trn2"
     result = calibrate(fixture, str(data), out, CalibrateOptions(target="trn2", num_samples=16, max_seq_len=256,
                                                                  bf16_compute="float32"))
-    assert result.layers[0].k_choice["label"] != "absmax"  # the fixture's mechanism: absmax is the worst scale
+    assert result.layers[0].k.choice["label"] != "absmax"  # the fixture's mechanism: absmax is the worst scale
     assert not [f for f in validate_checkpoint(out, "gpu").findings if f.rule == "RANGE-CLIPPED-UNSCORED"]
     code, payload, stderr = serve_check(out, tmp_path / "home", monkeypatch, "--no-canary")
     intervals = payload["delta_nll"]["intervals"]

@@ -36,15 +36,15 @@ def test_smollm2_scales_equal_absmax_from_transformers_cache(smollm2, text_datas
     scales = load_file(out / SCALES_FILENAME)
     assert len(result.layers) == 30
     for i in range(30):
-        assert result.layers[i].k_absmax == k[i].item(), i
-        assert result.layers[i].v_absmax == v[i].item(), i
+        assert result.layers[i].k.absmax == k[i].item(), i
+        assert result.layers[i].v.absmax == v[i].item(), i
         assert_scale_sized(scales[neuron_scale_key(i, "k")].item(), k[i].item(), "trn2")
         assert_scale_sized(scales[neuron_scale_key(i, "v")].item(), v[i].item(), "trn2")
 
 
 def _batch_vs_one(one, batched) -> list[float]:
     return [abs(b - a) / a for x, y in zip(one.layers, batched.layers)
-            for a, b in ((x.k_absmax, y.k_absmax), (x.v_absmax, y.v_absmax))]
+            for a, b in ((x.k.absmax, y.k.absmax), (x.v.absmax, y.v.absmax))]
 
 
 def test_smollm2_batching_is_exact_to_float32_rounding(smollm2, text_dataset, tmp_path):
@@ -103,7 +103,7 @@ def test_smollm2_checkpoint_is_valid_and_reloads(smollm2, smol_calibrated):
         for layer in (0, 29):
             for kind in "kv":
                 key = neuron_scale_key(layer, kind)
-                expected = getattr(result.layers[layer], f"{kind}_scale")
+                expected = getattr(result.layers[layer], kind).scale
                 assert loaded[key].float().item() == pytest.approx(expected, rel=2**-8), key  # held in bf16
 
 
@@ -124,14 +124,14 @@ def test_smollm2_float32_path_stays_within_bf16_noise_of_native_bf16(smollm2, tm
     assert result.num_tokens == 8 * 256
     k, v = oracle_absmax(smollm2, calibration_sequences(smollm2, long_texts, **opts))  # native bf16
     diffs = [abs(mine - theirs) / theirs for layer in result.layers
-             for mine, theirs in ((layer.k_absmax, k[layer.layer].item()), (layer.v_absmax, v[layer.layer].item()))]
+             for mine, theirs in ((layer.k.absmax, k[layer.layer].item()), (layer.v.absmax, v[layer.layer].item()))]
     print(f"float32 path vs native bf16: largest {max(diffs):.2%}, {sum(d > 2**-6 for d in diffs)} of {len(diffs)} "
           f"beyond 2^-6, {sum(d == 0 for d in diffs)} equal")
     assert max(diffs) <= 2**-5
     assert sum(d <= 2**-6 for d in diffs) >= 0.9 * len(diffs)
     for layer in result.layers:  # the scales still never saturate on the chip: sized for their own absmax
-        assert_scale_sized(layer.k_scale, layer.k_absmax, "trn2")
-        assert_scale_sized(layer.v_scale, layer.v_absmax, "trn2")
+        assert_scale_sized(layer.k.scale, layer.k.absmax, "trn2")
+        assert_scale_sized(layer.v.scale, layer.v.absmax, "trn2")
 
 
 def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, smol_calibrated, tmp_path):
@@ -155,18 +155,18 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, s
     q_diffs = []
     for layer in result.layers:
         i = layer.layer
-        assert list(layer.k_head_absmax) == k[i].tolist() and list(layer.v_head_absmax) == v[i].tolist(), i
-        assert (layer.k_absmax, layer.v_absmax) == (per_tensor.layers[i].k_absmax, per_tensor.layers[i].v_absmax)
-        assert len(layer.q_head_absmax) == 9
-        q_diffs += [abs(a - b) / b for a, b in zip(layer.q_head_absmax, q[i].tolist())]
-        for kind, absmax in (("k", layer.k_head_absmax), ("v", layer.v_head_absmax), ("q", layer.q_head_absmax)):
+        assert list(layer.k.head_absmax) == k[i].tolist() and list(layer.v.head_absmax) == v[i].tolist(), i
+        assert (layer.k.absmax, layer.v.absmax) == (per_tensor.layers[i].k.absmax, per_tensor.layers[i].v.absmax)
+        assert len(layer.q.head_absmax) == 9
+        q_diffs += [abs(a - b) / b for a, b in zip(layer.q.head_absmax, q[i].tolist())]
+        for kind, absmax in (("k", layer.k.head_absmax), ("v", layer.v.head_absmax), ("q", layer.q.head_absmax)):
             tensor = scales[f"model.layers.{i}.self_attn.{kind}_scale"]
             assert tuple(tensor.shape) == (len(absmax), 1, 1)
             for scale, a in zip(tensor.reshape(-1).tolist(), absmax):
                 assert_scale_sized(scale, a, "gpu")
     assert q_diffs[:9] == [0.0] * 9, "layer 0's Q comes before any attention: exact"
     assert max(q_diffs) <= 2**-5
-    spread = [max(l.k_head_absmax) / min(l.k_head_absmax) for l in result.layers]
+    spread = [max(l.k.head_absmax) / min(l.k.head_absmax) for l in result.layers]
     print(f"SmolLM2 K absmax, largest / smallest head per layer: median {sorted(spread)[15]:.2f}, max {max(spread):.2f}")
     assert validate_checkpoint(out, "gpu").ok and not validate_checkpoint(out, "trn2").ok
 

@@ -25,5 +25,5 @@ def test_lambada_tells_broken_scales_from_calibrated_ones(smollm2, text_dataset,
     print(f"LAMBADA acc on {acc.items} items: baseline {acc.baseline:.3f}, calibrated {acc.scores['checkpoint']:.3f} "
           f"{ours}, /64 {acc.scores[str(broken)]:.3f} {theirs}")
     assert acc.items == LIMIT
-    assert not ours.significant and "indistinguishable" in acc.verdict("checkpoint")
-    assert theirs.significant and theirs.high < -0.1 and acc.verdict(str(broken)).startswith("worse by")
+    assert ours.outcome == "indistinguishable" and acc.verdict("checkpoint", cell=True) == "indistinguishable"
+    assert theirs.outcome == "worse" and theirs.high < -0.1 and acc.verdict(str(broken)).startswith("worse by")

@@ -153,13 +153,13 @@ def test_headroom_widens_the_scales_that_clip_nothing_and_keeps_a_chosen_clip(ti
     target = fp8.get_target("trn2")
     for before, after in zip(plain.layers, wide.layers):
         for kind in ("k", "v"):
-            absmax, old, new = (getattr(before, f"{kind}_absmax"), getattr(before, f"{kind}_scale"),
-                                getattr(after, f"{kind}_scale"))
+            absmax, old, new = (getattr(before, kind).absmax, getattr(before, kind).scale,
+                                getattr(after, kind).scale)
             if old >= float(fp8.scale_from_absmax(torch.tensor(absmax), target)):  # clips nothing: widened
                 assert new == max(old, float(fp8.scale_from_absmax(torch.tensor(absmax * 2**0.5), target)))
             else:  # the objective's clip stays
                 assert new == old
-            assert getattr(after, f"{kind}_range") == pytest.approx(new * 240, rel=1e-6)
+            assert getattr(after, kind).range == pytest.approx(new * 240, rel=1e-6)
     provenance = json.loads((tmp_path / "wide" / PROVENANCE_FILENAME).read_text())
     assert provenance["headroom"] == pytest.approx(2**0.5)
     with pytest.raises(UsageError, match="--headroom 0.5: must be between 1"):

@@ -157,7 +157,7 @@ def test_per_head_scales_are_blind_to_one_outlier_head(tiny_llama_master, text_d
             runs[name, strategy] = (calibrated, evaluate(out, str(text_dataset), EvalOptions(target="gpu", **DATA)).runs[0])
     original, variant_heads = runs["original", "attn_head"][0], runs["variant", "attn_head"][0]
     for a, b in zip(original.layers, variant_heads.layers):
-        assert b.k_head_scales == (a.k_head_scales[0] * 4096, a.k_head_scales[1])
+        assert b.k.head_scales == (a.k.head_scales[0] * 4096, a.k.head_scales[1])
     same, other = runs["original", "attn_head"][1], runs["variant", "attn_head"][1]
     assert (other.nll, other.kl, other.top1) == (same.nll, same.kl, same.top1)
     plain, skewed = runs["original", "tensor"][1], runs["variant", "tensor"][1]

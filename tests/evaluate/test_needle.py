@@ -198,4 +198,6 @@ def test_smollm2_finds_the_key_with_calibrated_scales_and_loses_it_at_div64(smol
     print("\n".join(f"{name}: {row.found}/{row.trials} {row.verdict()}" for name, row in rows.items()))
     assert rows[BASELINE].found >= 9
     assert not rows["checkpoint"].interval.significant
-    assert rows[str(broken)].interval.high < -0.5 and rows[str(broken)].verdict().endswith(")")
+    assert rows[str(broken)].interval.high < -0.5 and rows[str(broken)].interval.outcome == "worse"
+    assert rows[str(broken)].verdict(cell=True).startswith("worse by ") and rows[BASELINE].verdict(cell=True) == \
+        "the unquantised cache's own rate"

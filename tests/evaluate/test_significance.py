@@ -15,7 +15,8 @@ def test_identical_runs_give_an_interval_of_zero():
     interval = paired_bootstrap([0.0] * 50, [100] * 50)
     assert (interval.estimate, interval.low, interval.high) == (0.0, 0.0, 0.0)
     assert not interval.significant
-    assert interval.verdict("ΔNLL").startswith("ΔNLL: indistinguishable from the unquantised cache (+0.0000")
+    assert interval.outcome == "indistinguishable" and interval.verdict(cell=True) == "indistinguishable"
+    assert interval.verdict().startswith("indistinguishable from the unquantised cache (+0.0000, 95% interval")
 
 
 def test_a_known_shift_is_recovered():
@@ -28,11 +29,12 @@ def test_a_known_shift_is_recovered():
     interval = paired_bootstrap(differences, tokens)
     assert interval.estimate == pytest.approx(0.1)
     assert 0.09 < interval.low < 0.1 < interval.high < 0.11
-    assert interval.significant and interval.verdict("ΔNLL").startswith("ΔNLL: worse by 0.1")
+    assert interval.significant and interval.outcome == "worse" and interval.verdict().startswith("worse by 0.1")
+    assert interval.verdict(cell=True) == f"worse by 0.1000 ± {(interval.high - interval.low) / 2:.4f}"
     better = paired_bootstrap([-d for d in differences], tokens)
-    assert better.verdict("ΔNLL").startswith("ΔNLL: better by 0.1")
-    assert paired_bootstrap([-d for d in differences], tokens).verdict(
-        "accuracy", "{:+.2%}", worse_if_higher=False).startswith("accuracy: worse by 10.")
+    assert better.to_dict()["outcome"] == "better" and better.verdict().startswith("better by 0.1")
+    accuracy = paired_bootstrap([-d for d in differences], tokens, worse_if_higher=False)
+    assert accuracy.outcome == "worse" and accuracy.verdict("{:+.2%}").startswith("worse by 10.")
 
 
 def test_noise_around_zero_is_indistinguishable_and_the_interval_is_deterministic():
@@ -73,6 +75,7 @@ def test_eval_reports_paired_intervals(tiny_llama, text_dataset, tmp_path):
         payload = run.to_dict()
         assert payload["delta_nll_interval"]["method"].startswith("paired bootstrap over items")
         assert set(payload["delta_accuracy_interval"]) == {"estimate", "low", "high", "items", "level", "method",
-                                                           "significant"}
+                                                           "significant", "outcome"}
+        assert not accuracy.worse_if_higher and nll.worse_if_higher  # a lower accuracy is worse, a higher NLL
     single = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(num_samples=1, max_seq_len=64, layer_rows=0))
     assert single.runs[0].intervals == (None, None)

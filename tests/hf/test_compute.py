@@ -227,7 +227,7 @@ def test_streamed_equals_in_memory_on_the_float32_path(tiny_llama_master, text_d
     memory = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "memory", CalibrateOptions(**opts))
     streamed = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "stream",
                          CalibrateOptions(engine="stream", **opts))
-    assert [(l.k_absmax, l.v_absmax) for l in streamed.layers] == [(l.k_absmax, l.v_absmax) for l in memory.layers]
+    assert [(l.k.absmax, l.v.absmax) for l in streamed.layers] == [(l.k.absmax, l.v.absmax) for l in memory.layers]
     assert memory.compute.startswith("bf16 model, matmuls and attention in float32 with bf16 rounding")
 
 

@@ -119,8 +119,8 @@ def test_absmax_equals_the_models_own_cache(family, engine, text_dataset, tmp_pa
     assert len(result.layers) == 3
     assert len({round(x / k[0], 3) for x in k}) == 3, "the layers' K must differ clearly"
     for layer in result.layers:
-        assert layer.k_absmax == pytest.approx(k[layer.layer], rel=1e-6), (name, layer.layer, "K")
-        assert layer.v_absmax == pytest.approx(v[layer.layer], rel=1e-6), (name, layer.layer, "V")
+        assert layer.k.absmax == pytest.approx(k[layer.layer], rel=1e-6), (name, layer.layer, "K")
+        assert layer.v.absmax == pytest.approx(v[layer.layer], rel=1e-6), (name, layer.layer, "V")
     assert result.validation["ok"] is True
 
 
@@ -135,11 +135,11 @@ def test_per_head_and_q_absmax_equal_the_models_own(family, engine, text_dataset
                                                             OPTS["max_seq_len"]))
     for layer in result.layers:
         i = layer.layer
-        for mine, theirs in ((layer.k_head_absmax, k[i]), (layer.v_head_absmax, v[i]), (layer.q_head_absmax, q[i])):
+        for mine, theirs in ((layer.k.head_absmax, k[i]), (layer.v.head_absmax, v[i]), (layer.q.head_absmax, q[i])):
             assert len(mine) == theirs.numel(), (name, i)
             assert list(mine) == pytest.approx(theirs.tolist(), rel=1e-6), (name, i)
-        assert layer.q_absmax == max(layer.q_head_absmax)
-        assert len(layer.k_head_absmax) == 2 and len(layer.q_head_absmax) == 4
+        assert layer.q.absmax == max(layer.q.head_absmax)
+        assert len(layer.k.head_absmax) == 2 and len(layer.q.head_absmax) == 4
     assert len({round(max(k[i]).item() / max(q[i]).item(), 3) for i in range(3)}) == 3, "Q is not K"
     assert result.validation["ok"] is True
 
@@ -189,14 +189,14 @@ def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dat
                                CalibrateOptions(**{**OPTS, "target": target, "engine": engine}))
     k, v = oracle(bf16, calibration_sequences(bf16, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"]))
     for layer in runs["bf16-gpu"].layers:
-        assert layer.k_absmax == pytest.approx(k[layer.layer], rel=1e-6)
-        assert layer.v_absmax == pytest.approx(v[layer.layer], rel=1e-6)
+        assert layer.k.absmax == pytest.approx(k[layer.layer], rel=1e-6)
+        assert layer.v.absmax == pytest.approx(v[layer.layer], rel=1e-6)
     assert validate_checkpoint(tmp_path / "bf16-gpu", "gpu").ok
     for target in ("trn2", "gpu"):
         assert validate_checkpoint(tmp_path / "bf16", target).ok
 
     def measured(result):
-        return [(l.k_absmax, l.v_absmax, l.k_scale, l.v_scale, l.k_range, l.v_range) for l in result.layers]
+        return [(l.k.absmax, l.v.absmax, l.k.scale, l.v.scale, l.k.range, l.v.range) for l in result.layers]
 
     assert measured(runs["mxfp4"]) == measured(runs["bf16"]) == measured(runs["mxfp4-stream"])  # bit for bit
     out = tmp_path / "mxfp4"

@@ -51,7 +51,7 @@ def make_calibrated(ckpt: Path, *, fp8_max: float = 240.0, target: str = "trn2")
         entry: dict[str, Any] = {"layer": i}
         for kind, base in (("k", 10.0), ("v", 4.0)):
             scale = torch.tensor([(base + i) / fp8_max], dtype=torch.float32)
-            entry.update({f"{kind}_absmax": base + i, f"{kind}_scale": scale.item()})
+            entry[kind] = {"absmax": base + i, "scale": scale.item()}
             tensors[neuron_scale_key(i, kind)] = scale
         layers.append(entry)
     provenance = {"target": target, "fp8_max": fp8_max, "layers": layers}

@@ -214,11 +214,17 @@ def clipped_layer_0(scored_on: list[str] | None) -> Mutation:
     scale = float(torch.tensor([5.0 / 240], dtype=torch.float32))
 
     def provenance(p: dict) -> None:
-        p["layers"][0].update(k_absmax=10.0, k_range=5.0, k_scale=scale)
+        p["layers"][0]["k"].update(absmax=10.0, range=5.0, scale=scale)
         p.pop("scored_on", None)
         if scored_on is not None:
             p["scored_on"] = scored_on
     return both(set_scale(K0, torch.tensor([scale])), edit_provenance(provenance))
+
+
+def flat_provenance(p: dict) -> None:
+    """Each layer as kvcalib 0.1.0 wrote it: k_absmax, k_scale, k_range beside "layer"."""
+    p["layers"] = [{"layer": e["layer"], **{f"{k}_{name}": value for k in "kv" for name, value in e[k].items()}}
+                   for e in p["layers"]]
 
 
 CASES = [
@@ -366,7 +372,7 @@ CASES = [
     case("a clip scored on every server, checked for gpu", clipped_layer_0(["trn2", "trn3", "gpu", "vllm-cpu"]),
          ("RANGE-TARGET-MISMATCH", I, None), target="gpu"),
     case("hostile provenance: a negative range, a zero absmax, odd names", both(clipped_layer_0([None, {"a": 1}]),
-         edit_provenance(lambda p: p["layers"][1].update(k_range=-1.0, k_absmax=0.0, layer="x" * 500))),
+         edit_provenance(lambda p: p["layers"][1].update(k={"range": -1.0, "absmax": 0.0}, layer="x" * 500))),
          ("RANGE-CLIPPED-UNSCORED", W, None), target="gpu"),  # no crash (a zero absmax), names cut short
     case("no provenance", strip_scales_metadata_and_file,
          ("RANGE-UNKNOWN", I, "scales present, FP8 max unknown (no kvcalib provenance): scales sized as absmax/448 "
@@ -374,6 +380,13 @@ CASES = [
     case("scale edited after calibration", set_scale(K0, torch.tensor([0.5])),
          ("RANGE-PROVENANCE-DISAGREES", W, "1 scale(s) disagree with the provenance in kvcalib_calibration.json: "
           "model.layers.0.self_attn.k_scale is 0.5, provenance says 0.0416667")),
+    case("0.1.0's flat provenance is read too",
+         both(set_scale(K0, torch.tensor([0.5])), edit_provenance(flat_provenance)),
+         ("RANGE-PROVENANCE-DISAGREES", W, "1 scale(s) disagree with the provenance in kvcalib_calibration.json: "
+          "model.layers.0.self_attn.k_scale is 0.5, provenance says 0.0416667")),
+    case("0.1.0's flat provenance: a clip scored on trn2 alone, checked for gpu",
+         both(clipped_layer_0(None), edit_provenance(flat_provenance)), ("RANGE-CLIPPED-UNSCORED", W, None),
+         target="gpu"),
     case("provenance file is not JSON", write_bytes(PROVENANCE_FILENAME, b"nope"),
          ("RANGE-PROVENANCE-MALFORMED", W, None)),
     case("provenance fp8_max not a number", edit_provenance(lambda p: p.update(fp8_max="lots")),
@@ -653,8 +666,7 @@ def test_reads_only_the_scale_tensors(calibrated: Path, monkeypatch: pytest.Monk
 def test_agrees_with_the_checkpoint_writer(tiny_llama_master: Path, tmp_path: Path) -> None:
     """What calibrate.writer.write_checkpoint writes validates clean."""
     scales = {neuron_scale_key(i, kind): torch.tensor([(i + 1) / 240.0]) for i in range(3) for kind in "kv"}
-    layers = [{"layer": i, "k_absmax": i + 1.0, "v_absmax": i + 1.0, "k_scale": (i + 1) / 240.0,
-               "v_scale": (i + 1) / 240.0} for i in range(3)]
+    layers = [{"layer": i, **{k: {"absmax": i + 1.0, "scale": (i + 1) / 240.0} for k in "kv"}} for i in range(3)]
     plan = WritePlan(scales, kv_only_quantization_config(), {"target": "trn2", "fp8_max": 240.0, "layers": layers})
     write_checkpoint(tiny_llama_master, tmp_path / "out", plan)
     assert validate_checkpoint(tmp_path / "out").findings == ()

@@ -217,7 +217,7 @@ def saturation(model: Path, fp8_max: float, scales: dict[str, float] | None = No
     fractions = []
     for entry in layers:
         for kind in ("k", "v"):
-            scale, absmax = scales.get(f"model.layers.{entry['layer']}.self_attn.{kind}_scale"), entry[f"{kind}_absmax"]
+            scale, absmax = scales.get(f"model.layers.{entry['layer']}.self_attn.{kind}_scale"), entry[kind]["absmax"]
             if scale and absmax > 0:
                 if MODE == "inverted-scales":
                     scale = (absmax / fp8_max) ** 2 / scale  # the mirror image around the right scale
