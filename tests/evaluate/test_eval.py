@@ -49,7 +49,7 @@ def test_outlier_variant_reproduces_the_original_logits(tiny_llama_master, tiny_
     outlier, _, _, result = tiny_outlier
     ids = list(range(5, 60))
     assert torch.equal(logits(tiny_llama_master, ids), logits(outlier, ids))
-    assert max(l.k_absmax for l in result.layers) > 240, "the variant must have K beyond trn2's range"
+    assert max(l.k.absmax for l in result.layers) > 240, "the variant must have K beyond trn2's range"
 
 
 def test_calibrated_scales_beat_unit_scales_on_outliers(tiny_outlier, text_dataset):
@@ -150,7 +150,7 @@ def test_smollm2_outlier_variant_under_trn2(smollm2, text_dataset, tmp_path):
     assert torch.equal(logits(smollm2, ids), logits(outlier, ids)), "bf16 without FP8 KV must be unchanged"
     opts = dict(num_samples=4, max_seq_len=128, bf16_compute="float32")  # the measured gap holds on both paths
     cal = calibrate(outlier, str(text_dataset), tmp_path / "cal", CalibrateOptions(target="trn2", **opts))
-    assert min(l.k_absmax for l in cal.layers) > 2 * 240, "every layer's K must be far beyond trn2's range"
+    assert min(l.k.absmax for l in cal.layers) > 2 * 240, "every layer's K must be far beyond trn2's range"
     result = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(target="trn2", compare=("unit",), layer_rows=0,
                                                                        **opts))
     calibrated, unit = result.runs
