@@ -28,7 +28,7 @@ dequantise; independent of the tokens) plus its compute time scaled by tokens an
 token at 2048 against the measured length (attention grows with context, the rest does not). On a 192-vCPU host
 (96 physical cores) the assumption is stated with the numbers: compute scales with the physical cores used at
 the efficiency given by --efficiency (default 0.5), the load does not scale. RSS: (a)'s peak without the
-hidden states, plus the hidden states of 512 x 2048 tokens unless they spill (kvcalib.calibrate.stream spills
+hidden states, plus the hidden states of 512 x 2048 tokens unless they spill (kvcalib.calibration.stream spills
 them to disk when they would take more than half the memory left). Disk: the released files read once; the
 output is links plus ~20 kB; a spill writes and reads the hidden states once per layer.
 

@@ -202,7 +202,7 @@ def parse_kv_scheme(scheme: Any) -> Any:
 # GPU vLLM recognises such a group only with exactly one target whose name ends in "Attention"
 # (vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py,
 # CompressedTensorsConfig.from_config). The Neuron platform's validator has a looser test of its own ("Attention"
-# anywhere in a target), which kvcalib.validate.config replicates as the platform runs it; everywhere else
+# anywhere in a target), which kvcalib.validation.config replicates as the platform runs it; everywhere else
 # kvcalib recognises an attention target with `is_attention_target` alone.
 ATTENTION_GROUP = "attention"
 

@@ -24,11 +24,12 @@ from kvcalib.core.errors import (
     UnsupportedModelError,
     UsageError,
 )
+from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key, mxfp4_weights
 
 __all__ = [
-    "DTYPES", "MXFP4_GPU_REFUSAL", "MXFP4_HINT", "PreparedRun", "RunOptions", "check_index_files", "check_loading_info", "dequantize_mxfp4", "faithful_attention", "mxfp4_dequantizer",
+    "DTYPES", "MXFP4_GPU_REFUSAL", "MXFP4_HINT", "PreparedRun", "check_index_files", "check_loading_info", "dequantize_mxfp4", "faithful_attention", "mxfp4_dequantizer",
     "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
     "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
     "resolve_model_dir", "resolve_target", "text_config",
@@ -51,23 +52,6 @@ MXFP4_HINT = (
     "import dequantize_mxfp4; dequantize_mxfp4('MODEL', 'BF16_DIR')\"; for Neuron (--target trn2 or trn3) "
     "calibrate the MXFP4 checkpoint as it is"
 )
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What calibrate and eval both take: the data split and column, the seed, how the model runs."""
-
-    split: str = "train"
-    text_column: str | None = None
-    seed: int = 42
-    dtype: str = "auto"
-    device: str = "cpu"
-    trust_remote_code: bool = False
-    bf16_compute: str = "auto"  # auto | native | float32 (core.cpu: bf16 matmuls in float32 where bf16 is slow)
-    # None: as vLLM serves it (plain text with the tokenizer's default special tokens, chat text with none);
-    # True / False: to every row / to none (llm-compressor's examples tokenise with False)
-    add_special_tokens: bool | None = None
-    cpu: HostCpu | None = None  # the host CPU, as the CLI reads it; None: assumed to have native bf16
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from helpers import build_word_tokenizer
 from oracle import calibration_sequences, oracle_heads
 
 import kvcalib
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.pipeline import calibrate
 
 OPTS = dict(num_samples=6, max_seq_len=48, batch_size=3, target="gpu")
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -155,7 +156,7 @@ def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dat
 
     from kvcalib.cli import app
     from kvcalib.hf.model import dequantize_mxfp4
-    from kvcalib.validate import validate_checkpoint
+    from kvcalib.validation.pipeline import validate_checkpoint
 
     tokenizer = build_word_tokenizer()
     torch.manual_seed(0)

@@ -16,9 +16,11 @@ from mxfp4 import build_gpt_oss_mxfp4
 from safetensors.torch import load_file, save_file
 from serve_helpers import FAKE_BIN, assert_nothing_left, fake_python, serve
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.serve.launch import server_argv
-from kvcalib.serve.server import free_port
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.serving.launch import server_argv
+from kvcalib.serving.server import free_port
 
 LAYERS = 3
 SCALES = "kv_scales.safetensors"
