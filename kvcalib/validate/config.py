@@ -272,8 +272,15 @@ def declared_kv_cache_scheme(config: dict[str, Any]) -> Any:
 def portability_findings(config: dict[str, Any], target: str, scales_present: bool) -> list[Finding]:
     """Rule 6: what GPU vLLM and compressed-tensors need, and what Neuron ignores."""
     findings: list[Finding] = []
-    qc = config.get("quantization_config")
-    if qc is None and "compression_config" in config:
+    qc, cc = config.get("quantization_config"), config.get("compression_config")
+    cc_method = cc.get("quant_method", "") if isinstance(cc, dict) else None
+    if qc is None and cc is not None and not isinstance(cc_method, str):  # vLLM normalises it in qc's place
+        what = f"compression_config is {json_type(cc)}, not an object" if cc_method is None else (
+            f"compression_config.quant_method is {json_type(cc_method)}, not a string")
+        findings.append(_malformed(f"{what}: vLLM crashes normalising it where quantization_config is absent",
+                                   "config.json:compression_config", "rename compression_config to "
+                                   'quantization_config, an object with "quant_method": "compressed-tensors"'))
+    elif qc is None and "compression_config" in config:
         findings.append(Finding(
             "PORT-COMPRESSION-CONFIG",
             WARNING,

@@ -18,7 +18,8 @@ unknown; everything else is a `Finding`. The rule ids are stable:
                                       config_groups not an object, a group not an object,
                                       non-iterable targets or a non-string target with input
                                       activations, producer not an object, ModelOpt's quantization
-                                      not an object
+                                      not an object; with no quantization_config, a compression_config
+                                      not an object or whose quant_method is not a string
    - NEURON-QCFG-MODELOPT-ALGO error  a ModelOpt quant_algo vLLM does not know (it raises)
 2. NEURON-LLAMA-QUANT-METHOD  error  Llama model, quant_method not compressed-tensors/modelopt
                                       (fp8 included), checked when the platform accepted.

