@@ -17,13 +17,13 @@ from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
 __all__ = [
     "LLAMA_ARCHITECTURES", "LLAMA_METHODS", "PLATFORM_PREFIX", "QCFG_LOCATION", "SCALE_LOADER_ARCHITECTURES",
     "SCALE_LOADER_MODEL_TYPES", "UNSCALED_FP8_MODEL_TYPES", "declared_kv_cache_scheme", "has_neuron_scale_loader", "is_llama",
-    "json_type", "llama_gate", "neuron_quantization_verdict", "normalise_quant_method", "portability_findings",
+    "json_type", "llama_gate", "neuron_quantization_verdict", "portability_findings", "vllm_quantization_config",
 ]
 
 QCFG_LOCATION = "config.json:quantization_config"
 
-# Words the platform itself uses (vllm_neuron/platform.py, _validate_quantization_config), so users can search for
-# them.
+# The Neuron platform's validator: jinhuang12/vllm-neuron@25cf3c8c00d5, vllm_neuron/vllm/platform.py,
+# NeuronPlatform._validate_quantization_config; these are its words, so users can search for them.
 PLATFORM_PREFIX = (
     "Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale)."
 )
@@ -56,11 +56,6 @@ def json_type(value: Any) -> str:
     return "an object"
 
 
-def normalise_quant_method(method: str) -> str:
-    """vLLM's normalisation before any platform sees the config."""
-    return method.lower().replace("compressed_tensors", "compressed-tensors")
-
-
 def _malformed(message: str, location: str, hint: str) -> Finding:
     return Finding("NEURON-QCFG-MALFORMED", ERROR, message, hint, location)
 
@@ -76,40 +71,66 @@ _KV_ONLY_HINT = (
 )
 
 
+# ModelOpt's quant_algo -> the quant_method vLLM sets from it; any other quant_algo raises there.
+_MODELOPT_METHODS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt", "FP8_PB_WO": "modelopt",
+                     "NVFP4": "modelopt_fp4"}
+
+
+def vllm_quantization_config(qc: object) -> dict | Finding | None:
+    """quantization_config as vLLM hands it to the platform and the model, or the Finding where vLLM crashes or
+    raises on it (vllm-project/vllm@00bb6f59a0c7, vllm/transformers_utils/model_arch_config_convertor.py,
+    _normalize_quantization_config): producer.name "modelopt" (or a legacy quantization.modelopt_quant_config)
+    sets quant_method from quantization.quant_algo, then quant_method is lower-cased, compressed_tensors spelt
+    compressed-tensors. None for no quantization_config."""
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):  # vLLM calls quant_cfg.get(...) on anything but None, falsy or not
+        return _malformed(f"quantization_config is {json_type(qc)}, not an object: vLLM crashes reading it "
+                          "(quant_cfg.get) before the Neuron platform can check it",
+                          QCFG_LOCATION, "make quantization_config a JSON object, or remove it")
+    producer, modelopt = qc.get("producer", {}), qc.get("quantization", {})
+    if not isinstance(producer, dict):
+        return _malformed(f"quantization_config.producer is {json_type(producer)}, not an object: vLLM crashes "
+                          "reading its name (producer.get)", f"{QCFG_LOCATION}.producer",
+                          'write producer as an object, e.g. {"name": "modelopt", "version": "0.31.0"}, or remove it')
+    if producer.get("name") == "modelopt" or (isinstance(modelopt, dict) and "modelopt_quant_config" in modelopt):
+        if not isinstance(modelopt, dict):
+            return _malformed(f"quantization_config.quantization is {json_type(modelopt)}, not an object, with "
+                              "producer modelopt: vLLM crashes reading its quant_algo (quantization.get)",
+                              f"{QCFG_LOCATION}.quantization",
+                              'write quantization as an object such as {"quant_algo": "FP8"}, or remove producer')
+        algo = modelopt.get("quant_algo")
+        if algo is not None:
+            if str(algo).upper() not in _MODELOPT_METHODS:
+                return Finding("NEURON-QCFG-MODELOPT-ALGO", ERROR, f"Unknown ModelOpt quant algo: {algo}. vLLM "
+                               "knows FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO and NVFP4 only, and refuses the rest",
+                               "re-export with a quant_algo vLLM knows; for kvcalib's KV-only scales remove producer "
+                               "and quantization (quant_method compressed-tensors)", f"{QCFG_LOCATION}.quantization")
+            qc = {**qc, "quant_method": _MODELOPT_METHODS[str(algo).upper()]}
+    method = qc.get("quant_method", "")
+    if not isinstance(method, str):
+        return _malformed(f"quantization_config.quant_method is {json_type(method)}, not a string: vLLM crashes "
+                          "normalising it (quant_method.lower())", f"{QCFG_LOCATION}.quant_method",
+                          'write "quant_method": "compressed-tensors" for FP8 KV scales')
+    return {**qc, "quant_method": method.lower().replace("compressed_tensors", "compressed-tensors")}
+
+
 def neuron_quantization_verdict(
     quantization_config: object, neuron_config: dict | None = None
 ) -> Finding | None:
-    """The Neuron platform's quantization-config check, exactly (vllm-neuron: vllm_neuron/platform.py,
-    NeuronPlatform._validate_quantization_config).
+    """The Neuron platform's quantization-config check, exactly (NeuronPlatform._validate_quantization_config,
+    cited above), on the config vLLM hands it (`vllm_quantization_config`).
 
     `quantization_config` is the raw value from config.json (un-normalised); `neuron_config`
     is `additional_config["neuron_config"]` of the serve command, if known. None when the
     platform accepts the config; an error Finding when it rejects it, or when vLLM or the
     platform would crash on its shape.
     """
-    qc = quantization_config
-    if qc is None:
-        return None
+    qc = vllm_quantization_config(quantization_config)
     if not isinstance(qc, dict):
-        # vLLM calls quant_cfg.get(...) on anything that is not None, falsy or not.
-        return _malformed(
-            f"quantization_config is {json_type(qc)}, not an object: vLLM crashes reading it "
-            "(quant_cfg.get) before the Neuron platform can check it",
-            QCFG_LOCATION,
-            "make quantization_config a JSON object, or remove it",
-        )
-    method = qc.get("quant_method", "")
-    if not isinstance(method, str):
-        return _malformed(
-            f"quantization_config.quant_method is {json_type(method)}, not a string: vLLM "
-            "crashes normalising it (quant_method.lower())",
-            f"{QCFG_LOCATION}.quant_method",
-            'write "quant_method": "compressed-tensors" for FP8 KV scales',
-        )
-    method = normalise_quant_method(method)
+        return qc
+    method = qc["quant_method"]
     if isinstance(neuron_config, dict) and neuron_config.get("quantization") == "mxfp8":
-        return None
-    if not qc:
         return None
     if "mx" in method:
         return Finding(
@@ -223,12 +244,12 @@ def llama_gate(config: dict[str, Any]) -> Finding | None:
     """The Neuron Llama model's own check at model build (vllm-neuron: vllm_neuron/model/llama3/,
     QuantizationSpec.from_hf_quantization_config: modelopt or compressed-tensors only)."""
     qc = config.get("quantization_config")
-    if not is_llama(config) or not qc or not isinstance(qc, dict):
+    if not is_llama(config) or not qc:
         return None
-    method = qc.get("quant_method", "")
-    if not isinstance(method, str):
-        return None  # vLLM crashes first; rule 1 reports it
-    method = normalise_quant_method(method)
+    qc = vllm_quantization_config(qc)
+    if not isinstance(qc, dict):
+        return None  # vLLM fails first; rule 1 reports it
+    method = qc["quant_method"]
     if method in LLAMA_METHODS:
         return None
     return Finding(
@@ -251,8 +272,15 @@ def declared_kv_cache_scheme(config: dict[str, Any]) -> Any:
 def portability_findings(config: dict[str, Any], target: str, scales_present: bool) -> list[Finding]:
     """Rule 6: what GPU vLLM and compressed-tensors need, and what Neuron ignores."""
     findings: list[Finding] = []
-    qc = config.get("quantization_config")
-    if qc is None and "compression_config" in config:
+    qc, cc = config.get("quantization_config"), config.get("compression_config")
+    cc_method = cc.get("quant_method", "") if isinstance(cc, dict) else None
+    if qc is None and cc is not None and not isinstance(cc_method, str):  # vLLM normalises it in qc's place
+        what = f"compression_config is {json_type(cc)}, not an object" if cc_method is None else (
+            f"compression_config.quant_method is {json_type(cc_method)}, not a string")
+        findings.append(_malformed(f"{what}: vLLM crashes normalising it where quantization_config is absent",
+                                   "config.json:compression_config", "rename compression_config to "
+                                   'quantization_config, an object with "quant_method": "compressed-tensors"'))
+    elif qc is None and "compression_config" in config:
         findings.append(Finding(
             "PORT-COMPRESSION-CONFIG",
             WARNING,
@@ -261,8 +289,8 @@ def portability_findings(config: dict[str, Any], target: str, scales_present: bo
             "rename compression_config to quantization_config",
             "config.json:compression_config",
         ))
-    method = qc.get("quant_method", "") if isinstance(qc, dict) else None
-    if isinstance(method, str) and normalise_quant_method(method) == "compressed-tensors":
+    normalised = vllm_quantization_config(qc)
+    if isinstance(normalised, dict) and normalised["quant_method"] == "compressed-tensors":
         if "config_groups" not in qc:
             findings.append(Finding(
                 "PORT-CONFIG-GROUPS-MISSING",

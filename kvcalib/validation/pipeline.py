@@ -5,8 +5,9 @@ bytes each), so a checkpoint of any size validates in about the time of a few he
 `validate_checkpoint` raises only when the checkpoint cannot be read at all or the target is
 unknown; everything else is a `Finding`. The rule ids are stable:
 
-1. The Neuron platform's quantization-config validator, exactly (vllm_neuron/platform.py),
-   after vLLM's normalisation of quant_method; the platform's own words as the message.
+1. The Neuron platform's quantization-config validator, exactly (jinhuang12/vllm-neuron,
+   vllm_neuron/vllm/platform.py), after vLLM's normalisation of quantization_config (ModelOpt's
+   quant_algo sets quant_method, FP8 to modelopt); the platform's own words as the message.
    - NEURON-QCFG-MX            error  quant_method contains "mx" (mxfp4, gpt_oss_mxfp4, ...)
    - NEURON-QCFG-WEIGHTS       error  a config group quantizes weights
    - NEURON-QCFG-OUTPUT-ACT    error  a config group quantizes output activations
@@ -16,7 +17,10 @@ unknown; everything else is a `Finding`. The rule ids are stable:
                                       not an object (null is fine), quant_method not a string,
                                       config_groups not an object, a group not an object,
                                       non-iterable targets or a non-string target with input
-                                      activations
+                                      activations, producer not an object, ModelOpt's quantization
+                                      not an object; with no quantization_config, a compression_config
+                                      not an object or whose quant_method is not a string
+   - NEURON-QCFG-MODELOPT-ALGO error  a ModelOpt quant_algo vLLM does not know (it raises)
 2. NEURON-LLAMA-QUANT-METHOD  error  Llama model, quant_method not compressed-tensors/modelopt
                                       (fp8 included), checked when the platform accepted.
 3. The scales Neuron reads, model.layers.{i}.self_attn.{k,v}_scale (or
