@@ -164,14 +164,14 @@ def child_forward(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
     from kvcalib.core.cpu import HostCpu, choose_compute
+    from kvcalib.core.mxfp4 import expert_chunks
     from kvcalib.hf.compute import compute_path
     from kvcalib.hf.data import batches, load_calibration_data
-    from kvcalib.hf.model import mxfp4_in_expert_chunks
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = load_calibration_data(args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len)
     started = time.perf_counter()
-    with mxfp4_in_expert_chunks():  # transformers' dequantisation, a few experts at a time (as kvcalib loads)
+    with expert_chunks():  # transformers' dequantisation, a few experts at a time (as kvcalib loads)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
                                                      quantization_config=Mxfp4Config(dequantize=True)).eval()
     loaded = time.perf_counter()

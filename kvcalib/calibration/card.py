@@ -19,7 +19,8 @@ from typing import Any
 
 from kvcalib.core import fp8
 from kvcalib.core.checkpoint import read_safetensors_header, read_values
-from kvcalib.core.schema import ATTN_HEAD, NEURON_QUANTIZATION, PROVENANCE_FILENAME, SCALES_FILENAME
+from kvcalib.core.mxfp4 import NEURON_QUANTIZATION
+from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME
 from kvcalib.serving.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
 
 __all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",

@@ -33,18 +33,15 @@ from kvcalib.calibration.writer import (
     check_room,
     write_checkpoint,
 )
-from kvcalib.core import fp8
+from kvcalib.core import fp8, mxfp4
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
-from kvcalib.core.errors import UnsupportedModelError, UsageError, ValidationFailedError
+from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import (ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config, max_position_embeddings,
-                                 mxfp4_weights)
+from kvcalib.core.schema import ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config, max_position_embeddings
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
 from kvcalib.hf.model import (
-    MXFP4_GPU_REFUSAL,
-    MXFP4_HINT,
     load_tokenizer,
     pad_id,
     prepare_run,
@@ -174,15 +171,8 @@ def check_run(model: str | Path, dataset: str, output: Path, opts: CalibrateOpti
                          "observes K/V only", hint="drop --engine llmcompressor (native or stream observe Q)")
     run = prepare_run(model, opts)
     checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
-    mxfp4 = mxfp4_weights(checkpoint.files.key_files)
-    if mxfp4 and not target.neuron:
-        raise UnsupportedModelError(MXFP4_GPU_REFUSAL.format(model_dir=checkpoint.root), hint=MXFP4_HINT)
-    if mxfp4 and opts.engine == "llmcompressor":
-        raise UsageError("--engine llmcompressor does not dequantise MXFP4 experts; kvcalib's engines do",
-                         hint="drop --engine llmcompressor (native, or stream for models larger than memory)")
-    if mxfp4:  # the Neuron form keeps them, linked; the provenance says what they were
-        opts = replace(opts, extra_provenance={**opts.extra_provenance, "mxfp4_weights": len(mxfp4),
-                                               "source_quantization_config": checkpoint.config.get("quantization_config")})
+    opts = replace(opts, extra_provenance={**opts.extra_provenance,
+                                           **mxfp4.check_calibration(checkpoint, target, opts.engine)})
     inputs = [("the model checkpoint", checkpoint.root), ("the dataset", Path(dataset).expanduser())]
     if opts.recipe is not None:
         inputs.append(("the recipe", Path(opts.recipe)))

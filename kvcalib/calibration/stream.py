@@ -30,10 +30,11 @@ from typing import Any
 import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
+from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
-from kvcalib.core.schema import MXFP4_BLOCKS, is_kv_scale_key, mxfp4_weights
+from kvcalib.core.schema import is_kv_scale_key
 from kvcalib.hf.attention import (
     KVAbsmaxObserver,
     RecordingCache,
@@ -48,8 +49,6 @@ from kvcalib.hf.model import (
     build_skeleton,
     effective_dtype,
     faithful_attention,
-    mxfp4_dequantizer,
-    mxfp4_in_expert_chunks,
     num_layers,
     text_config,
 )
@@ -164,8 +163,7 @@ class _Weights:
         from transformers.core_model_loading import WeightConverter, rename_source_key
 
         self.model, self.model_dir, self.files, self.device, self.dtype = model, model_dir, files, device, dtype
-        # MXFP4 experts: transformers' own dequantization, as from_pretrained applies it (hf.model.load_model)
-        self.quantizer = mxfp4_dequantizer() if mxfp4_weights(files.key_files) else None
+        self.quantizer = mxfp4.dequantizer(files.key_files)  # as from_pretrained dequantizes MXFP4 experts
         transforms = self._mapping()
         renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -213,7 +211,7 @@ class _Weights:
         # MXFP4 experts one weight at a time, each source pair dropped once converted: a layer's MXFP4 tensors are
         # never all in memory beside its dequantised experts (GPT-OSS-120B: 1.6 GB of them a layer)
         alone = [name for name in wanted if self.quantizer is not None
-                 and any(k.endswith(MXFP4_BLOCKS) for k in self.sources.get(name, []))]
+                 and any(k.endswith(mxfp4.BLOCKS) for k in self.sources.get(name, []))]
         self._convert([name for name in wanted if name not in alone], quantized=False)
         for name in alone:
             self._convert([name], quantized=True)
@@ -250,7 +248,7 @@ class _Weights:
             return
         config = LoadStateDictConfig(weight_mapping=self._mapping(), dtype=self.dtype,
                                      hf_quantizer=self.quantizer if quantized else None)
-        with mxfp4_in_expert_chunks() if quantized else nullcontext():
+        with mxfp4.expert_chunks() if quantized else nullcontext():
             convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import read_config, scan_checkpoint
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import (
@@ -32,10 +33,8 @@ from kvcalib.core.fp8 import TARGETS
 from kvcalib.core.schema import (
     ATTN_HEAD,
     NEURON_PER_HEAD_REASON,
-    NEURON_QUANTIZATION,
     PROVENANCE_FILENAME,
     head_dim,
-    mxfp4_weights,
 )
 from kvcalib.serving.cuda import check_cuda
 from kvcalib.serving.neuron import detect_neuron_host, require_family
@@ -226,6 +225,6 @@ def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: i
     warnings = check_validation(checkpoint, target, force)
     machine = check_environment(config, device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                 vllm_python=vllm_python, env=env, sysfs_root=sysfs_root, dev_root=dev_root, cpu=cpu)
-    mxfp4 = device in NEURON_DEVICES and mxfp4_weights(scan_checkpoint(checkpoint).key_files)
+    experts = device in NEURON_DEVICES and mxfp4.weights(scan_checkpoint(checkpoint).key_files)
     return Preflight(target, recorded_fp8_max(checkpoint), machine.tensor_parallel_size, machine.vllm_version,
-                     config, tuple(warnings), NEURON_QUANTIZATION[device] if mxfp4 else None)
+                     config, tuple(warnings), mxfp4.NEURON_QUANTIZATION[device] if experts else None)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcalib.core import mxfp4
 from kvcalib.core.errors import ServerError, UsageError
 
 __all__ = [
@@ -46,10 +47,7 @@ KNOWN_CAUSES: tuple[tuple[str, str, str], ...] = (
     (r"Neuron only supports compressed-tensors for KV cache quantization|Neuron does not support MX quantization",
      "the Neuron platform refused the checkpoint's quantization_config",
      "run `kvcalib validate CKPT --target trn2` and fix what it reports"),
-    (r"quantization='mxfp4' is not supported on TRN2",
-     "vLLM-Neuron's GPT-OSS runs MXFP4 experts as MXFP4 only on trn3 (vllm_neuron/model/gpt_oss/factory.py)",
-     "on trn2 serve with --additional-config '{\"neuron_config\": {\"quantization\": \"bf16\"}}' (kvcalib's "
-     "model card and serve-check pass it)"),
+    mxfp4.TRN2_CAUSE,
     (r"Unsupported quantization_config\.quant_method",
      "the Neuron Llama model refused the quant_method (only compressed-tensors or modelopt)",
      "recalibrate with `kvcalib calibrate`, which writes a compressed-tensors KV-only config"),

@@ -93,13 +93,14 @@ unknown; everything else is a `Finding`. The rule ids are stable:
    - PORT-MXFP4-GPU             error  --target gpu: MXFP4 experts (GPU vLLM's MXFP4 config loads no KV scales)
    - PORT-MXFP4-NEURON          info   trn2/trn3: MXFP4 experts kept as released, and how Neuron serves them
    - CKPT-MXFP4-PAIR            error  an MXFP4 `_blocks` tensor without its `_scales` (or the reverse)
-   (validate/experts.py)
+   (core/mxfp4.py)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import read_config
 from kvcalib.core.errors import UnknownTargetError
 from kvcalib.core.fp8 import DEFAULT_TARGET, get_target
@@ -110,7 +111,6 @@ from kvcalib.validation.config import (
     neuron_quantization_verdict,
     portability_findings,
 )
-from kvcalib.validation.experts import mxfp4_findings
 from kvcalib.validation.files import scan_for_validation
 from kvcalib.validation.heads import attention_group_findings, query_findings
 from kvcalib.validation.outliers import outlier_findings
@@ -159,5 +159,5 @@ def validate_checkpoint(
     findings += portability_findings(config, target, check.present)
     findings += query_findings(config, scan, target, ATTN_HEAD if check.per_head else None)
     findings += attention_group_findings(config, target)
-    findings += mxfp4_findings(config, scan, target)
+    findings += [Finding(*found) for found in mxfp4.findings(config, scan.key_files, target)]
     return ValidationReport(str(path), target, tuple(findings), strict)

@@ -22,8 +22,9 @@ import pytest
 from checkpoints import PREFIX, make_calibrated, read_json, write_json
 
 from kvcalib.core.schema import CONFIG_FILENAME
-from kvcalib.validate import neuron_quantization_verdict, validate_checkpoint
-from kvcalib.validate.config import portability_findings
+from kvcalib.validation.config import neuron_quantization_verdict
+from kvcalib.validation.pipeline import validate_checkpoint
+from kvcalib.validation.config import portability_findings
 
 MODELOPT = {"name": "modelopt", "version": "0.31.0"}
 WEIGHTS = {"g": {"weights": {"num_bits": 8, "type": "float"}, "targets": ["Linear"]}}
