@@ -6,9 +6,11 @@ import random
 
 import pytest
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.evaluate import EvalOptions, evaluate
-from kvcalib.evaluate.significance import paired_bootstrap
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.evaluation.pipeline import EvalOptions, evaluate
+from kvcalib.evaluation.significance import paired_bootstrap
 
 
 def test_identical_runs_give_an_interval_of_zero():

@@ -12,14 +12,15 @@ from lm_eval.tasks import TaskManager
 from tasks import write_tiny_tasks
 from typer.testing import CliRunner
 
-import kvcalib.evaluate.harness as harness
-from kvcalib.calibrate import CalibrateOptions, calibrate
+import kvcalib.evaluation.harness as harness
+from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
-from kvcalib.evaluate.emulate import KVQuantizer
-import kvcalib.evaluate.tasks as tasks_module
-from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
+from kvcalib.evaluation.emulate import KVQuantizer
+import kvcalib.evaluation.tasks as tasks_module
+from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
 from kvcalib.hf.attention import QuantizingCache
 
 TASKS = ["kvcalib_tiny_mc", "kvcalib_tiny_gen"]

@@ -16,7 +16,9 @@ from checkpoints import make_calibrated
 from helpers import fortune_texts, write_jsonl
 from test_corpus import snapshot
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.errors import OutputWriteError
 
 pytestmark = pytest.mark.proof("disk-full")

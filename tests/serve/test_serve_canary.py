@@ -16,8 +16,8 @@ from serve_helpers import assert_nothing_left, fake_python, processes_mentioning
 from typer.testing import CliRunner
 
 from kvcalib.cli import app
-from kvcalib.serve.canary import CANARY_DIVISOR, MIN_NLL_CHANGE
-from kvcalib.validate import validate_checkpoint
+from kvcalib.serving.canary import CANARY_DIVISOR, MIN_NLL_CHANGE
+from kvcalib.validation.pipeline import validate_checkpoint
 
 runner = CliRunner()
 
@@ -188,7 +188,7 @@ def test_calibrate_serve_check_preflight_stops_before_any_model_is_loaded(
     if "--vllm-python" not in extra:
         extra += ("--vllm-python", str(python))
     loaded = []
-    import kvcalib.calibrate.pipeline as pipeline
+    import kvcalib.calibration.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "_observe", lambda *a: loaded.append(a))
     result = calibrate_and_serve(model, text_dataset, tmp_path / "out", *extra)

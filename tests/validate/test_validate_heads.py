@@ -12,9 +12,12 @@ from checkpoints import sync_index
 from safetensors.torch import load_file, save_file
 from test_validate_property import platform_oracle
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.schema import SCALES_FILENAME, kv_only_quantization_config
-from kvcalib.validate import neuron_quantization_verdict, validate_checkpoint
+from kvcalib.validation.config import neuron_quantization_verdict
+from kvcalib.validation.pipeline import validate_checkpoint
 
 OPTS = dict(num_samples=4, max_seq_len=32)
 
