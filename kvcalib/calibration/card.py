@@ -11,6 +11,7 @@ hub's model-card conventions (`base_model`, `tags`), through huggingface_hub's M
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -110,19 +111,14 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         lines += ["vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):", "", "```bash", commands["cuda"], "```", ""]
     if serve is not None:
         lines += _serve_lines(serve)
-    q = " q absmax | q_scale |" if queries else ""
-    ranges = _ranges(provenance)[0]
-    r = " k range | v range |" if ranges else ""
+    fields = [("k", "absmax"), ("v", "absmax"), *((("k", "range"), ("v", "range")) if _ranges(provenance)[0] else ()),
+              ("k", "scale"), ("v", "scale"), *((("q", "absmax"), ("q", "scale")) if queries else ())]
     lines += ["### Scales", "", *(["Each layer's largest head; every head's in `kvcalib_calibration.json`.", ""]
                                   if per_head else []),
-              f"| layer | k absmax | v absmax |{r} k_scale | v_scale |{q}", "|---:|---:|---:|---:|---:|"
-              + ("---:|---:|" if ranges else "") + ("---:|---:|" if queries else "")]
-    lines += [f"| {row['layer']} | {row['k_absmax']:.6g} | {row['v_absmax']:.6g} |"
-              + (f" {row['k_range']:.6g} | {row['v_range']:.6g} |" if ranges else "")
-              + f" {row['k_scale']:.6g} | {row['v_scale']:.6g} |"
-              + (f" {row.get('q_absmax', float('nan')):.6g} | {row.get('q_scale', float('nan')):.6g} |"
-                 if queries else "")
-              for row in _scale_rows(ckpt, provenance)]
+              "| layer | " + " | ".join(f"{k}_scale" if f == "scale" else f"{k} {f}" for k, f in fields) + " |",
+              "|---:|" + "---:|" * len(fields)]
+    lines += [f"| {layer} | " + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields) + " |"
+              for layer, row in _scale_rows(ckpt, provenance).items()]
     return "\n".join(lines + ["", END, ""])
 
 
@@ -180,21 +176,18 @@ def _tokens_row(provenance: dict[str, Any]) -> str:
     return rule + (f"; ids added to plain text: {added}" if added else "")
 
 
-def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> list[dict[str, Any]]:
-    """The per-layer table: absmax from the provenance, the scales read back from the scales file itself."""
+def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
+    """Per layer and kind: absmax and range from the provenance, the scale read back from the scales file itself."""
     header = read_safetensors_header(ckpt / SCALES_FILENAME)
     by_layer = {row["layer"]: row for row in provenance.get("layers", [])}
-    rows = []
-    for key in sorted(header.tensors, key=lambda k: (int(re.search(r"\.(\d+)\.", k).group(1)), k)):
+    rows: dict[int, dict[str, dict[str, float]]] = {}
+    for key in header.tensors:
         layer, kind = int(re.search(r"\.(\d+)\.", key).group(1)), key.rsplit(".", 1)[1][0]
-        row = rows[-1] if rows and rows[-1]["layer"] == layer else None
-        if row is None:
-            prov = {k: by_layer.get(layer, {}).get(k, {}) for k in "kvq"}
-            row = {"layer": layer, **{f"{k}_absmax": prov[k].get("absmax", float("nan")) for k in "kvq"},
-                   **{f"{k}_range": prov[k].get("range", prov[k].get("absmax", float("nan"))) for k in "kv"}}
-            rows.append(row)
-        row[f"{kind}_scale"] = max(read_values(header, key))  # per head: the largest
-    return rows
+        prov = by_layer.get(layer, {}).get(kind, {})
+        absmax = prov.get("absmax", math.nan)
+        rows.setdefault(layer, {})[kind] = {"absmax": absmax, "range": prov.get("range", absmax),
+                                            "scale": max(read_values(header, key))}  # per head: the largest
+    return dict(sorted(rows.items()))
 
 
 def _serve_lines(serve: dict[str, Any]) -> list[str]:

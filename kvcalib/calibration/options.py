@@ -80,9 +80,9 @@ class KindScales:
     range: float | None = None  # |x| the scale maps to the FP8 max (absmax unless the objective or --headroom chose)
     choice: dict[str, Any] | None = None  # K/V: the scale objective's choice and what the alternatives cost
 
-    def to_dict(self, key: bool = True) -> dict[str, Any]:
+    def to_dict(self, keys: bool = True) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()
-                if v is not None and (key or k != "key")}
+                if v is not None and (keys or k != "key")}
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,7 @@ class LayerScales:
     def kinds(self) -> dict[str, KindScales]:
         return {kind: s for kind, s in (("k", self.k), ("v", self.v), ("q", self.q)) if s is not None}
 
-    def to_dict(self, keys: bool = True) -> dict[str, Any]:
-        """keys=False: without the tensor names (the provenance's form)."""
+    def to_dict(self, keys: bool = True) -> dict[str, Any]:  # keys=False: no tensor names (the provenance's)
         return {"layer": self.layer, **{kind: s.to_dict(keys) for kind, s in self.kinds().items()}}
 
 

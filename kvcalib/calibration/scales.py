@@ -71,23 +71,20 @@ def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, 
         _check_finite(kind.upper(), per_layer, warnings)
     layers = []
     for i in range(len(observation.observed)):
-        picks: dict[str, tuple[KindChoice, Candidates]] = {}
-        if choices is not None:
-            k_choice, v_choice, k_cands, v_cands = choices[i]
-            picks = {"k": (k_choice, k_cands), "v": (v_choice, v_cands)}
+        k_choice, v_choice, k_cands, v_cands = (None,) * 4 if choices is None else choices[i]
+        picks = {"k": (k_choice, k_cands), "v": (v_choice, v_cands), "q": (None, None)}
         records = {kind: _kind_scales(per_layer[i].float(), target, scale_key(observation.attention_paths[i], kind),
-                                      strategy == ATTN_HEAD, picks.get(kind), 1.0 if kind == "q" else headroom)
+                                      strategy == ATTN_HEAD, *picks[kind], 1.0 if kind == "q" else headroom)
                    for kind, per_layer in kinds.items()}
         layers.append(LayerScales(layer=i, **records))
     return layers, warnings
 
 
-def _kind_scales(heads: torch.Tensor, target: fp8.Target, key: str, per_head: bool,
-                 pick: tuple[KindChoice, Candidates] | None, headroom: float) -> KindScales:
-    """One kind's scales from its per-head absmax: absmax / fp8_max, or the objective's pick; then with_headroom."""
-    head_scales, chosen, choice = fp8.scale_from_absmax(heads, target), None, None
-    if pick is not None:
-        choice, cands = pick
+def _kind_scales(heads: torch.Tensor, target: fp8.Target, key: str, per_head: bool, choice: KindChoice | None,
+                 cands: Candidates | None, headroom: float) -> KindScales:
+    """One kind's scales from its per-head absmax: absmax / fp8_max, or the objective's choice; then with_headroom."""
+    head_scales, chosen = fp8.scale_from_absmax(heads, target), None
+    if choice is not None and cands is not None:
         index = choice.index * heads.numel() if len(choice.index) == 1 else choice.index
         head_scales = torch.stack([cands.scales[c, h] for h, c in enumerate(index)])
         chosen = float(torch.stack([cands.ranges[c, h] for h, c in enumerate(index)])[int(head_scales.argmax())])

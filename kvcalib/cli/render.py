@@ -115,12 +115,11 @@ def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
     for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale", *(("q absmax", "q_scale") if queries else ())):
         table.add_column(column, justify="right")
     for layer in result.layers:
-        q = (f"{layer.q.absmax:.4g}", f"{layer.q.scale:.4g}") if queries else ()
-        table.add_row(str(layer.layer), f"{layer.k.absmax:.4g}", f"{layer.v.absmax:.4g}",
-                      f"{layer.k.scale:.4g}", f"{layer.v.scale:.4g}", *q)
+        k, v, q = layer.k, layer.v, (layer.q.absmax, layer.q.scale) if queries else ()
+        table.add_row(str(layer.layer), *(f"{x:.4g}" for x in (k.absmax, v.absmax, k.scale, v.scale, *q)))
     console.print(table)
     clipped = [f"layer {layer.layer} {kind.upper()} {s.choice['label']}" for layer in result.layers
-               for kind, s in (("k", layer.k), ("v", layer.v)) if s.choice and s.choice["label"] != "absmax"]
+               for kind, s in layer.kinds().items() if s.choice and s.choice["label"] != "absmax"]
     if result.scale_objective != "absmax":
         console.print(f"scale objective: attention; not absmax / {result.fp8_max:g}: "
                       + (", ".join(clipped) if clipped else "none (no clip halves any layer's attention error)"),
@@ -184,6 +183,10 @@ def render_report(console: Console, report: Any) -> None:
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     console.print(f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
                   + (" (strict: warnings count as errors)" if report.strict else ""))
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def _worst(values: list[tuple[float, int]], fmt: str) -> str:
@@ -295,14 +298,10 @@ def _render_layers(console: Console, run: Any, layer_rows: int) -> None:
     for column in ("layer", "attn err", "ΔNLL alone", "KL alone", "K SQNR", "V SQNR", "K clip", "V clip", "K clips above",
                    "K absmax"):
         table.add_column(column, justify="right")
-
-    def num(value: float | None, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
     for l in run.layers:
-        table.add_row(str(l.layer), num(l.attention_error, ".3f"), num(l.delta_nll_alone, "+.4f"), num(l.kl_alone, ".5f"),
-                      f"{l.k_sqnr_db:.1f}", f"{l.v_sqnr_db:.1f}", f"{l.k_clipped:.2%}", f"{l.v_clipped:.2%}",
-                      f"{l.k_clip_at:.4g}", f"{l.k_absmax:.4g}")
+        table.add_row(str(l.layer), _num(l.attention_error, ".3f"), _num(l.delta_nll_alone, "+.4f"),
+                      _num(l.kl_alone, ".5f"), f"{l.k_sqnr_db:.1f}", f"{l.v_sqnr_db:.1f}", f"{l.k_clipped:.2%}",
+                      f"{l.v_clipped:.2%}", f"{l.k_clip_at:.4g}", f"{l.k_absmax:.4g}")
     console.print(table)
 
 
@@ -403,13 +402,9 @@ def render_variants(console: Console, result: Any) -> None:
     table = Table(title="KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline")
     for column in ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"):
         table.add_column(column, justify="left" if column == "scales" else "right")
-
-    def num(value: float | None, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
     for row in result.variants():
-        table.add_row(row["name"], num(row["nll"], ".4f"), num(row["agreement"], ".2f"),
-                      num(row["served_delta_nll"], "+.4f"), num(row["predicted_delta_nll"], "+.4f"))
+        table.add_row(row["name"], _num(row["nll"], ".4f"), _num(row["agreement"], ".2f"),
+                      _num(row["served_delta_nll"], "+.4f"), _num(row["predicted_delta_nll"], "+.4f"))
     console.print(table)
     _render_delta_intervals(console, result.intervals)
     if result.canary is not None:

@@ -45,9 +45,8 @@ class Interval:
     @property
     def outcome(self) -> str:
         """"worse" or "better" when the interval excludes 0, else "indistinguishable" (from the unquantised cache)."""
-        if not self.significant:
-            return "indistinguishable"
-        return "worse" if (self.estimate > 0) == self.worse_if_higher else "better"
+        return "indistinguishable" if not self.significant else \
+            "worse" if (self.estimate > 0) == self.worse_if_higher else "better"
 
     def verdict(self, fmt: str = "{:+.4f}", cell: bool = False) -> str:
         """The outcome in words: "worse by X ± Y (95% interval [a, b], n items)" (Y: half the interval's width);
@@ -83,8 +82,7 @@ def paired_bootstrap(differences: Sequence[float], weights: Sequence[float] | No
     stats = stats[totals > 0]
     tail = (1 - level) / 2
     low, high = torch.quantile(stats, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
-    return Interval(estimate=float(d.sum() / w.sum()), low=low, high=high, items=n, level=level,
-                    worse_if_higher=worse_if_higher)
+    return Interval(float(d.sum() / w.sum()), low, high, n, level, worse_if_higher=worse_if_higher)
 
 
 def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
