@@ -9,11 +9,9 @@ import lm_eval
 import pytest
 import torch
 from lm_eval.tasks import TaskManager
-from tasks import write_tiny_tasks
 from typer.testing import CliRunner
 
 import kvcalib.evaluate.harness as harness
-from kvcalib.calibrate import CalibrateOptions, calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
@@ -23,18 +21,6 @@ from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
 from kvcalib.hf.attention import QuantizingCache
 
 TASKS = ["kvcalib_tiny_mc", "kvcalib_tiny_gen"]
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    return write_tiny_tasks(tmp_path_factory.mktemp("tasks"))
-
-
-@pytest.fixture(scope="module")
-def calibrated(tiny_llama_master, text_dataset, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tasks-ckpt") / "cal"
-    calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(num_samples=8, max_seq_len=64))
-    return out
 
 
 def responses(out: dict, task: str) -> dict:
