@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import lm_eval
@@ -16,7 +17,6 @@ from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
 from kvcalib.evaluate.emulate import KVQuantizer
-import kvcalib.evaluate.tasks as tasks_module
 from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
 from kvcalib.hf.attention import QuantizingCache
 
@@ -137,7 +137,11 @@ def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, 
     # a hub task with no way to the hub: refused at once, naming the task and the offline way
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(tasks_module, "_hub_reachable", lambda: False)
+
+    def no_network(*args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)  # the machine's network, not kvcalib's code
     offline = CliRunner().invoke(app, ["eval", str(calibrated), "--tasks", "arc_easy", "--limit", "2"])
     assert offline.exit_code == 2, offline.stderr
     assert "task arc_easy reads allenai/ai2_arc from the Hugging Face hub" in offline.stderr
