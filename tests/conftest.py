@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -136,15 +135,6 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def qwen25(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real Qwen2.5-Coder-0.5B-Instruct (q/k/v biases, K absmax ~200) as a bf16 safetensors checkpoint."""
     return real_model_checkpoint("qwen2.5-coder-0.5b", tmp_path_factory.mktemp("qwen25"))
-
-
-@pytest.fixture
-def read_json():
-    def _read(path: Path):
-        with open(path) as f:
-            return json.load(f)
-
-    return _read
 
 
 # --- real-world proofs: each one's tests say what ran and what was skipped, and why ----------------
