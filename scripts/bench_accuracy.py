@@ -45,7 +45,8 @@ def size(text: str) -> tuple[int, int]:
 
 
 def calibrations(model: Path, out: Path, data: str, calib: tuple[int, int], compute: str) -> dict[str, Path]:
-    from kvcalib.calibrate import CalibrateOptions, calibrate
+    from kvcalib.calibration.options import CalibrateOptions
+    from kvcalib.calibration.pipeline import calibrate
 
     plans = {"default-trn2": dict(target="trn2"), "default-gpu": dict(target="gpu"),
              "absmax-448": dict(target="gpu", scale_objective="absmax")}
@@ -64,7 +65,7 @@ def scale_source(ckpts: dict[str, Path], pattern: str, target: str) -> str:
 
 def nll_rows(ckpts: dict[str, Path], held_out: str, size_: tuple[int, int], compute: str) -> dict:
     """(target, scales) -> (ΔNLL, its interval), and the token count."""
-    from kvcalib.evaluate import EvalOptions, evaluate
+    from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 
     rows, tokens = {}, 0
     for target in TARGETS:
@@ -85,7 +86,7 @@ def run_name(target: str, label: str) -> str:
 
 def task_rows(ckpts: dict[str, Path], task_data: str, limit: int, compute: str) -> dict:
     """(target, scales) -> {task: (score, interval)}, and the baseline's scores and item counts."""
-    from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
+    from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
 
     runs = tuple((run_name(target, label), scale_source(ckpts, pattern, target), target)
                  for target in TARGETS for label, pattern in SCALES if run_name(target, label) != "checkpoint")

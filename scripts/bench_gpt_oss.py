@@ -28,7 +28,7 @@ dequantise; independent of the tokens) plus its compute time scaled by tokens an
 token at 2048 against the measured length (attention grows with context, the rest does not). On a 192-vCPU host
 (96 physical cores) the assumption is stated with the numbers: compute scales with the physical cores used at
 the efficiency given by --efficiency (default 0.5), the load does not scale. RSS: (a)'s peak without the
-hidden states, plus the hidden states of 512 x 2048 tokens unless they spill (kvcalib.calibrate.stream spills
+hidden states, plus the hidden states of 512 x 2048 tokens unless they spill (kvcalib.calibration.stream spills
 them to disk when they would take more than half the memory left). Disk: the released files read once; the
 output is links plus ~20 kB; a spill writes and reads the hidden states once per layer.
 
@@ -164,14 +164,14 @@ def child_forward(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
     from kvcalib.core.cpu import HostCpu, choose_compute
+    from kvcalib.core.mxfp4 import expert_chunks
     from kvcalib.hf.compute import compute_path
     from kvcalib.hf.data import batches, load_calibration_data
-    from kvcalib.hf.model import mxfp4_in_expert_chunks
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = load_calibration_data(args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len)
     started = time.perf_counter()
-    with mxfp4_in_expert_chunks():  # transformers' dequantisation, a few experts at a time (as kvcalib loads)
+    with expert_chunks():  # transformers' dequantisation, a few experts at a time (as kvcalib loads)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
                                                      quantization_config=Mxfp4Config(dequantize=True)).eval()
     loaded = time.perf_counter()

@@ -37,7 +37,8 @@ GiB = 2**30
 
 CHILD = """
 import json, sys
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.hf.memory import peak_rss_bytes
 engine, model, data, out, samples, seq_len = sys.argv[1:7]
 r = calibrate(model, data, out, CalibrateOptions(engine=engine, num_samples=int(samples), max_seq_len=int(seq_len),
@@ -109,7 +110,7 @@ def balance_bound(model: Path, data: Path, samples: int, seq_len: int, batch_siz
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(REPO))
-    from kvcalib.calibrate.distributed import batch_shares
+    from kvcalib.calibration.distributed import batch_shares
     from kvcalib.hf.data import load_calibration_data
 
     seqs = load_calibration_data(str(data), AutoTokenizer.from_pretrained(model), num_samples=samples,

@@ -7,7 +7,7 @@ the KV-only quantization_config, kv_scales.safetensors for --layers layers and t
 provenance file. Then it times, each --reps times, with the page cache warm and (where
 the OS lets us drop a file's cached pages) cold:
 
-  validate   kvcalib.validate.validate_checkpoint(ckpt, "trn2")
+  validate   kvcalib.validation.validate_checkpoint(ckpt, "trn2")
   baseline   safetensors.torch.load_file on every shard, touching every page (every tensor read once)
 
 and prints the medians and their ratio. Then the whole process, as a user or a CI job pays it:
@@ -45,7 +45,7 @@ from kvcalib.core.schema import (  # noqa: E402
     kv_only_quantization_config,
     neuron_scale_key,
 )
-from kvcalib.validate import validate_checkpoint  # noqa: E402
+from kvcalib.validation.pipeline import validate_checkpoint  # noqa: E402
 
 TENSORS_PER_SHARD = 8
 

@@ -3,7 +3,7 @@
 
 - No import circle between kvcalib's modules, counting every import: module-level,
   function-local and `if TYPE_CHECKING:` ones alike. A package's `__init__` is a module of
-  its own: `from kvcalib.calibrate import x` is an edge to kvcalib/calibrate/__init__.py.
+  its own: `from kvcalib.calibrate import x` is an edge to kvcalib/calibration/__init__.py.
 - No module over MAX_MODULE_LINES lines, no function over MAX_FUNCTION_LINES lines.
 
 Which way imports go between the layers (cli -> jobs -> hf -> core), and that typer and rich stay in

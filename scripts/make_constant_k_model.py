@@ -110,7 +110,8 @@ def build(src: Path, out: Path, k_values: dict[int, list[float]], heads: list[in
 
 def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int) -> list[float]:
     """Every layer's K absmax, as `kvcalib calibrate` measures it on this machine."""
-    from kvcalib.calibrate import CalibrateOptions, calibrate
+    from kvcalib.calibration.options import CalibrateOptions
+    from kvcalib.calibration.pipeline import calibrate
     from kvcalib.core.cpu import HostCpu
 
     cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cheaper proxies for the scale objective, measured against it: do they pick the same scales?
 
-The objective (kvcalib/calibrate/objective.py) scores every candidate scale by the squared error of
+The objective (kvcalib/calibration/objective.py) scores every candidate scale by the squared error of
 the attention output on 16 sampled query rows per sequence. Two cheaper ways to choose:
 
 - **fewer rows**: 4 query rows per sequence instead of 16 (rows 0, 1, 8, 9 of the 16, so the
@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from kvcalib.calibrate import objective  # noqa: E402
-from kvcalib.calibrate.native import observe_all  # noqa: E402
+from kvcalib.calibration import objective  # noqa: E402
+from kvcalib.calibration.native import observe_all  # noqa: E402
 from kvcalib.core import fp8  # noqa: E402
 from kvcalib.core.progress import no_progress  # noqa: E402
 from kvcalib.hf.attention import KVAbsmaxObserver  # noqa: E402

@@ -72,7 +72,8 @@ def calibrate_tiny(tiny_llama_master: Path, text_dataset: Path, tmp_path_factory
     test that asks for the same options: do not modify it (copy it first); the session's end checks that."""
     from oracle import tree_digest
 
-    from kvcalib.calibrate import CalibrateOptions, calibrate
+    from kvcalib.calibration.options import CalibrateOptions
+    from kvcalib.calibration.pipeline import calibrate
 
     made: dict[str, tuple[Path, dict[str, str]]] = {}
 

@@ -30,9 +30,9 @@ def test_the_contracts_hold():
 
 
 @pytest.mark.parametrize("module, line, contract", [
-    ("kvcalib/core/errors.py", "import kvcalib.hf.model", "cli -> calibrate -> serve -> evaluate -> validate"),
-    ("kvcalib/evaluate/scales.py", "from kvcalib.serve import launch", "cli -> calibrate -> serve"),
-    ("kvcalib/validate/files.py", "import torch", "validate reads checkpoints without torch"),
+    ("kvcalib/core/errors.py", "import kvcalib.hf.model", "cli -> api -> calibration -> serving -> evaluation -> validation"),
+    ("kvcalib/evaluation/scales.py", "from kvcalib.serving import launch", "cli -> api -> calibration -> serving"),
+    ("kvcalib/validation/files.py", "import torch", "validation reads checkpoints without torch"),
     ("kvcalib/hf/data.py", "import rich", "typer and rich belong to the command line"),
 ])
 def test_a_wrong_import_breaks_them(tmp_path, module, line, contract):
@@ -49,7 +49,7 @@ def test_a_wrong_import_breaks_them(tmp_path, module, line, contract):
 def test_the_light_entry_points_load_no_torch():
     """validate, serve-check's server paths and the package's API namespace import without torch, transformers,
     compressed-tensors or lm-eval (each is loaded when a job needs it)."""
-    probe = ("import sys, kvcalib, kvcalib.validate, kvcalib.serve, kvcalib.cli\n"
+    probe = ("import sys, kvcalib, kvcalib.validation, kvcalib.serving, kvcalib.cli\n"
              "print(sorted(n for n in ('torch', 'transformers', 'compressed_tensors', 'datasets', 'lm_eval') "
              "if n in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)

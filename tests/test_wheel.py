@@ -59,7 +59,7 @@ def installed(tmp_path_factory) -> Path:
 
 
 def test_the_installed_wheel_runs(installed, tiny_llama_master, text_dataset, tmp_path):
-    where = run([installed / "python", "-c", "import kvcalib, kvcalib.calibrate.recipe as r; "
+    where = run([installed / "python", "-c", "import kvcalib, kvcalib.calibration.recipe as r; "
                  "print(kvcalib.__file__); print(r.recipe_file('trn2'))"], tmp_path)
     assert where.returncode == 0, where.stderr
     module, recipe = where.stdout.split()

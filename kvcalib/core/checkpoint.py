@@ -4,7 +4,7 @@ Reading never loads a tensor unless asked for it by key (`load_tensors`), so a c
 any size is inspected in about the time it takes to read a few headers. `Checkpoint` reads a
 directory once: config.json when opened, the headers and index on first use, so one run
 that asks many questions of the same checkpoint reads each file once. (Writing a new
-checkpoint is kvcalib.calibrate.writer's job.)
+checkpoint is kvcalib.calibration.writer's job.)
 """
 
 from __future__ import annotations

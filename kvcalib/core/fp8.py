@@ -68,7 +68,7 @@ def served_numerics(target: Target) -> tuple[Target, ...]:
     """Every numerics a checkpoint sized for `target` is served with, `target` first: the targets and the emulated
     servers whose FP8 range holds its scales' (fp8_max at least the target's). A trn2 checkpoint (240) runs on
     trn3, GPU vLLM and vLLM CPU too (448), where the same scale saturates at 448 x s, not 240 x s: the scale
-    objective scores every candidate on each of them (kvcalib.calibrate.objective)."""
+    objective scores every candidate on each of them (kvcalib.calibration.objective)."""
     others = [t for t in (*TARGETS.values(), *EMULATED.values()) if t != target and t.fp8_max >= target.fp8_max]
     return (target, *others)
 

@@ -14,7 +14,7 @@ __all__ = [
     "NEURON_ALT_LAYERS_PREFIX", "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME",
     "PROVENANCE_METADATA_KEY", "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "attention_groups",
     "fp8_attention_groups", "head_counts", "head_dim", "is_attention_target", "is_kv_scale_key",
-    "kv_cache_scheme_args", "kv_only_quantization_config", "max_position_embeddings", "mxfp4_weights", "neuron_scale_key",
+    "kv_cache_scheme_args", "kv_only_quantization_config", "max_position_embeddings", "neuron_scale_key",
     "num_hidden_layers", "parse_foreign_scale_key", "parse_kv_scheme", "parse_neuron_scale_key", "parse_q_scale_key",
     "scale_key", "text_config",
 ]
@@ -90,22 +90,6 @@ def head_dim(config: dict[str, Any]) -> int | None:
         return explicit
     hidden, heads = _positive_int(text.get("hidden_size")), _positive_int(text.get("num_attention_heads"))
     return hidden // heads if hidden is not None and heads is not None else None
-
-
-# GPT-OSS as released keeps its experts in MXFP4: `<experts>.gate_up_proj_blocks` (FP4 codes) beside
-# `<experts>.gate_up_proj_scales` (exponents), the same for down_proj.
-MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
-# The neuron_config quantization vLLM-Neuron's GPT-OSS needs for MXFP4 experts, per chip: model_bf16 dequantises
-# them at load (trn2), model_mxfp4 runs them (trn3; refused on trn2) (vllm_neuron/model/gpt_oss/factory.py,
-# jinhuang12/vllm-neuron)
-NEURON_QUANTIZATION = {"trn2": "bf16", "trn3": "mxfp4"}
-
-
-def mxfp4_weights(keys: Any) -> list[str]:
-    """The weights stored as MXFP4 (a `<name>_blocks` and `<name>_scales` pair) among tensor keys: their names."""
-    keys = set(keys)
-    return sorted(k.removesuffix(MXFP4_BLOCKS) for k in keys
-                  if k.endswith(MXFP4_BLOCKS) and k.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES in keys)
 
 
 def scale_key(attention_module_path: str, kind: str) -> str:
@@ -202,7 +186,7 @@ def parse_kv_scheme(scheme: Any) -> Any:
 # GPU vLLM recognises such a group only with exactly one target whose name ends in "Attention"
 # (vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py,
 # CompressedTensorsConfig.from_config). The Neuron platform's validator has a looser test of its own ("Attention"
-# anywhere in a target), which kvcalib.validate.config replicates as the platform runs it; everywhere else
+# anywhere in a target), which kvcalib.validation.config replicates as the platform runs it; everywhere else
 # kvcalib recognises an attention target with `is_attention_target` alone.
 ATTENTION_GROUP = "attention"
 

@@ -6,15 +6,13 @@ each with the error a user can act on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvcalib.core import fp8
+from kvcalib.core import fp8, mxfp4
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute
 from kvcalib.core.errors import (
@@ -24,51 +22,18 @@ from kvcalib.core.errors import (
     UnsupportedModelError,
     UsageError,
 )
+from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key, mxfp4_weights
+from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key
 
 __all__ = [
-    "DTYPES", "MXFP4_GPU_REFUSAL", "MXFP4_HINT", "PreparedRun", "RunOptions", "check_index_files", "check_loading_info", "dequantize_mxfp4", "faithful_attention", "mxfp4_dequantizer",
+    "DTYPES", "PreparedRun", "check_index_files", "check_loading_info", "faithful_attention",
     "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
     "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
     "resolve_model_dir", "resolve_target", "text_config",
 ]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-# MXFP4 experts (GPT-OSS as released) are calibrated as they are: transformers dequantizes them in memory as it
-# loads them (Mxfp4Config(dequantize=True)), and the new checkpoint keeps them, linked, for Neuron, whose GPT-OSS
-# models read them by name (vllm-neuron docs/model-recipes/gpt-oss.md serves the released checkpoint on trn2 with
-# its quantization_config emptied). GPU vLLM's MXFP4 config gives attention no quant method
-# (vllm/model_executor/layers/quantization/mxfp4.py: Mxfp4Config.get_quant_method returns None for Attention), so
-# no KV scale is loaded there and FP8 KV runs at 1.0: for GPU the experts are dequantized to bf16 first.
-MXFP4_GPU_REFUSAL = (
-    "{model_dir}: the experts are MXFP4: GPU vLLM's MXFP4 support loads no KV scales (Mxfp4Config gives attention "
-    "no quantization method), so FP8 KV would run at scale 1.0 whatever kvcalib writes"
-)
-MXFP4_HINT = (
-    "for GPU, dequantize the experts to bf16 first and calibrate that checkpoint: python -c \"from kvcalib.hf.model "
-    "import dequantize_mxfp4; dequantize_mxfp4('MODEL', 'BF16_DIR')\"; for Neuron (--target trn2 or trn3) "
-    "calibrate the MXFP4 checkpoint as it is"
-)
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What calibrate and eval both take: the data split and column, the seed, how the model runs."""
-
-    split: str = "train"
-    text_column: str | None = None
-    seed: int = 42
-    dtype: str = "auto"
-    device: str = "cpu"
-    trust_remote_code: bool = False
-    bf16_compute: str = "auto"  # auto | native | float32 (core.cpu: bf16 matmuls in float32 where bf16 is slow)
-    # None: as vLLM serves it (plain text with the tokenizer's default special tokens, chat text with none);
-    # True / False: to every row / to none (llm-compressor's examples tokenise with False)
-    add_special_tokens: bool | None = None
-    cpu: HostCpu | None = None  # the host CPU, as the CLI reads it; None: assumed to have native bf16
-
 
 @dataclass(frozen=True)
 class PreparedRun:
@@ -182,9 +147,9 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
     if qcfg:
         method = str(qcfg.get("quant_method", "")).lower().replace("_", "-") if isinstance(qcfg, dict) else ""
         groups = qcfg.get("config_groups") if isinstance(qcfg, dict) else None
-        # MXFP4 experts are calibrated as they are (MXFP4_GPU_REFUSAL: only --target gpu is refused, by calibrate);
+        # MXFP4 experts are calibrated as they are (core.mxfp4: only --target gpu is refused, by calibrate);
         # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
-        released_mxfp4 = "mxfp4" in method and bool(mxfp4_weights(checkpoint.files.key_files))
+        released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
         if not released_mxfp4 and (method != "compressed-tensors"
                                    or (groups and len(fp8_attention_groups(groups)) != len(groups))):
             raise UnsupportedModelError(
@@ -263,69 +228,23 @@ def faithful_attention(config: dict[str, Any]) -> str | None:
     return "eager" if text.get("attn_logit_softcapping") else None
 
 
-def mxfp4_dequantizer() -> Any:
-    """transformers' own MXFP4 quantizer, set to dequantize the experts (to bf16, in memory) as they load."""
-    from transformers import Mxfp4Config
-    from transformers.quantizers.auto import AutoHfQuantizer
-
-    return AutoHfQuantizer.from_config(Mxfp4Config(dequantize=True), pre_quantized=True)
-
-
-MXFP4_EXPERTS_PER_CHUNK = 4  # experts dequantised at once: GPT-OSS-120B gate_up, 4 of 128, is 133 MB in bf16
-
-
-@contextmanager
-def mxfp4_in_expert_chunks() -> Iterator[None]:
-    """transformers' MXFP4 dequantisation (transformers/integrations/mxfp4.py `convert_moe_packed_tensors`, which
-    `dequantize_convertops` calls as it loads) applied MXFP4_EXPERTS_PER_CHUNK experts at a time into one result.
-    The values are the same (it decodes element by element, then transposes each expert), the transient memory is
-    a chunk's instead of twice a layer's experts (its whole output, then a transposed copy of it: +8.5 GB for
-    GPT-OSS-120B's gate_up alone)."""
-    from transformers.integrations import mxfp4 as integration
-
-    original = integration.convert_moe_packed_tensors
-
-    def chunked(blocks: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        experts = blocks.shape[0] if blocks.dim() >= 3 else 0
-        if experts <= MXFP4_EXPERTS_PER_CHUNK:
-            return original(blocks, scales, **kwargs)
-        out = None
-        for first in range(0, experts, MXFP4_EXPERTS_PER_CHUNK):
-            last = min(first + MXFP4_EXPERTS_PER_CHUNK, experts)
-            part = original(blocks[first:last], scales[first:last], **kwargs)
-            if out is None:
-                out = part.new_empty((experts, *part.shape[1:]))
-            out[first:last] = part
-        return out
-
-    integration.convert_moe_packed_tensors = chunked
-    try:
-        yield
-    finally:
-        integration.convert_moe_packed_tensors = original
-
-
 def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
                attn_implementation: str | None = None) -> torch.nn.Module:
     """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode. MXFP4 experts (GPT-OSS
     as released, or kvcalib's Neuron form of it) are dequantized by transformers as they load; nothing is written.
     `model`: a Checkpoint already read (its headers are not read again), or a directory."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers import AutoModelForCausalLM
 
     checkpoint = model if isinstance(model, Checkpoint) else Checkpoint.open(Path(model))
     model_dir = checkpoint.root
     config = load_model_config(model_dir, trust_remote_code)
-    mxfp4 = bool(mxfp4_weights(checkpoint.files.key_files))
-    if mxfp4:  # pre-quantized MXFP4 whatever config.json declares (kvcalib's Neuron form declares KV-only)
-        config.quantization_config = {"quant_method": "mxfp4"}
     try:
-        with mxfp4_in_expert_chunks() if mxfp4 else nullcontext():
+        with mxfp4.dequantized_on_load(checkpoint.files.key_files, config) as quantization:
             model, info = AutoModelForCausalLM.from_pretrained(
                 model_dir, config=config, dtype=dtype if dtype is not None else "auto",
                 attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
-                output_loading_info=True,
+                output_loading_info=True, **quantization,
                 ignore_mismatched_sizes=True,  # reported in the loading info (and refused there), not raised
-                **({"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}),
             )
     except (ValueError, ImportError, NotImplementedError) as exc:  # what transformers raises for a model it cannot run
         raise UnsupportedModelError(
@@ -365,24 +284,6 @@ def build_skeleton(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
                                                  attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
     return model.requires_grad_(False).eval()
-
-
-def dequantize_mxfp4(model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB") -> Path:
-    """Write `model_dir` (MXFP4 experts) again with its experts dequantised to bf16, by transformers' own MXFP4
-    support on the CPU, with the tokenizer and no quantization_config: the form calibrate takes.
-
-    Saved without transformers' reverse weight conversion (`save_original_format=False`): with it,
-    transformers 5.17 writes the dequantised experts under names it cannot load back.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
-
-    with mxfp4_in_expert_chunks():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=Mxfp4Config(dequantize=True))
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    model.save_pretrained(output, max_shard_size=max_shard_size, save_original_format=False)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(output)
-    return Path(output)
 
 
 def text_config(model: torch.nn.Module) -> Any:

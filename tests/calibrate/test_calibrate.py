@@ -13,8 +13,10 @@ from oracle import calibration_sequences, oracle_absmax, tree_digest  # noqa: E4
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.calibrate.writer import WritePlan, write_checkpoint
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.calibration.writer import WritePlan, write_checkpoint
 from kvcalib.core.errors import (
     CalibrationError,
     CheckpointNotFoundError,

@@ -16,10 +16,12 @@ from oracle import calibration_sequences, oracle_heads
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core.schema import SCALES_FILENAME, neuron_scale_key
-from kvcalib.validate import validate_checkpoint
+from kvcalib.validation.pipeline import validate_checkpoint
 
 SMALL = dict(num_samples=12, max_seq_len=256)
 PER_HEAD = dict(target="gpu", strategy="attn_head", attention_scales=True)

@@ -1,4 +1,4 @@
-"""The model card calibrate writes into the output (kvcalib/calibrate/card.py)."""
+"""The model card calibrate writes into the output (kvcalib/calibration/card.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import pytest
 from planted import build_planted_llama
 from safetensors.torch import load_file
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.calibrate.card import BEGIN, CHECKPOINT_PLACEHOLDER, END, SERVE_DEFAULTS, TAGS
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.calibration.card import BEGIN, CHECKPOINT_PLACEHOLDER, END, SERVE_DEFAULTS, TAGS
 from kvcalib.core.schema import SCALES_FILENAME
-from kvcalib.serve.launch import server_argv
+from kvcalib.serving.launch import server_argv
 
 SMALL = {"num_samples": 4, "max_seq_len": 32}
 USER_CARD = "---\nlicense: apache-2.0\ntags: [tiny]\n---\n# Tiny Llama\n\nThe user's own words.\n"

@@ -27,7 +27,9 @@ import yaml
 from helpers import REPO, assert_scale_sized
 from oracle import calibration_sequences, oracle_absmax
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.schema import PROVENANCE_FILENAME, SCALES_FILENAME, neuron_scale_key
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""The scale objective (kvcalib.calibrate.objective): what it chooses, against a brute-force oracle and by construction."""
+"""The scale objective (kvcalib.calibration.objective): what it chooses, against a brute-force oracle and by construction."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from helpers import build_tiny_llama
 from oracle import calibration_sequences
 from planted import build_planted_llama
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.calibrate import objective
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.calibration import objective
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import PROVENANCE_FILENAME
-from kvcalib.validate.pipeline import validate_checkpoint
+from kvcalib.validation.pipeline import validate_checkpoint
 
 SMALL = dict(num_samples=16, max_seq_len=64)
 
@@ -207,7 +209,7 @@ def test_eval_and_validate_see_what_absmax_does(planted, text_dataset, tmp_path)
     """eval's per-layer attention error, and the model's KL with that layer quantised alone, rank the scales as the
     model does, where K SQNR ranks them backwards;
     validate's bias probe warns on the absmax-sized checkpoint and not on the attention objective's."""
-    from kvcalib.evaluate import EvalOptions, evaluate
+    from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 
     calibrate(planted, str(text_dataset), tmp_path / "attention", CalibrateOptions(**SMALL))
     calibrate(planted, str(text_dataset), tmp_path / "absmax", CalibrateOptions(scale_objective="absmax", **SMALL))

@@ -11,8 +11,10 @@ import yaml
 from helpers import REPO
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.calibrate.recipe import load_recipe, plan_recipe, recipe_file
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.calibration.recipe import load_recipe, plan_recipe, recipe_file
 from kvcalib.cli import app
 from kvcalib.core.errors import MissingDependencyError, RecipeError
 from kvcalib.core.schema import PROVENANCE_FILENAME, kv_cache_scheme_args

@@ -15,8 +15,12 @@ from helpers import REPO, SCRIPTS, SUPPORT, build_tokenizer, scale_bits
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate, stream
-from kvcalib.calibrate.distributed import batch_shares
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+
+from kvcalib.calibration import stream
+from kvcalib.calibration.distributed import batch_shares
 from kvcalib.hf.memory import (
     MemoryLimit,
     available_memory,
@@ -25,7 +29,7 @@ from kvcalib.hf.memory import (
     release_free_memory,
     weight_bytes,
 )
-from kvcalib.calibrate.ranks import Ranks
+from kvcalib.calibration.ranks import Ranks
 from kvcalib.cli import app
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import PROVENANCE_FILENAME

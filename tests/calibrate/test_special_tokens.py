@@ -12,9 +12,11 @@ import torch
 from helpers import write_jsonl
 from oracle import oracle_absmax
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.schema import PROVENANCE_FILENAME
-from kvcalib.evaluate import EvalOptions, evaluate
+from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 from kvcalib.hf.data import load_calibration_data, tokenize_as_served
 
 SMALL = dict(num_samples=8, max_seq_len=64)
@@ -110,7 +112,7 @@ def test_eval_scores_the_served_stream_and_the_override(bos_llama, text_dataset,
 
 
 def test_validate_warns_on_scales_measured_without_the_bos_the_server_adds(bos_llama, text_dataset, tmp_path):
-    from kvcalib.validate.pipeline import validate_checkpoint
+    from kvcalib.validation.pipeline import validate_checkpoint
 
     def rules(ckpt):
         return {f.rule for f in validate_checkpoint(ckpt, "trn2").findings}
@@ -131,7 +133,7 @@ def test_validate_warns_on_scales_measured_without_the_bos_the_server_adds(bos_l
 
 
 def test_the_tiny_tokenizer_without_a_bos_template_is_not_judged(tiny_llama_master, text_dataset, tmp_path):
-    from kvcalib.validate.pipeline import validate_checkpoint
+    from kvcalib.validation.pipeline import validate_checkpoint
 
     calibrate(tiny_llama_master, str(text_dataset), tmp_path / "bare", CalibrateOptions(add_special_tokens=False,
                                                                                           **SMALL))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 
 pytestmark = [
     pytest.mark.proof("cuda"),

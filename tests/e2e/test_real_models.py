@@ -9,8 +9,10 @@ import pytest
 from oracle import oracle_absmax
 from real_models import FAST, trn2_beats_448
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.evaluate import EvalOptions, evaluate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 

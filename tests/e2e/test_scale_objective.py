@@ -8,9 +8,11 @@ import sys
 import pytest
 from helpers import SCRIPTS, fortune_texts, write_jsonl
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.evaluate import EvalOptions, evaluate
-from kvcalib.validate.pipeline import validate_checkpoint
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.evaluation.pipeline import EvalOptions, evaluate
+from kvcalib.validation.pipeline import validate_checkpoint
 
 pytestmark = pytest.mark.slow
 CALIBRATION = dict(num_samples=16, max_seq_len=256)

@@ -16,10 +16,12 @@ from helpers import fortune_texts, import_script, write_jsonl
 from serve_helpers import assert_nothing_left, assert_sessions_gone
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core.cpu import HostCpu
-from kvcalib.validate.pipeline import validate_checkpoint
+from kvcalib.validation.pipeline import validate_checkpoint
 
 VLLM_PYTHON = os.environ.get("KVCALIB_VLLM_PYTHON")
 # The one host dependency of the suite: vLLM's CPU backend keeps an FP8 KV cache only with AVX-512 or AMX.

@@ -9,7 +9,9 @@ import torch
 from helpers import assert_scale_sized, fortune_texts, write_jsonl
 from oracle import calibration_sequences, oracle_absmax, oracle_heads, tree_digest
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.schema import SCALES_FILENAME, neuron_scale_key
 
 pytestmark = pytest.mark.slow
@@ -141,7 +143,7 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, s
     scales are the max over its heads."""
     from safetensors.torch import load_file
 
-    from kvcalib.validate import validate_checkpoint
+    from kvcalib.validation.pipeline import validate_checkpoint
 
     _, per_tensor = smol_calibrated
     out = tmp_path / "heads"

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from helpers import scaled_copy
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
 
 pytestmark = pytest.mark.slow
 LIMIT = 40  # /64: 0.28 -> 0.00 on 100 items, interval [-0.37, -0.19]; calibrated identical on every item

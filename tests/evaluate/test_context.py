@@ -9,13 +9,15 @@ import torch
 from helpers import fortune_texts, scaled_copy, tutorial_texts, write_jsonl
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import DatasetError, UsageError
 from kvcalib.core.schema import PROVENANCE_FILENAME
-from kvcalib.evaluate import EvalOptions
-from kvcalib.evaluate.context import (
+from kvcalib.evaluation.pipeline import EvalOptions
+from kvcalib.evaluation.context import (
     BLOCK,
     check_lengths,
     evaluate_context,
@@ -24,7 +26,7 @@ from kvcalib.evaluate.context import (
     packed_stream,
     scored_positions,
 )
-from kvcalib.evaluate.scales import read_scale_set
+from kvcalib.evaluation.scales import read_scale_set
 from kvcalib.hf.attention import RecordingCache
 from kvcalib.hf.model import load_model, load_tokenizer
 

@@ -13,10 +13,12 @@ import torch
 from helpers import SCRIPTS, build_tiny_llama
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core.errors import CheckpointReadError
-from kvcalib.evaluate import EvalOptions, evaluate
+from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 
 DATA = dict(num_samples=8, max_seq_len=128)
 

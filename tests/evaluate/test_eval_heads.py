@@ -13,13 +13,15 @@ from checkpoints import sync_index
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import SCALES_FILENAME
-from kvcalib.evaluate import EvalOptions, evaluate
-from kvcalib.evaluate.emulate import KVQuantizer
+from kvcalib.evaluation.pipeline import EvalOptions, evaluate
+from kvcalib.evaluation.emulate import KVQuantizer
 
 DATA = dict(num_samples=6, max_seq_len=96)
 

@@ -11,14 +11,16 @@ from transformers import DynamicCache
 from helpers import scaled_copy, tutorial_texts, write_jsonl
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import DatasetError, UsageError
-from kvcalib.evaluate import EvalOptions
-from kvcalib.evaluate.context import packed_stream
-from kvcalib.evaluate.emulate import KVQuantizer
-from kvcalib.evaluate.needle import (
+from kvcalib.evaluation.pipeline import EvalOptions
+from kvcalib.evaluation.context import packed_stream
+from kvcalib.evaluation.emulate import KVQuantizer
+from kvcalib.evaluation.needle import (
     ANSWER_TOKENS,
     BASELINE,
     DEPTHS,
@@ -30,8 +32,8 @@ from kvcalib.evaluate.needle import (
     insertion_point,
     needle_prompts,
 )
-from kvcalib.evaluate.pipeline import CHECKPOINT, scale_set
-from kvcalib.evaluate.significance import wilson
+from kvcalib.evaluation.pipeline import CHECKPOINT, scale_set
+from kvcalib.evaluation.significance import wilson
 from kvcalib.hf.attention import FanOutCache, QuantizingCache
 from kvcalib.hf.model import load_model, load_tokenizer
 

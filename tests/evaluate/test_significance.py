@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kvcalib.evaluate import EvalOptions, evaluate
-from kvcalib.evaluate.significance import paired_bootstrap
+from kvcalib.evaluation.pipeline import EvalOptions, evaluate
+from kvcalib.evaluation.significance import paired_bootstrap
 
 
 def test_identical_runs_give_an_interval_of_zero():

@@ -12,12 +12,12 @@ import torch
 from lm_eval.tasks import TaskManager
 from typer.testing import CliRunner
 
-import kvcalib.evaluate.harness as harness
+import kvcalib.evaluation.harness as harness
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
-from kvcalib.evaluate.emulate import KVQuantizer
-from kvcalib.evaluate.tasks import TaskOptions, evaluate_tasks
+from kvcalib.evaluation.emulate import KVQuantizer
+from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
 from kvcalib.hf.attention import QuantizingCache
 
 TASKS = ["kvcalib_tiny_mc", "kvcalib_tiny_gen"]

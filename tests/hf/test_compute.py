@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute, parse_cpu_flags
 from kvcalib.core.errors import UsageError
 from kvcalib.hf.compute import UPCAST_BLOCK_ELEMENTS, Float32Weights, bf16_via_float32

@@ -18,7 +18,8 @@ from helpers import build_word_tokenizer
 from oracle import calibration_sequences, oracle_heads
 
 import kvcalib
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.pipeline import calibrate
 
 OPTS = dict(num_samples=6, max_seq_len=48, batch_size=3, target="gpu")
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -154,8 +155,8 @@ def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dat
     from typer.testing import CliRunner
 
     from kvcalib.cli import app
-    from kvcalib.hf.model import dequantize_mxfp4
-    from kvcalib.validate import validate_checkpoint
+    from kvcalib.core.mxfp4 import dequantize_mxfp4
+    from kvcalib.validation.pipeline import validate_checkpoint
 
     tokenizer = build_word_tokenizer()
     torch.manual_seed(0)
@@ -284,19 +285,18 @@ class _PassThrough:
         self.calls += 1
 
 
-def test_mxfp4_dequantised_a_few_experts_at_a_time_is_transformers_own(monkeypatch):
-    """kvcalib.hf.model.mxfp4_in_expert_chunks: transformers' dequantisation, as its loader calls it, run on chunks
+def test_mxfp4_dequantised_a_few_experts_at_a_time_is_transformers_own():
+    """kvcalib.core.mxfp4.expert_chunks: transformers' dequantisation, as its loader calls it, run on chunks
     of experts into one result: bit for bit what it returns for the whole tensor."""
     from transformers.integrations import mxfp4 as integration
 
-    import kvcalib.hf.model as hf_model
+    from kvcalib.core import mxfp4
 
     torch.manual_seed(0)
     blocks = torch.randint(0, 256, (10, 6, 2, 16), dtype=torch.uint8)
     scales = torch.randint(117, 137, (10, 6, 2), dtype=torch.uint8)
     whole = integration.dequantize_convertops(blocks, scales)
-    monkeypatch.setattr(hf_model, "MXFP4_EXPERTS_PER_CHUNK", 3)
-    with hf_model.mxfp4_in_expert_chunks():
+    with mxfp4.expert_chunks(per_chunk=3):
         chunked = integration.dequantize_convertops(blocks, scales)
     assert integration.convert_moe_packed_tensors.__name__ == "convert_moe_packed_tensors"  # restored
     assert chunked.shape == whole.shape == (10, 64, 6) and torch.equal(chunked, whole)

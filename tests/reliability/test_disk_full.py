@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from test_corpus import snapshot
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.errors import OutputWriteError
 
 pytestmark = pytest.mark.proof("disk-full")

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from kvcalib.cli import app
 from kvcalib.core.schema import PROVENANCE_FILENAME
-from kvcalib.validate import validate_checkpoint
+from kvcalib.validation.pipeline import validate_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "support" / "interruptible.py"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcalib.calibrate import publish
-from kvcalib.calibrate.publish import MARKER, Staging, recover, stage
+from kvcalib.calibration import publish
+from kvcalib.calibration.publish import MARKER, Staging, recover, stage
 from kvcalib.core.errors import OutputExistsError
 
 
@@ -126,7 +126,7 @@ def test_large_extra_files_are_linked_small_ones_copied(tiny_llama_master, tmp_p
 
     import torch
 
-    from kvcalib.calibrate.writer import LINK_AT_BYTES, WritePlan, bytes_needed, write_checkpoint
+    from kvcalib.calibration.writer import LINK_AT_BYTES, WritePlan, bytes_needed, write_checkpoint
     from kvcalib.core.checkpoint import Checkpoint
     from kvcalib.core.schema import kv_only_quantization_config, neuron_scale_key
 

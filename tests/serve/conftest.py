@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from serve_helpers import FAKE_BIN, FAKE_HOST_CPU_FLAGS, build_llama_head32, fake_python
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 
 
 @pytest.fixture(autouse=True)

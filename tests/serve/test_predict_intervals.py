@@ -1,11 +1,11 @@
-"""serve-check's intervals on the probe text's ΔNLL (kvcalib.serve.predict.delta_intervals): served, predicted and
+"""serve-check's intervals on the probe text's ΔNLL (kvcalib.serving.predict.delta_intervals): served, predicted and
 their difference, paired token by token and resampled in blocks of consecutive tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvcalib.serve.predict import BLOCK_TOKENS, Prediction, delta_intervals
+from kvcalib.serving.predict import BLOCK_TOKENS, Prediction, delta_intervals
 
 
 def prediction(token_delta: list[float]) -> Prediction:

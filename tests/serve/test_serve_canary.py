@@ -16,8 +16,8 @@ from serve_helpers import assert_nothing_left, fake_python, processes_mentioning
 from typer.testing import CliRunner
 
 from kvcalib.cli import app
-from kvcalib.serve.canary import CANARY_DIVISOR, MIN_NLL_CHANGE
-from kvcalib.validate import validate_checkpoint
+from kvcalib.serving.canary import CANARY_DIVISOR, MIN_NLL_CHANGE
+from kvcalib.validation.pipeline import validate_checkpoint
 
 runner = CliRunner()
 

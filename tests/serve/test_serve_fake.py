@@ -28,7 +28,9 @@ from serve_helpers import (
 )
 from typer.testing import CliRunner
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 
 runner = CliRunner()
@@ -248,7 +250,7 @@ def test_usage_and_input_errors(ckpt, head32_calibrated, cpu_python, tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         cases = [
-            ([str(ckpt), "--device", "h100"], 2, "error: unknown --device 'h100'"),
+            ([str(ckpt), "--device", "h100"], 2, "'h100' is not one of 'trn2', 'trn3', 'cpu', 'cuda'"),
             ([str(tmp_path / "missing"), "--device", "cpu"], 2, "error: checkpoint directory not found"),
             ([str(ckpt), "--device", "cpu", "--port", str(port), "--no-baseline"], 2,
              f"error: port {port} on 127.0.0.1 is already in use"),
@@ -341,8 +343,8 @@ def test_interrupt_stops_the_server(ckpt, cpu_python, tmp_path, sig):
      True),
 ])
 def test_the_fake_refuses_what_the_real_server_refuses(ckpt, tmp_path, platform, drop, add, message, known):
-    from kvcalib.serve.launch import server_argv
-    from kvcalib.serve.server import diagnose
+    from kvcalib.serving.launch import server_argv
+    from kvcalib.serving.server import diagnose
 
     python = fake_python(tmp_path / "fake", neuron=(platform == "neuron"))
     argv = server_argv(python, ckpt, 1, fp8=True, device="trn2" if platform == "neuron" else "cpu", tp=1,

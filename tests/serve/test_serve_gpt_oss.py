@@ -16,9 +16,11 @@ from mxfp4 import build_gpt_oss_mxfp4
 from safetensors.torch import load_file, save_file
 from serve_helpers import FAKE_BIN, assert_nothing_left, fake_python, serve
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.serve.launch import server_argv
-from kvcalib.serve.server import free_port
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.serving.launch import server_argv
+from kvcalib.serving.server import free_port
 
 LAYERS = 3
 SCALES = "kv_scales.safetensors"
@@ -28,7 +30,7 @@ SCALES = "kv_scales.safetensors"
 def forms(tmp_path_factory, text_dataset) -> dict[str, Path]:
     """released: as GPT-OSS ships (MXFP4 config); trn2 / trn3: kvcalib's Neuron form for that chip (MXFP4 experts
     linked, KV-only config); dequantized: the experts in bf16 (the GPU form), calibrated for trn2."""
-    from kvcalib.hf.model import dequantize_mxfp4
+    from kvcalib.core.mxfp4 import dequantize_mxfp4
 
     root = tmp_path_factory.mktemp("gpt-oss")
     forms = {"released": build_gpt_oss_mxfp4(root / "released", layers=LAYERS)}

@@ -14,7 +14,7 @@ from serve_helpers import FAKE_BIN, listening
 
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import DeviceError, ServerError, UsageError
-from kvcalib.serve.neuron import (
+from kvcalib.serving.neuron import (
     NeuronDevice,
     NeuronHost,
     detect_neuron_host,
@@ -22,15 +22,15 @@ from kvcalib.serve.neuron import (
     parse_neuron_ls_json,
     require_family,
 )
-from kvcalib.serve.pipeline import (
+from kvcalib.serving.pipeline import (
     ServerRun,
     baseline_kv_dtype,
     cpu_kv_cache_bytes,
     judge,
 )
-from kvcalib.serve.preflight import check_cpu
-from kvcalib.serve.probe import Completion, degenerate
-from kvcalib.serve.prompts import (
+from kvcalib.serving.preflight import check_cpu
+from kvcalib.serving.probe import Completion, degenerate
+from kvcalib.serving.prompts import (
     FILLER,
     Prompt,
     context_prompt,
@@ -38,7 +38,7 @@ from kvcalib.serve.prompts import (
     read_prompts_file,
     unjudged_passkeys,
 )
-from kvcalib.serve.server import (
+from kvcalib.serving.server import (
     VllmServer,
     diagnose,
     free_port,
@@ -331,7 +331,7 @@ def test_the_fake_neuron_ls_without_a_driver_behaves_like_the_real_one():
 
 
 def test_a_dropped_connection_waits_for_the_process_to_finish_dying():
-    from kvcalib.serve.probe import ServerClient
+    from kvcalib.serving.probe import ServerClient
 
     calls = iter([None, None, None, 1])  # the process is still exiting when the connection drops
     client = ServerClient(f"http://127.0.0.1:{free_port()}", "m", lambda: next(calls, 1), log="server.log")

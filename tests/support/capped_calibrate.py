@@ -16,7 +16,9 @@ import sys
 
 from transformers import AutoTokenizer
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
 from kvcalib.hf.memory import proc_status
 from kvcalib.core.errors import KvcalibError
 from kvcalib.hf.data import load_calibration_data

@@ -35,7 +35,10 @@ def hook(event: str, args: tuple) -> None:
         opens[Path(path).name] += 1
 
 
-from kvcalib.calibrate import CalibrateOptions, calibrate  # noqa: E402
+from kvcalib.calibration.options import CalibrateOptions
+
+
+from kvcalib.calibration.pipeline import calibrate  # noqa: E402
 
 sys.addaudithook(hook)
 calibrate(MODEL, str(DATASET), OUT, CalibrateOptions(num_samples=8, max_seq_len=32, engine=ENGINE))

@@ -37,9 +37,9 @@ def main() -> None:
     point = sys.argv[1]
     assert sys.argv[2] == "--"
     sys.argv = ["kvcalib", *sys.argv[3:]]
-    from kvcalib.calibrate import pipeline, publish, writer
-    from kvcalib.evaluate import pipeline as eval_pipeline
-    from kvcalib.validate import pipeline as validate_pipeline
+    from kvcalib.calibration import pipeline, publish, writer
+    from kvcalib.evaluation import pipeline as eval_pipeline
+    from kvcalib.validation import pipeline as validate_pipeline
 
     if point == "observe":
         real_observe = pipeline._observe
@@ -73,7 +73,7 @@ def main() -> None:
         real_scan = validate_pipeline.scan_for_validation
         validate_pipeline.scan_for_validation = lambda *a: (pause(point), real_scan(*a))[1]
     elif point == "tasks":
-        from kvcalib.evaluate.harness import KvcalibLM
+        from kvcalib.evaluation.harness import KvcalibLM
 
         real_score = KvcalibLM._loglikelihood_tokens
         KvcalibLM._loglikelihood_tokens = lambda *a, **k: (pause(point), real_score(*a, **k))[1]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcalib.calibrate import CalibrateOptions, calibrate
-from kvcalib.evaluate import EvalOptions, evaluate
-from kvcalib.validate.pipeline import validate_checkpoint
+from kvcalib.calibration.options import CalibrateOptions
+
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.evaluation.pipeline import EvalOptions, evaluate
+from kvcalib.validation.pipeline import validate_checkpoint
 
 FAST = dict(bf16_compute="float32")  # native bf16 is slow on AVX2; the comparisons are about the KV quantiser
 

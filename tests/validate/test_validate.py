@@ -17,7 +17,7 @@ from checkpoints import read_json as _read
 from checkpoints import write_json as _write
 from safetensors.torch import load_file, save_file
 
-from kvcalib.calibrate.writer import WritePlan, write_checkpoint
+from kvcalib.calibration.writer import WritePlan, write_checkpoint
 from kvcalib.core.checkpoint import MAX_HEADER_BYTES, read_json, read_safetensors_header
 from kvcalib.core.errors import (
     CheckpointNotFoundError,
@@ -32,12 +32,9 @@ from kvcalib.core.schema import (
     kv_only_quantization_config,
     neuron_scale_key,
 )
-from kvcalib.validate import (
-    Finding,
-    ValidationReport,
-    neuron_quantization_verdict,
-    validate_checkpoint,
-)
+from kvcalib.validation.report import Finding, ValidationReport
+from kvcalib.validation.config import neuron_quantization_verdict
+from kvcalib.validation.pipeline import validate_checkpoint
 
 # --- building calibrated checkpoints ------------------------------------------------------
 
@@ -715,7 +712,7 @@ def test_plain_kv_scheme_fast_path_agrees_with_compressed_tensors(target):
     """validate recognises the plain static per-tensor FP8 scheme without compressed-tensors (and torch): on
     every scheme of the table the verdict is compressed-tensors' own."""
     from kvcalib.core.schema import kv_only_quantization_config
-    from kvcalib.validate import config
+    from kvcalib.validation import config
 
     schemes = _schemes() + [kv_only_quantization_config()["kv_cache_scheme"]]
     fast = [s for s in schemes if config._plain_fp8_scheme(s)]

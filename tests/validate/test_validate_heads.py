@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from test_validate_property import platform_oracle
 
 from kvcalib.core.schema import SCALES_FILENAME, kv_only_quantization_config
-from kvcalib.validate import neuron_quantization_verdict, validate_checkpoint
+from kvcalib.validation.config import neuron_quantization_verdict
+from kvcalib.validation.pipeline import validate_checkpoint
 
 @pytest.fixture(scope="module")
 def checkpoints(calibrate_tiny) -> dict[str, Path]:

@@ -22,7 +22,8 @@ from kvcalib.core.schema import (
     PROVENANCE_FILENAME,
     SCALES_FILENAME,
 )
-from kvcalib.validate import neuron_quantization_verdict, validate_checkpoint
+from kvcalib.validation.config import neuron_quantization_verdict
+from kvcalib.validation.pipeline import validate_checkpoint
 
 REAL_KEYS = [
     "quant_method", "config_groups", "weights", "input_activations", "output_activations", "targets",

@@ -1,0 +1,237 @@
+"""The public API: the jobs as the command line runs them (kvcalib.cli calls these same functions).
+
+    import kvcalib
+
+    result = kvcalib.calibrate("models/smollm2", "calib.jsonl", "out/smollm2-fp8kv", target="trn2")
+    report = kvcalib.validate("out/smollm2-fp8kv", target="trn2")
+    scored = kvcalib.evaluate("out/smollm2-fp8kv", "held-out.jsonl", compare=["unit"])
+    served = kvcalib.serve_check("out/smollm2-fp8kv", device="cpu")
+
+What the CLI reads from the machine is read here unless given: the host CPU (bf16 on a CPU without native bf16
+matmuls takes the float32 path), the memory this process may use, the temporary directory, the torchrun rank and
+the environment servers inherit. Every options field (kvcalib.calibration.options, kvcalib.evaluation.options,
+kvcalib.serving.pipeline.ServeOptions) passes through as a keyword. Importing this module loads no torch; a job
+imports what it needs when it runs. Notes (a result's warnings) also go to the `kvcalib` logger, one record each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcalib.calibration.options import CalibrateOptions, CalibrationResult
+from kvcalib.core.cpu import HostCpu
+from kvcalib.core.errors import UsageError
+from kvcalib.core.fp8 import DEFAULT_TARGET
+from kvcalib.core.progress import ProgressCallback
+
+if TYPE_CHECKING:
+    from kvcalib.calibration.plan import CalibrationPlan
+    from kvcalib.evaluation.context import ContextResult
+    from kvcalib.evaluation.needle import NeedleResult
+    from kvcalib.evaluation.options import EvalOptions, TaskOptions
+    from kvcalib.evaluation.pipeline import EvalResult
+    from kvcalib.evaluation.tasks import TaskResult
+    from kvcalib.serving.options import ServeOptions
+    from kvcalib.serving.pipeline import ServeCheckResult, ServeEvent
+    from kvcalib.validation.report import ValidationReport
+
+__all__ = ["calibrate", "calibrate_options", "eval_options", "evaluate", "evaluate_context", "evaluate_needle",
+           "evaluate_tasks", "plan", "plan_serve_check", "run_calibration", "serve_calibrated", "serve_check",
+           "serve_options", "task_options", "validate"]
+
+logger = logging.getLogger("kvcalib")
+
+
+def _logged(result: Any) -> Any:
+    for note in result.warnings:
+        logger.warning("%s", note)
+    return result
+
+
+def calibrate_options(*, target: str | None = None, **fields: Any) -> CalibrateOptions:
+    """CalibrateOptions as the CLI makes them: any of its fields, with the host CPU, the memory limit, the
+    temporary directory and the torchrun rank read from the machine unless given."""
+    from kvcalib.calibration.ranks import Ranks
+    from kvcalib.hf.memory import available_memory
+
+    fields.setdefault("cpu", HostCpu.detect())
+    fields.setdefault("memory", available_memory())
+    fields.setdefault("scratch_dir", Path(tempfile.gettempdir()))
+    fields.setdefault("ranks", Ranks.from_env(os.environ))
+    return CalibrateOptions(target=target, **fields)
+
+
+def plan_serve_check(model: str | Path, calibration: CalibrateOptions, device: str, **serve: Any) -> ServeOptions:
+    """`--serve-check DEVICE`: serve-check's options (ServeOptions fields in `serve`), and everything serving
+    needs but the scales checked before calibrating: the recipe's strategy on the device, the target's FP8 max
+    against the device's, vLLM and the device themselves."""
+    from kvcalib.calibration.recipe import plan_recipe
+    from kvcalib.hf.model import resolve_model_dir, resolve_target
+    from kvcalib.serving.pipeline import check_serving
+    from kvcalib.serving.preflight import check_strategy, validate_target
+
+    serve.setdefault("memory_bytes", calibration.memory.available if calibration.memory else None)
+    options = serve_options(device, **serve)
+    options.check_arguments()
+    plan = plan_recipe(calibration.recipe, calibration.target, calibration.engine, calibration.strategy)
+    sized_for, served_on = resolve_target(plan.target), resolve_target(validate_target(device))
+    check_strategy(plan.strategy, device)
+    if sized_for.fp8_max > served_on.fp8_max:
+        raise UsageError(f"--target {sized_for.name} sizes the scales for FP8 max {sized_for.fp8_max:g}, but "
+                         f"{device} clamps at {served_on.fp8_max:g}: serve-check would refuse the result",
+                         hint=f"calibrate with --target {served_on.name} for --serve-check {device}")
+    check_serving(resolve_model_dir(model), options)
+    return options
+
+
+def run_calibration(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions,
+                    progress: ProgressCallback | None = None) -> CalibrationResult:
+    """The calibration itself (kvcalib.calibration.pipeline), its notes logged."""
+    from kvcalib.calibration.pipeline import calibrate as run
+
+    return _logged(run(model, dataset, output, options, progress=progress))
+
+
+def serve_calibrated(result: CalibrationResult, serving: ServeOptions,
+                     progress: Callable[[ServeEvent], None] | None = None) -> CalibrationResult:
+    """serve-check on the checkpoint calibrate just wrote; its figures join validate's in the model card.
+    The result comes back with `.serve_check` set."""
+    from kvcalib.calibration.card import summarize, write_card
+
+    served = serve_check(result.output, options=serving, progress=progress)
+    write_card(Path(result.output), summarize(result.validation), serve=served.to_dict())
+    return dataclasses.replace(result, serve_check=served)
+
+
+def plan(model: str | Path, dataset: str, output: str | Path, *, options: CalibrateOptions | None = None,
+         progress: ProgressCallback | None = None, **fields: Any) -> CalibrationPlan:
+    """`kvcalib calibrate ... --plan`: the engine, memory, disk and an estimated wall time from a short timed probe,
+    and what would stop the run, with nothing written (kvcalib.calibration.plan). `fields`: as for `calibrate`."""
+    from kvcalib.calibration.plan import plan_calibration
+
+    return plan_calibration(model, dataset, output, options or calibrate_options(**fields), progress=progress)
+
+
+def calibrate(model: str | Path, dataset: str, output: str | Path, *, target: str | None = None,
+              num_samples: int = 512, max_seq_len: int = 2048, recipe: str | None = None,
+              scale_objective: str = "attention", serve_check: str | None = None,
+              serve: dict[str, Any] | None = None, progress: ProgressCallback | None = None,
+              serve_progress: Callable[[ServeEvent], None] | None = None, **options: Any) -> CalibrationResult:
+    """Measure per-layer K/V absmax of `model` on `dataset` and write an FP8-KV checkpoint to `output`
+    (`kvcalib calibrate`). Returns the CalibrationResult (`.to_dict()` is the command's --json).
+
+    target: trn2 (FP8 max 240), trn3 or gpu (448); None: the recipe's, else trn2. recipe: a shipped recipe by
+    name (trn2, trn3, gpu) or an llm-compressor recipe file. Any other CalibrateOptions field passes through
+    (batch_size, engine, headroom, dtype, overwrite, bf16_compute, ...). serve_check: then serve the new
+    checkpoint on that device (`--serve-check`: trn2, trn3, cpu, cuda) with `serve` holding ServeOptions fields
+    (vllm_python, tp, max_model_len, ...); the device is checked before calibrating, and the result's
+    `.serve_check` holds serve-check's result (`.ok` its verdict).
+    """
+    calibration = calibrate_options(target=target, num_samples=num_samples, max_seq_len=max_seq_len, recipe=recipe,
+                                    scale_objective=scale_objective, **options)
+    serving = None if serve_check is None else plan_serve_check(model, calibration, serve_check, **(serve or {}))
+    result = run_calibration(model, dataset, output, calibration, progress)
+    return result if serving is None else serve_calibrated(result, serving, serve_progress)
+
+
+def validate(path: str | Path, *, target: str = DEFAULT_TARGET, strict: bool = False) -> ValidationReport:
+    """The Neuron platform's quantization-config rules and kvcalib's own checks on the checkpoint at `path`
+    (`kvcalib validate`). Returns the ValidationReport: `.ok` (with `strict`, warnings count as errors),
+    `.findings`, `.to_dict()` the command's --json. Loads no torch."""
+    from kvcalib.validation.pipeline import validate_checkpoint
+
+    return validate_checkpoint(Path(path), target, strict=strict)
+
+
+def eval_options(*, target: str = DEFAULT_TARGET, compare: Sequence[str] = (), **fields: Any) -> EvalOptions:
+    """EvalOptions as the CLI makes them, with the host CPU read unless given."""
+    from kvcalib.evaluation.options import EvalOptions
+
+    fields.setdefault("cpu", HostCpu.detect())
+    return EvalOptions(target=target, compare=tuple(compare), **fields)
+
+
+def task_options(tasks: Sequence[str], *, target: str = DEFAULT_TARGET, compare: Sequence[str] = (),
+                 **fields: Any) -> TaskOptions:
+    """TaskOptions as the CLI makes them (lm-eval tasks by name; limit, num_fewshot, task_data, ...)."""
+    from kvcalib.evaluation.options import TaskOptions
+
+    return TaskOptions(tasks=tuple(tasks), target=target, compare=tuple(compare), **fields)
+
+
+def evaluate(checkpoint: str | Path, dataset: str, *, target: str = DEFAULT_TARGET, compare: Sequence[str] = (),
+             options: EvalOptions | None = None, progress: ProgressCallback | None = None, **fields: Any) -> EvalResult:
+    """FP8-KV accuracy on held-out text with the chip's numerics against the unquantised cache (`kvcalib eval
+    --dataset`): ΔNLL, KL and top-1, paired intervals, per layer. compare: "unit" (every scale 1.0) or other
+    checkpoints whose scales to run too. Other EvalOptions fields: num_samples, max_seq_len, layer_rows, ...;
+    `options`: EvalOptions made already (eval_options')."""
+    from kvcalib.evaluation.pipeline import evaluate as run
+
+    options = options or eval_options(target=target, compare=compare, **fields)
+    return run(str(checkpoint), dataset, options, progress=progress)
+
+
+def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, target: str = DEFAULT_TARGET,
+                     compare: Sequence[str] = (), nll: bool = True, options: EvalOptions | None = None,
+                     progress: ProgressCallback | None = None, **fields: Any) -> ContextResult:
+    """`kvcalib eval --context L,...`: per length and layer the K/V saturation and absmax past the scales, and
+    (nll, else --saturation-only) ΔNLL on each sample's last quarter."""
+    from kvcalib.evaluation.context import evaluate_context as run
+
+    options = options or eval_options(target=target, compare=compare, **fields)
+    return run(str(checkpoint), dataset, tuple(lengths), options, progress=progress, nll=nll)
+
+
+def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, keys: int | None = None,
+                    target: str = DEFAULT_TARGET, compare: Sequence[str] = (), options: EvalOptions | None = None,
+                    progress: ProgressCallback | None = None, **fields: Any) -> NeedleResult:
+    """`kvcalib eval --context L,... --needle`: keys found per length and depth, per scale set, paired against the
+    unquantised cache."""
+    from kvcalib.evaluation.needle import evaluate_needle as run
+
+    options = options or eval_options(target=target, compare=compare, **fields)
+    return run(str(checkpoint), dataset, tuple(lengths), options, keys, progress=progress)
+
+
+def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, target: str = DEFAULT_TARGET,
+                   compare: Sequence[str] = (), options: TaskOptions | None = None,
+                   progress: ProgressCallback | None = None, **fields: Any) -> TaskResult:
+    """`kvcalib eval --tasks`: lm-eval tasks under the chip's FP8-KV numerics, each scale set paired item by item
+    against the unquantised cache. Other TaskOptions fields: limit, num_fewshot, task_data, include_path, ..."""
+    from kvcalib.evaluation.tasks import evaluate_tasks as run
+
+    options = options or task_options(tasks, target=target, compare=compare, **fields)
+    return run(str(checkpoint), options, progress=progress)
+
+
+def serve_options(device: str, **fields: Any) -> ServeOptions:
+    """ServeOptions as the CLI makes them: any of its fields, with the environment (os.environ), the host CPU's
+    flags and the memory this process may use read from the machine unless given."""
+    fields.setdefault("env", dict(os.environ))
+    fields.setdefault("cpu", HostCpu.detect(with_capability=False))
+    if "memory_bytes" not in fields:
+        from kvcalib.hf.memory import available_memory
+
+        fields["memory_bytes"] = available_memory().available
+    from kvcalib.serving.options import ServeOptions
+
+    return ServeOptions(device=device, **fields)
+
+
+def serve_check(checkpoint: str | Path, *, device: str = "cpu", options: ServeOptions | None = None,
+                progress: Callable[[ServeEvent], None] | None = None, **fields: Any) -> ServeCheckResult:
+    """Serve `checkpoint` with vLLM's FP8 KV cache, probe it, compare with a baseline and always stop the servers
+    (`kvcalib serve-check`). Returns the ServeCheckResult (`.ok` the verdict, `.to_dict()` the command's --json).
+
+    Any ServeOptions field passes through (vllm_python, tp, max_model_len, baseline, canary, predict, tasks,
+    context, log_dir, ...); `options`: ServeOptions made already (serve_options, or calibrate's plan).
+    """
+    from kvcalib.serving.pipeline import serve_check as run
+
+    return _logged(run(Path(checkpoint), options or serve_options(device, **fields), progress=progress))

@@ -1,0 +1,223 @@
+"""The model card calibrate writes: the input's README.md kept, plus a section kvcalib owns.
+
+The section sits between two markers and is replaced, never appended to, when the checkpoint
+is calibrated again; the user's text around it and their front matter stay. It says what the
+scales are sized for, what they were measured on, the per-layer table (read back from the
+scales file), validate's verdict, the exact vLLM commands serve-check runs on Neuron and GPU,
+and, after `calibrate --serve-check`, what the server measured. The front matter follows the
+hub's model-card conventions (`base_model`, `tags`), through huggingface_hub's ModelCard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core import fp8
+from kvcalib.core.checkpoint import read_safetensors_header, read_values
+from kvcalib.core.mxfp4 import NEURON_QUANTIZATION
+from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME
+from kvcalib.serving.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
+
+__all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
+           "write_card"]
+
+CARD_FILENAME = "README.md"
+CHECKPOINT_PLACEHOLDER = "/path/to/this/checkpoint"
+BEGIN = "<!-- kvcalib:begin: written by `kvcalib calibrate`, replaced when it runs again -->"
+END = "<!-- kvcalib:end -->"
+TAGS = ("fp8", "kv-cache", "kvcalib", "vllm", "neuron", "compressed-tensors")
+_SECTION = re.compile(re.escape(BEGIN.split(":", 2)[0]) + r".*?" + re.escape(END) + r"\n?", re.S)
+# serve-check's defaults, so the card's commands are the ones it runs (kvcalib.serving.launch.server_argv)
+SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 4}
+
+
+def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
+    """device -> the vLLM command serve-check runs for `checkpoint` (its defaults: port 8000, tp 1, 2048 x 4);
+    `mxfp4`: GPT-OSS with MXFP4 experts (Neuron only; the neuron_config quantization its GPT-OSS model needs)."""
+    return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), SERVE_DEFAULTS["port"], fp8=True,
+                                           device=device, tp=SERVE_DEFAULTS["tp"],
+                                           max_model_len=SERVE_DEFAULTS["max_model_len"],
+                                           max_num_seqs=SERVE_DEFAULTS["max_num_seqs"],
+                                           neuron_quantization=NEURON_QUANTIZATION.get(device) if mxfp4 else None))
+            for device in ("trn2", "trn3", "cuda")}
+
+
+def write_card(ckpt: Path, validation: str, serve: dict[str, Any] | None = None, base_model: str | None = None) -> Path:
+    """Write (atomically) `ckpt`/README.md: its current text with kvcalib's section put in or replaced."""
+    ckpt = Path(ckpt)
+    path = ckpt / CARD_FILENAME
+    existing = path.read_text(encoding="utf-8") if path.is_file() else ""
+    text = card_text(existing, _section(ckpt, validation, serve), base_model)
+    partial = ckpt / f".{CARD_FILENAME}.partial"
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)  # a hard-linked README.md from the input is replaced, never written through
+    return path
+
+
+def card_text(existing: str, section: str, base_model: str | None) -> str:
+    """`existing` (a card or nothing) with `section` between the markers and kvcalib's front matter merged in."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(existing if existing.startswith("---") else "---\ntags: []\n---\n" + existing)
+    body = _SECTION.sub("", card.text).rstrip()
+    card.text = (body + "\n\n" if body else "") + section
+    card.data.tags = sorted(set(card.data.tags or []) | set(TAGS))
+    if base_model and not getattr(card.data, "base_model", None):
+        card.data.base_model = base_model
+    return str(card)
+
+
+def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
+    provenance = json.loads((ckpt / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
+    target, fp8_max = provenance["target"], provenance["fp8_max"]
+    per_head, queries = provenance.get("strategy") == ATTN_HEAD, bool(provenance.get("attention_scales"))
+    what = ("Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
+            "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)" if per_head
+            else "Per-tensor FP8 KV-cache scales")
+    lines = [BEGIN, "## FP8 KV cache (kvcalib)", "",
+             f"{what} sized for **{target}** (E4M3, max {fp8_max:g}): {_formula(provenance, per_head)}"
+             + (" With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
+                "attention reads it; the Neuron plugin does not consume it today." if queries else ""), "",
+             "| | |", "|---|---|",
+             f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
+             f"{provenance.get('column')}) |",
+             f"| samples | {provenance.get('num_samples')} ({provenance.get('num_tokens'):,} tokens, at most "
+             f"{provenance.get('max_seq_len')} each, seed {provenance.get('seed')}) |",
+             f"| tokens | {_tokens_row(provenance)} |",
+             f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
+             f"| validate | {validation} |", ""]
+    mxfp4 = bool(provenance.get("mxfp4_weights"))
+    commands = serve_commands(CHECKPOINT_PLACEHOLDER, mxfp4)
+    lines += ["### Serving it", ""]
+    if not per_head:
+        lines += ["vLLM on Neuron (Trainium 2" + ("" if mxfp4 else "; `trn3` is the same command")
+                  + "), as `kvcalib serve-check CKPT --device trn2` "
+                  f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
+                  "it is):", "", "```bash", commands["trn2"], "```", ""]
+    if mxfp4:
+        trn3 = json.dumps({"neuron_config": {"quantization": NEURON_QUANTIZATION["trn3"]}})
+        lines += [f"On Trainium 3 the same with `--additional-config '{trn3}'`: its GPT-OSS model runs the MXFP4 "
+                  "experts as they are (on Trainium 2 it dequantizes them at load).", "",
+                  "Not for GPU: the experts stay MXFP4, which GPU vLLM loads only under its MXFP4 config, and that "
+                  "reads no KV scales (FP8 KV at 1.0). For GPU calibrate the dequantised form (`dequantize_mxfp4`, "
+                  "then `--target gpu`).", ""]
+    else:
+        lines += ["vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):", "", "```bash", commands["cuda"], "```", ""]
+    if serve is not None:
+        lines += _serve_lines(serve)
+    q = " q absmax | q_scale |" if queries else ""
+    ranges = _ranges(provenance)[0]
+    r = " k range | v range |" if ranges else ""
+    lines += ["### Scales", "", *(["Each layer's largest head; every head's in `kvcalib_calibration.json`.", ""]
+                                  if per_head else []),
+              f"| layer | k absmax | v absmax |{r} k_scale | v_scale |{q}", "|---:|---:|---:|---:|---:|"
+              + ("---:|---:|" if ranges else "") + ("---:|---:|" if queries else "")]
+    lines += [f"| {row['layer']} | {row['k_absmax']:.6g} | {row['v_absmax']:.6g} |"
+              + (f" {row['k_range']:.6g} | {row['v_range']:.6g} |" if ranges else "")
+              + f" {row['k_scale']:.6g} | {row['v_scale']:.6g} |"
+              + (f" {row.get('q_absmax', float('nan')):.6g} | {row.get('q_scale', float('nan')):.6g} |"
+                 if queries else "")
+              for row in _scale_rows(ckpt, provenance)]
+    return "\n".join(lines + ["", END, ""])
+
+
+def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
+    """(some range differs from its absmax, some range is below it: clipped), over every layer's K and V, per head
+    where the scales are (the range a scale maps to the FP8 max: scale x fp8_max, rounded up by at most
+    fp8.SCALE_ROUNDING_TOLERANCE)."""
+    fp8_max, pairs = provenance["fp8_max"], []
+    for row in provenance.get("layers", []):
+        for k in "kv":
+            if row.get(f"{k}_head_scales") and row.get(f"{k}_head_absmax"):
+                pairs += [(s * fp8_max, a) for s, a in zip(row[f"{k}_head_scales"], row[f"{k}_head_absmax"])]
+            elif isinstance(row.get(f"{k}_range"), (int, float)):
+                pairs.append((row[f"{k}_range"], row.get(f"{k}_absmax", 0.0)))
+    same = 1 + fp8.SCALE_ROUNDING_TOLERANCE
+    return (any(not a <= r <= a * same for r, a in pairs if a > 0),
+            any(r < a * (1 - 1e-6) for r, a in pairs if a > 0))
+
+
+def _formula(provenance: dict[str, Any], per_head: bool) -> str:
+    """What was written and where it is right: absmax / fp8_max, or the range the scale objective (or --headroom)
+    chose instead, and the servers that choice was scored on (the provenance's scored_on)."""
+    fp8_max, target, headroom = provenance["fp8_max"], provenance["target"], provenance.get("headroom") or 1.0
+    served = [] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))[1:]]
+    smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]
+    refused = (f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate again with --target "
+               f"{smaller[0]} to serve there." if smaller else "")
+    per = "head" if per_head else "layer"
+    chosen, clipped = _ranges(provenance)
+    wider = f"{headroom:g} x absmax(K) (--headroom)" if headroom != 1.0 else ""
+    if not chosen:
+        text = f"`k_scale = absmax(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V)"
+    elif provenance.get("scale_objective") != "attention":
+        text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
+                f"range is {wider or 'absmax(K)'}")
+    else:
+        text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
+                "range is the attention objective's choice (the table's range columns): absmax(K), or "
+                + ("below it where saturating near-constant channels keeps attention right, or " if clipped else "")
+                + "above it where a wider scale puts the values on better FP8 grid points"
+                + (f"; where it clips nothing, at least {wider}" if wider else ""))
+    if not clipped:
+        return (text + ": nothing clips" + (f"; also right on {', '.join(served)}, where the scales use the range up "
+                                            f"to {fp8_max:g}" if served else "") + "." + refused)
+    scored = [name for name in provenance.get("scored_on") or [] if name != target]
+    if scored:
+        return text + (f". Every candidate scale was scored on {target} and on {', '.join(scored)} (each saturates at "
+                       "its own FP8 max x scale) and chosen by its attention error where that is largest." + refused)
+    return text + f". The clips were scored on {target} alone: serve these scales on {target} only."
+
+
+def _tokens_row(provenance: dict[str, Any]) -> str:
+    """How the calibration rows were tokenised: the server's stream (BOS included) or not."""
+    rule = provenance.get("special_tokens") or "not recorded (kvcalib tokenised without special tokens then)"
+    added = provenance.get("special_tokens_added")
+    return rule + (f"; ids added to plain text: {added}" if added else "")
+
+
+def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-layer table: absmax from the provenance, the scales read back from the scales file itself."""
+    header = read_safetensors_header(ckpt / SCALES_FILENAME)
+    by_layer = {row["layer"]: row for row in provenance.get("layers", [])}
+    rows = []
+    for key in sorted(header.tensors, key=lambda k: (int(re.search(r"\.(\d+)\.", k).group(1)), k)):
+        layer, kind = int(re.search(r"\.(\d+)\.", key).group(1)), key.rsplit(".", 1)[1][0]
+        row = rows[-1] if rows and rows[-1]["layer"] == layer else None
+        if row is None:
+            prov = by_layer.get(layer, {})
+            row = {"layer": layer, **{f"{k}_absmax": prov.get(f"{k}_absmax", float("nan")) for k in "kvq"},
+                   **{f"{k}_range": prov.get(f"{k}_range", prov.get(f"{k}_absmax", float("nan"))) for k in "kv"}}
+            rows.append(row)
+        row[f"{kind}_scale"] = max(read_values(header, key))  # per head: the largest
+    return rows
+
+
+def _serve_lines(serve: dict[str, Any]) -> list[str]:
+    verdict = "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
+    lines = ["### serve-check", "", f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: "
+             f"{verdict}.", "", "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |", "|---|---:|---:|---:|---:|"]
+
+    def num(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for row in serve.get("variants") or []:
+        lines.append(f"| {row['name']} | {num(row['nll'], '.4f')} | {num(row['agreement'], '.2f')} | "
+                     f"{num(row['served_delta_nll'], '+.4f')} | {num(row['predicted_delta_nll'], '+.4f')} |")
+    if serve.get("canary"):
+        lines += ["", f"Canary: {serve['canary']['reason']}."]
+    return lines + [""]
+
+
+def summarize(validation: dict[str, Any]) -> str:
+    """validate's verdict in a line, from a ValidationReport's to_dict()."""
+    findings = validation.get("findings") or []
+    errors = sum(1 for f in findings if f.get("severity") == "error")
+    warnings = sum(1 for f in findings if f.get("severity") == "warning")
+    return (f"{'OK' if validation.get('ok') else 'FAILED'} for {validation.get('target')}: "
+            f"{errors} error(s), {warnings} warning(s)")

@@ -1,0 +1,97 @@
+"""The engine contract: what an observation engine gets (EngineInputs) and returns (Observation).
+
+Engines (native, stream, llmcompressor) import this module and nothing above it; the
+pipeline names them in one table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcalib.hf.memory import MemoryLimit
+from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.core.checkpoint import Checkpoint
+from kvcalib.core.cpu import NATIVE, ComputePath
+from kvcalib.core.progress import ProgressCallback
+from kvcalib.hf.data import CalibrationData
+from kvcalib.hf.samples import AttentionSample, AttentionSampler
+
+__all__ = ["Engine", "EngineInputs", "Observation"]
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    """What an observation engine gets: everything checked and loaded except the weights."""
+
+    checkpoint: Checkpoint  # config.json and the safetensors headers, read once
+    data: CalibrationData
+    options: CalibrateOptions
+    dtype: torch.dtype | None  # None: the checkpoint's own dtype
+    device: torch.device
+    pad_id: int
+    notify: ProgressCallback
+    compute: ComputePath = ComputePath(NATIVE, "not chosen")
+    memory: MemoryLimit | None = None  # this host's memory limit (the stream engine sizes its spill by it)
+    sample_sequences: frozenset[tuple[int, ...]] = frozenset()  # the scale objective's sequences (none: absmax)
+    probe_layers: int | None = None  # calibrate --plan's timed probe: the stream engine stops after this many layers
+
+    def sampler(self, num_layers: int) -> AttentionSampler | None:
+        """What keeps the scale objective's attention samples (None when the objective needs none)."""
+        return AttentionSampler(num_layers, self.sample_sequences) if self.sample_sequences else None
+
+    @property
+    def model_dir(self) -> Path:
+        return self.checkpoint.root
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.checkpoint.config
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an engine measured: absmax of K and V per layer and per KV head over every calibration token
+    (and of Q per query head, when asked for), float32 on the CPU."""
+
+    k_heads: tuple[torch.Tensor, ...]  # per layer: [kv_heads] (or [1] from an engine that sees only tensors)
+    v_heads: tuple[torch.Tensor, ...]
+    observed: tuple[int, ...]  # forward passes that reached each layer (0: never observed)
+    attention_paths: dict[int, str]  # layer -> state-dict path of its attention module
+    seconds: float  # time spent observing (for tokens/s)
+    q_heads: tuple[torch.Tensor, ...] = ()  # per layer: [attention heads]; () when Q was not observed
+    q_observed: tuple[int, ...] = ()
+    attention_classes: tuple[str, ...] = ()  # the attention modules' class names (FP8-attention config targets)
+    samples: tuple[tuple[AttentionSample, ...], ...] = ()  # per layer: the scale objective's (this rank's)
+
+    @property
+    def k_absmax(self) -> torch.Tensor:
+        """[num_layers]: each layer's max over its heads (exact: max does not round)."""
+        return torch.stack([h.max() for h in self.k_heads]) if self.k_heads else torch.zeros(0)
+
+    @property
+    def v_absmax(self) -> torch.Tensor:
+        return torch.stack([h.max() for h in self.v_heads]) if self.v_heads else torch.zeros(0)
+
+    @classmethod
+    def of(cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module
+           ) -> Observation:
+        """From a kvcalib.hf.attention.KVAbsmaxObserver (a layer never observed gets one zero per head)."""
+        def heads(store: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+            return tuple(h.float().cpu() if h is not None else torch.zeros(1) for h in store)
+
+        return cls(
+            k_heads=heads(observer.k_heads), v_heads=heads(observer.v_heads), observed=tuple(observer.observed),
+            attention_paths=attention_paths, seconds=seconds,
+            q_heads=heads(observer.q_heads) if observer.queries else (),
+            q_observed=tuple(observer.q_observed) if observer.queries else (),
+            attention_classes=tuple(sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})),
+            samples=tuple(tuple(layer) for layer in observer.sampler.samples) if observer.sampler is not None else (),
+        )
+
+
+Engine = Callable[[EngineInputs], Observation]

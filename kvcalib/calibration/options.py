@@ -1,0 +1,138 @@
+"""What calibrate takes (CalibrateOptions) and what it returns (CalibrationResult)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvcalib.core import fp8
+from kvcalib.core.errors import UsageError
+from kvcalib.core.options import RunOptions, check_options, option
+
+if TYPE_CHECKING:
+    from kvcalib.calibration.ranks import Ranks
+    from kvcalib.hf.memory import MemoryLimit
+
+__all__ = ["CalibrateOptions", "CalibrationResult", "LayerScales"]
+
+
+def _targets() -> tuple[str, ...]:
+    return tuple(fp8.TARGETS)
+
+
+@dataclass(frozen=True)
+class CalibrateOptions(RunOptions):
+    target: str | None = option(
+        None, "Chip the scales are sized for: trn2 (FP8 max 240), trn3 or gpu (448). Default: the recipe's "
+        "kvcalib.target, else trn2.", panel="Scales", short="-t", choices=_targets)
+    num_samples: int = option(512, "First N rows of the split.", aliases=("--num-calibration-samples",),
+                              minimum=1, what="rows of the dataset to calibrate on")
+    max_seq_len: int = option(2048, "Tokens per sample at most.", aliases=("--max-seq-length",), minimum=1,
+                              what="tokens per sample")
+    batch_size: int = option(4, "Sequences per forward pass.", panel="Engine", minimum=1,
+                             what="sequences per forward pass")
+    overwrite: bool = option(False, "Replace OUTPUT if it exists.", panel="Output")
+    engine: str = option(
+        "auto", "auto (native, or stream when the weights would not fit), native, stream, or llmcompressor "
+        "(llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor]).", panel="Engine")
+    recipe: str | None = option(
+        None, "llm-compressor recipe whose kv_cache_scheme to use: a shipped one by name (trn2, trn3, gpu) or a "
+        "YAML file.", panel="Scales", metavar="NAME|FILE")
+    strategy: Literal["tensor", "attn_head"] | None = option(
+        None, "tensor (one K and one V scale per layer) or attn_head (one per KV head; GPU only: vLLM on Neuron "
+        "cannot load them). Default: the recipe's kv_cache_scheme, else tensor.", panel="Scales")
+    attention_scales: bool = option(
+        False, "Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's "
+        "FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet).",
+        panel="Scales")
+    scale_objective: Literal["attention", "absmax"] = option(
+        "attention", "attention: per layer, the scale whose attention output is closest to the unquantised one "
+        "on every server the scales are for, clipping where that helps; absmax: absmax / FP8 max, never "
+        "clipping (llm-compressor's rule).", panel="Scales")
+    headroom: float = option(
+        1.0, "K/V scales that clip nothing sized for this many times the absmax seen (1: none): room for "
+        "contexts far longer than the samples, where absmax grows (e.g. 1.4142).", panel="Scales")
+    extra_provenance: dict[str, Any] = field(default_factory=dict)
+    ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
+    # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
+    memory: MemoryLimit | None = None  # the host memory this process may use
+    scratch_dir: Path | None = None  # where the stream engine spills hidden states
+
+    def check_arguments(self) -> None:
+        """The values a user passes, checked before anything is read (UsageError naming the flag)."""
+        check_options(self)
+        if not 1.0 <= self.headroom <= 16.0:
+            raise UsageError(f"--headroom {self.headroom:g}: must be between 1 (none) and 16",
+                             hint="e.g. --headroom 1.4142 (a square root of 2) for contexts far longer than the samples")
+
+
+@dataclass(frozen=True)
+class LayerScales:
+    """One layer's measurements and scales. k_scale/v_scale are per tensor; with strategy attn_head the
+    per-head values are in k_heads (absmax, scale) pairs and k_scale is their max (what vLLM reports)."""
+
+    layer: int
+    k_absmax: float
+    v_absmax: float
+    k_scale: float
+    v_scale: float
+    k_key: str
+    v_key: str
+    k_head_absmax: tuple[float, ...] | None = None
+    v_head_absmax: tuple[float, ...] | None = None
+    k_head_scales: tuple[float, ...] | None = None
+    v_head_scales: tuple[float, ...] | None = None
+    q_absmax: float | None = None  # with attention scales (FP8 attention)
+    q_scale: float | None = None
+    q_key: str | None = None
+    q_head_absmax: tuple[float, ...] | None = None
+    q_head_scales: tuple[float, ...] | None = None
+    k_range: float | None = None  # |K| the scale maps to the FP8 max (absmax unless the objective clips)
+    v_range: float | None = None
+    k_choice: dict[str, Any] | None = None  # the scale objective's choice and what the alternatives cost
+    v_choice: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    output: str
+    model: str
+    target: str
+    fp8_max: float
+    num_samples: int
+    num_tokens: int
+    layers: tuple[LayerScales, ...]
+    seconds: float
+    observe_seconds: float
+    warnings: tuple[str, ...] = ()
+    validation: dict[str, Any] | None = None
+    compute: str = ""  # the compute path (core.cpu.ComputePath.describe())
+    scale_objective: str = "absmax"
+    objective_seconds: float = 0.0  # the scale objective's search, after observing
+    serve_check: Any = None  # with --serve-check: serve-check's result (kvcalib.serving.ServeCheckResult)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.observe_seconds if self.observe_seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "model": self.model,
+            "target": self.target,
+            "fp8_max": self.fp8_max,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "compute": self.compute,
+            "scale_objective": self.scale_objective,
+            "objective_seconds": round(self.objective_seconds, 3),
+            "layers": [layer.to_dict() for layer in self.layers],
+            "warnings": list(self.warnings),
+            "validation": self.validation,
+        }

@@ -1,0 +1,331 @@
+"""The "stream" engine: calibrate a model larger than memory, one decoder layer at a time.
+
+The model is built with its parameters on the meta device (no weight memory; buffers such as
+the rotary frequencies are real, computed by the model's own constructor). Everything of the
+decoder but its layers (embedding, rotary embedding, final norm) is loaded, then each decoder
+layer in turn: its tensors only, read by key from the memory-mapped safetensors shards and
+loaded through transformers' own load-time conversion (so per-expert MoE checkpoints fuse as
+`from_pretrained` fuses them), cast the way it casts them. Every batch's hidden states go
+through that layer with kvcalib's recording cache, then the layer goes back to meta and the next one
+is loaded. Peak memory: one layer + the embedding + the hidden states of all samples (spilled
+to a temporary directory, one file per batch, when they would not fit).
+
+No model forward is copied. What each layer receives (masks, rotary cos/sin, position ids,
+and the embedding output for layer 0) is captured from the model's own forward: the decoder
+runs with every layer standing in as the identity, and the stand-in at layer i records the
+arguments it is called with and stops the forward. So sliding-window or per-layer-type masks
+come out exactly as the full model builds them, and the scales equal the in-memory engine's
+for the same dtype and batches (the same right-padded batches, in the same order).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcalib.calibration.engine import EngineInputs, Observation
+from kvcalib.core import mxfp4
+from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
+from kvcalib.core.errors import UnsupportedModelError
+from kvcalib.core.progress import Progress
+from kvcalib.core.schema import is_kv_scale_key
+from kvcalib.hf.attention import (
+    KVAbsmaxObserver,
+    RecordingCache,
+    StopForward,
+    attention_modules,
+    observing_queries,
+)
+from kvcalib.hf.compute import compute_path
+from kvcalib.hf.data import batches
+from kvcalib.hf.memory import MemoryLimit, available_memory, release_free_memory
+from kvcalib.hf.model import (
+    build_skeleton,
+    effective_dtype,
+    faithful_attention,
+    num_layers,
+    text_config,
+)
+
+__all__ = ["HIDDEN_STATES_MEMORY_SHARE", "capture_layer_inputs", "stream_engine"]
+
+
+# Hidden states stay in memory while they take at most this share of the memory left after
+# the weights being streamed; beyond it they are spilled to disk, one file per batch.
+HIDDEN_STATES_MEMORY_SHARE = 0.5
+
+
+def stream_engine(inputs: EngineInputs) -> Observation:
+    """Observe K/V absmax layer by layer (see the module docstring)."""
+    inputs.notify(Progress("load-model"))
+    files = inputs.checkpoint.files
+    dtype = effective_dtype(inputs.checkpoint, inputs.dtype)
+    model = build_skeleton(inputs.model_dir, dtype, inputs.options.trust_remote_code,
+                           faithful_attention(inputs.config))
+    decoder = getattr(model, model.base_model_prefix, model)
+    prefix = f"{model.base_model_prefix}." if decoder is not model else ""
+    n_layers = num_layers(model)
+    layers_name, layers = _decoder_layers(decoder, n_layers, inputs.model_dir)
+    attn_paths = attention_modules(model, n_layers, inputs.model_dir)
+    weights = _Weights(model, inputs.model_dir, files, inputs.device, dtype)
+    weights.check(prefix)  # every weight findable before the long work starts
+    weights.load(prefix, skip=f"{prefix}{layers_name}.")
+
+    observer = KVAbsmaxObserver(n_layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(n_layers))
+    batch_list = [(ids.to(inputs.device), mask.to(inputs.device))
+                  for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)]
+    started = time.perf_counter()
+    copies = inputs.options.ranks.local_world_size if inputs.options.ranks else 1  # ranks sharing this host
+    spill = _spill_needed(decoder, layers, batch_list, dtype, copies, inputs.memory or available_memory())
+    with torch.inference_mode(), compute_path(inputs.compute), \
+            _HiddenStates(spill, inputs.options.scratch_dir) as states:
+        for b, (ids, mask) in enumerate(batch_list):
+            hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
+            states.put(b, hidden)
+        progress = _LayerProgress(inputs, batch_list, n_layers)
+        for i, layer in enumerate(layers[:inputs.probe_layers]):
+            weights.load(f"{prefix}{layers_name}.{i}.")
+            for b, (ids, mask) in enumerate(batch_list):
+                _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
+                observer.start_batch(ids, mask)
+                try:
+                    with observing_queries(observer) if observer.sees_attention_calls else nullcontext():
+                        out = layer(states.get(b).to(inputs.device), *args, **kwargs)
+                    states.put(b, out[0] if isinstance(out, tuple) else out)
+                except StopForward:  # the last layer: nothing after its K/V is needed
+                    pass
+                finally:
+                    observer.end_batch()
+                progress.step(i, b)
+            layer.to("meta")  # frees the layer's weights
+            release_free_memory()  # and the forward's freed activations, before the next layer loads
+    return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.layer_args, self.layer_kwargs = args, kwargs
+
+
+def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, index: int, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor, observer: KVAbsmaxObserver
+                         ) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]:
+    """(hidden states, other args, kwargs) the decoder's own forward passes to layer `index` for this batch.
+
+    The decoder is called exactly as the in-memory engine calls it; while it runs, every layer
+    is the identity and layer `index` stops the forward, so no layer weight is needed. The
+    hidden states are real only for layer 0 (the embedding output).
+    """
+
+    def stand_in(i: int):
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if i == index:
+                raise _Captured(args, kwargs)
+            return args[0] if args else kwargs["hidden_states"]
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = stand_in(i)  # an instance attribute shadows the class's forward
+    try:
+        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                past_key_values=RecordingCache(decoder.config, observer))
+    except _Captured as captured:
+        args, kwargs = captured.layer_args, dict(captured.layer_kwargs)
+    else:
+        raise UnsupportedModelError(f"the decoder's forward never called decoder layer {index}",
+                                    hint="calibrate this model without --stream-layers")
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)
+    if args:
+        return args[0], args[1:], kwargs
+    return kwargs.pop("hidden_states"), (), kwargs
+
+
+class _Weights:
+    """Loads one module's weights at a time through transformers' own load-time conversion.
+
+    Checkpoint keys are mapped to the model's parameters with the conversion mapping
+    `from_pretrained` applies (renamings, per-expert MoE tensors fused into one parameter,
+    ...), and each module's share is read by key from the memory-mapped shards and converted
+    by transformers' own loader, cast as `from_pretrained` casts.
+    """
+
+    def __init__(self, model: torch.nn.Module, model_dir: Path, files: CheckpointFiles, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        self.model, self.model_dir, self.files, self.device, self.dtype = model, model_dir, files, device, dtype
+        self.quantizer = mxfp4.dequantizer(files.key_files)  # as from_pretrained dequantizes MXFP4 experts
+        transforms = self._mapping()
+        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        meta = dict(model.state_dict())
+        self.sources: dict[str, list[str]] = {}  # model parameter -> the checkpoint keys it is made from
+        keys = self.files.index.get("weight_map", {}) if isinstance(self.files.index, dict) else self.files.key_files
+        for key in keys:
+            target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            self.sources.setdefault(target, []).append(key)
+        # checkpoint tensors the model has no place for (earlier KV scales aside)
+        self.unexpected = sorted(k for target, ks in self.sources.items() if target not in meta
+                                 for k in ks if not is_kv_scale_key(k))
+
+    def _mapping(self) -> list[Any]:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        return get_model_conversion_mapping(self.model, hf_quantizer=self.quantizer)
+
+    def _meta(self, prefix: str, skip: str | None) -> list[str]:
+        return [name for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
+                if name.startswith(prefix) and not (skip and name.startswith(skip)) and tensor.device.type == "meta"]
+
+    def _missing(self, name: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
+            hint="the checkpoint does not hold every weight this model's config describes; calibrate it in "
+            "memory (without --stream-layers) to see transformers' own report",
+        )
+
+    def check(self, prefix: str) -> None:
+        """Every weight under `prefix` has a source in the checkpoint, and every tensor a place, before the long work."""
+        if self.unexpected:
+            raise UnsupportedModelError(
+                f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
+                f"the model ({', '.join(self.unexpected[:3])}{', ...' if len(self.unexpected) > 3 else ''})",
+                hint="use the config.json and the *.safetensors files of one and the same model",
+            )
+        for name in self._meta(prefix, None):
+            if name not in self.sources:
+                raise self._missing(name)
+
+    def load(self, prefix: str, skip: str | None = None) -> None:
+        """Put the meta weights under `prefix` (except those under `skip`) on the device."""
+        wanted = self._meta(prefix, skip)
+        # MXFP4 experts one weight at a time, each source pair dropped once converted: a layer's MXFP4 tensors are
+        # never all in memory beside its dequantised experts (GPT-OSS-120B: 1.6 GB of them a layer)
+        alone = [name for name in wanted if self.quantizer is not None
+                 and any(k.endswith(mxfp4.BLOCKS) for k in self.sources.get(name, []))]
+        self._convert([name for name in wanted if name not in alone], quantized=False)
+        for name in alone:
+            self._convert([name], quantized=True)
+        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if not name.startswith(prefix) or (skip and name.startswith(skip)):
+                continue
+            if tensor.device.type == "meta":
+                raise self._missing(name)
+            if tensor.device != self.device:
+                owner, _, attr = name.rpartition(".")
+                holder = self.model.get_submodule(owner) if owner else self.model
+                moved = tensor.to(self.device)
+                setattr(holder, attr, torch.nn.Parameter(moved, requires_grad=False)
+                        if isinstance(tensor, torch.nn.Parameter) else moved)
+
+    def _convert(self, names: list[str], quantized: bool) -> None:
+        """Read the checkpoint tensors `names` are made from and load them through transformers' conversion.
+
+        `quantized`: MXFP4 pairs, converted with the quantizer from_pretrained loads them with, which reads the
+        blocks and scales as stored (uint8). Without it transformers casts every tensor to the model's dtype on the
+        way in: a layer's blocks in bf16 took twice their bytes beside the dequantised experts (GPT-OSS-120B:
+        +2 GiB at the peak of loading gate_up_proj)."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            for key in self.sources.get(name, []):
+                by_file.setdefault(str(self.files.file_of(key)), []).append(key)
+        state: dict[str, torch.Tensor] = {}
+        for file, keys in by_file.items():
+            state.update(load_tensors(self.model_dir / file, keys))
+        if not state:
+            return
+        config = LoadStateDictConfig(weight_mapping=self._mapping(), dtype=self.dtype,
+                                     hf_quantizer=self.quantizer if quantized else None)
+        with mxfp4.expert_chunks() if quantized else nullcontext():
+            convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
+
+
+class _HiddenStates:
+    """Each batch's hidden states between two layers: in memory, or one safetensors file per batch."""
+
+    def __init__(self, spill: bool, scratch_dir: Path | None) -> None:
+        self.spill, self.scratch_dir = spill, scratch_dir
+        self._memory: dict[int, torch.Tensor] = {}
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> _HiddenStates:
+        if self.spill:
+            self._dir = tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=self.scratch_dir)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._memory.clear()
+        if self._dir is not None:
+            self._dir.cleanup()
+
+    def _path(self, b: int) -> Path:
+        assert self._dir is not None
+        return Path(self._dir.name) / f"batch-{b:06d}.safetensors"
+
+    def put(self, b: int, hidden: torch.Tensor) -> None:
+        if not self.spill:
+            self._memory[b] = hidden.cpu() if hidden.device.type != "cpu" else hidden
+            return
+        from safetensors.torch import save_file
+
+        tmp = self._path(b).with_suffix(".tmp")
+        save_file({"hidden": hidden.detach().contiguous().cpu()}, str(tmp))
+        os.replace(tmp, self._path(b))
+
+    def get(self, b: int) -> torch.Tensor:
+        if not self.spill:
+            return self._memory[b]
+        from safetensors.torch import load_file
+
+        return load_file(str(self._path(b)))["hidden"]
+
+
+def _spill_needed(decoder: torch.nn.Module, layers: torch.nn.ModuleList,
+                  batch_list: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, copies: int,
+                  memory: MemoryLimit) -> bool:
+    """Spill when the hidden states of every batch would take over a share of this process's memory left."""
+    hidden_size = int(text_config(decoder).hidden_size)
+    element = torch.tensor([], dtype=dtype).element_size()
+    hidden_bytes = sum(ids.numel() for ids, _mask in batch_list) * hidden_size * element
+    largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+    left = memory.available // copies - 2 * largest_layer  # a layer, and its load-time copy
+    return hidden_bytes > HIDDEN_STATES_MEMORY_SHARE * left
+
+
+class _LayerProgress:
+    """Progress over layers x batches, reported as samples/tokens through the whole model."""
+
+    def __init__(self, inputs: EngineInputs, batch_list: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int):
+        self.notify, self.num_layers = inputs.notify, num_layers
+        self.samples = [int(ids.shape[0]) for ids, _m in batch_list]
+        self.tokens = [int(mask.sum()) for _i, mask in batch_list]
+        self.total_samples, self.total_tokens = sum(self.samples), sum(self.tokens)
+        self.done_samples = self.done_tokens = 0
+
+    def step(self, layer: int, b: int) -> None:
+        self.done_samples += self.samples[b]
+        self.done_tokens += self.tokens[b]
+        self.notify(Progress("observe", self.done_samples // self.num_layers, self.total_samples,
+                             self.done_tokens // self.num_layers, self.total_tokens,
+                             layer=layer, num_layers=self.num_layers))
+
+
+def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) -> tuple[str, torch.nn.ModuleList]:
+    """The decoder's ModuleList of layers (`layers` in every transformers decoder)."""
+    for name, child in decoder.named_children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers:
+            return name, child
+    raise UnsupportedModelError(f"{model_dir}: no list of {num_layers} decoder layers found in {type(decoder).__name__}",
+                                hint="calibrate this model without --stream-layers")

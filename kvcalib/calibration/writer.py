@@ -1,0 +1,390 @@
+"""Writing a calibrated checkpoint: the original weights linked, the scales, index and config, atomically.
+
+The input checkpoint is never written to. Everything goes to a staging sibling of the
+output, is checked, and is then put in place atomically (calibrate.publish). Whether the
+output can be written at all, and has room, is checked before calibrating (check_room).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcalib.calibration.publish import discard, publish, recover, stage
+from kvcalib.core.checkpoint import Checkpoint, SafetensorsHeader, write_json
+from kvcalib.core.errors import CheckpointReadError, OutputExistsError, OutputWriteError
+from kvcalib.core.paths import overlapping
+from kvcalib.core.schema import (
+    CONFIG_FILENAME,
+    INDEX_FILENAME,
+    PROVENANCE_FILENAME,
+    PROVENANCE_METADATA_KEY,
+    SCALES_FILENAME,
+    SINGLE_WEIGHTS_FILENAME,
+    is_kv_scale_key,
+)
+
+__all__ = ["LINK_AT_BYTES", "SHARDED_SINGLE_FILENAME", "Room", "WritePlan", "bytes_needed", "check_output_path",
+           "check_room", "measure_room",
+           "copy_without_keys", "link_or_copy", "write_checkpoint"]
+
+# transformers loads a top-level model.safetensors and ignores the index beside it, so it
+# would never see the scales file: a single-file checkpoint's weights are linked under the
+# sharded name instead (same bytes), and every loader then goes through the index.
+SHARDED_SINGLE_FILENAME = "model-00001-of-00001.safetensors"
+
+
+def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrite: bool, *,
+                      recover_leftovers: bool = True) -> list[str]:
+    """Refuse an output that overlaps an input, is a link, or exists (without overwrite); recover leftovers.
+
+    `inputs` are (what, path) pairs: the model directory, the dataset, the recipe. Symlinks are
+    resolved first, so a link into an input is refused like the input. What interrupted runs
+    left next to OUT is restored or removed first (publish.recover); the notes say what.
+    """
+    output = Path(output)
+    for what, path in inputs:
+        if os.path.lexists(path) and overlapping(output, path):
+            raise OutputExistsError(
+                f"output {output} overlaps {what} {path}" + _resolved_note(output, path),
+                hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}",
+            )
+    if output.is_symlink():
+        raise OutputExistsError(
+            f"output {output} is a symbolic link (to {os.readlink(output)})",
+            hint="pass a real directory path: the new checkpoint is renamed into place, which would replace "
+                 "the link itself",
+        )
+    if os.path.lexists(output) and not output.is_dir():
+        raise OutputExistsError(f"output {output} exists and is not a directory",
+                                hint="choose another path; --overwrite replaces only a directory")
+    ancestor = _existing_ancestor(output.parent)
+    if not ancestor.is_dir():
+        raise OutputExistsError(f"output {output} cannot be created: {ancestor} is not a directory",
+                                hint="choose an output path whose parent is a directory")
+    notes = recover(output) if recover_leftovers else []
+    if output.exists() and not overwrite:
+        raise OutputExistsError(f"output {output} already exists" + "".join(f"; {note}" for note in notes),
+                                hint="choose a new path, or pass --overwrite to replace it")
+    if output.exists() and any(output.iterdir()) and not (output / CONFIG_FILENAME).is_file():
+        raise OutputExistsError(
+            f"output {output} exists and is not a checkpoint (no {CONFIG_FILENAME}): --overwrite replaces only "
+            "an earlier checkpoint or an empty directory",
+            hint="choose a new path for the checkpoint; nothing in that directory was touched",
+        )
+    return notes
+
+
+@dataclass(frozen=True)
+class Room:
+    """What writing OUT takes on its filesystem: the new bytes, whether the weights are hard links, the free space."""
+
+    needed: int
+    free: int
+    linkable: bool
+    where: Path  # OUT's nearest existing ancestor
+
+
+def measure_room(output: Path, source: Checkpoint) -> Room:
+    """Writes and removes a probe file in OUT's parent (or its nearest existing ancestor), tries a hard link of a
+    weight file there (then the weights cost no space), and adds up what the new files need."""
+    output = Path(output)
+    ancestor = _existing_ancestor(output)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{output.name}.kvcalib-probe-", dir=ancestor)
+    except OSError as exc:
+        raise _write_error(exc, output, ancestor) from None
+    os.close(fd)
+    try:
+        linkable = _can_link(source, Path(probe))
+    finally:
+        Path(probe).unlink(missing_ok=True)
+    return Room(bytes_needed(source, linkable), shutil.disk_usage(ancestor).free, linkable, ancestor)
+
+
+def check_room(output: Path, source: Checkpoint) -> None:
+    """Before any work: can OUT's parent (or its nearest existing ancestor) take the new files? (measure_room)"""
+    room = measure_room(output, source)
+    needed, free, linkable, ancestor = room.needed, room.free, room.linkable, room.where
+    if needed > free:
+        raise OutputWriteError(
+            f"not enough space for {output}: the new files need {needed / 1e6:,.1f} MB, {ancestor} has "
+            f"{free / 1e6:,.1f} MB free" + ("" if linkable else " (the weights are copied: hard links do not work there)"),
+            hint="free some space, or choose an output on a filesystem with room (on the model's own filesystem "
+                 "the weights are hard links and take no space)",
+        )
+
+
+def bytes_needed(source: Checkpoint, linkable: bool) -> int:
+    """What write_checkpoint adds on disk: copied weights (all of them if links fail), other files, the new JSON."""
+    total = 64 << 10  # scales, config, provenance: a few KB; the margin covers the filesystem's blocks
+    files = source.files
+    for name in files.files:
+        header = files.headers[name]
+        if not linkable or any(is_kv_scale_key(k) for k in header.tensors):
+            total += header.file_size
+    index = source.root / INDEX_FILENAME
+    total += 2 * index.stat().st_size if index.is_file() else 0
+    for entry in _other_files(source.root):
+        for path in entry.rglob("*") if entry.is_dir() else [entry]:
+            if path.is_file():
+                size = path.stat().st_size
+                total += size if size < LINK_AT_BYTES or not linkable else 0
+    return total
+
+
+def _can_link(source: Checkpoint, probe: Path) -> bool:
+    names = source.files.files
+    if not names:
+        return True
+    probe.unlink(missing_ok=True)
+    try:
+        os.link(source.root / names[0], probe)
+    except OSError:
+        return False
+    return True
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing parent (absolute)."""
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _resolved_note(output: Path, path: Path) -> str:
+    real_out, real_in = Path(output).resolve(), Path(path).resolve()
+    if real_out != Path(os.path.abspath(output)) or real_in != Path(os.path.abspath(path)):
+        return f" (after symlinks: {real_out} and {real_in})"
+    return ""
+
+
+_ERRNO_HINTS = {
+    errno.ENOSPC: "the filesystem is full: free some space, or choose an output elsewhere",
+    errno.EDQUOT: "your disk quota is used up: free some space, or choose an output elsewhere",
+    errno.EROFS: "the filesystem is read-only: choose an output on a writable one",
+    errno.EACCES: "you may not write there: choose a directory you own, or fix its permissions",
+    errno.EPERM: "the directory refuses writes (immutable or a restricted mount): choose another output",
+}
+
+
+def _write_error(exc: OSError, output: Path, where: Path | None = None) -> OutputWriteError:
+    where = exc.filename or where or output
+    return OutputWriteError(
+        f"cannot write {output}: {exc.strerror or exc} ({where}); nothing at {output} was changed",
+        hint=_ERRNO_HINTS.get(exc.errno or 0, "check the output directory: permissions, space, the filesystem"),
+    )
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link `src` to `dst` (same bytes, no extra space), copying across filesystems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> None:
+    """Write `header`'s file minus the tensors in `drop`; every kept tensor's bytes are copied verbatim."""
+    src = header.path
+    kept = [info for info in sorted(header.tensors.values(), key=lambda t: t.data_offsets) if info.key not in drop]
+    new_header: dict[str, Any] = {}
+    if header.metadata is not None:
+        new_header["__metadata__"] = header.metadata
+    offset = 0
+    for info in kept:
+        new_header[info.key] = {
+            "dtype": info.dtype,
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes],
+        }
+        offset += info.nbytes
+    raw = json.dumps(new_header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        fout.write(struct.pack("<Q", len(raw)))
+        fout.write(raw)
+        for info in kept:
+            fin.seek(header.data_start + info.data_offsets[0])
+            remaining = info.nbytes
+            while remaining:
+                chunk = fin.read(min(remaining, 64 << 20))
+                if not chunk:
+                    raise CheckpointReadError(f"{src}: unexpected end of file", hint="copy the file again from the source")
+                fout.write(chunk)
+                remaining -= len(chunk)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """What `write_checkpoint` puts next to the original files."""
+
+    scales: Mapping[str, Any]  # key -> float32 tensor [1]
+    quantization_config: dict[str, Any]
+    provenance: dict[str, Any]
+
+
+@dataclass
+class _Index:
+    """The new index's weight_map and sizes, built up as files are written."""
+
+    weight_map: dict[str, str] = field(default_factory=dict)
+    total_size: int = 0
+    total_params: int = 0
+
+    def add(self, key: str, file: str, nbytes: int, numel: int) -> None:
+        self.weight_map[key] = file
+        self.total_size += nbytes
+        self.total_params += numel
+
+
+def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *, overwrite: bool = False,
+                     check: Callable[[Path], None] | None = None,
+                     inputs: Sequence[tuple[str, Path]] = ()) -> list[str]:
+    """Write a new checkpoint: source files + scales + index + config, published atomically.
+
+    Weight files are hard-linked or copied byte for byte (a single `model.safetensors` under
+    the sharded name `model-00001-of-00001.safetensors`, see SHARDED_SINGLE_FILENAME). A shard that already holds KV
+    scales (from an earlier calibration) is rewritten without them, the kept tensors' bytes
+    copied verbatim. Everything is written in a staging sibling of `output` (calibrate.publish);
+    `check` runs on it before it is put in place. A failure or an interrupt removes the staging
+    directory and leaves OUT as it was; an OSError (disk full, read-only) becomes one
+    OutputWriteError naming the path. `source` is never written to. Returns notes for the user.
+    """
+    source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
+    output = Path(os.path.abspath(output))
+    notes = check_output_path(output, [("the model checkpoint", source.root), *inputs], overwrite)
+    created = _make_parents(output)
+    staging = None
+    try:
+        staging = stage(output)
+        notes += _write_files(source, staging.checkpoint, plan)
+        if check is not None:
+            check(staging.checkpoint)
+        publish(staging)
+    except BaseException as exc:
+        if staging is not None:
+            discard(staging)
+        _remove_empty(created)
+        if isinstance(exc, OSError):
+            raise _write_error(exc, output) from None
+        raise
+    return notes
+
+
+def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
+    index = _Index()
+    notes = _write_weights(source, dest, index)
+    _copy_other_files(source.root, dest)
+    _write_scales(dest, plan, index)
+    _write_index(dest, source.files.index, index)
+    config = dict(source.config)
+    config.pop("compression_config", None)  # the 2024 name of quantization_config
+    config["quantization_config"] = plan.quantization_config
+    write_json(dest / CONFIG_FILENAME, config)
+    write_json(dest / PROVENANCE_FILENAME, plan.provenance)
+    return notes
+
+
+def _make_parents(output: Path) -> list[Path]:
+    """Create OUT's missing parents; the ones created, deepest first (removed again on failure)."""
+    missing = []
+    parent = output.parent
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = parent.parent
+    for path in reversed(missing):
+        path.mkdir()
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for path in dirs:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+
+
+def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
+    """Link (or copy without earlier KV scales) every weight file into `tmp`; notes for the user."""
+    notes = []
+    for name in source.files.files:
+        if name == SCALES_FILENAME:
+            notes.append(f"replaced the existing {SCALES_FILENAME}")
+            continue
+        header = source.files.headers[name]
+        stale = {k for k in header.tensors if is_kv_scale_key(k)}
+        out_name = SHARDED_SINGLE_FILENAME if name == SINGLE_WEIGHTS_FILENAME else name
+        if stale:
+            copy_without_keys(header, tmp / out_name, stale)
+            notes.append(f"{name}: dropped {len(stale)} earlier KV scale tensor(s)")
+        else:
+            link_or_copy(source.root / name, tmp / out_name)
+        for key, info in header.tensors.items():
+            if key not in stale:
+                index.add(key, out_name, info.nbytes, math.prod(info.shape))
+    return notes
+
+
+def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
+    from safetensors.torch import save_file
+
+    scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
+    clash = sorted(set(scales) & set(index.weight_map))
+    if clash:
+        raise CheckpointReadError(f"scale key {clash[0]} already exists in {index.weight_map[clash[0]]}",
+                                  hint="the model's weights hold a tensor under a KV scale's name; please report this")
+    save_file(scales, str(tmp / SCALES_FILENAME),
+              metadata={"format": "pt", PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True)})
+    os.chmod(tmp / SCALES_FILENAME, 0o644)
+    for key, tensor in scales.items():
+        index.add(key, SCALES_FILENAME, tensor.numel() * tensor.element_size(), tensor.numel())
+
+
+def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) -> None:
+    out: dict[str, Any] = dict(source_index) if source_index is not None else {}
+    metadata = dict(out.get("metadata") or {})
+    metadata["total_size"] = index.total_size
+    if "total_parameters" in metadata:  # newer transformers record it; keep it true
+        metadata["total_parameters"] = index.total_params
+    out["metadata"] = metadata
+    out["weight_map"] = dict(sorted(index.weight_map.items()))
+    write_json(tmp / INDEX_FILENAME, out)
+
+
+# Files at least this large (a pytorch_model.bin, an original/ consolidated.pth) are hard-linked like
+# the weights; smaller ones (tokenizer, generation config) are copied, so that editing them in the
+# output in place (as some editors do with linked files) cannot change the input.
+LINK_AT_BYTES = 16 << 20
+
+
+def _other_files(source: Path) -> list[Path]:
+    """Tokenizer, generation config, remote code, ...: everything the writer carries over unchanged."""
+    rewritten = {CONFIG_FILENAME, INDEX_FILENAME, PROVENANCE_FILENAME}
+    return [entry for entry in sorted(source.iterdir())
+            if not (entry.name.startswith(".") or entry.name in rewritten or entry.name.endswith(".safetensors"))]
+
+
+def _copy_other_files(source: Path, dest: Path) -> None:
+    for entry in _other_files(source):
+        if entry.is_dir():
+            shutil.copytree(entry, dest / entry.name, copy_function=_carry)
+        elif entry.is_file():
+            _carry(entry, dest / entry.name)
+
+
+def _carry(src: str | Path, dst: str | Path) -> None:
+    if os.path.getsize(src) >= LINK_AT_BYTES:
+        link_or_copy(Path(src), Path(dst))
+    else:
+        shutil.copy2(src, dst)

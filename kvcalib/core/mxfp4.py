@@ -1,0 +1,171 @@
+"""MXFP4 experts (GPT-OSS as released, and kvcalib's Neuron form of it): all kvcalib does about them, in one place.
+
+Stored as `<experts>.gate_up_proj_blocks` (FP4 codes) beside `..._scales` (exponents), the same for down_proj.
+Calibrated as they are (transformers dequantizes them as it loads them); the output keeps them, linked, under a
+KV-only config. Neuron reads them by name: jinhuang12/vllm-neuron at ed3580d, vllm_neuron/model/gpt_oss/factory.py
+picks model_bf16.py (dequantizes them at load) or model_mxfp4.py by neuron_config quantization, else by chip (trn3
+mxfp4), and refuses mxfp4 on trn2; vllm-project/vllm-neuron at b8834a3, docs/model-recipes/gpt-oss.md serves the
+released checkpoint on trn2 with its quantization_config emptied. GPU vLLM (0.32) loads them only under its MXFP4
+config, which gives attention no quant method (vllm/model_executor/layers/quantization/mxfp4.py,
+Mxfp4Config.get_quant_method): no KV scale is read, FP8 KV runs at 1.0, so --target gpu is refused and the GPU
+form has the experts in bf16 (`dequantize_mxfp4`).
+
+The transformers internals used, read from transformers 5.17.0 (imported inside the functions; the rest is pure):
+`Mxfp4Config(dequantize=True)` with a config declaring `{"quant_method": "mxfp4"}` (pre-quantized);
+`quantizers.auto.AutoHfQuantizer.from_config(..., pre_quantized=True)`, whose `get_weight_conversions`
+(quantizers/quantizer_mxfp4.py) maps the pairs through `integrations.mxfp4.Mxfp4Dequantize` (the stream engine
+passes it to `conversion_mapping.get_model_conversion_mapping` and `modeling_utils.LoadStateDictConfig`);
+`integrations.mxfp4.convert_moe_packed_tensors`, the module global `dequantize_convertops` calls, swapped while
+loading; `save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcalib.core.checkpoint import Checkpoint
+from kvcalib.core.errors import UnsupportedModelError, UsageError
+from kvcalib.core.fp8 import Target, get_target
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BLOCKS", "DEQUANTIZE_COMMAND", "NEURON_QUANTIZATION", "SCALES", "TRN2_CAUSE", "check_calibration",
+           "dequantize_mxfp4", "dequantized_on_load", "dequantizer", "expert_chunks", "findings", "weights"]
+
+BLOCKS, SCALES = "_blocks", "_scales"
+# The neuron_config quantization vLLM-Neuron's GPT-OSS needs, per chip: model_bf16 on trn2, model_mxfp4 on trn3
+NEURON_QUANTIZATION = {"trn2": "bf16", "trn3": "mxfp4"}
+DEQUANTIZE_COMMAND = ("python -c \"from kvcalib.core.mxfp4 import dequantize_mxfp4; "
+                      "dequantize_mxfp4('MODEL', 'BF16_DIR')\"")
+TRN2_CAUSE = (r"quantization='mxfp4' is not supported on TRN2",
+              "vLLM-Neuron's GPT-OSS runs MXFP4 experts as MXFP4 only on trn3 (vllm_neuron/model/gpt_oss/factory.py)",
+              ("on trn2 serve with --additional-config '{\"neuron_config\": {\"quantization\": \"bf16\"}}' "
+               "(kvcalib's model card and serve-check pass it)"))
+
+
+def weights(keys: Iterable[str]) -> list[str]:
+    """The weights stored as MXFP4 (a `<name>_blocks` and `<name>_scales` pair) among tensor keys: their names."""
+    keys = set(keys)
+    return sorted(k.removesuffix(BLOCKS) for k in keys
+                  if k.endswith(BLOCKS) and k.removesuffix(BLOCKS) + SCALES in keys)
+
+
+def check_calibration(checkpoint: Checkpoint, target: Target, engine: str) -> dict[str, Any]:
+    """calibrate's rules for MXFP4 experts, before any work: refused for GPU and for llm-compressor's engine. What
+    the provenance records of them ({} without them): the Neuron form keeps them, linked."""
+    names = weights(checkpoint.files.key_files)
+    if not names:
+        return {}
+    if not target.neuron:
+        raise UnsupportedModelError(
+            f"{checkpoint.root}: the experts are MXFP4: GPU vLLM's MXFP4 support loads no KV scales (Mxfp4Config "
+            "gives attention no quantization method), so FP8 KV would run at scale 1.0 whatever kvcalib writes",
+            hint=f"for GPU, dequantize the experts to bf16 first and calibrate that checkpoint: {DEQUANTIZE_COMMAND}; "
+                 "for Neuron (--target trn2 or trn3) calibrate the MXFP4 checkpoint as it is")
+    if engine == "llmcompressor":
+        raise UsageError("--engine llmcompressor does not dequantise MXFP4 experts; kvcalib's engines do",
+                         hint="drop --engine llmcompressor (native, or stream for models larger than memory)")
+    return {"mxfp4_weights": len(names), "source_quantization_config": checkpoint.config.get("quantization_config")}
+
+
+def findings(config: dict[str, Any], keys: Iterable[str], target: str) -> list[tuple[str, str, str, str, str]]:
+    """validate's MXFP4 rules, each finding as validate's Finding fields (rule, severity, message, hint, location):
+    CKPT-MXFP4-PAIR, PORT-MXFP4-GPU, PORT-MXFP4-NEURON (the released form gets the platform's NEURON-QCFG-MX)."""
+    keys = set(keys)
+    names = weights(keys)
+    orphans = sorted(k for k in keys if k.endswith((BLOCKS, SCALES)) and "experts" in k
+                     and k.rsplit("_", 1)[0] not in names)
+    found = [("CKPT-MXFP4-PAIR", "error", f"{key}: an MXFP4 tensor without its other half (`_blocks` and `_scales` "
+              "come in pairs): no loader can dequantise it", "restore the weight files from the released checkpoint",
+              key) for key in orphans[:3]]
+    qcfg = config.get("quantization_config")
+    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
+    if names and not get_target(target).neuron:
+        found.append((
+            "PORT-MXFP4-GPU", "error",
+            f"{len(names)} expert weights are MXFP4 ({names[0]}_blocks, ...): GPU vLLM reads them only under its "
+            "MXFP4 config, which loads no KV scales (FP8 KV at scale 1.0)"
+            + ("" if method == "mxfp4" else f", and under this {method or 'missing'} config it cannot load them"),
+            f"calibrate the dequantised form for GPU: {DEQUANTIZE_COMMAND}, then kvcalib calibrate BF16_DIR --target "
+            "gpu", "config.json:quantization_config"))
+    elif names and method != "mxfp4":  # kvcalib's Neuron form
+        quantization = NEURON_QUANTIZATION.get(target, "bf16")
+        found.append((
+            "PORT-MXFP4-NEURON", "info",
+            f"{len(names)} expert weights are MXFP4, kept as released: Neuron's GPT-OSS model reads them by name "
+            f"(on {target}: neuron_config quantization {quantization!r})",
+            f"serve with --kv-cache-dtype fp8 --additional-config '{{\"neuron_config\": {{\"quantization\": "
+            f"\"{quantization}\"}}}}' (the model card's command)", "config.json:quantization_config"))
+    return found
+
+
+def dequantizer(keys: Iterable[str]) -> Any:
+    """transformers' own MXFP4 quantizer, set to dequantize the experts (to bf16, in memory) as they load; None
+    when `keys` hold no MXFP4 weights."""
+    if not weights(keys):
+        return None
+    from transformers import Mxfp4Config
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    return AutoHfQuantizer.from_config(Mxfp4Config(dequantize=True), pre_quantized=True)
+
+
+@contextmanager
+def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, Any]]:
+    """from_pretrained's extra arguments for these tensor keys: with MXFP4 weights, dequantize them (a few experts at
+    a time), `config` (transformers') declaring them whatever config.json says (the Neuron form's is KV-only)."""
+    if not weights(keys):
+        yield {}
+        return
+    from transformers import Mxfp4Config
+
+    config.quantization_config = {"quant_method": "mxfp4"}
+    with expert_chunks():
+        yield {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+@contextmanager
+def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
+    """transformers' MXFP4 dequantisation (`convert_moe_packed_tensors`, as its loader calls it) applied `per_chunk`
+    experts at a time into one result (GPT-OSS-120B gate_up: 4 of 128 are 133 MB in bf16). The values are the same
+    (it decodes element by element, then transposes each expert), the transient memory is a chunk's instead of
+    twice a layer's experts (its whole output, then a transposed copy: +8.5 GB for GPT-OSS-120B's gate_up alone)."""
+    from transformers.integrations import mxfp4 as integration
+
+    original = integration.convert_moe_packed_tensors
+
+    def chunked(blocks: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        experts = blocks.shape[0] if blocks.dim() >= 3 else 0
+        if experts <= per_chunk:
+            return original(blocks, scales, **kwargs)
+        out = None
+        for first in range(0, experts, per_chunk):
+            part = original(blocks[first:first + per_chunk], scales[first:first + per_chunk], **kwargs)
+            out = part.new_empty((experts, *part.shape[1:])) if out is None else out
+            out[first:first + per_chunk] = part
+        return out
+
+    integration.convert_moe_packed_tensors = chunked
+    try:
+        yield
+    finally:
+        integration.convert_moe_packed_tensors = original
+
+
+def dequantize_mxfp4(model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB") -> Path:
+    """Write `model_dir` (MXFP4 experts) again with its experts dequantised to bf16, by transformers' own MXFP4
+    support on the CPU, with the tokenizer and no quantization_config: the form calibrate takes for GPU. Saved
+    without the reverse weight conversion: with it, transformers 5.17 writes names it cannot load back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
+
+    with expert_chunks():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=Mxfp4Config(dequantize=True))
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    model.save_pretrained(output, max_shard_size=max_shard_size, save_original_format=False)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(output)
+    return Path(output)

@@ -1,0 +1,283 @@
+"""eval --context: what the scales do at the context lengths the FP8 cache exists for.
+
+Calibration sees short samples (llm-compressor's default is 2048 tokens); the cache holds long
+ones, and K's absmax grows with both more text and later positions. For each length L, samples
+are packed from the held-out text: its rows joined by a blank line and tokenised once without
+special tokens, then cut into consecutive pieces of L - len(prefix) tokens, each placed after the
+tokens the tokenizer puts before plain text (Llama's and Gemma's BOS), as one long prompt reaches
+a server. Each sample runs once unquantised (the baseline; kvcalib.evaluation.emulate.KVErrorMeter
+measures on its real K/V what every scale set would saturate) and once per scale set with K/V
+stored in FP8 (--saturation-only: the unquantised run alone, no ΔNLL). Per length and scale set:
+
+- per layer, the fraction of K and V elements that saturate, and the absmax seen against the
+  largest value the scale represents (above 1.0, the cache goes past what the scales were sized for);
+- ΔNLL on the last quarter of each sample's positions (where long-range attention lives), with a
+  paired bootstrap interval over 64-token blocks of those positions (neighbouring blocks are not
+  independent: read it as a lower bound on the uncertainty).
+
+Lengths above the model's max_position_embeddings, or whose forward pass would not fit in the
+memory available, are refused before the model loads, naming both numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcalib.core.errors import DatasetError, UsageError
+from kvcalib.core.schema import max_position_embeddings, text_config
+from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.evaluation.emulate import KVErrorMeter, LayerQuantStats
+from kvcalib.evaluation.significance import Interval, paired_bootstrap
+from kvcalib.hf.attention import RecordingCache
+from kvcalib.hf.compute import Float32Weights, compute_path
+from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
+from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
+
+__all__ = ["BLOCK", "ContextResult", "ContextRow", "LongContext", "check_lengths", "evaluate_context", "forward_bytes", "pack", "parse_lengths",
+           "prepare_long_context", "scored_positions"]
+
+BLOCK = 64  # scored positions per bootstrap unit
+MIN_LENGTH = 8  # the last quarter must hold at least two predictions
+MEMORY_SHARE = 0.8  # of the available memory a forward may plan to use
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """One length and scale set: ΔNLL on the last quarter, and per layer what saturates."""
+
+    length: int
+    name: str
+    samples: int
+    tokens: int  # predictions scored (last quarter of every sample)
+    baseline_nll: float
+    delta_nll: float | None  # None: saturation only (no forward with the scale set)
+    interval: Interval | None
+    layers: tuple[LayerQuantStats, ...]
+
+    @property
+    def k_clipped(self) -> float:
+        return max((l.k_clipped for l in self.layers), default=0.0)
+
+    @property
+    def v_clipped(self) -> float:
+        return max((l.v_clipped for l in self.layers), default=0.0)
+
+    def beyond(self, kind: str) -> tuple[float, int]:
+        """(largest absmax / clip threshold over layers, that layer) for kind "k" or "v"."""
+        ratios = [(getattr(l, f"{kind}_absmax") / getattr(l, f"{kind}_clip_at"), l.layer) for l in self.layers
+                  if getattr(l, f"{kind}_clip_at") > 0]
+        return max(ratios, default=(0.0, -1))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"length": self.length, "name": self.name, "samples": self.samples, "tokens": self.tokens,
+                "baseline_nll": self.baseline_nll, "delta_nll": self.delta_nll,
+                "delta_nll_interval": None if self.interval is None else self.interval.to_dict(),
+                "k_clipped_max": self.k_clipped, "v_clipped_max": self.v_clipped,
+                "k_beyond": self.beyond("k")[0], "v_beyond": self.beyond("v")[0],
+                "layers": [l.to_dict() for l in self.layers]}
+
+
+@dataclass(frozen=True)
+class ContextResult:
+    checkpoint: str
+    target: str
+    max_positions: int | None
+    tokens_available: int  # in the packed held-out text
+    memory_bound: int  # the longest length whose forward fits (by forward_bytes)
+    rows: tuple[ContextRow, ...]
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "target": self.target, "max_positions": self.max_positions,
+                "tokens_available": self.tokens_available, "memory_bound": self.memory_bound,
+                "block": BLOCK, "rows": [r.to_dict() for r in self.rows], "seconds": round(self.seconds, 3)}
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """--context L1,L2,...: positive token counts (UsageError otherwise)."""
+    try:
+        lengths = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"--context {text!r}: not a comma-separated list of token counts",
+                         hint="e.g. --context 2048,8192") from None
+    if not lengths:
+        raise UsageError("--context names no length", hint="e.g. --context 2048,8192")
+    return lengths
+
+
+def pack(stream: list[int], prefix: list[int], length: int, count: int) -> list[list[int]]:
+    """Up to `count` samples of `length` tokens: `prefix`, then the next length - len(prefix) tokens of `stream`."""
+    body = length - len(prefix)
+    return [prefix + stream[i * body:(i + 1) * body] for i in range(min(count, len(stream) // body))]
+
+
+def scored_positions(length: int) -> int:
+    """How many of a sample's last positions are scored: its last quarter."""
+    return length // 4
+
+
+def forward_bytes(config: dict[str, Any], length: int, weight_bytes: int) -> int:
+    """A generous estimate of one batch-1 forward's peak memory at `length` tokens: the weights and their float32
+    copies, float32 activations (hidden and MLP), the attention scores of one 256-query block, and the last
+    quarter's logits and log-probabilities over the vocabulary."""
+    text = text_config(config)
+    hidden = int(text.get("hidden_size") or 0)
+    inter = int(text.get("intermediate_size") or 4 * hidden)
+    heads = int(text.get("num_attention_heads") or 1)
+    vocab = int(text.get("vocab_size") or 0)
+    activations = length * (8 * hidden + 3 * inter) * 4
+    scores = 3 * heads * 256 * length * 4
+    logits = 3 * (scored_positions(length) + 1) * vocab * 4
+    return 3 * weight_bytes + activations + scores + logits
+
+
+def memory_bound(config: dict[str, Any], weight_bytes: int, available: int) -> int:
+    """The longest length whose forward_bytes fits MEMORY_SHARE of `available` (0: none does)."""
+    low, high = 0, 1 << 24
+    while low < high:
+        mid = (low + high + 1) // 2
+        if forward_bytes(config, mid, weight_bytes) <= available * MEMORY_SHARE:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def check_lengths(lengths: tuple[int, ...], config: dict[str, Any], where: Path, weight_bytes: int,
+                  available: int) -> int:
+    """Each --context length usable: at least MIN_LENGTH, within max_position_embeddings and memory. Returns the
+    memory bound."""
+    limit = max_position_embeddings(config)
+    bound = memory_bound(config, weight_bytes, available)
+    for length in lengths:
+        if length < MIN_LENGTH:
+            raise UsageError(f"--context {length}: too short to score its last quarter",
+                             hint=f"pass lengths of {MIN_LENGTH} tokens or more")
+        if limit is not None and length > limit:
+            raise UsageError(f"--context {length} is above the model's max_position_embeddings {limit} ({where})",
+                             hint=f"pass lengths up to {limit}")
+        if length > bound:
+            need = forward_bytes(config, length, weight_bytes)
+            raise UsageError(f"--context {length}: one forward needs about {need / 2**30:.1f} GiB, and "
+                             f"{available / 2**30:.1f} GiB is available (up to {bound} tokens fit)",
+                             hint=f"pass lengths up to {bound}, or run where more memory is free")
+    return bound
+
+
+def packed_stream(dataset: str, tokenizer: Any, split: str, text_column: str | None) -> tuple[list[int], list[int]]:
+    """The held-out text as one token stream (rows joined by a blank line, no special tokens), and the prefix."""
+    rows = load_rows(dataset, split)
+    column = resolve_column(list(rows.column_names), text_column, dataset)
+    text = "\n\n".join(str(t) for t in rows[column] if isinstance(t, str) and t.strip())
+    stream = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    return list(stream), list(leading_special_tokens(tokenizer))
+
+
+@dataclass
+class _Sums:
+    nll: list[float]  # per 64-token block of the scored positions, Σ NLL
+    tokens: list[int]
+
+
+def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
+    sums = [float(nll[i:i + BLOCK].double().sum()) for i in range(0, nll.numel(), BLOCK)]
+    return sums, [min(BLOCK, nll.numel() - i) for i in range(0, nll.numel(), BLOCK)]
+
+
+@torch.inference_mode()
+def _last_quarter_nll(model: torch.nn.Module, ids: torch.Tensor, hook: Any) -> torch.Tensor:
+    """NLL of each of the last quarter's tokens [q] (float32), `hook` on every layer's K/V."""
+    q = scored_positions(ids.shape[1])
+    logits = model(input_ids=ids, use_cache=True, past_key_values=RecordingCache(model.config, hook),
+                   logits_to_keep=q + 1).logits[0, :-1].float()
+    return -torch.log_softmax(logits, dim=-1).gather(-1, ids[0, -q:, None])[:, 0]
+
+
+def run_length(model: torch.nn.Module, samples: list[list[int]], quantizers: dict[str, Any], device: torch.device,
+               forward: Any, notify: ProgressCallback, length: int, nll: bool = True) -> tuple[ContextRow, ...]:
+    """Every sample of one length: the baseline with the meter riding along, then (with `nll`) each scale set."""
+    meter = KVErrorMeter(quantizers, device)
+    base, runs = _Sums([], []), {name: _Sums([], []) for name in quantizers}
+    for n, sample in enumerate(samples):
+        notify(Progress(f"context {length}", n, len(samples), n * length, len(samples) * length))
+        ids = torch.tensor([sample], device=device)
+        sums, tokens = _block_sums(forward(ids, meter))
+        base.nll += sums
+        base.tokens += tokens
+        for name, quantizer in quantizers.items() if nll else ():
+            runs[name].nll += _block_sums(forward(ids, quantizer))[0]
+    total = sum(base.tokens)
+    return tuple(ContextRow(
+        length=length, name=name, samples=len(samples), tokens=total, baseline_nll=sum(base.nll) / total,
+        delta_nll=(sum(run.nll) - sum(base.nll)) / total if nll else None,
+        interval=paired_bootstrap([r - b for r, b in zip(run.nll, base.nll)], base.tokens) if nll else None,
+        layers=tuple(meter.layer_stats(name))) for name, run in runs.items())
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """What eval --context and its needle probe share before a forward: the checkpoint and its scale sets checked,
+    the lengths checked, the held-out text as one token stream, the tokenizer."""
+
+    run: Any  # kvcalib.evaluation.pipeline's prepared run
+    quantizers: dict[str, Any]
+    compute: Any
+    memory_bound: int
+    tokenizer: Any
+    stream: list[int]
+    prefix: list[int]
+
+    def load_model(self, opts: Any, notify: ProgressCallback) -> torch.nn.Module:
+        notify(Progress("load-model"))
+        return load_model(self.run.checkpoint, self.run.dtype, self.run.device, opts.trust_remote_code,
+                          attn_implementation=faithful_attention(self.run.checkpoint.config))
+
+
+def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
+                         notify: ProgressCallback) -> LongContext:
+    """Everything checked (scales, lengths against max_position_embeddings and memory) and the text read, before the
+    model loads."""
+    from kvcalib.hf.memory import available_memory
+    from kvcalib.evaluation.pipeline import prepare_scales
+
+    run, quantizers, compute = prepare_scales(checkpoint, opts)
+    ckpt = run.checkpoint
+    weight_bytes = sum(f.stat().st_size for f in ckpt.root.glob("*.safetensors"))
+    bound = check_lengths(lengths, ckpt.config, ckpt.root, weight_bytes, available_memory(run.device).available)
+    notify(Progress("load-data"))
+    tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
+    stream, prefix = packed_stream(dataset, tokenizer, opts.split, opts.text_column)
+    return LongContext(run, quantizers, compute, bound, tokenizer, stream, prefix)
+
+
+def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
+                     progress: ProgressCallback | None = None, nll: bool = True) -> ContextResult:
+    """eval --context (see the module docstring); `opts` an EvalOptions (target, compare, samples per length).
+    Without `nll` (--saturation-only) only the unquantised forward runs: saturation and absmax per scale set, no
+    ΔNLL (one forward per sample instead of one plus one per scale set)."""
+    started = time.perf_counter()
+    notify = progress or no_progress
+    long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
+    packed = {length: pack(long.stream, long.prefix, length, opts.num_samples) for length in lengths}
+    for length, samples in packed.items():
+        if not samples:
+            raise DatasetError(f"{dataset}: {len(long.stream)} tokens of text, too few for one sample of {length} "
+                               f"(--context {length})", hint="pass a longer held-out text, or shorter lengths")
+    model = long.load_model(opts, notify)
+    weights = Float32Weights()
+
+    def forward(ids: torch.Tensor, hook: Any) -> torch.Tensor:
+        with compute_path(long.compute, weights):
+            return _last_quarter_nll(model, ids, hook)
+
+    rows = tuple(row for length, samples in packed.items()
+                 for row in run_length(model, samples, long.quantizers, long.run.device, forward, notify, length, nll))
+    return ContextResult(checkpoint=str(checkpoint), target=opts.target,
+                         max_positions=max_position_embeddings(long.run.checkpoint.config),
+                         tokens_available=len(long.stream), memory_bound=long.memory_bound, rows=rows,
+                         seconds=time.perf_counter() - started)

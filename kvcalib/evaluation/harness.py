@@ -1,0 +1,144 @@
+"""kvcalib's FP8-KV emulation as an lm-eval-harness model (lm-eval 0.4.13, the `[tasks]` extra).
+
+`import kvcalib.evaluation.harness` registers the lm-eval model "kvcalib". lm-eval has no plugin
+discovery, so its stock `lm_eval` command line cannot see it; call it from Python, or use
+`kvcalib eval CKPT --tasks ...`, a thin caller of the same model:
+
+    import lm_eval, kvcalib.evaluation.harness
+    lm_eval.simple_evaluate(model="kvcalib", model_args="pretrained=CKPT,target=trn2,scales=checkpoint",
+                            tasks=["lambada_openai"])
+
+`scales`: `checkpoint` (the checkpoint's own k_scale/v_scale), `unit` (every scale 1.0, what a
+checkpoint without scales runs with), `none` (no quantisation: lm-eval's own HF model, the
+baseline) or the path of another checkpoint whose scales to run with. The model is lm-eval's HFLM
+with one change: every forward, loglikelihood scoring and generation alike, gets a
+kvcalib.hf.attention.QuantizingCache, so K and V are stored as the target chip stores them (the
+quantiser of `kvcalib eval`, kvcalib.evaluation.emulate.KVQuantizer) and every later token, in
+the prompt and in decoding, reads the FP8 values back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from kvcalib.core.options import RunOptions
+from kvcalib.core.cpu import ComputePath, HostCpu
+from kvcalib.core.fp8 import DEFAULT_TARGET
+from kvcalib.core.schema import num_hidden_layers
+from kvcalib.evaluation.emulate import KVQuantizer
+from kvcalib.evaluation.pipeline import CHECKPOINT, UNIT, scale_set
+from kvcalib.hf.attention import QuantizingCache
+from kvcalib.hf.compute import Float32Weights, compute_path
+from kvcalib.hf.model import (
+    faithful_attention,
+    load_model,
+    load_tokenizer,
+    prepare_run,
+    resolve_compute,
+    resolve_target,
+)
+
+__all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load", "quantizer_for"]
+
+BASELINE = "none"  # scales=none: no quantisation
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A checkpoint's model and tokenizer in memory, shared by every scale set a run compares."""
+
+    root: Path
+    config: dict[str, Any]
+    model: torch.nn.Module
+    tokenizer: Any
+    compute: ComputePath
+    weights: Float32Weights  # float32 copies of the weights, kept across forwards (when compute is emulated)
+
+
+def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_compute: str = "auto",
+         trust_remote_code: bool = False, cpu: HostCpu | None = None) -> LoadedModel:
+    """The model as `kvcalib eval` loads it (the attention that computes what the model computes, the compute path
+    for this CPU)."""
+    options = RunOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute)
+    run = prepare_run(checkpoint, options)
+    if cpu is None:
+        cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
+    compute = resolve_compute(bf16_compute, run.dtype, run.checkpoint, run.device, cpu)
+    model = load_model(run.checkpoint, run.dtype, run.device, trust_remote_code,
+                       attn_implementation=faithful_attention(run.checkpoint.config))
+    return LoadedModel(run.checkpoint.root, run.checkpoint.config, model,
+                       load_tokenizer(run.checkpoint.root, trust_remote_code), compute, Float32Weights())
+
+
+def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuantizer | None:
+    """The quantiser of `scales` (see the module docstring) on `target_name`'s numerics; None for the baseline."""
+    target = resolve_target(target_name)
+    if scales == BASELINE:
+        return None
+    chosen = scale_set(scales, loaded.root, num_hidden_layers(loaded.config), target, loaded.config,
+                       what=f"scales={scales}")
+    return KVQuantizer(chosen.k, chosen.v, target)
+
+
+@register_model("kvcalib")
+class KvcalibLM(HFLM):
+    """lm-eval's HFLM whose KV cache is stored in FP8 as `target` stores it (see the module docstring)."""
+
+    def __init__(self, pretrained: str | LoadedModel, target: str = DEFAULT_TARGET, scales: str = CHECKPOINT,
+                 bf16_compute: str = "auto", dtype: str = "auto", device: str = "cpu",
+                 trust_remote_code: bool = False, **kwargs: Any) -> None:
+        loaded = pretrained if isinstance(pretrained, LoadedModel) else load(
+            pretrained, dtype, device, bf16_compute, bool(trust_remote_code))
+        self.loaded = loaded
+        # lm-eval's model_args parser turns "none" into None
+        self.scales = BASELINE if scales is None or str(scales).lower() == BASELINE else str(scales)
+        self.quantizer = quantizer_for(loaded, self.scales, target)
+        super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, **kwargs)
+
+    def _cache(self) -> QuantizingCache:
+        return QuantizingCache(self.model.config, self.quantizer)
+
+    def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
+        # the longest continuation: _model_call's logits need cover no more than that past each row's end
+        self._continuation = max((len(continuation) for _, _, continuation in requests), default=0)
+        try:
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+        finally:
+            self._continuation = 0
+
+    def _logits_to_keep(self, inps: torch.Tensor) -> int:
+        """How many last positions of `inps` lm-eval reads logits at: the longest continuation plus the most
+        right padding of a row (counted as trailing zeros, lm-eval's padding, so never fewer); 0 keeps all.
+
+        HFLM slices each row's continuation relative to the end of the logits it gets, so logits of the last
+        positions only score the same; the language-model head and log-softmax then run over a few positions
+        instead of the whole prompt (for Gemma 3's 262k vocabulary, most of a forward pass)."""
+        if not getattr(self, "_continuation", 0):
+            return 0
+        nonzero = (inps != 0).int()
+        last = torch.where(nonzero.any(dim=1), nonzero.shape[1] - 1 - nonzero.flip(1).argmax(dim=1), -1)
+        keep = self._continuation + int((inps.shape[1] - 1 - last).max())
+        return 0 if keep >= inps.shape[1] else keep
+
+    def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None) -> torch.Tensor:
+        with compute_path(self.loaded.compute, self.loaded.weights):
+            if self.quantizer is None:
+                return super()._model_call(inps, attn_mask, labels)
+            with torch.no_grad():
+                return self.model(inps, past_key_values=self._cache(), use_cache=True,
+                                  logits_to_keep=self._logits_to_keep(inps)).logits
+
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
+                        ) -> torch.Tensor:
+        if self.quantizer is not None:
+            generation_kwargs["past_key_values"] = self._cache()
+        with compute_path(self.loaded.compute, self.loaded.weights):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)

@@ -1,0 +1,250 @@
+"""eval --context L --needle: does the model still find a fact deep in a long prompt when its cache is FP8?
+
+The passkey retrieval test (Mohtashami & Jaggi 2023, "Landmark Attention"), built from the held-out
+text itself, no dataset: for each length L and depth d, a haystack of held-out tokens gets a
+sentence with a random 6-digit key placed at d of its length (at the line break before that point
+when one is near), and a question after it that the model answers by greedy decoding. A trial is
+found when the key's digits are in the first ANSWER_TOKENS decoded tokens.
+
+The order of work follows the chip. On Neuron (trn2, trn3) the prefill ("context encoding") attends
+to the K/V it has just computed, in bf16, and writes them to the FP8 cache; only decoding ("token
+generation") reads the cache (neuronx_distributed_inference/modules/attention/attention_base.py: the
+context-encoding path takes Q, K, V as computed, the token-generation path the K/V cache manager's
+past K/V). So one unquantised prefill serves every scale set: each gets its own cache holding the
+prefill's K/V as the target stores them, and decodes from the same first token. On GPU, vLLM's
+FlashAttention backend writes K/V to the cache first and attends from it
+(vllm/v1/attention/backends/flash_attn.py), so prefill reads FP8 as well: one prefill per scale set.
+
+Per length and scale set: keys found of trials, by depth too, and the paired difference from the
+unquantised cache's rate with its bootstrap interval over trials (each trial runs under every scale
+set, so the comparison is paired); the rate's own interval is Wilson's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcalib.core import fp8
+from kvcalib.core.errors import DatasetError, UsageError
+from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.evaluation.context import prepare_long_context
+from kvcalib.evaluation.significance import Interval, paired_bootstrap, wilson
+from kvcalib.hf.attention import FanOutCache, QuantizingCache
+from kvcalib.hf.compute import Float32Weights, compute_path
+
+__all__ = ["ANSWER_TOKENS", "BASELINE", "DEPTHS", "NEEDLE", "QUESTION", "NeedleResult", "NeedleRow", "Trial",
+           "evaluate_needle", "found", "insertion_point", "line_breaks", "needle_prompts", "prefill_reads_fp8"]
+
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+NEEDLE = "\n\nRemember this: the magic number is {key}. The magic number is {key}.\n\n"
+QUESTION = "\n\nQuestion: what is the magic number? Answer: the magic number is"
+ANSWER_TOKENS = 8  # " 123456" is 1 to 7 tokens in the tokenizers measured; one to spare
+SNAP = 64  # a line break at most this many tokens before the depth's position takes the needle
+BASELINE = "unquantised"
+MIN_HAYSTACK = 16  # tokens of held-out text a prompt must hold besides the needle and the question
+DEFAULT_KEYS = 4  # trials per length x depth when --num-samples is not given
+
+
+def prefill_reads_fp8(target: str) -> bool:
+    """Whether the chip's prefill attends to the FP8 cache (GPU and CPU vLLM) or to the fresh K/V (Neuron)."""
+    return not fp8.get_target(target).neuron
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One prompt: where its haystack came from, where the needle sits, and what each run answered."""
+
+    length: int
+    depth: float
+    key: str
+    offset: int  # first haystack token in the held-out stream
+    position: int  # index of the needle's first token in the prompt
+    answers: dict[str, str]
+
+    def found(self, name: str) -> bool:
+        return found(self.key, self.answers[name])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"length": self.length, "depth": self.depth, "key": self.key, "offset": self.offset,
+                "position": self.position, "answers": dict(self.answers),
+                "found": {name: self.found(name) for name in self.answers}}
+
+
+def found(key: str, answer: str) -> bool:
+    """The key's digits, in order and whole, among the answer's first characters (spaces between digits
+    ignored: some tokenizers decode digits one by one)."""
+    return key in "".join(answer.split())
+
+
+@dataclass(frozen=True)
+class NeedleRow:
+    """One length and run: keys found, by depth, and the paired difference from the unquantised rate."""
+
+    length: int
+    name: str
+    found: int
+    trials: int
+    by_depth: tuple[tuple[float, int, int], ...]  # (depth, found, trials)
+    rate_interval: tuple[float, float]  # Wilson 95%
+    interval: Interval | None  # paired bootstrap of (this run found - unquantised found) over trials; None: baseline
+
+    @property
+    def rate(self) -> float:
+        return self.found / self.trials if self.trials else 0.0
+
+    def verdict(self) -> str:
+        what = f"{self.name} at {self.length:,} tokens"
+        if self.interval is None:
+            return f"{what}: the unquantised cache's own rate"
+        return self.interval.verdict(what, fmt="{:+.1%}", worse_if_higher=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"length": self.length, "name": self.name, "found": self.found, "trials": self.trials,
+                "rate": self.rate, "rate_interval": list(self.rate_interval),
+                "by_depth": [{"depth": d, "found": f, "trials": n} for d, f, n in self.by_depth],
+                "difference": None if self.interval is None else self.interval.to_dict()}
+
+
+@dataclass(frozen=True)
+class NeedleResult:
+    checkpoint: str
+    target: str
+    prefill: str  # "fresh K/V (Neuron)" or "FP8 cache (GPU vLLM)"
+    depths: tuple[float, ...]
+    rows: tuple[NeedleRow, ...]
+    trials: tuple[Trial, ...]
+    seconds: float = 0.0
+    plot: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "target": self.target, "prefill": self.prefill,
+                "depths": list(self.depths), "needle": NEEDLE, "question": QUESTION, "answer_tokens": ANSWER_TOKENS,
+                "rows": [r.to_dict() for r in self.rows], "trials": [t.to_dict() for t in self.trials],
+                "seconds": round(self.seconds, 3), "plot": self.plot}
+
+
+def insertion_point(stream: list[int], start: int, at: int, breaks: set[int]) -> int:
+    """Where in stream[start:] the needle goes for a target index `at` (relative to start): just after the
+    last line-break token within SNAP tokens before it, else `at` itself."""
+    for back in range(min(SNAP, at)):
+        if stream[start + at - back - 1] in breaks:
+            return at - back
+    return at
+
+
+def line_breaks(stream: list[int], tokenizer: Any) -> set[int]:
+    """The ids in `stream` whose text holds a line break."""
+    return {t for t in set(stream) if "\n" in tokenizer.decode([t])}
+
+
+def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length: int, depths: tuple[float, ...],
+                   keys: int, seed: int, breaks: set[int] | None = None) -> list[tuple[Trial, list[int]]]:
+    """keys trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question
+    (`breaks`: line_breaks of the stream, when the caller has them)."""
+    question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    breaks = line_breaks(stream, tokenizer) if breaks is None else breaks
+    rng = random.Random(f"{seed}-{length}")
+    out = []
+    for depth in depths:
+        for _ in range(keys):
+            key = str(rng.randint(100000, 999999))
+            needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+            body = length - len(prefix) - len(needle) - len(question)
+            if body < MIN_HAYSTACK:
+                raise UsageError(f"--context {length} --needle: too short for the needle and the question "
+                                 f"({len(prefix) + len(needle) + len(question)} tokens) and a haystack",
+                                 hint=f"pass lengths of {len(prefix) + len(needle) + len(question) + MIN_HAYSTACK} or more")
+            if len(stream) < body:
+                raise DatasetError(f"{len(stream)} tokens of held-out text, too few for one haystack of {body} "
+                                   f"(--context {length} --needle)", hint="pass a longer held-out text, or shorter lengths")
+            start = rng.randint(0, len(stream) - body)
+            at = insertion_point(stream, start, round(depth * body), breaks)
+            hay = stream[start:start + body]
+            ids = prefix + hay[:at] + needle + hay[at:] + question
+            out.append((Trial(length, depth, key, start, len(prefix) + at, {}), ids))
+    return out
+
+
+@torch.inference_mode()
+def _greedy(model: torch.nn.Module, cache: Any, logits: torch.Tensor, device: torch.device) -> list[int]:
+    """ANSWER_TOKENS greedy tokens after a prefill whose last logits are `logits`, decoding from `cache`."""
+    got: list[int] = []
+    while True:
+        got.append(int(logits[0, -1].argmax()))
+        if len(got) == ANSWER_TOKENS:
+            return got
+        logits = model(input_ids=torch.tensor([[got[-1]]], device=device), past_key_values=cache,
+                       use_cache=True).logits
+
+
+@torch.inference_mode()
+def _prefill(model: torch.nn.Module, ids: list[int], cache: Any, device: torch.device) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
+                 logits_to_keep=1).logits
+
+
+def answer(model: torch.nn.Module, ids: list[int], quantizers: dict[str, Any], reads_fp8: bool,
+           device: torch.device) -> dict[str, list[int]]:
+    """Each run's greedy answer to one prompt: the baseline, then every scale set (see the module docstring for
+    the order of prefill and decode)."""
+    config = model.config
+    if reads_fp8:
+        runs = {BASELINE: QuantizingCache(config, None), **{n: QuantizingCache(config, q) for n, q in quantizers.items()}}
+        return {name: _greedy(model, cache, _prefill(model, ids, cache, device), device) for name, cache in runs.items()}
+    children = {name: QuantizingCache(config, q) for name, q in quantizers.items()}
+    fan = FanOutCache(config, list(children.values()))
+    logits = _prefill(model, ids, fan, device)
+    fan.children = []  # decoding writes each run's own cache only
+    return {BASELINE: _greedy(model, fan, logits, device),
+            **{name: _greedy(model, cache, logits, device) for name, cache in children.items()}}
+
+
+def summarise(trials: list[Trial], names: list[str], depths: tuple[float, ...]) -> tuple[NeedleRow, ...]:
+    rows = []
+    for length in dict.fromkeys(t.length for t in trials):
+        mine = [t for t in trials if t.length == length]
+        base = [int(t.found(BASELINE)) for t in mine]
+        for name in names:
+            hits = [int(t.found(name)) for t in mine]
+            rows.append(NeedleRow(
+                length=length, name=name, found=sum(hits), trials=len(mine),
+                by_depth=tuple((d, sum(int(t.found(name)) for t in mine if t.depth == d),
+                                sum(1 for t in mine if t.depth == d)) for d in depths),
+                rate_interval=wilson(sum(hits), len(mine)),
+                interval=None if name == BASELINE else paired_bootstrap([h - b for h, b in zip(hits, base)])))
+    return tuple(rows)
+
+
+def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any, keys: int | None = None,
+                    progress: ProgressCallback | None = None) -> NeedleResult:
+    """eval --context --needle (see the module docstring); `opts` an EvalOptions (target, compare, seed)."""
+    started = time.perf_counter()
+    notify = progress or no_progress
+    keys = DEFAULT_KEYS if keys is None else keys
+    if keys < 1:
+        raise UsageError(f"--num-samples {keys}: the needle needs at least one key per length and depth",
+                         hint=f"pass --num-samples 1 or more (default {DEFAULT_KEYS} with --needle)")
+    long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
+    breaks = line_breaks(long.stream, long.tokenizer)
+    prompts = [p for length in lengths for p in needle_prompts(long.stream, long.prefix, long.tokenizer, length, DEPTHS,
+                                                               keys, opts.seed, breaks)]
+    model = long.load_model(opts, notify)
+    weights, reads_fp8 = Float32Weights(), prefill_reads_fp8(opts.target)
+    trials, done, total = [], 0, sum(len(ids) for _, ids in prompts)
+    for n, (trial, ids) in enumerate(prompts):
+        notify(Progress(f"needle {trial.length}", n, len(prompts), done, total))
+        with compute_path(long.compute, weights):
+            answers = answer(model, ids, long.quantizers, reads_fp8, long.run.device)
+        trials.append(Trial(trial.length, trial.depth, trial.key, trial.offset, trial.position,
+                            {name: long.tokenizer.decode(tokens) for name, tokens in answers.items()}))
+        done += len(ids)
+    return NeedleResult(checkpoint=str(checkpoint), target=opts.target,
+                        prefill="FP8 cache (GPU vLLM)" if reads_fp8 else "fresh K/V (Neuron)", depths=DEPTHS,
+                        rows=summarise(trials, [BASELINE, *long.quantizers], DEPTHS), trials=tuple(trials),
+                        seconds=time.perf_counter() - started)

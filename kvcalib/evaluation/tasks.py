@@ -1,0 +1,284 @@
+"""eval --tasks: lm-eval-harness tasks under the target chip's FP8 KV numerics, paired against the baseline.
+
+For the unquantised baseline and every scale set (the checkpoint's, `--compare unit`, `--compare
+OTHER_CKPT`), lm-eval runs the same items with its own task definitions, prompts and metrics,
+through kvcalib.evaluation.harness.KvcalibLM (one model in memory, shared). Per task and metric:
+each run's score and, for metrics that are a mean over items (acc, acc_norm, exact_match, ...), a
+paired bootstrap interval of the difference against the baseline over the same items, with a
+verdict. A metric aggregated otherwise (perplexity, corpus BLEU) has no paired per-item form: it is
+reported without an interval, never with a made-up one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.errors import UsageError
+from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.evaluation.options import TaskOptions
+from kvcalib.evaluation.significance import Interval, paired_bootstrap
+
+__all__ = ["BASELINE_NAME", "TaskOptions", "TaskResult", "TaskRow", "check_data", "evaluate_tasks", "paired_rows",
+           "require_lm_eval", "task_manager"]
+
+BASELINE_NAME = "baseline"
+EXTRA_HINT = "install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)"
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One task, metric and filter: the baseline's score, each scale set's, and the paired intervals."""
+
+    task: str
+    metric: str
+    filter: str
+    items: int
+    higher_is_better: bool
+    baseline: float
+    scores: dict[str, float]
+    intervals: dict[str, Interval | None]  # scale set -> paired difference against the baseline (None: no form)
+    no_interval_reason: str = ""
+
+    def verdict(self, name: str) -> str:
+        interval = self.intervals.get(name)
+        if interval is None:
+            return f"no paired interval: {self.no_interval_reason}" if self.no_interval_reason else "no interval"
+        return interval.verdict(self.metric, "{:+.4f}", worse_if_higher=not self.higher_is_better).split(": ", 1)[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task": self.task, "metric": self.metric, "filter": self.filter, "items": self.items,
+                "higher_is_better": self.higher_is_better, "baseline": self.baseline, "scores": self.scores,
+                "intervals": {n: None if i is None else i.to_dict() for n, i in self.intervals.items()},
+                "verdicts": {n: self.verdict(n) for n in self.scores}, "no_interval_reason": self.no_interval_reason}
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    checkpoint: str
+    target: str
+    tasks: tuple[str, ...]
+    rows: tuple[TaskRow, ...]
+    runs: tuple[str, ...]  # the scale sets, in order
+    limit: int | None
+    num_fewshot: int | None
+    compute: str = ""
+    seconds: float = 0.0
+    lm_eval_version: str = ""
+    failures: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "target": self.target, "tasks": list(self.tasks),
+                "runs": list(self.runs), "limit": self.limit, "num_fewshot": self.num_fewshot,
+                "compute": self.compute, "seconds": round(self.seconds, 3), "lm_eval": self.lm_eval_version,
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+def require_lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ImportError:
+        raise UsageError("--tasks needs lm-eval-harness, which is not installed", hint=EXTRA_HINT) from None
+    return lm_eval
+
+
+def task_manager(options: TaskOptions) -> Any:
+    """lm-eval's TaskManager with the user's folders; an unknown task is refused with the close names."""
+    folders = list(options.include_path)
+    if options.task_data is not None:
+        tasks_dir = Path(options.task_data) / "tasks"
+        if not tasks_dir.is_dir():
+            raise UsageError(f"--task-data {options.task_data}: no tasks/ folder of task YAML there",
+                             hint=f"lay it out with: python scripts/prepare_tasks.py {options.task_data}")
+        folders.append(str(tasks_dir))
+    manager = _indexed(tuple(folders), tuple(_mtime(f) for f in folders), options.task_data is not None)
+    known = set(manager.all_tasks)
+    for task in options.tasks:
+        if task not in known:
+            close = difflib.get_close_matches(task, sorted(known), n=5, cutoff=0.6)
+            raise UsageError(f"unknown task {task!r}" + (f"; close names: {', '.join(close)}" if close else ""),
+                             hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path DIR "
+                                  "with its YAML")
+    return manager
+
+
+def _mtime(folder: str) -> int:
+    try:
+        return os.stat(folder).st_mtime_ns
+    except OSError:
+        return -1
+
+
+@functools.lru_cache(maxsize=4)
+def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> Any:
+    """lm-eval's TaskManager over its own tasks and `folders`: indexing every task YAML lm-eval ships takes seconds,
+    so one index serves every call with the same folders unchanged (`mtimes`: a file added or removed re-indexes)."""
+    from lm_eval.tasks import TaskManager
+
+    index_log = logging.getLogger("lm_eval.tasks._index")
+    level = index_log.level
+    if quiet:  # --task-data's YAML overrides lm-eval's on purpose: no warning line per task for that
+        index_log.setLevel(logging.ERROR)
+    try:
+        return TaskManager(include_path=list(folders) or None)
+    finally:
+        index_log.setLevel(level)
+
+
+def check_data(manager: Any, options: TaskOptions) -> None:
+    """Every task's data read once before any model loads: a task whose data cannot be read (offline, no copy)
+    is refused naming it and the way to supply it, instead of failing after the model has run."""
+    for task in options.tasks:
+        hub = _hub_dataset(manager, task)
+        if hub is not None and not _offline_mode() and not _hub_reachable():
+            raise UsageError(f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
+                             hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` and "
+                                  "pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1")
+        try:
+            loaded = manager.load([task])["tasks"]  # {name: Task}, every leaf of a group
+        except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
+            raise UsageError(f"task {task}: its data could not be read ({type(exc).__name__}: {str(exc)[:300]})",
+                             hint="offline: lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py "
+                                  "DIR` and pass --task-data DIR, or give your own task YAML with --include-path") from None
+        if options.num_fewshot:
+            for name, task_obj in loaded.items():
+                pool = _fewshot_pool(task_obj)
+                if pool < options.num_fewshot:
+                    raise UsageError(f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw "
+                                     "from", hint=f"pass --num-fewshot {max(pool - 1, 0)} or less")
+
+
+def _fewshot_pool(task: Any) -> int:
+    """How many documents lm-eval can draw few-shot examples from (the evaluated one excluded where the pool is the
+    evaluated split)."""
+    docs = task.fewshot_docs()
+    size = len(docs) if docs is not None else 0
+    same = docs is not None and any(docs is getattr(task, f"{split}_docs")() for split in ("test", "validation"))
+    return max(size - 1, 0) if same else size
+
+
+LOCAL_BUILDERS = {"json", "arrow", "csv", "parquet", "text", "pandas"}
+
+
+def _hub_dataset(manager: Any, task: str) -> str | None:
+    """The hub dataset `task` reads (None: local files, or not known from its YAML)."""
+    entry = getattr(manager, "task_index", {}).get(task)
+    path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
+    if not isinstance(path, str) or path in LOCAL_BUILDERS or Path(path).exists():
+        return None
+    return path
+
+
+def _offline_mode() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+@functools.cache
+def _hub_reachable(host: str = "huggingface.co") -> bool:
+    """A TCP connection to the hub within 3 s (once per process): where none is possible, a download would only
+    retry for half a minute before failing."""
+    try:
+        with socket.create_connection((host, 443), timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCallback | None = None) -> TaskResult:
+    """Run `options.tasks` for the baseline and each scale set; pair every run with the baseline item by item."""
+    options.check_arguments()
+    notify = progress or no_progress
+    lm_eval = require_lm_eval()
+    from kvcalib.evaluation import harness
+
+    manager = task_manager(options)
+    check_data(manager, options)
+    started = time.perf_counter()
+    notify(Progress("load-model"))
+    loaded = harness.load(checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code)
+    runs = {BASELINE_NAME: (harness.BASELINE, options.target), "checkpoint": (harness.CHECKPOINT, options.target)}
+    runs.update({entry: (entry, options.target) for entry in options.compare})
+    runs.update({name: (scales, target) for name, scales, target in options.extra_runs})
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    scores: dict[str, dict[str, Any]] = {}  # run -> lm-eval's own aggregate results
+    configs: dict[str, Any] = {}
+    for done, (name, (scales, target)) in enumerate(runs.items()):
+        notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs, {len(options.tasks)} task(s)"
+                        + (f", {options.limit} items each)" if options.limit else ")")))
+        model = harness.KvcalibLM(loaded, target=target, scales=scales, batch_size=options.batch_size)
+        out = lm_eval.simple_evaluate(model=model, tasks=list(options.tasks), num_fewshot=options.num_fewshot,
+                                      limit=options.limit, task_manager=manager, log_samples=True,
+                                      random_seed=options.seed, numpy_random_seed=options.seed,
+                                      torch_random_seed=options.seed, fewshot_random_seed=options.seed,
+                                      bootstrap_iters=0)
+        samples[name], scores[name], configs = out["samples"], out["results"], out["configs"]
+    rows = tuple(row for task in options.tasks
+                 for row in paired_rows(task, configs.get(task, {}), samples, scores, list(runs)))
+    return TaskResult(checkpoint=str(checkpoint), target=options.target, tasks=options.tasks, rows=rows,
+                      runs=tuple(runs), limit=options.limit, num_fewshot=options.num_fewshot,
+                      compute=loaded.compute.describe(), seconds=time.perf_counter() - started,
+                      lm_eval_version=getattr(lm_eval, "__version__", ""))
+
+
+def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[dict[str, Any]]]],
+          results: dict[str, dict[str, Any]], names: list[str]) -> list[TaskRow]:
+    """Per metric and filter of `task`: the per-item values of each run, paired by (doc_id, filter); a metric
+    aggregated otherwise than by a mean over items gets lm-eval's own aggregate and no interval."""
+    rows = []
+    for spec in config.get("metric_list", []):
+        metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
+        mean = aggregation == "mean"
+        per_run = {name: _values(samples[name].get(task, []), metric) for name in names}
+        for filter_name in sorted({f for f, _ in per_run[BASELINE_NAME]}):
+            base = {doc: v for (f, doc), v in per_run[BASELINE_NAME].items() if f == filter_name}
+            if not base:
+                continue
+            docs = sorted(base)
+            scores, intervals = {}, {}
+            for name in names[1:]:
+                mine = {doc: v for (f, doc), v in per_run[name].items() if f == filter_name}
+                numeric = mean and all(isinstance(mine.get(d), float) and isinstance(base[d], float) for d in docs)
+                scores[name] = _mean([mine[d] for d in docs]) if numeric else _aggregate(results, name, task, metric,
+                                                                                          filter_name)
+                intervals[name] = paired_bootstrap([mine[d] - base[d] for d in docs]) if numeric else None
+            baseline = _mean(list(base.values())) if mean else _aggregate(results, BASELINE_NAME, task, metric,
+                                                                          filter_name)
+            rows.append(TaskRow(task=task, metric=metric, filter=filter_name, items=len(docs),
+                                higher_is_better=bool(spec.get("higher_is_better", True)), baseline=baseline,
+                                scores=scores, intervals=intervals,
+                                no_interval_reason="" if mean else f"aggregated by {aggregation}, not a mean over items"))
+    return rows
+
+
+def _aggregate(results: dict[str, dict[str, Any]], run: str, task: str, metric: str, filter_name: str) -> float:
+    """lm-eval's own aggregate of `metric` for one run (NaN where it reported none)."""
+    try:
+        return float(results[run][task][f"{metric},{filter_name}"])
+    except (KeyError, TypeError, ValueError):
+        return math.nan
+
+
+def _values(items: list[dict[str, Any]], metric: str) -> dict[tuple[str, int], Any]:
+    """(filter, doc_id) -> the item's value of `metric` (a float where it is a number)."""
+    out = {}
+    for item in items:
+        value = item.get(metric)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            pass
+        out[(item.get("filter", "none"), int(item["doc_id"]))] = value
+    return out
+
+
+def _mean(values: list[Any]) -> float:
+    numbers = [v for v in values if isinstance(v, float)]
+    return math.fsum(numbers) / len(numbers) if numbers and len(numbers) == len(values) else math.nan

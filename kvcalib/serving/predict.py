@@ -1,0 +1,106 @@
+"""kvcalib's own prediction of what the server should measure, next to what it measured.
+
+The same fixed text serve-check scores on the server (prompts.NLL_TEXT) is run in-process
+through kvcalib's eval emulation: the model with an unquantised KV cache, then with K and V
+quantised to FP8 with the serving chip's numerics (E4M3 clamped at 240 on trn2, 448 on
+trn3 and GPU, and vLLM CPU's truncating cast on cpu: core.fp8.EMULATED) and the checkpoint's scales, and with the canary's and 1.0 scales too.
+`predicted ΔNLL` (FP8 minus unquantised) then sits next to `served ΔNLL` (FP8 server minus
+the baseline server); on Neuron, where a baseline costs a second compile, the prediction
+stands in for it.
+
+Both sides score every token of the text, so the two are paired token by token: `delta_intervals`
+puts a 95 % interval on the served ΔNLL, the predicted one and their difference, resampling blocks
+of BLOCK_TOKENS consecutive tokens (a block bootstrap: neighbouring tokens are not independent).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcalib.core.cpu import HostCpu
+
+__all__ = ["BLOCK_TOKENS", "Prediction", "delta_intervals", "predict"]
+
+BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Prediction:
+    target: str  # the numerics emulated
+    baseline_nll: float  # unquantised KV
+    nll: float  # the checkpoint's scales
+    delta_nll: float
+    unit_delta_nll: float | None = None  # every scale 1.0
+    canary_delta_nll: float | None = None  # the canary's scales
+    seconds: float = 0.0
+    token_delta: tuple[float, ...] = ()  # per scored token: the checkpoint's NLL minus the unquantised one
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "baseline_nll": self.baseline_nll, "nll": self.nll,
+                "delta_nll": self.delta_nll, "unit_delta_nll": self.unit_delta_nll,
+                "canary_delta_nll": self.canary_delta_nll, "seconds": round(self.seconds, 3)}
+
+
+def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = None, unit: bool = True,
+            cpu: HostCpu | None = None) -> Prediction:
+    """The emulated NLLs of `text` (one sample, as the server scores it) for the checkpoint's scales and the others.
+    kvcalib.evaluate (torch, transformers) is imported here, on the first prediction: `import kvcalib.serving` stays
+    light for the server-only paths (tests/test_layering.py)."""
+    from kvcalib.evaluation.pipeline import EvalOptions, evaluate
+    from kvcalib.evaluation.pipeline import UNIT
+
+    compare = ((UNIT,) if unit else ()) + ((str(canary),) if canary is not None else ())
+    with tempfile.TemporaryDirectory(prefix="kvcalib-predict-") as tmp:
+        data = Path(tmp) / "probe.jsonl"
+        data.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+        result = evaluate(checkpoint, str(data), EvalOptions(target=target, num_samples=1, max_seq_len=4096,
+                                                              batch_size=1, compare=compare, cpu=cpu, layer_rows=0))
+    runs = {run.name: run for run in result.runs}
+    own = result.runs[0]
+    return Prediction(
+        target=target, baseline_nll=result.baseline_nll, nll=own.nll, delta_nll=own.delta_nll,
+        unit_delta_nll=runs[UNIT].delta_nll if unit else None,
+        canary_delta_nll=runs[str(canary)].delta_nll if canary is not None else None,
+        seconds=result.seconds, token_delta=tuple((own.token_nll - result.baseline_token_nll).tolist()),
+    )
+
+
+def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], prediction: Prediction | None,
+                    warnings: list[str]) -> dict[str, Any]:
+    """Intervals ("served", "predicted", "served_minus_predicted": Interval.to_dict() or None) from per-token NLLs:
+    the baseline and FP8 servers' (`baseline` None: no baseline server), and the prediction's ΔNLL per token
+    (None: no prediction). Why an interval is missing is appended to `warnings`."""
+    from kvcalib.evaluation.significance import paired_bootstrap
+
+    predicted = None if prediction is None else prediction.token_delta
+
+    def blocks(values: Sequence[float]) -> tuple[list[float], list[int]]:
+        starts = range(0, len(values), BLOCK_TOKENS)
+        return [sum(values[i:i + BLOCK_TOKENS]) for i in starts], [len(values[i:i + BLOCK_TOKENS]) for i in starts]
+
+    def interval(values: Sequence[float] | None) -> dict[str, Any] | None:
+        if values is None:
+            return None
+        found = paired_bootstrap(*blocks(values))
+        return None if found is None else {**found.to_dict(), "method": f"paired bootstrap over blocks of "
+                                           f"{BLOCK_TOKENS} tokens, {found.method.split(', ', 1)[1]}"}
+
+    served = None if baseline is None else [f - b for f, b in zip(fp8, baseline)]
+    if baseline is not None and len(baseline) != len(fp8):
+        served = None
+        warnings.append(f"the baseline server scored {len(baseline)} tokens and the FP8 server {len(fp8)}: no served "
+                        "interval")
+    difference = None
+    if served is not None and predicted is not None:
+        if len(predicted) == len(served):
+            difference = [s - p for s, p in zip(served, predicted)]
+        else:
+            warnings.append(f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: the two "
+                            "tokenised the text differently, so served and predicted are not paired")
+    return {"served": interval(served), "predicted": interval(predicted),
+            "served_minus_predicted": interval(difference)}

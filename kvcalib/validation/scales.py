@@ -1,0 +1,428 @@
+"""The scales Neuron will read, and the FP8 range they were sized for (rules 3 and 5 of
+`kvcalib.validate`).
+
+Only the scale tensors themselves are read (a few bytes each, at their header offsets).
+Nothing here raises on anything a checkpoint can hold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcalib.core import checkpoint
+from kvcalib.core.checkpoint import CheckpointFiles, read_json
+from kvcalib.core.errors import KvcalibError
+from kvcalib.core.fp8 import (
+    DEFAULT_TARGET,
+    SCALE_FLOOR,
+    SCALE_ROUNDING_TOLERANCE,
+    TARGETS,
+    bf16_reciprocal_ok,
+    get_target,
+    implied_fp8_max,
+)
+from kvcalib.core.schema import (
+    ATTN_HEAD,
+    KV_KINDS,
+    NEURON_ALT_LAYERS_PREFIX,
+    NEURON_LAYERS_PREFIX,
+    PROVENANCE_FILENAME,
+    PROVENANCE_METADATA_KEY,
+    head_counts,
+    neuron_scale_key,
+    num_hidden_layers,
+    parse_foreign_scale_key,
+    parse_neuron_scale_key,
+)
+from kvcalib.validation.clips import clipped_unscored, finite_number
+from kvcalib.validation.config import declared_kv_cache_scheme
+from kvcalib.validation.heads import per_head_findings
+from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
+
+__all__ = ["ScaleCheck", "range_findings", "scale_findings"]
+
+_SCALAR_CRASH = "IndexError: slice() cannot be applied to a 0-dim tensor."
+
+
+@dataclass
+class ScaleCheck:
+    """What rule 3 learned, for rule 5: the layer prefix and every well-formed scale's value."""
+
+    prefix: str = NEURON_LAYERS_PREFIX
+    values: dict[str, float] = field(default_factory=dict)
+    present: bool = False  # any KV scale at all, under any name
+    files: set[str] = field(default_factory=set)  # files holding Neuron-named scales
+    target: str = DEFAULT_TARGET
+    per_head: bool = False  # kv_cache_scheme strategy attn_head: one scale per KV head (GPU vLLM)
+    heads: dict[str, int | None] = field(default_factory=dict)  # kind -> head count from config.json
+    zero: dict[str, list[int]] = field(default_factory=dict)  # kind -> the layers whose scale is 0.0
+
+
+def _layers_prefix(keys: list[str]) -> str:
+    prefixes = {parsed[0] for parsed in map(parse_neuron_scale_key, keys) if parsed}
+    if NEURON_LAYERS_PREFIX in prefixes:
+        return NEURON_LAYERS_PREFIX
+    alt = NEURON_ALT_LAYERS_PREFIX + "."
+    if NEURON_ALT_LAYERS_PREFIX in prefixes or any(k.startswith(alt) for k in keys):
+        return NEURON_ALT_LAYERS_PREFIX
+    return NEURON_LAYERS_PREFIX
+
+
+def scale_findings(
+    config: dict[str, Any], scan: CheckpointFiles, scheme_declared: bool, target: str
+) -> tuple[list[Finding], ScaleCheck]:
+    """Rule 3: every layer's k_scale and v_scale, under the exact name Neuron reads."""
+    findings: list[Finding] = []
+    scheme = declared_kv_cache_scheme(config)
+    check = ScaleCheck(prefix=_layers_prefix(sorted(scan.key_files)), target=target, heads=head_counts(config),
+                       per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD)
+    own, foreign = _sort_scale_keys(scan, check)
+    check.present = bool(own or foreign)
+    if not check.present:
+        findings.append(Finding(
+            "SCALE-NONE",
+            ERROR if scheme_declared else WARNING,
+            "no KV-cache scales in the checkpoint: not calibrated; with --kv-cache-dtype fp8 every "
+            "layer runs with K and V scales 1.0"
+            + (" although quantization_config declares a kv_cache_scheme" if scheme_declared else ""),
+            "run kvcalib calibrate to write per-layer scales"
+            + (f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold them"
+               if scan.unreadable else ""),
+            None,
+        ))
+        return findings, check
+    n_layers = num_hidden_layers(config)
+    layers: list[int] | range = range(n_layers or 0)
+    if n_layers is None:
+        layers = sorted({layer for layer, _ in [*own, *foreign]})
+        n_layers = layers[-1] + 1
+        findings.append(Finding(
+            "SCALE-LAYER-COUNT",
+            WARNING,
+            f"config.json has no usable num_hidden_layers: checked only the layers the scales name "
+            f"({_layer_list(layers)})",
+            "the Neuron model needs num_hidden_layers (top level, or under text_config)",
+            "config.json:num_hidden_layers",
+        ))
+    for layer in layers:
+        for kind in KV_KINDS:
+            findings += _check_one(scan, check, layer, kind, own.get((layer, kind)), foreign.get((layer, kind)))
+    findings = _all_zero(findings, check, len(layers))
+    findings += _whole_set_findings(check, own, n_layers, 2 * len(layers), scheme_declared, target)
+    return findings, check
+
+
+def _all_zero(findings: list[Finding], check: ScaleCheck, n_layers: int) -> list[Finding]:
+    """SCALE-ALL-ZERO: every K (or V) scale 0.0, one error naming the layers in place of one per layer
+    (llm-compressor has published such checkpoints; 0 is what an observer that never saw K or V leaves).
+    Served, dividing by the scale gives inf and NaN."""
+    for kind in KV_KINDS:
+        zero = check.zero.get(kind, [])
+        if n_layers < 2 or len(zero) < n_layers:
+            continue
+        names = {f"{check.prefix}.{layer}.self_attn.{kind}_scale" for layer in zero}
+        findings = [f for f in findings if not (f.rule == "SCALE-VALUE" and f.location.rsplit(":", 1)[-1] in names)]
+        findings.append(Finding(
+            "SCALE-ALL-ZERO", ERROR,
+            f"every {kind}_scale is 0.0 (layers {_layer_list(zero)}): no {kind.upper()} was observed, and served "
+            f"with FP8 KV every {kind.upper()} becomes inf or NaN (x / 0)",
+            "recalibrate, e.g. `kvcalib calibrate`; with llm-compressor, check that its KV observer hooks this "
+            "model's attention class (a non-zero scale on each layer)",
+            f"{check.prefix}.*.self_attn.{kind}_scale",
+        ))
+    return findings
+
+
+def _sort_scale_keys(scan: CheckpointFiles, check: ScaleCheck
+                     ) -> tuple[dict[tuple[int, str], str], dict[tuple[int, str], list[str]]]:
+    """(layer, kind) -> the key under the chosen prefix; (layer, kind) -> the names Neuron ignores."""
+    own: dict[tuple[int, str], str] = {}
+    foreign: dict[tuple[int, str], list[str]] = {}
+    for key in sorted(scan.key_files):
+        parsed = parse_neuron_scale_key(key)
+        if parsed and parsed[0] == check.prefix:
+            own[(parsed[1], parsed[2])] = key
+            check.files.add(scan.file_of(key))
+            continue
+        if parsed:  # the right leaf name under a prefix Neuron does not read
+            layer, kinds = parsed[1], (parsed[2],)
+        else:
+            other = parse_foreign_scale_key(key)
+            if other is None:
+                continue
+            layer, kinds = other[0], ((other[1],) if other[1] else KV_KINDS)
+        for kind in kinds:
+            foreign.setdefault((layer, kind), []).append(key)
+    return own, foreign
+
+
+def _whole_set_findings(check: ScaleCheck, own: dict[tuple[int, str], str], n_layers: int, expected: int,
+                        scheme_declared: bool, target: str) -> list[Finding]:
+    """What the scales say together: extra layers, all 1.0, no kv_cache_scheme beside them."""
+    findings = []
+    extra = sorted(key for (layer, _), key in own.items() if layer >= n_layers)
+    if extra:
+        findings.append(Finding(
+            "SCALE-EXTRA-LAYER",
+            WARNING,
+            f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for layers the "
+            f"model does not have (num_hidden_layers = {n_layers}); they are never read",
+            "check that the scales come from this model",
+            None,
+        ))
+    if expected and len(check.values) == expected and all(v == 1.0 for v in check.values.values()):
+        findings.append(Finding(
+            "SCALE-UNCALIBRATED",
+            WARNING,
+            "every K and V scale is exactly 1.0: the checkpoint looks uncalibrated (the same as no scales)",
+            "run kvcalib calibrate to measure real per-layer scales",
+            None,
+        ))
+    if not scheme_declared and own:
+        findings.append(Finding(
+            "SCALE-NO-KV-SCHEME",
+            WARNING if get_target(target).neuron else ERROR,
+            "KV scales are present but quantization_config declares no kv_cache_scheme: GPU vLLM "
+            "does not load them and runs FP8 KV with scales 1.0 (Neuron reads them with "
+            "--kv-cache-dtype fp8)",
+            "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
+            "config.json:quantization_config",
+        ))
+    return findings
+
+
+def _layer_list(layers: list[int]) -> str:
+    if len(layers) > 2 and layers[-1] - layers[0] + 1 == len(layers):  # sorted, distinct: a run
+        return f"{layers[0]}..{layers[-1]}"
+    return ", ".join(map(str, layers[:8])) + (" ..." if len(layers) > 8 else "")
+
+
+def _check_one(
+    scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, key: str | None, others: list[str] | None
+) -> list[Finding]:
+    expected = neuron_scale_key(layer, kind, check.prefix)
+    what = f"layer {layer}'s {kind.upper()} cache runs with scale 1.0 on Neuron (no error, no log line)"
+    if key is None and others:
+        return [Finding(
+            "SCALE-FOREIGN-NAME",
+            ERROR,
+            f"found {', '.join(others)} but Neuron reads only {expected}: {what}",
+            f"store the scale as {expected} (float32, shape [1])",
+            f"{scan.file_of(others[0])}:{others[0]}",
+        )]
+    if key is None:
+        hint = "recalibrate, or add the missing scale (float32, shape [1])"
+        if scan.unreadable:
+            hint += f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold it"
+        return [Finding("SCALE-MISSING", ERROR, f"{expected} is missing: {what}", hint, expected)]
+    header = scan.header_of(key)
+    location = f"{header.path.name}:{key}"
+    info = header.tensors[key]
+    findings = []
+    if info.dtype != "F32":
+        findings.append(Finding("SCALE-DTYPE", WARNING, f"{key} is {info.dtype}, not F32",
+                                "write scales as float32, shape [1]", location))
+    if info.shape == ():
+        return findings + [Finding(
+            "SCALE-SHAPE", ERROR, f"{key} has shape [] (a 0-d scalar): the Neuron loader crashes with {_SCALAR_CRASH}",
+            "write the scale with shape [1]", location,
+        )]
+    if check.per_head and not get_target(check.target).neuron:
+        more, heads = per_head_findings(header, key, kind, check.heads.get(kind), location)
+        if heads is not None:
+            check.values[key] = max(heads)
+            findings += _implausible(key, max(heads), location)
+        return findings + more
+    if math.prod(info.shape) != 1:
+        return findings + [_many_values(key, info.shape, check.per_head, location)]
+    try:
+        value = checkpoint.read_values(header, key, 1)[0]
+    except KvcalibError as exc:
+        return findings + [Finding("SCALE-UNREADABLE", ERROR, exc.message, exc.hint, location)]
+    if value == 0:
+        check.zero.setdefault(kind, []).append(layer)
+    if not math.isfinite(value) or value <= 0:
+        problem = "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
+        findings.append(Finding(
+            "SCALE-VALUE", ERROR, f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
+            "recalibrate; a layer that saw only zeros still needs a tiny positive scale", location,
+        ))
+    elif not bf16_reciprocal_ok(value):
+        findings.append(Finding(
+            "SCALE-VALUE", ERROR,
+            f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which Neuron stores, is not finite and non-zero",
+            "recalibrate; scales must stay within bf16's range", location,
+        ))
+    else:
+        check.values[key] = value
+        findings += _implausible(key, value, location)
+    return findings
+
+
+def _many_values(key: str, shape: tuple[int, ...], per_head: bool, location: str) -> Finding:
+    numel = math.prod(shape)
+    return Finding(
+        "SCALE-SHAPE", ERROR,
+        f"{key} has shape {list(shape)} ({numel} values, e.g. per-head): the Neuron loader's reshape "
+        f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
+        "Neuron takes one per-tensor scale per layer: write float32, shape [1]"
+        + ("; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)" if per_head else ""),
+        location,
+    )
+
+
+# Bounds outside which no real K or V needs the scale. Above 64 = 2^6, x / s maps every value
+# of magnitude <= 1 below E4M3's smallest normal 2^-6 (a subnormal, 3 bits or fewer); below
+# 1e-6 the scale is sized for an absmax under 0.00045 even at 448, and larger values saturate.
+IMPLAUSIBLY_LARGE_SCALE = 64.0
+IMPLAUSIBLY_SMALL_SCALE = 1e-6
+
+
+def _implausible(key: str, value: float, location: str) -> list[Finding]:
+    if IMPLAUSIBLY_SMALL_SCALE <= value <= IMPLAUSIBLY_LARGE_SCALE:
+        return []
+    if value > IMPLAUSIBLY_LARGE_SCALE:
+        why = (f"above {IMPLAUSIBLY_LARGE_SCALE:g}, every K/V value of magnitude 1 or less becomes an FP8 "
+               "subnormal (x / s < 2^-6) and loses its precision")
+    else:
+        why = (f"below {IMPLAUSIBLY_SMALL_SCALE:g}, it is sized for an absmax under {value * _LARGEST_MAX:.3g}, and "
+               "every larger value saturates (a layer that saw only zeros while calibrating gets such a floor)")
+    return [Finding("SCALE-IMPLAUSIBLE", WARNING, f"{key} = {value:.3g}: no real K/V needs this scale; {why}",
+                    "recalibrate it (kvcalib calibrate), or check the tool that wrote it", location)]
+
+
+_LARGEST_MAX = max(t.fp8_max for t in TARGETS.values())  # OCP E4M3FN's 448: llm-compressor's and GPU vLLM's
+
+
+def _larger_convention(target: str) -> str:
+    """What scales sized for the largest FP8 max in the table do on `target`, when its max is smaller."""
+    own = TARGETS[target].fp8_max
+    if own >= _LARGEST_MAX:
+        return ""
+    return (f": scales sized as absmax/{_LARGEST_MAX:g} (llm-compressor, GPU vLLM) clip every value above "
+            f"{own:g}/{_LARGEST_MAX:g} ≈ {own / _LARGEST_MAX:.2f} of a layer's absmax on {target}")
+
+
+def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> list[Finding]:
+    """Rule 5: the FP8 max the scales were sized for, from kvcalib's provenance, against the target."""
+    if not check.present:
+        return []
+    findings: list[Finding] = []
+    sources = _provenance_sources(scan, check, findings)
+    if not sources:
+        return findings + [Finding(
+            "RANGE-UNKNOWN",
+            INFO,
+            "scales present, FP8 max unknown (no kvcalib provenance)" + _larger_convention(target),
+            "recalibrate with kvcalib calibrate --target to be sure of the range",
+            None,
+        )]
+    (where, provenance), *rest = sources
+    fp8_max = provenance.get("fp8_max")
+    for other_where, other in rest:
+        if other.get("fp8_max") != fp8_max:
+            findings.append(Finding(
+                "RANGE-PROVENANCE-DISAGREES", WARNING,
+                f"{where} says fp8_max {short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
+                "recalibrate to get one consistent record", where,
+            ))
+    if finite_number(fp8_max) is None or fp8_max <= 0:
+        return findings + [_malformed_provenance(where, f"fp8_max is {short_repr(fp8_max)}, not a positive number")]
+    fp8_max = float(fp8_max)
+    target_max = TARGETS[target].fp8_max
+    calibrated_for = provenance.get("target")
+    sized = f"scales were sized for FP8 max {fp8_max:g}" + (
+        f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else ""
+    )
+    larger = fp8_max > target_max * (1 + 1e-6)
+    clipped = [] if larger else clipped_unscored(provenance, where, target)  # (a larger max is an error already)
+    if larger:
+        findings.append(Finding(
+            "RANGE-TARGET-MISMATCH", ERROR,
+            f"{sized}, but {target} saturates at {target_max:g}: values above "
+            f"{target_max:g}/{fp8_max:g} ≈ {target_max / fp8_max:.2f} of each layer's absmax clip",
+            f"recalibrate with kvcalib calibrate --target {target} "
+            "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)",
+            where,
+        ))
+    elif fp8_max < target_max * (1 - 1e-6) and not clipped:  # "safe" unless a clip was never scored there
+        findings.append(Finding(
+            "RANGE-TARGET-MISMATCH", INFO,
+            f"{sized}; {target} saturates at {target_max:g}: safe, using {fp8_max:g}/{target_max:g} "
+            f"≈ {fp8_max / target_max:.2f} of the FP8 range",
+            f"recalibrate with --target {target} for the full range", where,
+        ))
+    return findings + clipped + _compare_layers(provenance, where, fp8_max, check)
+
+
+def _provenance_sources(scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]) -> list[tuple[str, dict]]:
+    sources: list[tuple[str, dict]] = []
+    path = scan.root / PROVENANCE_FILENAME
+    if path.exists():
+        try:
+            data = read_json(path, "kvcalib provenance")
+        except KvcalibError as exc:
+            findings.append(_malformed_provenance(PROVENANCE_FILENAME, exc.message))
+        else:
+            sources.append((PROVENANCE_FILENAME, data))
+    for name in sorted(check.files):
+        raw = (scan.headers[name].metadata or {}).get(PROVENANCE_METADATA_KEY)
+        if raw is None:
+            continue
+        where = f"{name}:__metadata__[{PROVENANCE_METADATA_KEY!r}]"
+        try:
+            sources.append((where, json.loads(raw)))
+        except (ValueError, RecursionError) as exc:
+            findings.append(_malformed_provenance(where, f"not valid JSON ({exc})"))
+    valid = [(where, data) for where, data in sources if isinstance(data, dict)]
+    findings += [
+        _malformed_provenance(where, "not a JSON object") for where, data in sources if not isinstance(data, dict)
+    ]
+    return valid
+
+
+def _malformed_provenance(where: str, problem: str) -> Finding:
+    return Finding(
+        "RANGE-PROVENANCE-MALFORMED", WARNING, f"kvcalib provenance {where}: {problem}; FP8 max unknown",
+        "recalibrate with kvcalib calibrate to rewrite it", where,
+    )
+
+
+def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCheck) -> list[Finding]:
+    layers = provenance.get("layers")
+    if layers is None:
+        return []
+    if not isinstance(layers, list):
+        return [_malformed_provenance(where, f"layers is {type(layers).__name__}, not a list")]
+    disagree: list[str] = []
+    for entry in layers:
+        layer = entry.get("layer") if isinstance(entry, dict) else None
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            continue
+        for kind in KV_KINDS:
+            key = neuron_scale_key(layer, kind, check.prefix)
+            actual = check.values.get(key)
+            recorded = finite_number(entry.get(f"{kind}_scale"))
+            # what the scale was sized for: the clip the scale objective chose (k_range), else the absmax
+            absmax = finite_number(entry.get(f"{kind}_range", entry.get(f"{kind}_absmax")))
+            if actual is None:
+                continue
+            if recorded is not None and abs(recorded - actual) > 1e-5 * max(abs(recorded), abs(actual)):
+                disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
+            elif absmax is not None and absmax > 0 and actual > SCALE_FLOOR * 2:
+                implied = implied_fp8_max(absmax, actual)
+                # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
+                if abs(implied - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max:
+                    disagree.append(
+                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}"
+                    )
+    if not disagree:
+        return []
+    return [Finding(
+        "RANGE-PROVENANCE-DISAGREES", WARNING,
+        f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
+        "the scales were edited after calibration; recalibrate, or trust neither", where,
+    )]
