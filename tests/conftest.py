@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -60,6 +59,54 @@ def text_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def short_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A jsonl file of 8 short fortunes (80 characters each): data for runs whose numbers no test reads."""
+    path = tmp_path_factory.mktemp("short") / "data.jsonl"
+    return write_jsonl(path, [{"text": t} for t in fortune_texts(8, chars=80)])
+
+
+@pytest.fixture(scope="session")
+def calibrate_tiny(tiny_llama_master: Path, text_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`calibrate_tiny(**options)`: the tiny Llama calibrated on `text_dataset` with CalibrateOptions(**options)
+    (8 samples of 64 tokens unless they say otherwise), once a session for each set of options. Shared by every
+    test that asks for the same options: do not modify it (copy it first); the session's end checks that."""
+    from oracle import tree_digest
+
+    from kvcalib.calibration.options import CalibrateOptions
+    from kvcalib.calibration.pipeline import calibrate
+
+    made: dict[str, tuple[Path, dict[str, str]]] = {}
+
+    def run(**options) -> Path:
+        options = {"num_samples": 8, "max_seq_len": 64, **options}
+        key = repr(sorted(options.items()))
+        if key not in made:
+            out = tmp_path_factory.mktemp("calibrated") / "ckpt"
+            calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(**options))
+            made[key] = out, tree_digest(out)
+        return made[key][0]
+
+    yield run
+    for out, digest in made.values():
+        assert tree_digest(out) == digest, f"a test modified the shared calibrated checkpoint {out}"
+
+
+@pytest.fixture(scope="session")
+def calibrated(calibrate_tiny) -> Path:
+    """The tiny Llama calibrated for trn2 with calibrate_tiny's defaults (a real run). Do not modify."""
+    return calibrate_tiny()
+
+
+@pytest.fixture(scope="session")
+def handmade_master(tiny_llama_master: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama made a calibrated checkpoint by hand, with known scales (tests/support/checkpoints.py).
+    Do not modify: copy it."""
+    from checkpoints import make_calibrated
+
+    return make_calibrated(shutil.copytree(tiny_llama_master, tmp_path_factory.mktemp("handmade") / "ckpt"))
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real SmolLM2-135M-Instruct as a safetensors checkpoint (converted once)."""
     return smollm2_checkpoint(tmp_path_factory.mktemp("smollm2"))
@@ -72,6 +119,14 @@ def task_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny lm-eval tasks as local YAML over six items (tests/support/tasks.py): an --include-path."""
+    from tasks import write_tiny_tasks
+
+    return write_tiny_tasks(tmp_path_factory.mktemp("tiny-tasks"))
+
+
+@pytest.fixture(scope="session")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real Gemma-3-270M (base; its tokenizer adds <bos>) as a bf16 safetensors checkpoint."""
     return real_model_checkpoint("gemma3-270m", tmp_path_factory.mktemp("gemma3"))
@@ -81,15 +136,6 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def qwen25(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real Qwen2.5-Coder-0.5B-Instruct (q/k/v biases, K absmax ~200) as a bf16 safetensors checkpoint."""
     return real_model_checkpoint("qwen2.5-coder-0.5b", tmp_path_factory.mktemp("qwen25"))
-
-
-@pytest.fixture
-def read_json():
-    def _read(path: Path):
-        with open(path) as f:
-            return json.load(f)
-
-    return _read
 
 
 # --- real-world proofs: each one's tests say what ran and what was skipped, and why ----------------

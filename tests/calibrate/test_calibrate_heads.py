@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_scale_sized
+from helpers import assert_scale_sized, scale_bits
 from oracle import calibration_sequences, oracle_heads
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -25,10 +25,6 @@ from kvcalib.validation.pipeline import validate_checkpoint
 
 SMALL = dict(num_samples=12, max_seq_len=256)
 PER_HEAD = dict(target="gpu", strategy="attn_head", attention_scales=True)
-
-
-def scale_bits(ckpt) -> dict[str, list[int]]:
-    return {k: v.view(torch.int32).reshape(-1).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
 
 
 @pytest.mark.parametrize("batch_size", [1, 5])

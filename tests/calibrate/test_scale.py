@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, SCRIPTS, SUPPORT, build_tokenizer
+from helpers import REPO, SCRIPTS, SUPPORT, build_tokenizer, scale_bits
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -32,7 +32,7 @@ from kvcalib.hf.memory import (
 from kvcalib.calibration.ranks import Ranks
 from kvcalib.cli import app
 from kvcalib.core.errors import UsageError
-from kvcalib.core.schema import PROVENANCE_FILENAME, SCALES_FILENAME
+from kvcalib.core.schema import PROVENANCE_FILENAME
 from kvcalib.hf.data import batches
 
 SMALL = dict(num_samples=12, max_seq_len=64, batch_size=4)
@@ -40,11 +40,6 @@ SMALL = dict(num_samples=12, max_seq_len=64, batch_size=4)
 
 def absmax(result) -> list[tuple[float, float]]:
     return [(layer.k.absmax, layer.v.absmax) for layer in result.layers]
-
-
-def scale_bits(ckpt: Path) -> dict[str, list[int]]:
-    """Every scale as its float32 bit pattern: equality here is bit-for-bit."""
-    return {k: v.view(torch.int32).reshape(-1).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
 
 
 def build_tiny(arch: str, out: Path) -> Path:

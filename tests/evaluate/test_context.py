@@ -32,10 +32,8 @@ from kvcalib.hf.model import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def calibrated(tiny_llama_master, text_dataset, tmp_path_factory):
-    root = tmp_path_factory.mktemp("context")
-    calibrate(tiny_llama_master, str(text_dataset), root / "cal", CalibrateOptions(num_samples=4, max_seq_len=16))
-    return root / "cal", scaled_copy(root / "cal", root / "small", 1 / 8)  # scales sized for far less: clips
+def small(calibrated, tmp_path_factory):
+    return scaled_copy(calibrated, tmp_path_factory.mktemp("context") / "small", 1 / 8)  # sized for far less: clips
 
 
 def test_samples_are_the_prefix_then_consecutive_pieces_of_the_text():
@@ -58,9 +56,8 @@ class Collect:
         self.v.setdefault(layer, []).append(value.float())
 
 
-def test_the_last_quarter_and_saturation_are_what_a_hand_computation_gives(calibrated, tiny_llama_master,
-                                                                           text_dataset):
-    cal, small = calibrated
+def test_the_last_quarter_and_saturation_are_what_a_hand_computation_gives(calibrated, small, text_dataset):
+    cal = calibrated
     result = evaluate_context(cal, str(text_dataset), (32, 64),
                               EvalOptions(num_samples=3, compare=(str(small),), dtype="float32"))
     tokenizer = load_tokenizer(cal, False)
@@ -95,7 +92,7 @@ def test_the_last_quarter_and_saturation_are_what_a_hand_computation_gives(calib
 
 
 def test_lengths_past_the_model_or_memory_are_refused_naming_both_numbers(calibrated, text_dataset, tmp_path):
-    cal, _ = calibrated
+    cal = calibrated
     config = json.loads((cal / "config.json").read_text())
     limit = config["max_position_embeddings"]
     with pytest.raises(UsageError, match=f"--context {limit + 1} is above the model's max_position_embeddings {limit}"):
@@ -111,8 +108,8 @@ def test_lengths_past_the_model_or_memory_are_refused_naming_both_numbers(calibr
         evaluate_context(cal, str(short), (64,), EvalOptions())
 
 
-def test_the_command_line(calibrated, text_dataset):
-    cal, small = calibrated
+def test_the_command_line(calibrated, small, text_dataset):
+    cal = calibrated
     result = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,64",
                                       "--compare", str(small), "--num-samples", "2", "--json"])
     assert result.exit_code == 0, result.stderr

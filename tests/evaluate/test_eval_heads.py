@@ -27,16 +27,11 @@ DATA = dict(num_samples=6, max_seq_len=96)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_llama_master, text_dataset, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("eval-heads")
-    made = {}
-    for name, options in {"tensor": dict(target="gpu", attention_scales=True),
-                          "head": dict(target="gpu", strategy="attn_head", attention_scales=True),
-                          "tensor-trn3": dict(target="trn3", attention_scales=True)}.items():
-        made[name] = root / name
-        calibrate(tiny_llama_master, str(text_dataset), made[name], CalibrateOptions(**options, num_samples=8,
-                                                                                     max_seq_len=64))
-    return made
+def checkpoints(calibrate_tiny) -> dict[str, Path]:
+    return {name: calibrate_tiny(**options) for name, options in {
+        "tensor": dict(target="gpu", attention_scales=True),
+        "head": dict(target="gpu", strategy="attn_head", attention_scales=True),
+        "tensor-trn3": dict(target="trn3", attention_scales=True)}.items()}
 
 
 def edited(src: Path, dst: Path, edit) -> Path:

@@ -39,10 +39,8 @@ from kvcalib.hf.model import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def calibrated(tiny_llama_master, text_dataset, tmp_path_factory):
-    root = tmp_path_factory.mktemp("needle")
-    calibrate(tiny_llama_master, str(text_dataset), root / "cal", CalibrateOptions(num_samples=4, max_seq_len=16))
-    return root / "cal", scaled_copy(root / "cal", root / "div64", 1 / 64)
+def small(calibrated, tmp_path_factory):
+    return scaled_copy(calibrated, tmp_path_factory.mktemp("needle") / "div64", 1 / 64)
 
 
 def test_a_key_is_found_only_whole_and_in_order():
@@ -66,7 +64,7 @@ def test_the_needle_goes_after_the_nearest_line_break_before_its_depth():
 
 
 def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_length(calibrated, text_dataset):
-    cal, _ = calibrated
+    cal = calibrated
     tokenizer = load_tokenizer(cal, False)
     stream, prefix = packed_stream(str(text_dataset), tokenizer, "train", None)
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
@@ -99,11 +97,11 @@ def _quantizers(cal, small):
         ("checkpoint", scale_set(CHECKPOINT, cal, 3, target, config)), ("div64", scale_set(str(small), cal, 3, target, config)))}
 
 
-def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_chip_stores_them(calibrated):
+def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_chip_stores_them(calibrated, small):
     """Neuron's order: the prefill attends to fresh K/V (its logits are the unquantised ones) while every scale
     set's cache holds those K/V as the chip stores them (a prefill that read FP8 would store others from layer 1
     on: each layer's K/V come from the layers before it)."""
-    cal, small = calibrated
+    cal = calibrated
     model = load_model(cal, torch.float32, torch.device("cpu"), False)
     quantizers = _quantizers(cal, small)
     ids = torch.tensor([list(range(5, 105))])
@@ -125,8 +123,8 @@ def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(fan.layers, plain_cache.layers))
 
 
-def test_neuron_decodes_every_run_from_the_fresh_prefill_gpu_prefills_each_from_fp8(calibrated):
-    cal, small = calibrated
+def test_neuron_decodes_every_run_from_the_fresh_prefill_gpu_prefills_each_from_fp8(calibrated, small):
+    cal = calibrated
     model = load_model(cal, torch.float32, torch.device("cpu"), False)
     quantizers = _quantizers(cal, small)
     ids = list(range(5, 205))
@@ -139,8 +137,8 @@ def test_neuron_decodes_every_run_from_the_fresh_prefill_gpu_prefills_each_from_
     assert neuron["div64"] != neuron[BASELINE]  # decoding read it
 
 
-def test_counts_and_intervals_and_the_heatmap(calibrated, text_dataset, tmp_path):
-    cal, small = calibrated
+def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, tmp_path):
+    cal = calibrated
     result = evaluate_needle(cal, str(text_dataset), (300, 400), EvalOptions(compare=(str(small),), dtype="float32"),
                              keys=2)
     assert result.prefill == "fresh K/V (Neuron)" and len(result.trials) == 2 * 2 * len(DEPTHS)
@@ -180,7 +178,7 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, text_dataset, tmp_path
     (["--context", "100000", "--needle"], "above the model's max_position_embeddings 512"),
 ])
 def test_bad_needle_input_is_a_usage_error(calibrated, text_dataset, args, message):
-    cal, _ = calibrated
+    cal = calibrated
     res = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), *args])
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split())

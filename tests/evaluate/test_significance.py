@@ -6,9 +6,6 @@ import random
 
 import pytest
 
-from kvcalib.calibration.options import CalibrateOptions
-
-from kvcalib.calibration.pipeline import calibrate
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 from kvcalib.evaluation.significance import paired_bootstrap
 
@@ -63,11 +60,10 @@ def test_no_interval_rather_than_a_fake_one():
         paired_bootstrap([1.0, 2.0, 3.0], [1, 1])
 
 
-def test_eval_reports_paired_intervals(tiny_llama, text_dataset, tmp_path):
+def test_eval_reports_paired_intervals(calibrated, text_dataset):
     """The interval's estimate is the run's own ΔNLL (both are Σ / Σ tokens), in --json with its method."""
-    calibrate(tiny_llama, str(text_dataset), tmp_path / "cal", CalibrateOptions(num_samples=8, max_seq_len=64))
-    result = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(num_samples=8, max_seq_len=64,
-                                                                       compare=("unit",), layer_rows=0))
+    result = evaluate(calibrated, str(text_dataset), EvalOptions(num_samples=8, max_seq_len=64,
+                                                                 compare=("unit",), layer_rows=0))
     for run in result.runs:
         nll, accuracy = run.intervals
         assert nll.items == accuracy.items == 8
@@ -79,5 +75,5 @@ def test_eval_reports_paired_intervals(tiny_llama, text_dataset, tmp_path):
         assert set(payload["delta_accuracy_interval"]) == {"estimate", "low", "high", "items", "level", "method",
                                                            "significant", "outcome"}
         assert not accuracy.worse_if_higher and nll.worse_if_higher  # a lower accuracy is worse, a higher NLL
-    single = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(num_samples=1, max_seq_len=64, layer_rows=0))
+    single = evaluate(calibrated, str(text_dataset), EvalOptions(num_samples=1, max_seq_len=64, layer_rows=0))
     assert single.runs[0].intervals == (None, None)

@@ -3,39 +3,24 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import lm_eval
 import pytest
 import torch
 from lm_eval.tasks import TaskManager
-from tasks import write_tiny_tasks
 from typer.testing import CliRunner
 
 import kvcalib.evaluation.harness as harness
-from kvcalib.calibration.options import CalibrateOptions
-from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
 from kvcalib.evaluation.emulate import KVQuantizer
-import kvcalib.evaluation.tasks as tasks_module
 from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
 from kvcalib.hf.attention import QuantizingCache
 
 TASKS = ["kvcalib_tiny_mc", "kvcalib_tiny_gen"]
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    return write_tiny_tasks(tmp_path_factory.mktemp("tasks"))
-
-
-@pytest.fixture(scope="module")
-def calibrated(tiny_llama_master, text_dataset, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tasks-ckpt") / "cal"
-    calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(num_samples=8, max_seq_len=64))
-    return out
 
 
 def responses(out: dict, task: str) -> dict:
@@ -152,7 +137,11 @@ def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, 
     # a hub task with no way to the hub: refused at once, naming the task and the offline way
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(tasks_module, "_hub_reachable", lambda: False)
+
+    def no_network(*args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)  # the machine's network, not kvcalib's code
     offline = CliRunner().invoke(app, ["eval", str(calibrated), "--tasks", "arc_easy", "--limit", "2"])
     assert offline.exit_code == 2, offline.stderr
     assert "task arc_easy reads allenai/ai2_arc from the Hugging Face hub" in offline.stderr

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import make_calibrated, read_json, sync_index, write_json
-from helpers import fortune_texts, write_jsonl
+from checkpoints import read_json, sync_index, write_json
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -91,12 +90,11 @@ class Case:
 
 
 @pytest.fixture(scope="module")
-def world_master(tmp_path_factory, tiny_llama_master: Path) -> Path:
+def world_master(tmp_path_factory, tiny_llama_master: Path, short_dataset: Path, handmade_master: Path) -> Path:
     root = tmp_path_factory.mktemp("world")
     shutil.copytree(tiny_llama_master, root / "model")
-    write_jsonl(root / "data.jsonl", [{"text": t} for t in fortune_texts(8, chars=80)])
-    shutil.copytree(tiny_llama_master, root / "ckpt")
-    make_calibrated(root / "ckpt")
+    shutil.copy(short_dataset, root / "data.jsonl")
+    shutil.copytree(handmade_master, root / "ckpt")
     shutil.copy(REPO / "recipes" / "kv-fp8-trn2.yaml", root / "recipe.yaml")
     return root
 

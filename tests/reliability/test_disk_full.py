@@ -12,8 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from checkpoints import make_calibrated
-from helpers import fortune_texts, write_jsonl
 from test_corpus import snapshot
 
 from kvcalib.calibration.options import CalibrateOptions
@@ -44,29 +42,24 @@ def small_fs(tmp_path: Path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("data") / "d.jsonl", [{"text": t} for t in fortune_texts(8, chars=80)])
-
-
 OPTIONS = CalibrateOptions(num_samples=4, max_seq_len=32, overwrite=True)
 
 
-def test_too_small_is_refused_before_calibrating(small_fs, tiny_llama_master, data):
+def test_too_small_is_refused_before_calibrating(small_fs, tiny_llama_master, short_dataset):
     mnt = small_fs("256k")  # the weights are copied (another filesystem): ~0.7 MB do not fit
     stages = []
     with pytest.raises(OutputWriteError) as err:
-        calibrate(tiny_llama_master, str(data), mnt / "out", OPTIONS, progress=lambda p: stages.append(p.stage))
+        calibrate(tiny_llama_master, str(short_dataset), mnt / "out", OPTIONS,
+                  progress=lambda p: stages.append(p.stage))
     assert stages == []  # refused in the checks, before the dataset or the model was read
     assert f"not enough space for {mnt / 'out'}" in err.value.message and "hard links do not work" in err.value.message
     assert err.value.hint and os.listdir(mnt) == []
 
 
-def test_disk_full_mid_write_keeps_the_old_output(small_fs, tiny_llama_master, data, tmp_path):
+def test_disk_full_mid_write_keeps_the_old_output(small_fs, tiny_llama_master, short_dataset, handmade_master):
     mnt = small_fs("2m")
     out = mnt / "out"
-    shutil.copytree(tiny_llama_master, tmp_path / "old")
-    shutil.copytree(make_calibrated(tmp_path / "old"), out)
+    shutil.copytree(handmade_master, out)
     old = snapshot(out)
     filler = mnt / "filler"
 
@@ -77,13 +70,13 @@ def test_disk_full_mid_write_keeps_the_old_output(small_fs, tiny_llama_master, d
                 f.write(b"\0" * max(free - (64 << 10), 0))
 
     with pytest.raises(OutputWriteError) as err:
-        calibrate(tiny_llama_master, str(data), out, OPTIONS, progress=fill_at_write)
+        calibrate(tiny_llama_master, str(short_dataset), out, OPTIONS, progress=fill_at_write)
     assert "No space left on device" in err.value.message and str(out) in err.value.message
     assert "filesystem is full" in err.value.hint
     assert snapshot(out) == old
     assert sorted(os.listdir(mnt)) == ["filler", "out"]  # the staging directory is gone
 
     filler.unlink()  # space again: the same run now succeeds
-    result = calibrate(tiny_llama_master, str(data), out, OPTIONS)
+    result = calibrate(tiny_llama_master, str(short_dataset), out, OPTIONS)
     assert result.output == str(out) and snapshot(out) != old
     assert sorted(os.listdir(mnt)) == ["out"]

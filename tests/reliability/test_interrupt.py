@@ -22,9 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-from checkpoints import make_calibrated
-from helpers import fortune_texts, write_jsonl
-from tasks import write_tiny_tasks
 from test_corpus import snapshot
 from typer.testing import CliRunner
 
@@ -49,12 +46,9 @@ SCENARIOS = [
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, tiny_llama_master: Path) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("interrupt")
-    write_jsonl(root / "data.jsonl", [{"text": t} for t in fortune_texts(8, chars=80)])
-    shutil.copytree(tiny_llama_master, root / "old")
-    make_calibrated(root / "old")  # what OUT holds before: an earlier calibration
-    return {"model": tiny_llama_master, "data": root / "data.jsonl", "old": root / "old"}
+def inputs(tmp_path_factory, tiny_llama_master: Path, short_dataset: Path, handmade_master: Path) -> dict[str, Path]:
+    old = shutil.copytree(handmade_master, tmp_path_factory.mktemp("interrupt") / "old")  # what OUT holds before
+    return {"model": tiny_llama_master, "data": short_dataset, "old": old}
 
 
 def siblings(out: Path) -> list[str]:
@@ -143,7 +137,7 @@ def test_stale_sibling_of_a_live_run_is_not_touched(inputs, tmp_path):
 
 
 @pytest.mark.parametrize(("command", "sig"), [("eval", T), ("validate", H), ("tasks", I)])
-def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, tmp_path, tmp_path_factory):
+def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, task_dir, tmp_path):
     """Stopped mid-run, eval (with --plot), eval --tasks (inside lm-eval's scoring, run from an empty folder) and
     validate exit as Ctrl-C does, write nothing and leave the checkpoint as it was."""
     plot = tmp_path / "plot.png"
@@ -151,7 +145,7 @@ def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, tmp_path, tmp_
                      "--plot", str(plot)],
             "validate": ["validate", str(inputs["old"])],
             "tasks": ["eval", str(inputs["old"]), "--tasks", "kvcalib_tiny_mc", "--compare", "unit",
-                      "--include-path", str(write_tiny_tasks(tmp_path_factory.mktemp("tasks")))]}[command]
+                      "--include-path", str(task_dir)]}[command]
     before = snapshot(inputs["old"])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(SCRIPT), command, "--", *args], env=env, text=True, cwd=tmp_path,

@@ -163,15 +163,13 @@ def test_repetition_the_baseline_server_shares_is_the_model_not_the_cache(ckpt, 
 
 
 def test_a_server_that_ignores_sigterm_is_killed(ckpt, cpu_python, monkeypatch):
-    started = time.monotonic()
     result = serve(ckpt, cpu_python, "--device", "cpu", "--no-baseline", "--startup-timeout", "2",
                    env={"FAKE_VLLM_MODE": "hang", "FAKE_VLLM_IGNORE_SIGTERM": "1"}, monkeypatch=monkeypatch)
     assert result.exit_code == 4 and "was not healthy after 2 s" in result.stderr
-    # SIGTERM first (the server logged that it ignored it), SIGKILL only after the whole grace: a lower
-    # bound the code guarantees by construction (it waits the grace out), which a loaded machine can only
-    # lengthen; no upper bound is asserted.
-    assert "SIGTERM received and ignored" in (ckpt.parent / "logs" / "vllm-fp8.log").read_text()
-    assert time.monotonic() - started >= 2 + 5 - 0.5  # the startup timeout, then the whole SIGTERM grace
+    # SIGTERM first (the server logged that it ignored it), and no SIGKILL at once: the server, which logs a
+    # line a second while it hangs, still logged after it (the grace, --stop-timeout 5, is five such lines).
+    log = (ckpt.parent / "logs" / "vllm-fp8.log").read_text()
+    assert "still compiling" in log.partition("SIGTERM received and ignored")[2], log
     assert_nothing_left(str(ckpt), result.stderr)
 
 

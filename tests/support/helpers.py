@@ -168,6 +168,16 @@ def assert_scale_sized(scale: float, absmax: float, target_name: str) -> None:
     assert float(fp8.to_fp8_domain(torch.tensor(absmax), scale, target)) <= target.fp8_max
 
 
+def scale_bits(ckpt: Path) -> dict[str, list[int]]:
+    """Every scale of a calibrated checkpoint as its float32 bit pattern: equality here is bit-for-bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kvcalib.core.schema import SCALES_FILENAME
+
+    return {k: v.view(torch.int32).reshape(-1).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
+
+
 def build_word_tokenizer():
     """A word-level tokenizer over the words of Debian's fortunes (or the built-in corpus), made in-process."""
     from tokenizers import Tokenizer, models, pre_tokenizers

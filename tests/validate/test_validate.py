@@ -49,18 +49,10 @@ def shard_renamed_to_single_file(ckpt: Path) -> None:
     sync_index(ckpt)
 
 
-@pytest.fixture(scope="module")
-def calibrated_master(tiny_llama_master: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dst = tmp_path_factory.mktemp("calibrated") / "ckpt"
-    shutil.copytree(tiny_llama_master, dst)
-    return make_calibrated(dst)
-
-
 @pytest.fixture
-def calibrated(calibrated_master: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "ckpt"
-    shutil.copytree(calibrated_master, dst)
-    return dst
+def calibrated(handmade_master: Path, tmp_path: Path) -> Path:
+    """Here: a private copy of conftest's hand-made checkpoint (known scales), which every rule's case may change."""
+    return shutil.copytree(handmade_master, tmp_path / "ckpt")
 
 
 # --- mutations ----------------------------------------------------------------------------
@@ -742,15 +734,15 @@ def test_plain_kv_scheme_fast_path_agrees_with_compressed_tensors(target):
         assert config._kv_scheme_findings(scheme, target) == parsed, scheme
 
 
-def test_validate_imports_neither_torch_nor_transformers(tiny_llama_master, tmp_path):
+def test_validate_imports_neither_torch_nor_transformers(handmade_master):
     """`kvcalib validate` as a process: no torch, transformers or compressed-tensors on the path."""
     import subprocess
     import sys
 
-    ckpt = make_calibrated(shutil.copytree(tiny_llama_master, tmp_path / "ckpt"))
     code = ("import sys\nfrom kvcalib.cli import main\nsys.argv = ['kvcalib', 'validate', sys.argv[1]]\n"
             "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
             "heavy = sorted(m for m in ('torch', 'transformers', 'compressed_tensors', 'datasets') if m in sys.modules)\n"
             "print(code, heavy)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code, str(handmade_master)], capture_output=True, text=True,
+                          check=True)
     assert done.stdout.strip().splitlines()[-1] == "0 []", done.stdout + done.stderr

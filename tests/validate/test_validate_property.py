@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checkpoints import PREFIX, make_calibrated
+from checkpoints import PREFIX
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -136,9 +136,9 @@ def test_verdict_is_the_platforms(qc: Any, neuron_config: Any) -> None:
 
 
 @pytest.fixture
-def workdir(tiny_llama: Path) -> Path:
+def workdir(handmade_master: Path, tmp_path: Path) -> Path:
     """One calibrated checkpoint reused by every example (each example restores it first)."""
-    return make_calibrated(tiny_llama)
+    return shutil.copytree(handmade_master, tmp_path / "ckpt")
 
 
 def _never_raises(ckpt: Path, target: str, neuron_config: Any = None) -> dict:
