@@ -8,11 +8,11 @@ into every q·k. Saturating it instead makes it exactly constant, which softmax 
 matters is the error of the attention output, not of K: SQNR ranks such scales backwards.
 
 The search ("attention grid"): for every layer, candidate scales `absmax x 2^(-j/2)` (j = 0..10,
-so 1 down to 1/32 of the never-clipping scale), `absmax / M` for each chip in the table with a
-larger FP8 max M (448 for trn2), 1.0, and the wider scales `absmax x 2^(j/4)` (j = 1..3). Each
-is scored on the attention samples (kvcalib.hf.samples: the model's own Q, mask, scaling,
-soft-capping and sinks, K/V as the cache stores them) by the squared error of the attention
-output with K (then V) fake-quantised, against the unquantised output; V is scored through the
+so 1 down to 1/32 of the never-clipping scale; absmax first), `absmax / M` for each server of the
+scales with a larger FP8 max M (core.fp8.served_numerics: 448 for trn2), 1.0, and the wider scales
+`absmax x 2^(j/4)` (j = 1..3). Each is scored on the attention samples (kvcalib.hf.samples: the
+model's own Q, mask, scaling, soft-capping and sinks, K/V as the cache stores them) by the squared
+error of the attention output with K (then V) fake-quantised, against the unquantised output; V is scored through the
 exact probabilities. A candidate is scored on every numerics the checkpoint is served with
 (core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2 but at 448 x s on trn3, GPU
 vLLM and vLLM CPU, where a clip chosen for 240 no longer saturates and can land a near-constant
@@ -49,9 +49,9 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, attention_rows
 
-__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER", "WIDER_GAIN",
-           "Candidates", "Gather", "KindChoice", "candidates", "choose", "sample_terms", "scored_numerics", "search",
-           "sum_terms"]
+__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER",
+           "WIDER_GAIN", "Candidates", "Gather", "KindChoice", "candidates", "choose", "sample_terms",
+           "scored_numerics", "search", "sum_terms"]
 
 ATTENTION = "attention"
 ABSMAX = "absmax"
@@ -98,8 +98,7 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     per tensor, every one of the `kv_heads` heads shares the layer's."""
     heads = head_absmax.float().reshape(-1)
     base = heads if per_head else heads.max().expand(kv_heads or heads.numel())
-    # the scale each server of these scales with a larger FP8 max would write (absmax / 448 for trn2: llm-compressor's
-    # and GPU vLLM's)
+    # the scale a server of these scales with a larger FP8 max would write (absmax / 448 for trn2: llm-compressor's)
     others = {target.fp8_max / t.fp8_max: f"absmax/{t.fp8_max:g}" for t in fp8.served_numerics(target)
               if t.fp8_max > target.fp8_max}
     factors = sorted({*FACTORS, *others}, reverse=True)  # absmax (1) first: every other factor is below it
@@ -135,7 +134,8 @@ def sample_terms(sample: AttentionSample, grids: Sequence[tuple[Candidates, Cand
             put = {"key": quantised} if kind == 0 else {"value": quantised, "probabilities": probabilities}
             error = (attention_rows(sample, **put)[0] - output).pow(2).sum(dim=-1).double()  # [C, Hkv, rows]
             terms[n, kind, :2, chosen] = (error @ halves).permute(2, 0, 1)
-            terms[n, kind, 2, chosen] = (values.abs().flatten(-2)[None] > cands.clip_at[chosen, :, None]).sum(-1).double()
+            saturated = values.abs().flatten(-2)[None] > cands.clip_at[chosen, :, None]  # [C, Hkv, L * D]
+            terms[n, kind, 2, chosen] = saturated.sum(dim=-1).double()
     return terms, (output.pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
 
 

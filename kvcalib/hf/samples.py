@@ -20,8 +20,8 @@ import torch
 
 from kvcalib.hf.data import batches
 
-__all__ = ["ROWS_PER_SEQUENCE", "SAMPLE_TOKENS", "AttentionSample", "AttentionSampler", "attention_error", "attention_rows",
-           "sample_sequences"]
+__all__ = ["ROWS_PER_SEQUENCE", "SAMPLE_TOKENS", "AttentionSample", "AttentionSampler", "attention_error",
+           "attention_rows", "sample_sequences"]
 
 # The objective's share of the calibration set: whole batches in the run's own order (longest
 # first) until SAMPLE_TOKENS tokens of K/V are kept, at least one batch; ROWS_PER_SEQUENCE query
