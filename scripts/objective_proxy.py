@@ -54,7 +54,7 @@ def fewer_rows(sample, keep: int = 4):
 def kl_terms(sample, k: objective.Candidates, target: fp8.Target) -> torch.Tensor:
     """[2, C]: KL(p || p̂) of the attention probabilities with K quantised, on the choosing and held-out rows."""
     _, p = attention_rows(sample)  # [Hkv, G*rows, L]
-    quantised = objective._fake_quantized(sample.key, k.scales[:, :, None, None], target)
+    quantised = fp8.fake_quantize(sample.key[None], k.scales[:, :, None, None], target)
     _, q = attention_rows(sample, key=quantised)  # [C, Hkv, G*rows, L]
     logp = p.clamp_min(1e-30).log()
     kl = (p * (logp - q.clamp_min(1e-30).log())).sum(-1).double()  # [C, Hkv, G*rows]
@@ -98,7 +98,7 @@ def main() -> None:
         grids = [objective.candidates(h, target, False, kv_heads) for h in (observer.k_heads[i], observer.v_heads[i])]
         for name, rows in (("objective (16 rows)", samples[i]), ("4 rows", [fewer_rows(s) for s in samples[i]])):
             started = time.perf_counter()
-            terms = objective.sum_terms([objective.sample_terms(s, *grids, target)[0] for s in rows])
+            terms = objective.sum_terms([objective.sample_terms(s, [grids], [target])[0][0] for s in rows])
             seconds[name] += time.perf_counter() - started
             picks = [pick([math.fsum(r) for r in terms[kind, 0].tolist()], [math.fsum(r) for r in terms[kind, 1].tolist()],
                           grids[kind].keeps_range.all(dim=1).tolist()) for kind in (0, 1)]

@@ -8,11 +8,11 @@ into every q·k. Saturating it instead makes it exactly constant, which softmax 
 matters is the error of the attention output, not of K: SQNR ranks such scales backwards.
 
 The search ("attention grid"): for every layer, candidate scales `absmax x 2^(-j/2)` (j = 0..10,
-so 1 down to 1/32 of the never-clipping scale), `absmax / M` for each chip in the table with a
-larger FP8 max M (448 for trn2), 1.0, and the wider scales `absmax x 2^(j/4)` (j = 1..3). Each
-is scored on the attention samples (kvcalib.hf.samples: the model's own Q, mask, scaling,
-soft-capping and sinks, K/V as the cache stores them) by the squared error of the attention
-output with K (then V) fake-quantised, against the unquantised output; V is scored through the
+so 1 down to 1/32 of the never-clipping scale; absmax first), `absmax / M` for each server of the
+scales with a larger FP8 max M (core.fp8.served_numerics: 448 for trn2), 1.0, and the wider scales
+`absmax x 2^(j/4)` (j = 1..3). Each is scored on the attention samples (kvcalib.hf.samples: the
+model's own Q, mask, scaling, soft-capping and sinks, K/V as the cache stores them) by the squared
+error of the attention output with K (then V) fake-quantised, against the unquantised output; V is scored through the
 exact probabilities. A candidate is scored on every numerics the checkpoint is served with
 (core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2 but at 448 x s on trn3, GPU
 vLLM and vLLM CPU, where a clip chosen for 240 no longer saturates and can land a near-constant
@@ -35,11 +35,6 @@ Two kinds of candidate, two bars:
 Every error is the candidate's on the server where it does worst (absmax's too). Per KV head with
 `attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum), so batches dealt
 to any number of ranks give the same choice as one process.
-
-absmax's error is the bar every other candidate must get under, so it (and 1.0, whose error is
-reported) is scored on every sample first; a candidate whose error so far already reaches its bar
-is scored no further (errors only grow with samples): the same choices and reported errors as
-scoring everything, with a fraction of the candidate-samples scored.
 """
 
 from __future__ import annotations
@@ -52,11 +47,11 @@ from typing import Any
 import torch
 
 from kvcalib.core import fp8
-from kvcalib.hf.samples import AttentionSample, Workspace, attention_rows
+from kvcalib.hf.samples import AttentionSample, attention_rows
 
-__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER", "WIDER_GAIN",
-           "Candidates", "Gather", "KindChoice", "Reference", "candidates", "choose", "sample_terms", "scored_numerics",
-           "search", "sum_terms"]
+__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER",
+           "WIDER_GAIN", "Candidates", "Gather", "KindChoice", "candidates", "choose", "sample_terms",
+           "scored_numerics", "search", "sum_terms"]
 
 ATTENTION = "attention"
 ABSMAX = "absmax"
@@ -81,17 +76,15 @@ class Candidates:
     ranges: torch.Tensor  # [C, kv_heads]: the |x| each scale maps to the FP8 max
 
     clip_at: torch.Tensor  # [C, kv_heads]: |x| above this saturates on the target (range, after the scale's rounding)
-    reciprocal: torch.Tensor | None = None  # [C, kv_heads] on Neuron: the multiplier into FP8 (fp8.neuron_reciprocal)
 
     @property
     def unit(self) -> int:
         return self.labels.index(UNIT_LABEL)
 
     def on(self, numerics: fp8.Target) -> Candidates:
-        """The same scales as another server applies them: where it saturates, and its multiplier into FP8."""
-        clip_at = fp8.from_fp8_domain(torch.full_like(self.scales, numerics.fp8_max), self.scales, numerics)
-        return replace(self, clip_at=clip_at,
-                       reciprocal=fp8.neuron_reciprocal(self.scales) if numerics.neuron else None)
+        """The same scales as another server applies them: where it saturates."""
+        return replace(self, clip_at=fp8.from_fp8_domain(torch.full_like(self.scales, numerics.fp8_max), self.scales,
+                                                         numerics))
 
     @property
     def keeps_range(self) -> torch.Tensor:
@@ -105,8 +98,8 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     per tensor, every one of the `kv_heads` heads shares the layer's."""
     heads = head_absmax.float().reshape(-1)
     base = heads if per_head else heads.max().expand(kv_heads or heads.numel())
-    # the scale a chip with a larger FP8 max would write (absmax / 448 for trn2: llm-compressor's and GPU vLLM's)
-    others = {target.fp8_max / t.fp8_max: f"absmax/{t.fp8_max:g}" for t in fp8.TARGETS.values()
+    # the scale a server of these scales with a larger FP8 max would write (absmax / 448 for trn2: llm-compressor's)
+    others = {target.fp8_max / t.fp8_max: f"absmax/{t.fp8_max:g}" for t in fp8.served_numerics(target)
               if t.fp8_max > target.fp8_max}
     factors = sorted({*FACTORS, *others}, reverse=True)  # absmax (1) first: every other factor is below it
     labels = [ABSMAX_LABEL if f == 1.0 else others.get(f, f"absmax x{f:.4g}") for f in factors]
@@ -119,97 +112,31 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     return Candidates(tuple(labels), stacked, ranges, stacked).on(target)
 
 
-@dataclass(frozen=True)
-class Reference:
-    """What every candidate of one sample is compared with, computed once: the unquantised attention rows, and
-    which candidates reach the FP8 max on the sample (per kind: their indices)."""
-
-    output: torch.Tensor  # [Hkv, groups * rows, D]
-    probabilities: torch.Tensor  # [Hkv, groups * rows, length]
-    halves: torch.Tensor  # [groups * rows, 2] float64: 1.0 where a row is a choosing row, a held-out row
-    norms: torch.Tensor  # [2, Hkv] float64: the output's squared norm on each half
-    saturating: tuple[frozenset[int], frozenset[int]]  # the candidates that saturate some of K, of V (clip_at)
-    clamping: tuple[frozenset[int], frozenset[int]]  # the candidates that put some of K, of V past the FP8 max
-
-    @classmethod
-    def of(cls, sample: AttentionSample, k: Candidates, v: Candidates, target: fp8.Target) -> Reference:
-        output, probabilities = attention_rows(sample)
-        held = sample.held_out.repeat(output.shape[1] // sample.query.shape[1])  # the same rows in every group
-        halves = torch.stack([~held, held], dim=1).double()
-        norms = (output.pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
-        return cls(output, probabilities, halves, norms, (), ()).on(sample, k, v, target)
-
-    def on(self, sample: AttentionSample, k: Candidates, v: Candidates, numerics: fp8.Target) -> Reference:
-        """The same reference, with which candidates saturate or clamp on `numerics` (k, v: on it, Candidates.on)."""
-        saturating, clamping = [], []
-        for values, cands in ((sample.key, k), (sample.value, v)):
-            peak = values.abs().amax(dim=(1, 2))  # [Hkv]
-            # float32 products and quotients round monotonically: the peak's is the largest there is
-            largest = fp8.to_fp8_domain(peak, cands.scales, numerics)  # [C, Hkv]
-            saturating.append(_indices((cands.clip_at < peak).any(dim=1)))
-            clamping.append(_indices((largest > numerics.fp8_max).any(dim=1)))
-        return replace(self, saturating=tuple(saturating), clamping=tuple(clamping))
-
-
-def _indices(mask: torch.Tensor) -> frozenset[int]:
-    return frozenset(mask.nonzero().flatten().tolist())
-
-
-def sample_terms(sample: AttentionSample, k: Candidates, v: Candidates, target: fp8.Target,
-                 work: Workspace | None = None, subset: tuple[list[int], list[int]] | None = None,
-                 reference: Reference | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sample's additive terms: float64 [2 kinds, 4, C, kv_heads] (per kind: the squared attention-output
-    error on the choosing rows, on the held-out rows, the K/V elements each candidate saturates, the elements)
-    and [2, kv_heads] (the unquantised output's squared norm on the choosing and the held-out rows). `work`: the
-    buffers of a search, reused from sample to sample. `subset`: the K and the V candidates to score (the others'
-    terms are 0); None: all. `reference`: the sample's, when it is scored more than once."""
-    work = work or Workspace()
-    reference = reference or Reference.of(sample, k, v, target)
-    out = torch.zeros(2, 4, k.scales.shape[0], k.scales.shape[1], dtype=torch.float64)
-    out[:, 3] = float(sample.key.shape[-1] * sample.key.shape[-2])  # K and V have the same shape
-    for kind, (values, cands) in enumerate(((sample.key, k), (sample.value, v))):
-        listed = list(range(cands.scales.shape[0])) if subset is None else subset[kind]
-        if not listed:
-            continue
-        chosen = torch.tensor(listed)
-        quantised = _fake_quantized(values, cands.scales[chosen][:, :, None, None], target, work,
-                                    None if cands.reciprocal is None else cands.reciprocal[chosen][:, :, None, None],
-                                    clamp=not reference.clamping[kind].isdisjoint(listed))  # [C, Hkv, L, D]
-        if kind == 0:
-            output, _ = attention_rows(sample, key=quantised, work=work)
-        else:
-            output, _ = attention_rows(sample, value=quantised, probabilities=reference.probabilities, work=work)
-        error = output.sub_(reference.output).pow_(2).sum(dim=-1).double()  # [C, Hkv, groups * rows]
-        out[kind, :2, chosen] = (error @ reference.halves).permute(2, 0, 1)
-        saturating = [i for i, c in enumerate(listed) if c in reference.saturating[kind]]
-        if saturating:  # the others saturate nothing of this sample
-            magnitude = values.abs().flatten(-2)  # [Hkv, L * D]
-            limits = cands.clip_at[chosen[saturating]]
-            flags = work.get("saturated", (limits.shape[0], *magnitude.shape))
-            # as 0.0/1.0: a comparison into float32 and its sum (exact below 2^24) are vectorised, a bool one is not
-            out[kind, 2, chosen[saturating]] = torch.gt(magnitude[None], limits[:, :, None], out=flags).sum(dim=-1).double()
-    return out, reference.norms
-
-
-def _fake_quantized(values: torch.Tensor, scale: torch.Tensor, target: fp8.Target, work: Workspace | None = None,
-                    reciprocal: torch.Tensor | None = None, clamp: bool = True) -> torch.Tensor:
-    """fp8.fake_quantize(values[None], scale, target), every candidate at once, in `work`'s buffers (valid until
-    the next call). A negative value that rounds to zero is +0 (fp8.round_to_e4m3_). `reciprocal`: Neuron's
-    multiplier for `scale`, when known; `clamp` False: no value reaches the FP8 max (the clamp is skipped)."""
-    if target.toward_zero:
-        return fp8.fake_quantize(values[None], scale, target)
-    work = work or Workspace()
-    shape = (scale.shape[0], *values.shape)
-    scaled = work.get("fp8", shape)
-    if target.neuron:  # x * r, clamp, cast, / r (core.fp8.to_fp8_domain / from_fp8_domain)
-        r = fp8.neuron_reciprocal(scale) if reciprocal is None else reciprocal
-        torch.mul(values[None], r, out=scaled)
-    else:  # x / s, saturate, cast, * s
-        torch.div(values[None], scale, out=scaled)
-    if clamp:
-        scaled.clamp_(-target.fp8_max, target.fp8_max)
-    q = fp8.round_to_e4m3_(scaled, work.get("scratch", shape))
-    return q.div_(r) if target.neuron else q.mul_(scale)
+def sample_terms(sample: AttentionSample, grids: Sequence[tuple[Candidates, Candidates]],
+                 numerics: Sequence[fp8.Target], subset: tuple[list[int], list[int]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample's additive terms on each numerics (`grids`: the K and the V candidates as it applies them,
+    Candidates.on): float64 [numerics, 2 kinds, 4, C, kv_heads] (per kind: the squared attention-output error on the
+    choosing rows, on the held-out rows, the K/V elements each candidate saturates, the elements), and [2, kv_heads]
+    (the unquantised output's squared norm on the choosing and the held-out rows). `subset`: the K and the V
+    candidates to score (the others' errors and saturated counts are 0); None: all."""
+    output, probabilities = attention_rows(sample)
+    held = sample.held_out.repeat(output.shape[1] // sample.query.shape[1])  # the same rows in every group
+    halves = torch.stack([~held, held], dim=1).double()
+    terms = torch.zeros(len(numerics), 2, 4, *grids[0][0].scales.shape, dtype=torch.float64)
+    terms[:, :, 3] = sample.key.shape[-1] * sample.key.shape[-2]  # K and V have the same shape
+    for n, chip in enumerate(numerics):
+        for kind, (values, cands) in enumerate(zip((sample.key, sample.value), grids[n])):
+            chosen = torch.arange(cands.scales.shape[0]) if subset is None else torch.tensor(subset[kind], dtype=int)
+            if not len(chosen):
+                continue
+            quantised = fp8.fake_quantize(values[None], cands.scales[chosen, :, None, None], chip)  # [C, Hkv, L, D]
+            put = {"key": quantised} if kind == 0 else {"value": quantised, "probabilities": probabilities}
+            error = (attention_rows(sample, **put)[0] - output).pow(2).sum(dim=-1).double()  # [C, Hkv, rows]
+            terms[n, kind, :2, chosen] = (error @ halves).permute(2, 0, 1)
+            saturated = values.abs().flatten(-2)[None] > cands.clip_at[chosen, :, None]  # [C, Hkv, L * D]
+            terms[n, kind, 2, chosen] = saturated.sum(dim=-1).double()
+    return terms, (output.pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
 
 
 def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -311,31 +238,25 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
     """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`, twice a layer).
 
-    Every candidate is scored on each numerics the checkpoint will be served with (fp8.served_numerics: for trn2
-    also the 448-range servers, where the same scale saturates at 448 x s) and judged by its error where that is
-    largest (choose).
-    absmax and 1.0 are scored on every sample first: absmax's error is the bar every other candidate must get
-    under (GAIN, WIDER_GAIN) to be chosen. The others are then scored sample by sample, and a candidate stops being
-    scored once its error so far already reaches its bar: errors only grow with more samples, so it could not be
-    chosen. The choice, and every error and clipped fraction it reports, are those of scoring everything (on a rank,
-    the bar is every rank's absmax and the sums its own samples'; gathered, they only grow). One layer at a time:
-    each sample's reference attention is computed once and kept only while its layer is scored."""
-    work = Workspace()
+    Every candidate is scored on each numerics the checkpoint will be served with (scored_numerics: for trn2 also
+    the 448-range servers, where the same scale saturates at 448 x s) and judged by its error where that is largest
+    (choose). absmax and 1.0 are scored on every sample first: absmax's error is the bar every other candidate must
+    get under (GAIN, WIDER_GAIN) to be chosen. The others are then scored sample by sample, and a candidate stops
+    being scored once its error so far already reaches its bar: errors only grow with more samples, so it could not
+    be chosen. The choice, and every error and clipped fraction it reports, are those of scoring everything (on a
+    rank, the bar is every rank's absmax and the sums its own samples'; gathered, they only grow)."""
     numerics = scored_numerics(target, per_head)
     chosen = []
     for i, layer in enumerate(samples):
         kv_heads = layer[0].key.shape[0] if layer else None
         k, v = (candidates(heads[i], target, per_head, kv_heads) for heads in (k_heads, v_heads))
         grids = [(k.on(chip), v.on(chip)) for chip in numerics]
-        scored = [(sample, [ref.on(sample, *grid, chip) for grid, chip in zip(grids, numerics)])
-                  for sample, ref in ((s, Reference.of(s, k, v, target)) for s in layer)]
         anchors = ([0, k.unit], [0, v.unit])
-        local = [_terms(sample, refs, grids, numerics, work, anchors) for sample, refs in scored]
-        pairs = [pair for rank in gather([local]) for pair in rank]
+        pairs = [pair for rank in gather([[sample_terms(s, grids, numerics, anchors) for s in layer]]) for pair in rank]
         if not pairs:
             raise ValueError(f"layer {i}: no attention samples")
         bars = sum_terms([t for t, _ in pairs])
-        rest = _scored_until_ruled_out(scored, grids, numerics, per_head, bars, anchors, work)
+        rest = _scored_until_ruled_out(layer, grids, numerics, per_head, bars, anchors)
         terms = sum_terms([t for t, _ in pairs] + [t for rank in gather([rest]) for t in rank])
         norms = sum_terms([n for _, n in pairs])
         chosen.append((choose(terms[:, 0], norms, k, per_head, numerics),
@@ -343,53 +264,35 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
     return chosen
 
 
-def _terms(sample: AttentionSample, references: Sequence[Reference], grids: Sequence[tuple[Candidates, Candidates]],
-           numerics: Sequence[fp8.Target], work: Workspace, subset: tuple[list[int], list[int]] | None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sample_terms on every numerics, stacked: [numerics, 2 kinds, 4, C, kv_heads], and the norms."""
-    per = [sample_terms(sample, *grid, chip, work, subset, ref) for ref, grid, chip in zip(references, grids, numerics)]
-    return torch.stack([t for t, _ in per]), per[0][1]
-
-
 # a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one: a candidate is ruled out
 # only this far past its bar, so that the exactly rounded sums choose() compares are past it too
 _MARGIN = 1.0 + 1e-9
 
 
-def _scored_until_ruled_out(layer: Sequence[tuple[AttentionSample, Sequence[Reference]]],
-                            grids: Sequence[tuple[Candidates, Candidates]], numerics: Sequence[fp8.Target],
-                            per_head: bool, bars: torch.Tensor, anchors: tuple[list[int], list[int]],
-                            work: Workspace) -> list[torch.Tensor]:
+def _scored_until_ruled_out(layer: Sequence[AttentionSample], grids: Sequence[tuple[Candidates, Candidates]],
+                            numerics: Sequence[fp8.Target], per_head: bool, bars: torch.Tensor,
+                            anchors: tuple[list[int], list[int]]) -> list[torch.Tensor]:
     """The terms of every candidate but the anchors, sample after sample, each until `bars` (absmax's summed
-    terms, [numerics, 2, 4, C, kv_heads]) rule it out."""
-    k, v = grids[0]
-    active = tuple([c for c in range(cands.scales.shape[0]) if c not in anchors[kind]] for kind, cands in enumerate((k, v)))
-    sums = torch.zeros_like(bars)
-    out = []
-    for sample, references in layer:
+    terms, [numerics, 2, 4, C, kv_heads]) rule it out: its squared errors so far, on the server where they are
+    largest, reach its bar on one half or the other (per head: on every head), so choose() could not pick it."""
+    keeps = [cands.keeps_range if per_head else cands.keeps_range.all(dim=1) for cands in grids[0]]
+    gains = [torch.where(keep, WIDER_GAIN**2, GAIN**2).double() for keep in keeps]  # [C(, kv_heads)]
+    bar = [bars[:, kind, :2, 0] if per_head else bars[:, kind, :2, 0].sum(dim=-1) for kind in range(2)]
+    active = tuple([c for c in range(len(gains[kind])) if c not in anchors[kind]] for kind in range(2))
+    sums, out = torch.zeros_like(bars), []
+    for sample in layer:
         if not any(active):
             break
-        terms, _ = _terms(sample, references, grids, numerics, work, active)
+        terms, _ = sample_terms(sample, grids, numerics, active)
         terms[:, :, 3] = 0.0  # the sample's elements are counted once, with the anchors
         out.append(terms)
         sums += terms
-        ruled = [_ruled_out(sums[:, kind, :2], bars[:, kind, :2, 0], cands.keeps_range, per_head)
-                 for kind, cands in enumerate((k, v))]
-        active = tuple([c for c in active[kind] if not ruled[kind][c]] for kind in range(2))
+        for kind in range(2):
+            errors = sums[:, kind, :2] if per_head else sums[:, kind, :2].sum(dim=-1)  # [numerics, 2, C(, kv_heads)]
+            past = errors.amax(dim=0) >= gains[kind] * bar[kind].amax(dim=0)[:, None] * _MARGIN  # [2, C(, kv_heads)]
+            ruled = past.any(dim=0).all(dim=1) if per_head else past.any(dim=0)
+            active[kind][:] = [c for c in active[kind] if not ruled[c]]
     return out
-
-
-def _ruled_out(errors: torch.Tensor, absmax: torch.Tensor, keeps_range: torch.Tensor, per_head: bool) -> list[bool]:
-    """Per candidate: whether its squared errors so far ([numerics, 2 halves, C, kv_heads]), on the server where they
-    are largest, already reach its bar on one half or the other (per head: on every head), against absmax's whole
-    ones on its worst server ([numerics, 2, kv_heads]): _pick could not choose it."""
-    if per_head:
-        gain = torch.where(keeps_range, WIDER_GAIN**2, GAIN**2).double()  # [C, kv_heads]
-        worst, bar = errors.amax(dim=0), absmax.amax(dim=0)  # [2, C, kv_heads], [2, kv_heads]
-        return (worst >= gain * bar[:, None] * _MARGIN).any(dim=0).all(dim=1).tolist()
-    gain = torch.where(keeps_range.all(dim=1), WIDER_GAIN**2, GAIN**2).double()  # [C]
-    worst, bar = errors.sum(dim=3).amax(dim=0), absmax.sum(dim=2).amax(dim=0)  # [2, C], [2]
-    return (worst >= gain * bar[:, None] * _MARGIN).any(dim=0).tolist()
 
 
 FAR_WORSE = 2.0  # absmax's attention error this many times the chosen scale's (and above WORTH_WARNING): warn

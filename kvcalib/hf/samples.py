@@ -20,7 +20,7 @@ import torch
 
 from kvcalib.hf.data import batches
 
-__all__ = ["ROWS_PER_SEQUENCE", "SAMPLE_TOKENS", "AttentionSample", "AttentionSampler", "Workspace", "attention_error",
+__all__ = ["ROWS_PER_SEQUENCE", "SAMPLE_TOKENS", "AttentionSample", "AttentionSampler", "attention_error",
            "attention_rows", "sample_sequences"]
 
 # The objective's share of the calibration set: whole batches in the run's own order (longest
@@ -119,40 +119,21 @@ def _bias(attention_mask: torch.Tensor | None, row: int, index: torch.Tensor, le
     return additive.masked_fill(additive < -1e30, float("-inf"))
 
 
-class Workspace:
-    """float32 buffers that grow to the largest request and are handed out as views, for work repeated sample
-    after sample (the scale objective's candidates): tensors of a few megabytes allocated afresh each time cost
-    page faults (glibc hands memory of that size back to the system when it is freed) about as long as the
-    arithmetic on them."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        size = math.prod(shape)
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < size:
-            buffer = self._buffers[name] = torch.empty(size, dtype=torch.float32)
-        return buffer[:size].view(*shape)
-
-
 def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                   probabilities: torch.Tensor | None = None, work: Workspace | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   probabilities: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, probabilities) of the sampled rows in float32: `softmax(scaling q kᵀ [softcap] + mask [sinks]) v`.
 
     `key`/`value` replace the sample's ([..., kv_heads, length, head_dim]: leading dimensions, e.g.
     candidate scales, broadcast); `probabilities` skips the softmax (V's objective reuses the exact ones).
     Query heads are grouped under the KV head they read (no repeat): output
     [..., kv_heads, groups * rows, head_dim] (query head h is group h // groups), probabilities
-    [..., kv_heads, groups * rows, length]. `work`: the scores, probabilities and output are computed in its
-    buffers (the same values; valid until its next use).
+    [..., kv_heads, groups * rows, length].
     """
     kv_heads = sample.key.shape[0]
     groups = sample.query.shape[0] // kv_heads
     if probabilities is None:
         q = sample.query.float().reshape(kv_heads, groups * sample.query.shape[1], -1)
-        logits = _scores(q, (sample.key if key is None else key).float(), work).mul_(sample.scaling)
+        logits = _scores(q, (sample.key if key is None else key).float()).mul_(sample.scaling)
         if sample.softcap is not None:
             logits = torch.tanh(logits / sample.softcap) * sample.softcap
         logits = logits.add_(sample.bias.repeat(groups, 1))
@@ -161,25 +142,22 @@ def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, val
             combined = torch.cat([logits, sinks.reshape(kv_heads, -1, 1).expand(*logits.shape[:-1], 1)], dim=-1)
             probabilities = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
         else:
-            probabilities = torch.softmax(logits, dim=-1, out=work.get("probabilities", logits.shape) if work else None)
-    return _weighted(probabilities, (sample.value if value is None else value).float(), work), probabilities
+            probabilities = torch.softmax(logits, dim=-1)
+    return _weighted(probabilities, (sample.value if value is None else value).float()), probabilities
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, work: Workspace | None) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q kᵀ ([kv_heads, rows, D] by [..., kv_heads, length, D]). Leading dimensions of k are folded into one batch
     with kᵀ as a view: torch.matmul broadcasting q over them would copy kᵀ contiguous first (as long as the
     arithmetic on it, for the scale objective's 16 candidates)."""
-    shape = (*k.shape[:-3], *q.shape[:-1], k.shape[-2])
-    out = work.get("scores", shape) if work else None
     if k.dim() == 3:
-        return torch.matmul(q, k.transpose(-1, -2), out=out)
+        return torch.matmul(q, k.transpose(-1, -2))
     batched = torch.bmm(q.expand(*k.shape[:-3], *q.shape).reshape(-1, *q.shape[1:]),
-                        k.reshape(-1, *k.shape[-2:]).transpose(1, 2),
-                        out=None if out is None else out.view(-1, *shape[-2:]))
-    return batched.view(shape)
+                        k.reshape(-1, *k.shape[-2:]).transpose(1, 2))
+    return batched.view(*k.shape[:-3], *q.shape[:-1], k.shape[-2])
 
 
-def _weighted(p: torch.Tensor, v: torch.Tensor, work: Workspace | None) -> torch.Tensor:
+def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """p v ([..., kv_heads, rows, length] by [..., kv_heads, length, D]). Where one of them has a leading dimension
     (candidates) the other lacks, one matmul per index of it: torch.matmul would first copy the other once per
     index (16 times for the scale objective's candidates)."""
@@ -187,7 +165,7 @@ def _weighted(p: torch.Tensor, v: torch.Tensor, work: Workspace | None) -> torch
         return torch.matmul(p, v)
     count = p.shape[0] if p.dim() > v.dim() else v.shape[0]
     shape = (count, *p.shape[-3:-1], v.shape[-1])
-    out = work.get("output", shape) if work else p.new_empty(shape)
+    out = p.new_empty(shape)
     for i in range(count):
         torch.matmul(p[i] if p.dim() > v.dim() else p, v[i] if v.dim() > p.dim() else v, out=out[i])
     return out
