@@ -5,7 +5,7 @@ One `kvcalib.calibrate` run (CalibrateOptions at the CLI defaults but for the si
 wrapped so that, on the same attention samples, three searches run in turn:
 
   unpruned  every candidate scored on every sample (objective.sample_terms, sum_terms, choose: the public pieces)
-  kvcalib   kvcalib.calibrate.objective.search: the same, but a candidate is scored no further once its error so
+  kvcalib   kvcalib.calibration.objective.search: the same, but a candidate is scored no further once its error so
             far reaches absmax's whole error (the pruning), with fp8.fake_quantize's real cast
   tuned     the search kvcalib had until --tuned-from (git): the pruning, plus reused buffers (Workspace), a
             bit-trick E4M3 rounding (round_to_e4m3_), the reference attention kept across numerics and the clamp
@@ -45,7 +45,7 @@ def load_tuned(rev: str, folder: Path) -> types.ModuleType:
     import importlib
 
     files = {"tuned_fp8": ("kvcalib/core/fp8.py", {}), "tuned_samples": ("kvcalib/hf/samples.py", {}),
-             "tuned_objective": ("kvcalib/calibrate/objective.py", {
+             "tuned_objective": ("kvcalib/calibration/objective.py", {
                  "from kvcalib.core import fp8": "import tuned_fp8 as fp8",
                  "from kvcalib.hf.samples import": "from tuned_samples import"})}
     for name, (path, replace) in files.items():
@@ -70,7 +70,11 @@ def main() -> None:
     parser.add_argument("--tuned-from", default=TUNED_FROM)
     args = parser.parse_args()
 
-    from kvcalib.calibrate import CalibrateOptions, calibrate, objective, pipeline
+    from kvcalib.calibration.options import CalibrateOptions
+
+    from kvcalib.calibration.pipeline import calibrate
+
+    from kvcalib.calibration import objective, pipeline
 
     with tempfile.TemporaryDirectory() as tmp:
         tuned = load_tuned(args.tuned_from, Path(tmp))

@@ -8,12 +8,10 @@ import json
 import pytest
 import torch
 
-from kvcalib.calibrate.api import calibrate
-from kvcalib.calibrate.objective import candidates
+from kvcalib import calibrate, evaluate, validate
+from kvcalib.calibration.objective import candidates
 from kvcalib.core import fp8
 from kvcalib.core.schema import PROVENANCE_FILENAME
-from kvcalib.evaluate.api import evaluate
-from kvcalib.validate.api import validate
 
 E5M2 = fp8.Target("e5m2-test", "float8_e5m2", 57344.0, fp8.DIVIDE)  # torch.finfo(torch.float8_e5m2).max
 SMALL = {"num_samples": 16, "max_seq_len": 64}
@@ -31,7 +29,7 @@ def test_a_chip_defined_here_calibrates_validates_and_evaluates(e5m2, tiny_llama
     assert absmax.target == e5m2.name
     for layer in absmax.layers:
         for kind in "kv":
-            peak, scale = getattr(layer, f"{kind}_absmax"), getattr(layer, f"{kind}_scale")
+            peak, scale = getattr(layer, kind).absmax, getattr(layer, kind).scale
             assert scale == float(fp8.scale_from_absmax(peak, e5m2))  # absmax / 57344, rounded for x / s
             assert scale == pytest.approx(peak / 57344, rel=1e-6)
 
@@ -42,15 +40,15 @@ def test_a_chip_defined_here_calibrates_validates_and_evaluates(e5m2, tiny_llama
     labels = []
     for layer in chosen.layers:
         for kind in "kv":
-            choice = getattr(layer, f"{kind}_choice")
+            record = getattr(layer, kind)
+            choice = record.choice
             labels.append(choice["label"])
             # absmax is a candidate (the first): every choice is judged against its error
             assert choice["attention_error_absmax"] >= choice["attention_error"] >= 0.0
             assert choice["attention_error_on"] == {e5m2.name: choice["attention_error"]}
             if choice["label"] == "absmax":
                 assert choice["attention_error"] == choice["attention_error_absmax"]
-                assert getattr(layer, f"{kind}_scale") == float(
-                    fp8.scale_from_absmax(getattr(layer, f"{kind}_absmax"), e5m2))
+                assert record.scale == float(fp8.scale_from_absmax(record.absmax, e5m2))
     assert "absmax" in labels  # this model has no channel a clip would help (6 of 6 chose absmax here)
 
     for out in ("absmax", "attention"):
