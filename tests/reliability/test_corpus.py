@@ -79,7 +79,7 @@ class Case:
     exit: int
     names: str  # what the message must name (a substring of the output), formatted like argv
     setup: Callable[[World], None] = lambda w: None
-    hint: bool = True
+    hint: bool = True  # False: a choice the CLI rejects itself, naming the flag and listing the choices
     root: bool = False  # needs root (mounts, chattr)
     cleanup: Callable[[World], None] = lambda w: None
     json_finding: str | None = None  # validate: a finding with this severity must name the thing
@@ -356,11 +356,11 @@ CASES = [
     Case("num-samples-0", CAL[:7] + ("0",) + CAL[8:], 2, "--num-samples"),
     Case("batch-size-0", CAL + ("--batch-size", "0"), 2, "--batch-size"),
     Case("max-seq-len-0", CAL + ("--max-seq-len", "0"), 2, "--max-seq-len"),
-    Case("target-unknown", CAL + ("--target", "trn9"), 2, "trn9"),
-    Case("dtype-unknown", CAL + ("--dtype", "float8"), 2, "--dtype"),
+    Case("target-unknown", CAL + ("--target", "trn9"), 2, "trn9", hint=False),
+    Case("dtype-unknown", CAL + ("--dtype", "float8"), 2, "--dtype", hint=False),
     Case("engine-unknown", CAL + ("--engine", "warp"), 2, "--engine"),
-    Case("device-unknown", CAL + ("--device", "tpu"), 2, "--device"),
-    Case("bf16-compute-unknown", CAL + ("--bf16-compute", "fast"), 2, "--bf16-compute"),
+    Case("device-unknown", CAL + ("--device", "tpu"), 2, "--device", hint=False),
+    Case("bf16-compute-unknown", CAL + ("--bf16-compute", "fast"), 2, "--bf16-compute", hint=False),
     Case("recipe-missing", CAL + ("--recipe", "{w}/nope.yaml"), 2, "{w}/nope.yaml"),
     Case("recipe-is-dir", CAL + ("--recipe", "{w}/rdir"), 2, "{w}/rdir", setup=lambda w: (w.root / "rdir").mkdir()),
     Case("recipe-fifo", CAL + ("--recipe", "{recipe}"), 2, "{recipe}", setup=mkfifo(lambda w: w.recipe)),
@@ -424,13 +424,13 @@ CASES = [
          setup=set_scale(1e30), json_finding="warning"),
     Case("validate-uncalibrated", VAL + ("--strict",), 1, "no KV-cache scales", setup=uncalibrated_ckpt,
          json_finding="warning"),
-    Case("validate-target-unknown", VAL + ("--target", "h100"), 2, "h100"),
+    Case("validate-target-unknown", VAL + ("--target", "h100"), 2, "h100", hint=False),
     # eval
     Case("eval-uncalibrated", EVAL, 2, "k_scale", setup=uncalibrated_ckpt),
     Case("eval-num-samples-0", EVAL + ("--num-samples", "0"), 2, "--num-samples"),
     Case("eval-batch-size-0", EVAL + ("--batch-size", "0"), 2, "--batch-size"),
     Case("eval-max-seq-len-0", EVAL + ("--max-seq-len", "0"), 2, "--max-seq-len"),
-    Case("eval-target-unknown", EVAL + ("--target", "x"), 2, "'x'"),
+    Case("eval-target-unknown", EVAL + ("--target", "x"), 2, "'x'", hint=False),
     Case("eval-compare-missing", EVAL + ("--compare", "{w}/other"), 2, "{w}/other"),
     Case("eval-data-fifo", EVAL, 1, "{data}", setup=mkfifo(lambda w: w.data)),
     Case("eval-plot-into-checkpoint", EVAL + ("--plot", "{ckpt}/x.png"), 2, "{ckpt}"),
@@ -445,7 +445,7 @@ CASES = [
     Case("serve-stop-timeout-negative", SERVE + ("--stop-timeout", "-1"), 2, "--stop-timeout"),
     Case("serve-vllm-python-missing", SERVE + ("--vllm-python", "{w}/bin/python"), 2, "{w}/bin/python",
          setup=fake_vllm_python),
-    Case("serve-device-unknown", ("serve-check", "{ckpt}", "--device", "tpu"), 2, "--device"),
+    Case("serve-device-unknown", ("serve-check", "{ckpt}", "--device", "tpu"), 2, "--device", hint=False),
     Case("serve-uncalibrated", SERVE, 1, "k_scale", setup=uncalibrated_ckpt),
     Case("serve-log-dir-in-checkpoint", SERVE + ("--log-dir", "{ckpt}/logs"), 2, "{ckpt}"),
     Case("serve-missing", ("serve-check", "{w}/none", "--device", "cpu"), 2, "{w}/none"),
