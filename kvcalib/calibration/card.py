@@ -20,7 +20,7 @@ from typing import Any
 
 from kvcalib.core import fp8
 from kvcalib.core.checkpoint import read_safetensors_header, read_values
-from kvcalib.core.mxfp4 import NEURON_QUANTIZATION
+from kvcalib.core.mxfp4 import neuron_quantization
 from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME
 from kvcalib.serving.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
 
@@ -44,8 +44,8 @@ def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
                                            device=device, tp=SERVE_DEFAULTS["tp"],
                                            max_model_len=SERVE_DEFAULTS["max_model_len"],
                                            max_num_seqs=SERVE_DEFAULTS["max_num_seqs"],
-                                           neuron_quantization=NEURON_QUANTIZATION.get(device) if mxfp4 else None))
-            for device in ("trn2", "trn3", "cuda")}
+                                           neuron_quantization=neuron_quantization(device) if mxfp4 else None))
+            for device in (*(name for name, chip in fp8.TARGETS.items() if chip.neuron), "cuda")}
 
 
 def write_card(ckpt: Path, validation: str, serve: dict[str, Any] | None = None, base_model: str | None = None) -> Path:
@@ -73,6 +73,15 @@ def card_text(existing: str, section: str, base_model: str | None) -> str:
     return str(card)
 
 
+_MXFP4_CHIP = next(name for name, chip in fp8.TARGETS.items() if chip.mxfp4)  # the card's Trainium 3 line
+
+
+def _format(target: str) -> str:
+    """The FP8 format's name from the chip table: E4M3 (float8_e4m3fn), E5M2, ..."""
+    known = fp8.TARGETS.get(target)
+    return known.dtype.removeprefix("float8_").removesuffix("fn").upper() if known else "FP8"
+
+
 def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     provenance = json.loads((ckpt / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
     target, fp8_max = provenance["target"], provenance["fp8_max"]
@@ -81,7 +90,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
             "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)" if per_head
             else "Per-tensor FP8 KV-cache scales")
     lines = [BEGIN, "## FP8 KV cache (kvcalib)", "",
-             f"{what} sized for **{target}** (E4M3, max {fp8_max:g}): {_formula(provenance, per_head)}"
+             f"{what} sized for **{target}** ({_format(target)}, max {fp8_max:g}): {_formula(provenance, per_head)}"
              + (" With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
                 "attention reads it; the Neuron plugin does not consume it today." if queries else ""), "",
              "| | |", "|---|---|",
@@ -99,9 +108,9 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         lines += ["vLLM on Neuron (Trainium 2" + ("" if mxfp4 else "; `trn3` is the same command")
                   + "), as `kvcalib serve-check CKPT --device trn2` "
                   f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
-                  "it is):", "", "```bash", commands["trn2"], "```", ""]
+                  "it is):", "", "```bash", commands[fp8.DEFAULT_TARGET], "```", ""]
     if mxfp4:
-        trn3 = json.dumps({"neuron_config": {"quantization": NEURON_QUANTIZATION["trn3"]}})
+        trn3 = json.dumps({"neuron_config": {"quantization": neuron_quantization(_MXFP4_CHIP)}})
         lines += [f"On Trainium 3 the same with `--additional-config '{trn3}'`: its GPT-OSS model runs the MXFP4 "
                   "experts as they are (on Trainium 2 it dequantizes them at load).", "",
                   "Not for GPU: the experts stay MXFP4, which GPU vLLM loads only under its MXFP4 config, and that "

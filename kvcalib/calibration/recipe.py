@@ -92,10 +92,6 @@ class RecipePlan:
     provenance: dict[str, Any] = field(default_factory=dict)
 
 
-# The recipes kvcalib ships (the repository's recipes/, installed as the package kvcalib.recipes), by name.
-BUILTIN_RECIPES = ("trn2", "trn3", "gpu")
-
-
 def builtin_recipes() -> Path:
     """The folder of the shipped recipes: kvcalib.recipes when installed (a wheel or an editable install),
     else the source tree's recipes/ (kvcalib imported from a checkout without installing it)."""
@@ -103,6 +99,11 @@ def builtin_recipes() -> Path:
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
     return Path(__file__).resolve().parents[2] / "recipes"
+
+
+# The recipes kvcalib ships (the repository's recipes/, installed as the package kvcalib.recipes), by name: one
+# per chip of the table.
+BUILTIN_RECIPES = tuple(name for name in fp8.TARGETS if (builtin_recipes() / f"kv-fp8-{name}.yaml").is_file())
 
 
 def recipe_file(recipe: str | Path) -> Path:

@@ -43,6 +43,7 @@ class Target:
     fp8_max: float
     scaling: str = DIVIDE  # BF16_RECIPROCAL, F32_RECIPROCAL or DIVIDE
     toward_zero: bool = False  # the cast truncates the mantissa instead of rounding to nearest even
+    mxfp4: bool = False  # runs MXFP4 matmuls natively (vLLM-Neuron's GPT-OSS keeps MXFP4 experts as they are)
 
     @property
     def neuron(self) -> bool:
@@ -54,7 +55,7 @@ class Target:
 # (the Neuron plugin clamps to ±240; below it the grid is E4M3FN's); TRN3 and GPUs use OCP E4M3FN with 448.
 TARGETS: dict[str, Target] = {
     "trn2": Target("trn2", "float8_e4m3fn", 240.0, BF16_RECIPROCAL),  # AWS Trainium 2
-    "trn3": Target("trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL),  # AWS Trainium 3
+    "trn3": Target("trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL, mxfp4=True),  # AWS Trainium 3
     "gpu": Target("gpu", "float8_e4m3fn", 448.0, DIVIDE),  # vLLM on GPU
 }
 

@@ -28,17 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import UnsupportedModelError, UsageError
-from kvcalib.core.fp8 import Target, get_target
+from kvcalib.core.fp8 import TARGETS, Target, get_target
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCKS", "DEQUANTIZE_COMMAND", "NEURON_QUANTIZATION", "SCALES", "TRN2_CAUSE", "check_calibration",
+__all__ = ["BLOCKS", "DEQUANTIZE_COMMAND", "SCALES", "TRN2_CAUSE", "check_calibration",
            "dequantize_mxfp4", "dequantized_on_load", "dequantizer", "expert_chunks", "findings", "weights"]
 
 BLOCKS, SCALES = "_blocks", "_scales"
-# The neuron_config quantization vLLM-Neuron's GPT-OSS needs, per chip: model_bf16 on trn2, model_mxfp4 on trn3
-NEURON_QUANTIZATION = {"trn2": "bf16", "trn3": "mxfp4"}
 DEQUANTIZE_COMMAND = ("python -c \"from kvcalib.core.mxfp4 import dequantize_mxfp4; "
                       "dequantize_mxfp4('MODEL', 'BF16_DIR')\"")
 TRN2_CAUSE = (r"quantization='mxfp4' is not supported on TRN2",
@@ -52,6 +50,13 @@ def weights(keys: Iterable[str]) -> list[str]:
     keys = set(keys)
     return sorted(k.removesuffix(BLOCKS) for k in keys
                   if k.endswith(BLOCKS) and k.removesuffix(BLOCKS) + SCALES in keys)
+
+
+def neuron_quantization(target: str) -> str | None:
+    """The neuron_config quantization vLLM-Neuron's GPT-OSS needs on a Neuron `target` (None elsewhere): its
+    model_mxfp4 where the chip runs MXFP4 natively (trn3), model_bf16 otherwise (trn2)."""
+    chip = TARGETS.get(target)
+    return None if chip is None or not chip.neuron else "mxfp4" if chip.mxfp4 else "bf16"
 
 
 def check_calibration(checkpoint: Checkpoint, target: Target, engine: str) -> dict[str, Any]:
@@ -93,7 +98,7 @@ def findings(config: dict[str, Any], keys: Iterable[str], target: str) -> list[t
             f"calibrate the dequantised form for GPU: {DEQUANTIZE_COMMAND}, then kvcalib calibrate BF16_DIR --target "
             "gpu", "config.json:quantization_config"))
     elif names and method != "mxfp4":  # kvcalib's Neuron form
-        quantization = NEURON_QUANTIZATION.get(target, "bf16")
+        quantization = neuron_quantization(target)
         found.append((
             "PORT-MXFP4-NEURON", "info",
             f"{len(names)} expert weights are MXFP4, kept as released: Neuron's GPT-OSS model reads them by name "

@@ -77,7 +77,7 @@ class Preflight:
 
 
 def validate_target(device: str) -> str:
-    return device if device in NEURON_DEVICES else "gpu"
+    return device if device in NEURON_DEVICES else "gpu"  # cuda and cpu: GPU vLLM's rules (vLLM CPU shares them)
 
 
 def recorded_fp8_max(checkpoint: Path) -> float | None:
@@ -227,4 +227,4 @@ def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: i
                                 vllm_python=vllm_python, env=env, sysfs_root=sysfs_root, dev_root=dev_root, cpu=cpu)
     experts = device in NEURON_DEVICES and mxfp4.weights(scan_checkpoint(checkpoint).key_files)
     return Preflight(target, recorded_fp8_max(checkpoint), machine.tensor_parallel_size, machine.vllm_version,
-                     config, tuple(warnings), mxfp4.NEURON_QUANTIZATION[device] if experts else None)
+                     config, tuple(warnings), mxfp4.neuron_quantization(device) if experts else None)

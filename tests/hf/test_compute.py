@@ -241,6 +241,6 @@ def test_calibrate_says_which_path_it_took(tiny_llama_master, text_dataset, tmp_
     assert "CPU avx2 (from /proc/cpuinfo), torch capability AVX2" in on_avx2.compute
     on_amx = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b", CalibrateOptions(cpu=SAPPHIRE_RAPIDS, **opts))
     assert on_amx.compute.startswith("native matmuls in the model's dtype")
-    with pytest.raises(UsageError, match="unknown bf16 compute 'fast'"):
+    with pytest.raises(UsageError, match="unknown --bf16-compute 'fast'"):
         calibrate(tiny_llama_master, str(text_dataset), tmp_path / "c", CalibrateOptions(bf16_compute="fast", **opts))
     assert not (tmp_path / "c").exists()
