@@ -38,7 +38,8 @@ _HINT = "install a CUDA build of vLLM (pip install vllm) on a host with an NVIDI
 
 
 def check_cuda(python: Path, env: Mapping[str, str], tp: int | None) -> int:
-    """The number of CUDA devices `python`'s torch sees (>= 1, >= tp); a DeviceError or VllmNotFoundError saying why not."""
+    """The number of CUDA devices `python`'s torch sees (>= 1, >= tp); a DeviceError or VllmNotFoundError saying
+    why not."""
     try:
         proc = subprocess.run([str(python), "-c", _CUDA_PROBE], capture_output=True, text=True, env=dict(env),
                               timeout=CUDA_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)

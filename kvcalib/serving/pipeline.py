@@ -63,8 +63,8 @@ from kvcalib.serving.prompts import (BUILTIN_PROMPTS, NLL_TEXT, Prompt, contains
 from kvcalib.serving.server import VllmServer, free_port, require_free_port
 
 __all__ = [
-    "AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "check_serving", "Progress", "PromptResult", "ServeCheckResult", "ServeEvent",
-    "ServeOptions", "ServerRun", "judge", "serve_check",
+    "AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "check_serving", "Progress", "PromptResult", "ServeCheckResult",
+    "ServeEvent", "ServeOptions", "ServerRun", "judge", "serve_check",
 ]
 
 # The numerics the prediction emulates where the server's differ from its validate target's:
@@ -120,7 +120,8 @@ class ServerRun:
     completions: tuple[Completion, ...]
     nll: float
     agreements: tuple[float | None, ...] | None = None
-    task_output: Any = None  # a kvcalib.serving.tasks.ServedTasks; serve-check --tasks: lm-eval's output against this server
+    # a kvcalib.serving.tasks.ServedTasks; serve-check --tasks: lm-eval's output against this server
+    task_output: Any = None
     pid: int | None = None  # the server's process id: it leads its own session and process group
     token_nll: tuple[float, ...] = ()  # each token's NLL of the fixed text (nll is their mean)
 
@@ -164,7 +165,8 @@ class ServeCheckResult:
                          "predicted_delta_nll": 0.0 if self.prediction else None})
         pred = self.prediction
         rows.append({"name": "calibrated", "nll": self.nll_fp8, "agreement": self.agreement,
-                     "served_delta_nll": self.served_delta_nll, "predicted_delta_nll": pred.delta_nll if pred else None})
+                     "served_delta_nll": self.served_delta_nll,
+                     "predicted_delta_nll": pred.delta_nll if pred else None})
         if self.unit is not None:
             rows.append(self._row("scales 1.0", self.unit.nll, mean_agreement(self.unit.agreements),
                                   pred.unit_delta_nll if pred else None))
@@ -189,7 +191,8 @@ class ServeCheckResult:
             "baseline_ready_s": self.baseline_ready_s, "baseline_command": self.baseline_command,
             "baseline_log": self.baseline_log,
             "canary": self.canary.to_dict() if self.canary else None,
-            "unit": None if self.unit is None else {"nll": self.unit.nll, "agreement": mean_agreement(self.unit.agreements)},
+            "unit": None if self.unit is None else {"nll": self.unit.nll,
+                                                    "agreement": mean_agreement(self.unit.agreements)},
             "prediction": self.prediction.to_dict() if self.prediction else None,
             "delta_nll": {"served": self.served_delta_nll,
                           "predicted": self.prediction.delta_nll if self.prediction else None,
@@ -260,7 +263,8 @@ def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOption
     return tuple(completions), sum(token_nll) / len(token_nll), agreements, task_output, token_nll
 
 
-def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None) -> tuple[list[PromptResult], list[str], float | None]:
+def judge(prompts: Sequence[Prompt], fp8: ServerRun,
+          baseline: ServerRun | None) -> tuple[list[PromptResult], list[str], float | None]:
     """Per-prompt results, the reasons the check failed (none: it passed), and the mean agreement."""
     results, failures = [], []
     for i, (prompt, out) in enumerate(zip(prompts, fp8.completions)):

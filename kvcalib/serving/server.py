@@ -255,7 +255,8 @@ class VllmServer:
             hint = found.hint
         else:
             hint = default_hint or "read the log tail above"
-        message += f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else f"\n(the log {self.log_path} is empty)"
+        message += (f"\n--- last lines of {self.log_path} ---\n{tail}" if tail
+                    else f"\n(the log {self.log_path} is empty)")
         return ServerError(message, hint=hint, log=str(self.log_path))
 
     def stop(self) -> None:

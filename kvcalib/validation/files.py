@@ -1,8 +1,8 @@
 """Checkpoint integrity (rule 4 of `kvcalib.validate`): what the two Neuron loader variants see.
 
 Variant A globs every top-level `*.safetensors` file and ignores the index; variant B uses
-only the index's `weight_map` (the plugin and its public forks load checkpoints both ways). Headers and the index are read, no
-tensor data. Every problem becomes a finding; nothing here raises.
+only the index's `weight_map` (the plugin and its public forks load checkpoints both ways). Headers and the index are
+read, no tensor data. Every problem becomes a finding; nothing here raises.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def query_findings(config: dict[str, Any], scan: CheckpointFiles, target: str, s
         if missing:
             findings.append(Finding(
                 "SCALE-Q-MISSING", WARNING,
-                f"quantization_config declares FP8 attention but layer(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                "quantization_config declares FP8 attention but layer(s) "
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''} "
                 "have no self_attn.q_scale: GPU vLLM quantises their Q with scale 1.0",
                 "recalibrate with kvcalib calibrate --attention-scales", _QCFG,
             ))
