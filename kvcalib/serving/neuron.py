@@ -192,6 +192,6 @@ def require_family(host: NeuronHost, device: str) -> None:
         where = f"{host.instance_type} " if host.instance_type else ""
         raise DeviceError(
             f"this host is {host.family} ({where}from {host.family_source}), not {device}",
-            hint=f"pass --device {host.family}"
-            if host.family in TARGETS and TARGETS[host.family].neuron else "serve-check supports trn2 and trn3 Neuron hosts, or --device cpu",
+            hint=f"pass --device {host.family}" if host.family in TARGETS and TARGETS[host.family].neuron
+            else "serve-check supports trn2 and trn3 Neuron hosts, or --device cpu",
         )
