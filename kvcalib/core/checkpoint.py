@@ -1,15 +1,12 @@
-"""Checkpoint files, read side: config, index, safetensors headers, tensors by key.
+"""Checkpoint files, read side: config, index, safetensors headers, tensors by key (never a tensor unless asked).
 
-Reading never loads a tensor unless asked for it by key (`load_tensors`), so a checkpoint of
-any size is inspected in about the time it takes to read a few headers. `Checkpoint` reads a
-directory once: config.json when opened, the headers and index on first use, so one run
-that asks many questions of the same checkpoint reads each file once. (Writing a new
-checkpoint is kvcalib.calibration.writer's job.)
+`Checkpoint` reads a directory once: config.json when opened, the headers and index on first use.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 from collections.abc import Iterable
@@ -22,12 +19,9 @@ from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError, Kv
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME
 
-__all__ = [
-    "DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
-    "TensorInfo", "load_tensors", "read_config", "read_json", "read_safetensors_header",
-    "read_scale_values", "read_tensor", "read_values", "scan_checkpoint", "torch_dtype_name", "write_json",
-]
-
+__all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
+           "TensorInfo", "load_tensors", "read_config", "read_json", "read_safetensors_header", "read_scale_values",
+           "read_tensor", "read_values", "scan_checkpoint", "torch_dtype_name", "write_json"]
 
 # safetensors refuses headers above 100 MB; so do we, before reading them.
 MAX_HEADER_BYTES = 100_000_000
@@ -85,8 +79,7 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointReadError(f"cannot read {what} {path}: {exc.strerror or exc}",
                                   hint="check the file's permissions") from None
     except (ValueError, RecursionError) as exc:
-        # ValueError: JSONDecodeError, UnicodeDecodeError and an over-long integer literal;
-        # RecursionError: arrays/objects nested too deep for the json module.
+        # ValueError: bad JSON, bad UTF-8, an over-long integer literal; RecursionError: nested too deep
         if not isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)) and "integer string" in str(exc):
             raise CheckpointReadError(
                 f"{what} {path} holds an integer of more than {sys.get_int_max_str_digits()} digits, which "
@@ -130,25 +123,19 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise CheckpointReadError(
-                    f"{path}: truncated safetensors file ({file_size} bytes, no header length)",
-                    hint="the file was cut short; copy it again from the source",
-                )
+                raise CheckpointReadError(f"{path}: truncated safetensors file ({file_size} bytes, no header length)",
+                                          hint=_CUT)
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES:
-                raise CheckpointReadError(
-                    f"{path}: safetensors header of {header_len} bytes is over the {MAX_HEADER_BYTES} byte limit",
-                    hint="the file is corrupt or not a safetensors file",
-                )
+                raise CheckpointReadError(f"{path}: safetensors header of {header_len} bytes is over the "
+                                          f"{MAX_HEADER_BYTES} byte limit",
+                                          hint="the file is corrupt or not a safetensors file")
             if 8 + header_len > file_size:
-                raise CheckpointReadError(
-                    f"{path}: truncated safetensors file (header says {header_len} bytes, file has {file_size})",
-                    hint="the file was cut short; copy it again from the source",
-                )
+                raise CheckpointReadError(f"{path}: truncated safetensors file (header says {header_len} bytes, "
+                                          f"file has {file_size})", hint=_CUT)
             raw = f.read(header_len)
     except OSError as exc:
-        raise CheckpointReadError(f"cannot read {path}: {exc.strerror or exc}",
-                                  hint="check the file's permissions, or copy it again from the source") from None
+        raise CheckpointReadError(f"cannot read {path}: {exc.strerror or exc}", hint=_PERMISSIONS) from None
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # see read_json
@@ -162,14 +149,14 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         raise CheckpointReadError(f"{path}: __metadata__ must map strings to strings", hint=_CORRUPT)
-    tensors: dict[str, TensorInfo] = {}
-    for key, entry in header.items():
-        tensors[key] = _tensor_info(path, key, entry, data_size)
+    tensors = {key: _tensor_info(path, key, entry, data_size) for key, entry in header.items()}
     _check_layout(path, tensors, data_size)
     return SafetensorsHeader(path, tensors, metadata, data_start, file_size)
 
 
 _CORRUPT = "the file is corrupt or not a safetensors file; copy it again from the source"
+_CUT = "the file was cut short; copy it again from the source"
+_PERMISSIONS = "check the file's permissions, or copy it again from the source"
 
 
 def _check_layout(path: Path, tensors: dict[str, TensorInfo], data_size: int) -> None:
@@ -193,21 +180,12 @@ def _tensor_info(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo
     if not isinstance(entry, dict):
         raise bad
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if (
-        not isinstance(dtype, str)
-        or dtype not in DTYPE_SIZES
-        or not isinstance(shape, list)
-        or not all(isinstance(d, int) and d >= 0 for d in shape)
-        or not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets)
-    ):
+    if (not isinstance(dtype, str) or dtype not in DTYPE_SIZES or not isinstance(shape, list)
+            or not all(isinstance(d, int) and d >= 0 for d in shape) or not isinstance(offsets, list)
+            or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)):
         raise bad
     begin, end = offsets
-    numel = 1
-    for d in shape:
-        numel *= d
-    if not 0 <= begin <= end <= data_size or end - begin != numel * DTYPE_SIZES[dtype]:
+    if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
         raise CheckpointReadError(
             f"{path}: tensor {key!r} points outside the file or has the wrong byte size",
             hint="the file is truncated or corrupt; copy it again from the source",
@@ -292,11 +270,8 @@ def _read_index(path: Path) -> dict[str, Any] | None:
 
 
 def read_tensor(header: SafetensorsHeader, key: str) -> Any:
-    """One tensor of a parsed file, read at its offsets (a torch tensor; nothing else is read).
-
-    Unlike `load_tensors`, this needs only what `read_safetensors_header` checked, so it
-    also reads files that safetensors itself would refuse for unrelated reasons.
-    """
+    """One tensor of a parsed file, read at its offsets (a torch tensor). Unlike `load_tensors`, it needs only
+    what `read_safetensors_header` checked, so it also reads files safetensors would refuse for other reasons."""
     import torch
 
     info = header.tensors[key]
@@ -304,21 +279,27 @@ def read_tensor(header: SafetensorsHeader, key: str) -> Any:
     if dtype is None:
         raise CheckpointReadError(f"{header.path}: tensor {key!r} has dtype {info.dtype}, which this torch cannot read",
                                   hint="upgrade torch, or store the tensor in a common dtype")
-    try:
-        with open(header.path, "rb") as f:
-            f.seek(header.data_start + info.data_offsets[0])
-            raw = f.read(info.nbytes)
-    except OSError as exc:
-        raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}",
-                                  hint="check the file's permissions, or copy it again from the source") from None
-    if len(raw) != info.nbytes:
-        raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}",
-                                  hint="the file was cut short; copy it again from the source")
+    raw = _read_raw(header, key, info.nbytes)
     if not raw:
         return torch.empty(info.shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(info.shape)
 
 
+def _read_raw(header: SafetensorsHeader, key: str, nbytes: int) -> bytes:
+    """The first `nbytes` of tensor `key`'s data; CheckpointReadError when the file cannot give them."""
+    try:
+        with open(header.path, "rb") as f:
+            f.seek(header.data_start + header.tensors[key].data_offsets[0])
+            raw = f.read(nbytes)
+    except OSError as exc:
+        raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}", hint=_PERMISSIONS) from None
+    if len(raw) != nbytes:
+        raise _eof(header, key)
+    return raw
+
+
+def _eof(header: SafetensorsHeader, key: str) -> CheckpointReadError:
+    return CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}", hint=_CUT)
 
 
 # struct formats of the dtypes a scalar is read from without torch (the FP8 ones need it)
@@ -333,16 +314,9 @@ def read_values(header: SafetensorsHeader, key: str, count: int | None = None) -
     count = info.nbytes // size if count is None else count
     if info.dtype not in _STRUCT and info.dtype != "BF16":
         return [float(x) for x in read_tensor(header, key).reshape(-1)[:count].double().tolist()]
-    try:
-        with open(header.path, "rb") as f:
-            f.seek(header.data_start + info.data_offsets[0])
-            raw = f.read(size * count)
-    except OSError as exc:
-        raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}",
-                                  hint="check the file's permissions, or copy it again from the source") from None
-    if count < 1 or len(raw) != size * count or info.nbytes < size * count:
-        raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}",
-                                  hint="the file was cut short; copy it again from the source")
+    raw = _read_raw(header, key, size * count)
+    if count < 1 or info.nbytes < size * count:
+        raise _eof(header, key)
     if info.dtype == "BF16":  # the top half of a float32
         return [float(struct.unpack("<f", b"\0\0" + raw[i:i + 2])[0]) for i in range(0, len(raw), 2)]
     return [float(x[0]) for x in struct.iter_unpack(_STRUCT[info.dtype], raw)]
@@ -354,8 +328,6 @@ def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, Any]:
 
     with safe_open(str(path), framework="pt") as f:
         return {key: f.get_tensor(key) for key in keys}
-
-
 
 
 def read_scale_values(ckpt_dir: Path, files: CheckpointFiles, key: str, required: bool = True) -> list[float] | None:

@@ -6,12 +6,10 @@ The CLI catches `KvcalibError` only; anything else is a bug and keeps its traceb
 
 from __future__ import annotations
 
-__all__ = [
-    "CalibrationError", "CheckpointNotFoundError", "CheckpointReadError", "DatasetError", "DeviceError",
-    "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "OutputWriteError", "RecipeError",
-    "ServerError", "UnknownTargetError", "UnsupportedModelError", "UsageError", "ValidationFailedError",
-    "VllmNotFoundError", "check_at_least",
-]
+__all__ = ["CalibrationError", "CheckpointNotFoundError", "CheckpointReadError", "DatasetError", "DeviceError",
+           "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "OutputWriteError",
+           "RecipeError", "ServerError", "UnknownTargetError", "UnsupportedModelError", "UsageError",
+           "ValidationFailedError", "VllmNotFoundError", "check_at_least"]
 
 
 class KvcalibError(Exception):
@@ -93,8 +91,6 @@ class MissingDependencyError(KvcalibError):
 
 
 # serve-check: exit codes 3 (the environment cannot run the check) and 4 (the server failed).
-
-
 class DeviceError(KvcalibError):
     """The requested device is not usable here: no Neuron devices, wrong chip, CPU lacks AVX-512."""
 
