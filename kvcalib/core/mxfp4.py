@@ -1,22 +1,18 @@
-"""MXFP4 experts (GPT-OSS as released, and kvcalib's Neuron form of it): all kvcalib does about them, in one place.
+"""MXFP4 experts (GPT-OSS as released, and kvcalib's Neuron form of it): `<experts>.gate_up_proj_blocks` (FP4
+codes) beside `..._scales` (exponents), the same for down_proj. Calibrated as they are (transformers dequantizes them
+on load); the output keeps them, linked, under a KV-only config. Neuron reads them by name: jinhuang12/vllm-neuron at
+ed3580d, vllm_neuron/model/gpt_oss/factory.py picks model_bf16.py or model_mxfp4.py by neuron_config quantization,
+else by chip (trn3 mxfp4), and refuses mxfp4 on trn2; vllm-project/vllm-neuron at b8834a3,
+docs/model-recipes/gpt-oss.md serves the released checkpoint on trn2 with its quantization_config emptied. GPU vLLM
+(0.32) gives attention no quant method under its MXFP4 config (vllm/model_executor/layers/quantization/mxfp4.py,
+Mxfp4Config.get_quant_method): FP8 KV runs at 1.0, so --target gpu is refused (`dequantize_mxfp4` makes a bf16 form).
 
-Stored as `<experts>.gate_up_proj_blocks` (FP4 codes) beside `..._scales` (exponents), the same for down_proj.
-Calibrated as they are (transformers dequantizes them as it loads them); the output keeps them, linked, under a
-KV-only config. Neuron reads them by name: jinhuang12/vllm-neuron at ed3580d, vllm_neuron/model/gpt_oss/factory.py
-picks model_bf16.py (dequantizes them at load) or model_mxfp4.py by neuron_config quantization, else by chip (trn3
-mxfp4), and refuses mxfp4 on trn2; vllm-project/vllm-neuron at b8834a3, docs/model-recipes/gpt-oss.md serves the
-released checkpoint on trn2 with its quantization_config emptied. GPU vLLM (0.32) loads them only under its MXFP4
-config, which gives attention no quant method (vllm/model_executor/layers/quantization/mxfp4.py,
-Mxfp4Config.get_quant_method): no KV scale is read, FP8 KV runs at 1.0, so --target gpu is refused and the GPU
-form has the experts in bf16 (`dequantize_mxfp4`).
-
-The transformers internals used, read from transformers 5.17.0 (imported inside the functions; the rest is pure):
-`Mxfp4Config(dequantize=True)` with a config declaring `{"quant_method": "mxfp4"}` (pre-quantized);
-`quantizers.auto.AutoHfQuantizer.from_config(..., pre_quantized=True)`, whose `get_weight_conversions`
-(quantizers/quantizer_mxfp4.py) maps the pairs through `integrations.mxfp4.Mxfp4Dequantize` (the stream engine
-passes it to `conversion_mapping.get_model_conversion_mapping` and `modeling_utils.LoadStateDictConfig`);
-`integrations.mxfp4.convert_moe_packed_tensors`, the module global `dequantize_convertops` calls, swapped while
-loading; `save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`.
+transformers 5.17.0 internals used (imported inside the functions): `Mxfp4Config(dequantize=True)` with a config
+declaring `{"quant_method": "mxfp4"}`; `quantizers.auto.AutoHfQuantizer.from_config(..., pre_quantized=True)`, whose
+`get_weight_conversions` (quantizers/quantizer_mxfp4.py) maps the pairs through `integrations.mxfp4.Mxfp4Dequantize`
+(the stream engine passes it to `conversion_mapping.get_model_conversion_mapping` and
+`modeling_utils.LoadStateDictConfig`); `integrations.mxfp4.convert_moe_packed_tensors` (what `dequantize_convertops`
+calls), swapped while loading; `save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`.
 """
 
 from __future__ import annotations
@@ -135,10 +131,9 @@ def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, 
 
 @contextmanager
 def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
-    """transformers' MXFP4 dequantisation (`convert_moe_packed_tensors`, as its loader calls it) applied `per_chunk`
-    experts at a time into one result (GPT-OSS-120B gate_up: 4 of 128 are 133 MB in bf16). The values are the same
-    (it decodes element by element, then transposes each expert), the transient memory is a chunk's instead of
-    twice a layer's experts (its whole output, then a transposed copy: +8.5 GB for GPT-OSS-120B's gate_up alone)."""
+    """transformers' MXFP4 dequantisation (`convert_moe_packed_tensors`) applied `per_chunk` experts at a time into
+    one result: the same values (it works element by element, then per expert), with a chunk's transient memory
+    instead of twice a layer's experts (+8.5 GB for GPT-OSS-120B's gate_up alone)."""
     from transformers.integrations import mxfp4 as integration
 
     original = integration.convert_moe_packed_tensors

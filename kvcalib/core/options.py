@@ -1,7 +1,5 @@
-"""Options declared once: a job's options dataclass says, field by field, the flag, its help, its help panel, its
-choices and its lower bound; the library checks values from that (`check_options`) and the command line builds its
-parameters from it (kvcalib.cli.flags). Adding a flag is a field here and, where the command uses it, one name in
-the CLI."""
+"""Options declared once: each field of a job's options dataclass holds its flag, help, panel, choices and lower
+bound; the library checks values from that (`check_options`), the CLI its parameters (kvcalib.cli.flags)."""
 
 from __future__ import annotations
 
@@ -22,11 +20,11 @@ PANELS = ("Data", "Scales", "Engine", "Output", "Serving")
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, panel: str = "Data", flag: str | None = None,
            short: str | None = None, aliases: tuple[str, ...] = (), minimum: float | None = None, what: str = "",
-           choices: Callable[[], tuple[str, ...]] | None = None, metavar: str | None = None, factory: Callable[[], Any] | None = None,
-           cli: bool = True) -> Any:
+           choices: Callable[[], tuple[str, ...]] | None = None, metavar: str | None = None,
+           factory: Callable[[], Any] | None = None, cli: bool = True) -> Any:
     """A dataclass field that is also a flag: `flag` (default --field-name), `help`, `panel` (PANELS), `minimum`
-    (checked with `what` it counts), `choices` (a callable listing them, for choices read from a table at run
-    time; a Literal annotation gives them otherwise). `cli=False`: the library's only."""
+    (checked with `what` it counts), `choices` (a callable, for a table's; else a Literal annotation gives them).
+    `cli=False`: the library's only."""
     assert panel in PANELS, panel
     meta = {"help": help, "panel": panel, "flag": flag, "short": short, "aliases": aliases, "minimum": minimum,
             "what": what, "choices": choices, "metavar": metavar, "cli": cli}
