@@ -1,8 +1,5 @@
-"""The model side shared by calibrate and eval: resolve, check and load a checkpoint with transformers.
-
-Also the choices made from the command line's words (target, dtype, device, compute path),
-each with the error a user can act on.
-"""
+"""The model side shared by calibrate and eval: resolve, check and load a checkpoint with transformers, and the
+choices made from the command line's words (target, dtype, device, compute path)."""
 
 from __future__ import annotations
 
@@ -15,25 +12,19 @@ import torch
 from kvcalib.core import fp8, mxfp4
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute
-from kvcalib.core.errors import (
-    CheckpointNotFoundError,
-    CheckpointReadError,
-    UnknownTargetError,
-    UnsupportedModelError,
-    UsageError,
-)
+from kvcalib.core.errors import (CheckpointNotFoundError, CheckpointReadError, UnknownTargetError,
+                                 UnsupportedModelError, UsageError)
 from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key
 
-__all__ = [
-    "DTYPES", "PreparedRun", "check_index_files", "check_loading_info", "faithful_attention",
-    "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
-    "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
-    "resolve_model_dir", "resolve_target", "text_config",
-]
+__all__ = ["DTYPES", "PreparedRun", "check_index_files", "check_loading_info", "faithful_attention", "prepare_run",
+           "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
+           "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
+           "resolve_model_dir", "resolve_target", "text_config"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
 
 @dataclass(frozen=True)
 class PreparedRun:
@@ -93,7 +84,8 @@ def resolve_compute(requested: str, dtype: torch.dtype | None, checkpoint: Check
     try:
         return choose_compute(requested, effective_dtype(checkpoint, dtype), device, cpu)
     except ValueError as exc:
-        raise UsageError(str(exc), hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16") from None
+        raise UsageError(str(exc),
+                         hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16") from None
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -101,15 +93,14 @@ def resolve_model_dir(model: str | Path) -> Path:
     path = Path(model).expanduser()
     if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
         if not path.is_dir():
-            raise CheckpointNotFoundError(
-                f"model directory not found: {model}",
-                hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)",
-            )
+            raise CheckpointNotFoundError(f"model directory not found: {model}", hint="pass a local Hugging Face "
+                                          "checkpoint directory (config.json + *.safetensors)")
         return path
     try:  # looks like a hub id (org/name) and is not a local path
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.py"]))
+        patterns = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.py"]
+        return Path(snapshot_download(str(model), allow_patterns=patterns))
     except Exception as exc:  # huggingface_hub raises many types; all mean "could not fetch"
         raise CheckpointNotFoundError(
             f"model {model} is not a local directory and could not be fetched from the hub ({type(exc).__name__})",
@@ -123,9 +114,8 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
 
     from transformers import AutoModelForCausalLM
 
-    # the mapping from the module of transformers' top-level (lazy) AutoModelForCausalLM, which the run loads the
-    # model with anyway: importing transformers.models.auto directly would run transformers/models/__init__.py, a
-    # scan of every model's directory (~0.45 s)
+    # read from the lazy AutoModelForCausalLM's own module: importing transformers.models.auto directly would run
+    # transformers/models/__init__.py, a scan of every model's directory
     causal_names = importlib.import_module(AutoModelForCausalLM.__module__).MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_dir, config = checkpoint.root, checkpoint.config
@@ -158,10 +148,8 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
                 hint="calibrate from the unquantised (bf16/fp16) checkpoint",
             )
     if not checkpoint.files.files:
-        raise UnsupportedModelError(
-            f"{model_dir}: no *.safetensors weights",
-            hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
-        )
+        raise UnsupportedModelError(f"{model_dir}: no *.safetensors weights",
+                                    hint="convert the checkpoint to safetensors (save_pretrained does this by default)")
     check_index_files(checkpoint)
     _refuse_special_files(model_dir)
     layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
@@ -218,12 +206,8 @@ def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
 
 
 def faithful_attention(config: dict[str, Any]) -> str | None:
-    """The attention implementation that computes what the model really computes: None (transformers' default)
-    unless that default would drop part of the math.
-
-    transformers' SDPA path ignores attention-logit soft-capping (Gemma2's attn_logit_softcapping), so
-    such a model runs its eager attention; GPT-OSS's default is already eager (attention sinks).
-    """
+    """The attention implementation that computes what the model really computes: eager where transformers' SDPA
+    path would ignore attention-logit soft-capping (Gemma2), else None (transformers' default)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return "eager" if text.get("attn_logit_softcapping") else None
 

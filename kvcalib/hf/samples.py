@@ -1,12 +1,9 @@
 """Attention samples: what the scale objective scores, taken from the model's own attention calls.
 
-For a few calibration sequences (chosen before the run, the same in every engine and on every
-rank), each layer's attention call is kept as the model made it: the query rows at a spread of
-positions, K and V of the whole sequence (after RoPE, as the cache stores them, before the
-grouped-query repeat), the rows of the mask the model passed (causal, padding, sliding window),
-and the call's own scaling, soft-capping and attention sinks. `attention_rows` then recomputes
-those rows' attention output in float32 with any K or V put in: the eager formula every
-transformers family kvcalib serves uses (tested against the model's own attention function).
+For a few calibration sequences (the same in every engine and on every rank) each layer's call is kept as the model
+made it: query rows at a spread of positions, the sequence's K and V as cached, the mask rows, the call's scaling,
+soft-capping and sinks. `attention_rows` recomputes those rows' output in float32 with any K or V put in (the eager
+formula, tested against the model's own attention function).
 """
 
 from __future__ import annotations
@@ -23,9 +20,8 @@ from kvcalib.hf.data import batches
 __all__ = ["ROWS_PER_SEQUENCE", "SAMPLE_TOKENS", "AttentionSample", "AttentionSampler", "attention_error",
            "attention_rows", "sample_sequences"]
 
-# The objective's share of the calibration set: whole batches in the run's own order (longest
-# first) until SAMPLE_TOKENS tokens of K/V are kept, at least one batch; ROWS_PER_SEQUENCE query
-# rows of each, spread over its positions, alternately chosen from and held out.
+# The objective's share: whole batches in the run's order until SAMPLE_TOKENS tokens of K/V are kept (at least one),
+# ROWS_PER_SEQUENCE query rows of each, spread over its positions, alternately chosen from and held out.
 SAMPLE_TOKENS = 2048
 ROWS_PER_SEQUENCE = 16
 
@@ -37,7 +33,7 @@ class AttentionSample:
     query: torch.Tensor  # [heads, rows, head_dim]: the sampled query rows
     key: torch.Tensor  # [kv_heads, length, head_dim]
     value: torch.Tensor  # [kv_heads, length, head_dim]
-    bias: torch.Tensor  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive mask)
+    bias: torch.Tensor  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive)
     held_out: torch.Tensor  # [rows] bool: scored for the report, never for the choice
     scaling: float
     softcap: float | None = None
@@ -122,12 +118,9 @@ def _bias(attention_mask: torch.Tensor | None, row: int, index: torch.Tensor, le
 def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                    probabilities: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, probabilities) of the sampled rows in float32: `softmax(scaling q kᵀ [softcap] + mask [sinks]) v`.
-
-    `key`/`value` replace the sample's ([..., kv_heads, length, head_dim]: leading dimensions, e.g.
-    candidate scales, broadcast); `probabilities` skips the softmax (V's objective reuses the exact ones).
-    Query heads are grouped under the KV head they read (no repeat): output
-    [..., kv_heads, groups * rows, head_dim] (query head h is group h // groups), probabilities
-    [..., kv_heads, groups * rows, length].
+    `key`/`value` replace the sample's ([..., kv_heads, length, head_dim], leading dimensions broadcast);
+    `probabilities` skips the softmax. Query heads are grouped under their KV head: output [..., kv_heads,
+    groups * rows, head_dim] (query head h is group h // groups), probabilities [..., kv_heads, groups * rows, length].
     """
     kv_heads = sample.key.shape[0]
     groups = sample.query.shape[0] // kv_heads
