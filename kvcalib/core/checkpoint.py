@@ -85,12 +85,9 @@ def read_json(path: Path, what: str) -> Any:
                 f"{what} {path} holds an integer of more than {sys.get_int_max_str_digits()} digits, which "
                 "Python refuses to read (its integer-size limit, sys.get_int_max_str_digits): the JSON is valid, "
                 "but no setting of a checkpoint is that long",
-                hint=f"restore {Path(path).name} from the original checkpoint, or shorten that number",
-            ) from None
-        raise CheckpointReadError(
-            f"cannot parse {what} {path}: {exc}",
-            hint="the file is not valid JSON; restore it from the original checkpoint",
-        ) from None
+                hint=f"restore {Path(path).name} from the original checkpoint, or shorten that number") from None
+        raise CheckpointReadError(f"cannot parse {what} {path}: {exc}",
+                                  hint="the file is not valid JSON; restore it from the original checkpoint") from None
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -106,8 +103,7 @@ def read_config(ckpt_dir: Path) -> dict[str, Any]:
     if not ckpt_dir.is_dir():
         raise CheckpointNotFoundError(
             f"checkpoint directory not found: {ckpt_dir}",
-            hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)",
-        )
+            hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)")
     config = read_json(ckpt_dir / CONFIG_FILENAME, "config.json")
     if not isinstance(config, dict):
         raise CheckpointReadError(f"{ckpt_dir / CONFIG_FILENAME} is not a JSON object",
@@ -186,10 +182,8 @@ def _tensor_info(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo
         raise bad
     begin, end = offsets
     if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
-        raise CheckpointReadError(
-            f"{path}: tensor {key!r} points outside the file or has the wrong byte size",
-            hint="the file is truncated or corrupt; copy it again from the source",
-        )
+        raise CheckpointReadError(f"{path}: tensor {key!r} points outside the file or has the wrong byte size",
+                                  hint="the file is truncated or corrupt; copy it again from the source")
     return TensorInfo(key, dtype, tuple(shape), (begin, end))
 
 

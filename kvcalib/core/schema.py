@@ -104,8 +104,7 @@ _FOREIGN_SCALE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale$"), "k_proj/v_proj.*_scale"),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.([kv])_scale$"), "self_attn.attn.*_scale (vLLM module path)"),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.kv_scale$"), "kv_scale (one scale for K and V)"),
-    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.kv_scale$"), "attn.kv_scale (one scale for K and V)"),
-)
+    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.kv_scale$"), "attn.kv_scale (one scale for K and V)"))
 
 _NEURON_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_scale$")
 

@@ -90,8 +90,7 @@ class KVAbsmaxObserver:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise UnsupportedModelError(
                 f"an attention layer reported layer_idx {layer_idx!r}, outside the model's {self.num_layers} layers",
-                hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
-            )
+                hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)")
 
     def _head_absmax(self, layer_idx: int, states: torch.Tensor) -> torch.Tensor:
         """[B, H, S, D] -> absmax per head [H] over the real tokens (NaN/inf propagate on purpose)."""
@@ -198,8 +197,7 @@ def attention_modules(model: torch.nn.Module, num_layers: int, where: object) ->
     if missing:
         raise UnsupportedModelError(
             f"{where}: no attention module (a ...Attention with a layer_idx) found for layer(s) {missing}",
-            hint="kvcalib observes the K/V that transformers' attention modules write to their KV cache",
-        )
+            hint="kvcalib observes the K/V that transformers' attention modules write to their KV cache")
     return found
 
 

@@ -73,11 +73,9 @@ def load_rows(dataset: str, split: str):
     except DatasetError:
         raise
     except (ValueError, FileNotFoundError, OSError, KeyError) as exc:
-        raise DatasetError(
-            f"cannot read dataset {dataset} (split {split!r}): {exc}",
-            hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory, a save_to_disk "
-            "directory, or a hub dataset id on a machine that is online",
-        ) from None
+        raise DatasetError(f"cannot read dataset {dataset} (split {split!r}): {exc}",
+                           hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory, a save_to_disk "
+                           "directory, or a hub dataset id on a machine that is online") from None
     except Exception as exc:  # datasets raises its own families (DatasetGenerationError, hub errors)
         if type(exc).__module__.split(".")[0] not in {"datasets", "huggingface_hub", "pyarrow", "requests", "httpx"}:
             raise

@@ -104,8 +104,7 @@ def resolve_model_dir(model: str | Path) -> Path:
     except Exception as exc:  # huggingface_hub raises many types; all mean "could not fetch"
         raise CheckpointNotFoundError(
             f"model {model} is not a local directory and could not be fetched from the hub ({type(exc).__name__})",
-            hint="pass a local checkpoint directory, or run where the hub is reachable",
-        ) from None
+            hint="pass a local checkpoint directory, or run where the hub is reachable") from None
 
 
 def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
@@ -131,8 +130,7 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
         raise UnsupportedModelError(
             f"{model_dir}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a causal "
             "language model transformers can load with AutoModelForCausalLM",
-            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)",
-        )
+            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)")
     qcfg = config.get("quantization_config") or config.get("compression_config")
     if qcfg:
         method = str(qcfg.get("quant_method", "")).lower().replace("_", "-") if isinstance(qcfg, dict) else ""
@@ -142,11 +140,9 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
         released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
         if not released_mxfp4 and (method != "compressed-tensors"
                                    or (groups and len(fp8_attention_groups(groups)) != len(groups))):
-            raise UnsupportedModelError(
-                f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
-                f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
-                hint="calibrate from the unquantised (bf16/fp16) checkpoint",
-            )
+            raise UnsupportedModelError(f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
+                                        f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
+                                        hint="calibrate from the unquantised (bf16/fp16) checkpoint")
     if not checkpoint.files.files:
         raise UnsupportedModelError(f"{model_dir}: no *.safetensors weights",
                                     hint="convert the checkpoint to safetensors (save_pretrained does this by default)")
@@ -179,8 +175,7 @@ def check_index_files(checkpoint: Checkpoint) -> None:
             f"{checkpoint.root / INDEX_FILENAME} names {name}, which is not in {checkpoint.root} "
             f"({len(keys)} tensor(s), e.g. {min(keys)})"
             + (f"; {len(missing) - 1} more file(s) are missing" if len(missing) > 1 else ""),
-            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way",
-        )
+            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way")
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
@@ -253,8 +248,7 @@ def check_loading_info(model_dir: Path, info: dict[str, Any]) -> None:
         raise UnsupportedModelError(
             f"{model_dir}: the safetensors weights do not match config.json: " + "; ".join(problems),
             hint="transformers would fill missing weights with random values; use the config.json and the "
-                 "*.safetensors files of one and the same model",
-        )
+                 "*.safetensors files of one and the same model")
 
 
 def build_skeleton(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
