@@ -46,8 +46,7 @@ def _logged(result: Any) -> Any:
 
 
 def calibrate_options(*, target: str | None = None, **fields: Any) -> CalibrateOptions:
-    """CalibrateOptions as the CLI makes them: any of its fields, with the host CPU, the memory limit, the
-    temporary directory and the torchrun rank read from the machine unless given."""
+    """CalibrateOptions as the CLI makes them, what it reads from the machine read unless given."""
     from kvcalib.calibration.ranks import Ranks
     from kvcalib.hf.memory import available_memory
 
@@ -174,8 +173,7 @@ def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int
 def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, keys: int | None = None,
                     target: str = DEFAULT_TARGET, compare: Sequence[str] = (), options: EvalOptions | None = None,
                     progress: ProgressCallback | None = None, **fields: Any) -> NeedleResult:
-    """`kvcalib eval --context L,... --needle`: keys found per length and depth, per scale set, paired against the
-    unquantised cache."""
+    """`kvcalib eval --context L,... --needle`: keys found per length and depth, per scale set."""
     from kvcalib.evaluation.needle import evaluate_needle as run
 
     options = options or eval_options(target=target, compare=compare, **fields)
@@ -194,8 +192,7 @@ def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, target: str 
 
 
 def serve_options(device: str, **fields: Any) -> ServeOptions:
-    """ServeOptions as the CLI makes them: any of its fields, with the environment (os.environ), the host CPU's
-    flags and the memory this process may use read from the machine unless given."""
+    """ServeOptions as the CLI makes them: the environment, CPU flags and memory read unless given."""
     fields.setdefault("env", dict(os.environ))
     fields.setdefault("cpu", HostCpu.detect(with_capability=False))
     if "memory_bytes" not in fields:

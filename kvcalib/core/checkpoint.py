@@ -189,8 +189,7 @@ def _tensor_info(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """The safetensors side of a checkpoint directory: files, headers, and the index if any (kvcalib's one
-    scanner: calibrate, eval, serve-check and validate read checkpoints through it)."""
+    """The safetensors side of a checkpoint directory: files, headers, the index if any."""
 
     root: Path
     files: tuple[str, ...]  # top-level *.safetensors, sorted
@@ -359,11 +358,8 @@ class Checkpoint:
         name = self.config.get("dtype") or self.config.get("torch_dtype")
         if isinstance(name, str) and name in {torch for _size, torch in _DTYPES.values()}:
             return name
-        for file in self.files.files:
-            for info in self.files.headers[file].tensors.values():
-                if info.dtype in FLOAT_DTYPES:
-                    return torch_dtype_name(info.dtype)
-        return None
+        return next((torch_dtype_name(info.dtype) for file in self.files.files
+                     for info in self.files.headers[file].tensors.values() if info.dtype in FLOAT_DTYPES), None)
 
     def stored_float_dtypes(self) -> list[str]:
         """The torch names of the floating dtypes the tensors are stored in, sorted."""
@@ -372,11 +368,6 @@ class Checkpoint:
 
     def weight_bytes(self, element_size: int | None) -> int:
         """Bytes the tensors take with floating ones at `element_size` (None: as stored)."""
-        total = 0
-        for header in self.files.headers.values():
-            for info in header.tensors.values():
-                if element_size is not None and info.dtype in FLOAT_DTYPES:
-                    total += info.nbytes // DTYPE_SIZES[info.dtype] * element_size
-                else:
-                    total += info.nbytes
-        return total
+        return sum(info.nbytes // DTYPE_SIZES[info.dtype] * element_size
+                   if element_size is not None and info.dtype in FLOAT_DTYPES else info.nbytes
+                   for header in self.files.headers.values() for info in header.tensors.values())

@@ -57,8 +57,7 @@ class HostCpu:
 
     @classmethod
     def detect(cls, with_capability: bool = True) -> HostCpu:
-        """The CPU this runs on: /proc/cpuinfo's flags, or $KVCALIB_CPU_FLAGS (space-separated) to describe
-        another; `with_capability` asks torch for its kernels' capability too (it imports torch)."""
+        """The CPU this runs on: /proc/cpuinfo's flags, or $KVCALIB_CPU_FLAGS; torch's capability too."""
         import os
 
         capability = "unknown"

@@ -49,8 +49,7 @@ def weights(keys: Iterable[str]) -> list[str]:
 
 
 def neuron_quantization(target: str) -> str | None:
-    """The neuron_config quantization vLLM-Neuron's GPT-OSS needs on a Neuron `target` (None elsewhere): its
-    model_mxfp4 where the chip runs MXFP4 natively (trn3), model_bf16 otherwise (trn2)."""
+    """The neuron_config quantization GPT-OSS needs on a Neuron `target`: mxfp4 on trn3, bf16 on trn2."""
     chip = TARGETS.get(target)
     return None if chip is None or not chip.neuron else "mxfp4" if chip.mxfp4 else "bf16"
 
@@ -105,8 +104,7 @@ def findings(config: dict[str, Any], keys: Iterable[str], target: str) -> list[t
 
 
 def dequantizer(keys: Iterable[str]) -> Any:
-    """transformers' own MXFP4 quantizer, set to dequantize the experts (to bf16, in memory) as they load; None
-    when `keys` hold no MXFP4 weights."""
+    """transformers' MXFP4 quantizer, set to dequantize as they load; None without MXFP4 weights."""
     if not weights(keys):
         return None
     from transformers import Mxfp4Config

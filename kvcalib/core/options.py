@@ -49,8 +49,7 @@ def choices_of(cls: type, field: dataclasses.Field) -> tuple[str, ...] | None:
 
 
 def annotation_of(cls: type, name: str) -> Any:
-    """Field `name`'s annotation, evaluated in the module of the class that declares it (the machine-read fields'
-    types, imported only for type checkers, are never evaluated)."""
+    """Field `name`'s annotation, evaluated in the module of the class that declares it."""
     owner = next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
     annotation = owner.__annotations__[name]
     return eval(annotation, vars(sys.modules[owner.__module__])) if isinstance(annotation, str) else annotation

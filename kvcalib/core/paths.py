@@ -25,8 +25,7 @@ def file_kind(mode: int) -> str:
 
 def require_regular_file(path: Path, what: str, *, error: type[KvcalibError] = CheckpointReadError,
                          missing: type[KvcalibError] = CheckpointNotFoundError, hint: str | None = None) -> Path:
-    """`path` if it is a regular file (after symlinks), opening nothing; `error` naming it otherwise, `missing`
-    when there is nothing at `path`."""
+    """`path` if it is a regular file (after symlinks), opening nothing; `error` or `missing` otherwise."""
     path = Path(path)
     try:
         st = os.stat(path)

@@ -66,8 +66,7 @@ def _positive_int(value: Any) -> int | None:
 
 
 def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
-    """kind -> how many scales a per-head tensor holds: KV heads for k/v, attention heads for q (from
-    config.json, top level or text_config; None when it does not say)."""
+    """kind -> scales in a per-head tensor: KV heads for k/v, attention heads for q (None: not said)."""
     text = text_config(config)
     q = _positive_int(text.get("num_attention_heads"))
     kv = _positive_int(text.get("num_key_value_heads")) or q
@@ -75,8 +74,7 @@ def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
 
 
 def head_dim(config: dict[str, Any]) -> int | None:
-    """The attention head size: head_dim, else hidden_size / num_attention_heads (top level or text_config);
-    None when config.json does not say."""
+    """head_dim, else hidden_size / num_attention_heads (top level or text_config); None if not said."""
     text = text_config(config)
     explicit = _positive_int(text.get("head_dim"))
     if explicit is not None:
@@ -146,8 +144,7 @@ _KV_SCHEME_FIELDS = ("num_bits", "type", "strategy", "dynamic", "symmetric", "ob
 
 
 def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
-    """compressed-tensors `QuantizationArgs` for static FP8 KV: one scale per layer ("tensor") or per KV
-    head ("attn_head", llm-compressor's name)."""
+    """compressed-tensors `QuantizationArgs` for static FP8 KV per layer (tensor) or KV head (attn_head)."""
     from compressed_tensors.quantization import QuantizationArgs
 
     return QuantizationArgs(num_bits=8, type="float", strategy=strategy, dynamic=False, symmetric=True,
@@ -155,8 +152,7 @@ def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
 
 
 def parse_kv_scheme(scheme: Any) -> Any:
-    """A kv_cache_scheme parsed by compressed-tensors itself (`QuantizationArgs.model_validate`), the authority on
-    what the platform will accept; raises what pydantic raises. Imports compressed-tensors (and torch) on demand."""
+    """A kv_cache_scheme parsed by compressed-tensors itself; raises what pydantic raises."""
     from compressed_tensors.quantization import QuantizationArgs
 
     return QuantizationArgs.model_validate(scheme)
@@ -170,8 +166,7 @@ ATTENTION_GROUP = "attention"
 
 
 def is_attention_target(target: Any) -> bool:
-    """A config group's target that names an attention class (LlamaAttention, Qwen2Attention, ...): a string
-    ending in "Attention", GPU vLLM's test."""
+    """A config group's target naming an attention class: ends in "Attention", GPU vLLM's test."""
     return isinstance(target, str) and target.endswith("Attention")
 
 

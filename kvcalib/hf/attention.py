@@ -23,8 +23,7 @@ __all__ = ["FanOutCache", "KVAbsmaxObserver", "QuantizingCache", "RecordingCache
 
 
 class RecordingCache(DynamicCache):
-    """A DynamicCache (from the model's config: masks and windows as its own) for one prefill forward whose `update`
-    shows K/V to an observer and stores nothing."""
+    """A DynamicCache for one prefill whose `update` shows K/V to an observer and stores nothing."""
 
     def __init__(self, config: Any, observer: Any) -> None:
         super().__init__(config=config)
@@ -186,8 +185,7 @@ def observing_queries(observer: Any) -> Iterator[None]:
 
 
 def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:
-    """layer index -> state-dict path of the `...Attention` module with that `layer_idx` (however it projects K/V);
-    UnsupportedModelError (naming `where`) unless every layer 0..num_layers-1 has one."""
+    """layer -> path of the `...Attention` module with that `layer_idx`; every layer must have one."""
     found: dict[int, str] = {}
     for name, module in model.named_modules():
         layer_idx = getattr(module, "layer_idx", None)
@@ -204,8 +202,7 @@ def attention_modules(model: torch.nn.Module, num_layers: int, where: object) ->
 @torch.inference_mode()
 def observe_batch(decoder: torch.nn.Module, observer: KVAbsmaxObserver, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor) -> None:
-    """Run one right-padded batch (every real token keeps its positions, and never sees the padding) through the
-    decoder stack (no LM head), recording K/V absmax."""
+    """Run one right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
     observer.start_batch(input_ids, attention_mask)
     try:
         with observing_queries(observer) if observer.sees_attention_calls else nullcontext():

@@ -9,7 +9,7 @@ times). kvcalib.core.cpu decides when (CPUs without native bf16).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -53,16 +53,12 @@ class Float32Weights:
 @contextmanager
 def compute_path(path: ComputePath, weights: Float32Weights | None = None) -> Iterator[None]:
     """Run the block on `path`: bf16_via_float32(weights) when emulated, as is otherwise."""
-    if not path.emulated:
-        yield
-        return
-    with bf16_via_float32(weights):
+    with bf16_via_float32(weights) if path.emulated else nullcontext():
         yield
 
 
 def bf16_via_float32(weights: Float32Weights | None = None) -> TorchFunctionMode:
-    """A torch function mode: bf16 matmuls and attention computed in float32, rounded to bf16 once; linear layers'
-    float32 weights are taken from `weights` where it holds them."""
+    """A torch function mode: bf16 matmuls and attention in float32, rounded to bf16 once."""
     return _Bf16ViaFloat32(weights)
 
 
@@ -170,16 +166,14 @@ _GROUPED_MM = frozenset(f for f in (getattr(torch, "_grouped_mm", None), getattr
 
 
 def _experts_layout(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> bool:
-    """grouped_mm as MoE experts call it (transformers.integrations.moe): tokens [M, in] sorted by expert, weights
-    [experts, in, out], `offs` the groups' end rows; anything else runs as it is."""
+    """grouped_mm as MoE experts call it (transformers.integrations.moe); anything else runs as it is."""
     return (bias is None and out_dtype in (None, torch.bfloat16) and isinstance(offs, torch.Tensor)
             and isinstance(mat_a, torch.Tensor) and isinstance(mat_b, torch.Tensor) and mat_a.dim() == 2
             and mat_b.dim() == 3 and offs.numel() == mat_b.shape[0])
 
 
 def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-    """Each expert's rows times its own weight, upcast alone ([in, out], never the [experts, in, out] whole), in
-    float32, rounded to bf16 once; rows past the last group are zero."""
+    """Each expert's rows times its own weight, upcast alone, in float32, rounded to bf16 once."""
     out = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]), dtype=torch.bfloat16)
     start = 0
     for expert, end in enumerate(offs.tolist()):

@@ -179,8 +179,7 @@ def resolve_column(column_names: list[str], text_column: str | None, source: str
 def load_calibration_data(dataset: str, tokenizer: Any, *, split: str = "train", text_column: str | None = None,
                           num_samples: int = 512, max_seq_len: int = 2048, seed: int = 42,
                           add_special_tokens: bool | None = None) -> CalibrationData:
-    """Select, render and tokenise calibration samples (see the module docstring); `num_samples` and `max_seq_len`
-    at least 1, as the options' check_arguments make them."""
+    """Select, render and tokenise calibration samples (see the module docstring)."""
     ds = load_rows(dataset, split)
     column = resolve_column(list(ds.column_names), text_column, dataset)
     if len(ds) == 0:

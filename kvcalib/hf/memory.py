@@ -47,8 +47,7 @@ def weight_bytes(checkpoint: Checkpoint | Path, dtype: torch.dtype | None) -> in
 
 
 def available_memory(device: torch.device | None = None, proc: Path = PROC, sys: Path = SYS) -> MemoryLimit:
-    """The tightest of MemAvailable, the cgroup limit, the rlimits (and free memory on a CUDA device); `proc` and
-    `sys`: where /proc and /sys are (another machine's, in a test)."""
+    """The tightest of MemAvailable, the cgroup limit, the rlimits (and a CUDA device's free memory)."""
     limits: list[MemoryLimit] = []
     meminfo = _read_kib_fields(proc / "meminfo")
     if "MemAvailable" in meminfo:

@@ -36,8 +36,7 @@ class PreparedRun:
 
 
 def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
-    """--dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run (the numbers, such as
-    --batch-size, are the options' check_arguments')."""
+    """--dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run."""
     dtype, device = resolve_dtype(options.dtype), resolve_device(options.device)
     checkpoint = Checkpoint.open(resolve_model_dir(model))
     check_supported_model(checkpoint, options.trust_remote_code)
@@ -189,8 +188,7 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
 
 
 def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
-    """transformers' config of the model, without a quantization config (an earlier KV-only calibration
-    must not make transformers load through a quantizer)."""
+    """transformers' config of the model, without a quantization config (no loading through a quantizer)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -201,8 +199,7 @@ def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
 
 
 def faithful_attention(config: dict[str, Any]) -> str | None:
-    """The attention implementation that computes what the model really computes: eager where transformers' SDPA
-    path would ignore attention-logit soft-capping (Gemma2), else None (transformers' default)."""
+    """eager where transformers' SDPA would drop attention-logit soft-capping (Gemma2), else None."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return "eager" if text.get("attn_logit_softcapping") else None
 
@@ -236,8 +233,7 @@ def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torc
 
 
 def check_loading_info(model_dir: Path, info: dict[str, Any]) -> None:
-    """UnsupportedModelError when the weights transformers loaded do not match the config: it would have filled
-    missing weights with random values, and calibrated scales of a random model look just as plausible."""
+    """UnsupportedModelError when the loaded weights do not match the config (transformers fills gaps at random)."""
     missing = sorted(info.get("missing_keys") or ())
     unexpected = sorted(k for k in info.get("unexpected_keys") or () if not is_kv_scale_key(k))
     mismatched = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or ())
@@ -275,7 +271,4 @@ def num_layers(model: torch.nn.Module) -> int:
 
 
 def pad_id(tokenizer: Any) -> int:
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
+    return next((int(c) for c in (tokenizer.pad_token_id, tokenizer.eos_token_id) if c is not None), 0)

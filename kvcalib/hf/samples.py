@@ -56,8 +56,7 @@ def sample_sequences(sequences: tuple[tuple[int, ...], ...], batch_size: int, pa
 
 
 def _rows(length: int, count: int) -> list[int]:
-    """`count` query positions spread evenly over 1..length-1, the last included, in order (position 0 attends
-    to itself alone: no scale changes its output)."""
+    """`count` query positions spread evenly over 1..length-1, the last included, in order."""
     if length <= 1:
         return [0]
     count = min(count, length - 1)
