@@ -58,8 +58,7 @@ def calibrate_options(*, target: str | None = None, **fields: Any) -> CalibrateO
 
 
 def plan_serve_check(model: str | Path, calibration: CalibrateOptions, device: str, **serve: Any) -> ServeOptions:
-    """`--serve-check DEVICE`: serve-check's options (ServeOptions fields in `serve`), with all serving needs but
-    the scales checked before calibrating (the recipe's strategy, the FP8 max against the device's, vLLM, device)."""
+    """`--serve-check DEVICE`: serve-check's options, all but the scales checked before calibrating."""
     from kvcalib.calibration.recipe import plan_recipe
     from kvcalib.hf.model import resolve_model_dir, resolve_target
     from kvcalib.serving.pipeline import check_serving
@@ -99,8 +98,7 @@ def serve_calibrated(result: CalibrationResult, serving: ServeOptions,
 
 def plan(model: str | Path, dataset: str, output: str | Path, *, options: CalibrateOptions | None = None,
          progress: ProgressCallback | None = None, **fields: Any) -> CalibrationPlan:
-    """`kvcalib calibrate ... --plan`: the engine, memory, disk and an estimated wall time from a short timed probe,
-    and what would stop the run, with nothing written (kvcalib.calibration.plan). `fields`: as for `calibrate`."""
+    """`kvcalib calibrate ... --plan` (kvcalib.calibration.plan); `fields`: as for `calibrate`."""
     from kvcalib.calibration.plan import plan_calibration
 
     return plan_calibration(model, dataset, output, options or calibrate_options(**fields), progress=progress)
@@ -111,11 +109,8 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, *, target: st
               scale_objective: str = "attention", serve_check: str | None = None,
               serve: dict[str, Any] | None = None, progress: ProgressCallback | None = None,
               serve_progress: Callable[[ServeEvent], None] | None = None, **options: Any) -> CalibrationResult:
-    """`kvcalib calibrate`: per-layer K/V absmax of `model` on `dataset`, an FP8-KV checkpoint at `output`; the
-    CalibrationResult (`.to_dict()` is the --json). target: trn2, trn3 or gpu (None: the recipe's, else trn2);
-    recipe: a shipped one by name or an llm-compressor recipe file; other CalibrateOptions fields pass through.
-    serve_check: a device to serve the result on (`serve`: ServeOptions fields), checked before calibrating; the
-    result's `.serve_check` holds its result."""
+    """`kvcalib calibrate`: an FP8-KV checkpoint of `model` at `output`, scales from `dataset`; the CalibrationResult.
+    CalibrateOptions fields pass through; serve_check: a device to serve the result on (`serve`: ServeOptions)."""
     calibration = calibrate_options(target=target, num_samples=num_samples, max_seq_len=max_seq_len, recipe=recipe,
                                     scale_objective=scale_objective, **options)
     serving = None if serve_check is None else plan_serve_check(model, calibration, serve_check, **(serve or {}))
@@ -124,9 +119,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, *, target: st
 
 
 def validate(path: str | Path, *, target: str = DEFAULT_TARGET, strict: bool = False) -> ValidationReport:
-    """The Neuron platform's quantization-config rules and kvcalib's own checks on the checkpoint at `path`
-    (`kvcalib validate`). Returns the ValidationReport: `.ok` (with `strict`, warnings count as errors),
-    `.findings`, `.to_dict()` the command's --json. Loads no torch."""
+    """`kvcalib validate`: the Neuron platform's config rules and kvcalib's checks; the ValidationReport (no torch)."""
     from kvcalib.validation.pipeline import validate_checkpoint
 
     return validate_checkpoint(Path(path), target, strict=strict)
@@ -150,9 +143,8 @@ def task_options(tasks: Sequence[str], *, target: str = DEFAULT_TARGET, compare:
 
 def evaluate(checkpoint: str | Path, dataset: str, *, target: str = DEFAULT_TARGET, compare: Sequence[str] = (),
              options: EvalOptions | None = None, progress: ProgressCallback | None = None, **fields: Any) -> EvalResult:
-    """`kvcalib eval --dataset`: FP8-KV accuracy (ΔNLL, KL, top-1, paired intervals, per layer) on held-out text
-    against the unquantised cache. compare: "unit" (every scale 1.0) or other checkpoints; other EvalOptions fields
-    pass through, or `options` made already."""
+    """`kvcalib eval --dataset`: FP8-KV accuracy on held-out text against the unquantised cache (compare: "unit"
+    or other checkpoints); EvalOptions fields pass through, or `options` made already."""
     from kvcalib.evaluation.pipeline import evaluate as run
 
     options = options or eval_options(target=target, compare=compare, **fields)
@@ -162,8 +154,7 @@ def evaluate(checkpoint: str | Path, dataset: str, *, target: str = DEFAULT_TARG
 def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, target: str = DEFAULT_TARGET,
                      compare: Sequence[str] = (), nll: bool = True, options: EvalOptions | None = None,
                      progress: ProgressCallback | None = None, **fields: Any) -> ContextResult:
-    """`kvcalib eval --context L,...`: per length and layer the K/V saturation and absmax past the scales, and
-    (nll, else --saturation-only) ΔNLL on each sample's last quarter."""
+    """`kvcalib eval --context L,...`: K/V saturation and ΔNLL (nll) per length and layer."""
     from kvcalib.evaluation.context import evaluate_context as run
 
     options = options or eval_options(target=target, compare=compare, **fields)
@@ -183,8 +174,7 @@ def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: Sequence[int]
 def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, target: str = DEFAULT_TARGET,
                    compare: Sequence[str] = (), options: TaskOptions | None = None,
                    progress: ProgressCallback | None = None, **fields: Any) -> TaskResult:
-    """`kvcalib eval --tasks`: lm-eval tasks under the chip's FP8-KV numerics, each scale set paired item by item
-    against the unquantised cache. Other TaskOptions fields: limit, num_fewshot, task_data, include_path, ..."""
+    """`kvcalib eval --tasks`: lm-eval tasks under the chip's FP8-KV numerics, paired item by item."""
     from kvcalib.evaluation.tasks import evaluate_tasks as run
 
     options = options or task_options(tasks, target=target, compare=compare, **fields)

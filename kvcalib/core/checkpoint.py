@@ -207,8 +207,7 @@ class CheckpointFiles:
         return tuple(name for name in self.files if name not in self.headers)
 
     def file_of(self, key: str) -> str | None:
-        """The file a loader reads `key` from: the index's entry when that file holds it, else the first file
-        that does (a loader that globs the files finds it there); None when no readable file holds it."""
+        """The file a loader reads `key` from: the index's when it holds it, else the first that does."""
         holders = self.key_files.get(key, ())
         mapped = self.weight_map.get(key) if self.weight_map is not None else None
         if mapped in holders:
@@ -221,8 +220,7 @@ class CheckpointFiles:
 
 
 def scan_checkpoint(ckpt_dir: Path, *, tolerant: bool = False) -> CheckpointFiles:
-    """Read every top-level safetensors header and the index (no tensor data). A header or an index that cannot
-    be used raises CheckpointReadError; with `tolerant` (validate) it is left out and listed in `problems`."""
+    """Every top-level header and the index; one unusable raises, or with `tolerant` is listed in `problems`."""
     ckpt_dir = Path(ckpt_dir)
     files = tuple(sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.is_file()))
     headers: dict[str, SafetensorsHeader] = {}

@@ -1,8 +1,5 @@
-"""The exception family: one base class, one subclass per failure a user can cause.
-
-Every message says what failed and where (path, layer, key); `hint` says what to do next.
-The CLI catches `KvcalibError` only; anything else is a bug and keeps its traceback.
-"""
+"""The exception family: one subclass per failure a user can cause; the message says what failed and where, `hint`
+what to do next. The CLI catches `KvcalibError` only; anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 

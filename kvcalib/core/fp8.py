@@ -27,8 +27,7 @@ DIVIDE = "divide"  # x / s in float32: GPU vLLM
 
 @dataclass(frozen=True)
 class Target:
-    """An FP8 KV cache as one server stores it: the cast, the largest finite value it saturates at, and how the
-    server applies the scale. Everything kvcalib does differently by chip follows from these fields."""
+    """An FP8 KV cache as one server stores it; everything kvcalib does differently by chip follows from it."""
 
     name: str
     dtype: str  # the cache's torch dtype, by name (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -66,10 +65,8 @@ EMULATED: dict[str, Target] = {
 
 
 def served_numerics(target: Target) -> tuple[Target, ...]:
-    """Every numerics a checkpoint sized for `target` is served with, `target` first: the targets and the emulated
-    servers whose FP8 range holds its scales' (fp8_max at least the target's). A trn2 checkpoint (240) runs on
-    trn3, GPU vLLM and vLLM CPU too (448), where the same scale saturates at 448 x s, not 240 x s: the scale
-    objective scores every candidate on each of them (kvcalib.calibration.objective)."""
+    """Every numerics a checkpoint sized for `target` is served with, `target` first: those whose fp8_max is at
+    least its (a trn2 scale saturates at 448 x s there, not 240 x s); the objective scores each."""
     others = [t for t in (*TARGETS.values(), *EMULATED.values()) if t != target and t.fp8_max >= target.fp8_max]
     return (target, *others)
 
@@ -152,8 +149,7 @@ def neuron_reciprocal(scale: torch.Tensor | float) -> torch.Tensor:
 
 
 def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """`x` in float32 as the server feeds it to the FP8 cast (Target.scaling): `x * r` with the bf16 reciprocal
-    (Neuron), `x * (1 / s)` with the float32 one (vLLM CPU), `x / s` (GPU)."""
+    """`x` in float32 as the server feeds it to the FP8 cast: `x * r` (Neuron), `x * (1 / s)` (CPU), `x / s`."""
     import torch
 
     if target.scaling == BF16_RECIPROCAL:
@@ -172,10 +168,8 @@ def from_fp8_domain(q: torch.Tensor, scale: torch.Tensor | float, target: Target
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """Quantise `x` to FP8 and back exactly as `target` stores its KV cache: into the FP8 domain as the server
-    applies the scale (to_fp8_domain), clamped at ±fp8_max (trn2 at 240: its E4M3 has the E4M3FN grid below it),
-    cast to the target's dtype (nearest even, or truncated toward zero), and back (from_fp8_domain).
-    Broadcasts `scale` over `x` (a leading candidate dimension included). Returns x̂ in x's dtype."""
+    """Quantise `x` to FP8 and back exactly as `target` stores its KV cache: to_fp8_domain, clamped at ±fp8_max,
+    cast to the target's dtype (nearest even or toward zero), from_fp8_domain; `scale` broadcasts; x's dtype."""
     import torch
 
     scaled = to_fp8_domain(x, scale, target).clamp_(-target.fp8_max, target.fp8_max)

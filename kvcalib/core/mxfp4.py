@@ -55,8 +55,7 @@ def neuron_quantization(target: str) -> str | None:
 
 
 def check_calibration(checkpoint: Checkpoint, target: Target, engine: str) -> dict[str, Any]:
-    """calibrate's rules for MXFP4 experts, before any work: refused for GPU and for llm-compressor's engine. What
-    the provenance records of them ({} without them): the Neuron form keeps them, linked."""
+    """calibrate's MXFP4 rules (GPU and llm-compressor refused); what the provenance records of them."""
     names = weights(checkpoint.files.key_files)
     if not names:
         return {}
@@ -73,8 +72,7 @@ def check_calibration(checkpoint: Checkpoint, target: Target, engine: str) -> di
 
 
 def findings(config: dict[str, Any], keys: Iterable[str], target: str) -> list[tuple[str, str, str, str, str]]:
-    """validate's MXFP4 rules, each finding as validate's Finding fields (rule, severity, message, hint, location):
-    CKPT-MXFP4-PAIR, PORT-MXFP4-GPU, PORT-MXFP4-NEURON (the released form gets the platform's NEURON-QCFG-MX)."""
+    """validate's MXFP4 rules as Finding fields: CKPT-MXFP4-PAIR, PORT-MXFP4-GPU, PORT-MXFP4-NEURON."""
     keys = set(keys)
     names = weights(keys)
     orphans = sorted(k for k in keys if k.endswith((BLOCKS, SCALES)) and "experts" in k
@@ -115,8 +113,7 @@ def dequantizer(keys: Iterable[str]) -> Any:
 
 @contextmanager
 def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, Any]]:
-    """from_pretrained's extra arguments for these tensor keys: with MXFP4 weights, dequantize them (a few experts at
-    a time), `config` (transformers') declaring them whatever config.json says (the Neuron form's is KV-only)."""
+    """from_pretrained's extra arguments: with MXFP4 weights, `config` declares them and they dequantize on load."""
     if not weights(keys):
         yield {}
         return
@@ -129,9 +126,8 @@ def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, 
 
 @contextmanager
 def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
-    """transformers' MXFP4 dequantisation (`convert_moe_packed_tensors`) applied `per_chunk` experts at a time into
-    one result: the same values (it works element by element, then per expert), with a chunk's transient memory
-    instead of twice a layer's experts (+8.5 GB for GPT-OSS-120B's gate_up alone)."""
+    """transformers' MXFP4 dequantisation applied `per_chunk` experts at a time into one result: the same values,
+    a chunk's transient memory instead of twice a layer's experts (+8.5 GB for GPT-OSS-120B's gate_up alone)."""
     from transformers.integrations import mxfp4 as integration
 
     original = integration.convert_moe_packed_tensors
@@ -155,9 +151,8 @@ def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
 
 
 def dequantize_mxfp4(model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB") -> Path:
-    """Write `model_dir` (MXFP4 experts) again with its experts dequantised to bf16, by transformers' own MXFP4
-    support on the CPU, with the tokenizer and no quantization_config: the form calibrate takes for GPU. Saved
-    without the reverse weight conversion: with it, transformers 5.17 writes names it cannot load back."""
+    """Write `model_dir` again with its experts dequantised to bf16 and no quantization_config (calibrate's GPU
+    form); saved without the reverse weight conversion, with which transformers 5.17 writes names it cannot load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
     with expert_chunks():

@@ -22,9 +22,8 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, panel: str = "
            short: str | None = None, aliases: tuple[str, ...] = (), minimum: float | None = None, what: str = "",
            choices: Callable[[], tuple[str, ...]] | None = None, metavar: str | None = None,
            factory: Callable[[], Any] | None = None, cli: bool = True) -> Any:
-    """A dataclass field that is also a flag: `flag` (default --field-name), `help`, `panel` (PANELS), `minimum`
-    (checked with `what` it counts), `choices` (a callable, for a table's; else a Literal annotation gives them).
-    `cli=False`: the library's only."""
+    """A dataclass field that is also a flag (default --field-name); `minimum` is checked with `what` it counts,
+    `choices` a callable for a table's (else a Literal annotation's); `cli=False`: the library's only."""
     assert panel in PANELS, panel
     meta = {"help": help, "panel": panel, "flag": flag, "short": short, "aliases": aliases, "minimum": minimum,
             "what": what, "choices": choices, "metavar": metavar, "cli": cli}

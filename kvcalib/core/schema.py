@@ -171,8 +171,7 @@ def is_attention_target(target: Any) -> bool:
 
 
 def attention_groups(groups: Any) -> dict[str, list[Any]]:
-    """name -> targets of every config group that quantises input activations (and no weights) of at least one
-    attention target: the groups that declare FP8 attention, well formed or not."""
+    """name -> targets of every group quantising only input activations of an attention target."""
     if not isinstance(groups, dict):
         return {}
     return {name: g["targets"] for name, g in groups.items()
@@ -181,8 +180,7 @@ def attention_groups(groups: Any) -> dict[str, list[Any]]:
 
 
 def fp8_attention_groups(groups: Any) -> dict[str, Any]:
-    """name -> input_activations of llm-compressor's FP8-attention config groups in `groups` (every target an
-    attention class, input activations and nothing else: Q quantised, weights left as they are)."""
+    """name -> input_activations of the well-formed FP8-attention groups (only attention targets)."""
     return {name: groups[name]["input_activations"] for name, targets in attention_groups(groups).items()
             if not groups[name].get("output_activations") and all(is_attention_target(t) for t in targets)}
 

@@ -1,10 +1,8 @@
-"""Observe the K and V each attention layer writes to its KV cache, by being that cache.
-
-Every transformers attention module calls `past_key_values.update(key, value, layer_idx)` with exactly what it
-stores (K after RoPE and any k-norm, V as is, `[batch, kv_heads, seq, head_dim]`); a `RecordingCache` shows them to
-an observer and hands them back, and the model's own attention runs unchanged. An observer may return replacement
-(key, value): how kvcalib.evaluate runs on an FP8 KV cache. Q never reaches the cache: `observing_queries` wraps the
-function transformers' AttentionInterface returns for one forward, which also feeds kvcalib.hf.samples.
+"""Observe the K and V each attention layer writes to its KV cache, by being that cache: every transformers
+attention module calls `past_key_values.update(key, value, layer_idx)` with exactly what it stores (K after RoPE and
+any k-norm, V as is, `[batch, kv_heads, seq, head_dim]`); a `RecordingCache` shows them to an observer (which may
+return replacements: eval's FP8 cache) and hands them back, the model's own attention unchanged. Q never reaches the
+cache: `observing_queries` wraps the function transformers' AttentionInterface returns, which also feeds hf.samples.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ class RecordingCache(DynamicCache):
 
 
 class QuantizingCache(DynamicCache):
-    """A real DynamicCache (prefill and decoding) that stores what `quantizer.observe` makes of every K/V written:
-    attention reads the FP8 values, as from a chip's FP8 KV cache. `quantizer` None: an ordinary cache."""
+    """A real DynamicCache that stores what `quantizer.observe` makes of every K/V (None: an ordinary cache)."""
 
     def __init__(self, config: Any, quantizer: Any) -> None:
         super().__init__(config=config)
@@ -51,9 +48,8 @@ class QuantizingCache(DynamicCache):
 
 
 class FanOutCache(DynamicCache):
-    """An ordinary cache whose `update` also writes every K/V into `children` (e.g. one QuantizingCache per scale
-    set) while attention reads the fresh K/V: one prefill fills them all, as a chip that attends to the K/V it
-    has just computed and writes them to its FP8 cache. Empty `children` to stop writing them."""
+    """An ordinary cache that also writes every K/V into `children` (e.g. a QuantizingCache per scale set)
+    while attention reads the fresh K/V; empty `children` to stop."""
 
     def __init__(self, config: Any, children: list[DynamicCache]) -> None:
         super().__init__(config=config)
@@ -71,8 +67,7 @@ class StopForward(Exception):
 
 
 class KVAbsmaxObserver:
-    """Running absmax of K and V per decoder layer and KV head (and of Q per query head with `queries`), on the K/V's
-    device; per-tensor is the max over heads. `start_batch` sets `token_mask` so padding never counts."""
+    """Running absmax of K, V (and Q with `queries`) per layer and head, padding masked out (`start_batch`)."""
 
     def __init__(self, num_layers: int, queries: bool = False, sampler: Any = None) -> None:
         self.num_layers = num_layers
@@ -156,9 +151,8 @@ class KVAbsmaxObserver:
 
 @contextmanager
 def observing_queries(observer: Any) -> Iterator[None]:
-    """While inside, every attention module that looks up its function in transformers' AttentionInterface shows
-    its call to `observer.observe_call` before the function runs, unchanged; an observer with an `attend(function,
-    module, query, key, value, ...)` method runs the call itself (kvcalib.evaluate's FP8 attention)."""
+    """While inside, each attention module's call through transformers' AttentionInterface goes to
+    `observer.observe_call` first, or to `observer.attend(function, module, ...)` where it has one (eval's FP8)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     interface = ALL_ATTENTION_FUNCTIONS

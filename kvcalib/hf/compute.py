@@ -1,10 +1,6 @@
-"""bf16 at float32 speed: a bf16 model's matmuls and attention computed in float32, rounded as bf16 rounds.
-
-`bf16_via_float32()` runs `F.linear`, matmuls, SDPA and MoE grouped_mm on bf16 inputs (upcast exactly) with float32
-accumulation, the result rounded once to bf16; every other op stays the bf16 model's own. A weight is upcast only for
-the call that uses it, in row blocks, unless a `Float32Weights` keeps float32 copies (runs that score one model many
-times). kvcalib.core.cpu decides when (CPUs without native bf16).
-"""
+"""bf16 at float32 speed (kvcalib.core.cpu decides when): `bf16_via_float32()` runs `F.linear`, matmuls, SDPA and
+MoE grouped_mm on bf16 inputs (upcast exactly) with float32 accumulation, rounded once to bf16; other ops stay bf16.
+A weight is upcast only for the call, in row blocks, unless a `Float32Weights` keeps float32 copies."""
 
 from __future__ import annotations
 
@@ -27,9 +23,7 @@ FLOAT32_WEIGHTS_BUDGET = 6 << 30
 
 
 class Float32Weights:
-    """float32 copies of a bf16 model's parameters, each made at its first use and kept, up to `budget` bytes; past
-    the budget a weight is upcast per call, as with no cache. The copies are the same values (bf16 -> float32 is
-    exact), so results do not change, only the time (the upcasts were ~30% of a Gemma-3-270M forward on 2 cores)."""
+    """float32 copies (exact) of a bf16 model's parameters, made at first use and kept up to `budget` bytes."""
 
     def __init__(self, budget: int = FLOAT32_WEIGHTS_BUDGET) -> None:
         self.budget = budget
@@ -89,9 +83,8 @@ SDPA_QUERY_BLOCK = 64
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
           enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA on bf16 inputs as torch's CPU flash-attention kernel computes it: scores, exp(score - row max) and its
-    sum in float32, the exponentials rounded to bf16 for the product with V (float32 accumulation), divided by the
-    sum, the output rounded to bf16 once (so the next layers' K/V stay closest to the native bf16 model's)."""
+    """SDPA on bf16 inputs as torch's CPU flash-attention kernel rounds: float32 scores, exp and sum, the exps in
+    bf16 for the product with V (float32 accumulation), the output rounded to bf16 once."""
     if dropout_p:
         raise ValueError("kvcalib's float32 attention does not implement dropout")
     if enable_gqa and key.shape[-3] != query.shape[-3]:
@@ -125,9 +118,7 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
 
 
 def _open_columns(block_mask: torch.Tensor | None, kv_len: int, causal_end: int) -> tuple[int, int]:
-    """The key columns [lo, hi) outside which every row of a query block is masked (causal: past `causal_end`; a
-    mask: False, or a float at its dtype's minimum or -inf): their exp(score - max) is exactly 0, so leaving them out
-    changes the work and no value but by the order of the float32 sums."""
+    """The key columns [lo, hi) outside which every row of a query block is masked (exp(score - max) = 0)."""
     lo, hi = 0, min(kv_len, causal_end)
     if block_mask is not None and block_mask.shape[-1] == kv_len:
         allowed = block_mask if block_mask.dtype == torch.bool else block_mask > torch.finfo(block_mask.dtype).min / 2

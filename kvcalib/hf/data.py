@@ -1,9 +1,8 @@
 """Calibration data: a dataset (local files, a saved dataset, or a hub id) -> token sequences.
 
-As llm-compressor's example selects them: the first N rows of the split, shuffled with the seed, each truncated to
-max_seq_len; a `messages` column is rendered with the model's chat template. Tokens are what vLLM sees: plain text
-with the tokenizer's default special tokens (its completions endpoint), rendered chat text with none (the template
-holds them); `add_special_tokens` True or False overrides the rule for every row.
+As llm-compressor's example selects them: the first N rows of the split, shuffled with the seed, truncated to
+max_seq_len; a `messages` column is rendered with the chat template. Tokens are what vLLM sees: plain text with the
+tokenizer's default special tokens, chat text with none; `add_special_tokens` True or False overrides that per row.
 """
 
 from __future__ import annotations
@@ -208,8 +207,7 @@ def special_tokens_rule(add_special_tokens: bool | None) -> str:
 
 def tokenize_as_served(tokenizer: Any, texts: list[str], chat: list[bool], max_seq_len: int,
                        add_special_tokens: bool | None = None) -> list[list[int]]:
-    """Token ids of each text as vLLM sends it to the model (see the module docstring); `add_special_tokens` True /
-    False: every row with / without them. An empty text stays empty, whatever the tokenizer would add to it."""
+    """Token ids of each text as vLLM sends it (module docstring); an empty text stays empty."""
     out: list[list[int]] = [[] for _ in texts]
     for rendered_chat in (False, True):
         rows = [i for i, (text, is_chat) in enumerate(zip(texts, chat)) if is_chat == rendered_chat and text]

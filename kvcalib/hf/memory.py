@@ -152,9 +152,7 @@ def peak_rss_bytes() -> int:
 
 
 def release_free_memory() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's `malloc_trim(0)`); False where there is no glibc.
-    A layer's forward leaves hundreds of MB of freed activations in glibc's heaps, which the next layer's load would
-    count on top of its own peak."""
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim(0)`); False without glibc."""
     trim = _malloc_trim()
     if trim is None:
         return False

@@ -206,9 +206,7 @@ def faithful_attention(config: dict[str, Any]) -> str | None:
 
 def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
                attn_implementation: str | None = None) -> torch.nn.Module:
-    """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode. MXFP4 experts (GPT-OSS
-    as released, or kvcalib's Neuron form of it) are dequantized by transformers as they load; nothing is written.
-    `model`: a Checkpoint already read (its headers are not read again), or a directory."""
+    """The model in `dtype` (None: stored) on `device`, eval mode; MXFP4 experts dequantized as they load."""
     from transformers import AutoModelForCausalLM
 
     checkpoint = model if isinstance(model, Checkpoint) else Checkpoint.open(Path(model))

@@ -1,10 +1,6 @@
-"""Attention samples: what the scale objective scores, taken from the model's own attention calls.
-
-For a few calibration sequences (the same in every engine and on every rank) each layer's call is kept as the model
-made it: query rows at a spread of positions, the sequence's K and V as cached, the mask rows, the call's scaling,
-soft-capping and sinks. `attention_rows` recomputes those rows' output in float32 with any K or V put in (the eager
-formula, tested against the model's own attention function).
-"""
+"""Attention samples: what the scale objective scores, each layer's attention call on a few calibration sequences
+(the same in every engine and rank) kept as the model made it; `attention_rows` recomputes those rows' output in
+float32 with any K or V put in (the eager formula, tested against the model's own attention function)."""
 
 from __future__ import annotations
 
@@ -83,10 +79,8 @@ class AttentionSampler:
     def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, kwargs: dict[str, Any], module: torch.nn.Module) -> None:
         scaling = kwargs.get("scaling")
-        if scaling is None:
-            scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-        softcap = kwargs.get("softcap")
-        sinks = kwargs.get("s_aux")
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
+        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         for row, length in self._batch:
             positions = _rows(length, self.rows)
             index = torch.tensor(positions, device=query.device)
@@ -116,11 +110,9 @@ def _bias(attention_mask: torch.Tensor | None, row: int, index: torch.Tensor, le
 
 def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                    probabilities: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, probabilities) of the sampled rows in float32: `softmax(scaling q kᵀ [softcap] + mask [sinks]) v`.
-    `key`/`value` replace the sample's ([..., kv_heads, length, head_dim], leading dimensions broadcast);
-    `probabilities` skips the softmax. Query heads are grouped under their KV head: output [..., kv_heads,
-    groups * rows, head_dim] (query head h is group h // groups), probabilities [..., kv_heads, groups * rows, length].
-    """
+    """(output, probabilities) of the sampled rows in float32: `softmax(scaling q kᵀ [softcap] + mask [sinks]) v`,
+    `key`/`value` replacing the sample's (leading dimensions broadcast), query heads grouped under their KV head
+    (output [..., kv_heads, groups * rows, head_dim]); `probabilities` skips the softmax."""
     kv_heads = sample.key.shape[0]
     groups = sample.query.shape[0] // kv_heads
     if probabilities is None:
@@ -139,9 +131,7 @@ def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, val
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q kᵀ ([kv_heads, rows, D] by [..., kv_heads, length, D]). Leading dimensions of k are folded into one batch
-    with kᵀ as a view: torch.matmul broadcasting q over them would copy kᵀ contiguous first (as long as the
-    arithmetic on it, for the scale objective's 16 candidates)."""
+    """q kᵀ, leading dimensions of k folded into one bmm batch (broadcasting would copy kᵀ first)."""
     if k.dim() == 3:
         return torch.matmul(q, k.transpose(-1, -2))
     batched = torch.bmm(q.expand(*k.shape[:-3], *q.shape).reshape(-1, *q.shape[1:]),
@@ -150,9 +140,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """p v ([..., kv_heads, rows, length] by [..., kv_heads, length, D]). Where one of them has a leading dimension
-    (candidates) the other lacks, one matmul per index of it: torch.matmul would first copy the other once per
-    index (16 times for the scale objective's candidates)."""
+    """p v, one matmul per index of a leading dimension only one has (broadcasting would copy the other)."""
     if p.dim() == v.dim():
         return torch.matmul(p, v)
     count = p.shape[0] if p.dim() > v.dim() else v.shape[0]
@@ -164,8 +152,7 @@ def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def attention_error(samples: Sequence[AttentionSample], k_scale: Any, v_scale: Any, target: Any) -> float | None:
-    """The relative attention-output error ||O(K̂, V̂) - O|| / ||O|| over the samples' rows, K and V quantised
-    together with `k_scale`/`v_scale` (a float, or one per KV head) on `target`'s numerics. None: no samples."""
+    """Relative attention-output error ||O(K̂, V̂) - O|| / ||O||, K and V quantised on `target`; None: no samples."""
     from kvcalib.core import fp8
 
     if not samples:
