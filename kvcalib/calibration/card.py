@@ -1,11 +1,7 @@
-"""The model card calibrate writes: the input's README.md kept, plus a section kvcalib owns.
-
-The section sits between two markers and is replaced, never appended to, when the checkpoint
-is calibrated again; the user's text around it and their front matter stay. It says what the
-scales are sized for, what they were measured on, the per-layer table (read back from the
-scales file), validate's verdict, the exact vLLM commands serve-check runs on Neuron and GPU,
-and, after `calibrate --serve-check`, what the server measured. The front matter follows the
-hub's model-card conventions (`base_model`, `tags`), through huggingface_hub's ModelCard.
+"""The model card calibrate writes: the input's README.md kept, plus a section kvcalib owns between two markers,
+replaced (never appended to) on recalibration: what the scales are sized for and measured on, the per-layer table,
+validate's verdict, serve-check's vLLM commands and results. Front matter (`base_model`, `tags`) through
+huggingface_hub's ModelCard.
 """
 
 from __future__ import annotations
@@ -202,7 +198,8 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, d
 def _serve_lines(serve: dict[str, Any]) -> list[str]:
     verdict = "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
     lines = ["### serve-check", "", f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: "
-             f"{verdict}.", "", "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |", "|---|---:|---:|---:|---:|"]
+             f"{verdict}.", "", "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |",
+             "|---|---:|---:|---:|---:|"]
 
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)

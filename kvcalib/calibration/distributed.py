@@ -1,18 +1,10 @@
 """Data-parallel calibration over torch.distributed (`torchrun --nproc-per-node N -m kvcalib calibrate ...`).
 
-Every rank reads the same dataset and builds the same right-padded batches a single process
-would; the batches (whole batches, never single samples) are dealt out so each rank gets
-about the same number of padded tokens. Each rank runs the chosen engine on its share, then
-one all_gather of a status (did this rank fail, and why) and two all_reduces (absmax: MAX,
-forward counts: SUM) combine the results. The max of the same values is the same number in
-any order, so the scales equal one process's bit for bit. The scale objective's terms are then
-gathered and summed exactly (math.fsum), so its choice is one process's too. Only rank 0 writes
-the checkpoint.
-
-Failures: a rank whose engine raises still joins the status exchange, so no rank waits on
-it; every rank then raises (rank 0 with the failing ranks' messages). A rank that dies
-without raising (killed, out of memory) is torchrun's to handle: its agent stops the other
-workers when one exits. COLLECTIVE_TIMEOUT bounds any other wait.
+Every rank builds the single process's batches and gets whole ones, about equal in padded tokens. After its engine,
+one all_gather of a status (did it fail, and why) and two all_reduces (absmax: MAX, forward counts: SUM) combine
+the results, so the scales equal one process's bit for bit; the objective's terms are gathered and summed exactly
+(math.fsum). Only rank 0 writes. A rank whose engine raises still joins the status exchange, then every rank raises;
+a rank that dies is torchrun's to handle; COLLECTIVE_TIMEOUT bounds any other wait.
 """
 
 from __future__ import annotations
@@ -32,17 +24,13 @@ from kvcalib.hf.data import batches
 
 __all__ = ["COLLECTIVE_TIMEOUT", "batch_shares", "observe_across_ranks"]
 
-# Ranks finish their shares at about the same time; this bounds a wait on one that hangs.
-COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)  # ranks finish at about the same time: bounds a wait on a hung one
 
 
 def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int,
                  pad_id: int = 0) -> list[tuple[tuple[int, ...], ...]]:
-    """Each rank's sequences: whole batches of the single-process batching, about equal in padded tokens.
-
-    A share, batched again with `data.batches`, gives back exactly those batches: they are
-    taken in the global order (longest first) and only the globally last batch can be short.
-    """
+    """Each rank's sequences: whole batches of the single-process batching (longest first, so batched again they
+    give back exactly those batches), about equal in padded tokens."""
     global_batches = [
         tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
         for ids, mask in batches(sequences, batch_size, pad_id)
@@ -87,7 +75,8 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
         if failed or observation is None:
             detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))
             raise CalibrationError(
-                f"{len(failed)} of {ranks.world_size} processes failed during calibration ({detail}); nothing was written",
+                f"{len(failed)} of {ranks.world_size} processes failed during calibration ({detail}); "
+                "nothing was written",
                 hint="fix what the failing rank reports and run again",
             )
         reduced = _reduce(observation, collective_device)

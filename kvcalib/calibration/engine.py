@@ -1,7 +1,5 @@
 """The engine contract: what an observation engine gets (EngineInputs) and returns (Observation).
-
-Engines (native, stream, llmcompressor) import this module and nothing above it; the
-pipeline names them in one table.
+Engines (native, stream, llmcompressor) import this module and nothing above it; pipeline.ENGINES names them.
 """
 
 from __future__ import annotations

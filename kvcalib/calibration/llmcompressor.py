@@ -1,15 +1,9 @@
-"""`--engine llmcompressor`: llm-compressor's oneshot observes K/V; calibrate writes the checkpoint.
+"""`--engine llmcompressor` (`pip install kvcalib[llmcompressor]`): llm-compressor's oneshot observes K/V.
 
-llm-compressor's `oneshot` runs a KV-only `QuantizationModifier` with the recipe's
-kv_cache_scheme (kvcalib's own static_minmax scheme without `--recipe`) on exactly the token
-sequences kvcalib selected, one sequence per batch (llm-compressor's default collator cuts
-every sequence of a batch to the shortest one). It leaves `k_scale`/`v_scale` on each
-attention module, sized for the FP8 max compressed-tensors takes from the scheme (448 for
-FP8) and held in the model's dtype. This engine undoes that sizing (absmax = scale * that
-max) and hands the absmax to calibrate, which applies the target's FP8 max and writes,
-validates and publishes the checkpoint exactly as for the native engine.
-
-llm-compressor is an optional extra: `pip install kvcalib[llmcompressor]`.
+oneshot runs a KV-only `QuantizationModifier` with the recipe's kv_cache_scheme (kvcalib's static_minmax without
+`--recipe`) on kvcalib's sequences, one per batch (its collator cuts a batch to the shortest). It leaves
+`k_scale`/`v_scale` sized for compressed-tensors' FP8 max (448); this engine turns them back into absmax
+(scale x that max) and calibrate writes the checkpoint as for the native engine.
 """
 
 from __future__ import annotations
@@ -39,7 +33,8 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     opts = inputs.options
-    scheme = load_recipe(opts.recipe).quantization_args() if opts.recipe else kv_cache_scheme_args(opts.strategy or "tensor")
+    scheme = (load_recipe(opts.recipe).quantization_args() if opts.recipe
+              else kv_cache_scheme_args(opts.strategy or "tensor"))
     inputs.notify(Progress("load-model"))
     # As llm-compressor users load it: AutoModelForCausalLM with the default attention.
     model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, opts.trust_remote_code)
@@ -86,11 +81,8 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
 
 
 def _counter(calls: list[int], layer: int, inputs: EngineInputs, num_layers: int) -> Any:
-    """A pre-hook that counts the attention module's calls and reports progress.
-
-    llm-compressor's sequential pipeline runs every sequence through one layer twice
-    (calibrate, then propagate) before it moves on to the next layer.
-    """
+    """A pre-hook that counts the attention module's calls and reports progress (llm-compressor's sequential
+    pipeline runs every sequence through a layer twice, calibrate then propagate, before the next layer)."""
     total_samples, total_tokens = len(inputs.data.sequences), inputs.data.num_tokens
     per_layer = 2 * total_samples
 

@@ -1,7 +1,5 @@
-"""The "native" engine: the whole model in memory, every batch through the decoder stack once.
-
-The model runs with its own attention (transformers' default for it); K/V are recorded by the
-cache it writes them to (kvcalib.hf.attention.RecordingCache).
+"""The "native" engine: the whole model in memory with its own attention, every batch through the decoder once;
+K/V recorded by the cache it writes them to (kvcalib.hf.attention.RecordingCache).
 """
 
 from __future__ import annotations
@@ -13,11 +11,7 @@ import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.core.progress import Progress, ProgressCallback
-from kvcalib.hf.attention import (
-    KVAbsmaxObserver,
-    attention_modules,
-    observe_batch,
-)
+from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules, observe_batch
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import CalibrationData, batches
 from kvcalib.hf.model import faithful_attention, load_model, num_layers

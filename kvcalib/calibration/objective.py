@@ -1,40 +1,20 @@
 """The scale objective: per layer (or per KV head), the K and V scales that keep attention right.
 
-`absmax / fp8_max` never clips, and that can be the worst scale there is. A K channel that is
-large and nearly constant across tokens (bias-driven, in a RoPE pair that barely rotates) sits
-on a coarse part of the FP8 grid, and where its value is near a rounding boundary it flips
-between two grid points from token to token: noise far larger than its own variation, multiplied
-into every q·k. Saturating it instead makes it exactly constant, which softmax ignores. What
-matters is the error of the attention output, not of K: SQNR ranks such scales backwards.
+`absmax / fp8_max` never clips, and can be the worst scale: a large, nearly constant K channel (bias-driven, in a
+RoPE pair that barely rotates) near an FP8 rounding boundary flips between two grid points from token to token,
+noise multiplied into every q·k; saturated, it is exactly constant, which softmax ignores. So a candidate is scored
+by the squared error of the attention output (kvcalib.hf.samples: the model's own Q, mask, scaling, soft-capping,
+sinks) with K (then V, through the exact probabilities) fake-quantised, against the unquantised output.
 
-The search ("attention grid"): for every layer, candidate scales `absmax x 2^(-j/2)` (j = 0..10,
-so 1 down to 1/32 of the never-clipping scale; absmax first), `absmax / M` for each server of the
-scales with a larger FP8 max M (core.fp8.served_numerics: 448 for trn2), 1.0, and the wider scales
-`absmax x 2^(j/4)` (j = 1..3). Each is scored on the attention samples (kvcalib.hf.samples: the
-model's own Q, mask, scaling, soft-capping and sinks, K/V as the cache stores them) by the squared
-error of the attention output with K (then V) fake-quantised, against the unquantised output; V is scored through the
-exact probabilities. A candidate is scored on every numerics the checkpoint is served with
-(core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2 but at 448 x s on trn3, GPU
-vLLM and vLLM CPU, where a clip chosen for 240 no longer saturates and can land a near-constant
-channel on rounding boundaries), and a candidate's error is its largest on any of them: a scale
-is chosen for every server it will meet. Half of each sequence's sampled query rows choose, the
-other half (held out) confirm and report.
-
-Two kinds of candidate, two bars:
-- A clip must at least halve absmax's error (GAIN) on both halves: scales that are equally good
-  differ by up to ~30 % on a few hundred rows (where FP8 rounding falls), and every clip costs
-  headroom at long context. Of the clips that do, the least-clipping one within TOLERANCE (25 %)
-  of their best is chosen. Saturated near-constant channels are exact constants whatever text
-  comes later, so a clip that does this is preferred.
-- Otherwise a candidate that clips nothing absmax keeps (a scale at least absmax's: the wider
-  ones, and 1.0 where absmax is under the FP8 max) costs no headroom. FP8 is a floating-point
-  grid, so such a scale differs from absmax only in where each value falls between two grid
-  points, which matters for near-constant channels. The one with the lowest error wins when it
-  is at least a tenth (WIDER_GAIN) under absmax's on the choosing and the held-out rows alike:
-  V's equally good scales differ by 1-3 %, K's by ~5 %, and a pick by noise is no better.
-Every error is the candidate's on the server where it does worst (absmax's too). Per KV head with
-`attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum), so batches dealt
-to any number of ranks give the same choice as one process.
+Candidates: `absmax x 2^(-j/2)` (j = 0..10), `absmax / M` for each server with a larger FP8 max M, 1.0, and the
+wider `absmax x 2^(j/4)` (j = 1..3). Each is scored on every numerics the checkpoint is served with
+(core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2, 448 x s on trn3 and GPU) and judged by its
+largest error there. Half of each sequence's sampled query rows choose, the other half (held out) confirm and report.
+- A clip must at least halve absmax's error (GAIN) on both halves; of those, the least clipping within TOLERANCE
+  of their best is chosen.
+- Else a candidate that clips nothing absmax keeps (a wider scale, 1.0) wins with the lowest error if it cuts
+  absmax's by a tenth (WIDER_GAIN) on both halves: equally good scales differ by 1-5 %.
+Per KV head with `attn_head`. Sums are exactly rounded (math.fsum): any number of ranks chooses as one process.
 """
 
 from __future__ import annotations
@@ -49,14 +29,10 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, attention_rows
 
-__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER",
-           "WIDER_GAIN", "Candidates", "Gather", "KindChoice", "candidates", "choose", "sample_terms",
-           "scored_numerics", "search", "sum_terms"]
+__all__ = ["ATTENTION", "FACTORS", "GAIN", "TOLERANCE", "WIDER", "WIDER_GAIN", "Candidates", "Gather", "KindChoice",
+           "candidates", "choose", "sample_terms", "scored_numerics", "search", "sum_terms"]
 
 ATTENTION = "attention"
-ABSMAX = "absmax"
-OBJECTIVES = (ATTENTION, ABSMAX)
-DEFAULT_OBJECTIVE = ATTENTION
 FACTORS = tuple(2.0 ** (-j / 2) for j in range(11))
 WIDER = tuple(2.0 ** (j / 4) for j in range(1, 4))  # never clip: other places on the FP8 grid for the same values
 GAIN = 0.5  # a clip must halve absmax's attention error (equivalent scales differ by up to ~30 %)
@@ -68,13 +44,11 @@ ABSMAX_LABEL = "absmax"
 
 @dataclass(frozen=True)
 class Candidates:
-    """One layer's candidate scales for one kind: absmax first, then the clips from the least clipping, 1.0, and the
-    wider scales."""
+    """One layer's candidate scales for one kind: absmax, the clips (least clipping first), 1.0, the wider ones."""
 
     labels: tuple[str, ...]
     scales: torch.Tensor  # [C, kv_heads] float32
     ranges: torch.Tensor  # [C, kv_heads]: the |x| each scale maps to the FP8 max
-
     clip_at: torch.Tensor  # [C, kv_heads]: |x| above this saturates on the target (range, after the scale's rounding)
 
     @property
@@ -94,8 +68,7 @@ class Candidates:
 
 def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv_heads: int | None = None
                ) -> Candidates:
-    """The grid for one layer's K or V (head_absmax: [kv_heads], or [1] from an engine that sees only tensors);
-    per tensor, every one of the `kv_heads` heads shares the layer's."""
+    """The grid for one layer's K or V (head_absmax: [kv_heads], or [1]); per tensor, the `kv_heads` share it."""
     heads = head_absmax.float().reshape(-1)
     base = heads if per_head else heads.max().expand(kv_heads or heads.numel())
     # the scale a server of these scales with a larger FP8 max would write (absmax / 448 for trn2: llm-compressor's)
@@ -207,11 +180,8 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:
-    """The candidate for one kind from its squared errors on the choosing and the held-out rows (candidate 0 is
-    absmax; `keeps_range`: the candidate clips nothing absmax keeps), each on the server where it does worst. A clip
-    where one at least halves (GAIN) absmax's error on both halves: of those, the first (least clipping) within
-    TOLERANCE of their best. Else, of absmax and the candidates that keep its range and cut its error by a tenth
-    (WIDER_GAIN) on both halves, the lowest on the choosing rows."""
+    """The candidate from its squared errors on the choosing and held-out rows (0 is absmax), as the module
+    docstring says: the least clipping within TOLERANCE of the best GAIN clip, else the best WIDER_GAIN keeper."""
     def cuts(c: int, gain: float) -> bool:  # below gain x absmax's relative error on both halves (squared errors)
         return errors[c] < gain**2 * errors[0] and held_out[c] < gain**2 * held_out[0]
 
@@ -227,9 +197,8 @@ Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (on
 
 
 def scored_numerics(target: fp8.Target, per_head: bool) -> tuple[fp8.Target, ...]:
-    """The numerics search scores every candidate on: each server the target's scales are for
-    (fp8.served_numerics); per-head scales serve on GPU vLLM's FlashAttention alone (neither Neuron nor vLLM CPU
-    loads them), so those are scored on the target only."""
+    """What search scores on: every server of the target's scales (fp8.served_numerics); per-head scales only on
+    the target (GPU vLLM's FlashAttention alone loads them)."""
     return (target,) if per_head else fp8.served_numerics(target)
 
 
@@ -238,13 +207,9 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
     """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`, twice a layer).
 
-    Every candidate is scored on each numerics the checkpoint will be served with (scored_numerics: for trn2 also
-    the 448-range servers, where the same scale saturates at 448 x s) and judged by its error where that is largest
-    (choose). absmax and 1.0 are scored on every sample first: absmax's error is the bar every other candidate must
-    get under (GAIN, WIDER_GAIN) to be chosen. The others are then scored sample by sample, and a candidate stops
-    being scored once its error so far already reaches its bar: errors only grow with more samples, so it could not
-    be chosen. The choice, and every error and clipped fraction it reports, are those of scoring everything (on a
-    rank, the bar is every rank's absmax and the sums its own samples'; gathered, they only grow)."""
+    absmax and 1.0 are scored on every sample first: absmax's error is the bar (GAIN, WIDER_GAIN) the others must
+    get under. The others are scored sample by sample until their error so far reaches the bar (errors only grow),
+    so the choice and what it reports are those of scoring everything."""
     numerics = scored_numerics(target, per_head)
     chosen = []
     for i, layer in enumerate(samples):
@@ -264,17 +229,15 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
     return chosen
 
 
-# a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one: a candidate is ruled out
-# only this far past its bar, so that the exactly rounded sums choose() compares are past it too
+# a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one (math.fsum's in choose())
 _MARGIN = 1.0 + 1e-9
 
 
 def _scored_until_ruled_out(layer: Sequence[AttentionSample], grids: Sequence[tuple[Candidates, Candidates]],
                             numerics: Sequence[fp8.Target], per_head: bool, bars: torch.Tensor,
                             anchors: tuple[list[int], list[int]]) -> list[torch.Tensor]:
-    """The terms of every candidate but the anchors, sample after sample, each until `bars` (absmax's summed
-    terms, [numerics, 2, 4, C, kv_heads]) rule it out: its squared errors so far, on the server where they are
-    largest, reach its bar on one half or the other (per head: on every head), so choose() could not pick it."""
+    """The terms of every candidate but the anchors, sample after sample, until `bars` (absmax's summed terms) rule
+    it out: its errors so far, where largest, reach its bar on either half (per head: on every head)."""
     keeps = [cands.keeps_range if per_head else cands.keeps_range.all(dim=1) for cands in grids[0]]
     gains = [torch.where(keep, WIDER_GAIN**2, GAIN**2).double() for keep in keeps]  # [C(, kv_heads)]
     bar = [bars[:, kind, :2, 0] if per_head else bars[:, kind, :2, 0].sum(dim=-1) for kind in range(2)]

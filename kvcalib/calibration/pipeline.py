@@ -1,9 +1,6 @@
-"""calibrate: per-layer K/V absmax over a dataset -> FP8 scales -> a new checkpoint.
+"""calibrate: per-layer K/V absmax over a dataset -> FP8 scales -> a new checkpoint, validated, then published.
 
-Cheap checks first (target, model config, output path, dataset), then the model is loaded
-and every calibration token runs through the decoder stack once (no LM head, nothing after
-the last layer's K/V). The scales `absmax / fp8_max(target)` go into a new checkpoint
-written atomically, which is validated before it is put in place.
+Cheap checks first (check_run), then the engine observes, the scale objective chooses, the writer publishes.
 """
 
 from __future__ import annotations
@@ -27,12 +24,7 @@ from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import RecipePlan, plan_recipe
 from kvcalib.calibration.scales import layer_scales, scale_tensors
 from kvcalib.calibration.stream import stream_engine
-from kvcalib.calibration.writer import (
-    WritePlan,
-    check_output_path,
-    check_room,
-    write_checkpoint,
-)
+from kvcalib.calibration.writer import WritePlan, check_output_path, check_room, write_checkpoint
 from kvcalib.core import fp8, mxfp4
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
@@ -41,13 +33,7 @@ from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config, max_position_embeddings
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
-from kvcalib.hf.model import (
-    load_tokenizer,
-    pad_id,
-    prepare_run,
-    resolve_compute,
-    resolve_target,
-)
+from kvcalib.hf.model import load_tokenizer, pad_id, prepare_run, resolve_compute, resolve_target
 from kvcalib.hf.samples import sample_sequences
 from kvcalib.validation.pipeline import validate_checkpoint  # calibrate validates what it wrote (pyproject.toml)
 
@@ -272,7 +258,8 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "tool": "kvcalib",
         "kvcalib_version": __version__,
         "scale_convention": "x = fp8 * scale; scale = range / fp8_max, rounded up so the chip never saturates "
-                            "range; range = absmax, or with the attention objective the clip it chose (layers[].k.range)",
+                            "range; range = absmax, or with the attention objective the clip it chose "
+                            "(layers[].k.range)",
         "scale_objective": opts.scale_objective,
         "headroom": opts.headroom,
         "target": target.name,
@@ -300,6 +287,6 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "observer": "static_minmax",
         "strategy": opts.strategy,
         "attention_scales": opts.attention_scales,
-        "layers": [l.to_dict(keys=False) for l in layers],
+        "layers": [layer.to_dict(keys=False) for layer in layers],
         **opts.extra_provenance,
     }

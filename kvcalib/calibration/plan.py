@@ -1,20 +1,10 @@
 """`calibrate --plan`: what a run would do and what it would take, before it runs; nothing is written.
 
-Every check calibrate makes before its long work runs as it would (the model, the recipe, the output path, the
-room on the output's filesystem, the engine the memory allows); what would stop the run is reported as a
-refusal instead of raised. Then a timed probe: the first PROBE_BATCHES batches of the real samples through the
-engine the run would use (the in-memory engine: the whole model loaded, as the run loads it; the stream engine:
-the first PROBE_LAYERS layers only, each loaded from disk as the run loads it), and the scale objective's search
-on what the probe observed. The estimate scales each measured part by what the run has more of:
-
-- load: the checks and the data as the run makes them (in a fresh process that includes importing transformers,
-  which a run pays too), then the model's load (in memory) or the stream engine's start-up (skeleton,
-  embeddings, the first inputs);
-- observe: the probe's per-token compute time times the run's tokens (per layer for the stream engine, which
-  also pays each layer's load once);
-- objective: the probe's search time times (the run's objective tokens / the probe's) and (layers / probed);
-- write: hard links cost nothing; copied bytes at WRITE_BYTES_PER_S, plus validate (a fixed second).
-
+calibrate's checks run as they would (what would stop the run is a refusal, not raised); then a timed probe: the
+first PROBE_BATCHES batches through the run's engine (the stream engine: its first PROBE_LAYERS layers) and the
+scale objective's search. The estimate scales each part by what the run has more of: load (checks, data, model
+load or stream start-up), observe (per-token compute x tokens, per layer for stream, plus each layer's load),
+objective (x objective tokens and layers), write (copied bytes at WRITE_BYTES_PER_S, plus validate).
 Leftovers of interrupted runs are left as they are; the room check writes and removes one probe file.
 """
 
@@ -40,7 +30,7 @@ __all__ = ["PROBE_BATCHES", "PROBE_LAYERS", "CalibrationPlan", "Estimate", "plan
 PROBE_BATCHES = 2  # two, so a batch's compute is told apart from what a run pays once
 PROBE_LAYERS = 2  # the stream engine's probe: two layers, so a layer's load is told apart from its compute
 WRITE_BYTES_PER_S = 200e6  # copying weights where hard links do not work (an assumption, not measured)
-VALIDATE_SECONDS = 0.1  # the config, card, scales and links, then validate: 0.01-0.03 s measured (SmolLM2, Qwen2.5-0.5B)
+VALIDATE_SECONDS = 0.1  # writing config, card, scales, links, then validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
 
 
 @dataclass(frozen=True)
@@ -113,7 +103,8 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
     except UsageError:
         raise
     except KvcalibError as err:
-        return CalibrationPlan(str(model), str(output), refusals=(err.message + (f" ({err.hint})" if err.hint else ""),))
+        refusal = err.message + (f" ({err.hint})" if err.hint else "")
+        return CalibrationPlan(str(model), str(output), refusals=(refusal,))
     layers = num_hidden_layers(plan.checkpoint.config) or 1
     setup = time.perf_counter() - began  # check_run and read_data: what the run does before its engine
     probe = {**_probe(plan, data, pad, layers, notify), "setup_seconds": round(setup, 3)}

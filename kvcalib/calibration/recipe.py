@@ -1,20 +1,10 @@
 """llm-compressor recipes: read the kv_cache_scheme a user already has; refuse what the target cannot serve.
 
-A recipe is llm-compressor's YAML (or JSON): `<name>_stage` -> `<group>_modifiers` ->
-`<ModifierName>` -> arguments, one of which may be `kv_cache_scheme`, a compressed-tensors
-`QuantizationArgs`. kvcalib parses that scheme with compressed-tensors' own model and runs
-the KV-cache part only.
-
-llm-compressor cannot be told a chip's FP8 max: compressed-tensors' `calculate_range` sizes
-every FP8 scale for the OCP E4M3FN max (448, `FP8_E4M3_DATA.max`) from `type` and
-`num_bits` alone, `QuantizationArgs` forbids extra fields, and neither `observer_kwargs`
-nor `scale_dtype` reach the range. So a recipe carries the target in a top-level key that
-llm-compressor ignores (it reads only `*_stage` sections and `args`):
-
-    kvcalib:
-      target: trn2
-
-and kvcalib applies that target's FP8 max itself when it turns the observed range into scales.
+A recipe: `<name>_stage` -> `<group>_modifiers` -> `<ModifierName>` -> arguments, one of which may be
+`kv_cache_scheme` (compressed-tensors `QuantizationArgs`, parsed with its own model); kvcalib runs that part only.
+compressed-tensors' `calculate_range` sizes every FP8 scale for 448 (`FP8_E4M3_DATA.max`) and `QuantizationArgs`
+forbids extra fields, so the chip goes in a top-level key llm-compressor ignores (`kvcalib: {target: trn2}`), and
+kvcalib applies that target's FP8 max itself.
 """
 
 from __future__ import annotations
@@ -34,27 +24,23 @@ from kvcalib.core.schema import (
     fp8_attention_groups,
 )
 
-__all__ = [
-    "KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE",
-    "LLMCOMPRESSOR_HINT", "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan", "STRATEGIES",
-    "BUILTIN_RECIPES", "builtin_recipes", "check_servable", "load_recipe", "plan_recipe", "recipe_file",
-    "require_llmcompressor",
-]
+__all__ = ["KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE", "LLMCOMPRESSOR_HINT",
+           "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan", "STRATEGIES", "BUILTIN_RECIPES",
+           "builtin_recipes", "check_servable", "load_recipe", "plan_recipe", "recipe_file", "require_llmcompressor"]
 
 RECIPE_KEY = "kvcalib"  # the top-level key with kvcalib's own settings
 STRATEGIES = (TENSOR, ATTN_HEAD)
 
 KV_SCHEME_KEY = "kv_cache_scheme"
-# Arguments of a modifier that quantise something other than the KV cache.
-OTHER_SCHEME_KEYS = ("scheme", "config_groups")
-# What the native engine measures: the absmax over every calibration token.
-NATIVE_OBSERVER = "static_minmax"
-# llm-compressor 0.14 observes K/V with "minmax" when a kv_cache_scheme names no observer
-# (llmcompressor.modifiers.quantization.calibration.initialize_observer): a moving average
-# of per-batch ranges (factor 0.01) that ends below the absmax.
+OTHER_SCHEME_KEYS = ("scheme", "config_groups")  # a modifier's arguments that quantise something else
+NATIVE_OBSERVER = "static_minmax"  # what the native engine measures: the absmax over every token
+# llm-compressor 0.14's K/V observer when a kv_cache_scheme names none (a moving average of per-batch ranges that
+# ends below the absmax): llmcompressor/modifiers/quantization/calibration.py, initialize_observer
 LLMCOMPRESSOR_DEFAULT_OBSERVER = "minmax"
 LLMCOMPRESSOR_ENGINE = "llmcompressor"
 LLMCOMPRESSOR_HINT = "pip install kvcalib[llmcompressor]"
+_SHIPPED = "(recipes/kv-fp8-trn2.yaml; --recipe trn2)"
+_SEE_SHIPPED = f"see the shipped recipe {_SHIPPED}"
 
 
 @dataclass(frozen=True)
@@ -101,8 +87,7 @@ def builtin_recipes() -> Path:
     return Path(__file__).resolve().parents[2] / "recipes"
 
 
-# The recipes kvcalib ships (the repository's recipes/, installed as the package kvcalib.recipes), by name: one
-# per chip of the table.
+# The recipes kvcalib ships (recipes/, installed as kvcalib.recipes), by name: one per chip of the table.
 BUILTIN_RECIPES = tuple(name for name in fp8.TARGETS if (builtin_recipes() / f"kv-fp8-{name}.yaml").is_file())
 
 
@@ -135,14 +120,14 @@ def load_recipe(path: str | Path) -> KvRecipe:
                           hint="fix the YAML, or start from the shipped one: --recipe trn2") from None
     if not isinstance(obj, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
-                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
+                          hint=_SEE_SHIPPED)
     target = _recipe_target(obj, path)
     found, ignored, attention = _find_kv_schemes(obj, path)
     if not found:
         raise RecipeError(
             f"{path}: no {KV_SCHEME_KEY} in the recipe",
             hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} (or an "
-            "FP8-attention config group); see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)",
+            f"FP8-attention config group); {_SEE_SHIPPED}",
         )
     parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
     schemes = {_canonical(scheme) for _, scheme in parsed}
@@ -284,7 +269,7 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                 arguments = {} if arguments is None else arguments
                 if not isinstance(arguments, dict):
                     raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                                      hint="see the shipped recipe for the layout (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
+                                      hint=f"see the shipped recipe for the layout {_SHIPPED}")
                 groups = arguments.get("config_groups")
                 fp8_attention = fp8_attention_groups(groups)
                 attention = attention or bool(fp8_attention)
@@ -308,12 +293,12 @@ def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]
     where = f"{path}: {location}"
     if not isinstance(value, dict):
         raise RecipeError(f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
-                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
+                          hint=_SEE_SHIPPED)
     try:
         args = QuantizationArgs.model_validate(value)
     except (ValueError, TypeError, NotImplementedError) as exc:  # pydantic's ValidationError is a ValueError
         raise RecipeError(f"{where} is not a valid compressed-tensors QuantizationArgs: {_describe(exc)}",
-                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)") from None
+                          hint=_SEE_SHIPPED) from None
     return args.model_dump(mode="json")
 
 

@@ -1,9 +1,7 @@
-"""Observation -> scales: per tensor or per KV head (strategy), K/V and optionally Q, and the tensors
-written for them.
+"""Observation -> scales (per tensor or per KV head; K/V, optionally Q) and the tensors written for them.
 
-Shapes are llm-compressor's (compressed-tensors' initialize_qparams) and what vLLM's
-compressed-tensors loader reads: `[1]` per tensor; `[heads, 1, 1]` per head (KV heads for K/V,
-attention heads for Q), which vLLM flattens (and for Q reduces to one max per KV head group).
+Shapes as compressed-tensors' initialize_qparams makes and vLLM's compressed-tensors loader reads: `[1]` per tensor,
+`[heads, 1, 1]` per head (KV heads for K/V, attention heads for Q).
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ def _check_finite(kind: str, per_layer: list[torch.Tensor], warnings: list[str])
                 hint="calibrate with --dtype bfloat16 or --dtype float32",
             )
         if value == 0.0:
-            warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at {fp8.SCALE_FLOOR}")
+            warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at "
+                            f"{fp8.SCALE_FLOOR}")
 
 
 def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
@@ -55,8 +54,8 @@ def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: floa
 
 
 def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, strategy: str = "tensor",
-                 queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None,
-                 headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
+                 queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None
+                 = None, headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
     """Per-layer scales for `target`, with per-head values when `strategy` is attn_head and Q's when `queries`:
     absmax / fp8_max, or for K and V the scale objective's `choices` (kvcalib.calibration.objective.search); K and V
     scales that clip nothing then cover `headroom` x absmax (with_headroom)."""

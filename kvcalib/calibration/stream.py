@@ -1,21 +1,11 @@
 """The "stream" engine: calibrate a model larger than memory, one decoder layer at a time.
 
-The model is built with its parameters on the meta device (no weight memory; buffers such as
-the rotary frequencies are real, computed by the model's own constructor). Everything of the
-decoder but its layers (embedding, rotary embedding, final norm) is loaded, then each decoder
-layer in turn: its tensors only, read by key from the memory-mapped safetensors shards and
-loaded through transformers' own load-time conversion (so per-expert MoE checkpoints fuse as
-`from_pretrained` fuses them), cast the way it casts them. Every batch's hidden states go
-through that layer with kvcalib's recording cache, then the layer goes back to meta and the next one
-is loaded. Peak memory: one layer + the embedding + the hidden states of all samples (spilled
-to a temporary directory, one file per batch, when they would not fit).
-
-No model forward is copied. What each layer receives (masks, rotary cos/sin, position ids,
-and the embedding output for layer 0) is captured from the model's own forward: the decoder
-runs with every layer standing in as the identity, and the stand-in at layer i records the
-arguments it is called with and stops the forward. So sliding-window or per-layer-type masks
-come out exactly as the full model builds them, and the scales equal the in-memory engine's
-for the same dtype and batches (the same right-padded batches, in the same order).
+The model is built on the meta device (buffers such as rotary frequencies real); the non-layer weights are loaded,
+then each layer in turn, read by key from the shards through transformers' own load-time conversion (MoE experts
+fused, dtype cast as `from_pretrained` does). Every batch's hidden states go through it with kvcalib's recording
+cache, then it goes back to meta. Peak memory: one layer + the embedding + all hidden states (spilled to disk, one
+file per batch, when they would not fit). What each layer receives (masks, rotary cos/sin, position ids) is captured
+from the model's own forward (capture_layer_inputs), so the scales equal the in-memory engine's for the same batches.
 """
 
 from __future__ import annotations
@@ -35,29 +25,15 @@ from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
 from kvcalib.core.schema import is_kv_scale_key
-from kvcalib.hf.attention import (
-    KVAbsmaxObserver,
-    RecordingCache,
-    StopForward,
-    attention_modules,
-    observing_queries,
-)
+from kvcalib.hf.attention import KVAbsmaxObserver, RecordingCache, StopForward, attention_modules, observing_queries
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
 from kvcalib.hf.memory import MemoryLimit, available_memory, release_free_memory
-from kvcalib.hf.model import (
-    build_skeleton,
-    effective_dtype,
-    faithful_attention,
-    num_layers,
-    text_config,
-)
+from kvcalib.hf.model import build_skeleton, effective_dtype, faithful_attention, num_layers, text_config
 
 __all__ = ["HIDDEN_STATES_MEMORY_SHARE", "capture_layer_inputs", "stream_engine"]
 
-
-# Hidden states stay in memory while they take at most this share of the memory left after
-# the weights being streamed; beyond it they are spilled to disk, one file per batch.
+# Hidden states stay in memory up to this share of the memory left after the streamed weights; beyond, on disk.
 HIDDEN_STATES_MEMORY_SHARE = 0.5
 
 
@@ -117,12 +93,8 @@ class _Captured(Exception):
 def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, index: int, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor, observer: KVAbsmaxObserver
                          ) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]:
-    """(hidden states, other args, kwargs) the decoder's own forward passes to layer `index` for this batch.
-
-    The decoder is called exactly as the in-memory engine calls it; while it runs, every layer
-    is the identity and layer `index` stops the forward, so no layer weight is needed. The
-    hidden states are real only for layer 0 (the embedding output).
-    """
+    """(hidden states, other args, kwargs) the decoder's own forward passes to layer `index` for this batch: every
+    layer stands in as the identity and layer `index` stops the forward. Hidden states are real for layer 0 only."""
 
     def stand_in(i: int):
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -150,13 +122,8 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
 
 
 class _Weights:
-    """Loads one module's weights at a time through transformers' own load-time conversion.
-
-    Checkpoint keys are mapped to the model's parameters with the conversion mapping
-    `from_pretrained` applies (renamings, per-expert MoE tensors fused into one parameter,
-    ...), and each module's share is read by key from the memory-mapped shards and converted
-    by transformers' own loader, cast as `from_pretrained` casts.
-    """
+    """Loads one module's weights at a time: checkpoint keys mapped to parameters with the conversion mapping
+    `from_pretrained` applies (renamings, fused MoE experts), read by key and converted by transformers' loader."""
 
     def __init__(self, model: torch.nn.Module, model_dir: Path, files: CheckpointFiles, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -194,7 +161,7 @@ class _Weights:
         )
 
     def check(self, prefix: str) -> None:
-        """Every weight under `prefix` has a source in the checkpoint, and every tensor a place, before the long work."""
+        """Every weight under `prefix` has a source in the checkpoint, and every tensor a place."""
         if self.unexpected:
             raise UnsupportedModelError(
                 f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
@@ -229,11 +196,8 @@ class _Weights:
 
     def _convert(self, names: list[str], quantized: bool) -> None:
         """Read the checkpoint tensors `names` are made from and load them through transformers' conversion.
-
-        `quantized`: MXFP4 pairs, converted with the quantizer from_pretrained loads them with, which reads the
-        blocks and scales as stored (uint8). Without it transformers casts every tensor to the model's dtype on the
-        way in: a layer's blocks in bf16 took twice their bytes beside the dequantised experts (GPT-OSS-120B:
-        +2 GiB at the peak of loading gate_up_proj)."""
+        `quantized`: MXFP4 pairs, with from_pretrained's quantizer, which reads the blocks as stored (uint8), not
+        cast to the model's dtype (GPT-OSS-120B: +2 GiB at the peak otherwise)."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
@@ -327,5 +291,5 @@ def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) 
     for name, child in decoder.named_children():
         if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers:
             return name, child
-    raise UnsupportedModelError(f"{model_dir}: no list of {num_layers} decoder layers found in {type(decoder).__name__}",
-                                hint="calibrate this model without --stream-layers")
+    raise UnsupportedModelError(f"{model_dir}: no list of {num_layers} decoder layers found in "
+                                f"{type(decoder).__name__}", hint="calibrate this model without --stream-layers")

@@ -1,9 +1,6 @@
 """Writing a calibrated checkpoint: the original weights linked, the scales, index and config, atomically.
 
-The input checkpoint is never written to. Everything goes to a staging sibling of the
-output, is checked, and is then put in place atomically (calibrate.publish). Whether the
-output can be written at all, and has room, is checked before calibrating (check_room).
-"""
+The input is never written to; everything goes to a staging sibling of OUT and is published (publish.py)."""
 
 from __future__ import annotations
 
@@ -35,23 +32,17 @@ from kvcalib.core.schema import (
 )
 
 __all__ = ["LINK_AT_BYTES", "SHARDED_SINGLE_FILENAME", "Room", "WritePlan", "bytes_needed", "check_output_path",
-           "check_room", "measure_room",
-           "copy_without_keys", "link_or_copy", "write_checkpoint"]
+           "check_room", "measure_room", "copy_without_keys", "link_or_copy", "write_checkpoint"]
 
-# transformers loads a top-level model.safetensors and ignores the index beside it, so it
-# would never see the scales file: a single-file checkpoint's weights are linked under the
-# sharded name instead (same bytes), and every loader then goes through the index.
+# transformers loads a top-level model.safetensors and ignores the index beside it (and so the scales file): a
+# single-file checkpoint's weights are linked under the sharded name instead, so every loader reads the index.
 SHARDED_SINGLE_FILENAME = "model-00001-of-00001.safetensors"
 
 
 def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrite: bool, *,
                       recover_leftovers: bool = True) -> list[str]:
-    """Refuse an output that overlaps an input, is a link, or exists (without overwrite); recover leftovers.
-
-    `inputs` are (what, path) pairs: the model directory, the dataset, the recipe. Symlinks are
-    resolved first, so a link into an input is refused like the input. What interrupted runs
-    left next to OUT is restored or removed first (publish.recover); the notes say what.
-    """
+    """Refuse an output that overlaps an input (after symlinks), is a link, or exists (without overwrite); first
+    restore or remove what interrupted runs left (publish.recover) and return its notes. `inputs`: (what, path)."""
     output = Path(output)
     for what, path in inputs:
         if os.path.lexists(path) and overlapping(output, path):
@@ -115,11 +106,11 @@ def measure_room(output: Path, source: Checkpoint) -> Room:
 def check_room(output: Path, source: Checkpoint) -> None:
     """Before any work: can OUT's parent (or its nearest existing ancestor) take the new files? (measure_room)"""
     room = measure_room(output, source)
-    needed, free, linkable, ancestor = room.needed, room.free, room.linkable, room.where
-    if needed > free:
+    if room.needed > room.free:
+        copied = "" if room.linkable else " (the weights are copied: hard links do not work there)"
         raise OutputWriteError(
-            f"not enough space for {output}: the new files need {needed / 1e6:,.1f} MB, {ancestor} has "
-            f"{free / 1e6:,.1f} MB free" + ("" if linkable else " (the weights are copied: hard links do not work there)"),
+            f"not enough space for {output}: the new files need {room.needed / 1e6:,.1f} MB, {room.where} has "
+            f"{room.free / 1e6:,.1f} MB free" + copied,
             hint="free some space, or choose an output on a filesystem with room (on the model's own filesystem "
                  "the weights are hard links and take no space)",
         )
@@ -204,11 +195,8 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
         new_header["__metadata__"] = header.metadata
     offset = 0
     for info in kept:
-        new_header[info.key] = {
-            "dtype": info.dtype,
-            "shape": list(info.shape),
-            "data_offsets": [offset, offset + info.nbytes],
-        }
+        new_header[info.key] = {"dtype": info.dtype, "shape": list(info.shape),
+                                "data_offsets": [offset, offset + info.nbytes]}
         offset += info.nbytes
     raw = json.dumps(new_header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
@@ -221,7 +209,8 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
             while remaining:
                 chunk = fin.read(min(remaining, 64 << 20))
                 if not chunk:
-                    raise CheckpointReadError(f"{src}: unexpected end of file", hint="copy the file again from the source")
+                    raise CheckpointReadError(f"{src}: unexpected end of file",
+                                              hint="copy the file again from the source")
                 fout.write(chunk)
                 remaining -= len(chunk)
 
@@ -252,15 +241,10 @@ class _Index:
 def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *, overwrite: bool = False,
                      check: Callable[[Path], None] | None = None,
                      inputs: Sequence[tuple[str, Path]] = ()) -> list[str]:
-    """Write a new checkpoint: source files + scales + index + config, published atomically.
+    """Write source files + scales + index + config in a staging sibling, run `check` on it, publish atomically.
 
-    Weight files are hard-linked or copied byte for byte (a single `model.safetensors` under
-    the sharded name `model-00001-of-00001.safetensors`, see SHARDED_SINGLE_FILENAME). A shard that already holds KV
-    scales (from an earlier calibration) is rewritten without them, the kept tensors' bytes
-    copied verbatim. Everything is written in a staging sibling of `output` (calibrate.publish);
-    `check` runs on it before it is put in place. A failure or an interrupt removes the staging
-    directory and leaves OUT as it was; an OSError (disk full, read-only) becomes one
-    OutputWriteError naming the path. `source` is never written to. Returns notes for the user.
+    Weight files are hard-linked or copied (SHARDED_SINGLE_FILENAME); a shard holding earlier KV scales is rewritten
+    without them. A failure leaves OUT as it was; an OSError becomes an OutputWriteError. Returns notes for the user.
     """
     source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     output = Path(os.path.abspath(output))
@@ -362,9 +346,8 @@ def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) 
     write_json(tmp / INDEX_FILENAME, out)
 
 
-# Files at least this large (a pytorch_model.bin, an original/ consolidated.pth) are hard-linked like
-# the weights; smaller ones (tokenizer, generation config) are copied, so that editing them in the
-# output in place (as some editors do with linked files) cannot change the input.
+# Files at least this large (pytorch_model.bin, original/consolidated.pth) are hard-linked like the weights; smaller
+# ones (tokenizer, generation config) are copied, so that editing them in the output cannot change the input.
 LINK_AT_BYTES = 16 << 20
 
 
