@@ -38,8 +38,7 @@ def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_
     if len(global_batches) < world_size:
         raise UsageError(
             f"{len(global_batches)} batch(es) of {batch_size} cannot be split across {world_size} processes",
-            hint="launch fewer processes, pass a smaller --batch-size, or calibrate on more samples",
-        )
+            hint="launch fewer processes, pass a smaller --batch-size, or calibrate on more samples")
     loads = [0] * world_size
     shares: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
     for chunk in global_batches:  # longest first: greedy balancing of padded tokens
@@ -77,8 +76,7 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
             raise CalibrationError(
                 f"{len(failed)} of {ranks.world_size} processes failed during calibration ({detail}); "
                 "nothing was written",
-                hint="fix what the failing rank reports and run again",
-            )
+                hint="fix what the failing rank reports and run again")
         reduced = _reduce(observation, collective_device)
         return reduced, finish(reduced, _gather_lists) if finish is not None else None
 
@@ -137,12 +135,7 @@ def _reduce(local: Observation, device: torch.device) -> Observation:
     packed, counts = packed.cpu(), counts.cpu().tolist()
     reduced = [part.float() for part in torch.split(packed[:-1], sizes)]
     n_kv, n_q = len(local.k_heads), len(local.q_heads)
-    return dataclasses.replace(
-        local,
-        k_heads=tuple(reduced[:n_kv]),
-        v_heads=tuple(reduced[n_kv:2 * n_kv]),
-        q_heads=tuple(reduced[2 * n_kv:2 * n_kv + n_q]),
-        observed=tuple(int(c) for c in counts[:n_kv]),
-        q_observed=tuple(int(c) for c in counts[n_kv:]),
-        seconds=float(packed[-1]),
-    )
+    return dataclasses.replace(local, k_heads=tuple(reduced[:n_kv]), v_heads=tuple(reduced[n_kv:2 * n_kv]),
+                               q_heads=tuple(reduced[2 * n_kv:2 * n_kv + n_q]),
+                               observed=tuple(int(c) for c in counts[:n_kv]),
+                               q_observed=tuple(int(c) for c in counts[n_kv:]), seconds=float(packed[-1]))

@@ -66,15 +66,6 @@ class Observation:
     attention_classes: tuple[str, ...] = ()  # the attention modules' class names (FP8-attention config targets)
     samples: tuple[tuple[AttentionSample, ...], ...] = ()  # per layer: the scale objective's (this rank's)
 
-    @property
-    def k_absmax(self) -> torch.Tensor:
-        """[num_layers]: each layer's max over its heads (exact: max does not round)."""
-        return torch.stack([h.max() for h in self.k_heads]) if self.k_heads else torch.zeros(0)
-
-    @property
-    def v_absmax(self) -> torch.Tensor:
-        return torch.stack([h.max() for h in self.v_heads]) if self.v_heads else torch.zeros(0)
-
     @classmethod
     def of(cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module
            ) -> Observation:
@@ -88,8 +79,7 @@ class Observation:
             q_heads=heads(observer.q_heads) if observer.queries else (),
             q_observed=tuple(observer.q_observed) if observer.queries else (),
             attention_classes=tuple(sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})),
-            samples=tuple(tuple(layer) for layer in observer.sampler.samples) if observer.sampler is not None else (),
-        )
+            samples=tuple(tuple(layer) for layer in observer.sampler.samples) if observer.sampler is not None else ())
 
 
 Engine = Callable[[EngineInputs], Observation]

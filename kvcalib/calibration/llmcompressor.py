@@ -49,11 +49,9 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
                for i, path in attn_paths.items() if i < n_layers]
     started = time.perf_counter()
     try:
-        oneshot(
-            model=model, recipe=QuantizationModifier(kv_cache_scheme=scheme), dataset=dataset,
-            batch_size=1, num_calibration_samples=len(sequences), shuffle_calibration_samples=False,
-            max_seq_length=opts.max_seq_len, trust_remote_code_model=opts.trust_remote_code,
-        )
+        oneshot(model=model, recipe=QuantizationModifier(kv_cache_scheme=scheme), dataset=dataset,
+                batch_size=1, num_calibration_samples=len(sequences), shuffle_calibration_samples=False,
+                max_seq_length=opts.max_seq_len, trust_remote_code_model=opts.trust_remote_code)
     finally:
         for handle in handles:
             handle.remove()
@@ -70,14 +68,11 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
                 raise CalibrationError(
                     f"layer {i}: llm-compressor left no {'per-head' if per_head else 'per-tensor'} {kind}_scale on "
                     f"{attn_paths[i]} ({'none' if scale is None else tuple(scale.shape)})",
-                    hint="the engine needs a static kv_cache_scheme; see the shipped recipe (--recipe trn2)",
-                )
+                    hint="the engine needs a static kv_cache_scheme; see the shipped recipe (--recipe trn2)")
             # llm-compressor's per-head scales are [kv_heads, 1, 1]
             absmax[kind].append(scale.detach().float().cpu().reshape(-1) * sized_for.float().cpu())
-    return Observation(
-        k_heads=tuple(absmax["k"]), v_heads=tuple(absmax["v"]), observed=tuple(calls),
-        attention_paths=attn_paths, seconds=seconds,
-    )
+    return Observation(k_heads=tuple(absmax["k"]), v_heads=tuple(absmax["v"]), observed=tuple(calls),
+                       attention_paths=attn_paths, seconds=seconds)
 
 
 def _counter(calls: list[int], layer: int, inputs: EngineInputs, num_layers: int) -> Any:

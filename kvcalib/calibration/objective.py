@@ -175,8 +175,7 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
         clipped=math.fsum(clipped[c, h].item() for h, c in zip(heads, index)) / max(math.fsum(count[0].tolist()), 1.0),
         error=held_error(index), error_absmax=held_error([0] * len(heads)),
         error_unit=held_error([cands.unit] * len(heads)),
-        errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)),
-    )
+        errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)))
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:

@@ -125,19 +125,9 @@ class CalibrationResult:
         return self.num_tokens / self.observe_seconds if self.observe_seconds > 0 else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "output": self.output,
-            "model": self.model,
-            "target": self.target,
-            "fp8_max": self.fp8_max,
-            "num_samples": self.num_samples,
-            "num_tokens": self.num_tokens,
-            "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(self.tokens_per_s, 1),
-            "compute": self.compute,
-            "scale_objective": self.scale_objective,
-            "objective_seconds": round(self.objective_seconds, 3),
-            "layers": [layer.to_dict() for layer in self.layers],
-            "warnings": list(self.warnings),
-            "validation": self.validation,
-        }
+        return {"output": self.output, "model": self.model, "target": self.target, "fp8_max": self.fp8_max,
+                "num_samples": self.num_samples, "num_tokens": self.num_tokens, "seconds": round(self.seconds, 3),
+                "tokens_per_s": round(self.tokens_per_s, 1), "compute": self.compute,
+                "scale_objective": self.scale_objective, "objective_seconds": round(self.objective_seconds, 3),
+                "layers": [layer.to_dict() for layer in self.layers], "warnings": list(self.warnings),
+                "validation": self.validation}

@@ -96,8 +96,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
             num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
             seconds=time.perf_counter() - started, observe_seconds=observation.seconds,
             warnings=tuple(more_warnings), validation=validation, compute=plan.compute.describe(),
-            scale_objective=opts.scale_objective, objective_seconds=objective_seconds,
-        )
+            scale_objective=opts.scale_objective, objective_seconds=objective_seconds)
 
     if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
         return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)
@@ -110,11 +109,9 @@ def read_data(plan: RunPlan, dataset: str) -> tuple[CalibrationData, int]:
     """The calibration samples, tokenised as the run tokenises them, and the padding id."""
     opts = plan.options
     tokenizer = load_tokenizer(plan.checkpoint.root, opts.trust_remote_code)
-    data = load_calibration_data(
-        dataset, tokenizer, split=opts.split, text_column=opts.text_column,
-        num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
-        add_special_tokens=opts.add_special_tokens,
-    )
+    data = load_calibration_data(dataset, tokenizer, split=opts.split, text_column=opts.text_column,
+                                 num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
+                                 add_special_tokens=opts.add_special_tokens)
     return data, pad_id(tokenizer)
 
 
@@ -232,15 +229,13 @@ def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], atte
                 f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} error(s)); "
                 f"first: [{first.rule}] {first.message}",
                 hint="nothing was written; please report this as a kvcalib bug",
-                report=report,
-            )
+                report=report)
 
     notes = write_checkpoint(
         plan.checkpoint, plan.output,
         WritePlan(scales=scales, provenance=provenance, quantization_config=kv_only_quantization_config(
             plan.recipe.strategy, attention_classes)),
-        overwrite=plan.options.overwrite, check=check, inputs=plan.inputs,
-    )
+        overwrite=plan.options.overwrite, check=check, inputs=plan.inputs)
     return notes, validation
 
 
@@ -260,33 +255,19 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "scale_convention": "x = fp8 * scale; scale = range / fp8_max, rounded up so the chip never saturates "
                             "range; range = absmax, or with the attention objective the clip it chose "
                             "(layers[].k.range)",
-        "scale_objective": opts.scale_objective,
-        "headroom": opts.headroom,
-        "target": target.name,
+        "scale_objective": opts.scale_objective, "headroom": opts.headroom, "target": target.name,
         "fp8_max": target.fp8_max,
         # the numerics the scale objective scored every candidate on (a clip is chosen only if good on all)
         "scored_on": [chip.name for chip in scored_numerics(target, opts.strategy == ATTN_HEAD)]
         if opts.scale_objective == ATTENTION else [],
-        "scales_file": SCALES_FILENAME,
-        "model": str(model_dir),
-        "dtype": dtype_name,
-        "engine": opts.engine,
-        "dataset": data.source,
-        "split": data.split,
-        "column": data.column,
-        "seed": opts.seed,
-        "max_seq_len": opts.max_seq_len,
-        "longest_sample": data.longest,
-        "model_context": max_position_embeddings(config),
-        "num_samples": len(data.sequences),
-        "num_rows_selected": data.rows_selected,
-        "num_rows_empty": data.rows_empty,
+        "scales_file": SCALES_FILENAME, "model": str(model_dir), "dtype": dtype_name, "engine": opts.engine,
+        "dataset": data.source, "split": data.split, "column": data.column, "seed": opts.seed,
+        "max_seq_len": opts.max_seq_len, "longest_sample": data.longest,
+        "model_context": max_position_embeddings(config), "num_samples": len(data.sequences),
+        "num_rows_selected": data.rows_selected, "num_rows_empty": data.rows_empty,
         "special_tokens": data.special_tokens_rule,
         "special_tokens_added": list(data.special_tokens),  # e.g. [BOS]: what the plain-text rows start with
-        "num_tokens": data.num_tokens,
-        "observer": "static_minmax",
-        "strategy": opts.strategy,
-        "attention_scales": opts.attention_scales,
-        "layers": [layer.to_dict(keys=False) for layer in layers],
+        "num_tokens": data.num_tokens, "observer": "static_minmax", "strategy": opts.strategy,
+        "attention_scales": opts.attention_scales, "layers": [layer.to_dict(keys=False) for layer in layers],
         **opts.extra_provenance,
     }

@@ -117,8 +117,7 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
         num_samples=len(data.sequences), num_tokens=data.num_tokens, weight_bytes=needed, peak_memory_bytes=peak,
         memory_limit_bytes=limit.available if limit else None, memory_source=limit.source if limit else None,
         weights_linked=room.linkable, output_bytes=room.needed, free_bytes=room.free, scratch_bytes=scratch,
-        probe=probe, estimate=_estimate(probe, data.num_tokens, layers, room.needed, room.linkable),
-    )
+        probe=probe, estimate=_estimate(probe, data.num_tokens, layers, room.needed, room.linkable))
 
 
 def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback) -> dict[str, Any]:

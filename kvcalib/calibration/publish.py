@@ -128,8 +128,7 @@ def recover(output: Path) -> list[str]:
         if owner is not None and _alive(*owner):
             raise OutputExistsError(
                 f"another kvcalib (pid {owner[0]}) is writing {output} (its staging directory {root})",
-                hint="wait for it to finish, or stop it; two runs must not write one output",
-            )
+                hint="wait for it to finish, or stop it; two runs must not write one output")
         who = f"pid {owner[0]}" if owner else "a process killed as it began"
         if discard(Staging(root, output)):
             notes.append(f"restored the previous {output} from {root.name}, left by an interrupted run ({who})")

@@ -17,12 +17,7 @@ from typing import Any
 from kvcalib.core import fp8
 from kvcalib.core.errors import MissingDependencyError, RecipeError, UsageError
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import (
-    ATTN_HEAD,
-    NEURON_PER_HEAD_REASON,
-    TENSOR,
-    fp8_attention_groups,
-)
+from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, TENSOR, fp8_attention_groups
 
 __all__ = ["KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE", "LLMCOMPRESSOR_HINT",
            "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan", "STRATEGIES", "BUILTIN_RECIPES",
@@ -127,8 +122,7 @@ def load_recipe(path: str | Path) -> KvRecipe:
         raise RecipeError(
             f"{path}: no {KV_SCHEME_KEY} in the recipe",
             hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} (or an "
-            f"FP8-attention config group); {_SEE_SHIPPED}",
-        )
+            f"FP8-attention config group); {_SEE_SHIPPED}")
     parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
     schemes = {_canonical(scheme) for _, scheme in parsed}
     if len(schemes) > 1:
@@ -150,17 +144,14 @@ def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
         raise RecipeError(
             f"{where} has type {s['type']!r} ({s['num_bits']}-bit integer KV), which {target.name} cannot serve: "
             "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
-            hint=f"set type: float and num_bits: 8, as in {example}",
-        )
+            hint=f"set type: float and num_bits: 8, as in {example}")
     if s["num_bits"] != 8:
         raise RecipeError(f"{where} has num_bits {s['num_bits']}, which {target.name} cannot serve: "
                           "vLLM's KV cache is FP8 (num_bits 8)", hint=f"set num_bits: 8, as in {example}")
     if s["dynamic"] is not False:
-        raise RecipeError(
-            f"{where} has dynamic: {s['dynamic']!r}, which {target.name} cannot serve: vLLM reads static "
-            "per-layer KV scales from the checkpoint",
-            hint=f"set dynamic: false, as in {example}",
-        )
+        raise RecipeError(f"{where} has dynamic: {s['dynamic']!r}, which {target.name} cannot serve: vLLM reads static "
+                          "per-layer KV scales from the checkpoint",
+                          hint=f"set dynamic: false, as in {example}")
     if s["strategy"] == ATTN_HEAD and target.neuron:
         raise RecipeError(f"{where} has strategy attn_head (one scale per KV head), which {target.name} cannot "
                           f"serve: {NEURON_PER_HEAD_REASON}", hint=f"set strategy: tensor, as in {example}")
@@ -232,10 +223,8 @@ def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -
 def require_llmcompressor() -> None:
     """MissingDependencyError, with the install command, unless llm-compressor can be imported."""
     if importlib.util.find_spec("llmcompressor") is None:
-        raise MissingDependencyError(
-            f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
-            hint=LLMCOMPRESSOR_HINT,
-        )
+        raise MissingDependencyError(f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
+                                     hint=LLMCOMPRESSOR_HINT)
 
 
 def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:

@@ -25,10 +25,8 @@ def _check_finite(kind: str, per_layer: list[torch.Tensor], warnings: list[str])
     for i, heads in enumerate(per_layer):
         value = float(heads.max())  # NaN and inf propagate through max
         if not math.isfinite(value):
-            raise CalibrationError(
-                f"layer {i}: {kind} absmax is {value} (overflow in the calibration dtype)",
-                hint="calibrate with --dtype bfloat16 or --dtype float32",
-            )
+            raise CalibrationError(f"layer {i}: {kind} absmax is {value} (overflow in the calibration dtype)",
+                                   hint="calibrate with --dtype bfloat16 or --dtype float32")
         if value == 0.0:
             warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at "
                             f"{fp8.SCALE_FLOOR}")
@@ -39,8 +37,7 @@ def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
     if missing:
         raise CalibrationError(
             f"{model_dir}: decoder layer(s) {missing} {what} never observed during calibration",
-            hint="the model's attention does not go through transformers' attention interface for these layers",
-        )
+            hint="the model's attention does not go through transformers' attention interface for these layers")
 
 
 def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: float, target: fp8.Target) -> torch.Tensor:

@@ -157,8 +157,7 @@ class _Weights:
         return UnsupportedModelError(
             f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
             hint="the checkpoint does not hold every weight this model's config describes; calibrate it in "
-            "memory (without --stream-layers) to see transformers' own report",
-        )
+            "memory (without --stream-layers) to see transformers' own report")
 
     def check(self, prefix: str) -> None:
         """Every weight under `prefix` has a source in the checkpoint, and every tensor a place."""
@@ -166,8 +165,7 @@ class _Weights:
             raise UnsupportedModelError(
                 f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
                 f"the model ({', '.join(self.unexpected[:3])}{', ...' if len(self.unexpected) > 3 else ''})",
-                hint="use the config.json and the *.safetensors files of one and the same model",
-            )
+                hint="use the config.json and the *.safetensors files of one and the same model")
         for name in self._meta(prefix, None):
             if name not in self.sources:
                 raise self._missing(name)

@@ -21,15 +21,8 @@ from kvcalib.calibration.publish import discard, publish, recover, stage
 from kvcalib.core.checkpoint import Checkpoint, SafetensorsHeader, write_json
 from kvcalib.core.errors import CheckpointReadError, OutputExistsError, OutputWriteError
 from kvcalib.core.paths import overlapping
-from kvcalib.core.schema import (
-    CONFIG_FILENAME,
-    INDEX_FILENAME,
-    PROVENANCE_FILENAME,
-    PROVENANCE_METADATA_KEY,
-    SCALES_FILENAME,
-    SINGLE_WEIGHTS_FILENAME,
-    is_kv_scale_key,
-)
+from kvcalib.core.schema import (CONFIG_FILENAME, INDEX_FILENAME, PROVENANCE_FILENAME, PROVENANCE_METADATA_KEY,
+                                 SCALES_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key)
 
 __all__ = ["LINK_AT_BYTES", "SHARDED_SINGLE_FILENAME", "Room", "WritePlan", "bytes_needed", "check_output_path",
            "check_room", "measure_room", "copy_without_keys", "link_or_copy", "write_checkpoint"]
@@ -48,14 +41,12 @@ def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrit
         if os.path.lexists(path) and overlapping(output, path):
             raise OutputExistsError(
                 f"output {output} overlaps {what} {path}" + _resolved_note(output, path),
-                hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}",
-            )
+                hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}")
     if output.is_symlink():
         raise OutputExistsError(
             f"output {output} is a symbolic link (to {os.readlink(output)})",
             hint="pass a real directory path: the new checkpoint is renamed into place, which would replace "
-                 "the link itself",
-        )
+                 "the link itself")
     if os.path.lexists(output) and not output.is_dir():
         raise OutputExistsError(f"output {output} exists and is not a directory",
                                 hint="choose another path; --overwrite replaces only a directory")
@@ -71,8 +62,7 @@ def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrit
         raise OutputExistsError(
             f"output {output} exists and is not a checkpoint (no {CONFIG_FILENAME}): --overwrite replaces only "
             "an earlier checkpoint or an empty directory",
-            hint="choose a new path for the checkpoint; nothing in that directory was touched",
-        )
+            hint="choose a new path for the checkpoint; nothing in that directory was touched")
     return notes
 
 
@@ -112,8 +102,7 @@ def check_room(output: Path, source: Checkpoint) -> None:
             f"not enough space for {output}: the new files need {room.needed / 1e6:,.1f} MB, {room.where} has "
             f"{room.free / 1e6:,.1f} MB free" + copied,
             hint="free some space, or choose an output on a filesystem with room (on the model's own filesystem "
-                 "the weights are hard links and take no space)",
-        )
+                 "the weights are hard links and take no space)")
 
 
 def bytes_needed(source: Checkpoint, linkable: bool) -> int:
@@ -174,8 +163,7 @@ def _write_error(exc: OSError, output: Path, where: Path | None = None) -> Outpu
     where = exc.filename or where or output
     return OutputWriteError(
         f"cannot write {output}: {exc.strerror or exc} ({where}); nothing at {output} was changed",
-        hint=_ERRNO_HINTS.get(exc.errno or 0, "check the output directory: permissions, space, the filesystem"),
-    )
+        hint=_ERRNO_HINTS.get(exc.errno or 0, "check the output directory: permissions, space, the filesystem"))
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
