@@ -51,9 +51,8 @@ def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_
 def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: EngineInputs, ranks: Ranks,
                          finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any] | None = None
                          ) -> tuple[Observation, Any]:
-    """Run `engine` on this rank's share of the batches and combine every rank's observation; then
-    `finish(observation, gather)` (the scale objective) while the processes are still together, where
-    `gather(local_list)` returns every rank's lists concatenated in rank order."""
+    """Run `engine` on this rank's share and combine every rank's observation; then `finish(observation, gather)`
+    (the scale objective), where `gather(local_list)` returns every rank's lists concatenated in rank order."""
     share = batch_shares(inputs.data.sequences, inputs.options.batch_size, ranks.world_size, inputs.pad_id)[ranks.rank]
     local_inputs = dataclasses.replace(inputs, data=dataclasses.replace(inputs.data, sequences=share))
     with _process_group(ranks, inputs.device) as collective_device:
@@ -63,8 +62,10 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
             observation = engine(local_inputs)
         except Exception as exc:  # joins the status exchange below, then is raised again
             failure = exc
+        status = None if failure is None else (failure.message if isinstance(failure, KvcalibError)
+                                                else f"{type(failure).__name__}: {failure}")
         try:
-            statuses = _gather_statuses(failure, ranks.world_size)
+            statuses = _all_gather(status, ranks.world_size)
         except RuntimeError as exc:  # a peer vanished (killed, crashed) mid-exchange
             raise CalibrationError(f"rank {ranks.rank}: lost the other processes ({exc})",
                                    hint="see the first failing rank's output; torchrun names it") from failure
@@ -78,7 +79,11 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
                 "nothing was written",
                 hint="fix what the failing rank reports and run again")
         reduced = _reduce(observation, collective_device)
-        return reduced, finish(reduced, _gather_lists) if finish is not None else None
+
+        def gather(local: list[Any]) -> list[Any]:
+            return [item for part in _all_gather(local, ranks.world_size) for item in part]
+
+        return reduced, finish(reduced, gather) if finish is not None else None
 
 
 @contextmanager
@@ -101,28 +106,16 @@ def _process_group(ranks: Ranks, device: torch.device) -> Iterator[torch.device]
             dist.destroy_process_group()
 
 
-def _gather_statuses(failure: BaseException | None, world_size: int) -> list[str | None]:
+def _all_gather(obj: Any, world_size: int) -> list[Any]:
     import torch.distributed as dist
 
-    status = None
-    if failure is not None:
-        status = failure.message if isinstance(failure, KvcalibError) else f"{type(failure).__name__}: {failure}"
-    statuses: list[str | None] = [None] * world_size
-    dist.all_gather_object(statuses, status)
-    return statuses
-
-
-def _gather_lists(local: list[Any]) -> list[Any]:
-    import torch.distributed as dist
-
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
-    return [item for part in everyone for item in part]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def _reduce(local: Observation, device: torch.device) -> Observation:
-    """absmax per head: MAX (exact in float64: float32 values embed exactly); forward counts: SUM;
-    observe time: MAX. Every rank runs the same model, so the per-layer head counts agree."""
+    """absmax per head and observe time: MAX (exact in float64); forward counts: SUM."""
     import torch.distributed as dist
 
     groups = [*local.k_heads, *local.v_heads, *local.q_heads]

@@ -53,8 +53,7 @@ class EngineInputs:
 
 @dataclass(frozen=True)
 class Observation:
-    """What an engine measured: absmax of K and V per layer and per KV head over every calibration token
-    (and of Q per query head, when asked for), float32 on the CPU."""
+    """What an engine measured: absmax of K/V per layer and KV head (Q per query head, if asked), float32, CPU."""
 
     k_heads: tuple[torch.Tensor, ...]  # per layer: [kv_heads] (or [1] from an engine that sees only tensors)
     v_heads: tuple[torch.Tensor, ...]

@@ -50,8 +50,7 @@ def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: Calibr
 
 
 def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:
-    """The scale objective's samples alone, for an engine that cannot take them (llm-compressor's oneshot):
-    the model in memory once more, through the sampled sequences only."""
+    """The scale objective's samples alone (for llm-compressor's oneshot): the sampled sequences, run again."""
     hf_model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
                           attn_implementation=faithful_attention(inputs.config))
     layers = num_layers(hf_model)

@@ -139,21 +139,15 @@ class KindChoice:
                 "attention_error_on": dict(self.errors_on)}
 
 
-def _relative(error: float, norm: float) -> float:
-    return math.sqrt(error / norm) if norm > 0 else 0.0
-
-
 def _worst(errors: torch.Tensor) -> list[float]:
-    """[numerics, C, kv_heads] squared errors -> per candidate, the largest over numerics of its (exactly rounded)
-    sum over heads: the layer's error on the server where the candidate does worst."""
+    """[numerics, C, kv_heads] squared errors -> per candidate, the largest over numerics of its sum over heads."""
     return [max(math.fsum(row) for row in per) for per in errors.transpose(0, 1).tolist()]
 
 
 def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head: bool,
            numerics: Sequence[fp8.Target] = ()) -> KindChoice:
-    """The choice for one kind from its summed terms ([numerics, 4, C, kv_heads], the target's first; [4, C,
-    kv_heads] for the target alone) and the reference norms ([2, kv_heads]). Each candidate, absmax included, is
-    judged by its error on the server where it does worst: a scale is chosen for every server that applies it."""
+    """The choice for one kind from its summed terms ([numerics, 4, C, kv_heads], target first; or [4, C, kv_heads])
+    and the norms ([2, kv_heads]); each candidate judged by its error on the server where it does worst."""
     terms = terms[None] if terms.dim() == 3 else terms
     choosing, held, clipped, count = terms[:, 0], terms[:, 1], terms[0, 2], terms[0, 3]
     keeps = cands.keeps_range
@@ -165,7 +159,8 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
 
     def held_error(per_head_index: Sequence[int], n: int = 0) -> float:
         err = math.fsum(held[n, c, h].item() for h, c in enumerate(per_head_index))
-        return _relative(err, math.fsum(norms[1].tolist()))
+        norm = math.fsum(norms[1].tolist())
+        return math.sqrt(err / norm) if norm > 0 else 0.0
 
     heads = range(choosing.shape[2])
     labels = {cands.labels[c] for c in index}
@@ -263,8 +258,7 @@ WORTH_WARNING = 0.05
 
 def near_constant_channels(samples: Sequence[AttentionSample], kind: str, absmax: float,
                            limit: int = 6) -> tuple[int, list[tuple[int, float, float]]] | None:
-    """(head, [(channel, mean, std)]) of the head with the most near-constant outlier channels: |mean| at
-    least a quarter of the layer's absmax, std under 5 % of |mean|, over every sampled token. None: none."""
+    """(head, [(channel, mean, std)]) of the head with the most channels of |mean| >= absmax / 4, std < 5 % of it."""
     if not samples:
         return None
     x = torch.cat([(s.key if kind == "k" else s.value).float() for s in samples], dim=1)  # [Hkv, tokens, D]

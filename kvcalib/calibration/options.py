@@ -70,8 +70,7 @@ class CalibrateOptions(RunOptions):
 
 @dataclass(frozen=True)
 class KindScales:
-    """One layer's K, V or Q: what was observed and the scale written. With strategy attn_head, head_absmax and
-    head_scales hold every head's (KV heads for K/V, attention heads for Q); scale is their max (vLLM reports it)."""
+    """One layer's K, V or Q: observed and written; per head (attn_head) in head_*, `scale` their max."""
 
     absmax: float
     scale: float

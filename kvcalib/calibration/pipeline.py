@@ -128,9 +128,8 @@ def engine_inputs(plan: RunPlan, data: CalibrationData, pad: int, notify: Progre
 
 def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, Any], output: str | Path,
                     headroom: float = 1.0) -> list[str]:
-    """A warning when the calibration samples are far shorter (under half) than the context the model serves and no
-    headroom was asked for: K/V absmax grows with more text and later positions (SmolLM2-135M, 16 x 256 fortunes
-    against 8,192 tokens of the Python tutorial: K up to 1.18x, V 1.22x; --headroom 1.4142 leaves none clipped)."""
+    """A warning when the samples are under half the model's context and no headroom was asked for: K/V absmax grows
+    with longer text (SmolLM2-135M, 256 against 8,192 tokens: K up to 1.18x, V 1.22x)."""
     context = max_position_embeddings(config)
     longest = data.longest
     if context is None or 2 * longest >= context or headroom > 1.0:
@@ -142,8 +141,7 @@ def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, A
 
 
 def check_run(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions, *, dry: bool = False) -> RunPlan:
-    """The cheap checks, before any weight is loaded; the plan of the run. `dry` (calibrate --plan): leftovers of
-    interrupted runs are left as they are (only a real run restores or removes them)."""
+    """The cheap checks, before any weight is loaded; the plan of the run. `dry`: leave leftovers as they are."""
     opts.check_arguments()
     recipe = plan_recipe(opts.recipe, opts.target, opts.engine, opts.strategy)  # checked together
     target = resolve_target(recipe.target)

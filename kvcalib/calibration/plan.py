@@ -89,8 +89,7 @@ class CalibrationPlan:
 
 def plan_calibration(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions | None = None,
                      progress: ProgressCallback | None = None) -> CalibrationPlan:
-    """The plan of `calibrate(model, dataset, output, options)` (see the module docstring). Wrong arguments raise
-    UsageError as calibrate does; anything else that would stop the run is a refusal in the plan."""
+    """The plan of `calibrate(...)`: UsageError as calibrate raises it; whatever else stops the run, a refusal."""
     notify = progress or no_progress
     opts = options or CalibrateOptions()
     opts.check_arguments()
@@ -121,8 +120,7 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
 
 
 def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback) -> dict[str, Any]:
-    """Time the run's engine on its first PROBE_BATCHES batches (the stream engine: its first PROBE_LAYERS layers),
-    then the scale objective on what it observed."""
+    """Time the run's engine on PROBE_BATCHES batches (stream: PROBE_LAYERS layers), then the scale objective."""
     opts = plan.options
     rows = data.sequences[:opts.batch_size * PROBE_BATCHES]
     probe_data = replace(data, sequences=rows)
@@ -156,8 +154,7 @@ def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCall
 
 
 def _split(stamps: list[tuple[float, Progress]], started: float, ended: float, stream: bool) -> dict[str, float]:
-    """The probe's time by part, from its progress events: what is paid once (load), per layer (the stream
-    engine's layer loads) and per batch of compute."""
+    """The probe's time from its progress events: paid once (load), per layer (stream loads), per batch."""
     observe = [(t, e) for t, e in stamps if e.stage == "observe"]
     if not stream:  # native: "observe" 0 after the load, then one after each batch
         first = observe[0][0] if observe else ended
@@ -191,9 +188,8 @@ def _estimate(probe: dict[str, Any], tokens: int, layers: int, output_bytes: int
 
 
 def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, int]:
-    """(peak bytes, scratch bytes): the in-memory engine holds the weights (HEADROOM, its own rule); the stream
-    engine one layer, the rest of the model and every batch's hidden states (spilled to disk where they would
-    not fit: then one batch in memory and the rest on disk)."""
+    """(peak bytes, scratch bytes): in memory, the weights x HEADROOM; stream, a layer, the rest of the model and
+    every batch's hidden states (where they would not fit: one batch in memory, the rest on disk)."""
     if plan.options.engine != "stream":
         return int(weights * HEADROOM), 0
     hidden = int(text_config(plan.checkpoint.config).get("hidden_size") or 0)

@@ -10,6 +10,7 @@ kvcalib applies that target's FP8 max itself.
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,7 @@ class RecipePlan:
 
 
 def builtin_recipes() -> Path:
-    """The folder of the shipped recipes: kvcalib.recipes when installed (a wheel or an editable install),
-    else the source tree's recipes/ (kvcalib imported from a checkout without installing it)."""
+    """The shipped recipes: kvcalib.recipes when installed, else the source tree's recipes/."""
     spec = importlib.util.find_spec("kvcalib.recipes")  # a folder of YAML: a namespace package
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
@@ -96,8 +96,7 @@ def recipe_file(recipe: str | Path) -> Path:
 
 
 def load_recipe(path: str | Path) -> KvRecipe:
-    """Read the kv_cache_scheme (and kvcalib's target, if any) from an llm-compressor recipe: a file, or a shipped
-    recipe by name (`recipe_file`)."""
+    """The kv_cache_scheme (and kvcalib's target) of a recipe file or a shipped recipe by name (`recipe_file`)."""
     import yaml
 
     path = recipe_file(path)
@@ -124,7 +123,7 @@ def load_recipe(path: str | Path) -> KvRecipe:
             hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} (or an "
             f"FP8-attention config group); {_SEE_SHIPPED}")
     parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
-    schemes = {_canonical(scheme) for _, scheme in parsed}
+    schemes = {json.dumps(scheme, sort_keys=True) for _, scheme in parsed}
     if len(schemes) > 1:
         places = ", ".join(f"{location}.{field}" if field != KV_SCHEME_KEY else location
                            for location, field, _ in found)
@@ -301,9 +300,3 @@ def _describe(exc: Exception) -> str:
             parts.append(f"{loc}: {msg}" if loc else msg)
         return "; ".join(parts)
     return str(exc)
-
-
-def _canonical(scheme: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(scheme, sort_keys=True)

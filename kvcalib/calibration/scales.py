@@ -41,9 +41,8 @@ def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
 
 
 def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: float, target: fp8.Target) -> torch.Tensor:
-    """Each head's scale raised to cover headroom x its absmax, unless the scale clips that absmax (a deliberate clip
-    of the scale objective stays as chosen). FP8 is a floating-point grid: a wider scale keeps the relative
-    precision of every value in the normal range and only moves the smallest toward the subnormals."""
+    """Each head's scale raised to cover headroom x its absmax, unless it clips that absmax (the objective's clip
+    stays). A wider FP8 scale keeps the relative precision of normal values; only the smallest become subnormal."""
     if headroom == 1.0:
         return head_scales
     keeps = head_scales >= fp8.scale_from_absmax(heads, target)
@@ -53,9 +52,8 @@ def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: floa
 def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, strategy: str = "tensor",
                  queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None
                  = None, headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
-    """Per-layer scales for `target`, with per-head values when `strategy` is attn_head and Q's when `queries`:
-    absmax / fp8_max, or for K and V the scale objective's `choices` (kvcalib.calibration.objective.search); K and V
-    scales that clip nothing then cover `headroom` x absmax (with_headroom)."""
+    """Per-layer scales for `target` (per head with attn_head, Q's with `queries`): absmax / fp8_max, or for K/V
+    the objective's `choices` (objective.search); then with_headroom."""
     _unobserved(observation.observed, model_dir, "were")
     if queries:
         _unobserved(observation.q_observed, model_dir, "had their Q")

@@ -193,9 +193,8 @@ class _Weights:
                         if isinstance(tensor, torch.nn.Parameter) else moved)
 
     def _convert(self, names: list[str], quantized: bool) -> None:
-        """Read the checkpoint tensors `names` are made from and load them through transformers' conversion.
-        `quantized`: MXFP4 pairs, with from_pretrained's quantizer, which reads the blocks as stored (uint8), not
-        cast to the model's dtype (GPT-OSS-120B: +2 GiB at the peak otherwise)."""
+        """Load the checkpoint tensors `names` are made from through transformers' conversion; `quantized`: MXFP4
+        pairs with from_pretrained's quantizer, read as stored (uint8), not cast (GPT-OSS-120B: +2 GiB otherwise)."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 

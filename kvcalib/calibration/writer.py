@@ -77,8 +77,7 @@ class Room:
 
 
 def measure_room(output: Path, source: Checkpoint) -> Room:
-    """Writes and removes a probe file in OUT's parent (or its nearest existing ancestor), tries a hard link of a
-    weight file there (then the weights cost no space), and adds up what the new files need."""
+    """Probe OUT's nearest existing ancestor (a file written and removed, a hard link tried) and add up the need."""
     output = Path(output)
     ancestor = _existing_ancestor(output)
     try:
@@ -230,10 +229,7 @@ def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *
                      check: Callable[[Path], None] | None = None,
                      inputs: Sequence[tuple[str, Path]] = ()) -> list[str]:
     """Write source files + scales + index + config in a staging sibling, run `check` on it, publish atomically.
-
-    Weight files are hard-linked or copied (SHARDED_SINGLE_FILENAME); a shard holding earlier KV scales is rewritten
-    without them. A failure leaves OUT as it was; an OSError becomes an OutputWriteError. Returns notes for the user.
-    """
+    A shard holding earlier KV scales is rewritten without them; a failure leaves OUT as it was. Returns notes."""
     source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     output = Path(os.path.abspath(output))
     notes = check_output_path(output, [("the model checkpoint", source.root), *inputs], overwrite)
@@ -248,7 +244,9 @@ def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *
     except BaseException as exc:
         if staging is not None:
             discard(staging)
-        _remove_empty(created)
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
         if isinstance(exc, OSError):
             raise _write_error(exc, output) from None
         raise
@@ -279,12 +277,6 @@ def _make_parents(output: Path) -> list[Path]:
     for path in reversed(missing):
         path.mkdir()
     return missing
-
-
-def _remove_empty(dirs: list[Path]) -> None:
-    for path in dirs:
-        with contextlib.suppress(OSError):
-            path.rmdir()
 
 
 def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
