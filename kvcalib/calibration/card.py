@@ -1,7 +1,5 @@
-"""The model card calibrate writes: the input's README.md kept, plus a section kvcalib owns between two markers,
-replaced (never appended to) on recalibration: what the scales are sized for and measured on, the per-layer table,
-validate's verdict, serve-check's vLLM commands and results. Front matter (`base_model`, `tags`) through
-huggingface_hub's ModelCard.
+"""The model card calibrate writes: the input's README.md plus kvcalib's section between two markers (replaced on
+recalibration): what the scales are for, the per-layer table, validate's verdict, serve-check's commands/results.
 """
 
 from __future__ import annotations
@@ -35,10 +33,7 @@ SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 
 
 def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
     """device -> the vLLM command serve-check runs for `checkpoint`; `mxfp4`: GPT-OSS with MXFP4 experts."""
-    return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), SERVE_DEFAULTS["port"], fp8=True,
-                                           device=device, tp=SERVE_DEFAULTS["tp"],
-                                           max_model_len=SERVE_DEFAULTS["max_model_len"],
-                                           max_num_seqs=SERVE_DEFAULTS["max_num_seqs"],
+    return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), fp8=True, device=device, **SERVE_DEFAULTS,
                                            neuron_quantization=neuron_quantization(device) if mxfp4 else None))
             for device in (*(name for name, chip in fp8.TARGETS.items() if chip.neuron), "cuda")}
 

@@ -1,6 +1,4 @@
-"""The engine contract: what an observation engine gets (EngineInputs) and returns (Observation).
-Engines (native, stream, llmcompressor) import this module and nothing above it; pipeline.ENGINES names them.
-"""
+"""The engine contract: what an observation engine gets (EngineInputs) and returns (Observation)."""
 
 from __future__ import annotations
 

@@ -88,11 +88,9 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
 def sample_terms(sample: AttentionSample, grids: Sequence[tuple[Candidates, Candidates]],
                  numerics: Sequence[fp8.Target], subset: tuple[list[int], list[int]] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sample's additive terms on each numerics (`grids`: the K and the V candidates as it applies them,
-    Candidates.on): float64 [numerics, 2 kinds, 4, C, kv_heads] (per kind: the squared attention-output error on the
-    choosing rows, on the held-out rows, the K/V elements each candidate saturates, the elements), and [2, kv_heads]
-    (the unquantised output's squared norm on the choosing and the held-out rows). `subset`: the K and the V
-    candidates to score (the others' errors and saturated counts are 0); None: all."""
+    """One sample's terms per numerics (`grids`: K and V candidates, Candidates.on): float64 [numerics, 2, 4, C,
+    kv_heads] (squared output error on choosing / held-out rows, elements saturated, elements) and [2, kv_heads]
+    (the output's squared norm per half). `subset`: the K and V candidates to score (others 0); None: all."""
     output, probabilities = attention_rows(sample)
     held = sample.held_out.repeat(output.shape[1] // sample.query.shape[1])  # the same rows in every group
     halves = torch.stack([~held, held], dim=1).double()
@@ -199,11 +197,8 @@ def scored_numerics(target: fp8.Target, per_head: bool) -> tuple[fp8.Target, ...
 def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch.Tensor],
            v_heads: Sequence[torch.Tensor], target: fp8.Target, per_head: bool,
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
-    """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`, twice a layer).
-
-    absmax and 1.0 are scored on every sample first: absmax's error is the bar (GAIN, WIDER_GAIN) the others must
-    get under. The others are scored sample by sample until their error so far reaches the bar (errors only grow),
-    so the choice and what it reports are those of scoring everything."""
+    """Per layer: the K and V choices and candidates, from every rank's samples (`gather`, twice a layer). absmax
+    and 1.0 are scored first (absmax's error is the bar); the others until their error so far reaches it."""
     numerics = scored_numerics(target, per_head)
     chosen = []
     for i, layer in enumerate(samples):

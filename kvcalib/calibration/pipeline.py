@@ -219,15 +219,13 @@ def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], atte
         report = validate_checkpoint(tmp_dir, plan.target.name)
         validation.update(report.to_dict())
         validation["checkpoint"] = str(plan.output)
-        if report.ok:  # the card says what validate said, and is published with the rest
-            write_card(tmp_dir, summarize(validation), base_model=_base_model(config))
         if not report.ok:
             first = report.errors[0]
             raise ValidationFailedError(
                 f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} error(s)); "
                 f"first: [{first.rule}] {first.message}",
-                hint="nothing was written; please report this as a kvcalib bug",
-                report=report)
+                hint="nothing was written; please report this as a kvcalib bug", report=report)
+        write_card(tmp_dir, summarize(validation), base_model=_base_model(config))  # validate's verdict, published too
 
     notes = write_checkpoint(
         plan.checkpoint, plan.output,

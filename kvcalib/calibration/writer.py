@@ -127,11 +127,10 @@ def _can_link(source: Checkpoint, probe: Path) -> bool:
     if not names:
         return True
     probe.unlink(missing_ok=True)
-    try:
+    with contextlib.suppress(OSError):
         os.link(source.root / names[0], probe)
-    except OSError:
-        return False
-    return True
+        return True
+    return False
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -212,9 +211,7 @@ class WritePlan:
 
 
 @dataclass
-class _Index:
-    """The new index's weight_map and sizes, built up as files are written."""
-
+class _Index:  # the new index's weight_map and sizes, built up as files are written
     weight_map: dict[str, str] = field(default_factory=dict)
     total_size: int = 0
     total_params: int = 0
