@@ -1,7 +1,7 @@
 """The `kvcalib` command line: a thin Typer shell over the library.
 
-The only package that imports typer or rich (kvcalib.cli.common holds what every command shares). Each command parses its arguments, calls one
-library function and renders the result: `--json` prints the result's `to_dict()` on
+The only package that imports typer or rich (kvcalib.cli.common holds what every command shares). Each command
+parses its arguments, calls one library function and renders the result: `--json` prints the result's `to_dict()` on
 stdout, everything for humans goes to stderr. `KvcalibError` is the one error boundary.
 """
 
@@ -147,7 +147,8 @@ def _engine(engine: str, stream_layers: bool) -> str:
 @app.command()
 def validate(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory to check.")],
-    target: Annotated[Literal[tuple(TARGETS)], typer.Option("--target", "-t", help="The chip it is for.")] = DEFAULT_TARGET,
+    target: Annotated[Literal[tuple(TARGETS)],
+                      typer.Option("--target", "-t", help="The chip it is for.")] = DEFAULT_TARGET,
     strict: Annotated[bool, typer.Option("--strict", help="Count warnings as errors.")] = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
@@ -255,7 +256,8 @@ def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, values:
         if dataset is not None or tasks is None:
             raise UsageError("eval needs --dataset (held-out text) or --tasks (lm-eval tasks), not both"
                              if dataset is not None else "eval needs --dataset DATA or --tasks TASK[,TASK]",
-                             hint="e.g. kvcalib eval CKPT --dataset held-out.jsonl, or --tasks lambada_openai --limit 200")
+                             hint="e.g. kvcalib eval CKPT --dataset held-out.jsonl, or --tasks lambada_openai "
+                                  "--limit 200")
         # --seed shuffles --dataset's rows; lm-eval seeds its own few-shot sampling (TaskOptions.seed)
         options = task_options([t.strip() for t in tasks.split(",") if t.strip()],
                                **split_options(TaskOptions, {k: v for k, v in values.items() if k != "seed"}))

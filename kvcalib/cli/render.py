@@ -19,8 +19,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-__all__ = ["PLAIN_INTERVAL_S", "plain_progress", "progress_bar", "render_calibration", "render_eval", "render_report", "render_serve_check", "render_variants",
-           "serve_status"]
+__all__ = ["PLAIN_INTERVAL_S", "plain_progress", "progress_bar", "render_calibration", "render_eval", "render_report",
+           "render_serve_check", "render_variants", "serve_status"]
 
 
 @contextmanager
@@ -112,7 +112,8 @@ def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
         else f"the attention objective (FP8 max {result.fp8_max:g})"
     table = Table(title=f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
                   + (" (each layer's largest head; every head's in --json)" if per_head else ""))
-    for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale", *(("q absmax", "q_scale") if queries else ())):
+    for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale",
+                   *(("q absmax", "q_scale") if queries else ())):
         table.add_column(column, justify="right")
     for layer in result.layers:
         k, v, q = layer.k, layer.v, (layer.q.absmax, layer.q.scale) if queries else ()
@@ -150,9 +151,11 @@ def render_plan(console: Console, plan: Any) -> None:
     est, probe = plan.estimate, plan.probe
     rows = [
         ("target", plan.target), ("engine", plan.engine + (f" ({plan.engine_reason})" if plan.engine_reason else "")),
-        ("compute", plan.compute), ("samples", f"{plan.num_samples:,} ({plan.num_tokens:,} tokens), {plan.num_layers} layers"),
+        ("compute", plan.compute),
+        ("samples", f"{plan.num_samples:,} ({plan.num_tokens:,} tokens), {plan.num_layers} layers"),
         ("peak memory", f"~{_size(plan.peak_memory_bytes)} (weights {_size(plan.weight_bytes)}; available "
-                        + (f"{_size(plan.memory_limit_bytes)}, {plan.memory_source})" if plan.memory_limit_bytes else "unknown)")),
+                        + (f"{_size(plan.memory_limit_bytes)}, {plan.memory_source})" if plan.memory_limit_bytes
+                           else "unknown)")),
         ("output", f"{_size(plan.output_bytes)} new, weights {'hard-linked' if plan.weights_linked else 'copied'}; "
                    f"{_size(plan.free_bytes)} free"),
         ("scratch", _size(plan.scratch_bytes) if plan.scratch_bytes else "none"),
@@ -200,14 +203,15 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
                    "K SQNR", "V SQNR", "Q SQNR"):
         table.add_column(column, justify="left" if column in ("scales", "kind") else "right", overflow="fold")
     for run in result.runs:
-        q = [l.q_sqnr_db for l in run.layers if l.q_sqnr_db is not None]
+        q = [layer.q_sqnr_db for layer in run.layers if layer.q_sqnr_db is not None]
         table.add_row(run.name, run.kind, f"{run.delta_nll:+.4f}", f"{run.kl:.5f}", f"{run.top1:.2%}",
                       f"{run.k_clipped:.2%}", f"{run.v_clipped:.2%}",
-                      _worst([(l.attention_error, l.layer) for l in run.layers if l.attention_error is not None],
-                             "{:.3f}"),
-                      _worst([(l.kl_alone, l.layer) for l in run.layers if l.kl_alone is not None], "{:.5f}"),
-                      f"{min(l.k_sqnr_db for l in run.layers):.1f}",
-                      f"{min(l.v_sqnr_db for l in run.layers):.1f}", f"{min(q):.1f}" if q else "-")
+                      _worst([(layer.attention_error, layer.layer) for layer in run.layers
+                              if layer.attention_error is not None], "{:.3f}"),
+                      _worst([(layer.kl_alone, layer.layer) for layer in run.layers if layer.kl_alone is not None],
+                             "{:.5f}"),
+                      f"{min(layer.k_sqnr_db for layer in run.layers):.1f}",
+                      f"{min(layer.v_sqnr_db for layer in run.layers):.1f}", f"{min(q):.1f}" if q else "-")
     console.print(table)
     for run in result.runs:
         nll, accuracy = run.intervals
@@ -243,7 +247,8 @@ def render_context(console: Console, result: Any) -> None:
         spread = "" if row.interval is None else f" [{row.interval.low:+.4f}, {row.interval.high:+.4f}]"
         beyond = [row.beyond(kind) for kind in ("k", "v")]
         delta = "-" if row.delta_nll is None else f"{row.delta_nll:+.4f}{spread}"
-        table.add_row(f"{row.length:,}", escape(row.name), str(row.samples), f"{row.baseline_nll:.4f}", delta, f"{row.k_clipped:.3%}", f"{row.v_clipped:.3%}",
+        table.add_row(f"{row.length:,}", escape(row.name), str(row.samples), f"{row.baseline_nll:.4f}", delta,
+                      f"{row.k_clipped:.3%}", f"{row.v_clipped:.3%}",
                       *(f"{ratio:.2f} (L{layer})" for ratio, layer in beyond))
     console.print(table)
     console.print("ΔNLL on the last quarter of each sample's positions; interval: paired bootstrap over 64-token "
@@ -282,7 +287,8 @@ def render_tasks(console: Console, result: Any) -> None:
     for row in result.rows:
         for name, score in row.scores.items():
             interval = row.intervals.get(name)
-            spread = "-" if interval is None else f"{interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]"
+            spread = ("-" if interval is None
+                      else f"{interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]")
             table.add_row(row.task, f"{row.metric} ({row.filter})", str(row.items), f"{row.baseline:.4f}", name,
                           f"{score:.4f}", spread, escape(row.verdict(name, cell=True)))
     console.print(table)
@@ -295,13 +301,14 @@ def _render_layers(console: Console, run: Any, layer_rows: int) -> None:
     """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping."""
     table = Table(title=escape(f"{run.name}: per layer" + (f" (alone: that layer quantised, the others not, on "
                                                            f"{layer_rows} row(s))" if layer_rows else "")))
-    for column in ("layer", "attn err", "ΔNLL alone", "KL alone", "K SQNR", "V SQNR", "K clip", "V clip", "K clips above",
-                   "K absmax"):
+    for column in ("layer", "attn err", "ΔNLL alone", "KL alone", "K SQNR", "V SQNR", "K clip", "V clip",
+                   "K clips above", "K absmax"):
         table.add_column(column, justify="right")
-    for l in run.layers:
-        table.add_row(str(l.layer), _num(l.attention_error, ".3f"), _num(l.delta_nll_alone, "+.4f"),
-                      _num(l.kl_alone, ".5f"), f"{l.k_sqnr_db:.1f}", f"{l.v_sqnr_db:.1f}", f"{l.k_clipped:.2%}",
-                      f"{l.v_clipped:.2%}", f"{l.k_clip_at:.4g}", f"{l.k_absmax:.4g}")
+    for layer in run.layers:
+        table.add_row(str(layer.layer), _num(layer.attention_error, ".3f"), _num(layer.delta_nll_alone, "+.4f"),
+                      _num(layer.kl_alone, ".5f"), f"{layer.k_sqnr_db:.1f}", f"{layer.v_sqnr_db:.1f}",
+                      f"{layer.k_clipped:.2%}", f"{layer.v_clipped:.2%}", f"{layer.k_clip_at:.4g}",
+                      f"{layer.k_absmax:.4g}")
     console.print(table)
 
 
@@ -357,7 +364,8 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
                       "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
                       agreement + _problem(p))
     console.print(table)
-    nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None else f", baseline {result.nll_baseline:.3f}")
+    nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None
+                                              else f", baseline {result.nll_baseline:.3f}")
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
     baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
     console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
@@ -375,8 +383,8 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
 def render_served_tasks(console: Console, rows: Any) -> None:
     """serve-check --tasks: served baseline and FP8 scores with the paired interval, and kvcalib's prediction."""
     table = Table(title="lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib")
-    for column in ("task", "metric", "items", "served baseline", "served FP8", "served difference", "predicted baseline",
-                   "predicted FP8", "predicted difference"):
+    for column in ("task", "metric", "items", "served baseline", "served FP8", "served difference",
+                   "predicted baseline", "predicted FP8", "predicted difference"):
         table.add_column(column, justify="left" if column in ("task", "metric") else "right", overflow="fold")
 
     def diff(part: Any) -> str:

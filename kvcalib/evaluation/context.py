@@ -38,8 +38,8 @@ from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
 from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
 
-__all__ = ["BLOCK", "ContextResult", "ContextRow", "LongContext", "check_lengths", "evaluate_context", "forward_bytes", "pack", "parse_lengths",
-           "prepare_long_context", "scored_positions"]
+__all__ = ["BLOCK", "ContextResult", "ContextRow", "LongContext", "check_lengths", "evaluate_context", "forward_bytes",
+           "pack", "parse_lengths", "prepare_long_context", "scored_positions"]
 
 BLOCK = 64  # scored positions per bootstrap unit
 MIN_LENGTH = 8  # the last quarter must hold at least two predictions
@@ -61,16 +61,16 @@ class ContextRow:
 
     @property
     def k_clipped(self) -> float:
-        return max((l.k_clipped for l in self.layers), default=0.0)
+        return max((layer.k_clipped for layer in self.layers), default=0.0)
 
     @property
     def v_clipped(self) -> float:
-        return max((l.v_clipped for l in self.layers), default=0.0)
+        return max((layer.v_clipped for layer in self.layers), default=0.0)
 
     def beyond(self, kind: str) -> tuple[float, int]:
         """(largest absmax / clip threshold over layers, that layer) for kind "k" or "v"."""
-        ratios = [(getattr(l, f"{kind}_absmax") / getattr(l, f"{kind}_clip_at"), l.layer) for l in self.layers
-                  if getattr(l, f"{kind}_clip_at") > 0]
+        ratios = [(getattr(layer, f"{kind}_absmax") / getattr(layer, f"{kind}_clip_at"), layer.layer)
+                  for layer in self.layers if getattr(layer, f"{kind}_clip_at") > 0]
         return max(ratios, default=(0.0, -1))
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,7 +79,7 @@ class ContextRow:
                 "delta_nll_interval": None if self.interval is None else self.interval.to_dict(),
                 "k_clipped_max": self.k_clipped, "v_clipped_max": self.v_clipped,
                 "k_beyond": self.beyond("k")[0], "v_beyond": self.beyond("v")[0],
-                "layers": [l.to_dict() for l in self.layers]}
+                "layers": [layer.to_dict() for layer in self.layers]}
 
 
 @dataclass(frozen=True)

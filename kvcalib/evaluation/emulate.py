@@ -187,7 +187,8 @@ class KVErrorMeter:
         stats = []
         for i in range(self.num_layers):
             (ks, kn, kc, kcount), (vs, vn, vc, vcount), (qs, qn, qc, qcount) = sums[i].tolist()
-            q = {"q_sqnr_db": fp8.sqnr_db(qs, qn), "q_clipped": qc / max(qcount, 1.0)} if quantizer.fp8_attention else {}
+            q = ({"q_sqnr_db": fp8.sqnr_db(qs, qn), "q_clipped": qc / max(qcount, 1.0)}
+                 if quantizer.fp8_attention else {})
             stats.append(LayerQuantStats(
                 layer=i, k_sqnr_db=fp8.sqnr_db(ks, kn), v_sqnr_db=fp8.sqnr_db(vs, vn),
                 k_clipped=kc / max(kcount, 1.0), v_clipped=vc / max(vcount, 1.0),

@@ -42,7 +42,8 @@ class OneLayer:
         self.quantizer = quantizer
         self.layer = layer
 
-    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def observe(self, layer_idx: Any, key: torch.Tensor,
+                value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.quantizer.observe(layer_idx, key, value) if layer_idx == self.layer else None
 
 

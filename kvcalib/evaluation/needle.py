@@ -157,10 +157,12 @@ def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length:
             if body < MIN_HAYSTACK:
                 raise UsageError(f"--context {length} --needle: too short for the needle and the question "
                                  f"({len(prefix) + len(needle) + len(question)} tokens) and a haystack",
-                                 hint=f"pass lengths of {len(prefix) + len(needle) + len(question) + MIN_HAYSTACK} or more")
+                                 hint=f"pass lengths of {len(prefix) + len(needle) + len(question) + MIN_HAYSTACK} "
+                                      "or more")
             if len(stream) < body:
                 raise DatasetError(f"{len(stream)} tokens of held-out text, too few for one haystack of {body} "
-                                   f"(--context {length} --needle)", hint="pass a longer held-out text, or shorter lengths")
+                                   f"(--context {length} --needle)",
+                                   hint="pass a longer held-out text, or shorter lengths")
             start = rng.randint(0, len(stream) - body)
             at = insertion_point(stream, start, round(depth * body), breaks)
             hay = stream[start:start + body]
@@ -193,8 +195,10 @@ def answer(model: torch.nn.Module, ids: list[int], quantizers: dict[str, Any], r
     the order of prefill and decode)."""
     config = model.config
     if reads_fp8:
-        runs = {BASELINE: QuantizingCache(config, None), **{n: QuantizingCache(config, q) for n, q in quantizers.items()}}
-        return {name: _greedy(model, cache, _prefill(model, ids, cache, device), device) for name, cache in runs.items()}
+        runs = {BASELINE: QuantizingCache(config, None),
+                **{n: QuantizingCache(config, q) for n, q in quantizers.items()}}
+        return {name: _greedy(model, cache, _prefill(model, ids, cache, device), device)
+                for name, cache in runs.items()}
     children = {name: QuantizingCache(config, q) for name, q in quantizers.items()}
     fan = FanOutCache(config, list(children.values()))
     logits = _prefill(model, ids, fan, device)

@@ -88,11 +88,11 @@ class RunResult:
 
     @property
     def k_clipped(self) -> float:
-        return _mean(l.k_clipped for l in self.layers)
+        return _mean(layer.k_clipped for layer in self.layers)
 
     @property
     def v_clipped(self) -> float:
-        return _mean(l.v_clipped for l in self.layers)
+        return _mean(layer.v_clipped for layer in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
         nll, accuracy = self.intervals
@@ -100,7 +100,7 @@ class RunResult:
                 "kl": self.kl, "top1": self.top1, "accuracy": self.accuracy,
                 "delta_nll_interval": None if nll is None else nll.to_dict(),
                 "delta_accuracy_interval": None if accuracy is None else accuracy.to_dict(),
-                "layers": [l.to_dict() for l in self.layers]}
+                "layers": [layer.to_dict() for layer in self.layers]}
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,8 @@ class EvalResult:
         return {
             "checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "compute": self.compute,
             "num_samples": self.num_samples, "num_tokens": self.num_tokens,
-            "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll), "accuracy": self.baseline_accuracy},
+            "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll),
+                         "accuracy": self.baseline_accuracy},
             "runs": [r.to_dict() for r in self.runs], "seconds": round(self.seconds, 3), "plot": self.plot,
             "layer_rows": self.layer_rows,
         }

@@ -80,21 +80,25 @@ def plot_eval(result: Any, path: Path) -> Path:
 
     fig, axes = plt.subplots(4, 2, figsize=(12, 14))
     first = result.runs[0]
-    layers = [l.layer for l in first.layers]
+    layers = [layer.layer for layer in first.layers]
     for col, kind in enumerate(("k", "v")):
         ax = axes[0][col]
-        ax.plot(layers, [getattr(l, f"{kind}_absmax") for l in first.layers], "k-", lw=2, label=f"{kind.upper()} absmax")
+        ax.plot(layers, [getattr(layer, f"{kind}_absmax") for layer in first.layers], "k-", lw=2,
+                label=f"{kind.upper()} absmax")
         for run in result.runs:
-            ax.plot(layers, [getattr(l, f"{kind}_clip_at") for l in run.layers], "--", label=f"clips above ({_label(run.name)})")
+            ax.plot(layers, [getattr(layer, f"{kind}_clip_at") for layer in run.layers], "--",
+                    label=f"clips above ({_label(run.name)})")
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"{kind.upper()}: absmax on the eval text vs where each configuration saturates")
         ax.legend(fontsize=7)
-        for row, (metric, title) in enumerate(((f"{kind}_sqnr_db", "SQNR (dB)"), (f"{kind}_clipped", "fraction clipped")), start=1):
+        for row, (metric, title) in enumerate(((f"{kind}_sqnr_db", "SQNR (dB)"),
+                                               (f"{kind}_clipped", "fraction clipped")), start=1):
             ax = axes[row][col]
             for run in result.runs:
-                values = [getattr(l, metric) for l in run.layers]
-                ax.plot(layers, [v if math.isfinite(v) else float("nan") for v in values], "o-", ms=3, label=_label(run.name))
+                values = [getattr(layer, metric) for layer in run.layers]
+                ax.plot(layers, [v if math.isfinite(v) else float("nan") for v in values], "o-", ms=3,
+                        label=_label(run.name))
             ax.set_title(f"{kind.upper()} {title}")
             ax.legend(fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -129,8 +133,8 @@ def _query_and_summary(result: Any, axes: Any, layers: list[int]) -> None:
     ax = axes[0]
     for run in result.runs:
         if run.layers and run.layers[0].q_sqnr_db is not None:
-            ax.plot(layers, [l.q_sqnr_db if math.isfinite(l.q_sqnr_db) else float("nan") for l in run.layers], "o-",
-                    ms=3, label=_label(run.name))
+            ax.plot(layers, [layer.q_sqnr_db if math.isfinite(layer.q_sqnr_db) else float("nan")
+                             for layer in run.layers], "o-", ms=3, label=_label(run.name))
     ax.set_title("Q SQNR (dB), FP8 attention" if ax.lines else "Q: no FP8-attention run (eval --fp8-attention)")
     ax.set_xlabel("layer")
     if ax.lines:

@@ -106,8 +106,8 @@ def task_manager(options: TaskOptions) -> Any:
         if task not in known:
             close = difflib.get_close_matches(task, sorted(known), n=5, cutoff=0.6)
             raise UsageError(f"unknown task {task!r}" + (f"; close names: {', '.join(close)}" if close else ""),
-                             hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path DIR "
-                                  "with its YAML")
+                             hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path "
+                                  "DIR with its YAML")
     return manager
 
 
@@ -141,14 +141,16 @@ def check_data(manager: Any, options: TaskOptions) -> None:
         hub = _hub_dataset(manager, task)
         if hub is not None and not _offline_mode() and not _hub_reachable():
             raise UsageError(f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
-                             hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` and "
-                                  "pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1")
+                             hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` "
+                                  "and pass --task-data DIR; copies in the Hugging Face cache: "
+                                  "set HF_DATASETS_OFFLINE=1")
         try:
             loaded = manager.load([task])["tasks"]  # {name: Task}, every leaf of a group
         except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
             raise UsageError(f"task {task}: its data could not be read ({type(exc).__name__}: {str(exc)[:300]})",
-                             hint="offline: lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py "
-                                  "DIR` and pass --task-data DIR, or give your own task YAML with --include-path") from None
+                             hint="offline: lay out lm-eval's tasks with local data by `python "
+                                  "scripts/prepare_tasks.py DIR` and pass --task-data DIR, or give your own task YAML "
+                                  "with --include-path") from None
         if options.num_fewshot:
             for name, task_obj in loaded.items():
                 pool = _fewshot_pool(task_obj)
@@ -256,7 +258,8 @@ def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, 
             rows.append(TaskRow(task=task, metric=metric, filter=filter_name, items=len(docs),
                                 higher_is_better=higher_is_better, baseline=baseline,
                                 scores=scores, intervals=intervals,
-                                no_interval_reason="" if mean else f"aggregated by {aggregation}, not a mean over items"))
+                                no_interval_reason="" if mean
+                                else f"aggregated by {aggregation}, not a mean over items"))
     return rows
 
 
