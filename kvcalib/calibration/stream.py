@@ -64,7 +64,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
         for b, (ids, mask) in enumerate(batch_list):
             hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
             states.put(b, hidden)
-        progress = _LayerProgress(inputs, batch_list, n_layers)
+        sizes = [(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]
         for i, layer in enumerate(layers[:inputs.probe_layers]):
             weights.load(f"{prefix}{layers_name}.{i}.")
             for b, (ids, mask) in enumerate(batch_list):
@@ -78,7 +78,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
                     pass
                 finally:
                     observer.end_batch()
-                progress.step(i, b)
+                inputs.notify(_progress(sizes, n_layers, i, b))
             layer.to("meta")  # frees the layer's weights
             release_free_memory()  # and the forward's freed activations, before the next layer loads
     return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
@@ -265,22 +265,11 @@ def _spill_needed(decoder: torch.nn.Module, layers: torch.nn.ModuleList,
     return hidden_bytes > HIDDEN_STATES_MEMORY_SHARE * left
 
 
-class _LayerProgress:
-    """Progress over layers x batches, reported as samples/tokens through the whole model."""
-
-    def __init__(self, inputs: EngineInputs, batch_list: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int):
-        self.notify, self.num_layers = inputs.notify, num_layers
-        self.samples = [int(ids.shape[0]) for ids, _m in batch_list]
-        self.tokens = [int(mask.sum()) for _i, mask in batch_list]
-        self.total_samples, self.total_tokens = sum(self.samples), sum(self.tokens)
-        self.done_samples = self.done_tokens = 0
-
-    def step(self, layer: int, b: int) -> None:
-        self.done_samples += self.samples[b]
-        self.done_tokens += self.tokens[b]
-        self.notify(Progress("observe", self.done_samples // self.num_layers, self.total_samples,
-                             self.done_tokens // self.num_layers, self.total_tokens,
-                             layer=layer, num_layers=self.num_layers))
+def _progress(sizes: list[tuple[int, int]], num_layers: int, layer: int, b: int) -> Progress:
+    """After batch `b` of `layer`: (samples, tokens) per batch in `sizes`, reported as through the whole model."""
+    total = [sum(size[k] for size in sizes) for k in (0, 1)]
+    done = [(layer * total[k] + sum(size[k] for size in sizes[:b + 1])) // num_layers for k in (0, 1)]
+    return Progress("observe", done[0], total[0], done[1], total[1], layer=layer, num_layers=num_layers)
 
 
 def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) -> tuple[str, torch.nn.ModuleList]:
