@@ -1,10 +1,8 @@
 """Data-parallel calibration over torch.distributed (`torchrun --nproc-per-node N -m kvcalib calibrate ...`).
 
-Every rank builds the single process's batches and gets whole ones, about equal in padded tokens. After its engine,
-one all_gather of a status (did it fail, and why) and two all_reduces (absmax: MAX, forward counts: SUM) combine
-the results, so the scales equal one process's bit for bit; the objective's terms are gathered and summed exactly
-(math.fsum). Only rank 0 writes. A rank whose engine raises still joins the status exchange, then every rank raises;
-a rank that dies is torchrun's to handle; COLLECTIVE_TIMEOUT bounds any other wait.
+Ranks get whole batches of the single process's batching; one all_gather of a status and two all_reduces (absmax:
+MAX, counts: SUM) make the scales one process's bit for bit, and the objective's terms are summed exactly. Only
+rank 0 writes; a failing rank still joins the status exchange, then all raise; COLLECTIVE_TIMEOUT bounds waits.
 """
 
 from __future__ import annotations

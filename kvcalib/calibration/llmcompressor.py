@@ -1,9 +1,7 @@
 """`--engine llmcompressor` (`pip install kvcalib[llmcompressor]`): llm-compressor's oneshot observes K/V.
 
-oneshot runs a KV-only `QuantizationModifier` with the recipe's kv_cache_scheme (kvcalib's static_minmax without
-`--recipe`) on kvcalib's sequences, one per batch (its collator cuts a batch to the shortest). It leaves
-`k_scale`/`v_scale` sized for compressed-tensors' FP8 max (448); this engine turns them back into absmax
-(scale x that max) and calibrate writes the checkpoint as for the native engine.
+oneshot runs a KV-only `QuantizationModifier` (the recipe's kv_cache_scheme) on kvcalib's sequences, one per batch;
+its `k_scale`/`v_scale`, sized for compressed-tensors' FP8 max (448), are turned back into absmax for calibrate.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""`calibrate --plan`: what a run would do and what it would take, before it runs; nothing is written.
+"""`calibrate --plan`: what a run would do and take, before it runs; nothing is written (leftovers are left).
 
-calibrate's checks run as they would (what would stop the run is a refusal, not raised); then a timed probe: the
-first PROBE_BATCHES batches through the run's engine (the stream engine: its first PROBE_LAYERS layers) and the
-scale objective's search. The estimate scales each part by what the run has more of: load (checks, data, model
-load or stream start-up), observe (per-token compute x tokens, per layer for stream, plus each layer's load),
-objective (x objective tokens and layers), write (copied bytes at WRITE_BYTES_PER_S, plus validate).
-Leftovers of interrupted runs are left as they are; the room check writes and removes one probe file.
+calibrate's checks run as they would (what stops the run is a refusal, not raised); then a timed probe: the first
+PROBE_BATCHES batches through the run's engine (stream: its first PROBE_LAYERS layers) and the objective's search.
+The estimate scales each part (load, observe, objective, write) by what the run has more of.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The "stream" engine: calibrate a model larger than memory, one decoder layer at a time.
 
-The model is built on the meta device (buffers such as rotary frequencies real); the non-layer weights are loaded,
-then each layer in turn, read by key from the shards through transformers' own load-time conversion (MoE experts
-fused, dtype cast as `from_pretrained` does). Every batch's hidden states go through it with kvcalib's recording
-cache, then it goes back to meta. Peak memory: one layer + the embedding + all hidden states (spilled to disk, one
-file per batch, when they would not fit). What each layer receives (masks, rotary cos/sin, position ids) is captured
-from the model's own forward (capture_layer_inputs), so the scales equal the in-memory engine's for the same batches.
+The model is built on the meta device; the non-layer weights are loaded, then each layer in turn through
+transformers' own load-time conversion (as `from_pretrained`), every batch's hidden states (spilled to disk when
+they would not fit) go through it, and it goes back to meta. Each layer's inputs (masks, rotary cos/sin) are
+captured from the model's own forward (capture_layer_inputs): the scales equal the in-memory engine's.
 """
 
 from __future__ import annotations
