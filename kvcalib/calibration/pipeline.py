@@ -227,11 +227,9 @@ def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], atte
                 hint="nothing was written; please report this as a kvcalib bug", report=report)
         write_card(tmp_dir, summarize(validation), base_model=_base_model(config))  # validate's verdict, published too
 
-    notes = write_checkpoint(
-        plan.checkpoint, plan.output,
-        WritePlan(scales=scales, provenance=provenance, quantization_config=kv_only_quantization_config(
-            plan.recipe.strategy, attention_classes)),
-        overwrite=plan.options.overwrite, check=check, inputs=plan.inputs)
+    quantization = kv_only_quantization_config(plan.recipe.strategy, attention_classes)
+    notes = write_checkpoint(plan.checkpoint, plan.output, WritePlan(scales, quantization, provenance),
+                             overwrite=plan.options.overwrite, check=check, inputs=plan.inputs)
     return notes, validation
 
 

@@ -1,11 +1,9 @@
 """Putting a new checkpoint at OUT so that no interruption, at any instant, loses the old one.
 
-A run writes in one sibling, PARENT/.OUT.kvcalib-XXXXXXXX/: the marker `.kvcalib-staging` ({"output", "pid",
-"host", "started"}), checkpoint/ (the new checkpoint) and, in the fallback only, old/ (the previous OUT).
-Publishing swaps checkpoint/ and OUT in one `renameat2(RENAME_EXCHANGE)` (Linux 3.15+, glibc 2.28+); where that is
-missing, OUT is renamed to old/ and checkpoint/ to OUT, and a kill between leaves old/ for `recover` to put back.
-The marker goes last; `recover`, run before every calibration, restores or removes what a killed run left.
-Signals are deferred while the renames and the cleanup run.
+A run writes in a sibling PARENT/.OUT.kvcalib-XXXXXXXX/: the marker `.kvcalib-staging` ({"output", "pid", "host",
+"started"}), checkpoint/, and in the fallback old/ (the previous OUT). Publishing swaps checkpoint/ and OUT with
+`renameat2(RENAME_EXCHANGE)` (Linux 3.15+, glibc 2.28+), else renames OUT to old/ and checkpoint/ to OUT. The marker
+goes last; `recover` (before every calibration) restores or removes what a killed run left. Signals are deferred.
 """
 
 from __future__ import annotations

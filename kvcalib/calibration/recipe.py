@@ -1,10 +1,8 @@
 """llm-compressor recipes: read the kv_cache_scheme a user already has; refuse what the target cannot serve.
 
-A recipe: `<name>_stage` -> `<group>_modifiers` -> `<ModifierName>` -> arguments, one of which may be
-`kv_cache_scheme` (compressed-tensors `QuantizationArgs`, parsed with its own model); kvcalib runs that part only.
-compressed-tensors' `calculate_range` sizes every FP8 scale for 448 (`FP8_E4M3_DATA.max`) and `QuantizationArgs`
-forbids extra fields, so the chip goes in a top-level key llm-compressor ignores (`kvcalib: {target: trn2}`), and
-kvcalib applies that target's FP8 max itself.
+`<name>_stage` -> `<group>_modifiers` -> `<Modifier>` -> `kv_cache_scheme` (compressed-tensors `QuantizationArgs`).
+Its `calculate_range` sizes every FP8 scale for 448 and `QuantizationArgs` forbids extra fields, so the chip goes in
+a top-level key llm-compressor ignores (`kvcalib: {target: trn2}`); kvcalib applies that FP8 max itself.
 """
 
 from __future__ import annotations
