@@ -1,5 +1,5 @@
-"""The model card calibrate writes: the input's README.md plus kvcalib's section between two markers (replaced on
-recalibration): what the scales are for, the per-layer table, validate's verdict, serve-check's commands/results.
+"""The model card calibrate writes: the input's README.md plus kvcalib's section between two markers, replaced on
+recalibration (scales, per-layer table, validate's verdict, serve-check's commands and results).
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""The "native" engine: the whole model in memory with its own attention, every batch through the decoder once;
-K/V recorded by the cache it writes them to (kvcalib.hf.attention.RecordingCache).
-"""
+"""The "native" engine: the whole model in memory, every batch through the decoder once (hf.attention's cache)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
 """The scale objective: per layer (or per KV head), the K and V scales that keep attention right.
 
-`absmax / fp8_max` never clips, and can be the worst scale: a large, nearly constant K channel (bias-driven, in a
-RoPE pair that barely rotates) near an FP8 rounding boundary flips between two grid points from token to token,
-noise multiplied into every q·k; saturated, it is exactly constant, which softmax ignores. So a candidate is scored
-by the squared error of the attention output (kvcalib.hf.samples: the model's own Q, mask, scaling, soft-capping,
-sinks) with K (then V, through the exact probabilities) fake-quantised, against the unquantised output.
-
-Candidates: `absmax x 2^(-j/2)` (j = 0..10), `absmax / M` for each server with a larger FP8 max M, 1.0, and the
-wider `absmax x 2^(j/4)` (j = 1..3). Each is scored on every numerics the checkpoint is served with
-(core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2, 448 x s on trn3 and GPU) and judged by its
-largest error there. Half of each sequence's sampled query rows choose, the other half (held out) confirm and report.
-- A clip must at least halve absmax's error (GAIN) on both halves; of those, the least clipping within TOLERANCE
-  of their best is chosen.
-- Else a candidate that clips nothing absmax keeps (a wider scale, 1.0) wins with the lowest error if it cuts
-  absmax's by a tenth (WIDER_GAIN) on both halves: equally good scales differ by 1-5 %.
+`absmax / fp8_max` never clips and can be the worst scale: a large, nearly constant K channel near an FP8 rounding
+boundary flips between two grid points from token to token, noise in every q·k; saturated, it is constant, which
+softmax ignores. So a candidate is scored by the squared attention-output error (kvcalib.hf.samples: the model's own
+Q, mask, scaling, soft-capping, sinks) with K, then V, fake-quantised, on every numerics the checkpoint is served
+with (core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2, 448 x s on trn3 and GPU), and judged by
+its largest error there. Candidates: absmax x 2^(-j/2) (j = 0..10), absmax / M for each larger FP8 max M, 1.0, and
+absmax x 2^(j/4) (j = 1..3). Half of each sequence's sampled query rows choose, the other half confirm and report:
+- a clip must at least halve absmax's error (GAIN) on both halves; the least clipping within TOLERANCE of the best;
+- else a scale that clips nothing absmax keeps wins if it cuts absmax's error by a tenth (WIDER_GAIN) on both.
 Per KV head with `attn_head`. Sums are exactly rounded (math.fsum): any number of ranks chooses as one process.
 """
 
