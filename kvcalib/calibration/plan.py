@@ -44,8 +44,7 @@ class Estimate:
         return self.load + self.observe + self.objective + self.write
 
     def to_dict(self) -> dict[str, float]:
-        return {"load": round(self.load, 2), "observe": round(self.observe, 2), "objective": round(self.objective, 2),
-                "write": round(self.write, 2), "total": round(self.total, 2)}
+        return {k: round(getattr(self, k), 2) for k in ("load", "observe", "objective", "write", "total")}
 
 
 @dataclass(frozen=True)
@@ -130,10 +129,9 @@ def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCall
         notify(event)
 
     name = "native" if plan.options.engine == "llmcompressor" else plan.options.engine  # oneshot: native's probe
-    engine = ENGINES[name]
     inputs = engine_inputs(plan, probe_data, pad, stamp, probe_layers=probed if stream else None)
     started = time.perf_counter()
-    observation = engine(inputs)
+    observation = ENGINES[name](inputs)
     observed = time.perf_counter()
     objective = 0.0
     if inputs.sample_sequences:
@@ -141,13 +139,11 @@ def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCall
                observation.v_heads[:probed], plan.target, plan.recipe.strategy == ATTN_HEAD)
         objective = time.perf_counter() - observed
     sampled = sum(len(s) for s in engine_inputs(plan, data, pad, no_progress).sample_sequences)
-    return {
-        "engine": name,
-        "batches": math.ceil(len(rows) / opts.batch_size), "layers": probed, "tokens": probe_data.num_tokens,
-        "objective_tokens": sum(len(s) for s in inputs.sample_sequences), "run_objective_tokens": sampled,
-        "seconds": round(observed - started + objective, 3), "objective_seconds": round(objective, 3),
-        "peak_rss_bytes": peak_rss_bytes(), **_split(stamps, started, observed, stream),
-    }
+    return {"engine": name, "batches": math.ceil(len(rows) / opts.batch_size), "layers": probed,
+            "tokens": probe_data.num_tokens, "objective_tokens": sum(len(s) for s in inputs.sample_sequences),
+            "run_objective_tokens": sampled, "seconds": round(observed - started + objective, 3),
+            "objective_seconds": round(objective, 3), "peak_rss_bytes": peak_rss_bytes(),
+            **_split(stamps, started, observed, stream)}
 
 
 def _split(stamps: list[tuple[float, Progress]], started: float, ended: float, stream: bool) -> dict[str, float]:

@@ -52,8 +52,7 @@ class KvRecipe:
     def observer(self) -> str | None:
         return self.scheme.get("observer")
 
-    def quantization_args(self) -> Any:
-        """The scheme as compressed-tensors `QuantizationArgs`."""
+    def quantization_args(self) -> Any:  # the scheme as compressed-tensors `QuantizationArgs`
         from compressed_tensors.quantization import QuantizationArgs
 
         return QuantizationArgs.model_validate(self.scheme)
