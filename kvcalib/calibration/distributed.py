@@ -27,8 +27,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=60)  # ranks finish at about the same tim
 
 def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int,
                  pad_id: int = 0) -> list[tuple[tuple[int, ...], ...]]:
-    """Each rank's sequences: whole batches of the single-process batching (longest first, so batched again they
-    give back exactly those batches), about equal in padded tokens."""
+    """Each rank's sequences: whole batches of the single-process batching, about equal in padded tokens."""
     global_batches = [
         tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
         for ids, mask in batches(sequences, batch_size, pad_id)

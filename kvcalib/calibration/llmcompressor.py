@@ -74,8 +74,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
 
 
 def _counter(calls: list[int], layer: int, inputs: EngineInputs, num_layers: int) -> Any:
-    """A pre-hook that counts the attention module's calls and reports progress (llm-compressor's sequential
-    pipeline runs every sequence through a layer twice, calibrate then propagate, before the next layer)."""
+    """A pre-hook counting the attention module's calls (each sequence twice a layer: calibrate, propagate)."""
     total_samples, total_tokens = len(inputs.data.sequences), inputs.data.num_tokens
     per_layer = 2 * total_samples
 

@@ -167,8 +167,7 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:
-    """The candidate from its squared errors on the choosing and held-out rows (0 is absmax), as the module
-    docstring says: the least clipping within TOLERANCE of the best GAIN clip, else the best WIDER_GAIN keeper."""
+    """The candidate from its squared errors on the choosing and held-out rows (0 is absmax): see the module."""
     def cuts(c: int, gain: float) -> bool:  # below gain x absmax's relative error on both halves (squared errors)
         return errors[c] < gain**2 * errors[0] and held_out[c] < gain**2 * held_out[0]
 
@@ -184,8 +183,7 @@ Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (on
 
 
 def scored_numerics(target: fp8.Target, per_head: bool) -> tuple[fp8.Target, ...]:
-    """What search scores on: every server of the target's scales (fp8.served_numerics); per-head scales only on
-    the target (GPU vLLM's FlashAttention alone loads them)."""
+    """What search scores on: fp8.served_numerics; per-head scales on the target only (GPU vLLM alone loads them)."""
     return (target,) if per_head else fp8.served_numerics(target)
 
 
@@ -220,8 +218,7 @@ _MARGIN = 1.0 + 1e-9
 def _scored_until_ruled_out(layer: Sequence[AttentionSample], grids: Sequence[tuple[Candidates, Candidates]],
                             numerics: Sequence[fp8.Target], per_head: bool, bars: torch.Tensor,
                             anchors: tuple[list[int], list[int]]) -> list[torch.Tensor]:
-    """The terms of every candidate but the anchors, sample after sample, until `bars` (absmax's summed terms) rule
-    it out: its errors so far, where largest, reach its bar on either half (per head: on every head)."""
+    """Each non-anchor candidate's terms, sample after sample, until its error so far reaches its bar (`bars`)."""
     keeps = [cands.keeps_range if per_head else cands.keeps_range.all(dim=1) for cands in grids[0]]
     gains = [torch.where(keep, WIDER_GAIN**2, GAIN**2).double() for keep in keeps]  # [C(, kv_heads)]
     bar = [bars[:, kind, :2, 0] if per_head else bars[:, kind, :2, 0].sum(dim=-1) for kind in range(2)]

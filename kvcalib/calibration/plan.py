@@ -181,8 +181,7 @@ def _estimate(probe: dict[str, Any], tokens: int, layers: int, output_bytes: int
 
 
 def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, int]:
-    """(peak bytes, scratch bytes): in memory, the weights x HEADROOM; stream, a layer, the rest of the model and
-    every batch's hidden states (where they would not fit: one batch in memory, the rest on disk)."""
+    """(peak, scratch) bytes: the weights x HEADROOM; stream: two layers and the hidden states (or one batch's)."""
     if plan.options.engine != "stream":
         return int(weights * HEADROOM), 0
     hidden = int(text_config(plan.checkpoint.config).get("hidden_size") or 0)

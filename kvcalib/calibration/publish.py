@@ -114,8 +114,7 @@ def _named(output: Path) -> list[Path]:
 
 
 def recover(output: Path) -> list[str]:
-    """Restore or remove what interrupted runs left next to `output`; a note for each. Refuses a live writer.
-    A sibling with kvcalib's name but no marker is reported and left alone: nothing says it is safe to delete."""
+    """Restore or remove what killed runs left next to `output` (unmarked: only reported); refuse a live writer."""
     output = Path(output)
     marked = siblings(output)
     notes = [f"{path} next to {output} looks like a leftover of an earlier kvcalib run, without the marker "
@@ -185,8 +184,7 @@ def _rename_exchange(a: Path, b: Path) -> None:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT, SIGTERM and SIGHUP until the block ends, then act on the first one as it would have (the Python
-    handlers are swapped: blocking the signal would not do, the kernel hands it to another thread)."""
+    """Hold SIGINT, SIGTERM and SIGHUP (Python handlers swapped) until the block ends, then act on the first."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

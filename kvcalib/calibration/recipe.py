@@ -84,8 +84,7 @@ BUILTIN_RECIPES = tuple(name for name in fp8.TARGETS if (builtin_recipes() / f"k
 
 
 def recipe_file(recipe: str | Path) -> Path:
-    """`--recipe`: a shipped recipe by name (trn2, trn3, gpu: kv-fp8-NAME.yaml) or a recipe file's path. A file
-    of that name in the working directory is the user's and wins."""
+    """`--recipe`: a shipped recipe by name (kv-fp8-NAME.yaml) or a file's path; an existing file of that name wins."""
     text = str(recipe)
     if text in BUILTIN_RECIPES and not Path(text).exists():
         return builtin_recipes() / f"kv-fp8-{text}.yaml"

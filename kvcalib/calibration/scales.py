@@ -50,8 +50,7 @@ def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: floa
 def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, strategy: str = "tensor",
                  queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None
                  = None, headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
-    """Per-layer scales for `target` (per head with attn_head, Q's with `queries`): absmax / fp8_max, or for K/V
-    the objective's `choices` (objective.search); then with_headroom."""
+    """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; then with_headroom."""
     _unobserved(observation.observed, model_dir, "were")
     if queries:
         _unobserved(observation.q_observed, model_dir, "had their Q")

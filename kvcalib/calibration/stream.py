@@ -91,8 +91,7 @@ class _Captured(Exception):
 def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, index: int, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor, observer: KVAbsmaxObserver
                          ) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]:
-    """(hidden states, other args, kwargs) the decoder's own forward passes to layer `index` for this batch: every
-    layer stands in as the identity and layer `index` stops the forward. Hidden states are real for layer 0 only."""
+    """(hidden states (real for layer 0 only), args, kwargs) the decoder's forward passes to layer `index`."""
 
     def stand_in(i: int):
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -120,8 +119,7 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
 
 
 class _Weights:
-    """Loads one module's weights at a time: checkpoint keys mapped to parameters with the conversion mapping
-    `from_pretrained` applies (renamings, fused MoE experts), read by key and converted by transformers' loader."""
+    """Loads one module's weights at a time, mapped and converted as `from_pretrained` does (renamings, MoE fusing)."""
 
     def __init__(self, model: torch.nn.Module, model_dir: Path, files: CheckpointFiles, device: torch.device,
                  dtype: torch.dtype) -> None:

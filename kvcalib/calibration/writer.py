@@ -34,8 +34,7 @@ SHARDED_SINGLE_FILENAME = "model-00001-of-00001.safetensors"
 
 def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrite: bool, *,
                       recover_leftovers: bool = True) -> list[str]:
-    """Refuse an output that overlaps an input (after symlinks), is a link, or exists (without overwrite); first
-    restore or remove what interrupted runs left (publish.recover) and return its notes. `inputs`: (what, path)."""
+    """Refuse an output overlapping an input, a link, or existing (no overwrite); recover leftovers, return notes."""
     output = Path(output)
     for what, path in inputs:
         if os.path.lexists(path) and overlapping(output, path):
@@ -225,8 +224,7 @@ class _Index:  # the new index's weight_map and sizes, built up as files are wri
 def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *, overwrite: bool = False,
                      check: Callable[[Path], None] | None = None,
                      inputs: Sequence[tuple[str, Path]] = ()) -> list[str]:
-    """Write source files + scales + index + config in a staging sibling, run `check` on it, publish atomically.
-    A shard holding earlier KV scales is rewritten without them; a failure leaves OUT as it was. Returns notes."""
+    """Write source files (earlier KV scales dropped), scales, index, config in a staging sibling; `check`; publish."""
     source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     output = Path(os.path.abspath(output))
     notes = check_output_path(output, [("the model checkpoint", source.root), *inputs], overwrite)
