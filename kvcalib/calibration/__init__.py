@@ -1,4 +1,2 @@
 """The calibrate job: per-layer K/V absmax over a dataset -> FP8 scales -> a new checkpoint (pipeline.py).
-
-options.py declares what it takes; engine.py the engines' interface (register your own with
-pipeline.register_engine); the public function is kvcalib.calibrate (kvcalib/api.py)."""
+Public entry: kvcalib.calibrate (kvcalib/api.py); own engines via pipeline.register_engine."""

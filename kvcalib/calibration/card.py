@@ -1,11 +1,5 @@
-"""The model card calibrate writes: the input's README.md kept, plus a section kvcalib owns.
-
-The section sits between two markers and is replaced, never appended to, when the checkpoint
-is calibrated again; the user's text around it and their front matter stay. It says what the
-scales are sized for, what they were measured on, the per-layer table (read back from the
-scales file), validate's verdict, the exact vLLM commands serve-check runs on Neuron and GPU,
-and, after `calibrate --serve-check`, what the server measured. The front matter follows the
-hub's model-card conventions (`base_model`, `tags`), through huggingface_hub's ModelCard.
+"""The model card calibrate writes: the input's README.md plus kvcalib's section between two markers, replaced on
+recalibration (scales, per-layer table, validate's verdict, serve-check's commands and results).
 """
 
 from __future__ import annotations
@@ -38,12 +32,8 @@ SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 
 
 
 def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
-    """device -> the vLLM command serve-check runs for `checkpoint` (its defaults: port 8000, tp 1, 2048 x 4);
-    `mxfp4`: GPT-OSS with MXFP4 experts (Neuron only; the neuron_config quantization its GPT-OSS model needs)."""
-    return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), SERVE_DEFAULTS["port"], fp8=True,
-                                           device=device, tp=SERVE_DEFAULTS["tp"],
-                                           max_model_len=SERVE_DEFAULTS["max_model_len"],
-                                           max_num_seqs=SERVE_DEFAULTS["max_num_seqs"],
+    """device -> the vLLM command serve-check runs for `checkpoint`; `mxfp4`: GPT-OSS with MXFP4 experts."""
+    return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), fp8=True, device=device, **SERVE_DEFAULTS,
                                            neuron_quantization=neuron_quantization(device) if mxfp4 else None))
             for device in (*(name for name, chip in fp8.TARGETS.items() if chip.neuron), "cuda")}
 
@@ -132,9 +122,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
 
 
 def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
-    """(some range differs from its absmax, some range is below it: clipped), over every layer's K and V, per head
-    where the scales are (the range a scale maps to the FP8 max: scale x fp8_max, rounded up by at most
-    fp8.SCALE_ROUNDING_TOLERANCE)."""
+    """(some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE, some is below it: clipped)."""
     fp8_max, pairs = provenance["fp8_max"], []
     for kind in (row[k] for row in provenance.get("layers", []) for k in "kv"):
         if kind.get("head_scales") and kind.get("head_absmax"):
@@ -147,8 +135,7 @@ def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _formula(provenance: dict[str, Any], per_head: bool) -> str:
-    """What was written and where it is right: absmax / fp8_max, or the range the scale objective (or --headroom)
-    chose instead, and the servers that choice was scored on (the provenance's scored_on)."""
+    """What was written (absmax or the chosen range / fp8_max) and the servers where it is right."""
     fp8_max, target, headroom = provenance["fp8_max"], provenance["target"], provenance.get("headroom") or 1.0
     served = [] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))[1:]]
     smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]

@@ -1,18 +1,8 @@
 """Data-parallel calibration over torch.distributed (`torchrun --nproc-per-node N -m kvcalib calibrate ...`).
 
-Every rank reads the same dataset and builds the same right-padded batches a single process
-would; the batches (whole batches, never single samples) are dealt out so each rank gets
-about the same number of padded tokens. Each rank runs the chosen engine on its share, then
-one all_gather of a status (did this rank fail, and why) and two all_reduces (absmax: MAX,
-forward counts: SUM) combine the results. The max of the same values is the same number in
-any order, so the scales equal one process's bit for bit. The scale objective's terms are then
-gathered and summed exactly (math.fsum), so its choice is one process's too. Only rank 0 writes
-the checkpoint.
-
-Failures: a rank whose engine raises still joins the status exchange, so no rank waits on
-it; every rank then raises (rank 0 with the failing ranks' messages). A rank that dies
-without raising (killed, out of memory) is torchrun's to handle: its agent stops the other
-workers when one exits. COLLECTIVE_TIMEOUT bounds any other wait.
+Ranks get whole batches of the single process's batching; one all_gather of a status and two all_reduces (absmax:
+MAX, counts: SUM) make the scales one process's bit for bit, and the objective's terms are summed exactly. Only
+rank 0 writes; a failing rank still joins the status exchange, then all raise; COLLECTIVE_TIMEOUT bounds waits.
 """
 
 from __future__ import annotations
@@ -32,17 +22,12 @@ from kvcalib.hf.data import batches
 
 __all__ = ["COLLECTIVE_TIMEOUT", "batch_shares", "observe_across_ranks"]
 
-# Ranks finish their shares at about the same time; this bounds a wait on one that hangs.
-COLLECTIVE_TIMEOUT = timedelta(minutes=60)
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)  # ranks finish at about the same time: bounds a wait on a hung one
 
 
 def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int,
                  pad_id: int = 0) -> list[tuple[tuple[int, ...], ...]]:
-    """Each rank's sequences: whole batches of the single-process batching, about equal in padded tokens.
-
-    A share, batched again with `data.batches`, gives back exactly those batches: they are
-    taken in the global order (longest first) and only the globally last batch can be short.
-    """
+    """Each rank's sequences: whole batches of the single-process batching, about equal in padded tokens."""
     global_batches = [
         tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
         for ids, mask in batches(sequences, batch_size, pad_id)
@@ -50,8 +35,7 @@ def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_
     if len(global_batches) < world_size:
         raise UsageError(
             f"{len(global_batches)} batch(es) of {batch_size} cannot be split across {world_size} processes",
-            hint="launch fewer processes, pass a smaller --batch-size, or calibrate on more samples",
-        )
+            hint="launch fewer processes, pass a smaller --batch-size, or calibrate on more samples")
     loads = [0] * world_size
     shares: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
     for chunk in global_batches:  # longest first: greedy balancing of padded tokens
@@ -64,9 +48,8 @@ def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_
 def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: EngineInputs, ranks: Ranks,
                          finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any] | None = None
                          ) -> tuple[Observation, Any]:
-    """Run `engine` on this rank's share of the batches and combine every rank's observation; then
-    `finish(observation, gather)` (the scale objective) while the processes are still together, where
-    `gather(local_list)` returns every rank's lists concatenated in rank order."""
+    """Run `engine` on this rank's share and combine every rank's observation; then `finish(observation, gather)`
+    (the scale objective), where `gather(local_list)` returns every rank's lists concatenated in rank order."""
     share = batch_shares(inputs.data.sequences, inputs.options.batch_size, ranks.world_size, inputs.pad_id)[ranks.rank]
     local_inputs = dataclasses.replace(inputs, data=dataclasses.replace(inputs.data, sequences=share))
     with _process_group(ranks, inputs.device) as collective_device:
@@ -76,8 +59,10 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
             observation = engine(local_inputs)
         except Exception as exc:  # joins the status exchange below, then is raised again
             failure = exc
+        status = None if failure is None else (failure.message if isinstance(failure, KvcalibError)
+                                                else f"{type(failure).__name__}: {failure}")
         try:
-            statuses = _gather_statuses(failure, ranks.world_size)
+            statuses = _all_gather(status, ranks.world_size)
         except RuntimeError as exc:  # a peer vanished (killed, crashed) mid-exchange
             raise CalibrationError(f"rank {ranks.rank}: lost the other processes ({exc})",
                                    hint="see the first failing rank's output; torchrun names it") from failure
@@ -89,10 +74,13 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
             raise CalibrationError(
                 f"{len(failed)} of {ranks.world_size} processes failed during calibration ({detail}); "
                 "nothing was written",
-                hint="fix what the failing rank reports and run again",
-            )
+                hint="fix what the failing rank reports and run again")
         reduced = _reduce(observation, collective_device)
-        return reduced, finish(reduced, _gather_lists) if finish is not None else None
+
+        def gather(local: list[Any]) -> list[Any]:
+            return [item for part in _all_gather(local, ranks.world_size) for item in part]
+
+        return reduced, finish(reduced, gather) if finish is not None else None
 
 
 @contextmanager
@@ -115,28 +103,16 @@ def _process_group(ranks: Ranks, device: torch.device) -> Iterator[torch.device]
             dist.destroy_process_group()
 
 
-def _gather_statuses(failure: BaseException | None, world_size: int) -> list[str | None]:
+def _all_gather(obj: Any, world_size: int) -> list[Any]:
     import torch.distributed as dist
 
-    status = None
-    if failure is not None:
-        status = failure.message if isinstance(failure, KvcalibError) else f"{type(failure).__name__}: {failure}"
-    statuses: list[str | None] = [None] * world_size
-    dist.all_gather_object(statuses, status)
-    return statuses
-
-
-def _gather_lists(local: list[Any]) -> list[Any]:
-    import torch.distributed as dist
-
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
-    return [item for part in everyone for item in part]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def _reduce(local: Observation, device: torch.device) -> Observation:
-    """absmax per head: MAX (exact in float64: float32 values embed exactly); forward counts: SUM;
-    observe time: MAX. Every rank runs the same model, so the per-layer head counts agree."""
+    """absmax per head and observe time: MAX (exact in float64); forward counts: SUM."""
     import torch.distributed as dist
 
     groups = [*local.k_heads, *local.v_heads, *local.q_heads]
@@ -149,12 +125,7 @@ def _reduce(local: Observation, device: torch.device) -> Observation:
     packed, counts = packed.cpu(), counts.cpu().tolist()
     reduced = [part.float() for part in torch.split(packed[:-1], sizes)]
     n_kv, n_q = len(local.k_heads), len(local.q_heads)
-    return dataclasses.replace(
-        local,
-        k_heads=tuple(reduced[:n_kv]),
-        v_heads=tuple(reduced[n_kv:2 * n_kv]),
-        q_heads=tuple(reduced[2 * n_kv:2 * n_kv + n_q]),
-        observed=tuple(int(c) for c in counts[:n_kv]),
-        q_observed=tuple(int(c) for c in counts[n_kv:]),
-        seconds=float(packed[-1]),
-    )
+    return dataclasses.replace(local, k_heads=tuple(reduced[:n_kv]), v_heads=tuple(reduced[n_kv:2 * n_kv]),
+                               q_heads=tuple(reduced[2 * n_kv:2 * n_kv + n_q]),
+                               observed=tuple(int(c) for c in counts[:n_kv]),
+                               q_observed=tuple(int(c) for c in counts[n_kv:]), seconds=float(packed[-1]))

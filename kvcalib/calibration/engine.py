@@ -1,8 +1,4 @@
-"""The engine contract: what an observation engine gets (EngineInputs) and returns (Observation).
-
-Engines (native, stream, llmcompressor) import this module and nothing above it; the
-pipeline names them in one table.
-"""
+"""The engine contract: what an observation engine gets (EngineInputs) and returns (Observation)."""
 
 from __future__ import annotations
 
@@ -55,8 +51,7 @@ class EngineInputs:
 
 @dataclass(frozen=True)
 class Observation:
-    """What an engine measured: absmax of K and V per layer and per KV head over every calibration token
-    (and of Q per query head, when asked for), float32 on the CPU."""
+    """What an engine measured: absmax of K/V per layer and KV head (Q per query head, if asked), float32, CPU."""
 
     k_heads: tuple[torch.Tensor, ...]  # per layer: [kv_heads] (or [1] from an engine that sees only tensors)
     v_heads: tuple[torch.Tensor, ...]
@@ -67,15 +62,6 @@ class Observation:
     q_observed: tuple[int, ...] = ()
     attention_classes: tuple[str, ...] = ()  # the attention modules' class names (FP8-attention config targets)
     samples: tuple[tuple[AttentionSample, ...], ...] = ()  # per layer: the scale objective's (this rank's)
-
-    @property
-    def k_absmax(self) -> torch.Tensor:
-        """[num_layers]: each layer's max over its heads (exact: max does not round)."""
-        return torch.stack([h.max() for h in self.k_heads]) if self.k_heads else torch.zeros(0)
-
-    @property
-    def v_absmax(self) -> torch.Tensor:
-        return torch.stack([h.max() for h in self.v_heads]) if self.v_heads else torch.zeros(0)
 
     @classmethod
     def of(cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module
@@ -90,8 +76,7 @@ class Observation:
             q_heads=heads(observer.q_heads) if observer.queries else (),
             q_observed=tuple(observer.q_observed) if observer.queries else (),
             attention_classes=tuple(sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})),
-            samples=tuple(tuple(layer) for layer in observer.sampler.samples) if observer.sampler is not None else (),
-        )
+            samples=tuple(tuple(layer) for layer in observer.sampler.samples) if observer.sampler is not None else ())
 
 
 Engine = Callable[[EngineInputs], Observation]

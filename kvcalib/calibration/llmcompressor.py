@@ -1,15 +1,7 @@
-"""`--engine llmcompressor`: llm-compressor's oneshot observes K/V; calibrate writes the checkpoint.
+"""`--engine llmcompressor` (`pip install kvcalib[llmcompressor]`): llm-compressor's oneshot observes K/V.
 
-llm-compressor's `oneshot` runs a KV-only `QuantizationModifier` with the recipe's
-kv_cache_scheme (kvcalib's own static_minmax scheme without `--recipe`) on exactly the token
-sequences kvcalib selected, one sequence per batch (llm-compressor's default collator cuts
-every sequence of a batch to the shortest one). It leaves `k_scale`/`v_scale` on each
-attention module, sized for the FP8 max compressed-tensors takes from the scheme (448 for
-FP8) and held in the model's dtype. This engine undoes that sizing (absmax = scale * that
-max) and hands the absmax to calibrate, which applies the target's FP8 max and writes,
-validates and publishes the checkpoint exactly as for the native engine.
-
-llm-compressor is an optional extra: `pip install kvcalib[llmcompressor]`.
+oneshot runs a KV-only `QuantizationModifier` (the recipe's kv_cache_scheme) on kvcalib's sequences, one per batch;
+its `k_scale`/`v_scale`, sized for compressed-tensors' FP8 max (448), are turned back into absmax for calibrate.
 """
 
 from __future__ import annotations
@@ -55,11 +47,9 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
                for i, path in attn_paths.items() if i < n_layers]
     started = time.perf_counter()
     try:
-        oneshot(
-            model=model, recipe=QuantizationModifier(kv_cache_scheme=scheme), dataset=dataset,
-            batch_size=1, num_calibration_samples=len(sequences), shuffle_calibration_samples=False,
-            max_seq_length=opts.max_seq_len, trust_remote_code_model=opts.trust_remote_code,
-        )
+        oneshot(model=model, recipe=QuantizationModifier(kv_cache_scheme=scheme), dataset=dataset,
+                batch_size=1, num_calibration_samples=len(sequences), shuffle_calibration_samples=False,
+                max_seq_length=opts.max_seq_len, trust_remote_code_model=opts.trust_remote_code)
     finally:
         for handle in handles:
             handle.remove()
@@ -76,22 +66,15 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
                 raise CalibrationError(
                     f"layer {i}: llm-compressor left no {'per-head' if per_head else 'per-tensor'} {kind}_scale on "
                     f"{attn_paths[i]} ({'none' if scale is None else tuple(scale.shape)})",
-                    hint="the engine needs a static kv_cache_scheme; see the shipped recipe (--recipe trn2)",
-                )
+                    hint="the engine needs a static kv_cache_scheme; see the shipped recipe (--recipe trn2)")
             # llm-compressor's per-head scales are [kv_heads, 1, 1]
             absmax[kind].append(scale.detach().float().cpu().reshape(-1) * sized_for.float().cpu())
-    return Observation(
-        k_heads=tuple(absmax["k"]), v_heads=tuple(absmax["v"]), observed=tuple(calls),
-        attention_paths=attn_paths, seconds=seconds,
-    )
+    return Observation(k_heads=tuple(absmax["k"]), v_heads=tuple(absmax["v"]), observed=tuple(calls),
+                       attention_paths=attn_paths, seconds=seconds)
 
 
 def _counter(calls: list[int], layer: int, inputs: EngineInputs, num_layers: int) -> Any:
-    """A pre-hook that counts the attention module's calls and reports progress.
-
-    llm-compressor's sequential pipeline runs every sequence through one layer twice
-    (calibrate, then propagate) before it moves on to the next layer.
-    """
+    """A pre-hook counting the attention module's calls (each sequence twice a layer: calibrate, propagate)."""
     total_samples, total_tokens = len(inputs.data.sequences), inputs.data.num_tokens
     per_layer = 2 * total_samples
 

@@ -1,8 +1,4 @@
-"""The "native" engine: the whole model in memory, every batch through the decoder stack once.
-
-The model runs with its own attention (transformers' default for it); K/V are recorded by the
-cache it writes them to (kvcalib.hf.attention.RecordingCache).
-"""
+"""The "native" engine: the whole model in memory, every batch through the decoder once (hf.attention's cache)."""
 
 from __future__ import annotations
 
@@ -13,11 +9,7 @@ import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.core.progress import Progress, ProgressCallback
-from kvcalib.hf.attention import (
-    KVAbsmaxObserver,
-    attention_modules,
-    observe_batch,
-)
+from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules, observe_batch
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import CalibrationData, batches
 from kvcalib.hf.model import faithful_attention, load_model, num_layers
@@ -56,8 +48,7 @@ def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: Calibr
 
 
 def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:
-    """The scale objective's samples alone, for an engine that cannot take them (llm-compressor's oneshot):
-    the model in memory once more, through the sampled sequences only."""
+    """The scale objective's samples alone (for llm-compressor's oneshot): the sampled sequences, run again."""
     hf_model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
                           attn_implementation=faithful_attention(inputs.config))
     layers = num_layers(hf_model)

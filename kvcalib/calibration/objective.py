@@ -1,40 +1,15 @@
 """The scale objective: per layer (or per KV head), the K and V scales that keep attention right.
 
-`absmax / fp8_max` never clips, and that can be the worst scale there is. A K channel that is
-large and nearly constant across tokens (bias-driven, in a RoPE pair that barely rotates) sits
-on a coarse part of the FP8 grid, and where its value is near a rounding boundary it flips
-between two grid points from token to token: noise far larger than its own variation, multiplied
-into every q·k. Saturating it instead makes it exactly constant, which softmax ignores. What
-matters is the error of the attention output, not of K: SQNR ranks such scales backwards.
-
-The search ("attention grid"): for every layer, candidate scales `absmax x 2^(-j/2)` (j = 0..10,
-so 1 down to 1/32 of the never-clipping scale; absmax first), `absmax / M` for each server of the
-scales with a larger FP8 max M (core.fp8.served_numerics: 448 for trn2), 1.0, and the wider scales
-`absmax x 2^(j/4)` (j = 1..3). Each is scored on the attention samples (kvcalib.hf.samples: the
-model's own Q, mask, scaling, soft-capping and sinks, K/V as the cache stores them) by the squared
-error of the attention output with K (then V) fake-quantised, against the unquantised output; V is scored through the
-exact probabilities. A candidate is scored on every numerics the checkpoint is served with
-(core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2 but at 448 x s on trn3, GPU
-vLLM and vLLM CPU, where a clip chosen for 240 no longer saturates and can land a near-constant
-channel on rounding boundaries), and a candidate's error is its largest on any of them: a scale
-is chosen for every server it will meet. Half of each sequence's sampled query rows choose, the
-other half (held out) confirm and report.
-
-Two kinds of candidate, two bars:
-- A clip must at least halve absmax's error (GAIN) on both halves: scales that are equally good
-  differ by up to ~30 % on a few hundred rows (where FP8 rounding falls), and every clip costs
-  headroom at long context. Of the clips that do, the least-clipping one within TOLERANCE (25 %)
-  of their best is chosen. Saturated near-constant channels are exact constants whatever text
-  comes later, so a clip that does this is preferred.
-- Otherwise a candidate that clips nothing absmax keeps (a scale at least absmax's: the wider
-  ones, and 1.0 where absmax is under the FP8 max) costs no headroom. FP8 is a floating-point
-  grid, so such a scale differs from absmax only in where each value falls between two grid
-  points, which matters for near-constant channels. The one with the lowest error wins when it
-  is at least a tenth (WIDER_GAIN) under absmax's on the choosing and the held-out rows alike:
-  V's equally good scales differ by 1-3 %, K's by ~5 %, and a pick by noise is no better.
-Every error is the candidate's on the server where it does worst (absmax's too). Per KV head with
-`attn_head`, where heads are scored apart. Sums are exactly rounded (math.fsum), so batches dealt
-to any number of ranks give the same choice as one process.
+`absmax / fp8_max` never clips and can be the worst scale: a large, nearly constant K channel near an FP8 rounding
+boundary flips between two grid points from token to token, noise in every q·k; saturated, it is constant, which
+softmax ignores. So a candidate is scored by the squared attention-output error (kvcalib.hf.samples: the model's own
+Q, mask, scaling, soft-capping, sinks) with K, then V, fake-quantised, on every numerics the checkpoint is served
+with (core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2, 448 x s on trn3 and GPU), and judged by
+its largest error there. Candidates: absmax x 2^(-j/2) (j = 0..10), absmax / M for each larger FP8 max M, 1.0, and
+absmax x 2^(j/4) (j = 1..3). Half of each sequence's sampled query rows choose, the other half confirm and report:
+- a clip must at least halve absmax's error (GAIN) on both halves; the least clipping within TOLERANCE of the best;
+- else a scale that clips nothing absmax keeps wins if it cuts absmax's error by a tenth (WIDER_GAIN) on both.
+Per KV head with `attn_head`. Sums are exactly rounded (math.fsum): any number of ranks chooses as one process.
 """
 
 from __future__ import annotations
@@ -49,14 +24,10 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, attention_rows
 
-__all__ = ["ABSMAX", "ATTENTION", "DEFAULT_OBJECTIVE", "FACTORS", "GAIN", "OBJECTIVES", "TOLERANCE", "WIDER",
-           "WIDER_GAIN", "Candidates", "Gather", "KindChoice", "candidates", "choose", "sample_terms",
-           "scored_numerics", "search", "sum_terms"]
+__all__ = ["ATTENTION", "FACTORS", "GAIN", "TOLERANCE", "WIDER", "WIDER_GAIN", "Candidates", "Gather", "KindChoice",
+           "candidates", "choose", "sample_terms", "scored_numerics", "search", "sum_terms"]
 
 ATTENTION = "attention"
-ABSMAX = "absmax"
-OBJECTIVES = (ATTENTION, ABSMAX)
-DEFAULT_OBJECTIVE = ATTENTION
 FACTORS = tuple(2.0 ** (-j / 2) for j in range(11))
 WIDER = tuple(2.0 ** (j / 4) for j in range(1, 4))  # never clip: other places on the FP8 grid for the same values
 GAIN = 0.5  # a clip must halve absmax's attention error (equivalent scales differ by up to ~30 %)
@@ -68,13 +39,11 @@ ABSMAX_LABEL = "absmax"
 
 @dataclass(frozen=True)
 class Candidates:
-    """One layer's candidate scales for one kind: absmax first, then the clips from the least clipping, 1.0, and the
-    wider scales."""
+    """One layer's candidate scales for one kind: absmax, the clips (least clipping first), 1.0, the wider ones."""
 
     labels: tuple[str, ...]
     scales: torch.Tensor  # [C, kv_heads] float32
     ranges: torch.Tensor  # [C, kv_heads]: the |x| each scale maps to the FP8 max
-
     clip_at: torch.Tensor  # [C, kv_heads]: |x| above this saturates on the target (range, after the scale's rounding)
 
     @property
@@ -94,8 +63,7 @@ class Candidates:
 
 def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv_heads: int | None = None
                ) -> Candidates:
-    """The grid for one layer's K or V (head_absmax: [kv_heads], or [1] from an engine that sees only tensors);
-    per tensor, every one of the `kv_heads` heads shares the layer's."""
+    """The grid for one layer's K or V (head_absmax: [kv_heads], or [1]); per tensor, the `kv_heads` share it."""
     heads = head_absmax.float().reshape(-1)
     base = heads if per_head else heads.max().expand(kv_heads or heads.numel())
     # the scale a server of these scales with a larger FP8 max would write (absmax / 448 for trn2: llm-compressor's)
@@ -115,11 +83,9 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
 def sample_terms(sample: AttentionSample, grids: Sequence[tuple[Candidates, Candidates]],
                  numerics: Sequence[fp8.Target], subset: tuple[list[int], list[int]] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sample's additive terms on each numerics (`grids`: the K and the V candidates as it applies them,
-    Candidates.on): float64 [numerics, 2 kinds, 4, C, kv_heads] (per kind: the squared attention-output error on the
-    choosing rows, on the held-out rows, the K/V elements each candidate saturates, the elements), and [2, kv_heads]
-    (the unquantised output's squared norm on the choosing and the held-out rows). `subset`: the K and the V
-    candidates to score (the others' errors and saturated counts are 0); None: all."""
+    """One sample's terms per numerics (`grids`: K and V candidates, Candidates.on): float64 [numerics, 2, 4, C,
+    kv_heads] (squared output error on choosing / held-out rows, elements saturated, elements) and [2, kv_heads]
+    (the output's squared norm per half). `subset`: the K and V candidates to score (others 0); None: all."""
     output, probabilities = attention_rows(sample)
     held = sample.held_out.repeat(output.shape[1] // sample.query.shape[1])  # the same rows in every group
     halves = torch.stack([~held, held], dim=1).double()
@@ -166,21 +132,15 @@ class KindChoice:
                 "attention_error_on": dict(self.errors_on)}
 
 
-def _relative(error: float, norm: float) -> float:
-    return math.sqrt(error / norm) if norm > 0 else 0.0
-
-
 def _worst(errors: torch.Tensor) -> list[float]:
-    """[numerics, C, kv_heads] squared errors -> per candidate, the largest over numerics of its (exactly rounded)
-    sum over heads: the layer's error on the server where the candidate does worst."""
+    """[numerics, C, kv_heads] squared errors -> per candidate, the largest over numerics of its sum over heads."""
     return [max(math.fsum(row) for row in per) for per in errors.transpose(0, 1).tolist()]
 
 
 def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head: bool,
            numerics: Sequence[fp8.Target] = ()) -> KindChoice:
-    """The choice for one kind from its summed terms ([numerics, 4, C, kv_heads], the target's first; [4, C,
-    kv_heads] for the target alone) and the reference norms ([2, kv_heads]). Each candidate, absmax included, is
-    judged by its error on the server where it does worst: a scale is chosen for every server that applies it."""
+    """The choice for one kind from its summed terms ([numerics, 4, C, kv_heads], target first; or [4, C, kv_heads])
+    and the norms ([2, kv_heads]); each candidate judged by its error on the server where it does worst."""
     terms = terms[None] if terms.dim() == 3 else terms
     choosing, held, clipped, count = terms[:, 0], terms[:, 1], terms[0, 2], terms[0, 3]
     keeps = cands.keeps_range
@@ -192,7 +152,8 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
 
     def held_error(per_head_index: Sequence[int], n: int = 0) -> float:
         err = math.fsum(held[n, c, h].item() for h, c in enumerate(per_head_index))
-        return _relative(err, math.fsum(norms[1].tolist()))
+        norm = math.fsum(norms[1].tolist())
+        return math.sqrt(err / norm) if norm > 0 else 0.0
 
     heads = range(choosing.shape[2])
     labels = {cands.labels[c] for c in index}
@@ -202,16 +163,11 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
         clipped=math.fsum(clipped[c, h].item() for h, c in zip(heads, index)) / max(math.fsum(count[0].tolist()), 1.0),
         error=held_error(index), error_absmax=held_error([0] * len(heads)),
         error_unit=held_error([cands.unit] * len(heads)),
-        errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)),
-    )
+        errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)))
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:
-    """The candidate for one kind from its squared errors on the choosing and the held-out rows (candidate 0 is
-    absmax; `keeps_range`: the candidate clips nothing absmax keeps), each on the server where it does worst. A clip
-    where one at least halves (GAIN) absmax's error on both halves: of those, the first (least clipping) within
-    TOLERANCE of their best. Else, of absmax and the candidates that keep its range and cut its error by a tenth
-    (WIDER_GAIN) on both halves, the lowest on the choosing rows."""
+    """The candidate from its squared errors on the choosing and held-out rows (0 is absmax): see the module."""
     def cuts(c: int, gain: float) -> bool:  # below gain x absmax's relative error on both halves (squared errors)
         return errors[c] < gain**2 * errors[0] and held_out[c] < gain**2 * held_out[0]
 
@@ -227,24 +183,15 @@ Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (on
 
 
 def scored_numerics(target: fp8.Target, per_head: bool) -> tuple[fp8.Target, ...]:
-    """The numerics search scores every candidate on: each server the target's scales are for
-    (fp8.served_numerics); per-head scales serve on GPU vLLM's FlashAttention alone (neither Neuron nor vLLM CPU
-    loads them), so those are scored on the target only."""
+    """What search scores on: fp8.served_numerics; per-head scales on the target only (GPU vLLM alone loads them)."""
     return (target,) if per_head else fp8.served_numerics(target)
 
 
 def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch.Tensor],
            v_heads: Sequence[torch.Tensor], target: fp8.Target, per_head: bool,
            gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
-    """Per layer: the K and V choices (and their candidates), from every rank's samples (`gather`, twice a layer).
-
-    Every candidate is scored on each numerics the checkpoint will be served with (scored_numerics: for trn2 also
-    the 448-range servers, where the same scale saturates at 448 x s) and judged by its error where that is largest
-    (choose). absmax and 1.0 are scored on every sample first: absmax's error is the bar every other candidate must
-    get under (GAIN, WIDER_GAIN) to be chosen. The others are then scored sample by sample, and a candidate stops
-    being scored once its error so far already reaches its bar: errors only grow with more samples, so it could not
-    be chosen. The choice, and every error and clipped fraction it reports, are those of scoring everything (on a
-    rank, the bar is every rank's absmax and the sums its own samples'; gathered, they only grow)."""
+    """Per layer: the K and V choices and candidates, from every rank's samples (`gather`, twice a layer). absmax
+    and 1.0 are scored first (absmax's error is the bar); the others until their error so far reaches it."""
     numerics = scored_numerics(target, per_head)
     chosen = []
     for i, layer in enumerate(samples):
@@ -264,17 +211,14 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
     return chosen
 
 
-# a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one: a candidate is ruled out
-# only this far past its bar, so that the exactly rounded sums choose() compares are past it too
+# a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one (math.fsum's in choose())
 _MARGIN = 1.0 + 1e-9
 
 
 def _scored_until_ruled_out(layer: Sequence[AttentionSample], grids: Sequence[tuple[Candidates, Candidates]],
                             numerics: Sequence[fp8.Target], per_head: bool, bars: torch.Tensor,
                             anchors: tuple[list[int], list[int]]) -> list[torch.Tensor]:
-    """The terms of every candidate but the anchors, sample after sample, each until `bars` (absmax's summed
-    terms, [numerics, 2, 4, C, kv_heads]) rule it out: its squared errors so far, on the server where they are
-    largest, reach its bar on one half or the other (per head: on every head), so choose() could not pick it."""
+    """Each non-anchor candidate's terms, sample after sample, until its error so far reaches its bar (`bars`)."""
     keeps = [cands.keeps_range if per_head else cands.keeps_range.all(dim=1) for cands in grids[0]]
     gains = [torch.where(keep, WIDER_GAIN**2, GAIN**2).double() for keep in keeps]  # [C(, kv_heads)]
     bar = [bars[:, kind, :2, 0] if per_head else bars[:, kind, :2, 0].sum(dim=-1) for kind in range(2)]
@@ -301,8 +245,7 @@ WORTH_WARNING = 0.05
 
 def near_constant_channels(samples: Sequence[AttentionSample], kind: str, absmax: float,
                            limit: int = 6) -> tuple[int, list[tuple[int, float, float]]] | None:
-    """(head, [(channel, mean, std)]) of the head with the most near-constant outlier channels: |mean| at
-    least a quarter of the layer's absmax, std under 5 % of |mean|, over every sampled token. None: none."""
+    """(head, [(channel, mean, std)]) of the head with the most channels of |mean| >= absmax / 4, std < 5 % of it."""
     if not samples:
         return None
     x = torch.cat([(s.key if kind == "k" else s.value).float() for s in samples], dim=1)  # [Hkv, tokens, D]

@@ -65,13 +65,12 @@ class CalibrateOptions(RunOptions):
         if not 1.0 <= self.headroom <= 16.0:
             raise UsageError(f"--headroom {self.headroom:g}: must be between 1 (none) and 16",
                              hint="e.g. --headroom 1.4142 (a square root of 2) for contexts far longer than the "
-                                  "samples")
+                             "samples")
 
 
 @dataclass(frozen=True)
 class KindScales:
-    """One layer's K, V or Q: what was observed and the scale written. With strategy attn_head, head_absmax and
-    head_scales hold every head's (KV heads for K/V, attention heads for Q); scale is their max (vLLM reports it)."""
+    """One layer's K, V or Q: observed and written; per head (attn_head) in head_*, `scale` their max."""
 
     absmax: float
     scale: float
@@ -125,19 +124,9 @@ class CalibrationResult:
         return self.num_tokens / self.observe_seconds if self.observe_seconds > 0 else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "output": self.output,
-            "model": self.model,
-            "target": self.target,
-            "fp8_max": self.fp8_max,
-            "num_samples": self.num_samples,
-            "num_tokens": self.num_tokens,
-            "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(self.tokens_per_s, 1),
-            "compute": self.compute,
-            "scale_objective": self.scale_objective,
-            "objective_seconds": round(self.objective_seconds, 3),
-            "layers": [layer.to_dict() for layer in self.layers],
-            "warnings": list(self.warnings),
-            "validation": self.validation,
-        }
+        return {"output": self.output, "model": self.model, "target": self.target, "fp8_max": self.fp8_max,
+                "num_samples": self.num_samples, "num_tokens": self.num_tokens, "seconds": round(self.seconds, 3),
+                "tokens_per_s": round(self.tokens_per_s, 1), "compute": self.compute,
+                "scale_objective": self.scale_objective, "objective_seconds": round(self.objective_seconds, 3),
+                "layers": [layer.to_dict() for layer in self.layers], "warnings": list(self.warnings),
+                "validation": self.validation}

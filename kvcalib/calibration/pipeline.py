@@ -1,9 +1,6 @@
-"""calibrate: per-layer K/V absmax over a dataset -> FP8 scales -> a new checkpoint.
+"""calibrate: per-layer K/V absmax over a dataset -> FP8 scales -> a new checkpoint, validated, then published.
 
-Cheap checks first (target, model config, output path, dataset), then the model is loaded
-and every calibration token runs through the decoder stack once (no LM head, nothing after
-the last layer's K/V). The scales `absmax / fp8_max(target)` go into a new checkpoint
-written atomically, which is validated before it is put in place.
+Cheap checks first (check_run), then the engine observes, the scale objective chooses, the writer publishes.
 """
 
 from __future__ import annotations
@@ -27,12 +24,7 @@ from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import RecipePlan, plan_recipe
 from kvcalib.calibration.scales import layer_scales, scale_tensors
 from kvcalib.calibration.stream import stream_engine
-from kvcalib.calibration.writer import (
-    WritePlan,
-    check_output_path,
-    check_room,
-    write_checkpoint,
-)
+from kvcalib.calibration.writer import WritePlan, check_output_path, check_room, write_checkpoint
 from kvcalib.core import fp8, mxfp4
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
@@ -41,13 +33,7 @@ from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config, max_position_embeddings
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
-from kvcalib.hf.model import (
-    load_tokenizer,
-    pad_id,
-    prepare_run,
-    resolve_compute,
-    resolve_target,
-)
+from kvcalib.hf.model import load_tokenizer, pad_id, prepare_run, resolve_compute, resolve_target
 from kvcalib.hf.samples import sample_sequences
 from kvcalib.validation.pipeline import validate_checkpoint  # calibrate validates what it wrote (pyproject.toml)
 
@@ -110,8 +96,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
             num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
             seconds=time.perf_counter() - started, observe_seconds=observation.seconds,
             warnings=tuple(more_warnings), validation=validation, compute=plan.compute.describe(),
-            scale_objective=opts.scale_objective, objective_seconds=objective_seconds,
-        )
+            scale_objective=opts.scale_objective, objective_seconds=objective_seconds)
 
     if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
         return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)
@@ -124,11 +109,9 @@ def read_data(plan: RunPlan, dataset: str) -> tuple[CalibrationData, int]:
     """The calibration samples, tokenised as the run tokenises them, and the padding id."""
     opts = plan.options
     tokenizer = load_tokenizer(plan.checkpoint.root, opts.trust_remote_code)
-    data = load_calibration_data(
-        dataset, tokenizer, split=opts.split, text_column=opts.text_column,
-        num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
-        add_special_tokens=opts.add_special_tokens,
-    )
+    data = load_calibration_data(dataset, tokenizer, split=opts.split, text_column=opts.text_column,
+                                 num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
+                                 add_special_tokens=opts.add_special_tokens)
     return data, pad_id(tokenizer)
 
 
@@ -145,9 +128,7 @@ def engine_inputs(plan: RunPlan, data: CalibrationData, pad: int, notify: Progre
 
 def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, Any], output: str | Path,
                     headroom: float = 1.0) -> list[str]:
-    """A warning when the calibration samples are far shorter (under half) than the context the model serves and no
-    headroom was asked for: K/V absmax grows with more text and later positions (SmolLM2-135M, 16 x 256 fortunes
-    against 8,192 tokens of the Python tutorial: K up to 1.18x, V 1.22x; --headroom 1.4142 leaves none clipped)."""
+    """A warning when samples are under half the served context, no headroom (SmolLM2 at 8k tokens: K absmax 1.18x)."""
     context = max_position_embeddings(config)
     longest = data.longest
     if context is None or 2 * longest >= context or headroom > 1.0:
@@ -159,8 +140,7 @@ def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, A
 
 
 def check_run(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions, *, dry: bool = False) -> RunPlan:
-    """The cheap checks, before any weight is loaded; the plan of the run. `dry` (calibrate --plan): leftovers of
-    interrupted runs are left as they are (only a real run restores or removes them)."""
+    """The cheap checks, before any weight is loaded; the plan of the run. `dry`: leave leftovers as they are."""
     opts.check_arguments()
     recipe = plan_recipe(opts.recipe, opts.target, opts.engine, opts.strategy)  # checked together
     target = resolve_target(recipe.target)
@@ -238,23 +218,17 @@ def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], atte
         report = validate_checkpoint(tmp_dir, plan.target.name)
         validation.update(report.to_dict())
         validation["checkpoint"] = str(plan.output)
-        if report.ok:  # the card says what validate said, and is published with the rest
-            write_card(tmp_dir, summarize(validation), base_model=_base_model(config))
         if not report.ok:
             first = report.errors[0]
             raise ValidationFailedError(
                 f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} error(s)); "
                 f"first: [{first.rule}] {first.message}",
-                hint="nothing was written; please report this as a kvcalib bug",
-                report=report,
-            )
+                hint="nothing was written; please report this as a kvcalib bug", report=report)
+        write_card(tmp_dir, summarize(validation), base_model=_base_model(config))  # validate's verdict, published too
 
-    notes = write_checkpoint(
-        plan.checkpoint, plan.output,
-        WritePlan(scales=scales, provenance=provenance, quantization_config=kv_only_quantization_config(
-            plan.recipe.strategy, attention_classes)),
-        overwrite=plan.options.overwrite, check=check, inputs=plan.inputs,
-    )
+    quantization = kv_only_quantization_config(plan.recipe.strategy, attention_classes)
+    notes = write_checkpoint(plan.checkpoint, plan.output, WritePlan(scales, quantization, provenance),
+                             overwrite=plan.options.overwrite, check=check, inputs=plan.inputs)
     return notes, validation
 
 
@@ -274,33 +248,19 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "scale_convention": "x = fp8 * scale; scale = range / fp8_max, rounded up so the chip never saturates "
                             "range; range = absmax, or with the attention objective the clip it chose "
                             "(layers[].k.range)",
-        "scale_objective": opts.scale_objective,
-        "headroom": opts.headroom,
-        "target": target.name,
+        "scale_objective": opts.scale_objective, "headroom": opts.headroom, "target": target.name,
         "fp8_max": target.fp8_max,
         # the numerics the scale objective scored every candidate on (a clip is chosen only if good on all)
         "scored_on": [chip.name for chip in scored_numerics(target, opts.strategy == ATTN_HEAD)]
         if opts.scale_objective == ATTENTION else [],
-        "scales_file": SCALES_FILENAME,
-        "model": str(model_dir),
-        "dtype": dtype_name,
-        "engine": opts.engine,
-        "dataset": data.source,
-        "split": data.split,
-        "column": data.column,
-        "seed": opts.seed,
-        "max_seq_len": opts.max_seq_len,
-        "longest_sample": data.longest,
-        "model_context": max_position_embeddings(config),
-        "num_samples": len(data.sequences),
-        "num_rows_selected": data.rows_selected,
-        "num_rows_empty": data.rows_empty,
+        "scales_file": SCALES_FILENAME, "model": str(model_dir), "dtype": dtype_name, "engine": opts.engine,
+        "dataset": data.source, "split": data.split, "column": data.column, "seed": opts.seed,
+        "max_seq_len": opts.max_seq_len, "longest_sample": data.longest,
+        "model_context": max_position_embeddings(config), "num_samples": len(data.sequences),
+        "num_rows_selected": data.rows_selected, "num_rows_empty": data.rows_empty,
         "special_tokens": data.special_tokens_rule,
         "special_tokens_added": list(data.special_tokens),  # e.g. [BOS]: what the plain-text rows start with
-        "num_tokens": data.num_tokens,
-        "observer": "static_minmax",
-        "strategy": opts.strategy,
-        "attention_scales": opts.attention_scales,
-        "layers": [layer.to_dict(keys=False) for layer in layers],
+        "num_tokens": data.num_tokens, "observer": "static_minmax", "strategy": opts.strategy,
+        "attention_scales": opts.attention_scales, "layers": [layer.to_dict(keys=False) for layer in layers],
         **opts.extra_provenance,
     }

@@ -1,21 +1,8 @@
-"""`calibrate --plan`: what a run would do and what it would take, before it runs; nothing is written.
+"""`calibrate --plan`: what a run would do and take, before it runs; nothing is written (leftovers are left).
 
-Every check calibrate makes before its long work runs as it would (the model, the recipe, the output path, the
-room on the output's filesystem, the engine the memory allows); what would stop the run is reported as a
-refusal instead of raised. Then a timed probe: the first PROBE_BATCHES batches of the real samples through the
-engine the run would use (the in-memory engine: the whole model loaded, as the run loads it; the stream engine:
-the first PROBE_LAYERS layers only, each loaded from disk as the run loads it), and the scale objective's search
-on what the probe observed. The estimate scales each measured part by what the run has more of:
-
-- load: the checks and the data as the run makes them (in a fresh process that includes importing transformers,
-  which a run pays too), then the model's load (in memory) or the stream engine's start-up (skeleton,
-  embeddings, the first inputs);
-- observe: the probe's per-token compute time times the run's tokens (per layer for the stream engine, which
-  also pays each layer's load once);
-- objective: the probe's search time times (the run's objective tokens / the probe's) and (layers / probed);
-- write: hard links cost nothing; copied bytes at WRITE_BYTES_PER_S, plus validate (a fixed second).
-
-Leftovers of interrupted runs are left as they are; the room check writes and removes one probe file.
+calibrate's checks run as they would (what stops the run is a refusal, not raised); then a timed probe: the first
+PROBE_BATCHES batches through the run's engine (stream: its first PROBE_LAYERS layers) and the objective's search.
+The estimate scales each part (load, observe, objective, write) by what the run has more of.
 """
 
 from __future__ import annotations
@@ -40,8 +27,7 @@ __all__ = ["PROBE_BATCHES", "PROBE_LAYERS", "CalibrationPlan", "Estimate", "plan
 PROBE_BATCHES = 2  # two, so a batch's compute is told apart from what a run pays once
 PROBE_LAYERS = 2  # the stream engine's probe: two layers, so a layer's load is told apart from its compute
 WRITE_BYTES_PER_S = 200e6  # copying weights where hard links do not work (an assumption, not measured)
-# the config, card, scales and links, then validate: 0.01-0.03 s measured (SmolLM2, Qwen2.5-0.5B)
-VALIDATE_SECONDS = 0.1
+VALIDATE_SECONDS = 0.1  # writing config, card, scales, links, then validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
 
 
 @dataclass(frozen=True)
@@ -58,8 +44,7 @@ class Estimate:
         return self.load + self.observe + self.objective + self.write
 
     def to_dict(self) -> dict[str, float]:
-        return {"load": round(self.load, 2), "observe": round(self.observe, 2), "objective": round(self.objective, 2),
-                "write": round(self.write, 2), "total": round(self.total, 2)}
+        return {k: round(getattr(self, k), 2) for k in ("load", "observe", "objective", "write", "total")}
 
 
 @dataclass(frozen=True)
@@ -100,8 +85,7 @@ class CalibrationPlan:
 
 def plan_calibration(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions | None = None,
                      progress: ProgressCallback | None = None) -> CalibrationPlan:
-    """The plan of `calibrate(model, dataset, output, options)` (see the module docstring). Wrong arguments raise
-    UsageError as calibrate does; anything else that would stop the run is a refusal in the plan."""
+    """The plan of `calibrate(...)`: UsageError as calibrate raises it; whatever else stops the run, a refusal."""
     notify = progress or no_progress
     opts = options or CalibrateOptions()
     opts.check_arguments()
@@ -114,8 +98,8 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
     except UsageError:
         raise
     except KvcalibError as err:
-        return CalibrationPlan(str(model), str(output),
-                               refusals=(err.message + (f" ({err.hint})" if err.hint else ""),))
+        refusal = err.message + (f" ({err.hint})" if err.hint else "")
+        return CalibrationPlan(str(model), str(output), refusals=(refusal,))
     layers = num_hidden_layers(plan.checkpoint.config) or 1
     setup = time.perf_counter() - began  # check_run and read_data: what the run does before its engine
     probe = {**_probe(plan, data, pad, layers, notify), "setup_seconds": round(setup, 3)}
@@ -128,13 +112,11 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
         num_samples=len(data.sequences), num_tokens=data.num_tokens, weight_bytes=needed, peak_memory_bytes=peak,
         memory_limit_bytes=limit.available if limit else None, memory_source=limit.source if limit else None,
         weights_linked=room.linkable, output_bytes=room.needed, free_bytes=room.free, scratch_bytes=scratch,
-        probe=probe, estimate=_estimate(probe, data.num_tokens, layers, room.needed, room.linkable),
-    )
+        probe=probe, estimate=_estimate(probe, data.num_tokens, layers, room.needed, room.linkable))
 
 
 def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback) -> dict[str, Any]:
-    """Time the run's engine on its first PROBE_BATCHES batches (the stream engine: its first PROBE_LAYERS layers),
-    then the scale objective on what it observed."""
+    """Time the run's engine on PROBE_BATCHES batches (stream: PROBE_LAYERS layers), then the scale objective."""
     opts = plan.options
     rows = data.sequences[:opts.batch_size * PROBE_BATCHES]
     probe_data = replace(data, sequences=rows)
@@ -147,10 +129,9 @@ def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCall
         notify(event)
 
     name = "native" if plan.options.engine == "llmcompressor" else plan.options.engine  # oneshot: native's probe
-    engine = ENGINES[name]
     inputs = engine_inputs(plan, probe_data, pad, stamp, probe_layers=probed if stream else None)
     started = time.perf_counter()
-    observation = engine(inputs)
+    observation = ENGINES[name](inputs)
     observed = time.perf_counter()
     objective = 0.0
     if inputs.sample_sequences:
@@ -158,18 +139,15 @@ def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCall
                observation.v_heads[:probed], plan.target, plan.recipe.strategy == ATTN_HEAD)
         objective = time.perf_counter() - observed
     sampled = sum(len(s) for s in engine_inputs(plan, data, pad, no_progress).sample_sequences)
-    return {
-        "engine": name,
-        "batches": math.ceil(len(rows) / opts.batch_size), "layers": probed, "tokens": probe_data.num_tokens,
-        "objective_tokens": sum(len(s) for s in inputs.sample_sequences), "run_objective_tokens": sampled,
-        "seconds": round(observed - started + objective, 3), "objective_seconds": round(objective, 3),
-        "peak_rss_bytes": peak_rss_bytes(), **_split(stamps, started, observed, stream),
-    }
+    return {"engine": name, "batches": math.ceil(len(rows) / opts.batch_size), "layers": probed,
+            "tokens": probe_data.num_tokens, "objective_tokens": sum(len(s) for s in inputs.sample_sequences),
+            "run_objective_tokens": sampled, "seconds": round(observed - started + objective, 3),
+            "objective_seconds": round(objective, 3), "peak_rss_bytes": peak_rss_bytes(),
+            **_split(stamps, started, observed, stream)}
 
 
 def _split(stamps: list[tuple[float, Progress]], started: float, ended: float, stream: bool) -> dict[str, float]:
-    """The probe's time by part, from its progress events: what is paid once (load), per layer (the stream
-    engine's layer loads) and per batch of compute."""
+    """The probe's time from its progress events: paid once (load), per layer (stream loads), per batch."""
     observe = [(t, e) for t, e in stamps if e.stage == "observe"]
     if not stream:  # native: "observe" 0 after the load, then one after each batch
         first = observe[0][0] if observe else ended
@@ -203,9 +181,7 @@ def _estimate(probe: dict[str, Any], tokens: int, layers: int, output_bytes: int
 
 
 def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, int]:
-    """(peak bytes, scratch bytes): the in-memory engine holds the weights (HEADROOM, its own rule); the stream
-    engine one layer, the rest of the model and every batch's hidden states (spilled to disk where they would
-    not fit: then one batch in memory and the rest on disk)."""
+    """(peak, scratch) bytes: the weights x HEADROOM; stream: two layers and the hidden states (or one batch's)."""
     if plan.options.engine != "stream":
         return int(weights * HEADROOM), 0
     hidden = int(text_config(plan.checkpoint.config).get("hidden_size") or 0)

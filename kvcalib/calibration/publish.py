@@ -1,19 +1,9 @@
 """Putting a new checkpoint at OUT so that no interruption, at any instant, loses the old one.
 
-While a run writes OUT, everything lives in one sibling directory:
-
-    PARENT/.OUT.kvcalib-XXXXXXXX/
-        .kvcalib-staging     the marker: {"output": "OUT", "pid": ..., "host": ..., "started": ...}
-        checkpoint/          the new checkpoint, written and validated here
-        old/                 (fallback publish only) the previous OUT, until the new one is in place
-
-Publishing exchanges checkpoint/ and OUT in one `renameat2(RENAME_EXCHANGE)` (Linux 3.15+,
-glibc 2.28+): OUT holds the old checkpoint until the instant it holds the new one. Where the
-call or the filesystem lacks it, the fallback renames OUT to old/ and checkpoint/ to OUT; a
-kill between the two leaves OUT absent and the old checkpoint in old/, and `recover` puts it
-back. The marker is removed last, so a sibling is recognisable (by its name and the marker)
-until it is gone; `recover`, run before every calibration, restores or removes what a killed
-run left, and reports it. Signals are deferred while the renames and the cleanup run.
+A run writes in a sibling PARENT/.OUT.kvcalib-XXXXXXXX/: the marker `.kvcalib-staging` ({"output", "pid", "host",
+"started"}), checkpoint/, and in the fallback old/ (the previous OUT). Publishing swaps checkpoint/ and OUT with
+`renameat2(RENAME_EXCHANGE)` (Linux 3.15+, glibc 2.28+), else renames OUT to old/ and checkpoint/ to OUT. The marker
+goes last; `recover` (before every calibration) restores or removes what a killed run left. Signals are deferred.
 """
 
 from __future__ import annotations
@@ -114,41 +104,28 @@ def discard(staging: Staging) -> bool:
 
 def siblings(output: Path) -> list[Path]:
     """Staging siblings of `output` that kvcalib made: the name, and the marker (or nothing at all) inside."""
-    output = Path(output)
-    if not output.parent.is_dir():
-        return []
-    found = []
-    for entry in sorted(output.parent.glob(_prefix(output) + "*")):
-        if entry.is_dir() and not entry.is_symlink() and ((entry / MARKER).is_file() or not any(entry.iterdir())):
-            found.append(entry)
-    return found
+    return [entry for entry in _named(Path(output)) if (entry / MARKER).is_file() or not any(entry.iterdir())]
 
 
-def _unmarked(output: Path) -> list[Path]:
+def _named(output: Path) -> list[Path]:
     if not output.parent.is_dir():
         return []
-    named = list(output.parent.glob(_prefix(output) + "*"))
-    marked = set(siblings(output))
-    return sorted(p for p in named if p.is_dir() and not p.is_symlink() and p not in marked)
+    return sorted(p for p in output.parent.glob(_prefix(output) + "*") if p.is_dir() and not p.is_symlink())
 
 
 def recover(output: Path) -> list[str]:
-    """Restore or remove what interrupted runs left next to `output`; a note for each. Refuses a live writer.
-
-    A sibling with kvcalib's name but no marker (an earlier kvcalib's temporary or old directory)
-    is reported and left alone: without the marker nothing says it is safe to delete.
-    """
+    """Restore or remove what killed runs left next to `output` (unmarked: only reported); refuse a live writer."""
     output = Path(output)
+    marked = siblings(output)
     notes = [f"{path} next to {output} looks like a leftover of an earlier kvcalib run, without the marker "
              "that would make it safe to remove: left alone; delete it if nothing uses it"
-             for path in _unmarked(output)]
-    for root in siblings(output):
+             for path in _named(output) if path not in marked]
+    for root in marked:
         owner = _owner(root)
         if owner is not None and _alive(*owner):
             raise OutputExistsError(
                 f"another kvcalib (pid {owner[0]}) is writing {output} (its staging directory {root})",
-                hint="wait for it to finish, or stop it; two runs must not write one output",
-            )
+                hint="wait for it to finish, or stop it; two runs must not write one output")
         who = f"pid {owner[0]}" if owner else "a process killed as it began"
         if discard(Staging(root, output)):
             notes.append(f"restored the previous {output} from {root.name}, left by an interrupted run ({who})")
@@ -207,11 +184,7 @@ def _rename_exchange(a: Path, b: Path) -> None:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT, SIGTERM and SIGHUP until the block ends, then act on the first one as it would have.
-
-    The Python-level handlers are swapped (blocking the signal in this thread would not do: the
-    kernel hands it to another of the process's threads, and Python runs the handler anyway).
-    """
+    """Hold SIGINT, SIGTERM and SIGHUP (Python handlers swapped) until the block ends, then act on the first."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -51,7 +51,6 @@ def rank_device(device: torch.device, ranks: Ranks | None) -> torch.device:
     if ranks.local_rank >= torch.cuda.device_count():
         raise UsageError(
             f"rank {ranks.rank} (local rank {ranks.local_rank}) has no GPU: torch sees {torch.cuda.device_count()}",
-            hint="run at most one process per GPU (torchrun --nproc-per-node <number of GPUs>)",
-        )
+            hint="run at most one process per GPU (torchrun --nproc-per-node <number of GPUs>)")
     return torch.device("cuda", ranks.local_rank)
 

@@ -1,25 +1,14 @@
 """llm-compressor recipes: read the kv_cache_scheme a user already has; refuse what the target cannot serve.
 
-A recipe is llm-compressor's YAML (or JSON): `<name>_stage` -> `<group>_modifiers` ->
-`<ModifierName>` -> arguments, one of which may be `kv_cache_scheme`, a compressed-tensors
-`QuantizationArgs`. kvcalib parses that scheme with compressed-tensors' own model and runs
-the KV-cache part only.
-
-llm-compressor cannot be told a chip's FP8 max: compressed-tensors' `calculate_range` sizes
-every FP8 scale for the OCP E4M3FN max (448, `FP8_E4M3_DATA.max`) from `type` and
-`num_bits` alone, `QuantizationArgs` forbids extra fields, and neither `observer_kwargs`
-nor `scale_dtype` reach the range. So a recipe carries the target in a top-level key that
-llm-compressor ignores (it reads only `*_stage` sections and `args`):
-
-    kvcalib:
-      target: trn2
-
-and kvcalib applies that target's FP8 max itself when it turns the observed range into scales.
+`<name>_stage` -> `<group>_modifiers` -> `<Modifier>` -> `kv_cache_scheme` (compressed-tensors `QuantizationArgs`).
+Its `calculate_range` sizes every FP8 scale for 448 and `QuantizationArgs` forbids extra fields, so the chip goes in
+a top-level key llm-compressor ignores (`kvcalib: {target: trn2}`); kvcalib applies that FP8 max itself.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,34 +16,25 @@ from typing import Any
 from kvcalib.core import fp8
 from kvcalib.core.errors import MissingDependencyError, RecipeError, UsageError
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import (
-    ATTN_HEAD,
-    NEURON_PER_HEAD_REASON,
-    TENSOR,
-    fp8_attention_groups,
-)
+from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, TENSOR, fp8_attention_groups
 
-__all__ = [
-    "KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE",
-    "LLMCOMPRESSOR_HINT", "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan", "STRATEGIES",
-    "BUILTIN_RECIPES", "builtin_recipes", "check_servable", "load_recipe", "plan_recipe", "recipe_file",
-    "require_llmcompressor",
-]
+__all__ = ["KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE", "LLMCOMPRESSOR_HINT",
+           "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan", "STRATEGIES", "BUILTIN_RECIPES",
+           "builtin_recipes", "check_servable", "load_recipe", "plan_recipe", "recipe_file", "require_llmcompressor"]
 
 RECIPE_KEY = "kvcalib"  # the top-level key with kvcalib's own settings
 STRATEGIES = (TENSOR, ATTN_HEAD)
 
 KV_SCHEME_KEY = "kv_cache_scheme"
-# Arguments of a modifier that quantise something other than the KV cache.
-OTHER_SCHEME_KEYS = ("scheme", "config_groups")
-# What the native engine measures: the absmax over every calibration token.
-NATIVE_OBSERVER = "static_minmax"
-# llm-compressor 0.14 observes K/V with "minmax" when a kv_cache_scheme names no observer
-# (llmcompressor.modifiers.quantization.calibration.initialize_observer): a moving average
-# of per-batch ranges (factor 0.01) that ends below the absmax.
+OTHER_SCHEME_KEYS = ("scheme", "config_groups")  # a modifier's arguments that quantise something else
+NATIVE_OBSERVER = "static_minmax"  # what the native engine measures: the absmax over every token
+# llm-compressor 0.14's K/V observer when a kv_cache_scheme names none (a moving average of per-batch ranges that
+# ends below the absmax): llmcompressor/modifiers/quantization/calibration.py, initialize_observer
 LLMCOMPRESSOR_DEFAULT_OBSERVER = "minmax"
 LLMCOMPRESSOR_ENGINE = "llmcompressor"
 LLMCOMPRESSOR_HINT = "pip install kvcalib[llmcompressor]"
+_SHIPPED = "(recipes/kv-fp8-trn2.yaml; --recipe trn2)"
+_SEE_SHIPPED = f"see the shipped recipe {_SHIPPED}"
 
 
 @dataclass(frozen=True)
@@ -72,8 +52,7 @@ class KvRecipe:
     def observer(self) -> str | None:
         return self.scheme.get("observer")
 
-    def quantization_args(self) -> Any:
-        """The scheme as compressed-tensors `QuantizationArgs`."""
+    def quantization_args(self) -> Any:  # the scheme as compressed-tensors `QuantizationArgs`
         from compressed_tensors.quantization import QuantizationArgs
 
         return QuantizationArgs.model_validate(self.scheme)
@@ -93,22 +72,19 @@ class RecipePlan:
 
 
 def builtin_recipes() -> Path:
-    """The folder of the shipped recipes: kvcalib.recipes when installed (a wheel or an editable install),
-    else the source tree's recipes/ (kvcalib imported from a checkout without installing it)."""
+    """The shipped recipes: kvcalib.recipes when installed, else the source tree's recipes/."""
     spec = importlib.util.find_spec("kvcalib.recipes")  # a folder of YAML: a namespace package
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
     return Path(__file__).resolve().parents[2] / "recipes"
 
 
-# The recipes kvcalib ships (the repository's recipes/, installed as the package kvcalib.recipes), by name: one
-# per chip of the table.
+# The recipes kvcalib ships (recipes/, installed as kvcalib.recipes), by name: one per chip of the table.
 BUILTIN_RECIPES = tuple(name for name in fp8.TARGETS if (builtin_recipes() / f"kv-fp8-{name}.yaml").is_file())
 
 
 def recipe_file(recipe: str | Path) -> Path:
-    """`--recipe`: a shipped recipe by name (trn2, trn3, gpu: kv-fp8-NAME.yaml) or a recipe file's path. A file
-    of that name in the working directory is the user's and wins."""
+    """`--recipe`: a shipped recipe by name (kv-fp8-NAME.yaml) or a file's path; an existing file of that name wins."""
     text = str(recipe)
     if text in BUILTIN_RECIPES and not Path(text).exists():
         return builtin_recipes() / f"kv-fp8-{text}.yaml"
@@ -116,8 +92,7 @@ def recipe_file(recipe: str | Path) -> Path:
 
 
 def load_recipe(path: str | Path) -> KvRecipe:
-    """Read the kv_cache_scheme (and kvcalib's target, if any) from an llm-compressor recipe: a file, or a shipped
-    recipe by name (`recipe_file`)."""
+    """The kv_cache_scheme (and kvcalib's target) of a recipe file or a shipped recipe by name (`recipe_file`)."""
     import yaml
 
     path = recipe_file(path)
@@ -135,17 +110,16 @@ def load_recipe(path: str | Path) -> KvRecipe:
                           hint="fix the YAML, or start from the shipped one: --recipe trn2") from None
     if not isinstance(obj, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
-                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
+                          hint=_SEE_SHIPPED)
     target = _recipe_target(obj, path)
     found, ignored, attention = _find_kv_schemes(obj, path)
     if not found:
         raise RecipeError(
             f"{path}: no {KV_SCHEME_KEY} in the recipe",
             hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} (or an "
-            "FP8-attention config group); see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)",
-        )
+            f"FP8-attention config group); {_SEE_SHIPPED}")
     parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
-    schemes = {_canonical(scheme) for _, scheme in parsed}
+    schemes = {json.dumps(scheme, sort_keys=True) for _, scheme in parsed}
     if len(schemes) > 1:
         places = ", ".join(f"{location}.{field}" if field != KV_SCHEME_KEY else location
                            for location, field, _ in found)
@@ -165,17 +139,14 @@ def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
         raise RecipeError(
             f"{where} has type {s['type']!r} ({s['num_bits']}-bit integer KV), which {target.name} cannot serve: "
             "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
-            hint=f"set type: float and num_bits: 8, as in {example}",
-        )
+            hint=f"set type: float and num_bits: 8, as in {example}")
     if s["num_bits"] != 8:
         raise RecipeError(f"{where} has num_bits {s['num_bits']}, which {target.name} cannot serve: "
                           "vLLM's KV cache is FP8 (num_bits 8)", hint=f"set num_bits: 8, as in {example}")
     if s["dynamic"] is not False:
-        raise RecipeError(
-            f"{where} has dynamic: {s['dynamic']!r}, which {target.name} cannot serve: vLLM reads static "
-            "per-layer KV scales from the checkpoint",
-            hint=f"set dynamic: false, as in {example}",
-        )
+        raise RecipeError(f"{where} has dynamic: {s['dynamic']!r}, which {target.name} cannot serve: vLLM reads static "
+                          "per-layer KV scales from the checkpoint",
+                          hint=f"set dynamic: false, as in {example}")
     if s["strategy"] == ATTN_HEAD and target.neuron:
         raise RecipeError(f"{where} has strategy attn_head (one scale per KV head), which {target.name} cannot "
                           f"serve: {NEURON_PER_HEAD_REASON}", hint=f"set strategy: tensor, as in {example}")
@@ -247,10 +218,8 @@ def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -
 def require_llmcompressor() -> None:
     """MissingDependencyError, with the install command, unless llm-compressor can be imported."""
     if importlib.util.find_spec("llmcompressor") is None:
-        raise MissingDependencyError(
-            f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
-            hint=LLMCOMPRESSOR_HINT,
-        )
+        raise MissingDependencyError(f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
+                                     hint=LLMCOMPRESSOR_HINT)
 
 
 def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:
@@ -284,8 +253,7 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                 arguments = {} if arguments is None else arguments
                 if not isinstance(arguments, dict):
                     raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                                      hint="see the shipped recipe for the layout (recipes/kv-fp8-trn2.yaml; "
-                                           "--recipe trn2)")
+                                      hint=f"see the shipped recipe for the layout {_SHIPPED}")
                 groups = arguments.get("config_groups")
                 fp8_attention = fp8_attention_groups(groups)
                 attention = attention or bool(fp8_attention)
@@ -309,12 +277,12 @@ def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]
     where = f"{path}: {location}"
     if not isinstance(value, dict):
         raise RecipeError(f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
-                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
+                          hint=_SEE_SHIPPED)
     try:
         args = QuantizationArgs.model_validate(value)
     except (ValueError, TypeError, NotImplementedError) as exc:  # pydantic's ValidationError is a ValueError
         raise RecipeError(f"{where} is not a valid compressed-tensors QuantizationArgs: {_describe(exc)}",
-                          hint="see the shipped recipe (recipes/kv-fp8-trn2.yaml; --recipe trn2)") from None
+                          hint=_SEE_SHIPPED) from None
     return args.model_dump(mode="json")
 
 
@@ -328,9 +296,3 @@ def _describe(exc: Exception) -> str:
             parts.append(f"{loc}: {msg}" if loc else msg)
         return "; ".join(parts)
     return str(exc)
-
-
-def _canonical(scheme: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(scheme, sort_keys=True)

@@ -1,9 +1,5 @@
-"""Observation -> scales: per tensor or per KV head (strategy), K/V and optionally Q, and the tensors
-written for them.
-
-Shapes are llm-compressor's (compressed-tensors' initialize_qparams) and what vLLM's
-compressed-tensors loader reads: `[1]` per tensor; `[heads, 1, 1]` per head (KV heads for K/V,
-attention heads for Q), which vLLM flattens (and for Q reduces to one max per KV head group).
+"""Observation -> scales (per tensor or KV head; K/V, optionally Q) and the tensors written: `[1]` per tensor,
+`[heads, 1, 1]` per head, as compressed-tensors' initialize_qparams makes and vLLM's compressed-tensors loader reads.
 """
 
 from __future__ import annotations
@@ -27,10 +23,8 @@ def _check_finite(kind: str, per_layer: list[torch.Tensor], warnings: list[str])
     for i, heads in enumerate(per_layer):
         value = float(heads.max())  # NaN and inf propagate through max
         if not math.isfinite(value):
-            raise CalibrationError(
-                f"layer {i}: {kind} absmax is {value} (overflow in the calibration dtype)",
-                hint="calibrate with --dtype bfloat16 or --dtype float32",
-            )
+            raise CalibrationError(f"layer {i}: {kind} absmax is {value} (overflow in the calibration dtype)",
+                                   hint="calibrate with --dtype bfloat16 or --dtype float32")
         if value == 0.0:
             warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at "
                             f"{fp8.SCALE_FLOOR}")
@@ -41,14 +35,12 @@ def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
     if missing:
         raise CalibrationError(
             f"{model_dir}: decoder layer(s) {missing} {what} never observed during calibration",
-            hint="the model's attention does not go through transformers' attention interface for these layers",
-        )
+            hint="the model's attention does not go through transformers' attention interface for these layers")
 
 
 def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: float, target: fp8.Target) -> torch.Tensor:
-    """Each head's scale raised to cover headroom x its absmax, unless the scale clips that absmax (a deliberate clip
-    of the scale objective stays as chosen). FP8 is a floating-point grid: a wider scale keeps the relative
-    precision of every value in the normal range and only moves the smallest toward the subnormals."""
+    """Each head's scale raised to cover headroom x its absmax, unless it clips that absmax (the objective's clip
+    stays). A wider FP8 scale keeps the relative precision of normal values; only the smallest become subnormal."""
     if headroom == 1.0:
         return head_scales
     keeps = head_scales >= fp8.scale_from_absmax(heads, target)
@@ -56,12 +48,9 @@ def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: floa
 
 
 def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, strategy: str = "tensor",
-                 queries: bool = False,
-                 choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None,
-                 headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
-    """Per-layer scales for `target`, with per-head values when `strategy` is attn_head and Q's when `queries`:
-    absmax / fp8_max, or for K and V the scale objective's `choices` (kvcalib.calibration.objective.search); K and V
-    scales that clip nothing then cover `headroom` x absmax (with_headroom)."""
+                 queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None
+                 = None, headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
+    """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; then with_headroom."""
     _unobserved(observation.observed, model_dir, "were")
     if queries:
         _unobserved(observation.q_observed, model_dir, "had their Q")

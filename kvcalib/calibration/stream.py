@@ -1,21 +1,9 @@
 """The "stream" engine: calibrate a model larger than memory, one decoder layer at a time.
 
-The model is built with its parameters on the meta device (no weight memory; buffers such as
-the rotary frequencies are real, computed by the model's own constructor). Everything of the
-decoder but its layers (embedding, rotary embedding, final norm) is loaded, then each decoder
-layer in turn: its tensors only, read by key from the memory-mapped safetensors shards and
-loaded through transformers' own load-time conversion (so per-expert MoE checkpoints fuse as
-`from_pretrained` fuses them), cast the way it casts them. Every batch's hidden states go
-through that layer with kvcalib's recording cache, then the layer goes back to meta and the next one
-is loaded. Peak memory: one layer + the embedding + the hidden states of all samples (spilled
-to a temporary directory, one file per batch, when they would not fit).
-
-No model forward is copied. What each layer receives (masks, rotary cos/sin, position ids,
-and the embedding output for layer 0) is captured from the model's own forward: the decoder
-runs with every layer standing in as the identity, and the stand-in at layer i records the
-arguments it is called with and stops the forward. So sliding-window or per-layer-type masks
-come out exactly as the full model builds them, and the scales equal the in-memory engine's
-for the same dtype and batches (the same right-padded batches, in the same order).
+The model is built on the meta device; the non-layer weights are loaded, then each layer in turn through
+transformers' own load-time conversion (as `from_pretrained`), every batch's hidden states (spilled to disk when
+they would not fit) go through it, and it goes back to meta. Each layer's inputs (masks, rotary cos/sin) are
+captured from the model's own forward (capture_layer_inputs): the scales equal the in-memory engine's.
 """
 
 from __future__ import annotations
@@ -35,29 +23,15 @@ from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
 from kvcalib.core.schema import is_kv_scale_key
-from kvcalib.hf.attention import (
-    KVAbsmaxObserver,
-    RecordingCache,
-    StopForward,
-    attention_modules,
-    observing_queries,
-)
+from kvcalib.hf.attention import KVAbsmaxObserver, RecordingCache, StopForward, attention_modules, observing_queries
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
 from kvcalib.hf.memory import MemoryLimit, available_memory, release_free_memory
-from kvcalib.hf.model import (
-    build_skeleton,
-    effective_dtype,
-    faithful_attention,
-    num_layers,
-    text_config,
-)
+from kvcalib.hf.model import build_skeleton, effective_dtype, faithful_attention, num_layers, text_config
 
 __all__ = ["HIDDEN_STATES_MEMORY_SHARE", "capture_layer_inputs", "stream_engine"]
 
-
-# Hidden states stay in memory while they take at most this share of the memory left after
-# the weights being streamed; beyond it they are spilled to disk, one file per batch.
+# Hidden states stay in memory up to this share of the memory left after the streamed weights; beyond, on disk.
 HIDDEN_STATES_MEMORY_SHARE = 0.5
 
 
@@ -88,7 +62,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
         for b, (ids, mask) in enumerate(batch_list):
             hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
             states.put(b, hidden)
-        progress = _LayerProgress(inputs, batch_list, n_layers)
+        sizes = [(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]
         for i, layer in enumerate(layers[:inputs.probe_layers]):
             weights.load(f"{prefix}{layers_name}.{i}.")
             for b, (ids, mask) in enumerate(batch_list):
@@ -102,7 +76,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
                     pass
                 finally:
                     observer.end_batch()
-                progress.step(i, b)
+                inputs.notify(_progress(sizes, n_layers, i, b))
             layer.to("meta")  # frees the layer's weights
             release_free_memory()  # and the forward's freed activations, before the next layer loads
     return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
@@ -117,12 +91,7 @@ class _Captured(Exception):
 def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, index: int, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor, observer: KVAbsmaxObserver
                          ) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]:
-    """(hidden states, other args, kwargs) the decoder's own forward passes to layer `index` for this batch.
-
-    The decoder is called exactly as the in-memory engine calls it; while it runs, every layer
-    is the identity and layer `index` stops the forward, so no layer weight is needed. The
-    hidden states are real only for layer 0 (the embedding output).
-    """
+    """(hidden states (real for layer 0 only), args, kwargs) the decoder's forward passes to layer `index`."""
 
     def stand_in(i: int):
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -150,13 +119,7 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
 
 
 class _Weights:
-    """Loads one module's weights at a time through transformers' own load-time conversion.
-
-    Checkpoint keys are mapped to the model's parameters with the conversion mapping
-    `from_pretrained` applies (renamings, per-expert MoE tensors fused into one parameter,
-    ...), and each module's share is read by key from the memory-mapped shards and converted
-    by transformers' own loader, cast as `from_pretrained` casts.
-    """
+    """Loads one module's weights at a time, mapped and converted as `from_pretrained` does (renamings, MoE fusing)."""
 
     def __init__(self, model: torch.nn.Module, model_dir: Path, files: CheckpointFiles, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -190,18 +153,15 @@ class _Weights:
         return UnsupportedModelError(
             f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
             hint="the checkpoint does not hold every weight this model's config describes; calibrate it in "
-            "memory (without --stream-layers) to see transformers' own report",
-        )
+            "memory (without --stream-layers) to see transformers' own report")
 
     def check(self, prefix: str) -> None:
-        """Every weight under `prefix` has a source in the checkpoint, and every tensor a place, before the long
-        work."""
+        """Every weight under `prefix` has a source in the checkpoint, and every tensor a place."""
         if self.unexpected:
             raise UnsupportedModelError(
                 f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
                 f"the model ({', '.join(self.unexpected[:3])}{', ...' if len(self.unexpected) > 3 else ''})",
-                hint="use the config.json and the *.safetensors files of one and the same model",
-            )
+                hint="use the config.json and the *.safetensors files of one and the same model")
         for name in self._meta(prefix, None):
             if name not in self.sources:
                 raise self._missing(name)
@@ -229,12 +189,8 @@ class _Weights:
                         if isinstance(tensor, torch.nn.Parameter) else moved)
 
     def _convert(self, names: list[str], quantized: bool) -> None:
-        """Read the checkpoint tensors `names` are made from and load them through transformers' conversion.
-
-        `quantized`: MXFP4 pairs, converted with the quantizer from_pretrained loads them with, which reads the
-        blocks and scales as stored (uint8). Without it transformers casts every tensor to the model's dtype on the
-        way in: a layer's blocks in bf16 took twice their bytes beside the dequantised experts (GPT-OSS-120B:
-        +2 GiB at the peak of loading gate_up_proj)."""
+        """Load the checkpoint tensors `names` are made from through transformers' conversion; `quantized`: MXFP4
+        pairs with from_pretrained's quantizer, read as stored (uint8), not cast (GPT-OSS-120B: +2 GiB otherwise)."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
@@ -305,22 +261,11 @@ def _spill_needed(decoder: torch.nn.Module, layers: torch.nn.ModuleList,
     return hidden_bytes > HIDDEN_STATES_MEMORY_SHARE * left
 
 
-class _LayerProgress:
-    """Progress over layers x batches, reported as samples/tokens through the whole model."""
-
-    def __init__(self, inputs: EngineInputs, batch_list: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int):
-        self.notify, self.num_layers = inputs.notify, num_layers
-        self.samples = [int(ids.shape[0]) for ids, _m in batch_list]
-        self.tokens = [int(mask.sum()) for _i, mask in batch_list]
-        self.total_samples, self.total_tokens = sum(self.samples), sum(self.tokens)
-        self.done_samples = self.done_tokens = 0
-
-    def step(self, layer: int, b: int) -> None:
-        self.done_samples += self.samples[b]
-        self.done_tokens += self.tokens[b]
-        self.notify(Progress("observe", self.done_samples // self.num_layers, self.total_samples,
-                             self.done_tokens // self.num_layers, self.total_tokens,
-                             layer=layer, num_layers=self.num_layers))
+def _progress(sizes: list[tuple[int, int]], num_layers: int, layer: int, b: int) -> Progress:
+    """After batch `b` of `layer`: (samples, tokens) per batch in `sizes`, reported as through the whole model."""
+    total = [sum(size[k] for size in sizes) for k in (0, 1)]
+    done = [(layer * total[k] + sum(size[k] for size in sizes[:b + 1])) // num_layers for k in (0, 1)]
+    return Progress("observe", done[0], total[0], done[1], total[1], layer=layer, num_layers=num_layers)
 
 
 def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) -> tuple[str, torch.nn.ModuleList]:

@@ -1,9 +1,6 @@
 """Writing a calibrated checkpoint: the original weights linked, the scales, index and config, atomically.
 
-The input checkpoint is never written to. Everything goes to a staging sibling of the
-output, is checked, and is then put in place atomically (calibrate.publish). Whether the
-output can be written at all, and has room, is checked before calibrating (check_room).
-"""
+The input is never written to; everything goes to a staging sibling of OUT and is published (publish.py)."""
 
 from __future__ import annotations
 
@@ -24,47 +21,31 @@ from kvcalib.calibration.publish import discard, publish, recover, stage
 from kvcalib.core.checkpoint import Checkpoint, SafetensorsHeader, write_json
 from kvcalib.core.errors import CheckpointReadError, OutputExistsError, OutputWriteError
 from kvcalib.core.paths import overlapping
-from kvcalib.core.schema import (
-    CONFIG_FILENAME,
-    INDEX_FILENAME,
-    PROVENANCE_FILENAME,
-    PROVENANCE_METADATA_KEY,
-    SCALES_FILENAME,
-    SINGLE_WEIGHTS_FILENAME,
-    is_kv_scale_key,
-)
+from kvcalib.core.schema import (CONFIG_FILENAME, INDEX_FILENAME, PROVENANCE_FILENAME, PROVENANCE_METADATA_KEY,
+                                 SCALES_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key)
 
 __all__ = ["LINK_AT_BYTES", "SHARDED_SINGLE_FILENAME", "Room", "WritePlan", "bytes_needed", "check_output_path",
-           "check_room", "measure_room",
-           "copy_without_keys", "link_or_copy", "write_checkpoint"]
+           "check_room", "measure_room", "copy_without_keys", "link_or_copy", "write_checkpoint"]
 
-# transformers loads a top-level model.safetensors and ignores the index beside it, so it
-# would never see the scales file: a single-file checkpoint's weights are linked under the
-# sharded name instead (same bytes), and every loader then goes through the index.
+# transformers loads a top-level model.safetensors and ignores the index beside it (and so the scales file): a
+# single-file checkpoint's weights are linked under the sharded name instead, so every loader reads the index.
 SHARDED_SINGLE_FILENAME = "model-00001-of-00001.safetensors"
 
 
 def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrite: bool, *,
                       recover_leftovers: bool = True) -> list[str]:
-    """Refuse an output that overlaps an input, is a link, or exists (without overwrite); recover leftovers.
-
-    `inputs` are (what, path) pairs: the model directory, the dataset, the recipe. Symlinks are
-    resolved first, so a link into an input is refused like the input. What interrupted runs
-    left next to OUT is restored or removed first (publish.recover); the notes say what.
-    """
+    """Refuse an output overlapping an input, a link, or existing (no overwrite); recover leftovers, return notes."""
     output = Path(output)
     for what, path in inputs:
         if os.path.lexists(path) and overlapping(output, path):
             raise OutputExistsError(
                 f"output {output} overlaps {what} {path}" + _resolved_note(output, path),
-                hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}",
-            )
+                hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}")
     if output.is_symlink():
         raise OutputExistsError(
             f"output {output} is a symbolic link (to {os.readlink(output)})",
             hint="pass a real directory path: the new checkpoint is renamed into place, which would replace "
-                 "the link itself",
-        )
+                 "the link itself")
     if os.path.lexists(output) and not output.is_dir():
         raise OutputExistsError(f"output {output} exists and is not a directory",
                                 hint="choose another path; --overwrite replaces only a directory")
@@ -80,8 +61,7 @@ def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrit
         raise OutputExistsError(
             f"output {output} exists and is not a checkpoint (no {CONFIG_FILENAME}): --overwrite replaces only "
             "an earlier checkpoint or an empty directory",
-            hint="choose a new path for the checkpoint; nothing in that directory was touched",
-        )
+            hint="choose a new path for the checkpoint; nothing in that directory was touched")
     return notes
 
 
@@ -96,8 +76,7 @@ class Room:
 
 
 def measure_room(output: Path, source: Checkpoint) -> Room:
-    """Writes and removes a probe file in OUT's parent (or its nearest existing ancestor), tries a hard link of a
-    weight file there (then the weights cost no space), and adds up what the new files need."""
+    """Probe OUT's nearest existing ancestor (a file written and removed, a hard link tried) and add up the need."""
     output = Path(output)
     ancestor = _existing_ancestor(output)
     try:
@@ -115,15 +94,13 @@ def measure_room(output: Path, source: Checkpoint) -> Room:
 def check_room(output: Path, source: Checkpoint) -> None:
     """Before any work: can OUT's parent (or its nearest existing ancestor) take the new files? (measure_room)"""
     room = measure_room(output, source)
-    needed, free, linkable, ancestor = room.needed, room.free, room.linkable, room.where
-    if needed > free:
+    if room.needed > room.free:
+        copied = "" if room.linkable else " (the weights are copied: hard links do not work there)"
         raise OutputWriteError(
-            f"not enough space for {output}: the new files need {needed / 1e6:,.1f} MB, {ancestor} has "
-            f"{free / 1e6:,.1f} MB free"
-            + ("" if linkable else " (the weights are copied: hard links do not work there)"),
+            f"not enough space for {output}: the new files need {room.needed / 1e6:,.1f} MB, {room.where} has "
+            f"{room.free / 1e6:,.1f} MB free" + copied,
             hint="free some space, or choose an output on a filesystem with room (on the model's own filesystem "
-                 "the weights are hard links and take no space)",
-        )
+                 "the weights are hard links and take no space)")
 
 
 def bytes_needed(source: Checkpoint, linkable: bool) -> int:
@@ -149,11 +126,10 @@ def _can_link(source: Checkpoint, probe: Path) -> bool:
     if not names:
         return True
     probe.unlink(missing_ok=True)
-    try:
+    with contextlib.suppress(OSError):
         os.link(source.root / names[0], probe)
-    except OSError:
-        return False
-    return True
+        return True
+    return False
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -184,8 +160,7 @@ def _write_error(exc: OSError, output: Path, where: Path | None = None) -> Outpu
     where = exc.filename or where or output
     return OutputWriteError(
         f"cannot write {output}: {exc.strerror or exc} ({where}); nothing at {output} was changed",
-        hint=_ERRNO_HINTS.get(exc.errno or 0, "check the output directory: permissions, space, the filesystem"),
-    )
+        hint=_ERRNO_HINTS.get(exc.errno or 0, "check the output directory: permissions, space, the filesystem"))
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
@@ -205,11 +180,8 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
         new_header["__metadata__"] = header.metadata
     offset = 0
     for info in kept:
-        new_header[info.key] = {
-            "dtype": info.dtype,
-            "shape": list(info.shape),
-            "data_offsets": [offset, offset + info.nbytes],
-        }
+        new_header[info.key] = {"dtype": info.dtype, "shape": list(info.shape),
+                                "data_offsets": [offset, offset + info.nbytes]}
         offset += info.nbytes
     raw = json.dumps(new_header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
@@ -238,9 +210,7 @@ class WritePlan:
 
 
 @dataclass
-class _Index:
-    """The new index's weight_map and sizes, built up as files are written."""
-
+class _Index:  # the new index's weight_map and sizes, built up as files are written
     weight_map: dict[str, str] = field(default_factory=dict)
     total_size: int = 0
     total_params: int = 0
@@ -254,16 +224,7 @@ class _Index:
 def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *, overwrite: bool = False,
                      check: Callable[[Path], None] | None = None,
                      inputs: Sequence[tuple[str, Path]] = ()) -> list[str]:
-    """Write a new checkpoint: source files + scales + index + config, published atomically.
-
-    Weight files are hard-linked or copied byte for byte (a single `model.safetensors` under
-    the sharded name `model-00001-of-00001.safetensors`, see SHARDED_SINGLE_FILENAME). A shard that already holds KV
-    scales (from an earlier calibration) is rewritten without them, the kept tensors' bytes
-    copied verbatim. Everything is written in a staging sibling of `output` (calibrate.publish);
-    `check` runs on it before it is put in place. A failure or an interrupt removes the staging
-    directory and leaves OUT as it was; an OSError (disk full, read-only) becomes one
-    OutputWriteError naming the path. `source` is never written to. Returns notes for the user.
-    """
+    """Write source files (earlier KV scales dropped), scales, index, config in a staging sibling; `check`; publish."""
     source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     output = Path(os.path.abspath(output))
     notes = check_output_path(output, [("the model checkpoint", source.root), *inputs], overwrite)
@@ -278,7 +239,9 @@ def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *
     except BaseException as exc:
         if staging is not None:
             discard(staging)
-        _remove_empty(created)
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.rmdir()
         if isinstance(exc, OSError):
             raise _write_error(exc, output) from None
         raise
@@ -309,12 +272,6 @@ def _make_parents(output: Path) -> list[Path]:
     for path in reversed(missing):
         path.mkdir()
     return missing
-
-
-def _remove_empty(dirs: list[Path]) -> None:
-    for path in dirs:
-        with contextlib.suppress(OSError):
-            path.rmdir()
 
 
 def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
@@ -364,9 +321,8 @@ def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) 
     write_json(tmp / INDEX_FILENAME, out)
 
 
-# Files at least this large (a pytorch_model.bin, an original/ consolidated.pth) are hard-linked like
-# the weights; smaller ones (tokenizer, generation config) are copied, so that editing them in the
-# output in place (as some editors do with linked files) cannot change the input.
+# Files at least this large (pytorch_model.bin, original/consolidated.pth) are hard-linked like the weights; smaller
+# ones (tokenizer, generation config) are copied, so that editing them in the output cannot change the input.
 LINK_AT_BYTES = 16 << 20
 
 
