@@ -113,8 +113,7 @@ def _plan(model: str, dataset: str, output: Path, options: Any, as_json: bool, q
 
 
 def _report_calibration(console: Console, result: Any, notes: list[str], serving: Any, as_json: bool) -> None:
-    """The table; then, with --serve-check, serve-check's run on the published checkpoint (its figures go into
-    the model card) and its exit code."""
+    """The table; with --serve-check, serve-check's run on the published checkpoint and its exit code."""
     from kvcalib.api import serve_calibrated
 
     render_calibration(console, result, notes)
@@ -209,8 +208,7 @@ def eval_command(
 
 def _eval_context(checkpoint: str, dataset: str, context: str | None, options: Any, console: Console, as_json: bool,
                   plot: Path | None, needle: bool, keys: int | None, nll: bool = True) -> None:
-    """eval --context: saturation and ΔNLL at long context (kvcalib.evaluation.context); with --needle, the needle
-    probe (kvcalib.evaluation.needle), `keys` per length and depth (None: its default)."""
+    """eval --context (kvcalib.evaluation.context); with --needle the needle probe, `keys` per length and depth."""
     from kvcalib.api import evaluate_context, evaluate_needle
     from kvcalib.evaluation.context import parse_lengths
     from kvcalib.evaluation.plot import check_plot_path, plot_needle

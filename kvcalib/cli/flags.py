@@ -60,8 +60,7 @@ def flags(cls: type, *names: str, **defaults: Any) -> list[inspect.Parameter]:
 
 
 def _merged(values: dict[str, Any]) -> dict[str, Any]:
-    """The fields' values from the parameters flags() made: an alias given overrides, an on/off pair's halves
-    resolve to True, False or the field's default."""
+    """The fields' values from flags()' parameters: an alias given overrides; an on/off pair resolves."""
     out = {k: v for k, v in values.items() if k not in _HIDDEN}
     for name, (value, default) in _SWITCHES.items():
         if name in out:

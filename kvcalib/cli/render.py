@@ -102,8 +102,7 @@ def _duration(seconds: float) -> str:
 
 
 def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
-    """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records (the API logs the
-    result's warnings there)."""
+    """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records."""
     per_head = any(layer.k.head_scales is not None for layer in result.layers)
     queries = any(layer.q is not None for layer in result.layers)
     rule = "absmax / " + f"{result.fp8_max:g}" if result.scale_objective == "absmax" \
@@ -209,8 +208,8 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
                       _worst([(s.attention_error, s.layer) for s in run.layers if s.attention_error is not None],
                              "{:.3f}"),
                       _worst([(s.kl_alone, s.layer) for s in run.layers if s.kl_alone is not None], "{:.5f}"),
-                      f"{min(s.k_sqnr_db for s in run.layers):.1f}",
-                      f"{min(s.v_sqnr_db for s in run.layers):.1f}", f"{min(q):.1f}" if q else "-")
+                      f"{min(s.k_sqnr_db for s in run.layers):.1f}", f"{min(s.v_sqnr_db for s in run.layers):.1f}",
+                      f"{min(q):.1f}" if q else "-")
     console.print(table)
     for run in result.runs:
         nll, accuracy = run.intervals
@@ -262,10 +261,9 @@ def render_needle(console: Console, result: Any) -> None:
                     "difference [95%]", "verdict"), ("scales", "verdict"), overflow="fold")
     for row in result.rows:
         low, high = row.rate_interval
-        spread = _spread(row.interval, "+.1%")
         table.add_row(f"{row.length:,}", escape(row.name), f"{row.found}/{row.trials}",
-                      f"{row.rate:.0%} [{low:.0%}, {high:.0%}]", *(f"{f}/{n}" for _, f, n in row.by_depth), spread,
-                      escape(row.verdict(cell=True)))
+                      f"{row.rate:.0%} [{low:.0%}, {high:.0%}]", *(f"{f}/{n}" for _, f, n in row.by_depth),
+                      _spread(row.interval, "+.1%"), escape(row.verdict(cell=True)))
     console.print(table)
     console.print("a trial is found when the key's 6 digits are in the greedy answer; difference: paired bootstrap "
                   "over trials (2000 resamples, seed 0) of the run's hits minus the unquantised cache's"

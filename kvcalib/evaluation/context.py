@@ -203,8 +203,7 @@ def run_length(model: torch.nn.Module, samples: list[list[int]], quantizers: dic
 
 @dataclass(frozen=True)
 class LongContext:
-    """What eval --context and --needle share before a forward: the checked run and scale sets, the tokenizer, the
-    held-out text as one token stream."""
+    """What eval --context and --needle share before a forward: run, scale sets, tokenizer, text as tokens."""
 
     run: Any  # kvcalib.evaluation.pipeline's prepared run
     quantizers: dict[str, Any]
@@ -238,8 +237,7 @@ def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[in
 
 def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
                      progress: ProgressCallback | None = None, nll: bool = True) -> ContextResult:
-    """eval --context (see the module docstring); `opts` an EvalOptions. Without `nll` (--saturation-only) only the
-    unquantised forward runs: saturation and absmax per scale set, no ΔNLL."""
+    """eval --context (the module docstring); without `nll` (--saturation-only) no ΔNLL, one forward a sample."""
     started = time.perf_counter()
     notify = progress or no_progress
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)

@@ -58,8 +58,7 @@ def is_per_head(*per_layer: list[Scale]) -> bool:
 
 
 class KVQuantizer:
-    """Replaces every layer's K/V with their FP8 round trip on the target (an attention hook); with
-    `fp8_attention` (and q_scales) also Q, and runs the attention on the FP8 values in float32."""
+    """An attention hook: K/V as their FP8 round trip on the target; with `fp8_attention` Q too (module docstring)."""
 
     def __init__(self, k_scales: list[Scale], v_scales: list[Scale], target: fp8.Target,
                  q_scales: list[Scale] | None = None, fp8_attention: bool = False) -> None:

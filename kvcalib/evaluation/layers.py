@@ -45,8 +45,7 @@ class LayerAlone:
 
 def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_size: int, pad: int,
                  device: torch.device, quantizers: dict[str, KVQuantizer]) -> dict[str, list[LayerAlone | None]]:
-    """name -> per layer, the model's ΔNLL and KL on `sequences` with only that layer quantised (None for
-    FP8-attention configurations: their per-layer cost is not the KV cache's)."""
+    """name -> per layer, ΔNLL and KL with only that layer quantised (FP8-attention configurations: None)."""
     kv_only = {name: q for name, q in quantizers.items() if not q.fp8_attention}
     num_layers = next(iter(quantizers.values())).num_layers
     sums = {name: torch.zeros(num_layers, 2, dtype=torch.float64) for name in kv_only}  # [layer, (nll, kl)]

@@ -63,8 +63,7 @@ class Trial:
 
 
 def found(key: str, answer: str) -> bool:
-    """The key's digits, in order and whole, among the answer's first characters (spaces between digits
-    ignored: some tokenizers decode digits one by one)."""
+    """The key's digits, in order and whole, in the answer (spaces ignored: some tokenizers split digits)."""
     return key in "".join(answer.split())
 
 
@@ -114,8 +113,7 @@ class NeedleResult:
 
 
 def insertion_point(stream: list[int], start: int, at: int, breaks: set[int]) -> int:
-    """Where in stream[start:] the needle goes for a target index `at` (relative to start): just after the
-    last line-break token within SNAP tokens before it, else `at` itself."""
+    """Where in stream[start:] the needle goes for index `at`: after a line break within SNAP tokens before it."""
     for back in range(min(SNAP, at)):
         if stream[start + at - back - 1] in breaks:
             return at - back
@@ -129,8 +127,7 @@ def line_breaks(stream: list[int], tokenizer: Any) -> set[int]:
 
 def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length: int, depths: tuple[float, ...],
                    keys: int, seed: int, breaks: set[int] | None = None) -> list[tuple[Trial, list[int]]]:
-    """keys trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question
-    (`breaks`: line_breaks of the stream, when the caller has them)."""
+    """`keys` trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question."""
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     breaks = line_breaks(stream, tokenizer) if breaks is None else breaks
     rng = random.Random(f"{seed}-{length}")
@@ -176,8 +173,7 @@ def _prefill(model: torch.nn.Module, ids: list[int], cache: Any, device: torch.d
 
 def answer(model: torch.nn.Module, ids: list[int], quantizers: dict[str, Any], reads_fp8: bool,
            device: torch.device) -> dict[str, list[int]]:
-    """Each run's greedy answer to one prompt: the baseline, then every scale set (the order of prefill and decode:
-    the module docstring)."""
+    """Each run's greedy answer to one prompt: the baseline, then every scale set (order: module docstring)."""
     config = model.config
     if reads_fp8:
         runs = {name: QuantizingCache(config, q) for name, q in {BASELINE: None, **quantizers}.items()}

@@ -194,8 +194,7 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
 
 def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> tuple[PreparedRun, dict[str, KVQuantizer],
                                                                       ComputePath]:
-    """The checkpoint read and checked, a quantiser per scale set (the checkpoint's, then --compare), the compute
-    path: everything eval checks before it reads data or loads the model (the numbers a user passes first)."""
+    """The checkpoint, a quantiser per scale set and the compute path: all eval checks before data or model."""
     opts.check_arguments()
     target = resolve_target(opts.target)
     run = prepare_run(checkpoint, opts)

@@ -44,8 +44,7 @@ def _pyplot() -> Any:
 
 
 def plot_needle(result: Any, path: Path) -> Path:
-    """Write the needle probe's heatmaps (a `NeedleResult`), one per scale set: depth x length, the share of keys
-    found in each cell, as long-context papers draw them; atomically, to `path`."""
+    """Write the needle heatmaps (a NeedleResult), one per scale set: keys found by depth x length, atomically."""
     plt = _pyplot()
     path = check_plot_path(path)
     names = list(dict.fromkeys(row.name for row in result.rows))

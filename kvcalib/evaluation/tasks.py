@@ -221,8 +221,7 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
 
 def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[dict[str, Any]]]],
                 results: dict[str, dict[str, Any]], names: list[str]) -> list[TaskRow]:
-    """Per metric and filter of `task`: each run's per-item values, paired by (doc_id, filter); a metric not a mean
-    over items gets lm-eval's own aggregate and no interval."""
+    """Per metric and filter: runs paired by (doc_id, filter); a metric not a mean over items: no interval."""
     rows = []
     for spec in config.get("metric_list", []):
         metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
