@@ -65,7 +65,8 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, flo
 
 def require_model(model: str) -> None:
     if not (Path(model) / "config.json").exists():
-        sys.exit(f"no model at {model}: run `python scripts/prepare_model.py smollm2-135m .cache/smollm2` or pass --model")
+        sys.exit(f"no model at {model}: run `python scripts/prepare_model.py smollm2-135m .cache/smollm2` "
+                 "or pass --model")
 
 
 def default_dataset(args: argparse.Namespace, work: Path) -> None:

@@ -207,7 +207,8 @@ def layer_bytes(model: Path) -> tuple[int, int, int]:
     """(one layer's dequantised bf16 bytes, its bytes on disk, the non-layer bytes on disk)."""
     h, inter, e = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_local_experts"]
     experts = e * (h * 2 * inter + inter * h)
-    dense = h * (SHAPE["num_attention_heads"] * SHAPE["head_dim"] * 2 + 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"])
+    dense = h * (SHAPE["num_attention_heads"] * SHAPE["head_dim"] * 2
+                 + 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"])
     on_disk = (model / "model-layer-00.safetensors").stat().st_size
     return 2 * (experts + dense), on_disk, (model / "model-rest.safetensors").stat().st_size
 

@@ -96,7 +96,7 @@ def run_cli(processes: int, model: Path, data: Path, out: Path, samples: int, se
     shutil.rmtree(out, ignore_errors=True)
     result = json.loads(proc.stdout)
     return {"tokens_per_s": result["tokens_per_s"], "wall": wall, "cpu": cpu, "tokens": result["num_tokens"],
-            "absmax": [[l["k"]["absmax"], l["v"]["absmax"]] for l in result["layers"]]}
+            "absmax": [[layer["k"]["absmax"], layer["v"]["absmax"]] for layer in result["layers"]]}
 
 
 def _children_cpu() -> float:
@@ -153,7 +153,8 @@ def bench_throughput(root: Path, data: Path, args: argparse.Namespace) -> None:
     med = {p: statistics.median(r["tokens_per_s"] for r in rs) for p, rs in runs.items()}
     wall = {p: statistics.median(r["wall"] for r in rs) for p, rs in runs.items()}
     cpu = {p: statistics.median(r["cpu"] for r in rs) for p, rs in runs.items()}
-    print(f"  median tok/s: 1 process {med[1]:.1f}, 2 processes {med[2]:.1f} -> {med[2] / med[1]:.2f}x (target >= 1.7x)")
+    print(f"  median tok/s: 1 process {med[1]:.1f}, 2 processes {med[2]:.1f} -> {med[2] / med[1]:.2f}x "
+          "(target >= 1.7x)")
     print(f"  median wall:  1 process {wall[1]:.1f} s, 2 processes {wall[2]:.1f} s -> {wall[1] / wall[2]:.2f}x")
     print(f"  median CPU seconds of the whole command: 1 process {cpu[1]:.1f}, 2 processes {cpu[2]:.1f}; "
           f"cores it got on average (CPU s / wall s): {cpu[1] / wall[1]:.2f} and {cpu[2] / wall[2]:.2f}")

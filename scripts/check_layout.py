@@ -139,7 +139,8 @@ def main() -> int:
           f"{len(found_circles)} import circle(s)")
     print(f"biggest module: {biggest} ({lines[biggest]} lines); longest function: {funcs[0][1]} ({funcs[0][0]} lines)")
     problems = [f"import circle: {' -> '.join(c)}" for c in found_circles]
-    problems += [f"{n}: {count} lines (at most {MAX_MODULE_LINES})" for n, count in lines.items() if count > MAX_MODULE_LINES]
+    problems += [f"{n}: {count} lines (at most {MAX_MODULE_LINES})" for n, count in lines.items()
+                 if count > MAX_MODULE_LINES]
     problems += [f"{where}: {count} lines (at most {MAX_FUNCTION_LINES})" for count, where in funcs
                  if count > MAX_FUNCTION_LINES]
     for problem in problems:

@@ -66,14 +66,15 @@ def table(model: str, rows: list[dict], deltas: list[dict], seconds: list[float]
           args: argparse.Namespace) -> str:
     names = ["default", f"headroom {headroom:g}"]
     lines = [f"### {model} ({args.target}; calibrated on {args.calib[0]} x {args.calib[1]} fortunes)", "",
-             "| length | scales | K absmax/clip | V absmax/clip | layers clipping (K, V) |", "|---:|---|---:|---:|---:|"]
+             "| length | scales | K absmax/clip | V absmax/clip | layers clipping (K, V) |",
+             "|---:|---|---:|---:|---:|"]
     for row in rows:
         name = names[0] if row["name"] == "checkpoint" else names[1]
         lines.append(f"| {row['length']:,} | {name} | {row['k_beyond']:.2f} | {row['v_beyond']:.2f} | "
                      f"{clipped_layers(row, 'k')}, {clipped_layers(row, 'v')} |")
     lines += ["", f"Short context ({args.held_out[0]} x {args.held_out[1]} tutorial tokens): ΔNLL "
-              f"{delta(deltas[0])} default, {delta(deltas[1])} with headroom (95% paired intervals); calibration {seconds[0]:.0f} s and "
-              f"{seconds[1]:.0f} s."]
+              f"{delta(deltas[0])} default, {delta(deltas[1])} with headroom (95% paired intervals); calibration "
+              f"{seconds[0]:.0f} s and {seconds[1]:.0f} s."]
     return "\n".join(lines)
 
 

@@ -23,8 +23,8 @@ Without quantisation the model is nearly unchanged (a constant added to every ke
 softmax ignores; these pairs rotate by < 0.05 rad over 256 tokens): the script prints both NLLs.
 
     python scripts/make_constant_k_model.py SRC OUT --dataset DATA [--target trn2] [--layer 0[,1..]]
-        [--head 0[,1..]] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 0.25] [--boundaries nearest|toward-zero|both]
-        [--num-samples 32] [--max-seq-len 256]
+        [--head 0[,1..]] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 0.25]
+        [--boundaries nearest|toward-zero|both] [--num-samples 32] [--max-seq-len 256]
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ def main() -> None:
             started = time.perf_counter()
             terms = objective.sum_terms([objective.sample_terms(s, [grids], [target])[0][0] for s in rows])
             seconds[name] += time.perf_counter() - started
-            picks = [pick([math.fsum(r) for r in terms[kind, 0].tolist()], [math.fsum(r) for r in terms[kind, 1].tolist()],
+            picks = [pick([math.fsum(r) for r in terms[kind, 0].tolist()],
+                          [math.fsum(r) for r in terms[kind, 1].tolist()],
                           grids[kind].keeps_range.all(dim=1).tolist()) for kind in (0, 1)]
             if name.startswith("objective"):
                 full, full_terms = picks, terms
@@ -120,7 +121,8 @@ def main() -> None:
             misses.append(("K probability KL", i, "K", grids[0].labels[full[0]], grids[0].labels[k_pick], full_terms, 0,
                            k_pick, full[0]))
     tokens = sum(len(s) for s in data.sequences)
-    print(f"{args.model.name}, {args.target}, {len(data.sequences)} x {args.max_seq_len} ({tokens} tokens), {layers} layers")
+    print(f"{args.model.name}, {args.target}, {len(data.sequences)} x {args.max_seq_len} ({tokens} tokens), "
+          f"{layers} layers")
     print("| chooser | same pick as the objective | seconds |\n|---|---:|---:|")
     for name, (hits, total) in same.items():
         print(f"| {name} | {hits}/{total} | {seconds[name]:.1f} |")

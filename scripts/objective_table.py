@@ -69,7 +69,8 @@ def table(title: str, rows: dict[str, dict]) -> str:
             d["absmax/448"] = d["absmax/FP8_MAX"]  # trn3 and gpu: the same scales
         best = min(d["absmax/FP8_MAX"], d["absmax/448"], d["1.0"])
         lines.append(f"| {target} | {d['default']:+.4f} | {d['absmax/FP8_MAX']:+.4f} | {d['absmax/448']:+.4f} | "
-                     f"{d['1.0']:+.4f} | {d['default'] - best:+.4f} | {'yes' if d['default'] <= best + MARGIN else 'NO'} |")
+                     f"{d['1.0']:+.4f} | {d['default'] - best:+.4f} | "
+                     f"{'yes' if d['default'] <= best + MARGIN else 'NO'} |")
     return "\n".join(lines)
 
 

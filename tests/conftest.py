@@ -157,7 +157,8 @@ _counts = {"passed": 0, "failed": 0, "skipped": 0}
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "proof(name): a real-world check, reported as ran or skipped (tests/conftest.py)")
+    config.addinivalue_line("markers",
+                            "proof(name): a real-world check, reported as ran or skipped (tests/conftest.py)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,7 +30,8 @@ def test_the_contracts_hold():
 
 
 @pytest.mark.parametrize("module, line, contract", [
-    ("kvcalib/core/errors.py", "import kvcalib.hf.model", "cli -> api -> calibration -> serving -> evaluation -> validation"),
+    ("kvcalib/core/errors.py", "import kvcalib.hf.model",
+     "cli -> api -> calibration -> serving -> evaluation -> validation"),
     ("kvcalib/evaluation/scales.py", "from kvcalib.serving import launch", "cli -> api -> calibration -> serving"),
     ("kvcalib/validation/files.py", "import torch", "validation reads checkpoints without torch"),
     ("kvcalib/hf/data.py", "import rich", "typer and rich belong to the command line"),

@@ -67,7 +67,8 @@ def test_the_installed_wheel_runs(installed, tiny_llama_master, text_dataset, tm
     assert Path(recipe).is_relative_to(installed.parent) and Path(recipe).is_file(), recipe
 
     version = run([installed / "kvcalib", "--version"], tmp_path)
-    assert version.returncode == 0 and version.stdout.strip() == f"kvcalib {__version__}", version.stdout + version.stderr
+    assert (version.returncode == 0
+            and version.stdout.strip() == f"kvcalib {__version__}"), version.stdout + version.stderr
 
     out = tmp_path / "out"
     calibrated = run([installed / "kvcalib", "calibrate", tiny_llama_master, "--dataset", text_dataset, "-o", out,

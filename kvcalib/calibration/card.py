@@ -202,7 +202,8 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, d
 def _serve_lines(serve: dict[str, Any]) -> list[str]:
     verdict = "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
     lines = ["### serve-check", "", f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: "
-             f"{verdict}.", "", "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |", "|---|---:|---:|---:|---:|"]
+             f"{verdict}.", "", "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |",
+             "|---|---:|---:|---:|---:|"]
 
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)

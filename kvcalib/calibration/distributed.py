@@ -87,7 +87,8 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
         if failed or observation is None:
             detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))
             raise CalibrationError(
-                f"{len(failed)} of {ranks.world_size} processes failed during calibration ({detail}); nothing was written",
+                f"{len(failed)} of {ranks.world_size} processes failed during calibration ({detail}); "
+                "nothing was written",
                 hint="fix what the failing rank reports and run again",
             )
         reduced = _reduce(observation, collective_device)

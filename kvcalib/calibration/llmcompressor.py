@@ -39,7 +39,8 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     opts = inputs.options
-    scheme = load_recipe(opts.recipe).quantization_args() if opts.recipe else kv_cache_scheme_args(opts.strategy or "tensor")
+    scheme = (load_recipe(opts.recipe).quantization_args() if opts.recipe
+              else kv_cache_scheme_args(opts.strategy or "tensor"))
     inputs.notify(Progress("load-model"))
     # As llm-compressor users load it: AutoModelForCausalLM with the default attention.
     model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, opts.trust_remote_code)

@@ -64,7 +64,8 @@ class CalibrateOptions(RunOptions):
         check_options(self)
         if not 1.0 <= self.headroom <= 16.0:
             raise UsageError(f"--headroom {self.headroom:g}: must be between 1 (none) and 16",
-                             hint="e.g. --headroom 1.4142 (a square root of 2) for contexts far longer than the samples")
+                             hint="e.g. --headroom 1.4142 (a square root of 2) for contexts far longer than the "
+                                  "samples")
 
 
 @dataclass(frozen=True)

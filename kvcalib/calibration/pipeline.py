@@ -272,7 +272,8 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "tool": "kvcalib",
         "kvcalib_version": __version__,
         "scale_convention": "x = fp8 * scale; scale = range / fp8_max, rounded up so the chip never saturates "
-                            "range; range = absmax, or with the attention objective the clip it chose (layers[].k.range)",
+                            "range; range = absmax, or with the attention objective the clip it chose "
+                            "(layers[].k.range)",
         "scale_objective": opts.scale_objective,
         "headroom": opts.headroom,
         "target": target.name,
@@ -300,6 +301,6 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "observer": "static_minmax",
         "strategy": opts.strategy,
         "attention_scales": opts.attention_scales,
-        "layers": [l.to_dict(keys=False) for l in layers],
+        "layers": [layer.to_dict(keys=False) for layer in layers],
         **opts.extra_provenance,
     }

@@ -40,7 +40,8 @@ __all__ = ["PROBE_BATCHES", "PROBE_LAYERS", "CalibrationPlan", "Estimate", "plan
 PROBE_BATCHES = 2  # two, so a batch's compute is told apart from what a run pays once
 PROBE_LAYERS = 2  # the stream engine's probe: two layers, so a layer's load is told apart from its compute
 WRITE_BYTES_PER_S = 200e6  # copying weights where hard links do not work (an assumption, not measured)
-VALIDATE_SECONDS = 0.1  # the config, card, scales and links, then validate: 0.01-0.03 s measured (SmolLM2, Qwen2.5-0.5B)
+# the config, card, scales and links, then validate: 0.01-0.03 s measured (SmolLM2, Qwen2.5-0.5B)
+VALIDATE_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
     except UsageError:
         raise
     except KvcalibError as err:
-        return CalibrationPlan(str(model), str(output), refusals=(err.message + (f" ({err.hint})" if err.hint else ""),))
+        return CalibrationPlan(str(model), str(output),
+                               refusals=(err.message + (f" ({err.hint})" if err.hint else ""),))
     layers = num_hidden_layers(plan.checkpoint.config) or 1
     setup = time.perf_counter() - began  # check_run and read_data: what the run does before its engine
     probe = {**_probe(plan, data, pad, layers, notify), "setup_seconds": round(setup, 3)}

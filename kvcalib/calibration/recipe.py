@@ -284,7 +284,8 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                 arguments = {} if arguments is None else arguments
                 if not isinstance(arguments, dict):
                     raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                                      hint="see the shipped recipe for the layout (recipes/kv-fp8-trn2.yaml; --recipe trn2)")
+                                      hint="see the shipped recipe for the layout (recipes/kv-fp8-trn2.yaml; "
+                                           "--recipe trn2)")
                 groups = arguments.get("config_groups")
                 fp8_attention = fp8_attention_groups(groups)
                 attention = attention or bool(fp8_attention)

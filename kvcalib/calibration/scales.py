@@ -32,7 +32,8 @@ def _check_finite(kind: str, per_layer: list[torch.Tensor], warnings: list[str])
                 hint="calibrate with --dtype bfloat16 or --dtype float32",
             )
         if value == 0.0:
-            warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at {fp8.SCALE_FLOOR}")
+            warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at "
+                            f"{fp8.SCALE_FLOOR}")
 
 
 def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
@@ -55,7 +56,8 @@ def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: floa
 
 
 def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, strategy: str = "tensor",
-                 queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None,
+                 queries: bool = False,
+                 choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None,
                  headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
     """Per-layer scales for `target`, with per-head values when `strategy` is attn_head and Q's when `queries`:
     absmax / fp8_max, or for K and V the scale objective's `choices` (kvcalib.calibration.objective.search); K and V

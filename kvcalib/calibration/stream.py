@@ -194,7 +194,8 @@ class _Weights:
         )
 
     def check(self, prefix: str) -> None:
-        """Every weight under `prefix` has a source in the checkpoint, and every tensor a place, before the long work."""
+        """Every weight under `prefix` has a source in the checkpoint, and every tensor a place, before the long
+        work."""
         if self.unexpected:
             raise UnsupportedModelError(
                 f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
@@ -327,5 +328,5 @@ def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) 
     for name, child in decoder.named_children():
         if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers:
             return name, child
-    raise UnsupportedModelError(f"{model_dir}: no list of {num_layers} decoder layers found in {type(decoder).__name__}",
-                                hint="calibrate this model without --stream-layers")
+    raise UnsupportedModelError(f"{model_dir}: no list of {num_layers} decoder layers found in "
+                                f"{type(decoder).__name__}", hint="calibrate this model without --stream-layers")

@@ -119,7 +119,8 @@ def check_room(output: Path, source: Checkpoint) -> None:
     if needed > free:
         raise OutputWriteError(
             f"not enough space for {output}: the new files need {needed / 1e6:,.1f} MB, {ancestor} has "
-            f"{free / 1e6:,.1f} MB free" + ("" if linkable else " (the weights are copied: hard links do not work there)"),
+            f"{free / 1e6:,.1f} MB free"
+            + ("" if linkable else " (the weights are copied: hard links do not work there)"),
             hint="free some space, or choose an output on a filesystem with room (on the model's own filesystem "
                  "the weights are hard links and take no space)",
         )
@@ -221,7 +222,8 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
             while remaining:
                 chunk = fin.read(min(remaining, 64 << 20))
                 if not chunk:
-                    raise CheckpointReadError(f"{src}: unexpected end of file", hint="copy the file again from the source")
+                    raise CheckpointReadError(f"{src}: unexpected end of file",
+                                              hint="copy the file again from the source")
                 fout.write(chunk)
                 remaining -= len(chunk)
 

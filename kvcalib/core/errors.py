@@ -8,8 +8,8 @@ from __future__ import annotations
 
 __all__ = [
     "CalibrationError", "CheckpointNotFoundError", "CheckpointReadError", "DatasetError", "DeviceError",
-    "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "OutputWriteError", "RecipeError",
-    "ServerError", "UnknownTargetError", "UnsupportedModelError", "UsageError", "ValidationFailedError",
+    "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "OutputWriteError",
+    "RecipeError", "ServerError", "UnknownTargetError", "UnsupportedModelError", "UsageError", "ValidationFailedError",
     "VllmNotFoundError", "check_at_least",
 ]
 

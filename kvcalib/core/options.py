@@ -22,8 +22,8 @@ PANELS = ("Data", "Scales", "Engine", "Output", "Serving")
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, panel: str = "Data", flag: str | None = None,
            short: str | None = None, aliases: tuple[str, ...] = (), minimum: float | None = None, what: str = "",
-           choices: Callable[[], tuple[str, ...]] | None = None, metavar: str | None = None, factory: Callable[[], Any] | None = None,
-           cli: bool = True) -> Any:
+           choices: Callable[[], tuple[str, ...]] | None = None, metavar: str | None = None,
+           factory: Callable[[], Any] | None = None, cli: bool = True) -> Any:
     """A dataclass field that is also a flag: `flag` (default --field-name), `help`, `panel` (PANELS), `minimum`
     (checked with `what` it counts), `choices` (a callable listing them, for choices read from a table at run
     time; a Literal annotation gives them otherwise). `cli=False`: the library's only."""

@@ -108,7 +108,8 @@ def neuron_scale_key(layer: int, kind: str, layers_prefix: str = NEURON_LAYERS_P
 # Names other tools have used for KV scales that the Neuron loader does NOT read.
 # Each pattern captures (prefix, layer, kind or None for a shared k/v scale).
 _FOREIGN_SCALE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"), "k_proj/v_proj.output_scale (pre-2024 llm-compressor)"),
+    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"),
+     "k_proj/v_proj.output_scale (pre-2024 llm-compressor)"),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale$"), "k_proj/v_proj.*_scale"),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.([kv])_scale$"), "self_attn.attn.*_scale (vLLM module path)"),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.kv_scale$"), "kv_scale (one scale for K and V)"),

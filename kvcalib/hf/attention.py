@@ -129,7 +129,8 @@ class KVAbsmaxObserver:
         old = store[layer_idx]
         if old is not None and old.shape != heads.shape:
             raise UnsupportedModelError(f"layer {layer_idx}: {what} had {old.numel()} heads in one forward and "
-                                        f"{heads.numel()} in another", hint="kvcalib needs a fixed head count per layer")
+                                        f"{heads.numel()} in another",
+                                        hint="kvcalib needs a fixed head count per layer")
         store[layer_idx] = heads if old is None else torch.maximum(old, heads)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -28,8 +28,9 @@ from kvcalib.core.errors import DatasetError
 from kvcalib.core.paths import require_regular_file
 
 __all__ = [
-    "BUILDERS", "CHAT_COLUMN", "CalibrationData", "DEFAULT_TEXT_COLUMN", "batches", "default_special_tokens", "leading_special_tokens",
-    "load_calibration_data", "load_rows", "resolve_column", "special_tokens_rule", "tokenize_as_served",
+    "BUILDERS", "CHAT_COLUMN", "CalibrationData", "DEFAULT_TEXT_COLUMN", "batches", "default_special_tokens",
+    "leading_special_tokens", "load_calibration_data", "load_rows", "resolve_column", "special_tokens_rule",
+    "tokenize_as_served",
 ]
 
 # file suffix -> datasets' packaged builder
@@ -77,7 +78,8 @@ def load_rows(dataset: str, split: str):
                                  hint=f"pass a {', '.join(sorted(BUILDERS))} file, or a directory of them")
             return _load_files([path], split)
         if path.is_dir():
-            if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            if ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
+                    or (path / "state.json").exists()):
                 return _pick_split(datasets.load_from_disk(str(path)), split, dataset)
             return _load_files(_data_files(path), split)
         if dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS:
@@ -159,7 +161,8 @@ def _check_file(path: Path) -> None:
                     row = json.loads(line)
                 except ValueError as exc:
                     raise DatasetError(f"{path}: line {number} is not valid JSON ({exc})",
-                                       hint='each line of a .jsonl file is one JSON object, e.g. {"text": "..."}') from None
+                                       hint='each line of a .jsonl file is one JSON object, e.g. '
+                                            '{"text": "..."}') from None
                 if not isinstance(row, dict):
                     raise DatasetError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object",
                                        hint='each line of a .jsonl file is one JSON object, e.g. {"text": "..."}')
@@ -293,7 +296,8 @@ def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> t
                                hint="each message needs a 'role' the template knows and string 'content'") from None
     kind = "a list of non-messages" if isinstance(value, list) else type(value).__name__
     raise DatasetError(f"{where} holds {kind}, not text or chat messages",
-                       hint='name a text column with --text-column, or give chat rows as [{"role": ..., "content": ...}]')
+                       hint='name a text column with --text-column, or give chat rows as '
+                            '[{"role": ..., "content": ...}]')
 
 
 def _check_message(message: dict, where: str) -> None:

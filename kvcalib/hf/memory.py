@@ -197,10 +197,12 @@ def _malloc_trim() -> Any:
 def out_of_memory_error(exc: BaseException, engine: str, device: torch.device) -> OutOfMemoryError | None:
     """A clear error for an allocation that failed (host or GPU); None for any other exception."""
     text = str(exc)
-    oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "allocate memory" in text or "out of memory" in text.lower()
+    oom = (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "allocate memory" in text
+           or "out of memory" in text.lower())
     if not oom:
         return None
     first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     hint = ("rerun with --stream-layers (one decoder layer in memory at a time)" if engine != "stream"
             else "lower --batch-size or --max-seq-len, or free memory on this machine")
-    return OutOfMemoryError(f"ran out of memory on {device} calibrating with the {engine} engine ({first_line})", hint=hint)
+    return OutOfMemoryError(f"ran out of memory on {device} calibrating with the {engine} engine ({first_line})",
+                            hint=hint)

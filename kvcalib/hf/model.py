@@ -93,7 +93,8 @@ def resolve_compute(requested: str, dtype: torch.dtype | None, checkpoint: Check
     try:
         return choose_compute(requested, effective_dtype(checkpoint, dtype), device, cpu)
     except ValueError as exc:
-        raise UsageError(str(exc), hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16") from None
+        raise UsageError(str(exc),
+                         hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16") from None
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -109,7 +110,8 @@ def resolve_model_dir(model: str | Path) -> Path:
     try:  # looks like a hub id (org/name) and is not a local path
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.py"]))
+        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model",
+                                                                  "*.txt", "*.py"]))
     except Exception as exc:  # huggingface_hub raises many types; all mean "could not fetch"
         raise CheckpointNotFoundError(
             f"model {model} is not a local directory and could not be fetched from the hub ({type(exc).__name__})",

@@ -37,7 +37,8 @@ class AttentionSample:
     query: torch.Tensor  # [heads, rows, head_dim]: the sampled query rows
     key: torch.Tensor  # [kv_heads, length, head_dim]
     value: torch.Tensor  # [kv_heads, length, head_dim]
-    bias: torch.Tensor  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive mask)
+    # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive mask)
+    bias: torch.Tensor
     held_out: torch.Tensor  # [rows] bool: scored for the report, never for the choice
     scaling: float
     softcap: float | None = None

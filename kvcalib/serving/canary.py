@@ -1,15 +1,9 @@
 """The canary: does the server apply this checkpoint's KV scales, and the right way round?
 
-A server that ignores the scales (runs every layer at 1.0, resets them, skips them in one
-kernel) passes a smoke test whenever 1.0 happens to be harmless. So serve-check also serves
-a variant of the checkpoint whose every k_scale and v_scale is divided by CANARY_DIVISOR:
-K and V then saturate FP8 at 1/64 of their range, which no model survives unharmed. If the
-variant answers like the checkpoint, the server did not apply the scales; if it answers
-better, it applied them the wrong way round. Either fails the check.
-
-A variant is a directory of symlinks to the checkpoint's files (no weight is copied, the
-checkpoint is never written) in which only the safetensors files that hold KV scales are
-rewritten. `make_variant` builds it; `judge_canary` compares the two runs.
+serve-check also serves a variant whose every k_scale and v_scale is divided by CANARY_DIVISOR (K and V saturate FP8
+at 1/64 of their range): answering like the checkpoint means the scales were not applied, answering better means
+they were applied the wrong way round. A variant is a directory of symlinks to the checkpoint's files in which only
+the safetensors files holding KV scales are rewritten.
 """
 
 from __future__ import annotations
@@ -73,8 +67,7 @@ def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, v
 
 
 def _remove_earlier_variant(dest: Path) -> None:
-    """The variant an earlier serve-check left under the same --log-dir (symlinks and rewritten scale files, nothing
-    else) is replaced; anything else there is refused, never deleted."""
+    """Replace a variant an earlier serve-check left (symlinks and .safetensors only); refuse anything else."""
     entries = list(dest.iterdir()) if dest.is_dir() and not dest.is_symlink() else None
     if entries is None or not all(e.is_symlink() or (e.is_file() and e.suffix == ".safetensors") for e in entries):
         raise UsageError(f"{dest} exists and is not a checkpoint variant serve-check made",
@@ -110,6 +103,5 @@ def judge_canary(calibrated: Any, canary: Any, factor: float, device: str, serve
 
 
 def self_agreement(run: Any) -> Any:
-    """Without a baseline the canary is scored against the calibrated run's own continuations (agreement 1):
-    `run` (a pipeline.ServerRun) with every prompt's agreement 1.0."""
+    """`run` (a ServerRun) with every prompt's agreement 1.0: the reference when there is no baseline."""
     return replace(run, agreements=tuple(1.0 if c.token_ids else None for c in run.completions))

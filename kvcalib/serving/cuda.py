@@ -1,10 +1,4 @@
-"""`serve-check --device cuda`: is there a CUDA device, and a CUDA build of vLLM, where the server will run?
-
-Asked of the vLLM interpreter itself (its torch and its vLLM platform), since that is the
-environment the server runs in, not kvcalib's. GPU vLLM takes FP8 KV from
-`--kv-cache-dtype fp8` with the checkpoint's per-tensor k_scale/v_scale, validated as target
-gpu (E4M3, max 448). Without a GPU this is exercised through the fakes only.
-"""
+"""`serve-check --device cuda`: a CUDA device and a CUDA build of vLLM, asked of the vLLM interpreter itself."""
 
 from __future__ import annotations
 
@@ -38,7 +32,7 @@ _HINT = "install a CUDA build of vLLM (pip install vllm) on a host with an NVIDI
 
 
 def check_cuda(python: Path, env: Mapping[str, str], tp: int | None) -> int:
-    """The number of CUDA devices `python`'s torch sees (>= 1, >= tp); a DeviceError or VllmNotFoundError saying why not."""
+    """The CUDA devices `python`'s torch sees (>= 1, >= tp); DeviceError or VllmNotFoundError saying why not."""
     try:
         proc = subprocess.run([str(python), "-c", _CUDA_PROBE], capture_output=True, text=True, env=dict(env),
                               timeout=CUDA_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)

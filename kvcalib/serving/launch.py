@@ -16,17 +16,12 @@ __all__ = ["API_SERVER_MODULE", "baseline_kv_dtype", "command_line", "cpu_kv_cac
            "server_argv", "server_env"]
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-
 MIN_CPU_KV_CACHE_BYTES = 64 << 20
 
 
 def cpu_kv_cache_bytes(config: Mapping[str, Any], max_model_len: int, max_num_seqs: int) -> int:
-    """A KV cache for max_num_seqs full-length sequences in bf16, twice over, at least 64 MiB.
-
-    vLLM on CPU otherwise reserves a fraction of the whole machine's memory and refuses to
-    start when that much is not free.
-    """
+    """A KV cache for max_num_seqs full-length sequences in bf16, twice over, at least 64 MiB (vLLM on CPU otherwise
+    reserves a fraction of the machine's memory and refuses to start when that much is not free)."""
     layers, heads, size = num_hidden_layers(dict(config)), head_counts(dict(config))["k"], head_dim(dict(config))
     if not all(isinstance(v, int) and v > 0 for v in (layers, heads, size)):
         return 1 << 30
@@ -66,15 +61,10 @@ def server_env(env: Mapping[str, str], cache_dir: Path, neuron_visible_devices: 
                ) -> tuple[dict[str, str], dict[str, str]]:
     """(the full environment, the variables serve-check set): caches off the home directory, offline."""
     base = dict(env)
-    added = {}
-    defaults = {
-        "VLLM_CACHE_ROOT": str(cache_dir / "vllm"), "VLLM_CONFIG_ROOT": str(cache_dir / "vllm-config"),
-        "MPLCONFIGDIR": str(cache_dir / "matplotlib"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
-    for key, value in defaults.items():
-        if key not in base:
-            added[key] = value
+    defaults = {"VLLM_CACHE_ROOT": str(cache_dir / "vllm"), "VLLM_CONFIG_ROOT": str(cache_dir / "vllm-config"),
+                "MPLCONFIGDIR": str(cache_dir / "matplotlib"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1"}
+    added = {key: value for key, value in defaults.items() if key not in base}
     if neuron_visible_devices:
         added["NEURON_VISIBLE_DEVICES"] = neuron_visible_devices
     return {**base, **added}, added
@@ -92,4 +82,3 @@ def interpreter_path(python: Path, path_env: str | None) -> Path:
         if found:
             return Path(found)
     return Path(os.path.abspath(python))
-

@@ -1,14 +1,7 @@
-"""Is this a Neuron host, and which chip? (the AWS Neuron tools' `neuron-ls`, and the driver's sysfs)
-
-Uses the tools a Neuron host has: `neuron-ls --json-output` lists the devices (one JSON object
-each, with `nc_count` NeuronCores); the chip family is the instance type's prefix (`trn2`,
-`trn3`, `trn1`, `inf2`), read from the driver's sysfs (`.../neuron0/info/architecture/
-instance_type`) or else from plain `neuron-ls`, whose header names it (`instance-type: ...`).
-`NEURON_PLATFORM_TARGET_OVERRIDE`, which the vLLM plugin obeys, overrides the family.
-
-Without a working driver `neuron-ls` prints nothing on stdout, one logfmt line on stderr
-(`level=fatal msg="..." error="..."`) and exits 1; that line is quoted in the error.
-"""
+"""Is this a Neuron host, and which chip? `neuron-ls --json-output` lists the devices; the chip family is the
+instance type's prefix (trn2, trn3, ...) from the driver's sysfs, else plain `neuron-ls`'s header, unless
+NEURON_PLATFORM_TARGET_OVERRIDE (which the vLLM plugin obeys) says otherwise. Without a working driver `neuron-ls`
+prints one logfmt line on stderr (`level=fatal msg="..."`), quoted in the error."""
 
 from __future__ import annotations
 
@@ -24,11 +17,9 @@ from pathlib import Path
 from kvcalib.core.errors import DeviceError
 from kvcalib.core.fp8 import TARGETS
 
-__all__ = [
-    "NEURON_TOOLS_DIR", "NeuronDevice", "NeuronHost", "SYSFS_ARCHITECTURE", "TARGET_OVERRIDE_ENV",
-    "TOOL_TIMEOUT_S", "detect_neuron_host", "find_neuron_ls", "parse_logfmt", "parse_neuron_ls_json",
-    "require_family",
-]
+__all__ = ["NEURON_TOOLS_DIR", "NeuronDevice", "NeuronHost", "SYSFS_ARCHITECTURE", "TARGET_OVERRIDE_ENV",
+           "TOOL_TIMEOUT_S", "detect_neuron_host", "find_neuron_ls", "parse_logfmt", "parse_neuron_ls_json",
+           "require_family"]
 
 NEURON_TOOLS_DIR = Path("/opt/aws/neuron/bin")
 SYSFS_ARCHITECTURE = Path("devices/virtual/neuron_device/neuron0/info/architecture")
@@ -98,12 +89,8 @@ def parse_neuron_ls_json(text: str) -> tuple[NeuronDevice, ...]:
     for position, entry in enumerate(entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("nc_count"), int):
             raise DeviceError(f"neuron-ls --json-output: device entry {position} has no integer nc_count", hint=_HINT)
-        devices.append(NeuronDevice(
-            index=int(entry.get("neuron_device", position)),
-            nc_count=entry["nc_count"],
-            memory_size=int(entry.get("memory_size") or 0),
-            bdf=entry.get("bdf"),
-        ))
+        devices.append(NeuronDevice(index=int(entry.get("neuron_device", position)), nc_count=entry["nc_count"],
+                                    memory_size=int(entry.get("memory_size") or 0), bdf=entry.get("bdf")))
     return tuple(devices)
 
 
@@ -127,8 +114,7 @@ def _tool_failure(neuron_ls: str, proc: subprocess.CompletedProcess) -> DeviceEr
     return DeviceError(
         f"no Neuron devices: {neuron_ls} --json-output exited {proc.returncode} ({said})",
         hint="the Neuron driver is not loaded or this is not a Neuron instance; "
-             "check `lsmod | grep neuron` and /dev/neuron*, or use --device cpu",
-    )
+             "check `lsmod | grep neuron` and /dev/neuron*, or use --device cpu")
 
 
 def _family_from_sysfs(sysfs_root: Path) -> str | None:
@@ -149,18 +135,14 @@ def _family_from_table(neuron_ls: str, env: Mapping[str, str]) -> str | None:
 
 def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev")
                        ) -> NeuronHost:
-    """The Neuron devices and chip family of this host; DeviceError saying what was looked for.
-
-    `sysfs_root` and `dev_root` are where /sys and /dev are (another machine's, in a test).
-    """
+    """The Neuron devices and chip family of this host; DeviceError saying what was looked for."""
     neuron_ls = find_neuron_ls(env.get("PATH"))
     if neuron_ls is None:
         dev_nodes = sorted(str(p) for p in dev_root.glob("neuron*"))
         seen = f"{len(dev_nodes)} /dev/neuron* node(s)" if dev_nodes else "no /dev/neuron* devices"
         raise DeviceError(
             f"no Neuron tools: neuron-ls is neither on PATH nor in {NEURON_TOOLS_DIR} ({seen})",
-            hint=_HINT + "; if the tools are installed elsewhere, put that directory on PATH",
-        )
+            hint=_HINT + "; if the tools are installed elsewhere, put that directory on PATH")
     proc = _run_tool([neuron_ls, "--json-output"], env)
     if proc.returncode != 0 or not proc.stdout.strip():
         raise _tool_failure(neuron_ls, proc)
@@ -180,8 +162,7 @@ def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), 
         raise DeviceError(
             f"cannot tell the Neuron chip family: no instance_type in {sysfs_root / SYSFS_ARCHITECTURE} "
             "and no `instance-type:` line from neuron-ls",
-            hint=f"set {TARGET_OVERRIDE_ENV}=trn2 or trn3 (the vLLM plugin obeys it too)",
-        )
+            hint=f"set {TARGET_OVERRIDE_ENV}=trn2 or trn3 (the vLLM plugin obeys it too)")
     return NeuronHost(family=family, instance_type=instance_type, family_source=source,
                       devices=devices, neuron_ls=neuron_ls)
 
@@ -190,8 +171,6 @@ def require_family(host: NeuronHost, device: str) -> None:
     """DeviceError unless the host's chip family is the one asked for."""
     if host.family != device:
         where = f"{host.instance_type} " if host.instance_type else ""
-        raise DeviceError(
-            f"this host is {host.family} ({where}from {host.family_source}), not {device}",
-            hint=f"pass --device {host.family}"
-            if host.family in TARGETS and TARGETS[host.family].neuron else "serve-check supports trn2 and trn3 Neuron hosts, or --device cpu",
-        )
+        raise DeviceError(f"this host is {host.family} ({where}from {host.family_source}), not {device}",
+                          hint=f"pass --device {host.family}" if host.family in TARGETS and TARGETS[host.family].neuron
+                          else "serve-check supports trn2 and trn3 Neuron hosts, or --device cpu")

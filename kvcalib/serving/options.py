@@ -71,6 +71,7 @@ class ServeOptions:
         if self.context is not None and self.context + self.max_tokens > self.max_model_len:
             raise UsageError(f"--context {self.context} plus the {self.max_tokens} tokens of the answer exceeds "
                              f"--max-model-len {self.max_model_len}",
-                             hint=f"pass --max-model-len {self.context + self.max_tokens} or more, or a shorter --context")
+                             hint=f"pass --max-model-len {self.context + self.max_tokens} or more, "
+                                  "or a shorter --context")
         if self.port is not None and self.port > 65535:
             raise UsageError(f"--port must be at most 65535, not {self.port}", hint="pass a TCP port, or leave it out")

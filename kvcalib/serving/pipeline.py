@@ -1,24 +1,10 @@
 """`kvcalib serve-check`: serve a checkpoint with vLLM's FP8 KV cache and prove it answers sensibly.
 
-1. Pre-flight (serve_preflight): validate, the device, vLLM installed. Nothing is started
-   until all of it passes.
-2. With a baseline (default on cpu), a server without FP8 KV first: its greedy continuations
-   and its NLL of a fixed text are the reference.
-3. The FP8 server (`--kv-cache-dtype fp8`): greedy continuations, the NLL, and per prompt the
-   top-1 agreement with the baseline's continuation (teacher-forced, see probe.py).
-4. The verdict. With a baseline, FP8 is judged against the baseline server's own outputs: mean
-   agreement >= AGREEMENT_THRESHOLD, FP8 NLL <= baseline NLL * (1 + NLL_TOLERANCE), and no
-   prompt's output degenerate (empty, a token or two repeated) where the baseline's is not, and
-   (--context) the long passkey prompt's key answered wherever the baseline answers it. A
-   small base model legitimately repeats itself; when the baseline writes the same kind of
-   output, that is the model, not the FP8 cache. Without a baseline (Neuron's default, where
-   one costs a second compile) a degenerate output fails on its own.
-
-Every server is a `VllmServer` context: stopped (group SIGTERM, SIGKILL after the grace,
-port free) on every path. The command lines are the plugin's own (vllm-neuron test/utils/server/):
-`python -m vllm.entrypoints.openai.api_server`, prefix caching off, max-num-batched-tokens
-== max-model-len, synchronous scheduling; on cpu also `--enforce-eager` and a KV cache sized
-for max-model-len x max-num-seqs.
+Pre-flight (validate, device, vLLM) before any server; then a baseline server without FP8 KV (default on cpu), the
+FP8 server, and the verdict: mean top-1 agreement with the baseline >= AGREEMENT_THRESHOLD, FP8 NLL <= baseline NLL
+x (1 + NLL_TOLERANCE), no output degenerate where the baseline's is not, the --context passkey answered wherever the
+baseline answers it. Without a baseline (Neuron's default) a degenerate output fails on its own. Command lines follow
+the plugin's own (vllm-neuron test/utils/server/); every server is a `VllmServer` context, stopped on every path.
 """
 
 from __future__ import annotations
@@ -32,43 +18,22 @@ from typing import Any
 from kvcalib.core.checkpoint import Checkpoint, read_config
 from kvcalib.core.errors import ServerError, UsageError
 from kvcalib.core.paths import overlapping
-from kvcalib.serving.canary import (
-    CANARY_DIVISOR,
-    CanaryResult,
-    judge_canary,
-    make_variant,
-    mean_agreement,
-    self_agreement,
-)
-from kvcalib.serving.launch import (
-    baseline_kv_dtype,
-    command_line,
-    cpu_kv_cache_bytes,
-    interpreter_path,
-    server_argv,
-    server_env,
-)
+from kvcalib.serving.canary import (CANARY_DIVISOR, CanaryResult, judge_canary, make_variant, mean_agreement,
+                                    self_agreement)
+from kvcalib.serving.launch import (baseline_kv_dtype, command_line, cpu_kv_cache_bytes, interpreter_path, server_argv,
+                                    server_env)
 from kvcalib.serving.options import ServeOptions
 from kvcalib.serving.predict import Prediction, delta_intervals, predict
-from kvcalib.serving.preflight import (
-    NEURON_DEVICES,
-    Environment,
-    Preflight,
-    check_environment,
-    preflight,
-)
+from kvcalib.serving.preflight import NEURON_DEVICES, Environment, Preflight, check_environment, preflight
 from kvcalib.serving.probe import Completion, ServerClient, degenerate
 from kvcalib.serving.prompts import (BUILTIN_PROMPTS, NLL_TEXT, Prompt, contains, context_prompt,
                                   unjudged_passkeys)
 from kvcalib.serving.server import VllmServer, free_port, require_free_port
 
-__all__ = [
-    "AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "check_serving", "Progress", "PromptResult", "ServeCheckResult", "ServeEvent",
-    "ServeOptions", "ServerRun", "judge", "serve_check",
-]
+__all__ = ["AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "check_serving", "Progress", "PromptResult", "ServeCheckResult",
+           "ServeEvent", "ServeOptions", "ServerRun", "judge", "serve_check"]
 
-# The numerics the prediction emulates where the server's differ from its validate target's:
-# vLLM's CPU backend truncates to E4M3 instead of rounding (core.fp8.EMULATED).
+# Where the server's numerics differ from its validate target's: vLLM CPU truncates to E4M3 (core.fp8.EMULATED).
 EMULATED_DEVICES = {"cpu": "vllm-cpu"}
 AGREEMENT_THRESHOLD = 0.8  # mean top-1 agreement with the baseline, over the prompts
 NLL_TOLERANCE = 0.10  # FP8 NLL may exceed the baseline's by at most 10 %
@@ -120,7 +85,7 @@ class ServerRun:
     completions: tuple[Completion, ...]
     nll: float
     agreements: tuple[float | None, ...] | None = None
-    task_output: Any = None  # a kvcalib.serving.tasks.ServedTasks; serve-check --tasks: lm-eval's output against this server
+    task_output: Any = None  # serve-check --tasks: lm-eval's output against this server (tasks.ServedTasks)
     pid: int | None = None  # the server's process id: it leads its own session and process group
     token_nll: tuple[float, ...] = ()  # each token's NLL of the fixed text (nll is their mean)
 
@@ -163,8 +128,7 @@ class ServeCheckResult:
             rows.append({"name": "baseline", "nll": self.nll_baseline, "agreement": None, "served_delta_nll": 0.0,
                          "predicted_delta_nll": 0.0 if self.prediction else None})
         pred = self.prediction
-        rows.append({"name": "calibrated", "nll": self.nll_fp8, "agreement": self.agreement,
-                     "served_delta_nll": self.served_delta_nll, "predicted_delta_nll": pred.delta_nll if pred else None})
+        rows.append(self._row("calibrated", self.nll_fp8, self.agreement, pred.delta_nll if pred else None))
         if self.unit is not None:
             rows.append(self._row("scales 1.0", self.unit.nll, mean_agreement(self.unit.agreements),
                                   pred.unit_delta_nll if pred else None))
@@ -189,7 +153,8 @@ class ServeCheckResult:
             "baseline_ready_s": self.baseline_ready_s, "baseline_command": self.baseline_command,
             "baseline_log": self.baseline_log,
             "canary": self.canary.to_dict() if self.canary else None,
-            "unit": None if self.unit is None else {"nll": self.unit.nll, "agreement": mean_agreement(self.unit.agreements)},
+            "unit": None if self.unit is None else {"nll": self.unit.nll,
+                                                    "agreement": mean_agreement(self.unit.agreements)},
             "prediction": self.prediction.to_dict() if self.prediction else None,
             "delta_nll": {"served": self.served_delta_nll,
                           "predicted": self.prediction.delta_nll if self.prediction else None,
@@ -260,7 +225,8 @@ def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOption
     return tuple(completions), sum(token_nll) / len(token_nll), agreements, task_output, token_nll
 
 
-def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None) -> tuple[list[PromptResult], list[str], float | None]:
+def judge(prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None
+          ) -> tuple[list[PromptResult], list[str], float | None]:
     """Per-prompt results, the reasons the check failed (none: it passed), and the mean agreement."""
     results, failures = [], []
     for i, (prompt, out) in enumerate(zip(prompts, fp8.completions)):
@@ -304,10 +270,7 @@ def _checked(options: ServeOptions, checkpoint: Path) -> ServeOptions:
 
 
 def check_serving(model: Path, options: ServeOptions) -> Environment:
-    """What `calibrate --serve-check` checks before calibrating: arguments, device, vLLM, the model's shape.
-
-    Everything serve-check would refuse later except the scales, which do not exist yet.
-    """
+    """What `calibrate --serve-check` checks first: all serve-check would refuse but the scales (not there yet)."""
     model = Path(model).resolve()
     options = _checked(options, model)
     environment = check_environment(

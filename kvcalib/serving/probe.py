@@ -1,16 +1,6 @@
-"""Talk to a running vLLM server over its OpenAI-compatible HTTP API, and judge what it says.
-
-- `complete`: greedy `/v1/completions`, with the token ids (`return_token_ids`).
-- `token_nlls`: the negative log-likelihood of each token of a fixed text, from prompt log-probs.
-- `top1_agreement`: feed the baseline's prompt + continuation token ids to this server as a
-  prompt and count the continuation tokens this server also ranks first. Teacher-forced, so
-  one early near-tie does not turn every later token into a disagreement; and in this
-  direction a degenerate FP8 server cannot look good by agreeing with its own repetition.
-- `degenerate`: empty output, or one or two tokens repeated (a NaN'd KV cache typically
-  gives the same token over and over).
-
-Stdlib HTTP only: the server runs in another environment, this side needs no client library.
-"""
+"""Talk to a running vLLM server over its OpenAI-compatible HTTP API (stdlib only), and judge what it says.
+`top1_agreement` is teacher-forced on the baseline's tokens, so one early near-tie does not turn every later token
+into a disagreement, and a degenerate FP8 server cannot agree with its own repetition."""
 
 from __future__ import annotations
 

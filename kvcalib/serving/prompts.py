@@ -1,15 +1,5 @@
-"""What serve-check asks the server: prompts with well-known continuations, and a fixed text.
-
-The prompts are ones any small instruction-tuned model completes the same way every time
-under greedy decoding, so an FP8 server that answers differently from the bf16 one is
-telling us something. The NLL text is public-domain prose (the opening of Dickens' "A Tale
-of Two Cities", 1859): its mean negative log-likelihood under prompt log-probs is a number
-that moves when the KV cache is quantised badly.
-
-serve-check --context L adds a long prompt: the passkey test (a filler line repeated, a 5-digit
-key halfway in, the question at the end), as many tokens as fit in L by the checkpoint's own
-tokenizer. It is the one judged prompt: the FP8 server must answer the key where the baseline does.
-"""
+"""What serve-check asks the server: prompts with well-known greedy continuations, a fixed public-domain text for
+the NLL (Dickens, "A Tale of Two Cities"), and with --context a passkey prompt, the one judged prompt."""
 
 from __future__ import annotations
 
@@ -124,8 +114,7 @@ def read_prompts_file(path: Path) -> tuple[Prompt, ...]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"cannot read prompts file {path}: {err}",
-                         hint="pass a UTF-8 text file with one prompt per line, or a .jsonl with a 'prompt' key") from None
+        raise UsageError(f"cannot read prompts file {path}: {err}", hint=hint) from None
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

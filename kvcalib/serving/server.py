@@ -1,14 +1,8 @@
 """Run a vLLM server as a child process group, wait for it, and always take it down again.
 
-`VllmServer` is a context manager: on exit, on every path (success, error, timeout, Ctrl-C),
-it sends SIGTERM to the server's whole process group (vLLM forks an engine core and
-workers), waits up to `stop_timeout_s` for every member to go, then SIGKILLs the group, and
-waits until the port is free. On Linux the server also gets SIGTERM if kvcalib itself dies
-(PR_SET_PDEATHSIG), so even a SIGKILLed kvcalib leaves no server behind.
-
-While waiting for `GET /health` it reports the elapsed time and the log's last line through
-a callback; if the process exits first it raises at once with the log's tail and the known
-causes recognised (`diagnose`).
+`VllmServer` is a context manager: on every exit path it SIGTERMs the whole process group (vLLM forks an engine core
+and workers), SIGKILLs it after `stop_timeout_s`, and waits for the port to be free. On Linux the server also gets
+SIGTERM if kvcalib dies (PR_SET_PDEATHSIG). A failed start raises with the log's tail and its known cause (`diagnose`).
 """
 
 from __future__ import annotations
@@ -30,11 +24,9 @@ from typing import Any
 from kvcalib.core import mxfp4
 from kvcalib.core.errors import ServerError, UsageError
 
-__all__ = [
-    "DIAGNOSE_LINES", "Diagnosis", "HEALTH_TIMEOUT_S", "KNOWN_CAUSES", "LOG_TAIL_LINES", "POLL_S",
-    "PORT_FREE_TIMEOUT_S", "VllmServer", "WaitStatus", "diagnose", "free_port", "group_members", "log_tail",
-    "port_in_use", "require_free_port",
-]
+__all__ = ["DIAGNOSE_LINES", "Diagnosis", "HEALTH_TIMEOUT_S", "KNOWN_CAUSES", "LOG_TAIL_LINES", "POLL_S",
+           "PORT_FREE_TIMEOUT_S", "VllmServer", "WaitStatus", "diagnose", "free_port", "group_members", "log_tail",
+           "port_in_use", "require_free_port"]
 
 POLL_S = 0.5
 HEALTH_TIMEOUT_S = 5.0
@@ -180,14 +172,8 @@ class VllmServer:
 
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], port: int, log_path: Path,
                  cwd: Path, stop_timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.env = dict(env)
-        self.port = port
-        self.host = host
-        self.log_path = Path(log_path)
-        self.cwd = Path(cwd)
-        self.stop_timeout_s = stop_timeout_s
+        self.name, self.argv, self.env, self.port, self.host = name, list(argv), dict(env), port, host
+        self.log_path, self.cwd, self.stop_timeout_s = Path(log_path), Path(cwd), stop_timeout_s
         self.process: subprocess.Popen | None = None
 
     @property
@@ -255,7 +241,8 @@ class VllmServer:
             hint = found.hint
         else:
             hint = default_hint or "read the log tail above"
-        message += f"\n--- last lines of {self.log_path} ---\n{tail}" if tail else f"\n(the log {self.log_path} is empty)"
+        message += (f"\n--- last lines of {self.log_path} ---\n{tail}" if tail
+                    else f"\n(the log {self.log_path} is empty)")
         return ServerError(message, hint=hint, log=str(self.log_path))
 
     def stop(self) -> None:

@@ -1,12 +1,5 @@
-"""serve-check --tasks: lm-eval tasks against the live servers, next to kvcalib's prediction on the same items.
-
-Each server (the unquantised baseline, then FP8) answers the tasks' requests through lm-eval's
-own OpenAI-compatible completions model ("local-completions": loglikelihoods from the prompt's
-logprobs, generation from completions), with lm-eval's task definitions, prompts and metrics. The
-FP8 server's per-item scores are paired with the baseline's (paired bootstrap, as `kvcalib eval
---tasks`), and kvcalib's emulation of the server's numerics scores the same items
-(kvcalib.evaluation.tasks), so a user sees served and predicted side by side before a compile.
-"""
+"""serve-check --tasks: lm-eval tasks against the live servers (lm-eval's "local-completions" model), the FP8
+server's per-item scores paired with the baseline's, next to kvcalib's emulation on the same items."""
 
 from __future__ import annotations
 
@@ -15,16 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.errors import UsageError
-from kvcalib.evaluation.tasks import (
-    BASELINE_NAME,
-    TaskOptions,
-    TaskRow,
-    check_data,
-    evaluate_tasks,
-    paired_rows,
-    require_lm_eval,
-    task_manager,
-)
+from kvcalib.evaluation.tasks import (BASELINE_NAME, TaskOptions, TaskRow, check_data, evaluate_tasks, paired_rows,
+                                      require_lm_eval, task_manager)
 
 __all__ = ["FP8_NAME", "ServedTasks", "TaskSpec", "check_tasks", "run_served_tasks", "served_rows"]
 
@@ -73,8 +58,8 @@ def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
     options.check_arguments()
     require_lm_eval()
     try:  # lm-eval's API models need its [api] extra
-        import aiohttp  # noqa: F401
-        import tenacity  # noqa: F401
+        for name in ("aiohttp", "tenacity"):
+            __import__(name)
     except ImportError as exc:
         raise UsageError(f"serve-check --tasks needs lm-eval's API models, which need {exc.name}",
                          hint="pip install 'kvcalib[tasks]' (it brings lm-eval[api])") from None

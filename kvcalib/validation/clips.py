@@ -1,11 +1,8 @@
 """RANGE-CLIPPED-UNSCORED: scales the scale objective clipped without scoring them on the target's numerics.
 
-A scale sized for trn2 saturates at 240 x s there, and at 448 x s on trn3, GPU vLLM and vLLM CPU. A clip
-chosen to saturate near-constant K channels on trn2 no longer saturates them at 448, and can put them on
-rounding boundaries instead: a real Qwen2.5 1.5B checkpoint calibrated for trn2 by a kvcalib that scored
-trn2 alone cost +1.96 nats served on vLLM CPU. kvcalib now scores every candidate on each server its
-target's scales are for (core.fp8.served_numerics) and records them in the provenance (`scored_on`); a
-record without `scored_on` was scored on its target alone.
+A clip chosen to saturate near-constant K channels at 240 (trn2) no longer saturates them at 448 (trn3, GPU, vLLM
+CPU) and can put them on rounding boundaries. kvcalib records the numerics it scored on in the provenance
+(`scored_on`, core.fp8.served_numerics); a record without it was scored on its target alone.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ __all__ = ["clipped_unscored", "finite_number", "provenance_kind"]
 
 
 def provenance_kind(entry: dict, kind: str) -> dict:
-    """One layer's K or V in kvcalib's provenance: `{"k": {"absmax": ...}}` since 0.2.0, flat `k_absmax` before."""
+    """One layer's K or V in kvcalib's provenance: `{"k": {"absmax": ...}}`, or flat `k_absmax` (before 0.2.0)."""
     nested = entry.get(kind)
     return nested if isinstance(nested, dict) else {n[2:]: v for n, v in entry.items() if n.startswith(f"{kind}_")}
 
@@ -37,8 +34,7 @@ def finite_number(value: Any) -> float | None:
 
 
 def clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]:
-    """The finding for `provenance`'s clipped layers (range below absmax) when `target` is not among the numerics it
-    scored them on (`scored_on`; without it, the provenance's own target alone); [] otherwise."""
+    """The finding for clipped layers (range below absmax) when `target` is not among the numerics scored on."""
     layers, scored = provenance.get("layers"), provenance.get("scored_on")
     if not isinstance(layers, list):
         return []
@@ -64,5 +60,4 @@ def clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]
         f"{scored_text} only, not on {target}: where {target} saturates elsewhere, a clip chosen to saturate "
         "near-constant channels can put them on FP8 rounding boundaries instead",
         f"recalibrate with kvcalib calibrate --target {target}, or with a kvcalib that scores every server "
-        "(its provenance lists them in scored_on)", where,
-    )]
+        "(its provenance lists them in scored_on)", where)]

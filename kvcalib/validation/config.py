@@ -1,9 +1,5 @@
-"""Validation rules over config.json alone: the Neuron platform's validator, the Llama
-model's gate, and portability of the compressed-tensors config (rules 1, 2 and 6 of
-`kvcalib.validate`).
-
-Everything here works on the raw JSON values, whatever their type, and never raises.
-"""
+"""Rules 1, 2 and 6 of `kvcalib validate`, over config.json alone: the Neuron platform's validator, the Llama
+model's gate, portability of the compressed-tensors config. Works on raw JSON values of any type; never raises."""
 
 from __future__ import annotations
 
@@ -14,46 +10,36 @@ from kvcalib.core.fp8 import get_target
 from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, parse_kv_scheme
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
 
-__all__ = [
-    "LLAMA_ARCHITECTURES", "LLAMA_METHODS", "PLATFORM_PREFIX", "QCFG_LOCATION", "SCALE_LOADER_ARCHITECTURES",
-    "SCALE_LOADER_MODEL_TYPES", "UNSCALED_FP8_MODEL_TYPES", "declared_kv_cache_scheme", "has_neuron_scale_loader", "is_llama",
-    "json_type", "llama_gate", "neuron_quantization_verdict", "portability_findings", "vllm_quantization_config",
-]
+__all__ = ["LLAMA_ARCHITECTURES", "LLAMA_METHODS", "PLATFORM_PREFIX", "QCFG_LOCATION", "SCALE_LOADER_ARCHITECTURES",
+           "SCALE_LOADER_MODEL_TYPES", "UNSCALED_FP8_MODEL_TYPES", "declared_kv_cache_scheme",
+           "has_neuron_scale_loader", "is_llama", "json_type", "llama_gate", "neuron_quantization_verdict",
+           "portability_findings", "vllm_quantization_config"]
 
 QCFG_LOCATION = "config.json:quantization_config"
 
 # The Neuron platform's validator: jinhuang12/vllm-neuron@25cf3c8c00d5, vllm_neuron/vllm/platform.py,
 # NeuronPlatform._validate_quantization_config; these are its words, so users can search for them.
-PLATFORM_PREFIX = (
-    "Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale)."
-)
+PLATFORM_PREFIX = "Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale)."
 LLAMA_METHODS = ("modelopt", "compressed-tensors")
 
 # The Llama architectures the Llama gate applies to (vllm_neuron/model/llama3/).
 LLAMA_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
-# The families whose Neuron model reads model.layers.{i}.self_attn.{k,v}_scale (their _load_kv_cache_scales),
-# checked against the public plugin (vllm-project/vllm-neuron): vllm_neuron/model/registry.py registers
-# Llama, GPT-OSS and Qwen3; vllm_neuron/model/qwen3_moe/factory.py builds Qwen3-MoE; and
-# vllm_neuron/model/qwen3_5/ (model_type qwen3_5, qwen3_5_moe) casts K/V to FP8 with no scale at all.
+# The families whose Neuron model reads the KV scales (_load_kv_cache_scales), per vllm-project/vllm-neuron:
+# vllm_neuron/model/registry.py (Llama, GPT-OSS, Qwen3), vllm_neuron/model/qwen3_moe/factory.py (Qwen3-MoE);
+# vllm_neuron/model/qwen3_5/ (qwen3_5, qwen3_5_moe) casts K/V to FP8 with no scale at all.
 SCALE_LOADER_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                         "GptOssForCausalLM"})
 SCALE_LOADER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "gpt_oss"})
 UNSCALED_FP8_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 
+_JSON_TYPES = ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
+               (list, "an array"))
+
+
 def json_type(value: Any) -> str:
     """The JSON name of a parsed value's type, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
+    return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "an object")
 
 
 def _malformed(message: str, location: str, hint: str) -> Finding:
@@ -65,10 +51,8 @@ def _rejected(rule: str, what: str, group: str, location: str, hint: str) -> Fin
     return Finding(rule, ERROR, message, hint, location)
 
 
-_KV_ONLY_HINT = (
-    "FP8 KV on Neuron is a KV-only compressed-tensors config: empty config_groups and a "
-    "kv_cache_scheme (what `kvcalib calibrate` writes)"
-)
+_KV_ONLY_HINT = ("FP8 KV on Neuron is a KV-only compressed-tensors config: empty config_groups and a "
+                 "kv_cache_scheme (what `kvcalib calibrate` writes)")
 
 
 # ModelOpt's quant_algo -> the quant_method vLLM sets from it; any other quant_algo raises there.
@@ -77,11 +61,9 @@ _MODELOPT_METHODS = {"FP8": "modelopt", "FP8_PER_CHANNEL_PER_TOKEN": "modelopt",
 
 
 def vllm_quantization_config(qc: object) -> dict | Finding | None:
-    """quantization_config as vLLM hands it to the platform and the model, or the Finding where vLLM crashes or
-    raises on it (vllm-project/vllm@00bb6f59a0c7, vllm/transformers_utils/model_arch_config_convertor.py,
-    _normalize_quantization_config): producer.name "modelopt" (or a legacy quantization.modelopt_quant_config)
-    sets quant_method from quantization.quant_algo, then quant_method is lower-cased, compressed_tensors spelt
-    compressed-tensors. None for no quantization_config."""
+    """quantization_config as vLLM hands it on (None if absent), or the Finding where vLLM crashes or raises on it
+    (vllm-project/vllm@00bb6f59a0c7, vllm/transformers_utils/model_arch_config_convertor.py,
+    _normalize_quantization_config)."""
     if qc is None:
         return None
     if not isinstance(qc, dict):  # vLLM calls quant_cfg.get(...) on anything but None, falsy or not
@@ -115,17 +97,9 @@ def vllm_quantization_config(qc: object) -> dict | Finding | None:
     return {**qc, "quant_method": method.lower().replace("compressed_tensors", "compressed-tensors")}
 
 
-def neuron_quantization_verdict(
-    quantization_config: object, neuron_config: dict | None = None
-) -> Finding | None:
-    """The Neuron platform's quantization-config check, exactly (NeuronPlatform._validate_quantization_config,
-    cited above), on the config vLLM hands it (`vllm_quantization_config`).
-
-    `quantization_config` is the raw value from config.json (un-normalised); `neuron_config`
-    is `additional_config["neuron_config"]` of the serve command, if known. None when the
-    platform accepts the config; an error Finding when it rejects it, or when vLLM or the
-    platform would crash on its shape.
-    """
+def neuron_quantization_verdict(quantization_config: object, neuron_config: dict | None = None) -> Finding | None:
+    """NeuronPlatform._validate_quantization_config (cited above) on the raw config.json value as vLLM normalises it;
+    `neuron_config`: the serve command's additional_config["neuron_config"]. None when the platform accepts it."""
     qc = vllm_quantization_config(quantization_config)
     if not isinstance(qc, dict):
         return qc
@@ -133,30 +107,19 @@ def neuron_quantization_verdict(
     if isinstance(neuron_config, dict) and neuron_config.get("quantization") == "mxfp8":
         return None
     if "mx" in method:
-        return Finding(
-            "NEURON-QCFG-MX",
-            ERROR,
-            f"Neuron does not support MX quantization: quant_method={method!r}. "
-            "The Neuron matmul substrate has no MX path.",
-            "use a checkpoint without MX weight quantization, or serve with "
-            "additional_config neuron_config quantization 'mxfp8' (a CPU-dequant path)",
-            f"{QCFG_LOCATION}.quant_method",
-        )
+        return Finding("NEURON-QCFG-MX", ERROR, f"Neuron does not support MX quantization: quant_method={method!r}. "
+                       "The Neuron matmul substrate has no MX path.",
+                       "use a checkpoint without MX weight quantization, or serve with "
+                       "additional_config neuron_config quantization 'mxfp8' (a CPU-dequant path)",
+                       f"{QCFG_LOCATION}.quant_method")
     if method != "compressed-tensors":  # "fp8" included: accepted here, see the Llama gate
         return None
     groups = qc.get("config_groups", {})
     if not isinstance(groups, dict):
-        return _malformed(
-            f"quantization_config.config_groups is {json_type(groups)}, not an object: the "
-            "Neuron platform crashes iterating it (config_groups.items())",
-            f"{QCFG_LOCATION}.config_groups",
-            'write "config_groups": {} for a KV-only checkpoint',
-        )
-    for name, group in groups.items():
-        verdict = _group_verdict(name, group)
-        if verdict is not None:
-            return verdict
-    return None
+        return _malformed(f"quantization_config.config_groups is {json_type(groups)}, not an object: the "
+                          "Neuron platform crashes iterating it (config_groups.items())",
+                          f"{QCFG_LOCATION}.config_groups", 'write "config_groups": {} for a KV-only checkpoint')
+    return next((v for v in (_group_verdict(name, group) for name, group in groups.items()) if v is not None), None)
 
 
 def _group_verdict(name: str, group: Any) -> Finding | None:
@@ -164,12 +127,9 @@ def _group_verdict(name: str, group: Any) -> Finding | None:
     targets none of which contains "Attention" (in that order)."""
     location = f"{QCFG_LOCATION}.config_groups['{name}']"
     if not isinstance(group, dict):
-        return _malformed(
-            f"config_groups['{name}'] is {json_type(group)}, not an object: the Neuron "
-            "platform crashes reading it (group.get)",
-            location,
-            "each config group must be an object; remove this one for a KV-only checkpoint",
-        )
+        return _malformed(f"config_groups['{name}'] is {json_type(group)}, not an object: the Neuron "
+                          "platform crashes reading it (group.get)", location,
+                          "each config group must be an object; remove this one for a KV-only checkpoint")
     if group.get("weights"):
         return _rejected("NEURON-QCFG-WEIGHTS", "Weight quantization", name, location, _KV_ONLY_HINT)
     if group.get("output_activations"):
@@ -182,12 +142,9 @@ def _group_verdict(name: str, group: Any) -> Finding | None:
         return matched
     if matched:
         return None
-    hint = _KV_ONLY_HINT
-    if isinstance(targets, str):
-        hint = (
-            f"targets is a string, which the platform reads character by character "
-            f"and never matches; write a list such as [\"LlamaAttention\"]. {_KV_ONLY_HINT}"
-        )
+    hint = _KV_ONLY_HINT if not isinstance(targets, str) else (
+        f"targets is a string, which the platform reads character by character "
+        f"and never matches; write a list such as [\"LlamaAttention\"]. {_KV_ONLY_HINT}")
     return _rejected("NEURON-QCFG-INPUT-ACT", "Input activation quantization on non-attention targets",
                      name, location, hint)
 
@@ -199,23 +156,18 @@ def _attention_target(targets: Any, name: str, location: str) -> bool | Finding:
     if isinstance(targets, dict):
         return any("Attention" in key for key in targets)
     if not isinstance(targets, list):
-        return _malformed(
-            f"config_groups['{name}'].targets is {json_type(targets)} while input_activations "
-            "is set: the Neuron platform crashes iterating it (TypeError)",
-            f"{location}.targets",
-            'write targets as a list of module names, e.g. ["LlamaAttention"]',
-        )
+        return _malformed(f"config_groups['{name}'].targets is {json_type(targets)} while input_activations "
+                          "is set: the Neuron platform crashes iterating it (TypeError)", f"{location}.targets",
+                          'write targets as a list of module names, e.g. ["LlamaAttention"]')
     for i, target in enumerate(targets):
         if isinstance(target, (str, list, dict)):  # substring, element or key membership
             if "Attention" in target:
                 return True
         else:
-            return _malformed(
-                f"config_groups['{name}'].targets[{i}] is {json_type(target)}, not a string: "
-                "the Neuron platform crashes testing it for 'Attention' (TypeError)",
-                f"{location}.targets[{i}]",
-                "every target must be a string (a module class name or a re: pattern)",
-            )
+            return _malformed(f"config_groups['{name}'].targets[{i}] is {json_type(target)}, not a string: "
+                              "the Neuron platform crashes testing it for 'Attention' (TypeError)",
+                              f"{location}.targets[{i}]",
+                              "every target must be a string (a module class name or a re: pattern)")
     return False
 
 
@@ -234,10 +186,8 @@ def is_llama(config: dict[str, Any]) -> bool:
 
 
 def has_neuron_scale_loader(config: dict[str, Any]) -> bool:
-    return (
-        bool(SCALE_LOADER_ARCHITECTURES.intersection(_architectures(config)))
-        or _model_type(config) in SCALE_LOADER_MODEL_TYPES
-    )
+    return bool(SCALE_LOADER_ARCHITECTURES.intersection(_architectures(config))) or (
+        _model_type(config) in SCALE_LOADER_MODEL_TYPES)
 
 
 def llama_gate(config: dict[str, Any]) -> Finding | None:
@@ -252,15 +202,11 @@ def llama_gate(config: dict[str, Any]) -> Finding | None:
     method = qc["quant_method"]
     if method in LLAMA_METHODS:
         return None
-    return Finding(
-        "NEURON-LLAMA-QUANT-METHOD",
-        ERROR,
-        f"Unsupported quantization_config.quant_method={method!r}. "
-        "Llama3 currently supports: 'modelopt', 'compressed-tensors'.",
-        "the Neuron Llama model fails at build with this config; for FP8 KV scales use "
-        "quant_method 'compressed-tensors' with a kv_cache_scheme (kvcalib calibrate writes it)",
-        f"{QCFG_LOCATION}.quant_method",
-    )
+    return Finding("NEURON-LLAMA-QUANT-METHOD", ERROR, f"Unsupported quantization_config.quant_method={method!r}. "
+                   "Llama3 currently supports: 'modelopt', 'compressed-tensors'.",
+                   "the Neuron Llama model fails at build with this config; for FP8 KV scales use "
+                   "quant_method 'compressed-tensors' with a kv_cache_scheme (kvcalib calibrate writes it)",
+                   f"{QCFG_LOCATION}.quant_method")
 
 
 def declared_kv_cache_scheme(config: dict[str, Any]) -> Any:
@@ -281,25 +227,17 @@ def portability_findings(config: dict[str, Any], target: str, scales_present: bo
                                    "config.json:compression_config", "rename compression_config to "
                                    'quantization_config, an object with "quant_method": "compressed-tensors"'))
     elif qc is None and "compression_config" in config:
-        findings.append(Finding(
-            "PORT-COMPRESSION-CONFIG",
-            WARNING,
-            "config.json uses the 2024 key compression_config: GPU vLLM still reads it, but "
-            "the Neuron platform and its Llama model look only at quantization_config",
-            "rename compression_config to quantization_config",
-            "config.json:compression_config",
-        ))
+        findings.append(Finding("PORT-COMPRESSION-CONFIG", WARNING,
+                                "config.json uses the 2024 key compression_config: GPU vLLM still reads it, but "
+                                "the Neuron platform and its Llama model look only at quantization_config",
+                                "rename compression_config to quantization_config", "config.json:compression_config"))
     normalised = vllm_quantization_config(qc)
     if isinstance(normalised, dict) and normalised["quant_method"] == "compressed-tensors":
         if "config_groups" not in qc:
-            findings.append(Finding(
-                "PORT-CONFIG-GROUPS-MISSING",
-                WARNING if get_target(target).neuron else ERROR,
-                "quantization_config has no config_groups: GPU vLLM's compressed-tensors loader "
-                "indexes it and fails with KeyError: 'config_groups'",
-                'add "config_groups": {} (empty for a KV-only checkpoint)',
-                QCFG_LOCATION,
-            ))
+            findings.append(Finding("PORT-CONFIG-GROUPS-MISSING", WARNING if get_target(target).neuron else ERROR,
+                                    "quantization_config has no config_groups: GPU vLLM's compressed-tensors loader "
+                                    "indexes it and fails with KeyError: 'config_groups'",
+                                    'add "config_groups": {} (empty for a KV-only checkpoint)', QCFG_LOCATION))
         scheme = qc.get("kv_cache_scheme")
         if scheme is not None:
             findings.extend(_kv_scheme_findings(scheme, target))
@@ -307,22 +245,17 @@ def portability_findings(config: dict[str, Any], target: str, scales_present: bo
         names = ", ".join(_architectures(config)) or f"model_type {short_repr(config.get('model_type'))}"
         unscaled = _model_type(config) in UNSCALED_FP8_MODEL_TYPES
         findings.append(Finding(
-            "PORT-NO-SCALE-LOADER",
-            WARNING if get_target(target).neuron else INFO,
+            "PORT-NO-SCALE-LOADER", WARNING if get_target(target).neuron else INFO,
             f"{names}: the Neuron model casts K/V straight to FP8 with no scale and no clamp, so the scales are "
             "ignored and values beyond the FP8 range are not saturated" if unscaled else
             f"{names} has no Neuron KV-scale loader (only Llama, Qwen3 dense, Qwen3-MoE and GPT-OSS read "
             "them): on Neuron the scales are ignored and FP8 KV runs with scale 1.0",
-            "serve this model on GPU, or expect uncalibrated FP8 KV on Neuron",
-            "config.json:architectures",
-        ))
+            "serve this model on GPU, or expect uncalibrated FP8 KV on Neuron", "config.json:architectures"))
     return findings
 
 
-# The static per-tensor FP8 kv_cache_scheme (kvcalib's, and llm-compressor's FP8 KV recipes'), which
-# compressed-tensors accepts as it stands, field for field: recognised without importing it (with torch,
-# 1.6 s of a 2 s validate). Anything else is parsed by compressed-tensors itself, the authority;
-# tests/validate/test_validate.py::test_plain_kv_scheme_fast_path_agrees_with_compressed_tensors.
+# The static per-tensor FP8 kv_cache_scheme, which compressed-tensors accepts as it stands: recognised without
+# importing it (torch: 1.6 s of a 2 s validate); anything else is parsed by compressed-tensors itself.
 _PLAIN_FP8_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
 
 
@@ -362,8 +295,7 @@ def observer_findings(scheme: Any) -> list[Finding]:
         return []  # static_minmax (the whole set's maximum), or an observer kvcalib does not know
     what = _NO_OBSERVER if observer is None else f"records observer {observer!r}: {PARTIAL_OBSERVERS[observer]}"
     return [Finding(
-        "KV-OBSERVER", WARNING,
-        f"kv_cache_scheme {what}; K/V beyond those scales saturate in FP8",
+        "KV-OBSERVER", WARNING, f"kv_cache_scheme {what}; K/V beyond those scales saturate in FP8",
         "recalibrate with observer: static_minmax in the recipe's kv_cache_scheme (as kvcalib's "
         "recipes/kv-fp8-trn2.yaml), or with `kvcalib calibrate`, which takes the whole set's absmax",
         f"{QCFG_LOCATION}.kv_cache_scheme.observer",
@@ -378,48 +310,36 @@ def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
             args = parse_kv_scheme(scheme)
     except Exception as exc:  # noqa: BLE001 - third-party validation: any failure is a finding
         return [Finding(
-            "PORT-KV-SCHEME-INVALID",
-            ERROR,
+            "PORT-KV-SCHEME-INVALID", ERROR,
             f"kv_cache_scheme does not parse as compressed-tensors QuantizationArgs: {_pydantic_summary(exc)}",
             "keep only num_bits, type, strategy, dynamic, symmetric, observer in kv_cache_scheme; "
-            "put provenance elsewhere (unknown keys are refused)",
-            location,
-        )]
+            "put provenance elsewhere (unknown keys are refused)", location)]
     findings = []
     kind = str(getattr(args.type, "value", args.type))
     if args.num_bits != 8 or kind != "float" or not args.symmetric:
         findings.append(Finding(
-            "PORT-KV-SCHEME-FORMAT",
-            ERROR,
+            "PORT-KV-SCHEME-FORMAT", ERROR,
             f"kv_cache_scheme is num_bits={args.num_bits}, type={kind!r}, symmetric={args.symmetric}: "
             "FP8 KV needs num_bits 8, type 'float', symmetric true",
-            "missing fields take compressed-tensors' defaults (int, 8 bits); write them out",
-            location,
-        ))
+            "missing fields take compressed-tensors' defaults (int, 8 bits); write them out", location))
     strategy = str(getattr(args.strategy, "value", args.strategy))
     if strategy == ATTN_HEAD and args.dynamic is False:
         neuron = get_target(target).neuron
         findings.append(Finding(
-            "PORT-KV-SCHEME-STRATEGY",
-            ERROR if neuron else INFO,
+            "PORT-KV-SCHEME-STRATEGY", ERROR if neuron else INFO,
             f"kv_cache_scheme has strategy 'attn_head' (one scale per KV head), which {target} cannot serve: "
             f"{NEURON_PER_HEAD_REASON}" if neuron else
             "kv_cache_scheme has strategy 'attn_head' (one scale per KV head): GPU vLLM reads it on its "
             "FlashAttention backend only (other backends refuse per-head scales at startup)",
             "recalibrate per tensor for Neuron (kvcalib calibrate --target trn2 --strategy tensor)" if neuron else
-            "serve it on GPU with FlashAttention",
-            location,
-        ))
+            "serve it on GPU with FlashAttention", location))
     elif strategy != "tensor" or args.dynamic is not False:
         dynamic = getattr(args.dynamic, "value", args.dynamic)
         findings.append(Finding(
-            "PORT-KV-SCHEME-STRATEGY",
-            ERROR if get_target(target).neuron else WARNING,
+            "PORT-KV-SCHEME-STRATEGY", ERROR if get_target(target).neuron else WARNING,
             f"kv_cache_scheme has strategy={strategy!r}, dynamic={dynamic!r}: Neuron reads one static "
             "per-tensor scale per layer (strategy 'tensor', dynamic false)",
-            "calibrate static per-tensor scales (kvcalib calibrate)",
-            location,
-        ))
+            "calibrate static per-tensor scales (kvcalib calibrate)", location))
     return findings
 
 

@@ -1,9 +1,5 @@
-"""Checkpoint integrity (rule 4 of `kvcalib.validate`): what the two Neuron loader variants see.
-
-Variant A globs every top-level `*.safetensors` file and ignores the index; variant B uses
-only the index's `weight_map` (the plugin and its public forks load checkpoints both ways). Headers and the index are read, no
-tensor data. Every problem becomes a finding; nothing here raises.
-"""
+"""Rule 4 of `kvcalib validate`, checkpoint integrity as both Neuron loader variants see it: one globs every
+top-level `*.safetensors` file, the other reads only the index's `weight_map`. Headers and index only; never raises."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ _EXAMPLES = 3
 
 
 def read_provenance(scan: CheckpointFiles) -> dict[str, Any] | None:
-    """kvcalib's provenance (kvcalib_calibration.json) as an object; None when absent or unreadable
-    (rule 5, validate/scales.py, reports a malformed one)."""
+    """kvcalib_calibration.json as an object; None when absent or unreadable (scales.py reports a malformed one)."""
     path = scan.root / PROVENANCE_FILENAME
     if not path.exists():
         return None
@@ -41,19 +36,14 @@ def _examples(keys: Iterable[str]) -> str:
 
 
 def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
-    """Read every header and the index (core.checkpoint.scan_checkpoint, tolerant); report what cannot be read or
-    does not agree."""
+    """Read every header and the index (tolerant); report what cannot be read or does not agree."""
     scan = scan_checkpoint(root, tolerant=True)
     findings = [Finding("CKPT-INDEX-UNREADABLE" if name == INDEX_FILENAME else "CKPT-HEADER", ERROR, exc.message,
                         exc.hint, name) for name, exc in scan.problems]
     if not scan.files and not (root / INDEX_FILENAME).exists():
         findings.append(Finding(
-            "CKPT-NO-SAFETENSORS",
-            ERROR,
-            f"no *.safetensors file in {root}: the Neuron loaders read safetensors only",
-            "convert the weights to safetensors (save_pretrained(..., safe_serialization=True))",
-            str(root),
-        ))
+            "CKPT-NO-SAFETENSORS", ERROR, f"no *.safetensors file in {root}: the Neuron loaders read safetensors only",
+            "convert the weights to safetensors (save_pretrained(..., safe_serialization=True))", str(root)))
     findings += _duplicate_findings(scan)
     if scan.index is not None:
         findings += _index_findings(scan, scan.index["weight_map"])
@@ -71,15 +61,12 @@ def _single_file_shadow_findings(scan: CheckpointFiles) -> list[Finding]:
         return []
     scales = [k for k in shadowed if is_kv_scale_key(k)]
     return [Finding(
-        "CKPT-SINGLE-FILE-SHADOWS-INDEX",
-        WARNING,
+        "CKPT-SINGLE-FILE-SHADOWS-INDEX", WARNING,
         f"{SINGLE_WEIGHTS_FILENAME} exists beside {INDEX_FILENAME}: transformers (and compressed-tensors "
         f"through it) loads only {SINGLE_WEIGHTS_FILENAME} and ignores {_examples(scales or shadowed)} in other "
         "files; vLLM and the Neuron loaders are not affected",
         f"rename {SINGLE_WEIGHTS_FILENAME} to model-00001-of-00001.safetensors and update weight_map "
-        "(kvcalib calibrate writes this layout)",
-        SINGLE_WEIGHTS_FILENAME,
-    )]
+        "(kvcalib calibrate writes this layout)", SINGLE_WEIGHTS_FILENAME)]
 
 
 def _is_file(path: Path) -> bool:
@@ -90,14 +77,8 @@ def _is_file(path: Path) -> bool:
 
 
 def _bare_safetensors_name(name: Any) -> bool:
-    return (
-        isinstance(name, str)
-        and name.endswith(".safetensors")
-        and "/" not in name
-        and "\\" not in name
-        and ":" not in name  # a Windows drive
-        and not name.startswith(".")
-    )
+    return isinstance(name, str) and name.endswith(".safetensors") and not name.startswith(".") and not any(
+        c in name for c in "/\\:")  # ":": a Windows drive
 
 
 def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[Finding]:
@@ -109,41 +90,25 @@ def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[F
     for name, keys in by_file.items():
         if not _bare_safetensors_name(name):
             findings.append(Finding(
-                "CKPT-INDEX-FILE-NAME",
-                ERROR,
-                f"weight_map names {name!r} for {_examples(keys)}: an index-based loader accepts only "
-                "bare top-level *.safetensors file names and refuses the checkpoint",
-                "move the file next to config.json and map its keys to its bare file name",
-                location,
-            ))
+                "CKPT-INDEX-FILE-NAME", ERROR, f"weight_map names {name!r} for {_examples(keys)}: an index-based "
+                "loader accepts only bare top-level *.safetensors file names and refuses the checkpoint",
+                "move the file next to config.json and map its keys to its bare file name", location))
         elif not _is_file(scan.root / name):
             findings.append(Finding(
-                "CKPT-INDEX-FILE-MISSING",
-                ERROR,
-                f"weight_map names {name!r}, which does not exist, for {_examples(keys)}: an "
-                "index-based loader refuses the checkpoint",
-                "restore the missing file, or rebuild the index from the files present",
-                location,
-            ))
+                "CKPT-INDEX-FILE-MISSING", ERROR, f"weight_map names {name!r}, which does not exist, for "
+                f"{_examples(keys)}: an index-based loader refuses the checkpoint",
+                "restore the missing file, or rebuild the index from the files present", location))
         elif name in scan.headers:
             stale = [key for key in keys if key not in scan.headers[name].tensors]
             findings += _per_key_or_file(
-                "CKPT-INDEX-KEY-STALE",
-                stale,
-                name,
-                f"weight_map maps {{keys}} to {name}, which holds no such tensor: an index-based "
-                "loader cannot find it",
-                "rebuild weight_map from the safetensors headers",
-            )
+                "CKPT-INDEX-KEY-STALE", stale, name, f"weight_map maps {{keys}} to {name}, which holds no such "
+                "tensor: an index-based loader cannot find it", "rebuild weight_map from the safetensors headers")
     for name, header in scan.headers.items():
         findings += _per_key_or_file(
-            "CKPT-INDEX-KEY-UNMAPPED",
-            [key for key in header.tensors if key not in weight_map],
-            name,
+            "CKPT-INDEX-KEY-UNMAPPED", [key for key in header.tensors if key not in weight_map], name,
             f"{{keys}} in {name} is missing from weight_map: loaders that glob *.safetensors read "
             "it, index-based loaders silently ignore it (a scale missing there runs at 1.0)",
-            f"add every key of {name} to weight_map with the bare file name {name!r}",
-        )
+            f"add every key of {name} to weight_map with the bare file name {name!r}")
     return findings
 
 
@@ -166,13 +131,9 @@ def _duplicate_findings(scan: CheckpointFiles) -> list[Finding]:
     for names, keys in sorted(by_files.items()):
         scale_keys = [k for k in keys if is_kv_scale_key(k)]
         findings.append(Finding(
-            "CKPT-DUPLICATE-KEY",
-            ERROR,
-            f"{_examples(scale_keys or keys)} stored in more than one file ({', '.join(names)}): "
-            "which copy a loader uses is not defined",
-            "keep each tensor in exactly one file",
-            ", ".join(names),
-        ))
+            "CKPT-DUPLICATE-KEY", ERROR, f"{_examples(scale_keys or keys)} stored in more than one file "
+            f"({', '.join(names)}): which copy a loader uses is not defined", "keep each tensor in exactly one file",
+            ", ".join(names)))
     return findings
 
 
@@ -185,8 +146,7 @@ def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[F
     if not isinstance(total_size, int) or isinstance(total_size, bool):
         return [Finding(
             "CKPT-TOTAL-SIZE", WARNING, f"metadata.total_size is {short_repr(total_size)}, not an integer",
-            "set it to the sum of the byte sizes of the tensors in weight_map", location,
-        )]
+            "set it to the sum of the byte sizes of the tensors in weight_map", location)]
     actual = 0
     for key, name in index["weight_map"].items():
         header = scan.headers.get(name) if isinstance(name, str) else None
@@ -196,10 +156,6 @@ def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[F
             actual += header.tensors[key].nbytes
     if actual == total_size:
         return []
-    return [Finding(
-        "CKPT-TOTAL-SIZE",
-        WARNING,
-        f"metadata.total_size is {total_size}, but the tensors in weight_map hold {actual} bytes",
-        f"set metadata.total_size to {actual}",
-        location,
-    )]
+    return [Finding("CKPT-TOTAL-SIZE", WARNING,
+                    f"metadata.total_size is {total_size}, but the tensors in weight_map hold {actual} bytes",
+                    f"set metadata.total_size to {actual}", location)]

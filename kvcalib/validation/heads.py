@@ -1,17 +1,8 @@
 """Per-head KV scales and Q scales (FP8 attention): what GPU vLLM reads, and what Neuron does not.
 
-- Per-head K/V scales (kv_cache_scheme strategy attn_head) are llm-compressor's `[kv_heads, 1, 1]`;
-  GPU vLLM's compressed-tensors loader flattens them into `[num_kv_heads]` (FlashAttention only).
-  On Neuron they crash the loader's reshape to `[1, 1]` (reported by kvcalib.validation.scales).
-- `self_attn.q_scale` (with the FP8-attention config group, input activations of the attention
-  class) is read by GPU vLLM: `[1]` per tensor, `[attention_heads, 1, 1]` per head. The Neuron
-  plugin reads k_scale and v_scale only: a q_scale there is information, not an error.
-
-Rule ids: SCALE-HEADS (error: a per-head scale whose head count vLLM cannot load, or whose values
-are not finite and > 0), SCALE-Q-UNUSED (info on Neuron), SCALE-Q-MISSING (warning on gpu: the
-attention group is declared, Q runs with scale 1.0), SCALE-Q-SHAPE / SCALE-Q-VALUE (errors on gpu),
-PORT-ATTENTION-GROUP (warning on gpu: vLLM recognises an attention group only with one target
-ending in "Attention").
+Per-head K/V scales (strategy attn_head) are llm-compressor's `[kv_heads, 1, 1]`, which GPU vLLM's compressed-tensors
+loader flattens to `[num_kv_heads]` (FlashAttention only). `self_attn.q_scale` (the FP8-attention config group) is read
+by GPU vLLM: `[1]` per tensor, `[attention_heads, 1, 1]` per head; the Neuron plugin reads k_scale and v_scale only.
 """
 
 from __future__ import annotations
@@ -23,16 +14,8 @@ from kvcalib.core import checkpoint
 from kvcalib.core.checkpoint import CheckpointFiles
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import get_target
-from kvcalib.core.schema import (
-    ATTN_HEAD,
-    NEURON_ALT_LAYERS_PREFIX,
-    NEURON_LAYERS_PREFIX,
-    attention_groups,
-    head_counts,
-    is_attention_target,
-    num_hidden_layers,
-    parse_q_scale_key,
-)
+from kvcalib.core.schema import (ATTN_HEAD, NEURON_ALT_LAYERS_PREFIX, NEURON_LAYERS_PREFIX, attention_groups,
+                                 head_counts, is_attention_target, num_hidden_layers, parse_q_scale_key)
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding
 
 __all__ = ["attention_group_findings", "per_head_findings", "query_findings"]
@@ -51,8 +34,7 @@ def per_head_findings(header: checkpoint.SafetensorsHeader, key: str, kind: str,
             "SCALE-HEADS" if kind != "q" else "SCALE-Q-SHAPE", ERROR,
             f"{key} has shape {list(info.shape)} ({numel} values) but the model has {expected} {what}: GPU vLLM's "
             f"per-head loader copies it into [{expected if kind != 'q' else 'num_kv_heads'}] and fails",
-            f"write one scale per head, shape [{expected}, 1, 1] (llm-compressor's layout)", location,
-        )], None
+            f"write one scale per head, shape [{expected}, 1, 1] (llm-compressor's layout)", location)], None
     try:
         values = checkpoint.read_values(header, key)
     except KvcalibError as exc:
@@ -91,8 +73,7 @@ def attention_group_findings(config: dict[str, Any], target: str) -> list[Findin
         "FP8-attention group only with exactly one target whose name ends in 'Attention', and otherwise "
         "treats it as a linear-layer scheme",
         "one group per attention class, e.g. {\"targets\": [\"LlamaAttention\"], \"input_activations\": {...}}",
-        f"{_QCFG}.config_groups.{name}",
-    ) for name, targets in declared_attention_groups(config)
+        f"{_QCFG}.config_groups.{name}") for name, targets in declared_attention_groups(config)
         if not (len(targets) == 1 and is_attention_target(targets[0]))]
 
 
@@ -107,19 +88,17 @@ def query_findings(config: dict[str, Any], scan: CheckpointFiles, target: str, s
             "SCALE-Q-UNUSED", INFO,
             f"q_scale on {len(keys)} layer(s) (FP8 attention): not consumed by the plugin today; vLLM on Neuron reads "
             "k_scale and v_scale only, so Q stays in bf16 there",
-            "nothing to do: GPU vLLM's FP8 attention reads q_scale; Neuron ignores it", keys[min(keys)],
-        )]
+            "nothing to do: GPU vLLM's FP8 attention reads q_scale; Neuron ignores it", keys[min(keys)])]
     findings: list[Finding] = []
     n_layers = num_hidden_layers(config)
     if declared and n_layers is not None:
         missing = [i for i in range(n_layers) if i not in keys]
         if missing:
+            cut = " ..." if len(missing) > 8 else ""
             findings.append(Finding(
-                "SCALE-Q-MISSING", WARNING,
-                f"quantization_config declares FP8 attention but layer(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
-                "have no self_attn.q_scale: GPU vLLM quantises their Q with scale 1.0",
-                "recalibrate with kvcalib calibrate --attention-scales", _QCFG,
-            ))
+                "SCALE-Q-MISSING", WARNING, f"quantization_config declares FP8 attention but layer(s) {missing[:8]}"
+                f"{cut} have no self_attn.q_scale: GPU vLLM quantises their Q with scale 1.0",
+                "recalibrate with kvcalib calibrate --attention-scales", _QCFG))
     expected = head_counts(config)["q"] if strategy == ATTN_HEAD else 1
     for key in keys.values():
         header = scan.header_of(key)

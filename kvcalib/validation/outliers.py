@@ -1,16 +1,8 @@
-"""Rule 6: near-constant outlier K channels under scales sized by absmax (a cheap probe, no model run).
+"""Near-constant outlier K channels under scales sized by absmax (a cheap probe, no model run, no torch).
 
-A k_proj bias in a RoPE pair that barely rotates puts a K channel at a constant: where that
-constant is a large part of the range the layer's k_scale is sized for, absmax / fp8_max puts it
-on a coarse part of the FP8 grid, and where it sits near a rounding boundary it flips between two
-grid values from token to token: noise multiplied into every q·k (measured on a real Qwen2.5
-1.5B: +0.91 nats, against +0.013 with the right clip of one layer). kvcalib's attention objective
-clips such channels; a checkpoint calibrated by absmax (llm-compressor, `--scale-objective
-absmax`, anyone's) gets a warning naming the layer, the KV head and the channels. Without a
-k_proj bias nothing can be seen without running the model: for a checkpoint kvcalib sized by absmax
-on request, an info line points to `kvcalib eval`, whose per-layer attention error shows it.
-
-Pure Python (validate imports no torch): the bias is read with struct (core.checkpoint.read_values).
+A k_proj bias in a RoPE pair that barely rotates puts a K channel at a constant; where that is a large part of the
+k_scale's range, absmax scaling puts it on a coarse part of the FP8 grid and rounding flips it from token to token.
+kvcalib's attention objective clips such channels; other checkpoints get a warning naming layer, head and channels.
 """
 
 from __future__ import annotations
@@ -87,13 +79,11 @@ def outlier_findings(config: dict[str, Any], scan: CheckpointFiles, values: dict
             f"such channels on a coarse part of the FP8 grid, where rounding flips them from token to token",
             "measure it with `kvcalib eval CKPT --dataset DATA` (its attention error per layer), or recalibrate "
             "with `kvcalib calibrate` (the attention objective clips such channels)",
-            f"{prefix}.{found[0][0]}.self_attn.k_proj.bias",
-        )]
+            f"{prefix}.{found[0][0]}.self_attn.k_proj.bias")]
     if probed or objective != "absmax":
         return []
     return [Finding(  # kvcalib sized these by absmax on request: say what it could not check
         "OUTLIER-K-UNKNOWN", INFO,
         "near-constant outlier K channels (which make absmax-sized scales the worst choice) cannot be seen "
         "without running the model: no k_proj bias to probe",
-        "`kvcalib eval CKPT --dataset DATA` reports each layer's attention-output error", None,
-    )]
+        "`kvcalib eval CKPT --dataset DATA` reports each layer's attention-output error")]

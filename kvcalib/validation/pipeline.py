@@ -1,30 +1,18 @@
 """`kvcalib validate`: will vLLM on Neuron accept this checkpoint, and use its scales?
 
-Reads config.json, the index, every safetensors header and the scale tensors only (a few
-bytes each), so a checkpoint of any size validates in about the time of a few headers.
-`validate_checkpoint` raises only when the checkpoint cannot be read at all or the target is
-unknown; everything else is a `Finding`. The rule ids are stable:
+Reads config.json, the index, the safetensors headers and the scale tensors only. `validate_checkpoint` raises only
+when the checkpoint cannot be read at all or the target is unknown; everything else is a `Finding`. Stable rule ids:
 
 1. The Neuron platform's quantization-config validator, exactly (jinhuang12/vllm-neuron,
-   vllm_neuron/vllm/platform.py), after vLLM's normalisation of quantization_config (ModelOpt's
-   quant_algo sets quant_method, FP8 to modelopt); the platform's own words as the message.
+   vllm_neuron/vllm/platform.py), after vLLM's normalisation of quantization_config (validation/config.py):
    - NEURON-QCFG-MX            error  quant_method contains "mx" (mxfp4, gpt_oss_mxfp4, ...)
    - NEURON-QCFG-WEIGHTS       error  a config group quantizes weights
    - NEURON-QCFG-OUTPUT-ACT    error  a config group quantizes output activations
-   - NEURON-QCFG-INPUT-ACT     error  input activations on targets none of which contains
-                                      "Attention" (re:.*self_attn$ does not; a string never does)
-   - NEURON-QCFG-MALFORMED     error  a shape vLLM or the platform crashes on: quantization_config
-                                      not an object (null is fine), quant_method not a string,
-                                      config_groups not an object, a group not an object,
-                                      non-iterable targets or a non-string target with input
-                                      activations, producer not an object, ModelOpt's quantization
-                                      not an object; with no quantization_config, a compression_config
-                                      not an object or whose quant_method is not a string
+   - NEURON-QCFG-INPUT-ACT     error  input activations on targets none of which contains "Attention"
+   - NEURON-QCFG-MALFORMED     error  a shape vLLM or the platform crashes on (a non-object, a non-string, ...)
    - NEURON-QCFG-MODELOPT-ALGO error  a ModelOpt quant_algo vLLM does not know (it raises)
-2. NEURON-LLAMA-QUANT-METHOD  error  Llama model, quant_method not compressed-tensors/modelopt
-                                      (fp8 included), checked when the platform accepted.
-3. The scales Neuron reads, model.layers.{i}.self_attn.{k,v}_scale (or
-   model.language_model.layers...) for i < num_hidden_layers:
+2. NEURON-LLAMA-QUANT-METHOD   error  Llama model, quant_method not compressed-tensors/modelopt
+3. The scales Neuron reads, model.layers.{i}.self_attn.{k,v}_scale (validation/scales.py, heads.py):
    - SCALE-MISSING        error    a key is missing while others are there: that layer runs at 1.0
    - SCALE-FOREIGN-NAME   error    only under a name Neuron ignores (kv_scale, k_proj.output_scale, ...)
    - SCALE-SHAPE          error    shape [] (loader IndexError) or more than one element (reshape)
@@ -34,66 +22,46 @@ unknown; everything else is a `Finding`. The rule ids are stable:
    - SCALE-IMPLAUSIBLE    warning  above 64 (|x| <= 1 becomes an FP8 subnormal) or below 1e-6
    - SCALE-DTYPE          warning  not float32
    - SCALE-UNCALIBRATED   warning  every scale is exactly 1.0
-   - SCALE-NONE           warning  no KV scales at all: a plain model, FP8 KV would run at 1.0
-                          error    ... although quantization_config declares a kv_cache_scheme
-   - SCALE-NO-KV-SCHEME   warning  scales but no kv_cache_scheme (error for --target gpu: GPU
-                                   vLLM ignores the scales)
+   - SCALE-NONE           warning  no KV scales at all (error when a kv_cache_scheme is declared)
+   - SCALE-NO-KV-SCHEME   warning  scales but no kv_cache_scheme (error for --target gpu)
    - SCALE-LAYER-COUNT    warning  no usable num_hidden_layers; the layers the scales name are checked
    - SCALE-EXTRA-LAYER    warning  scales for layers the model does not have
-   - SCALE-HEADS          error    --target gpu, strategy attn_head: a per-head scale whose count is
-                                   not the model's KV heads, or a head's value not finite and > 0
+   - SCALE-HEADS          error    --target gpu, attn_head: a per-head scale of the wrong count or value
    - SCALE-Q-UNUSED       info     q_scale on Neuron: not consumed by the plugin today
    - SCALE-Q-MISSING      warning  --target gpu: FP8 attention declared, a layer has no q_scale (1.0)
    - SCALE-Q-SHAPE/VALUE  error    --target gpu: a q_scale vLLM cannot load
-4. Checkpoint integrity, for both Neuron loader variants (glob *.safetensors / index only):
+4. Checkpoint integrity, for both Neuron loader variants (validation/files.py):
    - CKPT-NO-SAFETENSORS     error  no *.safetensors file and no index
    - CKPT-HEADER             error  a safetensors header does not parse (truncated, oversized, ...)
    - CKPT-INDEX-UNREADABLE   error  the index is not JSON, or its weight_map is not an object
    - CKPT-INDEX-FILE-NAME    error  weight_map names a file that is not a bare *.safetensors name
    - CKPT-INDEX-FILE-MISSING error  weight_map names a file that does not exist
-   - CKPT-INDEX-KEY-UNMAPPED error for a scale key, warning for other keys: in a file but not in
-                                    weight_map (the glob loader sees it, the index loader does not)
+   - CKPT-INDEX-KEY-UNMAPPED error for a scale key, warning for others: in a file but not in weight_map
    - CKPT-INDEX-KEY-STALE    same severities: weight_map points at a file that lacks the key
    - CKPT-DUPLICATE-KEY      error  one key in two files
    - CKPT-TOTAL-SIZE         warning metadata.total_size is not the sum of the mapped tensors' bytes
-   - CKPT-SINGLE-FILE-SHADOWS-INDEX warning  a model.safetensors beside an index: transformers reads
-                                    only that file and never loads tensors (scales) from the others
-5. The FP8 range, from the provenance `kvcalib calibrate` writes (kvcalib_calibration.json
-   and/or the "kvcalib" metadata of the scale file):
-   - RANGE-TARGET-MISMATCH      error  sized for a larger FP8 max than the target's (448 on trn2:
-                                       values above 0.54 of absmax clip); info when smaller
-   - RANGE-CLIPPED-UNSCORED     warning the scale objective clipped scales without scoring them on the
-                                       target's numerics (provenance `scored_on`): a clip chosen for 240
-                                       does not saturate at 448, and can land on rounding boundaries there
+   - CKPT-SINGLE-FILE-SHADOWS-INDEX warning  a model.safetensors beside an index (transformers reads only it)
+5. The FP8 range, from kvcalib's provenance (validation/scales.py, clips.py, outliers.py, tokens.py):
+   - RANGE-TARGET-MISMATCH      error  sized for a larger FP8 max than the target's; info when smaller
+   - RANGE-CLIPPED-UNSCORED     warning clipped scales not scored on the target's numerics (`scored_on`)
    - RANGE-PROVENANCE-DISAGREES warning the tensors (or the two records) disagree with it
    - RANGE-PROVENANCE-MALFORMED warning unreadable provenance
    - RANGE-UNKNOWN              info   scales present, no provenance: FP8 max unknown
-   - OUTLIER-K-CHANNELS         warning k_proj biases put near-constant K channels (RoPE pairs that
-                                       barely rotate) at >= 1/4 of the range k_scale is sized for, and
-                                       the scales were not chosen by kvcalib's attention objective
-                                       (validate/outliers.py)
-   - OUTLIER-K-UNKNOWN          info   kvcalib sized the scales by absmax (--scale-objective absmax) and
-                                       there is no k_proj bias to probe: only `kvcalib eval` can tell
-   - CALIB-TOKENS-NOT-AS-SERVED warning kvcalib's provenance says the rows were tokenised without the
-                                       special tokens (BOS) tokenizer.json's post-processor adds to every
-                                       prompt vLLM serves (validate/tokens.py)
-6. Portability:
-   - KV-OBSERVER                warning kv_cache_scheme's observer is not the whole set's maximum:
-                                       memoryless_* (the last batch), minmax/mse (moving averages), or
-                                       none named (llm-compressor's default for K/V, minmax)
+   - OUTLIER-K-CHANNELS         warning k_proj biases put near-constant K channels high in an absmax range
+   - OUTLIER-K-UNKNOWN          info   kvcalib sized the scales by absmax, no k_proj bias to probe
+   - CALIB-TOKENS-NOT-AS-SERVED warning calibrated without the special tokens (BOS) vLLM adds to prompts
+6. Portability (validation/config.py, heads.py; core/mxfp4.py):
+   - KV-OBSERVER                warning kv_cache_scheme's observer is not the whole set's maximum
    - PORT-KV-SCHEME-INVALID     error  kv_cache_scheme does not parse as QuantizationArgs
    - PORT-KV-SCHEME-FORMAT      error  not num_bits 8, type float, symmetric
-   - PORT-KV-SCHEME-STRATEGY    error  strategy not "tensor" or dynamic not false (warning on gpu;
-                                       attn_head on gpu: info, FlashAttention reads it)
+   - PORT-KV-SCHEME-STRATEGY    error  strategy not "tensor" or dynamic not false (gpu: warning; attn_head: info)
    - PORT-ATTENTION-GROUP       warning --target gpu: an FP8-attention group vLLM does not recognise
    - PORT-CONFIG-GROUPS-MISSING warning compressed-tensors without config_groups (error on gpu)
-   - PORT-NO-SCALE-LOADER       warning scales on an architecture other than Llama, Qwen3, Qwen3-MoE,
-                                        GPT-OSS (info on gpu); Qwen3.5 casts K/V to FP8 unscaled
+   - PORT-NO-SCALE-LOADER       warning scales on an architecture without a Neuron scale loader (info on gpu)
    - PORT-COMPRESSION-CONFIG    warning the 2024 key compression_config instead of quantization_config
    - PORT-MXFP4-GPU             error  --target gpu: MXFP4 experts (GPU vLLM's MXFP4 config loads no KV scales)
    - PORT-MXFP4-NEURON          info   trn2/trn3: MXFP4 experts kept as released, and how Neuron serves them
    - CKPT-MXFP4-PAIR            error  an MXFP4 `_blocks` tensor without its `_scales` (or the reverse)
-   (core/mxfp4.py)
 """
 
 from __future__ import annotations
@@ -105,12 +73,8 @@ from kvcalib.core.checkpoint import read_config
 from kvcalib.core.errors import UnknownTargetError
 from kvcalib.core.fp8 import DEFAULT_TARGET, get_target
 from kvcalib.core.schema import ATTN_HEAD
-from kvcalib.validation.config import (
-    declared_kv_cache_scheme,
-    llama_gate,
-    neuron_quantization_verdict,
-    portability_findings,
-)
+from kvcalib.validation.config import (declared_kv_cache_scheme, llama_gate, neuron_quantization_verdict,
+                                       portability_findings)
 from kvcalib.validation.files import scan_for_validation
 from kvcalib.validation.heads import attention_group_findings, query_findings
 from kvcalib.validation.outliers import outlier_findings
@@ -121,13 +85,8 @@ from kvcalib.validation.tokens import token_findings
 __all__ = ["validate_checkpoint"]
 
 
-def validate_checkpoint(
-    path: Path,
-    target: str = DEFAULT_TARGET,
-    *,
-    strict: bool = False,
-    neuron_config: dict | None = None,
-) -> ValidationReport:
+def validate_checkpoint(path: Path, target: str = DEFAULT_TARGET, *, strict: bool = False,
+                        neuron_config: dict | None = None) -> ValidationReport:
     """Every finding for the checkpoint at `path` served on `target` ("trn2", "trn3", "gpu").
 
     `neuron_config` is the serve command's `additional_config["neuron_config"]`, if known.
@@ -140,14 +99,10 @@ def validate_checkpoint(
         raise UnknownTargetError(str(exc), hint="use --target trn2, trn3 or gpu") from None
     root = Path(path)
     config = read_config(root)
-    findings: list[Finding] = []
     verdict = neuron_quantization_verdict(config.get("quantization_config"), neuron_config)
-    if verdict is not None:
-        findings.append(verdict)
-    else:  # the Llama model is built only once the platform has accepted the config
-        gate = llama_gate(config)
-        if gate is not None:
-            findings.append(gate)
+    # the Llama model is built only once the platform has accepted the config
+    first = verdict if verdict is not None else llama_gate(config)
+    findings: list[Finding] = [] if first is None else [first]
     scan, integrity = scan_for_validation(root)
     scheme_declared = declared_kv_cache_scheme(config) is not None
     scales, check = scale_findings(config, scan, scheme_declared, target)

@@ -1,8 +1,4 @@
-"""What `kvcalib validate` returns: findings and the report that holds them.
-
-Kept apart from the rules so that every rule module can build findings without importing
-`validate` (which imports the rule modules).
-"""
+"""What `kvcalib validate` returns: findings and the report that holds them (apart, so rule modules can import it)."""
 
 from __future__ import annotations
 
@@ -11,9 +7,7 @@ from typing import Any
 
 __all__ = ["ERROR", "Finding", "INFO", "SEVERITIES", "ValidationReport", "WARNING", "short_repr"]
 
-ERROR = "error"
-WARNING = "warning"
-INFO = "info"
+ERROR, WARNING, INFO = "error", "warning", "info"
 SEVERITIES = (ERROR, WARNING, INFO)
 
 
@@ -67,9 +61,5 @@ class ValidationReport:
         return not self.errors and not (self.strict and self.warnings)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint,
-            "target": self.target,
-            "ok": self.ok,
-            "findings": [f.to_dict() for f in self.findings],
-        }
+        return {"checkpoint": self.checkpoint, "target": self.target, "ok": self.ok,
+                "findings": [f.to_dict() for f in self.findings]}

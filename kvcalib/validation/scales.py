@@ -1,9 +1,5 @@
-"""The scales Neuron will read, and the FP8 range they were sized for (rules 3 and 5 of
-`kvcalib.validate`).
-
-Only the scale tensors themselves are read (a few bytes each, at their header offsets).
-Nothing here raises on anything a checkpoint can hold.
-"""
+"""Rules 3 and 5 of `kvcalib validate`: the scales Neuron will read, and the FP8 range they were sized for.
+Only the scale tensors are read (a few bytes each); nothing here raises on anything a checkpoint can hold."""
 
 from __future__ import annotations
 
@@ -15,28 +11,11 @@ from typing import Any
 from kvcalib.core import checkpoint
 from kvcalib.core.checkpoint import CheckpointFiles, read_json
 from kvcalib.core.errors import KvcalibError
-from kvcalib.core.fp8 import (
-    DEFAULT_TARGET,
-    SCALE_FLOOR,
-    SCALE_ROUNDING_TOLERANCE,
-    TARGETS,
-    bf16_reciprocal_ok,
-    get_target,
-    implied_fp8_max,
-)
-from kvcalib.core.schema import (
-    ATTN_HEAD,
-    KV_KINDS,
-    NEURON_ALT_LAYERS_PREFIX,
-    NEURON_LAYERS_PREFIX,
-    PROVENANCE_FILENAME,
-    PROVENANCE_METADATA_KEY,
-    head_counts,
-    neuron_scale_key,
-    num_hidden_layers,
-    parse_foreign_scale_key,
-    parse_neuron_scale_key,
-)
+from kvcalib.core.fp8 import (DEFAULT_TARGET, SCALE_FLOOR, SCALE_ROUNDING_TOLERANCE, TARGETS, bf16_reciprocal_ok,
+                               get_target, implied_fp8_max)
+from kvcalib.core.schema import (ATTN_HEAD, KV_KINDS, NEURON_ALT_LAYERS_PREFIX, NEURON_LAYERS_PREFIX,
+                                 PROVENANCE_FILENAME, PROVENANCE_METADATA_KEY, head_counts, neuron_scale_key,
+                                 num_hidden_layers, parse_foreign_scale_key, parse_neuron_scale_key)
 from kvcalib.validation.clips import clipped_unscored, finite_number, provenance_kind
 from kvcalib.validation.config import declared_kv_cache_scheme
 from kvcalib.validation.heads import per_head_findings
@@ -83,16 +62,13 @@ def scale_findings(
     check.present = bool(own or foreign)
     if not check.present:
         findings.append(Finding(
-            "SCALE-NONE",
-            ERROR if scheme_declared else WARNING,
+            "SCALE-NONE", ERROR if scheme_declared else WARNING,
             "no KV-cache scales in the checkpoint: not calibrated; with --kv-cache-dtype fp8 every "
             "layer runs with K and V scales 1.0"
             + (" although quantization_config declares a kv_cache_scheme" if scheme_declared else ""),
             "run kvcalib calibrate to write per-layer scales"
             + (f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold them"
-               if scan.unreadable else ""),
-            None,
-        ))
+               if scan.unreadable else "")))
         return findings, check
     n_layers = num_hidden_layers(config)
     layers: list[int] | range = range(n_layers or 0)
@@ -100,13 +76,9 @@ def scale_findings(
         layers = sorted({layer for layer, _ in [*own, *foreign]})
         n_layers = layers[-1] + 1
         findings.append(Finding(
-            "SCALE-LAYER-COUNT",
-            WARNING,
-            f"config.json has no usable num_hidden_layers: checked only the layers the scales name "
-            f"({_layer_list(layers)})",
-            "the Neuron model needs num_hidden_layers (top level, or under text_config)",
-            "config.json:num_hidden_layers",
-        ))
+            "SCALE-LAYER-COUNT", WARNING, f"config.json has no usable num_hidden_layers: checked only the layers the "
+            f"scales name ({_layer_list(layers)})", "the Neuron model needs num_hidden_layers (top level, or under "
+            "text_config)", "config.json:num_hidden_layers"))
     for layer in layers:
         for kind in KV_KINDS:
             findings += _check_one(scan, check, layer, kind, own.get((layer, kind)), foreign.get((layer, kind)))
@@ -116,9 +88,7 @@ def scale_findings(
 
 
 def _all_zero(findings: list[Finding], check: ScaleCheck, n_layers: int) -> list[Finding]:
-    """SCALE-ALL-ZERO: every K (or V) scale 0.0, one error naming the layers in place of one per layer
-    (llm-compressor has published such checkpoints; 0 is what an observer that never saw K or V leaves).
-    Served, dividing by the scale gives inf and NaN."""
+    """SCALE-ALL-ZERO: every K (or V) scale 0.0 (an observer that never saw K or V), one error for all layers."""
     for kind in KV_KINDS:
         zero = check.zero.get(kind, [])
         if n_layers < 2 or len(zero) < n_layers:
@@ -166,31 +136,22 @@ def _whole_set_findings(check: ScaleCheck, own: dict[tuple[int, str], str], n_la
     extra = sorted(key for (layer, _), key in own.items() if layer >= n_layers)
     if extra:
         findings.append(Finding(
-            "SCALE-EXTRA-LAYER",
-            WARNING,
-            f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for layers the "
-            f"model does not have (num_hidden_layers = {n_layers}); they are never read",
-            "check that the scales come from this model",
-            None,
-        ))
+            "SCALE-EXTRA-LAYER", WARNING, f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for "
+            f"layers the model does not have (num_hidden_layers = {n_layers}); they are never read",
+            "check that the scales come from this model"))
     if expected and len(check.values) == expected and all(v == 1.0 for v in check.values.values()):
         findings.append(Finding(
-            "SCALE-UNCALIBRATED",
-            WARNING,
+            "SCALE-UNCALIBRATED", WARNING,
             "every K and V scale is exactly 1.0: the checkpoint looks uncalibrated (the same as no scales)",
-            "run kvcalib calibrate to measure real per-layer scales",
-            None,
-        ))
+            "run kvcalib calibrate to measure real per-layer scales"))
     if not scheme_declared and own:
         findings.append(Finding(
-            "SCALE-NO-KV-SCHEME",
-            WARNING if get_target(target).neuron else ERROR,
+            "SCALE-NO-KV-SCHEME", WARNING if get_target(target).neuron else ERROR,
             "KV scales are present but quantization_config declares no kv_cache_scheme: GPU vLLM "
             "does not load them and runs FP8 KV with scales 1.0 (Neuron reads them with "
             "--kv-cache-dtype fp8)",
             "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
-            "config.json:quantization_config",
-        ))
+            "config.json:quantization_config"))
     return findings
 
 
@@ -200,19 +161,14 @@ def _layer_list(layers: list[int]) -> str:
     return ", ".join(map(str, layers[:8])) + (" ..." if len(layers) > 8 else "")
 
 
-def _check_one(
-    scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, key: str | None, others: list[str] | None
-) -> list[Finding]:
+def _check_one(scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, key: str | None,
+               others: list[str] | None) -> list[Finding]:
     expected = neuron_scale_key(layer, kind, check.prefix)
     what = f"layer {layer}'s {kind.upper()} cache runs with scale 1.0 on Neuron (no error, no log line)"
     if key is None and others:
-        return [Finding(
-            "SCALE-FOREIGN-NAME",
-            ERROR,
-            f"found {', '.join(others)} but Neuron reads only {expected}: {what}",
-            f"store the scale as {expected} (float32, shape [1])",
-            f"{scan.file_of(others[0])}:{others[0]}",
-        )]
+        return [Finding("SCALE-FOREIGN-NAME", ERROR, f"found {', '.join(others)} but Neuron reads only {expected}: "
+                        f"{what}", f"store the scale as {expected} (float32, shape [1])",
+                        f"{scan.file_of(others[0])}:{others[0]}")]
     if key is None:
         hint = "recalibrate, or add the missing scale (float32, shape [1])"
         if scan.unreadable:
@@ -228,8 +184,7 @@ def _check_one(
     if info.shape == ():
         return findings + [Finding(
             "SCALE-SHAPE", ERROR, f"{key} has shape [] (a 0-d scalar): the Neuron loader crashes with {_SCALAR_CRASH}",
-            "write the scale with shape [1]", location,
-        )]
+            "write the scale with shape [1]", location)]
     if check.per_head and not get_target(check.target).neuron:
         more, heads = per_head_findings(header, key, kind, check.heads.get(kind), location)
         if heads is not None:
@@ -248,14 +203,12 @@ def _check_one(
         problem = "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
         findings.append(Finding(
             "SCALE-VALUE", ERROR, f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
-            "recalibrate; a layer that saw only zeros still needs a tiny positive scale", location,
-        ))
+            "recalibrate; a layer that saw only zeros still needs a tiny positive scale", location))
     elif not bf16_reciprocal_ok(value):
         findings.append(Finding(
             "SCALE-VALUE", ERROR,
             f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which Neuron stores, is not finite and non-zero",
-            "recalibrate; scales must stay within bf16's range", location,
-        ))
+            "recalibrate; scales must stay within bf16's range", location))
     else:
         check.values[key] = value
         findings += _implausible(key, value, location)
@@ -270,13 +223,10 @@ def _many_values(key: str, shape: tuple[int, ...], per_head: bool, location: str
         f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
         "Neuron takes one per-tensor scale per layer: write float32, shape [1]"
         + ("; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)" if per_head else ""),
-        location,
-    )
+        location)
 
 
-# Bounds outside which no real K or V needs the scale. Above 64 = 2^6, x / s maps every value
-# of magnitude <= 1 below E4M3's smallest normal 2^-6 (a subnormal, 3 bits or fewer); below
-# 1e-6 the scale is sized for an absmax under 0.00045 even at 448, and larger values saturate.
+# Bounds outside which no real K or V needs the scale (above 2^6, |x| <= 1 falls below E4M3's smallest normal).
 IMPLAUSIBLY_LARGE_SCALE = 64.0
 IMPLAUSIBLY_SMALL_SCALE = 1e-6
 
@@ -313,13 +263,9 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
     findings: list[Finding] = []
     sources = _provenance_sources(scan, check, findings)
     if not sources:
-        return findings + [Finding(
-            "RANGE-UNKNOWN",
-            INFO,
-            "scales present, FP8 max unknown (no kvcalib provenance)" + _larger_convention(target),
-            "recalibrate with kvcalib calibrate --target to be sure of the range",
-            None,
-        )]
+        return findings + [Finding("RANGE-UNKNOWN", INFO, "scales present, FP8 max unknown (no kvcalib provenance)"
+                                   + _larger_convention(target),
+                                   "recalibrate with kvcalib calibrate --target to be sure of the range")]
     (where, provenance), *rest = sources
     fp8_max = provenance.get("fp8_max")
     for other_where, other in rest:
@@ -327,16 +273,14 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
             findings.append(Finding(
                 "RANGE-PROVENANCE-DISAGREES", WARNING,
                 f"{where} says fp8_max {short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
-                "recalibrate to get one consistent record", where,
-            ))
+                "recalibrate to get one consistent record", where))
     if finite_number(fp8_max) is None or fp8_max <= 0:
         return findings + [_malformed_provenance(where, f"fp8_max is {short_repr(fp8_max)}, not a positive number")]
     fp8_max = float(fp8_max)
     target_max = TARGETS[target].fp8_max
     calibrated_for = provenance.get("target")
     sized = f"scales were sized for FP8 max {fp8_max:g}" + (
-        f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else ""
-    )
+        f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else "")
     larger = fp8_max > target_max * (1 + 1e-6)
     clipped = [] if larger else clipped_unscored(provenance, where, target)  # (a larger max is an error already)
     if larger:
@@ -345,16 +289,13 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
             f"{sized}, but {target} saturates at {target_max:g}: values above "
             f"{target_max:g}/{fp8_max:g} ≈ {target_max / fp8_max:.2f} of each layer's absmax clip",
             f"recalibrate with kvcalib calibrate --target {target} "
-            "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)",
-            where,
-        ))
+            "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)", where))
     elif fp8_max < target_max * (1 - 1e-6) and not clipped:  # "safe" unless a clip was never scored there
         findings.append(Finding(
             "RANGE-TARGET-MISMATCH", INFO,
             f"{sized}; {target} saturates at {target_max:g}: safe, using {fp8_max:g}/{target_max:g} "
             f"≈ {fp8_max / target_max:.2f} of the FP8 range",
-            f"recalibrate with --target {target} for the full range", where,
-        ))
+            f"recalibrate with --target {target} for the full range", where))
     return findings + clipped + _compare_layers(provenance, where, fp8_max, check)
 
 
@@ -377,18 +318,14 @@ def _provenance_sources(scan: CheckpointFiles, check: ScaleCheck, findings: list
             sources.append((where, json.loads(raw)))
         except (ValueError, RecursionError) as exc:
             findings.append(_malformed_provenance(where, f"not valid JSON ({exc})"))
-    valid = [(where, data) for where, data in sources if isinstance(data, dict)]
-    findings += [
-        _malformed_provenance(where, "not a JSON object") for where, data in sources if not isinstance(data, dict)
-    ]
-    return valid
+    findings += [_malformed_provenance(where, "not a JSON object") for where, data in sources
+                 if not isinstance(data, dict)]
+    return [(where, data) for where, data in sources if isinstance(data, dict)]
 
 
 def _malformed_provenance(where: str, problem: str) -> Finding:
-    return Finding(
-        "RANGE-PROVENANCE-MALFORMED", WARNING, f"kvcalib provenance {where}: {problem}; FP8 max unknown",
-        "recalibrate with kvcalib calibrate to rewrite it", where,
-    )
+    return Finding("RANGE-PROVENANCE-MALFORMED", WARNING, f"kvcalib provenance {where}: {problem}; FP8 max unknown",
+                   "recalibrate with kvcalib calibrate to rewrite it", where)
 
 
 def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCheck) -> list[Finding]:
@@ -418,12 +355,10 @@ def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCh
                 # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
                 if abs(implied - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max:
                     disagree.append(
-                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}"
-                    )
+                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}")
     if not disagree:
         return []
     return [Finding(
         "RANGE-PROVENANCE-DISAGREES", WARNING,
         f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
-        "the scales were edited after calibration; recalibrate, or trust neither", where,
-    )]
+        "the scales were edited after calibration; recalibrate, or trust neither", where)]

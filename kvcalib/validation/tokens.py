@@ -1,14 +1,6 @@
-"""Rule 7: scales measured on the token stream the server builds (BOS included).
-
-vLLM's completions endpoint encodes a prompt with the special tokens its tokenizer adds by default:
-the `SpecialToken`s of the `single` template of tokenizer.json's TemplateProcessing post-processor
-(Gemma's `<bos>`, Llama 3's `<|begin_of_text|>`). Its first position is the attention sink, whose K/V
-differ from any text token's: on Gemma-3-270M the per-layer absmax with `<bos>` is 0.80-1.51x the
-absmax without it. A kvcalib checkpoint records how it tokenised (provenance `special_tokens`);
-calibrated without the special tokens the tokenizer adds, its scales were measured on a stream the
-server never writes. Checkpoints without kvcalib provenance are not judged (nothing says how they
-were calibrated).
-"""
+"""CALIB-TOKENS-NOT-AS-SERVED: scales measured without the special tokens (BOS) vLLM's completions endpoint adds:
+the `SpecialToken`s of the `single` template of tokenizer.json's TemplateProcessing post-processor. Judged from
+kvcalib's provenance (`special_tokens`) only."""
 
 from __future__ import annotations
 
@@ -60,6 +52,4 @@ def token_findings(scan: CheckpointFiles) -> list[Finding]:
         f"{'it' if len(added) == 1 else 'them'} to every completions prompt (tokenizer.json's post-processor): "
         "the server writes K/V the calibration never saw (the first position is the attention sink)",
         "recalibrate with `kvcalib calibrate` (its default tokenises as vLLM serves: plain text with the "
-        "tokenizer's special tokens, chat-template text without)",
-        PROVENANCE_FILENAME,
-    )]
+        "tokenizer's special tokens, chat-template text without)", PROVENANCE_FILENAME)]

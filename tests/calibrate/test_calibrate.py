@@ -42,8 +42,8 @@ def read_scales(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_scales_equal_absmax_from_transformers_cache(tiny_llama_master, text_dataset, tmp_path):
     out = tmp_path / "out"
-    result = calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(batch_size=1, scale_objective="absmax",
-                                                                                   **SMALL))
+    result = calibrate(tiny_llama_master, str(text_dataset), out,
+                       CalibrateOptions(batch_size=1, scale_objective="absmax", **SMALL))
     seqs = calibration_sequences(tiny_llama_master, text_dataset, **SMALL)
     k, v = oracle_absmax(tiny_llama_master, seqs)
     scales = read_scales(out)
@@ -59,7 +59,8 @@ def test_scales_equal_absmax_from_transformers_cache(tiny_llama_master, text_dat
 def test_padding_never_reaches_statistics(tiny_llama_master, text_dataset, tmp_path):
     """The same samples in one padded batch and one by one give identical scales."""
     one = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=1, **SMALL))
-    batched = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "all", CalibrateOptions(batch_size=12, **SMALL))
+    batched = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "all",
+                        CalibrateOptions(batch_size=12, **SMALL))
     lengths = {len(s) for s in calibration_sequences(tiny_llama_master, text_dataset, **SMALL)}
     assert len(lengths) > 1, "the samples must differ in length, or nothing is padded"
     for a, b in zip(one.layers, batched.layers):
@@ -131,7 +132,7 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
     side = json.loads((out / PROVENANCE_FILENAME).read_text())
     assert side == provenance
     assert side["target"] == "trn3" and side["fp8_max"] == 448.0
-    assert [l["k"]["scale"] for l in side["layers"]] == [l.k.scale for l in result.layers]
+    assert [layer["k"]["scale"] for layer in side["layers"]] == [layer.k.scale for layer in result.layers]
     for layer in result.layers:
         assert_scale_sized(layer.k.scale, layer.k.range, "trn3")  # the range the objective chose (absmax or wider)
 
@@ -213,15 +214,16 @@ def test_fp16_overflow_names_the_layer(tiny_llama, text_dataset, tmp_path):
     tensors = load_file(shard)
     tensors["model.layers.0.self_attn.k_proj.weight"].fill_(3000.0)
     save_file(tensors, shard, metadata={"format": "pt"})
-    with pytest.raises(CalibrationError, match=r"^layer 0: K absmax is (inf|nan) \(overflow in the calibration dtype\)$") as exc:
+    with pytest.raises(CalibrationError,
+                       match=r"^layer 0: K absmax is (inf|nan) \(overflow in the calibration dtype\)$") as exc:
         calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(dtype="float16", **SMALL))
     assert exc.value.hint == "calibrate with --dtype bfloat16 or --dtype float32"
     assert not (tmp_path / "out").exists()
 
 
 def test_chat_messages_column_uses_the_chat_template(tiny_llama_master, tmp_path):
-    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "An answer."}]}
-            for i in range(5)]
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"},
+                          {"role": "assistant", "content": "An answer."}]} for i in range(5)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     result = calibrate(tiny_llama_master, str(data), tmp_path / "out", CalibrateOptions(**SMALL))
     from transformers import AutoTokenizer
@@ -229,7 +231,8 @@ def test_chat_messages_column_uses_the_chat_template(tiny_llama_master, tmp_path
     tok = AutoTokenizer.from_pretrained(tiny_llama_master)
     rendered = tok.apply_chat_template(rows[0]["messages"], tokenize=False)
     assert "<|im_start|>user" in rendered
-    expected = sum(len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"]) for r in rows)
+    expected = sum(len(tok(tok.apply_chat_template(r["messages"], tokenize=False),
+                           add_special_tokens=False)["input_ids"]) for r in rows)
     assert result.num_tokens == expected and result.num_samples == 5
 
 
@@ -295,7 +298,8 @@ def test_error_not_a_causal_lm(text_dataset, tmp_path):
     model_dir = tmp_path / "bert"
     BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                architectures=["BertForMaskedLM"]).save_pretrained(model_dir)
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'bert' \(architectures \['BertForMaskedLM'\]\) is not a causal") as exc:
+    with pytest.raises(UnsupportedModelError,
+                       match=r"model_type 'bert' \(architectures \['BertForMaskedLM'\]\) is not a causal") as exc:
         calibrate(model_dir, str(text_dataset), tmp_path / "out")
     assert exc.value.hint == "kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)"
     _no_output_left(tmp_path, "out")

@@ -50,7 +50,7 @@ def test_per_head_and_q_scales_equal_the_oracle(batch_size, tiny_llama_master, t
             for scale, absmax in zip(tensor.reshape(-1).tolist(), mine):
                 assert_scale_sized(scale, absmax, "gpu")
         assert layer.k.absmax == max(layer.k.head_absmax) and layer.k.scale == max(layer.k.head_scales)
-    assert len({tuple(l.k.head_absmax) for l in result.layers}) == 3 and k[0][0] != k[0][1], "heads must differ"
+    assert len({tuple(layer.k.head_absmax) for layer in result.layers}) == 3 and k[0][0] != k[0][1], "heads must differ"
 
 
 def test_the_checkpoint_is_what_llm_compressor_writes_and_gpu_vllm_reads(tiny_llama_master, text_dataset, tmp_path):
@@ -74,7 +74,8 @@ def test_the_checkpoint_is_what_llm_compressor_writes_and_gpu_vllm_reads(tiny_ll
     assert "--device trn2" not in card, "no Neuron serve command for scales Neuron cannot load"
     # KV only, per tensor: no attention group, no q_scale (what Neuron and GPU read today)
     plain = tmp_path / "plain"
-    calibrate(tiny_llama_master, str(text_dataset), plain, CalibrateOptions(target="gpu", num_samples=4, max_seq_len=32))
+    calibrate(tiny_llama_master, str(text_dataset), plain,
+              CalibrateOptions(target="gpu", num_samples=4, max_seq_len=32))
     assert json.loads((plain / "config.json").read_text())["quantization_config"]["config_groups"] == {}
     assert all(tuple(t.shape) == (1,) for t in load_file(plain / SCALES_FILENAME).values())
     assert not any(key.endswith("q_scale") for key in load_file(plain / SCALES_FILENAME))
@@ -101,7 +102,7 @@ def test_streamed_equals_in_memory_per_head_bit_for_bit(tiny_llama_master, text_
     memory = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "memory", CalibrateOptions(**opts))
     streamed = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "stream",
                          CalibrateOptions(engine="stream", **opts))
-    assert [l.to_dict() for l in streamed.layers] == [l.to_dict() for l in memory.layers]
+    assert [layer.to_dict() for layer in streamed.layers] == [layer.to_dict() for layer in memory.layers]
     assert scale_bits(tmp_path / "stream") == scale_bits(tmp_path / "memory")
 
 
@@ -113,8 +114,10 @@ def test_per_tensor_scales_do_not_change_with_the_new_options(tiny_llama_master,
                                                                                              **opts))
     heads = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "h", CalibrateOptions(strategy="attn_head",
                                                                                             **opts))
-    assert [(l.k.scale, l.v.scale) for l in with_q.layers] == [(l.k.scale, l.v.scale) for l in plain.layers]
-    assert [(l.k.absmax, l.v.absmax) for l in heads.layers] == [(l.k.absmax, l.v.absmax) for l in plain.layers]
+    assert ([(layer.k.scale, layer.v.scale) for layer in with_q.layers]
+            == [(layer.k.scale, layer.v.scale) for layer in plain.layers])
+    assert ([(layer.k.absmax, layer.v.absmax) for layer in heads.layers]
+            == [(layer.k.absmax, layer.v.absmax) for layer in plain.layers])
     bits = scale_bits(tmp_path / "q")
     assert {k: v for k, v in bits.items() if not k.endswith("q_scale")} == scale_bits(tmp_path / "plain")
 

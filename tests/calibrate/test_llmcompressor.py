@@ -35,7 +35,8 @@ from kvcalib.core.schema import PROVENANCE_FILENAME, SCALES_FILENAME, neuron_sca
 pytestmark = [
     pytest.mark.proof("llmcompressor"),
     pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None,
-                       reason="llm-compressor is not installed (the optional extra: pip install kvcalib[llmcompressor])"),
+                       reason="llm-compressor is not installed (the optional extra: pip install "
+                              "kvcalib[llmcompressor])"),
 ]
 
 RECIPES = REPO / "recipes"

@@ -1,4 +1,5 @@
-"""The scale objective (kvcalib.calibration.objective): what it chooses, against a brute-force oracle and by construction."""
+"""The scale objective (kvcalib.calibration.objective): what it chooses, against a brute-force oracle and by
+construction."""
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def test_the_warning_names_the_layer_the_head_and_the_channels(planted, text_dat
 
 
 def test_absmax_objective_keeps_the_never_clipping_rule(planted, text_dataset, tmp_path):
-    result = calibrate(planted, str(text_dataset), tmp_path / "out", CalibrateOptions(scale_objective="absmax", **SMALL))
+    result = calibrate(planted, str(text_dataset), tmp_path / "out",
+                       CalibrateOptions(scale_objective="absmax", **SMALL))
     assert result.scale_objective == "absmax" and result.objective_seconds == 0.0
     for layer in result.layers:
         assert layer.k.choice is None and layer.k.scale == float(fp8.scale_from_absmax(layer.k.absmax,
@@ -122,7 +124,7 @@ def test_per_head_search_clips_only_the_outlier_head(planted_gpu, text_dataset, 
 def test_stream_engine_chooses_what_the_native_engine_chooses(planted, text_dataset, tmp_path):
     native = calibrate(planted, str(text_dataset), tmp_path / "n", CalibrateOptions(**SMALL))
     streamed = calibrate(planted, str(text_dataset), tmp_path / "s", CalibrateOptions(engine="stream", **SMALL))
-    assert [l.to_dict() for l in streamed.layers] == [l.to_dict() for l in native.layers]
+    assert [layer.to_dict() for layer in streamed.layers] == [layer.to_dict() for layer in native.layers]
 
 
 def test_a_model_without_the_mechanism_clips_nothing(tmp_path, text_dataset):
@@ -263,7 +265,7 @@ def test_two_processes_choose_what_one_chooses(engine_args, planted, text_datase
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)
-    assert two["layers"] == [l.to_dict() for l in one.layers]
+    assert two["layers"] == [layer.to_dict() for layer in one.layers]
     assert two["layers"][0]["k"]["choice"]["label"] != "absmax"
 
 
@@ -282,7 +284,8 @@ def _sample(length: int, seed: int, sinks: bool = False, softcap: float | None =
         query[:2, :, 0] = 3.0
     return AttentionSample(
         query=query, key=key,
-        value=torch.randn(2, length, 8, generator=g), bias=torch.zeros(causal.shape).masked_fill(~causal, float("-inf")),
+        value=torch.randn(2, length, 8, generator=g),
+        bias=torch.zeros(causal.shape).masked_fill(~causal, float("-inf")),
         held_out=torch.tensor([False, True, False, True]), scaling=8**-0.5, softcap=softcap,
         sinks=torch.randn(4, generator=g) if sinks else None)
 

@@ -82,7 +82,8 @@ def test_the_plan_estimates_the_tiny_mxfp4_gpt_oss_run(text_dataset, tmp_path):
     model = build_gpt_oss_mxfp4(tmp_path / "released")
     out = tmp_path / "out"
     command = [sys.executable, "-m", "kvcalib", "calibrate", str(model), "--dataset", str(text_dataset), "-o",
-               str(out), "--num-samples", "16", "--max-seq-len", "64", "--target", "trn2", "--engine", "stream", "--json"]
+               str(out), "--num-samples", "16", "--max-seq-len", "64", "--target", "trn2", "--engine", "stream",
+               "--json"]
     planned = subprocess.run([*command, "--plan"], capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
     plan_json = json.loads(planned.stdout)

@@ -68,7 +68,8 @@ REFUSED = [
     ("asymmetric", dict(symmetric=False), "trn2",
      "has symmetric: false (a zero point), which trn2 cannot serve: vLLM's FP8 KV cache is symmetric "
      "(x = fp8 * scale)"),
-    ("per-channel", dict(strategy="channel"), "gpu", "has strategy 'channel', which is no KV-cache strategy gpu serves"),
+    ("per-channel", dict(strategy="channel"), "gpu",
+     "has strategy 'channel', which is no KV-cache strategy gpu serves"),
     ("fp16 bits", dict(num_bits=16), "trn2",
      "is not a valid compressed-tensors QuantizationArgs: Only num_bits in (8) are supported"),
     ("unknown field", dict(fp8_max=240), "trn2",
@@ -128,13 +129,20 @@ def test_unreadable_recipes(tmp_path):
     cases = [
         (tmp_path / "missing.yaml", f"recipe not found: {tmp_path / 'missing.yaml'}"),
         (recipe("bad.yaml", "quant_stage: [unclosed"), f"{tmp_path / 'bad.yaml'}: not a YAML or JSON recipe ("),
-        (recipe("list.yaml", "- 1\n- 2\n"), f"{tmp_path / 'list.yaml'}: a recipe is a mapping of `<name>_stage` sections, not list"),
-        (write_recipe(tmp_path / "w8a8.yaml", None, scheme="W8A8", targets=["Linear"]), f"{tmp_path / 'w8a8.yaml'}: no kv_cache_scheme in the recipe"),
-        (recipe("two.yaml", json.dumps(two)), f"{tmp_path / 'two.yaml'}: 2 different kv_cache_scheme entries (quant_stage.quant_modifiers.QuantizationModifier, quant_stage.quant_modifiers.GPTQModifier)"),
-        (write_recipe(tmp_path / "h100.yaml", FP8, target="h100"), f"{tmp_path / 'h100.yaml'}: kvcalib.target 'h100' is not a known target"),
-        (recipe("extra.yaml", "kvcalib: {target: trn2, fp8_max: 240}\n"), f"{tmp_path / 'extra.yaml'}: kvcalib must be a mapping with the key target only"),
-        (recipe("scalar.yaml", yaml.safe_dump({"quant_stage": {"quant_modifiers": {"QuantizationModifier": {"kv_cache_scheme": "fp8"}}}})),
-         f"{tmp_path / 'scalar.yaml'}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme must be a mapping"),
+        (recipe("list.yaml", "- 1\n- 2\n"),
+         f"{tmp_path / 'list.yaml'}: a recipe is a mapping of `<name>_stage` sections, not list"),
+        (write_recipe(tmp_path / "w8a8.yaml", None, scheme="W8A8", targets=["Linear"]),
+         f"{tmp_path / 'w8a8.yaml'}: no kv_cache_scheme in the recipe"),
+        (recipe("two.yaml", json.dumps(two)), f"{tmp_path / 'two.yaml'}: 2 different kv_cache_scheme entries "
+         "(quant_stage.quant_modifiers.QuantizationModifier, quant_stage.quant_modifiers.GPTQModifier)"),
+        (write_recipe(tmp_path / "h100.yaml", FP8, target="h100"),
+         f"{tmp_path / 'h100.yaml'}: kvcalib.target 'h100' is not a known target"),
+        (recipe("extra.yaml", "kvcalib: {target: trn2, fp8_max: 240}\n"),
+         f"{tmp_path / 'extra.yaml'}: kvcalib must be a mapping with the key target only"),
+        (recipe("scalar.yaml", yaml.safe_dump(
+            {"quant_stage": {"quant_modifiers": {"QuantizationModifier": {"kv_cache_scheme": "fp8"}}}})),
+         f"{tmp_path / 'scalar.yaml'}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme "
+         "must be a mapping"),
     ]
     for path, message in cases:
         with pytest.raises(RecipeError) as exc:
@@ -151,7 +159,8 @@ def test_target_comes_from_the_recipe_unless_given(tmp_path):
     assert plan_recipe(None, None, "native").target == "trn2"
     with pytest.raises(RecipeError) as exc:
         plan_recipe(RECIPES / "kv-fp8-trn2.yaml", "gpu", "native")
-    assert exc.value.message == f"--target gpu contradicts {RECIPES / 'kv-fp8-trn2.yaml'}, which is for trn2 (kvcalib.target)"
+    assert exc.value.message == (f"--target gpu contradicts {RECIPES / 'kv-fp8-trn2.yaml'}, which is for trn2 "
+                                 "(kvcalib.target)")
     assert exc.value.hint == "drop --target, or use --recipe gpu"
 
 
@@ -172,7 +181,8 @@ def test_shipped_recipes_by_name(tmp_path, monkeypatch):
 def test_what_kvcalib_does_not_run_is_said(tmp_path):
     w8a8 = write_recipe(tmp_path / "w8a8.yaml", FP8, scheme="W8A8", targets=["Linear"])
     assert plan_recipe(w8a8, None, "native").warnings == (
-        f"{w8a8}: kvcalib runs the kv_cache_scheme only and ignores quant_stage.quant_modifiers.QuantizationModifier (scheme)",)
+        f"{w8a8}: kvcalib runs the kv_cache_scheme only and ignores quant_stage.quant_modifiers.QuantizationModifier "
+        "(scheme)",)
     minmax = write_recipe(tmp_path / "minmax.yaml", {**FP8, "observer": "minmax"})
     assert plan_recipe(minmax, None, "native").warnings == (
         f"{minmax}: observer 'minmax'; the native engine measures the absmax over every token (static_minmax); "
@@ -220,7 +230,8 @@ def test_engine_llmcompressor_without_llmcompressor_says_how_to_get_it(tiny_llam
                                                                       monkeypatch):
     monkeypatch.setitem(sys.modules, "llmcompressor", None)  # what `import llmcompressor` sees when it is absent
     with pytest.raises(MissingDependencyError) as exc:
-        calibrate(tiny_llama_master, str(text_dataset), tmp_path / "o", CalibrateOptions(engine="llmcompressor", **SMALL))
+        calibrate(tiny_llama_master, str(text_dataset), tmp_path / "o",
+                  CalibrateOptions(engine="llmcompressor", **SMALL))
     assert exc.value.message == "--engine llmcompressor needs llm-compressor, which is not installed"
     assert exc.value.hint == "pip install kvcalib[llmcompressor]"
     result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset),

@@ -77,8 +77,10 @@ def build_tiny(arch: str, out: Path) -> Path:
 ])
 def test_streamed_scales_equal_in_memory(arch, dtype, tiny_llama_master, text_dataset, tmp_path):
     model = tiny_llama_master if arch == "llama" else build_tiny(arch, tmp_path / arch)
-    native = calibrate(model, str(text_dataset), tmp_path / "native", CalibrateOptions(engine="native", dtype=dtype, **SMALL))
-    streamed = calibrate(model, str(text_dataset), tmp_path / "stream", CalibrateOptions(engine="stream", dtype=dtype, **SMALL))
+    native = calibrate(model, str(text_dataset), tmp_path / "native",
+                       CalibrateOptions(engine="native", dtype=dtype, **SMALL))
+    streamed = calibrate(model, str(text_dataset), tmp_path / "stream",
+                         CalibrateOptions(engine="stream", dtype=dtype, **SMALL))
     assert absmax(streamed) == absmax(native)
     assert scale_bits(tmp_path / "stream") == scale_bits(tmp_path / "native")
     assert json.loads((tmp_path / "stream" / PROVENANCE_FILENAME).read_text())["engine"] == "stream"
@@ -137,7 +139,8 @@ def test_hidden_states_spill_to_disk_and_are_cleaned_up(tiny_llama_master, text_
         if progress.stage == "observe":
             spilled.append(sum(len(list(d.glob("batch-*.safetensors"))) for d in _spill_dirs(scratch)))
 
-    native = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "native", CalibrateOptions(engine="native", **SMALL))
+    native = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "native",
+                       CalibrateOptions(engine="native", **SMALL))
     streamed = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "stream",
                          CalibrateOptions(engine="stream", **SMALL, **spill), progress=watch)
     assert spilled and min(spilled) == 3, "12 samples in batches of 4: one file per batch while layers run"
@@ -163,8 +166,9 @@ def test_interrupted_stream_leaves_no_spill_and_no_output(tiny_llama_master, tex
 
 def test_cli_stream_layers(tiny_llama_master, text_dataset, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(out),
-                                      "--num-samples", "8", "--max-seq-len", "64", "--stream-layers", "--json"])
+    result = CliRunner().invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
+                                      str(out), "--num-samples", "8", "--max-seq-len", "64", "--stream-layers",
+                                      "--json"])
     assert result.exit_code == 0, result.stderr
     assert json.loads((out / PROVENANCE_FILENAME).read_text())["engine"] == "stream"
     assert [layer["layer"] for layer in json.loads(result.stdout)["layers"]] == [0, 1, 2]
@@ -277,7 +281,7 @@ def test_streamed_run_completes_under_a_memory_cap_the_in_memory_run_cannot(wide
     # on every CPU, where native bf16 takes 40 s a run on AVX2)
     native = calibrate(model, str(text_dataset), tmp_path / "free", CalibrateOptions(engine="native",
                                                                                      bf16_compute="float32", **SMALL))
-    assert [(l["k"]["absmax"], l["v"]["absmax"]) for l in done["layers"]] == absmax(native)
+    assert [(layer["k"]["absmax"], layer["v"]["absmax"]) for layer in done["layers"]] == absmax(native)
 
 
 # --- across processes ------------------------------------------------------------------------
@@ -313,7 +317,8 @@ def test_batch_shares_refuse_more_processes_than_batches():
     ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, Ranks(1, 4, 1, 2)),
     ({"RANK": "0", "WORLD_SIZE": "1"}, Ranks(0, 1, 0, 1)),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' WORLD_SIZE='2' LOCAL_RANK=None are not integers"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 WORLD_SIZE=2 LOCAL_RANK=2 LOCAL_WORLD_SIZE=2 do not describe a valid launch"),
+    ({"RANK": "2", "WORLD_SIZE": "2"},
+     "RANK=2 WORLD_SIZE=2 LOCAL_RANK=2 LOCAL_WORLD_SIZE=2 do not describe a valid launch"),
 ])
 def test_ranks_from_torchrun_env(env, expected):
     if isinstance(expected, str):
@@ -348,8 +353,8 @@ def test_two_processes_equal_one_bit_for_bit(engine_args, tiny_llama_master, tex
                       "-o", str(tmp_path / "two"), *CLI_ARGS, *engine_args, "--json"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)  # one JSON object: only rank 0 prints
-    assert [(l["k"]["absmax"], l["v"]["absmax"]) for l in two["layers"]] == absmax(one)
-    assert two["layers"] == [l.to_dict() for l in one.layers]  # per head and Q too, where observed
+    assert [(layer["k"]["absmax"], layer["v"]["absmax"]) for layer in two["layers"]] == absmax(one)
+    assert two["layers"] == [layer.to_dict() for layer in one.layers]  # per head and Q too, where observed
     assert two["num_samples"] == 24 and two["num_tokens"] == one.num_tokens
     assert scale_bits(tmp_path / "two") == scale_bits(tmp_path / "one")
     assert proc.stderr.count(f"KV scales for {per_head.get('target', 'trn2')}") == 1
@@ -366,8 +371,8 @@ def test_a_failing_rank_does_not_hang_the_others(mode, tiny_llama_master, text_d
     assert proc.returncode != 0
     assert not (tmp_path / "out").exists()
     if mode == "raise":  # rank 0 reports rank 1's error, once
-        assert proc.stderr.count("error: 1 of 2 processes failed during calibration "
-                                 "(rank 1: rank one's scratch disk is full); nothing was written") == 1, proc.stderr[-3000:]
+        assert proc.stderr.count("error: 1 of 2 processes failed during calibration (rank 1: rank one's scratch disk "
+                                 "is full); nothing was written") == 1, proc.stderr[-3000:]
 
 
 @pytest.mark.proof("torchrun")

@@ -121,7 +121,8 @@ def test_progress_lines_without_a_terminal(tiny_llama_master, text_dataset, tmp_
 
     monkeypatch.setattr(render, "PLAIN_INTERVAL_S", 0.0)  # every update; 30 s in real runs
     result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
-                                 str(tmp_path / "out"), "--num-samples", "6", "--batch-size", "1", "--max-seq-len", "32"])
+                                 str(tmp_path / "out"), "--num-samples", "6", "--batch-size", "1",
+                                 "--max-seq-len", "32"])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("calibrate:")]
     samples = [line.split()[1] for line in lines if " samples, " in line]

@@ -46,7 +46,8 @@ def assert_matches(actual, expected, where: str = "$") -> None:
         assert sorted(actual) == sorted(expected), f"{where}: keys {sorted(actual)} != {sorted(expected)}"
         for key in expected:
             if key in VOLATILE:
-                assert type(actual[key]) is type(expected[key]) or {type(actual[key]), type(expected[key])} <= {int, float}, f"{where}.{key}"
+                assert (type(actual[key]) is type(expected[key])
+                        or {type(actual[key]), type(expected[key])} <= {int, float}), f"{where}.{key}"
             else:
                 assert_matches(actual[key], expected[key], f"{where}.{key}")
     elif isinstance(expected, list):
@@ -86,8 +87,8 @@ def golden_run(tiny_llama_master, text_dataset, tmp_path_factory):
     out = root / "out"
     runner = CliRunner()
     roots = {str(out): "<OUT>", str(tiny_llama_master): "<MODEL>", str(text_dataset): "<DATA>", str(REPO): "<REPO>"}
-    calibrated = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(out),
-                                     "--num-samples", "8", "--max-seq-len", "64", "--json"])
+    calibrated = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
+                                     str(out), "--num-samples", "8", "--max-seq-len", "64", "--json"])
     assert calibrated.exit_code == 0, calibrated.stderr
     validated = runner.invoke(app, ["validate", str(out), "--json"])
     evaluated = runner.invoke(app, ["eval", str(out), "--dataset", str(text_dataset), "--num-samples", "4",

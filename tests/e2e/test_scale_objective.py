@@ -62,7 +62,8 @@ def test_the_attention_objective_rescues_what_absmax_breaks(smollm2, tmp_path):
     result = evaluate(tmp_path / "attention", str(held_out), EvalOptions(
         num_samples=1, max_seq_len=64, compare=(str(tmp_path / "absmax"),), layer_rows=1, **FAST))
     mine, theirs = result.runs
-    alone = [(l.layer, round(l.kl_alone, 4), round(t.kl_alone, 4)) for l, t in zip(mine.layers, theirs.layers)]
+    alone = [(layer.layer, round(layer.kl_alone, 4), round(t.kl_alone, 4))
+             for layer, t in zip(mine.layers, theirs.layers)]
     print("KL with one layer quantised alone (layer, default, absmax):", alone)
-    assert max(theirs.layers, key=lambda l: l.kl_alone).layer == 0
+    assert max(theirs.layers, key=lambda layer: layer.kl_alone).layer == 0
     assert theirs.layers[0].kl_alone > 10 * max(mine.layers[0].kl_alone, 0.001)

@@ -168,8 +168,9 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, s
                 assert_scale_sized(scale, a, "gpu")
     assert q_diffs[:9] == [0.0] * 9, "layer 0's Q comes before any attention: exact"
     assert max(q_diffs) <= 2**-5
-    spread = [max(l.k.head_absmax) / min(l.k.head_absmax) for l in result.layers]
-    print(f"SmolLM2 K absmax, largest / smallest head per layer: median {sorted(spread)[15]:.2f}, max {max(spread):.2f}")
+    spread = [max(layer.k.head_absmax) / min(layer.k.head_absmax) for layer in result.layers]
+    print(f"SmolLM2 K absmax, largest / smallest head per layer: median {sorted(spread)[15]:.2f}, "
+          f"max {max(spread):.2f}")
     assert validate_checkpoint(out, "gpu").ok and not validate_checkpoint(out, "trn2").ok
 
 
@@ -198,11 +199,12 @@ def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(smo
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "kvcalib", "calibrate", str(smollm2), "--dataset", str(text_dataset), "-o",
                            str(tmp_path / "two"), "--target", "gpu", "--strategy", "attn_head", "--attention-scales",
-                           "--bf16-compute", "float32", "--batch-size", "2", "--num-samples", str(OPTS["num_samples"]), "--max-seq-len",
-                           str(OPTS["max_seq_len"]), "--json"], capture_output=True, text=True, env=env, timeout=900)
+                           "--bf16-compute", "float32", "--batch-size", "2", "--num-samples", str(OPTS["num_samples"]),
+                           "--max-seq-len", str(OPTS["max_seq_len"]), "--json"], capture_output=True, text=True,
+                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = bits(tmp_path / "memory")
     assert len(expected) == 90 and len(expected["model.layers.0.self_attn.k_scale"]) == 3
     assert bits(tmp_path / "stream") == expected and bits(tmp_path / "two") == expected
-    assert [l.to_dict() for l in streamed.layers] == [l.to_dict() for l in memory.layers]
-    assert json.loads(proc.stdout)["layers"] == [l.to_dict() for l in memory.layers]
+    assert [layer.to_dict() for layer in streamed.layers] == [layer.to_dict() for layer in memory.layers]
+    assert json.loads(proc.stdout)["layers"] == [layer.to_dict() for layer in memory.layers]

@@ -182,6 +182,6 @@ def test_smollm2_clips_at_8k_with_256_token_scales_and_headroom_removes_it(smoll
           f"{short.k_clipped:.4%}/{short.v_clipped:.4%}; with headroom {room.beyond('k')[0]:.2f}/"
           f"{room.beyond('v')[0]:.2f}, {room.k_clipped:.4%}/{room.v_clipped:.4%}")
     assert max(short.beyond("k")[0], short.beyond("v")[0]) > 1.1
-    assert sum(l.k_clipped > 0 or l.v_clipped > 0 for l in short.layers) >= 5
+    assert sum(layer.k_clipped > 0 or layer.v_clipped > 0 for layer in short.layers) >= 5
     assert max(room.beyond("k")[0], room.beyond("v")[0]) < 0.95
     assert room.k_clipped == 0 and room.v_clipped == 0

@@ -24,8 +24,8 @@ DATA = dict(num_samples=8, max_seq_len=128)
 
 
 def make_outlier(src: Path, out: Path, factor: int) -> Path:
-    subprocess.run([sys.executable, str(SCRIPTS / "make_outlier_model.py"), str(src), str(out), "--factor", str(factor)],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, str(SCRIPTS / "make_outlier_model.py"), str(src), str(out),
+                    "--factor", str(factor)], check=True, capture_output=True)
     return out
 
 
@@ -51,7 +51,7 @@ def test_outlier_variant_reproduces_the_original_logits(tiny_llama_master, tiny_
     outlier, _, _, result = tiny_outlier
     ids = list(range(5, 60))
     assert torch.equal(logits(tiny_llama_master, ids), logits(outlier, ids))
-    assert max(l.k.absmax for l in result.layers) > 240, "the variant must have K beyond trn2's range"
+    assert max(layer.k.absmax for layer in result.layers) > 240, "the variant must have K beyond trn2's range"
 
 
 def test_calibrated_scales_beat_unit_scales_on_outliers(tiny_outlier, text_dataset):
@@ -64,7 +64,7 @@ def test_calibrated_scales_beat_unit_scales_on_outliers(tiny_outlier, text_datas
     assert calibrated.delta_nll < unit.delta_nll
     assert calibrated.kl < unit.kl
     assert calibrated.top1 >= unit.top1
-    assert min(l.k_sqnr_db for l in calibrated.layers) > 25.0
+    assert min(layer.k_sqnr_db for layer in calibrated.layers) > 25.0
 
 
 def test_448_scales_clip_on_trn2_and_240_scales_do_not(tiny_outlier, text_dataset):
@@ -73,7 +73,7 @@ def test_448_scales_clip_on_trn2_and_240_scales_do_not(tiny_outlier, text_datase
     result = evaluate(trn2_ckpt, str(text_dataset), EvalOptions(target="trn2", compare=(str(gpu_ckpt),), **DATA))
     ours, sized_448 = result.runs
     assert sized_448.name == str(gpu_ckpt)
-    assert all(l.k_clipped == 0.0 and l.v_clipped == 0.0 for l in ours.layers)
+    assert all(layer.k_clipped == 0.0 and layer.v_clipped == 0.0 for layer in ours.layers)
     assert sized_448.k_clipped > 0.0 and sized_448.v_clipped > 0.0
     # values above 240/448 of absmax clip: the threshold sits there
     for layer in sized_448.layers:
@@ -152,7 +152,7 @@ def test_smollm2_outlier_variant_under_trn2(smollm2, text_dataset, tmp_path):
     assert torch.equal(logits(smollm2, ids), logits(outlier, ids)), "bf16 without FP8 KV must be unchanged"
     opts = dict(num_samples=4, max_seq_len=128, bf16_compute="float32")  # the measured gap holds on both paths
     cal = calibrate(outlier, str(text_dataset), tmp_path / "cal", CalibrateOptions(target="trn2", **opts))
-    assert min(l.k.absmax for l in cal.layers) > 2 * 240, "every layer's K must be far beyond trn2's range"
+    assert min(layer.k.absmax for layer in cal.layers) > 2 * 240, "every layer's K must be far beyond trn2's range"
     result = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(target="trn2", compare=("unit",), layer_rows=0,
                                                                        **opts))
     calibrated, unit = result.runs

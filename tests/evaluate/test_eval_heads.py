@@ -52,7 +52,7 @@ def test_per_head_with_equal_heads_is_per_tensor_to_the_bit(checkpoints, text_da
     plain, heads = result.runs
     assert (plain.kind, heads.kind) == ("KV per-tensor", "KV per-head")
     assert (heads.nll, heads.kl, heads.top1) == (plain.nll, plain.kl, plain.top1)
-    assert [l.k_sqnr_db for l in heads.layers] == [l.k_sqnr_db for l in plain.layers]
+    assert [layer.k_sqnr_db for layer in heads.layers] == [layer.k_sqnr_db for layer in plain.layers]
 
 
 def test_compare_per_head_and_per_tensor_with_fp8_attention(checkpoints, text_dataset, tmp_path):
@@ -118,7 +118,8 @@ def test_what_eval_refuses(checkpoints, text_dataset, tmp_path):
     with pytest.raises(UsageError) as exc:
         evaluate(checkpoints["head"], str(text_dataset), EvalOptions(target="trn2", **DATA))
     assert "per-head KV scales, which trn2 cannot serve" in exc.value.message and "--target gpu" in exc.value.hint
-    no_q = edited(checkpoints["tensor"], tmp_path / "no-q", lambda t: [t.pop(k) for k in list(t) if k.endswith("q_scale")])
+    no_q = edited(checkpoints["tensor"], tmp_path / "no-q",
+                  lambda t: [t.pop(k) for k in list(t) if k.endswith("q_scale")])
     with pytest.raises(UsageError, match="--fp8-attention needs q_scale, and no checkpoint evaluated has one"):
         evaluate(no_q, str(text_dataset), EvalOptions(target="gpu", compare=("unit",), fp8_attention=True, **DATA))
     partial = edited(checkpoints["tensor"], tmp_path / "partial", lambda t: t.pop("model.layers.1.self_attn.q_scale"))
@@ -151,7 +152,8 @@ def test_per_head_scales_are_blind_to_one_outlier_head(tiny_llama_master, text_d
         for strategy in ("tensor", "attn_head"):
             out = tmp_path / f"{name}-{strategy}"
             calibrated = calibrate(model, str(text_dataset), out, CalibrateOptions(strategy=strategy, **opts))
-            runs[name, strategy] = (calibrated, evaluate(out, str(text_dataset), EvalOptions(target="gpu", **DATA)).runs[0])
+            runs[name, strategy] = (calibrated,
+                                    evaluate(out, str(text_dataset), EvalOptions(target="gpu", **DATA)).runs[0])
     original, variant_heads = runs["original", "attn_head"][0], runs["variant", "attn_head"][0]
     for a, b in zip(original.layers, variant_heads.layers):
         assert b.k.head_scales == (a.k.head_scales[0] * 4096, a.k.head_scales[1])

@@ -82,7 +82,8 @@ def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_
         assert ids == prefix + hay[:at] + needle + hay[at:] + question
         assert abs(at - round(trial.depth * body)) <= 64
     assert prompts == needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, seed=7)  # deterministic
-    assert [t.key for t, _ in prompts] != [t.key for t, _ in needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, 8)]
+    assert ([t.key for t, _ in prompts]
+            != [t.key for t, _ in needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, 8)])
     with pytest.raises(UsageError, match="--context 40 --needle: too short"):
         needle_prompts(stream, prefix, tokenizer, 40, DEPTHS, 1, seed=7)
     short = stream[:min(bodies) - 1]
@@ -94,7 +95,8 @@ def _quantizers(cal, small):
     target = fp8.get_target("trn2")
     config = json.loads((cal / "config.json").read_text())
     return {name: KVQuantizer(s.k, s.v, target) for name, s in (
-        ("checkpoint", scale_set(CHECKPOINT, cal, 3, target, config)), ("div64", scale_set(str(small), cal, 3, target, config)))}
+        ("checkpoint", scale_set(CHECKPOINT, cal, 3, target, config)),
+        ("div64", scale_set(str(small), cal, 3, target, config)))}
 
 
 def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_chip_stores_them(calibrated, small):

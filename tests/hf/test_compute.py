@@ -129,7 +129,8 @@ def test_emulated_attention_matches_the_native_kernel(case):
     """Close to torch's native bf16 CPU kernel, and as accurate against a float64 reference."""
     torch.manual_seed(0)
     b, h, s, d = 2, 4, 96, 32
-    q, k, v = (torch.randn(b, h, s, d) * 2).bfloat16(), (torch.randn(b, h, s, d) * 2).bfloat16(), torch.randn(b, h, s, d).bfloat16()
+    q, k, v = ((torch.randn(b, h, s, d) * 2).bfloat16(), (torch.randn(b, h, s, d) * 2).bfloat16(),
+               torch.randn(b, h, s, d).bfloat16())
     kwargs: dict = {}
     if case == "causal":
         kwargs["is_causal"] = True
@@ -142,7 +143,8 @@ def test_emulated_attention_matches_the_native_kernel(case):
         k, v = k[:, :2], v[:, :2]
         kwargs.update(is_causal=True, enable_gqa=True)
     elif case == "additive-mask":
-        kwargs["attn_mask"] = torch.zeros(s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).bfloat16()
+        kwargs["attn_mask"] = torch.zeros(s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1),
+                                                            float("-inf")).bfloat16()
     else:  # a few new query rows against a longer cache
         q = q[:, :, -4:]
         kwargs["attn_mask"] = torch.ones(4, s, dtype=torch.bool)
@@ -229,7 +231,8 @@ def test_streamed_equals_in_memory_on_the_float32_path(tiny_llama_master, text_d
     memory = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "memory", CalibrateOptions(**opts))
     streamed = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "stream",
                          CalibrateOptions(engine="stream", **opts))
-    assert [(l.k.absmax, l.v.absmax) for l in streamed.layers] == [(l.k.absmax, l.v.absmax) for l in memory.layers]
+    assert ([(layer.k.absmax, layer.v.absmax) for layer in streamed.layers]
+            == [(layer.k.absmax, layer.v.absmax) for layer in memory.layers])
     assert memory.compute.startswith("bf16 model, matmuls and attention in float32 with bf16 rounding")
 
 
@@ -239,7 +242,8 @@ def test_calibrate_says_which_path_it_took(tiny_llama_master, text_dataset, tmp_
     assert on_avx2.compute == ComputePath("float32", f"{AVX2_EPYC.describe()}: no native bf16 matmul "
                                                      "(needs avx512_bf16 or amx_bf16)").describe()
     assert "CPU avx2 (from /proc/cpuinfo), torch capability AVX2" in on_avx2.compute
-    on_amx = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b", CalibrateOptions(cpu=SAPPHIRE_RAPIDS, **opts))
+    on_amx = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b",
+                       CalibrateOptions(cpu=SAPPHIRE_RAPIDS, **opts))
     assert on_amx.compute.startswith("native matmuls in the model's dtype")
     with pytest.raises(UsageError, match="unknown --bf16-compute 'fast'"):
         calibrate(tiny_llama_master, str(text_dataset), tmp_path / "c", CalibrateOptions(bf16_compute="fast", **opts))

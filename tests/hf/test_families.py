@@ -63,7 +63,8 @@ def scale_k_per_layer(model: torch.nn.Module) -> None:
             if hasattr(module, "q_proj"):
                 module.q_proj.weight.mul_(4.0)
             if hasattr(module, "k_norm"):
-                module.k_norm.weight.mul_(factor) if module.k_norm.weight.abs().sum() else module.k_norm.weight.add_(factor - 1)
+                (module.k_norm.weight.mul_(factor) if module.k_norm.weight.abs().sum()
+                 else module.k_norm.weight.add_(factor - 1))
             elif hasattr(module, "k_proj"):
                 module.k_proj.weight.mul_(factor)
                 if module.k_proj.bias is not None:
@@ -171,7 +172,8 @@ def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dat
     assert "NEURON-QCFG-MX" in [f.rule for f in validate_checkpoint(released, "trn2").errors]
 
     gpu = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
-                                   str(tmp_path / "gpu"), "--num-samples", "4", "--max-seq-len", "32", "--target", "gpu"])
+                                   str(tmp_path / "gpu"), "--num-samples", "4", "--max-seq-len", "32",
+                                   "--target", "gpu"])
     assert gpu.exit_code != 0 and "Traceback" not in gpu.stderr
     assert "GPU vLLM's MXFP4 support loads no KV scales" in gpu.stderr and "dequantize_mxfp4(" in gpu.stderr
     assert not (tmp_path / "gpu").exists()
@@ -185,7 +187,8 @@ def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dat
                        dequantized.model.layers[1].mlp.experts.gate_up_proj)
     runs = {}
     for name, source, engine, target in [("bf16-gpu", bf16, "native", "gpu"), ("bf16", bf16, "native", "trn2"),
-                                         ("mxfp4", released, "native", "trn2"), ("mxfp4-stream", released, "stream", "trn2")]:
+                                         ("mxfp4", released, "native", "trn2"),
+                                         ("mxfp4-stream", released, "stream", "trn2")]:
         runs[name] = calibrate(source, str(text_dataset), tmp_path / name,
                                CalibrateOptions(**{**OPTS, "target": target, "engine": engine}))
     k, v = oracle(bf16, calibration_sequences(bf16, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"]))
@@ -197,7 +200,8 @@ def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dat
         assert validate_checkpoint(tmp_path / "bf16", target).ok
 
     def measured(result):
-        return [(l.k.absmax, l.v.absmax, l.k.scale, l.v.scale, l.k.range, l.v.range) for l in result.layers]
+        return [(layer.k.absmax, layer.v.absmax, layer.k.scale, layer.v.scale, layer.k.range, layer.v.range)
+                for layer in result.layers]
 
     assert measured(runs["mxfp4"]) == measured(runs["bf16"]) == measured(runs["mxfp4-stream"])  # bit for bit
     out = tmp_path / "mxfp4"

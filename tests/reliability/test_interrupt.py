@@ -31,16 +31,16 @@ from kvcalib.validation.pipeline import validate_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "support" / "interruptible.py"
-K, T, I, H = signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP
+K, T, INT, H = signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP
 
 # (point, signal, what OUT holds afterwards). Inside the publish step signals are deferred until
 # the new checkpoint is in place, so SIGINT/SIGTERM there end with the new one (and exit 128+N).
 # SIGINT, SIGTERM and SIGHUP reach one handler: each is sent at least once, SIGKILL at every point.
 SCENARIOS = [
-    ("observe", I, "old"), ("observe", H, "old"), ("observe", K, "old"),
-    ("write", I, "old"), ("write", K, "old"),
+    ("observe", INT, "old"), ("observe", H, "old"), ("observe", K, "old"),
+    ("write", INT, "old"), ("write", K, "old"),
     ("publish", T, "new"), ("publish", K, "old"),
-    ("exchanged", I, "new"), ("exchanged", K, "new"),
+    ("exchanged", INT, "new"), ("exchanged", K, "new"),
     ("between", T, "new"), ("between", K, "absent"),
 ]
 
@@ -136,7 +136,7 @@ def test_stale_sibling_of_a_live_run_is_not_touched(inputs, tmp_path):
     assert siblings(out) == [] and not out.exists()
 
 
-@pytest.mark.parametrize(("command", "sig"), [("eval", T), ("validate", H), ("tasks", I)])
+@pytest.mark.parametrize(("command", "sig"), [("eval", T), ("validate", H), ("tasks", INT)])
 def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, task_dir, tmp_path):
     """Stopped mid-run, eval (with --plot), eval --tasks (inside lm-eval's scoring, run from an empty folder) and
     validate exit as Ctrl-C does, write nothing and leave the checkpoint as it was."""

@@ -254,7 +254,8 @@ def test_usage_and_input_errors(ckpt, head32_calibrated, cpu_python, tmp_path):
             ([str(tmp_path / "missing"), "--device", "cpu"], 2, "error: checkpoint directory not found"),
             ([str(ckpt), "--device", "cpu", "--port", str(port), "--no-baseline"], 2,
              f"error: port {port} on 127.0.0.1 is already in use"),
-            ([str(ckpt), "--device", "cpu", "--prompts", str(tmp_path / "none.txt")], 2, "error: prompts file not found"),
+            ([str(ckpt), "--device", "cpu", "--prompts", str(tmp_path / "none.txt")], 2,
+             "error: prompts file not found"),
         ]
         for args, code, message in cases:
             result = runner.invoke(app, ["serve-check", *args, "--vllm-python", str(cpu_python)])
@@ -283,7 +284,8 @@ def test_prompts_file(ckpt, cpu_python, tmp_path):
 
 def test_context_sends_a_passkey_prompt_the_fp8_server_must_answer(ckpt, cpu_python, monkeypatch):
     """--context L: one more prompt, about L tokens, the key halfway in; the fake answers it as a model that
-    retrieves does, and with FAKE_VLLM_MODE=forget-long its FP8 server loses keys far back (short prompts stay right)."""
+    retrieves does, and with FAKE_VLLM_MODE=forget-long its FP8 server loses keys far back (short prompts stay
+    right)."""
     result = serve(ckpt, cpu_python, "--device", "cpu", "--context", "1500", "--no-canary", "--no-predict", "--json")
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)["prompts"]
@@ -292,15 +294,16 @@ def test_context_sends_a_passkey_prompt_the_fp8_server_must_answer(ckpt, cpu_pyt
     result = serve(ckpt, cpu_python, "--device", "cpu", "--context", "1500", "--no-canary", "--no-predict",
                    env={"FAKE_VLLM_MODE": "forget-long"}, monkeypatch=monkeypatch)
     assert result.exit_code == 1, result.stderr
-    assert re.search(r"prompt 7 \(the 1,4\d\d-token passkey\): the baseline answers the key \d{5}, the FP8 server does not",
-                     result.stderr.replace("\n", " ")), result.stderr
+    assert re.search(r"prompt 7 \(the 1,4\d\d-token passkey\): the baseline answers the key \d{5}, "
+                     r"the FP8 server does not", result.stderr.replace("\n", " ")), result.stderr
     assert "FAILED" in result.stderr
     assert_nothing_left(str(ckpt), result.stderr)
 
 
 def test_context_usage_errors_before_any_server(ckpt, cpu_python):
     cases = [(["--context", "32"], "error: --context must be at least 64"),
-             (["--context", "2040"], "error: --context 2040 plus the 32 tokens of the answer exceeds --max-model-len 2048"),
+             (["--context", "2040"],
+              "error: --context 2040 plus the 32 tokens of the answer exceeds --max-model-len 2048"),
              (["--context", "5000", "--max-model-len", "8192"],
               "error: --context 5000 is longer than the model's context (max_position_embeddings 4096)")]
     for args, message in cases:
@@ -332,8 +335,8 @@ def test_interrupt_stops_the_server(ckpt, cpu_python, tmp_path, sig):
 # (platform, flag dropped, flags added, the refusal, whether serve-check's diagnosis knows it). The
 # Neuron eager and async-scheduling refusals have no public text, so they are not diagnosed by text.
 @pytest.mark.parametrize("platform, drop, add, message, known", [
-    ("neuron", "--no-enable-prefix-caching", [], "NotImplementedError: FP8 segmented prefill requires a packed KV cache",
-     True),
+    ("neuron", "--no-enable-prefix-caching", [],
+     "NotImplementedError: FP8 segmented prefill requires a packed KV cache", True),
     ("neuron", None, ["--max-num-batched-tokens", "512"], "FP8 segmented prefill requires a packed KV cache", True),
     ("neuron", "--no-async-scheduling", [], "Async scheduling requires on-device sampling", False),
     ("neuron", None, ["--enforce-eager"], "enforce_eager is not supported on the Neuron platform", False),

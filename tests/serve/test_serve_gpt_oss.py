@@ -38,7 +38,8 @@ def forms(tmp_path_factory, text_dataset) -> dict[str, Path]:
     for name, source, target in (("trn2", forms["released"], "trn2"), ("trn3", forms["released"], "trn3"),
                                  ("dequantized", bf16, "trn2")):
         forms[name] = root / name
-        calibrate(source, str(text_dataset), forms[name], CalibrateOptions(target=target, num_samples=4, max_seq_len=32))
+        calibrate(source, str(text_dataset), forms[name],
+                  CalibrateOptions(target=target, num_samples=4, max_seq_len=32))
     return forms
 
 
@@ -103,8 +104,8 @@ def test_the_scale_loader_reads_what_the_fork_reads(forms, neuron_python, tmp_pa
     _, output = start(forms["trn2"], neuron_python, "trn2", None, kv="bfloat16")
     assert "KV cache scales" not in output and "model_bf16" in output
     variants = {
-        "misnamed": (lambda s: {k.replace("layers.1.self_attn.k_scale", "layers.1.attn.k_scale"): v for k, v in s.items()},
-                     None, "KV cache scales: 5 of 6 read"),
+        "misnamed": (lambda s: {k.replace("layers.1.self_attn.k_scale", "layers.1.attn.k_scale"): v
+                                for k, v in s.items()}, None, "KV cache scales: 5 of 6 read"),
         "0-d": (lambda s: {k: v.reshape(()) if "layers.2" in k else v for k, v in s.items()},
                 1, "IndexError: slice() cannot be applied to a 0-dim tensor."),
         "two": (lambda s: {k: v.repeat(2) if "layers.0.self_attn.v" in k else v for k, v in s.items()},
@@ -121,7 +122,8 @@ def test_the_scale_loader_reads_what_the_fork_reads(forms, neuron_python, tmp_pa
         assert exit_code == code and expected in output, (name, output)
 
 
-@pytest.mark.parametrize("chip, quantization, model", [("trn2", "bf16", "model_bf16"), ("trn3", "mxfp4", "model_mxfp4")])
+@pytest.mark.parametrize("chip, quantization, model", [("trn2", "bf16", "model_bf16"),
+                                                       ("trn3", "mxfp4", "model_mxfp4")])
 def test_serve_check_serves_the_mxfp4_form_with_the_chips_quantization(forms, tmp_path, monkeypatch, chip,
                                                                         quantization, model):
     """serve-check --device trn2/trn3 on kvcalib's Neuron form names the neuron_config quantization the fork's
@@ -139,7 +141,8 @@ def test_serve_check_serves_the_mxfp4_form_with_the_chips_quantization(forms, tm
     assert payload["ok"] and f"""--additional-config '{{"neuron_config": {{"quantization": "{quantization}"}}}}'""" \
         in payload["command"], payload["command"]
     log = Path(payload["log"]).read_text()
-    assert f"GptOssForCausalLM on {chip}: {model}" in log and f"KV cache scales: {2 * LAYERS} of {2 * LAYERS} read" in log
+    assert (f"GptOssForCausalLM on {chip}: {model}" in log
+            and f"KV cache scales: {2 * LAYERS} of {2 * LAYERS} read" in log)
     card = (forms[chip] / "README.md").read_text()
     assert f'"quantization": "{quantization}"' in card
     assert_nothing_left(str(ckpt), result.stderr)

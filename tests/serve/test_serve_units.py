@@ -81,7 +81,8 @@ def test_family_from_sysfs_beats_neuron_ls_and_the_override_beats_both(tmp_path,
     arch.mkdir(parents=True)
     (arch / "instance_type").write_text("trn3.48xlarge\n")
     host = detect_neuron_host(env, sysfs_root=tmp_path)
-    assert (host.family, host.instance_type, host.family_source, host.num_cores) == ("trn3", "trn3.48xlarge", "sysfs", 8)
+    assert ((host.family, host.instance_type, host.family_source, host.num_cores)
+            == ("trn3", "trn3.48xlarge", "sysfs", 8))
     assert host.neuron_ls == str(FAKE_BIN / "neuron-ls")
     table = detect_neuron_host(env, sysfs_root=tmp_path / "no-sysfs")
     assert (table.family, table.instance_type, table.family_source) == ("trn2", "trn2.3xlarge", "neuron-ls")
@@ -112,7 +113,8 @@ def test_degenerate(text, ids, why):
 
 @pytest.mark.parametrize("line, cause", [
     ("ValueError: Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale). "
-     "Weight quantization in config_groups['group_0'] is not supported.", "refused the checkpoint's quantization_config"),
+     "Weight quantization in config_groups['group_0'] is not supported.",
+     "refused the checkpoint's quantization_config"),
     ("ValueError: Neuron does not support MX quantization: quant_method='mxfp4'.", "refused the checkpoint's"),
     ("ValueError: quantization='mxfp4' is not supported on TRN2. Please use quantization='bf16'",
      "MXFP4 experts as MXFP4 only on trn3"),
@@ -179,7 +181,8 @@ def test_cpu_without_avx512_or_amx_is_refused_before_starting(tmp_path):
     for flags in ("avx2 avx512f avx512bw", "avx2 amx_tile amx_bf16"):
         cpuinfo.write_text(f"flags\t\t: {flags}\n")
         check_cpu(config, HostCpu.from_cpuinfo(cpuinfo))
-    check_cpu(config, HostCpu.from_cpuinfo(tmp_path / "missing"))  # unreadable: left to vLLM, whose message is diagnosed
+    # unreadable: left to vLLM, whose message is diagnosed
+    check_cpu(config, HostCpu.from_cpuinfo(tmp_path / "missing"))
     check_cpu(config, None)
     with pytest.raises(DeviceError, match="head size 48 is not divisible by 32"):
         check_cpu({"hidden_size": 384, "num_attention_heads": 8}, HostCpu.from_cpuinfo(tmp_path / "missing"))
@@ -209,7 +212,8 @@ def test_the_passkey_prompt_fills_the_length_with_the_key_halfway(length):
     assert length - line < prompt.tokens == _words(prompt.text) <= length  # the longest that fits, by whole lines
     head, _, tail = prompt.text.partition(f"The pass key is {prompt.expected}.")
     assert abs(head.count(FILLER) - tail.count(FILLER)) <= 1 and tail.rstrip().endswith("The pass key is")
-    assert passkey_prompt(length, _words) == prompt and passkey_prompt(length, _words, seed=1).expected != prompt.expected
+    assert (passkey_prompt(length, _words) == prompt
+            and passkey_prompt(length, _words, seed=1).expected != prompt.expected)
     with pytest.raises(UsageError, match=r"--context 20: the shortest passkey prompt is \d+ tokens"):
         passkey_prompt(20, _words)
 
@@ -276,7 +280,8 @@ SERVE_AND_FORK = """
 import http.server, signal, subprocess, sys
 if len(sys.argv) > 2:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+child = subprocess.Popen([sys.executable, "-c",
+                          "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()
 """
 
@@ -310,7 +315,8 @@ def test_teardown_on_an_exception_inside_the_context(tmp_path):
 
 def test_wait_healthy_reports_progress_and_a_dead_server(tmp_path):
     port = free_port()
-    script = "import sys, time; print('loading weights', flush=True); time.sleep(0.7); print('boom: out of memory'); sys.exit(3)"
+    script = ("import sys, time; print('loading weights', flush=True); time.sleep(0.7); print('boom: out of memory'); "
+              "sys.exit(3)")
     ticks = []
     with _server(tmp_path, script, port, stop_timeout_s=1.0) as server, pytest.raises(ServerError) as caught:
         server.wait_healthy(30, ticks.append)

@@ -15,6 +15,9 @@ import sysconfig
 from collections import Counter
 from pathlib import Path
 
+from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.pipeline import calibrate
+
 MODEL, DATASET, OUT = (Path(a).resolve() for a in sys.argv[1:4])
 ENGINE = sys.argv[4] if len(sys.argv) > 4 else "native"
 PACKAGE = str(Path(__file__).resolve().parents[2] / "kvcalib")
@@ -34,11 +37,6 @@ def hook(event: str, args: tuple) -> None:
     if frame is not None and frame.f_code.co_filename.startswith(PACKAGE):
         opens[Path(path).name] += 1
 
-
-from kvcalib.calibration.options import CalibrateOptions
-
-
-from kvcalib.calibration.pipeline import calibrate  # noqa: E402
 
 sys.addaudithook(hook)
 calibrate(MODEL, str(DATASET), OUT, CalibrateOptions(num_samples=8, max_seq_len=32, engine=ENGINE))

@@ -15,7 +15,8 @@ import torch
 FP4_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 MXFP4_QUANTIZATION_CONFIG = {
     "quant_method": "mxfp4",
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                               "lm_head"],
 }
 
 

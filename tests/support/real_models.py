@@ -29,8 +29,9 @@ def trn2_beats_448(model: Path, prose: Path, tutorial: Path, tmp_path: Path, gap
     assert ours.scale_objective == "attention" and theirs.scale_objective == "absmax"
     report = validate_checkpoint(tmp_path / "trn2", "trn2")
     assert report.ok, report
-    result = evaluate(tmp_path / "trn2", str(tutorial), EvalOptions(target="trn2", compare=(str(tmp_path / "448"),),
-                                                                    layer_rows=0, **{**opts, "num_samples": eval_samples}))
+    result = evaluate(tmp_path / "trn2", str(tutorial),
+                      EvalOptions(target="trn2", compare=(str(tmp_path / "448"),), layer_rows=0,
+                                  **{**opts, "num_samples": eval_samples}))
     own, clipped = result.runs
     print(f"{model.name} on trn2: calibrated {own.delta_nll:+.4f}, absmax/448 {clipped.delta_nll:+.4f}")
     assert own.delta_nll < 0.05

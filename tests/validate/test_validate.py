@@ -165,7 +165,7 @@ def drop_kvcalib_files(ckpt: Path) -> None:
 
 # --- the table ----------------------------------------------------------------------------
 
-E, W, I = "error", "warning", "info"
+E, W, INFO = "error", "warning", "info"
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ def flat_provenance(p: dict) -> None:
 
 CASES = [
     case("calibrated checkpoint is clean", None),
-    case("trn2 checkpoint on trn3: safe, says so", None, ("RANGE-TARGET-MISMATCH", I, None), target="trn3"),
+    case("trn2 checkpoint on trn3: safe, says so", None, ("RANGE-TARGET-MISMATCH", INFO, None), target="trn3"),
     # rule 2: the Llama gate
     case("llama with fp8 fails at model build", set_qc("quant_method", "fp8"),
          ("NEURON-LLAMA-QUANT-METHOD", E, "Unsupported quantization_config.quant_method='fp8'. "
@@ -230,7 +230,8 @@ CASES = [
          ("NEURON-LLAMA-QUANT-METHOD", E, "Unsupported quantization_config.quant_method=''. "
           "Llama3 currently supports: 'modelopt', 'compressed-tensors'.")),
     case("llama with modelopt passes the gate", set_qc("quant_method", "modelopt")),
-    case("model_type llama is a llama", both(set_qc("quant_method", "fp8"), edit_config(lambda c: c.update(architectures=["Custom"]))),
+    case("model_type llama is a llama", both(set_qc("quant_method", "fp8"),
+                                             edit_config(lambda c: c.update(architectures=["Custom"]))),
          ("NEURON-LLAMA-QUANT-METHOD", E, None)),
     case("qwen3 has no llama gate", both(set_qc("quant_method", "fp8"),
          edit_config(lambda c: c.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3"))),
@@ -244,7 +245,8 @@ CASES = [
     case("scales under k_proj.output_scale", both(rename_scales("self_attn.k_scale", "self_attn.k_proj.output_scale"),
                                                    rename_scales("self_attn.v_scale", "self_attn.v_proj.output_scale")),
          FOREIGN_K0, *[("SCALE-FOREIGN-NAME", E, None)] * 5),
-    case("one kv_scale per layer", edit_scales(lambda t: {k.replace("k_scale", "kv_scale"): v for k, v in t.items() if "k_scale" in k}),
+    case("one kv_scale per layer",
+         edit_scales(lambda t: {k.replace("k_scale", "kv_scale"): v for k, v in t.items() if "k_scale" in k}),
          ("SCALE-FOREIGN-NAME", E, "found model.layers.0.self_attn.kv_scale but Neuron reads only "
           "model.layers.0.self_attn.v_scale: layer 0's V cache runs with scale 1.0 on Neuron (no error, no log line)"),
          *[("SCALE-FOREIGN-NAME", E, None)] * 5),
@@ -255,7 +257,8 @@ CASES = [
           "model.layers.0.self_attn.k_scale: layer 0's K cache runs with scale 1.0 on Neuron (no error, no log line)"),
          *[("SCALE-FOREIGN-NAME", E, None)] * 5),
     case("model.language_model.layers prefix is read", rename_scales("model.layers.", "model.language_model.layers.")),
-    case("num_hidden_layers under text_config", edit_config(lambda c: c.update(text_config={"num_hidden_layers": c.pop("num_hidden_layers")}))),
+    case("num_hidden_layers under text_config",
+         edit_config(lambda c: c.update(text_config={"num_hidden_layers": c.pop("num_hidden_layers")}))),
     case("no num_hidden_layers", edit_config(lambda c: c.pop("num_hidden_layers")),
          ("SCALE-LAYER-COUNT", W, "config.json has no usable num_hidden_layers: checked only the layers the scales "
           "name (0..2)")),
@@ -281,7 +284,8 @@ CASES = [
     case("shape [1, 1] loads", set_scale(K0, torch.full((1, 1), 10.0 / 240, dtype=torch.float32))),
     case("zero scale", set_scale(K0, torch.tensor([0.0])),
          ("SCALE-VALUE", E, "model.layers.0.self_attn.k_scale = 0.0 is zero: a scale must be finite and > 0")),
-    case("every k_scale zero", edit_scales(lambda t: {k: torch.zeros(1) if "k_scale" in k else v for k, v in t.items()}),
+    case("every k_scale zero",
+         edit_scales(lambda t: {k: torch.zeros(1) if "k_scale" in k else v for k, v in t.items()}),
          ("SCALE-ALL-ZERO", E, "every k_scale is 0.0 (layers 0..2): no K was observed, and served with FP8 KV "
           "every K becomes inf or NaN (x / 0)")),
     case("negative scale", set_scale(K0, torch.tensor([-0.5])),
@@ -309,7 +313,7 @@ CASES = [
     case("scales without kv_cache_scheme on gpu", set_qc("", DELETE),
          ("SCALE-NO-KV-SCHEME", E, "KV scales are present but quantization_config declares no kv_cache_scheme: "
           "GPU vLLM does not load them and runs FP8 KV with scales 1.0 (Neuron reads them with --kv-cache-dtype fp8)"),
-         ("RANGE-TARGET-MISMATCH", I, None), target="gpu"),
+         ("RANGE-TARGET-MISMATCH", INFO, None), target="gpu"),
     # rule 4: integrity
     case("index names a file in a subdirectory", move_scales_into_subdir,
          ("CKPT-INDEX-FILE-NAME", E, None), ("SCALE-NONE", E, None)),
@@ -325,9 +329,10 @@ CASES = [
          ("CKPT-TOTAL-SIZE", W, None)),
     case("weight file missing from weight_map", add_extra_file({"lm_extra.weight": torch.zeros(2)}),
          ("CKPT-INDEX-KEY-UNMAPPED", W, None)),
-    case("weight_map points at the wrong file", edit_index(lambda ix: ix["weight_map"].update({K0: "model-00001-of-00012.safetensors"})),
-         ("CKPT-INDEX-KEY-STALE", E, "weight_map maps model.layers.0.self_attn.k_scale to model-00001-of-00012.safetensors, "
-          "which holds no such tensor: an index-based loader cannot find it"),
+    case("weight_map points at the wrong file",
+         edit_index(lambda ix: ix["weight_map"].update({K0: "model-00001-of-00012.safetensors"})),
+         ("CKPT-INDEX-KEY-STALE", E, "weight_map maps model.layers.0.self_attn.k_scale to "
+          "model-00001-of-00012.safetensors, which holds no such tensor: an index-based loader cannot find it"),
          ("CKPT-TOTAL-SIZE", W, None)),
     case("total_size off", edit_index(lambda ix: ix["metadata"].update(total_size=1)),
          ("CKPT-TOTAL-SIZE", W, "metadata.total_size is 1, but the tensors in weight_map hold 608024 bytes")),
@@ -351,7 +356,7 @@ CASES = [
           f"{SCALES_FILENAME}:__metadata__['kvcalib'] says 240.0"),
          ("RANGE-PROVENANCE-DISAGREES", W, None)),
     case("240 scales on gpu", None,
-         ("RANGE-TARGET-MISMATCH", I, "scales were sized for FP8 max 240 (calibrated for trn2); gpu saturates at "
+         ("RANGE-TARGET-MISMATCH", INFO, "scales were sized for FP8 max 240 (calibrated for trn2); gpu saturates at "
           "448: safe, using 240/448 ≈ 0.54 of the FP8 range"), target="gpu"),
     case("a clip scored on trn2 alone, checked for gpu", clipped_layer_0(None),  # not "safe": only the warning
          ("RANGE-CLIPPED-UNSCORED", W, "the scale objective clipped 1 scale(s) (layer 0 K at 0.50 x absmax) scoring "
@@ -359,12 +364,12 @@ CASES = [
           "channels can put them on FP8 rounding boundaries instead"), target="gpu"),
     case("a clip scored on trn2 alone is fine on trn2", clipped_layer_0(None)),
     case("a clip scored on every server, checked for gpu", clipped_layer_0(["trn2", "trn3", "gpu", "vllm-cpu"]),
-         ("RANGE-TARGET-MISMATCH", I, None), target="gpu"),
+         ("RANGE-TARGET-MISMATCH", INFO, None), target="gpu"),
     case("hostile provenance: a negative range, a zero absmax, odd names", both(clipped_layer_0([None, {"a": 1}]),
          edit_provenance(lambda p: p["layers"][1].update(k={"range": -1.0, "absmax": 0.0}, layer="x" * 500))),
          ("RANGE-CLIPPED-UNSCORED", W, None), target="gpu"),  # no crash (a zero absmax), names cut short
     case("no provenance", strip_scales_metadata_and_file,
-         ("RANGE-UNKNOWN", I, "scales present, FP8 max unknown (no kvcalib provenance): scales sized as absmax/448 "
+         ("RANGE-UNKNOWN", INFO, "scales present, FP8 max unknown (no kvcalib provenance): scales sized as absmax/448 "
           "(llm-compressor, GPU vLLM) clip every value above 240/448 ≈ 0.54 of a layer's absmax on trn2")),
     case("scale edited after calibration", set_scale(K0, torch.tensor([0.5])),
          ("RANGE-PROVENANCE-DISAGREES", W, "1 scale(s) disagree with the provenance in kvcalib_calibration.json: "
@@ -403,16 +408,16 @@ CASES = [
          ("PORT-CONFIG-GROUPS-MISSING", W, "quantization_config has no config_groups: GPU vLLM's compressed-tensors "
           "loader indexes it and fails with KeyError: 'config_groups'")),
     case("no config_groups on gpu", set_qc("config_groups", DELETE),
-         ("PORT-CONFIG-GROUPS-MISSING", E, None), ("RANGE-TARGET-MISMATCH", I, None), target="gpu"),
+         ("PORT-CONFIG-GROUPS-MISSING", E, None), ("RANGE-TARGET-MISMATCH", INFO, None), target="gpu"),
     case("per-channel kv scheme", set_qc("kv_cache_scheme.strategy", "channel"),
          ("PORT-KV-SCHEME-STRATEGY", E, "kv_cache_scheme has strategy='channel', dynamic=False: Neuron reads one "
           "static per-tensor scale per layer (strategy 'tensor', dynamic false)")),
     case("dynamic kv scheme", set_qc("kv_cache_scheme.dynamic", True), ("PORT-KV-SCHEME-STRATEGY", E, None)),
     case("attn_head on gpu is information (FlashAttention only; [1] scales broadcast over the heads)",
          set_qc("kv_cache_scheme.strategy", "attn_head"),
-         ("PORT-KV-SCHEME-STRATEGY", I, "kv_cache_scheme has strategy 'attn_head' (one scale per KV head): GPU vLLM "
+         ("PORT-KV-SCHEME-STRATEGY", INFO, "kv_cache_scheme has strategy 'attn_head' (one scale per KV head): GPU vLLM "
           "reads it on its FlashAttention backend only (other backends refuse per-head scales at startup)"),
-         ("RANGE-TARGET-MISMATCH", I, None), target="gpu"),
+         ("RANGE-TARGET-MISMATCH", INFO, None), target="gpu"),
     case("int8 kv scheme", set_qc("kv_cache_scheme.type", "int"),
          ("PORT-KV-SCHEME-FORMAT", E, "kv_cache_scheme is num_bits=8, type='int', symmetric=True: FP8 KV needs "
           "num_bits 8, type 'float', symmetric true")),
@@ -431,8 +436,10 @@ CASES = [
           "transformers (and compressed-tensors through it) loads only model.safetensors and ignores "
           "model.layers.0.self_attn.k_scale, model.layers.0.self_attn.v_scale, model.layers.1.self_attn.k_scale, "
           "... (6 in all) in other files; vLLM and the Neuron loaders are not affected")),
-    case("gpt-oss reads scales", edit_config(lambda c: c.update(architectures=["GptOssForCausalLM"], model_type="gpt_oss"))),
-    case("compression_config: the 2024 key", edit_config(lambda c: c.update(compression_config=c.pop("quantization_config"))),
+    case("gpt-oss reads scales",
+         edit_config(lambda c: c.update(architectures=["GptOssForCausalLM"], model_type="gpt_oss"))),
+    case("compression_config: the 2024 key",
+         edit_config(lambda c: c.update(compression_config=c.pop("quantization_config"))),
          ("PORT-COMPRESSION-CONFIG", W, None), ("SCALE-NO-KV-SCHEME", W, None)),
 ]
 
@@ -483,7 +490,8 @@ INPUT_MSG = rejected("Input activation quantization on non-attention targets")
 
 
 def mx(method: str) -> str:
-    return f"Neuron does not support MX quantization: quant_method={method!r}. The Neuron matmul substrate has no MX path."
+    return (f"Neuron does not support MX quantization: quant_method={method!r}. The Neuron matmul substrate has no "
+            "MX path.")
 
 
 MXFP8 = {"quantization": "mxfp8"}
@@ -502,7 +510,8 @@ VERDICTS = [
     ("a list target without the exact element", ct(input_group([["LlamaAttention"]])), None,
      "NEURON-QCFG-INPUT-ACT", INPUT_MSG),
     ("a later non-string target is never reached", ct(input_group(["LlamaAttention", 5])), None, None, None),
-    ("no input activations: targets never read", ct({"g": {"input_activations": None, "targets": None}}), None, None, None),
+    ("no input activations: targets never read", ct({"g": {"input_activations": None, "targets": None}}),
+     None, None, None),
     ("falsy weights and output activations", ct({"g": {"weights": {}, "output_activations": False}}), None, None, None),
     ("fp8 is accepted by the platform", ct({"g": WEIGHTS}, "fp8"), None, None, None),
     ("FP8 spelled in capitals", ct({"g": WEIGHTS}, "FP8"), None, None, None),
@@ -518,12 +527,13 @@ VERDICTS = [
      "NEURON-QCFG-WEIGHTS", WEIGHTS_MSG),
     ("output activations", ct({"group_0": {"output_activations": {"num_bits": 8}}}), None,
      "NEURON-QCFG-OUTPUT-ACT", OUTPUT_MSG),
-    ("groups in file order", ct({"a": {"targets": ["LlamaAttention"]}, "b": WEIGHTS, "c": {"output_activations": 1}}), None,
-     "NEURON-QCFG-WEIGHTS", rejected("Weight quantization", "b")),
+    ("groups in file order", ct({"a": {"targets": ["LlamaAttention"]}, "b": WEIGHTS, "c": {"output_activations": 1}}),
+     None, "NEURON-QCFG-WEIGHTS", rejected("Weight quantization", "b")),
     ("input activations on Linear", ct(input_group(["Linear"])), None, "NEURON-QCFG-INPUT-ACT", INPUT_MSG),
     ("re:.*self_attn$ is not an attention target", ct(input_group(["re:.*self_attn$"])), None,
      "NEURON-QCFG-INPUT-ACT", INPUT_MSG),
-    ("attention match is case-sensitive", ct(input_group(["llamaattention"])), None, "NEURON-QCFG-INPUT-ACT", INPUT_MSG),
+    ("attention match is case-sensitive", ct(input_group(["llamaattention"])), None,
+     "NEURON-QCFG-INPUT-ACT", INPUT_MSG),
     ("targets as a string never match", ct(input_group("LlamaAttention")), None, "NEURON-QCFG-INPUT-ACT", INPUT_MSG),
     ("missing targets", ct(input_group()), None, "NEURON-QCFG-INPUT-ACT", INPUT_MSG),
     ("empty targets", ct(input_group([])), None, "NEURON-QCFG-INPUT-ACT", INPUT_MSG),
@@ -598,7 +608,8 @@ def test_unreadable_checkpoint_raises(calibrated: Path, setup, error, message) -
 def test_unknown_target_raises(calibrated: Path) -> None:
     with pytest.raises(UnknownTargetError) as info:
         validate_checkpoint(calibrated, "trn1")
-    assert (str(info.value), info.value.hint) == ("unknown target 'trn1'; known targets: gpu, trn2, trn3", "use --target trn2, trn3 or gpu")
+    assert (str(info.value), info.value.hint) == ("unknown target 'trn1'; known targets: gpu, trn2, trn3",
+                                                  "use --target trn2, trn3 or gpu")
 
 
 # --- the report ---------------------------------------------------------------------------
@@ -670,7 +681,8 @@ def _header_file(path: Path, header: bytes, length: int | None = None, data: byt
 
 @pytest.mark.parametrize("make,message", [
     (lambda p: p.write_bytes(b"\x01\x02"), "{p}: truncated safetensors file (2 bytes, no header length)"),
-    (lambda p: _header_file(p, b"{}", length=64), "{p}: truncated safetensors file (header says 64 bytes, file has 10)"),
+    (lambda p: _header_file(p, b"{}", length=64),
+     "{p}: truncated safetensors file (header says 64 bytes, file has 10)"),
     (lambda p: _header_file(p, b"{}", length=MAX_HEADER_BYTES + 1),
      "{p}: safetensors header of 100000001 bytes is over the 100000000 byte limit"),
     (lambda p: _header_file(p, b"{nope"), "{p}: safetensors header is not valid JSON"),
@@ -741,7 +753,8 @@ def test_validate_imports_neither_torch_nor_transformers(handmade_master):
 
     code = ("import sys\nfrom kvcalib.cli import main\nsys.argv = ['kvcalib', 'validate', sys.argv[1]]\n"
             "try:\n    main()\nexcept SystemExit as exit:\n    code = exit.code\n"
-            "heavy = sorted(m for m in ('torch', 'transformers', 'compressed_tensors', 'datasets') if m in sys.modules)\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'compressed_tensors', 'datasets') "
+            "if m in sys.modules)\n"
             "print(code, heavy)\n")
     done = subprocess.run([sys.executable, "-c", code, str(handmade_master)], capture_output=True, text=True,
                           check=True)

@@ -266,9 +266,9 @@ class Engine:
         max_tokens = int(body.get("max_tokens") or 16)
         if self.max_model_len and len(prompt_ids) + max_tokens > self.max_model_len:
             return {"status": 400, "error": {
-                "message": f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                           f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, {max_tokens} in "
-                           "the completion). Please reduce the length of the messages or completion.",
+                "message": f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, "
+                           f"{max_tokens} in the completion). Please reduce the length of the messages or completion.",
                 "type": "BadRequestError", "param": None, "code": 400}}
         if (MODE == "degenerate" and self.fp8) or MODE == "repetitive":
             pieces = ["!"] * max_tokens
