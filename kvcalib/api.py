@@ -1,17 +1,8 @@
-"""The public API: the jobs as the command line runs them (kvcalib.cli calls these same functions).
+"""The public API: the jobs as the command line runs them (kvcalib.cli calls these same functions; see kvcalib).
 
-    import kvcalib
-
-    result = kvcalib.calibrate("models/smollm2", "calib.jsonl", "out/smollm2-fp8kv", target="trn2")
-    report = kvcalib.validate("out/smollm2-fp8kv", target="trn2")
-    scored = kvcalib.evaluate("out/smollm2-fp8kv", "held-out.jsonl", compare=["unit"])
-    served = kvcalib.serve_check("out/smollm2-fp8kv", device="cpu")
-
-What the CLI reads from the machine is read here unless given: the host CPU (bf16 on a CPU without native bf16
-matmuls takes the float32 path), the memory this process may use, the temporary directory, the torchrun rank and
-the environment servers inherit. Every options field (kvcalib.calibration.options, kvcalib.evaluation.options,
-kvcalib.serving.pipeline.ServeOptions) passes through as a keyword. Importing this module loads no torch; a job
-imports what it needs when it runs. Notes (a result's warnings) also go to the `kvcalib` logger, one record each.
+What the CLI reads from the machine is read here unless given: the host CPU, the memory this process may use, the
+temporary directory, the torchrun rank and the environment servers inherit. Every options field passes through as a
+keyword. Importing this module loads no torch. Notes (a result's warnings) also go to the `kvcalib` logger.
 """
 
 from __future__ import annotations
@@ -55,8 +46,7 @@ def _logged(result: Any) -> Any:
 
 
 def calibrate_options(*, target: str | None = None, **fields: Any) -> CalibrateOptions:
-    """CalibrateOptions as the CLI makes them: any of its fields, with the host CPU, the memory limit, the
-    temporary directory and the torchrun rank read from the machine unless given."""
+    """CalibrateOptions as the CLI makes them, what it reads from the machine read unless given."""
     from kvcalib.calibration.ranks import Ranks
     from kvcalib.hf.memory import available_memory
 
@@ -68,9 +58,7 @@ def calibrate_options(*, target: str | None = None, **fields: Any) -> CalibrateO
 
 
 def plan_serve_check(model: str | Path, calibration: CalibrateOptions, device: str, **serve: Any) -> ServeOptions:
-    """`--serve-check DEVICE`: serve-check's options (ServeOptions fields in `serve`), and everything serving
-    needs but the scales checked before calibrating: the recipe's strategy on the device, the target's FP8 max
-    against the device's, vLLM and the device themselves."""
+    """`--serve-check DEVICE`: serve-check's options, all but the scales checked before calibrating."""
     from kvcalib.calibration.recipe import plan_recipe
     from kvcalib.hf.model import resolve_model_dir, resolve_target
     from kvcalib.serving.pipeline import check_serving
@@ -100,8 +88,7 @@ def run_calibration(model: str | Path, dataset: str, output: str | Path, options
 
 def serve_calibrated(result: CalibrationResult, serving: ServeOptions,
                      progress: Callable[[ServeEvent], None] | None = None) -> CalibrationResult:
-    """serve-check on the checkpoint calibrate just wrote; its figures join validate's in the model card.
-    The result comes back with `.serve_check` set."""
+    """serve-check on the checkpoint calibrate just wrote (figures into the model card); sets `.serve_check`."""
     from kvcalib.calibration.card import summarize, write_card
 
     served = serve_check(result.output, options=serving, progress=progress)
@@ -111,8 +98,7 @@ def serve_calibrated(result: CalibrationResult, serving: ServeOptions,
 
 def plan(model: str | Path, dataset: str, output: str | Path, *, options: CalibrateOptions | None = None,
          progress: ProgressCallback | None = None, **fields: Any) -> CalibrationPlan:
-    """`kvcalib calibrate ... --plan`: the engine, memory, disk and an estimated wall time from a short timed probe,
-    and what would stop the run, with nothing written (kvcalib.calibration.plan). `fields`: as for `calibrate`."""
+    """`kvcalib calibrate ... --plan` (kvcalib.calibration.plan); `fields`: as for `calibrate`."""
     from kvcalib.calibration.plan import plan_calibration
 
     return plan_calibration(model, dataset, output, options or calibrate_options(**fields), progress=progress)
@@ -123,16 +109,8 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, *, target: st
               scale_objective: str = "attention", serve_check: str | None = None,
               serve: dict[str, Any] | None = None, progress: ProgressCallback | None = None,
               serve_progress: Callable[[ServeEvent], None] | None = None, **options: Any) -> CalibrationResult:
-    """Measure per-layer K/V absmax of `model` on `dataset` and write an FP8-KV checkpoint to `output`
-    (`kvcalib calibrate`). Returns the CalibrationResult (`.to_dict()` is the command's --json).
-
-    target: trn2 (FP8 max 240), trn3 or gpu (448); None: the recipe's, else trn2. recipe: a shipped recipe by
-    name (trn2, trn3, gpu) or an llm-compressor recipe file. Any other CalibrateOptions field passes through
-    (batch_size, engine, headroom, dtype, overwrite, bf16_compute, ...). serve_check: then serve the new
-    checkpoint on that device (`--serve-check`: trn2, trn3, cpu, cuda) with `serve` holding ServeOptions fields
-    (vllm_python, tp, max_model_len, ...); the device is checked before calibrating, and the result's
-    `.serve_check` holds serve-check's result (`.ok` its verdict).
-    """
+    """`kvcalib calibrate`: an FP8-KV checkpoint of `model` at `output`, scales from `dataset`; the CalibrationResult.
+    CalibrateOptions fields pass through; serve_check: a device to serve the result on (`serve`: ServeOptions)."""
     calibration = calibrate_options(target=target, num_samples=num_samples, max_seq_len=max_seq_len, recipe=recipe,
                                     scale_objective=scale_objective, **options)
     serving = None if serve_check is None else plan_serve_check(model, calibration, serve_check, **(serve or {}))
@@ -141,9 +119,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, *, target: st
 
 
 def validate(path: str | Path, *, target: str = DEFAULT_TARGET, strict: bool = False) -> ValidationReport:
-    """The Neuron platform's quantization-config rules and kvcalib's own checks on the checkpoint at `path`
-    (`kvcalib validate`). Returns the ValidationReport: `.ok` (with `strict`, warnings count as errors),
-    `.findings`, `.to_dict()` the command's --json. Loads no torch."""
+    """`kvcalib validate`: the Neuron platform's config rules and kvcalib's checks; the ValidationReport (no torch)."""
     from kvcalib.validation.pipeline import validate_checkpoint
 
     return validate_checkpoint(Path(path), target, strict=strict)
@@ -167,10 +143,8 @@ def task_options(tasks: Sequence[str], *, target: str = DEFAULT_TARGET, compare:
 
 def evaluate(checkpoint: str | Path, dataset: str, *, target: str = DEFAULT_TARGET, compare: Sequence[str] = (),
              options: EvalOptions | None = None, progress: ProgressCallback | None = None, **fields: Any) -> EvalResult:
-    """FP8-KV accuracy on held-out text with the chip's numerics against the unquantised cache (`kvcalib eval
-    --dataset`): ΔNLL, KL and top-1, paired intervals, per layer. compare: "unit" (every scale 1.0) or other
-    checkpoints whose scales to run too. Other EvalOptions fields: num_samples, max_seq_len, layer_rows, ...;
-    `options`: EvalOptions made already (eval_options')."""
+    """`kvcalib eval --dataset`: FP8-KV accuracy on held-out text against the unquantised cache (compare: "unit"
+    or other checkpoints); EvalOptions fields pass through, or `options` made already."""
     from kvcalib.evaluation.pipeline import evaluate as run
 
     options = options or eval_options(target=target, compare=compare, **fields)
@@ -180,8 +154,7 @@ def evaluate(checkpoint: str | Path, dataset: str, *, target: str = DEFAULT_TARG
 def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, target: str = DEFAULT_TARGET,
                      compare: Sequence[str] = (), nll: bool = True, options: EvalOptions | None = None,
                      progress: ProgressCallback | None = None, **fields: Any) -> ContextResult:
-    """`kvcalib eval --context L,...`: per length and layer the K/V saturation and absmax past the scales, and
-    (nll, else --saturation-only) ΔNLL on each sample's last quarter."""
+    """`kvcalib eval --context L,...`: K/V saturation and ΔNLL (nll) per length and layer."""
     from kvcalib.evaluation.context import evaluate_context as run
 
     options = options or eval_options(target=target, compare=compare, **fields)
@@ -191,8 +164,7 @@ def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int
 def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, keys: int | None = None,
                     target: str = DEFAULT_TARGET, compare: Sequence[str] = (), options: EvalOptions | None = None,
                     progress: ProgressCallback | None = None, **fields: Any) -> NeedleResult:
-    """`kvcalib eval --context L,... --needle`: keys found per length and depth, per scale set, paired against the
-    unquantised cache."""
+    """`kvcalib eval --context L,... --needle`: keys found per length and depth, per scale set."""
     from kvcalib.evaluation.needle import evaluate_needle as run
 
     options = options or eval_options(target=target, compare=compare, **fields)
@@ -202,8 +174,7 @@ def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: Sequence[int]
 def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, target: str = DEFAULT_TARGET,
                    compare: Sequence[str] = (), options: TaskOptions | None = None,
                    progress: ProgressCallback | None = None, **fields: Any) -> TaskResult:
-    """`kvcalib eval --tasks`: lm-eval tasks under the chip's FP8-KV numerics, each scale set paired item by item
-    against the unquantised cache. Other TaskOptions fields: limit, num_fewshot, task_data, include_path, ..."""
+    """`kvcalib eval --tasks`: lm-eval tasks under the chip's FP8-KV numerics, paired item by item."""
     from kvcalib.evaluation.tasks import evaluate_tasks as run
 
     options = options or task_options(tasks, target=target, compare=compare, **fields)
@@ -211,8 +182,7 @@ def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, target: str 
 
 
 def serve_options(device: str, **fields: Any) -> ServeOptions:
-    """ServeOptions as the CLI makes them: any of its fields, with the environment (os.environ), the host CPU's
-    flags and the memory this process may use read from the machine unless given."""
+    """ServeOptions as the CLI makes them: the environment, CPU flags and memory read unless given."""
     fields.setdefault("env", dict(os.environ))
     fields.setdefault("cpu", HostCpu.detect(with_capability=False))
     if "memory_bytes" not in fields:
@@ -226,12 +196,8 @@ def serve_options(device: str, **fields: Any) -> ServeOptions:
 
 def serve_check(checkpoint: str | Path, *, device: str = "cpu", options: ServeOptions | None = None,
                 progress: Callable[[ServeEvent], None] | None = None, **fields: Any) -> ServeCheckResult:
-    """Serve `checkpoint` with vLLM's FP8 KV cache, probe it, compare with a baseline and always stop the servers
-    (`kvcalib serve-check`). Returns the ServeCheckResult (`.ok` the verdict, `.to_dict()` the command's --json).
-
-    Any ServeOptions field passes through (vllm_python, tp, max_model_len, baseline, canary, predict, tasks,
-    context, log_dir, ...); `options`: ServeOptions made already (serve_options, or calibrate's plan).
-    """
+    """`kvcalib serve-check`: serve `checkpoint` with vLLM's FP8 KV cache, probe it, compare with a baseline, always
+    stop the servers; the ServeCheckResult. ServeOptions fields pass through, or `options` made already."""
     from kvcalib.serving.pipeline import serve_check as run
 
     return _logged(run(Path(checkpoint), options or serve_options(device, **fields), progress=progress))

@@ -1,15 +1,12 @@
-"""Checkpoint files, read side: config, index, safetensors headers, tensors by key.
+"""Checkpoint files, read side: config, index, safetensors headers, tensors by key (never a tensor unless asked).
 
-Reading never loads a tensor unless asked for it by key (`load_tensors`), so a checkpoint of
-any size is inspected in about the time it takes to read a few headers. `Checkpoint` reads a
-directory once: config.json when opened, the headers and index on first use, so one run
-that asks many questions of the same checkpoint reads each file once. (Writing a new
-checkpoint is kvcalib.calibration.writer's job.)
+`Checkpoint` reads a directory once: config.json when opened, the headers and index on first use.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 from collections.abc import Iterable
@@ -22,12 +19,9 @@ from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError, Kv
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import CONFIG_FILENAME, INDEX_FILENAME
 
-__all__ = [
-    "DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
-    "TensorInfo", "load_tensors", "read_config", "read_json", "read_safetensors_header",
-    "read_scale_values", "read_tensor", "read_values", "scan_checkpoint", "torch_dtype_name", "write_json",
-]
-
+__all__ = ["DTYPE_SIZES", "FLOAT_DTYPES", "MAX_HEADER_BYTES", "Checkpoint", "CheckpointFiles", "SafetensorsHeader",
+           "TensorInfo", "load_tensors", "read_config", "read_json", "read_safetensors_header", "read_scale_values",
+           "read_tensor", "read_values", "scan_checkpoint", "torch_dtype_name", "write_json"]
 
 # safetensors refuses headers above 100 MB; so do we, before reading them.
 MAX_HEADER_BYTES = 100_000_000
@@ -85,19 +79,15 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointReadError(f"cannot read {what} {path}: {exc.strerror or exc}",
                                   hint="check the file's permissions") from None
     except (ValueError, RecursionError) as exc:
-        # ValueError: JSONDecodeError, UnicodeDecodeError and an over-long integer literal;
-        # RecursionError: arrays/objects nested too deep for the json module.
+        # ValueError: bad JSON, bad UTF-8, an over-long integer literal; RecursionError: nested too deep
         if not isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)) and "integer string" in str(exc):
             raise CheckpointReadError(
                 f"{what} {path} holds an integer of more than {sys.get_int_max_str_digits()} digits, which "
                 "Python refuses to read (its integer-size limit, sys.get_int_max_str_digits): the JSON is valid, "
                 "but no setting of a checkpoint is that long",
-                hint=f"restore {Path(path).name} from the original checkpoint, or shorten that number",
-            ) from None
-        raise CheckpointReadError(
-            f"cannot parse {what} {path}: {exc}",
-            hint="the file is not valid JSON; restore it from the original checkpoint",
-        ) from None
+                hint=f"restore {Path(path).name} from the original checkpoint, or shorten that number") from None
+        raise CheckpointReadError(f"cannot parse {what} {path}: {exc}",
+                                  hint="the file is not valid JSON; restore it from the original checkpoint") from None
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -113,8 +103,7 @@ def read_config(ckpt_dir: Path) -> dict[str, Any]:
     if not ckpt_dir.is_dir():
         raise CheckpointNotFoundError(
             f"checkpoint directory not found: {ckpt_dir}",
-            hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)",
-        )
+            hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)")
     config = read_json(ckpt_dir / CONFIG_FILENAME, "config.json")
     if not isinstance(config, dict):
         raise CheckpointReadError(f"{ckpt_dir / CONFIG_FILENAME} is not a JSON object",
@@ -130,25 +119,19 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise CheckpointReadError(
-                    f"{path}: truncated safetensors file ({file_size} bytes, no header length)",
-                    hint="the file was cut short; copy it again from the source",
-                )
+                raise CheckpointReadError(f"{path}: truncated safetensors file ({file_size} bytes, no header length)",
+                                          hint=_CUT)
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES:
-                raise CheckpointReadError(
-                    f"{path}: safetensors header of {header_len} bytes is over the {MAX_HEADER_BYTES} byte limit",
-                    hint="the file is corrupt or not a safetensors file",
-                )
+                raise CheckpointReadError(f"{path}: safetensors header of {header_len} bytes is over the "
+                                          f"{MAX_HEADER_BYTES} byte limit",
+                                          hint="the file is corrupt or not a safetensors file")
             if 8 + header_len > file_size:
-                raise CheckpointReadError(
-                    f"{path}: truncated safetensors file (header says {header_len} bytes, file has {file_size})",
-                    hint="the file was cut short; copy it again from the source",
-                )
+                raise CheckpointReadError(f"{path}: truncated safetensors file (header says {header_len} bytes, "
+                                          f"file has {file_size})", hint=_CUT)
             raw = f.read(header_len)
     except OSError as exc:
-        raise CheckpointReadError(f"cannot read {path}: {exc.strerror or exc}",
-                                  hint="check the file's permissions, or copy it again from the source") from None
+        raise CheckpointReadError(f"cannot read {path}: {exc.strerror or exc}", hint=_PERMISSIONS) from None
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # see read_json
@@ -162,14 +145,14 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         raise CheckpointReadError(f"{path}: __metadata__ must map strings to strings", hint=_CORRUPT)
-    tensors: dict[str, TensorInfo] = {}
-    for key, entry in header.items():
-        tensors[key] = _tensor_info(path, key, entry, data_size)
+    tensors = {key: _tensor_info(path, key, entry, data_size) for key, entry in header.items()}
     _check_layout(path, tensors, data_size)
     return SafetensorsHeader(path, tensors, metadata, data_start, file_size)
 
 
 _CORRUPT = "the file is corrupt or not a safetensors file; copy it again from the source"
+_CUT = "the file was cut short; copy it again from the source"
+_PERMISSIONS = "check the file's permissions, or copy it again from the source"
 
 
 def _check_layout(path: Path, tensors: dict[str, TensorInfo], data_size: int) -> None:
@@ -193,32 +176,20 @@ def _tensor_info(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo
     if not isinstance(entry, dict):
         raise bad
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if (
-        not isinstance(dtype, str)
-        or dtype not in DTYPE_SIZES
-        or not isinstance(shape, list)
-        or not all(isinstance(d, int) and d >= 0 for d in shape)
-        or not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets)
-    ):
+    if (not isinstance(dtype, str) or dtype not in DTYPE_SIZES or not isinstance(shape, list)
+            or not all(isinstance(d, int) and d >= 0 for d in shape) or not isinstance(offsets, list)
+            or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)):
         raise bad
     begin, end = offsets
-    numel = 1
-    for d in shape:
-        numel *= d
-    if not 0 <= begin <= end <= data_size or end - begin != numel * DTYPE_SIZES[dtype]:
-        raise CheckpointReadError(
-            f"{path}: tensor {key!r} points outside the file or has the wrong byte size",
-            hint="the file is truncated or corrupt; copy it again from the source",
-        )
+    if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+        raise CheckpointReadError(f"{path}: tensor {key!r} points outside the file or has the wrong byte size",
+                                  hint="the file is truncated or corrupt; copy it again from the source")
     return TensorInfo(key, dtype, tuple(shape), (begin, end))
 
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """The safetensors side of a checkpoint directory: files, headers, and the index if any (kvcalib's one
-    scanner: calibrate, eval, serve-check and validate read checkpoints through it)."""
+    """The safetensors side of a checkpoint directory: files, headers, the index if any."""
 
     root: Path
     files: tuple[str, ...]  # top-level *.safetensors, sorted
@@ -236,8 +207,7 @@ class CheckpointFiles:
         return tuple(name for name in self.files if name not in self.headers)
 
     def file_of(self, key: str) -> str | None:
-        """The file a loader reads `key` from: the index's entry when that file holds it, else the first file
-        that does (a loader that globs the files finds it there); None when no readable file holds it."""
+        """The file a loader reads `key` from: the index's when it holds it, else the first that does."""
         holders = self.key_files.get(key, ())
         mapped = self.weight_map.get(key) if self.weight_map is not None else None
         if mapped in holders:
@@ -250,8 +220,7 @@ class CheckpointFiles:
 
 
 def scan_checkpoint(ckpt_dir: Path, *, tolerant: bool = False) -> CheckpointFiles:
-    """Read every top-level safetensors header and the index (no tensor data). A header or an index that cannot
-    be used raises CheckpointReadError; with `tolerant` (validate) it is left out and listed in `problems`."""
+    """Every top-level header and the index; one unusable raises, or with `tolerant` is listed in `problems`."""
     ckpt_dir = Path(ckpt_dir)
     files = tuple(sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.is_file()))
     headers: dict[str, SafetensorsHeader] = {}
@@ -292,11 +261,8 @@ def _read_index(path: Path) -> dict[str, Any] | None:
 
 
 def read_tensor(header: SafetensorsHeader, key: str) -> Any:
-    """One tensor of a parsed file, read at its offsets (a torch tensor; nothing else is read).
-
-    Unlike `load_tensors`, this needs only what `read_safetensors_header` checked, so it
-    also reads files that safetensors itself would refuse for unrelated reasons.
-    """
+    """One tensor of a parsed file, read at its offsets (a torch tensor). Unlike `load_tensors`, it needs only
+    what `read_safetensors_header` checked, so it also reads files safetensors would refuse for other reasons."""
     import torch
 
     info = header.tensors[key]
@@ -304,21 +270,27 @@ def read_tensor(header: SafetensorsHeader, key: str) -> Any:
     if dtype is None:
         raise CheckpointReadError(f"{header.path}: tensor {key!r} has dtype {info.dtype}, which this torch cannot read",
                                   hint="upgrade torch, or store the tensor in a common dtype")
-    try:
-        with open(header.path, "rb") as f:
-            f.seek(header.data_start + info.data_offsets[0])
-            raw = f.read(info.nbytes)
-    except OSError as exc:
-        raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}",
-                                  hint="check the file's permissions, or copy it again from the source") from None
-    if len(raw) != info.nbytes:
-        raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}",
-                                  hint="the file was cut short; copy it again from the source")
+    raw = _read_raw(header, key, info.nbytes)
     if not raw:
         return torch.empty(info.shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(info.shape)
 
 
+def _read_raw(header: SafetensorsHeader, key: str, nbytes: int) -> bytes:
+    """The first `nbytes` of tensor `key`'s data; CheckpointReadError when the file cannot give them."""
+    try:
+        with open(header.path, "rb") as f:
+            f.seek(header.data_start + header.tensors[key].data_offsets[0])
+            raw = f.read(nbytes)
+    except OSError as exc:
+        raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}", hint=_PERMISSIONS) from None
+    if len(raw) != nbytes:
+        raise _eof(header, key)
+    return raw
+
+
+def _eof(header: SafetensorsHeader, key: str) -> CheckpointReadError:
+    return CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}", hint=_CUT)
 
 
 # struct formats of the dtypes a scalar is read from without torch (the FP8 ones need it)
@@ -333,16 +305,9 @@ def read_values(header: SafetensorsHeader, key: str, count: int | None = None) -
     count = info.nbytes // size if count is None else count
     if info.dtype not in _STRUCT and info.dtype != "BF16":
         return [float(x) for x in read_tensor(header, key).reshape(-1)[:count].double().tolist()]
-    try:
-        with open(header.path, "rb") as f:
-            f.seek(header.data_start + info.data_offsets[0])
-            raw = f.read(size * count)
-    except OSError as exc:
-        raise CheckpointReadError(f"cannot read {header.path}: {exc.strerror or exc}",
-                                  hint="check the file's permissions, or copy it again from the source") from None
-    if count < 1 or len(raw) != size * count or info.nbytes < size * count:
-        raise CheckpointReadError(f"{header.path}: unexpected end of file reading tensor {key!r}",
-                                  hint="the file was cut short; copy it again from the source")
+    raw = _read_raw(header, key, size * count)
+    if count < 1 or info.nbytes < size * count:
+        raise _eof(header, key)
     if info.dtype == "BF16":  # the top half of a float32
         return [float(struct.unpack("<f", b"\0\0" + raw[i:i + 2])[0]) for i in range(0, len(raw), 2)]
     return [float(x[0]) for x in struct.iter_unpack(_STRUCT[info.dtype], raw)]
@@ -354,8 +319,6 @@ def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, Any]:
 
     with safe_open(str(path), framework="pt") as f:
         return {key: f.get_tensor(key) for key in keys}
-
-
 
 
 def read_scale_values(ckpt_dir: Path, files: CheckpointFiles, key: str, required: bool = True) -> list[float] | None:
@@ -393,11 +356,8 @@ class Checkpoint:
         name = self.config.get("dtype") or self.config.get("torch_dtype")
         if isinstance(name, str) and name in {torch for _size, torch in _DTYPES.values()}:
             return name
-        for file in self.files.files:
-            for info in self.files.headers[file].tensors.values():
-                if info.dtype in FLOAT_DTYPES:
-                    return torch_dtype_name(info.dtype)
-        return None
+        return next((torch_dtype_name(info.dtype) for file in self.files.files
+                     for info in self.files.headers[file].tensors.values() if info.dtype in FLOAT_DTYPES), None)
 
     def stored_float_dtypes(self) -> list[str]:
         """The torch names of the floating dtypes the tensors are stored in, sorted."""
@@ -406,11 +366,6 @@ class Checkpoint:
 
     def weight_bytes(self, element_size: int | None) -> int:
         """Bytes the tensors take with floating ones at `element_size` (None: as stored)."""
-        total = 0
-        for header in self.files.headers.values():
-            for info in header.tensors.values():
-                if element_size is not None and info.dtype in FLOAT_DTYPES:
-                    total += info.nbytes // DTYPE_SIZES[info.dtype] * element_size
-                else:
-                    total += info.nbytes
-        return total
+        return sum(info.nbytes // DTYPE_SIZES[info.dtype] * element_size
+                   if element_size is not None and info.dtype in FLOAT_DTYPES else info.nbytes
+                   for header in self.files.headers.values() for info in header.tensors.values())

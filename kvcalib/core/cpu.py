@@ -1,17 +1,13 @@
 """The host CPU: its feature flags, what they allow, and so which compute path a bf16 model takes.
 
-Reads nothing from the machine by itself: the CLI reads `/proc/cpuinfo` (or the
-`KVCALIB_CPU_FLAGS` override) and torch's CPU capability and passes a `HostCpu` in, so a
-test can describe any other machine. On x86 CPUs without AVX512-BF16 or AMX (AVX2-only AMD
-EPYC, many CI runners and laptops) a bf16 `F.linear` runs about 7x slower than float32;
-there `choose_compute` picks the float32 path (kvcalib.hf.compute).
+A `HostCpu` is passed in (`HostCpu.detect` reads /proc/cpuinfo or $KVCALIB_CPU_FLAGS), so a test can describe any
+machine. Without AVX512-BF16 or AMX a bf16 `F.linear` runs ~7x slower than float32: `choose_compute` picks float32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,7 +25,6 @@ _SLOW_CAPABILITIES = frozenset({"DEFAULT", "NO AVX", "AVX2"})
 BF16_COMPUTE_CHOICES = ("auto", "native", "float32")
 NATIVE = "native"
 FLOAT32 = "float32"
-
 
 
 def parse_cpu_flags(cpuinfo_text: str) -> frozenset[str] | None:
@@ -62,8 +57,7 @@ class HostCpu:
 
     @classmethod
     def detect(cls, with_capability: bool = True) -> HostCpu:
-        """The CPU this runs on: /proc/cpuinfo's flags, or $KVCALIB_CPU_FLAGS (space-separated) to describe
-        another; `with_capability` asks torch for its kernels' capability too (it imports torch)."""
+        """The CPU this runs on: /proc/cpuinfo's flags, or $KVCALIB_CPU_FLAGS; torch's capability too."""
         import os
 
         capability = "unknown"

@@ -1,22 +1,16 @@
-"""The exception family: one base class, one subclass per failure a user can cause.
-
-Every message says what failed and where (path, layer, key); `hint` says what to do next.
-The CLI catches `KvcalibError` only; anything else is a bug and keeps its traceback.
-"""
+"""The exception family: one subclass per failure a user can cause; the message says what failed and where, `hint`
+what to do next. The CLI catches `KvcalibError` only; anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
-__all__ = [
-    "CalibrationError", "CheckpointNotFoundError", "CheckpointReadError", "DatasetError", "DeviceError",
-    "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "OutputWriteError",
-    "RecipeError", "ServerError", "UnknownTargetError", "UnsupportedModelError", "UsageError", "ValidationFailedError",
-    "VllmNotFoundError", "check_at_least",
-]
+__all__ = ["CalibrationError", "CheckpointNotFoundError", "CheckpointReadError", "DatasetError", "DeviceError",
+           "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "OutputWriteError",
+           "RecipeError", "ServerError", "UnknownTargetError", "UnsupportedModelError", "UsageError",
+           "ValidationFailedError", "VllmNotFoundError", "check_at_least"]
 
 
 class KvcalibError(Exception):
     """Base class of every user-facing kvcalib error."""
-
     exit_code = 1
 
     def __init__(self, message: str, hint: str | None = None) -> None:
@@ -30,7 +24,6 @@ class KvcalibError(Exception):
 
 class UsageError(KvcalibError):
     """Arguments that cannot work together, or an unknown value."""
-
     exit_code = 2
 
 
@@ -40,13 +33,11 @@ class UnknownTargetError(UsageError):
 
 class CheckpointNotFoundError(KvcalibError):
     """The model/checkpoint directory (or its config.json) is missing."""
-
     exit_code = 2
 
 
 class CheckpointReadError(KvcalibError):
     """A checkpoint file exists but cannot be parsed (config, index, safetensors header)."""
-
     exit_code = 2
 
 
@@ -64,7 +55,6 @@ class CalibrationError(KvcalibError):
 
 class OutputExistsError(KvcalibError):
     """The output path exists and --overwrite was not given, or it would clobber an input."""
-
     exit_code = 2
 
 
@@ -93,23 +83,18 @@ class MissingDependencyError(KvcalibError):
 
 
 # serve-check: exit codes 3 (the environment cannot run the check) and 4 (the server failed).
-
-
 class DeviceError(KvcalibError):
     """The requested device is not usable here: no Neuron devices, wrong chip, CPU lacks AVX-512."""
-
     exit_code = 3
 
 
 class VllmNotFoundError(KvcalibError):
     """The interpreter given for vLLM does not exist or has no vLLM (or no Neuron plugin)."""
-
     exit_code = 3
 
 
 class ServerError(KvcalibError):
     """The vLLM server exited, never became healthy, or stopped answering; `log` is its log file."""
-
     exit_code = 4
 
     def __init__(self, message: str, hint: str | None = None, log: str | None = None) -> None:

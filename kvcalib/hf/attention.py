@@ -1,22 +1,8 @@
-"""Observe the K and V each attention layer writes to its KV cache, by being that cache.
-
-kvcalib hands the decoder a `RecordingCache` as `past_key_values`. Every attention module
-of every transformers family calls `past_key_values.update(key, value, layer_idx)` with
-exactly what it stores: K after rotary embedding (and after k-norm where a model has one),
-V as is, before the grouped-query repeat, shape `[batch, kv_heads, seq, head_dim]`. The
-cache records them and hands them straight back, storing nothing (a calibration forward is
-one prefill). The model then runs its own attention, whatever it is (SDPA, eager with
-attention sinks as in GPT-OSS, soft-capping as in Gemma2, sliding windows): nothing of it is
-replaced, copied or fake-quantised.
-
-An observer's `observe(layer_idx, key, value)` may return replacement (key, value): that is
-how kvcalib.evaluate runs attention on an FP8-quantised KV cache. The observer lives in the
-cache object made for each forward.
-
-Q (for FP8 attention's q_scale) never reaches the cache: `observing_queries` shows it, as the
-attention module hands it to its attention function (after RoPE and q-norm), by wrapping the
-function transformers' AttentionInterface returns, for the duration of one forward only. The
-same wrapper hands the scale objective its samples of whole attention calls (kvcalib.hf.samples).
+"""Observe the K and V each attention layer writes to its KV cache, by being that cache: every transformers
+attention module calls `past_key_values.update(key, value, layer_idx)` with exactly what it stores (K after RoPE and
+any k-norm, V as is, `[batch, kv_heads, seq, head_dim]`); a `RecordingCache` shows them to an observer (which may
+return replacements: eval's FP8 cache) and hands them back, the model's own attention unchanged. Q never reaches the
+cache: `observing_queries` wraps the function transformers' AttentionInterface returns, which also feeds hf.samples.
 """
 
 from __future__ import annotations
@@ -30,16 +16,12 @@ from transformers import DynamicCache
 
 from kvcalib.core.errors import UnsupportedModelError
 
-__all__ = ["FanOutCache", "KVAbsmaxObserver", "QuantizingCache", "RecordingCache", "StopForward", "attention_modules",
-           "observe_batch", "observing_queries"]
+__all__ = ["FanOutCache", "KVAbsmaxObserver", "QuantizingCache", "RecordingCache", "StopForward",
+           "attention_modules", "observe_batch", "observing_queries"]
 
 
 class RecordingCache(DynamicCache):
-    """A DynamicCache for one prefill forward whose `update` shows K/V to an observer and stores nothing.
-
-    Built from the model's config, so masks, sliding windows and layer types come out as the
-    model's own cache would make them; only `update` differs.
-    """
+    """A DynamicCache for one prefill whose `update` shows K/V to an observer and stores nothing."""
 
     def __init__(self, config: Any, observer: Any) -> None:
         super().__init__(config=config)
@@ -52,8 +34,7 @@ class RecordingCache(DynamicCache):
 
 
 class QuantizingCache(DynamicCache):
-    """A real DynamicCache (prefill and decoding) that stores what `quantizer.observe` makes of every K/V written:
-    attention reads the FP8 values, as from a chip's FP8 KV cache. `quantizer` None: an ordinary cache."""
+    """A real DynamicCache that stores what `quantizer.observe` makes of every K/V (None: an ordinary cache)."""
 
     def __init__(self, config: Any, quantizer: Any) -> None:
         super().__init__(config=config)
@@ -67,9 +48,8 @@ class QuantizingCache(DynamicCache):
 
 
 class FanOutCache(DynamicCache):
-    """An ordinary cache whose `update` also writes every K/V into `children` (e.g. one QuantizingCache per scale
-    set) while attention reads the fresh K/V: one prefill fills them all, as a chip that attends to the K/V it
-    has just computed and writes them to its FP8 cache. Empty `children` to stop writing them."""
+    """An ordinary cache that also writes every K/V into `children` (e.g. a QuantizingCache per scale set)
+    while attention reads the fresh K/V; empty `children` to stop."""
 
     def __init__(self, config: Any, children: list[DynamicCache]) -> None:
         super().__init__(config=config)
@@ -87,13 +67,7 @@ class StopForward(Exception):
 
 
 class KVAbsmaxObserver:
-    """Running absmax of K and V per decoder layer and per KV head (and of Q per query head, when
-    `queries` is set), kept on the device the K/V are on.
-
-    Per-tensor absmax is the max over a layer's heads: max is exact, so per-head and per-tensor
-    scales come from one observation. `token_mask` ([batch, seq] bool, True for real tokens) must
-    be set before each forward so that padding positions never reach the statistics.
-    """
+    """Running absmax of K, V (and Q with `queries`) per layer and head, padding masked out (`start_batch`)."""
 
     def __init__(self, num_layers: int, queries: bool = False, sampler: Any = None) -> None:
         self.num_layers = num_layers
@@ -110,8 +84,7 @@ class KVAbsmaxObserver:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise UnsupportedModelError(
                 f"an attention layer reported layer_idx {layer_idx!r}, outside the model's {self.num_layers} layers",
-                hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
-            )
+                hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)")
 
     def _head_absmax(self, layer_idx: int, states: torch.Tensor) -> torch.Tensor:
         """[B, H, S, D] -> absmax per head [H] over the real tokens (NaN/inf propagate on purpose)."""
@@ -178,12 +151,8 @@ class KVAbsmaxObserver:
 
 @contextmanager
 def observing_queries(observer: Any) -> Iterator[None]:
-    """While inside, every attention module that looks up its attention function in transformers'
-    AttentionInterface (every family kvcalib serves does) shows its call to `observer.observe_call`
-    before the function runs, unchanged: the module, its arguments and the function are the model's own.
-    An observer with an `attend(function, module, query, key, value, ...)` method runs the call itself
-    (kvcalib.evaluate's FP8 attention: Q quantised, the matmuls in float32).
-    """
+    """While inside, each attention module's call through transformers' AttentionInterface goes to
+    `observer.observe_call` first, or to `observer.attend(function, module, ...)` where it has one (eval's FP8)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     interface = ALL_ATTENTION_FUNCTIONS
@@ -210,13 +179,7 @@ def observing_queries(observer: Any) -> Iterator[None]:
 
 
 def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:
-    """layer index -> state-dict path of the attention module that owns that layer's KV cache.
-
-    The attention module of a transformers decoder layer is the one whose class is an
-    `...Attention` and that knows its `layer_idx` (with k_proj/v_proj, or a fused qkv_proj as in
-    Phi3: how K/V are projected does not matter). Every layer 0..num_layers-1 must have one;
-    UnsupportedModelError (naming `where`) otherwise.
-    """
+    """layer -> path of the `...Attention` module with that `layer_idx`; every layer must have one."""
     found: dict[int, str] = {}
     for name, module in model.named_modules():
         layer_idx = getattr(module, "layer_idx", None)
@@ -226,19 +189,14 @@ def attention_modules(model: torch.nn.Module, num_layers: int, where: object) ->
     if missing:
         raise UnsupportedModelError(
             f"{where}: no attention module (a ...Attention with a layer_idx) found for layer(s) {missing}",
-            hint="kvcalib observes the K/V that transformers' attention modules write to their KV cache",
-        )
+            hint="kvcalib observes the K/V that transformers' attention modules write to their KV cache")
     return found
 
 
 @torch.inference_mode()
 def observe_batch(decoder: torch.nn.Module, observer: KVAbsmaxObserver, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor) -> None:
-    """Run one right-padded batch through the decoder stack (no LM head), recording K/V absmax.
-
-    With right padding every real token keeps the positions (and so the rotary phases) it
-    has when run alone, and causal attention never lets it see the padding after it.
-    """
+    """Run one right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
     observer.start_batch(input_ids, attention_mask)
     try:
         with observing_queries(observer) if observer.sees_attention_calls else nullcontext():

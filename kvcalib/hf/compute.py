@@ -1,19 +1,11 @@
-"""bf16 at float32 speed: a bf16 model's matmuls and attention computed in float32, rounded as bf16 rounds.
-
-`bf16_via_float32()` runs a bf16 model's `F.linear`, matmuls, SDPA and MoE experts' grouped_mm in float32, rounding
-to bf16 exactly where the bf16 model rounds: bf16 inputs (upcast exactly), float32
-accumulation, the result rounded once to bf16. Every other op (norms, rotary embedding,
-activations, the K/V kvcalib records) stays the bf16 model's own. Weights stay in memory
-at their stored size; a weight is upcast only for the call that uses it, in row blocks of
-at most `UPCAST_BLOCK_ELEMENTS`, unless a `Float32Weights` is given: runs that score one model
-many times (eval, lm-eval tasks) keep float32 copies, up to a memory budget, instead of upcasting
-the same weights on every forward. kvcalib.core.cpu decides when (CPUs without native bf16).
-"""
+"""bf16 at float32 speed (kvcalib.core.cpu decides when): `bf16_via_float32()` runs `F.linear`, matmuls, SDPA and
+MoE grouped_mm on bf16 inputs (upcast exactly) with float32 accumulation, rounded once to bf16; other ops stay bf16.
+A weight is upcast only for the call, in row blocks, unless a `Float32Weights` keeps float32 copies."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -31,9 +23,7 @@ FLOAT32_WEIGHTS_BUDGET = 6 << 30
 
 
 class Float32Weights:
-    """float32 copies of a bf16 model's parameters, each made at its first use and kept, up to `budget` bytes; past
-    the budget a weight is upcast per call, as with no cache. The copies are the same values (bf16 -> float32 is
-    exact), so results do not change, only the time (the upcasts were ~30% of a Gemma-3-270M forward on 2 cores)."""
+    """float32 copies (exact) of a bf16 model's parameters, made at first use and kept up to `budget` bytes."""
 
     def __init__(self, budget: int = FLOAT32_WEIGHTS_BUDGET) -> None:
         self.budget = budget
@@ -57,16 +47,12 @@ class Float32Weights:
 @contextmanager
 def compute_path(path: ComputePath, weights: Float32Weights | None = None) -> Iterator[None]:
     """Run the block on `path`: bf16_via_float32(weights) when emulated, as is otherwise."""
-    if not path.emulated:
-        yield
-        return
-    with bf16_via_float32(weights):
+    with bf16_via_float32(weights) if path.emulated else nullcontext():
         yield
 
 
 def bf16_via_float32(weights: Float32Weights | None = None) -> TorchFunctionMode:
-    """A torch function mode: bf16 matmuls and attention computed in float32, rounded to bf16 once; linear layers'
-    float32 weights are taken from `weights` where it holds them."""
+    """A torch function mode: bf16 matmuls and attention in float32, rounded to bf16 once."""
     return _Bf16ViaFloat32(weights)
 
 
@@ -84,30 +70,21 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     rows = max(1, UPCAST_BLOCK_ELEMENTS // max(1, weight.shape[-1]))
     if weight.shape[0] <= rows:
         return torch.nn.functional.linear(xf, weight.float(), _up(bias)).to(torch.bfloat16)
-    parts = [
-        torch.nn.functional.linear(xf, weight[i:i + rows].float(), None if bias is None else bias[i:i + rows].float())
-        .to(torch.bfloat16)
-        for i in range(0, weight.shape[0], rows)
-    ]
-    return torch.cat(parts, dim=-1)
+    return torch.cat([torch.nn.functional.linear(xf, weight[i:i + rows].float(),
+                                                 None if bias is None else bias[i:i + rows].float()).to(torch.bfloat16)
+                      for i in range(0, weight.shape[0], rows)], dim=-1)
 
 
 # Query rows per block of the emulated attention: bounds its float32 scores to [B, H, 64, S], and a causal block
-# leaves out the columns after its last row (about half of a prefill's scores); 256 was 3x slower on AVX2 (the
-# masked half exponentiated and rounded for nothing, and larger temporaries page-faulted afresh each call)
+# leaves out the columns after its last row (about half of a prefill's scores).
 SDPA_QUERY_BLOCK = 64
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
           enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA on bf16 inputs as torch's CPU flash-attention kernel computes it, with float32 matmuls.
-
-    That kernel forms the scores in float32, takes exp(score - row max) in float32, sums it in
-    float32, rounds the exponentials to bf16 for the product with V (float32 accumulation),
-    divides by the sum and rounds the output to bf16 once. Copying those roundings keeps the
-    emulated hidden states (and so the next layers' K/V) closest to the native bf16 model's.
-    """
+    """SDPA on bf16 inputs as torch's CPU flash-attention kernel rounds: float32 scores, exp and sum, the exps in
+    bf16 for the product with V (float32 accumulation), the output rounded to bf16 once."""
     if dropout_p:
         raise ValueError("kvcalib's float32 attention does not implement dropout")
     if enable_gqa and key.shape[-3] != query.shape[-3]:
@@ -141,10 +118,7 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
 
 
 def _open_columns(block_mask: torch.Tensor | None, kv_len: int, causal_end: int) -> tuple[int, int]:
-    """The key columns [lo, hi) outside which every row of a query block is masked (causal: past `causal_end`;
-    a mask: no True, or a float at its dtype's minimum or -inf). Their exp(score - max) is exactly 0, so leaving them
-    out changes the work (half of a long causal prefill, all but the window of a sliding one) and no value but by the
-    order of the float32 sums (a bf16 ulp in a few outputs in 100,000)."""
+    """The key columns [lo, hi) outside which every row of a query block is masked (exp(score - max) = 0)."""
     lo, hi = 0, min(kv_len, causal_end)
     if block_mask is not None and block_mask.shape[-1] == kv_len:
         allowed = block_mask if block_mask.dtype == torch.bool else block_mask > torch.finfo(block_mask.dtype).min / 2
@@ -155,10 +129,8 @@ def _open_columns(block_mask: torch.Tensor | None, kv_len: int, causal_end: int)
 
 
 _F = torch.nn.functional
-_UPCAST_OPS = frozenset({
-    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm, torch.bmm,
-    torch.Tensor.bmm, torch.addmm, torch.baddbmm, torch.einsum,
-})
+_UPCAST_OPS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+                         torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm, torch.einsum})
 
 
 class _Bf16ViaFloat32(TorchFunctionMode):
@@ -185,16 +157,14 @@ _GROUPED_MM = frozenset(f for f in (getattr(torch, "_grouped_mm", None), getattr
 
 
 def _experts_layout(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> bool:
-    """grouped_mm as MoE experts call it (transformers.integrations.moe): tokens [M, in] sorted by expert, weights
-    [experts, in, out], `offs` the groups' end rows; anything else runs as it is."""
+    """grouped_mm as MoE experts call it (transformers.integrations.moe); anything else runs as it is."""
     return (bias is None and out_dtype in (None, torch.bfloat16) and isinstance(offs, torch.Tensor)
             and isinstance(mat_a, torch.Tensor) and isinstance(mat_b, torch.Tensor) and mat_a.dim() == 2
             and mat_b.dim() == 3 and offs.numel() == mat_b.shape[0])
 
 
 def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-    """Each expert's rows times its own weight, upcast alone ([in, out], never the [experts, in, out] whole), in
-    float32, rounded to bf16 once; rows past the last group are zero."""
+    """Each expert's rows times its own weight, upcast alone, in float32, rounded to bf16 once."""
     out = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]), dtype=torch.bfloat16)
     start = 0
     for expert, end in enumerate(offs.tolist()):
@@ -209,6 +179,4 @@ def _any_bf16(args: tuple[Any, ...]) -> bool:
 
 
 def _up_all(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return type(x)(_up(a) for a in x)
-    return _up(x)
+    return type(x)(_up(a) for a in x) if isinstance(x, (list, tuple)) else _up(x)

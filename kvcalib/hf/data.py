@@ -1,16 +1,8 @@
 """Calibration data: a dataset (local files, a saved dataset, or a hub id) -> token sequences.
 
-Selection follows llm-compressor's example, so users get the same samples: the first N
-rows of the split, shuffled with the seed, each truncated to max_seq_len. A `messages` column
-(chat format, as in ultrachat) is rendered with the model's chat template first.
-
-Tokens are what the server will see. vLLM's completions endpoint tokenises a prompt with the
-special tokens its tokenizer adds by default (`add_special_tokens=True`: Gemma's `<bos>`, Llama 3's
-`<|begin_of_text|>`), and its chat endpoint renders the template and adds none (the template
-holds them). So plain text gets the tokenizer's default special tokens, and rendered chat text
-none, as llm-compressor's chat example does. (Without Gemma 3's `<bos>`, prose scores 6.6 nats
-instead of 3.8 and the V absmax is up to 1.3x smaller than what the server writes.)
-`add_special_tokens` True or False overrides the rule for every row (`--[no-]add-special-tokens`).
+As llm-compressor's example selects them: the first N rows of the split, shuffled with the seed, truncated to
+max_seq_len; a `messages` column is rendered with the chat template. Tokens are what vLLM sees: plain text with the
+tokenizer's default special tokens, chat text with none; `add_special_tokens` True or False overrides that per row.
 """
 
 from __future__ import annotations
@@ -27,20 +19,13 @@ import torch
 from kvcalib.core.errors import DatasetError
 from kvcalib.core.paths import require_regular_file
 
-__all__ = [
-    "BUILDERS", "CHAT_COLUMN", "CalibrationData", "DEFAULT_TEXT_COLUMN", "batches", "default_special_tokens",
-    "leading_special_tokens", "load_calibration_data", "load_rows", "resolve_column", "special_tokens_rule",
-    "tokenize_as_served",
-]
+__all__ = ["BUILDERS", "CHAT_COLUMN", "CalibrationData", "DEFAULT_TEXT_COLUMN", "batches", "default_special_tokens",
+           "leading_special_tokens", "load_calibration_data", "load_rows", "resolve_column", "special_tokens_rule",
+           "tokenize_as_served"]
 
 # file suffix -> datasets' packaged builder
-BUILDERS = {
-    ".txt": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_SAVED = ("dataset_info.json", "dataset_dict.json", "state.json")  # what save_to_disk writes
 CHAT_COLUMN = "messages"
 DEFAULT_TEXT_COLUMN = "text"
 
@@ -78,8 +63,7 @@ def load_rows(dataset: str, split: str):
                                  hint=f"pass a {', '.join(sorted(BUILDERS))} file, or a directory of them")
             return _load_files([path], split)
         if path.is_dir():
-            if ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
-                    or (path / "state.json").exists()):
+            if any((path / name).exists() for name in _SAVED):
                 return _pick_split(datasets.load_from_disk(str(path)), split, dataset)
             return _load_files(_data_files(path), split)
         if dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS:
@@ -88,11 +72,9 @@ def load_rows(dataset: str, split: str):
     except DatasetError:
         raise
     except (ValueError, FileNotFoundError, OSError, KeyError) as exc:
-        raise DatasetError(
-            f"cannot read dataset {dataset} (split {split!r}): {exc}",
-            hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory, a save_to_disk "
-            "directory, or a hub dataset id on a machine that is online",
-        ) from None
+        raise DatasetError(f"cannot read dataset {dataset} (split {split!r}): {exc}",
+                           hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory, a save_to_disk "
+                           "directory, or a hub dataset id on a machine that is online") from None
     except Exception as exc:  # datasets raises its own families (DatasetGenerationError, hub errors)
         if type(exc).__module__.split(".")[0] not in {"datasets", "huggingface_hub", "pyarrow", "requests", "httpx"}:
             raise
@@ -111,10 +93,8 @@ def _data_files(path: Path) -> list[Path]:
             continue
         files.append(require_regular_file(entry, "dataset file", error=DatasetError, missing=DatasetError))
     if not files:
-        raise DatasetError(
-            f"no data files in {path}",
-            hint=f"put {', '.join(sorted(BUILDERS))} files there, or a dataset saved with save_to_disk",
-        )
+        raise DatasetError(f"no data files in {path}",
+                           hint=f"put {', '.join(sorted(BUILDERS))} files there, or a dataset saved with save_to_disk")
     return files
 
 
@@ -124,18 +104,14 @@ def _load_files(files: list[Path], split: str):
     suffixes = {p.suffix.lower() for p in files}
     builders = {BUILDERS.get(s) for s in suffixes}
     if None in builders:
-        raise DatasetError(
-            f"unsupported dataset file type {sorted(suffixes)} ({files[0]})",
-            hint=f"use one of {', '.join(sorted(BUILDERS))}",
-        )
+        raise DatasetError(f"unsupported dataset file type {sorted(suffixes)} ({files[0]})",
+                           hint=f"use one of {', '.join(sorted(BUILDERS))}")
     if len(builders) > 1:
         raise DatasetError(f"mixed dataset file types {sorted(suffixes)} under one dataset path",
                            hint="keep one file type per dataset directory")
     if split != "train":
-        raise DatasetError(
-            f"local data files have only the split 'train', not {split!r}",
-            hint="drop --split, or save a DatasetDict with save_to_disk to keep named splits",
-        )
+        raise DatasetError(f"local data files have only the split 'train', not {split!r}",
+                           hint="drop --split, or save a DatasetDict with save_to_disk to keep named splits")
     (builder,) = builders
     for path in files:
         _check_file(path)
@@ -147,6 +123,7 @@ def _load_files(files: list[Path], split: str):
 
 def _check_file(path: Path) -> None:
     """Read what datasets' builders report badly (or with a traceback): an empty file, a bad JSON line."""
+    one_object = 'each line of a .jsonl file is one JSON object, e.g. {"text": "..."}'
     try:
         with open(path, "rb") as f:
             if path.suffix.lower() != ".jsonl":
@@ -160,12 +137,10 @@ def _check_file(path: Path) -> None:
                 try:
                     row = json.loads(line)
                 except ValueError as exc:
-                    raise DatasetError(f"{path}: line {number} is not valid JSON ({exc})",
-                                       hint='each line of a .jsonl file is one JSON object, e.g. '
-                                            '{"text": "..."}') from None
+                    raise DatasetError(f"{path}: line {number} is not valid JSON ({exc})", hint=one_object) from None
                 if not isinstance(row, dict):
                     raise DatasetError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object",
-                                       hint='each line of a .jsonl file is one JSON object, e.g. {"text": "..."}')
+                                       hint=one_object)
                 rows += 1
     except OSError as exc:
         raise DatasetError(f"cannot read dataset file {path}: {exc.strerror or exc}",
@@ -203,8 +178,7 @@ def resolve_column(column_names: list[str], text_column: str | None, source: str
 def load_calibration_data(dataset: str, tokenizer: Any, *, split: str = "train", text_column: str | None = None,
                           num_samples: int = 512, max_seq_len: int = 2048, seed: int = 42,
                           add_special_tokens: bool | None = None) -> CalibrationData:
-    """Select, render and tokenise calibration samples (see the module docstring); `num_samples` and `max_seq_len`
-    at least 1, as the options' check_arguments make them."""
+    """Select, render and tokenise calibration samples (see the module docstring)."""
     ds = load_rows(dataset, split)
     column = resolve_column(list(ds.column_names), text_column, dataset)
     if len(ds) == 0:
@@ -233,10 +207,7 @@ def special_tokens_rule(add_special_tokens: bool | None) -> str:
 
 def tokenize_as_served(tokenizer: Any, texts: list[str], chat: list[bool], max_seq_len: int,
                        add_special_tokens: bool | None = None) -> list[list[int]]:
-    """Token ids of each text as vLLM sends it to the model: plain text with the tokenizer's
-    default special tokens, template-rendered chat text with none (see the module docstring);
-    `add_special_tokens` True / False: every row with / without them. An empty text stays empty
-    (it is skipped), whatever the tokenizer would add to it."""
+    """Token ids of each text as vLLM sends it (module docstring); an empty text stays empty."""
     out: list[list[int]] = [[] for _ in texts]
     for rendered_chat in (False, True):
         rows = [i for i, (text, is_chat) in enumerate(zip(texts, chat)) if is_chat == rendered_chat and text]
@@ -295,9 +266,8 @@ def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> t
             raise DatasetError(f"{where}: the model's chat template refuses these messages ({exc})",
                                hint="each message needs a 'role' the template knows and string 'content'") from None
     kind = "a list of non-messages" if isinstance(value, list) else type(value).__name__
-    raise DatasetError(f"{where} holds {kind}, not text or chat messages",
-                       hint='name a text column with --text-column, or give chat rows as '
-                            '[{"role": ..., "content": ...}]')
+    raise DatasetError(f"{where} holds {kind}, not text or chat messages", hint="name a text column with "
+                       '--text-column, or give chat rows as [{"role": ..., "content": ...}]')
 
 
 def _check_message(message: dict, where: str) -> None:

@@ -1,11 +1,5 @@
-"""Memory: how much a run may use, how much the weights need, and so which engine runs.
-
-`available_memory` is the tightest of the limits a process really meets: the kernel's
-MemAvailable, the cgroup memory limit (v1 or v2) minus what the group already uses, and the
-soft RLIMIT_AS / RLIMIT_DATA minus what this process already maps. `weight_bytes` sums the
-safetensors headers (no tensor is read) in the calibration dtype. `choose_engine` streams
-layer by layer when the in-memory engine would not fit, and says why.
-"""
+"""Memory: how much a run may use (MemAvailable, the cgroup limit less its usage, the soft RLIMIT_AS / RLIMIT_DATA
+less what is mapped), how much the weights need (from the safetensors headers), and so which engine runs."""
 
 from __future__ import annotations
 
@@ -24,9 +18,7 @@ __all__ = ["GiB", "HEADROOM", "EngineChoice", "MemoryLimit", "available_memory",
            "out_of_memory_error", "peak_rss_bytes", "proc_status", "release_free_memory", "weight_bytes"]
 
 GiB = 1 << 30
-# The in-memory engine needs the weights plus activations, the loader's transient copies and
-# the Python/torch runtime: stream when weights * HEADROOM do not fit.
-HEADROOM = 1.2
+HEADROOM = 1.2  # weights plus activations, the loader's copies, the runtime: stream when weights * HEADROOM do not fit
 _NO_LIMIT = 1 << 60  # cgroup v1 writes 2^63 - 4096 for "no limit"
 PROC, SYS = Path("/proc"), Path("/sys")
 
@@ -55,10 +47,7 @@ def weight_bytes(checkpoint: Checkpoint | Path, dtype: torch.dtype | None) -> in
 
 
 def available_memory(device: torch.device | None = None, proc: Path = PROC, sys: Path = SYS) -> MemoryLimit:
-    """The tightest of MemAvailable, the cgroup limit, the rlimits (and free memory on a CUDA device).
-
-    `proc` and `sys` are where /proc and /sys are (another machine's, in a test).
-    """
+    """The tightest of MemAvailable, the cgroup limit, the rlimits (and a CUDA device's free memory)."""
     limits: list[MemoryLimit] = []
     meminfo = _read_kib_fields(proc / "meminfo")
     if "MemAvailable" in meminfo:
@@ -81,10 +70,7 @@ def available_memory(device: torch.device | None = None, proc: Path = PROC, sys:
 
 def choose_engine(requested: str, checkpoint: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device,
                   copies: int = 1, host: MemoryLimit | None = None) -> EngineChoice:
-    """`requested` unless it is "auto": then "stream" if the weights would not fit, else "native".
-
-    `host` is this machine's memory limit (None: read it with `available_memory`).
-    """
+    """`requested` unless "auto": then "stream" if the weights would not fit in `host` (None: available_memory)."""
     if requested != "auto":
         return EngineChoice(requested, None, None)
     checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
@@ -99,12 +85,9 @@ def choose_engine(requested: str, checkpoint: Checkpoint | Path, dtype: torch.dt
         per_process = limit.available if limit.source.startswith("cuda") else limit.available // max(copies, 1)
         if needed * HEADROOM > per_process:
             who = f" per process ({copies} on this host)" if copies > 1 and not limit.source.startswith("cuda") else ""
-            reason = (
-                f"streaming the model layer by layer: its weights need {needed / GiB:.2f} GiB"
-                f" in {in_dtype} (x{HEADROOM} headroom) but only "
-                f"{per_process / GiB:.2f} GiB is available{who} ({limit.source})"
-            )
-            return EngineChoice("stream", limit, reason)
+            return EngineChoice("stream", limit, f"streaming the model layer by layer: its weights need "
+                                f"{needed / GiB:.2f} GiB in {in_dtype} (x{HEADROOM} headroom) but only "
+                                f"{per_process / GiB:.2f} GiB is available{who} ({limit.source})")
     return EngineChoice("native", host, None)
 
 
@@ -169,11 +152,7 @@ def peak_rss_bytes() -> int:
 
 
 def release_free_memory() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's `malloc_trim(0)`); False where there is no glibc.
-
-    A layer's forward leaves hundreds of MB of freed activations in glibc's heaps (blocks under its mmap
-    threshold stay there, and the ones in mid-heap are not trimmed on free), which the next layer's load then
-    counts on top of its own peak. Nothing is freed that is in use; it costs a few milliseconds."""
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim(0)`); False without glibc."""
     trim = _malloc_trim()
     if trim is None:
         return False

@@ -1,8 +1,5 @@
-"""The model side shared by calibrate and eval: resolve, check and load a checkpoint with transformers.
-
-Also the choices made from the command line's words (target, dtype, device, compute path),
-each with the error a user can act on.
-"""
+"""The model side shared by calibrate and eval: resolve, check and load a checkpoint with transformers, and the
+choices made from the command line's words (target, dtype, device, compute path)."""
 
 from __future__ import annotations
 
@@ -15,25 +12,19 @@ import torch
 from kvcalib.core import fp8, mxfp4
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute
-from kvcalib.core.errors import (
-    CheckpointNotFoundError,
-    CheckpointReadError,
-    UnknownTargetError,
-    UnsupportedModelError,
-    UsageError,
-)
+from kvcalib.core.errors import (CheckpointNotFoundError, CheckpointReadError, UnknownTargetError,
+                                 UnsupportedModelError, UsageError)
 from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key
 
-__all__ = [
-    "DTYPES", "PreparedRun", "check_index_files", "check_loading_info", "faithful_attention",
-    "prepare_run", "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
-    "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
-    "resolve_model_dir", "resolve_target", "text_config",
-]
+__all__ = ["DTYPES", "PreparedRun", "check_index_files", "check_loading_info", "faithful_attention", "prepare_run",
+           "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
+           "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
+           "resolve_model_dir", "resolve_target", "text_config"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
 
 @dataclass(frozen=True)
 class PreparedRun:
@@ -45,8 +36,7 @@ class PreparedRun:
 
 
 def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
-    """--dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run (the numbers, such as
-    --batch-size, are the options' check_arguments')."""
+    """--dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run."""
     dtype, device = resolve_dtype(options.dtype), resolve_device(options.device)
     checkpoint = Checkpoint.open(resolve_model_dir(model))
     check_supported_model(checkpoint, options.trust_remote_code)
@@ -102,21 +92,18 @@ def resolve_model_dir(model: str | Path) -> Path:
     path = Path(model).expanduser()
     if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
         if not path.is_dir():
-            raise CheckpointNotFoundError(
-                f"model directory not found: {model}",
-                hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)",
-            )
+            raise CheckpointNotFoundError(f"model directory not found: {model}", hint="pass a local Hugging Face "
+                                          "checkpoint directory (config.json + *.safetensors)")
         return path
     try:  # looks like a hub id (org/name) and is not a local path
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model",
-                                                                  "*.txt", "*.py"]))
+        patterns = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.py"]
+        return Path(snapshot_download(str(model), allow_patterns=patterns))
     except Exception as exc:  # huggingface_hub raises many types; all mean "could not fetch"
         raise CheckpointNotFoundError(
             f"model {model} is not a local directory and could not be fetched from the hub ({type(exc).__name__})",
-            hint="pass a local checkpoint directory, or run where the hub is reachable",
-        ) from None
+            hint="pass a local checkpoint directory, or run where the hub is reachable") from None
 
 
 def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
@@ -125,9 +112,8 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
 
     from transformers import AutoModelForCausalLM
 
-    # the mapping from the module of transformers' top-level (lazy) AutoModelForCausalLM, which the run loads the
-    # model with anyway: importing transformers.models.auto directly would run transformers/models/__init__.py, a
-    # scan of every model's directory (~0.45 s)
+    # read from the lazy AutoModelForCausalLM's own module: importing transformers.models.auto directly would run
+    # transformers/models/__init__.py, a scan of every model's directory
     causal_names = importlib.import_module(AutoModelForCausalLM.__module__).MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_dir, config = checkpoint.root, checkpoint.config
@@ -143,8 +129,7 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
         raise UnsupportedModelError(
             f"{model_dir}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a causal "
             "language model transformers can load with AutoModelForCausalLM",
-            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)",
-        )
+            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)")
     qcfg = config.get("quantization_config") or config.get("compression_config")
     if qcfg:
         method = str(qcfg.get("quant_method", "")).lower().replace("_", "-") if isinstance(qcfg, dict) else ""
@@ -154,16 +139,12 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
         released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
         if not released_mxfp4 and (method != "compressed-tensors"
                                    or (groups and len(fp8_attention_groups(groups)) != len(groups))):
-            raise UnsupportedModelError(
-                f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
-                f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
-                hint="calibrate from the unquantised (bf16/fp16) checkpoint",
-            )
+            raise UnsupportedModelError(f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
+                                        f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
+                                        hint="calibrate from the unquantised (bf16/fp16) checkpoint")
     if not checkpoint.files.files:
-        raise UnsupportedModelError(
-            f"{model_dir}: no *.safetensors weights",
-            hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
-        )
+        raise UnsupportedModelError(f"{model_dir}: no *.safetensors weights",
+                                    hint="convert the checkpoint to safetensors (save_pretrained does this by default)")
     check_index_files(checkpoint)
     _refuse_special_files(model_dir)
     layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
@@ -193,8 +174,7 @@ def check_index_files(checkpoint: Checkpoint) -> None:
             f"{checkpoint.root / INDEX_FILENAME} names {name}, which is not in {checkpoint.root} "
             f"({len(keys)} tensor(s), e.g. {min(keys)})"
             + (f"; {len(missing) - 1} more file(s) are missing" if len(missing) > 1 else ""),
-            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way",
-        )
+            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way")
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
@@ -208,8 +188,7 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
 
 
 def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
-    """transformers' config of the model, without a quantization config (an earlier KV-only calibration
-    must not make transformers load through a quantizer)."""
+    """transformers' config of the model, without a quantization config (no loading through a quantizer)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -220,21 +199,14 @@ def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
 
 
 def faithful_attention(config: dict[str, Any]) -> str | None:
-    """The attention implementation that computes what the model really computes: None (transformers' default)
-    unless that default would drop part of the math.
-
-    transformers' SDPA path ignores attention-logit soft-capping (Gemma2's attn_logit_softcapping), so
-    such a model runs its eager attention; GPT-OSS's default is already eager (attention sinks).
-    """
+    """eager where transformers' SDPA would drop attention-logit soft-capping (Gemma2), else None."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return "eager" if text.get("attn_logit_softcapping") else None
 
 
 def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
                attn_implementation: str | None = None) -> torch.nn.Module:
-    """The model in memory, in `dtype` (None: the checkpoint's), on `device`, in eval mode. MXFP4 experts (GPT-OSS
-    as released, or kvcalib's Neuron form of it) are dequantized by transformers as they load; nothing is written.
-    `model`: a Checkpoint already read (its headers are not read again), or a directory."""
+    """The model in `dtype` (None: stored) on `device`, eval mode; MXFP4 experts dequantized as they load."""
     from transformers import AutoModelForCausalLM
 
     checkpoint = model if isinstance(model, Checkpoint) else Checkpoint.open(Path(model))
@@ -259,8 +231,7 @@ def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torc
 
 
 def check_loading_info(model_dir: Path, info: dict[str, Any]) -> None:
-    """UnsupportedModelError when the weights transformers loaded do not match the config: it would have filled
-    missing weights with random values, and calibrated scales of a random model look just as plausible."""
+    """UnsupportedModelError when the loaded weights do not match the config (transformers fills gaps at random)."""
     missing = sorted(info.get("missing_keys") or ())
     unexpected = sorted(k for k in info.get("unexpected_keys") or () if not is_kv_scale_key(k))
     mismatched = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or ())
@@ -271,8 +242,7 @@ def check_loading_info(model_dir: Path, info: dict[str, Any]) -> None:
         raise UnsupportedModelError(
             f"{model_dir}: the safetensors weights do not match config.json: " + "; ".join(problems),
             hint="transformers would fill missing weights with random values; use the config.json and the "
-                 "*.safetensors files of one and the same model",
-        )
+                 "*.safetensors files of one and the same model")
 
 
 def build_skeleton(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
@@ -299,7 +269,4 @@ def num_layers(model: torch.nn.Module) -> int:
 
 
 def pad_id(tokenizer: Any) -> int:
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
+    return next((int(c) for c in (tokenizer.pad_token_id, tokenizer.eos_token_id) if c is not None), 0)

@@ -1,13 +1,6 @@
-"""Attention samples: what the scale objective scores, taken from the model's own attention calls.
-
-For a few calibration sequences (chosen before the run, the same in every engine and on every
-rank), each layer's attention call is kept as the model made it: the query rows at a spread of
-positions, K and V of the whole sequence (after RoPE, as the cache stores them, before the
-grouped-query repeat), the rows of the mask the model passed (causal, padding, sliding window),
-and the call's own scaling, soft-capping and attention sinks. `attention_rows` then recomputes
-those rows' attention output in float32 with any K or V put in: the eager formula every
-transformers family kvcalib serves uses (tested against the model's own attention function).
-"""
+"""Attention samples: what the scale objective scores, each layer's attention call on a few calibration sequences
+(the same in every engine and rank) kept as the model made it; `attention_rows` recomputes those rows' output in
+float32 with any K or V put in (the eager formula, tested against the model's own attention function)."""
 
 from __future__ import annotations
 
@@ -23,9 +16,8 @@ from kvcalib.hf.data import batches
 __all__ = ["ROWS_PER_SEQUENCE", "SAMPLE_TOKENS", "AttentionSample", "AttentionSampler", "attention_error",
            "attention_rows", "sample_sequences"]
 
-# The objective's share of the calibration set: whole batches in the run's own order (longest
-# first) until SAMPLE_TOKENS tokens of K/V are kept, at least one batch; ROWS_PER_SEQUENCE query
-# rows of each, spread over its positions, alternately chosen from and held out.
+# The objective's share: whole batches in the run's order until SAMPLE_TOKENS tokens of K/V are kept (at least one),
+# ROWS_PER_SEQUENCE query rows of each, spread over its positions, alternately chosen from and held out.
 SAMPLE_TOKENS = 2048
 ROWS_PER_SEQUENCE = 16
 
@@ -37,8 +29,7 @@ class AttentionSample:
     query: torch.Tensor  # [heads, rows, head_dim]: the sampled query rows
     key: torch.Tensor  # [kv_heads, length, head_dim]
     value: torch.Tensor  # [kv_heads, length, head_dim]
-    # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive mask)
-    bias: torch.Tensor
+    bias: torch.Tensor  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive)
     held_out: torch.Tensor  # [rows] bool: scored for the report, never for the choice
     scaling: float
     softcap: float | None = None
@@ -61,8 +52,7 @@ def sample_sequences(sequences: tuple[tuple[int, ...], ...], batch_size: int, pa
 
 
 def _rows(length: int, count: int) -> list[int]:
-    """`count` query positions spread evenly over 1..length-1, the last included, in order (position 0 attends
-    to itself alone: no scale changes its output)."""
+    """`count` query positions spread evenly over 1..length-1, the last included, in order."""
     if length <= 1:
         return [0]
     count = min(count, length - 1)
@@ -89,10 +79,8 @@ class AttentionSampler:
     def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, kwargs: dict[str, Any], module: torch.nn.Module) -> None:
         scaling = kwargs.get("scaling")
-        if scaling is None:
-            scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-        softcap = kwargs.get("softcap")
-        sinks = kwargs.get("s_aux")
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
+        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         for row, length in self._batch:
             positions = _rows(length, self.rows)
             index = torch.tensor(positions, device=query.device)
@@ -122,14 +110,9 @@ def _bias(attention_mask: torch.Tensor | None, row: int, index: torch.Tensor, le
 
 def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                    probabilities: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, probabilities) of the sampled rows in float32: `softmax(scaling q kᵀ [softcap] + mask [sinks]) v`.
-
-    `key`/`value` replace the sample's ([..., kv_heads, length, head_dim]: leading dimensions, e.g.
-    candidate scales, broadcast); `probabilities` skips the softmax (V's objective reuses the exact ones).
-    Query heads are grouped under the KV head they read (no repeat): output
-    [..., kv_heads, groups * rows, head_dim] (query head h is group h // groups), probabilities
-    [..., kv_heads, groups * rows, length].
-    """
+    """(output, probabilities) of the sampled rows in float32: `softmax(scaling q kᵀ [softcap] + mask [sinks]) v`,
+    `key`/`value` replacing the sample's (leading dimensions broadcast), query heads grouped under their KV head
+    (output [..., kv_heads, groups * rows, head_dim]); `probabilities` skips the softmax."""
     kv_heads = sample.key.shape[0]
     groups = sample.query.shape[0] // kv_heads
     if probabilities is None:
@@ -148,9 +131,7 @@ def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, val
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q kᵀ ([kv_heads, rows, D] by [..., kv_heads, length, D]). Leading dimensions of k are folded into one batch
-    with kᵀ as a view: torch.matmul broadcasting q over them would copy kᵀ contiguous first (as long as the
-    arithmetic on it, for the scale objective's 16 candidates)."""
+    """q kᵀ, leading dimensions of k folded into one bmm batch (broadcasting would copy kᵀ first)."""
     if k.dim() == 3:
         return torch.matmul(q, k.transpose(-1, -2))
     batched = torch.bmm(q.expand(*k.shape[:-3], *q.shape).reshape(-1, *q.shape[1:]),
@@ -159,9 +140,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """p v ([..., kv_heads, rows, length] by [..., kv_heads, length, D]). Where one of them has a leading dimension
-    (candidates) the other lacks, one matmul per index of it: torch.matmul would first copy the other once per
-    index (16 times for the scale objective's candidates)."""
+    """p v, one matmul per index of a leading dimension only one has (broadcasting would copy the other)."""
     if p.dim() == v.dim():
         return torch.matmul(p, v)
     count = p.shape[0] if p.dim() > v.dim() else v.shape[0]
@@ -173,8 +152,7 @@ def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def attention_error(samples: Sequence[AttentionSample], k_scale: Any, v_scale: Any, target: Any) -> float | None:
-    """The relative attention-output error ||O(K̂, V̂) - O|| / ||O|| over the samples' rows, K and V quantised
-    together with `k_scale`/`v_scale` (a float, or one per KV head) on `target`'s numerics. None: no samples."""
+    """Relative attention-output error ||O(K̂, V̂) - O|| / ||O||, K and V quantised on `target`; None: no samples."""
     from kvcalib.core import fp8
 
     if not samples:
