@@ -1,9 +1,6 @@
-"""The `kvcalib` command line: a thin Typer shell over the library.
-
-The only package that imports typer or rich (kvcalib.cli.common holds what every command shares). Each command
-parses its arguments, calls one library function and renders the result: `--json` prints the result's `to_dict()` on
-stdout, everything for humans goes to stderr. `KvcalibError` is the one error boundary.
-"""
+"""The `kvcalib` command line: a thin Typer shell over the library, the only package that imports typer or rich.
+Each command parses, calls one library function and renders: `--json` prints the result's `to_dict()` on stdout,
+everything for humans goes to stderr; `KvcalibError` is the one error boundary (kvcalib.cli.common)."""
 
 from __future__ import annotations
 
@@ -25,12 +22,8 @@ from kvcalib.core.fp8 import DEFAULT_TARGET, TARGETS
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
 from kvcalib.serving.options import ServeOptions
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    help="FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU.",
-)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU.")
 
 
 def _print_version(value: bool) -> None:
@@ -56,8 +49,7 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on std
 Tasks = Annotated[str | None, typer.Option(
     "--tasks", help="lm-eval tasks, comma-separated (e.g. lambada_openai,arc_easy), each scored on the same items "
     "with and without FP8 KV, paired (lm-eval: the 'tasks' extra).", rich_help_panel="Data")]
-DATA_HELP = ("Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, or a hub "
-             "id.")
+DATA_HELP = "Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, or a hub id."
 _SERVE_FLAGS = ("vllm_python", "tp", "max_model_len", "startup_timeout_s", "log_dir")  # calibrate --serve-check's
 
 
@@ -90,7 +82,9 @@ def calibrate(
     if plan:
         return _plan(model, dataset, output, options, as_json, quiet)
     if options.ranks is not None and not options.ranks.is_writer:  # other ranks work quietly; rank 0 reports
-        return _quiet_rank(run_calibration, model, dataset, output, options)
+        with _errors(quiet=True):
+            run_calibration(model, dataset, output, options)
+        return
     serving = None
     if serve_device is not None:  # everything serving needs but the scales, before an hour of calibration
         with _errors():
@@ -101,6 +95,13 @@ def calibrate(
     _report_calibration(console, result, notes, serving, as_json)
 
 
+def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
+    """`render` the result for humans (stderr), then with --json its to_dict() on stdout."""
+    render(console, result, *args)
+    if as_json:
+        _print_json(result.to_dict())
+
+
 def _plan(model: str, dataset: str, output: Path, options: Any, as_json: bool, quiet: bool) -> None:
     """calibrate --plan: the plan, rendered (and --json); nothing written, exit 0."""
     from kvcalib.api import plan
@@ -108,19 +109,11 @@ def _plan(model: str, dataset: str, output: Path, options: Any, as_json: bool, q
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "probing", "plan") as on_progress:
         result = plan(model, dataset, output, options=options, progress=on_progress)
-    render_plan(console, result)
-    if as_json:
-        _print_json(result.to_dict())
-
-
-def _quiet_rank(run: Any, *args: Any) -> None:
-    with _errors(quiet=True):
-        run(*args)
+    _show(render_plan, console, result, as_json)
 
 
 def _report_calibration(console: Console, result: Any, notes: list[str], serving: Any, as_json: bool) -> None:
-    """The table; then, with --serve-check, serve-check's run on the published checkpoint (its figures go into
-    the model card) and its exit code."""
+    """The table; with --serve-check, serve-check's run on the published checkpoint and its exit code."""
     from kvcalib.api import serve_calibrated
 
     render_calibration(console, result, notes)
@@ -147,8 +140,8 @@ def _engine(engine: str, stream_layers: bool) -> str:
 @app.command()
 def validate(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory to check.")],
-    target: Annotated[Literal[tuple(TARGETS)],
-                      typer.Option("--target", "-t", help="The chip it is for.")] = DEFAULT_TARGET,
+    target: Annotated[Literal[tuple(TARGETS)], typer.Option("--target", "-t",
+                                                            help="The chip it is for.")] = DEFAULT_TARGET,
     strict: Annotated[bool, typer.Option("--strict", help="Count warnings as errors.")] = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
@@ -158,9 +151,7 @@ def validate(
 
     with _errors():
         report = run_validate(checkpoint, target=target, strict=strict)
-    render_report(_stderr(quiet), report)
-    if as_json:
-        _print_json(report.to_dict())
+    _show(render_report, _stderr(quiet), report, as_json)
     raise typer.Exit(0 if report.ok else 1)
 
 
@@ -212,15 +203,12 @@ def eval_command(
         result = evaluate(checkpoint, dataset, options=options, progress=on_progress)
         if plot is not None:
             result = dataclasses.replace(result, plot=str(plot_eval(result, plot)))
-    render_eval(console, result, per_layer)
-    if as_json:
-        _print_json(result.to_dict())
+    _show(render_eval, console, result, as_json, per_layer)
 
 
 def _eval_context(checkpoint: str, dataset: str, context: str | None, options: Any, console: Console, as_json: bool,
                   plot: Path | None, needle: bool, keys: int | None, nll: bool = True) -> None:
-    """eval --context: saturation and ΔNLL at long context (kvcalib.evaluation.context); with --needle, the needle
-    probe (kvcalib.evaluation.needle), `keys` per length and depth (None: its default)."""
+    """eval --context (kvcalib.evaluation.context); with --needle the needle probe, `keys` per length and depth."""
     from kvcalib.api import evaluate_context, evaluate_needle
     from kvcalib.evaluation.context import parse_lengths
     from kvcalib.evaluation.plot import check_plot_path, plot_needle
@@ -241,9 +229,7 @@ def _eval_context(checkpoint: str, dataset: str, context: str | None, options: A
             result = evaluate_needle(checkpoint, dataset, lengths, keys=keys, options=options, progress=on_progress)
             if plot is not None:
                 result = dataclasses.replace(result, plot=str(plot_needle(result, plot)))
-    (render_needle if needle else render_context)(console, result)
-    if as_json:
-        _print_json(result.to_dict())
+    _show(render_needle if needle else render_context, console, result, as_json)
 
 
 def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, values: dict[str, Any], as_json: bool,
@@ -263,9 +249,7 @@ def _eval_tasks(checkpoint: str, dataset: str | None, tasks: str | None, values:
                                **split_options(TaskOptions, {k: v for k, v in values.items() if k != "seed"}))
         with progress_bar(console, "evaluating tasks", "eval") as on_progress:
             result = evaluate_tasks(checkpoint, options.tasks, options=options, progress=on_progress)
-    render_tasks(console, result)
-    if as_json:
-        _print_json(result.to_dict())
+    _show(render_tasks, console, result, as_json)
 
 
 @command(app, "serve-check", options=flags(ServeOptions, device=...))
@@ -294,21 +278,17 @@ def serve_check(
         options = serve_options(**values, prompts=read_prompts_file(prompts) if prompts else None,
                                 tasks=TaskSpec.from_flags(tasks, limit, task_data))
         result = run_serve_check(checkpoint, options=options, progress=on_event)
-    render_serve_check(console, result, notes)
-    if as_json:
-        _print_json(result.to_dict())
+    _show(render_serve_check, console, result, as_json, notes)
     raise typer.Exit(0 if result.ok else 1)
 
 
 def _quiet_libraries() -> None:
-    """kvcalib draws its own progress; the libraries' bars and notices would only add noise."""
+    """kvcalib draws its own progress; the libraries' bars and notices (llm-compressor's on stdout) are noise."""
     import os
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("LLM_COMPRESSOR_LOG_DISABLED", "true")  # --engine llmcompressor: it logs to stdout
-    os.environ.setdefault("TQDM_DISABLE", "1")
+    for name, value in {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
+                        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LLM_COMPRESSOR_LOG_DISABLED": "true"}.items():
+        os.environ.setdefault(name, value)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -16,19 +16,11 @@ from rich.markup import escape
 
 from kvcalib.core.errors import KvcalibError
 
-__all__ = ["Interrupted", "_errors", "_fail", "_print_json", "_stderr", "captured_notes"]
+__all__ = ["Interrupted", "_errors", "_print_json", "_stderr", "captured_notes"]
 
 
 def _stderr(quiet: bool = False) -> Console:
     return Console(stderr=True, highlight=False, quiet=quiet)
-
-
-def _fail(err: KvcalibError) -> NoReturn:
-    console = _stderr()
-    console.print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
-    if err.hint:  # escaped: a hint such as `pip install kvcalib[llmcompressor]` is no markup
-        console.print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
-    raise typer.Exit(err.exit_code)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -39,21 +31,17 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-# The signals every command treats as Ctrl-C: a CI timeout or `kill` (SIGTERM), a closed terminal (SIGHUP).
-_TERMINATING = ("SIGTERM", "SIGHUP")
-
-
 @contextmanager
 def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") -> Iterator[None]:
-    """The error boundary: a KvcalibError is one message (exit code by class); SIGINT, SIGTERM and SIGHUP
-    unwind the command like Ctrl-C (its cleanup runs) and exit 128 + the signal's number."""
+    """The error boundary: a KvcalibError is one message (exit code by class); SIGINT, SIGTERM (a CI timeout,
+    `kill`) and SIGHUP (a closed terminal) unwind the command like Ctrl-C and exit 128 + the signal's number."""
     import signal
 
     def interrupt(signum: int, frame: Any) -> None:
         raise Interrupted(signum)
 
     previous = {}
-    for name in _TERMINATING:
+    for name in ("SIGTERM", "SIGHUP"):
         signum = getattr(signal, name, None)
         if signum is not None:
             try:
@@ -63,9 +51,12 @@ def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") 
     try:
         yield
     except KvcalibError as err:
-        if quiet:  # a torchrun rank other than 0: rank 0 reports (with this rank's message)
-            raise typer.Exit(err.exit_code) from None
-        _fail(err)
+        if not quiet:  # quiet: a torchrun rank other than 0; rank 0 reports (with this rank's message)
+            console = _stderr()
+            console.print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
+            if err.hint:  # escaped: a hint such as `pip install kvcalib[llmcompressor]` is no markup
+                console.print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
+        raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         if not quiet:
@@ -78,9 +69,8 @@ def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") 
 
 @contextmanager
 def captured_notes() -> Iterator[list[str]]:
-    """The `kvcalib` logger's records while a job runs (the API logs a result's notes there), kept for the renderer
-    to print where they belong, after the table and not through a progress bar; meanwhile they do not reach
-    the root logger's handlers, so each is printed once."""
+    """The `kvcalib` logger's records while a job runs (a result's notes), kept for the renderer to print after the
+    table, not through a progress bar; meanwhile they do not reach the root logger's handlers (printed once)."""
     notes: list[str] = []
 
     class Collect(logging.Handler):

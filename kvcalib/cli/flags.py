@@ -1,9 +1,6 @@
 """The commands' flags, built from the options dataclasses that declare them (kvcalib.core.options): name, type,
-default, choices, help and panel are read from the field, so a flag is written once, in the library.
-
-So that --help stays readable at 80 columns, one name per flag is shown: an alias (--num-calibration-samples)
-and the other half of an on/off pair (--no-predict's --predict) are accepted but not listed, and the help names
-the other half."""
+default, choices, help and panel are read from the field, so a flag is written once, in the library. One name per flag
+is shown in --help: an alias and the other half of an on/off pair are accepted, not listed (the help names it)."""
 
 from __future__ import annotations
 
@@ -63,8 +60,7 @@ def flags(cls: type, *names: str, **defaults: Any) -> list[inspect.Parameter]:
 
 
 def _merged(values: dict[str, Any]) -> dict[str, Any]:
-    """The fields' values from the parameters flags() made: an alias given overrides, an on/off pair's halves
-    resolve to True, False or the field's default."""
+    """The fields' values from flags()' parameters: an alias given overrides; an on/off pair resolves."""
     out = {k: v for k, v in values.items() if k not in _HIDDEN}
     for name, (value, default) in _SWITCHES.items():
         if name in out:

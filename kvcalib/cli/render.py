@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["PLAIN_INTERVAL_S", "plain_progress", "progress_bar", "render_calibration", "render_eval", "render_report",
-           "render_serve_check", "render_variants", "serve_status"]
+__all__ = ["progress_bar", "render_calibration", "render_context", "render_eval", "render_needle", "render_plan",
+           "render_report", "render_serve_check", "render_tasks", "serve_status"]
 
 
 @contextmanager
@@ -30,21 +24,17 @@ def progress_bar(console: Console, label: str = "calibrating", name: str = "cali
     if not console.is_terminal:
         yield plain_progress(console, name)
         return
-    columns = (
-        TextColumn("{task.description}"), BarColumn(),
-        TextColumn("{task.fields[samples]} samples"), TextColumn("{task.fields[tokens]} tok"),
-        TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-    )
-    bar = Progress(*columns, console=console, transient=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[samples]} samples"),
+                   TextColumn("{task.fields[tokens]} tok"), TextColumn("{task.fields[rate]} tok/s"),
+                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True)
     task = bar.add_task("starting", total=None, samples="-", tokens="-", rate="-")
     observe_started: list[float] = []
-    labels = _STAGES
 
     def on_progress(p: Any) -> None:
         if not bar.live.is_started:
             bar.start()
         if p.stage != "observe":
-            bar.update(task, description=labels.get(p.stage, p.stage))
+            bar.update(task, description=_STAGES.get(p.stage, p.stage))
             return
         if not observe_started:
             observe_started.append(time.perf_counter())
@@ -97,6 +87,14 @@ def plain_progress(console: Console, name: str) -> Callable[[Any], None]:
     return on_progress
 
 
+def _table(title: str, columns: Iterable[str], left: Iterable[str] = (), **column: Any) -> Table:
+    """A table titled `title` with `columns`, right-justified but those in `left`."""
+    table = Table(title=title)
+    for name in columns:
+        table.add_column(name, justify="left" if name in left else "right", **column)
+    return table
+
+
 def _duration(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
     hours, rest = divmod(seconds, 3600)
@@ -104,17 +102,15 @@ def _duration(seconds: float) -> str:
 
 
 def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
-    """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records (the API logs the
-    result's warnings there)."""
+    """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records."""
     per_head = any(layer.k.head_scales is not None for layer in result.layers)
     queries = any(layer.q is not None for layer in result.layers)
     rule = "absmax / " + f"{result.fp8_max:g}" if result.scale_objective == "absmax" \
         else f"the attention objective (FP8 max {result.fp8_max:g})"
-    table = Table(title=f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
-                  + (" (each layer's largest head; every head's in --json)" if per_head else ""))
-    for column in ("layer", "k absmax", "v absmax", "k_scale", "v_scale",
-                   *(("q absmax", "q_scale") if queries else ())):
-        table.add_column(column, justify="right")
+    table = _table(f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
+                   + (" (each layer's largest head; every head's in --json)" if per_head else ""),
+                   ("layer", "k absmax", "v absmax", "k_scale", "v_scale",
+                    *(("q absmax", "q_scale") if queries else ())))
     for layer in result.layers:
         k, v, q = layer.k, layer.v, (layer.q.absmax, layer.q.scale) if queries else ()
         table.add_row(str(layer.layer), *(f"{x:.4g}" for x in (k.absmax, v.absmax, k.scale, v.scale, *q)))
@@ -131,10 +127,8 @@ def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
         n_warn = sum(1 for f in result.validation["findings"] if f["severity"] == "warning")
         console.print(f"validation: [green]ok[/] for {result.target}" + (f" ({n_warn} warning(s))" if n_warn else ""))
     console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
-    console.print(
-        f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
-        f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all"
-    )
+    console.print(f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
+                  f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all")
 
 
 def _size(n: int) -> str:
@@ -149,13 +143,12 @@ def render_plan(console: Console, plan: Any) -> None:
         console.print("plan: nothing written")
         return
     est, probe = plan.estimate, plan.probe
+    available = f"{_size(plan.memory_limit_bytes)}, {plan.memory_source})" if plan.memory_limit_bytes else "unknown)"
     rows = [
         ("target", plan.target), ("engine", plan.engine + (f" ({plan.engine_reason})" if plan.engine_reason else "")),
         ("compute", plan.compute),
         ("samples", f"{plan.num_samples:,} ({plan.num_tokens:,} tokens), {plan.num_layers} layers"),
-        ("peak memory", f"~{_size(plan.peak_memory_bytes)} (weights {_size(plan.weight_bytes)}; available "
-                        + (f"{_size(plan.memory_limit_bytes)}, {plan.memory_source})" if plan.memory_limit_bytes
-                           else "unknown)")),
+        ("peak memory", f"~{_size(plan.peak_memory_bytes)} (weights {_size(plan.weight_bytes)}; available {available}"),
         ("output", f"{_size(plan.output_bytes)} new, weights {'hard-linked' if plan.weights_linked else 'copied'}; "
                    f"{_size(plan.free_bytes)} free"),
         ("scratch", _size(plan.scratch_bytes) if plan.scratch_bytes else "none"),
@@ -175,9 +168,8 @@ def render_plan(console: Console, plan: Any) -> None:
 
 def render_report(console: Console, report: Any) -> None:
     if report.findings:
-        table = Table(title=f"validate {report.checkpoint} for {report.target}")
-        for column in ("rule", "severity", "where", "message", "hint"):
-            table.add_column(column, overflow="fold")
+        columns = ("rule", "severity", "where", "message", "hint")
+        table = _table(f"validate {report.checkpoint} for {report.target}", columns, columns, overflow="fold")
         colors = {"error": "red", "warning": "yellow", "info": "cyan"}
         for f in report.findings:
             table.add_row(f.rule, f"[{colors.get(f.severity, 'white')}]{f.severity}[/]", f.location or "",
@@ -192,26 +184,32 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _spread(interval: Any, fmt: str = "+.4f") -> str:
+    """An interval (an Interval or its to_dict()) as `estimate [low, high]`; "-" for none."""
+    if not interval:
+        return "-"
+    i = interval if isinstance(interval, dict) else interval.to_dict()
+    return f"{i['estimate']:{fmt}} [{i['low']:{fmt}}, {i['high']:{fmt}}]"
+
+
 def _worst(values: list[tuple[float, int]], fmt: str) -> str:
     return "-" if not values else (fmt + " (layer {})").format(*max(values))
 
 
 def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
-    table = Table(title=f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
-                  f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens")
-    for column in ("scales", "kind", "ΔNLL", "KL", "top-1", "K clip", "V clip", "attn err", "layer alone",
-                   "K SQNR", "V SQNR", "Q SQNR"):
-        table.add_column(column, justify="left" if column in ("scales", "kind") else "right", overflow="fold")
+    table = _table(f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
+                   f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens",
+                   ("scales", "kind", "ΔNLL", "KL", "top-1", "K clip", "V clip", "attn err", "layer alone", "K SQNR",
+                    "V SQNR", "Q SQNR"), ("scales", "kind"), overflow="fold")
     for run in result.runs:
-        q = [layer.q_sqnr_db for layer in run.layers if layer.q_sqnr_db is not None]
+        q = [s.q_sqnr_db for s in run.layers if s.q_sqnr_db is not None]
         table.add_row(run.name, run.kind, f"{run.delta_nll:+.4f}", f"{run.kl:.5f}", f"{run.top1:.2%}",
                       f"{run.k_clipped:.2%}", f"{run.v_clipped:.2%}",
-                      _worst([(layer.attention_error, layer.layer) for layer in run.layers
-                              if layer.attention_error is not None], "{:.3f}"),
-                      _worst([(layer.kl_alone, layer.layer) for layer in run.layers if layer.kl_alone is not None],
-                             "{:.5f}"),
-                      f"{min(layer.k_sqnr_db for layer in run.layers):.1f}",
-                      f"{min(layer.v_sqnr_db for layer in run.layers):.1f}", f"{min(q):.1f}" if q else "-")
+                      _worst([(s.attention_error, s.layer) for s in run.layers if s.attention_error is not None],
+                             "{:.3f}"),
+                      _worst([(s.kl_alone, s.layer) for s in run.layers if s.kl_alone is not None], "{:.5f}"),
+                      f"{min(s.k_sqnr_db for s in run.layers):.1f}", f"{min(s.v_sqnr_db for s in run.layers):.1f}",
+                      f"{min(q):.1f}" if q else "-")
     console.print(table)
     for run in result.runs:
         nll, accuracy = run.intervals
@@ -238,18 +236,16 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
 
 def render_context(console: Console, result: Any) -> None:
     """eval --context: per length and scale set, ΔNLL on the last quarter, and the worst layer's saturation."""
-    table = Table(title=f"FP8 KV on {result.target} at long context: {result.tokens_available:,} tokens of text packed "
-                  f"(model's max {result.max_positions or '?'}, memory's {result.memory_bound:,})")
-    for column in ("length", "scales", "samples", "base NLL", "ΔNLL last quarter [95%]", "K clipped", "V clipped",
-                   "K absmax/clip", "V absmax/clip"):
-        table.add_column(column, justify="left" if column == "scales" else "right", overflow="fold")
+    table = _table(f"FP8 KV on {result.target} at long context: {result.tokens_available:,} tokens of text packed "
+                   f"(model's max {result.max_positions or '?'}, memory's {result.memory_bound:,})",
+                   ("length", "scales", "samples", "base NLL", "ΔNLL last quarter [95%]", "K clipped", "V clipped",
+                    "K absmax/clip", "V absmax/clip"), ("scales",), overflow="fold")
     for row in result.rows:
         spread = "" if row.interval is None else f" [{row.interval.low:+.4f}, {row.interval.high:+.4f}]"
-        beyond = [row.beyond(kind) for kind in ("k", "v")]
         delta = "-" if row.delta_nll is None else f"{row.delta_nll:+.4f}{spread}"
         table.add_row(f"{row.length:,}", escape(row.name), str(row.samples), f"{row.baseline_nll:.4f}", delta,
                       f"{row.k_clipped:.3%}", f"{row.v_clipped:.3%}",
-                      *(f"{ratio:.2f} (L{layer})" for ratio, layer in beyond))
+                      *(f"{ratio:.2f} (L{layer})" for ratio, layer in map(row.beyond, ("k", "v"))))
     console.print(table)
     console.print("ΔNLL on the last quarter of each sample's positions; interval: paired bootstrap over 64-token "
                   "blocks of them. Clipped: the worst layer's fraction of elements that saturate; absmax/clip: the "
@@ -259,18 +255,15 @@ def render_context(console: Console, result: Any) -> None:
 
 def render_needle(console: Console, result: Any) -> None:
     """eval --context --needle: keys found per length and scale set, by depth, and the paired verdict."""
-    table = Table(title=escape(f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
-                               f"{result.prefill}; decoding reads the FP8 cache)"))
-    for column in ("length", "scales", "found", "rate [Wilson 95%]",
-                   *(f"depth {d:.0%}" for d in result.depths), "difference [95%]", "verdict"):
-        table.add_column(column, justify="left" if column in ("scales", "verdict") else "right", overflow="fold")
+    table = _table(escape(f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
+                          f"{result.prefill}; decoding reads the FP8 cache)"),
+                   ("length", "scales", "found", "rate [Wilson 95%]", *(f"depth {d:.0%}" for d in result.depths),
+                    "difference [95%]", "verdict"), ("scales", "verdict"), overflow="fold")
     for row in result.rows:
         low, high = row.rate_interval
-        spread = "-" if row.interval is None else \
-            f"{row.interval.estimate:+.1%} [{row.interval.low:+.1%}, {row.interval.high:+.1%}]"
         table.add_row(f"{row.length:,}", escape(row.name), f"{row.found}/{row.trials}",
-                      f"{row.rate:.0%} [{low:.0%}, {high:.0%}]", *(f"{f}/{n}" for _, f, n in row.by_depth), spread,
-                      escape(row.verdict(cell=True)))
+                      f"{row.rate:.0%} [{low:.0%}, {high:.0%}]", *(f"{f}/{n}" for _, f, n in row.by_depth),
+                      _spread(row.interval, "+.1%"), escape(row.verdict(cell=True)))
     console.print(table)
     console.print("a trial is found when the key's 6 digits are in the greedy answer; difference: paired bootstrap "
                   "over trials (2000 resamples, seed 0) of the run's hits minus the unquantised cache's"
@@ -279,18 +272,14 @@ def render_needle(console: Console, result: Any) -> None:
 
 def render_tasks(console: Console, result: Any) -> None:
     """eval --tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
-    table = Table(title=escape(f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
-                               + (f", {result.limit} items per task at most" if result.limit else "")))
-    for column in ("task", "metric", "items", "baseline", "scales", "score", "difference (95% interval)", "verdict"):
-        table.add_column(column, justify="left" if column in ("task", "metric", "scales", "verdict") else "right",
-                         overflow="fold")
+    table = _table(escape(f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
+                          + (f", {result.limit} items per task at most" if result.limit else "")),
+                   ("task", "metric", "items", "baseline", "scales", "score", "difference (95% interval)", "verdict"),
+                   ("task", "metric", "scales", "verdict"), overflow="fold")
     for row in result.rows:
         for name, score in row.scores.items():
-            interval = row.intervals.get(name)
-            spread = ("-" if interval is None
-                      else f"{interval.estimate:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}]")
             table.add_row(row.task, f"{row.metric} ({row.filter})", str(row.items), f"{row.baseline:.4f}", name,
-                          f"{score:.4f}", spread, escape(row.verdict(name, cell=True)))
+                          f"{score:.4f}", _spread(row.intervals.get(name)), escape(row.verdict(name, cell=True)))
     console.print(table)
     console.print("intervals: paired bootstrap over the task's items (2000 resamples, seed 0) of the run's score "
                   "minus the baseline's on the same item", style="dim")
@@ -299,16 +288,14 @@ def render_tasks(console: Console, result: Any) -> None:
 
 def _render_layers(console: Console, run: Any, layer_rows: int) -> None:
     """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping."""
-    table = Table(title=escape(f"{run.name}: per layer" + (f" (alone: that layer quantised, the others not, on "
-                                                           f"{layer_rows} row(s))" if layer_rows else "")))
-    for column in ("layer", "attn err", "ΔNLL alone", "KL alone", "K SQNR", "V SQNR", "K clip", "V clip",
-                   "K clips above", "K absmax"):
-        table.add_column(column, justify="right")
-    for layer in run.layers:
-        table.add_row(str(layer.layer), _num(layer.attention_error, ".3f"), _num(layer.delta_nll_alone, "+.4f"),
-                      _num(layer.kl_alone, ".5f"), f"{layer.k_sqnr_db:.1f}", f"{layer.v_sqnr_db:.1f}",
-                      f"{layer.k_clipped:.2%}", f"{layer.v_clipped:.2%}", f"{layer.k_clip_at:.4g}",
-                      f"{layer.k_absmax:.4g}")
+    table = _table(escape(f"{run.name}: per layer" + (f" (alone: that layer quantised, the others not, on "
+                                                      f"{layer_rows} row(s))" if layer_rows else "")),
+                   ("layer", "attn err", "ΔNLL alone", "KL alone", "K SQNR", "V SQNR", "K clip", "V clip",
+                    "K clips above", "K absmax"))
+    for s in run.layers:
+        table.add_row(str(s.layer), _num(s.attention_error, ".3f"), _num(s.delta_nll_alone, "+.4f"),
+                      _num(s.kl_alone, ".5f"), f"{s.k_sqnr_db:.1f}", f"{s.v_sqnr_db:.1f}", f"{s.k_clipped:.2%}",
+                      f"{s.v_clipped:.2%}", f"{s.k_clip_at:.4g}", f"{s.k_absmax:.4g}")
     console.print(table)
 
 
@@ -355,9 +342,8 @@ def _problem(p: Any) -> str:
 
 def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
     """serve-check's table, its variants and tasks, then `notes` (the kvcalib logger's records), failures, verdict."""
-    table = Table(title=escape(f"serve-check {result.checkpoint} on {result.device}"))
-    for column in ("prompt", "output (FP8 KV)", "baseline", "agreement"):
-        table.add_column(column, overflow="fold")
+    columns = ("prompt", "output (FP8 KV)", "baseline", "agreement")
+    table = _table(escape(f"serve-check {result.checkpoint} on {result.device}"), columns, columns, overflow="fold")
     for p in result.prompts:
         agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
         table.add_row(escape(p.label or p.prompt), escape(repr(p.output)),
@@ -365,7 +351,7 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
                       agreement + _problem(p))
     console.print(table)
     nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None
-                                              else f", baseline {result.nll_baseline:.3f}")
+                                             else f", baseline {result.nll_baseline:.3f}")
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
     baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
     console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
@@ -382,23 +368,15 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
 
 def render_served_tasks(console: Console, rows: Any) -> None:
     """serve-check --tasks: served baseline and FP8 scores with the paired interval, and kvcalib's prediction."""
-    table = Table(title="lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib")
-    for column in ("task", "metric", "items", "served baseline", "served FP8", "served difference",
-                   "predicted baseline", "predicted FP8", "predicted difference"):
-        table.add_column(column, justify="left" if column in ("task", "metric") else "right", overflow="fold")
-
-    def diff(part: Any) -> str:
-        interval = part and part.get("interval")
-        if not interval:
-            return "-"
-        return f"{interval['estimate']:+.4f} [{interval['low']:+.4f}, {interval['high']:+.4f}]"
-
+    table = _table("lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib",
+                   ("task", "metric", "items", "served baseline", "served FP8", "served difference",
+                    "predicted baseline", "predicted FP8", "predicted difference"), ("task", "metric"), overflow="fold")
     for row in rows:
         served, predicted = row["served"], row["predicted"] or {}
-        table.add_row(row["task"], f"{row['metric']} ({row['filter']})", str(row["items"]), f"{served['baseline']:.4f}",
-                      f"{served['fp8']:.4f}", diff(served),
+        table.add_row(row["task"], f"{row['metric']} ({row['filter']})", str(row["items"]),
+                      f"{served['baseline']:.4f}", f"{served['fp8']:.4f}", _spread(served.get("interval")),
                       "-" if not predicted else f"{predicted['baseline']:.4f}",
-                      "-" if not predicted else f"{predicted['fp8']:.4f}", diff(predicted))
+                      "-" if not predicted else f"{predicted['fp8']:.4f}", _spread(predicted.get("interval")))
     console.print(table)
     for row in rows:
         console.print(f"{row['task']} {row['metric']}: served {escape(row['served']['verdict'])}", soft_wrap=True,
@@ -407,9 +385,8 @@ def render_served_tasks(console: Console, rows: Any) -> None:
 
 def render_variants(console: Console, result: Any) -> None:
     """Calibrated vs 1.0 vs the canary: what each server measured, and what kvcalib predicted."""
-    table = Table(title="KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline")
-    for column in ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"):
-        table.add_column(column, justify="left" if column == "scales" else "right")
+    table = _table("KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline",
+                   ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"), ("scales",))
     for row in result.variants():
         table.add_row(row["name"], _num(row["nll"], ".4f"), _num(row["agreement"], ".2f"),
                       _num(row["served_delta_nll"], "+.4f"), _num(row["predicted_delta_nll"], "+.4f"))
@@ -427,8 +404,7 @@ def _render_delta_intervals(console: Console, intervals: Any) -> None:
     if not shown:
         return
     words = {"served": "served ΔNLL", "predicted": "predicted ΔNLL", "served_minus_predicted": "served - predicted"}
-    parts = [f"{words[name]} {found['estimate']:+.4f} [{found['low']:+.4f}, {found['high']:+.4f}] "
-             f"({found['items']} blocks)" for name, found in shown.items()]
+    parts = [f"{words[name]} {_spread(found)} ({found['items']} blocks)" for name, found in shown.items()]
     method = next(iter(shown.values()))["method"]
     console.print(f"calibrated scales, approximate 95% intervals ({method}): " + "; ".join(parts),
                   soft_wrap=True, highlight=False)

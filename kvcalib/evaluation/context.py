@@ -1,22 +1,11 @@
-"""eval --context: what the scales do at the context lengths the FP8 cache exists for.
+"""eval --context: what the scales do at the context lengths the FP8 cache exists for (K's absmax grows with
+longer text and later positions; calibration sees short samples).
 
-Calibration sees short samples (llm-compressor's default is 2048 tokens); the cache holds long
-ones, and K's absmax grows with both more text and later positions. For each length L, samples
-are packed from the held-out text: its rows joined by a blank line and tokenised once without
-special tokens, then cut into consecutive pieces of L - len(prefix) tokens, each placed after the
-tokens the tokenizer puts before plain text (Llama's and Gemma's BOS), as one long prompt reaches
-a server. Each sample runs once unquantised (the baseline; kvcalib.evaluation.emulate.KVErrorMeter
-measures on its real K/V what every scale set would saturate) and once per scale set with K/V
-stored in FP8 (--saturation-only: the unquantised run alone, no ΔNLL). Per length and scale set:
-
-- per layer, the fraction of K and V elements that saturate, and the absmax seen against the
-  largest value the scale represents (above 1.0, the cache goes past what the scales were sized for);
-- ΔNLL on the last quarter of each sample's positions (where long-range attention lives), with a
-  paired bootstrap interval over 64-token blocks of those positions (neighbouring blocks are not
-  independent: read it as a lower bound on the uncertainty).
-
-Lengths above the model's max_position_embeddings, or whose forward pass would not fit in the
-memory available, are refused before the model loads, naming both numbers.
+For each length L, samples are packed from the held-out text (rows joined by a blank line, tokenised once without
+special tokens, cut into pieces placed after the tokenizer's leading tokens, e.g. BOS) and run once unquantised
+(KVErrorMeter measures what each scale set would saturate) and, unless --saturation-only, once per scale set with
+K/V in FP8. Per length and scale set: per layer the K/V saturation and absmax against the scale's clip level; ΔNLL
+on the last quarter of positions, with a paired bootstrap over 64-token blocks (not independent: a lower bound).
 """
 
 from __future__ import annotations
@@ -61,25 +50,24 @@ class ContextRow:
 
     @property
     def k_clipped(self) -> float:
-        return max((layer.k_clipped for layer in self.layers), default=0.0)
+        return max((s.k_clipped for s in self.layers), default=0.0)
 
     @property
     def v_clipped(self) -> float:
-        return max((layer.v_clipped for layer in self.layers), default=0.0)
+        return max((s.v_clipped for s in self.layers), default=0.0)
 
     def beyond(self, kind: str) -> tuple[float, int]:
         """(largest absmax / clip threshold over layers, that layer) for kind "k" or "v"."""
-        ratios = [(getattr(layer, f"{kind}_absmax") / getattr(layer, f"{kind}_clip_at"), layer.layer)
-                  for layer in self.layers if getattr(layer, f"{kind}_clip_at") > 0]
+        ratios = [(getattr(s, f"{kind}_absmax") / getattr(s, f"{kind}_clip_at"), s.layer) for s in self.layers
+                  if getattr(s, f"{kind}_clip_at") > 0]
         return max(ratios, default=(0.0, -1))
 
     def to_dict(self) -> dict[str, Any]:
         return {"length": self.length, "name": self.name, "samples": self.samples, "tokens": self.tokens,
                 "baseline_nll": self.baseline_nll, "delta_nll": self.delta_nll,
                 "delta_nll_interval": None if self.interval is None else self.interval.to_dict(),
-                "k_clipped_max": self.k_clipped, "v_clipped_max": self.v_clipped,
-                "k_beyond": self.beyond("k")[0], "v_beyond": self.beyond("v")[0],
-                "layers": [layer.to_dict() for layer in self.layers]}
+                "k_clipped_max": self.k_clipped, "v_clipped_max": self.v_clipped, "k_beyond": self.beyond("k")[0],
+                "v_beyond": self.beyond("v")[0], "layers": [s.to_dict() for s in self.layers]}
 
 
 @dataclass(frozen=True)
@@ -122,9 +110,8 @@ def scored_positions(length: int) -> int:
 
 
 def forward_bytes(config: dict[str, Any], length: int, weight_bytes: int) -> int:
-    """A generous estimate of one batch-1 forward's peak memory at `length` tokens: the weights and their float32
-    copies, float32 activations (hidden and MLP), the attention scores of one 256-query block, and the last
-    quarter's logits and log-probabilities over the vocabulary."""
+    """A generous estimate of one batch-1 forward's peak memory at `length` tokens: weights and float32 copies,
+    float32 activations, one 256-query block's attention scores, the last quarter's logits and log-probs."""
     text = text_config(config)
     hidden = int(text.get("hidden_size") or 0)
     inter = int(text.get("intermediate_size") or 4 * hidden)
@@ -150,8 +137,7 @@ def memory_bound(config: dict[str, Any], weight_bytes: int, available: int) -> i
 
 def check_lengths(lengths: tuple[int, ...], config: dict[str, Any], where: Path, weight_bytes: int,
                   available: int) -> int:
-    """Each --context length usable: at least MIN_LENGTH, within max_position_embeddings and memory. Returns the
-    memory bound."""
+    """Each --context length at least MIN_LENGTH, within max_position_embeddings and memory; the memory bound."""
     limit = max_position_embeddings(config)
     bound = memory_bound(config, weight_bytes, available)
     for length in lengths:
@@ -178,12 +164,6 @@ def packed_stream(dataset: str, tokenizer: Any, split: str, text_column: str | N
     return list(stream), list(leading_special_tokens(tokenizer))
 
 
-@dataclass
-class _Sums:
-    nll: list[float]  # per 64-token block of the scored positions, Σ NLL
-    tokens: list[int]
-
-
 def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
     sums = [float(nll[i:i + BLOCK].double().sum()) for i in range(0, nll.numel(), BLOCK)]
     return sums, [min(BLOCK, nll.numel() - i) for i in range(0, nll.numel(), BLOCK)]
@@ -202,27 +182,28 @@ def run_length(model: torch.nn.Module, samples: list[list[int]], quantizers: dic
                forward: Any, notify: ProgressCallback, length: int, nll: bool = True) -> tuple[ContextRow, ...]:
     """Every sample of one length: the baseline with the meter riding along, then (with `nll`) each scale set."""
     meter = KVErrorMeter(quantizers, device)
-    base, runs = _Sums([], []), {name: _Sums([], []) for name in quantizers}
+    base: list[float] = []  # per 64-token block of the scored positions, Σ NLL
+    tokens: list[int] = []
+    runs: dict[str, list[float]] = {name: [] for name in quantizers}
     for n, sample in enumerate(samples):
         notify(Progress(f"context {length}", n, len(samples), n * length, len(samples) * length))
         ids = torch.tensor([sample], device=device)
-        sums, tokens = _block_sums(forward(ids, meter))
-        base.nll += sums
-        base.tokens += tokens
+        sums, counts = _block_sums(forward(ids, meter))
+        base += sums
+        tokens += counts
         for name, quantizer in quantizers.items() if nll else ():
-            runs[name].nll += _block_sums(forward(ids, quantizer))[0]
-    total = sum(base.tokens)
+            runs[name] += _block_sums(forward(ids, quantizer))[0]
+    total = sum(tokens)
     return tuple(ContextRow(
-        length=length, name=name, samples=len(samples), tokens=total, baseline_nll=sum(base.nll) / total,
-        delta_nll=(sum(run.nll) - sum(base.nll)) / total if nll else None,
-        interval=paired_bootstrap([r - b for r, b in zip(run.nll, base.nll)], base.tokens) if nll else None,
+        length=length, name=name, samples=len(samples), tokens=total, baseline_nll=sum(base) / total,
+        delta_nll=(sum(run) - sum(base)) / total if nll else None,
+        interval=paired_bootstrap([r - b for r, b in zip(run, base)], tokens) if nll else None,
         layers=tuple(meter.layer_stats(name))) for name, run in runs.items())
 
 
 @dataclass(frozen=True)
 class LongContext:
-    """What eval --context and its needle probe share before a forward: the checkpoint and its scale sets checked,
-    the lengths checked, the held-out text as one token stream, the tokenizer."""
+    """What eval --context and --needle share before a forward: run, scale sets, tokenizer, text as tokens."""
 
     run: Any  # kvcalib.evaluation.pipeline's prepared run
     quantizers: dict[str, Any]
@@ -240,8 +221,7 @@ class LongContext:
 
 def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
                          notify: ProgressCallback) -> LongContext:
-    """Everything checked (scales, lengths against max_position_embeddings and memory) and the text read, before the
-    model loads."""
+    """Scales and lengths checked and the text read, before the model loads."""
     from kvcalib.hf.memory import available_memory
     from kvcalib.evaluation.pipeline import prepare_scales
 
@@ -257,9 +237,7 @@ def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[in
 
 def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
                      progress: ProgressCallback | None = None, nll: bool = True) -> ContextResult:
-    """eval --context (see the module docstring); `opts` an EvalOptions (target, compare, samples per length).
-    Without `nll` (--saturation-only) only the unquantised forward runs: saturation and absmax per scale set, no
-    ΔNLL (one forward per sample instead of one plus one per scale set)."""
+    """eval --context (the module docstring); without `nll` (--saturation-only) no ΔNLL, one forward a sample."""
     started = time.perf_counter()
     notify = progress or no_progress
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
@@ -277,7 +255,5 @@ def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, .
 
     rows = tuple(row for length, samples in packed.items()
                  for row in run_length(model, samples, long.quantizers, long.run.device, forward, notify, length, nll))
-    return ContextResult(checkpoint=str(checkpoint), target=opts.target,
-                         max_positions=max_position_embeddings(long.run.checkpoint.config),
-                         tokens_available=len(long.stream), memory_bound=long.memory_bound, rows=rows,
-                         seconds=time.perf_counter() - started)
+    return ContextResult(str(checkpoint), opts.target, max_position_embeddings(long.run.checkpoint.config),
+                         len(long.stream), long.memory_bound, rows, time.perf_counter() - started)

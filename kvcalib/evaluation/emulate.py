@@ -1,19 +1,15 @@
 """Run a model with its KV cache quantised to FP8 exactly as the target chip does it.
 
-`KVQuantizer` plugs into the same attention hook as calibration (kvcalib.hf.attention): every
-layer's K and V, as written to the cache, are replaced by `fp8.fake_quantize(x, s, target)`
-before attention reads them; a scale is one number per layer or one per KV head ([1, H, 1, 1],
-broadcast over [batch, kv_heads, seq, head_dim]). With `fp8_attention` it also runs each attention
-call itself, as FP8 attention does: Q quantised with its q_scale on the target's numerics, then the
-model's own attention function on the FP8 values of Q, K and V in float32 (float32 accumulation
-of both matmuls; the softmax probabilities stay unquantised: vLLM's compressed-tensors path has no
-prob_scale). `KVErrorMeter` rides along the unquantised pass and measures, per layer, what each
-configuration's quantiser does to the real K/V (and Q): SQNR, saturation.
+`KVQuantizer`, an attention hook (kvcalib.hf.attention), replaces each layer's K/V with `fp8.fake_quantize(x, s,
+target)` before attention reads them (s: one per layer, or [1, H, 1, 1] per KV head). With `fp8_attention` it also
+runs attention as FP8 attention does: Q quantised with its q_scale, the model's attention function on the FP8 Q, K,
+V in float32 (probabilities unquantised: vLLM's compressed-tensors path has no prob_scale). `KVErrorMeter` rides
+along the unquantised pass and measures each configuration's per-layer SQNR and saturation on the real K/V (and Q).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -42,17 +38,8 @@ class LayerQuantStats:
     kl_alone: float | None = None  # KL(unquantised || quantised) likewise
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"layer": self.layer, "k_sqnr_db": self.k_sqnr_db, "v_sqnr_db": self.v_sqnr_db,
-               "k_clipped": self.k_clipped, "v_clipped": self.v_clipped,
-               "k_absmax": self.k_absmax, "v_absmax": self.v_absmax,
-               "k_clip_at": self.k_clip_at, "v_clip_at": self.v_clip_at}
-        if self.q_sqnr_db is not None:
-            out.update(q_sqnr_db=self.q_sqnr_db, q_clipped=self.q_clipped)
-        if self.attention_error is not None:
-            out["attention_error"] = self.attention_error
-        if self.delta_nll_alone is not None:
-            out.update(delta_nll_alone=self.delta_nll_alone, kl_alone=self.kl_alone)
-        return out
+        """Every field, the optional ones (set in pairs: q_*, *_alone) only where measured."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 Scale = float | torch.Tensor  # one per layer, or [1, heads, 1, 1] per head
@@ -70,13 +57,8 @@ def is_per_head(*per_layer: list[Scale]) -> bool:
     return any(isinstance(s, torch.Tensor) for scales in per_layer for s in scales)
 
 
-def _largest(scale: Scale) -> float:
-    return float(scale.max()) if isinstance(scale, torch.Tensor) else scale
-
-
 class KVQuantizer:
-    """Replaces every layer's K/V with their FP8 round trip on the target (an attention hook); with
-    `fp8_attention` (and q_scales) also Q, and runs the attention on the FP8 values in float32."""
+    """An attention hook: K/V as their FP8 round trip on the target; with `fp8_attention` Q too (module docstring)."""
 
     def __init__(self, k_scales: list[Scale], v_scales: list[Scale], target: fp8.Target,
                  q_scales: list[Scale] | None = None, fp8_attention: bool = False) -> None:
@@ -85,11 +67,8 @@ class KVQuantizer:
         if fp8_attention and q_scales is None:
             raise ValueError("FP8 attention needs q_scales")
         self.num_layers = len(k_scales)
-        self.k_scales = k_scales
-        self.v_scales = v_scales
-        self.q_scales = q_scales
-        self.target = target
-        self.fp8_attention = fp8_attention
+        self.k_scales, self.v_scales, self.q_scales = k_scales, v_scales, q_scales
+        self.target, self.fp8_attention = target, fp8_attention
         self.queries = fp8_attention  # kvcalib.hf.attention.observing_queries runs while this is set
 
     def _check(self, layer_idx: Any) -> int:
@@ -119,12 +98,8 @@ class KVQuantizer:
 
 
 class KVErrorMeter:
-    """On the unquantised pass: what each configuration's quantiser would do to the model's real K/V (and Q).
-
-    Per layer and configuration: SQNR and the fraction of elements that saturate, over real
-    tokens only (`token_mask`, [B, S] bool, set per batch). Measured on the unquantised K/V so
-    that each layer's figure is its own quantiser's, not error carried in from earlier layers.
-    """
+    """On the unquantised pass, per layer and configuration: SQNR and the fraction of elements that saturate, over
+    real tokens only (`token_mask`, [B, S] bool, set per batch); each layer's figure is its own quantiser's."""
 
     def __init__(self, configs: dict[str, KVQuantizer], device: torch.device | str = "cpu",
                  sampler: AttentionSampler | None = None) -> None:
@@ -187,22 +162,21 @@ class KVErrorMeter:
         stats = []
         for i in range(self.num_layers):
             (ks, kn, kc, kcount), (vs, vn, vc, vcount), (qs, qn, qc, qcount) = sums[i].tolist()
-            q = ({"q_sqnr_db": fp8.sqnr_db(qs, qn), "q_clipped": qc / max(qcount, 1.0)}
-                 if quantizer.fp8_attention else {})
+            q = {"q_sqnr_db": fp8.sqnr_db(qs, qn), "q_clipped": qc / max(qcount, 1.0)} \
+                if quantizer.fp8_attention else {}
+            one = None if alone is None else alone[i]
             stats.append(LayerQuantStats(
-                layer=i, k_sqnr_db=fp8.sqnr_db(ks, kn), v_sqnr_db=fp8.sqnr_db(vs, vn),
-                k_clipped=kc / max(kcount, 1.0), v_clipped=vc / max(vcount, 1.0),
-                k_absmax=absmax[i, 0].item(), v_absmax=absmax[i, 1].item(),
-                k_clip_at=_clip_threshold(_largest(quantizer.k_scales[i]), quantizer.target),
-                v_clip_at=_clip_threshold(_largest(quantizer.v_scales[i]), quantizer.target), **q,
+                layer=i, k_sqnr_db=fp8.sqnr_db(ks, kn), v_sqnr_db=fp8.sqnr_db(vs, vn), k_clipped=kc / max(kcount, 1.0),
+                v_clipped=vc / max(vcount, 1.0), k_absmax=absmax[i, 0].item(), v_absmax=absmax[i, 1].item(),
+                k_clip_at=_clip_at(quantizer.k_scales[i], quantizer.target),
+                v_clip_at=_clip_at(quantizer.v_scales[i], quantizer.target), **q,
                 attention_error=None if self.sampler is None else attention_error(
                     self.sampler.samples[i], quantizer.k_scales[i], quantizer.v_scales[i], quantizer.target),
-                delta_nll_alone=None if alone is None or alone[i] is None else alone[i].delta_nll,
-                kl_alone=None if alone is None or alone[i] is None else alone[i].kl,
-            ))
+                delta_nll_alone=None if one is None else one.delta_nll, kl_alone=None if one is None else one.kl))
         return stats
 
 
-def _clip_threshold(scale: float, target: fp8.Target) -> float:
-    """|x| above which a value saturates with `scale` on `target`."""
-    return float(fp8.from_fp8_domain(torch.tensor(target.fp8_max), scale, target))
+def _clip_at(scale: Scale, target: fp8.Target) -> float:
+    """|x| above which a value saturates with `scale` (its largest head's) on `target`."""
+    largest = float(scale.max()) if isinstance(scale, torch.Tensor) else scale
+    return float(fp8.from_fp8_domain(torch.tensor(target.fp8_max), largest, target))

@@ -1,20 +1,15 @@
 """kvcalib's FP8-KV emulation as an lm-eval-harness model (lm-eval 0.4.13, the `[tasks]` extra).
 
-`import kvcalib.evaluation.harness` registers the lm-eval model "kvcalib". lm-eval has no plugin
-discovery, so its stock `lm_eval` command line cannot see it; call it from Python, or use
-`kvcalib eval CKPT --tasks ...`, a thin caller of the same model:
+Importing this module registers the lm-eval model "kvcalib" (lm-eval has no plugin discovery, so its own command
+line cannot see it: call it from Python, or use `kvcalib eval CKPT --tasks ...`):
 
     import lm_eval, kvcalib.evaluation.harness
     lm_eval.simple_evaluate(model="kvcalib", model_args="pretrained=CKPT,target=trn2,scales=checkpoint",
                             tasks=["lambada_openai"])
 
-`scales`: `checkpoint` (the checkpoint's own k_scale/v_scale), `unit` (every scale 1.0, what a
-checkpoint without scales runs with), `none` (no quantisation: lm-eval's own HF model, the
-baseline) or the path of another checkpoint whose scales to run with. The model is lm-eval's HFLM
-with one change: every forward, loglikelihood scoring and generation alike, gets a
-kvcalib.hf.attention.QuantizingCache, so K and V are stored as the target chip stores them (the
-quantiser of `kvcalib eval`, kvcalib.evaluation.emulate.KVQuantizer) and every later token, in
-the prompt and in decoding, reads the FP8 values back.
+`scales`: `checkpoint` (its own k_scale/v_scale), `unit` (every scale 1.0), `none` (no quantisation: the baseline)
+or another checkpoint's path. The model is lm-eval's HFLM whose every forward, scoring and generation alike, gets a
+QuantizingCache: K/V stored as the target stores them (KVQuantizer), read back by every later token.
 """
 
 from __future__ import annotations
@@ -36,14 +31,8 @@ from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.pipeline import CHECKPOINT, UNIT, scale_set
 from kvcalib.hf.attention import QuantizingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
-from kvcalib.hf.model import (
-    faithful_attention,
-    load_model,
-    load_tokenizer,
-    prepare_run,
-    resolve_compute,
-    resolve_target,
-)
+from kvcalib.hf.model import (faithful_attention, load_model, load_tokenizer, prepare_run, resolve_compute,
+                              resolve_target)
 
 __all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load", "quantizer_for"]
 
@@ -64,8 +53,7 @@ class LoadedModel:
 
 def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_compute: str = "auto",
          trust_remote_code: bool = False, cpu: HostCpu | None = None) -> LoadedModel:
-    """The model as `kvcalib eval` loads it (the attention that computes what the model computes, the compute path
-    for this CPU)."""
+    """The model as `kvcalib eval` loads it (faithful attention, the compute path for this CPU)."""
     options = RunOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute)
     run = prepare_run(checkpoint, options)
     if cpu is None:
@@ -114,12 +102,9 @@ class KvcalibLM(HFLM):
             self._continuation = 0
 
     def _logits_to_keep(self, inps: torch.Tensor) -> int:
-        """How many last positions of `inps` lm-eval reads logits at: the longest continuation plus the most
-        right padding of a row (counted as trailing zeros, lm-eval's padding, so never fewer); 0 keeps all.
-
-        HFLM slices each row's continuation relative to the end of the logits it gets, so logits of the last
-        positions only score the same; the language-model head and log-softmax then run over a few positions
-        instead of the whole prompt (for Gemma 3's 262k vocabulary, most of a forward pass)."""
+        """How many last positions of `inps` lm-eval reads logits at (0: all): the longest continuation plus a row's
+        most right padding (trailing zeros, lm-eval's padding). HFLM slices continuations from the end of the
+        logits, so this scores the same, with the LM head over a few positions (Gemma 3: most of a forward)."""
         if not getattr(self, "_continuation", 0):
             return 0
         nonzero = (inps != 0).int()

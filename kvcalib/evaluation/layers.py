@@ -1,13 +1,8 @@
 """Each layer's contribution to ΔNLL: the model run with only that layer's K/V in FP8.
 
-A per-layer error figure (SQNR, even the attention-output error) says how far a layer's
-quantised values are from the real ones, not what that costs the next-token prediction: a
-near-constant K channel can wreck SQNR-ranked "good" scales and leave the worst-SQNR ones
-harmless. Quantising one layer at a time and scoring the model's NLL (and its KL from the
-unquantised model's predictions, the steadier figure on few tokens) measures the cost itself.
-It takes one forward pass per layer and configuration, so it runs on the first few evaluation
-rows (`EvalOptions.layer_rows`); the numbers are ΔNLL against the unquantised cache on those
-rows, and need not add up to the full run's ΔNLL (layers interact).
+A per-layer error figure (SQNR, attention error) says how far the values move, not what that costs the prediction
+(a near-constant K channel can make SQNR rank scales backwards). This scores NLL and KL (the steadier on few tokens)
+one layer at a time, on the first `EvalOptions.layer_rows` rows; layers interact, so these need not add up.
 """
 
 from __future__ import annotations
@@ -21,29 +16,19 @@ import torch
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.hf.data import batches
 
-__all__ = ["LayerAlone", "OneLayer", "Passthrough", "layers_alone"]
-
-
-class Passthrough:
-    """An attention hook that leaves every layer's K/V as they are (the unquantised reference)."""
-
-    queries = False
-
-    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        return None
+__all__ = ["LayerAlone", "OneLayer", "layers_alone"]
 
 
 class OneLayer:
-    """`quantizer` on one layer's K/V only; every other layer unquantised."""
+    """An attention hook: `quantizer` on one layer's K/V only (`layer` None: on none, the unquantised reference)."""
 
     queries = False
 
-    def __init__(self, quantizer: KVQuantizer, layer: int) -> None:
-        self.quantizer = quantizer
-        self.layer = layer
+    def __init__(self, quantizer: KVQuantizer | None, layer: int | None) -> None:
+        self.quantizer, self.layer = quantizer, layer
 
-    def observe(self, layer_idx: Any, key: torch.Tensor,
-                value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.quantizer.observe(layer_idx, key, value) if layer_idx == self.layer else None
 
 
@@ -60,10 +45,7 @@ class LayerAlone:
 
 def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_size: int, pad: int,
                  device: torch.device, quantizers: dict[str, KVQuantizer]) -> dict[str, list[LayerAlone | None]]:
-    """name -> per layer, the model's ΔNLL and KL on `sequences` with only that layer quantised.
-
-    FP8-attention configurations (Q quantised too, the attention run on FP8 values) get None: their
-    per-layer cost is not the KV cache's."""
+    """name -> per layer, ΔNLL and KL with only that layer quantised (FP8-attention configurations: None)."""
     kv_only = {name: q for name, q in quantizers.items() if not q.fp8_attention}
     num_layers = next(iter(quantizers.values())).num_layers
     sums = {name: torch.zeros(num_layers, 2, dtype=torch.float64) for name in kv_only}  # [layer, (nll, kl)]
@@ -72,7 +54,7 @@ def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_
         input_ids, mask = input_ids.to(device), mask.to(device)
         scored = (mask[:, 1:] & mask[:, :-1]).bool()
         targets = input_ids[:, 1:, None]
-        base = log_probs(input_ids, mask, Passthrough())
+        base = log_probs(input_ids, mask, OneLayer(None, None))
         base_sum += (-base.gather(-1, targets)[..., 0][scored]).double().sum().item()
         count += int(scored.sum())
         for name, quantizer in kv_only.items():

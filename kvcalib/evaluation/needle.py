@@ -1,30 +1,21 @@
 """eval --context L --needle: does the model still find a fact deep in a long prompt when its cache is FP8?
 
-The passkey retrieval test (Mohtashami & Jaggi 2023, "Landmark Attention"), built from the held-out
-text itself, no dataset: for each length L and depth d, a haystack of held-out tokens gets a
-sentence with a random 6-digit key placed at d of its length (at the line break before that point
-when one is near), and a question after it that the model answers by greedy decoding. A trial is
-found when the key's digits are in the first ANSWER_TOKENS decoded tokens.
+The passkey retrieval test (Mohtashami & Jaggi 2023, "Landmark Attention") on the held-out text: for each length L
+and depth d, a sentence with a random 6-digit key at d of a haystack (at a line break when one is near), then a
+question; a trial is found when the key's digits are in the first ANSWER_TOKENS greedy tokens.
 
-The order of work follows the chip. On Neuron (trn2, trn3) the prefill ("context encoding") attends
-to the K/V it has just computed, in bf16, and writes them to the FP8 cache; only decoding ("token
-generation") reads the cache (neuronx_distributed_inference/modules/attention/attention_base.py: the
-context-encoding path takes Q, K, V as computed, the token-generation path the K/V cache manager's
-past K/V). So one unquantised prefill serves every scale set: each gets its own cache holding the
-prefill's K/V as the target stores them, and decodes from the same first token. On GPU, vLLM's
-FlashAttention backend writes K/V to the cache first and attends from it
-(vllm/v1/attention/backends/flash_attn.py), so prefill reads FP8 as well: one prefill per scale set.
-
-Per length and scale set: keys found of trials, by depth too, and the paired difference from the
-unquantised cache's rate with its bootstrap interval over trials (each trial runs under every scale
-set, so the comparison is paired); the rate's own interval is Wilson's.
+The order of work follows the chip. Neuron's prefill attends to the K/V it has just computed (bf16) and writes them
+to the FP8 cache; only decoding reads the cache (neuronx_distributed_inference/modules/attention/attention_base.py),
+so one unquantised prefill fills every scale set's cache. vLLM's FlashAttention backend writes K/V to the cache first
+and attends from it (vllm/v1/attention/backends/flash_attn.py): on GPU, one prefill per scale set. Per length and
+scale set: keys found (by depth too; Wilson interval) and the paired bootstrap difference from the unquantised cache.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +30,7 @@ from kvcalib.hf.attention import FanOutCache, QuantizingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
 
 __all__ = ["ANSWER_TOKENS", "BASELINE", "DEPTHS", "NEEDLE", "QUESTION", "NeedleResult", "NeedleRow", "Trial",
-           "evaluate_needle", "found", "insertion_point", "line_breaks", "needle_prompts", "prefill_reads_fp8"]
+           "evaluate_needle", "found", "insertion_point", "line_breaks", "needle_prompts"]
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 NEEDLE = "\n\nRemember this: the magic number is {key}. The magic number is {key}.\n\n"
@@ -49,11 +40,6 @@ SNAP = 64  # a line break at most this many tokens before the depth's position t
 BASELINE = "unquantised"
 MIN_HAYSTACK = 16  # tokens of held-out text a prompt must hold besides the needle and the question
 DEFAULT_KEYS = 4  # trials per length x depth when --num-samples is not given
-
-
-def prefill_reads_fp8(target: str) -> bool:
-    """Whether the chip's prefill attends to the FP8 cache (GPU and CPU vLLM) or to the fresh K/V (Neuron)."""
-    return not fp8.get_target(target).neuron
 
 
 @dataclass(frozen=True)
@@ -77,8 +63,7 @@ class Trial:
 
 
 def found(key: str, answer: str) -> bool:
-    """The key's digits, in order and whole, among the answer's first characters (spaces between digits
-    ignored: some tokenizers decode digits one by one)."""
+    """The key's digits, in order and whole, in the answer (spaces ignored: some tokenizers split digits)."""
     return key in "".join(answer.split())
 
 
@@ -128,8 +113,7 @@ class NeedleResult:
 
 
 def insertion_point(stream: list[int], start: int, at: int, breaks: set[int]) -> int:
-    """Where in stream[start:] the needle goes for a target index `at` (relative to start): just after the
-    last line-break token within SNAP tokens before it, else `at` itself."""
+    """Where in stream[start:] the needle goes for index `at`: after a line break within SNAP tokens before it."""
     for back in range(min(SNAP, at)):
         if stream[start + at - back - 1] in breaks:
             return at - back
@@ -143,8 +127,7 @@ def line_breaks(stream: list[int], tokenizer: Any) -> set[int]:
 
 def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length: int, depths: tuple[float, ...],
                    keys: int, seed: int, breaks: set[int] | None = None) -> list[tuple[Trial, list[int]]]:
-    """keys trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question
-    (`breaks`: line_breaks of the stream, when the caller has them)."""
+    """`keys` trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question."""
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     breaks = line_breaks(stream, tokenizer) if breaks is None else breaks
     rng = random.Random(f"{seed}-{length}")
@@ -153,12 +136,11 @@ def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length:
         for _ in range(keys):
             key = str(rng.randint(100000, 999999))
             needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
-            body = length - len(prefix) - len(needle) - len(question)
+            fixed = len(prefix) + len(needle) + len(question)
+            body = length - fixed
             if body < MIN_HAYSTACK:
-                raise UsageError(f"--context {length} --needle: too short for the needle and the question "
-                                 f"({len(prefix) + len(needle) + len(question)} tokens) and a haystack",
-                                 hint=f"pass lengths of {len(prefix) + len(needle) + len(question) + MIN_HAYSTACK} "
-                                      "or more")
+                raise UsageError(f"--context {length} --needle: too short for the needle and the question ({fixed} "
+                                 "tokens) and a haystack", hint=f"pass lengths of {fixed + MIN_HAYSTACK} or more")
             if len(stream) < body:
                 raise DatasetError(f"{len(stream)} tokens of held-out text, too few for one haystack of {body} "
                                    f"(--context {length} --needle)",
@@ -191,12 +173,10 @@ def _prefill(model: torch.nn.Module, ids: list[int], cache: Any, device: torch.d
 
 def answer(model: torch.nn.Module, ids: list[int], quantizers: dict[str, Any], reads_fp8: bool,
            device: torch.device) -> dict[str, list[int]]:
-    """Each run's greedy answer to one prompt: the baseline, then every scale set (see the module docstring for
-    the order of prefill and decode)."""
+    """Each run's greedy answer to one prompt: the baseline, then every scale set (order: module docstring)."""
     config = model.config
     if reads_fp8:
-        runs = {BASELINE: QuantizingCache(config, None),
-                **{n: QuantizingCache(config, q) for n, q in quantizers.items()}}
+        runs = {name: QuantizingCache(config, q) for name, q in {BASELINE: None, **quantizers}.items()}
         return {name: _greedy(model, cache, _prefill(model, ids, cache, device), device)
                 for name, cache in runs.items()}
     children = {name: QuantizingCache(config, q) for name, q in quantizers.items()}
@@ -235,19 +215,17 @@ def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: tuple[int, ..
                          hint=f"pass --num-samples 1 or more (default {DEFAULT_KEYS} with --needle)")
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
     breaks = line_breaks(long.stream, long.tokenizer)
-    prompts = [p for length in lengths for p in needle_prompts(long.stream, long.prefix, long.tokenizer, length, DEPTHS,
-                                                               keys, opts.seed, breaks)]
+    prompts = [p for length in lengths for p in needle_prompts(long.stream, long.prefix, long.tokenizer, length,
+                                                               DEPTHS, keys, opts.seed, breaks)]
     model = long.load_model(opts, notify)
-    weights, reads_fp8 = Float32Weights(), prefill_reads_fp8(opts.target)
+    weights, reads_fp8 = Float32Weights(), not fp8.get_target(opts.target).neuron  # GPU/CPU vLLM: prefill reads FP8
     trials, done, total = [], 0, sum(len(ids) for _, ids in prompts)
     for n, (trial, ids) in enumerate(prompts):
         notify(Progress(f"needle {trial.length}", n, len(prompts), done, total))
         with compute_path(long.compute, weights):
             answers = answer(model, ids, long.quantizers, reads_fp8, long.run.device)
-        trials.append(Trial(trial.length, trial.depth, trial.key, trial.offset, trial.position,
-                            {name: long.tokenizer.decode(tokens) for name, tokens in answers.items()}))
+        trials.append(replace(trial, answers={name: long.tokenizer.decode(t) for name, t in answers.items()}))
         done += len(ids)
-    return NeedleResult(checkpoint=str(checkpoint), target=opts.target,
-                        prefill="FP8 cache (GPU vLLM)" if reads_fp8 else "fresh K/V (Neuron)", depths=DEPTHS,
-                        rows=summarise(trials, [BASELINE, *long.quantizers], DEPTHS), trials=tuple(trials),
-                        seconds=time.perf_counter() - started)
+    return NeedleResult(str(checkpoint), opts.target, "FP8 cache (GPU vLLM)" if reads_fp8 else "fresh K/V (Neuron)",
+                        DEPTHS, summarise(trials, [BASELINE, *long.quantizers], DEPTHS), tuple(trials),
+                        time.perf_counter() - started)

@@ -1,15 +1,9 @@
 """eval: predict FP8-KV accuracy on CPU (or GPU) with the target chip's own numerics.
 
-The checkpoint's model runs over held-out text twice or more per batch: once with an
-unquantised KV cache (the baseline), then once per scale configuration with K and V
-quantised exactly as the chip stores them (kvcalib.core.fp8.fake_quantize through the attention
-hook of kvcalib.hf.attention). Teacher-forced: every token attends to the quantised K/V of all
-earlier tokens, as in decoding from an FP8 cache. Per-layer figures (SQNR, saturation) are
-measured on the unquantised pass's K/V, so each is its own layer's quantiser's.
-
-Metrics against the baseline, over real (non-padding) next-token predictions: mean NLL and
-perplexity, ΔNLL, mean KL(baseline || quantised), top-1 agreement; per layer, the SQNR of K
-and V and the fraction of elements that saturated.
+Each batch of held-out text runs once with an unquantised KV cache (the baseline) and once per scale configuration
+with K/V quantised as the chip stores them (fp8.fake_quantize through kvcalib.hf.attention's hook), teacher-forced
+as decoding from an FP8 cache. Against the baseline, over real next-token predictions: NLL, ΔNLL, KL, top-1
+agreement; per layer, measured on the unquantised pass's K/V: SQNR and saturation.
 """
 
 from __future__ import annotations
@@ -31,12 +25,7 @@ from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
-from kvcalib.evaluation.emulate import (
-    KVErrorMeter,
-    KVQuantizer,
-    LayerQuantStats,
-    is_per_head,
-)
+from kvcalib.evaluation.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats, is_per_head
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.layers import LayerAlone, layers_alone
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
@@ -44,17 +33,8 @@ from kvcalib.evaluation.scales import ScaleSet, read_scale_set, unit_scale_set
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
-from kvcalib.hf.model import (
-    PreparedRun,
-    faithful_attention,
-    load_model,
-    load_tokenizer,
-    num_layers,
-    pad_id,
-    prepare_run,
-    resolve_compute,
-    resolve_target,
-)
+from kvcalib.hf.model import (PreparedRun, faithful_attention, load_model, load_tokenizer, num_layers, pad_id,
+                              prepare_run, resolve_compute, resolve_target)
 from kvcalib.hf.samples import AttentionSampler, sample_sequences
 
 __all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate", "prepare_scales"]
@@ -83,16 +63,12 @@ class RunResult:
         return self.intervals[0]
 
     @property
-    def delta_accuracy_interval(self) -> Interval | None:
-        return self.intervals[1]
-
-    @property
     def k_clipped(self) -> float:
-        return _mean(layer.k_clipped for layer in self.layers)
+        return sum(s.k_clipped for s in self.layers) / max(len(self.layers), 1)
 
     @property
     def v_clipped(self) -> float:
-        return _mean(layer.v_clipped for layer in self.layers)
+        return sum(s.v_clipped for s in self.layers) / max(len(self.layers), 1)
 
     def to_dict(self) -> dict[str, Any]:
         nll, accuracy = self.intervals
@@ -100,7 +76,7 @@ class RunResult:
                 "kl": self.kl, "top1": self.top1, "accuracy": self.accuracy,
                 "delta_nll_interval": None if nll is None else nll.to_dict(),
                 "delta_accuracy_interval": None if accuracy is None else accuracy.to_dict(),
-                "layers": [layer.to_dict() for layer in self.layers]}
+                "layers": [s.to_dict() for s in self.layers]}
 
 
 @dataclass(frozen=True)
@@ -120,19 +96,11 @@ class EvalResult:
     baseline_token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)  # as RunResult's
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "compute": self.compute,
-            "num_samples": self.num_samples, "num_tokens": self.num_tokens,
-            "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll),
-                         "accuracy": self.baseline_accuracy},
-            "runs": [r.to_dict() for r in self.runs], "seconds": round(self.seconds, 3), "plot": self.plot,
-            "layer_rows": self.layer_rows,
-        }
-
-
-def _mean(values: Any) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0
+        return {"checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "compute": self.compute,
+                "num_samples": self.num_samples, "num_tokens": self.num_tokens,
+                "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll),
+                             "accuracy": self.baseline_accuracy}, "runs": [r.to_dict() for r in self.runs],
+                "seconds": round(self.seconds, 3), "plot": self.plot, "layer_rows": self.layer_rows}
 
 
 @dataclass
@@ -143,22 +111,24 @@ class _Totals:
     kl: float = 0.0
     agree: float = 0.0
     count: int = 0
-    quantizer: KVQuantizer | None = field(default=None)
+    quantizer: KVQuantizer | None = None
     row_nll: list[float] = field(default_factory=list)  # per sequence: Σ NLL, correct top-1 predictions, tokens
     row_correct: list[float] = field(default_factory=list)
     row_tokens: list[int] = field(default_factory=list)
     token_nll: list[torch.Tensor] = field(default_factory=list)  # per row: its scored tokens' NLLs (float64)
 
-    def add(self, token_nll: torch.Tensor, correct: torch.Tensor, scored: torch.Tensor) -> None:
-        """One batch: per-token NLLs ([B, S-1]), per-row sums of correct predictions ([B] float64), scored tokens."""
+    def add(self, logp: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        """One batch's next-token log-probabilities [B, S-1, V] against `targets` [B, S-1]; returns the top-1."""
+        token_nll, top1 = -logp.gather(-1, targets[..., None])[..., 0], logp.argmax(-1)
         nll = _row_sums(token_nll, scored)
         self.nll += float(nll.sum())
         self.count += int(scored.sum())
         self.row_nll += nll.tolist()
-        self.row_correct += correct.tolist()
+        self.row_correct += _row_sums(top1 == targets, scored).tolist()
         self.row_tokens += scored.sum(dim=1).tolist()
         values, masks = token_nll.double().cpu(), scored.cpu()  # one transfer a batch
         self.token_nll += [row[mask] for row, mask in zip(values, masks)]
+        return top1
 
     def tokens(self) -> torch.Tensor:
         return torch.cat(self.token_nll) if self.token_nll else torch.zeros(0, dtype=torch.float64)
@@ -209,34 +179,31 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     baseline = _score(forward, data, opts.batch_size, pad_id(tokenizer), device, meter, totals, notify)
     base_nll_mean = baseline.nll / baseline.count
     alone = _layers_alone(forward, data, opts, pad_id(tokenizer), device, quantizers, notify)
-    runs = tuple(
-        RunResult(
-            name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
-            delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
-            layers=tuple(meter.layer_stats(name, alone.get(name))), kind=_kind(t.quantizer),
-            accuracy=sum(t.row_correct) / t.count, intervals=_intervals(t, baseline), token_nll=t.tokens(),
-        )
-        for name, t in totals.items()
-    )
+    runs = tuple(RunResult(name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
+                           delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
+                           layers=tuple(meter.layer_stats(name, alone.get(name))), kind=_kind(t.quantizer),
+                           accuracy=sum(t.row_correct) / t.count, intervals=_intervals(t, baseline),
+                           token_nll=t.tokens()) for name, t in totals.items())
     target = quantizers[CHECKPOINT].target
-    return EvalResult(
-        checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max,
-        num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
-        baseline_accuracy=sum(baseline.row_correct) / baseline.count,
-        runs=runs, seconds=time.perf_counter() - started, compute=compute.describe(),
-        layer_rows=min(opts.layer_rows, len(data.sequences)), baseline_token_nll=baseline.tokens(),
-    )
+    return EvalResult(checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max,
+                      num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
+                      baseline_accuracy=sum(baseline.row_correct) / baseline.count, runs=runs,
+                      seconds=time.perf_counter() - started, compute=compute.describe(),
+                      layer_rows=min(opts.layer_rows, len(data.sequences)), baseline_token_nll=baseline.tokens())
 
 
 def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> tuple[PreparedRun, dict[str, KVQuantizer],
                                                                       ComputePath]:
-    """The checkpoint read and checked, a quantiser per scale set (the checkpoint's, then --compare), the compute
-    path: everything eval checks before it reads data or loads the model (the numbers a user passes first)."""
+    """The checkpoint, a quantiser per scale set and the compute path: all eval checks before data or model."""
     opts.check_arguments()
     target = resolve_target(opts.target)
     run = prepare_run(checkpoint, opts)
     layers = _config_num_layers(run.checkpoint.config, run.checkpoint.root)
-    configs = _scale_configs(run.checkpoint.root, opts.compare, layers, target, run.checkpoint.config)
+    configs: dict[str, ScaleSet] = {}
+    for entry in (CHECKPOINT, *opts.compare):  # the checkpoint's own scales, then each --compare entry
+        if entry in configs:
+            raise UsageError(f"--compare {entry} given twice", hint="name each comparison once")
+        configs[entry] = scale_set(entry, run.checkpoint.root, layers, target, run.checkpoint.config)
     quantizers = _quantizers(configs, target, opts.fp8_attention)
     return run, quantizers, resolve_compute(opts.bf16_compute, run.dtype, run.checkpoint, run.device, opts.cpu)
 
@@ -269,12 +236,10 @@ def _score(forward: Callable[..., torch.Tensor], data: CalibrationData, batch_si
         meter.token_mask = None
         if meter.sampler is not None:
             meter.sampler.end_batch()
-        base_top1 = base_logp.argmax(-1)
-        baseline.add(-base_logp.gather(-1, targets[..., None])[..., 0], _row_sums(base_top1 == targets, scored), scored)
+        base_top1 = baseline.add(base_logp, targets, scored)
         for run in totals.values():
             logp = forward(input_ids, mask, run.quantizer)
-            top1 = logp.argmax(-1)
-            run.add(-logp.gather(-1, targets[..., None])[..., 0], _row_sums(top1 == targets, scored), scored)
+            top1 = run.add(logp, targets, scored)
             kl = (base_logp.exp() * (base_logp - logp)).sum(-1)
             run.kl += kl[scored].double().sum().item()
             run.agree += (top1 == base_top1)[scored].sum().item()
@@ -301,17 +266,6 @@ def _config_num_layers(config: dict[str, Any], where: Path) -> int:
         raise UsageError(f"{where}: config.json has no usable num_hidden_layers",
                          hint=f"run `kvcalib validate {where}`")
     return layers
-
-
-def _scale_configs(model_dir: Path, compare: tuple[str, ...], num_layers: int, target: fp8.Target,
-                   config: dict[str, Any]) -> dict[str, ScaleSet]:
-    """name -> its scales: the checkpoint's own, then each --compare entry (per tensor or per head)."""
-    configs = {CHECKPOINT: scale_set(CHECKPOINT, model_dir, num_layers, target, config)}
-    for entry in compare:
-        if entry in configs:
-            raise UsageError(f"--compare {entry} given twice", hint="name each comparison once")
-        configs[entry] = scale_set(entry, model_dir, num_layers, target, config)
-    return configs
 
 
 def scale_set(entry: str, model_dir: Path, num_layers: int, target: fp8.Target, config: dict[str, Any],

@@ -44,8 +44,7 @@ def _pyplot() -> Any:
 
 
 def plot_needle(result: Any, path: Path) -> Path:
-    """Write the needle probe's heatmaps (a `NeedleResult`), one per scale set: depth x length, the share of keys
-    found in each cell, as long-context papers draw them; atomically, to `path`."""
+    """Write the needle heatmaps (a NeedleResult), one per scale set: keys found by depth x length, atomically."""
     plt = _pyplot()
     path = check_plot_path(path)
     names = list(dict.fromkeys(row.name for row in result.rows))
@@ -77,37 +76,31 @@ def plot_eval(result: Any, path: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     path = check_plot_path(path)
-
     fig, axes = plt.subplots(4, 2, figsize=(12, 14))
     first = result.runs[0]
-    layers = [layer.layer for layer in first.layers]
+    layers = [s.layer for s in first.layers]
     for col, kind in enumerate(("k", "v")):
         ax = axes[0][col]
-        ax.plot(layers, [getattr(layer, f"{kind}_absmax") for layer in first.layers], "k-", lw=2,
+        ax.plot(layers, [getattr(s, f"{kind}_absmax") for s in first.layers], "k-", lw=2,
                 label=f"{kind.upper()} absmax")
         for run in result.runs:
-            ax.plot(layers, [getattr(layer, f"{kind}_clip_at") for layer in run.layers], "--",
+            ax.plot(layers, [getattr(s, f"{kind}_clip_at") for s in run.layers], "--",
                     label=f"clips above ({_label(run.name)})")
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"{kind.upper()}: absmax on the eval text vs where each configuration saturates")
         ax.legend(fontsize=7)
-        for row, (metric, title) in enumerate(((f"{kind}_sqnr_db", "SQNR (dB)"),
-                                               (f"{kind}_clipped", "fraction clipped")), start=1):
+        metrics = ((f"{kind}_sqnr_db", "SQNR (dB)"), (f"{kind}_clipped", "fraction clipped"))
+        for row, (metric, title) in enumerate(metrics, start=1):
             ax = axes[row][col]
             for run in result.runs:
-                values = [getattr(layer, metric) for layer in run.layers]
-                ax.plot(layers, [v if math.isfinite(v) else float("nan") for v in values], "o-", ms=3,
-                        label=_label(run.name))
+                ax.plot(layers, [_finite(getattr(s, metric)) for s in run.layers], "o-", ms=3, label=_label(run.name))
             ax.set_title(f"{kind.upper()} {title}")
             ax.legend(fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _query_and_summary(result, axes[3], layers)
-    fig.suptitle(
-        f"{result.checkpoint} on {result.target} (FP8 max {result.fp8_max:g}), {result.num_tokens:,} tokens: "
-        + ", ".join(f"{_label(r.name)} ΔNLL {r.delta_nll:+.4f}" for r in result.runs),
-        fontsize=9,
-    )
+    fig.suptitle(f"{result.checkpoint} on {result.target} (FP8 max {result.fp8_max:g}), {result.num_tokens:,} tokens: "
+                 + ", ".join(f"{_label(r.name)} ΔNLL {r.delta_nll:+.4f}" for r in result.runs), fontsize=9)
     fig.tight_layout()
     return _save(fig, plt, path)
 
@@ -133,8 +126,7 @@ def _query_and_summary(result: Any, axes: Any, layers: list[int]) -> None:
     ax = axes[0]
     for run in result.runs:
         if run.layers and run.layers[0].q_sqnr_db is not None:
-            ax.plot(layers, [layer.q_sqnr_db if math.isfinite(layer.q_sqnr_db) else float("nan")
-                             for layer in run.layers], "o-", ms=3, label=_label(run.name))
+            ax.plot(layers, [_finite(s.q_sqnr_db) for s in run.layers], "o-", ms=3, label=_label(run.name))
     ax.set_title("Q SQNR (dB), FP8 attention" if ax.lines else "Q: no FP8-attention run (eval --fp8-attention)")
     ax.set_xlabel("layer")
     if ax.lines:
@@ -150,6 +142,10 @@ def _query_and_summary(result: Any, axes: Any, layers: list[int]) -> None:
     ax.axhline(0, color="k", lw=0.5)
     ax.set_title("against the unquantised run: ΔNLL, KL (bars), top-1 agreement")
     ax.legend(fontsize=7)
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else float("nan")
 
 
 def _label(name: str) -> str:

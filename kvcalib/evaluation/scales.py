@@ -33,11 +33,9 @@ def unit_scale_set(num_layers: int) -> ScaleSet:
 
 
 def read_scale_set(ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_heads: int | None) -> ScaleSet:
-    """The checkpoint's model.layers.{i}.self_attn.{k,v,q}_scale: shape [1], or one per head.
-
-    Per-head Q is reduced as GPU vLLM's loader reduces it (the max over each KV head's group of query
-    heads, FlashAttention takes one q scale per KV head), then spread back over the query heads.
-    """
+    """The checkpoint's model.layers.{i}.self_attn.{k,v,q}_scale: shape [1], or one per head. Per-head Q is reduced
+    as GPU vLLM's loader does (max over each KV head's query group: FlashAttention takes one q scale per KV head),
+    then spread back over the query heads."""
     files = scan_checkpoint(ckpt_dir)
     found: dict[str, list[Scale]] = {"k": [], "v": [], "q": []}
     for kind, heads in (("k", kv_heads), ("v", kv_heads), ("q", q_heads)):

@@ -1,11 +1,8 @@
 """Is a difference from the unquantised cache real or noise? A paired bootstrap over items.
 
-Every item (a sequence of eval, a task's question) is scored twice, unquantised and quantised, so
-the two runs are paired: the interval is taken on per-item differences, resampled with
-replacement, items whole (tokens of one sequence are not independent). For a per-token mean
-(ΔNLL, top-1 accuracy) the statistic of a resample is Σ differences / Σ tokens of the chosen
-items (a ratio estimator), so long sequences weigh as much as their tokens. Percentile interval,
-2,000 resamples, a fixed seed: the same inputs always give the same interval.
+Each item (an eval sequence, a task's question) is scored unquantised and quantised: the interval is taken on
+per-item differences, items resampled whole with replacement. A per-token mean's resample statistic is Σ differences
+/ Σ tokens (a ratio estimator). Percentile interval, 2,000 resamples, a fixed seed: same inputs, same interval.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """eval --tasks: lm-eval-harness tasks under the target chip's FP8 KV numerics, paired against the baseline.
 
-For the unquantised baseline and every scale set (the checkpoint's, `--compare unit`, `--compare
-OTHER_CKPT`), lm-eval runs the same items with its own task definitions, prompts and metrics,
-through kvcalib.evaluation.harness.KvcalibLM (one model in memory, shared). Per task and metric:
-each run's score and, for metrics that are a mean over items (acc, acc_norm, exact_match, ...), a
-paired bootstrap interval of the difference against the baseline over the same items, with a
-verdict. A metric aggregated otherwise (perplexity, corpus BLEU) has no paired per-item form: it is
+lm-eval runs the same items for the unquantised baseline and every scale set, through harness.KvcalibLM (one model
+in memory). Per task and metric: each run's score and, for a mean over items (acc, exact_match, ...), a paired
+bootstrap interval of the difference from the baseline; a metric aggregated otherwise (perplexity, corpus BLEU) is
 reported without an interval, never with a made-up one.
 """
 
@@ -31,7 +28,6 @@ __all__ = ["BASELINE_NAME", "TaskOptions", "TaskResult", "TaskRow", "check_data"
            "require_lm_eval", "task_manager"]
 
 BASELINE_NAME = "baseline"
-EXTRA_HINT = "install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)"
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,8 @@ def require_lm_eval() -> Any:
     try:
         import lm_eval
     except ImportError:
-        raise UsageError("--tasks needs lm-eval-harness, which is not installed", hint=EXTRA_HINT) from None
+        raise UsageError("--tasks needs lm-eval-harness, which is not installed",
+                         hint="install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)") from None
     return lm_eval
 
 
@@ -100,7 +97,8 @@ def task_manager(options: TaskOptions) -> Any:
             raise UsageError(f"--task-data {options.task_data}: no tasks/ folder of task YAML there",
                              hint=f"lay it out with: python scripts/prepare_tasks.py {options.task_data}")
         folders.append(str(tasks_dir))
-    manager = _indexed(tuple(folders), tuple(_mtime(f) for f in folders), options.task_data is not None)
+    mtimes = tuple(os.stat(f).st_mtime_ns if os.path.exists(f) else -1 for f in folders)
+    manager = _indexed(tuple(folders), mtimes, options.task_data is not None)
     known = set(manager.all_tasks)
     for task in options.tasks:
         if task not in known:
@@ -111,17 +109,9 @@ def task_manager(options: TaskOptions) -> Any:
     return manager
 
 
-def _mtime(folder: str) -> int:
-    try:
-        return os.stat(folder).st_mtime_ns
-    except OSError:
-        return -1
-
-
 @functools.lru_cache(maxsize=4)
 def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> Any:
-    """lm-eval's TaskManager over its own tasks and `folders`: indexing every task YAML lm-eval ships takes seconds,
-    so one index serves every call with the same folders unchanged (`mtimes`: a file added or removed re-indexes)."""
+    """lm-eval's TaskManager over its own tasks and `folders`, indexed once (seconds) per folders and `mtimes`."""
     from lm_eval.tasks import TaskManager
 
     index_log = logging.getLogger("lm_eval.tasks._index")
@@ -135,15 +125,14 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
 
 
 def check_data(manager: Any, options: TaskOptions) -> None:
-    """Every task's data read once before any model loads: a task whose data cannot be read (offline, no copy)
-    is refused naming it and the way to supply it, instead of failing after the model has run."""
+    """Every task's data read before any model loads: one that cannot be read (offline, no copy) is refused."""
     for task in options.tasks:
         hub = _hub_dataset(manager, task)
         if hub is not None and not _offline_mode() and not _hub_reachable():
             raise UsageError(f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
                              hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` "
-                                  "and pass --task-data DIR; copies in the Hugging Face cache: "
-                                  "set HF_DATASETS_OFFLINE=1")
+                                  "and pass --task-data DIR; copies in the Hugging Face cache: set "
+                                  "HF_DATASETS_OFFLINE=1")
         try:
             loaded = manager.load([task])["tasks"]  # {name: Task}, every leaf of a group
         except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
@@ -160,8 +149,7 @@ def check_data(manager: Any, options: TaskOptions) -> None:
 
 
 def _fewshot_pool(task: Any) -> int:
-    """How many documents lm-eval can draw few-shot examples from (the evaluated one excluded where the pool is the
-    evaluated split)."""
+    """How many documents lm-eval can draw few-shot examples from (less the evaluated one, from its own split)."""
     docs = task.fewshot_docs()
     size = len(docs) if docs is not None else 0
     same = docs is not None and any(docs is getattr(task, f"{split}_docs")() for split in ("test", "validation"))
@@ -181,13 +169,13 @@ def _hub_dataset(manager: Any, task: str) -> str | None:
 
 
 def _offline_mode() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes")
+               for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
 @functools.cache
 def _hub_reachable(host: str = "huggingface.co") -> bool:
-    """A TCP connection to the hub within 3 s (once per process): where none is possible, a download would only
-    retry for half a minute before failing."""
+    """A TCP connection to the hub within 3 s (once per process); else a download would retry for half a minute."""
     try:
         with socket.create_connection((host, 443), timeout=3):
             return True
@@ -232,9 +220,8 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
 
 
 def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[dict[str, Any]]]],
-          results: dict[str, dict[str, Any]], names: list[str]) -> list[TaskRow]:
-    """Per metric and filter of `task`: the per-item values of each run, paired by (doc_id, filter); a metric
-    aggregated otherwise than by a mean over items gets lm-eval's own aggregate and no interval."""
+                results: dict[str, dict[str, Any]], names: list[str]) -> list[TaskRow]:
+    """Per metric and filter: runs paired by (doc_id, filter); a metric not a mean over items: no interval."""
     rows = []
     for spec in config.get("metric_list", []):
         metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
@@ -249,17 +236,16 @@ def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, 
             for name in names[1:]:
                 mine = {doc: v for (f, doc), v in per_run[name].items() if f == filter_name}
                 numeric = mean and all(isinstance(mine.get(d), float) and isinstance(base[d], float) for d in docs)
-                scores[name] = _mean([mine[d] for d in docs]) if numeric else _aggregate(results, name, task, metric,
-                                                                                          filter_name)
+                scores[name] = _mean([mine[d] for d in docs]) if numeric \
+                    else _aggregate(results, name, task, metric, filter_name)
                 intervals[name] = paired_bootstrap([mine[d] - base[d] for d in docs],
                                                    worse_if_higher=not higher_is_better) if numeric else None
-            baseline = _mean(list(base.values())) if mean else _aggregate(results, BASELINE_NAME, task, metric,
-                                                                          filter_name)
-            rows.append(TaskRow(task=task, metric=metric, filter=filter_name, items=len(docs),
-                                higher_is_better=higher_is_better, baseline=baseline,
-                                scores=scores, intervals=intervals,
-                                no_interval_reason="" if mean
-                                else f"aggregated by {aggregation}, not a mean over items"))
+            baseline = _mean(list(base.values())) if mean \
+                else _aggregate(results, BASELINE_NAME, task, metric, filter_name)
+            reason = "" if mean else f"aggregated by {aggregation}, not a mean over items"
+            rows.append(TaskRow(task=task, metric=metric, filter=filter_name, items=len(docs), baseline=baseline,
+                                higher_is_better=higher_is_better, scores=scores, intervals=intervals,
+                                no_interval_reason=reason))
     return rows
 
 
