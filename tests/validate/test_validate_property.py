@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checkpoints import PREFIX
+from checkpoints import neuron_platform
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,31 +92,7 @@ def platform_oracle(quantization_config: Any, neuron_config: Any) -> None:
         quant_method = quant_cfg.get("quant_method", "").lower()
         quant_method = quant_method.replace("compressed_tensors", "compressed-tensors")
         quant_cfg["quant_method"] = quant_method
-    neuron_config = neuron_config if isinstance(neuron_config, dict) else {}
-    if neuron_config.get("quantization") == "mxfp8":
-        return
-    if not quant_cfg:
-        return
-    quant_method = quant_cfg.get("quant_method")
-    if isinstance(quant_method, str) and "mx" in quant_method.lower():
-        raise ValueError(f"Neuron does not support MX quantization: quant_method={quant_method!r}.")
-    if quant_method == "fp8":
-        return
-    if quant_method != "compressed-tensors":
-        return
-    for group_name, group in quant_cfg.get("config_groups", {}).items():
-        if group.get("weights"):
-            raise ValueError(f"{PREFIX} Weight quantization in config_groups['{group_name}'] is not supported.")
-        if group.get("output_activations"):
-            raise ValueError(
-                f"{PREFIX} Output activation quantization in config_groups['{group_name}'] is not supported."
-            )
-        targets = group.get("targets", [])
-        if group.get("input_activations") and not any("Attention" in t for t in targets):
-            raise ValueError(
-                f"{PREFIX} Input activation quantization on non-attention targets in "
-                f"config_groups['{group_name}'] is not supported."
-            )
+    neuron_platform(quant_cfg, neuron_config)
 
 
 @settings(max_examples=500, deadline=None)
