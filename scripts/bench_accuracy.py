@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import provenance  # this folder is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -148,6 +150,7 @@ def main() -> None:
     for path in (calibration, held_out):
         if not path.exists():
             sys.exit(f"no {path}: python scripts/make_text_dataset.py {path.name} (see the README)")
+    print(provenance(), flush=True)
     started = time.perf_counter()
     for model in args.models:
         began = time.perf_counter()

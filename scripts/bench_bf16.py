@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_calibrate import DEFAULT_MODEL, REPO, child_env, default_dataset, require_model, run_measured  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
             "KVCALIB_CPU_FLAGS": "fpu sse2 avx avx2 fma"}
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--emulate-avx2", action="store_true", help="run every child as on an AVX2-only CPU")
     parser.add_argument("--with-native", action="store_true", help="also (d): bf16 with native bf16 matmuls")
     args = parser.parse_args()
+    print(provenance(), flush=True)
     require_model(args.model)
     with tempfile.TemporaryDirectory(prefix="kvcalib-bench-bf16-") as tmp:
         work = Path(tmp)

@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import provenance  # this folder is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = os.environ.get("KVCALIB_SMOLLM2") or str(REPO / ".cache" / "smollm2")
 RECIPE = REPO / "recipes" / "kv-fp8-trn2.yaml"
@@ -151,6 +153,7 @@ def main() -> None:
         (child_oneshot if args.child == "oneshot" else child_forward)(args)
         return
 
+    print(provenance(), flush=True)
     require_model(args.model)
     with tempfile.TemporaryDirectory(prefix="kvcalib-bench-") as tmp:
         work = Path(tmp)

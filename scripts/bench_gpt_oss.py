@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import provenance  # this folder is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
 SHAPE = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
@@ -236,6 +238,7 @@ def main() -> None:
         (child_calibrate if args.child == "calibrate" else child_forward)(args)
         return
 
+    print(provenance(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="kvcalib-gpt-oss-"))
     model, dataset = work / f"gpt-oss-120b-slice-{args.layers}", work / "fortunes.jsonl"
     if not (model / "config.json").exists():

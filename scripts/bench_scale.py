@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import provenance  # this folder is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
 
@@ -181,6 +183,7 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = parser.parse_args()
+    print(provenance(), flush=True)
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     root = Path(tempfile.mkdtemp(prefix="kvcalib-bench-scale-"))
     try:

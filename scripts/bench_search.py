@@ -34,6 +34,8 @@ import time
 import types
 from pathlib import Path
 
+from provenance import provenance  # this folder is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = os.environ.get("KVCALIB_SMOLLM2") or str(REPO / ".cache" / "smollm2")
 TUNED_FROM = "4ee64d5"  # the last commit with the tuned search
@@ -69,6 +71,7 @@ def main() -> None:
     parser.add_argument("--extrapolate", type=int, default=512, help="also print the shares at this many samples")
     parser.add_argument("--tuned-from", default=TUNED_FROM)
     args = parser.parse_args()
+    print(provenance(), flush=True)
 
     from kvcalib.calibration.options import CalibrateOptions
 

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from provenance import provenance  # this folder is on sys.path when run as a script
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcalib.core.fp8 import TARGETS, scale_from_absmax  # noqa: E402
@@ -165,6 +167,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, action="append", default=[],
                         help="also time the whole `kvcalib validate` process on this checkpoint (repeatable)")
     args = parser.parse_args()
+    print(provenance(), flush=True)
 
     base = Path(tempfile.mkdtemp(prefix="kvcalib-bench-", dir=args.dir))
     root = base / "ckpt"

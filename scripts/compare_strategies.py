@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from provenance import provenance  # this folder is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parent.parent
 KVCALIB = [sys.executable, "-m", "kvcalib"]
 CALIBRATIONS = {"trn2": ["--target", "trn2"], "trn3": ["--target", "trn3"], "gpu": ["--target", "gpu"],
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--no-base", action="store_true", help="the variants only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    print(provenance(), flush=True)
     calibration = dataset(REPO / ".cache" / "fortunes.jsonl", "fortunes")
     held_out = dataset(REPO / ".cache" / "tutorial.jsonl", "python-tutorial")
     models = [] if args.no_base else [args.model]

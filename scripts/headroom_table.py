@@ -26,6 +26,7 @@ from pathlib import Path
 
 from compare_strategies import KVCALIB, REPO, dataset, run  # this folder is on sys.path when run as a script
 from objective_table import size
+from provenance import provenance
 
 
 def calibrate(model: Path, out: Path, calibration: Path, calib: tuple[int, int], target: str,
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "out" / "headroom")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    print(provenance(), flush=True)
     calibration = dataset(REPO / ".cache" / "fortunes.jsonl", "fortunes")
     held_out = dataset(REPO / ".cache" / "tutorial.jsonl", "python-tutorial")
     for model in args.models:

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import provenance  # this folder is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -75,6 +77,7 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--bf16-compute", default="float32", choices=["native", "float32"])
     args = parser.parse_args()
+    print(provenance(), flush=True)
     target = fp8.get_target(args.target)
     tokenizer = load_tokenizer(args.model, False)
     data = load_calibration_data(args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len)

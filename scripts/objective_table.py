@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from compare_strategies import KVCALIB, REPO, dataset, run  # this folder is on sys.path when run as a script
+from provenance import provenance
 
 TARGETS = ("trn2", "trn3", "gpu")
 MARGIN = 0.01
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--bf16-compute", default="float32", choices=["auto", "native", "float32"])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    print(provenance(), flush=True)
     calibration = dataset(REPO / ".cache" / "fortunes.jsonl", "fortunes")
     held_out = dataset(REPO / ".cache" / "tutorial.jsonl", "python-tutorial")
     for model in args.models:

@@ -15,30 +15,16 @@ unquantised cache with its 95 % interval, headed by the command, the commit, the
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 from compare_strategies import KVCALIB, REPO, dataset, run  # this folder is on sys.path when run as a script
 from objective_table import size
+from provenance import provenance
 
 sys.path.insert(0, str(REPO))
 from kvcalib.core import fp8  # noqa: E402
-
-
-def provenance(argv: list[str]) -> str:
-    """Where the table comes from: the command, the commit, the date and the CPU (model, the flags that matter)."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "kvcalib"], capture_output=True, text=True, cwd=REPO).stdout
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-                 platform.processor())
-    flags = sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in cpuinfo})
-    return (f"`python scripts/served_table.py {' '.join(argv)}`; commit {commit.strip()}"
-            f"{' (kvcalib/ modified)' if dirty.strip() else ''}; {datetime.date.today()}; {model} ({' '.join(flags)})")
 
 
 def table(ckpt: Path, compare: list[Path], held_out: Path, rows: tuple[int, int], compute: str) -> str:
@@ -68,7 +54,7 @@ def main() -> None:
     parser.add_argument("--bf16-compute", default="auto", choices=["auto", "native", "float32"])
     args = parser.parse_args()
     held_out = dataset(REPO / ".cache" / "tutorial.jsonl", "python-tutorial")
-    print(provenance(sys.argv[1:]) + "; ΔNLL against the unquantised cache [95 % interval over rows]", flush=True)
+    print(provenance() + "; ΔNLL against the unquantised cache [95 % interval over rows]", flush=True)
     for i, ckpt in enumerate(args.checkpoints):
         others = args.compare[i:i + 1] if len(args.compare) == len(args.checkpoints) else args.compare
         print("\n" + table(ckpt, others, held_out, args.held_out, args.bf16_compute), flush=True)
