@@ -1,0 +1,47 @@
+"""The documents a newcomer reads: short, without history, their links and commands real, --help readable at 80."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "scripts").glob("*.md")),
+        *sorted((REPO / "recipes").glob("*.md"))]
+DIARY = re.compile(r"this session|last session|measured and not kept|an hour later|found on the way|"
+                   r"\bwas [0-9.,]+ ?s\b", re.IGNORECASE)
+
+
+def test_the_readme_fits_in_300_lines_and_opens_with_the_two_commands():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 300
+    opening = "\n".join(lines[:6])
+    for script in ("scripts/demo.sh", "scripts/test.sh"):
+        assert f"bash {script}" in opening and (REPO / script).is_file()
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_diary_and_every_relative_link_resolves(doc):
+    text = doc.read_text()
+    assert not DIARY.findall(text), f"{doc.name}: history belongs in the closing note, not the docs"
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" not in target:
+            assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
+
+
+@pytest.mark.parametrize("command", ["calibrate", "eval", "serve-check", "validate"])
+def test_help_is_readable_at_80_columns(command):
+    env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80", "NO_COLOR": "1"}
+    env.pop("FORCE_COLOR", None)
+    out = subprocess.run([sys.executable, "-m", "kvcalib", command, "--help"], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    assert "…" not in out  # no option name or help cut off
+    assert max(len(line) for line in out.splitlines()) <= 80
+    if command == "calibrate":
+        for choices in ("trn2|trn3|gpu", "attention|absmax"):
+            assert choices in out.replace("\n", "")  # --target and --scale-objective list their choices
