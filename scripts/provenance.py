@@ -1,6 +1,6 @@
 """The line a benchmark prints above its table: the command, the commit, the date and the CPU.
 
-scripts/BENCHMARKS.md quotes it under each table, so a figure always says where it came from:
+scripts/BENCHMARKS.md quotes it with each table, so a figure always says where it came from:
 
     from provenance import provenance  # scripts/ is on sys.path when a script there runs
     print(provenance())
