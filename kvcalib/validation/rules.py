@@ -48,7 +48,7 @@ _ROWS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
         ("SCALE-UNREADABLE", ERROR, "the scale's bytes cannot be read", _NEURON),
         ("SCALE-IMPLAUSIBLE", WARNING, "above 64 (|x| <= 1 becomes an FP8 subnormal) or below 1e-6", _NEURON),
         ("SCALE-DTYPE", WARNING, "not float32", _NEURON),
-        ("SCALE-UNCALIBRATED", WARNING, "every scale is exactly 1.0", _OURS),
+        ("SCALE-UNCALIBRATED", WARNING, "every scale is exactly 1.0 (the same as none)", _NEURON),
         ("SCALE-NONE", "warning; error when a kv_cache_scheme is declared", "no KV scales at all", _NEURON),
         ("SCALE-NO-KV-SCHEME", _NOT_GPU, "scales but no kv_cache_scheme (GPU vLLM does not load them)", _GPU),
         ("SCALE-LAYER-COUNT", WARNING, "no usable num_hidden_layers: checks the layers the scales name", _NEURON),
