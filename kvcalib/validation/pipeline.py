@@ -14,8 +14,7 @@ from kvcalib.core.checkpoint import read_config
 from kvcalib.core.errors import UnknownTargetError
 from kvcalib.core.fp8 import DEFAULT_TARGET, get_target
 from kvcalib.core.schema import ATTN_HEAD
-from kvcalib.validation.config import (declared_kv_cache_scheme, llama_gate, neuron_quantization_verdict,
-                                       portability_findings)
+from kvcalib.validation.config import llama_gate, neuron_quantization_verdict, portability_findings
 from kvcalib.validation.files import scan_for_validation
 from kvcalib.validation.heads import attention_group_findings, query_findings
 from kvcalib.validation.provenance import outlier_findings, range_findings, token_findings
@@ -44,8 +43,7 @@ def validate_checkpoint(path: Path, target: str = DEFAULT_TARGET, *, strict: boo
     first = verdict if verdict is not None else llama_gate(config)
     findings: list[Finding] = [] if first is None else [first]
     scan, integrity = scan_for_validation(root)
-    scheme_declared = declared_kv_cache_scheme(config) is not None
-    scales, check = scale_findings(config, scan, scheme_declared, target)
+    scales, check = scale_findings(config, scan, target)
     findings += scales + integrity
     findings += range_findings(scan, check, target)
     findings += outlier_findings(config, scan, check.values, check.prefix, target)

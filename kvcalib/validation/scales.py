@@ -46,12 +46,11 @@ def _layers_prefix(keys: list[str]) -> str:
     return NEURON_LAYERS_PREFIX
 
 
-def scale_findings(
-    config: dict[str, Any], scan: CheckpointFiles, scheme_declared: bool, target: str
-) -> tuple[list[Finding], ScaleCheck]:
+def scale_findings(config: dict[str, Any], scan: CheckpointFiles, target: str) -> tuple[list[Finding], ScaleCheck]:
     """SCALE-*: every layer's k_scale and v_scale, under the exact name Neuron reads."""
     findings: list[Finding] = []
     scheme = declared_kv_cache_scheme(config)
+    scheme_declared = scheme is not None
     check = ScaleCheck(prefix=_layers_prefix(sorted(scan.key_files)), target=target, heads=head_counts(config),
                        per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD)
     own, foreign = _sort_scale_keys(scan, check)
