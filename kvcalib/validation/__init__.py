@@ -1,2 +1,2 @@
 """The validate job: the Neuron platform's quantization-config rules, exactly, and the failures it lets through
-(pipeline.py; report.py holds the findings). The public function is kvcalib.validate (kvcalib/api.py)."""
+(pipeline.py; report.py: the findings; rules.py: every code). The public function is kvcalib.validate (api.py)."""

@@ -1,5 +1,5 @@
-"""Rules 1, 2 and 6 of `kvcalib validate`, over config.json alone: the Neuron platform's validator, the Llama
-model's gate, portability of the compressed-tensors config. Works on raw JSON values of any type; never raises."""
+"""validate's rules over config.json alone: the Neuron platform's validator (NEURON-QCFG-*), the Llama gate,
+the portability of compressed-tensors configs (PORT-*, KV-OBSERVER). Takes raw JSON values of any type; never raises."""
 
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def llama_gate(config: dict[str, Any]) -> Finding | None:
         return None
     qc = vllm_quantization_config(qc)
     if not isinstance(qc, dict):
-        return None  # vLLM fails first; rule 1 reports it
+        return None  # vLLM fails first; NEURON-QCFG-MALFORMED reports it
     method = qc["quant_method"]
     if method in LLAMA_METHODS:
         return None
@@ -216,7 +216,7 @@ def declared_kv_cache_scheme(config: dict[str, Any]) -> Any:
 
 
 def portability_findings(config: dict[str, Any], target: str, scales_present: bool) -> list[Finding]:
-    """Rule 6: what GPU vLLM and compressed-tensors need, and what Neuron ignores."""
+    """PORT-*: what GPU vLLM and compressed-tensors need, and what Neuron ignores."""
     findings: list[Finding] = []
     qc, cc = config.get("quantization_config"), config.get("compression_config")
     cc_method = cc.get("quant_method", "") if isinstance(cc, dict) else None

@@ -1,5 +1,5 @@
-"""Rule 4 of `kvcalib validate`, checkpoint integrity as both Neuron loader variants see it: one globs every
-top-level `*.safetensors` file, the other reads only the index's `weight_map`. Headers and index only; never raises."""
+"""Checkpoint integrity (CKPT-*) as both Neuron loader variants see it: one globs every top-level `*.safetensors`
+file, the other reads only the index's `weight_map`. Headers and index only; never raises."""
 
 from __future__ import annotations
 
@@ -7,26 +7,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kvcalib.core.checkpoint import CheckpointFiles, read_json, scan_checkpoint
-from kvcalib.core.errors import KvcalibError
-from kvcalib.core.schema import INDEX_FILENAME, PROVENANCE_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key
+from kvcalib.core.checkpoint import CheckpointFiles, scan_checkpoint
+from kvcalib.core.schema import INDEX_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key
 from kvcalib.validation.report import ERROR, WARNING, Finding, short_repr
 
-__all__ = ["read_provenance", "scan_for_validation"]
+__all__ = ["scan_for_validation"]
 
 _EXAMPLES = 3
-
-
-def read_provenance(scan: CheckpointFiles) -> dict[str, Any] | None:
-    """kvcalib_calibration.json as an object; None when absent or unreadable (scales.py reports a malformed one)."""
-    path = scan.root / PROVENANCE_FILENAME
-    if not path.exists():
-        return None
-    try:
-        data = read_json(path, "kvcalib provenance")
-    except KvcalibError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _examples(keys: Iterable[str]) -> str:

@@ -1,9 +1,6 @@
-"""Per-head KV scales and Q scales (FP8 attention): what GPU vLLM reads, and what Neuron does not.
-
-Per-head K/V scales (strategy attn_head) are llm-compressor's `[kv_heads, 1, 1]`, which GPU vLLM's compressed-tensors
-loader flattens to `[num_kv_heads]` (FlashAttention only). `self_attn.q_scale` (the FP8-attention config group) is read
-by GPU vLLM: `[1]` per tensor, `[attention_heads, 1, 1]` per head; the Neuron plugin reads k_scale and v_scale only.
-"""
+"""Per-head KV scales and Q scales (FP8 attention): GPU vLLM's compressed-tensors loader flattens llm-compressor's
+per-head `[kv_heads, 1, 1]` K/V scales (strategy attn_head) to `[num_kv_heads]` (FlashAttention only) and reads
+`self_attn.q_scale`, `[1]` per tensor, `[attention_heads, 1, 1]` per head; Neuron reads k_scale and v_scale only."""
 
 from __future__ import annotations
 
@@ -16,12 +13,10 @@ from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import get_target
 from kvcalib.core.schema import (ATTN_HEAD, NEURON_ALT_LAYERS_PREFIX, NEURON_LAYERS_PREFIX, attention_groups,
                                  head_counts, is_attention_target, num_hidden_layers, parse_q_scale_key)
+from kvcalib.validation.config import QCFG_LOCATION
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding
 
 __all__ = ["attention_group_findings", "per_head_findings", "query_findings"]
-
-_QCFG = "config.json:quantization_config"
-
 
 def per_head_findings(header: checkpoint.SafetensorsHeader, key: str, kind: str, expected: int | None,
                       location: str) -> tuple[list[Finding], list[float] | None]:
@@ -73,7 +68,7 @@ def attention_group_findings(config: dict[str, Any], target: str) -> list[Findin
         "FP8-attention group only with exactly one target whose name ends in 'Attention', and otherwise "
         "treats it as a linear-layer scheme",
         "one group per attention class, e.g. {\"targets\": [\"LlamaAttention\"], \"input_activations\": {...}}",
-        f"{_QCFG}.config_groups.{name}") for name, targets in declared_attention_groups(config)
+        f"{QCFG_LOCATION}.config_groups.{name}") for name, targets in declared_attention_groups(config)
         if not (len(targets) == 1 and is_attention_target(targets[0]))]
 
 
@@ -98,7 +93,7 @@ def query_findings(config: dict[str, Any], scan: CheckpointFiles, target: str, s
             findings.append(Finding(
                 "SCALE-Q-MISSING", WARNING, f"quantization_config declares FP8 attention but layer(s) {missing[:8]}"
                 f"{cut} have no self_attn.q_scale: GPU vLLM quantises their Q with scale 1.0",
-                "recalibrate with kvcalib calibrate --attention-scales", _QCFG))
+                "recalibrate with kvcalib calibrate --attention-scales", QCFG_LOCATION))
     expected = head_counts(config)["q"] if strategy == ATTN_HEAD else 1
     for key in keys.values():
         header = scan.header_of(key)

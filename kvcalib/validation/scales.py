@@ -1,34 +1,30 @@
-"""Rules 3 and 5 of `kvcalib validate`: the scales Neuron will read, and the FP8 range they were sized for.
-Only the scale tensors are read (a few bytes each); nothing here raises on anything a checkpoint can hold."""
+"""The scales Neuron will read (SCALE-*): every layer's k_scale and v_scale, under the exact name it reads. Only the
+scale tensors are read (a few bytes each); nothing here raises on anything a checkpoint can hold."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcalib.core import checkpoint
-from kvcalib.core.checkpoint import CheckpointFiles, read_json
+from kvcalib.core.checkpoint import CheckpointFiles
 from kvcalib.core.errors import KvcalibError
-from kvcalib.core.fp8 import (DEFAULT_TARGET, SCALE_FLOOR, SCALE_ROUNDING_TOLERANCE, TARGETS, bf16_reciprocal_ok,
-                               get_target, implied_fp8_max)
-from kvcalib.core.schema import (ATTN_HEAD, KV_KINDS, NEURON_ALT_LAYERS_PREFIX, NEURON_LAYERS_PREFIX,
-                                 PROVENANCE_FILENAME, PROVENANCE_METADATA_KEY, head_counts, neuron_scale_key,
-                                 num_hidden_layers, parse_foreign_scale_key, parse_neuron_scale_key)
-from kvcalib.validation.clips import clipped_unscored, finite_number, provenance_kind
-from kvcalib.validation.config import declared_kv_cache_scheme
+from kvcalib.core.fp8 import DEFAULT_TARGET, TARGETS, bf16_reciprocal_ok, get_target
+from kvcalib.core.schema import (ATTN_HEAD, KV_KINDS, NEURON_ALT_LAYERS_PREFIX, NEURON_LAYERS_PREFIX, head_counts,
+                                 neuron_scale_key, num_hidden_layers, parse_foreign_scale_key, parse_neuron_scale_key)
+from kvcalib.validation.config import QCFG_LOCATION, declared_kv_cache_scheme
 from kvcalib.validation.heads import per_head_findings
-from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
+from kvcalib.validation.report import ERROR, WARNING, Finding
 
-__all__ = ["ScaleCheck", "range_findings", "scale_findings"]
+__all__ = ["LARGEST_FP8_MAX", "ScaleCheck", "scale_findings"]
 
 _SCALAR_CRASH = "IndexError: slice() cannot be applied to a 0-dim tensor."
 
 
 @dataclass
 class ScaleCheck:
-    """What rule 3 learned, for rule 5: the layer prefix and every well-formed scale's value."""
+    """What the scale rules learned, for provenance.py: the layer prefix and every well-formed scale's value."""
 
     prefix: str = NEURON_LAYERS_PREFIX
     values: dict[str, float] = field(default_factory=dict)
@@ -50,12 +46,11 @@ def _layers_prefix(keys: list[str]) -> str:
     return NEURON_LAYERS_PREFIX
 
 
-def scale_findings(
-    config: dict[str, Any], scan: CheckpointFiles, scheme_declared: bool, target: str
-) -> tuple[list[Finding], ScaleCheck]:
-    """Rule 3: every layer's k_scale and v_scale, under the exact name Neuron reads."""
+def scale_findings(config: dict[str, Any], scan: CheckpointFiles, target: str) -> tuple[list[Finding], ScaleCheck]:
+    """SCALE-*: every layer's k_scale and v_scale, under the exact name Neuron reads."""
     findings: list[Finding] = []
     scheme = declared_kv_cache_scheme(config)
+    scheme_declared = scheme is not None
     check = ScaleCheck(prefix=_layers_prefix(sorted(scan.key_files)), target=target, heads=head_counts(config),
                        per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD)
     own, foreign = _sort_scale_keys(scan, check)
@@ -151,7 +146,7 @@ def _whole_set_findings(check: ScaleCheck, own: dict[tuple[int, str], str], n_la
             "does not load them and runs FP8 KV with scales 1.0 (Neuron reads them with "
             "--kv-cache-dtype fp8)",
             "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
-            "config.json:quantization_config"))
+            QCFG_LOCATION))
     return findings
 
 
@@ -229,6 +224,7 @@ def _many_values(key: str, shape: tuple[int, ...], per_head: bool, location: str
 # Bounds outside which no real K or V needs the scale (above 2^6, |x| <= 1 falls below E4M3's smallest normal).
 IMPLAUSIBLY_LARGE_SCALE = 64.0
 IMPLAUSIBLY_SMALL_SCALE = 1e-6
+LARGEST_FP8_MAX = max(t.fp8_max for t in TARGETS.values())  # OCP E4M3FN's 448: llm-compressor's and GPU vLLM's
 
 
 def _implausible(key: str, value: float, location: str) -> list[Finding]:
@@ -238,127 +234,7 @@ def _implausible(key: str, value: float, location: str) -> list[Finding]:
         why = (f"above {IMPLAUSIBLY_LARGE_SCALE:g}, every K/V value of magnitude 1 or less becomes an FP8 "
                "subnormal (x / s < 2^-6) and loses its precision")
     else:
-        why = (f"below {IMPLAUSIBLY_SMALL_SCALE:g}, it is sized for an absmax under {value * _LARGEST_MAX:.3g}, and "
+        why = (f"below {IMPLAUSIBLY_SMALL_SCALE:g}, it is sized for an absmax under {value * LARGEST_FP8_MAX:.3g}, and "
                "every larger value saturates (a layer that saw only zeros while calibrating gets such a floor)")
     return [Finding("SCALE-IMPLAUSIBLE", WARNING, f"{key} = {value:.3g}: no real K/V needs this scale; {why}",
                     "recalibrate it (kvcalib calibrate), or check the tool that wrote it", location)]
-
-
-_LARGEST_MAX = max(t.fp8_max for t in TARGETS.values())  # OCP E4M3FN's 448: llm-compressor's and GPU vLLM's
-
-
-def _larger_convention(target: str) -> str:
-    """What scales sized for the largest FP8 max in the table do on `target`, when its max is smaller."""
-    own = TARGETS[target].fp8_max
-    if own >= _LARGEST_MAX:
-        return ""
-    return (f": scales sized as absmax/{_LARGEST_MAX:g} (llm-compressor, GPU vLLM) clip every value above "
-            f"{own:g}/{_LARGEST_MAX:g} ≈ {own / _LARGEST_MAX:.2f} of a layer's absmax on {target}")
-
-
-def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> list[Finding]:
-    """Rule 5: the FP8 max the scales were sized for, from kvcalib's provenance, against the target."""
-    if not check.present:
-        return []
-    findings: list[Finding] = []
-    sources = _provenance_sources(scan, check, findings)
-    if not sources:
-        return findings + [Finding("RANGE-UNKNOWN", INFO, "scales present, FP8 max unknown (no kvcalib provenance)"
-                                   + _larger_convention(target),
-                                   "recalibrate with kvcalib calibrate --target to be sure of the range")]
-    (where, provenance), *rest = sources
-    fp8_max = provenance.get("fp8_max")
-    for other_where, other in rest:
-        if other.get("fp8_max") != fp8_max:
-            findings.append(Finding(
-                "RANGE-PROVENANCE-DISAGREES", WARNING,
-                f"{where} says fp8_max {short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
-                "recalibrate to get one consistent record", where))
-    if finite_number(fp8_max) is None or fp8_max <= 0:
-        return findings + [_malformed_provenance(where, f"fp8_max is {short_repr(fp8_max)}, not a positive number")]
-    fp8_max = float(fp8_max)
-    target_max = TARGETS[target].fp8_max
-    calibrated_for = provenance.get("target")
-    sized = f"scales were sized for FP8 max {fp8_max:g}" + (
-        f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else "")
-    larger = fp8_max > target_max * (1 + 1e-6)
-    clipped = [] if larger else clipped_unscored(provenance, where, target)  # (a larger max is an error already)
-    if larger:
-        findings.append(Finding(
-            "RANGE-TARGET-MISMATCH", ERROR,
-            f"{sized}, but {target} saturates at {target_max:g}: values above "
-            f"{target_max:g}/{fp8_max:g} ≈ {target_max / fp8_max:.2f} of each layer's absmax clip",
-            f"recalibrate with kvcalib calibrate --target {target} "
-            "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)", where))
-    elif fp8_max < target_max * (1 - 1e-6) and not clipped:  # "safe" unless a clip was never scored there
-        findings.append(Finding(
-            "RANGE-TARGET-MISMATCH", INFO,
-            f"{sized}; {target} saturates at {target_max:g}: safe, using {fp8_max:g}/{target_max:g} "
-            f"≈ {fp8_max / target_max:.2f} of the FP8 range",
-            f"recalibrate with --target {target} for the full range", where))
-    return findings + clipped + _compare_layers(provenance, where, fp8_max, check)
-
-
-def _provenance_sources(scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]) -> list[tuple[str, dict]]:
-    sources: list[tuple[str, dict]] = []
-    path = scan.root / PROVENANCE_FILENAME
-    if path.exists():
-        try:
-            data = read_json(path, "kvcalib provenance")
-        except KvcalibError as exc:
-            findings.append(_malformed_provenance(PROVENANCE_FILENAME, exc.message))
-        else:
-            sources.append((PROVENANCE_FILENAME, data))
-    for name in sorted(check.files):
-        raw = (scan.headers[name].metadata or {}).get(PROVENANCE_METADATA_KEY)
-        if raw is None:
-            continue
-        where = f"{name}:__metadata__[{PROVENANCE_METADATA_KEY!r}]"
-        try:
-            sources.append((where, json.loads(raw)))
-        except (ValueError, RecursionError) as exc:
-            findings.append(_malformed_provenance(where, f"not valid JSON ({exc})"))
-    findings += [_malformed_provenance(where, "not a JSON object") for where, data in sources
-                 if not isinstance(data, dict)]
-    return [(where, data) for where, data in sources if isinstance(data, dict)]
-
-
-def _malformed_provenance(where: str, problem: str) -> Finding:
-    return Finding("RANGE-PROVENANCE-MALFORMED", WARNING, f"kvcalib provenance {where}: {problem}; FP8 max unknown",
-                   "recalibrate with kvcalib calibrate to rewrite it", where)
-
-
-def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCheck) -> list[Finding]:
-    layers = provenance.get("layers")
-    if layers is None:
-        return []
-    if not isinstance(layers, list):
-        return [_malformed_provenance(where, f"layers is {type(layers).__name__}, not a list")]
-    disagree: list[str] = []
-    for entry in layers:
-        layer = entry.get("layer") if isinstance(entry, dict) else None
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            continue
-        for kind in KV_KINDS:
-            key = neuron_scale_key(layer, kind, check.prefix)
-            actual = check.values.get(key)
-            record = provenance_kind(entry, kind)
-            recorded = finite_number(record.get("scale"))
-            # what the scale was sized for: the range the scale objective chose, else the absmax
-            absmax = finite_number(record.get("range", record.get("absmax")))
-            if actual is None:
-                continue
-            if recorded is not None and abs(recorded - actual) > 1e-5 * max(abs(recorded), abs(actual)):
-                disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
-            elif absmax is not None and absmax > 0 and actual > SCALE_FLOOR * 2:
-                implied = implied_fp8_max(absmax, actual)
-                # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
-                if abs(implied - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max:
-                    disagree.append(
-                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}")
-    if not disagree:
-        return []
-    return [Finding(
-        "RANGE-PROVENANCE-DISAGREES", WARNING,
-        f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
-        "the scales were edited after calibration; recalibrate, or trust neither", where)]

@@ -35,6 +35,7 @@ from kvcalib.core.schema import (
 from kvcalib.validation.report import Finding, ValidationReport
 from kvcalib.validation.config import neuron_quantization_verdict
 from kvcalib.validation.pipeline import validate_checkpoint
+from kvcalib.validation.rules import RULE
 
 # --- building calibrated checkpoints ------------------------------------------------------
 
@@ -446,6 +447,8 @@ CASES = [
 
 def assert_findings(report: ValidationReport, expected: tuple[tuple[str, str, str | None], ...]) -> None:
     got = sorted((f.rule, f.severity) for f in report.findings)
+    for f in report.findings:  # a code in the catalogue (kvcalib/validation/rules.py), at a severity it gives
+        assert f.rule in RULE and f.severity in RULE[f.rule].severity, f
     assert got == sorted((rule, severity) for rule, severity, _ in expected), report.findings
     for rule, _, message in expected:
         if message is not None:
