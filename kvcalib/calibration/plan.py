@@ -78,7 +78,7 @@ class CalibrationPlan:
         return not self.refusals
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("estimate", "kv_cache")}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "estimate"}
         out["refusals"] = list(self.refusals)
         out["estimate_seconds"] = None if self.estimate is None else self.estimate.to_dict()
         out["kv_cache"] = self.kv_cache and self.kv_cache.to_dict()

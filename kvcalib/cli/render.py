@@ -358,9 +358,11 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
     baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
     console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
-    if result.kv_capacity:
-        console.print("KV cache vLLM logged: " + "; ".join(f"{name} {_capacity(c)}" for name, c in
-                                                            result.kv_capacity.items()), soft_wrap=True, markup=False)
+    if result.kv_capacity:  # as vLLM logged it (serving.server.kv_capacity)
+        console.print("KV cache vLLM logged: " + "; ".join(
+            f"{name} not logged" if c["tokens"] is None else
+            f"{name} {c['tokens']:,} tokens ({_num(c['max_concurrency'], '.2f')}x --max-model-len requests)"
+            for name, c in result.kv_capacity.items()), soft_wrap=True, markup=False)
     if result.canary is not None or result.prediction is not None:
         render_variants(console, result)
     if result.tasks:
@@ -370,14 +372,6 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
     for failure in result.failures:
         console.print(f"[red]failed:[/] {escape(failure)}", soft_wrap=True)
     console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")
-
-
-def _capacity(logged: Any) -> str:
-    """One server's KV cache as vLLM logged it (serving.server.kv_capacity)."""
-    if logged.get("tokens") is None:
-        return "not logged"
-    times = logged.get("max_concurrency")
-    return f"{logged['tokens']:,} tokens" + ("" if times is None else f" ({times:.2f}x --max-model-len requests)")
 
 
 def render_served_tasks(console: Console, rows: Any) -> None:

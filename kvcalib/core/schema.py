@@ -89,8 +89,8 @@ KV_VALUE_BYTES = {"bf16": 2, "fp8": 1}
 
 @dataclass(frozen=True)
 class KvCacheSize:
-    """Bytes of KV cache per dtype: one token, and one max_position_embeddings-long sequence with every layer holding
-    every token (`windowed`: with sliding-window layers holding min(window, context) tokens; None: there are none)."""
+    """KV-cache bytes by dtype: a token, and a max_position_embeddings sequence with every layer holding every token
+    (`windowed`: with sliding-window layers holding min(window, context) tokens; None: no such layers)."""
 
     per_token: dict[str, int]
     context: int | None
@@ -103,16 +103,17 @@ class KvCacheSize:
         return asdict(self)
 
     def describe(self) -> str:
-        def gb(n: dict[str, int]) -> str:
-            return f"{n['bf16'] / 1e9:.2f} GB bf16, {n['fp8'] / 1e9:.2f} GB FP8"
-
         text = f"{self.per_token['bf16']:,} B/token bf16, {self.per_token['fp8']:,} FP8"
         if self.sequence:
-            text += f"; one {self.context:,}-token sequence (max_position_embeddings): {gb(self.sequence)}"
+            text += f"; one {self.context:,}-token sequence (max_position_embeddings): {_gb(self.sequence)}"
         if self.windowed:
             text += (f" (its {self.sliding_layers} sliding-window layers holding {min(self.window, self.context):,} "
-                     f"tokens: {gb(self.windowed)})")
+                     f"tokens: {_gb(self.windowed)})")
         return text
+
+
+def _gb(sizes: dict[str, int]) -> str:
+    return f"{sizes['bf16'] / 1e9:.2f} GB bf16, {sizes['fp8'] / 1e9:.2f} GB FP8"
 
 
 def kv_cache_size(config: dict[str, Any]) -> KvCacheSize | None:
@@ -126,11 +127,11 @@ def kv_cache_size(config: dict[str, Any]) -> KvCacheSize | None:
     sliding = sum(t == "sliding_attention" for t in types) if window and isinstance(types, list) \
         and len(types) == layers else 0
 
-    def held(tokens: int) -> dict[str, int]:
-        return {dtype: 2 * heads * size * width * tokens for dtype, width in KV_VALUE_BYTES.items()}
+    def held(tokens: int) -> dict[str, int] | None:
+        return {dtype: 2 * heads * size * width * tokens for dtype, width in KV_VALUE_BYTES.items()} if tokens else None
 
-    windowed = held((layers - sliding) * context + sliding * min(window, context)) if sliding and context else None
-    return KvCacheSize(held(layers), context, held(layers * context) if context else None, windowed,
+    windowed = (layers - sliding) * context + sliding * min(window, context) if sliding and context else 0
+    return KvCacheSize(held(layers), context, held(layers * (context or 0)), held(windowed),
                        window if sliding else None, sliding)
 
 

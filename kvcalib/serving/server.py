@@ -95,9 +95,8 @@ def diagnose(log_text: str) -> Diagnosis | None:
     return None
 
 
-# The KV cache vLLM sized, as it logs it (vllm/v1/core/kv_cache_utils.py, update_kv_cache_capacity, v0.32.0):
-# "CPU KV cache size: 16,384 tokens, Maximum concurrency for 2,048 tokens per request: 8.00x" ("GPU KV cache ...";
-# older versions log the two on separate lines).
+# The KV cache vLLM sized, as it logs it (vllm/v1/core/kv_cache_utils.py, update_kv_cache_capacity, v0.32.0): "CPU
+# KV cache size: 16,384 tokens, Maximum concurrency for 2,048 tokens per request: 8.00x" (GPU; older: two lines).
 _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens", re.I)
 _KV_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", re.I)
 
