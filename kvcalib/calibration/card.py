@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core import fp8
-from kvcalib.core.checkpoint import read_safetensors_header, read_values
+from kvcalib.core.checkpoint import read_config, read_safetensors_header, read_values
 from kvcalib.core.mxfp4 import neuron_quantization
-from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME
+from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME, kv_cache_size
 from kvcalib.serving.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
 
 __all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
@@ -76,6 +76,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     provenance = json.loads((ckpt / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
     target, fp8_max = provenance["target"], provenance["fp8_max"]
     per_head, queries = provenance.get("strategy") == ATTN_HEAD, bool(provenance.get("attention_scales"))
+    kv, added = kv_cache_size(read_config(ckpt)), provenance.get("special_tokens_added")
     what = ("Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
             "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)" if per_head
             else "Per-tensor FP8 KV-cache scales")
@@ -88,7 +89,9 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
              f"{provenance.get('column')}) |",
              f"| samples | {provenance.get('num_samples')} ({provenance.get('num_tokens'):,} tokens, at most "
              f"{provenance.get('max_seq_len')} each, seed {provenance.get('seed')}) |",
-             f"| tokens | {_tokens_row(provenance)} |",
+             f"| tokens | {provenance.get('special_tokens')}"  # how the rows were tokenised
+             + (f"; ids added to plain text: {added}" if added else "") + " |",
+             f"| KV cache | {kv.describe() if kv else 'unknown (config.json lacks layers, KV heads or head_dim)'} |",
              f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
              f"| validate | {validation} |", ""]
     mxfp4 = bool(provenance.get("mxfp4_weights"))
@@ -163,13 +166,6 @@ def _formula(provenance: dict[str, Any], per_head: bool) -> str:
         return text + (f". Every candidate scale was scored on {target} and on {', '.join(scored)} (each saturates at "
                        "its own FP8 max x scale) and chosen by its attention error where that is largest." + refused)
     return text + f". The clips were scored on {target} alone: serve these scales on {target} only."
-
-
-def _tokens_row(provenance: dict[str, Any]) -> str:
-    """How the calibration rows were tokenised: the server's stream (BOS included) or not."""
-    rule = provenance.get("special_tokens") or "not recorded (kvcalib tokenised without special tokens then)"
-    added = provenance.get("special_tokens_added")
-    return rule + (f"; ids added to plain text: {added}" if added else "")
 
 
 def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:

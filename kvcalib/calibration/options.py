@@ -118,6 +118,7 @@ class CalibrationResult:
     scale_objective: str = "absmax"
     objective_seconds: float = 0.0  # the scale objective's search, after observing
     serve_check: Any = None  # with --serve-check: serve-check's result (kvcalib.serving.ServeCheckResult)
+    kv_cache: Any = None  # the model's KV-cache bytes in bf16 and FP8 (kvcalib.core.schema.KvCacheSize)
 
     @property
     def tokens_per_s(self) -> float:
@@ -129,4 +130,4 @@ class CalibrationResult:
                 "tokens_per_s": round(self.tokens_per_s, 1), "compute": self.compute,
                 "scale_objective": self.scale_objective, "objective_seconds": round(self.objective_seconds, 3),
                 "layers": [layer.to_dict() for layer in self.layers], "warnings": list(self.warnings),
-                "validation": self.validation}
+                "validation": self.validation, "kv_cache": self.kv_cache and self.kv_cache.to_dict()}

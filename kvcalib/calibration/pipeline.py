@@ -30,7 +30,8 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import ATTN_HEAD, SCALES_FILENAME, kv_only_quantization_config, max_position_embeddings
+from kvcalib.core.schema import (ATTN_HEAD, SCALES_FILENAME, kv_cache_size, kv_only_quantization_config,
+                                 max_position_embeddings)
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
 from kvcalib.hf.model import load_tokenizer, pad_id, prepare_run, resolve_compute, resolve_target
@@ -96,7 +97,8 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
             num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
             seconds=time.perf_counter() - started, observe_seconds=observation.seconds,
             warnings=tuple(more_warnings), validation=validation, compute=plan.compute.describe(),
-            scale_objective=opts.scale_objective, objective_seconds=objective_seconds)
+            scale_objective=opts.scale_objective, objective_seconds=objective_seconds,
+            kv_cache=kv_cache_size(plan.checkpoint.config))
 
     if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
         return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)

@@ -19,7 +19,7 @@ from kvcalib.calibration.pipeline import ENGINES, RunPlan, check_run, engine_inp
 from kvcalib.calibration.writer import measure_room
 from kvcalib.core.errors import KvcalibError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import ATTN_HEAD, num_hidden_layers, text_config
+from kvcalib.core.schema import ATTN_HEAD, KvCacheSize, kv_cache_size, num_hidden_layers, text_config
 from kvcalib.hf.memory import HEADROOM, peak_rss_bytes, weight_bytes
 
 __all__ = ["PROBE_BATCHES", "PROBE_LAYERS", "CalibrationPlan", "Estimate", "plan_calibration"]
@@ -71,6 +71,7 @@ class CalibrationPlan:
     scratch_bytes: int = 0  # the stream engine's spilled hidden states, at most
     probe: dict[str, Any] = field(default_factory=dict)
     estimate: Estimate | None = None
+    kv_cache: KvCacheSize | None = None  # the model's KV-cache bytes in bf16 and FP8
 
     @property
     def ok(self) -> bool:
@@ -80,6 +81,7 @@ class CalibrationPlan:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "estimate"}
         out["refusals"] = list(self.refusals)
         out["estimate_seconds"] = None if self.estimate is None else self.estimate.to_dict()
+        out["kv_cache"] = self.kv_cache and self.kv_cache.to_dict()
         return out
 
 
@@ -112,7 +114,8 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
         num_samples=len(data.sequences), num_tokens=data.num_tokens, weight_bytes=needed, peak_memory_bytes=peak,
         memory_limit_bytes=limit.available if limit else None, memory_source=limit.source if limit else None,
         weights_linked=room.linkable, output_bytes=room.needed, free_bytes=room.free, scratch_bytes=scratch,
-        probe=probe, estimate=_estimate(probe, data.num_tokens, layers, room.needed, room.linkable))
+        probe=probe, estimate=_estimate(probe, data.num_tokens, layers, room.needed, room.linkable),
+        kv_cache=kv_cache_size(plan.checkpoint.config))
 
 
 def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback) -> dict[str, Any]:

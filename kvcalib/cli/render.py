@@ -127,6 +127,8 @@ def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
         n_warn = sum(1 for f in result.validation["findings"] if f["severity"] == "warning")
         console.print(f"validation: [green]ok[/] for {result.target}" + (f" ({n_warn} warning(s))" if n_warn else ""))
     console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
+    if result.kv_cache is not None:
+        console.print(f"KV cache: {result.kv_cache.describe()}", soft_wrap=True, markup=False)
     console.print(f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
                   f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all")
 
@@ -152,6 +154,7 @@ def render_plan(console: Console, plan: Any) -> None:
         ("output", f"{_size(plan.output_bytes)} new, weights {'hard-linked' if plan.weights_linked else 'copied'}; "
                    f"{_size(plan.free_bytes)} free"),
         ("scratch", _size(plan.scratch_bytes) if plan.scratch_bytes else "none"),
+        ("KV cache", plan.kv_cache.describe() if plan.kv_cache else "unknown (config.json's layers, heads, head_dim)"),
         ("probe", f"{probe['batches']} batch(es), {probe['layers']} layer(s), {probe['tokens']:,} tokens: "
                   f"{probe['seconds']:.1f} s"),
         ("estimate", f"{_duration(est.total)} (load {est.load:.0f} s, observe {est.observe:.0f} s, objective "
@@ -355,6 +358,11 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
     baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
     console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
+    if result.kv_capacity:  # as vLLM logged it (serving.server.kv_capacity)
+        console.print("KV cache vLLM logged: " + "; ".join(
+            f"{name} not logged" if c["tokens"] is None else
+            f"{name} {c['tokens']:,} tokens ({_num(c['max_concurrency'], '.2f')}x --max-model-len requests)"
+            for name, c in result.kv_capacity.items()), soft_wrap=True, markup=False)
     if result.canary is not None or result.prediction is not None:
         render_variants(console, result)
     if result.tasks:

@@ -4,15 +4,16 @@ and the KV-only compressed-tensors `quantization_config`."""
 from __future__ import annotations
 
 import re
+from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "MAX_LAYERS",
+__all__ = ["ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "KvCacheSize", "MAX_LAYERS",
            "NEURON_ALT_LAYERS_PREFIX", "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME",
            "PROVENANCE_METADATA_KEY", "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "attention_groups",
            "fp8_attention_groups", "head_counts", "head_dim", "is_attention_target", "is_kv_scale_key",
-           "kv_cache_scheme_args", "kv_only_quantization_config", "max_position_embeddings", "neuron_scale_key",
-           "num_hidden_layers", "parse_foreign_scale_key", "parse_kv_scheme", "parse_neuron_scale_key",
-           "parse_q_scale_key", "scale_key", "text_config"]
+           "kv_cache_scheme_args", "kv_cache_size", "kv_only_quantization_config", "max_position_embeddings",
+           "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key", "parse_kv_scheme",
+           "parse_neuron_scale_key", "parse_q_scale_key", "scale_key", "text_config"]
 
 KV_KINDS = ("k", "v")
 
@@ -81,6 +82,57 @@ def head_dim(config: dict[str, Any]) -> int | None:
         return explicit
     hidden, heads = _positive_int(text.get("hidden_size")), _positive_int(text.get("num_attention_heads"))
     return hidden // heads if hidden is not None and heads is not None else None
+
+
+KV_VALUE_BYTES = {"bf16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class KvCacheSize:
+    """KV-cache bytes by dtype: a token, and a max_position_embeddings sequence with every layer holding every token
+    (`windowed`: with sliding-window layers holding min(window, context) tokens; None: no such layers)."""
+
+    per_token: dict[str, int]
+    context: int | None
+    sequence: dict[str, int] | None
+    windowed: dict[str, int] | None = None
+    window: int | None = None
+    sliding_layers: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        text = f"{self.per_token['bf16']:,} B/token bf16, {self.per_token['fp8']:,} FP8"
+        if self.sequence:
+            text += f"; one {self.context:,}-token sequence (max_position_embeddings): {_gb(self.sequence)}"
+        if self.windowed:
+            text += (f" (its {self.sliding_layers} sliding-window layers holding {min(self.window, self.context):,} "
+                     f"tokens: {_gb(self.windowed)})")
+        return text
+
+
+def _gb(sizes: dict[str, int]) -> str:
+    return f"{sizes['bf16'] / 1e9:.2f} GB bf16, {sizes['fp8'] / 1e9:.2f} GB FP8"
+
+
+def kv_cache_size(config: dict[str, Any]) -> KvCacheSize | None:
+    """2 x layers x KV heads x head_dim x bytes per value, per token and sequence; sliding-window layers from
+    layer_types (GPT-OSS, Gemma-3). None when config.json does not say its layers, KV heads and head_dim."""
+    layers, heads, size = num_hidden_layers(config), head_counts(config)["k"], head_dim(config)
+    if not (layers and heads and size):
+        return None
+    context, window = max_position_embeddings(config), _positive_int(text_config(config).get("sliding_window"))
+    types = text_config(config).get("layer_types")
+    sliding = sum(t == "sliding_attention" for t in types) if window and isinstance(types, list) \
+        and len(types) == layers else 0
+
+    def held(tokens: int) -> dict[str, int] | None:
+        return {dtype: 2 * heads * size * width * tokens for dtype, width in KV_VALUE_BYTES.items()} if tokens else None
+
+    windowed = (layers - sliding) * context + sliding * min(window, context) if sliding and context else 0
+    return KvCacheSize(held(layers), context, held(layers * (context or 0)), held(windowed),
+                       window if sliding else None, sliding)
 
 
 def scale_key(attention_module_path: str, kind: str) -> str:

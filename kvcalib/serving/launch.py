@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcalib.core.schema import head_counts, head_dim, num_hidden_layers
+from kvcalib.core.schema import kv_cache_size
 
 __all__ = ["API_SERVER_MODULE", "baseline_kv_dtype", "command_line", "cpu_kv_cache_bytes", "interpreter_path",
            "server_argv", "server_env"]
@@ -22,11 +22,10 @@ MIN_CPU_KV_CACHE_BYTES = 64 << 20
 def cpu_kv_cache_bytes(config: Mapping[str, Any], max_model_len: int, max_num_seqs: int) -> int:
     """A KV cache for max_num_seqs full-length sequences in bf16, twice over, at least 64 MiB (vLLM on CPU otherwise
     reserves a fraction of the machine's memory and refuses to start when that much is not free)."""
-    layers, heads, size = num_hidden_layers(dict(config)), head_counts(dict(config))["k"], head_dim(dict(config))
-    if not all(isinstance(v, int) and v > 0 for v in (layers, heads, size)):
+    size = kv_cache_size(dict(config))
+    if size is None:
         return 1 << 30
-    per_token = 2 * layers * heads * size * 2  # K and V, bf16
-    wanted = 2 * per_token * max_model_len * max_num_seqs
+    wanted = 2 * size.per_token["bf16"] * max_model_len * max_num_seqs
     return max(MIN_CPU_KV_CACHE_BYTES, -(-wanted // (1 << 20)) * (1 << 20))
 
 

@@ -28,7 +28,7 @@ from kvcalib.serving.preflight import NEURON_DEVICES, Environment, Preflight, ch
 from kvcalib.serving.probe import Completion, ServerClient, degenerate
 from kvcalib.serving.prompts import (BUILTIN_PROMPTS, NLL_TEXT, Prompt, contains, context_prompt,
                                   unjudged_passkeys)
-from kvcalib.serving.server import VllmServer, free_port, require_free_port
+from kvcalib.serving.server import VllmServer, free_port, kv_capacity, require_free_port
 
 __all__ = ["AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "check_serving", "Progress", "PromptResult", "ServeCheckResult",
            "ServeEvent", "ServeOptions", "ServerRun", "judge", "serve_check"]
@@ -88,6 +88,7 @@ class ServerRun:
     task_output: Any = None  # serve-check --tasks: lm-eval's output against this server (tasks.ServedTasks)
     pid: int | None = None  # the server's process id: it leads its own session and process group
     token_nll: tuple[float, ...] = ()  # each token's NLL of the fixed text (nll is their mean)
+    kv_capacity: Mapping[str, Any] = field(default_factory=dict)  # the KV cache vLLM logged: server.kv_capacity
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class ServeCheckResult:
     server_pids: Mapping[str, int] = field(default_factory=dict)  # name -> pid: each server's session and group
     tasks: tuple[dict[str, Any], ...] = ()  # serve-check --tasks: served and predicted scores per task and metric
     intervals: Mapping[str, Any] = field(default_factory=dict)  # the probe's ΔNLL intervals: predict.delta_intervals
+    kv_capacity: Mapping[str, Any] = field(default_factory=dict)  # baseline/fp8 -> the KV cache vLLM logged
 
     @property
     def served_delta_nll(self) -> float | None:
@@ -160,7 +162,7 @@ class ServeCheckResult:
                           "predicted": self.prediction.delta_nll if self.prediction else None,
                           "intervals": dict(self.intervals)},
             "variants": self.variants(),
-            "server_pids": dict(self.server_pids), "tasks": list(self.tasks),
+            "server_pids": dict(self.server_pids), "tasks": list(self.tasks), "kv_capacity": dict(self.kv_capacity),
         }
 
 
@@ -194,7 +196,8 @@ def _run_server(name: str, checkpoint: Path, options: ServeOptions, pre: Preflig
     finally:
         progress(ServeEvent("stopped", name))
     *answers, token_nll = run
-    return ServerRun(command, str(log_path), ready_s, *answers, pid=server.pid, token_nll=token_nll)
+    return ServerRun(command, str(log_path), ready_s, *answers, pid=server.pid, token_nll=token_nll,
+                     kv_capacity=kv_capacity(log_path.read_text(encoding="utf-8", errors="replace")))
 
 
 def _probe(name: str, server: VllmServer, checkpoint: Path, options: ServeOptions, prompts: Sequence[Prompt],
@@ -339,6 +342,7 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
         canary=canary, unit=unit, prediction=prediction, tasks=tuple(tasks), intervals=intervals,
         server_pids={name: r.pid for name, r in (("baseline", baseline), ("fp8", fp8), ("unit", unit),
                                                  ("canary", canary_run)) if r is not None and r.pid is not None},
+        kv_capacity={name: r.kv_capacity for name, r in (("baseline", baseline), ("fp8", fp8)) if r is not None},
     )
 
 

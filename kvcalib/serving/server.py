@@ -25,8 +25,8 @@ from kvcalib.core import mxfp4
 from kvcalib.core.errors import ServerError, UsageError
 
 __all__ = ["DIAGNOSE_LINES", "Diagnosis", "HEALTH_TIMEOUT_S", "KNOWN_CAUSES", "LOG_TAIL_LINES", "POLL_S",
-           "PORT_FREE_TIMEOUT_S", "VllmServer", "WaitStatus", "diagnose", "free_port", "group_members", "log_tail",
-           "port_in_use", "require_free_port"]
+           "PORT_FREE_TIMEOUT_S", "VllmServer", "WaitStatus", "diagnose", "free_port", "group_members", "kv_capacity",
+           "log_tail", "port_in_use", "require_free_port"]
 
 POLL_S = 0.5
 HEALTH_TIMEOUT_S = 5.0
@@ -93,6 +93,19 @@ def diagnose(log_text: str) -> Diagnosis | None:
             if regex.search(line):
                 return Diagnosis(cause, hint, line.strip())
     return None
+
+
+# The KV cache vLLM sized, as it logs it (vllm/v1/core/kv_cache_utils.py, update_kv_cache_capacity, v0.32.0): "CPU
+# KV cache size: 16,384 tokens, Maximum concurrency for 2,048 tokens per request: 8.00x" (GPU; older: two lines).
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens", re.I)
+_KV_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", re.I)
+
+
+def kv_capacity(log_text: str) -> dict[str, Any]:
+    """{"tokens", "max_concurrency"} of the KV cache a vLLM log reports last (None: not logged)."""
+    tokens, concurrency = _KV_TOKENS.findall(log_text), _KV_CONCURRENCY.findall(log_text)
+    return {"tokens": int(tokens[-1].replace(",", "")) if tokens else None,
+            "max_concurrency": float(concurrency[-1]) if concurrency else None}
 
 
 @dataclass(frozen=True)

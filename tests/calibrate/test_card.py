@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 from planted import build_planted_llama
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 from kvcalib.calibration.options import CalibrateOptions
 
 from kvcalib.calibration.pipeline import calibrate
-from kvcalib.calibration.card import BEGIN, CHECKPOINT_PLACEHOLDER, END, SERVE_DEFAULTS, TAGS
+from kvcalib.calibration.card import BEGIN, CHECKPOINT_PLACEHOLDER, END, SERVE_DEFAULTS, TAGS, write_card
+from kvcalib.cli import app
 from kvcalib.core.schema import SCALES_FILENAME
 from kvcalib.serving.launch import server_argv
 
@@ -125,3 +127,27 @@ def test_serve_commands_are_the_ones_serve_check_runs(tiny_llama_master, text_da
                                        max_model_len=SERVE_DEFAULTS["max_model_len"],
                                        max_num_seqs=SERVE_DEFAULTS["max_num_seqs"])) for device in ("trn2", "cuda")]
     assert blocks == expected and all("--kv-cache-dtype fp8" in b for b in blocks)
+
+
+def test_the_kv_cache_it_buys_is_in_the_summary_and_the_card(tiny_llama_master, text_dataset, tmp_path):
+    """calibrate's summary and card give the KV bytes per token and per sequence, bf16 and FP8; on a
+    GPT-OSS-120B-shaped config.json the card reads the design doc's figures and the sliding-window ones."""
+    out = tmp_path / "out"
+    run = CliRunner().invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(out),
+                                   "--num-samples", "4", "--max-seq-len", "32", "--json"])
+    assert run.exit_code == 0, run.stderr
+    config = json.loads((out / "config.json").read_text())
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 2 \
+        * config["hidden_size"] // config["num_attention_heads"]
+    context = config["max_position_embeddings"]
+    assert json.loads(run.stdout)["kv_cache"]["sequence"] == {"bf16": per_token * context,
+                                                              "fp8": per_token // 2 * context}
+    assert f"KV cache: {per_token:,} B/token bf16, {per_token // 2:,} FP8; one {context:,}-token sequence" in run.stderr
+    config.update(num_hidden_layers=36, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                  sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18)
+    (out / "config.json").write_text(json.dumps(config))
+    write_card(out, "OK")
+    card = (out / "README.md").read_text()
+    assert ("| KV cache | 73,728 B/token bf16, 36,864 FP8; one 131,072-token sequence (max_position_embeddings): "
+            "9.66 GB bf16, 4.83 GB FP8 (its 18 sliding-window layers holding 128 tokens: 4.84 GB bf16, "
+            "2.42 GB FP8) |") in card

@@ -53,6 +53,9 @@ def test_the_stream_engine_is_probed_on_its_first_layers(tiny_llama_master, text
     probe, estimate = planned["probe"], planned["estimate_seconds"]
     assert probe["layers"] == 2 and probe["batches"] == 2 and planned["num_layers"] == 3
     assert estimate["total"] > 0 and estimate["observe"] > 0 and listing(tmp_path) == []
+    kv = planned["kv_cache"]  # what FP8 buys: half the bytes per token and per max-length sequence
+    assert kv["per_token"]["fp8"] * 2 == kv["per_token"]["bf16"] > 0 and kv["windowed"] is None
+    assert kv["sequence"]["bf16"] == kv["per_token"]["bf16"] * kv["context"] and "B/token bf16" in stderr
 
 
 def test_what_would_stop_the_run_is_a_refusal_and_nothing_is_touched(tiny_llama_master, text_dataset, tmp_path):
@@ -88,6 +91,8 @@ def test_the_plan_estimates_the_tiny_mxfp4_gpt_oss_run(text_dataset, tmp_path):
     assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
     plan_json = json.loads(planned.stdout)
     assert plan_json["refusals"] == [] and plan_json["engine"] == "stream" and plan_json["weights_linked"]
+    kv = plan_json["kv_cache"]  # GPT-OSS alternates sliding (window 8 here) and full attention layers
+    assert kv["window"] == 8 and kv["sliding_layers"] > 0 and kv["windowed"]["fp8"] < kv["sequence"]["fp8"]
     assert listing(tmp_path) == ["released"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

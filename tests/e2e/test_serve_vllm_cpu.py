@@ -80,6 +80,12 @@ def test_calibrate_then_serve_check_on_vllm_cpu(smollm2, text_dataset, tmp_path,
     assert "Using fp8 data type to store kv cache" in Path(payload["log"]).read_text()
     assert "Using fp8 data type" not in Path(payload["baseline_log"]).read_text()
     assert payload["prompts"][0]["output"].lstrip().startswith("Paris")
+    # what FP8 buys, as vLLM logs it: the same --kv-cache-memory-bytes hold twice the tokens (measured: SmolLM2,
+    # 16,384 tokens in bf16, 32,768 in FP8; 8.00x and 16.00x requests of 2,048 tokens)
+    kv = payload["kv_capacity"]
+    assert kv["fp8"]["tokens"] >= 1.9 * kv["baseline"]["tokens"] > 0, kv
+    assert kv["fp8"]["max_concurrency"] >= 1.9 * kv["baseline"]["max_concurrency"] > 0, kv
+    assert f"KV cache vLLM logged: baseline {kv['baseline']['tokens']:,} tokens" in result.stderr
     canary, rows = payload["canary"], {row["name"]: row for row in payload["variants"]}
     assert canary["ok"] and canary["nll"] > payload["nll"]["fp8"] + 1.0, canary  # /64 breaks it: measured +6.6
     # kvcalib's emulation (vLLM CPU's truncating cast) against the server, per variant (measured on SmolLM2,

