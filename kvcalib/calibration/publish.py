@@ -35,8 +35,6 @@ _DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass(frozen=True)
 class Staging:
-    """The sibling a run writes OUT in (see the module docstring)."""
-
     root: Path
     output: Path
 

@@ -132,30 +132,25 @@ def load_recipe(path: str | Path) -> KvRecipe:
 
 def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
     """Refuse a kv_cache_scheme that vLLM on `target` cannot serve from kvcalib's checkpoint."""
-    s = recipe.scheme
-    where = f"{recipe.path}: {recipe.location}.{KV_SCHEME_KEY}"
-    example = f"recipes/kv-fp8-{target.name}.yaml (--recipe {target.name})"
-    if s["type"] != "float":
-        raise RecipeError(
-            f"{where} has type {s['type']!r} ({s['num_bits']}-bit integer KV), which {target.name} cannot serve: "
-            "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
-            hint=f"set type: float and num_bits: 8, as in {example}")
-    if s["num_bits"] != 8:
-        raise RecipeError(f"{where} has num_bits {s['num_bits']}, which {target.name} cannot serve: "
-                          "vLLM's KV cache is FP8 (num_bits 8)", hint=f"set num_bits: 8, as in {example}")
-    if s["dynamic"] is not False:
-        raise RecipeError(f"{where} has dynamic: {s['dynamic']!r}, which {target.name} cannot serve: vLLM reads static "
-                          "per-layer KV scales from the checkpoint",
-                          hint=f"set dynamic: false, as in {example}")
-    if s["strategy"] == ATTN_HEAD and target.neuron:
-        raise RecipeError(f"{where} has strategy attn_head (one scale per KV head), which {target.name} cannot "
-                          f"serve: {NEURON_PER_HEAD_REASON}", hint=f"set strategy: tensor, as in {example}")
-    if s["strategy"] not in STRATEGIES:
-        raise RecipeError(f"{where} has strategy {s['strategy']!r}, which is no KV-cache strategy "
-                          f"{target.name} serves", hint=f"set strategy: tensor, as in {example}")
-    if s["symmetric"] is not True:
-        raise RecipeError(f"{where} has symmetric: false (a zero point), which {target.name} cannot serve: "
-                          "vLLM's FP8 KV cache is symmetric (x = fp8 * scale)", hint="set symmetric: true")
+    s, chip = recipe.scheme, target.name
+    example = f"recipes/kv-fp8-{chip}.yaml (--recipe {chip})"
+    refusals = (  # (refused, what the scheme has and why the chip cannot serve it, the fix), the first one reported
+        (s["type"] != "float", f"type {s['type']!r} ({s['num_bits']}-bit integer KV), which {chip} cannot serve: "
+         "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
+         f"set type: float and num_bits: 8, as in {example}"),
+        (s["num_bits"] != 8, f"num_bits {s['num_bits']}, which {chip} cannot serve: vLLM's KV cache is FP8 "
+         "(num_bits 8)", f"set num_bits: 8, as in {example}"),
+        (s["dynamic"] is not False, f"dynamic: {s['dynamic']!r}, which {chip} cannot serve: vLLM reads static "
+         "per-layer KV scales from the checkpoint", f"set dynamic: false, as in {example}"),
+        (s["strategy"] == ATTN_HEAD and target.neuron, f"strategy attn_head (one scale per KV head), which {chip} "
+         f"cannot serve: {NEURON_PER_HEAD_REASON}", f"set strategy: tensor, as in {example}"),
+        (s["strategy"] not in STRATEGIES, f"strategy {s['strategy']!r}, which is no KV-cache strategy {chip} serves",
+         f"set strategy: tensor, as in {example}"),
+        (s["symmetric"] is not True, f"symmetric: false (a zero point), which {chip} cannot serve: vLLM's FP8 KV "
+         "cache is symmetric (x = fp8 * scale)", "set symmetric: true"))
+    for refused, has, hint in refusals:
+        if refused:
+            raise RecipeError(f"{recipe.path}: {recipe.location}.{KV_SCHEME_KEY} has {has}", hint=hint)
 
 
 def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,

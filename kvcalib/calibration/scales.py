@@ -73,7 +73,6 @@ def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, 
 
 def _kind_scales(heads: torch.Tensor, target: fp8.Target, key: str, per_head: bool, choice: KindChoice | None,
                  cands: Candidates | None, headroom: float) -> KindScales:
-    """One kind's scales from its per-head absmax: absmax / fp8_max, or the objective's choice; then with_headroom."""
     head_scales, chosen = fp8.scale_from_absmax(heads, target), None
     if choice is not None and cands is not None:
         index = choice.index * heads.numel() if len(choice.index) == 1 else choice.index

@@ -36,7 +36,6 @@ HIDDEN_STATES_MEMORY_SHARE = 0.5
 
 
 def stream_engine(inputs: EngineInputs) -> Observation:
-    """Observe K/V absmax layer by layer (see the module docstring)."""
     inputs.notify(Progress("load-model"))
     files = inputs.checkpoint.files
     dtype = effective_dtype(inputs.checkpoint, inputs.dtype)
@@ -83,9 +82,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
 
 
 class _Captured(Exception):
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__()
-        self.layer_args, self.layer_kwargs = args, kwargs
+    """Raised in place of layer `index`'s forward, with the (args, kwargs) it was given."""
 
 
 def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, index: int, input_ids: torch.Tensor,
@@ -106,7 +103,7 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
         decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                 past_key_values=RecordingCache(decoder.config, observer))
     except _Captured as captured:
-        args, kwargs = captured.layer_args, dict(captured.layer_kwargs)
+        args, kwargs = captured.args[0], dict(captured.args[1])
     else:
         raise UnsupportedModelError(f"the decoder's forward never called decoder layer {index}",
                                     hint="calibrate this model without --stream-layers")

@@ -132,8 +132,7 @@ def _can_link(source: Checkpoint, probe: Path) -> bool:
     return False
 
 
-def _existing_ancestor(path: Path) -> Path:
-    """`path` itself if it exists, else its nearest existing parent (absolute)."""
+def _existing_ancestor(path: Path) -> Path:  # `path` itself if it exists, else its nearest existing parent
     path = Path(os.path.abspath(path))
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
@@ -264,11 +263,8 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
 
 def _make_parents(output: Path) -> list[Path]:
     """Create OUT's missing parents; the ones created, deepest first (removed again on failure)."""
-    missing = []
-    parent = output.parent
-    while not os.path.lexists(parent):
-        missing.append(parent)
-        parent = parent.parent
+    parents = list(output.parents)
+    missing = parents[:parents.index(_existing_ancestor(output.parent))]
     for path in reversed(missing):
         path.mkdir()
     return missing

@@ -22,8 +22,7 @@ from kvcalib.core.fp8 import DEFAULT_TARGET, TARGETS
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
 from kvcalib.serving.options import ServeOptions
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
 
 def _print_version(value: bool) -> None:
@@ -116,11 +115,9 @@ def _report_calibration(console: Console, result: Any, notes: list[str], serving
     """The table; with --serve-check, serve-check's run on the published checkpoint and its exit code."""
     from kvcalib.api import serve_calibrated
 
-    render_calibration(console, result, notes)
     if serving is None:
-        if as_json:
-            _print_json(result.to_dict())
-        return
+        return _show(render_calibration, console, result, as_json, notes)
+    render_calibration(console, result, notes)
     with _errors(interrupted="every vLLM server serve-check started was stopped"), \
             serve_status(console) as on_event, captured_notes() as notes:
         served = serve_calibrated(result, serving, on_event).serve_check
@@ -131,7 +128,6 @@ def _report_calibration(console: Console, result: Any, notes: list[str], serving
 
 
 def _engine(engine: str, stream_layers: bool) -> str:
-    """--stream-layers is --engine stream."""
     if stream_layers and engine not in ("auto", "stream"):
         raise UsageError(f"--stream-layers contradicts --engine {engine}", hint="pass one of them")
     return "stream" if stream_layers else engine

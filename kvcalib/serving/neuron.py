@@ -42,8 +42,6 @@ class NeuronDevice:
 
 @dataclass(frozen=True)
 class NeuronHost:
-    """What the Neuron tools say about this machine."""
-
     family: str  # "trn2", "trn3", "trn1", "inf2", ...
     instance_type: str | None
     family_source: str  # where the family was read: sysfs, neuron-ls, or the override variable
@@ -56,7 +54,6 @@ class NeuronHost:
 
 
 def find_neuron_ls(path_env: str | None) -> str | None:
-    """neuron-ls on PATH, else in /opt/aws/neuron/bin (often not on PATH)."""
     found = shutil.which("neuron-ls", path=path_env)
     if found:
         return found
@@ -168,7 +165,6 @@ def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), 
 
 
 def require_family(host: NeuronHost, device: str) -> None:
-    """DeviceError unless the host's chip family is the one asked for."""
     if host.family != device:
         where = f"{host.instance_type} " if host.instance_type else ""
         raise DeviceError(f"this host is {host.family} ({where}from {host.family_source}), not {device}",

@@ -56,7 +56,6 @@ def passkey_prompt(length: int, count_tokens: Callable[[str], int], seed: int = 
 
 
 def contains(text: str, expected: str | None) -> bool:
-    """Whether `expected` (case aside) is in `text`."""
     return expected is not None and expected.lower() in text.lower()
 
 
