@@ -8,6 +8,7 @@ a top-level key llm-compressor ignores (`kvcalib: {target: trn2}`); kvcalib appl
 from __future__ import annotations
 
 import importlib.util
+from importlib.metadata import version
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,9 +171,11 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
             warnings.append(f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
                             f"{', '.join(recipe.ignored)}")
     strategy = _plan_strategy(strategy, recipe, chosen)
+    provenance: dict[str, Any] = {} if recipe is None else {"recipe": recipe.path, "kv_cache_scheme": recipe.scheme}
     if engine == LLMCOMPRESSOR_ENGINE:
         require_llmcompressor()
         observer = (recipe.observer if recipe else NATIVE_OBSERVER) or LLMCOMPRESSOR_DEFAULT_OBSERVER
+        provenance["llmcompressor_version"] = version("llmcompressor")
     else:
         observer = NATIVE_OBSERVER
         if recipe is not None and recipe.observer != NATIVE_OBSERVER:
@@ -180,15 +183,8 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
                      else f"no observer (llm-compressor would run {LLMCOMPRESSOR_DEFAULT_OBSERVER!r})")
             warnings.append(f"{recipe.path}: {named}; the native engine measures the absmax over every token "
                             f"({NATIVE_OBSERVER}); --engine {LLMCOMPRESSOR_ENGINE} runs the recipe's observer")
-    provenance: dict[str, Any] = {"observer": observer}
-    if recipe is not None:
-        provenance.update(recipe=recipe.path, kv_cache_scheme=recipe.scheme)
-    if engine == LLMCOMPRESSOR_ENGINE:
-        from importlib.metadata import version
-
-        provenance["llmcompressor_version"] = version("llmcompressor")
     return RecipePlan(chosen, recipe, observer, strategy, bool(recipe and recipe.attention), tuple(warnings),
-                      provenance)
+                      {"observer": observer, **provenance})
 
 
 def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -> str:
@@ -211,7 +207,6 @@ def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -
 
 
 def require_llmcompressor() -> None:
-    """MissingDependencyError, with the install command, unless llm-compressor can be imported."""
     if importlib.util.find_spec("llmcompressor") is None:
         raise MissingDependencyError(f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
                                      hint=LLMCOMPRESSOR_HINT)

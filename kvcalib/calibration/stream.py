@@ -210,13 +210,10 @@ class _HiddenStates:
     """Each batch's hidden states between two layers: in memory, or one safetensors file per batch."""
 
     def __init__(self, spill: bool, scratch_dir: Path | None) -> None:
-        self.spill, self.scratch_dir = spill, scratch_dir
         self._memory: dict[int, torch.Tensor] = {}
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=scratch_dir) if spill else None
 
     def __enter__(self) -> _HiddenStates:
-        if self.spill:
-            self._dir = tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=self.scratch_dir)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -229,8 +226,8 @@ class _HiddenStates:
         return Path(self._dir.name) / f"batch-{b:06d}.safetensors"
 
     def put(self, b: int, hidden: torch.Tensor) -> None:
-        if not self.spill:
-            self._memory[b] = hidden.cpu() if hidden.device.type != "cpu" else hidden
+        if self._dir is None:
+            self._memory[b] = hidden.cpu()  # the tensor itself if it is on the CPU
             return
         from safetensors.torch import save_file
 
@@ -239,7 +236,7 @@ class _HiddenStates:
         os.replace(tmp, self._path(b))
 
     def get(self, b: int) -> torch.Tensor:
-        if not self.spill:
+        if self._dir is None:
             return self._memory[b]
         from safetensors.torch import load_file
 
@@ -266,7 +263,6 @@ def _progress(sizes: list[tuple[int, int]], num_layers: int, layer: int, b: int)
 
 
 def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) -> tuple[str, torch.nn.ModuleList]:
-    """The decoder's ModuleList of layers (`layers` in every transformers decoder)."""
     for name, child in decoder.named_children():
         if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers:
             return name, child

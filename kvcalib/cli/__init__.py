@@ -77,7 +77,9 @@ def calibrate(
 
     with _errors():  # kvcalib.calibrate(...) is these three calls; the CLI renders between them
         fields = split_options(CalibrateOptions, values)
-        options = calibrate_options(**{**fields, "engine": _engine(fields["engine"], stream_layers)})
+        if stream_layers and fields["engine"] not in ("auto", "stream"):  # --stream-layers is --engine stream
+            raise UsageError(f"--stream-layers contradicts --engine {fields['engine']}", hint="pass one of them")
+        options = calibrate_options(**{**fields, "engine": "stream" if stream_layers else fields["engine"]})
     if plan:
         return _plan(model, dataset, output, options, as_json, quiet)
     if options.ranks is not None and not options.ranks.is_writer:  # other ranks work quietly; rank 0 reports
@@ -95,7 +97,6 @@ def calibrate(
 
 
 def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
-    """`render` the result for humans (stderr), then with --json its to_dict() on stdout."""
     render(console, result, *args)
     if as_json:
         _print_json(result.to_dict())
@@ -125,12 +126,6 @@ def _report_calibration(console: Console, result: Any, notes: list[str], serving
     if as_json:
         _print_json({"calibration": result.to_dict(), "serve_check": served.to_dict()})
     raise typer.Exit(0 if served.ok else 1)
-
-
-def _engine(engine: str, stream_layers: bool) -> str:
-    if stream_layers and engine not in ("auto", "stream"):
-        raise UsageError(f"--stream-layers contradicts --engine {engine}", hint="pass one of them")
-    return "stream" if stream_layers else engine
 
 
 @app.command()
@@ -183,16 +178,14 @@ def eval_command(
     from kvcalib.evaluation.plot import check_plot_path, plot_eval
 
     if tasks is not None or dataset is None:
-        _eval_tasks(checkpoint, dataset, tasks, values, as_json, quiet)
-        return
+        return _eval_tasks(checkpoint, dataset, tasks, values, as_json, quiet)
     keys = values["num_samples"]  # --needle's default is its own
     with _errors():
         options = eval_options(**{**split_options(EvalOptions, values), "num_samples": 64 if keys is None else keys})
     console = _stderr(quiet)
     if context is not None or needle or saturation_only:
-        _eval_context(checkpoint, dataset, context, options, console, as_json, plot, needle, keys,
-                      not saturation_only)
-        return
+        return _eval_context(checkpoint, dataset, context, options, console, as_json, plot, needle, keys,
+                             not saturation_only)
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
             check_plot_path(plot, [checkpoint, dataset, *options.compare])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,7 @@ class CanaryResult:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "factor": self.factor, "nll": self.nll, "agreement": self.agreement,
-                "reason": self.reason}
+        return asdict(self)
 
 
 def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, value: float | None = None) -> Path:

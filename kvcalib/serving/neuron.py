@@ -146,8 +146,7 @@ def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), 
     devices = parse_neuron_ls_json(proc.stdout)
     if not devices:
         raise DeviceError(f"no Neuron devices: {neuron_ls} --json-output listed none", hint=_HINT)
-    instance_type = _family_from_sysfs(sysfs_root)
-    source = "sysfs"
+    instance_type, source = _family_from_sysfs(sysfs_root), "sysfs"
     if instance_type is None:
         instance_type, source = _family_from_table(neuron_ls, env), "neuron-ls"
     override = env.get(TARGET_OVERRIDE_ENV)

@@ -1,7 +1,5 @@
-"""serve-check's pre-flight, before any server starts: the checkpoint validates for the device (cpu and cuda as
-"gpu"; `force` lets only the FP8-range mismatch through), the device (Neuron chip family; a CPU with AVX-512/AMX and
-a head size divisible by 32), a vLLM in `--vllm-python`'s environment, and for MXFP4 experts on Neuron the
-neuron_config quantization this chip needs (`Preflight.neuron_quantization`)."""
+"""serve-check's pre-flight, before any server starts: the checkpoint validates for the device, the device and a
+vLLM in `--vllm-python`'s environment are there, and MXFP4 experts on Neuron get the quantization the chip needs."""
 
 from __future__ import annotations
 
@@ -168,9 +166,6 @@ def check_environment(config: dict[str, Any], device: str, *, tp: int | None, ma
     neuron = device in NEURON_DEVICES
     scheme = declared_kv_cache_scheme(config)
     check_strategy(scheme.get("strategy") if isinstance(scheme, dict) else None, device)
-    if max_model_len < 1 or max_num_seqs < 1 or (tp is not None and tp < 1):
-        raise UsageError("--max-model-len, --max-num-seqs and --tp must be positive",
-                         hint="pass 1 or more for each, or leave them out for the defaults")
     if neuron and max_model_len > MAX_NEURON_MODEL_LEN:
         raise UsageError(f"--max-model-len {max_model_len} is over {MAX_NEURON_MODEL_LEN}",
                          hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384")
