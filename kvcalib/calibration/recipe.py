@@ -8,9 +8,9 @@ a top-level key llm-compressor ignores (`kvcalib: {target: trn2}`); kvcalib appl
 from __future__ import annotations
 
 import importlib.util
-from importlib.metadata import version
 import json
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +231,6 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
     modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
     found: list[tuple[str, str, Any]] = []
     ignored: list[str] = []
-    attention = False
     for stage_key, stage in obj.items():
         if not (isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, dict)):
             continue
@@ -246,7 +245,6 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                                       hint=f"see the shipped recipe for the layout {_SHIPPED}")
                 groups = arguments.get("config_groups")
                 fp8_attention = fp8_attention_groups(groups)
-                attention = attention or bool(fp8_attention)
                 found += [(location, f"config_groups.{name}.input_activations", args)
                           for name, args in fp8_attention.items()]
                 if arguments.get(KV_SCHEME_KEY) is not None:
@@ -257,7 +255,7 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                     ignored.append(location)
                 elif others:
                     ignored.append(f"{location} ({', '.join(others)})")
-    return found, ignored, attention
+    return found, ignored, any(field != KV_SCHEME_KEY for _, field, _ in found)
 
 
 def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:

@@ -142,9 +142,9 @@ class _Weights:
 
         return get_model_conversion_mapping(self.model, hf_quantizer=self.quantizer)
 
-    def _meta(self, prefix: str, skip: str | None) -> list[str]:
-        return [name for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
-                if name.startswith(prefix) and not (skip and name.startswith(skip)) and tensor.device.type == "meta"]
+    def _under(self, prefix: str, skip: str | None) -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor) for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
+                if name.startswith(prefix) and not (skip and name.startswith(skip))]
 
     def _missing(self, name: str) -> UnsupportedModelError:
         return UnsupportedModelError(
@@ -159,13 +159,13 @@ class _Weights:
                 f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
                 f"the model ({', '.join(self.unexpected[:3])}{', ...' if len(self.unexpected) > 3 else ''})",
                 hint="use the config.json and the *.safetensors files of one and the same model")
-        for name in self._meta(prefix, None):
-            if name not in self.sources:
+        for name, tensor in self._under(prefix, None):
+            if tensor.device.type == "meta" and name not in self.sources:
                 raise self._missing(name)
 
     def load(self, prefix: str, skip: str | None = None) -> None:
         """Put the meta weights under `prefix` (except those under `skip`) on the device."""
-        wanted = self._meta(prefix, skip)
+        wanted = [name for name, tensor in self._under(prefix, skip) if tensor.device.type == "meta"]
         # MXFP4 experts one weight at a time, each source pair dropped once converted: a layer's MXFP4 tensors are
         # never all in memory beside its dequantised experts (GPT-OSS-120B: 1.6 GB of them a layer)
         alone = [name for name in wanted if self.quantizer is not None
@@ -173,9 +173,7 @@ class _Weights:
         self._convert([name for name in wanted if name not in alone], quantized=False)
         for name in alone:
             self._convert([name], quantized=True)
-        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
-            if not name.startswith(prefix) or (skip and name.startswith(skip)):
-                continue
+        for name, tensor in self._under(prefix, skip):
             if tensor.device.type == "meta":
                 raise self._missing(name)
             if tensor.device != self.device:

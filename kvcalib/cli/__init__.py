@@ -5,6 +5,7 @@ everything for humans goes to stderr; `KvcalibError` is the one error boundary (
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -73,15 +74,18 @@ def calibrate(
     **values: Any,
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
-    from kvcalib.api import calibrate_options, plan_serve_check, run_calibration
+    from kvcalib.api import calibrate_options, plan as run_plan, plan_serve_check, run_calibration
 
     with _errors():  # kvcalib.calibrate(...) is these three calls; the CLI renders between them
         fields = split_options(CalibrateOptions, values)
         if stream_layers and fields["engine"] not in ("auto", "stream"):  # --stream-layers is --engine stream
             raise UsageError(f"--stream-layers contradicts --engine {fields['engine']}", hint="pass one of them")
         options = calibrate_options(**{**fields, "engine": "stream" if stream_layers else fields["engine"]})
+    console = _stderr(quiet)
     if plan:
-        return _plan(model, dataset, output, options, as_json, quiet)
+        with _errors(), progress_bar(console, "probing", "plan") as on_progress:
+            result = run_plan(model, dataset, output, options=options, progress=on_progress)
+        return _show(render_plan, console, result, as_json)
     if options.ranks is not None and not options.ranks.is_writer:  # other ranks work quietly; rank 0 reports
         with _errors(quiet=True):
             run_calibration(model, dataset, output, options)
@@ -90,7 +94,6 @@ def calibrate(
     if serve_device is not None:  # everything serving needs but the scales, before an hour of calibration
         with _errors():
             serving = plan_serve_check(model, options, serve_device, **{k: values[k] for k in _SERVE_FLAGS})
-    console = _stderr(quiet)
     with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
         result = run_calibration(model, dataset, output, options, progress=on_progress)
     _report_calibration(console, result, notes, serving, as_json)
@@ -100,16 +103,6 @@ def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any)
     render(console, result, *args)
     if as_json:
         _print_json(result.to_dict())
-
-
-def _plan(model: str, dataset: str, output: Path, options: Any, as_json: bool, quiet: bool) -> None:
-    """calibrate --plan: the plan, rendered (and --json); nothing written, exit 0."""
-    from kvcalib.api import plan
-
-    console = _stderr(quiet)
-    with _errors(), progress_bar(console, "probing", "plan") as on_progress:
-        result = plan(model, dataset, output, options=options, progress=on_progress)
-    _show(render_plan, console, result, as_json)
 
 
 def _report_calibration(console: Console, result: Any, notes: list[str], serving: Any, as_json: bool) -> None:
@@ -273,8 +266,6 @@ def serve_check(
 
 def _quiet_libraries() -> None:
     """kvcalib draws its own progress; the libraries' bars and notices (llm-compressor's on stdout) are noise."""
-    import os
-
     for name, value in {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
                         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LLM_COMPRESSOR_LOG_DISABLED": "true"}.items():
         os.environ.setdefault(name, value)

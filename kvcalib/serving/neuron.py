@@ -104,10 +104,8 @@ def _run_tool(argv: list[str], env: Mapping[str, str]) -> subprocess.CompletedPr
 def _tool_failure(neuron_ls: str, proc: subprocess.CompletedProcess) -> DeviceError:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     fatal = next((parse_logfmt(line) for line in lines if "level=" in line), None)
-    if fatal and (fatal.get("msg") or fatal.get("error")):
-        said = ": ".join(v for v in (fatal.get("msg"), fatal.get("error")) if v)
-    else:
-        said = lines[-1] if lines else "no output"
+    said = ": ".join(v for v in (fatal.get("msg"), fatal.get("error")) if v) if fatal else ""
+    said = said or (lines[-1] if lines else "no output")
     return DeviceError(
         f"no Neuron devices: {neuron_ls} --json-output exited {proc.returncode} ({said})",
         hint="the Neuron driver is not loaded or this is not a Neuron instance; "
@@ -124,9 +122,7 @@ def _family_from_sysfs(sysfs_root: Path) -> str | None:
 
 def _family_from_table(neuron_ls: str, env: Mapping[str, str]) -> str | None:
     proc = _run_tool([neuron_ls], env)
-    if proc.returncode != 0:
-        return None
-    match = _INSTANCE_TYPE_LINE.search(proc.stdout)
+    match = _INSTANCE_TYPE_LINE.search(proc.stdout) if proc.returncode == 0 else None
     return match.group(1) if match else None
 
 
