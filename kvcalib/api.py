@@ -45,7 +45,7 @@ def _logged(result: Any) -> Any:
     return result
 
 
-def calibrate_options(*, target: str | None = None, **fields: Any) -> CalibrateOptions:
+def calibrate_options(**fields: Any) -> CalibrateOptions:
     """CalibrateOptions as the CLI makes them, what it reads from the machine read unless given."""
     from kvcalib.calibration.ranks import Ranks
     from kvcalib.hf.memory import available_memory
@@ -54,7 +54,7 @@ def calibrate_options(*, target: str | None = None, **fields: Any) -> CalibrateO
     fields.setdefault("memory", available_memory())
     fields.setdefault("scratch_dir", Path(tempfile.gettempdir()))
     fields.setdefault("ranks", Ranks.from_env(os.environ))
-    return CalibrateOptions(target=target, **fields)
+    return CalibrateOptions(**fields)
 
 
 def plan_serve_check(model: str | Path, calibration: CalibrateOptions, device: str, **serve: Any) -> ServeOptions:
@@ -104,15 +104,12 @@ def plan(model: str | Path, dataset: str, output: str | Path, *, options: Calibr
     return plan_calibration(model, dataset, output, options or calibrate_options(**fields), progress=progress)
 
 
-def calibrate(model: str | Path, dataset: str, output: str | Path, *, target: str | None = None,
-              num_samples: int = 512, max_seq_len: int = 2048, recipe: str | None = None,
-              scale_objective: str = "attention", serve_check: str | None = None,
+def calibrate(model: str | Path, dataset: str, output: str | Path, *, serve_check: str | None = None,
               serve: dict[str, Any] | None = None, progress: ProgressCallback | None = None,
               serve_progress: Callable[[ServeEvent], None] | None = None, **options: Any) -> CalibrationResult:
     """`kvcalib calibrate`: an FP8-KV checkpoint of `model` at `output`, scales from `dataset`; the CalibrationResult.
     CalibrateOptions fields pass through; serve_check: a device to serve the result on (`serve`: ServeOptions)."""
-    calibration = calibrate_options(target=target, num_samples=num_samples, max_seq_len=max_seq_len, recipe=recipe,
-                                    scale_objective=scale_objective, **options)
+    calibration = calibrate_options(**options)
     serving = None if serve_check is None else plan_serve_check(model, calibration, serve_check, **(serve or {}))
     result = run_calibration(model, dataset, output, calibration, progress)
     return result if serving is None else serve_calibrated(result, serving, serve_progress)
@@ -125,72 +122,65 @@ def validate(path: str | Path, *, target: str = DEFAULT_TARGET, strict: bool = F
     return validate_checkpoint(Path(path), target, strict=strict)
 
 
-def eval_options(*, target: str = DEFAULT_TARGET, compare: Sequence[str] = (), **fields: Any) -> EvalOptions:
+def eval_options(*, compare: Sequence[str] = (), **fields: Any) -> EvalOptions:
     """EvalOptions as the CLI makes them, with the host CPU read unless given."""
     from kvcalib.evaluation.options import EvalOptions
 
     fields.setdefault("cpu", HostCpu.detect())
-    return EvalOptions(target=target, compare=tuple(compare), **fields)
+    return EvalOptions(compare=tuple(compare), **fields)
 
 
-def task_options(tasks: Sequence[str], *, target: str = DEFAULT_TARGET, compare: Sequence[str] = (),
-                 **fields: Any) -> TaskOptions:
+def task_options(tasks: Sequence[str], *, compare: Sequence[str] = (), **fields: Any) -> TaskOptions:
     """TaskOptions as the CLI makes them (lm-eval tasks by name; limit, num_fewshot, task_data, ...)."""
     from kvcalib.evaluation.options import TaskOptions
 
-    return TaskOptions(tasks=tuple(tasks), target=target, compare=tuple(compare), **fields)
+    return TaskOptions(tasks=tuple(tasks), compare=tuple(compare), **fields)
 
 
-def evaluate(checkpoint: str | Path, dataset: str, *, target: str = DEFAULT_TARGET, compare: Sequence[str] = (),
-             options: EvalOptions | None = None, progress: ProgressCallback | None = None, **fields: Any) -> EvalResult:
+def evaluate(checkpoint: str | Path, dataset: str, *, options: EvalOptions | None = None,
+             progress: ProgressCallback | None = None, **fields: Any) -> EvalResult:
     """`kvcalib eval --dataset`: FP8-KV accuracy on held-out text against the unquantised cache (compare: "unit"
     or other checkpoints); EvalOptions fields pass through, or `options` made already."""
     from kvcalib.evaluation.pipeline import evaluate as run
 
-    options = options or eval_options(target=target, compare=compare, **fields)
-    return run(str(checkpoint), dataset, options, progress=progress)
+    return run(str(checkpoint), dataset, options or eval_options(**fields), progress=progress)
 
 
-def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, target: str = DEFAULT_TARGET,
-                     compare: Sequence[str] = (), nll: bool = True, options: EvalOptions | None = None,
-                     progress: ProgressCallback | None = None, **fields: Any) -> ContextResult:
+def evaluate_context(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, nll: bool = True,
+                     options: EvalOptions | None = None, progress: ProgressCallback | None = None,
+                     **fields: Any) -> ContextResult:
     """`kvcalib eval --context L,...`: K/V saturation and ΔNLL (nll) per length and layer."""
     from kvcalib.evaluation.context import evaluate_context as run
 
-    options = options or eval_options(target=target, compare=compare, **fields)
-    return run(str(checkpoint), dataset, tuple(lengths), options, progress=progress, nll=nll)
+    return run(str(checkpoint), dataset, tuple(lengths), options or eval_options(**fields), progress=progress, nll=nll)
 
 
 def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: Sequence[int], *, keys: int | None = None,
-                    target: str = DEFAULT_TARGET, compare: Sequence[str] = (), options: EvalOptions | None = None,
-                    progress: ProgressCallback | None = None, **fields: Any) -> NeedleResult:
+                    options: EvalOptions | None = None, progress: ProgressCallback | None = None,
+                    **fields: Any) -> NeedleResult:
     """`kvcalib eval --context L,... --needle`: keys found per length and depth, per scale set."""
     from kvcalib.evaluation.needle import evaluate_needle as run
 
-    options = options or eval_options(target=target, compare=compare, **fields)
-    return run(str(checkpoint), dataset, tuple(lengths), options, keys, progress=progress)
+    return run(str(checkpoint), dataset, tuple(lengths), options or eval_options(**fields), keys, progress=progress)
 
 
-def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, target: str = DEFAULT_TARGET,
-                   compare: Sequence[str] = (), options: TaskOptions | None = None,
+def evaluate_tasks(checkpoint: str | Path, tasks: Sequence[str], *, options: TaskOptions | None = None,
                    progress: ProgressCallback | None = None, **fields: Any) -> TaskResult:
     """`kvcalib eval --tasks`: lm-eval tasks under the chip's FP8-KV numerics, paired item by item."""
     from kvcalib.evaluation.tasks import evaluate_tasks as run
 
-    options = options or task_options(tasks, target=target, compare=compare, **fields)
-    return run(str(checkpoint), options, progress=progress)
+    return run(str(checkpoint), options or task_options(tasks, **fields), progress=progress)
 
 
 def serve_options(device: str, **fields: Any) -> ServeOptions:
     """ServeOptions as the CLI makes them: the environment, CPU flags and memory read unless given."""
+    from kvcalib.hf.memory import available_memory
+    from kvcalib.serving.options import ServeOptions
+
     fields.setdefault("env", dict(os.environ))
     fields.setdefault("cpu", HostCpu.detect(with_capability=False))
     if "memory_bytes" not in fields:
-        from kvcalib.hf.memory import available_memory
-
         fields["memory_bytes"] = available_memory().available
-    from kvcalib.serving.options import ServeOptions
-
     return ServeOptions(device=device, **fields)
 
 

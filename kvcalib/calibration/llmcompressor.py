@@ -23,7 +23,6 @@ __all__ = ["llmcompressor_engine"]
 
 
 def llmcompressor_engine(inputs: EngineInputs) -> Observation:
-    """Observe with llm-compressor's oneshot; return the per-layer absmax its scales stand for."""
     require_llmcompressor()
     from compressed_tensors.quantization.utils import calculate_range
     from datasets import Dataset
@@ -85,5 +84,3 @@ def _counter(calls: list[int], layer: int, inputs: EngineInputs, num_layers: int
                                round(done * total_tokens), total_tokens))
 
     return hook
-
-

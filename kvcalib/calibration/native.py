@@ -19,7 +19,6 @@ __all__ = ["native_engine", "observe_all", "sample_attention"]
 
 
 def native_engine(inputs: EngineInputs) -> Observation:
-    """The whole model in memory; every batch through the decoder stack, K/V recorded by the cache."""
     inputs.notify(Progress("load-model"))
     hf_model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
                           attn_implementation=faithful_attention(inputs.config))
@@ -49,13 +48,7 @@ def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: Calibr
 
 def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:
     """The scale objective's samples alone (for llm-compressor's oneshot): the sampled sequences, run again."""
-    hf_model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
-                          attn_implementation=faithful_attention(inputs.config))
-    layers = num_layers(hf_model)
-    observer = KVAbsmaxObserver(layers, sampler=inputs.sampler(layers))
     data = dataclasses.replace(inputs.data, sequences=tuple(s for s in inputs.data.sequences
                                                             if s in inputs.sample_sequences))
-    with compute_path(inputs.compute):
-        observe_all(hf_model, observer, data, inputs.options.batch_size, inputs.pad_id, inputs.device,
-                    lambda progress: None)
-    return tuple(tuple(layer) for layer in observer.sampler.samples)
+    options = dataclasses.replace(inputs.options, attention_scales=False)
+    return native_engine(dataclasses.replace(inputs, data=data, options=options, notify=lambda progress: None)).samples

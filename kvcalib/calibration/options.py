@@ -17,15 +17,11 @@ if TYPE_CHECKING:
 __all__ = ["CalibrateOptions", "CalibrationResult", "KindScales", "LayerScales"]
 
 
-def _targets() -> tuple[str, ...]:
-    return tuple(fp8.TARGETS)
-
-
 @dataclass(frozen=True)
 class CalibrateOptions(RunOptions):
     target: str | None = option(
         None, "Chip the scales are sized for: trn2 (FP8 max 240), trn3 or gpu (448). Default: the recipe's "
-        "kvcalib.target, else trn2.", panel="Scales", short="-t", choices=_targets)
+        "kvcalib.target, else trn2.", panel="Scales", short="-t", choices=lambda: tuple(fp8.TARGETS))
     num_samples: int = option(512, "First N rows of the split.", aliases=("--num-calibration-samples",),
                               minimum=1, what="rows of the dataset to calibrate on")
     max_seq_len: int = option(2048, "Tokens per sample at most.", aliases=("--max-seq-length",), minimum=1,

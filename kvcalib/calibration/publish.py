@@ -35,8 +35,6 @@ _DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @dataclass(frozen=True)
 class Staging:
-    """The sibling a run writes OUT in (see the module docstring)."""
-
     root: Path
     output: Path
 
@@ -95,8 +93,7 @@ def discard(staging: Staging) -> bool:
         for child in sorted(staging.root.iterdir()) if staging.root.is_dir() else ():
             if child.name != MARKER:  # the marker goes last: until then the sibling stays recognisable
                 shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        with contextlib.suppress(FileNotFoundError):
-            (staging.root / MARKER).unlink()
+        (staging.root / MARKER).unlink(missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             staging.root.rmdir()
     return restored
@@ -127,10 +124,9 @@ def recover(output: Path) -> list[str]:
                 f"another kvcalib (pid {owner[0]}) is writing {output} (its staging directory {root})",
                 hint="wait for it to finish, or stop it; two runs must not write one output")
         who = f"pid {owner[0]}" if owner else "a process killed as it began"
-        if discard(Staging(root, output)):
-            notes.append(f"restored the previous {output} from {root.name}, left by an interrupted run ({who})")
-        else:
-            notes.append(f"removed {root.name} next to {output}, left by an interrupted run ({who})")
+        done = (f"restored the previous {output} from {root.name}" if discard(Staging(root, output))
+                else f"removed {root.name} next to {output}")
+        notes.append(f"{done}, left by an interrupted run ({who})")
     return notes
 
 

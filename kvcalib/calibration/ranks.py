@@ -14,8 +14,6 @@ __all__ = ["Ranks", "rank_device"]
 
 @dataclass(frozen=True)
 class Ranks:
-    """Where this process stands in a torchrun launch."""
-
     rank: int
     world_size: int
     local_rank: int

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -132,30 +133,25 @@ def load_recipe(path: str | Path) -> KvRecipe:
 
 def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
     """Refuse a kv_cache_scheme that vLLM on `target` cannot serve from kvcalib's checkpoint."""
-    s = recipe.scheme
-    where = f"{recipe.path}: {recipe.location}.{KV_SCHEME_KEY}"
-    example = f"recipes/kv-fp8-{target.name}.yaml (--recipe {target.name})"
-    if s["type"] != "float":
-        raise RecipeError(
-            f"{where} has type {s['type']!r} ({s['num_bits']}-bit integer KV), which {target.name} cannot serve: "
-            "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
-            hint=f"set type: float and num_bits: 8, as in {example}")
-    if s["num_bits"] != 8:
-        raise RecipeError(f"{where} has num_bits {s['num_bits']}, which {target.name} cannot serve: "
-                          "vLLM's KV cache is FP8 (num_bits 8)", hint=f"set num_bits: 8, as in {example}")
-    if s["dynamic"] is not False:
-        raise RecipeError(f"{where} has dynamic: {s['dynamic']!r}, which {target.name} cannot serve: vLLM reads static "
-                          "per-layer KV scales from the checkpoint",
-                          hint=f"set dynamic: false, as in {example}")
-    if s["strategy"] == ATTN_HEAD and target.neuron:
-        raise RecipeError(f"{where} has strategy attn_head (one scale per KV head), which {target.name} cannot "
-                          f"serve: {NEURON_PER_HEAD_REASON}", hint=f"set strategy: tensor, as in {example}")
-    if s["strategy"] not in STRATEGIES:
-        raise RecipeError(f"{where} has strategy {s['strategy']!r}, which is no KV-cache strategy "
-                          f"{target.name} serves", hint=f"set strategy: tensor, as in {example}")
-    if s["symmetric"] is not True:
-        raise RecipeError(f"{where} has symmetric: false (a zero point), which {target.name} cannot serve: "
-                          "vLLM's FP8 KV cache is symmetric (x = fp8 * scale)", hint="set symmetric: true")
+    s, chip = recipe.scheme, target.name
+    example = f"recipes/kv-fp8-{chip}.yaml (--recipe {chip})"
+    refusals = (  # (refused, what the scheme has and why the chip cannot serve it, the fix), the first one reported
+        (s["type"] != "float", f"type {s['type']!r} ({s['num_bits']}-bit integer KV), which {chip} cannot serve: "
+         "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
+         f"set type: float and num_bits: 8, as in {example}"),
+        (s["num_bits"] != 8, f"num_bits {s['num_bits']}, which {chip} cannot serve: vLLM's KV cache is FP8 "
+         "(num_bits 8)", f"set num_bits: 8, as in {example}"),
+        (s["dynamic"] is not False, f"dynamic: {s['dynamic']!r}, which {chip} cannot serve: vLLM reads static "
+         "per-layer KV scales from the checkpoint", f"set dynamic: false, as in {example}"),
+        (s["strategy"] == ATTN_HEAD and target.neuron, f"strategy attn_head (one scale per KV head), which {chip} "
+         f"cannot serve: {NEURON_PER_HEAD_REASON}", f"set strategy: tensor, as in {example}"),
+        (s["strategy"] not in STRATEGIES, f"strategy {s['strategy']!r}, which is no KV-cache strategy {chip} serves",
+         f"set strategy: tensor, as in {example}"),
+        (s["symmetric"] is not True, f"symmetric: false (a zero point), which {chip} cannot serve: vLLM's FP8 KV "
+         "cache is symmetric (x = fp8 * scale)", "set symmetric: true"))
+    for refused, has, hint in refusals:
+        if refused:
+            raise RecipeError(f"{recipe.path}: {recipe.location}.{KV_SCHEME_KEY} has {has}", hint=hint)
 
 
 def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
@@ -175,9 +171,11 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
             warnings.append(f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
                             f"{', '.join(recipe.ignored)}")
     strategy = _plan_strategy(strategy, recipe, chosen)
+    provenance: dict[str, Any] = {} if recipe is None else {"recipe": recipe.path, "kv_cache_scheme": recipe.scheme}
     if engine == LLMCOMPRESSOR_ENGINE:
         require_llmcompressor()
         observer = (recipe.observer if recipe else NATIVE_OBSERVER) or LLMCOMPRESSOR_DEFAULT_OBSERVER
+        provenance["llmcompressor_version"] = version("llmcompressor")
     else:
         observer = NATIVE_OBSERVER
         if recipe is not None and recipe.observer != NATIVE_OBSERVER:
@@ -185,15 +183,8 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
                      else f"no observer (llm-compressor would run {LLMCOMPRESSOR_DEFAULT_OBSERVER!r})")
             warnings.append(f"{recipe.path}: {named}; the native engine measures the absmax over every token "
                             f"({NATIVE_OBSERVER}); --engine {LLMCOMPRESSOR_ENGINE} runs the recipe's observer")
-    provenance: dict[str, Any] = {"observer": observer}
-    if recipe is not None:
-        provenance.update(recipe=recipe.path, kv_cache_scheme=recipe.scheme)
-    if engine == LLMCOMPRESSOR_ENGINE:
-        from importlib.metadata import version
-
-        provenance["llmcompressor_version"] = version("llmcompressor")
     return RecipePlan(chosen, recipe, observer, strategy, bool(recipe and recipe.attention), tuple(warnings),
-                      provenance)
+                      {"observer": observer, **provenance})
 
 
 def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -> str:
@@ -216,7 +207,6 @@ def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -
 
 
 def require_llmcompressor() -> None:
-    """MissingDependencyError, with the install command, unless llm-compressor can be imported."""
     if importlib.util.find_spec("llmcompressor") is None:
         raise MissingDependencyError(f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
                                      hint=LLMCOMPRESSOR_HINT)
@@ -241,7 +231,6 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
     modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
     found: list[tuple[str, str, Any]] = []
     ignored: list[str] = []
-    attention = False
     for stage_key, stage in obj.items():
         if not (isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, dict)):
             continue
@@ -256,7 +245,6 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                                       hint=f"see the shipped recipe for the layout {_SHIPPED}")
                 groups = arguments.get("config_groups")
                 fp8_attention = fp8_attention_groups(groups)
-                attention = attention or bool(fp8_attention)
                 found += [(location, f"config_groups.{name}.input_activations", args)
                           for name, args in fp8_attention.items()]
                 if arguments.get(KV_SCHEME_KEY) is not None:
@@ -267,7 +255,7 @@ def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[
                     ignored.append(location)
                 elif others:
                     ignored.append(f"{location} ({', '.join(others)})")
-    return found, ignored, attention
+    return found, ignored, any(field != KV_SCHEME_KEY for _, field, _ in found)
 
 
 def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:

@@ -52,12 +52,11 @@ def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, 
                  = None, headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
     """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; then with_headroom."""
     _unobserved(observation.observed, model_dir, "were")
-    if queries:
-        _unobserved(observation.q_observed, model_dir, "had their Q")
-    warnings: list[str] = []
     kinds = {"k": list(observation.k_heads), "v": list(observation.v_heads)}
     if queries:
+        _unobserved(observation.q_observed, model_dir, "had their Q")
         kinds["q"] = list(observation.q_heads)
+    warnings: list[str] = []
     for kind, per_layer in kinds.items():
         _check_finite(kind.upper(), per_layer, warnings)
     layers = []
@@ -73,7 +72,6 @@ def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, 
 
 def _kind_scales(heads: torch.Tensor, target: fp8.Target, key: str, per_head: bool, choice: KindChoice | None,
                  cands: Candidates | None, headroom: float) -> KindScales:
-    """One kind's scales from its per-head absmax: absmax / fp8_max, or the objective's choice; then with_headroom."""
     head_scales, chosen = fp8.scale_from_absmax(heads, target), None
     if choice is not None and cands is not None:
         index = choice.index * heads.numel() if len(choice.index) == 1 else choice.index
@@ -89,6 +87,5 @@ def _kind_scales(heads: torch.Tensor, target: fp8.Target, key: str, per_head: bo
 
 
 def scale_tensors(layers: list[LayerScales]) -> dict[str, torch.Tensor]:
-    """The float32 tensors to write: [1] per tensor, [heads, 1, 1] per head."""
     return {s.key: torch.tensor(s.head_scales, dtype=torch.float32).reshape(-1, 1, 1) if s.head_scales is not None
             else torch.tensor([s.scale], dtype=torch.float32) for layer in layers for s in layer.kinds().values()}

@@ -36,7 +36,6 @@ HIDDEN_STATES_MEMORY_SHARE = 0.5
 
 
 def stream_engine(inputs: EngineInputs) -> Observation:
-    """Observe K/V absmax layer by layer (see the module docstring)."""
     inputs.notify(Progress("load-model"))
     files = inputs.checkpoint.files
     dtype = effective_dtype(inputs.checkpoint, inputs.dtype)
@@ -83,9 +82,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
 
 
 class _Captured(Exception):
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__()
-        self.layer_args, self.layer_kwargs = args, kwargs
+    """Raised in place of layer `index`'s forward, with the (args, kwargs) it was given."""
 
 
 def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, index: int, input_ids: torch.Tensor,
@@ -106,7 +103,7 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
         decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
                 past_key_values=RecordingCache(decoder.config, observer))
     except _Captured as captured:
-        args, kwargs = captured.layer_args, dict(captured.layer_kwargs)
+        args, kwargs = captured.args[0], dict(captured.args[1])
     else:
         raise UnsupportedModelError(f"the decoder's forward never called decoder layer {index}",
                                     hint="calibrate this model without --stream-layers")
@@ -145,9 +142,9 @@ class _Weights:
 
         return get_model_conversion_mapping(self.model, hf_quantizer=self.quantizer)
 
-    def _meta(self, prefix: str, skip: str | None) -> list[str]:
-        return [name for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
-                if name.startswith(prefix) and not (skip and name.startswith(skip)) and tensor.device.type == "meta"]
+    def _under(self, prefix: str, skip: str | None) -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor) for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
+                if name.startswith(prefix) and not (skip and name.startswith(skip))]
 
     def _missing(self, name: str) -> UnsupportedModelError:
         return UnsupportedModelError(
@@ -162,13 +159,13 @@ class _Weights:
                 f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
                 f"the model ({', '.join(self.unexpected[:3])}{', ...' if len(self.unexpected) > 3 else ''})",
                 hint="use the config.json and the *.safetensors files of one and the same model")
-        for name in self._meta(prefix, None):
-            if name not in self.sources:
+        for name, tensor in self._under(prefix, None):
+            if tensor.device.type == "meta" and name not in self.sources:
                 raise self._missing(name)
 
     def load(self, prefix: str, skip: str | None = None) -> None:
         """Put the meta weights under `prefix` (except those under `skip`) on the device."""
-        wanted = self._meta(prefix, skip)
+        wanted = [name for name, tensor in self._under(prefix, skip) if tensor.device.type == "meta"]
         # MXFP4 experts one weight at a time, each source pair dropped once converted: a layer's MXFP4 tensors are
         # never all in memory beside its dequantised experts (GPT-OSS-120B: 1.6 GB of them a layer)
         alone = [name for name in wanted if self.quantizer is not None
@@ -176,9 +173,7 @@ class _Weights:
         self._convert([name for name in wanted if name not in alone], quantized=False)
         for name in alone:
             self._convert([name], quantized=True)
-        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
-            if not name.startswith(prefix) or (skip and name.startswith(skip)):
-                continue
+        for name, tensor in self._under(prefix, skip):
             if tensor.device.type == "meta":
                 raise self._missing(name)
             if tensor.device != self.device:
@@ -213,13 +208,10 @@ class _HiddenStates:
     """Each batch's hidden states between two layers: in memory, or one safetensors file per batch."""
 
     def __init__(self, spill: bool, scratch_dir: Path | None) -> None:
-        self.spill, self.scratch_dir = spill, scratch_dir
         self._memory: dict[int, torch.Tensor] = {}
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=scratch_dir) if spill else None
 
     def __enter__(self) -> _HiddenStates:
-        if self.spill:
-            self._dir = tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=self.scratch_dir)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -232,8 +224,8 @@ class _HiddenStates:
         return Path(self._dir.name) / f"batch-{b:06d}.safetensors"
 
     def put(self, b: int, hidden: torch.Tensor) -> None:
-        if not self.spill:
-            self._memory[b] = hidden.cpu() if hidden.device.type != "cpu" else hidden
+        if self._dir is None:
+            self._memory[b] = hidden.cpu()  # the tensor itself if it is on the CPU
             return
         from safetensors.torch import save_file
 
@@ -242,7 +234,7 @@ class _HiddenStates:
         os.replace(tmp, self._path(b))
 
     def get(self, b: int) -> torch.Tensor:
-        if not self.spill:
+        if self._dir is None:
             return self._memory[b]
         from safetensors.torch import load_file
 
@@ -269,7 +261,6 @@ def _progress(sizes: list[tuple[int, int]], num_layers: int, layer: int, b: int)
 
 
 def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) -> tuple[str, torch.nn.ModuleList]:
-    """The decoder's ModuleList of layers (`layers` in every transformers decoder)."""
     for name, child in decoder.named_children():
         if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers:
             return name, child

@@ -13,7 +13,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +132,7 @@ def _can_link(source: Checkpoint, probe: Path) -> bool:
     return False
 
 
-def _existing_ancestor(path: Path) -> Path:
-    """`path` itself if it exists, else its nearest existing parent (absolute)."""
+def _existing_ancestor(path: Path) -> Path:  # `path` itself if it exists, else its nearest existing parent
     path = Path(os.path.abspath(path))
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
@@ -164,7 +163,6 @@ def _write_error(exc: OSError, output: Path, where: Path | None = None) -> Outpu
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link `src` to `dst` (same bytes, no extra space), copying across filesystems."""
     try:
         os.link(src, dst)
     except OSError:
@@ -209,16 +207,7 @@ class WritePlan:
     provenance: dict[str, Any]
 
 
-@dataclass
-class _Index:  # the new index's weight_map and sizes, built up as files are written
-    weight_map: dict[str, str] = field(default_factory=dict)
-    total_size: int = 0
-    total_params: int = 0
-
-    def add(self, key: str, file: str, nbytes: int, numel: int) -> None:
-        self.weight_map[key] = file
-        self.total_size += nbytes
-        self.total_params += numel
+_Index = dict[str, tuple[str, int, int]]  # the new index, built up as files are written: key -> (file, bytes, numel)
 
 
 def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *, overwrite: bool = False,
@@ -249,7 +238,7 @@ def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *
 
 
 def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
-    index = _Index()
+    index: _Index = {}
     notes = _write_weights(source, dest, index)
     _copy_other_files(source.root, dest)
     _write_scales(dest, plan, index)
@@ -264,11 +253,8 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
 
 def _make_parents(output: Path) -> list[Path]:
     """Create OUT's missing parents; the ones created, deepest first (removed again on failure)."""
-    missing = []
-    parent = output.parent
-    while not os.path.lexists(parent):
-        missing.append(parent)
-        parent = parent.parent
+    parents = list(output.parents)
+    missing = parents[:parents.index(_existing_ancestor(output.parent))]
     for path in reversed(missing):
         path.mkdir()
     return missing
@@ -291,7 +277,7 @@ def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
             link_or_copy(source.root / name, tmp / out_name)
         for key, info in header.tensors.items():
             if key not in stale:
-                index.add(key, out_name, info.nbytes, math.prod(info.shape))
+                index[key] = (out_name, info.nbytes, math.prod(info.shape))
     return notes
 
 
@@ -299,25 +285,25 @@ def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
     from safetensors.torch import save_file
 
     scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
-    clash = sorted(set(scales) & set(index.weight_map))
+    clash = sorted(set(scales) & set(index))
     if clash:
-        raise CheckpointReadError(f"scale key {clash[0]} already exists in {index.weight_map[clash[0]]}",
+        raise CheckpointReadError(f"scale key {clash[0]} already exists in {index[clash[0]][0]}",
                                   hint="the model's weights hold a tensor under a KV scale's name; please report this")
     save_file(scales, str(tmp / SCALES_FILENAME),
               metadata={"format": "pt", PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True)})
     os.chmod(tmp / SCALES_FILENAME, 0o644)
     for key, tensor in scales.items():
-        index.add(key, SCALES_FILENAME, tensor.numel() * tensor.element_size(), tensor.numel())
+        index[key] = (SCALES_FILENAME, tensor.numel() * tensor.element_size(), tensor.numel())
 
 
 def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) -> None:
     out: dict[str, Any] = dict(source_index) if source_index is not None else {}
     metadata = dict(out.get("metadata") or {})
-    metadata["total_size"] = index.total_size
+    metadata["total_size"] = sum(nbytes for _, nbytes, _ in index.values())
     if "total_parameters" in metadata:  # newer transformers record it; keep it true
-        metadata["total_parameters"] = index.total_params
+        metadata["total_parameters"] = sum(numel for _, _, numel in index.values())
     out["metadata"] = metadata
-    out["weight_map"] = dict(sorted(index.weight_map.items()))
+    out["weight_map"] = {key: file for key, (file, _, _) in sorted(index.items())}
     write_json(tmp / INDEX_FILENAME, out)
 
 
@@ -342,7 +328,4 @@ def _copy_other_files(source: Path, dest: Path) -> None:
 
 
 def _carry(src: str | Path, dst: str | Path) -> None:
-    if os.path.getsize(src) >= LINK_AT_BYTES:
-        link_or_copy(Path(src), Path(dst))
-    else:
-        shutil.copy2(src, dst)
+    (link_or_copy if os.path.getsize(src) >= LINK_AT_BYTES else shutil.copy2)(Path(src), Path(dst))

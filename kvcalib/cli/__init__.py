@@ -5,6 +5,7 @@ everything for humans goes to stderr; `KvcalibError` is the one error boundary (
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -22,8 +23,7 @@ from kvcalib.core.fp8 import DEFAULT_TARGET, TARGETS
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
 from kvcalib.serving.options import ServeOptions
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
 
 def _print_version(value: bool) -> None:
@@ -74,13 +74,18 @@ def calibrate(
     **values: Any,
 ) -> None:
     """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
-    from kvcalib.api import calibrate_options, plan_serve_check, run_calibration
+    from kvcalib.api import calibrate_options, plan as run_plan, plan_serve_check, run_calibration
 
     with _errors():  # kvcalib.calibrate(...) is these three calls; the CLI renders between them
         fields = split_options(CalibrateOptions, values)
-        options = calibrate_options(**{**fields, "engine": _engine(fields["engine"], stream_layers)})
+        if stream_layers and fields["engine"] not in ("auto", "stream"):  # --stream-layers is --engine stream
+            raise UsageError(f"--stream-layers contradicts --engine {fields['engine']}", hint="pass one of them")
+        options = calibrate_options(**{**fields, "engine": "stream" if stream_layers else fields["engine"]})
+    console = _stderr(quiet)
     if plan:
-        return _plan(model, dataset, output, options, as_json, quiet)
+        with _errors(), progress_bar(console, "probing", "plan") as on_progress:
+            result = run_plan(model, dataset, output, options=options, progress=on_progress)
+        return _show(render_plan, console, result, as_json)
     if options.ranks is not None and not options.ranks.is_writer:  # other ranks work quietly; rank 0 reports
         with _errors(quiet=True):
             run_calibration(model, dataset, output, options)
@@ -89,38 +94,24 @@ def calibrate(
     if serve_device is not None:  # everything serving needs but the scales, before an hour of calibration
         with _errors():
             serving = plan_serve_check(model, options, serve_device, **{k: values[k] for k in _SERVE_FLAGS})
-    console = _stderr(quiet)
     with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
         result = run_calibration(model, dataset, output, options, progress=on_progress)
     _report_calibration(console, result, notes, serving, as_json)
 
 
 def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
-    """`render` the result for humans (stderr), then with --json its to_dict() on stdout."""
     render(console, result, *args)
     if as_json:
         _print_json(result.to_dict())
-
-
-def _plan(model: str, dataset: str, output: Path, options: Any, as_json: bool, quiet: bool) -> None:
-    """calibrate --plan: the plan, rendered (and --json); nothing written, exit 0."""
-    from kvcalib.api import plan
-
-    console = _stderr(quiet)
-    with _errors(), progress_bar(console, "probing", "plan") as on_progress:
-        result = plan(model, dataset, output, options=options, progress=on_progress)
-    _show(render_plan, console, result, as_json)
 
 
 def _report_calibration(console: Console, result: Any, notes: list[str], serving: Any, as_json: bool) -> None:
     """The table; with --serve-check, serve-check's run on the published checkpoint and its exit code."""
     from kvcalib.api import serve_calibrated
 
-    render_calibration(console, result, notes)
     if serving is None:
-        if as_json:
-            _print_json(result.to_dict())
-        return
+        return _show(render_calibration, console, result, as_json, notes)
+    render_calibration(console, result, notes)
     with _errors(interrupted="every vLLM server serve-check started was stopped"), \
             serve_status(console) as on_event, captured_notes() as notes:
         served = serve_calibrated(result, serving, on_event).serve_check
@@ -128,13 +119,6 @@ def _report_calibration(console: Console, result: Any, notes: list[str], serving
     if as_json:
         _print_json({"calibration": result.to_dict(), "serve_check": served.to_dict()})
     raise typer.Exit(0 if served.ok else 1)
-
-
-def _engine(engine: str, stream_layers: bool) -> str:
-    """--stream-layers is --engine stream."""
-    if stream_layers and engine not in ("auto", "stream"):
-        raise UsageError(f"--stream-layers contradicts --engine {engine}", hint="pass one of them")
-    return "stream" if stream_layers else engine
 
 
 @app.command()
@@ -187,16 +171,14 @@ def eval_command(
     from kvcalib.evaluation.plot import check_plot_path, plot_eval
 
     if tasks is not None or dataset is None:
-        _eval_tasks(checkpoint, dataset, tasks, values, as_json, quiet)
-        return
+        return _eval_tasks(checkpoint, dataset, tasks, values, as_json, quiet)
     keys = values["num_samples"]  # --needle's default is its own
     with _errors():
         options = eval_options(**{**split_options(EvalOptions, values), "num_samples": 64 if keys is None else keys})
     console = _stderr(quiet)
     if context is not None or needle or saturation_only:
-        _eval_context(checkpoint, dataset, context, options, console, as_json, plot, needle, keys,
-                      not saturation_only)
-        return
+        return _eval_context(checkpoint, dataset, context, options, console, as_json, plot, needle, keys,
+                             not saturation_only)
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         if plot is not None:
             check_plot_path(plot, [checkpoint, dataset, *options.compare])
@@ -284,8 +266,6 @@ def serve_check(
 
 def _quiet_libraries() -> None:
     """kvcalib draws its own progress; the libraries' bars and notices (llm-compressor's on stdout) are noise."""
-    import os
-
     for name, value in {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
                         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LLM_COMPRESSOR_LOG_DISABLED": "true"}.items():
         os.environ.setdefault(name, value)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvcalib.core.checkpoint import scan_checkpoint
+from kvcalib.core.checkpoint import load_tensors, scan_checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import is_kv_scale_key
 
@@ -36,14 +36,12 @@ class CanaryResult:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "factor": self.factor, "nll": self.nll, "agreement": self.agreement,
-                "reason": self.reason}
+        return asdict(self)
 
 
 def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, value: float | None = None) -> Path:
     """`dest`: `checkpoint` with every KV scale times `factor` (or set to `value`), everything else symlinked."""
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     checkpoint, dest = Path(checkpoint).resolve(), Path(dest)
@@ -51,18 +49,16 @@ def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, v
         _remove_earlier_variant(dest)
     dest.mkdir(parents=True)
     files = scan_checkpoint(checkpoint)
-    rewrite = {name for name, header in files.headers.items() if any(is_kv_scale_key(k) for k in header.tensors)}
+    rewrite = {name: header for name, header in files.headers.items() if any(map(is_kv_scale_key, header.tensors))}
     for entry in sorted(checkpoint.iterdir()):
         if entry.name not in rewrite:
             os.symlink(entry, dest / entry.name)
-    for name in sorted(rewrite):
-        with safe_open(str(checkpoint / name), framework="pt") as f:
-            metadata = f.metadata()
-            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 -- safe_open has no iterator
+    for name, header in sorted(rewrite.items()):
+        tensors = load_tensors(checkpoint / name, header.tensors)
         for key, tensor in tensors.items():
             if is_kv_scale_key(key):
                 tensors[key] = torch.full_like(tensor, value) if value is not None else tensor * factor
-        save_file(tensors, str(dest / name), metadata=metadata)
+        save_file(tensors, str(dest / name), metadata=header.metadata)
     return dest
 
 
@@ -76,7 +72,6 @@ def _remove_earlier_variant(dest: Path) -> None:
 
 
 def mean_agreement(values: Sequence[float | None] | None) -> float | None:
-    """The mean of the per-prompt agreements that were scored (None: none was)."""
     scored = [v for v in values or () if v is not None]
     return sum(scored) / len(scored) if scored else None
 

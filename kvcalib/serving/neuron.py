@@ -42,8 +42,6 @@ class NeuronDevice:
 
 @dataclass(frozen=True)
 class NeuronHost:
-    """What the Neuron tools say about this machine."""
-
     family: str  # "trn2", "trn3", "trn1", "inf2", ...
     instance_type: str | None
     family_source: str  # where the family was read: sysfs, neuron-ls, or the override variable
@@ -56,7 +54,6 @@ class NeuronHost:
 
 
 def find_neuron_ls(path_env: str | None) -> str | None:
-    """neuron-ls on PATH, else in /opt/aws/neuron/bin (often not on PATH)."""
     found = shutil.which("neuron-ls", path=path_env)
     if found:
         return found
@@ -107,10 +104,8 @@ def _run_tool(argv: list[str], env: Mapping[str, str]) -> subprocess.CompletedPr
 def _tool_failure(neuron_ls: str, proc: subprocess.CompletedProcess) -> DeviceError:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     fatal = next((parse_logfmt(line) for line in lines if "level=" in line), None)
-    if fatal and (fatal.get("msg") or fatal.get("error")):
-        said = ": ".join(v for v in (fatal.get("msg"), fatal.get("error")) if v)
-    else:
-        said = lines[-1] if lines else "no output"
+    said = ": ".join(v for v in (fatal.get("msg"), fatal.get("error")) if v) if fatal else ""
+    said = said or (lines[-1] if lines else "no output")
     return DeviceError(
         f"no Neuron devices: {neuron_ls} --json-output exited {proc.returncode} ({said})",
         hint="the Neuron driver is not loaded or this is not a Neuron instance; "
@@ -127,9 +122,7 @@ def _family_from_sysfs(sysfs_root: Path) -> str | None:
 
 def _family_from_table(neuron_ls: str, env: Mapping[str, str]) -> str | None:
     proc = _run_tool([neuron_ls], env)
-    if proc.returncode != 0:
-        return None
-    match = _INSTANCE_TYPE_LINE.search(proc.stdout)
+    match = _INSTANCE_TYPE_LINE.search(proc.stdout) if proc.returncode == 0 else None
     return match.group(1) if match else None
 
 
@@ -149,8 +142,7 @@ def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), 
     devices = parse_neuron_ls_json(proc.stdout)
     if not devices:
         raise DeviceError(f"no Neuron devices: {neuron_ls} --json-output listed none", hint=_HINT)
-    instance_type = _family_from_sysfs(sysfs_root)
-    source = "sysfs"
+    instance_type, source = _family_from_sysfs(sysfs_root), "sysfs"
     if instance_type is None:
         instance_type, source = _family_from_table(neuron_ls, env), "neuron-ls"
     override = env.get(TARGET_OVERRIDE_ENV)
@@ -168,7 +160,6 @@ def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), 
 
 
 def require_family(host: NeuronHost, device: str) -> None:
-    """DeviceError unless the host's chip family is the one asked for."""
     if host.family != device:
         where = f"{host.instance_type} " if host.instance_type else ""
         raise DeviceError(f"this host is {host.family} ({where}from {host.family_source}), not {device}",

@@ -17,14 +17,10 @@ from kvcalib.serving.prompts import MIN_CONTEXT, Prompt
 __all__ = ["ServeOptions"]
 
 
-def _devices() -> tuple[str, ...]:
-    return DEVICES
-
-
 @dataclass(frozen=True)
 class ServeOptions:
     device: str = option("cpu", "trn2 or trn3 (vLLM on Neuron), cpu (vLLM on CPU) or cuda (vLLM on GPU).",
-                         panel="Serving", choices=_devices)
+                         panel="Serving", choices=lambda: DEVICES)
     tp: int | None = option(None, "Tensor-parallel size (default: every NeuronCore; 1 on cpu).", panel="Serving",
                             minimum=1, what="tensor-parallel size")
     max_model_len: int = option(2048, "Also --max-num-batched-tokens (Neuron needs them equal).", panel="Serving",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,7 @@ class Prediction:
     token_delta: tuple[float, ...] = ()  # per scored token: the checkpoint's NLL minus the unquantised one
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "baseline_nll": self.baseline_nll, "nll": self.nll,
-                "delta_nll": self.delta_nll, "unit_delta_nll": self.unit_delta_nll,
-                "canary_delta_nll": self.canary_delta_nll, "seconds": round(self.seconds, 3)}
+        return {k: round(v, 3) if k == "seconds" else v for k, v in asdict(self).items() if k != "token_delta"}
 
 
 def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = None, unit: bool = True,

@@ -1,7 +1,5 @@
-"""serve-check's pre-flight, before any server starts: the checkpoint validates for the device (cpu and cuda as
-"gpu"; `force` lets only the FP8-range mismatch through), the device (Neuron chip family; a CPU with AVX-512/AMX and
-a head size divisible by 32), a vLLM in `--vllm-python`'s environment, and for MXFP4 experts on Neuron the
-neuron_config quantization this chip needs (`Preflight.neuron_quantization`)."""
+"""serve-check's pre-flight, before any server starts: the checkpoint validates for the device, the device and a
+vLLM in `--vllm-python`'s environment are there, and MXFP4 experts on Neuron get the quantization the chip needs."""
 
 from __future__ import annotations
 
@@ -21,6 +19,7 @@ from kvcalib.core.fp8 import TARGETS
 from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME, head_dim
 from kvcalib.serving.cuda import check_cuda
 from kvcalib.serving.neuron import detect_neuron_host, require_family
+from kvcalib.validation.config import declared_kv_cache_scheme
 from kvcalib.validation.pipeline import validate_checkpoint
 
 __all__ = ["DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "check_strategy", "MAX_NEURON_MODEL_LEN",
@@ -165,12 +164,8 @@ def check_environment(config: dict[str, Any], device: str, *, tp: int | None, ma
     if device not in DEVICES:
         raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
     neuron = device in NEURON_DEVICES
-    qc = config.get("quantization_config")
-    check_strategy((qc.get("kv_cache_scheme") or {}).get("strategy") if isinstance(qc, dict)
-                   and isinstance(qc.get("kv_cache_scheme"), dict) else None, device)
-    if max_model_len < 1 or max_num_seqs < 1 or (tp is not None and tp < 1):
-        raise UsageError("--max-model-len, --max-num-seqs and --tp must be positive",
-                         hint="pass 1 or more for each, or leave them out for the defaults")
+    scheme = declared_kv_cache_scheme(config)
+    check_strategy(scheme.get("strategy") if isinstance(scheme, dict) else None, device)
     if neuron and max_model_len > MAX_NEURON_MODEL_LEN:
         raise UsageError(f"--max-model-len {max_model_len} is over {MAX_NEURON_MODEL_LEN}",
                          hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384")

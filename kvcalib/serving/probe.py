@@ -65,18 +65,23 @@ class ServerClient:
         return ServerError(f"the vLLM server stopped answering {path} ({err})",
                            hint="the server is still running but did not answer in time; see its log", log=self.log)
 
+    def _completion(self, prompt: str | Sequence[int], max_tokens: int, **more: Any) -> dict[str, Any]:
+        """The first choice of the greedy completion of `prompt` (text or token ids)."""
+        answer = self._post("/v1/completions", {"prompt": prompt if isinstance(prompt, str) else list(prompt),
+                                                "max_tokens": max_tokens, "temperature": 0, **more,
+                                                "return_token_ids": True})
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise ServerError("the server's completion has no choices", log=self.log)
+        return choices[0]
+
     def complete(self, prompt: str | Sequence[int], max_tokens: int) -> Completion:
-        """Greedy continuation of `prompt` (text or token ids)."""
-        body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "max_tokens": max_tokens,
-                "temperature": 0, "return_token_ids": True}
-        choice = self._choice(self._post("/v1/completions", body))
+        choice = self._completion(prompt, max_tokens)
         return Completion(str(choice.get("text") or ""), tuple(choice.get("token_ids") or ()),
                           tuple(choice.get("prompt_token_ids") or ()))
 
     def _prompt_logprobs(self, prompt: str | Sequence[int], top: int) -> tuple[list[Any], list[int]]:
-        body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "max_tokens": 1, "temperature": 0,
-                "prompt_logprobs": top, "return_token_ids": True}
-        choice = self._choice(self._post("/v1/completions", body))
+        choice = self._completion(prompt, 1, prompt_logprobs=top)
         logprobs, ids = choice.get("prompt_logprobs"), choice.get("prompt_token_ids")
         if not isinstance(logprobs, list) or not isinstance(ids, list) or len(logprobs) != len(ids):
             raise ServerError("the server returned no prompt log-probs (prompt_logprobs / prompt_token_ids)",
@@ -100,12 +105,6 @@ class ServerClient:
         start = len(prompt_ids)
         ranks = [_entry(logprobs[start + j], token).get("rank") for j, token in enumerate(continuation_ids)]
         return sum(1 for rank in ranks if rank == 1) / len(ranks)
-
-    def _choice(self, answer: dict[str, Any]) -> dict[str, Any]:
-        choices = answer.get("choices") if isinstance(answer, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise ServerError("the server's completion has no choices", log=self.log)
-        return choices[0]
 
 
 def _entry(position: Any, token: int) -> dict[str, Any]:

@@ -56,7 +56,6 @@ def passkey_prompt(length: int, count_tokens: Callable[[str], int], seed: int = 
 
 
 def contains(text: str, expected: str | None) -> bool:
-    """Whether `expected` (case aside) is in `text`."""
     return expected is not None and expected.lower() in text.lower()
 
 
@@ -115,14 +114,8 @@ def read_prompts_file(path: Path) -> tuple[Prompt, ...]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"cannot read prompts file {path}: {err}", hint=hint) from None
-    prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
-            prompts.append(_jsonl_prompt(path, number, line))
-        else:
-            prompts.append(Prompt(line.rstrip("\n")))
+    prompts = [_jsonl_prompt(path, number, line) if path.suffix == ".jsonl" else Prompt(line)
+               for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not prompts:
         raise UsageError(f"prompts file {path} has no prompts", hint="one prompt per non-blank line")
     return tuple(prompts)

@@ -41,8 +41,6 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class ServedTasks:
-    """One server's lm-eval output: per-item samples, lm-eval's aggregates and the task configs."""
-
     samples: dict[str, list[dict[str, Any]]]
     results: dict[str, Any]
     configs: dict[str, Any]
