@@ -19,6 +19,7 @@ from kvcalib.calibration.options import CalibrateOptions, CalibrationResult
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import DEFAULT_TARGET
+from kvcalib.core.mxfp4 import dequantize_mxfp4
 from kvcalib.core.progress import ProgressCallback
 
 if TYPE_CHECKING:
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
     from kvcalib.serving.pipeline import ServeCheckResult, ServeEvent
     from kvcalib.validation.report import ValidationReport
 
-__all__ = ["calibrate", "calibrate_options", "eval_options", "evaluate", "evaluate_context", "evaluate_needle",
-           "evaluate_tasks", "plan", "plan_serve_check", "run_calibration", "serve_calibrated", "serve_check",
-           "serve_options", "task_options", "validate"]
+__all__ = ["calibrate", "calibrate_options", "dequantize_mxfp4", "eval_options", "evaluate", "evaluate_context",
+           "evaluate_needle", "evaluate_tasks", "plan", "plan_serve_check", "run_calibration", "serve_calibrated",
+           "serve_check", "serve_options", "task_options", "validate"]
 
 logger = logging.getLogger("kvcalib")
 

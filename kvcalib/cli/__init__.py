@@ -73,7 +73,7 @@ def calibrate(
     quiet: Quiet = False,
     **values: Any,
 ) -> None:
-    """Measure per-layer K/V absmax on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
+    """Choose per-layer K/V scales on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
     from kvcalib.api import calibrate_options, plan as run_plan, plan_serve_check, run_calibration
 
     with _errors():  # kvcalib.calibrate(...) is these three calls; the CLI renders between them

@@ -33,8 +33,7 @@ __all__ = ["BLOCKS", "DEQUANTIZE_COMMAND", "SCALES", "TRN2_CAUSE", "check_calibr
            "dequantize_mxfp4", "dequantized_on_load", "dequantizer", "expert_chunks", "findings", "weights"]
 
 BLOCKS, SCALES = "_blocks", "_scales"
-DEQUANTIZE_COMMAND = ("python -c \"from kvcalib.core.mxfp4 import dequantize_mxfp4; "
-                      "dequantize_mxfp4('MODEL', 'BF16_DIR')\"")
+DEQUANTIZE_COMMAND = "python -c \"import kvcalib; kvcalib.dequantize_mxfp4('MODEL', 'BF16_DIR')\""
 TRN2_CAUSE = (r"quantization='mxfp4' is not supported on TRN2",
               "vLLM-Neuron's GPT-OSS runs MXFP4 experts as MXFP4 only on trn3 (vllm_neuron/model/gpt_oss/factory.py)",
               ("on trn2 serve with --additional-config '{\"neuron_config\": {\"quantization\": \"bf16\"}}' "

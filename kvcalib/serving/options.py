@@ -20,11 +20,11 @@ __all__ = ["ServeOptions"]
 @dataclass(frozen=True)
 class ServeOptions:
     device: str = option("cpu", "trn2 or trn3 (vLLM on Neuron), cpu (vLLM on CPU) or cuda (vLLM on GPU).",
-                         panel="Serving", choices=lambda: DEVICES)
+                         panel="Engine", choices=lambda: DEVICES)
     tp: int | None = option(None, "Tensor-parallel size (default: every NeuronCore; 1 on cpu).", panel="Serving",
                             minimum=1, what="tensor-parallel size")
-    max_model_len: int = option(2048, "Also --max-num-batched-tokens (Neuron needs them equal).", panel="Serving",
-                                minimum=1, what="tokens per sequence")
+    max_model_len: int = option(2048, "Also the server's max-num-batched-tokens (Neuron needs them equal).",
+                                panel="Serving", minimum=1, what="tokens per sequence")
     max_num_seqs: int = option(4, "Sequences the server runs at once.", panel="Serving", minimum=1,
                                what="sequences at once")
     port: int | None = option(None, "Port on 127.0.0.1 (default: a free one).", panel="Serving", minimum=1,
