@@ -28,7 +28,6 @@ class ScaleSet:
 
 
 def unit_scale_set(num_layers: int) -> ScaleSet:
-    """Every scale 1.0: what a checkpoint without scales runs with."""
     return ScaleSet([1.0] * num_layers, [1.0] * num_layers, None)
 
 

@@ -15,7 +15,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,6 @@ class TaskResult:
     compute: str = ""
     seconds: float = 0.0
     lm_eval_version: str = ""
-    failures: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "target": self.target, "tasks": list(self.tasks),
