@@ -1,7 +1,4 @@
-"""Checkpoint files, read side: config, index, safetensors headers, tensors by key (never a tensor unless asked).
-
-`Checkpoint` reads a directory once: config.json when opened, the headers and index on first use.
-"""
+"""Checkpoint files, read side: config, index, safetensors headers, tensors by key (never a tensor unless asked)."""
 
 from __future__ import annotations
 

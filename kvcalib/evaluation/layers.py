@@ -45,8 +45,7 @@ class LayerAlone:
 def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_size: int, pad: int,
                  device: torch.device, quantizers: dict[str, KVQuantizer], notify: ProgressCallback = no_progress
                  ) -> dict[str, list[LayerAlone | None]]:
-    """name -> per layer, ΔNLL and KL with only that layer quantised (FP8-attention configurations: None); {} with
-    no sequence."""
+    """name -> per layer, ΔNLL and KL with only that layer quantised (FP8 attention: None; no rows: {})."""
     if not sequences:
         return {}
     notify(Progress("layers-alone"))

@@ -282,9 +282,6 @@ def scale_set(entry: str, model_dir: Path, num_layers: int, target: fp8.Target, 
     return scales
 
 
-FP8_ATTENTION_SUFFIX = " +fp8-attn"
-
-
 def _kind(quantizer: KVQuantizer) -> str:
     heads = "per-head" if is_per_head(quantizer.k_scales, quantizer.v_scales) else "per-tensor"
     return f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}"
@@ -299,5 +296,5 @@ def _quantizers(configs: dict[str, ScaleSet], target: fp8.Target, fp8_attention:
             raise UsageError("--fp8-attention needs q_scale, and no checkpoint evaluated has one",
                              hint="calibrate with kvcalib calibrate --attention-scales")
         for name, s in with_q.items():
-            runs[name + FP8_ATTENTION_SUFFIX] = KVQuantizer(s.k, s.v, target, q_scales=s.q, fp8_attention=True)
+            runs[name + " +fp8-attn"] = KVQuantizer(s.k, s.v, target, q_scales=s.q, fp8_attention=True)
     return runs

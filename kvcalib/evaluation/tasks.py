@@ -228,8 +228,6 @@ def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, 
         per_run = {name: _values(samples[name].get(task, []), metric) for name in names}
         for filter_name in sorted({f for f, _ in per_run[BASELINE_NAME]}):
             base = {doc: v for (f, doc), v in per_run[BASELINE_NAME].items() if f == filter_name}
-            if not base:
-                continue
             docs = sorted(base)
             scores, intervals = {}, {}
             for name in names[1:]:
