@@ -29,7 +29,7 @@ from kvcalib.evaluation.emulate import KVErrorMeter, KVQuantizer, LayerQuantStat
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.layers import layers_alone
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
-from kvcalib.evaluation.scales import ScaleSet, read_scale_set, unit_scale_set
+from kvcalib.evaluation.scales import ScaleSet, read_scale_set
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
@@ -265,7 +265,7 @@ def scale_set(entry: str, model_dir: Path, num_layers: int, target: fp8.Target, 
     `what` names the entry in messages (default "--compare ENTRY")."""
     what = what or f"--compare {entry}"
     if entry == UNIT:
-        scales = unit_scale_set(num_layers)
+        scales = ScaleSet([1.0] * num_layers, [1.0] * num_layers, None)
     else:
         source = model_dir if entry == CHECKPOINT else Path(entry)
         if source != model_dir:
