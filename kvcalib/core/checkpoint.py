@@ -1,7 +1,4 @@
-"""Checkpoint files, read side: config, index, safetensors headers, tensors by key (never a tensor unless asked).
-
-`Checkpoint` reads a directory once: config.json when opened, the headers and index on first use.
-"""
+"""Checkpoint files, read side: config, index, safetensors headers, tensors by key (never a tensor unless asked)."""
 
 from __future__ import annotations
 
@@ -98,7 +95,6 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_config(ckpt_dir: Path) -> dict[str, Any]:
-    """config.json of a checkpoint directory, as a dict."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointNotFoundError(
@@ -314,7 +310,6 @@ def read_values(header: SafetensorsHeader, key: str, count: int | None = None) -
 
 
 def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, Any]:
-    """Load just `keys` from one safetensors file (as torch tensors)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -348,7 +343,6 @@ class Checkpoint:
 
     @cached_property
     def files(self) -> CheckpointFiles:
-        """Every top-level safetensors header and the index (read on first use)."""
         return scan_checkpoint(self.root)
 
     def stored_dtype(self) -> str | None:
@@ -360,7 +354,6 @@ class Checkpoint:
                      for info in self.files.headers[file].tensors.values() if info.dtype in FLOAT_DTYPES), None)
 
     def stored_float_dtypes(self) -> list[str]:
-        """The torch names of the floating dtypes the tensors are stored in, sorted."""
         return sorted({torch_dtype_name(info.dtype) for header in self.files.headers.values()
                        for info in header.tensors.values() if info.dtype in FLOAT_DTYPES})
 

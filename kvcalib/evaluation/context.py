@@ -10,6 +10,7 @@ on the last quarter of positions, with a paired bootstrap over 64-token blocks (
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import DatasetError, UsageError
 from kvcalib.core.schema import max_position_embeddings, text_config
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
@@ -170,16 +172,18 @@ def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
 
 
 @torch.inference_mode()
-def _last_quarter_nll(model: torch.nn.Module, ids: torch.Tensor, hook: Any) -> torch.Tensor:
+def _last_quarter_nll(model: torch.nn.Module, ids: torch.Tensor, hook: Any, *, compute: ComputePath,
+                      weights: Float32Weights) -> torch.Tensor:
     """NLL of each of the last quarter's tokens [q] (float32), `hook` on every layer's K/V."""
     q = scored_positions(ids.shape[1])
-    logits = model(input_ids=ids, use_cache=True, past_key_values=RecordingCache(model.config, hook),
-                   logits_to_keep=q + 1).logits[0, :-1].float()
+    with compute_path(compute, weights):
+        logits = model(input_ids=ids, use_cache=True, past_key_values=RecordingCache(model.config, hook),
+                       logits_to_keep=q + 1).logits[0, :-1].float()
     return -torch.log_softmax(logits, dim=-1).gather(-1, ids[0, -q:, None])[:, 0]
 
 
-def run_length(model: torch.nn.Module, samples: list[list[int]], quantizers: dict[str, Any], device: torch.device,
-               forward: Any, notify: ProgressCallback, length: int, nll: bool = True) -> tuple[ContextRow, ...]:
+def run_length(samples: list[list[int]], quantizers: dict[str, Any], device: torch.device, forward: Any,
+               notify: ProgressCallback, length: int, nll: bool = True) -> tuple[ContextRow, ...]:
     """Every sample of one length: the baseline with the meter riding along, then (with `nll`) each scale set."""
     meter = KVErrorMeter(quantizers, device)
     base: list[float] = []  # per 64-token block of the scored positions, Σ NLL
@@ -246,14 +250,9 @@ def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, .
         if not samples:
             raise DatasetError(f"{dataset}: {len(long.stream)} tokens of text, too few for one sample of {length} "
                                f"(--context {length})", hint="pass a longer held-out text, or shorter lengths")
-    model = long.load_model(opts, notify)
-    weights = Float32Weights()
-
-    def forward(ids: torch.Tensor, hook: Any) -> torch.Tensor:
-        with compute_path(long.compute, weights):
-            return _last_quarter_nll(model, ids, hook)
-
+    forward = functools.partial(_last_quarter_nll, long.load_model(opts, notify), compute=long.compute,
+                                weights=Float32Weights())
     rows = tuple(row for length, samples in packed.items()
-                 for row in run_length(model, samples, long.quantizers, long.run.device, forward, notify, length, nll))
+                 for row in run_length(samples, long.quantizers, long.run.device, forward, notify, length, nll))
     return ContextResult(str(checkpoint), opts.target, max_position_embeddings(long.run.checkpoint.config),
                          len(long.stream), long.memory_bound, rows, time.perf_counter() - started)

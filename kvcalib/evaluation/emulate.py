@@ -53,7 +53,6 @@ def head_scale(values: list[float]) -> Scale:
 
 
 def is_per_head(*per_layer: list[Scale]) -> bool:
-    """Whether any layer's scale is one per head."""
     return any(isinstance(s, torch.Tensor) for scales in per_layer for s in scales)
 
 
@@ -88,7 +87,6 @@ class KVQuantizer:
 
     def attend(self, function: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        """One attention call as FP8 attention computes it (see the module docstring)."""
         i = self._check(getattr(module, "layer_idx", None))
         q = self._quantize(query, self.q_scales[i])
         mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() \
@@ -124,17 +122,13 @@ class KVErrorMeter:
             self._measure(i, kind, x, [(c, (q.k_scales, q.v_scales)[kind][i], q.target)
                                        for c, q in enumerate(self.configs.values())])
 
-    def observe_query(self, layer_idx: Any, query: torch.Tensor) -> None:
-        i = self._check(layer_idx)
-        self._measure(i, 2, query, [(c, q.q_scales[i], q.target) for c, q in enumerate(self.configs.values())
-                                    if q.fp8_attention])
-
     def observe_call(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         """One unquantised attention call: Q's error under FP8 attention, and the attention samples."""
         i = self._check(getattr(module, "layer_idx", None))
         if self.fp8_attention:
-            self.observe_query(i, query)
+            self._measure(i, 2, query, [(c, q.q_scales[i], q.target) for c, q in enumerate(self.configs.values())
+                                        if q.fp8_attention])
         if self.sampler is not None:
             self.sampler.record(i, query, key, value, attention_mask, kwargs, module)
 

@@ -14,7 +14,6 @@ QuantizingCache: K/V stored as the target stores them (KVQuantizer), read back b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_
     options = RunOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute)
     run = prepare_run(checkpoint, options)
     if cpu is None:
-        cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
+        cpu = HostCpu.detect(with_capability=False)
     compute = resolve_compute(bf16_compute, run.dtype, run.checkpoint, run.device, cpu)
     model = load_model(run.checkpoint, run.dtype, run.device, trust_remote_code,
                        attn_implementation=faithful_attention(run.checkpoint.config))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.hf.data import batches
 
@@ -21,8 +22,6 @@ __all__ = ["LayerAlone", "OneLayer", "layers_alone"]
 
 class OneLayer:
     """An attention hook: `quantizer` on one layer's K/V only (`layer` None: on none, the unquantised reference)."""
-
-    queries = False
 
     def __init__(self, quantizer: KVQuantizer | None, layer: int | None) -> None:
         self.quantizer, self.layer = quantizer, layer
@@ -44,8 +43,12 @@ class LayerAlone:
 
 
 def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_size: int, pad: int,
-                 device: torch.device, quantizers: dict[str, KVQuantizer]) -> dict[str, list[LayerAlone | None]]:
-    """name -> per layer, ΔNLL and KL with only that layer quantised (FP8-attention configurations: None)."""
+                 device: torch.device, quantizers: dict[str, KVQuantizer], notify: ProgressCallback = no_progress
+                 ) -> dict[str, list[LayerAlone | None]]:
+    """name -> per layer, ΔNLL and KL with only that layer quantised (FP8 attention: None; no rows: {})."""
+    if not sequences:
+        return {}
+    notify(Progress("layers-alone"))
     kv_only = {name: q for name, q in quantizers.items() if not q.fp8_attention}
     num_layers = next(iter(quantizers.values())).num_layers
     sums = {name: torch.zeros(num_layers, 2, dtype=torch.float64) for name in kv_only}  # [layer, (nll, kl)]

@@ -121,7 +121,6 @@ def insertion_point(stream: list[int], start: int, at: int, breaks: set[int]) ->
 
 
 def line_breaks(stream: list[int], tokenizer: Any) -> set[int]:
-    """The ids in `stream` whose text holds a line break."""
     return {t for t in set(stream) if "\n" in tokenizer.decode([t])}
 
 

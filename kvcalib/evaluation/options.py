@@ -31,7 +31,6 @@ class EvalOptions(RunOptions):
                              what="rows on which each layer is quantised alone")
 
     def check_arguments(self) -> None:
-        """The values a user passes, checked before anything is read (UsageError naming the flag)."""
         check_options(self)
 
 

@@ -27,9 +27,9 @@ from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
 from kvcalib.evaluation.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats, is_per_head
 from kvcalib.evaluation.options import EvalOptions
-from kvcalib.evaluation.layers import LayerAlone, layers_alone
+from kvcalib.evaluation.layers import layers_alone
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
-from kvcalib.evaluation.scales import ScaleSet, read_scale_set, unit_scale_set
+from kvcalib.evaluation.scales import ScaleSet, read_scale_set
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
@@ -178,7 +178,8 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     forward = functools.partial(_log_probs, model, compute=compute, weights=Float32Weights())
     baseline = _score(forward, data, opts.batch_size, pad_id(tokenizer), device, meter, totals, notify)
     base_nll_mean = baseline.nll / baseline.count
-    alone = _layers_alone(forward, data, opts, pad_id(tokenizer), device, quantizers, notify)
+    alone = layers_alone(forward, data.sequences[:opts.layer_rows], opts.batch_size, pad_id(tokenizer), device,
+                         quantizers, notify)
     runs = tuple(RunResult(name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
                            delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
                            layers=tuple(meter.layer_stats(name, alone.get(name))), kind=_kind(t.quantizer),
@@ -206,17 +207,6 @@ def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> tuple[PreparedR
         configs[entry] = scale_set(entry, run.checkpoint.root, layers, target, run.checkpoint.config)
     quantizers = _quantizers(configs, target, opts.fp8_attention)
     return run, quantizers, resolve_compute(opts.bf16_compute, run.dtype, run.checkpoint, run.device, opts.cpu)
-
-
-def _layers_alone(forward: Callable[..., torch.Tensor], data: CalibrationData, opts: EvalOptions, pad: int,
-                  device: torch.device, quantizers: dict[str, KVQuantizer], notify: ProgressCallback
-                  ) -> dict[str, list[LayerAlone | None]]:
-    """Per configuration, each layer's ΔNLL and KL with only that layer quantised, on the first `layer_rows` rows."""
-    rows = data.sequences[:opts.layer_rows]
-    if not rows:
-        return {}
-    notify(Progress("layers-alone"))
-    return layers_alone(forward, rows, opts.batch_size, pad, device, quantizers)
 
 
 def _score(forward: Callable[..., torch.Tensor], data: CalibrationData, batch_size: int, pad: int,
@@ -275,7 +265,7 @@ def scale_set(entry: str, model_dir: Path, num_layers: int, target: fp8.Target, 
     `what` names the entry in messages (default "--compare ENTRY")."""
     what = what or f"--compare {entry}"
     if entry == UNIT:
-        scales = unit_scale_set(num_layers)
+        scales = ScaleSet([1.0] * num_layers, [1.0] * num_layers, None)
     else:
         source = model_dir if entry == CHECKPOINT else Path(entry)
         if source != model_dir:
@@ -292,9 +282,6 @@ def scale_set(entry: str, model_dir: Path, num_layers: int, target: fp8.Target, 
     return scales
 
 
-FP8_ATTENTION_SUFFIX = " +fp8-attn"
-
-
 def _kind(quantizer: KVQuantizer) -> str:
     heads = "per-head" if is_per_head(quantizer.k_scales, quantizer.v_scales) else "per-tensor"
     return f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}"
@@ -309,5 +296,5 @@ def _quantizers(configs: dict[str, ScaleSet], target: fp8.Target, fp8_attention:
             raise UsageError("--fp8-attention needs q_scale, and no checkpoint evaluated has one",
                              hint="calibrate with kvcalib calibrate --attention-scales")
         for name, s in with_q.items():
-            runs[name + FP8_ATTENTION_SUFFIX] = KVQuantizer(s.k, s.v, target, q_scales=s.q, fp8_attention=True)
+            runs[name + " +fp8-attn"] = KVQuantizer(s.k, s.v, target, q_scales=s.q, fp8_attention=True)
     return runs

@@ -11,7 +11,7 @@ from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import neuron_scale_key
 from kvcalib.evaluation.emulate import Scale, head_scale, is_per_head
 
-__all__ = ["ScaleSet", "read_scale_set", "unit_scale_set"]
+__all__ = ["ScaleSet", "read_scale_set"]
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,6 @@ class ScaleSet:
     @property
     def per_head(self) -> bool:
         return is_per_head(self.k, self.v)
-
-
-def unit_scale_set(num_layers: int) -> ScaleSet:
-    """Every scale 1.0: what a checkpoint without scales runs with."""
-    return ScaleSet([1.0] * num_layers, [1.0] * num_layers, None)
 
 
 def read_scale_set(ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_heads: int | None) -> ScaleSet:

@@ -36,7 +36,6 @@ class Interval:
 
     @property
     def significant(self) -> bool:
-        """The interval excludes 0."""
         return self.low > 0 or self.high < 0
 
     @property

@@ -15,7 +15,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,6 @@ class TaskResult:
     compute: str = ""
     seconds: float = 0.0
     lm_eval_version: str = ""
-    failures: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "target": self.target, "tasks": list(self.tasks),
@@ -229,8 +228,6 @@ def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, 
         per_run = {name: _values(samples[name].get(task, []), metric) for name in names}
         for filter_name in sorted({f for f, _ in per_run[BASELINE_NAME]}):
             base = {doc: v for (f, doc), v in per_run[BASELINE_NAME].items() if f == filter_name}
-            if not base:
-                continue
             docs = sorted(base)
             scores, intervals = {}, {}
             for name in names[1:]:

@@ -130,19 +130,14 @@ class KVAbsmaxObserver:
         if self.sampler is not None:
             self.sampler.end_batch()
 
-    def observe_query(self, layer_idx: Any, query: torch.Tensor) -> None:
-        """Q as the attention module hands it to its attention function: after RoPE (and q-norm)."""
-        self._check_layer(layer_idx)
-        self._merge(self.q_heads, layer_idx, self._head_absmax(layer_idx, query), "Q")
-        self.q_observed[layer_idx] += 1
-
     def observe_call(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         """One attention call as the module makes it: Q's absmax, the objective's sample; stops after the last."""
         layer_idx = getattr(module, "layer_idx", None)
         self._check_layer(layer_idx)
-        if self.queries:
-            self.observe_query(layer_idx, query)
+        if self.queries:  # Q as the module hands it to its attention function: after RoPE (and q-norm)
+            self._merge(self.q_heads, layer_idx, self._head_absmax(layer_idx, query), "Q")
+            self.q_observed[layer_idx] += 1
         if self.sampler is not None:
             self.sampler.record(layer_idx, query, key, value, attention_mask, kwargs, module)
         if layer_idx == self.num_layers - 1:

@@ -46,13 +46,11 @@ class Float32Weights:
 
 @contextmanager
 def compute_path(path: ComputePath, weights: Float32Weights | None = None) -> Iterator[None]:
-    """Run the block on `path`: bf16_via_float32(weights) when emulated, as is otherwise."""
     with bf16_via_float32(weights) if path.emulated else nullcontext():
         yield
 
 
 def bf16_via_float32(weights: Float32Weights | None = None) -> TorchFunctionMode:
-    """A torch function mode: bf16 matmuls and attention in float32, rounded to bf16 once."""
     return _Bf16ViaFloat32(weights)
 
 

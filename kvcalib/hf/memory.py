@@ -147,7 +147,6 @@ def _cgroup_headroom(proc: Path, sys: Path) -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (VmHWM)."""
     return proc_status().get("VmHWM", 0)
 
 

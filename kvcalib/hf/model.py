@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvcalib.core import fp8, mxfp4
+from kvcalib.core import fp8, mxfp4, schema
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute
 from kvcalib.core.errors import (CheckpointNotFoundError, CheckpointReadError, UnknownTargetError,
@@ -147,7 +147,7 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
                                     hint="convert the checkpoint to safetensors (save_pretrained does this by default)")
     check_index_files(checkpoint)
     _refuse_special_files(model_dir)
-    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
+    layers = config.get("num_hidden_layers", schema.text_config(config).get("num_hidden_layers"))
     if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
         raise UnsupportedModelError(f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
                                     hint="a decoder needs at least one layer; restore config.json from the original")
@@ -200,8 +200,7 @@ def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
 
 def faithful_attention(config: dict[str, Any]) -> str | None:
     """eager where transformers' SDPA would drop attention-logit soft-capping (Gemma2), else None."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    return "eager" if text.get("attn_logit_softcapping") else None
+    return "eager" if schema.text_config(config).get("attn_logit_softcapping") else None
 
 
 def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
