@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,12 @@ from kvcalib.core.errors import DatasetError, UsageError
 from kvcalib.core.schema import max_position_embeddings, text_config
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluation.emulate import KVErrorMeter, LayerQuantStats
+from kvcalib.evaluation.pipeline import prepare_scales
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
-from kvcalib.hf.attention import RecordingCache
+from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
+from kvcalib.hf.memory import available_memory
 from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
 
 __all__ = ["BLOCK", "ContextResult", "ContextRow", "LongContext", "check_lengths", "evaluate_context", "forward_bytes",
@@ -174,9 +177,9 @@ def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
 @torch.inference_mode()
 def _last_quarter_nll(model: torch.nn.Module, ids: torch.Tensor, hook: Any, *, compute: ComputePath,
                       weights: Float32Weights) -> torch.Tensor:
-    """NLL of each of the last quarter's tokens [q] (float32), `hook` on every layer's K/V."""
+    """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in pipeline's _log_probs."""
     q = scored_positions(ids.shape[1])
-    with compute_path(compute, weights):
+    with compute_path(compute, weights), observing_queries(hook) if hook.queries else nullcontext():
         logits = model(input_ids=ids, use_cache=True, past_key_values=RecordingCache(model.config, hook),
                        logits_to_keep=q + 1).logits[0, :-1].float()
     return -torch.log_softmax(logits, dim=-1).gather(-1, ids[0, -q:, None])[:, 0]
@@ -226,9 +229,6 @@ class LongContext:
 def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
                          notify: ProgressCallback) -> LongContext:
     """Scales and lengths checked and the text read, before the model loads."""
-    from kvcalib.hf.memory import available_memory
-    from kvcalib.evaluation.pipeline import prepare_scales
-
     run, quantizers, compute = prepare_scales(checkpoint, opts)
     ckpt = run.checkpoint
     weight_bytes = sum(f.stat().st_size for f in ckpt.root.glob("*.safetensors"))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+from checkpoints import sync_index
 from helpers import fortune_texts, scaled_copy, tutorial_texts, write_jsonl
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from kvcalib.calibration.options import CalibrateOptions
@@ -15,7 +18,7 @@ from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import DatasetError, UsageError
-from kvcalib.core.schema import PROVENANCE_FILENAME
+from kvcalib.core.schema import PROVENANCE_FILENAME, SCALES_FILENAME
 from kvcalib.evaluation.pipeline import EvalOptions
 from kvcalib.evaluation.context import (
     BLOCK,
@@ -125,6 +128,34 @@ def test_the_command_line(calibrated, small, text_dataset):
     assert all(r["delta_nll"] is None and r["delta_nll_interval"] is None for r in rows)
     bad = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,x"])
     assert bad.exit_code == 2 and "--context" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fp8_attention_quantises_q_at_long_context(calibrate_tiny, text_dataset, tmp_path):
+    """--fp8-attention runs Q in FP8 here as in eval: q_scale / 64 saturates Q on every layer, which must move the
+    last quarter's NLL and show in the Q figures; the calibrated q_scale costs E4M3's ~30 dB and clips nothing.
+    (Measured, 3 samples at 32/64: KV-only ΔNLL +0.0016/+0.0018, crushed Q -0.0097/-0.0006; 0.0 apart before.)"""
+    cal = calibrate_tiny(target="gpu", attention_scales=True)
+    crushed = shutil.copytree(cal, tmp_path / "crushed")
+    tensors = load_file(crushed / SCALES_FILENAME)
+    (crushed / SCALES_FILENAME).unlink()  # the copy may be a hard link to the shared checkpoint's file
+    save_file({k: v / 64 if k.endswith("q_scale") else v for k, v in tensors.items()}, crushed / SCALES_FILENAME,
+              metadata={"format": "pt"})
+    sync_index(crushed)
+    result = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,64",
+                                      "--target", "gpu", "--compare", str(crushed), "--fp8-attention",
+                                      "--num-samples", "3", "--json"])
+    assert result.exit_code == 0, result.stderr
+    rows = {(r["length"], r["name"]): r for r in json.loads(result.stdout)["rows"]}
+    fp8_attn = f"{crushed} +fp8-attn"
+    assert sorted(rows) == sorted((n, name) for n in (32, 64) for name in
+                                  ("checkpoint", str(crushed), "checkpoint +fp8-attn", fp8_attn))
+    for n in (32, 64):
+        assert rows[n, str(crushed)]["delta_nll"] == rows[n, "checkpoint"]["delta_nll"]  # KV only: q_scale unread
+        assert abs(rows[n, fp8_attn]["delta_nll"] - rows[n, str(crushed)]["delta_nll"]) > 1e-4  # float noise: ~1e-7
+        assert all(layer["q_clipped"] > 0.5 for layer in rows[n, fp8_attn]["layers"])
+        assert all(25 < layer["q_sqnr_db"] < 40 and layer["q_clipped"] < 0.01
+                   for layer in rows[n, "checkpoint +fp8-attn"]["layers"])
+        assert not any("q_sqnr_db" in layer for layer in rows[n, "checkpoint"]["layers"])
 
 
 def test_calibrate_warns_when_its_samples_are_far_shorter_than_the_context(tiny_llama_master, text_dataset, tmp_path):
