@@ -102,10 +102,9 @@ class LayerScales:
 @dataclass(frozen=True)
 class CalibrationResult:
     """What `calibrate` wrote; to_dict() is its --json (with --serve-check, its "calibration", beside "serve_check": the
-    ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens (observed), seconds,
-    tokens_per_s (of observing), objective_seconds (the scale objective's search), compute
-    (core.cpu.ComputePath.describe()), scale_objective, layers (LayerScales), warnings, validation (ValidationReport of
-    what was written), kv_cache."""
+    ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens, seconds, tokens_per_s
+    (of observing), objective_seconds (the scale objective's search), compute (the compute path), scale_objective,
+    layers (LayerScales), warnings, validation (ValidationReport of what was written), kv_cache (KvCacheSize)."""
 
     output: str
     model: str

@@ -51,10 +51,9 @@ class Estimate:
 class CalibrationPlan:
     """What `calibrate` would do; to_dict() is `calibrate --plan --json`. model, output, refusals (what would stop the
     run; then the rest is null or 0), target, engine, engine_reason, compute, num_layers, num_samples, num_tokens,
-    weight_bytes (in the calibration dtype), peak_memory_bytes (estimated), memory_limit_bytes and memory_source (null:
-    no limit), weights_linked (hard links, or copies), output_bytes (new on its filesystem), free_bytes, scratch_bytes
-    (the stream engine's spill, at most), probe (the timed probe: what ran, seconds by part), estimate_seconds (load,
-    observe, objective, write, total), kv_cache (KvCacheSize)."""
+    weight_bytes (in the calibration dtype), peak_memory_bytes (estimated), memory_limit_bytes, memory_source (null: no
+    limit), weights_linked (or copied), output_bytes (new on its filesystem), free_bytes, scratch_bytes (the stream
+    engine's spill, at most), probe, estimate_seconds (load, observe, objective, write, total), kv_cache."""
 
     model: str
     output: str

@@ -96,9 +96,8 @@ class NeedleRow:
 
 @dataclass(frozen=True)
 class NeedleResult:
-    """What `eval --context --needle` found; to_dict() is its --json: checkpoint, target, prefill ("fresh K/V (Neuron)"
-    or "FP8 cache (GPU vLLM)"), depths, needle, question, answer_tokens (greedy tokens read), rows (NeedleRow), trials
-    (Trial), seconds, plot."""
+    """What `eval --needle` found; to_dict() is its --json: checkpoint, target, prefill ("fresh K/V (Neuron)" or "FP8
+    cache (GPU vLLM)"), depths, needle, question, answer_tokens (greedy tokens read), rows, trials, seconds, plot."""
 
     checkpoint: str
     target: str

@@ -86,8 +86,7 @@ class RunResult:
 @dataclass(frozen=True)
 class EvalResult:
     """What `eval --dataset` measured; to_dict() is its --json: checkpoint, target, fp8_max, compute, num_samples,
-    num_tokens, baseline (the unquantised run's nll, ppl, accuracy), runs (RunResult, the checkpoint's first), seconds,
-    plot (null: no --plot), layer_rows."""
+    num_tokens, baseline (the unquantised run's nll, ppl, accuracy), runs (RunResult), seconds, plot, layer_rows."""
 
     checkpoint: str
     target: str

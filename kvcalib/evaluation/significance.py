@@ -24,9 +24,8 @@ MIN_ITEMS = 2  # one item has no spread to resample: no interval rather than a f
 
 @dataclass(frozen=True)
 class Interval:
-    """A paired difference (quantised - unquantised) in any result's JSON: estimate, low, high (the percentile interval
-    at `level`), items (resampled whole), method, significant (excludes 0), outcome ("worse", "better" or
-    "indistinguishable")."""
+    """A paired difference (quantised - unquantised) in a result's JSON: estimate, low, high (its percentile interval at
+    `level`), items (resampled), method, significant (excludes 0), outcome ("worse", "better", "indistinguishable")."""
 
     estimate: float
     low: float

@@ -97,10 +97,9 @@ class ServerRun:
 class ServeCheckResult:
     """What `serve-check` found; to_dict() is its --json: checkpoint, device, ok, failures, warnings, ready_s, command,
     log (the FP8 server's), baseline_ready_s, baseline_command, baseline_log (null: no baseline), prompts
-    (PromptResult), nll (fp8, baseline: nats per token of the fixed text), agreement (mean over prompts), thresholds,
-    fp8_max, tensor_parallel_size, vllm (its version); where run, else null: canary (CanaryResult), unit (every scale
-    1.0: nll, agreement), prediction (eval's); delta_nll (served, predicted, intervals), variants (the table),
-    server_pids (server -> pid, each its own process group), tasks (--tasks' scores), kv_capacity (vLLM's log)."""
+    (PromptResult), nll (fp8, baseline: nats per token of the fixed text), agreement, thresholds, fp8_max,
+    tensor_parallel_size, vllm; null unless run: canary (CanaryResult), unit (every scale 1.0), prediction (eval's);
+    delta_nll (served, predicted, intervals), variants, server_pids, tasks (--tasks), kv_capacity (vLLM's log)."""
 
     checkpoint: str
     device: str
