@@ -66,15 +66,17 @@ class CalibrateOptions(RunOptions):
 
 @dataclass(frozen=True)
 class KindScales:
-    """One layer's K, V or Q: observed and written; per head (attn_head) in head_*, `scale` their max."""
+    """One layer's K, V or Q: absmax (observed), scale (written: x ≈ fp8 * scale; per head, their max), key (the tensor:
+    core.schema.scale_key); where set: head_absmax, head_scales (attn_head), range (|x| the scale maps to the FP8 max:
+    absmax unless the objective or --headroom chose), choice (the scale objective's, and the others' cost)."""
 
     absmax: float
     scale: float
-    key: str  # the tensor written (core.schema.scale_key)
+    key: str
     head_absmax: tuple[float, ...] | None = None
     head_scales: tuple[float, ...] | None = None
-    range: float | None = None  # |x| the scale maps to the FP8 max (absmax unless the objective or --headroom chose)
-    choice: dict[str, Any] | None = None  # K/V: the scale objective's choice and what the alternatives cost
+    range: float | None = None
+    choice: dict[str, Any] | None = None
 
     def to_dict(self, keys: bool = True) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()
@@ -83,12 +85,12 @@ class KindScales:
 
 @dataclass(frozen=True)
 class LayerScales:
-    """One layer's scales, per kind: `{"layer": 0, "k": {...}, "v": {...}, "q": {...}}` in to_dict."""
+    """One layer's scales in CalibrationResult's layers: layer, k, v, q (KindScales; q with FP8 attention)."""
 
     layer: int
     k: KindScales
     v: KindScales
-    q: KindScales | None = None  # with attention scales (FP8 attention)
+    q: KindScales | None = None
 
     def kinds(self) -> dict[str, KindScales]:
         return {kind: s for kind, s in (("k", self.k), ("v", self.v), ("q", self.q)) if s is not None}
@@ -99,6 +101,11 @@ class LayerScales:
 
 @dataclass(frozen=True)
 class CalibrationResult:
+    """What `calibrate` wrote; to_dict() is its --json (with --serve-check, its "calibration", beside "serve_check": the
+    ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens, seconds, tokens_per_s
+    (of observing), objective_seconds (the scale objective's search), compute (the compute path), scale_objective,
+    layers (LayerScales), warnings, validation (ValidationReport of what was written), kv_cache (KvCacheSize)."""
+
     output: str
     model: str
     target: str
@@ -110,11 +117,11 @@ class CalibrationResult:
     observe_seconds: float
     warnings: tuple[str, ...] = ()
     validation: dict[str, Any] | None = None
-    compute: str = ""  # the compute path (core.cpu.ComputePath.describe())
+    compute: str = ""
     scale_objective: str = "absmax"
-    objective_seconds: float = 0.0  # the scale objective's search, after observing
-    serve_check: Any = None  # with --serve-check: serve-check's result (kvcalib.serving.ServeCheckResult)
-    kv_cache: Any = None  # the model's KV-cache bytes in bf16 and FP8 (kvcalib.core.schema.KvCacheSize)
+    objective_seconds: float = 0.0
+    serve_check: Any = None
+    kv_cache: Any = None
 
     @property
     def tokens_per_s(self) -> float:

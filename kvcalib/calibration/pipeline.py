@@ -225,7 +225,7 @@ def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], atte
             raise ValidationFailedError(
                 f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} error(s)); "
                 f"first: [{first.rule}] {first.message}",
-                hint="nothing was written; please report this as a kvcalib bug", report=report)
+                hint="nothing was written; please report this as a kvcalib bug")
         write_card(tmp_dir, summarize(validation), base_model=_base_model(config))  # validate's verdict, published too
 
     quantization = kv_only_quantization_config(plan.recipe.strategy, attention_classes)

@@ -49,11 +49,15 @@ class Estimate:
 
 @dataclass(frozen=True)
 class CalibrationPlan:
-    """What `calibrate` would do with these arguments (`.to_dict()` is `calibrate --plan --json`)."""
+    """What `calibrate` would do; to_dict() is `calibrate --plan --json`. model, output, refusals (what would stop the
+    run; then the rest is null or 0), target, engine, engine_reason, compute, num_layers, num_samples, num_tokens,
+    weight_bytes (in the calibration dtype), peak_memory_bytes (estimated), memory_limit_bytes, memory_source (null: no
+    limit), weights_linked (or copied), output_bytes (new on its filesystem), free_bytes, scratch_bytes (the stream
+    engine's spill, at most), probe, estimate_seconds (load, observe, objective, write, total), kv_cache."""
 
     model: str
     output: str
-    refusals: tuple[str, ...] = ()  # what would stop the run (nothing else is filled in then)
+    refusals: tuple[str, ...] = ()
     target: str | None = None
     engine: str | None = None
     engine_reason: str | None = None
@@ -61,17 +65,17 @@ class CalibrationPlan:
     num_layers: int | None = None
     num_samples: int = 0
     num_tokens: int = 0
-    weight_bytes: int = 0  # in the calibration dtype
-    peak_memory_bytes: int = 0  # estimated
+    weight_bytes: int = 0
+    peak_memory_bytes: int = 0
     memory_limit_bytes: int | None = None
     memory_source: str | None = None
-    weights_linked: bool = True  # hard links (no space) or copies
-    output_bytes: int = 0  # new bytes on the output's filesystem
+    weights_linked: bool = True
+    output_bytes: int = 0
     free_bytes: int = 0
-    scratch_bytes: int = 0  # the stream engine's spilled hidden states, at most
+    scratch_bytes: int = 0
     probe: dict[str, Any] = field(default_factory=dict)
     estimate: Estimate | None = None
-    kv_cache: KvCacheSize | None = None  # the model's KV-cache bytes in bf16 and FP8
+    kv_cache: KvCacheSize | None = None
 
     @property
     def ok(self) -> bool:

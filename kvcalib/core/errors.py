@@ -65,10 +65,6 @@ class OutputWriteError(KvcalibError):
 class ValidationFailedError(KvcalibError):
     """A checkpoint kvcalib wrote (or was asked to use) fails validation."""
 
-    def __init__(self, message: str, hint: str | None = None, report: object = None) -> None:
-        super().__init__(message, hint)
-        self.report = report
-
 
 class OutOfMemoryError(KvcalibError):
     """The model (or its activations) did not fit in host or device memory."""

@@ -89,8 +89,8 @@ KV_VALUE_BYTES = {"bf16": 2, "fp8": 1}
 
 @dataclass(frozen=True)
 class KvCacheSize:
-    """KV-cache bytes by dtype: a token, and a max_position_embeddings sequence with every layer holding every token
-    (`windowed`: with sliding-window layers holding min(window, context) tokens; None: no such layers)."""
+    """KV-cache bytes by dtype ({"bf16", "fp8"}; calibrate's kv_cache): per_token, context (max positions) and sequence
+    (null: unknown), windowed (sliding-window layers at min(window, context); null: none), window, sliding_layers."""
 
     per_token: dict[str, int]
     context: int | None

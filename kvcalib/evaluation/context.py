@@ -42,7 +42,9 @@ MEMORY_SHARE = 0.8  # of the available memory a forward may plan to use
 
 @dataclass(frozen=True)
 class ContextRow:
-    """One length and scale set: ΔNLL on the last quarter, and per layer what saturates."""
+    """One length and scale set in ContextResult's rows: length, name, samples, tokens, baseline_nll, delta_nll,
+    delta_nll_interval, k_clipped_max, v_clipped_max (the worst layer's), k_beyond, v_beyond (the largest absmax / clip
+    level: > 1 saturates), layers (LayerQuantStats)."""
 
     length: int
     name: str
@@ -77,6 +79,9 @@ class ContextRow:
 
 @dataclass(frozen=True)
 class ContextResult:
+    """What `eval --context` measured; to_dict() is its --json: checkpoint, target, max_positions (null: unknown),
+    tokens_available, memory_bound, block (positions per bootstrap unit), rows (ContextRow), seconds."""
+
     checkpoint: str
     target: str
     max_positions: int | None

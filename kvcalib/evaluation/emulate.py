@@ -22,23 +22,27 @@ __all__ = ["KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "head_scal
 
 @dataclass(frozen=True)
 class LayerQuantStats:
+    """One layer's quantisation error in eval's layers: layer, k_sqnr_db, v_sqnr_db, k_clipped, v_clipped (fraction
+    saturated at ±fp8_max), k_absmax, v_absmax (unquantised), k_clip_at, v_clip_at (|x| that saturates; per head, the
+    largest scale's); where measured: q_sqnr_db, q_clipped (FP8 attention), attention_error (||ΔO|| / ||O||),
+    delta_nll_alone, kl_alone (nats with only this layer's K/V quantised, on eval's first layer_rows rows)."""
+
     layer: int
     k_sqnr_db: float
     v_sqnr_db: float
-    k_clipped: float  # fraction of K elements that saturated at ±fp8_max
+    k_clipped: float
     v_clipped: float
-    k_absmax: float  # of the unquantised K on the evaluation tokens
+    k_absmax: float
     v_absmax: float
-    k_clip_at: float  # |K| above this saturates with this layer's scale (its largest head scale's, per head)
+    k_clip_at: float
     v_clip_at: float
-    q_sqnr_db: float | None = None  # FP8 attention only
+    q_sqnr_db: float | None = None
     q_clipped: float | None = None
-    attention_error: float | None = None  # ||ΔO|| / ||O|| of the layer's attention output, K and V quantised
-    delta_nll_alone: float | None = None  # ΔNLL with only this layer's K/V quantised (eval's first layer_rows rows)
-    kl_alone: float | None = None  # KL(unquantised || quantised) likewise
+    attention_error: float | None = None
+    delta_nll_alone: float | None = None
+    kl_alone: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, the optional ones (set in pairs: q_*, *_alone) only where measured."""
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 

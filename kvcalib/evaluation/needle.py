@@ -96,9 +96,12 @@ class NeedleRow:
 
 @dataclass(frozen=True)
 class NeedleResult:
+    """What `eval --needle` found; to_dict() is its --json: checkpoint, target, prefill ("fresh K/V (Neuron)" or "FP8
+    cache (GPU vLLM)"), depths, needle, question, answer_tokens (greedy tokens read), rows, trials, seconds, plot."""
+
     checkpoint: str
     target: str
-    prefill: str  # "fresh K/V (Neuron)" or "FP8 cache (GPU vLLM)"
+    prefill: str
     depths: tuple[float, ...]
     rows: tuple[NeedleRow, ...]
     trials: tuple[Trial, ...]

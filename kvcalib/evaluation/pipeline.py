@@ -45,6 +45,10 @@ CHECKPOINT = "checkpoint"
 
 @dataclass(frozen=True)
 class RunResult:
+    """One scale set in EvalResult's runs: name ("checkpoint", "unit" or a --compare path), kind; per scored token
+    against the unquantised run: nll, ppl, delta_nll, kl (nats), top1 (agreement with its top-1), accuracy (fractions);
+    delta_nll_interval, delta_accuracy_interval (Interval; null: < 2 rows); layers (LayerQuantStats)."""
+
     name: str
     nll: float
     ppl: float
@@ -81,6 +85,9 @@ class RunResult:
 
 @dataclass(frozen=True)
 class EvalResult:
+    """What `eval --dataset` measured; to_dict() is its --json: checkpoint, target, fp8_max, compute, num_samples,
+    num_tokens, baseline (the unquantised run's nll, ppl, accuracy), runs (RunResult), seconds, plot, layer_rows."""
+
     checkpoint: str
     target: str
     fp8_max: float

@@ -24,7 +24,8 @@ MIN_ITEMS = 2  # one item has no spread to resample: no interval rather than a f
 
 @dataclass(frozen=True)
 class Interval:
-    """A paired difference (quantised - unquantised), its percentile interval and the items it rests on."""
+    """A paired difference (quantised - unquantised) in a result's JSON: estimate, low, high (its percentile interval at
+    `level`), items (resampled), method, significant (excludes 0), outcome ("worse", "better", "indistinguishable")."""
 
     estimate: float
     low: float
@@ -40,7 +41,6 @@ class Interval:
 
     @property
     def outcome(self) -> str:
-        """"worse" or "better" when the interval excludes 0, else "indistinguishable" (from the unquantised cache)."""
         return "indistinguishable" if not self.significant else \
             "worse" if (self.estimate > 0) == self.worse_if_higher else "better"
 

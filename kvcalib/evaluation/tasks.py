@@ -32,7 +32,8 @@ BASELINE_NAME = "baseline"
 
 @dataclass(frozen=True)
 class TaskRow:
-    """One task, metric and filter: the baseline's score, each scale set's, and the paired intervals."""
+    """One task, metric and filter in TaskResult's rows: task, metric, filter, items, higher_is_better, baseline,
+    scores, intervals and verdicts (per scale set; a null interval: no_interval_reason says why)."""
 
     task: str
     metric: str
@@ -41,7 +42,7 @@ class TaskRow:
     higher_is_better: bool
     baseline: float
     scores: dict[str, float]
-    intervals: dict[str, Interval | None]  # scale set -> paired difference against the baseline (None: no form)
+    intervals: dict[str, Interval | None]
     no_interval_reason: str = ""
 
     def verdict(self, name: str, cell: bool = False) -> str:
@@ -60,11 +61,14 @@ class TaskRow:
 
 @dataclass(frozen=True)
 class TaskResult:
+    """What `eval --tasks` scored; to_dict() is its --json: checkpoint, target, tasks, runs (the scale sets), limit,
+    num_fewshot (null: lm-eval's), compute, seconds, lm_eval (its version), rows (TaskRow)."""
+
     checkpoint: str
     target: str
     tasks: tuple[str, ...]
     rows: tuple[TaskRow, ...]
-    runs: tuple[str, ...]  # the scale sets, in order
+    runs: tuple[str, ...]
     limit: int | None
     num_fewshot: int | None
     compute: str = ""

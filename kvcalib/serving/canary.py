@@ -29,10 +29,13 @@ SAME_AGREEMENT = 0.01  # agreement within this of the calibrated run's is "the s
 
 @dataclass(frozen=True)
 class CanaryResult:
+    """serve-check's "canary": ok (the scales are applied, the right way round), factor (every K/V scale's), nll (of the
+    fixed text, nats), agreement (mean top-1 agreement with the reference; null: none scored), reason."""
+
     ok: bool
-    factor: float  # what every K/V scale was multiplied by
+    factor: float
     nll: float
-    agreement: float | None  # the variant's mean top-1 agreement with the reference continuations
+    agreement: float | None
     reason: str
 
     def to_dict(self) -> dict[str, Any]:

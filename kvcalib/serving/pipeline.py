@@ -51,14 +51,18 @@ class ServeEvent:
 
 @dataclass(frozen=True)
 class PromptResult:
+    """One prompt in ServeCheckResult's prompts: prompt, output, baseline_output, agreement (share of the baseline's
+    tokens the FP8 server ranks first), expected, expected_found, problem (why the output is degenerate),
+    baseline_problem (the baseline's: then the FP8 one's is no failure), failed, label (--context's passkey)."""
+
     prompt: str
     output: str
     baseline_output: str | None
-    agreement: float | None  # share of the baseline's tokens the FP8 server ranks first
+    agreement: float | None
     expected: str | None = None
-    problem: str | None = None  # why the FP8 output is degenerate
-    baseline_problem: str | None = None  # why the baseline's is (then the FP8 one's is not a failure)
-    label: str | None = None  # what to show instead of a long prompt (--context's passkey)
+    problem: str | None = None
+    baseline_problem: str | None = None
+    label: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -66,13 +70,11 @@ class PromptResult:
         return self.problem is not None and self.baseline_problem is None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt, "output": self.output, "baseline_output": self.baseline_output,
-            "agreement": self.agreement, "expected": self.expected,
-            "expected_found": None if self.expected is None else contains(self.output, self.expected),
-            "problem": self.problem, "baseline_problem": self.baseline_problem, "failed": self.failed,
-            "label": self.label,
-        }
+        return {"prompt": self.prompt, "output": self.output, "baseline_output": self.baseline_output,
+                "agreement": self.agreement, "expected": self.expected,
+                "expected_found": None if self.expected is None else contains(self.output, self.expected),
+                "problem": self.problem, "baseline_problem": self.baseline_problem, "failed": self.failed,
+                "label": self.label}
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,12 @@ class ServerRun:
 
 @dataclass(frozen=True)
 class ServeCheckResult:
+    """What `serve-check` found; to_dict() is its --json: checkpoint, device, ok, failures, warnings, ready_s, command,
+    log (the FP8 server's), baseline_ready_s, baseline_command, baseline_log (null: no baseline), prompts
+    (PromptResult), nll (fp8, baseline: nats per token of the fixed text), agreement, thresholds, fp8_max,
+    tensor_parallel_size, vllm; null unless run: canary (CanaryResult), unit (every scale 1.0), prediction (eval's);
+    delta_nll (served, predicted, intervals), variants, server_pids, tasks (--tasks), kv_capacity (vLLM's log)."""
+
     checkpoint: str
     device: str
     ok: bool
@@ -102,7 +110,7 @@ class ServeCheckResult:
     prompts: tuple[PromptResult, ...]
     nll_fp8: float
     nll_baseline: float | None
-    agreement: float | None  # mean over prompts
+    agreement: float | None
     failures: tuple[str, ...]
     warnings: tuple[str, ...]
     fp8_max: float | None
@@ -112,12 +120,12 @@ class ServeCheckResult:
     baseline_command: str | None = None
     baseline_log: str | None = None
     canary: CanaryResult | None = None
-    unit: ServerRun | None = None  # every scale 1.0 (cpu, with the canary)
+    unit: ServerRun | None = None
     prediction: Prediction | None = None
-    server_pids: Mapping[str, int] = field(default_factory=dict)  # name -> pid: each server's session and group
-    tasks: tuple[dict[str, Any], ...] = ()  # serve-check --tasks: served and predicted scores per task and metric
-    intervals: Mapping[str, Any] = field(default_factory=dict)  # the probe's ΔNLL intervals: predict.delta_intervals
-    kv_capacity: Mapping[str, Any] = field(default_factory=dict)  # baseline/fp8 -> the KV cache vLLM logged
+    server_pids: Mapping[str, int] = field(default_factory=dict)
+    tasks: tuple[dict[str, Any], ...] = ()
+    intervals: Mapping[str, Any] = field(default_factory=dict)
+    kv_capacity: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def served_delta_nll(self) -> float | None:
@@ -145,25 +153,21 @@ class ServeCheckResult:
                 "predicted_delta_nll": predicted}
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint, "device": self.device, "ok": self.ok, "ready_s": self.ready_s,
-            "command": self.command, "log": self.log, "prompts": [p.to_dict() for p in self.prompts],
-            "nll": {"fp8": self.nll_fp8, "baseline": self.nll_baseline}, "agreement": self.agreement,
-            "thresholds": {"agreement": AGREEMENT_THRESHOLD, "nll_tolerance": NLL_TOLERANCE},
-            "failures": list(self.failures), "warnings": list(self.warnings), "fp8_max": self.fp8_max,
-            "tensor_parallel_size": self.tensor_parallel_size, "vllm": self.vllm_version,
-            "baseline_ready_s": self.baseline_ready_s, "baseline_command": self.baseline_command,
-            "baseline_log": self.baseline_log,
-            "canary": self.canary.to_dict() if self.canary else None,
-            "unit": None if self.unit is None else {"nll": self.unit.nll,
-                                                    "agreement": mean_agreement(self.unit.agreements)},
-            "prediction": self.prediction.to_dict() if self.prediction else None,
-            "delta_nll": {"served": self.served_delta_nll,
-                          "predicted": self.prediction.delta_nll if self.prediction else None,
-                          "intervals": dict(self.intervals)},
-            "variants": self.variants(),
-            "server_pids": dict(self.server_pids), "tasks": list(self.tasks), "kv_capacity": dict(self.kv_capacity),
-        }
+        pred, unit = self.prediction, self.unit
+        return {"checkpoint": self.checkpoint, "device": self.device, "ok": self.ok, "ready_s": self.ready_s,
+                "command": self.command, "log": self.log, "prompts": [p.to_dict() for p in self.prompts],
+                "nll": {"fp8": self.nll_fp8, "baseline": self.nll_baseline}, "agreement": self.agreement,
+                "thresholds": {"agreement": AGREEMENT_THRESHOLD, "nll_tolerance": NLL_TOLERANCE},
+                "failures": list(self.failures), "warnings": list(self.warnings), "fp8_max": self.fp8_max,
+                "tensor_parallel_size": self.tensor_parallel_size, "vllm": self.vllm_version,
+                "baseline_ready_s": self.baseline_ready_s, "baseline_command": self.baseline_command,
+                "baseline_log": self.baseline_log, "canary": self.canary.to_dict() if self.canary else None,
+                "unit": None if unit is None else {"nll": unit.nll, "agreement": mean_agreement(unit.agreements)},
+                "prediction": pred.to_dict() if pred else None,
+                "delta_nll": {"served": self.served_delta_nll, "predicted": pred.delta_nll if pred else None,
+                              "intervals": dict(self.intervals)},
+                "variants": self.variants(), "server_pids": dict(self.server_pids), "tasks": list(self.tasks),
+                "kv_capacity": dict(self.kv_capacity)}
 
 
 Progress = Callable[[ServeEvent], None]
@@ -342,8 +346,7 @@ def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | No
         canary=canary, unit=unit, prediction=prediction, tasks=tuple(tasks), intervals=intervals,
         server_pids={name: r.pid for name, r in (("baseline", baseline), ("fp8", fp8), ("unit", unit),
                                                  ("canary", canary_run)) if r is not None and r.pid is not None},
-        kv_capacity={name: r.kv_capacity for name, r in (("baseline", baseline), ("fp8", fp8)) if r is not None},
-    )
+        kv_capacity={name: r.kv_capacity for name, r in (("baseline", baseline), ("fp8", fp8)) if r is not None})
 
 
 def _task_rows(options: ServeOptions, checkpoint: Path, pre: Preflight, baseline: ServerRun | None,

@@ -86,15 +86,13 @@ def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
         raise ValidationFailedError(
             f"{checkpoint} fails validation for {target}: {listed}{more}",
             hint=(f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
-                  if only_range else f"run `kvcalib validate {checkpoint} --target {target}` for the details"),
-            report=report)
+                  if only_range else f"run `kvcalib validate {checkpoint} --target {target}` for the details"))
     unscaled = [f for f in report.warnings if f.rule in UNSCALED_RULES]
     if unscaled:
         raise ValidationFailedError(
             f"{checkpoint} has no calibrated KV scales ({unscaled[0].rule}): serve-check would serve every layer's "
             "k_scale and v_scale as 1.0, which proves nothing about a calibrated checkpoint",
-            hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT",
-            report=report)
+            hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT")
     return [f"forced past {f.rule}: {f.message}" for f in forced] + [f"{f.rule}: {f.message}" for f in report.warnings]
 
 

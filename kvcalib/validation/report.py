@@ -22,13 +22,14 @@ def short_repr(value: Any, limit: int = 60) -> str:
 
 @dataclass(frozen=True)
 class Finding:
-    """One thing validation found: a stable rule id, how bad it is, and where."""
+    """One thing validation found: rule (a stable id), severity (error, warning, info), message, hint, location (a file,
+    a key, or "config.json:quantization_config...")."""
 
     rule: str
-    severity: str  # "error" | "warning" | "info"
+    severity: str
     message: str
     hint: str | None = None
-    location: str | None = None  # a file, a key, or "config.json:quantization_config..."
+    location: str | None = None
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -40,7 +41,8 @@ class Finding:
 
 @dataclass(frozen=True)
 class ValidationReport:
-    """Every finding for one checkpoint and target; `ok` is the verdict."""
+    """Every finding for one checkpoint and target; to_dict() is `validate --json`: checkpoint, target, ok (no errors;
+    with --strict, no warnings either), findings (Finding)."""
 
     checkpoint: str
     target: str
@@ -57,7 +59,6 @@ class ValidationReport:
 
     @property
     def ok(self) -> bool:
-        """No errors; with `strict`, no warnings either."""
         return not self.errors and not (self.strict and self.warnings)
 
     def to_dict(self) -> dict[str, Any]:

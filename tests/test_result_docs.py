@@ -1,0 +1,115 @@
+"""Every result's docstring names each key of its to_dict() (its command's --json), so the README need not.
+
+Results come from real runs on the tiny Llama where one is cheap; the rest are built from their fields, whose
+to_dict() keys do not depend on the values (the optional ones are all set)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import pytest
+
+from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, KindScales, LayerScales
+from kvcalib.calibration.pipeline import calibrate
+from kvcalib.calibration.plan import CalibrationPlan, plan_calibration
+from kvcalib.core.schema import KvCacheSize, kv_cache_size
+from kvcalib.evaluation.context import ContextResult, ContextRow, evaluate_context
+from kvcalib.evaluation.emulate import LayerQuantStats
+from kvcalib.evaluation.needle import NeedleResult, evaluate_needle
+from kvcalib.evaluation.options import EvalOptions
+from kvcalib.evaluation.pipeline import EvalResult, RunResult, evaluate
+from kvcalib.evaluation.significance import Interval, paired_bootstrap
+from kvcalib.evaluation.tasks import TaskResult, TaskRow
+from kvcalib.serving.canary import CanaryResult
+from kvcalib.serving.pipeline import PromptResult, ServeCheckResult
+from kvcalib.validation.pipeline import validate_checkpoint
+from kvcalib.validation.report import Finding, ValidationReport
+
+SMALL = {"num_samples": 2, "max_seq_len": 32}
+
+
+def assert_documented(cls: type, payload: dict[str, Any]) -> None:
+    """Each key of `payload` is a whole word of the class's docstring."""
+    doc = cls.__doc__ or ""
+    missing = [key for key in payload if not re.search(rf"\b{re.escape(key)}\b", doc)]
+    assert payload and not missing, f"{cls.__name__}'s docstring does not name {missing}"
+
+
+def every_field(cls: type, value: Any = 1.0, **given: Any) -> Any:
+    """An instance with every field set (`value` unless `given`)."""
+    return cls(**{f.name: given.get(f.name, value) for f in dataclasses.fields(cls)})
+
+
+def test_calibrate_and_its_layers(tiny_llama_master, text_dataset, tmp_path):
+    """attn_head with Q on GPU: every KindScales key a run can write (per head, range, choice) and "q"."""
+    result = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "out",
+                       CalibrateOptions(target="gpu", strategy="attn_head", attention_scales=True, num_samples=4,
+                                        max_seq_len=32))
+    payload = result.to_dict()
+    assert_documented(CalibrationResult, payload)
+    assert_documented(LayerScales, payload["layers"][0])
+    k, q = payload["layers"][0]["k"], payload["layers"][0]["q"]
+    assert {"head_scales", "range", "choice"} <= set(k)
+    assert_documented(KindScales, {**q, **k})
+    assert_documented(KvCacheSize, payload["kv_cache"])
+
+
+def test_calibrate_plan(tiny_llama_master, text_dataset, tmp_path):
+    plan = plan_calibration(tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
+    assert plan.ok
+    assert_documented(CalibrationPlan, plan.to_dict())
+
+
+def test_validate(tiny_llama_master):
+    report = validate_checkpoint(tiny_llama_master, "trn2")  # no scales: findings
+    assert report.findings
+    assert_documented(ValidationReport, report.to_dict())
+    assert_documented(Finding, every_field(Finding, "x", severity="error").to_dict())
+
+
+def test_eval(calibrated, text_dataset):
+    result = evaluate(calibrated, str(text_dataset), EvalOptions(compare=("unit",), **SMALL))
+    payload = result.to_dict()
+    assert_documented(EvalResult, payload)
+    assert_documented(RunResult, payload["runs"][0])
+    assert_documented(Interval, payload["runs"][0]["delta_nll_interval"])
+    assert_documented(LayerQuantStats, every_field(LayerQuantStats).to_dict())
+
+
+def test_eval_context_and_needle(calibrated, text_dataset):
+    context = evaluate_context(calibrated, str(text_dataset), (32,), EvalOptions(num_samples=1)).to_dict()
+    assert_documented(ContextResult, context)
+    assert_documented(ContextRow, context["rows"][0])
+    needle = evaluate_needle(calibrated, str(text_dataset), (300,), EvalOptions(dtype="float32"), keys=1)
+    assert_documented(NeedleResult, needle.to_dict())
+
+
+def test_eval_tasks():
+    interval = paired_bootstrap([0.1, 0.2, -0.1, 0.3])
+    row = TaskRow("task", "acc", "none", 4, True, 0.5, {"checkpoint": 0.5}, {"checkpoint": interval})
+    assert_documented(TaskRow, row.to_dict())
+    assert_documented(TaskResult, TaskResult("ckpt", "trn2", ("task",), (row,), ("checkpoint",), 4, 0).to_dict())
+
+
+@pytest.mark.parametrize("cls", [PromptResult, CanaryResult])
+def test_serve_check_parts(cls):
+    assert_documented(cls, every_field(cls, "x").to_dict())
+
+
+def test_serve_check():
+    prompt = PromptResult("prompt", "output", "output", 1.0)
+    canary = CanaryResult(True, 1 / 64, 3.0, 0.2, "the scales are applied")
+    result = ServeCheckResult("ckpt", "cpu", True, 1.0, "vllm serve", "vllm.log", (prompt,), 2.0, 1.9, 1.0, (), (),
+                              240.0, 1, "0.0", canary=canary)
+    assert_documented(ServeCheckResult, result.to_dict())
+
+
+def test_kv_cache_size_with_sliding_layers():
+    config = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8,
+              "max_position_embeddings": 64, "sliding_window": 16,
+              "layer_types": ["sliding_attention", "full_attention"]}
+    size = kv_cache_size(config)
+    assert size.windowed is not None
+    assert_documented(KvCacheSize, size.to_dict())
