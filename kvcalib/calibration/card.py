@@ -66,22 +66,18 @@ def card_text(existing: str, section: str, base_model: str | None) -> str:
 _MXFP4_CHIP = next(name for name, chip in fp8.TARGETS.items() if chip.mxfp4)  # the card's Trainium 3 line
 
 
-def _format(target: str) -> str:
-    """The FP8 format's name from the chip table: E4M3 (float8_e4m3fn), E5M2, ..."""
-    known = fp8.TARGETS.get(target)
-    return known.dtype.removeprefix("float8_").removesuffix("fn").upper() if known else "FP8"
-
-
 def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     provenance = json.loads((ckpt / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
     target, fp8_max = provenance["target"], provenance["fp8_max"]
+    chip = fp8.TARGETS.get(target)  # the FP8 format's name from its dtype: E4M3 (float8_e4m3fn), E5M2, ...
+    form = chip.dtype.removeprefix("float8_").removesuffix("fn").upper() if chip else "FP8"
     per_head, queries = provenance.get("strategy") == ATTN_HEAD, bool(provenance.get("attention_scales"))
     kv, added = kv_cache_size(read_config(ckpt)), provenance.get("special_tokens_added")
     what = ("Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
             "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)" if per_head
             else "Per-tensor FP8 KV-cache scales")
     lines = [BEGIN, "## FP8 KV cache (kvcalib)", "",
-             f"{what} sized for **{target}** ({_format(target)}, max {fp8_max:g}): {_formula(provenance, per_head)}"
+             f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {_formula(provenance, per_head)}"
              + (" With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
                 "attention reads it; the Neuron plugin does not consume it today." if queries else ""), "",
              "| | |", "|---|---|",

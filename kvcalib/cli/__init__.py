@@ -264,13 +264,9 @@ def serve_check(
     raise typer.Exit(0 if result.ok else 1)
 
 
-def _quiet_libraries() -> None:
-    """kvcalib draws its own progress; the libraries' bars and notices (llm-compressor's on stdout) are noise."""
+def main() -> None:
+    # kvcalib draws its own progress; the libraries' bars and notices (llm-compressor's on stdout) are noise
     for name, value in {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
                         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "LLM_COMPRESSOR_LOG_DISABLED": "true"}.items():
         os.environ.setdefault(name, value)
-
-
-def main() -> None:
-    _quiet_libraries()
     app(prog_name="kvcalib")

@@ -179,13 +179,16 @@ def load_calibration_data(dataset: str, tokenizer: Any, *, split: str = "train",
                           num_samples: int = 512, max_seq_len: int = 2048, seed: int = 42,
                           add_special_tokens: bool | None = None) -> CalibrationData:
     """Select, render and tokenise calibration samples (see the module docstring)."""
+    import datasets
+
     ds = load_rows(dataset, split)
     column = resolve_column(list(ds.column_names), text_column, dataset)
     if len(ds) == 0:
         raise DatasetError(f"dataset {dataset} (split {split!r}) has no rows", hint="pass a dataset with text in it")
     ds = ds.select(range(min(num_samples, len(ds))))
     rendered = [_render(row, column, tokenizer, dataset, number) for number, row in enumerate(ds[column], start=1)]
-    order = _shuffled_rows(len(rendered), seed)  # the order ds.shuffle(seed=seed) gives, as llm-compressor's
+    # the order ds.shuffle(seed=seed) gives, as llm-compressor's
+    order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=seed)["row"]
     texts = [rendered[i][0] for i in order]
     chat = [rendered[i][1] for i in order]
     encoded = tokenize_as_served(tokenizer, texts, chat, max_seq_len, add_special_tokens)
@@ -239,12 +242,6 @@ def leading_special_tokens(tokenizer: Any) -> tuple[int, ...]:
         if full[start:start + len(bare)] == bare:
             return tuple(full[:start])
     return ()
-
-
-def _shuffled_rows(n: int, seed: int) -> list[int]:
-    import datasets
-
-    return list(datasets.Dataset.from_dict({"row": list(range(n))}).shuffle(seed=seed)["row"])
 
 
 def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> tuple[str, bool]:

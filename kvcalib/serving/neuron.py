@@ -120,12 +120,6 @@ def _family_from_sysfs(sysfs_root: Path) -> str | None:
     return text or None
 
 
-def _family_from_table(neuron_ls: str, env: Mapping[str, str]) -> str | None:
-    proc = _run_tool([neuron_ls], env)
-    match = _INSTANCE_TYPE_LINE.search(proc.stdout) if proc.returncode == 0 else None
-    return match.group(1) if match else None
-
-
 def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev")
                        ) -> NeuronHost:
     """The Neuron devices and chip family of this host; DeviceError saying what was looked for."""
@@ -144,7 +138,9 @@ def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), 
         raise DeviceError(f"no Neuron devices: {neuron_ls} --json-output listed none", hint=_HINT)
     instance_type, source = _family_from_sysfs(sysfs_root), "sysfs"
     if instance_type is None:
-        instance_type, source = _family_from_table(neuron_ls, env), "neuron-ls"
+        proc = _run_tool([neuron_ls], env)
+        match = _INSTANCE_TYPE_LINE.search(proc.stdout) if proc.returncode == 0 else None
+        instance_type, source = match.group(1) if match else None, "neuron-ls"
     override = env.get(TARGET_OVERRIDE_ENV)
     if override:
         family, source = override, TARGET_OVERRIDE_ENV

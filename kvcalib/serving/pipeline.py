@@ -127,10 +127,6 @@ class ServeCheckResult:
     intervals: Mapping[str, Any] = field(default_factory=dict)
     kv_capacity: Mapping[str, Any] = field(default_factory=dict)
 
-    @property
-    def served_delta_nll(self) -> float | None:
-        return None if self.nll_baseline is None else self.nll_fp8 - self.nll_baseline
-
     def variants(self) -> list[dict[str, Any]]:
         """The table: each server's NLL and agreement, served and predicted ΔNLL."""
         rows = []
@@ -153,7 +149,7 @@ class ServeCheckResult:
                 "predicted_delta_nll": predicted}
 
     def to_dict(self) -> dict[str, Any]:
-        pred, unit = self.prediction, self.unit
+        pred, unit, base = self.prediction, self.unit, self.nll_baseline
         return {"checkpoint": self.checkpoint, "device": self.device, "ok": self.ok, "ready_s": self.ready_s,
                 "command": self.command, "log": self.log, "prompts": [p.to_dict() for p in self.prompts],
                 "nll": {"fp8": self.nll_fp8, "baseline": self.nll_baseline}, "agreement": self.agreement,
@@ -164,8 +160,8 @@ class ServeCheckResult:
                 "baseline_log": self.baseline_log, "canary": self.canary.to_dict() if self.canary else None,
                 "unit": None if unit is None else {"nll": unit.nll, "agreement": mean_agreement(unit.agreements)},
                 "prediction": pred.to_dict() if pred else None,
-                "delta_nll": {"served": self.served_delta_nll, "predicted": pred.delta_nll if pred else None,
-                              "intervals": dict(self.intervals)},
+                "delta_nll": {"served": None if base is None else self.nll_fp8 - base,
+                              "predicted": pred.delta_nll if pred else None, "intervals": dict(self.intervals)},
                 "variants": self.variants(), "server_pids": dict(self.server_pids), "tasks": list(self.tasks),
                 "kv_capacity": dict(self.kv_capacity)}
 

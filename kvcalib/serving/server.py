@@ -142,13 +142,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024
     return "\n".join(data.splitlines()[-lines:])
 
 
-def _last_line(path: Path) -> str:
-    for line in reversed(log_tail(path, lines=5, max_bytes=8192).splitlines()):
-        if line.strip():
-            return line.strip()
-    return ""
-
-
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         import ctypes
@@ -235,7 +228,8 @@ class VllmServer:
                     default_hint="raise --startup-timeout (Neuron compiles take up to 30 minutes), "
                                  "or read the log for where it stalled")
             if on_tick is not None:
-                on_tick(WaitStatus(self.name, elapsed, _last_line(self.log_path)))
+                tail = [line.strip() for line in log_tail(self.log_path, lines=5, max_bytes=8192).splitlines()]
+                on_tick(WaitStatus(self.name, elapsed, next((line for line in reversed(tail) if line), "")))
             time.sleep(POLL_S)
 
     def _healthy(self) -> bool:

@@ -63,19 +63,14 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _bare_safetensors_name(name: Any) -> bool:
-    return isinstance(name, str) and name.endswith(".safetensors") and not name.startswith(".") and not any(
-        c in name for c in "/\\:")  # ":": a Windows drive
-
-
 def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[Finding]:
     findings: list[Finding] = []
     location = f"{INDEX_FILENAME}:weight_map"
     by_file: dict[str, list[str]] = {}
     for key, name in weight_map.items():
         by_file.setdefault(name if isinstance(name, str) else short_repr(name), []).append(key)
-    for name, keys in by_file.items():
-        if not _bare_safetensors_name(name):
+    for name, keys in by_file.items():  # a bare name: no directory, drive (":" on Windows) or leading "."
+        if not name.endswith(".safetensors") or name.startswith(".") or any(c in name for c in "/\\:"):
             findings.append(Finding(
                 "CKPT-INDEX-FILE-NAME", ERROR, f"weight_map names {name!r} for {_examples(keys)}: an index-based "
                 "loader accepts only bare top-level *.safetensors file names and refuses the checkpoint",
