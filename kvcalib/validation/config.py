@@ -11,9 +11,8 @@ from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, parse_kv_sche
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = ["LLAMA_ARCHITECTURES", "LLAMA_METHODS", "PLATFORM_PREFIX", "QCFG_LOCATION", "SCALE_LOADER_ARCHITECTURES",
-           "SCALE_LOADER_MODEL_TYPES", "UNSCALED_FP8_MODEL_TYPES", "declared_kv_cache_scheme",
-           "has_neuron_scale_loader", "is_llama", "json_type", "llama_gate", "neuron_quantization_verdict",
-           "portability_findings", "vllm_quantization_config"]
+           "SCALE_LOADER_MODEL_TYPES", "UNSCALED_FP8_MODEL_TYPES", "declared_kv_cache_scheme", "json_type",
+           "llama_gate", "neuron_quantization_verdict", "portability_findings", "vllm_quantization_config"]
 
 QCFG_LOCATION = "config.json:quantization_config"
 
@@ -181,20 +180,15 @@ def _model_type(config: dict[str, Any]) -> str | None:
     return model_type if isinstance(model_type, str) else None
 
 
-def is_llama(config: dict[str, Any]) -> bool:
-    return bool(LLAMA_ARCHITECTURES.intersection(_architectures(config))) or _model_type(config) == "llama"
-
-
-def has_neuron_scale_loader(config: dict[str, Any]) -> bool:
-    return bool(SCALE_LOADER_ARCHITECTURES.intersection(_architectures(config))) or (
-        _model_type(config) in SCALE_LOADER_MODEL_TYPES)
+def _in_family(config: dict[str, Any], architectures: frozenset[str], model_types: frozenset[str]) -> bool:
+    return bool(architectures.intersection(_architectures(config))) or _model_type(config) in model_types
 
 
 def llama_gate(config: dict[str, Any]) -> Finding | None:
     """The Neuron Llama model's own check at model build (vllm-neuron: vllm_neuron/model/llama3/,
     QuantizationSpec.from_hf_quantization_config: modelopt or compressed-tensors only)."""
     qc = config.get("quantization_config")
-    if not is_llama(config) or not qc:
+    if not _in_family(config, LLAMA_ARCHITECTURES, frozenset({"llama"})) or not qc:
         return None
     qc = vllm_quantization_config(qc)
     if not isinstance(qc, dict):
@@ -241,7 +235,8 @@ def portability_findings(config: dict[str, Any], target: str, scales_present: bo
         scheme = qc.get("kv_cache_scheme")
         if scheme is not None:
             findings.extend(_kv_scheme_findings(scheme, target))
-    if (scales_present or declared_kv_cache_scheme(config) is not None) and not has_neuron_scale_loader(config):
+    loaded = _in_family(config, SCALE_LOADER_ARCHITECTURES, SCALE_LOADER_MODEL_TYPES)  # by a Neuron KV-scale loader
+    if (scales_present or declared_kv_cache_scheme(config) is not None) and not loaded:
         names = ", ".join(_architectures(config)) or f"model_type {short_repr(config.get('model_type'))}"
         unscaled = _model_type(config) in UNSCALED_FP8_MODEL_TYPES
         findings.append(Finding(
