@@ -129,8 +129,7 @@ def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
         elif isinstance(kind.get("range"), (int, float)):
             pairs.append((kind["range"], kind["absmax"]))
     same = 1 + fp8.SCALE_ROUNDING_TOLERANCE
-    return (any(not a <= r <= a * same for r, a in pairs if a > 0),
-            any(r < a * (1 - 1e-6) for r, a in pairs if a > 0))
+    return any(not a <= r <= a * same for r, a in pairs if a > 0), any(r < a * (1 - 1e-6) for r, a in pairs if a > 0)
 
 
 def _formula(provenance: dict[str, Any], per_head: bool) -> str:

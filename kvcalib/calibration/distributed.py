@@ -28,10 +28,8 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=60)  # ranks finish at about the same tim
 def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int,
                  pad_id: int = 0) -> list[tuple[tuple[int, ...], ...]]:
     """Each rank's sequences: whole batches of the single-process batching, about equal in padded tokens."""
-    global_batches = [
-        tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
-        for ids, mask in batches(sequences, batch_size, pad_id)
-    ]
+    global_batches = [tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
+                      for ids, mask in batches(sequences, batch_size, pad_id)]
     if len(global_batches) < world_size:
         raise UsageError(
             f"{len(global_batches)} batch(es) of {batch_size} cannot be split across {world_size} processes",
@@ -71,10 +69,9 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
             raise failure
         if failed or observation is None:
             detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))
-            raise CalibrationError(
-                f"{len(failed)} of {ranks.world_size} processes failed during calibration ({detail}); "
-                "nothing was written",
-                hint="fix what the failing rank reports and run again")
+            raise CalibrationError(f"{len(failed)} of {ranks.world_size} processes failed during calibration "
+                                   f"({detail}); nothing was written",
+                                   hint="fix what the failing rank reports and run again")
         reduced = _reduce(observation, collective_device)
 
         def gather(local: list[Any]) -> list[Any]:

@@ -41,11 +41,7 @@ from kvcalib.validation.pipeline import validate_checkpoint  # calibrate validat
 __all__ = ["ENGINES", "RunPlan", "calibrate", "check_run", "engine_inputs", "read_data", "register_engine"]
 
 # The engines by name. llm-compressor itself is imported only when its engine runs.
-ENGINES: dict[str, Engine] = {
-    "native": native_engine,
-    "stream": stream_engine,
-    "llmcompressor": llmcompressor_engine,
-}
+ENGINES: dict[str, Engine] = {"native": native_engine, "stream": stream_engine, "llmcompressor": llmcompressor_engine}
 
 
 def register_engine(name: str, engine: Engine) -> None:
@@ -222,10 +218,9 @@ def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], atte
         validation["checkpoint"] = str(plan.output)
         if not report.ok:
             first = report.errors[0]
-            raise ValidationFailedError(
-                f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} error(s)); "
-                f"first: [{first.rule}] {first.message}",
-                hint="nothing was written; please report this as a kvcalib bug")
+            raise ValidationFailedError(f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} "
+                                        f"error(s)); first: [{first.rule}] {first.message}",
+                                        hint="nothing was written; please report this as a kvcalib bug")
         write_card(tmp_dir, summarize(validation), base_model=_base_model(config))  # validate's verdict, published too
 
     quantization = kv_only_quantization_config(plan.recipe.strategy, attention_classes)

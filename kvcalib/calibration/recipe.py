@@ -115,10 +115,9 @@ def load_recipe(path: str | Path) -> KvRecipe:
     target = _recipe_target(obj, path)
     found, ignored, attention = _find_kv_schemes(obj, path)
     if not found:
-        raise RecipeError(
-            f"{path}: no {KV_SCHEME_KEY} in the recipe",
-            hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} (or an "
-            f"FP8-attention config group); {_SEE_SHIPPED}")
+        raise RecipeError(f"{path}: no {KV_SCHEME_KEY} in the recipe",
+                          hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} "
+                          f"(or an FP8-attention config group); {_SEE_SHIPPED}")
     parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
     schemes = {json.dumps(scheme, sort_keys=True) for _, scheme in parsed}
     if len(schemes) > 1:
@@ -200,9 +199,8 @@ def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -
     known = fp8.TARGETS.get(target)
     if chosen == ATTN_HEAD and known is not None and known.neuron:
         raise UsageError(f"--strategy attn_head (one scale per KV head) cannot serve on {target}: "
-                         f"{NEURON_PER_HEAD_REASON}",
-                         hint="use --strategy tensor for Neuron; per-head scales are for --target gpu "
-                         "(vLLM's FlashAttention backend)")
+                         f"{NEURON_PER_HEAD_REASON}", hint="use --strategy tensor for Neuron; per-head scales are for "
+                         "--target gpu (vLLM's FlashAttention backend)")
     return chosen
 
 

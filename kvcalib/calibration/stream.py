@@ -39,8 +39,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     inputs.notify(Progress("load-model"))
     files = inputs.checkpoint.files
     dtype = effective_dtype(inputs.checkpoint, inputs.dtype)
-    model = build_skeleton(inputs.model_dir, dtype, inputs.options.trust_remote_code,
-                           faithful_attention(inputs.config))
+    model = build_skeleton(inputs.model_dir, dtype, inputs.options.trust_remote_code, faithful_attention(inputs.config))
     decoder = getattr(model, model.base_model_prefix, model)
     prefix = f"{model.base_model_prefix}." if decoder is not model else ""
     n_layers = num_layers(model)

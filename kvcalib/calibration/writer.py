@@ -42,10 +42,9 @@ def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrit
                 f"output {output} overlaps {what} {path}" + _resolved_note(output, path),
                 hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}")
     if output.is_symlink():
-        raise OutputExistsError(
-            f"output {output} is a symbolic link (to {os.readlink(output)})",
-            hint="pass a real directory path: the new checkpoint is renamed into place, which would replace "
-                 "the link itself")
+        raise OutputExistsError(f"output {output} is a symbolic link (to {os.readlink(output)})",
+                                hint="pass a real directory path: the new checkpoint is renamed into place, which "
+                                "would replace the link itself")
     if os.path.lexists(output) and not output.is_dir():
         raise OutputExistsError(f"output {output} exists and is not a directory",
                                 hint="choose another path; --overwrite replaces only a directory")

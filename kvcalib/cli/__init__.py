@@ -202,8 +202,7 @@ def _eval_context(checkpoint: str, dataset: str, context: str | None, options: A
         lengths = parse_lengths(context)
         if not needle:
             if plot is not None:
-                raise UsageError("--plot with --context draws the needle heatmap: add --needle",
-                                 hint="or drop --plot")
+                raise UsageError("--plot with --context draws the needle heatmap: add --needle", hint="or drop --plot")
             result = evaluate_context(checkpoint, dataset, lengths, options=options, progress=on_progress, nll=nll)
         else:
             if plot is not None:

@@ -32,8 +32,7 @@ def require_regular_file(path: Path, what: str, *, error: type[KvcalibError] = C
     except FileNotFoundError:
         raise missing(f"{what} not found: {path}", hint=hint or "check the path") from None
     except OSError as exc:  # a permission-denied directory on the way, a loop of links, a name too long
-        raise error(f"cannot read {what} {path}: {exc.strerror}",
-                    hint="check the path and its permissions") from None
+        raise error(f"cannot read {what} {path}: {exc.strerror}", hint="check the path and its permissions") from None
     if not stat.S_ISREG(st.st_mode):
         raise error(f"{what} {path} is {file_kind(st.st_mode)}, not a regular file",
                     hint=hint or f"pass the {what} itself, as a regular file")

@@ -26,8 +26,7 @@ from kvcalib.serving.options import ServeOptions
 from kvcalib.serving.predict import Prediction, delta_intervals, predict
 from kvcalib.serving.preflight import NEURON_DEVICES, Environment, Preflight, check_environment, preflight
 from kvcalib.serving.probe import Completion, ServerClient, degenerate
-from kvcalib.serving.prompts import (BUILTIN_PROMPTS, NLL_TEXT, Prompt, contains, context_prompt,
-                                  unjudged_passkeys)
+from kvcalib.serving.prompts import BUILTIN_PROMPTS, NLL_TEXT, Prompt, contains, context_prompt, unjudged_passkeys
 from kvcalib.serving.server import VllmServer, free_port, kv_capacity, require_free_port
 
 __all__ = ["AGREEMENT_THRESHOLD", "NLL_TOLERANCE", "check_serving", "Progress", "PromptResult", "ServeCheckResult",

@@ -114,10 +114,8 @@ def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
 def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
     """The vLLM version in `python`'s environment; VllmNotFoundError naming what to install."""
     if not os.access(python, os.X_OK) or Path(python).is_dir():
-        raise VllmNotFoundError(
-            f"--vllm-python {python} is not an executable interpreter",
-            hint="pass the python of the environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh "
-                 "prints it)")
+        raise VllmNotFoundError(f"--vllm-python {python} is not an executable interpreter", hint="pass the python of "
+                                "the environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh prints it)")
     try:
         proc = subprocess.run([str(python), "-c", _VLLM_PROBE], capture_output=True, text=True, env=dict(env),
                               timeout=VLLM_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)

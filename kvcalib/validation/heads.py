@@ -102,10 +102,8 @@ def query_findings(config: dict[str, Any], scan: CheckpointFiles, target: str, s
         location = f"{header.path.name}:{key}"
         numel = math.prod(header.tensors[key].shape)
         if strategy != ATTN_HEAD and numel != 1:
-            findings.append(Finding(
-                "SCALE-Q-SHAPE", ERROR,
-                f"{key} has {numel} values but kv_cache_scheme is per tensor: GPU vLLM's loader expects one",
-                "write q_scale with shape [1]", location))
+            findings.append(Finding("SCALE-Q-SHAPE", ERROR, f"{key} has {numel} values but kv_cache_scheme is per "
+                                    "tensor: GPU vLLM's loader expects one", "write q_scale with shape [1]", location))
             continue
         more, _ = per_head_findings(header, key, "q", expected, location)
         findings += more

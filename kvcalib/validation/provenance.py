@@ -102,10 +102,9 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
     fp8_max = provenance.get("fp8_max")
     for other_where, other in rest:
         if other.get("fp8_max") != fp8_max:
-            findings.append(Finding(
-                "RANGE-PROVENANCE-DISAGREES", WARNING,
-                f"{where} says fp8_max {short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
-                "recalibrate to get one consistent record", where))
+            findings.append(Finding("RANGE-PROVENANCE-DISAGREES", WARNING, f"{where} says fp8_max "
+                                    f"{short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
+                                    "recalibrate to get one consistent record", where))
     if finite_number(fp8_max) is None or fp8_max <= 0:
         return findings + [_malformed_provenance(where, f"fp8_max is {short_repr(fp8_max)}, not a positive number")]
     fp8_max = float(fp8_max)
@@ -190,10 +189,9 @@ def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCh
                         f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}")
     if not disagree:
         return []
-    return [Finding(
-        "RANGE-PROVENANCE-DISAGREES", WARNING,
-        f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
-        "the scales were edited after calibration; recalibrate, or trust neither", where)]
+    return [Finding("RANGE-PROVENANCE-DISAGREES", WARNING,
+                    f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
+                    "the scales were edited after calibration; recalibrate, or trust neither", where)]
 
 
 OUTLIER_SHARE = 0.25  # a bias this share of the k_scale's range (or more) is an outlier channel

@@ -135,10 +135,9 @@ def _whole_set_findings(check: ScaleCheck, own: dict[tuple[int, str], str], n_la
             f"layers the model does not have (num_hidden_layers = {n_layers}); they are never read",
             "check that the scales come from this model"))
     if expected and len(check.values) == expected and all(v == 1.0 for v in check.values.values()):
-        findings.append(Finding(
-            "SCALE-UNCALIBRATED", WARNING,
-            "every K and V scale is exactly 1.0: the checkpoint looks uncalibrated (the same as no scales)",
-            "run kvcalib calibrate to measure real per-layer scales"))
+        findings.append(Finding("SCALE-UNCALIBRATED", WARNING, "every K and V scale is exactly 1.0: the checkpoint "
+                                "looks uncalibrated (the same as no scales)",
+                                "run kvcalib calibrate to measure real per-layer scales"))
     if not scheme_declared and own:
         findings.append(Finding(
             "SCALE-NO-KV-SCHEME", WARNING if get_target(target).neuron else ERROR,
@@ -200,10 +199,9 @@ def _check_one(scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, 
             "SCALE-VALUE", ERROR, f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
             "recalibrate; a layer that saw only zeros still needs a tiny positive scale", location))
     elif not bf16_reciprocal_ok(value):
-        findings.append(Finding(
-            "SCALE-VALUE", ERROR,
-            f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which Neuron stores, is not finite and non-zero",
-            "recalibrate; scales must stay within bf16's range", location))
+        findings.append(Finding("SCALE-VALUE", ERROR, f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which "
+                                "Neuron stores, is not finite and non-zero",
+                                "recalibrate; scales must stay within bf16's range", location))
     else:
         check.values[key] = value
         findings += _implausible(key, value, location)
