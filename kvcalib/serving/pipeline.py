@@ -265,9 +265,8 @@ def _checked(options: ServeOptions, checkpoint: Path) -> ServeOptions:
                          hint="kvcalib never writes into the checkpoint it checks; put the logs elsewhere")
     options = replace(options, vllm_python=interpreter_path(options.vllm_python, options.env.get("PATH")))
     if not options.vllm_python.exists():
-        raise UsageError(f"--vllm-python {options.vllm_python}: no such file",
-                         hint="pass the python of the environment that has vLLM (for CPU: bash "
-                              "scripts/setup_vllm_cpu.sh prints it)")
+        raise UsageError(f"--vllm-python {options.vllm_python}: no such file", hint="pass the python of the "
+                         "environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh prints it)")
     return options
 
 

@@ -126,9 +126,8 @@ def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[F
         return []
     location = f"{INDEX_FILENAME}:metadata.total_size"
     if not isinstance(total_size, int) or isinstance(total_size, bool):
-        return [Finding(
-            "CKPT-TOTAL-SIZE", WARNING, f"metadata.total_size is {short_repr(total_size)}, not an integer",
-            "set it to the sum of the byte sizes of the tensors in weight_map", location)]
+        return [Finding("CKPT-TOTAL-SIZE", WARNING, f"metadata.total_size is {short_repr(total_size)}, not an integer",
+                        "set it to the sum of the byte sizes of the tensors in weight_map", location)]
     actual = 0
     for key, name in index["weight_map"].items():
         header = scan.headers.get(name) if isinstance(name, str) else None
@@ -138,6 +137,5 @@ def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[F
             actual += header.tensors[key].nbytes
     if actual == total_size:
         return []
-    return [Finding("CKPT-TOTAL-SIZE", WARNING,
-                    f"metadata.total_size is {total_size}, but the tensors in weight_map hold {actual} bytes",
-                    f"set metadata.total_size to {actual}", location)]
+    return [Finding("CKPT-TOTAL-SIZE", WARNING, f"metadata.total_size is {total_size}, but the tensors in weight_map "
+                    f"hold {actual} bytes", f"set metadata.total_size to {actual}", location)]

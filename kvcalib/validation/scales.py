@@ -176,9 +176,8 @@ def _check_one(scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, 
         findings.append(Finding("SCALE-DTYPE", WARNING, f"{key} is {info.dtype}, not F32",
                                 "write scales as float32, shape [1]", location))
     if info.shape == ():
-        return findings + [Finding(
-            "SCALE-SHAPE", ERROR, f"{key} has shape [] (a 0-d scalar): the Neuron loader crashes with {_SCALAR_CRASH}",
-            "write the scale with shape [1]", location)]
+        return findings + [Finding("SCALE-SHAPE", ERROR, f"{key} has shape [] (a 0-d scalar): the Neuron loader "
+                                   f"crashes with {_SCALAR_CRASH}", "write the scale with shape [1]", location)]
     if check.per_head and not get_target(check.target).neuron:
         more, heads = per_head_findings(header, key, kind, check.heads.get(kind), location)
         if heads is not None:
@@ -195,9 +194,8 @@ def _check_one(scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, 
         check.zero.setdefault(kind, []).append(layer)
     if not math.isfinite(value) or value <= 0:
         problem = "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
-        findings.append(Finding(
-            "SCALE-VALUE", ERROR, f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
-            "recalibrate; a layer that saw only zeros still needs a tiny positive scale", location))
+        findings.append(Finding("SCALE-VALUE", ERROR, f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
+                                "recalibrate; a layer that saw only zeros still needs a tiny positive scale", location))
     elif not bf16_reciprocal_ok(value):
         findings.append(Finding("SCALE-VALUE", ERROR, f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which "
                                 "Neuron stores, is not finite and non-zero",
