@@ -5,6 +5,11 @@ target)` before attention reads them (s: one per layer, or [1, H, 1, 1] per KV h
 runs attention as FP8 attention does: Q quantised with its q_scale, the model's attention function on the FP8 Q, K,
 V in float32 (probabilities unquantised: vLLM's compressed-tensors path has no prob_scale). `KVErrorMeter` rides
 along the unquantised pass and measures each configuration's per-layer SQNR and saturation on the real K/V (and Q).
+
+`FreshPrefill` wraps a quantiser to run the Neuron order (fp8.NEURON_ORDER) in one forward: each row's prompt (its
+first ⌈n/2⌉ tokens, `decode_rows`) attends to fresh K/V as Neuron's prefill does, every later query row to every
+position's K/V quantised, as a decode step reads the FP8 cache with its own K/V written first. Each position's K/V
+come from its own row's path, so this equals prefill + token-by-token decode layer by layer (tests/evaluate).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSampler, attention_error
 
-__all__ = ["KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "head_scale", "is_per_head"]
+__all__ = ["FreshPrefill", "KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "decode_rows", "head_scale",
+           "is_per_head", "scored_positions"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,44 @@ class KVQuantizer:
             else attention_mask
         output, weights = function(module, q, key.float(), value.float(), mask, *args, **kwargs)
         return output.to(query.dtype), weights
+
+
+def decode_rows(mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the positions a right-padded batch's rows decode in the Neuron order, from ⌈n/2⌉ (n real tokens;
+    the first ⌈n/2⌉ are the prompt)."""
+    real = mask.bool()
+    return real & (torch.arange(mask.shape[1], device=mask.device) >= (real.sum(1, keepdim=True) + 1) // 2)
+
+
+def scored_positions(mask: torch.Tensor, fresh_prefill: bool) -> torch.Tensor:
+    """[B, S-1] bool: the next-token predictions scored, made at every real token but the last; in the Neuron order
+    (`fresh_prefill`) the decode steps' only."""
+    scored = (mask[:, 1:] & mask[:, :-1]).bool()
+    return scored & decode_rows(mask)[:, :-1] if fresh_prefill else scored
+
+
+class FreshPrefill:
+    """An attention hook: `hook` (a KVQuantizer, or any whose `observe` returns quantised K/V or None) read by the
+    decode rows (decode_rows(mask) of the batch's [B, S] mask) only; the others attend to the fresh K/V."""
+
+    queries = True  # kvcalib.hf.attention.observing_queries runs: `attend` takes every attention call
+
+    def __init__(self, hook: Any, mask: torch.Tensor) -> None:
+        self.hook, self.decode = hook, decode_rows(mask)
+
+    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+        return None  # the cache hands the fresh K/V to attention; `attend` quantises them
+
+    def attend(self, function: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        fresh = function(module, query, key, value, *args, **kwargs)
+        quantised = self.hook.observe(getattr(module, "layer_idx", None), key, value)
+        if quantised is None:
+            return fresh
+        attend = self.hook.attend if getattr(self.hook, "fp8_attention", False) else \
+            lambda f, *a, **kw: f(*a, **kw)
+        read = attend(function, module, query, *quantised, *args, **kwargs)[0]  # [B, S, heads, head_dim]
+        return torch.where(self.decode[:, :, None, None], read.to(fresh[0].dtype), fresh[0]), fresh[1]
 
 
 class KVErrorMeter:
