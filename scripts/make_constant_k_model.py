@@ -61,8 +61,12 @@ def boundary_values(scale: float, target_name: str, count: int, absmax: float, b
 
     import torch
 
-    multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, fp8.get_target(target_name)))
-    midpoints = [136.0 + 16.0 * j for j in range(7)]
+    chip = fp8.get_target(target_name)
+    multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, chip))
+    # a bf16 product (Neuron) makes a midpoint one bf16 value, cast to the even grid value for every token: the
+    # flip sits half a bf16 step (0.5 in 128..256) to the odd side
+    shift = [(0.5 if j % 2 == 0 else -0.5) if chip.bf16_product else 0.0 for j in range(7)]
+    midpoints = [136.0 + 16.0 * j + shift[j] for j in range(7)]
     grid = [144.0 + 16.0 * j for j in range(7)]
     values = [absmax]
     for j in range(count - 1):
