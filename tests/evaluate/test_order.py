@@ -114,3 +114,12 @@ def test_rows_too_short_to_decode_are_refused_with_the_way_out(calibrated, tmp_p
     with pytest.raises(UsageError, match="nothing to score in the neuron order") as raised:
         evaluate(calibrated, str(data), EvalOptions(target="trn2", max_seq_len=3, layer_rows=0))
     assert "--order gpu" in raised.value.hint
+
+
+def test_serve_checks_prediction_is_in_the_order_of_the_server_it_predicts(calibrated):
+    from kvcalib.serving.predict import predict
+    from kvcalib.serving.prompts import NLL_TEXT
+
+    cpu, neuron = (predict(calibrated, numerics, NLL_TEXT, unit=False) for numerics in ("vllm-cpu", "trn2"))
+    assert (cpu.order, neuron.order) == ("gpu", "neuron")  # vLLM on CPU reads the cache for prefill too
+    assert len(neuron.token_delta) < len(cpu.token_delta)  # the decode steps only
