@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, scored_positions
+from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, decode_rows
 from kvcalib.hf.data import batches
 
 __all__ = ["LayerAlone", "OneLayer", "layers_alone"]
@@ -45,8 +45,7 @@ class LayerAlone:
 def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_size: int, pad: int,
                  device: torch.device, quantizers: dict[str, KVQuantizer], notify: ProgressCallback = no_progress,
                  fresh_prefill: bool = False) -> dict[str, list[LayerAlone | None]]:
-    """name -> per layer, ΔNLL and KL with only that layer quantised (FP8 attention: None; no rows: {}), in the
-    Neuron order with `fresh_prefill` (kvcalib.evaluation.emulate.FreshPrefill)."""
+    """name -> per layer, ΔNLL and KL with only that layer quantised (FP8 attention: None; no rows: {})."""
     if not sequences:
         return {}
     notify(Progress("layers-alone"))
@@ -56,7 +55,8 @@ def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_
     base_sum, count = 0.0, 0
     for input_ids, mask in batches(list(sequences), batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
-        scored = scored_positions(mask, fresh_prefill)
+        scored = (mask[:, 1:] & mask[:, :-1]).bool()
+        scored &= decode_rows(mask)[:, :-1] if fresh_prefill else scored
         targets = input_ids[:, 1:, None]
         base = log_probs(input_ids, mask, OneLayer(None, None))
         base_sum += (-base.gather(-1, targets)[..., 0][scored]).double().sum().item()

@@ -24,9 +24,8 @@ class EvalOptions(RunOptions):
                              what="sequences per forward pass")
     compare: tuple[str, ...] = option((), "Also run 'unit' (all scales 1.0) or another checkpoint's scales; "
                                       "repeatable.", panel="Scales")
-    order: Literal["neuron", "gpu"] | None = option(
-        None, "Which K/V attention reads: neuron (each row's first half is the prompt, on fresh K/V; the rest is "
-        "decoded from the FP8 cache and scored) or gpu (every position reads FP8). Default: the target's.",
+    order: Literal["neuron", "gpu"] | None = option(None, "Which K/V attention reads: neuron (each row's first half "
+        "a prompt on fresh K/V, the rest decoded from FP8 and scored) or gpu (all read FP8). Default: the target's.",
         panel="Scales")
     fp8_attention: bool = option(False, "Also run every checkpoint that has q_scale as FP8 attention: Q quantised "
                                  "with the target's numerics too, the attention matmuls on the FP8 values in "

@@ -1,11 +1,10 @@
 """eval: predict FP8-KV accuracy on CPU (or GPU) with the target chip's own numerics.
 
 Each batch of held-out text runs once with an unquantised KV cache (the baseline) and once per scale configuration
-with K/V quantised as the chip stores them (fp8.fake_quantize through kvcalib.hf.attention's hook), teacher-forced,
-in the server's order (--order, fp8.Target.order): GPU, every position reads the FP8 cache; Neuron, each row's first
-half is a prefill on fresh K/V and the rest decodes from the FP8 cache (emulate.FreshPrefill), only the decode steps
-scored. Against the baseline, on the same predictions: NLL, ΔNLL, KL, top-1 agreement; per layer, measured on the
-unquantised pass's K/V: SQNR and saturation.
+with K/V quantised as the chip stores them (fp8.fake_quantize through kvcalib.hf.attention's hook), teacher-forced in
+the server's order (--order, fp8.Target.order): GPU, every position reads the FP8 cache; Neuron, a row's first half
+is a prefill on fresh K/V, the decode steps that follow (alone scored) read FP8 (emulate.FreshPrefill). Against the
+baseline, on the same predictions: NLL, ΔNLL, KL, top-1 agreement; per layer, on the unquantised K/V: SQNR, clipping.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
-from kvcalib.evaluation.emulate import (FreshPrefill, KVErrorMeter, KVQuantizer, LayerQuantStats, is_per_head,
-                                        scored_positions)
+from kvcalib.evaluation.emulate import (FreshPrefill, KVErrorMeter, KVQuantizer, LayerQuantStats, decode_rows,
+                                        is_per_head)
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.layers import layers_alone
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
@@ -101,8 +100,7 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "order": self.order,
-                "compute": self.compute,
-                "num_samples": self.num_samples, "num_tokens": self.num_tokens,
+                "compute": self.compute, "num_samples": self.num_samples, "num_tokens": self.num_tokens,
                 "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll),
                              "accuracy": self.baseline_accuracy}, "runs": [r.to_dict() for r in self.runs],
                 "seconds": round(self.seconds, 3), "plot": self.plot, "layer_rows": self.layer_rows}
@@ -220,22 +218,20 @@ def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> tuple[PreparedR
 def _score(forward: Callable[..., torch.Tensor], data: CalibrationData, batch_size: int, pad: int,
            device: torch.device, meter: KVErrorMeter, totals: dict[str, _Totals], notify: ProgressCallback,
            fresh_prefill: bool) -> _Totals:
-    """Every batch unquantised (the baseline, returned; `meter` rides along) and once per scale configuration, in
-    the Neuron order with `fresh_prefill` (module docstring)."""
+    """Every batch unquantised (the baseline, returned; `meter` rides along) and once per scale configuration."""
     baseline = _Totals()
     done_samples = done_tokens = 0
     notify(Progress("observe", 0, len(data.sequences), 0, data.num_tokens))
     for input_ids, mask in batches(data.sequences, batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
-        scored = scored_positions(mask, fresh_prefill)
+        scored = (mask[:, 1:] & mask[:, :-1]).bool()  # predicting token t+1 from a real token t (Neuron: decoding)
+        scored &= decode_rows(mask)[:, :-1] if fresh_prefill else scored
         targets = input_ids[:, 1:]
         meter.token_mask = mask.bool()
-        if meter.sampler is not None:
-            meter.sampler.start_batch(input_ids, mask)
+        meter.sampler.start_batch(input_ids, mask)  # evaluate's meter always has one
         base_logp = forward(input_ids, mask, meter)
         meter.token_mask = None
-        if meter.sampler is not None:
-            meter.sampler.end_batch()
+        meter.sampler.end_batch()
         base_top1 = baseline.add(base_logp, targets, scored)
         for run in totals.values():
             logp = forward(input_ids, mask, FreshPrefill(run.quantizer, mask) if fresh_prefill else run.quantizer)

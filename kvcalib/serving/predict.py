@@ -1,8 +1,7 @@
 """kvcalib's prediction of what the server should measure: prompts.NLL_TEXT through kvcalib's eval emulation with
-the serving chip's numerics (core.fp8.EMULATED), the checkpoint's, the canary's and 1.0 scales, in that server's
-order (fp8.Target.order: vLLM on CPU and GPU reads the FP8 cache for prefill too, Neuron only when decoding; eval's
-Neuron order then scores the text's second half). `delta_intervals` pairs served and predicted ΔNLL token by token,
-a block bootstrap over BLOCK_TOKENS consecutive tokens."""
+the serving chip's numerics (core.fp8.EMULATED) and order (fp8.Target.order), the checkpoint's, the canary's and 1.0
+scales. `delta_intervals` pairs served and predicted ΔNLL token by token, a block bootstrap over BLOCK_TOKENS
+consecutive tokens."""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], pred
         if len(predicted) == len(served):
             difference = [s - p for s, p in zip(served, predicted)]
         else:
-            warnings.append(f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: " + (
-                "the prediction scores the Neuron order's decode steps only" if prediction.order == "neuron" else
-                "the two tokenised the text differently") + ", so served and predicted are not paired")
+            warnings.append(f"the servers scored {len(served)} tokens, the prediction {len(predicted)} (the Neuron "
+                            "order scores decode steps only; else the two tokenised differently): not paired")
     return {"served": interval(served), "predicted": interval(predicted),
             "served_minus_predicted": interval(difference)}
