@@ -86,7 +86,7 @@ def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], pred
         if len(predicted) == len(served):
             difference = [s - p for s, p in zip(served, predicted)]
         else:
-            warnings.append(f"the servers scored {len(served)} tokens, the prediction {len(predicted)} (the Neuron "
-                            "order scores decode steps only; else the two tokenised differently): not paired")
+            warnings.append(f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: the two "
+                            "tokenised the text differently, so served and predicted are not paired")
     return {"served": interval(served), "predicted": interval(predicted),
             "served_minus_predicted": interval(difference)}
