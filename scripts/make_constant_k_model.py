@@ -15,15 +15,17 @@ attention biases are switched on (all zero), then in each layer of `--layer` and
   midpoints between grid values 128..240 in scaled units, where a cast to nearest flips; with
   `--boundaries toward-zero` the grid values, where vLLM CPU's truncating cast flips; `both`
   alternates them) of the scale absmax / fp8_max would take, measured on `--dataset` first;
-- k_proj's weight rows of those channels are scaled by `--k-spread` (0.25): their spread across
-  tokens becomes a fraction of one, enough to cross a rounding boundary, too little to carry
-  much of the attention;
+- k_proj's weight rows of those channels are scaled by `--k-spread` (1.5): their spread across
+  tokens becomes 0.7-2, a few steps of bf16 (1 in 128..256, 2 in 256..512), enough to cross a
+  rounding boundary, too little to carry much of the attention. K is bf16, and on Neuron so is
+  the product x * r: with a spread under half a bf16 step (0.25 did that on SmolLM2) a channel is
+  one bf16 value for every token and sits at one grid value, a constant that softmax ignores;
 - q_proj's bias gives the query heads that read that KV head weight ±`--q-bias` in those dims.
 Without quantisation the model is nearly unchanged (a constant added to every key's q·k is what
 softmax ignores; these pairs rotate by < 0.05 rad over 256 tokens): the script prints both NLLs.
 
     python scripts/make_constant_k_model.py SRC OUT --dataset DATA [--target trn2] [--layer 0[,1..]]
-        [--head 0[,1..]] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 0.25]
+        [--head 0[,1..]] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 1.5]
         [--boundaries nearest|toward-zero|both] [--num-samples 32] [--max-seq-len 256]
 """
 
@@ -61,8 +63,12 @@ def boundary_values(scale: float, target_name: str, count: int, absmax: float, b
 
     import torch
 
-    multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, fp8.get_target(target_name)))
-    midpoints = [136.0 + 16.0 * j for j in range(7)]
+    chip = fp8.get_target(target_name)
+    multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, chip))
+    # a bf16 product (Neuron) makes a midpoint one bf16 value, cast to the even grid value for every token: the
+    # flip sits half a bf16 step (0.5 in 128..256) to the odd side
+    shift = [(0.5 if j % 2 == 0 else -0.5) if chip.bf16_product else 0.0 for j in range(7)]
+    midpoints = [136.0 + 16.0 * j + shift[j] for j in range(7)]
     grid = [144.0 + 16.0 * j for j in range(7)]
     values = [absmax]
     for j in range(count - 1):
@@ -122,7 +128,7 @@ def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int) 
 
 
 def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int | list[int] = 0,
-         head: int | list[int] = 0, dims: int = 4, absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 0.25,
+         head: int | list[int] = 0, dims: int = 4, absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 1.5,
          num_samples: int = 32, max_seq_len: int = 256, boundaries: str = "nearest"
          ) -> tuple[list[float], float, float]:
     """Build the variant (the mechanism in every KV head of `head` of every layer of `layer`); the first layer's
@@ -159,7 +165,7 @@ def main() -> None:
     parser.add_argument("--dims", type=int, default=4, help="2x this many channels (the lowest-frequency pairs)")
     parser.add_argument("--absmax", type=float, default=350.0)
     parser.add_argument("--q-bias", type=float, default=3.0)
-    parser.add_argument("--k-spread", type=float, default=0.25, help="k_proj rows of those channels x this")
+    parser.add_argument("--k-spread", type=float, default=1.5, help="k_proj rows of those channels x this")
     parser.add_argument("--boundaries", choices=BOUNDARIES, default="nearest",
                         help="the rounding boundaries the channels sit on: of a cast to nearest (Neuron, GPU), "
                              "of vLLM CPU's truncating cast, or both")

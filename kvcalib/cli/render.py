@@ -214,6 +214,9 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
                       f"{min(s.k_sqnr_db for s in run.layers):.1f}", f"{min(s.v_sqnr_db for s in run.layers):.1f}",
                       f"{min(q):.1f}" if q else "-")
     console.print(table)
+    order = ("Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)" if result.order == "neuron"
+             else "GPU order (every position reads FP8)")
+    console.print(f"scored in the {order}", soft_wrap=True, highlight=False)
     for run in result.runs:
         nll, accuracy = run.intervals
         for interval, what, fmt in ((nll, "ΔNLL (nats)", "{:+.4f}"),

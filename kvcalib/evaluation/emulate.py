@@ -5,6 +5,10 @@ target)` before attention reads them (s: one per layer, or [1, H, 1, 1] per KV h
 runs attention as FP8 attention does: Q quantised with its q_scale, the model's attention function on the FP8 Q, K,
 V in float32 (probabilities unquantised: vLLM's compressed-tensors path has no prob_scale). `KVErrorMeter` rides
 along the unquantised pass and measures each configuration's per-layer SQNR and saturation on the real K/V (and Q).
+
+`FreshPrefill` runs the Neuron order in one forward: a row's prompt (its first ⌈n/2⌉ tokens) attends to fresh K/V,
+each later query row to all K/V quantised, as a decode step reads the FP8 cache with its own K/V written first; each
+position's K/V come from its own row's path, so this is prefill + token-by-token decode exactly (tests/evaluate).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSampler, attention_error
 
-__all__ = ["KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "head_scale", "is_per_head"]
+__all__ = ["FreshPrefill", "KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "decode_rows", "head_scale",
+           "is_per_head"]
 
 
 @dataclass(frozen=True)
@@ -60,24 +65,21 @@ def is_per_head(*per_layer: list[Scale]) -> bool:
     return any(isinstance(s, torch.Tensor) for scales in per_layer for s in scales)
 
 
+def _layer(layer_idx: Any, num_layers: int) -> int:
+    if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
+        raise RuntimeError(f"attention layer {layer_idx!r} is outside the model's {num_layers} layers")
+    return layer_idx
+
+
 class KVQuantizer:
     """An attention hook: K/V as their FP8 round trip on the target; with `fp8_attention` Q too (module docstring)."""
 
     def __init__(self, k_scales: list[Scale], v_scales: list[Scale], target: fp8.Target,
                  q_scales: list[Scale] | None = None, fp8_attention: bool = False) -> None:
-        if len(k_scales) != len(v_scales):
-            raise ValueError("k_scales and v_scales differ in length")
-        if fp8_attention and q_scales is None:
-            raise ValueError("FP8 attention needs q_scales")
         self.num_layers = len(k_scales)
         self.k_scales, self.v_scales, self.q_scales = k_scales, v_scales, q_scales
         self.target, self.fp8_attention = target, fp8_attention
         self.queries = fp8_attention  # kvcalib.hf.attention.observing_queries runs while this is set
-
-    def _check(self, layer_idx: Any) -> int:
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise RuntimeError(f"attention layer {layer_idx!r} has no scale ({self.num_layers} layers)")
-        return layer_idx
 
     def _quantize(self, x: torch.Tensor, scale: Scale) -> torch.Tensor:
         if isinstance(scale, torch.Tensor):
@@ -86,17 +88,46 @@ class KVQuantizer:
         return out.float() if self.fp8_attention else out  # FP8 attention: the FP8 values, exactly, in float32
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        i = self._check(layer_idx)
+        i = _layer(layer_idx, self.num_layers)
         return self._quantize(key, self.k_scales[i]), self._quantize(value, self.v_scales[i])
 
     def attend(self, function: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-        i = self._check(getattr(module, "layer_idx", None))
+        i = _layer(getattr(module, "layer_idx", None), self.num_layers)
         q = self._quantize(query, self.q_scales[i])
         mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() \
             else attention_mask
         output, weights = function(module, q, key.float(), value.float(), mask, *args, **kwargs)
         return output.to(query.dtype), weights
+
+
+def decode_rows(mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: the positions each right-padded row of n real tokens decodes in the Neuron order: from ⌈n/2⌉."""
+    real = mask.bool()
+    return real & (torch.arange(mask.shape[1], device=mask.device) >= (real.sum(1, keepdim=True) + 1) // 2)
+
+
+class FreshPrefill:
+    """An attention hook: `hook` (a KVQuantizer, or any whose `observe` returns quantised K/V or None) read by the
+    decode rows (decode_rows(mask) of the batch's [B, S] mask) only; the others attend to the fresh K/V."""
+
+    queries = True  # kvcalib.hf.attention.observing_queries runs: `attend` takes every attention call
+
+    def __init__(self, hook: Any, mask: torch.Tensor) -> None:
+        self.hook, self.decode = hook, decode_rows(mask)
+
+    def observe(self, *args: Any) -> None:  # the cache hands attention the fresh K/V; `attend` quantises them
+        return None
+
+    def attend(self, function: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        fresh = function(module, query, key, value, *args, **kwargs)
+        quantised = self.hook.observe(getattr(module, "layer_idx", None), key, value)
+        if quantised is None:
+            return fresh
+        attend = self.hook.attend if getattr(self.hook, "fp8_attention", False) else lambda f, *a, **kw: f(*a, **kw)
+        read = attend(function, module, query, *quantised, *args, **kwargs)[0]  # [B, S, heads, head_dim]
+        return torch.where(self.decode[:, :, None, None], read.to(fresh[0].dtype), fresh[0]), fresh[1]
 
 
 class KVErrorMeter:
@@ -115,13 +146,8 @@ class KVErrorMeter:
         self._sums = torch.zeros(len(configs), self.num_layers, 3, 4, dtype=torch.float64, device=device)
         self._absmax = torch.zeros(self.num_layers, 3, dtype=torch.float64, device=device)
 
-    def _check(self, layer_idx: Any) -> int:
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise RuntimeError(f"attention layer {layer_idx!r} is outside the model's {self.num_layers} layers")
-        return layer_idx
-
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        i = self._check(layer_idx)
+        i = _layer(layer_idx, self.num_layers)
         for kind, x in enumerate((key, value)):
             self._measure(i, kind, x, [(c, (q.k_scales, q.v_scales)[kind][i], q.target)
                                        for c, q in enumerate(self.configs.values())])
@@ -129,7 +155,7 @@ class KVErrorMeter:
     def observe_call(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         """One unquantised attention call: Q's error under FP8 attention, and the attention samples."""
-        i = self._check(getattr(module, "layer_idx", None))
+        i = _layer(getattr(module, "layer_idx", None), self.num_layers)
         if self.fp8_attention:
             self._measure(i, 2, query, [(c, q.q_scales[i], q.target) for c, q in enumerate(self.configs.values())
                                         if q.fp8_attention])

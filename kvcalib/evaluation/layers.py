@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.evaluation.emulate import KVQuantizer
+from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, decode_rows
 from kvcalib.hf.data import batches
 
 __all__ = ["LayerAlone", "OneLayer", "layers_alone"]
@@ -43,8 +43,8 @@ class LayerAlone:
 
 
 def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_size: int, pad: int,
-                 device: torch.device, quantizers: dict[str, KVQuantizer], notify: ProgressCallback = no_progress
-                 ) -> dict[str, list[LayerAlone | None]]:
+                 device: torch.device, quantizers: dict[str, KVQuantizer], notify: ProgressCallback = no_progress,
+                 fresh_prefill: bool = False) -> dict[str, list[LayerAlone | None]]:
     """name -> per layer, ΔNLL and KL with only that layer quantised (FP8 attention: None; no rows: {})."""
     if not sequences:
         return {}
@@ -56,13 +56,15 @@ def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_
     for input_ids, mask in batches(list(sequences), batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
         scored = (mask[:, 1:] & mask[:, :-1]).bool()
+        scored &= decode_rows(mask)[:, :-1] if fresh_prefill else scored
         targets = input_ids[:, 1:, None]
         base = log_probs(input_ids, mask, OneLayer(None, None))
         base_sum += (-base.gather(-1, targets)[..., 0][scored]).double().sum().item()
         count += int(scored.sum())
         for name, quantizer in kv_only.items():
             for layer in range(num_layers):
-                logp = log_probs(input_ids, mask, OneLayer(quantizer, layer))
+                hook = OneLayer(quantizer, layer)
+                logp = log_probs(input_ids, mask, FreshPrefill(hook, mask) if fresh_prefill else hook)
                 nll = (-logp.gather(-1, targets)[..., 0][scored]).double().sum()
                 kl = (base.exp() * (base - logp)).sum(-1)[scored].double().sum()
                 sums[name][layer] += torch.stack([nll, kl]).cpu()

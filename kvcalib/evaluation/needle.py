@@ -220,7 +220,7 @@ def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: tuple[int, ..
     prompts = [p for length in lengths for p in needle_prompts(long.stream, long.prefix, long.tokenizer, length,
                                                                DEPTHS, keys, opts.seed, breaks)]
     model = long.load_model(opts, notify)
-    weights, reads_fp8 = Float32Weights(), not fp8.get_target(opts.target).neuron  # GPU/CPU vLLM: prefill reads FP8
+    weights, reads_fp8 = Float32Weights(), (opts.order or fp8.get_target(opts.target).order) == fp8.GPU_ORDER
     trials, done, total = [], 0, sum(len(ids) for _, ids in prompts)
     for n, (trial, ids) in enumerate(prompts):
         notify(Progress(f"needle {trial.length}", n, len(prompts), done, total))

@@ -1,9 +1,10 @@
 """eval: predict FP8-KV accuracy on CPU (or GPU) with the target chip's own numerics.
 
 Each batch of held-out text runs once with an unquantised KV cache (the baseline) and once per scale configuration
-with K/V quantised as the chip stores them (fp8.fake_quantize through kvcalib.hf.attention's hook), teacher-forced
-as decoding from an FP8 cache. Against the baseline, over real next-token predictions: NLL, ΔNLL, KL, top-1
-agreement; per layer, measured on the unquantised pass's K/V: SQNR and saturation.
+with K/V quantised as the chip stores them (fp8.fake_quantize through kvcalib.hf.attention's hook), teacher-forced in
+the server's order (--order, fp8.Target.order): GPU, every position reads the FP8 cache; Neuron, a row's first half
+is a prefill on fresh K/V, the decode steps that follow (alone scored) read FP8 (emulate.FreshPrefill). Against the
+baseline, on the same predictions: NLL, ΔNLL, KL, top-1 agreement; per layer, on the unquantised K/V: SQNR, clipping.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
-from kvcalib.evaluation.emulate import KVErrorMeter, KVQuantizer, LayerQuantStats, is_per_head
+from kvcalib.evaluation.emulate import (FreshPrefill, KVErrorMeter, KVQuantizer, LayerQuantStats, decode_rows,
+                                        is_per_head)
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.layers import layers_alone
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
@@ -101,10 +103,11 @@ class EvalResult:
     compute: str = ""
     layer_rows: int = 0  # rows the per-layer ΔNLL (LayerQuantStats.delta_nll_alone) was measured on
     baseline_token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)  # as RunResult's
+    order: str = fp8.GPU_ORDER  # the order scored: fp8.NEURON_ORDER or fp8.GPU_ORDER (module docstring)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "compute": self.compute,
-                "num_samples": self.num_samples, "num_tokens": self.num_tokens,
+        return {"checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "order": self.order,
+                "compute": self.compute, "num_samples": self.num_samples, "num_tokens": self.num_tokens,
                 "baseline": {"nll": self.baseline_nll, "ppl": math.exp(self.baseline_nll),
                              "accuracy": self.baseline_accuracy}, "runs": [r.to_dict() for r in self.runs],
                 "seconds": round(self.seconds, 3), "plot": self.plot, "layer_rows": self.layer_rows}
@@ -162,6 +165,9 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     started = time.perf_counter()
     run, quantizers, compute = prepare_scales(checkpoint, opts)
     ckpt, dtype, device = run.checkpoint, run.dtype, run.device
+    target = quantizers[CHECKPOINT].target
+    order = opts.order or target.order
+    fresh = order == fp8.NEURON_ORDER
     layers = _config_num_layers(ckpt.config, ckpt.root)
 
     notify(Progress("load-data"))
@@ -169,9 +175,10 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     data = load_calibration_data(dataset, tokenizer, split=opts.split, text_column=opts.text_column,
                                  num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
                                  add_special_tokens=opts.add_special_tokens)
-    if sum(len(s) - 1 for s in data.sequences) < 1:
-        raise UsageError("the evaluation samples are all one token long: nothing to score",
-                         hint="pass longer texts or a larger --max-seq-len")
+    if sum(len(s) // 2 - 1 if fresh else len(s) - 1 for s in data.sequences) < 1:
+        raise UsageError(f"the evaluation samples are all {'under 4 tokens' if fresh else 'one token'} long: "
+                         f"nothing to score in the {order} order",
+                         hint="pass longer texts or a larger --max-seq-len" + (", or --order gpu" if fresh else ""))
     notify(Progress("load-model"))
     model = load_model(ckpt, dtype, device, opts.trust_remote_code,
                        attn_implementation=faithful_attention(ckpt.config))
@@ -183,17 +190,16 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     sampler = AttentionSampler(layers, sample_sequences(data.sequences, opts.batch_size, pad_id(tokenizer)))
     meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device, sampler)
     forward = functools.partial(_log_probs, model, compute=compute, weights=Float32Weights())
-    baseline = _score(forward, data, opts.batch_size, pad_id(tokenizer), device, meter, totals, notify)
+    baseline = _score(forward, data, opts.batch_size, pad_id(tokenizer), device, meter, totals, notify, fresh)
     base_nll_mean = baseline.nll / baseline.count
     alone = layers_alone(forward, data.sequences[:opts.layer_rows], opts.batch_size, pad_id(tokenizer), device,
-                         quantizers, notify)
+                         quantizers, notify, fresh)
     runs = tuple(RunResult(name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
                            delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
                            layers=tuple(meter.layer_stats(name, alone.get(name))), kind=_kind(t.quantizer),
                            accuracy=sum(t.row_correct) / t.count, intervals=_intervals(t, baseline),
                            token_nll=t.tokens()) for name, t in totals.items())
-    target = quantizers[CHECKPOINT].target
-    return EvalResult(checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max,
+    return EvalResult(checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max, order=order,
                       num_samples=len(data.sequences), num_tokens=baseline.count, baseline_nll=base_nll_mean,
                       baseline_accuracy=sum(baseline.row_correct) / baseline.count, runs=runs,
                       seconds=time.perf_counter() - started, compute=compute.describe(),
@@ -217,25 +223,25 @@ def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> tuple[PreparedR
 
 
 def _score(forward: Callable[..., torch.Tensor], data: CalibrationData, batch_size: int, pad: int,
-           device: torch.device, meter: KVErrorMeter, totals: dict[str, _Totals], notify: ProgressCallback) -> _Totals:
+           device: torch.device, meter: KVErrorMeter, totals: dict[str, _Totals], notify: ProgressCallback,
+           fresh_prefill: bool) -> _Totals:
     """Every batch unquantised (the baseline, returned; `meter` rides along) and once per scale configuration."""
     baseline = _Totals()
     done_samples = done_tokens = 0
     notify(Progress("observe", 0, len(data.sequences), 0, data.num_tokens))
     for input_ids, mask in batches(data.sequences, batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
-        scored = (mask[:, 1:] & mask[:, :-1]).bool()  # predicting token t+1 from a real token t
+        scored = (mask[:, 1:] & mask[:, :-1]).bool()  # predicting token t+1 from a real token t (Neuron: decoding)
+        scored &= decode_rows(mask)[:, :-1] if fresh_prefill else scored
         targets = input_ids[:, 1:]
         meter.token_mask = mask.bool()
-        if meter.sampler is not None:
-            meter.sampler.start_batch(input_ids, mask)
+        meter.sampler.start_batch(input_ids, mask)  # evaluate's meter always has one
         base_logp = forward(input_ids, mask, meter)
         meter.token_mask = None
-        if meter.sampler is not None:
-            meter.sampler.end_batch()
+        meter.sampler.end_batch()
         base_top1 = baseline.add(base_logp, targets, scored)
         for run in totals.values():
-            logp = forward(input_ids, mask, run.quantizer)
+            logp = forward(input_ids, mask, FreshPrefill(run.quantizer, mask) if fresh_prefill else run.quantizer)
             top1 = run.add(logp, targets, scored)
             kl = (base_logp.exp() * (base_logp - logp)).sum(-1)
             run.kl += kl[scored].double().sum().item()

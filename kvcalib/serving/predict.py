@@ -1,6 +1,7 @@
 """kvcalib's prediction of what the server should measure: prompts.NLL_TEXT through kvcalib's eval emulation with
-the serving chip's numerics (core.fp8.EMULATED), the checkpoint's, the canary's and 1.0 scales. `delta_intervals`
-pairs served and predicted ΔNLL token by token, a block bootstrap over BLOCK_TOKENS consecutive tokens."""
+the serving chip's numerics (core.fp8.EMULATED) and order (fp8.Target.order), the checkpoint's, the canary's and 1.0
+scales. `delta_intervals` pairs served and predicted ΔNLL token by token, a block bootstrap over BLOCK_TOKENS
+consecutive tokens."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Prediction:
     canary_delta_nll: float | None = None  # the canary's scales
     seconds: float = 0.0
     token_delta: tuple[float, ...] = ()  # per scored token: the checkpoint's NLL minus the unquantised one
+    order: str = ""  # the order scored (fp8.NEURON_ORDER, fp8.GPU_ORDER): the server's
 
     def to_dict(self) -> dict[str, Any]:
         return {k: round(v, 3) if k == "seconds" else v for k, v in asdict(self).items() if k != "token_delta"}
@@ -52,7 +54,7 @@ def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = N
         unit_delta_nll=runs[UNIT].delta_nll if unit else None,
         canary_delta_nll=runs[str(canary)].delta_nll if canary is not None else None,
         seconds=result.seconds, token_delta=tuple((own.token_nll - result.baseline_token_nll).tolist()),
-    )
+        order=result.order)
 
 
 def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], prediction: Prediction | None,

@@ -1,5 +1,12 @@
 """The scale objective on real weights: SmolLM2 with near-constant outlier K channels built in
-(scripts/make_constant_k_model.py), calibrated both ways and scored by eval on held-out text."""
+(scripts/make_constant_k_model.py), calibrated both ways and scored by eval on held-out text, trn2 numerics.
+
+K is bf16 and the Neuron plugin's product x * r is rounded to bf16 before the cast: a planted channel flips between
+two FP8 grid values only if its K takes several bf16 values across tokens. The fixture's default spread (k_spread
+1.5: sd 0.7-2 in K, 3-19 bf16 values per channel) does that; at 0.25 each channel was one bf16 value for every
+token (absmax then cost +0.030 nats against the objective's +0.008, overlapping intervals: no mechanism left).
+Measured here, k_spread 1.25 / 1.5 / 2: absmax +0.105 / +0.180 / +0.065 in the Neuron order, +0.225 / +0.262 / +0.091
+every position reading FP8; the objective +0.012 / +0.014 / +0.011 and +0.000 / +0.004 / +0.018."""
 
 from __future__ import annotations
 
@@ -42,7 +49,8 @@ def test_the_attention_objective_rescues_what_absmax_breaks(smollm2, tmp_path):
                        CalibrateOptions(scale_objective="absmax", **CALIBRATION, **FAST))
     layer0 = chosen.layers[0]
     assert layer0.k.choice["label"] != "absmax" and layer0.k.scale < absmax.layers[0].k.scale / 1.5
-    assert layer0.k.choice["attention_error_absmax"] > 5 * layer0.k.choice["attention_error"]
+    # measured: absmax x0.25 (every planted channel saturates), attention error 0.23 against absmax's 0.77
+    assert layer0.k.choice["attention_error_absmax"] > 2 * layer0.k.choice["attention_error"]
     assert any(w.startswith("layer 0 K: absmax/240 would cost") and "KV head 0 has near-constant" in w
                for w in chosen.warnings)
     assert validate_checkpoint(tmp_path / "attention", "trn2").ok
@@ -51,14 +59,18 @@ def test_the_attention_objective_rescues_what_absmax_breaks(smollm2, tmp_path):
         num_samples=4, max_seq_len=256, compare=(str(tmp_path / "absmax"),), layer_rows=0, **FAST))
     runs = {run.name: run for run in result.runs}
     mine, theirs = runs["checkpoint"], runs[str(tmp_path / "absmax")]
-    print(f"ΔNLL on {result.num_tokens} tokens: attention objective {mine.delta_nll:+.4f}, "
-          f"absmax {theirs.delta_nll:+.4f}")
-    assert theirs.delta_nll > 0.08  # measured +0.26 here, +0.22 on 8 rows, +0.18 on 16 rows x 512 tokens
-    assert mine.delta_nll < 0.03  # measured +0.005 here, +0.006 on 8, +0.009 on 16 x 512: FP8's own cost on SmolLM2
+    ours, absmax_interval = mine.delta_nll_interval, theirs.delta_nll_interval
+    print(f"ΔNLL on {result.num_tokens} tokens ({result.order} order): attention objective {ours.verdict()}, "
+          f"absmax {absmax_interval.verdict()}")
+    # measured (trn2, Neuron order, 508 decode-step tokens): absmax +0.180 [+0.146, +0.233], objective +0.014
+    # [-0.006, +0.033], FP8's own cost on SmolLM2; the intervals (4 rows) far apart
+    assert theirs.delta_nll > 0.08
+    assert mine.delta_nll < 0.03
     assert theirs.delta_nll > 4 * max(mine.delta_nll, 0.01)
+    assert absmax_interval.low > ours.high
     # eval names the layer: absmax's layer 0 alone costs the model what its whole run does, the default's does not
     # (one row of 64 tokens, each of the 30 layers quantised alone for both scale sets; measured: absmax's layer 0
-    # alone KL 0.45, the default's 0.006, the next worst layer 0.005)
+    # alone KL 0.080, the default's 0.003, the next worst layer 0.003)
     result = evaluate(tmp_path / "attention", str(held_out), EvalOptions(
         num_samples=1, max_seq_len=64, compare=(str(tmp_path / "absmax"),), layer_rows=1, **FAST))
     mine, theirs = result.runs

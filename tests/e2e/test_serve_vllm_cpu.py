@@ -110,8 +110,8 @@ def test_the_constant_k_fixture_serves_with_the_default_scales_and_fails_with_ab
     data = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(32, chars=1200)])
     fixture = tmp_path / "smollm2-constant-k"
     import_script("make_constant_k_model").make(smollm2, fixture, str(data), target="gpu", layer=[0, 1, 2],
-                                                head=[0, 1, 2], q_bias=6.0, boundaries="both", num_samples=16,
-                                                max_seq_len=256)
+                                                head=[0, 1, 2], q_bias=6.0, boundaries="both", k_spread=0.25,
+                                                num_samples=16, max_seq_len=256)
     runs = {}
     for objective in ("attention", "absmax"):
         out = tmp_path / objective
@@ -142,7 +142,8 @@ def test_a_trn2_checkpoint_serves_on_448_hardware_as_kvcalib_predicts(smollm2, t
     data = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(32, chars=1200)])
     fixture = tmp_path / "smollm2-constant-k"
     import_script("make_constant_k_model").make(smollm2, fixture, str(data), target="trn2", layer=[0, 1, 2],
-                                                head=[0, 1, 2], q_bias=6.0, num_samples=16, max_seq_len=256)
+                                                head=[0, 1, 2], q_bias=6.0, k_spread=0.25, num_samples=16,
+                                                max_seq_len=256)
     out = tmp_path / "trn2"
     result = calibrate(fixture, str(data), out, CalibrateOptions(target="trn2", num_samples=16, max_seq_len=256,
                                                                  bf16_compute="float32"))
