@@ -87,8 +87,10 @@ class RunResult:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """What `eval --dataset` measured; to_dict() is its --json: checkpoint, target, fp8_max, compute, num_samples,
-    num_tokens, baseline (the unquantised run's nll, ppl, accuracy), runs (RunResult), seconds, plot, layer_rows."""
+    """What `eval --dataset` measured; to_dict() is its --json: checkpoint, target, fp8_max, order (neuron: only the
+    decode steps after a fresh-K/V prefill of each row's first half are scored; gpu: every position reads FP8), compute,
+    num_samples, num_tokens, baseline (the unquantised run's nll, ppl, accuracy), runs (RunResult), seconds, plot,
+    layer_rows."""
 
     checkpoint: str
     target: str
@@ -103,7 +105,7 @@ class EvalResult:
     compute: str = ""
     layer_rows: int = 0  # rows the per-layer ΔNLL (LayerQuantStats.delta_nll_alone) was measured on
     baseline_token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)  # as RunResult's
-    order: str = fp8.GPU_ORDER  # the order scored: fp8.NEURON_ORDER or fp8.GPU_ORDER (module docstring)
+    order: str = fp8.GPU_ORDER
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "target": self.target, "fp8_max": self.fp8_max, "order": self.order,
