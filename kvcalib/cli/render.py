@@ -13,6 +13,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from kvcalib.core import fp8
+
 __all__ = ["progress_bar", "render_calibration", "render_context", "render_eval", "render_needle", "render_plan",
            "render_report", "render_serve_check", "render_tasks", "serve_status"]
 
@@ -214,8 +216,8 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
                       f"{min(s.k_sqnr_db for s in run.layers):.1f}", f"{min(s.v_sqnr_db for s in run.layers):.1f}",
                       f"{min(q):.1f}" if q else "-")
     console.print(table)
-    order = ("Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)" if result.order == "neuron"
-             else "GPU order (every position reads FP8)")
+    order = ("Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)"
+             if result.order == fp8.NEURON_ORDER else "GPU order (every position reads FP8)")
     console.print(f"scored in the {order}", soft_wrap=True, highlight=False)
     for run in result.runs:
         nll, accuracy = run.intervals

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError, check_at_least
@@ -24,9 +23,9 @@ class EvalOptions(RunOptions):
                              what="sequences per forward pass")
     compare: tuple[str, ...] = option((), "Also run 'unit' (all scales 1.0) or another checkpoint's scales; "
                                       "repeatable.", panel="Scales")
-    order: Literal["neuron", "gpu"] | None = option(None, "Which K/V attention reads: neuron (each row's first half "
+    order: str | None = option(None, "Which K/V attention reads: neuron (each row's first half "
         "a prompt on fresh K/V, the rest decoded from FP8 and scored) or gpu (all read FP8). Default: the target's.",
-        panel="Scales")
+        panel="Scales", choices=lambda: (fp8.NEURON_ORDER, fp8.GPU_ORDER))
     fp8_attention: bool = option(False, "Also run every checkpoint that has q_scale as FP8 attention: Q quantised "
                                  "with the target's numerics too, the attention matmuls on the FP8 values in "
                                  "float32.", panel="Scales")
