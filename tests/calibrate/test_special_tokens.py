@@ -104,8 +104,8 @@ def test_calibrate_measures_the_stream_the_server_builds(bos_llama, text_dataset
 
 def test_eval_scores_the_served_stream_and_the_override(bos_llama, text_dataset, tmp_path):
     calibrate(bos_llama, str(text_dataset), tmp_path / "ckpt", CalibrateOptions(**SMALL))
-    served = evaluate(tmp_path / "ckpt", str(text_dataset), EvalOptions(num_samples=8, max_seq_len=4096))
-    bare = evaluate(tmp_path / "ckpt", str(text_dataset), EvalOptions(num_samples=8, max_seq_len=4096,
+    served = evaluate(tmp_path / "ckpt", str(text_dataset), EvalOptions(num_samples=8, max_seq_len=4096, order="gpu"))
+    bare = evaluate(tmp_path / "ckpt", str(text_dataset), EvalOptions(num_samples=8, max_seq_len=4096, order="gpu",
                                                                       add_special_tokens=False))
     assert served.num_tokens == bare.num_tokens + 8  # whole texts: one BOS more each, and it is scored as context
     assert torch.isfinite(torch.tensor(served.baseline_nll))
