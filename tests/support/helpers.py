@@ -148,6 +148,10 @@ def real_model_checkpoint(name: str, tmp_dir: Path) -> Path:
             time.sleep(2)
         if (out / "config.json").exists():
             return out
+        if status.exists() and status.read_text().startswith("skipped"):
+            import pytest  # scripts/test.sh found the disk too small to convert it
+
+            pytest.skip(f"{name}: {status.read_text().strip().removeprefix('skipped: ')}")
         log = Path(ready) / f"{name}.log"
         tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
         raise RuntimeError(f"scripts/prepare_model.py {name} did not produce {out}:\n{tail}")

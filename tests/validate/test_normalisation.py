@@ -159,8 +159,10 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not VLLM_PYTHON, reason="no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and set "
-                                            "KVCALIB_VLLM_PYTHON to the interpreter it prints")
+@pytest.mark.proof("vllm-cpu")
+@pytest.mark.skipif(not VLLM_PYTHON, reason=os.environ.get("KVCALIB_VLLM_SKIP")
+                    or "no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and set KVCALIB_VLLM_PYTHON to "
+                       "the interpreter it prints")
 def test_every_case_agrees_with_the_real_vllm() -> None:
     configs = [{"quantization_config": c[1]} for c in CASES] + [{"compression_config": c[1]} for c in COMPRESSION_CASES]
     done = subprocess.run([VLLM_PYTHON, "-c", _VLLM_SCRIPT], check=False, input=json.dumps(configs),
