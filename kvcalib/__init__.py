@@ -7,8 +7,7 @@ The jobs as the command line runs them (kvcalib/api.py; the CLI calls the same f
     scored = kvcalib.evaluate("out/smollm2-fp8kv", "held-out.jsonl", compare=["unit"])
     served = kvcalib.serve_check("out/smollm2-fp8kv", device="cpu")
 
-Importing kvcalib loads neither torch nor transformers; notes (a result's warnings) also go to the `kvcalib` logger.
-"""
+Importing kvcalib loads neither torch nor transformers; notes (a result's warnings) also go to the `kvcalib` logger."""
 
 from __future__ import annotations
 

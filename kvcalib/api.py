@@ -2,8 +2,7 @@
 
 What the CLI reads from the machine is read here unless given: the host CPU, the memory this process may use, the
 temporary directory, the torchrun rank and the environment servers inherit. Every options field passes through as a
-keyword. Importing this module loads no torch. Notes (a result's warnings) also go to the `kvcalib` logger.
-"""
+keyword; importing this module loads no torch."""
 
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ attention biases are switched on (all zero), then in each layer of `--layer` and
   pairs, to large constants: one at `--absmax`, the others on the FP8 rounding boundaries (the
   midpoints between grid values 128..240 in scaled units, where a cast to nearest flips; with
   `--boundaries toward-zero` the grid values, where vLLM CPU's truncating cast flips; `both`
-  alternates them) of the scale absmax / fp8_max would take, measured on `--dataset` first;
+  alternates them) of the scale absmax / fp8_max would take, measured on `--dataset` first (with
+  `--grid-factor F`, of the scale absmax x F / fp8_max: the objective's candidate `absmax xF`; 0.7071
+  makes the output cost non-monotone in the clip, that candidate flipping more than absmax or x0.5);
 - k_proj's weight rows of those channels are scaled by `--k-spread` (1.5): their spread across
   tokens becomes 0.7-2, a few steps of bf16 (1 in 128..256, 2 in 256..512), enough to cross a
   rounding boundary, too little to carry much of the attention. K is bf16, and on Neuron so is
@@ -26,7 +28,7 @@ softmax ignores; these pairs rotate by < 0.05 rad over 256 tokens): the script p
 
     python scripts/make_constant_k_model.py SRC OUT --dataset DATA [--target trn2] [--layer 0[,1..]]
         [--head 0[,1..]] [--dims 4] [--absmax 350] [--q-bias 3] [--k-spread 1.5]
-        [--boundaries nearest|toward-zero|both] [--num-samples 32] [--max-seq-len 256]
+        [--boundaries nearest|toward-zero|both] [--grid-factor 1.0] [--num-samples 32] [--max-seq-len 256]
 """
 
 from __future__ import annotations
@@ -79,25 +81,34 @@ def boundary_values(scale: float, target_name: str, count: int, absmax: float, b
     return values
 
 
-def build(src: Path, out: Path, k_values: dict[int, list[float]], heads: list[int], dims: int, q_bias: float,
-          k_spread: float) -> None:
-    """The variant of `src` with `k_values[layer]` as the outlier channels' K bias in every KV head of `heads`."""
+def with_biases(src: Path):
+    """`src` loaded with attention biases switched on, all zero: (model, head_dim, query heads per KV head)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(src)
     if getattr(config, "attention_bias", None) is None:
         sys.exit(f"{src}: not a Llama-style config (no attention_bias)")
     config.attention_bias = True
     model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype="auto")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    group = config.num_attention_heads // config.num_key_value_heads
     with torch.no_grad():
         for module in model.modules():
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 linear = getattr(module, name, None)
                 if isinstance(linear, torch.nn.Linear) and linear.bias is not None:
                     linear.bias.zero_()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return model, head_dim, config.num_attention_heads // config.num_key_value_heads
+
+
+def build(src: Path, out: Path, k_values: dict[int, list[float]], heads: list[int], dims: int, q_bias: float,
+          k_spread: float) -> None:
+    """The variant of `src` with `k_values[layer]` as the outlier channels' K bias in every KV head of `heads`."""
+    import torch
+    from transformers import AutoTokenizer
+
+    model, head_dim, group = with_biases(src)
+    with torch.no_grad():
         channels = outlier_dims(head_dim, 2 * dims)
         for layer, values in k_values.items():
             attention = model.model.layers[layer].self_attn
@@ -114,8 +125,9 @@ def build(src: Path, out: Path, k_values: dict[int, list[float]], heads: list[in
     os.replace(partial, out)
 
 
-def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int) -> list[float]:
-    """Every layer's K absmax, as `kvcalib calibrate` measures it on this machine."""
+def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int, bf16_compute: str = "auto"
+                 ) -> list[float]:
+    """Every layer's K absmax, as `kvcalib calibrate` measures it on this machine (with `bf16_compute`)."""
     from kvcalib.calibration.options import CalibrateOptions
     from kvcalib.calibration.pipeline import calibrate
     from kvcalib.core.cpu import HostCpu
@@ -123,16 +135,18 @@ def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int) 
     cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
     with tempfile.TemporaryDirectory() as tmp:
         result = calibrate(model, dataset, Path(tmp) / "out", CalibrateOptions(
-            num_samples=num_samples, max_seq_len=max_seq_len, scale_objective="absmax", cpu=cpu))
+            num_samples=num_samples, max_seq_len=max_seq_len, scale_objective="absmax", cpu=cpu,
+            bf16_compute=bf16_compute))
     return [layer.k.absmax for layer in result.layers]
 
 
 def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int | list[int] = 0,
          head: int | list[int] = 0, dims: int = 4, absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 1.5,
-         num_samples: int = 32, max_seq_len: int = 256, boundaries: str = "nearest"
-         ) -> tuple[list[float], float, float]:
+         num_samples: int = 32, max_seq_len: int = 256, boundaries: str = "nearest", grid_factor: float = 1.0,
+         bf16_compute: str = "auto") -> tuple[list[float], float, float]:
     """Build the variant (the mechanism in every KV head of `head` of every layer of `layer`); the first layer's
-    K channel values, its measured absmax and its scale on `target`."""
+    K channel values, its measured absmax and the scale whose grid they sit on (absmax x `grid_factor` / fp8_max)
+    on `target`. `bf16_compute`: how the absmax is measured, as the calibration that reads the variant computes."""
     from kvcalib.core import fp8
 
     layers = [layer] if isinstance(layer, int) else list(layer)
@@ -141,10 +155,10 @@ def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int | 
     count = 2 * dims
     with tempfile.TemporaryDirectory() as tmp:  # first pass: where absmax / fp8_max puts the grid
         first = Path(tmp) / "first"
-        guess = boundary_values(absmax / chip.fp8_max, target, count, absmax, boundaries)
+        guess = boundary_values(absmax * grid_factor / chip.fp8_max, target, count, absmax, boundaries)
         build(src, first, {i: guess for i in layers}, heads, dims, q_bias, k_spread)
-        measured = layer_absmax(first, dataset, num_samples, max_seq_len)
-    scales = {i: float(fp8.scale_from_absmax(measured[i], chip)) for i in layers}
+        measured = layer_absmax(first, dataset, num_samples, max_seq_len, bf16_compute)
+    scales = {i: float(fp8.scale_from_absmax(measured[i] * grid_factor, chip)) for i in layers}
     values = {i: boundary_values(scales[i], target, count, absmax, boundaries) for i in layers}
     build(src, out, values, heads, dims, q_bias, k_spread)
     return values[layers[0]], measured[layers[0]], scales[layers[0]]
@@ -169,12 +183,15 @@ def main() -> None:
     parser.add_argument("--boundaries", choices=BOUNDARIES, default="nearest",
                         help="the rounding boundaries the channels sit on: of a cast to nearest (Neuron, GPU), "
                              "of vLLM CPU's truncating cast, or both")
+    parser.add_argument("--grid-factor", type=float, default=1.0,
+                        help="the channels sit on the boundaries of the scale absmax x this / fp8_max (0.7071: the "
+                             "objective's absmax x0.7071)")
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=256)
     args = parser.parse_args()
     values, measured, scale = make(args.src, args.out, args.dataset, args.target, args.layer, args.head, args.dims,
                                    args.absmax, args.q_bias, args.k_spread, args.num_samples, args.max_seq_len,
-                                   args.boundaries)
+                                   args.boundaries, args.grid_factor)
     print(f"{args.out}: layer {','.join(map(str, args.layer))} KV head {','.join(map(str, args.head))}, "
           f"K channels (layer {args.layer[0]}) at "
           f"{', '.join(f'{v:.1f}' for v in values)} (absmax {measured:.1f}, scale {scale:.4g} on {args.target}); "

@@ -144,12 +144,15 @@ def _formula(provenance: dict[str, Any], per_head: bool) -> str:
     wider = f"{headroom:g} x absmax(K) (--headroom)" if headroom != 1.0 else ""
     if not chosen:
         text = f"`k_scale = absmax(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V)"
-    elif provenance.get("scale_objective") != "attention":
+    elif provenance.get("scale_objective") not in ("attention", "output"):
         text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
                 f"range is {wider or 'absmax(K)'}")
     else:
         text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
-                "range is the attention objective's choice (the table's range columns): absmax(K), or "
+                "range is the attention objective's choice (the table's range columns)"
+                + (", where the candidates differed materially settled by the model's own next-token KL on held-out "
+                   "calibration rows in the target's numerics and server order"
+                   if provenance.get("scale_objective") == "output" else "") + ": absmax(K), or "
                 + ("below it where saturating near-constant channels keeps attention right, or " if clipped else "")
                 + "above it where a wider scale puts the values on better FP8 grid points"
                 + (f"; where it clips nothing, at least {wider}" if wider else ""))

@@ -2,8 +2,7 @@
 
 Ranks get whole batches of the single process's batching; one all_gather of a status and two all_reduces (absmax:
 MAX, counts: SUM) make the scales one process's bit for bit, and the objective's terms are summed exactly. Only
-rank 0 writes; a failing rank still joins the status exchange, then all raise; COLLECTIVE_TIMEOUT bounds waits.
-"""
+rank 0 writes; a failing rank still joins the status exchange, then all raise; COLLECTIVE_TIMEOUT bounds waits."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: 
     share = batch_shares(inputs.data.sequences, inputs.options.batch_size, ranks.world_size, inputs.pad_id)[ranks.rank]
     local_inputs = dataclasses.replace(inputs, data=dataclasses.replace(inputs.data, sequences=share))
     with _process_group(ranks, inputs.device) as collective_device:
-        failure: Exception | None = None
-        observation = None
+        observation = failure = None
         try:
             observation = engine(local_inputs)
         except Exception as exc:  # joins the status exchange below, then is raised again

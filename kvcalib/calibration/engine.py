@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,14 +39,6 @@ class EngineInputs:
         """What keeps the scale objective's attention samples (None when the objective needs none)."""
         return AttentionSampler(num_layers, self.sample_sequences) if self.sample_sequences else None
 
-    @property
-    def model_dir(self) -> Path:
-        return self.checkpoint.root
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return self.checkpoint.config
-
 
 @dataclass(frozen=True)
 class Observation:
@@ -62,10 +53,10 @@ class Observation:
     q_observed: tuple[int, ...] = ()
     attention_classes: tuple[str, ...] = ()  # the attention modules' class names (FP8-attention config targets)
     samples: tuple[tuple[AttentionSample, ...], ...] = ()  # per layer: the scale objective's (this rank's)
+    model: Any = field(default=None, compare=False, repr=False)  # the loaded model, if the engine holds it whole
 
     @classmethod
-    def of(cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module
-           ) -> Observation:
+    def of(cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module) -> Observation:
         """From a kvcalib.hf.attention.KVAbsmaxObserver (a layer never observed gets one zero per head)."""
         def heads(store: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
             return tuple(h.float().cpu() if h is not None else torch.zeros(1) for h in store)

@@ -1,8 +1,7 @@
 """`--engine llmcompressor` (`pip install kvcalib[llmcompressor]`): llm-compressor's oneshot observes K/V.
 
 oneshot runs a KV-only `QuantizationModifier` (the recipe's kv_cache_scheme) on kvcalib's sequences, one per batch;
-its `k_scale`/`v_scale`, sized for compressed-tensors' FP8 max (448), are turned back into absmax for calibrate.
-"""
+its `k_scale`/`v_scale`, sized for compressed-tensors' FP8 max (448), are turned back into absmax for calibrate."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     # As llm-compressor users load it: AutoModelForCausalLM with the default attention.
     model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, opts.trust_remote_code)
     n_layers = num_layers(model)
-    attn_paths = attention_modules(model, n_layers, inputs.model_dir)
+    attn_paths = attention_modules(model, n_layers, inputs.checkpoint.root)
 
     sequences = inputs.data.sequences
     dataset = Dataset.from_dict({"input_ids": [list(s) for s in sequences],

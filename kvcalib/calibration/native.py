@@ -8,6 +8,7 @@ import time
 import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
+from kvcalib.calibration.objective import OUTPUT
 from kvcalib.core.progress import Progress, ProgressCallback
 from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules, observe_batch
 from kvcalib.hf.compute import compute_path
@@ -21,15 +22,17 @@ __all__ = ["native_engine", "observe_all", "sample_attention"]
 def native_engine(inputs: EngineInputs) -> Observation:
     inputs.notify(Progress("load-model"))
     hf_model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
-                          attn_implementation=faithful_attention(inputs.config))
+                          attn_implementation=faithful_attention(inputs.checkpoint.config))
     layers = num_layers(hf_model)
-    attn_paths = attention_modules(hf_model, layers, inputs.model_dir)
+    attn_paths = attention_modules(hf_model, layers, inputs.checkpoint.root)
     observer = KVAbsmaxObserver(layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(layers))
     started = time.perf_counter()
     with compute_path(inputs.compute):
         observe_all(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device,
                     inputs.notify)
-    return Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
+    observation = Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
+    keep = inputs.options.scale_objective == OUTPUT  # the whole-model step runs it again
+    return dataclasses.replace(observation, model=hf_model if keep else None)
 
 
 def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: CalibrationData, batch_size: int,

@@ -24,17 +24,21 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, attention_rows
 
-__all__ = ["ATTENTION", "FACTORS", "GAIN", "TOLERANCE", "WIDER", "WIDER_GAIN", "Candidates", "Gather", "KindChoice",
+__all__ = ["ABSMAX", "ATTENTION", "OUTPUT", "FACTORS",
+           "GAIN", "TOLERANCE", "WIDER", "WIDER_GAIN", "Candidates", "Gather", "KindChoice",
            "candidates", "choose", "sample_terms", "scored_numerics", "search", "sum_terms"]
 
 ATTENTION = "attention"
+OUTPUT = "output"  # the default: the attention objective, then the whole-model step (kvcalib.calibration.output)
 FACTORS = tuple(2.0 ** (-j / 2) for j in range(11))
 WIDER = tuple(2.0 ** (j / 4) for j in range(1, 4))  # never clip: other places on the FP8 grid for the same values
 GAIN = 0.5  # a clip must halve absmax's attention error (equivalent scales differ by up to ~30 %)
 WIDER_GAIN = 0.9  # a wider scale must cut it by a tenth (V's equally good scales differ by ~1-3 %, K's by ~5 %)
 TOLERANCE = 0.25  # of those that do, the least clipping within 25 % of their best
+SHORTLIST = 2  # the lowest attention errors the whole-model step weighs, beside the chosen and absmax
 UNIT_LABEL = "1.0"
 ABSMAX_LABEL = "absmax"
+ABSMAX = "absmax"  # --scale-objective absmax: no search, absmax / FP8 max (llm-compressor's rule)
 
 
 @dataclass(frozen=True)
@@ -125,11 +129,35 @@ class KindChoice:
     error_absmax: float
     error_unit: float
     errors_on: tuple[tuple[str, float], ...] = ()  # (numerics, the chosen scale's held-out error there), target first
+    # for the whole-model step (kvcalib.calibration.output): what it may weigh, and what it found
+    shortlist: tuple[tuple[int, ...], ...] = ()  # per-head candidate indices: the chosen, the 2 best, absmax
+    clip_on_table: bool = False  # some clip at least halves absmax's error (GAIN), on both halves
+    gap: float = 1.0  # the chosen candidate's attention error over the best's (squared, choosing rows)
+    step: str = ATTENTION  # which step chose: "attention" (this objective) or "output" (the whole-model step)
+    output: tuple[tuple[str, float], ...] = ()  # (candidate, mean next-token KL on the held-out rows) it weighed
+    # per candidate on every head: (errors_on, held-out error, fraction clipped), for the step's pick
+    uniform: tuple[tuple[tuple[tuple[str, float], ...], float, float], ...] = ()
+
+    @property
+    def material(self) -> bool:
+        """The candidates differ enough to weigh at the output: a clip is on the table, or the best beats the
+        chosen by a tenth (WIDER_GAIN)."""
+        return self.clip_on_table or self.gap * WIDER_GAIN**2 > 1.0
+
+    def rechosen(self, index: tuple[int, ...], labels: Sequence[str], output: tuple[tuple[str, float], ...]
+                 ) -> KindChoice:
+        """The whole-model step's record: `index` (the chosen, or one candidate on every head) and what it weighed."""
+        if index == self.index:
+            return replace(self, step=OUTPUT, output=output)
+        errors_on, error, clipped = self.uniform[index[0]]
+        return replace(self, label=labels[index[0]], index=index, error=error, clipped=clipped, errors_on=errors_on,
+                       step=OUTPUT, output=output)
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "clipped": self.clipped, "attention_error": self.error,
                 "attention_error_absmax": self.error_absmax, "attention_error_unit": self.error_unit,
-                "attention_error_on": dict(self.errors_on)}
+                "attention_error_on": dict(self.errors_on), "step": self.step,
+                **({"output": dict(self.output)} if self.output else {})}
 
 
 def _worst(errors: torch.Tensor) -> list[float]:
@@ -157,13 +185,40 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
 
     heads = range(choosing.shape[2])
     labels = {cands.labels[c] for c in index}
+    kept = index if per_head else index[:1]
+    elements = max(math.fsum(count[0].tolist()), 1.0)
     return KindChoice(
         label=labels.pop() if len(labels) == 1 else "per head",
-        index=index if per_head else index[:1],
-        clipped=math.fsum(clipped[c, h].item() for h, c in zip(heads, index)) / max(math.fsum(count[0].tolist()), 1.0),
+        index=kept,
+        clipped=math.fsum(clipped[c, h].item() for h, c in zip(heads, index)) / elements,
         error=held_error(index), error_absmax=held_error([0] * len(heads)),
         error_unit=held_error([cands.unit] * len(heads)),
-        errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)))
+        errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)),
+        uniform=tuple((tuple((chip.name, held_error([c] * len(heads), n)) for n, chip in enumerate(numerics)),
+                       held_error([c] * len(heads)), math.fsum(clipped[c].tolist()) / elements)
+                      for c in range(len(cands.labels))),
+        **_for_the_step(choosing, held, cands, index, kept))
+
+
+def _for_the_step(choosing: torch.Tensor, held: torch.Tensor, cands: Candidates, index: tuple[int, ...],
+                  kept: tuple[int, ...]) -> dict[str, Any]:
+    """KindChoice's shortlist, clip_on_table and gap, over the candidates scored in full: absmax, 1.0 and those
+    that cut absmax's error as a pick needs (GAIN, WIDER_GAIN for a wider scale); the others stopped early."""
+    errors, held_errors = _worst(choosing.sum(dim=2, keepdim=True)), _worst(held.sum(dim=2, keepdim=True))
+    keeps = cands.keeps_range.all(dim=1).tolist()
+
+    def cuts(c: int) -> bool:
+        gain = WIDER_GAIN if keeps[c] else GAIN
+        return errors[c] < gain**2 * errors[0] and held_errors[c] < gain**2 * held_errors[0]
+
+    full = [c for c in range(len(errors)) if c in (0, cands.unit) or cuts(c)]
+    ranked = sorted(full, key=lambda c: (errors[c] + held_errors[c], c))[:SHORTLIST]
+    best = min(full, key=lambda c: (errors[c], c))
+    heads = range(choosing.shape[2])
+    picked = max(math.fsum(choosing[n, c, h].item() for h, c in zip(heads, index)) for n in range(len(choosing)))
+    return {"shortlist": tuple(dict.fromkeys([kept, *((c,) * len(kept) for c in ranked), (0,) * len(kept)])),
+            "clip_on_table": any(not keeps[c] and cuts(c) for c in range(1, len(errors))),
+            "gap": picked / errors[best] if errors[best] > 0 else 1.0}
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:

@@ -42,10 +42,12 @@ class CalibrateOptions(RunOptions):
         False, "Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's "
         "FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet).",
         panel="Scales")
-    scale_objective: Literal["attention", "absmax"] = option(
-        "attention", "attention: per layer, the scale whose attention output is closest to the unquantised one "
-        "on every server the scales are for, clipping where that helps; absmax: absmax / FP8 max, never "
-        "clipping (llm-compressor's rule).", panel="Scales")
+    scale_objective: Literal["output", "attention", "absmax"] = option(
+        "output", "output: the attention objective, then where its candidates differ materially, the few best "
+        "scored by the model's next-token KL on held-out calibration rows, in the target's numerics and server "
+        "order; attention: per layer, the scale whose attention output is closest to the unquantised one on every "
+        "server the scales are for, clipping where that helps; absmax: absmax / FP8 max, never clipping "
+        "(llm-compressor's rule).", panel="Scales", metavar="output|attention|absmax")
     headroom: float = option(
         1.0, "K/V scales that clip nothing sized for this many times the absmax seen (1: none): room for "
         "contexts far longer than the samples, where absmax grows (e.g. 1.4142).", panel="Scales")
@@ -103,8 +105,9 @@ class LayerScales:
 class CalibrationResult:
     """What `calibrate` wrote; to_dict() is its --json (with --serve-check, its "calibration", beside "serve_check": the
     ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens, seconds, tokens_per_s
-    (of observing), objective_seconds (the scale objective's search), compute (the compute path), scale_objective,
-    layers (LayerScales), warnings, validation (ValidationReport of what was written), kv_cache (KvCacheSize)."""
+    (of observing), objective_seconds (the scale objective's search and whole-model step), compute (the compute path),
+    scale_objective, output_step (calibration.output.StepReport; null unless scale_objective is output), layers
+    (LayerScales), warnings, validation (ValidationReport of what was written), kv_cache (KvCacheSize)."""
 
     output: str
     model: str
@@ -122,6 +125,7 @@ class CalibrationResult:
     objective_seconds: float = 0.0
     serve_check: Any = None
     kv_cache: Any = None
+    output_step: Any = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -132,5 +136,6 @@ class CalibrationResult:
                 "num_samples": self.num_samples, "num_tokens": self.num_tokens, "seconds": round(self.seconds, 3),
                 "tokens_per_s": round(self.tokens_per_s, 1), "compute": self.compute,
                 "scale_objective": self.scale_objective, "objective_seconds": round(self.objective_seconds, 3),
+                "output_step": self.output_step and self.output_step.to_dict(),
                 "layers": [layer.to_dict() for layer in self.layers], "warnings": list(self.warnings),
                 "validation": self.validation, "kv_cache": self.kv_cache and self.kv_cache.to_dict()}

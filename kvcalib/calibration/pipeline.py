@@ -18,7 +18,8 @@ from kvcalib.calibration.distributed import observe_across_ranks
 from kvcalib.calibration.engine import Engine, EngineInputs, Observation
 from kvcalib.calibration.llmcompressor import llmcompressor_engine
 from kvcalib.calibration.native import native_engine, sample_attention
-from kvcalib.calibration.objective import ATTENTION, Gather, absmax_warnings, scored_numerics, search
+from kvcalib.calibration.objective import ABSMAX, Gather, absmax_warnings, scored_numerics, search
+from kvcalib.calibration.output import OUTPUT, StepReport, budget, held_out_rows, output_step
 from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales
 from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import RecipePlan, plan_recipe
@@ -34,7 +35,8 @@ from kvcalib.core.schema import (ATTN_HEAD, SCALES_FILENAME, kv_cache_size, kv_o
                                  max_position_embeddings)
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
-from kvcalib.hf.model import load_tokenizer, pad_id, prepare_run, resolve_compute, resolve_target
+from kvcalib.hf.model import (faithful_attention, load_model, load_tokenizer, pad_id, prepare_run, resolve_compute,
+                              resolve_target)
 from kvcalib.hf.samples import sample_sequences
 from kvcalib.validation.pipeline import validate_checkpoint  # calibrate validates what it wrote (pyproject.toml)
 
@@ -77,7 +79,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     notify(Progress("load-data"))
     data, pad = read_data(plan, dataset)
     inputs = engine_inputs(plan, data, pad, notify)
-    observation, choices, objective_seconds = _observe(plan, inputs)
+    observation, choices, objective_seconds, step = _observe(plan, inputs)
 
     layers, warnings = layer_scales(observation, plan.target, plan.checkpoint.root, plan.recipe.strategy,
                                     queries=opts.attention_scales, choices=choices, headroom=opts.headroom)
@@ -85,6 +87,9 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
         warnings.extend(absmax_warnings(layers, observation.samples, plan.target))
     if plan.engine.reason:
         warnings.append(plan.engine.reason)
+    if step is not None and step.skipped and step.material:
+        warnings.append(f"the whole-model step did not run ({step.skipped}): the attention objective's choices "
+                        f"stand for {step.material} layer K/V(s) whose candidates differ materially")
     warnings.extend(context_warning(data, opts.max_seq_len, plan.checkpoint.config, output, opts.headroom))
 
     def result(more_warnings: list[str], validation: dict[str, Any] | None) -> CalibrationResult:
@@ -94,7 +99,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
             seconds=time.perf_counter() - started, observe_seconds=observation.seconds,
             warnings=tuple(more_warnings), validation=validation, compute=plan.compute.describe(),
             scale_objective=opts.scale_objective, objective_seconds=objective_seconds,
-            kv_cache=kv_cache_size(plan.checkpoint.config))
+            kv_cache=kv_cache_size(plan.checkpoint.config), output_step=step)
 
     if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
         return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)
@@ -117,7 +122,7 @@ def engine_inputs(plan: RunPlan, data: CalibrationData, pad: int, notify: Progre
                   probe_layers: int | None = None) -> EngineInputs:
     """What the engine gets for `data`: the scale objective's sequences among them, the memory limit it sizes by."""
     opts = plan.options
-    sampled = sample_sequences(data.sequences, opts.batch_size, pad) if opts.scale_objective == ATTENTION \
+    sampled = sample_sequences(data.sequences, opts.batch_size, pad) if opts.scale_objective != ABSMAX \
         else frozenset()
     return EngineInputs(plan.checkpoint, data, opts, plan.dtype, plan.device, pad, notify, plan.compute,
                         plan.engine.limit if plan.engine.limit is not None else opts.memory,
@@ -171,10 +176,11 @@ def check_run(model: str | Path, dataset: str, output: Path, opts: CalibrateOpti
                  tuple(recovered))
 
 
-def _observe(plan: RunPlan, inputs: EngineInputs) -> tuple[Observation, list | None, float]:
-    """The engine's observation, the scale objective's choices (None: absmax) and the seconds the search took."""
+def _observe(plan: RunPlan, inputs: EngineInputs) -> tuple[Observation, list | None, float, StepReport | None]:
+    """The engine's observation, the scale objective's choices (None: absmax), the seconds the search and the
+    whole-model step took, and what the step did (None: not asked for)."""
     engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
-    timing = [0.0]
+    timing: list[Any] = [0.0, None]
 
     def finish(observation: Observation, gather: Gather) -> list | None:
         if not inputs.sample_sequences:
@@ -187,6 +193,9 @@ def _observe(plan: RunPlan, inputs: EngineInputs) -> tuple[Observation, list | N
                 else tuple(() for _ in observation.k_heads)
         chosen = search(samples, observation.k_heads, observation.v_heads, plan.target,
                         plan.recipe.strategy == ATTN_HEAD, gather)
+        if plan.options.scale_objective == OUTPUT:
+            inputs.notify(Progress("output"))
+            chosen, timing[1] = _output_step(plan, inputs, observation, chosen, gather)
         timing[0] = time.perf_counter() - started
         return chosen
 
@@ -198,7 +207,28 @@ def _observe(plan: RunPlan, inputs: EngineInputs) -> tuple[Observation, list | N
             choices = finish(observation, lambda local: local)
     except (MemoryError, RuntimeError) as exc:
         raise out_of_memory_error(exc, plan.options.engine, plan.device) or exc
-    return observation, choices, timing[0]
+    return replace(observation, model=None), choices, timing[0], timing[1]
+
+
+def _output_step(plan: RunPlan, inputs: EngineInputs, observation: Observation, chosen: list, gather: Gather
+                 ) -> tuple[list, StepReport]:
+    """kvcalib.calibration.output on held-out calibration rows, with the engine's model or one loaded for it."""
+    opts = plan.options
+    rows = held_out_rows(inputs.data.sequences, inputs.sample_sequences)
+    allowed = budget(inputs.data.num_tokens, sum(len(r) for r in rows))
+    model = observation.model
+    copies = opts.ranks.local_world_size if opts.ranks else 1
+    fits = model is not None or choose_engine("auto", plan.checkpoint, plan.dtype, plan.device, copies,
+                                              opts.memory).engine == "native"
+    if not all(gather([fits])):  # every rank runs it, or none (its gathers are collective)
+        return chosen, StepReport(budget=allowed, material=sum(c.material for layer in chosen for c in layer[:2]),
+                                  skipped="it runs the whole model, which does not fit in memory here")
+    if model is None:
+        model = load_model(plan.checkpoint, plan.dtype, plan.device, opts.trust_remote_code,
+                           attn_implementation=faithful_attention(plan.checkpoint.config))
+    rank, world = (opts.ranks.rank, opts.ranks.world_size) if opts.ranks else (0, 1)
+    return output_step(model, chosen, rows, plan.target, plan.compute, inputs.pad_id, plan.device, allowed,
+                       opts.headroom, rank, world, gather)
 
 
 def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], attention_classes: tuple[str, ...]
@@ -249,7 +279,7 @@ def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, 
         "fp8_max": target.fp8_max,
         # the numerics the scale objective scored every candidate on (a clip is chosen only if good on all)
         "scored_on": [chip.name for chip in scored_numerics(target, opts.strategy == ATTN_HEAD)]
-        if opts.scale_objective == ATTENTION else [],
+        if opts.scale_objective != ABSMAX else [],
         "scales_file": SCALES_FILENAME, "model": str(model_dir), "dtype": dtype_name, "engine": opts.engine,
         "dataset": data.source, "split": data.split, "column": data.column, "seed": opts.seed,
         "max_seq_len": opts.max_seq_len, "longest_sample": data.longest,

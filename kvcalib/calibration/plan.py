@@ -2,8 +2,7 @@
 
 calibrate's checks run as they would (what stops the run is a refusal, not raised); then a timed probe: the first
 PROBE_BATCHES batches through the run's engine (stream: its first PROBE_LAYERS layers) and the objective's search.
-The estimate scales each part (load, observe, objective, write) by what the run has more of.
-"""
+The estimate scales each part (load, observe, objective, write) by what the run has more of."""
 
 from __future__ import annotations
 
@@ -82,18 +81,15 @@ class CalibrationPlan:
         return not self.refusals
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "estimate"}
-        out["refusals"] = list(self.refusals)
-        out["estimate_seconds"] = None if self.estimate is None else self.estimate.to_dict()
-        out["kv_cache"] = self.kv_cache and self.kv_cache.to_dict()
-        return out
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "estimate"},
+                "refusals": list(self.refusals), "kv_cache": self.kv_cache and self.kv_cache.to_dict(),
+                "estimate_seconds": None if self.estimate is None else self.estimate.to_dict()}
 
 
 def plan_calibration(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions | None = None,
                      progress: ProgressCallback | None = None) -> CalibrationPlan:
     """The plan of `calibrate(...)`: UsageError as calibrate raises it; whatever else stops the run, a refusal."""
-    notify = progress or no_progress
-    opts = options or CalibrateOptions()
+    notify, opts = progress or no_progress, options or CalibrateOptions()
     opts.check_arguments()
     began = time.perf_counter()
     try:
@@ -163,8 +159,7 @@ def _split(stamps: list[tuple[float, Progress]], started: float, ended: float, s
     by_layer: dict[int, list[float]] = {}
     for t, e in observe:
         by_layer.setdefault(e.layer, []).append(t)
-    firsts = sorted(times[0] for times in by_layer.values())
-    lasts = sorted(times[-1] for times in by_layer.values())
+    firsts, lasts = sorted(times[0] for times in by_layer.values()), sorted(times[-1] for times in by_layer.values())
     batches = max(len(times) for times in by_layer.values()) if by_layer else 1
     compute_one = (sum(times[-1] - times[0] for times in by_layer.values()) / len(by_layer) / (batches - 1)
                    if by_layer and batches > 1 else 0.0)
@@ -178,8 +173,7 @@ def _split(stamps: list[tuple[float, Progress]], started: float, ended: float, s
 
 
 def _estimate(probe: dict[str, Any], tokens: int, layers: int, output_bytes: int, linked: bool) -> Estimate:
-    scale = tokens / max(probe["tokens"], 1)
-    per_layer = probe["engine"] == "stream"
+    scale, per_layer = tokens / max(probe["tokens"], 1), probe["engine"] == "stream"
     observe = probe["compute_seconds"] * scale * (layers if per_layer else 1) + probe["layer_load_seconds"] * layers
     objective = probe["objective_seconds"] * probe["run_objective_tokens"] / max(probe["objective_tokens"], 1) \
         * layers / max(probe["layers"], 1)
@@ -195,9 +189,7 @@ def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, i
     element = (plan.dtype.itemsize if plan.dtype is not None else 2)
     longest = max((len(s) for s in data.sequences), default=0)
     states = len(data.sequences) * longest * hidden * element
-    limit = plan.engine.limit or plan.options.memory
-    one_layer = weights // max(layers, 1)
+    limit, one_layer = plan.engine.limit or plan.options.memory, weights // max(layers, 1)
     if limit is not None and states + 2 * one_layer > limit.available:
-        batch = plan.options.batch_size * longest * hidden * element
-        return 2 * one_layer + batch, states
+        return 2 * one_layer + plan.options.batch_size * longest * hidden * element, states
     return 2 * one_layer + states, 0

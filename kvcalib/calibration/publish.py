@@ -3,8 +3,7 @@
 A run writes in a sibling PARENT/.OUT.kvcalib-XXXXXXXX/: the marker `.kvcalib-staging` ({"output", "pid", "host",
 "started"}), checkpoint/, and in the fallback old/ (the previous OUT). Publishing swaps checkpoint/ and OUT with
 `renameat2(RENAME_EXCHANGE)` (Linux 3.15+, glibc 2.28+), else renames OUT to old/ and checkpoint/ to OUT. The marker
-goes last; `recover` (before every calibration) restores or removes what a killed run left. Signals are deferred.
-"""
+goes last; `recover` (before every calibration) restores or removes what a killed run left. Signals are deferred."""
 
 from __future__ import annotations
 
@@ -105,9 +104,8 @@ def siblings(output: Path) -> list[Path]:
 
 
 def _named(output: Path) -> list[Path]:
-    if not output.parent.is_dir():
-        return []
-    return sorted(p for p in output.parent.glob(_prefix(output) + "*") if p.is_dir() and not p.is_symlink())
+    found = output.parent.glob(_prefix(output) + "*") if output.parent.is_dir() else ()
+    return sorted(p for p in found if p.is_dir() and not p.is_symlink())
 
 
 def recover(output: Path) -> list[str]:
@@ -168,8 +166,7 @@ def _process_start(pid: int) -> float | None:
 
 def _rename_exchange(a: Path, b: Path) -> None:
     """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE); OSError(ENOSYS) where it does not exist."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    func = getattr(libc, "renameat2", None)
+    func = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if func is None:
         raise OSError(errno.ENOSYS, "renameat2 is not available")
     func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]

@@ -30,8 +30,7 @@ class Ranks:
             return None
         try:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-            local_rank = int(env.get("LOCAL_RANK", rank))
-            local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+            local_rank, local_world = int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", world))
         except ValueError:
             raise UsageError(
                 f"RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r} LOCAL_RANK={env.get('LOCAL_RANK')!r} "

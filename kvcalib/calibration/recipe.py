@@ -2,8 +2,7 @@
 
 `<name>_stage` -> `<group>_modifiers` -> `<Modifier>` -> `kv_cache_scheme` (compressed-tensors `QuantizationArgs`).
 Its `calculate_range` sizes every FP8 scale for 448 and `QuantizationArgs` forbids extra fields, so the chip goes in
-a top-level key llm-compressor ignores (`kvcalib: {target: trn2}`); kvcalib applies that FP8 max itself.
-"""
+a top-level key llm-compressor ignores (`kvcalib: {target: trn2}`); kvcalib applies that FP8 max itself."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ def load_recipe(path: str | Path) -> KvRecipe:
                           hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} "
                           f"(or an FP8-attention config group); {_SEE_SHIPPED}")
     parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
-    schemes = {json.dumps(scheme, sort_keys=True) for _, scheme in parsed}
-    if len(schemes) > 1:
+    if len({json.dumps(scheme, sort_keys=True) for _, scheme in parsed}) > 1:
         places = ", ".join(f"{location}.{field}" if field != KV_SCHEME_KEY else location
                            for location, field, _ in found)
         raise RecipeError(f"{path}: {len(parsed)} different {KV_SCHEME_KEY} entries ({places})",
@@ -163,8 +161,7 @@ def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
     chosen = target or (recipe.target if recipe else None) or fp8.DEFAULT_TARGET
     warnings: list[str] = []
     if recipe is not None:
-        known = fp8.TARGETS.get(chosen)
-        if known is not None:  # an unknown name is reported by the caller, as without a recipe
+        if (known := fp8.TARGETS.get(chosen)) is not None:  # an unknown name: the caller reports it
             check_servable(recipe, known)
         if recipe.ignored:
             warnings.append(f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
@@ -195,8 +192,7 @@ def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -
     if strategy is not None and from_recipe is not None and strategy != from_recipe:
         raise RecipeError(f"--strategy {strategy} contradicts {recipe.path}, whose {KV_SCHEME_KEY} has strategy "
                           f"{from_recipe}", hint="drop --strategy, or change the recipe")
-    chosen = strategy or from_recipe or TENSOR
-    known = fp8.TARGETS.get(target)
+    chosen, known = strategy or from_recipe or TENSOR, fp8.TARGETS.get(target)
     if chosen == ATTN_HEAD and known is not None and known.neuron:
         raise UsageError(f"--strategy attn_head (one scale per KV head) cannot serve on {target}: "
                          f"{NEURON_PER_HEAD_REASON}", hint="use --strategy tensor for Neuron; per-head scales are for "

@@ -1,6 +1,5 @@
 """Observation -> scales (per tensor or KV head; K/V, optionally Q) and the tensors written: `[1]` per tensor,
-`[heads, 1, 1]` per head, as compressed-tensors' initialize_qparams makes and vLLM's compressed-tensors loader reads.
-"""
+`[heads, 1, 1]` per head, as compressed-tensors' initialize_qparams makes and vLLM's compressed-tensors loader reads."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The model is built on the meta device; the non-layer weights are loaded, then each layer in turn through
 transformers' own load-time conversion (as `from_pretrained`), every batch's hidden states (spilled to disk when
 they would not fit) go through it, and it goes back to meta. Each layer's inputs (masks, rotary cos/sin) are
-captured from the model's own forward (capture_layer_inputs): the scales equal the in-memory engine's.
-"""
+captured from the model's own forward (capture_layer_inputs): the scales equal the in-memory engine's."""
 
 from __future__ import annotations
 
@@ -37,15 +36,15 @@ HIDDEN_STATES_MEMORY_SHARE = 0.5
 
 def stream_engine(inputs: EngineInputs) -> Observation:
     inputs.notify(Progress("load-model"))
-    files = inputs.checkpoint.files
-    dtype = effective_dtype(inputs.checkpoint, inputs.dtype)
-    model = build_skeleton(inputs.model_dir, dtype, inputs.options.trust_remote_code, faithful_attention(inputs.config))
+    checkpoint, model_dir = inputs.checkpoint, inputs.checkpoint.root
+    dtype = effective_dtype(checkpoint, inputs.dtype)
+    model = build_skeleton(model_dir, dtype, inputs.options.trust_remote_code, faithful_attention(checkpoint.config))
     decoder = getattr(model, model.base_model_prefix, model)
     prefix = f"{model.base_model_prefix}." if decoder is not model else ""
     n_layers = num_layers(model)
-    layers_name, layers = _decoder_layers(decoder, n_layers, inputs.model_dir)
-    attn_paths = attention_modules(model, n_layers, inputs.model_dir)
-    weights = _Weights(model, inputs.model_dir, files, inputs.device, dtype)
+    layers_name, layers = _decoder_layers(decoder, n_layers, model_dir)
+    attn_paths = attention_modules(model, n_layers, model_dir)
+    weights = _Weights(model, model_dir, checkpoint.files, inputs.device, dtype)
     weights.check(prefix)  # every weight findable before the long work starts
     weights.load(prefix, skip=f"{prefix}{layers_name}.")
 
@@ -109,9 +108,7 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
     finally:
         for layer in layers:
             vars(layer).pop("forward", None)
-    if args:
-        return args[0], args[1:], kwargs
-    return kwargs.pop("hidden_states"), (), kwargs
+    return (args[0], args[1:], kwargs) if args else (kwargs.pop("hidden_states"), (), kwargs)
 
 
 class _Weights:
@@ -244,8 +241,7 @@ def _spill_needed(decoder: torch.nn.Module, layers: torch.nn.ModuleList,
                   batch_list: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, copies: int,
                   memory: MemoryLimit) -> bool:
     """Spill when the hidden states of every batch would take over a share of this process's memory left."""
-    hidden_size = int(text_config(decoder).hidden_size)
-    element = torch.tensor([], dtype=dtype).element_size()
+    hidden_size, element = int(text_config(decoder).hidden_size), torch.tensor([], dtype=dtype).element_size()
     hidden_bytes = sum(ids.numel() for ids, _mask in batch_list) * hidden_size * element
     largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
     left = memory.available // copies - 2 * largest_layer  # a layer, and its load-time copy

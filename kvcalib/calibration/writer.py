@@ -140,9 +140,8 @@ def _existing_ancestor(path: Path) -> Path:  # `path` itself if it exists, else 
 
 def _resolved_note(output: Path, path: Path) -> str:
     real_out, real_in = Path(output).resolve(), Path(path).resolve()
-    if real_out != Path(os.path.abspath(output)) or real_in != Path(os.path.abspath(path)):
-        return f" (after symlinks: {real_out} and {real_in})"
-    return ""
+    moved = real_out != Path(os.path.abspath(output)) or real_in != Path(os.path.abspath(path))
+    return f" (after symlinks: {real_out} and {real_in})" if moved else ""
 
 
 _ERRNO_HINTS = {
@@ -216,8 +215,7 @@ def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *
     source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     output = Path(os.path.abspath(output))
     notes = check_output_path(output, [("the model checkpoint", source.root), *inputs], overwrite)
-    created = _make_parents(output)
-    staging = None
+    created, staging = _make_parents(output), None
     try:
         staging = stage(output)
         notes += _write_files(source, staging.checkpoint, plan)
@@ -274,9 +272,8 @@ def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
             notes.append(f"{name}: dropped {len(stale)} earlier KV scale tensor(s)")
         else:
             link_or_copy(source.root / name, tmp / out_name)
-        for key, info in header.tensors.items():
-            if key not in stale:
-                index[key] = (out_name, info.nbytes, math.prod(info.shape))
+        index.update({key: (out_name, info.nbytes, math.prod(info.shape)) for key, info in header.tensors.items()
+                      if key not in stale})
     return notes
 
 
@@ -291,8 +288,7 @@ def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
     save_file(scales, str(tmp / SCALES_FILENAME),
               metadata={"format": "pt", PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True)})
     os.chmod(tmp / SCALES_FILENAME, 0o644)
-    for key, tensor in scales.items():
-        index[key] = (SCALES_FILENAME, tensor.numel() * tensor.element_size(), tensor.numel())
+    index.update({key: (SCALES_FILENAME, t.numel() * t.element_size(), t.numel()) for key, t in scales.items()})
 
 
 def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) -> None:

@@ -13,9 +13,11 @@ from typing import Annotated, Any, Literal
 import typer
 from rich.console import Console
 
+from kvcalib._version import __version__
 from kvcalib.cli.common import _errors, _print_json, _stderr, captured_notes
 from kvcalib.cli.render import (progress_bar, render_calibration, render_context, render_eval, render_needle,
-                                render_plan, render_report, render_serve_check, render_tasks, serve_status)
+                                render_plan, render_report, render_tasks)
+from kvcalib.cli.render_serve import render_serve_check, serve_status
 from kvcalib.core.errors import UsageError
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.cli.flags import command, flags, split_options
@@ -28,8 +30,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def _print_version(value: bool) -> None:
     if value:
-        from kvcalib._version import __version__
-
         sys.stdout.write(f"kvcalib {__version__}\n")
         raise typer.Exit(0)
 

@@ -26,8 +26,7 @@ _SWITCHES: dict[str, tuple[bool, Any]] = {}  # a shown on/off flag -> (the value
 def flags(cls: type, *names: str, **defaults: Any) -> list[inspect.Parameter]:
     """Typer parameters for the fields `names` of options class `cls` (every flag-declared field when none are
     named); `defaults`: the command's own default for a field, where it differs from the library's."""
-    by_name = {f.name: f for f in dataclasses.fields(cls)}
-    params = []
+    by_name, params = {f.name: f for f in dataclasses.fields(cls)}, []
     for name in names or tuple(n for n, f in by_name.items() if f.metadata.get("cli")):
         field, kind = by_name[name], annotation_of(cls, name)
         meta = field.metadata

@@ -1,4 +1,4 @@
-"""What the commands print: the tables, the progress bar, serve-check's live status (rich, on stderr)."""
+"""What the commands print: the tables and the progress bar (rich, on stderr); serve-check's in render_serve."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rich.table import Table
 from kvcalib.core import fp8
 
 __all__ = ["progress_bar", "render_calibration", "render_context", "render_eval", "render_needle", "render_plan",
-           "render_report", "render_serve_check", "render_tasks", "serve_status"]
+           "render_report", "render_tasks"]
 
 
 @contextmanager
@@ -57,6 +57,7 @@ def progress_bar(console: Console, label: str = "calibrating", name: str = "cali
 # Without a terminal: one line at most this often, and at the start and the end of the work.
 PLAIN_INTERVAL_S = 30.0
 _STAGES = {"load-data": "reading dataset", "load-model": "loading model", "objective": "choosing the scales",
+           "output": "weighing close calls at the output",
            "write": "writing checkpoint", "layers-alone": "quantising one layer at a time"}
 
 
@@ -103,26 +104,64 @@ def _duration(seconds: float) -> str:
     return (f"{hours}h" if hours else "") + (f"{rest // 60}m" if hours or rest >= 60 else "") + f"{rest % 60}s"
 
 
+def _chosen(choice: dict[str, Any] | None) -> str:
+    """The table's "chosen" cell: the candidate, and "(output)" where the whole-model step weighed others."""
+    if not choice:
+        return ""
+    return choice["label"].replace("absmax x", "x") + (" (output)" if choice.get("output") else "")
+
+
+def _print_objective(console: Console, result: Any) -> None:
+    """The clipped or widened scales, and what the whole-model step weighed: each candidate's KL at the output."""
+    clipped = [f"layer {layer.layer} {kind.upper()} {s.choice['label']}" for layer in result.layers
+               for kind, s in layer.kinds().items() if s.choice and s.choice["label"] != "absmax"]
+    step = result.output_step
+    none = "none (the whole-model step kept absmax)" if step and step.changed else \
+        "none (no clip halves any layer's attention error)"
+    console.print(f"scale objective: {result.scale_objective}; not absmax / {result.fp8_max:g}: "
+                  + (", ".join(clipped) if clipped else none), soft_wrap=True, markup=False)
+    if step is None:
+        return
+    if not step.forwards:
+        console.print(f"whole-model step: not run ({step.skipped})", soft_wrap=True, markup=False)
+        return
+    console.print(f"whole-model step: {step.weighed} of {step.material} close call(s) weighed by next-token KL on "
+                  f"{step.rows} held-out rows ({step.tokens:,} tokens scored, {step.forwards} forwards), "
+                  f"{step.changed} changed, KL {step.kl_before:.3g} -> {step.kl_after:.3g}"
+                  + (f"; undone: {step.skipped}" if step.skipped else ""), soft_wrap=True, markup=False)
+    _print_weighed(console, [(layer.layer, layer.k.choice, layer.v.choice) for layer in result.layers])
+
+
+def _print_weighed(console: Console, layers: list[tuple[int, dict[str, Any] | None, dict[str, Any] | None]]) -> None:
+    """A line per layer K/V the whole-model step weighed: the pick, and each candidate's next-token KL."""
+    for layer, *choices in layers:
+        for kind, choice in zip("KV", choices):
+            if choice and choice.get("output"):
+                costs = ", ".join(f"{label} {kl:.3g}" for label, kl in choice["output"].items())
+                console.print(f"  layer {layer} {kind}: {choice['label']} by the {choice.get('step')} step "
+                              f"(next-token KL: {costs})", soft_wrap=True, markup=False)
+
+
 def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
     """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records."""
     per_head = any(layer.k.head_scales is not None for layer in result.layers)
     queries = any(layer.q is not None for layer in result.layers)
-    rule = "absmax / " + f"{result.fp8_max:g}" if result.scale_objective == "absmax" \
-        else f"the attention objective (FP8 max {result.fp8_max:g})"
+    searched = result.scale_objective != "absmax"
+    rule = f"the {result.scale_objective} objective (FP8 max {result.fp8_max:g})" if searched \
+        else "absmax / " + f"{result.fp8_max:g}"
     table = _table(f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
                    + (" (each layer's largest head; every head's in --json)" if per_head else ""),
-                   ("layer", "k absmax", "v absmax", "k_scale", "v_scale",
+                   ("layer", "k absmax", "v absmax", "k_scale", "v_scale", *(("k chosen", "v chosen") if searched
+                                                                               else ()),
                     *(("q absmax", "q_scale") if queries else ())))
     for layer in result.layers:
         k, v, q = layer.k, layer.v, (layer.q.absmax, layer.q.scale) if queries else ()
-        table.add_row(str(layer.layer), *(f"{x:.4g}" for x in (k.absmax, v.absmax, k.scale, v.scale, *q)))
+        chosen = tuple(_chosen(s.choice) for s in (k, v)) if searched else ()
+        table.add_row(str(layer.layer), *(f"{x:.4g}" for x in (k.absmax, v.absmax, k.scale, v.scale)), *chosen,
+                      *(f"{x:.4g}" for x in q))
     console.print(table)
-    clipped = [f"layer {layer.layer} {kind.upper()} {s.choice['label']}" for layer in result.layers
-               for kind, s in layer.kinds().items() if s.choice and s.choice["label"] != "absmax"]
-    if result.scale_objective != "absmax":
-        console.print(f"scale objective: attention; not absmax / {result.fp8_max:g}: "
-                      + (", ".join(clipped) if clipped else "none (no clip halves any layer's attention error)"),
-                      soft_wrap=True, markup=False)
+    if searched:
+        _print_objective(console, result)
     for note in notes:
         console.print(f"[yellow]warning:[/] {note}", soft_wrap=True)
     if result.validation is not None:
@@ -295,129 +334,17 @@ def render_tasks(console: Console, result: Any) -> None:
 
 
 def _render_layers(console: Console, run: Any, layer_rows: int) -> None:
-    """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping."""
+    """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping; the scale the
+    checkpoint's objective chose, and what the whole-model step found the alternatives cost."""
+    chosen = any(s.chosen for s in run.layers)
     table = _table(escape(f"{run.name}: per layer" + (f" (alone: that layer quantised, the others not, on "
                                                       f"{layer_rows} row(s))" if layer_rows else "")),
                    ("layer", "attn err", "ΔNLL alone", "KL alone", "K SQNR", "V SQNR", "K clip", "V clip",
-                    "K clips above", "K absmax"))
+                    "K clips above", "K absmax", *(("K chosen", "V chosen") if chosen else ())))
     for s in run.layers:
         table.add_row(str(s.layer), _num(s.attention_error, ".3f"), _num(s.delta_nll_alone, "+.4f"),
                       _num(s.kl_alone, ".5f"), f"{s.k_sqnr_db:.1f}", f"{s.v_sqnr_db:.1f}", f"{s.k_clipped:.2%}",
-                      f"{s.v_clipped:.2%}", f"{s.k_clip_at:.4g}", f"{s.k_absmax:.4g}")
+                      f"{s.v_clipped:.2%}", f"{s.k_clip_at:.4g}", f"{s.k_absmax:.4g}",
+                      *((_chosen((s.chosen or {}).get("k")), _chosen((s.chosen or {}).get("v"))) if chosen else ()))
     console.print(table)
-
-
-@contextmanager
-def serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
-    """Live status on stderr: the command, then elapsed time and the log's last line while waiting."""
-    status = console.status("", spinner="dots") if console.is_terminal else None
-    last_print = [0.0]
-
-    def on_event(event: Any) -> None:
-        if event.stage == "launch":
-            console.print(f"{event.server} server: {event.message}", soft_wrap=True, markup=False, style="bold")
-            if status is not None:
-                status.start()
-        elif event.stage == "wait":
-            line = f"{event.server}: waiting for /health, {event.elapsed_s:.0f} s | {event.message[-100:]}"
-            if status is not None:
-                status.update(line)
-            elif event.elapsed_s - last_print[0] >= PLAIN_INTERVAL_S or event.elapsed_s < last_print[0]:
-                last_print[0] = event.elapsed_s
-                console.print(line, soft_wrap=True, markup=False)
-        elif event.stage == "ready":
-            console.print(f"{event.server} server healthy after {event.elapsed_s:.1f} s")
-            last_print[0] = 0.0
-        elif event.stage == "probe" and status is not None:
-            status.update(f"{event.server}: {event.message}")
-        elif event.stage == "stopped" and status is not None:
-            status.stop()
-
-    try:
-        yield on_event
-    finally:
-        if status is not None:
-            status.stop()
-
-
-def _problem(p: Any) -> str:
-    if p.problem is None:
-        return ""
-    if not p.failed:
-        return f" [yellow]{escape(p.problem)}, as the baseline's[/]"
-    return f" [red]{escape(p.problem)}[/]"
-
-
-def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
-    """serve-check's table, its variants and tasks, then `notes` (the kvcalib logger's records), failures, verdict."""
-    columns = ("prompt", "output (FP8 KV)", "baseline", "agreement")
-    table = _table(escape(f"serve-check {result.checkpoint} on {result.device}"), columns, columns, overflow="fold")
-    for p in result.prompts:
-        agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
-        table.add_row(escape(p.label or p.prompt), escape(repr(p.output)),
-                      "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
-                      agreement + _problem(p))
-    console.print(table)
-    nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None
-                                             else f", baseline {result.nll_baseline:.3f}")
-    agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
-    baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
-    console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
-    if result.kv_capacity:  # as vLLM logged it (serving.server.kv_capacity)
-        console.print("KV cache vLLM logged: " + "; ".join(
-            f"{name} not logged" if c["tokens"] is None else
-            f"{name} {c['tokens']:,} tokens ({_num(c['max_concurrency'], '.2f')}x --max-model-len requests)"
-            for name, c in result.kv_capacity.items()), soft_wrap=True, markup=False)
-    if result.canary is not None or result.prediction is not None:
-        render_variants(console, result)
-    if result.tasks:
-        render_served_tasks(console, result.tasks)
-    for note in notes:
-        console.print(f"[yellow]warning:[/] {escape(note)}", soft_wrap=True)
-    for failure in result.failures:
-        console.print(f"[red]failed:[/] {escape(failure)}", soft_wrap=True)
-    console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")
-
-
-def render_served_tasks(console: Console, rows: Any) -> None:
-    """serve-check --tasks: served baseline and FP8 scores with the paired interval, and kvcalib's prediction."""
-    table = _table("lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib",
-                   ("task", "metric", "items", "served baseline", "served FP8", "served difference",
-                    "predicted baseline", "predicted FP8", "predicted difference"), ("task", "metric"), overflow="fold")
-    for row in rows:
-        served, predicted = row["served"], row["predicted"] or {}
-        table.add_row(row["task"], f"{row['metric']} ({row['filter']})", str(row["items"]),
-                      f"{served['baseline']:.4f}", f"{served['fp8']:.4f}", _spread(served.get("interval")),
-                      "-" if not predicted else f"{predicted['baseline']:.4f}",
-                      "-" if not predicted else f"{predicted['fp8']:.4f}", _spread(predicted.get("interval")))
-    console.print(table)
-    for row in rows:
-        console.print(f"{row['task']} {row['metric']}: served {escape(row['served']['verdict'])}", soft_wrap=True,
-                      highlight=False)
-
-
-def render_variants(console: Console, result: Any) -> None:
-    """Calibrated vs 1.0 vs the canary: what each server measured, and what kvcalib predicted."""
-    table = _table("KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline",
-                   ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"), ("scales",))
-    for row in result.variants():
-        table.add_row(row["name"], _num(row["nll"], ".4f"), _num(row["agreement"], ".2f"),
-                      _num(row["served_delta_nll"], "+.4f"), _num(row["predicted_delta_nll"], "+.4f"))
-    console.print(table)
-    _render_delta_intervals(console, result.intervals)
-    if result.canary is not None:
-        color = "green" if result.canary.ok else "red"
-        console.print(f"canary: [{color}]{'ok' if result.canary.ok else 'FAILED'}[/] {escape(result.canary.reason)}",
-                      soft_wrap=True)
-
-
-def _render_delta_intervals(console: Console, intervals: Any) -> None:
-    """The calibrated scales' ΔNLL on the probe text, served and predicted, with their 95 % intervals."""
-    shown = {name: found for name, found in (intervals or {}).items() if found is not None}
-    if not shown:
-        return
-    words = {"served": "served ΔNLL", "predicted": "predicted ΔNLL", "served_minus_predicted": "served - predicted"}
-    parts = [f"{words[name]} {_spread(found)} ({found['items']} blocks)" for name, found in shown.items()]
-    method = next(iter(shown.values()))["method"]
-    console.print(f"calibrated scales, approximate 95% intervals ({method}): " + "; ".join(parts),
-                  soft_wrap=True, highlight=False)
+    _print_weighed(console, [(s.layer, (s.chosen or {}).get("k"), (s.chosen or {}).get("v")) for s in run.layers])

@@ -137,9 +137,7 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
     data_start = 8 + header_len
     data_size = file_size - data_start
     metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointReadError(f"{path}: __metadata__ must map strings to strings", hint=_CORRUPT)
     tensors = {key: _tensor_info(path, key, entry, data_size) for key, entry in header.items()}
     _check_layout(path, tensors, data_size)
@@ -206,9 +204,7 @@ class CheckpointFiles:
         """The file a loader reads `key` from: the index's when it holds it, else the first that does."""
         holders = self.key_files.get(key, ())
         mapped = self.weight_map.get(key) if self.weight_map is not None else None
-        if mapped in holders:
-            return mapped
-        return holders[0] if holders else None
+        return mapped if mapped in holders else holders[0] if holders else None
 
     def header_of(self, key: str) -> SafetensorsHeader | None:
         name = self.file_of(key)
@@ -266,10 +262,8 @@ def read_tensor(header: SafetensorsHeader, key: str) -> Any:
     if dtype is None:
         raise CheckpointReadError(f"{header.path}: tensor {key!r} has dtype {info.dtype}, which this torch cannot read",
                                   hint="upgrade torch, or store the tensor in a common dtype")
-    raw = _read_raw(header, key, info.nbytes)
-    if not raw:
-        return torch.empty(info.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(info.shape)
+    raw = bytearray(_read_raw(header, key, info.nbytes))
+    return torch.frombuffer(raw, dtype=dtype).reshape(info.shape) if raw else torch.empty(info.shape, dtype=dtype)
 
 
 def _read_raw(header: SafetensorsHeader, key: str, nbytes: int) -> bytes:

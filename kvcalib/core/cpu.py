@@ -1,11 +1,11 @@
 """The host CPU: its feature flags, what they allow, and so which compute path a bf16 model takes.
 
 A `HostCpu` is passed in (`HostCpu.detect` reads /proc/cpuinfo or $KVCALIB_CPU_FLAGS), so a test can describe any
-machine. Without AVX512-BF16 or AMX a bf16 `F.linear` runs ~7x slower than float32: `choose_compute` picks float32.
-"""
+machine. Without AVX512-BF16 or AMX a bf16 `F.linear` runs ~7x slower than float32: `choose_compute` picks float32."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,8 +58,6 @@ class HostCpu:
     @classmethod
     def detect(cls, with_capability: bool = True) -> HostCpu:
         """The CPU this runs on: /proc/cpuinfo's flags, or $KVCALIB_CPU_FLAGS; torch's capability too."""
-        import os
-
         capability = "unknown"
         if with_capability:
             import torch
@@ -72,9 +70,7 @@ class HostCpu:
         """Whether bf16 matmul runs natively (fast); None when the flags are unknown."""
         if self.capability in _SLOW_CAPABILITIES:
             return False
-        if self.flags is None:
-            return None
-        return bool(self.flags & NATIVE_BF16_FLAGS)
+        return None if self.flags is None else bool(self.flags & NATIVE_BF16_FLAGS)
 
     @property
     def vllm_fp8_kv(self) -> bool | None:

@@ -15,8 +15,7 @@ class KvcalibError(Exception):
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
-        self.message = message
-        self.hint = hint
+        self.message, self.hint = message, hint
 
     def __str__(self) -> str:
         return self.message

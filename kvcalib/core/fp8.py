@@ -1,8 +1,7 @@
 """FP8 numerics: chip targets, the scale convention, the chip-faithful quantiser (imports nothing from kvcalib).
 
 The one scale convention (vLLM, compressed-tensors, the Neuron plugin): `x ≈ fp8 * s`, `s = absmax / fp8_max`, the
-dequantisation multiplier; kernels that multiply by the reciprocal compute it themselves (it is never stored).
-"""
+dequantisation multiplier; kernels that multiply by the reciprocal compute it themselves (it is never stored)."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ def get_target(name: str) -> Target:
     try:
         return TARGETS[name] if name in TARGETS else EMULATED[name]
     except KeyError:
-        known = ", ".join(sorted(TARGETS))
-        raise ValueError(f"unknown target {name!r}; known targets: {known}") from None
+        raise ValueError(f"unknown target {name!r}; known targets: {', '.join(sorted(TARGETS))}") from None
 
 
 # How far (relative) a scale may sit above absmax / fp8_max: on Neuron it is rounded up onto the bf16 grid (8

@@ -12,8 +12,7 @@ declaring `{"quant_method": "mxfp4"}`; `quantizers.auto.AutoHfQuantizer.from_con
 `get_weight_conversions` (quantizers/quantizer_mxfp4.py) maps the pairs through `integrations.mxfp4.Mxfp4Dequantize`
 (the stream engine passes it to `conversion_mapping.get_model_conversion_mapping` and
 `modeling_utils.LoadStateDictConfig`); `integrations.mxfp4.convert_moe_packed_tensors` (what `dequantize_convertops`
-calls), swapped while loading; `save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`.
-"""
+calls), swapped while loading; `save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`."""
 
 from __future__ import annotations
 

@@ -17,10 +17,8 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
 
 def file_kind(mode: int) -> str:
     """'a regular file', 'a directory', 'a FIFO (named pipe)', ... for an st_mode."""
-    for test, kind in _KINDS:
-        if test(mode):
-            return kind
-    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
+    regular = "a regular file" if stat.S_ISREG(mode) else "not a regular file"
+    return next((kind for test, kind in _KINDS if test(mode)), regular)
 
 
 def require_regular_file(path: Path, what: str, *, error: type[KvcalibError] = CheckpointReadError,

@@ -77,11 +77,8 @@ def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
 def head_dim(config: dict[str, Any]) -> int | None:
     """head_dim, else hidden_size / num_attention_heads (top level or text_config); None if not said."""
     text = text_config(config)
-    explicit = _positive_int(text.get("head_dim"))
-    if explicit is not None:
-        return explicit
     hidden, heads = _positive_int(text.get("hidden_size")), _positive_int(text.get("num_attention_heads"))
-    return hidden // heads if hidden is not None and heads is not None else None
+    return _positive_int(text.get("head_dim")) or (hidden // heads if hidden and heads else None)
 
 
 KV_VALUE_BYTES = {"bf16": 2, "fp8": 1}
@@ -170,8 +167,7 @@ def parse_foreign_scale_key(key: str) -> tuple[int, str | None, str] | None:
     for pattern, description in _FOREIGN_SCALE_PATTERNS:
         m = pattern.match(key)
         if m:
-            kind = m.group(3) if m.lastindex and m.lastindex >= 3 else None
-            return int(m.group(2)), kind, description
+            return int(m.group(2)), m.group(3) if m.lastindex and m.lastindex >= 3 else None, description
     return None
 
 
@@ -224,9 +220,7 @@ def is_attention_target(target: Any) -> bool:
 
 def attention_groups(groups: Any) -> dict[str, list[Any]]:
     """name -> targets of every group quantising only input activations of an attention target."""
-    if not isinstance(groups, dict):
-        return {}
-    return {name: g["targets"] for name, g in groups.items()
+    return {name: g["targets"] for name, g in (groups.items() if isinstance(groups, dict) else ())
             if isinstance(g, dict) and g.get("input_activations") and not g.get("weights")
             and isinstance(g.get("targets"), list) and any(is_attention_target(t) for t in g["targets"])}
 

@@ -5,8 +5,7 @@ For each length L, samples are packed from the held-out text (rows joined by a b
 special tokens, cut into pieces placed after the tokenizer's leading tokens, e.g. BOS) and run once unquantised
 (KVErrorMeter measures what each scale set would saturate) and, unless --saturation-only, once per scale set with
 K/V in FP8. Per length and scale set: per layer the K/V saturation and absmax against the scale's clip level; ΔNLL
-on the last quarter of positions, with a paired bootstrap over 64-token blocks (not independent: a lower bound).
-"""
+on the last quarter of positions, with a paired bootstrap over 64-token blocks (not independent: a lower bound)."""
 
 from __future__ import annotations
 
@@ -125,8 +124,7 @@ def forward_bytes(config: dict[str, Any], length: int, weight_bytes: int) -> int
     text = text_config(config)
     hidden = int(text.get("hidden_size") or 0)
     inter = int(text.get("intermediate_size") or 4 * hidden)
-    heads = int(text.get("num_attention_heads") or 1)
-    vocab = int(text.get("vocab_size") or 0)
+    heads, vocab = int(text.get("num_attention_heads") or 1), int(text.get("vocab_size") or 0)
     activations = length * (8 * hidden + 3 * inter) * 4
     scores = 3 * heads * 256 * length * 4
     logits = 3 * (scored_positions(length) + 1) * vocab * 4
@@ -148,8 +146,7 @@ def memory_bound(config: dict[str, Any], weight_bytes: int, available: int) -> i
 def check_lengths(lengths: tuple[int, ...], config: dict[str, Any], where: Path, weight_bytes: int,
                   available: int) -> int:
     """Each --context length at least MIN_LENGTH, within max_position_embeddings and memory; the memory bound."""
-    limit = max_position_embeddings(config)
-    bound = memory_bound(config, weight_bytes, available)
+    limit, bound = max_position_embeddings(config), memory_bound(config, weight_bytes, available)
     for length in lengths:
         if length < MIN_LENGTH:
             raise UsageError(f"--context {length}: too short to score its last quarter",
@@ -182,7 +179,7 @@ def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
 @torch.inference_mode()
 def _last_quarter_nll(model: torch.nn.Module, ids: torch.Tensor, hook: Any, *, compute: ComputePath,
                       weights: Float32Weights) -> torch.Tensor:
-    """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in pipeline's _log_probs."""
+    """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in pipeline's log_probs."""
     q = scored_positions(ids.shape[1])
     with compute_path(compute, weights), observing_queries(hook) if hook.queries else nullcontext():
         logits = model(input_ids=ids, use_cache=True, past_key_values=RecordingCache(model.config, hook),
@@ -247,8 +244,7 @@ def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[in
 def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
                      progress: ProgressCallback | None = None, nll: bool = True) -> ContextResult:
     """eval --context (the module docstring); without `nll` (--saturation-only) no ΔNLL, one forward a sample."""
-    started = time.perf_counter()
-    notify = progress or no_progress
+    started, notify = time.perf_counter(), progress or no_progress
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
     packed = {length: pack(long.stream, long.prefix, length, opts.num_samples) for length in lengths}
     for length, samples in packed.items():

@@ -30,7 +30,9 @@ class LayerQuantStats:
     """One layer's quantisation error in eval's layers: layer, k_sqnr_db, v_sqnr_db, k_clipped, v_clipped (fraction
     saturated at ±fp8_max), k_absmax, v_absmax (unquantised), k_clip_at, v_clip_at (|x| that saturates; per head, the
     largest scale's); where measured: q_sqnr_db, q_clipped (FP8 attention), attention_error (||ΔO|| / ||O||),
-    delta_nll_alone, kl_alone (nats with only this layer's K/V quantised, on eval's first layer_rows rows)."""
+    delta_nll_alone, kl_alone (nats with only this layer's K/V quantised, on eval's first layer_rows rows); chosen
+    (from a kvcalib checkpoint's provenance: {"k": ..., "v": ...}, each the scale objective's choice: label, step and,
+    where the whole-model step weighed candidates, output: each one's next-token KL))."""
 
     layer: int
     k_sqnr_db: float
@@ -46,6 +48,7 @@ class LayerQuantStats:
     attention_error: float | None = None
     delta_nll_alone: float | None = None
     kl_alone: float | None = None
+    chosen: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

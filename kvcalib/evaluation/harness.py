@@ -9,8 +9,7 @@ line cannot see it: call it from Python, or use `kvcalib eval CKPT --tasks ...`)
 
 `scales`: `checkpoint` (its own k_scale/v_scale), `unit` (every scale 1.0), `none` (no quantisation: the baseline)
 or another checkpoint's path. The model is lm-eval's HFLM whose every forward, scoring and generation alike, gets a
-QuantizingCache: K/V stored as the target stores them (KVQuantizer), read back by every later token.
-"""
+QuantizingCache: K/V stored as the target stores them (KVQuantizer), read back by every later token."""
 
 from __future__ import annotations
 
@@ -55,9 +54,8 @@ def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_
     """The model as `kvcalib eval` loads it (faithful attention, the compute path for this CPU)."""
     options = RunOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute)
     run = prepare_run(checkpoint, options)
-    if cpu is None:
-        cpu = HostCpu.detect(with_capability=False)
-    compute = resolve_compute(bf16_compute, run.dtype, run.checkpoint, run.device, cpu)
+    compute = resolve_compute(bf16_compute, run.dtype, run.checkpoint, run.device,
+                              cpu or HostCpu.detect(with_capability=False))
     model = load_model(run.checkpoint, run.dtype, run.device, trust_remote_code,
                        attn_implementation=faithful_attention(run.checkpoint.config))
     return LoadedModel(run.checkpoint.root, run.checkpoint.config, model,
@@ -81,9 +79,8 @@ class KvcalibLM(HFLM):
     def __init__(self, pretrained: str | LoadedModel, target: str = DEFAULT_TARGET, scales: str = CHECKPOINT,
                  bf16_compute: str = "auto", dtype: str = "auto", device: str = "cpu",
                  trust_remote_code: bool = False, **kwargs: Any) -> None:
-        loaded = pretrained if isinstance(pretrained, LoadedModel) else load(
+        self.loaded = loaded = pretrained if isinstance(pretrained, LoadedModel) else load(
             pretrained, dtype, device, bf16_compute, bool(trust_remote_code))
-        self.loaded = loaded
         # lm-eval's model_args parser turns "none" into None
         self.scales = BASELINE if scales is None or str(scales).lower() == BASELINE else str(scales)
         self.quantizer = quantizer_for(loaded, self.scales, target)

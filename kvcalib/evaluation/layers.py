@@ -2,8 +2,7 @@
 
 A per-layer error figure (SQNR, attention error) says how far the values move, not what that costs the prediction
 (a near-constant K channel can make SQNR rank scales backwards). This scores NLL and KL (the steadier on few tokens)
-one layer at a time, on the first `EvalOptions.layer_rows` rows; layers interact, so these need not add up.
-"""
+one layer at a time, on the first `EvalOptions.layer_rows` rows; layers interact, so these need not add up."""
 
 from __future__ import annotations
 
@@ -68,8 +67,6 @@ def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_
                 nll = (-logp.gather(-1, targets)[..., 0][scored]).double().sum()
                 kl = (base.exp() * (base - logp)).sum(-1)[scored].double().sum()
                 sums[name][layer] += torch.stack([nll, kl]).cpu()
-    out: dict[str, list[LayerAlone | None]] = {name: [None] * num_layers for name in quantizers}
     n = max(count, 1)
-    for name, per_layer in sums.items():
-        out[name] = [LayerAlone(delta_nll=(nll - base_sum) / n, kl=kl / n) for nll, kl in per_layer.tolist()]
-    return out
+    return {name: [LayerAlone(delta_nll=(nll - base_sum) / n, kl=kl / n) for nll, kl in sums[name].tolist()]
+            if name in sums else [None] * num_layers for name in quantizers}

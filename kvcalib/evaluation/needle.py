@@ -8,8 +8,7 @@ The order of work follows the chip. Neuron's prefill attends to the K/V it has j
 to the FP8 cache; only decoding reads the cache (neuronx_distributed_inference/modules/attention/attention_base.py),
 so one unquantised prefill fills every scale set's cache. vLLM's FlashAttention backend writes K/V to the cache first
 and attends from it (vllm/v1/attention/backends/flash_attn.py): on GPU, one prefill per scale set. Per length and
-scale set: keys found (by depth too; Wilson interval) and the paired bootstrap difference from the unquantised cache.
-"""
+scale set: keys found (by depth too; Wilson interval) and the paired bootstrap difference from the unquantised cache."""
 
 from __future__ import annotations
 
@@ -148,8 +147,7 @@ def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length:
                                    f"(--context {length} --needle)",
                                    hint="pass a longer held-out text, or shorter lengths")
             start = rng.randint(0, len(stream) - body)
-            at = insertion_point(stream, start, round(depth * body), breaks)
-            hay = stream[start:start + body]
+            at, hay = insertion_point(stream, start, round(depth * body), breaks), stream[start:start + body]
             ids = prefix + hay[:at] + needle + hay[at:] + question
             out.append((Trial(length, depth, key, start, len(prefix) + at, {}), ids))
     return out
@@ -163,8 +161,7 @@ def _greedy(model: torch.nn.Module, cache: Any, logits: torch.Tensor, device: to
         got.append(int(logits[0, -1].argmax()))
         if len(got) == ANSWER_TOKENS:
             return got
-        logits = model(input_ids=torch.tensor([[got[-1]]], device=device), past_key_values=cache,
-                       use_cache=True).logits
+        logits = model(input_ids=torch.tensor([[got[-1]]], device=device), past_key_values=cache, use_cache=True).logits
 
 
 @torch.inference_mode()
@@ -209,8 +206,7 @@ def summarise(trials: list[Trial], names: list[str], depths: tuple[float, ...]) 
 def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any, keys: int | None = None,
                     progress: ProgressCallback | None = None) -> NeedleResult:
     """eval --context --needle (see the module docstring); `opts` an EvalOptions (target, compare, seed)."""
-    started = time.perf_counter()
-    notify = progress or no_progress
+    started, notify = time.perf_counter(), progress or no_progress
     keys = DEFAULT_KEYS if keys is None else keys
     if keys < 1:
         raise UsageError(f"--num-samples {keys}: the needle needs at least one key per length and depth",

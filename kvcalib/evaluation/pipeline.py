@@ -14,14 +14,14 @@ import math
 import time
 from contextlib import nullcontext
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvcalib.core import fp8
-from kvcalib.core.checkpoint import read_config
+from kvcalib.core.checkpoint import read_config, scan_checkpoint
 from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
@@ -38,8 +38,9 @@ from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
 from kvcalib.hf.model import (PreparedRun, faithful_attention, load_model, load_tokenizer, num_layers, pad_id,
                               prepare_run, resolve_compute, resolve_target)
 from kvcalib.hf.samples import AttentionSampler, sample_sequences
+from kvcalib.validation.provenance import read_provenance
 
-__all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate", "prepare_scales"]
+__all__ = ["CHECKPOINT", "UNIT", "EvalOptions", "EvalResult", "RunResult", "evaluate", "log_probs", "prepare_scales"]
 
 UNIT = "unit"  # --compare unit: every scale 1.0 (what a checkpoint without scales runs with)
 CHECKPOINT = "checkpoint"
@@ -191,14 +192,15 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
     totals = {name: _Totals(quantizer=quantizer) for name, quantizer in quantizers.items()}
     sampler = AttentionSampler(layers, sample_sequences(data.sequences, opts.batch_size, pad_id(tokenizer)))
     meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device, sampler)
-    forward = functools.partial(_log_probs, model, compute=compute, weights=Float32Weights())
+    forward = functools.partial(log_probs, model, compute=compute, weights=Float32Weights())
     baseline = _score(forward, data, opts.batch_size, pad_id(tokenizer), device, meter, totals, notify, fresh)
     base_nll_mean = baseline.nll / baseline.count
     alone = layers_alone(forward, data.sequences[:opts.layer_rows], opts.batch_size, pad_id(tokenizer), device,
                          quantizers, notify, fresh)
     runs = tuple(RunResult(name=name, nll=t.nll / t.count, ppl=math.exp(t.nll / t.count),
                            delta_nll=t.nll / t.count - base_nll_mean, kl=t.kl / t.count, top1=t.agree / t.count,
-                           layers=tuple(meter.layer_stats(name, alone.get(name))), kind=_kind(t.quantizer),
+                           layers=_chosen(meter.layer_stats(name, alone.get(name)), ckpt.root, name),
+                           kind=_kind(t.quantizer),
                            accuracy=sum(t.row_correct) / t.count, intervals=_intervals(t, baseline),
                            token_nll=t.tokens()) for name, t in totals.items())
     return EvalResult(checkpoint=str(checkpoint), target=target.name, fp8_max=target.fp8_max, order=order,
@@ -206,6 +208,25 @@ def evaluate(checkpoint: str | Path, dataset: str, options: EvalOptions | None =
                       baseline_accuracy=sum(baseline.row_correct) / baseline.count, runs=runs,
                       seconds=time.perf_counter() - started, compute=compute.describe(),
                       layer_rows=min(opts.layer_rows, len(data.sequences)), baseline_token_nll=baseline.tokens())
+
+
+FP8_ATTN = " +fp8-attn"
+
+
+def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQuantStats, ...]:
+    """`stats` with what kvcalib's scale objective chose per layer, where the run's checkpoint provenance says."""
+    base = name.removesuffix(FP8_ATTN)
+    source = root if base == CHECKPOINT else None if base == UNIT else Path(base)
+    provenance = read_provenance(scan_checkpoint(source, tolerant=True)) if source and source.is_dir() else None
+    chosen: dict[Any, dict[str, Any]] = {}
+    for entry in (provenance or {}).get("layers") or ():
+        kinds = {kind: {key: entry[kind]["choice"][key] for key in ("label", "step", "output")
+                        if key in entry[kind]["choice"]}
+                 for kind in "kv" if isinstance(entry, dict) and isinstance(entry.get(kind), dict)
+                 and isinstance(entry[kind].get("choice"), dict)}
+        if kinds:
+            chosen[entry.get("layer")] = kinds
+    return tuple(replace(s, chosen=chosen[s.layer]) if s.layer in chosen else s for s in stats)
 
 
 def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> tuple[PreparedRun, dict[str, KVQuantizer],
@@ -256,7 +277,7 @@ def _score(forward: Callable[..., torch.Tensor], data: CalibrationData, batch_si
 
 
 @torch.inference_mode()
-def _log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any, *,
+def log_probs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, hook: Any, *,
                compute: ComputePath, weights: Float32Weights | None = None) -> torch.Tensor:
     """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
     with compute_path(compute, weights), observing_queries(hook) if getattr(hook, "queries", False) else nullcontext():
@@ -311,5 +332,5 @@ def _quantizers(configs: dict[str, ScaleSet], target: fp8.Target, fp8_attention:
             raise UsageError("--fp8-attention needs q_scale, and no checkpoint evaluated has one",
                              hint="calibrate with kvcalib calibrate --attention-scales")
         for name, s in with_q.items():
-            runs[name + " +fp8-attn"] = KVQuantizer(s.k, s.v, target, q_scales=s.q, fp8_attention=True)
+            runs[name + FP8_ATTN] = KVQuantizer(s.k, s.v, target, q_scales=s.q, fp8_attention=True)
     return runs

@@ -45,8 +45,7 @@ def _pyplot() -> Any:
 
 def plot_needle(result: Any, path: Path) -> Path:
     """Write the needle heatmaps (a NeedleResult), one per scale set: keys found by depth x length, atomically."""
-    plt = _pyplot()
-    path = check_plot_path(path)
+    plt, path = _pyplot(), check_plot_path(path)
     names = list(dict.fromkeys(row.name for row in result.rows))
     lengths = list(dict.fromkeys(row.length for row in result.rows))
     fig, axes = plt.subplots(1, len(names), figsize=(2.2 + 1.1 * len(lengths) * len(names), 4.2), squeeze=False)
@@ -72,10 +71,9 @@ def plot_needle(result: Any, path: Path) -> Path:
 
 def plot_eval(result: Any, path: Path) -> Path:
     """Write a PNG for an `EvalResult` to `path` (atomically) and return the path."""
-    plt = _pyplot()
+    plt, path = _pyplot(), check_plot_path(path)
     from matplotlib.ticker import MaxNLocator
 
-    path = check_plot_path(path)
     fig, axes = plt.subplots(4, 2, figsize=(12, 14))
     first = result.runs[0]
     layers = [s.layer for s in first.layers]

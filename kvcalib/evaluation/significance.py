@@ -2,8 +2,7 @@
 
 Each item (an eval sequence, a task's question) is scored unquantised and quantised: the interval is taken on
 per-item differences, items resampled whole with replacement. A per-token mean's resample statistic is Σ differences
-/ Σ tokens (a ratio estimator). Percentile interval, 2,000 resamples, a fixed seed: same inputs, same interval.
-"""
+/ Σ tokens (a ratio estimator). Percentile interval, 2,000 resamples, a fixed seed: same inputs, same interval."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ def paired_bootstrap(differences: Sequence[float], weights: Sequence[float] | No
     n = d.numel()
     if n < MIN_ITEMS or float(w.sum()) <= 0 or not all(math.isfinite(x) for x in d.tolist()):
         return None
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(n, (resamples, n), generator=generator)
+    index = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))
     totals = w[index].sum(dim=1)
     stats = d[index].sum(dim=1) / totals.clamp_min(1e-300)
     stats = stats[totals > 0]

@@ -3,8 +3,7 @@
 lm-eval runs the same items for the unquantised baseline and every scale set, through harness.KvcalibLM (one model
 in memory). Per task and metric: each run's score and, for a mean over items (acc, exact_match, ...), a paired
 bootstrap interval of the difference from the baseline; a metric aggregated otherwise (perplexity, corpus BLEU) is
-reported without an interval, never with a made-up one.
-"""
+reported without an interval, never with a made-up one."""
 
 from __future__ import annotations
 
@@ -134,8 +133,7 @@ def check_data(manager: Any, options: TaskOptions) -> None:
         if hub is not None and not _offline_mode() and not _hub_reachable():
             raise UsageError(f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
                              hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` "
-                                  "and pass --task-data DIR; copies in the Hugging Face cache: set "
-                                  "HF_DATASETS_OFFLINE=1")
+                             "and pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1")
         try:
             loaded = manager.load([task])["tasks"]  # {name: Task}, every leaf of a group
         except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
@@ -166,14 +164,11 @@ def _hub_dataset(manager: Any, task: str) -> str | None:
     """The hub dataset `task` reads (None: local files, or not known from its YAML)."""
     entry = getattr(manager, "task_index", {}).get(task)
     path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
-    if not isinstance(path, str) or path in LOCAL_BUILDERS or Path(path).exists():
-        return None
-    return path
+    return path if isinstance(path, str) and path not in LOCAL_BUILDERS and not Path(path).exists() else None
 
 
 def _offline_mode() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes")
-               for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
 @functools.cache

@@ -2,8 +2,7 @@
 attention module calls `past_key_values.update(key, value, layer_idx)` with exactly what it stores (K after RoPE and
 any k-norm, V as is, `[batch, kv_heads, seq, head_dim]`); a `RecordingCache` shows them to an observer (which may
 return replacements: eval's FP8 cache) and hands them back, the model's own attention unchanged. Q never reaches the
-cache: `observing_queries` wraps the function transformers' AttentionInterface returns, which also feeds hf.samples.
-"""
+cache: `observing_queries` wraps the function transformers' AttentionInterface returns, which also feeds hf.samples."""
 
 from __future__ import annotations
 

@@ -26,8 +26,7 @@ class Float32Weights:
     """float32 copies (exact) of a bf16 model's parameters, made at first use and kept up to `budget` bytes."""
 
     def __init__(self, budget: int = FLOAT32_WEIGHTS_BUDGET) -> None:
-        self.budget = budget
-        self.used = 0
+        self.budget, self.used = budget, 0
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the parameter, its copy)
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -93,8 +92,7 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
     kf_t, vf = key.float().transpose(-1, -2), value.float()
     blocks = []
     for start in range(0, q_len, SDPA_QUERY_BLOCK):
-        stop = min(q_len, start + SDPA_QUERY_BLOCK)
-        block_mask = None
+        stop, block_mask = min(q_len, start + SDPA_QUERY_BLOCK), None
         if attn_mask is not None:
             block_mask = attn_mask[..., start:stop, :] if attn_mask.shape[-2] == q_len else attn_mask
         lo, hi = _open_columns(block_mask, kv_len, stop if is_causal else kv_len)
@@ -163,8 +161,7 @@ def _experts_layout(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, 
 
 def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
     """Each expert's rows times its own weight, upcast alone, in float32, rounded to bf16 once."""
-    out = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]), dtype=torch.bfloat16)
-    start = 0
+    out, start = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]), dtype=torch.bfloat16), 0
     for expert, end in enumerate(offs.tolist()):
         if end > start:
             out[start:end] = (mat_a[start:end].float() @ mat_b[expert].float()).to(torch.bfloat16)

@@ -2,8 +2,7 @@
 
 As llm-compressor's example selects them: the first N rows of the split, shuffled with the seed, truncated to
 max_seq_len; a `messages` column is rendered with the chat template. Tokens are what vLLM sees: plain text with the
-tokenizer's default special tokens, chat text with none; `add_special_tokens` True or False overrides that per row.
-"""
+tokenizer's default special tokens, chat text with none; `add_special_tokens` True or False overrides that per row."""
 
 from __future__ import annotations
 
@@ -87,11 +86,8 @@ def load_rows(dataset: str, split: str):
 
 def _data_files(path: Path) -> list[Path]:
     """The data files under a directory; an entry with a data suffix that is no regular file is refused."""
-    files = []
-    for entry in sorted(path.rglob("*")):
-        if entry.suffix.lower() not in BUILDERS or entry.is_dir():
-            continue
-        files.append(require_regular_file(entry, "dataset file", error=DatasetError, missing=DatasetError))
+    files = [require_regular_file(entry, "dataset file", error=DatasetError, missing=DatasetError)
+             for entry in sorted(path.rglob("*")) if entry.suffix.lower() in BUILDERS and not entry.is_dir()]
     if not files:
         raise DatasetError(f"no data files in {path}",
                            hint=f"put {', '.join(sorted(BUILDERS))} files there, or a dataset saved with save_to_disk")
@@ -189,8 +185,7 @@ def load_calibration_data(dataset: str, tokenizer: Any, *, split: str = "train",
     rendered = [_render(row, column, tokenizer, dataset, number) for number, row in enumerate(ds[column], start=1)]
     # the order ds.shuffle(seed=seed) gives, as llm-compressor's
     order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=seed)["row"]
-    texts = [rendered[i][0] for i in order]
-    chat = [rendered[i][1] for i in order]
+    texts, chat = [rendered[i][0] for i in order], [rendered[i][1] for i in order]
     encoded = tokenize_as_served(tokenizer, texts, chat, max_seq_len, add_special_tokens)
     sequences = tuple(tuple(ids) for ids in encoded if len(ids) > 0)
     if not sequences:

@@ -63,9 +63,7 @@ def available_memory(device: torch.device | None = None, proc: Path = PROC, sys:
     if device is not None and device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         limits.append(MemoryLimit(int(free), f"{device} free memory"))
-    if not limits:
-        return MemoryLimit(_NO_LIMIT, "unknown")
-    return min(limits, key=lambda limit: limit.available)
+    return min(limits, key=lambda limit: limit.available, default=MemoryLimit(_NO_LIMIT, "unknown"))
 
 
 def choose_engine(requested: str, checkpoint: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device,

@@ -117,14 +117,10 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
     causal_names = importlib.import_module(AutoModelForCausalLM.__module__).MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_dir, config = checkpoint.root, checkpoint.config
-    model_type = config.get("model_type")
-    architectures = config.get("architectures") or []
-    causal_classes = set(causal_names.values())
+    model_type, architectures = config.get("model_type"), config.get("architectures") or []
     remote = trust_remote_code and "AutoModelForCausalLM" in (config.get("auto_map") or {})
-    if architectures:
-        causal = any(isinstance(a, str) and (a in causal_classes or a.endswith("ForCausalLM")) for a in architectures)
-    else:
-        causal = model_type in causal_names
+    causal = (any(isinstance(a, str) and (a in causal_names.values() or a.endswith("ForCausalLM"))
+                  for a in architectures) if architectures else model_type in causal_names)
     if not (causal or remote):
         raise UnsupportedModelError(
             f"{model_dir}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a causal "
@@ -214,11 +210,9 @@ def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torc
     try:
         with mxfp4.dequantized_on_load(checkpoint.files.key_files, config) as quantization:
             model, info = AutoModelForCausalLM.from_pretrained(
-                model_dir, config=config, dtype=dtype if dtype is not None else "auto",
-                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
-                output_loading_info=True, **quantization,
-                ignore_mismatched_sizes=True,  # reported in the loading info (and refused there), not raised
-            )
+                model_dir, config=config, dtype=dtype if dtype is not None else "auto", output_loading_info=True,
+                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, **quantization,
+                ignore_mismatched_sizes=True)  # reported in the loading info (and refused there), not raised
     except (ValueError, ImportError, NotImplementedError) as exc:  # what transformers raises for a model it cannot run
         raise UnsupportedModelError(
             f"{model_dir}: transformers cannot run this {type(config).__name__.removesuffix('Config')} model "

@@ -63,8 +63,7 @@ class AttentionSampler:
     """Keeps the attention calls of the chosen sequences, per layer (see the module docstring)."""
 
     def __init__(self, num_layers: int, sequences: Iterable[tuple[int, ...]], rows: int = ROWS_PER_SEQUENCE):
-        self.sequences = frozenset(sequences)
-        self.rows = rows
+        self.sequences, self.rows = frozenset(sequences), rows
         self.samples: list[list[AttentionSample]] = [[] for _ in range(num_layers)]
         self._batch: list[tuple[int, int]] = []  # (row in the batch, length) of the current batch's chosen rows
 
@@ -91,8 +90,7 @@ class AttentionSampler:
                 value=value[row, :, :length].detach().float().cpu(),
                 bias=_bias(attention_mask, row, index, length),
                 held_out=held_out, scaling=float(scaling), softcap=float(softcap) if softcap else None,
-                sinks=sinks.detach().float().cpu().clone() if isinstance(sinks, torch.Tensor) else None,
-            ))
+                sinks=sinks.detach().float().cpu().clone() if isinstance(sinks, torch.Tensor) else None))
 
 
 def _bias(attention_mask: torch.Tensor | None, row: int, index: torch.Tensor, length: int) -> torch.Tensor:

@@ -3,8 +3,7 @@
 serve-check also serves a variant whose every k_scale and v_scale is divided by CANARY_DIVISOR (K and V saturate FP8
 at 1/64 of their range): answering like the checkpoint means the scales were not applied, answering better means
 they were applied the wrong way round. A variant is a directory of symlinks to the checkpoint's files in which only
-the safetensors files holding KV scales are rewritten.
-"""
+the safetensors files holding KV scales are rewritten."""
 
 from __future__ import annotations
 

@@ -46,8 +46,7 @@ def check_cuda(python: Path, env: Mapping[str, str], tp: int | None) -> int:
     if found.get("platform") != "cuda":
         why = found.get("platform_error") or f"its platform is {found.get('platform')!r}"
         raise VllmNotFoundError(f"the vLLM in {python}'s environment is not a CUDA build ({why})", hint=_HINT)
-    devices = int(found.get("devices") or 0)
-    visible = env.get("CUDA_VISIBLE_DEVICES")
+    devices, visible = int(found.get("devices") or 0), env.get("CUDA_VISIBLE_DEVICES")
     if devices < 1:
         raise DeviceError(
             f"no CUDA device is visible to {python}" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible else ""),

@@ -31,8 +31,7 @@ def cpu_kv_cache_bytes(config: Mapping[str, Any], max_model_len: int, max_num_se
 
 def baseline_kv_dtype(config: Mapping[str, Any]) -> str:
     """The baseline's KV dtype: the model's own 16-bit type (float32 models get bfloat16)."""
-    dtype = config.get("dtype") or config.get("torch_dtype")
-    return "float16" if dtype == "float16" else "bfloat16"
+    return "float16" if (config.get("dtype") or config.get("torch_dtype")) == "float16" else "bfloat16"
 
 
 def server_argv(python: Path, checkpoint: Path, port: int, *, fp8: bool, device: str, tp: int,

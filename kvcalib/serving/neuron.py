@@ -54,11 +54,8 @@ class NeuronHost:
 
 
 def find_neuron_ls(path_env: str | None) -> str | None:
-    found = shutil.which("neuron-ls", path=path_env)
-    if found:
-        return found
     fallback = NEURON_TOOLS_DIR / "neuron-ls"
-    return str(fallback) if os.access(fallback, os.X_OK) else None
+    return shutil.which("neuron-ls", path=path_env) or (str(fallback) if os.access(fallback, os.X_OK) else None)
 
 
 def parse_logfmt(line: str) -> dict[str, str]:

@@ -10,11 +10,14 @@ from typing import Any
 
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError
+from kvcalib.core.fp8 import TARGETS
 from kvcalib.core.options import check_options, option
-from kvcalib.serving.preflight import DEVICES
 from kvcalib.serving.prompts import MIN_CONTEXT, Prompt
 
-__all__ = ["ServeOptions"]
+__all__ = ["DEVICES", "NEURON_DEVICES", "ServeOptions"]
+
+NEURON_DEVICES = tuple(name for name, target in TARGETS.items() if target.neuron)  # trn2, trn3
+DEVICES = (*NEURON_DEVICES, "cpu", "cuda")
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,7 @@ Pre-flight (validate, device, vLLM) before any server; then a baseline server wi
 FP8 server, and the verdict: mean top-1 agreement with the baseline >= AGREEMENT_THRESHOLD, FP8 NLL <= baseline NLL
 x (1 + NLL_TOLERANCE), no output degenerate where the baseline's is not, the --context passkey answered wherever the
 baseline answers it. Without a baseline (Neuron's default) a degenerate output fails on its own. Command lines follow
-the plugin's own (vllm-neuron test/utils/server/); every server is a `VllmServer` context, stopped on every path.
-"""
+the plugin's own (vllm-neuron test/utils/server/); every server is a `VllmServer` context, stopped on every path."""
 
 from __future__ import annotations
 
@@ -22,9 +21,9 @@ from kvcalib.serving.canary import (CANARY_DIVISOR, CanaryResult, judge_canary, 
                                     self_agreement)
 from kvcalib.serving.launch import (baseline_kv_dtype, command_line, cpu_kv_cache_bytes, interpreter_path, server_argv,
                                     server_env)
-from kvcalib.serving.options import ServeOptions
+from kvcalib.serving.options import NEURON_DEVICES, ServeOptions
 from kvcalib.serving.predict import Prediction, delta_intervals, predict
-from kvcalib.serving.preflight import NEURON_DEVICES, Environment, Preflight, check_environment, preflight
+from kvcalib.serving.preflight import Environment, Preflight, check_environment, preflight
 from kvcalib.serving.probe import Completion, ServerClient, degenerate
 from kvcalib.serving.prompts import BUILTIN_PROMPTS, NLL_TEXT, Prompt, contains, context_prompt, unjudged_passkeys
 from kvcalib.serving.server import VllmServer, free_port, kv_capacity, require_free_port
@@ -180,8 +179,7 @@ def _run_server(name: str, checkpoint: Path, options: ServeOptions, pre: Preflig
                        max_num_seqs=options.max_num_seqs, kv_cache_bytes=kv_bytes,
                        baseline_dtype=baseline_kv_dtype(pre.config), neuron_quantization=pre.neuron_quantization)
     env, added = server_env(options.env, log_dir / "cache", options.neuron_visible_devices)
-    command = command_line(argv, added)
-    log_path = log_dir / f"vllm-{name}.log"
+    command, log_path = command_line(argv, added), log_dir / f"vllm-{name}.log"
     progress(ServeEvent("launch", name, message=command))
     server = VllmServer(name, argv, env, port, log_path, cwd=log_dir, stop_timeout_s=options.stop_timeout_s)
     try:
@@ -274,25 +272,14 @@ def check_serving(model: Path, options: ServeOptions) -> Environment:
     """What `calibrate --serve-check` checks first: all serve-check would refuse but the scales (not there yet)."""
     model = Path(model).resolve()
     options = _checked(options, model)
-    environment = check_environment(
-        read_config(model), options.device, tp=options.tp, max_model_len=options.max_model_len,
-        max_num_seqs=options.max_num_seqs, vllm_python=options.vllm_python, env=options.env,
-        sysfs_root=options.sysfs_root, dev_root=options.dev_root, cpu=options.cpu)
-    if options.port:
-        require_free_port(options.port)
-    return environment
+    return check_environment(read_config(model), options)
 
 
 def serve_check(checkpoint: Path, options: ServeOptions, progress: Progress | None = None) -> ServeCheckResult:
     """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
-    emit = progress or (lambda event: None)
-    checkpoint = Path(checkpoint).resolve()
+    emit, checkpoint = progress or (lambda event: None), Path(checkpoint).resolve()
     options = _checked(options, checkpoint)
-    pre = preflight(checkpoint, options.device, tp=options.tp, max_model_len=options.max_model_len,
-                    max_num_seqs=options.max_num_seqs, vllm_python=options.vllm_python, env=options.env,
-                    force=options.force, sysfs_root=options.sysfs_root, dev_root=options.dev_root, cpu=options.cpu)
-    if options.port:
-        require_free_port(options.port)
+    pre = preflight(checkpoint, options)
     prompts = (*(options.prompts or BUILTIN_PROMPTS),
                *((context_prompt(checkpoint, pre.config, options.context),) if options.context else ()))
     # absolute: every server runs in the log directory, and the variants and caches under it are passed by path

@@ -47,8 +47,7 @@ def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = N
         data.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
         result = evaluate(checkpoint, str(data), EvalOptions(target=target, num_samples=1, max_seq_len=4096,
                                                               batch_size=1, compare=compare, cpu=cpu, layer_rows=0))
-    runs = {run.name: run for run in result.runs}
-    own = result.runs[0]
+    runs, own = {run.name: run for run in result.runs}, result.runs[0]
     return Prediction(
         target=target, baseline_nll=result.baseline_nll, nll=own.nll, delta_nll=own.delta_nll,
         unit_delta_nll=runs[UNIT].delta_nll if unit else None,
@@ -65,14 +64,12 @@ def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], pred
 
     predicted = None if prediction is None else prediction.token_delta
 
-    def blocks(values: Sequence[float]) -> tuple[list[float], list[int]]:
-        starts = range(0, len(values), BLOCK_TOKENS)
-        return [sum(values[i:i + BLOCK_TOKENS]) for i in starts], [len(values[i:i + BLOCK_TOKENS]) for i in starts]
-
     def interval(values: Sequence[float] | None) -> dict[str, Any] | None:
         if values is None:
             return None
-        found = paired_bootstrap(*blocks(values))
+        starts = range(0, len(values), BLOCK_TOKENS)
+        found = paired_bootstrap([sum(values[i:i + BLOCK_TOKENS]) for i in starts],
+                                 [len(values[i:i + BLOCK_TOKENS]) for i in starts])
         return None if found is None else {**found.to_dict(), "method": f"paired bootstrap over blocks of "
                                            f"{BLOCK_TOKENS} tokens, {found.method.split(', ', 1)[1]}"}
 

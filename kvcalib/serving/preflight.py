@@ -15,10 +15,11 @@ from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import read_config, scan_checkpoint
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import DeviceError, UsageError, ValidationFailedError, VllmNotFoundError
-from kvcalib.core.fp8 import TARGETS
 from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME, head_dim
 from kvcalib.serving.cuda import check_cuda
 from kvcalib.serving.neuron import detect_neuron_host, require_family
+from kvcalib.serving.options import DEVICES, NEURON_DEVICES, ServeOptions
+from kvcalib.serving.server import require_free_port
 from kvcalib.validation.config import declared_kv_cache_scheme
 from kvcalib.validation.pipeline import validate_checkpoint
 
@@ -26,8 +27,6 @@ __all__ = ["DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "ch
            "NEURON_DEVICES", "Preflight", "UNSCALED_RULES", "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation",
            "find_vllm", "preflight", "recorded_fp8_max", "validate_target"]
 
-NEURON_DEVICES = tuple(name for name, target in TARGETS.items() if target.neuron)  # trn2, trn3
-DEVICES = (*NEURON_DEVICES, "cpu", "cuda")
 MAX_NEURON_MODEL_LEN = 16384  # Neuron: --max-num-batched-tokens == --max-model-len, at most this
 FORCEABLE_RULES = frozenset({"RANGE-TARGET-MISMATCH"})
 VLLM_PROBE_TIMEOUT_S = 120.0
@@ -153,42 +152,38 @@ def check_strategy(strategy: Any, device: str) -> None:
                      hint="serve-check them with --device cuda, or calibrate per tensor (--strategy tensor)")
 
 
-def check_environment(config: dict[str, Any], device: str, *, tp: int | None, max_model_len: int,
-                      max_num_seqs: int, vllm_python: Path, env: Mapping[str, str], sysfs_root: Path = Path("/sys"),
-                      dev_root: Path = Path("/dev"), cpu: HostCpu | None = None) -> Environment:
-    """The device, the arguments and vLLM, for a model with `config`: what `calibrate --serve-check` checks first."""
+def check_environment(config: dict[str, Any], options: ServeOptions) -> Environment:
+    """The device, the arguments, vLLM and the port for a model with `config` (calibrate --serve-check's checks)."""
+    device, env = options.device, options.env
     if device not in DEVICES:
         raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
-    neuron = device in NEURON_DEVICES
-    scheme = declared_kv_cache_scheme(config)
+    neuron, scheme = device in NEURON_DEVICES, declared_kv_cache_scheme(config)
     check_strategy(scheme.get("strategy") if isinstance(scheme, dict) else None, device)
-    if neuron and max_model_len > MAX_NEURON_MODEL_LEN:
-        raise UsageError(f"--max-model-len {max_model_len} is over {MAX_NEURON_MODEL_LEN}",
+    if neuron and options.max_model_len > MAX_NEURON_MODEL_LEN:
+        raise UsageError(f"--max-model-len {options.max_model_len} is over {MAX_NEURON_MODEL_LEN}",
                          hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384")
     host = None
     if neuron:
-        host = detect_neuron_host(env, sysfs_root, dev_root)
+        host = detect_neuron_host(env, options.sysfs_root, options.dev_root)
         require_family(host, device)
     elif device == "cpu":
-        check_cpu(config, cpu)
-    version = find_vllm(vllm_python, env, neuron)
+        check_cpu(config, options.cpu)
+    version = find_vllm(options.vllm_python, env, neuron)
     if device == "cuda":
-        check_cuda(vllm_python, env, tp)
-    return Environment(tp or (host.num_cores if host is not None else 1), version)
+        check_cuda(options.vllm_python, env, options.tp)
+    if options.port:
+        require_free_port(options.port)
+    return Environment(options.tp or (host.num_cores if host is not None else 1), version)
 
 
-def preflight(checkpoint: Path, device: str, *, tp: int | None, max_model_len: int, max_num_seqs: int,
-              vllm_python: Path, env: Mapping[str, str], force: bool = False,
-              sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev"), cpu: HostCpu | None = None
-              ) -> Preflight:
+def preflight(checkpoint: Path, options: ServeOptions) -> Preflight:
     """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
+    device = options.device
     if device not in DEVICES:
         raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
-    config = read_config(checkpoint)
-    target = validate_target(device)
-    warnings = check_validation(checkpoint, target, force)
-    machine = check_environment(config, device, tp=tp, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                vllm_python=vllm_python, env=env, sysfs_root=sysfs_root, dev_root=dev_root, cpu=cpu)
+    config, target = read_config(checkpoint), validate_target(device)
+    warnings = check_validation(checkpoint, target, options.force)
+    machine = check_environment(config, options)
     experts = device in NEURON_DEVICES and mxfp4.weights(scan_checkpoint(checkpoint).key_files)
     return Preflight(target, recorded_fp8_max(checkpoint), machine.tensor_parallel_size, machine.vllm_version,
                      config, tuple(warnings), mxfp4.neuron_quantization(device) if experts else None)

@@ -34,11 +34,8 @@ class ServerClient:
 
     def __init__(self, base_url: str, model: str, exit_code: Callable[[], int | None], log: str | None = None,
                  timeout_s: float = REQUEST_TIMEOUT_S) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.model = model
-        self.exit_code = exit_code
-        self.log = log
-        self.timeout_s = timeout_s
+        self.base_url, self.model, self.exit_code = base_url.rstrip("/"), model, exit_code
+        self.log, self.timeout_s = log, timeout_s
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps({"model": self.model, **body}).encode()

@@ -7,6 +7,7 @@ SIGTERM if kvcalib dies (PR_SET_PDEATHSIG). A failed start raises with the log's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -88,9 +89,8 @@ def diagnose(log_text: str) -> Diagnosis | None:
     """The first known cause of a failed start found in a server log, if any."""
     lines = log_text.splitlines()
     for pattern, cause, hint in KNOWN_CAUSES:
-        regex = re.compile(pattern)
         for line in reversed(lines):
-            if regex.search(line):
+            if re.search(pattern, line):
                 return Diagnosis(cause, hint, line.strip())
     return None
 
@@ -134,8 +134,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
+            f.seek(max(0, f.tell() - max_bytes))
             data = f.read().decode(errors="replace")
     except OSError:
         return ""
@@ -143,12 +142,10 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
+    import ctypes
 
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def group_members(pgid: int, proc: Path = Path("/proc")) -> list[int]:
@@ -207,8 +204,7 @@ class VllmServer:
                 self.process = subprocess.Popen(
                     self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                     cwd=self.cwd, start_new_session=True,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-                )
+                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
             except OSError as err:
                 raise ServerError(f"cannot start {self.argv[0]}: {err}", log=str(self.log_path)) from None
 
@@ -216,8 +212,7 @@ class VllmServer:
         """Seconds until `GET /health` answered 200; ServerError if the process exits or time runs out."""
         start = time.monotonic()
         while True:
-            elapsed = time.monotonic() - start
-            code = self.exit_code()
+            elapsed, code = time.monotonic() - start, self.exit_code()
             if code is not None:
                 raise self.failure(f"the {self.name} vLLM server exited with code {code} before it was healthy")
             if self._healthy():
@@ -244,8 +239,7 @@ class VllmServer:
         found = diagnose(log_tail(self.log_path, lines=DIAGNOSE_LINES, max_bytes=256 * 1024))
         tail = log_tail(self.log_path)
         if found is not None:
-            message = f"{message}: {found.cause}\n  {found.line}"
-            hint = found.hint
+            message, hint = f"{message}: {found.cause}\n  {found.line}", found.hint
         else:
             hint = default_hint or "read the log tail above"
         message += (f"\n--- last lines of {self.log_path} ---\n{tail}" if tail
@@ -271,10 +265,8 @@ class VllmServer:
                 deadline = time.monotonic() + 10.0
                 while self._group_alive(process, pgid) and time.monotonic() < deadline:
                     time.sleep(0.05)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL cannot be ignored: never in practice
             process.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-            pass
         deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
         while port_in_use(self.port, self.host) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -67,8 +67,7 @@ def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
 def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> ServedTasks:
     """The tasks against the server at `url`, through lm-eval's local-completions model (token ids sent as lm-eval
     tokenises them with the checkpoint's tokenizer, one request at a time)."""
-    lm_eval = require_lm_eval()
-    options = spec.options()
+    lm_eval, options = require_lm_eval(), spec.options()
     out = lm_eval.simple_evaluate(
         model="local-completions",
         model_args={"model": str(checkpoint), "base_url": f"{url}/v1/completions", "tokenizer": str(checkpoint),
@@ -94,8 +93,7 @@ def served_rows(spec: TaskSpec, baseline: ServedTasks, fp8: ServedTasks, checkpo
         predicted = {(r.task, r.metric, r.filter): r for r in result.rows}
     rows = []
     for row in served:
-        guess = predicted.get((row.task, row.metric, row.filter))
-        interval = row.intervals.get(FP8_NAME)
+        guess, interval = predicted.get((row.task, row.metric, row.filter)), row.intervals.get(FP8_NAME)
         rows.append({
             "task": row.task, "metric": row.metric, "filter": row.filter, "items": row.items,
             "served": {"baseline": row.baseline, "fp8": row.scores[FP8_NAME],
@@ -103,6 +101,5 @@ def served_rows(spec: TaskSpec, baseline: ServedTasks, fp8: ServedTasks, checkpo
             "predicted": None if guess is None else {
                 "numerics": numerics, "baseline": guess.baseline, "fp8": guess.scores["checkpoint"],
                 "interval": None if guess.intervals.get("checkpoint") is None else
-                guess.intervals["checkpoint"].to_dict(), "verdict": guess.verdict("checkpoint")},
-        })
+                guess.intervals["checkpoint"].to_dict(), "verdict": guess.verdict("checkpoint")}})
     return rows

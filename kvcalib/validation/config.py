@@ -163,9 +163,8 @@ def _attention_target(targets: Any, name: str, location: str) -> bool | Finding:
             if "Attention" in target:
                 return True
         else:
-            return _malformed(f"config_groups['{name}'].targets[{i}] is {json_type(target)}, not a string: "
-                              "the Neuron platform crashes testing it for 'Attention' (TypeError)",
-                              f"{location}.targets[{i}]",
+            return _malformed(f"config_groups['{name}'].targets[{i}] is {json_type(target)}, not a string: the Neuron "
+                              "platform crashes testing it for 'Attention' (TypeError)", f"{location}.targets[{i}]",
                               "every target must be a string (a module class name or a re: pattern)")
     return False
 
@@ -262,10 +261,8 @@ def _plain_fp8_scheme(scheme: Any) -> bool:
 
 
 def _kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
-    observer = observer_findings(scheme)
-    if _plain_fp8_scheme(scheme):  # nothing more, exactly as compressed-tensors' parse would give
-        return observer
-    return observer + _parsed_kv_scheme_findings(scheme, target)
+    plain = _plain_fp8_scheme(scheme)  # nothing more, exactly as compressed-tensors' parse would give
+    return observer_findings(scheme) + ([] if plain else _parsed_kv_scheme_findings(scheme, target))
 
 
 # What the observer a kv_cache_scheme records made of the scales (llm-compressor 0.14,
@@ -293,8 +290,7 @@ def observer_findings(scheme: Any) -> list[Finding]:
         "KV-OBSERVER", WARNING, f"kv_cache_scheme {what}; K/V beyond those scales saturate in FP8",
         "recalibrate with observer: static_minmax in the recipe's kv_cache_scheme (as kvcalib's "
         "recipes/kv-fp8-trn2.yaml), or with `kvcalib calibrate`, which takes the whole set's absmax",
-        f"{QCFG_LOCATION}.kv_cache_scheme.observer",
-    )]
+        f"{QCFG_LOCATION}.kv_cache_scheme.observer")]
 
 
 def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
@@ -343,6 +339,5 @@ def _pydantic_summary(exc: Exception) -> str:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        parts = [f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors()]
-        return "; ".join(parts[:3])
+        return "; ".join([f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors()][:3])
     return f"{type(exc).__name__}: {exc}"

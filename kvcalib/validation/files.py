@@ -18,8 +18,7 @@ _EXAMPLES = 3
 
 def _examples(keys: Iterable[str]) -> str:
     keys = sorted(keys)
-    shown = ", ".join(keys[:_EXAMPLES])
-    return shown + (f", ... ({len(keys)} in all)" if len(keys) > _EXAMPLES else "")
+    return ", ".join(keys[:_EXAMPLES]) + (f", ... ({len(keys)} in all)" if len(keys) > _EXAMPLES else "")
 
 
 def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
@@ -96,8 +95,7 @@ def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[F
 
 def _per_key_or_file(rule: str, keys: list[str], name: str, message: str, hint: str) -> list[Finding]:
     """An error per KV-scale key (those decide the numerics); one warning for a file's other keys."""
-    scale_keys = sorted(k for k in keys if is_kv_scale_key(k))
-    other = [k for k in keys if not is_kv_scale_key(k)]
+    scale_keys, other = sorted(k for k in keys if is_kv_scale_key(k)), [k for k in keys if not is_kv_scale_key(k)]
     findings = [Finding(rule, ERROR, message.replace("{keys}", key), hint, f"{name}:{key}") for key in scale_keys]
     if other:
         findings.append(Finding(rule, WARNING, message.replace("{keys}", _examples(other)), hint, name))
@@ -109,14 +107,10 @@ def _duplicate_findings(scan: CheckpointFiles) -> list[Finding]:
     for key, names in scan.key_files.items():
         if len(names) > 1:
             by_files.setdefault(names, []).append(key)
-    findings = []
-    for names, keys in sorted(by_files.items()):
-        scale_keys = [k for k in keys if is_kv_scale_key(k)]
-        findings.append(Finding(
-            "CKPT-DUPLICATE-KEY", ERROR, f"{_examples(scale_keys or keys)} stored in more than one file "
-            f"({', '.join(names)}): which copy a loader uses is not defined", "keep each tensor in exactly one file",
-            ", ".join(names)))
-    return findings
+    return [Finding("CKPT-DUPLICATE-KEY", ERROR, f"{_examples([k for k in keys if is_kv_scale_key(k)] or keys)} stored "
+                    f"in more than one file ({', '.join(names)}): which copy a loader uses is not defined",
+                    "keep each tensor in exactly one file", ", ".join(names))
+            for names, keys in sorted(by_files.items())]
 
 
 def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[Finding]:

@@ -22,8 +22,7 @@ def per_head_findings(header: checkpoint.SafetensorsHeader, key: str, kind: str,
                       location: str) -> tuple[list[Finding], list[float] | None]:
     """A per-head scale for GPU vLLM: one value per head, each finite and > 0; (findings, its values)."""
     info = header.tensors[key]
-    numel = math.prod(info.shape)
-    what = "KV heads" if kind in ("k", "v") else "attention heads"
+    numel, what = math.prod(info.shape), "KV heads" if kind in ("k", "v") else "attention heads"
     if expected is not None and numel != expected and not (numel == 1 and kind != "q"):  # [1]: vLLM broadcasts
         return [Finding(
             "SCALE-HEADS" if kind != "q" else "SCALE-Q-SHAPE", ERROR,
@@ -74,8 +73,7 @@ def attention_group_findings(config: dict[str, Any], target: str) -> list[Findin
 
 def query_findings(config: dict[str, Any], scan: CheckpointFiles, target: str, strategy: str | None) -> list[Finding]:
     """q_scale: information on Neuron (not read); on gpu, present on every layer when FP8 attention is declared."""
-    keys = _q_keys(scan)
-    declared = bool(declared_attention_groups(config))
+    keys, declared = _q_keys(scan), bool(declared_attention_groups(config))
     if get_target(target).neuron:
         if not keys:
             return []
@@ -89,22 +87,20 @@ def query_findings(config: dict[str, Any], scan: CheckpointFiles, target: str, s
     if declared and n_layers is not None:
         missing = [i for i in range(n_layers) if i not in keys]
         if missing:
-            cut = " ..." if len(missing) > 8 else ""
             findings.append(Finding(
                 "SCALE-Q-MISSING", WARNING, f"quantization_config declares FP8 attention but layer(s) {missing[:8]}"
-                f"{cut} have no self_attn.q_scale: GPU vLLM quantises their Q with scale 1.0",
+                f"{' ...' if len(missing) > 8 else ''} have no self_attn.q_scale: GPU vLLM quantises their Q with "
+                "scale 1.0",
                 "recalibrate with kvcalib calibrate --attention-scales", QCFG_LOCATION))
     expected = head_counts(config)["q"] if strategy == ATTN_HEAD else 1
     for key in keys.values():
         header = scan.header_of(key)
         if header is None:
             continue
-        location = f"{header.path.name}:{key}"
-        numel = math.prod(header.tensors[key].shape)
+        location, numel = f"{header.path.name}:{key}", math.prod(header.tensors[key].shape)
         if strategy != ATTN_HEAD and numel != 1:
             findings.append(Finding("SCALE-Q-SHAPE", ERROR, f"{key} has {numel} values but kv_cache_scheme is per "
                                     "tensor: GPU vLLM's loader expects one", "write q_scale with shape [1]", location))
             continue
-        more, _ = per_head_findings(header, key, "q", expected, location)
-        findings += more
+        findings += per_head_findings(header, key, "q", expected, location)[0]
     return findings

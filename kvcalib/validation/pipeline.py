@@ -1,9 +1,6 @@
-"""`kvcalib validate`: will vLLM on Neuron accept this checkpoint, and use its scales?
-
-Reads config.json, the index, the safetensors headers and the scale tensors only. `validate_checkpoint` raises only
-when the checkpoint cannot be read at all or the target is unknown; everything else is a `Finding`.
-Every finding code, its severity and source: validation/rules.py, rendered as scripts/VALIDATE_RULES.md.
-"""
+"""`kvcalib validate`: will vLLM on Neuron accept this checkpoint, and use its scales? Reads config.json, the index,
+the safetensors headers and the scale tensors only; every finding code, its severity and source: validation/rules.py,
+rendered as scripts/VALIDATE_RULES.md."""
 
 from __future__ import annotations
 
@@ -26,12 +23,9 @@ __all__ = ["validate_checkpoint"]
 
 def validate_checkpoint(path: Path, target: str = DEFAULT_TARGET, *, strict: bool = False,
                         neuron_config: dict | None = None) -> ValidationReport:
-    """Every finding for the checkpoint at `path` served on `target` ("trn2", "trn3", "gpu").
-
-    `neuron_config` is the serve command's `additional_config["neuron_config"]`, if known.
-    Raises UnknownTargetError, CheckpointNotFoundError (no directory or config.json) and
-    CheckpointReadError (config.json not a JSON object); nothing else.
-    """
+    """Every finding for the checkpoint at `path` served on `target` ("trn2", "trn3", "gpu"); `neuron_config`: the
+    serve command's `additional_config["neuron_config"]`, if known. Raises UnknownTargetError, CheckpointNotFoundError
+    (no directory or config.json) and CheckpointReadError (config.json not a JSON object); all else is a Finding."""
     try:
         get_target(target)
     except ValueError as exc:

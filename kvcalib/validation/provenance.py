@@ -216,8 +216,8 @@ def outlier_findings(config: dict[str, Any], scan: CheckpointFiles, values: dict
     """OUTLIER-K-*: a k_proj bias in a RoPE pair that barely rotates puts a K channel at a constant; sized by absmax,
     it sits on a coarse part of the FP8 grid, where rounding flips it from token to token (no model run, no torch)."""
     objective = (read_provenance(scan) or {}).get("scale_objective")
-    if not values or objective == "attention":
-        return []  # nothing to size, or kvcalib's attention objective already weighed every layer's clip
+    if not values or objective in ("attention", "output"):
+        return []  # nothing to size, or kvcalib's scale objective already weighed every layer's clip
     kv_heads, layers, size = head_counts(config)["k"], num_hidden_layers(config), head_dim(config)
     if not (kv_heads and size is not None and size > 1 and layers):
         return []

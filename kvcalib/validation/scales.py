@@ -38,12 +38,8 @@ class ScaleCheck:
 
 def _layers_prefix(keys: list[str]) -> str:
     prefixes = {parsed[0] for parsed in map(parse_neuron_scale_key, keys) if parsed}
-    if NEURON_LAYERS_PREFIX in prefixes:
-        return NEURON_LAYERS_PREFIX
-    alt = NEURON_ALT_LAYERS_PREFIX + "."
-    if NEURON_ALT_LAYERS_PREFIX in prefixes or any(k.startswith(alt) for k in keys):
-        return NEURON_ALT_LAYERS_PREFIX
-    return NEURON_LAYERS_PREFIX
+    alt = NEURON_ALT_LAYERS_PREFIX in prefixes or any(k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in keys)
+    return NEURON_ALT_LAYERS_PREFIX if alt and NEURON_LAYERS_PREFIX not in prefixes else NEURON_LAYERS_PREFIX
 
 
 def scale_findings(config: dict[str, Any], scan: CheckpointFiles, target: str) -> tuple[list[Finding], ScaleCheck]:
@@ -95,9 +91,7 @@ def _all_zero(findings: list[Finding], check: ScaleCheck, n_layers: int) -> list
             f"every {kind}_scale is 0.0 (layers {_layer_list(zero)}): no {kind.upper()} was observed, and served "
             f"with FP8 KV every {kind.upper()} becomes inf or NaN (x / 0)",
             "recalibrate, e.g. `kvcalib calibrate`; with llm-compressor, check that its KV observer hooks this "
-            "model's attention class (a non-zero scale on each layer)",
-            f"{check.prefix}.*.self_attn.{kind}_scale",
-        ))
+            "model's attention class (a non-zero scale on each layer)", f"{check.prefix}.*.self_attn.{kind}_scale"))
     return findings
 
 
@@ -141,11 +135,9 @@ def _whole_set_findings(check: ScaleCheck, own: dict[tuple[int, str], str], n_la
     if not scheme_declared and own:
         findings.append(Finding(
             "SCALE-NO-KV-SCHEME", WARNING if get_target(target).neuron else ERROR,
-            "KV scales are present but quantization_config declares no kv_cache_scheme: GPU vLLM "
-            "does not load them and runs FP8 KV with scales 1.0 (Neuron reads them with "
-            "--kv-cache-dtype fp8)",
-            "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
-            QCFG_LOCATION))
+            "KV scales are present but quantization_config declares no kv_cache_scheme: GPU vLLM does not load them "
+            "and runs FP8 KV with scales 1.0 (Neuron reads them with --kv-cache-dtype fp8)",
+            "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)", QCFG_LOCATION))
     return findings
 
 
@@ -169,8 +161,7 @@ def _check_one(scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, 
             hint += f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold it"
         return [Finding("SCALE-MISSING", ERROR, f"{expected} is missing: {what}", hint, expected)]
     header = scan.header_of(key)
-    location = f"{header.path.name}:{key}"
-    info = header.tensors[key]
+    location, info = f"{header.path.name}:{key}", header.tensors[key]
     findings = []
     if info.dtype != "F32":
         findings.append(Finding("SCALE-DTYPE", WARNING, f"{key} is {info.dtype}, not F32",

@@ -66,7 +66,8 @@ def test_the_search_agrees_with_a_brute_force_oracle(planted, text_dataset, tmp_
     the grid run through the whole model: absmax is far worse, the choice is as good as the oracle's best."""
     from transformers import AutoModelForCausalLM
 
-    result = calibrate(planted, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
+    result = calibrate(planted, str(text_dataset), tmp_path / "out",
+                       CalibrateOptions(scale_objective="attention", **SMALL))
     chosen = result.layers[0]
     assert chosen.k.choice["label"] != "absmax" and chosen.k.scale < chosen.k.absmax / 240
     target = fp8.get_target("trn2")

@@ -10,10 +10,9 @@ every position reading FP8; the objective +0.012 / +0.014 / +0.011 and +0.000 / 
 
 from __future__ import annotations
 
-import sys
 
 import pytest
-from helpers import SCRIPTS, fortune_texts, write_jsonl
+from helpers import fortune_texts, import_script, write_jsonl
 
 from kvcalib.calibration.options import CalibrateOptions
 
@@ -26,18 +25,9 @@ CALIBRATION = dict(num_samples=16, max_seq_len=256)
 FAST = dict(bf16_compute="float32")  # bf16 through float32 matmuls: quick on every CPU, native bf16 is not on AVX2
 
 
-def _scripts():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import make_constant_k_model
-        import make_text_dataset
-    finally:
-        sys.path.pop(0)
-    return make_constant_k_model, make_text_dataset
-
-
 def test_the_attention_objective_rescues_what_absmax_breaks(smollm2, tmp_path):
-    make_constant_k_model, make_text_dataset = _scripts()
+    make_constant_k_model = import_script("make_constant_k_model")
+    make_text_dataset = import_script("make_text_dataset")
     calibration = write_jsonl(tmp_path / "fortunes.jsonl", [{"text": t} for t in fortune_texts(64, chars=2000)])
     paragraphs = make_text_dataset.join_entries(make_text_dataset.tutorial_paragraphs(), 2000, 8)
     held_out = write_jsonl(tmp_path / "tutorial.jsonl", [{"text": t} for t in paragraphs])
