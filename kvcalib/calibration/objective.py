@@ -37,8 +37,7 @@ WIDER_GAIN = 0.9  # a wider scale must cut it by a tenth (V's equally good scale
 TOLERANCE = 0.25  # of those that do, the least clipping within 25 % of their best
 SHORTLIST = 2  # the lowest attention errors the whole-model step weighs, beside the chosen and absmax
 UNIT_LABEL = "1.0"
-ABSMAX_LABEL = "absmax"
-ABSMAX = "absmax"  # --scale-objective absmax: no search, absmax / FP8 max (llm-compressor's rule)
+ABSMAX = "absmax"  # the candidate absmax / FP8 max, and --scale-objective absmax: it alone (llm-compressor's rule)
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv
     others = {target.fp8_max / t.fp8_max: f"absmax/{t.fp8_max:g}" for t in fp8.served_numerics(target)
               if t.fp8_max > target.fp8_max}
     factors = sorted({*FACTORS, *others}, reverse=True)  # absmax (1) first: every other factor is below it
-    labels = [ABSMAX_LABEL if f == 1.0 else others.get(f, f"absmax x{f:.4g}") for f in factors]
+    labels = [ABSMAX if f == 1.0 else others.get(f, f"absmax x{f:.4g}") for f in factors]
     labels += [UNIT_LABEL, *(f"absmax x{f:.4g}" for f in WIDER)]
     unit = len(factors)
     ranges = torch.stack([base * f for f in factors] + [torch.full_like(base, target.fp8_max)]

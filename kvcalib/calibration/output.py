@@ -149,14 +149,18 @@ class _Scorer:
         return [v for _, values in sorted(self.gather(mine)) for v in values]
 
 
-def output_step(model: torch.nn.Module, choices: Choices, rows: list[tuple[int, ...]], target: fp8.Target,
+def output_step(model: torch.nn.Module | None, choices: Choices, rows: list[tuple[int, ...]], target: fp8.Target,
                 compute: ComputePath, pad: int, device: torch.device, forwards_allowed: int, headroom: float = 1.0,
                 rank: int = 0, world: int = 1, gather: Gather = lambda local: local) -> tuple[Choices, StepReport]:
-    """`choices` with the material layer-kinds settled by the output (module docstring), and what the step did."""
+    """`choices` with the material layer-kinds settled by the output (module docstring), and what the step did
+    (`model` None: the whole model does not fit, nothing settled)."""
     kinds = [(i, kind) for i, layer in enumerate(choices) for kind in range(2) if layer[kind].material]
     if not kinds:
         return choices, StepReport(material=0, budget=forwards_allowed, skipped="no layer's candidates differ "
                                    "materially")
+    if model is None:
+        return choices, StepReport(material=len(kinds), budget=forwards_allowed,
+                                   skipped="it runs the whole model, which does not fit in memory here")
     if len(rows) < MIN_ROWS:
         return choices, StepReport(material=len(kinds), budget=forwards_allowed, skipped=f"{len(rows)} held-out "
                                    f"calibration row(s); it needs {MIN_ROWS} (--num-samples)")
@@ -169,8 +173,9 @@ def output_step(model: torch.nn.Module, choices: Choices, rows: list[tuple[int, 
         choice, cands = choices[i][kind], choices[i][kind + 2]
         costs, written = {choice.index: current}, {_key(choice.index, cands, headroom, target)}
         for index in choice.shortlist:
-            if _key(index, cands, headroom, target) not in written:  # --headroom can make two candidates one
-                written.add(_key(index, cands, headroom, target))
+            key = _key(index, cands, headroom, target)
+            if key not in written:  # --headroom can make two candidates one
+                written.add(key)
                 state[i][kind] = index
                 costs[index] = scorer.kl(_quantizer(choices, state, target, headroom))
                 forwards += 1

@@ -87,7 +87,7 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
         warnings.extend(absmax_warnings(layers, observation.samples, plan.target))
     if plan.engine.reason:
         warnings.append(plan.engine.reason)
-    if step is not None and step.skipped and step.material:
+    if step is not None and step.skipped and step.material and not step.forwards:
         warnings.append(f"the whole-model step did not run ({step.skipped}): the attention objective's choices "
                         f"stand for {step.material} layer K/V(s) whose candidates differ materially")
     warnings.extend(context_warning(data, opts.max_seq_len, plan.checkpoint.config, output, opts.headroom))
@@ -221,9 +221,8 @@ def _output_step(plan: RunPlan, inputs: EngineInputs, observation: Observation, 
     fits = model is not None or choose_engine("auto", plan.checkpoint, plan.dtype, plan.device, copies,
                                               opts.memory).engine == "native"
     if not all(gather([fits])):  # every rank runs it, or none (its gathers are collective)
-        return chosen, StepReport(budget=allowed, material=sum(c.material for layer in chosen for c in layer[:2]),
-                                  skipped="it runs the whole model, which does not fit in memory here")
-    if model is None:
+        model = None
+    elif model is None:
         model = load_model(plan.checkpoint, plan.dtype, plan.device, opts.trust_remote_code,
                            attn_implementation=faithful_attention(plan.checkpoint.config))
     rank, world = (opts.ranks.rank, opts.ranks.world_size) if opts.ranks else (0, 1)
