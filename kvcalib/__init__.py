@@ -14,10 +14,31 @@ from __future__ import annotations
 import logging
 
 from kvcalib._version import __version__
-from kvcalib.api import (calibrate, dequantize_mxfp4, evaluate, evaluate_context, evaluate_needle, evaluate_tasks, plan,
-                         serve_check, validate)
+from kvcalib.api import (
+    calibrate,
+    dequantize_mxfp4,
+    evaluate,
+    evaluate_context,
+    evaluate_needle,
+    evaluate_tasks,
+    plan,
+    serve_check,
+    validate,
+)
 
-__all__ = ["__version__", "calibrate", "dequantize_mxfp4", "evaluate", "evaluate_context", "evaluate_needle",
-           "evaluate_tasks", "plan", "serve_check", "validate"]
+__all__ = [
+    "__version__",
+    "calibrate",
+    "dequantize_mxfp4",
+    "evaluate",
+    "evaluate_context",
+    "evaluate_needle",
+    "evaluate_tasks",
+    "plan",
+    "serve_check",
+    "validate",
+]
 
-logging.getLogger("kvcalib").addHandler(logging.NullHandler())  # a library's logger: the application routes it
+logging.getLogger("kvcalib").addHandler(
+    logging.NullHandler()
+)  # a library's logger: the application routes it

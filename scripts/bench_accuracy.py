@@ -35,8 +35,11 @@ from provenance import provenance  # this folder is on sys.path when run as a sc
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-TASKS = (("lambada_openai", "acc", "LAMBADA acc"), ("hellaswag", "acc_norm", "HellaSwag acc_norm"),
-         ("arc_easy", "acc", "ARC-Easy acc"))
+TASKS = (
+    ("lambada_openai", "acc", "LAMBADA acc"),
+    ("hellaswag", "acc_norm", "HellaSwag acc_norm"),
+    ("arc_easy", "acc", "ARC-Easy acc"),
+)
 SCALES = (("kvcalib", "default-{target}"), ("1.0", "unit"), ("absmax/448", "absmax-448"))
 TARGETS = ("trn2", "gpu")
 
@@ -46,18 +49,33 @@ def size(text: str) -> tuple[int, int]:
     return int(n), int(length)
 
 
-def calibrations(model: Path, out: Path, data: str, calib: tuple[int, int], compute: str) -> dict[str, Path]:
+def calibrations(
+    model: Path, out: Path, data: str, calib: tuple[int, int], compute: str
+) -> dict[str, Path]:
     from kvcalib.calibration.options import CalibrateOptions
     from kvcalib.calibration.pipeline import calibrate
 
-    plans = {"default-trn2": dict(target="trn2"), "default-gpu": dict(target="gpu"),
-             "absmax-448": dict(target="gpu", scale_objective="absmax")}
+    plans = {
+        "default-trn2": dict(target="trn2"),
+        "default-gpu": dict(target="gpu"),
+        "absmax-448": dict(target="gpu", scale_objective="absmax"),
+    }
     found = {}
     for name, options in plans.items():
         found[name] = out / f"{model.name}-{name}"
         if not (found[name] / "config.json").exists():
-            calibrate(model, data, found[name], CalibrateOptions(num_samples=calib[0], max_seq_len=calib[1],
-                                                                 bf16_compute=compute, overwrite=True, **options))
+            calibrate(
+                model,
+                data,
+                found[name],
+                CalibrateOptions(
+                    num_samples=calib[0],
+                    max_seq_len=calib[1],
+                    bf16_compute=compute,
+                    overwrite=True,
+                    **options,
+                ),
+            )
     return found
 
 
@@ -73,8 +91,18 @@ def nll_rows(ckpts: dict[str, Path], held_out: str, size_: tuple[int, int], comp
     for target in TARGETS:
         own = ckpts[f"default-{target}"]
         others = tuple(scale_source(ckpts, pattern, target) for _, pattern in SCALES[1:])
-        result = evaluate(own, held_out, EvalOptions(target=target, num_samples=size_[0], max_seq_len=size_[1],
-                                                     compare=others, layer_rows=0, bf16_compute=compute))
+        result = evaluate(
+            own,
+            held_out,
+            EvalOptions(
+                target=target,
+                num_samples=size_[0],
+                max_seq_len=size_[1],
+                compare=others,
+                layer_rows=0,
+                bf16_compute=compute,
+            ),
+        )
         tokens = result.num_tokens
         for (label, _), run in zip(SCALES, result.runs):
             rows[target, label] = (run.delta_nll, run.delta_nll_interval)
@@ -90,11 +118,23 @@ def task_rows(ckpts: dict[str, Path], task_data: str, limit: int, compute: str) 
     """(target, scales) -> {task: (score, interval)}, and the baseline's scores and item counts."""
     from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
 
-    runs = tuple((run_name(target, label), scale_source(ckpts, pattern, target), target)
-                 for target in TARGETS for label, pattern in SCALES if run_name(target, label) != "checkpoint")
-    result = evaluate_tasks(str(ckpts["default-trn2"]), TaskOptions(
-        tasks=tuple(t for t, _, _ in TASKS), task_data=task_data, limit=limit, extra_runs=runs,
-        bf16_compute=compute, batch_size=4))
+    runs = tuple(
+        (run_name(target, label), scale_source(ckpts, pattern, target), target)
+        for target in TARGETS
+        for label, pattern in SCALES
+        if run_name(target, label) != "checkpoint"
+    )
+    result = evaluate_tasks(
+        str(ckpts["default-trn2"]),
+        TaskOptions(
+            tasks=tuple(t for t, _, _ in TASKS),
+            task_data=task_data,
+            limit=limit,
+            extra_runs=runs,
+            bf16_compute=compute,
+            batch_size=4,
+        ),
+    )
     wanted = {(task, metric) for task, metric, _ in TASKS}
     rows = {}
     baseline, items = {}, {}
@@ -105,7 +145,10 @@ def task_rows(ckpts: dict[str, Path], task_data: str, limit: int, compute: str) 
         for target in TARGETS:
             for label, _ in SCALES:
                 name = run_name(target, label)
-                rows.setdefault((target, label), {})[row.task] = (row.scores[name], row.intervals[name])
+                rows.setdefault((target, label), {})[row.task] = (
+                    row.scores[name],
+                    row.intervals[name],
+                )
     return {"rows": rows, "baseline": baseline, "items": items}
 
 
@@ -118,10 +161,17 @@ def fmt(value: float, interval) -> str:
 
 def table(name: str, nll: dict, tasks: dict) -> str:
     heads = " | ".join(h for _, _, h in TASKS)
-    lines = [f"### {name}: ΔNLL on {nll['tokens']:,} held-out tokens; tasks on "
-             + ", ".join(f"{t} {n}" for t, n in tasks["items"].items()) + " items", "",
-             f"| numerics | scales | ΔNLL [95%] | {heads} |", "|---|---|---:|" + "---:|" * len(TASKS),
-             "| (none) | unquantised | 0 | " + " | ".join(f"{tasks['baseline'][t]:.3f}" for t, _, _ in TASKS) + " |"]
+    lines = [
+        f"### {name}: ΔNLL on {nll['tokens']:,} held-out tokens; tasks on "
+        + ", ".join(f"{t} {n}" for t, n in tasks["items"].items())
+        + " items",
+        "",
+        f"| numerics | scales | ΔNLL [95%] | {heads} |",
+        "|---|---|---:|" + "---:|" * len(TASKS),
+        "| (none) | unquantised | 0 | "
+        + " | ".join(f"{tasks['baseline'][t]:.3f}" for t, _, _ in TASKS)
+        + " |",
+    ]
     for target in TARGETS:
         for label, _ in SCALES:
             delta, interval = nll["rows"][target, label]
@@ -129,15 +179,24 @@ def table(name: str, nll: dict, tasks: dict) -> str:
             for task, _, _ in TASKS:
                 score, diff = tasks["rows"][target, label][task]
                 cells.append(f"{score:.3f} ({fmt(score - tasks['baseline'][task], diff)})")
-            lines.append(f"| {target} | {label} | {fmt(delta, interval)} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {target} | {label} | {fmt(delta, interval)} | " + " | ".join(cells) + " |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", type=Path, nargs="*",
-                        default=[REPO / ".cache" / "smollm2", REPO / ".cache" / "models" / "gemma3-270m",
-                                 REPO / ".cache" / "models" / "qwen2.5-coder-0.5b"])
+    parser.add_argument(
+        "models",
+        type=Path,
+        nargs="*",
+        default=[
+            REPO / ".cache" / "smollm2",
+            REPO / ".cache" / "models" / "gemma3-270m",
+            REPO / ".cache" / "models" / "qwen2.5-coder-0.5b",
+        ],
+    )
     parser.add_argument("--limit", type=int, default=30, help="items per task")
     parser.add_argument("--calib", type=size, default=(16, 256))
     parser.add_argument("--held-out", type=size, default=(16, 256))
@@ -159,11 +218,26 @@ def main() -> None:
         tasks = task_rows(ckpts, args.task_data, args.limit, args.bf16_compute)
         print(table(model.name, nll, tasks), flush=True)
         print(f"\n({time.perf_counter() - began:.0f} s)\n", flush=True)
-        (args.out / f"{model.name}.json").write_text(json.dumps(
-            {"nll": {f"{t} {s}": [d, None if i is None else i.to_dict()] for (t, s), (d, i) in nll["rows"].items()},
-             "tokens": nll["tokens"], "baseline": tasks["baseline"], "items": tasks["items"],
-             "tasks": {f"{t} {s}": {k: [v, None if i is None else i.to_dict()] for k, (v, i) in r.items()}
-                       for (t, s), r in tasks["rows"].items()}}, indent=1))
+        (args.out / f"{model.name}.json").write_text(
+            json.dumps(
+                {
+                    "nll": {
+                        f"{t} {s}": [d, None if i is None else i.to_dict()]
+                        for (t, s), (d, i) in nll["rows"].items()
+                    },
+                    "tokens": nll["tokens"],
+                    "baseline": tasks["baseline"],
+                    "items": tasks["items"],
+                    "tasks": {
+                        f"{t} {s}": {
+                            k: [v, None if i is None else i.to_dict()] for k, (v, i) in r.items()
+                        }
+                        for (t, s), r in tasks["rows"].items()
+                    },
+                },
+                indent=1,
+            )
+        )
     print(f"total {time.perf_counter() - started:.0f} s")
 
 

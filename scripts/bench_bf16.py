@@ -31,24 +31,43 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_calibrate import DEFAULT_MODEL, REPO, child_env, default_dataset, require_model, run_measured  # noqa: E402
+from bench_calibrate import (  # noqa: E402
+    DEFAULT_MODEL,
+    REPO,
+    child_env,
+    default_dataset,
+    require_model,
+    run_measured,
+)
 from provenance import provenance  # noqa: E402
 
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-            "KVCALIB_CPU_FLAGS": "fpu sse2 avx avx2 fma"}
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "KVCALIB_CPU_FLAGS": "fpu sse2 avx avx2 fma",
+}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dataset", default=None, help="default: real prose from Debian's fortunes")
+    parser.add_argument(
+        "--dataset", default=None, help="default: real prose from Debian's fortunes"
+    )
     parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--emulate-avx2", action="store_true", help="run every child as on an AVX2-only CPU")
-    parser.add_argument("--with-native", action="store_true", help="also (d): bf16 with native bf16 matmuls")
+    parser.add_argument(
+        "--emulate-avx2", action="store_true", help="run every child as on an AVX2-only CPU"
+    )
+    parser.add_argument(
+        "--with-native", action="store_true", help="also (d): bf16 with native bf16 matmuls"
+    )
     args = parser.parse_args()
     print(provenance(), flush=True)
     require_model(args.model)
@@ -56,23 +75,56 @@ def main() -> None:
         work = Path(tmp)
         default_dataset(args, work)
         env = child_env(args.threads, **(AVX2_ENV if args.emulate_avx2 else {}))
-        data = ["--num-samples", str(args.num_samples), "--max-seq-len", str(args.max_seq_len),
-                "--batch-size", str(args.batch_size)]
+        data = [
+            "--num-samples",
+            str(args.num_samples),
+            "--max-seq-len",
+            str(args.max_seq_len),
+            "--batch-size",
+            str(args.batch_size),
+        ]
 
         def calibrate_cmd(out: Path, *extra: str) -> list[str]:
-            return [sys.executable, "-m", "kvcalib", "calibrate", args.model, "--dataset", args.dataset,
-                    "-o", str(out), *data, *extra, "--json"]
+            return [
+                sys.executable,
+                "-m",
+                "kvcalib",
+                "calibrate",
+                args.model,
+                "--dataset",
+                args.dataset,
+                "-o",
+                str(out),
+                *data,
+                *extra,
+                "--json",
+            ]
 
         runs = {
             "a": ("(a) bf16 calibrate", lambda out: calibrate_cmd(out, "--dtype", "bfloat16")),
             "b": ("(b) float32 calibrate", lambda out: calibrate_cmd(out, "--dtype", "float32")),
-            "c": ("(c) float32 full forward", lambda out: [
-                sys.executable, str(REPO / "scripts" / "bench_calibrate.py"), "--model", args.model,
-                "--dataset", args.dataset, *data, "--dtype", "float32", "--child", "forward"]),
+            "c": (
+                "(c) float32 full forward",
+                lambda out: [
+                    sys.executable,
+                    str(REPO / "scripts" / "bench_calibrate.py"),
+                    "--model",
+                    args.model,
+                    "--dataset",
+                    args.dataset,
+                    *data,
+                    "--dtype",
+                    "float32",
+                    "--child",
+                    "forward",
+                ],
+            ),
         }
         if args.with_native:
-            runs["d"] = ("(d) bf16 native matmuls", lambda out: calibrate_cmd(out, "--dtype", "bfloat16",
-                                                                              "--bf16-compute", "native"))
+            runs["d"] = (
+                "(d) bf16 native matmuls",
+                lambda out: calibrate_cmd(out, "--dtype", "bfloat16", "--bf16-compute", "native"),
+            )
         wall: dict[str, list[float]] = {key: [] for key in runs}
         compute: dict[str, str] = {}
         for rep in range(args.reps):
@@ -83,17 +135,32 @@ def main() -> None:
                     info = json.loads(stdout)
                     compute[key] = info["compute"]
                     tokens = info["num_tokens"]
-            print(f"run {rep + 1}/{args.reps}: " + "   ".join(f"{k} {wall[k][-1]:.1f} s" for k in runs), flush=True)
+            print(
+                f"run {rep + 1}/{args.reps}: "
+                + "   ".join(f"{k} {wall[k][-1]:.1f} s" for k in runs),
+                flush=True,
+            )
 
     med = {key: statistics.median(values) for key, values in wall.items()}
-    print(f"model {args.model}: {args.num_samples} samples, {tokens:,} tokens (max {args.max_seq_len}/sample), "
-          f"{args.threads} thread(s), batch {args.batch_size}, median of {args.reps} run(s)"
-          + (", every child as on an AVX2-only CPU" if args.emulate_avx2 else ""))
+    print(
+        f"model {args.model}: {args.num_samples} samples, {tokens:,} tokens (max {args.max_seq_len}/sample), "
+        f"{args.threads} thread(s), batch {args.batch_size}, median of {args.reps} run(s)"
+        + (", every child as on an AVX2-only CPU" if args.emulate_avx2 else "")
+    )
     for key, (label, _cmd) in runs.items():
-        print(f"{label:28s} {med[key]:7.1f} s wall" + (f"   compute: {compute[key]}" if key in compute else ""))
-    print(f"wall a/b = {med['a'] / med['b']:.2f} (bf16 / float32 calibrate; target <= 1.3)   "
-          f"wall a/c = {med['a'] / med['c']:.2f} (bf16 calibrate / float32 full forward)"
-          + (f"   d/b = {med['d'] / med['b']:.2f} (native bf16 matmuls / float32)" if "d" in med else ""))
+        print(
+            f"{label:28s} {med[key]:7.1f} s wall"
+            + (f"   compute: {compute[key]}" if key in compute else "")
+        )
+    print(
+        f"wall a/b = {med['a'] / med['b']:.2f} (bf16 / float32 calibrate; target <= 1.3)   "
+        f"wall a/c = {med['a'] / med['c']:.2f} (bf16 calibrate / float32 full forward)"
+        + (
+            f"   d/b = {med['d'] / med['b']:.2f} (native bf16 matmuls / float32)"
+            if "d" in med
+            else ""
+        )
+    )
 
 
 if __name__ == "__main__":

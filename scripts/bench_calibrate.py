@@ -68,24 +68,44 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, flo
 
 def require_model(model: str) -> None:
     if not (Path(model) / "config.json").exists():
-        sys.exit(f"no model at {model}: run `python scripts/prepare_model.py smollm2-135m .cache/smollm2` "
-                 "or pass --model")
+        sys.exit(
+            f"no model at {model}: run `python scripts/prepare_model.py smollm2-135m .cache/smollm2` "
+            "or pass --model"
+        )
 
 
 def default_dataset(args: argparse.Namespace, work: Path) -> None:
     """Without --dataset: real prose from Debian's fortunes, one row per sample, written under `work`."""
     if args.dataset is None:
         args.dataset = str(work / "fortunes.jsonl")
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_text_dataset.py"), args.dataset,
-                        "--max-rows", str(args.num_samples)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_text_dataset.py"),
+                args.dataset,
+                "--max-rows",
+                str(args.num_samples),
+            ],
+            check=True,
+            capture_output=True,
+        )
 
 
 def child_env(threads: int, **extra: str) -> dict[str, str]:
     """The environment every measured child gets: `threads` threads, this checkout importable, offline, quiet."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-            "TOKENIZERS_PARALLELISM": "false", "LLM_COMPRESSOR_LOG_DISABLED": "true", "TQDM_DISABLE": "1",
-            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        "TOKENIZERS_PARALLELISM": "false",
+        "LLM_COMPRESSOR_LOG_DISABLED": "true",
+        "TQDM_DISABLE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        **extra,
+    }
 
 
 # --- the child processes (b) and (c) ------------------------------------------------------
@@ -97,7 +117,9 @@ def child_sequences(args: argparse.Namespace):
     from kvcalib.hf.data import load_calibration_data
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data = load_calibration_data(args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len)
+    data = load_calibration_data(
+        args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len
+    )
     return tokenizer, data
 
 
@@ -107,9 +129,18 @@ def child_oneshot(args: argparse.Namespace) -> None:
 
     _, data = child_sequences(args)
     sequences = [list(s) for s in data.sequences]
-    dataset = Dataset.from_dict({"input_ids": sequences, "attention_mask": [[1] * len(s) for s in sequences]})
-    oneshot(model=args.model, recipe=str(RECIPE), dataset=dataset, num_calibration_samples=len(sequences),
-            max_seq_length=args.max_seq_len, precision=args.dtype, output_dir=args.out)
+    dataset = Dataset.from_dict(
+        {"input_ids": sequences, "attention_mask": [[1] * len(s) for s in sequences]}
+    )
+    oneshot(
+        model=args.model,
+        recipe=str(RECIPE),
+        dataset=dataset,
+        num_calibration_samples=len(sequences),
+        max_seq_length=args.max_seq_len,
+        precision=args.dtype,
+        output_dir=args.out,
+    )
 
 
 def child_forward(args: argparse.Namespace) -> None:
@@ -123,7 +154,11 @@ def child_forward(args: argparse.Namespace) -> None:
     tokenizer, data = child_sequences(args)
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad_id = (
+        tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else (tokenizer.eos_token_id or 0)
+    )
     # kvcalib's compute path (a bf16 model's matmuls in float32 on CPUs without native bf16), so that (a) and (c)
     # differ only in what kvcalib adds
     path = choose_compute("auto", model.dtype, torch.device("cpu"), HostCpu.detect())
@@ -136,16 +171,30 @@ def child_forward(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dataset", default=None, help="default: real prose from Debian's fortunes (2000-char rows)")
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        help="default: real prose from Debian's fortunes (2000-char rows)",
+    )
     parser.add_argument("--num-samples", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=512)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
+    )
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=4, help="kvcalib's and the forward's batch size")
-    parser.add_argument("--reps", type=int, default=1, help="runs of each (a, b, d, c in turn); medians are printed")
-    parser.add_argument("--skip-oneshot", action="store_true", help="leave out (b), llm-compressor's oneshot")
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="kvcalib's and the forward's batch size"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=1, help="runs of each (a, b, d, c in turn); medians are printed"
+    )
+    parser.add_argument(
+        "--skip-oneshot", action="store_true", help="leave out (b), llm-compressor's oneshot"
+    )
     parser.add_argument("--child", choices=["oneshot", "forward"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -160,14 +209,42 @@ def main() -> None:
         work = Path(tmp)
         default_dataset(args, work)
         env = child_env(args.threads)
-        common = ["--num-samples", str(args.num_samples), "--max-seq-len", str(args.max_seq_len), "--dtype", args.dtype]
-        child = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--dataset", args.dataset,
-                 "--batch-size", str(args.batch_size), *common, "--child"]
+        common = [
+            "--num-samples",
+            str(args.num_samples),
+            "--max-seq-len",
+            str(args.max_seq_len),
+            "--dtype",
+            args.dtype,
+        ]
+        child = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--model",
+            args.model,
+            "--dataset",
+            args.dataset,
+            "--batch-size",
+            str(args.batch_size),
+            *common,
+            "--child",
+        ]
         keys = "adc" if args.skip_oneshot else "abdc"
         runs: dict[str, list[tuple[float, float, float]]] = {key: [] for key in keys}
         info: dict = {}
-        kvcalib = [sys.executable, "-m", "kvcalib", "calibrate", args.model, "--dataset", args.dataset,
-                   "--batch-size", str(args.batch_size), *common, "--json"]
+        kvcalib = [
+            sys.executable,
+            "-m",
+            "kvcalib",
+            "calibrate",
+            args.model,
+            "--dataset",
+            args.dataset,
+            "--batch-size",
+            str(args.batch_size),
+            *common,
+            "--json",
+        ]
         for rep in range(args.reps):
             out = work / f"rep{rep}"
             *measured, stdout = run_measured([*kvcalib, "-o", str(out / "kvcalib")], env)
@@ -176,37 +253,68 @@ def main() -> None:
             if not args.skip_oneshot:
                 *measured, _ = run_measured([*child, "oneshot", "--out", str(out / "oneshot")], env)
                 runs["b"].append(tuple(measured))
-            *measured, _ = run_measured([*kvcalib, "-o", str(out / "absmax"), "--scale-objective", "absmax"], env)
+            *measured, _ = run_measured(
+                [*kvcalib, "-o", str(out / "absmax"), "--scale-objective", "absmax"], env
+            )
             runs["d"].append(tuple(measured))
             *measured, _ = run_measured([*child, "forward"], env)
             runs["c"].append(tuple(measured))
-            print(f"run {rep + 1}/{args.reps}: " + "   ".join(
-                f"{key} {runs[key][-1][0]:.1f} s wall, {runs[key][-1][1]:.1f} s CPU" for key in keys), flush=True)
+            print(
+                f"run {rep + 1}/{args.reps}: "
+                + "   ".join(
+                    f"{key} {runs[key][-1][0]:.1f} s wall, {runs[key][-1][1]:.1f} s CPU"
+                    for key in keys
+                ),
+                flush=True,
+            )
 
-    med = {k: tuple(statistics.median(run[i] for run in v) for i in range(3)) for k, v in runs.items()}
-    print(f"model {args.model}: {info['num_samples']} samples, {info['num_tokens']:,} tokens "
-          f"(max {args.max_seq_len}/sample), dtype {args.dtype}, {args.threads} thread(s), "
-          f"kvcalib batch {args.batch_size}, median of {args.reps} run(s)")
-    labels = {"a": "(a) kvcalib calibrate", "b": "(b) llm-compressor oneshot",
-              "d": "(d) kvcalib, absmax objective", "c": "(c) full forward (floor)"}
+    med = {
+        k: tuple(statistics.median(run[i] for run in v) for i in range(3)) for k, v in runs.items()
+    }
+    print(
+        f"model {args.model}: {info['num_samples']} samples, {info['num_tokens']:,} tokens "
+        f"(max {args.max_seq_len}/sample), dtype {args.dtype}, {args.threads} thread(s), "
+        f"kvcalib batch {args.batch_size}, median of {args.reps} run(s)"
+    )
+    labels = {
+        "a": "(a) kvcalib calibrate",
+        "b": "(b) llm-compressor oneshot",
+        "d": "(d) kvcalib, absmax objective",
+        "c": "(c) full forward (floor)",
+    }
     print(f"{'':30s} {'wall s':>8s} {'CPU s':>8s} {'peak RSS MiB':>13s}")
     for key, label in labels.items():
         if key in med:
             print(f"{label:30s} {med[key][0]:8.1f} {med[key][1]:8.1f} {med[key][2]:13.0f}")
-    print(f"kvcalib observing: {info['tokens_per_s']:,.0f} tok/s, {info['seconds']:.1f} s inside calibrate(), "
-          f"{info['objective_seconds']:.1f} s of it the scale objective's search and whole-model step "
-          f"({info.get('output_step')})")
+    print(
+        f"kvcalib observing: {info['tokens_per_s']:,.0f} tok/s, {info['seconds']:.1f} s inside calibrate(), "
+        f"{info['objective_seconds']:.1f} s of it the scale objective's search and whole-model step "
+        f"({info.get('output_step')})"
+    )
     if "b" in med:
         ratio = {i: med["a"][i] / med["b"][i] for i in range(3)}
-        print(f"wall a/b = {ratio[0]:.2f} (target <= 0.5)   CPU a/b = {ratio[1]:.2f}   peak RSS a/b = {ratio[2]:.2f}")
-    ratio = {i: (med["a"][i] / med["c"][i], med["d"][i] / med["c"][i], med["a"][i] / med["d"][i]) for i in range(3)}
-    print(f"wall a/c = {ratio[0][0]:.2f} (target <= 0.85)   wall d/c = {ratio[0][1]:.2f}   "
-          f"scale objective's cost a/d = {ratio[0][2]:.2f} (target <= 1.3)")
-    print(f"CPU  a/c = {ratio[1][0]:.2f}   CPU  d/c = {ratio[1][1]:.2f}   CPU  a/d = {ratio[1][2]:.2f}   "
-          f"peak RSS a/c = {ratio[2][0]:.2f}, a/d = {ratio[2][2]:.2f}")
-    if args.reps > 1:  # each run's (a) and (c) a minute apart: less of the machine's drifting load between them
+        print(
+            f"wall a/b = {ratio[0]:.2f} (target <= 0.5)   CPU a/b = {ratio[1]:.2f}   peak RSS a/b = {ratio[2]:.2f}"
+        )
+    ratio = {
+        i: (med["a"][i] / med["c"][i], med["d"][i] / med["c"][i], med["a"][i] / med["d"][i])
+        for i in range(3)
+    }
+    print(
+        f"wall a/c = {ratio[0][0]:.2f} (target <= 0.85)   wall d/c = {ratio[0][1]:.2f}   "
+        f"scale objective's cost a/d = {ratio[0][2]:.2f} (target <= 1.3)"
+    )
+    print(
+        f"CPU  a/c = {ratio[1][0]:.2f}   CPU  d/c = {ratio[1][1]:.2f}   CPU  a/d = {ratio[1][2]:.2f}   "
+        f"peak RSS a/c = {ratio[2][0]:.2f}, a/d = {ratio[2][2]:.2f}"
+    )
+    if (
+        args.reps > 1
+    ):  # each run's (a) and (c) a minute apart: less of the machine's drifting load between them
         paired = [a[0] / c[0] for a, c in zip(runs["a"], runs["c"])]
-        print(f"wall a/c run by run: {', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f})")
+        print(
+            f"wall a/c run by run: {', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f})"
+        )
 
 
 if __name__ == "__main__":

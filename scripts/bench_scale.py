@@ -51,8 +51,14 @@ print(json.dumps({"peak_rss": peak_rss_bytes(), "tokens_per_s": r.tokens_per_s, 
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_VERBOSITY="error",
+    )
 
 
 def build(root: Path, name: str, hidden: int, layers: int) -> tuple[Path, int]:
@@ -62,8 +68,15 @@ def build(root: Path, name: str, hidden: int, layers: int) -> tuple[Path, int]:
     from make_synthetic_llama import build_synthetic_llama
 
     path = root / name
-    size = build_synthetic_llama(path, build_tokenizer(), hidden=hidden, intermediate=4 * hidden, layers=layers,
-                                 heads=hidden // 128, kv_heads=max(1, hidden // 256))
+    size = build_synthetic_llama(
+        path,
+        build_tokenizer(),
+        hidden=hidden,
+        intermediate=4 * hidden,
+        layers=layers,
+        heads=hidden // 128,
+        kv_heads=max(1, hidden // 256),
+    )
     return path, size
 
 
@@ -75,8 +88,22 @@ def write_dataset(path: Path, rows: int) -> Path:
 
 
 def run_child(engine: str, model: Path, data: Path, out: Path, samples: int, seq_len: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, engine, str(model), str(data), str(out), str(samples),
-                           str(seq_len)], capture_output=True, text=True, env=env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            engine,
+            str(model),
+            str(data),
+            str(out),
+            str(samples),
+            str(seq_len),
+        ],
+        capture_output=True,
+        text=True,
+        env=env(),
+    )
     if proc.returncode != 0:
         sys.exit(f"{engine} run failed:\n{proc.stderr[-3000:]}")
     shutil.rmtree(out, ignore_errors=True)
@@ -84,10 +111,34 @@ def run_child(engine: str, model: Path, data: Path, out: Path, samples: int, seq
 
 
 def run_cli(processes: int, model: Path, data: Path, out: Path, samples: int, seq_len: int) -> dict:
-    launcher = [sys.executable, "-m", "kvcalib"] if processes == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m", "kvcalib"]
-    args = ["calibrate", str(model), "--dataset", str(data), "-o", str(out), "--num-samples", str(samples),
-            "--max-seq-len", str(seq_len), "--batch-size", "4", "--json"]
+    launcher = (
+        [sys.executable, "-m", "kvcalib"]
+        if processes == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={processes}",
+            "-m",
+            "kvcalib",
+        ]
+    )
+    args = [
+        "calibrate",
+        str(model),
+        "--dataset",
+        str(data),
+        "-o",
+        str(out),
+        "--num-samples",
+        str(samples),
+        "--max-seq-len",
+        str(seq_len),
+        "--batch-size",
+        "4",
+        "--json",
+    ]
     cpu_before = _children_cpu()
     started = time.perf_counter()
     proc = subprocess.run([*launcher, *args], capture_output=True, text=True, env=env())
@@ -97,8 +148,13 @@ def run_cli(processes: int, model: Path, data: Path, out: Path, samples: int, se
         sys.exit(f"{processes}-process run failed:\n{proc.stderr[-3000:]}")
     shutil.rmtree(out, ignore_errors=True)
     result = json.loads(proc.stdout)
-    return {"tokens_per_s": result["tokens_per_s"], "wall": wall, "cpu": cpu, "tokens": result["num_tokens"],
-            "absmax": [[layer["k"]["absmax"], layer["v"]["absmax"]] for layer in result["layers"]]}
+    return {
+        "tokens_per_s": result["tokens_per_s"],
+        "wall": wall,
+        "cpu": cpu,
+        "tokens": result["num_tokens"],
+        "absmax": [[layer["k"]["absmax"], layer["v"]["absmax"]] for layer in result["layers"]],
+    }
 
 
 def _children_cpu() -> float:
@@ -107,7 +163,9 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def balance_bound(model: Path, data: Path, samples: int, seq_len: int, batch_size: int = 4) -> float:
+def balance_bound(
+    model: Path, data: Path, samples: int, seq_len: int, batch_size: int = 4
+) -> float:
     """The speedup 2 processes could reach on 2 free cores: padded tokens in all / on the busiest rank."""
     from transformers import AutoTokenizer
 
@@ -115,26 +173,41 @@ def balance_bound(model: Path, data: Path, samples: int, seq_len: int, batch_siz
     from kvcalib.calibration.distributed import batch_shares
     from kvcalib.hf.data import load_calibration_data
 
-    seqs = load_calibration_data(str(data), AutoTokenizer.from_pretrained(model), num_samples=samples,
-                                 max_seq_len=seq_len).sequences
+    seqs = load_calibration_data(
+        str(data), AutoTokenizer.from_pretrained(model), num_samples=samples, max_seq_len=seq_len
+    ).sequences
     shares = batch_shares(seqs, batch_size, 2)
 
     def padded(share: tuple[tuple[int, ...], ...]) -> int:
-        return sum(len(share[i]) * len(share[i:i + batch_size]) for i in range(0, len(share), batch_size))
+        return sum(
+            len(share[i]) * len(share[i : i + batch_size]) for i in range(0, len(share), batch_size)
+        )
 
     return padded(tuple(sorted(seqs, key=len, reverse=True))) / max(padded(s) for s in shares)
 
 
 def bench_rss(root: Path, data: Path, args: argparse.Namespace) -> None:
     model, size = build(root, "rss-model", args.rss_hidden, args.rss_layers)
-    print(f"peak RSS: synthetic Llama, hidden {args.rss_hidden}, {args.rss_layers} layers, {size / GiB:.2f} GiB bf16; "
-          f"{args.rss_samples} samples x {args.rss_seq_len} tokens", flush=True)
-    rows = {engine: [run_child(engine, model, data, root / f"out-{engine}", args.rss_samples, args.rss_seq_len)
-                     for _ in range(args.rss_reps)] for engine in ("native", "stream")}
+    print(
+        f"peak RSS: synthetic Llama, hidden {args.rss_hidden}, {args.rss_layers} layers, {size / GiB:.2f} GiB bf16; "
+        f"{args.rss_samples} samples x {args.rss_seq_len} tokens",
+        flush=True,
+    )
+    rows = {
+        engine: [
+            run_child(
+                engine, model, data, root / f"out-{engine}", args.rss_samples, args.rss_seq_len
+            )
+            for _ in range(args.rss_reps)
+        ]
+        for engine in ("native", "stream")
+    }
     peak = {engine: max(r["peak_rss"] for r in runs) for engine, runs in rows.items()}
     for engine, runs in rows.items():
         each = ", ".join(f"{r['peak_rss'] / GiB:.2f}" for r in runs)
-        print(f"  {engine:7s} peak RSS {peak[engine] / GiB:6.2f} GiB   (runs: {each}; {runs[0]['seconds']:.1f} s)")
+        print(
+            f"  {engine:7s} peak RSS {peak[engine] / GiB:6.2f} GiB   (runs: {each}; {runs[0]['seconds']:.1f} s)"
+        )
     print(f"  streamed / in memory = {peak['stream'] / peak['native']:.2f}x  (target <= 0.3x)")
     same = all(r["absmax"] == rows["native"][0]["absmax"] for runs in rows.values() for r in runs)
     print(f"  scales equal across engines and runs: {same}", flush=True)
@@ -143,32 +216,53 @@ def bench_rss(root: Path, data: Path, args: argparse.Namespace) -> None:
 
 def bench_throughput(root: Path, data: Path, args: argparse.Namespace) -> None:
     model, size = build(root, "tp-model", args.tp_hidden, args.tp_layers)
-    print(f"throughput: synthetic Llama, hidden {args.tp_hidden}, {args.tp_layers} layers, {size / GiB:.2f} GiB bf16; "
-          f"{args.tp_samples} samples x {args.tp_seq_len} tokens, batch 4, OMP_NUM_THREADS=1 per process", flush=True)
+    print(
+        f"throughput: synthetic Llama, hidden {args.tp_hidden}, {args.tp_layers} layers, {size / GiB:.2f} GiB bf16; "
+        f"{args.tp_samples} samples x {args.tp_seq_len} tokens, batch 4, OMP_NUM_THREADS=1 per process",
+        flush=True,
+    )
     runs: dict[int, list[dict]] = {1: [], 2: []}
     for rep in range(args.reps):
         for processes in (1, 2):
-            r = run_cli(processes, model, data, root / f"out-{processes}", args.tp_samples, args.tp_seq_len)
+            r = run_cli(
+                processes, model, data, root / f"out-{processes}", args.tp_samples, args.tp_seq_len
+            )
             runs[processes].append(r)
-            print(f"  rep {rep + 1}: {processes} process(es): {r['tokens_per_s']:8.1f} tok/s calibrating, "
-                  f"{r['wall']:6.1f} s wall", flush=True)
+            print(
+                f"  rep {rep + 1}: {processes} process(es): {r['tokens_per_s']:8.1f} tok/s calibrating, "
+                f"{r['wall']:6.1f} s wall",
+                flush=True,
+            )
     med = {p: statistics.median(r["tokens_per_s"] for r in rs) for p, rs in runs.items()}
     wall = {p: statistics.median(r["wall"] for r in rs) for p, rs in runs.items()}
     cpu = {p: statistics.median(r["cpu"] for r in rs) for p, rs in runs.items()}
-    print(f"  median tok/s: 1 process {med[1]:.1f}, 2 processes {med[2]:.1f} -> {med[2] / med[1]:.2f}x "
-          "(target >= 1.7x)")
-    print(f"  median wall:  1 process {wall[1]:.1f} s, 2 processes {wall[2]:.1f} s -> {wall[1] / wall[2]:.2f}x")
-    print(f"  median CPU seconds of the whole command: 1 process {cpu[1]:.1f}, 2 processes {cpu[2]:.1f}; "
-          f"cores it got on average (CPU s / wall s): {cpu[1] / wall[1]:.2f} and {cpu[2] / wall[2]:.2f}")
+    print(
+        f"  median tok/s: 1 process {med[1]:.1f}, 2 processes {med[2]:.1f} -> {med[2] / med[1]:.2f}x "
+        "(target >= 1.7x)"
+    )
+    print(
+        f"  median wall:  1 process {wall[1]:.1f} s, 2 processes {wall[2]:.1f} s -> {wall[1] / wall[2]:.2f}x"
+    )
+    print(
+        f"  median CPU seconds of the whole command: 1 process {cpu[1]:.1f}, 2 processes {cpu[2]:.1f}; "
+        f"cores it got on average (CPU s / wall s): {cpu[1] / wall[1]:.2f} and {cpu[2] / wall[2]:.2f}"
+    )
     bound = balance_bound(model, data, args.tp_samples, args.tp_seq_len)
-    print(f"  work balance: 2 processes could reach {bound:.2f}x on 2 free cores (padded tokens, busiest rank)")
+    print(
+        f"  work balance: 2 processes could reach {bound:.2f}x on 2 free cores (padded tokens, busiest rank)"
+    )
     same = all(r["absmax"] == runs[1][0]["absmax"] for rs in runs.values() for r in rs)
-    print(f"  scales equal for 1 and 2 processes, every run: {same}; cores: {os.cpu_count()}, "
-          f"load average before: {args.load_before}", flush=True)
+    print(
+        f"  scales equal for 1 and 2 processes, every run: {same}; cores: {os.cpu_count()}, "
+        f"load average before: {args.load_before}",
+        flush=True,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=3, help="throughput runs of each kind")
     parser.add_argument("--rss-reps", type=int, default=1)
     parser.add_argument("--rss-hidden", type=int, default=2048)

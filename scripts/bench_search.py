@@ -46,13 +46,24 @@ def load_tuned(rev: str, folder: Path) -> types.ModuleType:
     copies written to `folder` (imported from there, under other names)."""
     import importlib
 
-    files = {"tuned_fp8": ("kvcalib/core/fp8.py", {}), "tuned_samples": ("kvcalib/hf/samples.py", {}),
-             "tuned_objective": ("kvcalib/calibration/objective.py", {
-                 "from kvcalib.core import fp8": "import tuned_fp8 as fp8",
-                 "from kvcalib.hf.samples import": "from tuned_samples import"})}
+    files = {
+        "tuned_fp8": ("kvcalib/core/fp8.py", {}),
+        "tuned_samples": ("kvcalib/hf/samples.py", {}),
+        "tuned_objective": (
+            "kvcalib/calibration/objective.py",
+            {
+                "from kvcalib.core import fp8": "import tuned_fp8 as fp8",
+                "from kvcalib.hf.samples import": "from tuned_samples import",
+            },
+        ),
+    }
     for name, (path, replace) in files.items():
-        source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True, capture_output=True,
-                                text=True).stdout
+        source = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{rev}:{path}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         for old, new in replace.items():
             source = source.replace(old, new)
         (folder / f"{name}.py").write_text(source)
@@ -63,21 +74,23 @@ def load_tuned(rev: str, folder: Path) -> types.ModuleType:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dataset", help="JSON lines with a `text` column (default: fortunes, ~10k chars a row)")
+    parser.add_argument(
+        "--dataset", help="JSON lines with a `text` column (default: fortunes, ~10k chars a row)"
+    )
     parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--target", default="trn2")
     parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--extrapolate", type=int, default=512, help="also print the shares at this many samples")
+    parser.add_argument(
+        "--extrapolate", type=int, default=512, help="also print the shares at this many samples"
+    )
     parser.add_argument("--tuned-from", default=TUNED_FROM)
     args = parser.parse_args()
     print(provenance(), flush=True)
 
-    from kvcalib.calibration.options import CalibrateOptions
-
-    from kvcalib.calibration.pipeline import calibrate
-
     from kvcalib.calibration import objective, pipeline
+    from kvcalib.calibration.options import CalibrateOptions
+    from kvcalib.calibration.pipeline import calibrate
 
     with tempfile.TemporaryDirectory() as tmp:
         tuned = load_tuned(args.tuned_from, Path(tmp))
@@ -88,42 +101,77 @@ def main() -> None:
         def unpruned(samples, k_heads, v_heads, target, per_head):
             numerics, chosen = objective.scored_numerics(target, per_head), []
             for i, layer in enumerate(samples):
-                k, v = (objective.candidates(h[i], target, per_head, layer[0].key.shape[0]) for h in (k_heads, v_heads))
-                pairs = [objective.sample_terms(s, [(k.on(n), v.on(n)) for n in numerics], numerics) for s in layer]
-                terms, norms = objective.sum_terms([t for t, _ in pairs]), objective.sum_terms([n for _, n in pairs])
-                chosen.append(tuple(objective.choose(terms[:, kind], norms, c, per_head, numerics)
-                                    for kind, c in enumerate((k, v))))
+                k, v = (
+                    objective.candidates(h[i], target, per_head, layer[0].key.shape[0])
+                    for h in (k_heads, v_heads)
+                )
+                pairs = [
+                    objective.sample_terms(s, [(k.on(n), v.on(n)) for n in numerics], numerics)
+                    for s in layer
+                ]
+                terms, norms = (
+                    objective.sum_terms([t for t, _ in pairs]),
+                    objective.sum_terms([n for _, n in pairs]),
+                )
+                chosen.append(
+                    tuple(
+                        objective.choose(terms[:, kind], norms, c, per_head, numerics)
+                        for kind, c in enumerate((k, v))
+                    )
+                )
             return chosen
 
         def three(samples, k_heads, v_heads, target, per_head, gather=lambda local: local):
-            runs = {"unpruned": lambda: unpruned(samples, k_heads, v_heads, target, per_head),
-                    "kvcalib": lambda: kept(samples, k_heads, v_heads, target, per_head, gather),
-                    "tuned": lambda: tuned.search(samples, k_heads, v_heads, tuned.fp8.get_target(target.name),
-                                                  per_head, gather)}
+            runs = {
+                "unpruned": lambda: unpruned(samples, k_heads, v_heads, target, per_head),
+                "kvcalib": lambda: kept(samples, k_heads, v_heads, target, per_head, gather),
+                "tuned": lambda: tuned.search(
+                    samples, k_heads, v_heads, tuned.fp8.get_target(target.name), per_head, gather
+                ),
+            }
             for _ in range(args.reps):
                 for name, run in runs.items():
                     started = time.perf_counter()
                     chosen = run()
                     seconds[name].append(time.perf_counter() - started)
-                    picks[name] = [(c.label, c.index, c.clipped) for layer in chosen for c in layer[:2]]
+                    picks[name] = [
+                        (c.label, c.index, c.clipped) for layer in chosen for c in layer[:2]
+                    ]
                     if name == "kvcalib":
                         result = chosen
             return result
 
         pipeline.search = three
         dataset = args.dataset or _fortunes(Path(tmp) / "fortunes.jsonl", args.num_samples)
-        run = calibrate(args.model, dataset, Path(tmp) / "out", CalibrateOptions(
-            target=args.target, num_samples=args.num_samples, max_seq_len=args.max_seq_len))
+        run = calibrate(
+            args.model,
+            dataset,
+            Path(tmp) / "out",
+            CalibrateOptions(
+                target=args.target, num_samples=args.num_samples, max_seq_len=args.max_seq_len
+            ),
+        )
     rest = run.seconds - sum(sum(times) for times in seconds.values())
     best = {name: min(times) for name, times in seconds.items()}
-    print(f"model {args.model}, {args.num_samples} samples x {args.max_seq_len} tokens, target {args.target}, "
-          f"OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}; load average {os.getloadavg()[0]:.2f}")
-    print(f"the run without any search: {rest:.1f} s; searches, fastest of {args.reps}: "
-          + ", ".join(f"{name} {s:.1f} s" for name, s in best.items()))
+    print(
+        f"model {args.model}, {args.num_samples} samples x {args.max_seq_len} tokens, target {args.target}, "
+        f"OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}; load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"the run without any search: {rest:.1f} s; searches, fastest of {args.reps}: "
+        + ", ".join(f"{name} {s:.1f} s" for name, s in best.items())
+    )
     print(f"same choices: {picks['unpruned'] == picks['kvcalib'] == picks['tuned']}")
     rows = [("measured", rest)]
-    if args.extrapolate > args.num_samples:  # the forward grows with the samples, the search does not
-        rows.append((f"extrapolated to {args.extrapolate} samples", rest * args.extrapolate / args.num_samples))
+    if (
+        args.extrapolate > args.num_samples
+    ):  # the forward grows with the samples, the search does not
+        rows.append(
+            (
+                f"extrapolated to {args.extrapolate} samples",
+                rest * args.extrapolate / args.num_samples,
+            )
+        )
     print(f"{'share of the run':32} " + " ".join(f"{name:>10}" for name in best))
     for label, without in rows:
         print(f"{label:32} " + " ".join(f"{s / (without + s):10.2%}" for s in best.values()))

@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from provenance import provenance  # this folder is on sys.path when run as a script
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -61,7 +60,9 @@ def build(root: Path, shards: int, shard_mb: float, layers: int) -> int:
     for s in range(shards):
         name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         tensors = {
-            f"model.layers.{s % layers}.block{s}.w{t}.weight": torch.randn(numel, generator=generator)
+            f"model.layers.{s % layers}.block{s}.w{t}.weight": torch.randn(
+                numel, generator=generator
+            )
             for t in range(TENSORS_PER_SHARD)
         }
         save_file(tensors, root / name, metadata={"format": "pt"})
@@ -73,23 +74,38 @@ def build(root: Path, shards: int, shard_mb: float, layers: int) -> int:
     scales, entries = {}, []
     for i in range(layers):
         k_absmax, v_absmax = 8.0 + i / 10, 3.0 + i / 10
-        k, v = scale_from_absmax(k_absmax, target).reshape(1), scale_from_absmax(v_absmax, target).reshape(1)
+        k, v = (
+            scale_from_absmax(k_absmax, target).reshape(1),
+            scale_from_absmax(v_absmax, target).reshape(1),
+        )
         scales[neuron_scale_key(i, "k")], scales[neuron_scale_key(i, "v")] = k, v
-        entries.append({"layer": i, "k": {"absmax": k_absmax, "scale": k.item()},
-                        "v": {"absmax": v_absmax, "scale": v.item()}})
+        entries.append(
+            {
+                "layer": i,
+                "k": {"absmax": k_absmax, "scale": k.item()},
+                "v": {"absmax": v_absmax, "scale": v.item()},
+            }
+        )
     provenance = {"target": "trn2", "fp8_max": fp8_max, "layers": entries}
-    save_file(scales, root / SCALES_FILENAME, metadata={"format": "pt", "kvcalib": json.dumps(provenance)})
+    save_file(
+        scales, root / SCALES_FILENAME, metadata={"format": "pt", "kvcalib": json.dumps(provenance)}
+    )
     weight_map.update(dict.fromkeys(scales, SCALES_FILENAME))
     total += 4 * len(scales)
 
-    _write_json(root / INDEX_FILENAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(
+        root / INDEX_FILENAME, {"metadata": {"total_size": total}, "weight_map": weight_map}
+    )
     _write_json(root / PROVENANCE_FILENAME, provenance)
-    _write_json(root / CONFIG_FILENAME, {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": layers,
-        "quantization_config": kv_only_quantization_config(),
-    })
+    _write_json(
+        root / CONFIG_FILENAME,
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "num_hidden_layers": layers,
+            "quantization_config": kv_only_quantization_config(),
+        },
+    )
     return sum(p.stat().st_size for p in root.iterdir())
 
 
@@ -149,7 +165,9 @@ def process_seconds(argv: list[str], reps: int) -> float:
 def process_timings(checkpoints: list[Path], reps: int) -> None:
     """`kvcalib validate` as a whole process, against an interpreter that does nothing."""
     idle = process_seconds([sys.executable, "-c", "pass"], reps)
-    print(f"\n{'whole process (median of ' + str(reps) + ')':<34}{'seconds':>9}{'x python -c pass':>18}")
+    print(
+        f"\n{'whole process (median of ' + str(reps) + ')':<34}{'seconds':>9}{'x python -c pass':>18}"
+    )
     print(f"{'python -c pass':<34}{idle:>9.3f}{1:>17.0f}x")
     for ckpt in checkpoints:
         took = process_seconds([sys.executable, "-m", "kvcalib", "validate", str(ckpt)], reps)
@@ -162,10 +180,17 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=float, default=4.0)
     parser.add_argument("--layers", type=int, default=80)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--dir", type=Path, default=None, help="where to build (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where to build (default: a temporary directory)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
-    parser.add_argument("--checkpoint", type=Path, action="append", default=[],
-                        help="also time the whole `kvcalib validate` process on this checkpoint (repeatable)")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        action="append",
+        default=[],
+        help="also time the whole `kvcalib validate` process on this checkpoint (repeatable)",
+    )
     args = parser.parse_args()
     print(provenance(), flush=True)
 
@@ -175,12 +200,16 @@ def main() -> None:
     try:
         started = time.perf_counter()
         size = build(root, args.shards, args.shard_mb, args.layers)
-        print(f"built {args.shards} shards + scales for {args.layers} layers, {size / 2**20:.0f} MiB, "
-              f"in {time.perf_counter() - started:.1f} s ({root})")
+        print(
+            f"built {args.shards} shards + scales for {args.layers} layers, {size / 2**20:.0f} MiB, "
+            f"in {time.perf_counter() - started:.1f} s ({root})"
+        )
         validate_once(root)  # imports (compressed-tensors, torch) once, outside the timings
         can_drop = drop_page_cache(root)
         rows = [("warm", False)] + ([("cold", True)] if can_drop else [])
-        print(f"{'page cache':<11}{'validate (median)':>19}{'read all tensors (median)':>28}{'ratio':>10}")
+        print(
+            f"{'page cache':<11}{'validate (median)':>19}{'read all tensors (median)':>28}{'ratio':>10}"
+        )
         for label, cold in rows:
             v = timed(validate_once, root, args.reps, cold)
             b = timed(read_everything, root, max(1, min(args.reps, 3)), cold)

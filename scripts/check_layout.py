@@ -37,7 +37,9 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def resolve(node: ast.ImportFrom | ast.Import, current: str, is_package: bool, modules: set[str]) -> list[str]:
+def resolve(
+    node: ast.ImportFrom | ast.Import, current: str, is_package: bool, modules: set[str]
+) -> list[str]:
     """The kvcalib modules an import statement names (a `from X import y` may name module X.y)."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
@@ -118,7 +120,9 @@ def code_token_lines(source: str) -> list[int]:
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type in _NOT_CODE:
             continue
-        if token.type == tokenize.STRING and token.string.lstrip("rbuRBU").startswith(('"""', "'''")):
+        if token.type == tokenize.STRING and token.string.lstrip("rbuRBU").startswith(
+            ('"""', "'''")
+        ):
             continue
         out.append(token.start[0])
     return out
@@ -150,7 +154,10 @@ def main() -> int:
     default = Path(__file__).resolve().parent.parent / "kvcalib"
     root = Path(sys.argv[1] if len(sys.argv) > 1 else default).resolve()
     files, edges = read_package(root)
-    sizes = {name: len(code_token_lines(path.read_text(encoding="utf-8"))) for name, path in files.items()}
+    sizes = {
+        name: len(code_token_lines(path.read_text(encoding="utf-8")))
+        for name, path in files.items()
+    }
     found_circles = circles(edges)
     funcs = functions(files)
     biggest = max(sizes, key=sizes.get)

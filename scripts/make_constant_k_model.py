@@ -55,15 +55,16 @@ def outlier_dims(head_dim: int, count: int) -> list[int]:
 BOUNDARIES = ("nearest", "toward-zero", "both")
 
 
-def boundary_values(scale: float, target_name: str, count: int, absmax: float, boundaries: str = "nearest"
-                    ) -> list[float]:
+def boundary_values(
+    scale: float, target_name: str, count: int, absmax: float, boundaries: str = "nearest"
+) -> list[float]:
     """`count` channel means: the largest at `absmax`, the rest where the scaled value sits on a rounding boundary
     of the FP8 grid values 128..240, alternating in sign. A cast that rounds to nearest flips at the midpoints
     (136, 152, ...); one that truncates toward zero (vLLM on CPU) at the grid values themselves (144, 160, ...);
     `both` alternates the two, so the mechanism bites whichever the server does."""
-    from kvcalib.core import fp8
-
     import torch
+
+    from kvcalib.core import fp8
 
     chip = fp8.get_target(target_name)
     multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, chip))
@@ -101,8 +102,15 @@ def with_biases(src: Path):
     return model, head_dim, config.num_attention_heads // config.num_key_value_heads
 
 
-def build(src: Path, out: Path, k_values: dict[int, list[float]], heads: list[int], dims: int, q_bias: float,
-          k_spread: float) -> None:
+def build(
+    src: Path,
+    out: Path,
+    k_values: dict[int, list[float]],
+    heads: list[int],
+    dims: int,
+    q_bias: float,
+    k_spread: float,
+) -> None:
     """The variant of `src` with `k_values[layer]` as the outlier channels' K bias in every KV head of `heads`."""
     import torch
     from transformers import AutoTokenizer
@@ -115,18 +123,23 @@ def build(src: Path, out: Path, k_values: dict[int, list[float]], heads: list[in
             for head in heads:
                 for d, value in zip(channels, values):
                     attention.k_proj.bias[head * head_dim + d] = value
-                    attention.k_proj.weight[head * head_dim + d].mul_(k_spread)  # what varies across tokens: small
+                    attention.k_proj.weight[head * head_dim + d].mul_(
+                        k_spread
+                    )  # what varies across tokens: small
                 for q_head in range(head * group, (head + 1) * group):
                     for j, d in enumerate(channels):
-                        attention.q_proj.bias[q_head * head_dim + d] = q_bias if (j + q_head) % 2 == 0 else -q_bias
+                        attention.q_proj.bias[q_head * head_dim + d] = (
+                            q_bias if (j + q_head) % 2 == 0 else -q_bias
+                        )
     partial = out.with_name(out.name + ".partial")
     model.save_pretrained(partial)
     AutoTokenizer.from_pretrained(src).save_pretrained(partial)
     os.replace(partial, out)
 
 
-def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int, bf16_compute: str = "auto"
-                 ) -> list[float]:
+def layer_absmax(
+    model: Path, dataset: str, num_samples: int, max_seq_len: int, bf16_compute: str = "auto"
+) -> list[float]:
     """Every layer's K absmax, as `kvcalib calibrate` measures it on this machine (with `bf16_compute`)."""
     from kvcalib.calibration.options import CalibrateOptions
     from kvcalib.calibration.pipeline import calibrate
@@ -134,16 +147,38 @@ def layer_absmax(model: Path, dataset: str, num_samples: int, max_seq_len: int, 
 
     cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
     with tempfile.TemporaryDirectory() as tmp:
-        result = calibrate(model, dataset, Path(tmp) / "out", CalibrateOptions(
-            num_samples=num_samples, max_seq_len=max_seq_len, scale_objective="absmax", cpu=cpu,
-            bf16_compute=bf16_compute))
+        result = calibrate(
+            model,
+            dataset,
+            Path(tmp) / "out",
+            CalibrateOptions(
+                num_samples=num_samples,
+                max_seq_len=max_seq_len,
+                scale_objective="absmax",
+                cpu=cpu,
+                bf16_compute=bf16_compute,
+            ),
+        )
     return [layer.k.absmax for layer in result.layers]
 
 
-def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int | list[int] = 0,
-         head: int | list[int] = 0, dims: int = 4, absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 1.5,
-         num_samples: int = 32, max_seq_len: int = 256, boundaries: str = "nearest", grid_factor: float = 1.0,
-         bf16_compute: str = "auto") -> tuple[list[float], float, float]:
+def make(
+    src: Path,
+    out: Path,
+    dataset: str,
+    target: str = "trn2",
+    layer: int | list[int] = 0,
+    head: int | list[int] = 0,
+    dims: int = 4,
+    absmax: float = 350.0,
+    q_bias: float = 3.0,
+    k_spread: float = 1.5,
+    num_samples: int = 32,
+    max_seq_len: int = 256,
+    boundaries: str = "nearest",
+    grid_factor: float = 1.0,
+    bf16_compute: str = "auto",
+) -> tuple[list[float], float, float]:
     """Build the variant (the mechanism in every KV head of `head` of every layer of `layer`); the first layer's
     K channel values, its measured absmax and the scale whose grid they sit on (absmax x `grid_factor` / fp8_max)
     on `target`. `bf16_compute`: how the absmax is measured, as the calibration that reads the variant computes."""
@@ -155,7 +190,9 @@ def make(src: Path, out: Path, dataset: str, target: str = "trn2", layer: int | 
     count = 2 * dims
     with tempfile.TemporaryDirectory() as tmp:  # first pass: where absmax / fp8_max puts the grid
         first = Path(tmp) / "first"
-        guess = boundary_values(absmax * grid_factor / chip.fp8_max, target, count, absmax, boundaries)
+        guess = boundary_values(
+            absmax * grid_factor / chip.fp8_max, target, count, absmax, boundaries
+        )
         build(src, first, {i: guess for i in layers}, heads, dims, q_bias, k_spread)
         measured = layer_absmax(first, dataset, num_samples, max_seq_len, bf16_compute)
     scales = {i: float(fp8.scale_from_absmax(measured[i] * grid_factor, chip)) for i in layers}
@@ -169,33 +206,63 @@ def _numbers(text: str) -> list[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("src", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--target", default="trn2")
     parser.add_argument("--layer", type=_numbers, default=[0], help="the layer, or layers: 0,1,2")
     parser.add_argument("--head", type=_numbers, default=[0], help="the KV head, or heads: 0,1")
-    parser.add_argument("--dims", type=int, default=4, help="2x this many channels (the lowest-frequency pairs)")
+    parser.add_argument(
+        "--dims", type=int, default=4, help="2x this many channels (the lowest-frequency pairs)"
+    )
     parser.add_argument("--absmax", type=float, default=350.0)
     parser.add_argument("--q-bias", type=float, default=3.0)
-    parser.add_argument("--k-spread", type=float, default=1.5, help="k_proj rows of those channels x this")
-    parser.add_argument("--boundaries", choices=BOUNDARIES, default="nearest",
-                        help="the rounding boundaries the channels sit on: of a cast to nearest (Neuron, GPU), "
-                             "of vLLM CPU's truncating cast, or both")
-    parser.add_argument("--grid-factor", type=float, default=1.0,
-                        help="the channels sit on the boundaries of the scale absmax x this / fp8_max (0.7071: the "
-                             "objective's absmax x0.7071)")
+    parser.add_argument(
+        "--k-spread", type=float, default=1.5, help="k_proj rows of those channels x this"
+    )
+    parser.add_argument(
+        "--boundaries",
+        choices=BOUNDARIES,
+        default="nearest",
+        help="the rounding boundaries the channels sit on: of a cast to nearest (Neuron, GPU), "
+        "of vLLM CPU's truncating cast, or both",
+    )
+    parser.add_argument(
+        "--grid-factor",
+        type=float,
+        default=1.0,
+        help="the channels sit on the boundaries of the scale absmax x this / fp8_max (0.7071: the "
+        "objective's absmax x0.7071)",
+    )
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=256)
     args = parser.parse_args()
-    values, measured, scale = make(args.src, args.out, args.dataset, args.target, args.layer, args.head, args.dims,
-                                   args.absmax, args.q_bias, args.k_spread, args.num_samples, args.max_seq_len,
-                                   args.boundaries, args.grid_factor)
-    print(f"{args.out}: layer {','.join(map(str, args.layer))} KV head {','.join(map(str, args.head))}, "
-          f"K channels (layer {args.layer[0]}) at "
-          f"{', '.join(f'{v:.1f}' for v in values)} (absmax {measured:.1f}, scale {scale:.4g} on {args.target}); "
-          f"q bias ±{args.q_bias:g}", file=sys.stderr)
+    values, measured, scale = make(
+        args.src,
+        args.out,
+        args.dataset,
+        args.target,
+        args.layer,
+        args.head,
+        args.dims,
+        args.absmax,
+        args.q_bias,
+        args.k_spread,
+        args.num_samples,
+        args.max_seq_len,
+        args.boundaries,
+        args.grid_factor,
+    )
+    print(
+        f"{args.out}: layer {','.join(map(str, args.layer))} KV head {','.join(map(str, args.head))}, "
+        f"K channels (layer {args.layer[0]}) at "
+        f"{', '.join(f'{v:.1f}' for v in values)} (absmax {measured:.1f}, scale {scale:.4g} on {args.target}); "
+        f"q bias ±{args.q_bias:g}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

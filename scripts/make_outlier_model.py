@@ -36,7 +36,9 @@ def _head_rows(module, head: int | None, kv: bool) -> slice:
     return slice(head * width, (head + 1) * width)
 
 
-def make_outlier(src: Path, out: Path, factor: float, with_v: bool, head: int | None = None) -> None:
+def make_outlier(
+    src: Path, out: Path, factor: float, with_v: bool, head: int | None = None
+) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -54,10 +56,15 @@ def make_outlier(src: Path, out: Path, factor: float, with_v: bool, head: int | 
                 continue
             if with_v and head is not None:
                 sys.exit("--with-v and --head: one of them")
-            pairs = [(module.k_proj, factor, _head_rows(module, head, True)),
-                     (module.q_proj, 1.0 / factor, _head_rows(module, head, False))]
+            pairs = [
+                (module.k_proj, factor, _head_rows(module, head, True)),
+                (module.q_proj, 1.0 / factor, _head_rows(module, head, False)),
+            ]
             if with_v:
-                pairs += [(module.v_proj, factor, slice(None)), (module.o_proj, 1.0 / factor, slice(None))]
+                pairs += [
+                    (module.v_proj, factor, slice(None)),
+                    (module.o_proj, 1.0 / factor, slice(None)),
+                ]
             for linear, f, rows in pairs:
                 linear.weight[rows].mul_(f)
                 if linear.bias is not None and linear is not module.o_proj:
@@ -69,17 +76,25 @@ def make_outlier(src: Path, out: Path, factor: float, with_v: bool, head: int | 
     model.save_pretrained(partial)
     AutoTokenizer.from_pretrained(src).save_pretrained(partial)
     os.replace(partial, out)
-    print(f"{out}: {scaled} attention layers, K x{factor:g}" + (f" on KV head {head}" if head is not None else "")
-          + (f", V x{factor:g}" if with_v else ""), file=sys.stderr)
+    print(
+        f"{out}: {scaled} attention layers, K x{factor:g}"
+        + (f" on KV head {head}" if head is not None else "")
+        + (f", V x{factor:g}" if with_v else ""),
+        file=sys.stderr,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("src", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--factor", type=float, default=16.0)
     parser.add_argument("--with-v", action="store_true", help="also v_proj x F and o_proj / F")
-    parser.add_argument("--head", type=int, default=None, help="scale only this KV head's K (and its queries' Q)")
+    parser.add_argument(
+        "--head", type=int, default=None, help="scale only this KV head's K (and its queries' Q)"
+    )
     args = parser.parse_args()
     if args.out.exists():
         sys.exit(f"{args.out} exists")

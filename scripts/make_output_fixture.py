@@ -50,10 +50,19 @@ def midpoints(scale: float, target_name: str, low: float, count: int = 4) -> lis
 
     chip = fp8.get_target(target_name)
     multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, chip))
-    grid = sorted({abs(float(v)) for v in torch.arange(256, dtype=torch.uint8).view(getattr(torch, chip.dtype)
-                                                                                     ).float().tolist()
-                   if v == v and abs(v) <= chip.fp8_max})
-    mids = [(a + b) / 2 for a, b in zip(grid, grid[1:]) if (a + b) / 2 > low * chip.fp8_max][-count:]
+    grid = sorted(
+        {
+            abs(float(v))
+            for v in torch.arange(256, dtype=torch.uint8)
+            .view(getattr(torch, chip.dtype))
+            .float()
+            .tolist()
+            if v == v and abs(v) <= chip.fp8_max
+        }
+    )
+    mids = [(a + b) / 2 for a, b in zip(grid, grid[1:]) if (a + b) / 2 > low * chip.fp8_max][
+        -count:
+    ]
     return [(-1.0 if j % 2 == 0 else 1.0) * m / multiplier for j, m in enumerate(mids)]
 
 
@@ -65,11 +74,22 @@ def values_for(absmax: float, measured: float, target: str, clip: float) -> dict
     chip = fp8.get_target(target)
     scale = float(fp8.scale_from_absmax(measured, chip))
     clipped = float(fp8.scale_from_absmax(measured * clip, chip))
-    return {SEEN: [absmax, *midpoints(scale, target, clip)], HIDDEN: midpoints(clipped, target, 2 ** -0.5)}
+    return {
+        SEEN: [absmax, *midpoints(scale, target, clip)],
+        HIDDEN: midpoints(clipped, target, 2**-0.5),
+    }
 
 
-def build(src: Path, out: Path, layer: int, means: dict[int, list[float]], hide_scale: float, q_bias: float,
-          k_spread: float, measured: dict[int, list[float]] | None = None) -> None:
+def build(
+    src: Path,
+    out: Path,
+    layer: int,
+    means: dict[int, list[float]],
+    hide_scale: float,
+    q_bias: float,
+    k_spread: float,
+    measured: dict[int, list[float]] | None = None,
+) -> None:
     """The variant of `src`: in `layer`, KV head h's planted channels with K mean `means[h]` (k_proj bias: the
     mean less `measured[h]`, what the rows alone gave there, measured on the first pass), their weight rows x
     `k_spread`, the query heads reading them a bias of ±`q_bias` there but on the absmax channel (its spread alone
@@ -83,7 +103,9 @@ def build(src: Path, out: Path, layer: int, means: dict[int, list[float]], hide_
         attention = model.model.layers[layer].self_attn
         rows = slice(HIDDEN * head_dim, (HIDDEN + 1) * head_dim)
         attention.v_proj.weight[rows].div_(hide_scale)
-        attention.o_proj.weight[:, HIDDEN * group * head_dim:(HIDDEN + 1) * group * head_dim].mul_(hide_scale)
+        attention.o_proj.weight[
+            :, HIDDEN * group * head_dim : (HIDDEN + 1) * group * head_dim
+        ].mul_(hide_scale)
         for head, values in means.items():
             offsets = (measured or {}).get(head, [0.0] * len(values))
             for j, (d, value) in enumerate(zip(channels, values)):
@@ -99,8 +121,9 @@ def build(src: Path, out: Path, layer: int, means: dict[int, list[float]], hide_
     os.replace(partial, out)
 
 
-def channel_means(model_dir: Path, dataset: str, layer: int, num_samples: int, max_seq_len: int
-                  ) -> dict[int, list[float]]:
+def channel_means(
+    model_dir: Path, dataset: str, layer: int, num_samples: int, max_seq_len: int
+) -> dict[int, list[float]]:
     """Per planted KV head, the mean over the dataset's tokens of k_proj's output, bias excluded, in the planted
     channels."""
     import torch
@@ -113,7 +136,9 @@ def channel_means(model_dir: Path, dataset: str, layer: int, num_samples: int, m
     attention = model.model.layers[layer].self_attn
     head_dim = model.config.head_dim
     seen: list[torch.Tensor] = []
-    hook = attention.k_proj.register_forward_hook(lambda m, i, o: seen.append((o - m.bias)[0].detach()))
+    hook = attention.k_proj.register_forward_hook(
+        lambda m, i, o: seen.append((o - m.bias)[0].detach())
+    )
     with torch.no_grad():
         for text in texts:
             model(torch.tensor([tokenizer(text)["input_ids"][:max_seq_len]]))
@@ -123,13 +148,26 @@ def channel_means(model_dir: Path, dataset: str, layer: int, num_samples: int, m
     return {h: [float(mean[h * head_dim + d]) for d in channels] for h in (HIDDEN, SEEN)}
 
 
-def make(src: Path, out: Path, dataset: str, target: str = "gpu", layer: int = 0, clip: float = 2 ** -0.5,
-         hide_scale: float = 32.0, absmax: float = 350.0, q_bias: float = 3.0, k_spread: float = 1.0,
-         num_samples: int = 32, max_seq_len: int = 256, bf16_compute: str = "auto"
-         ) -> tuple[dict[int, list[float]], float]:
+def make(
+    src: Path,
+    out: Path,
+    dataset: str,
+    target: str = "gpu",
+    layer: int = 0,
+    clip: float = 2**-0.5,
+    hide_scale: float = 32.0,
+    absmax: float = 350.0,
+    q_bias: float = 3.0,
+    k_spread: float = 1.0,
+    num_samples: int = 32,
+    max_seq_len: int = 256,
+    bf16_compute: str = "auto",
+) -> tuple[dict[int, list[float]], float]:
     """Build the fixture (module docstring); the planted K means per KV head, and the layer's measured absmax."""
     guess = values_for(absmax, absmax, target, clip)
-    with tempfile.TemporaryDirectory() as tmp:  # first: the rows' own means there; second: the absmax
+    with (
+        tempfile.TemporaryDirectory() as tmp
+    ):  # first: the rows' own means there; second: the absmax
         first, second = Path(tmp) / "first", Path(tmp) / "second"
         build(src, first, layer, guess, hide_scale, q_bias, k_spread)
         measured = channel_means(first, dataset, layer, num_samples, max_seq_len)
@@ -141,13 +179,15 @@ def make(src: Path, out: Path, dataset: str, target: str = "gpu", layer: int = 0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("src", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--target", default="gpu")
     parser.add_argument("--layer", type=int, default=0)
-    parser.add_argument("--clip", type=float, default=2 ** -0.5)
+    parser.add_argument("--clip", type=float, default=2**-0.5)
     parser.add_argument("--hide-scale", type=float, default=32.0)
     parser.add_argument("--absmax", type=float, default=350.0)
     parser.add_argument("--q-bias", type=float, default=3.0)
@@ -155,11 +195,27 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=256)
     args = parser.parse_args()
-    values, measured = make(args.src, args.out, args.dataset, args.target, args.layer, args.clip, args.hide_scale,
-                            args.absmax, args.q_bias, args.k_spread, args.num_samples, args.max_seq_len)
-    print(f"{args.out}: layer {args.layer}, absmax {measured:.1f}; K channels "
-          + "; ".join(f"KV head {h}: " + ", ".join(f"{v:.1f}" for v in vs) for h, vs in sorted(values.items())),
-          file=sys.stderr)
+    values, measured = make(
+        args.src,
+        args.out,
+        args.dataset,
+        args.target,
+        args.layer,
+        args.clip,
+        args.hide_scale,
+        args.absmax,
+        args.q_bias,
+        args.k_spread,
+        args.num_samples,
+        args.max_seq_len,
+    )
+    print(
+        f"{args.out}: layer {args.layer}, absmax {measured:.1f}; K channels "
+        + "; ".join(
+            f"KV head {h}: " + ", ".join(f"{v:.1f}" for v in vs) for h, vs in sorted(values.items())
+        ),
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

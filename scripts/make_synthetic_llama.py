@@ -20,18 +20,37 @@ from pathlib import Path
 from typing import Any
 
 
-def build_synthetic_llama(out_dir: Path, tokenizer: Any, *, hidden: int, intermediate: int, layers: int,
-                          heads: int, kv_heads: int, dtype: str = "bfloat16", seed: int = 0) -> int:
+def build_synthetic_llama(
+    out_dir: Path,
+    tokenizer: Any,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> int:
     """Write the checkpoint under `out_dir`; returns the bytes of its weights."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-        max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, dtype=dtype,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype=dtype,
     )
     with torch.device("meta"):
         shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
@@ -51,21 +70,29 @@ def build_synthetic_llama(out_dir: Path, tokenizer: Any, *, hidden: int, interme
             if name.endswith("norm.weight"):
                 tensor = torch.ones(shapes[name], dtype=getattr(torch, dtype))
             else:
-                tensor = (torch.randn(shapes[name], generator=generator) * 0.02).to(getattr(torch, dtype))
+                tensor = (torch.randn(shapes[name], generator=generator) * 0.02).to(
+                    getattr(torch, dtype)
+                )
             tensors[name] = tensor
             weight_map[name] = file
             total += tensor.numel() * tensor.element_size()
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         del tensors
     with open(out_dir / "model.safetensors.index.json", "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        json.dump(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+            f,
+            indent=2,
+        )
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return total
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out", type=Path)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=8192)
@@ -77,8 +104,16 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from helpers import build_tokenizer
 
-    size = build_synthetic_llama(args.out, build_tokenizer(), hidden=args.hidden, intermediate=args.intermediate,
-                                 layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, dtype=args.dtype)
+    size = build_synthetic_llama(
+        args.out,
+        build_tokenizer(),
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        dtype=args.dtype,
+    )
     print(f"wrote {args.out}: {size / 2**30:.2f} GiB of weights")
 
 

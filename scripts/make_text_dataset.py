@@ -24,7 +24,12 @@ TUTORIAL_DIR = Path("/usr/share/doc/python3.11/html/_sources/tutorial")
 
 def tutorial_paragraphs(directory: Path = TUTORIAL_DIR) -> list[str]:
     files = sorted(directory.glob("*.rst.txt")) if directory.is_dir() else []
-    paragraphs = [p.strip() for path in files for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    paragraphs = [
+        p.strip()
+        for path in files
+        for p in path.read_text(encoding="utf-8").split("\n\n")
+        if p.strip()
+    ]
     if not paragraphs:
         sys.exit(f"no tutorial found under {directory}: run `apt-get install python3.11-doc` first")
     return paragraphs
@@ -32,7 +37,11 @@ def tutorial_paragraphs(directory: Path = TUTORIAL_DIR) -> list[str]:
 
 def fortune_entries(directory: Path = FORTUNES_DIR) -> list[str]:
     entries: list[str] = []
-    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix == "") if directory.is_dir() else []
+    files = (
+        sorted(p for p in directory.iterdir() if p.is_file() and p.suffix == "")
+        if directory.is_dir()
+        else []
+    )
     for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
         entries.extend(e.strip() for e in text.split("\n%\n") if e.strip())
@@ -59,7 +68,9 @@ def join_entries(entries: list[str], chars: int, max_rows: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out", type=Path)
     parser.add_argument("--source", choices=["fortunes", "python-tutorial"], default="fortunes")
     parser.add_argument("--chars", type=int, default=2000)

@@ -47,10 +47,18 @@ from kvcalib.hf.samples import AttentionSampler, attention_rows, sample_sequence
 def fewer_rows(sample, keep: int = 4):
     """The sample with rows 0, 1, 8, 9 (of 16): choosing and held-out rows still alternate."""
     rows = sample.query.shape[1]
-    index = [j for j in range(rows) if (j // 2) % (rows // keep) == 0][:keep] if rows > keep else list(range(rows))
+    index = (
+        [j for j in range(rows) if (j // 2) % (rows // keep) == 0][:keep]
+        if rows > keep
+        else list(range(rows))
+    )
     t = torch.tensor(index)
-    return dataclasses.replace(sample, query=sample.query.index_select(1, t), bias=sample.bias.index_select(0, t),
-                               held_out=sample.held_out.index_select(0, t))
+    return dataclasses.replace(
+        sample,
+        query=sample.query.index_select(1, t),
+        bias=sample.bias.index_select(0, t),
+        held_out=sample.held_out.index_select(0, t),
+    )
 
 
 def kl_terms(sample, k: objective.Candidates, target: fp8.Target) -> torch.Tensor:
@@ -80,16 +88,26 @@ def main() -> None:
     print(provenance(), flush=True)
     target = fp8.get_target(args.target)
     tokenizer = load_tokenizer(args.model, False)
-    data = load_calibration_data(args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len)
+    data = load_calibration_data(
+        args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len
+    )
     from kvcalib.core.checkpoint import read_config
     from kvcalib.core.cpu import ComputePath
 
     config = read_config(args.model)
-    model = load_model(args.model, None, torch.device("cpu"), False, attn_implementation=faithful_attention(config))
+    model = load_model(
+        args.model, None, torch.device("cpu"), False, attn_implementation=faithful_attention(config)
+    )
     layers = num_layers(model)
-    observer = KVAbsmaxObserver(layers, sampler=AttentionSampler(
-        layers, sample_sequences(data.sequences, 4, pad_id(tokenizer), budget=10**9)))
-    compute = ComputePath("float32" if args.bf16_compute == "float32" else "native", "objective_proxy")
+    observer = KVAbsmaxObserver(
+        layers,
+        sampler=AttentionSampler(
+            layers, sample_sequences(data.sequences, 4, pad_id(tokenizer), budget=10**9)
+        ),
+    )
+    compute = ComputePath(
+        "float32" if args.bf16_compute == "float32" else "native", "objective_proxy"
+    )
     with compute_path(compute):
         observe_all(model, observer, data, 4, pad_id(tokenizer), torch.device("cpu"), no_progress)
     samples = observer.sampler.samples
@@ -98,22 +116,46 @@ def main() -> None:
     misses = []
     for i in range(layers):
         kv_heads = samples[i][0].key.shape[0]
-        grids = [objective.candidates(h, target, False, kv_heads) for h in (observer.k_heads[i], observer.v_heads[i])]
-        for name, rows in (("objective (16 rows)", samples[i]), ("4 rows", [fewer_rows(s) for s in samples[i]])):
+        grids = [
+            objective.candidates(h, target, False, kv_heads)
+            for h in (observer.k_heads[i], observer.v_heads[i])
+        ]
+        for name, rows in (
+            ("objective (16 rows)", samples[i]),
+            ("4 rows", [fewer_rows(s) for s in samples[i]]),
+        ):
             started = time.perf_counter()
-            terms = objective.sum_terms([objective.sample_terms(s, [grids], [target])[0][0] for s in rows])
+            terms = objective.sum_terms(
+                [objective.sample_terms(s, [grids], [target])[0][0] for s in rows]
+            )
             seconds[name] += time.perf_counter() - started
-            picks = [pick([math.fsum(r) for r in terms[kind, 0].tolist()],
-                          [math.fsum(r) for r in terms[kind, 1].tolist()],
-                          grids[kind].keeps_range.all(dim=1).tolist()) for kind in (0, 1)]
+            picks = [
+                pick(
+                    [math.fsum(r) for r in terms[kind, 0].tolist()],
+                    [math.fsum(r) for r in terms[kind, 1].tolist()],
+                    grids[kind].keeps_range.all(dim=1).tolist(),
+                )
+                for kind in (0, 1)
+            ]
             if name.startswith("objective"):
                 full, full_terms = picks, terms
             for kind in (0, 1):
                 same[name][0] += picks[kind] == full[kind]
                 same[name][1] += 1
                 if picks[kind] != full[kind]:
-                    misses.append((name, i, "KV"[kind], grids[kind].labels[full[kind]], grids[kind].labels[picks[kind]],
-                                   full_terms, kind, picks[kind], full[kind]))
+                    misses.append(
+                        (
+                            name,
+                            i,
+                            "KV"[kind],
+                            grids[kind].labels[full[kind]],
+                            grids[kind].labels[picks[kind]],
+                            full_terms,
+                            kind,
+                            picks[kind],
+                            full[kind],
+                        )
+                    )
         started = time.perf_counter()
         kl = objective.sum_terms([kl_terms(s, grids[0], target) for s in samples[i]])
         seconds["K probability KL"] += time.perf_counter() - started
@@ -121,18 +163,33 @@ def main() -> None:
         same["K probability KL"][0] += k_pick == full[0]
         same["K probability KL"][1] += 1
         if k_pick != full[0]:
-            misses.append(("K probability KL", i, "K", grids[0].labels[full[0]], grids[0].labels[k_pick], full_terms, 0,
-                           k_pick, full[0]))
+            misses.append(
+                (
+                    "K probability KL",
+                    i,
+                    "K",
+                    grids[0].labels[full[0]],
+                    grids[0].labels[k_pick],
+                    full_terms,
+                    0,
+                    k_pick,
+                    full[0],
+                )
+            )
     tokens = sum(len(s) for s in data.sequences)
-    print(f"{args.model.name}, {args.target}, {len(data.sequences)} x {args.max_seq_len} ({tokens} tokens), "
-          f"{layers} layers")
+    print(
+        f"{args.model.name}, {args.target}, {len(data.sequences)} x {args.max_seq_len} ({tokens} tokens), "
+        f"{layers} layers"
+    )
     print("| chooser | same pick as the objective | seconds |\n|---|---:|---:|")
     for name, (hits, total) in same.items():
         print(f"| {name} | {hits}/{total} | {seconds[name]:.1f} |")
     for name, layer, kind, theirs, mine, terms, k, c_mine, c_full in misses:
         held = terms[k, 1].sum(dim=-1)
-        print(f"- {name}: layer {layer} {kind}: {mine} for {theirs}; the objective's held-out error "
-              f"{math.sqrt(held[c_mine] / held[c_full]):.3f}x of its own pick's")
+        print(
+            f"- {name}: layer {layer} {kind}: {mine} for {theirs}; the objective's held-out error "
+            f"{math.sqrt(held[c_mine] / held[c_full]):.3f}x of its own pick's"
+        )
 
 
 if __name__ == "__main__":

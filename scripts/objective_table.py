@@ -21,14 +21,21 @@ import argparse
 import json
 from pathlib import Path
 
-from compare_strategies import KVCALIB, REPO, dataset, run  # this folder is on sys.path when run as a script
+from compare_strategies import (  # this folder is on sys.path when run as a script
+    KVCALIB,
+    REPO,
+    dataset,
+    run,
+)
 from provenance import provenance
 
 TARGETS = ("trn2", "trn3", "gpu")
 MARGIN = 0.01
 
 
-def calibrations(model: Path, out: Path, calibration: Path, size: tuple[int, int], compute: str) -> dict[str, Path]:
+def calibrations(
+    model: Path, out: Path, calibration: Path, size: tuple[int, int], compute: str
+) -> dict[str, Path]:
     """{default-trn2, default-trn3, default-gpu, absmax-trn2, absmax-448} -> checkpoint."""
     plans = {f"default-{t}": ["--target", t] for t in TARGETS}
     plans["absmax-trn2"] = ["--target", "trn2", "--scale-objective", "absmax"]
@@ -37,41 +44,89 @@ def calibrations(model: Path, out: Path, calibration: Path, size: tuple[int, int
     for name, args in plans.items():
         found[name] = out / f"{model.name}-{name}"
         if not (found[name] / "config.json").exists():
-            run([*KVCALIB, "calibrate", str(model), "--dataset", str(calibration), "-o", str(found[name]), *args,
-                 "--num-samples", str(size[0]), "--max-seq-len", str(size[1]), "--bf16-compute", compute,
-                 "--overwrite", "--quiet"])
+            run(
+                [
+                    *KVCALIB,
+                    "calibrate",
+                    str(model),
+                    "--dataset",
+                    str(calibration),
+                    "-o",
+                    str(found[name]),
+                    *args,
+                    "--num-samples",
+                    str(size[0]),
+                    "--max-seq-len",
+                    str(size[1]),
+                    "--bf16-compute",
+                    compute,
+                    "--overwrite",
+                    "--quiet",
+                ]
+            )
     return found
 
 
-def measure(ckpts: dict[str, Path], held_out: Path, size: tuple[int, int], compute: str) -> dict[str, dict]:
+def measure(
+    ckpts: dict[str, Path], held_out: Path, size: tuple[int, int], compute: str
+) -> dict[str, dict]:
     """target -> {scale set -> eval run} for the default, absmax/FP8_MAX, absmax/448 and 1.0."""
     rows = {}
     for target in TARGETS:
         own_absmax = ckpts["absmax-trn2" if target == "trn2" else "absmax-448"]
         others = [own_absmax] + ([ckpts["absmax-448"]] if target == "trn2" else [])
         compare = [a for c in others for a in ("--compare", str(c))] + ["--compare", "unit"]
-        result = json.loads(run([*KVCALIB, "eval", str(ckpts[f"default-{target}"]), "--dataset", str(held_out),
-                                 "--target", target, "--num-samples", str(size[0]), "--max-seq-len", str(size[1]),
-                                 "--bf16-compute", compute, *compare, "--json", "--quiet"]))
-        names = ["default", "absmax/FP8_MAX"] + (["absmax/448"] if target == "trn2" else []) + ["1.0"]
-        rows[target] = {"baseline_nll": result["baseline"]["nll"], "tokens": result["num_tokens"],
-                        "runs": dict(zip(names, result["runs"]))}
+        result = json.loads(
+            run(
+                [
+                    *KVCALIB,
+                    "eval",
+                    str(ckpts[f"default-{target}"]),
+                    "--dataset",
+                    str(held_out),
+                    "--target",
+                    target,
+                    "--num-samples",
+                    str(size[0]),
+                    "--max-seq-len",
+                    str(size[1]),
+                    "--bf16-compute",
+                    compute,
+                    *compare,
+                    "--json",
+                    "--quiet",
+                ]
+            )
+        )
+        names = (
+            ["default", "absmax/FP8_MAX"] + (["absmax/448"] if target == "trn2" else []) + ["1.0"]
+        )
+        rows[target] = {
+            "baseline_nll": result["baseline"]["nll"],
+            "tokens": result["num_tokens"],
+            "runs": dict(zip(names, result["runs"])),
+        }
     return rows
 
 
 def table(title: str, rows: dict[str, dict]) -> str:
     first = next(iter(rows.values()))
-    lines = [f"### {title} ({first['tokens']:,} held-out tokens, unquantised NLL {first['baseline_nll']:.4f})", "",
-             "| numerics | default | absmax/FP8_MAX | absmax/448 | 1.0 | default - best alternative | within 0.01 |",
-             "|---|---:|---:|---:|---:|---:|:---:|"]
+    lines = [
+        f"### {title} ({first['tokens']:,} held-out tokens, unquantised NLL {first['baseline_nll']:.4f})",
+        "",
+        "| numerics | default | absmax/FP8_MAX | absmax/448 | 1.0 | default - best alternative | within 0.01 |",
+        "|---|---:|---:|---:|---:|---:|:---:|",
+    ]
     for target, row in rows.items():
         d = {name: run["delta_nll"] for name, run in row["runs"].items()}
         if "absmax/448" not in d:
             d["absmax/448"] = d["absmax/FP8_MAX"]  # trn3 and gpu: the same scales
         best = min(d["absmax/FP8_MAX"], d["absmax/448"], d["1.0"])
-        lines.append(f"| {target} | {d['default']:+.4f} | {d['absmax/FP8_MAX']:+.4f} | {d['absmax/448']:+.4f} | "
-                     f"{d['1.0']:+.4f} | {d['default'] - best:+.4f} | "
-                     f"{'yes' if d['default'] <= best + MARGIN else 'NO'} |")
+        lines.append(
+            f"| {target} | {d['default']:+.4f} | {d['absmax/FP8_MAX']:+.4f} | {d['absmax/448']:+.4f} | "
+            f"{d['1.0']:+.4f} | {d['default'] - best:+.4f} | "
+            f"{'yes' if d['default'] <= best + MARGIN else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -84,8 +139,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", type=Path, nargs="+")
     parser.add_argument("--out", type=Path, default=REPO / "out" / "objective")
-    parser.add_argument("--calib", type=size, default=(64, 512), help="calibration samples x tokens")
-    parser.add_argument("--held-out", type=size, default=(32, 512), help="held-out samples x tokens")
+    parser.add_argument(
+        "--calib", type=size, default=(64, 512), help="calibration samples x tokens"
+    )
+    parser.add_argument(
+        "--held-out", type=size, default=(32, 512), help="held-out samples x tokens"
+    )
     parser.add_argument("--bf16-compute", default="float32", choices=["auto", "native", "float32"])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

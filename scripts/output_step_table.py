@@ -57,8 +57,12 @@ def held_out_text(out: Path, rows: int) -> Path:
     """Python tutorial paragraphs joined into ~2,000-character rows, as tests/e2e/test_scale_objective.py."""
     path = out / f"tutorial-{rows}.jsonl"
     if not path.exists():
-        paragraphs = make_text_dataset.join_entries(make_text_dataset.tutorial_paragraphs(), 2000, rows)
-        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in paragraphs), encoding="utf-8")
+        paragraphs = make_text_dataset.join_entries(
+            make_text_dataset.tutorial_paragraphs(), 2000, rows
+        )
+        path.write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in paragraphs), encoding="utf-8"
+        )
     return path
 
 
@@ -79,18 +83,33 @@ def calibrated(model: Path, calibration: Path, ckpt: Path, opts: CalibrateOption
     return result
 
 
-def calibrations(model: Path, name: str, calibration: Path, out: Path, calib: tuple[int, int],
-                 targets: tuple[str, ...]) -> dict[str, tuple[Path, dict]]:
-    """"{objective}-{target}" -> (checkpoint, its CalibrationResult dict); absmax-gpu is absmax/448 for trn2."""
-    plans = {f"{objective}-{target}": (target, objective)
-             for target in targets for objective in ("output", "attention", "absmax")}
+def calibrations(
+    model: Path,
+    name: str,
+    calibration: Path,
+    out: Path,
+    calib: tuple[int, int],
+    targets: tuple[str, ...],
+) -> dict[str, tuple[Path, dict]]:
+    """ "{objective}-{target}" -> (checkpoint, its CalibrationResult dict); absmax-gpu is absmax/448 for trn2."""
+    plans = {
+        f"{objective}-{target}": (target, objective)
+        for target in targets
+        for objective in ("output", "attention", "absmax")
+    }
     if "trn2" in targets:
         plans["absmax-gpu"] = ("gpu", "absmax")
     found = {}
     for key, (target, objective) in plans.items():
         ckpt = out / f"{name}-{key}"
-        opts = CalibrateOptions(target=target, scale_objective=objective, num_samples=calib[0],
-                                max_seq_len=calib[1], overwrite=True, cpu=HostCpu.detect())
+        opts = CalibrateOptions(
+            target=target,
+            scale_objective=objective,
+            num_samples=calib[0],
+            max_seq_len=calib[1],
+            overwrite=True,
+            cpu=HostCpu.detect(),
+        )
         print(f"  calibrate {name} {key}", file=sys.stderr, flush=True)
         found[key] = ckpt, calibrated(model, calibration, ckpt, opts)
     return found
@@ -99,44 +118,80 @@ def calibrations(model: Path, name: str, calibration: Path, out: Path, calib: tu
 def row_tokens(model: Path, held_out: Path, opts: EvalOptions, order: str) -> list[int]:
     """Tokens each eval row scores, in evaluate's order (its rows, right-padded: n real tokens score n - 1, or in
     the Neuron order the decode half, n // 2 - 1): to split a run's token_nll back into rows."""
-    data = load_calibration_data(str(held_out), load_tokenizer(model, opts.trust_remote_code), split=opts.split,
-                                 text_column=opts.text_column, num_samples=opts.num_samples,
-                                 max_seq_len=opts.max_seq_len, seed=opts.seed,
-                                 add_special_tokens=opts.add_special_tokens)
+    data = load_calibration_data(
+        str(held_out),
+        load_tokenizer(model, opts.trust_remote_code),
+        split=opts.split,
+        text_column=opts.text_column,
+        num_samples=opts.num_samples,
+        max_seq_len=opts.max_seq_len,
+        seed=opts.seed,
+        add_special_tokens=opts.add_special_tokens,
+    )
     return [len(s) // 2 - 1 if order == fp8.NEURON_ORDER else len(s) - 1 for s in data.sequences]
 
 
 def paired(mine: RunResult, theirs: RunResult, tokens: list[int]) -> Interval | None:
     """mine - theirs in ΔNLL per token, paired over the same rows (the unquantised baseline cancels)."""
     if mine.token_nll is None or theirs.token_nll is None or sum(tokens) != mine.token_nll.numel():
-        raise SystemExit(f"cannot split {mine.token_nll and mine.token_nll.numel()} scored tokens into rows of "
-                         f"{sum(tokens)}: evaluate's rows changed")
+        raise SystemExit(
+            f"cannot split {mine.token_nll and mine.token_nll.numel()} scored tokens into rows of "
+            f"{sum(tokens)}: evaluate's rows changed"
+        )
     diffs = [float(d.sum()) for d in (mine.token_nll - theirs.token_nll).split(tokens)]
     return paired_bootstrap(diffs, tokens)
 
 
-def measure(model: Path, ckpts: dict[str, tuple[Path, dict]], target: str, held_out: Path,
-            rows: tuple[int, int]) -> dict:
+def measure(
+    model: Path,
+    ckpts: dict[str, tuple[Path, dict]],
+    target: str,
+    held_out: Path,
+    rows: tuple[int, int],
+) -> dict:
     """One table row: eval of the default with every alternative compared, on the held-out text."""
-    names = {"attention": ckpts[f"attention-{target}"][0], "absmax/FP8_MAX": ckpts[f"absmax-{target}"][0],
-             "1.0": "unit"}
+    names = {
+        "attention": ckpts[f"attention-{target}"][0],
+        "absmax/FP8_MAX": ckpts[f"absmax-{target}"][0],
+        "1.0": "unit",
+    }
     if target == "trn2":
         names["absmax/448"] = ckpts["absmax-gpu"][0]
-    opts = EvalOptions(target=target, num_samples=rows[0], max_seq_len=rows[1],
-                       compare=tuple(str(p) for p in names.values()), layer_rows=0, cpu=HostCpu.detect())
+    opts = EvalOptions(
+        target=target,
+        num_samples=rows[0],
+        max_seq_len=rows[1],
+        compare=tuple(str(p) for p in names.values()),
+        layer_rows=0,
+        cpu=HostCpu.detect(),
+    )
     print(f"  eval {model.name} {target}", file=sys.stderr, flush=True)
     result = evaluate(ckpts[f"output-{target}"][0], str(held_out), opts)
     runs = dict(zip(["default", *names], result.runs))
     best = min((n for n in runs if n != "default"), key=lambda n: runs[n].delta_nll)
     gap = paired(runs["default"], runs[best], row_tokens(model, held_out, opts, result.order))
     default = ckpts[f"output-{target}"][1]
-    return {"target": target, "order": result.order, "compute": result.compute, "tokens": result.num_tokens,
-            "rows": result.num_samples, "baseline_nll": result.baseline_nll, "seconds": round(result.seconds, 1),
-            "runs": {n: {"delta_nll": r.delta_nll, "interval": r.delta_nll_interval and r.delta_nll_interval.to_dict()}
-                     for n, r in runs.items()},
-            "best": best, "gap": gap and gap.to_dict(), "calibration_compute": default["compute"],
-            "output_step": default["output_step"],
-            "changed": changed_layers(default, ckpts[f"attention-{target}"][1])}
+    return {
+        "target": target,
+        "order": result.order,
+        "compute": result.compute,
+        "tokens": result.num_tokens,
+        "rows": result.num_samples,
+        "baseline_nll": result.baseline_nll,
+        "seconds": round(result.seconds, 1),
+        "runs": {
+            n: {
+                "delta_nll": r.delta_nll,
+                "interval": r.delta_nll_interval and r.delta_nll_interval.to_dict(),
+            }
+            for n, r in runs.items()
+        },
+        "best": best,
+        "gap": gap and gap.to_dict(),
+        "calibration_compute": default["compute"],
+        "output_step": default["output_step"],
+        "changed": changed_layers(default, ckpts[f"attention-{target}"][1]),
+    }
 
 
 def changed_layers(default: dict, attention: dict) -> list[dict]:
@@ -147,21 +202,35 @@ def changed_layers(default: dict, attention: dict) -> list[dict]:
         for kind in ("k", "v"):
             choice, before = mine[kind].get("choice") or {}, theirs[kind].get("choice") or {}
             if choice.get("label") != before.get("label"):
-                out.append({"layer": mine["layer"], "kind": kind, "from": before.get("label"),
-                            "to": choice.get("label"), "scale": mine[kind]["scale"],
-                            "attention_scale": theirs[kind]["scale"], "output": choice.get("output")})
+                out.append(
+                    {
+                        "layer": mine["layer"],
+                        "kind": kind,
+                        "from": before.get("label"),
+                        "to": choice.get("label"),
+                        "scale": mine[kind]["scale"],
+                        "attention_scale": theirs[kind]["scale"],
+                        "output": choice.get("output"),
+                    }
+                )
     return out
 
 
 def cell(run: dict) -> str:
     i = run["interval"]
-    return f"{run['delta_nll']:+.4f}" + ("" if i is None else f" [{i['low']:+.4f}, {i['high']:+.4f}]")
+    return f"{run['delta_nll']:+.4f}" + (
+        "" if i is None else f" [{i['low']:+.4f}, {i['high']:+.4f}]"
+    )
 
 
 def verdict(row: dict) -> str:
     """worse: the paired difference default - best alternative excludes 0 upward; (disjoint: the two ΔNLL
     intervals do not even overlap)."""
-    gap, mine, theirs = row["gap"], row["runs"]["default"]["interval"], row["runs"][row["best"]]["interval"]
+    gap, mine, theirs = (
+        row["gap"],
+        row["runs"]["default"]["interval"],
+        row["runs"][row["best"]]["interval"],
+    )
     disjoint = mine is not None and theirs is not None and mine["low"] > theirs["high"]
     if gap is None:
         return "no interval"
@@ -174,21 +243,34 @@ def step(record: dict | None) -> str:
         return "-"
     if record.get("skipped"):
         return f"skipped: {record['skipped']}"
-    return (f"{record['material']}/{record['weighed']}/{record['changed']}/{record['forwards']} "
-            f"({record['rows']} rows)")
+    return (
+        f"{record['material']}/{record['weighed']}/{record['changed']}/{record['forwards']} "
+        f"({record['rows']} rows)"
+    )
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | target | order | tokens | " + " | ".join(COLUMNS) + " | default - best (paired) | verdict | "
-             "step: material/weighed/changed/forwards |",
-             "|---|---|---|---:|" + "---:|" * len(COLUMNS) + "---:|---|---|"]
+    lines = [
+        "| model | target | order | tokens | "
+        + " | ".join(COLUMNS)
+        + " | default - best (paired) | verdict | "
+        "step: material/weighed/changed/forwards |",
+        "|---|---|---|---:|" + "---:|" * len(COLUMNS) + "---:|---|---|",
+    ]
     for row in rows:
         cells = [cell(row["runs"][c]) if c in row["runs"] else "(= FP8_MAX)" for c in COLUMNS]
         gap = row["gap"]
-        gap_cell = "-" if gap is None else f"{gap['estimate']:+.4f} [{gap['low']:+.4f}, {gap['high']:+.4f}]"
-        lines.append(f"| {row['model']} | {row['target']} | {row['order']} | {row['tokens']:,} | "
-                     + " | ".join(cells) + f" | {gap_cell} vs {row['best']} | {verdict(row)} | "
-                     f"{step(row['output_step'])} |")
+        gap_cell = (
+            "-"
+            if gap is None
+            else f"{gap['estimate']:+.4f} [{gap['low']:+.4f}, {gap['high']:+.4f}]"
+        )
+        lines.append(
+            f"| {row['model']} | {row['target']} | {row['order']} | {row['tokens']:,} | "
+            + " | ".join(cells)
+            + f" | {gap_cell} vs {row['best']} | {verdict(row)} | "
+            f"{step(row['output_step'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -197,9 +279,12 @@ def changes(rows: list[dict]) -> str:
     the mean next-token KL of each candidate it weighed."""
     lines = []
     for row in rows:
-        moved = "; ".join(f"layer {c['layer']} {c['kind'].upper()} {c['from']} -> {c['to']} (KL "
-                          + ", ".join(f"{label} {kl:.2e}" for label, kl in (c["output"] or {}).items()) + ")"
-                          for c in row["changed"])
+        moved = "; ".join(
+            f"layer {c['layer']} {c['kind'].upper()} {c['from']} -> {c['to']} (KL "
+            + ", ".join(f"{label} {kl:.2e}" for label, kl in (c["output"] or {}).items())
+            + ")"
+            for c in row["changed"]
+        )
         lines.append(f"- {row['model']} {row['target']}: {moved or 'no layer changed'}")
     return "\n".join(lines)
 
@@ -208,11 +293,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", help=f"model directories, or {CONSTANT_K}")
     parser.add_argument("--targets", default=",".join(TARGETS))
-    parser.add_argument("--calib", type=size, default=(32, 512), help="calibration samples x tokens")
-    parser.add_argument("--held-out", type=size, default=(16, 512), help="held-out samples x tokens")
-    parser.add_argument("--data", type=Path, required=True, help="calibration data (a jsonl with a text column)")
-    parser.add_argument("--smollm2", type=Path, default=Path(os.environ.get("KVCALIB_SMOLLM2") or REPO / ".cache"
-                                                             / "smollm2"), help="the constant-K fixture's base")
+    parser.add_argument(
+        "--calib", type=size, default=(32, 512), help="calibration samples x tokens"
+    )
+    parser.add_argument(
+        "--held-out", type=size, default=(16, 512), help="held-out samples x tokens"
+    )
+    parser.add_argument(
+        "--data", type=Path, required=True, help="calibration data (a jsonl with a text column)"
+    )
+    parser.add_argument(
+        "--smollm2",
+        type=Path,
+        default=Path(os.environ.get("KVCALIB_SMOLLM2") or REPO / ".cache" / "smollm2"),
+        help="the constant-K fixture's base",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "out" / "output_step")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

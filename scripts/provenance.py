@@ -19,12 +19,20 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # the ones that decide kvcalib's compute path
+FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_tile",
+)  # the ones that decide kvcalib's compute path
 
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO).stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip()
     except OSError:  # no git on this machine
         return ""
 
@@ -32,9 +40,22 @@ def _git(*args: str) -> str:
 def cpu() -> str:
     """The CPU's model name and which of FLAGS it has, from /proc/cpuinfo, and its core count."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor() or "CPU not recorded")
-    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in info.splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "CPU not recorded",
+    )
+    flags = next(
+        (
+            set(line.split(":", 1)[1].split())
+            for line in info.splitlines()
+            if line.startswith("flags")
+        ),
+        set(),
+    )
     has = " ".join(f for f in FLAGS if f in flags) or "none of " + " ".join(FLAGS)
     return f"{model} ({has}), {os.cpu_count()} cores"
 
@@ -46,7 +67,9 @@ def provenance(argv: list[str] | None = None) -> str:
     script = Path(argv[0]).resolve()
     name = str(script.relative_to(REPO)) if script.is_relative_to(REPO) else argv[0]
     threads = os.environ.get("OMP_NUM_THREADS")
-    command = (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", name, *argv[1:]])
+    command = (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(
+        ["python", name, *argv[1:]]
+    )
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     modified = " (kvcalib/ modified)" if _git("status", "--porcelain", "--", "kvcalib") else ""
     return f"`{command}`; commit {commit}{modified}; {datetime.date.today()}; {cpu()}"

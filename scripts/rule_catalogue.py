@@ -25,11 +25,23 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     """The catalogue as Markdown: one table per group, in the order the rules are declared."""
-    lines = ["# `kvcalib validate`: finding codes", "",
-             f"Generated from kvcalib/validation/rules.py by scripts/rule_catalogue.py; regenerate with `{COMMAND}`."]
+    lines = [
+        "# `kvcalib validate`: finding codes",
+        "",
+        f"Generated from kvcalib/validation/rules.py by scripts/rule_catalogue.py; regenerate with `{COMMAND}`.",
+    ]
     for group, rules in RULES.items():
-        lines += ["", f"## {group}", "", "| code | severity | what it catches | follows |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{r.code}` | {_cell(r.severity)} | {_cell(r.catches)} | {_cell(r.follows)} |" for r in rules]
+        lines += [
+            "",
+            f"## {group}",
+            "",
+            "| code | severity | what it catches | follows |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| `{r.code}` | {_cell(r.severity)} | {_cell(r.catches)} | {_cell(r.follows)} |"
+            for r in rules
+        ]
     return "\n".join(lines) + "\n"
 
 

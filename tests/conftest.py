@@ -66,7 +66,9 @@ def short_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def calibrate_tiny(tiny_llama_master: Path, text_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
+def calibrate_tiny(
+    tiny_llama_master: Path, text_dataset: Path, tmp_path_factory: pytest.TempPathFactory
+):
     """`calibrate_tiny(**options)`: the tiny Llama calibrated on `text_dataset` with CalibrateOptions(**options)
     (8 samples of 64 tokens unless they say otherwise), once a session for each set of options. Shared by every
     test that asks for the same options: do not modify it (copy it first); the session's end checks that."""
@@ -103,7 +105,9 @@ def handmade_master(tiny_llama_master: Path, tmp_path_factory: pytest.TempPathFa
     Do not modify: copy it."""
     from checkpoints import make_calibrated
 
-    return make_calibrated(shutil.copytree(tiny_llama_master, tmp_path_factory.mktemp("handmade") / "ckpt"))
+    return make_calibrated(
+        shutil.copytree(tiny_llama_master, tmp_path_factory.mktemp("handmade") / "ckpt")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -158,8 +162,9 @@ _counts = {"passed": 0, "failed": 0, "skipped": 0}
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers",
-                            "proof(name): a real-world check, reported as ran or skipped (tests/conftest.py)")
+    config.addinivalue_line(
+        "markers", "proof(name): a real-world check, reported as ran or skipped (tests/conftest.py)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -190,7 +195,9 @@ def pytest_runtest_logreport(report):
     name = dict(report.user_properties).get("proof")
     if name is not None:
         skipped = report.skipped and isinstance(report.longrepr, (tuple, list))
-        _proof_outcomes[name].append((outcome, report.longrepr[2].removeprefix("Skipped: ") if skipped else ""))
+        _proof_outcomes[name].append(
+            (outcome, report.longrepr[2].removeprefix("Skipped: ") if skipped else "")
+        )
 
 
 def _proof_lines() -> list[str]:
@@ -204,7 +211,9 @@ def _proof_lines() -> list[str]:
         elif ran:
             failed = ran.count("failed")
             verdict = "FAILED  " if failed else "ran     "
-            extra = f", {len(outcomes) - len(ran)} skipped ({'; '.join(reasons)})" if reasons else ""
+            extra = (
+                f", {len(outcomes) - len(ran)} skipped ({'; '.join(reasons)})" if reasons else ""
+            )
             lines.append(f"  {verdict} {label}: {len(ran) - failed} passed, {failed} failed{extra}")
         else:
             lines.append(f"  skipped  {label}: {'; '.join(reasons)}")
@@ -220,4 +229,6 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
         return
     closing = f"tests: {_counts['passed']} passed, {_counts['failed']} failed, {_counts['skipped']} skipped"
-    Path(path).write_text("\n".join([*_proof_lines(), closing]) + "\n")  # scripts/test.sh prints it last
+    Path(path).write_text(
+        "\n".join([*_proof_lines(), closing]) + "\n"
+    )  # scripts/test.sh prints it last

@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "scripts").glob("*.md")),
-        *sorted((REPO / "recipes").glob("*.md"))]
-DIARY = re.compile(r"this session|last session|measured and not kept|an hour later|found on the way|"
-                   r"\bwas [0-9.,]+ ?s\b", re.IGNORECASE)
+DOCS = [
+    REPO / "README.md",
+    REPO / "CONTRIBUTING.md",
+    *sorted((REPO / "scripts").glob("*.md")),
+    *sorted((REPO / "recipes").glob("*.md")),
+]
+DIARY = re.compile(
+    r"this session|last session|measured and not kept|an hour later|found on the way|"
+    r"\bwas [0-9.,]+ ?s\b",
+    re.IGNORECASE,
+)
 
 
 def test_the_readme_fits_in_300_lines_and_opens_with_the_two_commands():
@@ -31,17 +38,26 @@ def test_no_diary_and_every_relative_link_resolves(doc):
     assert not DIARY.findall(text), f"{doc.name}: history belongs in the closing note, not the docs"
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
         if "://" not in target:
-            assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
+            assert (doc.parent / target).exists(), (
+                f"{doc.name} links to {target}, which does not exist"
+            )
 
 
 @pytest.mark.parametrize("command", ["calibrate", "eval", "serve-check", "validate"])
 def test_help_is_readable_at_80_columns(command):
     env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80", "NO_COLOR": "1"}
     env.pop("FORCE_COLOR", None)
-    out = subprocess.run([sys.executable, "-m", "kvcalib", command, "--help"], capture_output=True, text=True,
-                         env=env, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcalib", command, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
     assert "…" not in out  # no option name or help cut off
     assert max(len(line) for line in out.splitlines()) <= 80
     if command == "calibrate":
         for choices in ("trn2|trn3|gpu", "output|attention|absmax"):
-            assert choices in out.replace("\n", "")  # --target and --scale-objective list their choices
+            assert choices in out.replace(
+                "\n", ""
+            )  # --target and --scale-objective list their choices

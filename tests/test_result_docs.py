@@ -44,9 +44,14 @@ def every_field(cls: type, value: Any = 1.0, **given: Any) -> Any:
 
 def test_calibrate_and_its_layers(tiny_llama_master, text_dataset, tmp_path):
     """attn_head with Q on GPU: every KindScales key a run can write (per head, range, choice) and "q"."""
-    result = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "out",
-                       CalibrateOptions(target="gpu", strategy="attn_head", attention_scales=True, num_samples=4,
-                                        max_seq_len=32))
+    result = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "out",
+        CalibrateOptions(
+            target="gpu", strategy="attn_head", attention_scales=True, num_samples=4, max_seq_len=32
+        ),
+    )
     payload = result.to_dict()
     assert_documented(CalibrationResult, payload)
     assert_documented(LayerScales, payload["layers"][0])
@@ -57,7 +62,9 @@ def test_calibrate_and_its_layers(tiny_llama_master, text_dataset, tmp_path):
 
 
 def test_calibrate_plan(tiny_llama_master, text_dataset, tmp_path):
-    plan = plan_calibration(tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
+    plan = plan_calibration(
+        tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL)
+    )
     assert plan.ok
     assert_documented(CalibrationPlan, plan.to_dict())
 
@@ -79,18 +86,26 @@ def test_eval(calibrated, text_dataset):
 
 
 def test_eval_context_and_needle(calibrated, text_dataset):
-    context = evaluate_context(calibrated, str(text_dataset), (32,), EvalOptions(num_samples=1)).to_dict()
+    context = evaluate_context(
+        calibrated, str(text_dataset), (32,), EvalOptions(num_samples=1)
+    ).to_dict()
     assert_documented(ContextResult, context)
     assert_documented(ContextRow, context["rows"][0])
-    needle = evaluate_needle(calibrated, str(text_dataset), (300,), EvalOptions(dtype="float32"), keys=1)
+    needle = evaluate_needle(
+        calibrated, str(text_dataset), (300,), EvalOptions(dtype="float32"), keys=1
+    )
     assert_documented(NeedleResult, needle.to_dict())
 
 
 def test_eval_tasks():
     interval = paired_bootstrap([0.1, 0.2, -0.1, 0.3])
-    row = TaskRow("task", "acc", "none", 4, True, 0.5, {"checkpoint": 0.5}, {"checkpoint": interval})
+    row = TaskRow(
+        "task", "acc", "none", 4, True, 0.5, {"checkpoint": 0.5}, {"checkpoint": interval}
+    )
     assert_documented(TaskRow, row.to_dict())
-    assert_documented(TaskResult, TaskResult("ckpt", "trn2", ("task",), (row,), ("checkpoint",), 4, 0).to_dict())
+    assert_documented(
+        TaskResult, TaskResult("ckpt", "trn2", ("task",), (row,), ("checkpoint",), 4, 0).to_dict()
+    )
 
 
 @pytest.mark.parametrize("cls", [PromptResult, CanaryResult])
@@ -101,15 +116,37 @@ def test_serve_check_parts(cls):
 def test_serve_check():
     prompt = PromptResult("prompt", "output", "output", 1.0)
     canary = CanaryResult(True, 1 / 64, 3.0, 0.2, "the scales are applied")
-    result = ServeCheckResult("ckpt", "cpu", True, 1.0, "vllm serve", "vllm.log", (prompt,), 2.0, 1.9, 1.0, (), (),
-                              240.0, 1, "0.0", canary=canary)
+    result = ServeCheckResult(
+        "ckpt",
+        "cpu",
+        True,
+        1.0,
+        "vllm serve",
+        "vllm.log",
+        (prompt,),
+        2.0,
+        1.9,
+        1.0,
+        (),
+        (),
+        240.0,
+        1,
+        "0.0",
+        canary=canary,
+    )
     assert_documented(ServeCheckResult, result.to_dict())
 
 
 def test_kv_cache_size_with_sliding_layers():
-    config = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8,
-              "max_position_embeddings": 64, "sliding_window": 16,
-              "layer_types": ["sliding_attention", "full_attention"]}
+    config = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "hidden_size": 8,
+        "max_position_embeddings": 64,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
     size = kv_cache_size(config)
     assert size.windowed is not None
     assert_documented(KvCacheSize, size.to_dict())

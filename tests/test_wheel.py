@@ -23,10 +23,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run(argv: list, cwd: Path, **kwargs) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "COLUMNS": "240", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cwd / "datasets-cache")}
-    return subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
-                          **kwargs)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(cwd),
+        "COLUMNS": "240",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(cwd / "datasets-cache"),
+    }
+    return subprocess.run(
+        [str(a) for a in argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,48 +49,117 @@ def installed(tmp_path_factory) -> Path:
     try:
         import setuptools  # noqa: F401  -- the build backend, from the test environment (no download)
     except ImportError:
-        pytest.skip("setuptools is not installed in the test environment: the wheel cannot be built offline")
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp / "dist"), str(REPO)], capture_output=True, text=True, timeout=300,
-                           cwd=tmp)
+        pytest.skip(
+            "setuptools is not installed in the test environment: the wheel cannot be built offline"
+        )
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp / "dist"),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp,
+    )
     assert build.returncode == 0, build.stderr
     [wheel] = (tmp / "dist").glob("kvcalib-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {f"kvcalib/recipes/kv-fp8-{t}.yaml" for t in ("trn2", "trn3", "gpu")} <= set(names), names
-    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names) and "kvcalib/py.typed" in names
+    assert {f"kvcalib/recipes/kv-fp8-{t}.yaml" for t in ("trn2", "trn3", "gpu")} <= set(names), (
+        names
+    )
+    assert (
+        any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+        and "kvcalib/py.typed" in names
+    )
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     python = venv / "bin" / "python"
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-                              "--disable-pip-version-check", str(wheel)], capture_output=True, text=True,
-                             timeout=300)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "-q",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr
-    site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp).stdout.strip()
+    site = run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp
+    ).stdout.strip()
     deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    Path(site, "test-environment-deps.pth").write_text("\n".join(sorted(deps)) + "\n", encoding="utf-8")
+    Path(site, "test-environment-deps.pth").write_text(
+        "\n".join(sorted(deps)) + "\n", encoding="utf-8"
+    )
     return venv / "bin"
 
 
 def test_the_installed_wheel_runs(installed, tiny_llama_master, text_dataset, tmp_path):
-    where = run([installed / "python", "-c", "import kvcalib, kvcalib.calibration.recipe as r; "
-                 "print(kvcalib.__file__); print(r.recipe_file('trn2'))"], tmp_path)
+    where = run(
+        [
+            installed / "python",
+            "-c",
+            "import kvcalib, kvcalib.calibration.recipe as r; "
+            "print(kvcalib.__file__); print(r.recipe_file('trn2'))",
+        ],
+        tmp_path,
+    )
     assert where.returncode == 0, where.stderr
     module, recipe = where.stdout.split()
     assert Path(module).is_relative_to(installed.parent) and "site-packages" in module, module
     assert Path(recipe).is_relative_to(installed.parent) and Path(recipe).is_file(), recipe
 
     version = run([installed / "kvcalib", "--version"], tmp_path)
-    assert (version.returncode == 0
-            and version.stdout.strip() == f"kvcalib {__version__}"), version.stdout + version.stderr
+    assert version.returncode == 0 and version.stdout.strip() == f"kvcalib {__version__}", (
+        version.stdout + version.stderr
+    )
 
     out = tmp_path / "out"
-    calibrated = run([installed / "kvcalib", "calibrate", tiny_llama_master, "--dataset", text_dataset, "-o", out,
-                      "--recipe", "trn2", "--num-samples", "4", "--max-seq-len", "32", "--json"], tmp_path)
+    calibrated = run(
+        [
+            installed / "kvcalib",
+            "calibrate",
+            tiny_llama_master,
+            "--dataset",
+            text_dataset,
+            "-o",
+            out,
+            "--recipe",
+            "trn2",
+            "--num-samples",
+            "4",
+            "--max-seq-len",
+            "32",
+            "--json",
+        ],
+        tmp_path,
+    )
     assert calibrated.returncode == 0, calibrated.stderr
     assert json.loads(calibrated.stdout)["target"] == "trn2"
     provenance = json.loads((out / "kvcalib_calibration.json").read_text(encoding="utf-8"))
     assert Path(provenance["recipe"]) == Path(recipe) and provenance["target"] == "trn2", provenance
 
-    validated = run([installed / "kvcalib", "validate", out, "--target", "trn2", "--json"], tmp_path)
+    validated = run(
+        [installed / "kvcalib", "validate", out, "--target", "trn2", "--json"], tmp_path
+    )
     assert validated.returncode == 0, validated.stdout + validated.stderr
     assert json.loads(validated.stdout)["ok"] is True

@@ -16,10 +16,21 @@ from kvcalib.core import fp8
 from kvcalib.core.checkpoint import read_config, read_safetensors_header, read_values
 from kvcalib.core.mxfp4 import neuron_quantization
 from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME, kv_cache_size
-from kvcalib.serving.launch import server_argv  # the card's commands are serve-check's (declared: pyproject.toml)
+from kvcalib.serving.launch import (
+    server_argv,  # the card's commands are serve-check's (declared: pyproject.toml)
+)
 
-__all__ = ["BEGIN", "CARD_FILENAME", "END", "SERVE_DEFAULTS", "TAGS", "card_text", "serve_commands", "summarize",
-           "write_card"]
+__all__ = [
+    "BEGIN",
+    "CARD_FILENAME",
+    "END",
+    "SERVE_DEFAULTS",
+    "TAGS",
+    "card_text",
+    "serve_commands",
+    "summarize",
+    "write_card",
+]
 
 CARD_FILENAME = "README.md"
 CHECKPOINT_PLACEHOLDER = "/path/to/this/checkpoint"
@@ -33,12 +44,24 @@ SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 
 
 def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
     """device -> the vLLM command serve-check runs for `checkpoint`; `mxfp4`: GPT-OSS with MXFP4 experts."""
-    return {device: shlex.join(server_argv(Path("python"), Path(checkpoint), fp8=True, device=device, **SERVE_DEFAULTS,
-                                           neuron_quantization=neuron_quantization(device) if mxfp4 else None))
-            for device in (*(name for name, chip in fp8.TARGETS.items() if chip.neuron), "cuda")}
+    return {
+        device: shlex.join(
+            server_argv(
+                Path("python"),
+                Path(checkpoint),
+                fp8=True,
+                device=device,
+                **SERVE_DEFAULTS,
+                neuron_quantization=neuron_quantization(device) if mxfp4 else None,
+            )
+        )
+        for device in (*(name for name, chip in fp8.TARGETS.items() if chip.neuron), "cuda")
+    }
 
 
-def write_card(ckpt: Path, validation: str, serve: dict[str, Any] | None = None, base_model: str | None = None) -> Path:
+def write_card(
+    ckpt: Path, validation: str, serve: dict[str, Any] | None = None, base_model: str | None = None
+) -> Path:
     """Write (atomically) `ckpt`/README.md: its current text with kvcalib's section put in or replaced."""
     ckpt = Path(ckpt)
     path = ckpt / CARD_FILENAME
@@ -46,7 +69,9 @@ def write_card(ckpt: Path, validation: str, serve: dict[str, Any] | None = None,
     text = card_text(existing, _section(ckpt, validation, serve), base_model)
     partial = ckpt / f".{CARD_FILENAME}.partial"
     partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)  # a hard-linked README.md from the input is replaced, never written through
+    os.replace(
+        partial, path
+    )  # a hard-linked README.md from the input is replaced, never written through
     return path
 
 
@@ -63,60 +88,120 @@ def card_text(existing: str, section: str, base_model: str | None) -> str:
     return str(card)
 
 
-_MXFP4_CHIP = next(name for name, chip in fp8.TARGETS.items() if chip.mxfp4)  # the card's Trainium 3 line
+_MXFP4_CHIP = next(
+    name for name, chip in fp8.TARGETS.items() if chip.mxfp4
+)  # the card's Trainium 3 line
 
 
 def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     provenance = json.loads((ckpt / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
     target, fp8_max = provenance["target"], provenance["fp8_max"]
-    chip = fp8.TARGETS.get(target)  # the FP8 format's name from its dtype: E4M3 (float8_e4m3fn), E5M2, ...
+    chip = fp8.TARGETS.get(
+        target
+    )  # the FP8 format's name from its dtype: E4M3 (float8_e4m3fn), E5M2, ...
     form = chip.dtype.removeprefix("float8_").removesuffix("fn").upper() if chip else "FP8"
-    per_head, queries = provenance.get("strategy") == ATTN_HEAD, bool(provenance.get("attention_scales"))
+    per_head, queries = (
+        provenance.get("strategy") == ATTN_HEAD,
+        bool(provenance.get("attention_scales")),
+    )
     kv, added = kv_cache_size(read_config(ckpt)), provenance.get("special_tokens_added")
-    what = ("Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
-            "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)" if per_head
-            else "Per-tensor FP8 KV-cache scales")
-    lines = [BEGIN, "## FP8 KV cache (kvcalib)", "",
-             f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {_formula(provenance, per_head)}"
-             + (" With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
-                "attention reads it; the Neuron plugin does not consume it today." if queries else ""), "",
-             "| | |", "|---|---|",
-             f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
-             f"{provenance.get('column')}) |",
-             f"| samples | {provenance.get('num_samples')} ({provenance.get('num_tokens'):,} tokens, at most "
-             f"{provenance.get('max_seq_len')} each, seed {provenance.get('seed')}) |",
-             f"| tokens | {provenance.get('special_tokens')}"  # how the rows were tokenised
-             + (f"; ids added to plain text: {added}" if added else "") + " |",
-             f"| KV cache | {kv.describe() if kv else 'unknown (config.json lacks layers, KV heads or head_dim)'} |",
-             f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
-             f"| validate | {validation} |", ""]
+    what = (
+        "Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
+        "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)"
+        if per_head
+        else "Per-tensor FP8 KV-cache scales"
+    )
+    lines = [
+        BEGIN,
+        "## FP8 KV cache (kvcalib)",
+        "",
+        f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {_formula(provenance, per_head)}"
+        + (
+            " With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
+            "attention reads it; the Neuron plugin does not consume it today."
+            if queries
+            else ""
+        ),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
+        f"{provenance.get('column')}) |",
+        f"| samples | {provenance.get('num_samples')} ({provenance.get('num_tokens'):,} tokens, at most "
+        f"{provenance.get('max_seq_len')} each, seed {provenance.get('seed')}) |",
+        f"| tokens | {provenance.get('special_tokens')}"  # how the rows were tokenised
+        + (f"; ids added to plain text: {added}" if added else "")
+        + " |",
+        f"| KV cache | {kv.describe() if kv else 'unknown (config.json lacks layers, KV heads or head_dim)'} |",
+        f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
+        f"| validate | {validation} |",
+        "",
+    ]
     mxfp4 = bool(provenance.get("mxfp4_weights"))
     commands = serve_commands(CHECKPOINT_PLACEHOLDER, mxfp4)
     lines += ["### Serving it", ""]
     if not per_head:
-        lines += ["vLLM on Neuron (Trainium 2" + ("" if mxfp4 else "; `trn3` is the same command")
-                  + "), as `kvcalib serve-check CKPT --device trn2` "
-                  f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
-                  "it is):", "", "```bash", commands[fp8.DEFAULT_TARGET], "```", ""]
+        lines += [
+            "vLLM on Neuron (Trainium 2"
+            + ("" if mxfp4 else "; `trn3` is the same command")
+            + "), as `kvcalib serve-check CKPT --device trn2` "
+            f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
+            "it is):",
+            "",
+            "```bash",
+            commands[fp8.DEFAULT_TARGET],
+            "```",
+            "",
+        ]
     if mxfp4:
         trn3 = json.dumps({"neuron_config": {"quantization": neuron_quantization(_MXFP4_CHIP)}})
-        lines += [f"On Trainium 3 the same with `--additional-config '{trn3}'`: its GPT-OSS model runs the MXFP4 "
-                  "experts as they are (on Trainium 2 it dequantizes them at load).", "",
-                  "Not for GPU: the experts stay MXFP4, which GPU vLLM loads only under its MXFP4 config, and that "
-                  "reads no KV scales (FP8 KV at 1.0). For GPU calibrate the dequantised form (`dequantize_mxfp4`, "
-                  "then `--target gpu`).", ""]
+        lines += [
+            f"On Trainium 3 the same with `--additional-config '{trn3}'`: its GPT-OSS model runs the MXFP4 "
+            "experts as they are (on Trainium 2 it dequantizes them at load).",
+            "",
+            "Not for GPU: the experts stay MXFP4, which GPU vLLM loads only under its MXFP4 config, and that "
+            "reads no KV scales (FP8 KV at 1.0). For GPU calibrate the dequantised form (`dequantize_mxfp4`, "
+            "then `--target gpu`).",
+            "",
+        ]
     else:
-        lines += ["vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):", "", "```bash", commands["cuda"], "```", ""]
+        lines += [
+            "vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):",
+            "",
+            "```bash",
+            commands["cuda"],
+            "```",
+            "",
+        ]
     if serve is not None:
         lines += _serve_lines(serve)
-    fields = [("k", "absmax"), ("v", "absmax"), *((("k", "range"), ("v", "range")) if _ranges(provenance)[0] else ()),
-              ("k", "scale"), ("v", "scale"), *((("q", "absmax"), ("q", "scale")) if queries else ())]
-    lines += ["### Scales", "", *(["Each layer's largest head; every head's in `kvcalib_calibration.json`.", ""]
-                                  if per_head else []),
-              "| layer | " + " | ".join(f"{k}_scale" if f == "scale" else f"{k} {f}" for k, f in fields) + " |",
-              "|---:|" + "---:|" * len(fields)]
-    lines += [f"| {layer} | " + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields) + " |"
-              for layer, row in _scale_rows(ckpt, provenance).items()]
+    fields = [
+        ("k", "absmax"),
+        ("v", "absmax"),
+        *((("k", "range"), ("v", "range")) if _ranges(provenance)[0] else ()),
+        ("k", "scale"),
+        ("v", "scale"),
+        *((("q", "absmax"), ("q", "scale")) if queries else ()),
+    ]
+    lines += [
+        "### Scales",
+        "",
+        *(
+            ["Each layer's largest head; every head's in `kvcalib_calibration.json`.", ""]
+            if per_head
+            else []
+        ),
+        "| layer | "
+        + " | ".join(f"{k}_scale" if f == "scale" else f"{k} {f}" for k, f in fields)
+        + " |",
+        "|---:|" + "---:|" * len(fields),
+    ]
+    lines += [
+        f"| {layer} | "
+        + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields)
+        + " |"
+        for layer, row in _scale_rows(ckpt, provenance).items()
+    ]
     return "\n".join(lines + ["", END, ""])
 
 
@@ -129,40 +214,75 @@ def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
         elif isinstance(kind.get("range"), (int, float)):
             pairs.append((kind["range"], kind["absmax"]))
     same = 1 + fp8.SCALE_ROUNDING_TOLERANCE
-    return any(not a <= r <= a * same for r, a in pairs if a > 0), any(r < a * (1 - 1e-6) for r, a in pairs if a > 0)
+    return any(not a <= r <= a * same for r, a in pairs if a > 0), any(
+        r < a * (1 - 1e-6) for r, a in pairs if a > 0
+    )
 
 
 def _formula(provenance: dict[str, Any], per_head: bool) -> str:
     """What was written (absmax or the chosen range / fp8_max) and the servers where it is right."""
-    fp8_max, target, headroom = provenance["fp8_max"], provenance["target"], provenance.get("headroom") or 1.0
+    fp8_max, target, headroom = (
+        provenance["fp8_max"],
+        provenance["target"],
+        provenance.get("headroom") or 1.0,
+    )
     served = [] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))[1:]]
     smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]
-    refused = (f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate again with --target "
-               f"{smaller[0]} to serve there." if smaller else "")
+    refused = (
+        f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate again with --target "
+        f"{smaller[0]} to serve there."
+        if smaller
+        else ""
+    )
     per = "head" if per_head else "layer"
     chosen, clipped = _ranges(provenance)
     wider = f"{headroom:g} x absmax(K) (--headroom)" if headroom != 1.0 else ""
     if not chosen:
         text = f"`k_scale = absmax(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V)"
     elif provenance.get("scale_objective") not in ("attention", "output"):
-        text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
-                f"range is {wider or 'absmax(K)'}")
+        text = (
+            f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
+            f"range is {wider or 'absmax(K)'}"
+        )
     else:
-        text = (f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
-                "range is the attention objective's choice (the table's range columns)"
-                + (", where the candidates differed materially settled by the model's own next-token KL on held-out "
-                   "calibration rows in the target's numerics and server order"
-                   if provenance.get("scale_objective") == "output" else "") + ": absmax(K), or "
-                + ("below it where saturating near-constant channels keeps attention right, or " if clipped else "")
-                + "above it where a wider scale puts the values on better FP8 grid points"
-                + (f"; where it clips nothing, at least {wider}" if wider else ""))
+        text = (
+            f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
+            "range is the attention objective's choice (the table's range columns)"
+            + (
+                ", where the candidates differed materially settled by the model's own next-token KL on held-out "
+                "calibration rows in the target's numerics and server order"
+                if provenance.get("scale_objective") == "output"
+                else ""
+            )
+            + ": absmax(K), or "
+            + (
+                "below it where saturating near-constant channels keeps attention right, or "
+                if clipped
+                else ""
+            )
+            + "above it where a wider scale puts the values on better FP8 grid points"
+            + (f"; where it clips nothing, at least {wider}" if wider else "")
+        )
     if not clipped:
-        return (text + ": nothing clips" + (f"; also right on {', '.join(served)}, where the scales use the range up "
-                                            f"to {fp8_max:g}" if served else "") + "." + refused)
+        return (
+            text
+            + ": nothing clips"
+            + (
+                f"; also right on {', '.join(served)}, where the scales use the range up "
+                f"to {fp8_max:g}"
+                if served
+                else ""
+            )
+            + "."
+            + refused
+        )
     scored = [name for name in provenance.get("scored_on") or [] if name != target]
     if scored:
-        return text + (f". Every candidate scale was scored on {target} and on {', '.join(scored)} (each saturates at "
-                       "its own FP8 max x scale) and chosen by its attention error where that is largest." + refused)
+        return text + (
+            f". Every candidate scale was scored on {target} and on {', '.join(scored)} (each saturates at "
+            "its own FP8 max x scale) and chosen by its attention error where that is largest."
+            + refused
+        )
     return text + f". The clips were scored on {target} alone: serve these scales on {target} only."
 
 
@@ -175,23 +295,34 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, d
         layer, kind = int(re.search(r"\.(\d+)\.", key).group(1)), key.rsplit(".", 1)[1][0]
         prov = by_layer.get(layer, {}).get(kind, {})
         absmax = prov.get("absmax", math.nan)
-        rows.setdefault(layer, {})[kind] = {"absmax": absmax, "range": prov.get("range", absmax),
-                                            "scale": max(read_values(header, key))}  # per head: the largest
+        rows.setdefault(layer, {})[kind] = {
+            "absmax": absmax,
+            "range": prov.get("range", absmax),
+            "scale": max(read_values(header, key)),
+        }  # per head: the largest
     return dict(sorted(rows.items()))
 
 
 def _serve_lines(serve: dict[str, Any]) -> list[str]:
     verdict = "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
-    lines = ["### serve-check", "", f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: "
-             f"{verdict}.", "", "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        "### serve-check",
+        "",
+        f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: "
+        f"{verdict}.",
+        "",
+        "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |",
+        "|---|---:|---:|---:|---:|",
+    ]
 
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
     for row in serve.get("variants") or []:
-        lines.append(f"| {row['name']} | {num(row['nll'], '.4f')} | {num(row['agreement'], '.2f')} | "
-                     f"{num(row['served_delta_nll'], '+.4f')} | {num(row['predicted_delta_nll'], '+.4f')} |")
+        lines.append(
+            f"| {row['name']} | {num(row['nll'], '.4f')} | {num(row['agreement'], '.2f')} | "
+            f"{num(row['served_delta_nll'], '+.4f')} | {num(row['predicted_delta_nll'], '+.4f')} |"
+        )
     if serve.get("canary"):
         lines += ["", f"Canary: {serve['canary']['reason']}."]
     return lines + [""]
@@ -202,5 +333,7 @@ def summarize(validation: dict[str, Any]) -> str:
     findings = validation.get("findings") or []
     errors = sum(1 for f in findings if f.get("severity") == "error")
     warnings = sum(1 for f in findings if f.get("severity") == "warning")
-    return (f"{'OK' if validation.get('ok') else 'FAILED'} for {validation.get('target')}: "
-            f"{errors} error(s), {warnings} warning(s)")
+    return (
+        f"{'OK' if validation.get('ok') else 'FAILED'} for {validation.get('target')}: "
+        f"{errors} error(s), {warnings} warning(s)"
+    )

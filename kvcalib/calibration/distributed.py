@@ -21,18 +21,24 @@ from kvcalib.hf.data import batches
 
 __all__ = ["COLLECTIVE_TIMEOUT", "batch_shares", "observe_across_ranks"]
 
-COLLECTIVE_TIMEOUT = timedelta(minutes=60)  # ranks finish at about the same time: bounds a wait on a hung one
+COLLECTIVE_TIMEOUT = timedelta(
+    minutes=60
+)  # ranks finish at about the same time: bounds a wait on a hung one
 
 
-def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int,
-                 pad_id: int = 0) -> list[tuple[tuple[int, ...], ...]]:
+def batch_shares(
+    sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int, pad_id: int = 0
+) -> list[tuple[tuple[int, ...], ...]]:
     """Each rank's sequences: whole batches of the single-process batching, about equal in padded tokens."""
-    global_batches = [tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
-                      for ids, mask in batches(sequences, batch_size, pad_id)]
+    global_batches = [
+        tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
+        for ids, mask in batches(sequences, batch_size, pad_id)
+    ]
     if len(global_batches) < world_size:
         raise UsageError(
             f"{len(global_batches)} batch(es) of {batch_size} cannot be split across {world_size} processes",
-            hint="launch fewer processes, pass a smaller --batch-size, or calibrate on more samples")
+            hint="launch fewer processes, pass a smaller --batch-size, or calibrate on more samples",
+        )
     loads = [0] * world_size
     shares: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
     for chunk in global_batches:  # longest first: greedy balancing of padded tokens
@@ -42,34 +48,52 @@ def batch_shares(sequences: tuple[tuple[int, ...], ...], batch_size: int, world_
     return [tuple(share) for share in shares]
 
 
-def observe_across_ranks(engine: Callable[[EngineInputs], Observation], inputs: EngineInputs, ranks: Ranks,
-                         finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any] | None = None
-                         ) -> tuple[Observation, Any]:
+def observe_across_ranks(
+    engine: Callable[[EngineInputs], Observation],
+    inputs: EngineInputs,
+    ranks: Ranks,
+    finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any] | None = None,
+) -> tuple[Observation, Any]:
     """Run `engine` on this rank's share and combine every rank's observation; then `finish(observation, gather)`
     (the scale objective), where `gather(local_list)` returns every rank's lists concatenated in rank order."""
-    share = batch_shares(inputs.data.sequences, inputs.options.batch_size, ranks.world_size, inputs.pad_id)[ranks.rank]
-    local_inputs = dataclasses.replace(inputs, data=dataclasses.replace(inputs.data, sequences=share))
+    share = batch_shares(
+        inputs.data.sequences, inputs.options.batch_size, ranks.world_size, inputs.pad_id
+    )[ranks.rank]
+    local_inputs = dataclasses.replace(
+        inputs, data=dataclasses.replace(inputs.data, sequences=share)
+    )
     with _process_group(ranks, inputs.device) as collective_device:
         observation = failure = None
         try:
             observation = engine(local_inputs)
         except Exception as exc:  # joins the status exchange below, then is raised again
             failure = exc
-        status = None if failure is None else (failure.message if isinstance(failure, KvcalibError)
-                                                else f"{type(failure).__name__}: {failure}")
+        status = (
+            None
+            if failure is None
+            else (
+                failure.message
+                if isinstance(failure, KvcalibError)
+                else f"{type(failure).__name__}: {failure}"
+            )
+        )
         try:
             statuses = _all_gather(status, ranks.world_size)
         except RuntimeError as exc:  # a peer vanished (killed, crashed) mid-exchange
-            raise CalibrationError(f"rank {ranks.rank}: lost the other processes ({exc})",
-                                   hint="see the first failing rank's output; torchrun names it") from failure
+            raise CalibrationError(
+                f"rank {ranks.rank}: lost the other processes ({exc})",
+                hint="see the first failing rank's output; torchrun names it",
+            ) from failure
         failed = {r: s for r, s in enumerate(statuses) if s is not None}
         if failure is not None:
             raise failure
         if failed or observation is None:
             detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))
-            raise CalibrationError(f"{len(failed)} of {ranks.world_size} processes failed during calibration "
-                                   f"({detail}); nothing was written",
-                                   hint="fix what the failing rank reports and run again")
+            raise CalibrationError(
+                f"{len(failed)} of {ranks.world_size} processes failed during calibration "
+                f"({detail}); nothing was written",
+                hint="fix what the failing rank reports and run again",
+            )
         reduced = _reduce(observation, collective_device)
 
         def gather(local: list[Any]) -> list[Any]:
@@ -89,8 +113,13 @@ def _process_group(ranks: Ranks, device: torch.device) -> Iterator[torch.device]
     if owned:
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, rank=ranks.rank, world_size=ranks.world_size,
-                                timeout=COLLECTIVE_TIMEOUT, **kwargs)
+        dist.init_process_group(
+            backend,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+            **kwargs,
+        )
     try:
         yield device if dist.get_backend() == "nccl" else torch.device("cpu")
     finally:
@@ -112,7 +141,12 @@ def _reduce(local: Observation, device: torch.device) -> Observation:
 
     groups = [*local.k_heads, *local.v_heads, *local.q_heads]
     sizes = [g.numel() for g in groups]
-    packed = torch.cat([*(g.reshape(-1).double() for g in groups), torch.tensor([local.seconds], dtype=torch.float64)])
+    packed = torch.cat(
+        [
+            *(g.reshape(-1).double() for g in groups),
+            torch.tensor([local.seconds], dtype=torch.float64),
+        ]
+    )
     packed = packed.to(device)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     counts = torch.tensor([*local.observed, *local.q_observed], dtype=torch.int64, device=device)
@@ -120,7 +154,12 @@ def _reduce(local: Observation, device: torch.device) -> Observation:
     packed, counts = packed.cpu(), counts.cpu().tolist()
     reduced = [part.float() for part in torch.split(packed[:-1], sizes)]
     n_kv, n_q = len(local.k_heads), len(local.q_heads)
-    return dataclasses.replace(local, k_heads=tuple(reduced[:n_kv]), v_heads=tuple(reduced[n_kv:2 * n_kv]),
-                               q_heads=tuple(reduced[2 * n_kv:2 * n_kv + n_q]),
-                               observed=tuple(int(c) for c in counts[:n_kv]),
-                               q_observed=tuple(int(c) for c in counts[n_kv:]), seconds=float(packed[-1]))
+    return dataclasses.replace(
+        local,
+        k_heads=tuple(reduced[:n_kv]),
+        v_heads=tuple(reduced[n_kv : 2 * n_kv]),
+        q_heads=tuple(reduced[2 * n_kv : 2 * n_kv + n_q]),
+        observed=tuple(int(c) for c in counts[:n_kv]),
+        q_observed=tuple(int(c) for c in counts[n_kv:]),
+        seconds=float(packed[-1]),
+    )

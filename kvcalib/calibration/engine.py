@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from kvcalib.hf.memory import MemoryLimit
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.progress import ProgressCallback
 from kvcalib.hf.data import CalibrationData
+from kvcalib.hf.memory import MemoryLimit
 from kvcalib.hf.samples import AttentionSample, AttentionSampler
 
 __all__ = ["Engine", "EngineInputs", "Observation"]
@@ -31,43 +31,72 @@ class EngineInputs:
     pad_id: int
     notify: ProgressCallback
     compute: ComputePath = ComputePath(NATIVE, "not chosen")
-    memory: MemoryLimit | None = None  # this host's memory limit (the stream engine sizes its spill by it)
-    sample_sequences: frozenset[tuple[int, ...]] = frozenset()  # the scale objective's sequences (none: absmax)
-    probe_layers: int | None = None  # calibrate --plan's timed probe: the stream engine stops after this many layers
+    memory: MemoryLimit | None = (
+        None  # this host's memory limit (the stream engine sizes its spill by it)
+    )
+    sample_sequences: frozenset[tuple[int, ...]] = (
+        frozenset()
+    )  # the scale objective's sequences (none: absmax)
+    probe_layers: int | None = (
+        None  # calibrate --plan's timed probe: the stream engine stops after this many layers
+    )
 
     def sampler(self, num_layers: int) -> AttentionSampler | None:
         """What keeps the scale objective's attention samples (None when the objective needs none)."""
-        return AttentionSampler(num_layers, self.sample_sequences) if self.sample_sequences else None
+        return (
+            AttentionSampler(num_layers, self.sample_sequences) if self.sample_sequences else None
+        )
 
 
 @dataclass(frozen=True)
 class Observation:
     """What an engine measured: absmax of K/V per layer and KV head (Q per query head, if asked), float32, CPU."""
 
-    k_heads: tuple[torch.Tensor, ...]  # per layer: [kv_heads] (or [1] from an engine that sees only tensors)
+    k_heads: tuple[
+        torch.Tensor, ...
+    ]  # per layer: [kv_heads] (or [1] from an engine that sees only tensors)
     v_heads: tuple[torch.Tensor, ...]
     observed: tuple[int, ...]  # forward passes that reached each layer (0: never observed)
     attention_paths: dict[int, str]  # layer -> state-dict path of its attention module
     seconds: float  # time spent observing (for tokens/s)
-    q_heads: tuple[torch.Tensor, ...] = ()  # per layer: [attention heads]; () when Q was not observed
+    q_heads: tuple[
+        torch.Tensor, ...
+    ] = ()  # per layer: [attention heads]; () when Q was not observed
     q_observed: tuple[int, ...] = ()
-    attention_classes: tuple[str, ...] = ()  # the attention modules' class names (FP8-attention config targets)
-    samples: tuple[tuple[AttentionSample, ...], ...] = ()  # per layer: the scale objective's (this rank's)
-    model: Any = field(default=None, compare=False, repr=False)  # the loaded model, if the engine holds it whole
+    attention_classes: tuple[
+        str, ...
+    ] = ()  # the attention modules' class names (FP8-attention config targets)
+    samples: tuple[
+        tuple[AttentionSample, ...], ...
+    ] = ()  # per layer: the scale objective's (this rank's)
+    model: Any = field(
+        default=None, compare=False, repr=False
+    )  # the loaded model, if the engine holds it whole
 
     @classmethod
-    def of(cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module) -> Observation:
+    def of(
+        cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module
+    ) -> Observation:
         """From a kvcalib.hf.attention.KVAbsmaxObserver (a layer never observed gets one zero per head)."""
+
         def heads(store: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
             return tuple(h.float().cpu() if h is not None else torch.zeros(1) for h in store)
 
         return cls(
-            k_heads=heads(observer.k_heads), v_heads=heads(observer.v_heads), observed=tuple(observer.observed),
-            attention_paths=attention_paths, seconds=seconds,
+            k_heads=heads(observer.k_heads),
+            v_heads=heads(observer.v_heads),
+            observed=tuple(observer.observed),
+            attention_paths=attention_paths,
+            seconds=seconds,
             q_heads=heads(observer.q_heads) if observer.queries else (),
             q_observed=tuple(observer.q_observed) if observer.queries else (),
-            attention_classes=tuple(sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})),
-            samples=tuple(tuple(layer) for layer in observer.sampler.samples) if observer.sampler is not None else ())
+            attention_classes=tuple(
+                sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})
+            ),
+            samples=tuple(tuple(layer) for layer in observer.sampler.samples)
+            if observer.sampler is not None
+            else (),
+        )
 
 
 Engine = Callable[[EngineInputs], Observation]

@@ -29,8 +29,11 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     opts = inputs.options
-    scheme = (load_recipe(opts.recipe).quantization_args() if opts.recipe
-              else kv_cache_scheme_args(opts.strategy or "tensor"))
+    scheme = (
+        load_recipe(opts.recipe).quantization_args()
+        if opts.recipe
+        else kv_cache_scheme_args(opts.strategy or "tensor")
+    )
     inputs.notify(Progress("load-model"))
     # As llm-compressor users load it: AutoModelForCausalLM with the default attention.
     model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, opts.trust_remote_code)
@@ -38,16 +41,30 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     attn_paths = attention_modules(model, n_layers, inputs.checkpoint.root)
 
     sequences = inputs.data.sequences
-    dataset = Dataset.from_dict({"input_ids": [list(s) for s in sequences],
-                                 "attention_mask": [[1] * len(s) for s in sequences]})
+    dataset = Dataset.from_dict(
+        {
+            "input_ids": [list(s) for s in sequences],
+            "attention_mask": [[1] * len(s) for s in sequences],
+        }
+    )
     calls = [0] * n_layers
-    handles = [model.get_submodule(path).register_forward_pre_hook(_counter(calls, i, inputs, n_layers))
-               for i, path in attn_paths.items() if i < n_layers]
+    handles = [
+        model.get_submodule(path).register_forward_pre_hook(_counter(calls, i, inputs, n_layers))
+        for i, path in attn_paths.items()
+        if i < n_layers
+    ]
     started = time.perf_counter()
     try:
-        oneshot(model=model, recipe=QuantizationModifier(kv_cache_scheme=scheme), dataset=dataset,
-                batch_size=1, num_calibration_samples=len(sequences), shuffle_calibration_samples=False,
-                max_seq_length=opts.max_seq_len, trust_remote_code_model=opts.trust_remote_code)
+        oneshot(
+            model=model,
+            recipe=QuantizationModifier(kv_cache_scheme=scheme),
+            dataset=dataset,
+            batch_size=1,
+            num_calibration_samples=len(sequences),
+            shuffle_calibration_samples=False,
+            max_seq_length=opts.max_seq_len,
+            trust_remote_code_model=opts.trust_remote_code,
+        )
     finally:
         for handle in handles:
             handle.remove()
@@ -64,11 +81,17 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
                 raise CalibrationError(
                     f"layer {i}: llm-compressor left no {'per-head' if per_head else 'per-tensor'} {kind}_scale on "
                     f"{attn_paths[i]} ({'none' if scale is None else tuple(scale.shape)})",
-                    hint="the engine needs a static kv_cache_scheme; see the shipped recipe (--recipe trn2)")
+                    hint="the engine needs a static kv_cache_scheme; see the shipped recipe (--recipe trn2)",
+                )
             # llm-compressor's per-head scales are [kv_heads, 1, 1]
             absmax[kind].append(scale.detach().float().cpu().reshape(-1) * sized_for.float().cpu())
-    return Observation(k_heads=tuple(absmax["k"]), v_heads=tuple(absmax["v"]), observed=tuple(calls),
-                       attention_paths=attn_paths, seconds=seconds)
+    return Observation(
+        k_heads=tuple(absmax["k"]),
+        v_heads=tuple(absmax["v"]),
+        observed=tuple(calls),
+        attention_paths=attn_paths,
+        seconds=seconds,
+    )
 
 
 def _counter(calls: list[int], layer: int, inputs: EngineInputs, num_layers: int) -> Any:
@@ -78,8 +101,17 @@ def _counter(calls: list[int], layer: int, inputs: EngineInputs, num_layers: int
 
     def hook(_module: torch.nn.Module, _args: Any) -> None:
         calls[layer] += 1
-        done = min(1.0, (layer * per_layer + min(calls[layer], per_layer)) / (num_layers * per_layer))
-        inputs.notify(Progress("observe", round(done * total_samples), total_samples,
-                               round(done * total_tokens), total_tokens))
+        done = min(
+            1.0, (layer * per_layer + min(calls[layer], per_layer)) / (num_layers * per_layer)
+        )
+        inputs.notify(
+            Progress(
+                "observe",
+                round(done * total_samples),
+                total_samples,
+                round(done * total_tokens),
+                total_tokens,
+            )
+        )
 
     return hook

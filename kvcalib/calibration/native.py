@@ -21,22 +21,43 @@ __all__ = ["native_engine", "observe_all", "sample_attention"]
 
 def native_engine(inputs: EngineInputs) -> Observation:
     inputs.notify(Progress("load-model"))
-    hf_model = load_model(inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code,
-                          attn_implementation=faithful_attention(inputs.checkpoint.config))
+    hf_model = load_model(
+        inputs.checkpoint,
+        inputs.dtype,
+        inputs.device,
+        inputs.options.trust_remote_code,
+        attn_implementation=faithful_attention(inputs.checkpoint.config),
+    )
     layers = num_layers(hf_model)
     attn_paths = attention_modules(hf_model, layers, inputs.checkpoint.root)
-    observer = KVAbsmaxObserver(layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(layers))
+    observer = KVAbsmaxObserver(
+        layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(layers)
+    )
     started = time.perf_counter()
     with compute_path(inputs.compute):
-        observe_all(hf_model, observer, inputs.data, inputs.options.batch_size, inputs.pad_id, inputs.device,
-                    inputs.notify)
+        observe_all(
+            hf_model,
+            observer,
+            inputs.data,
+            inputs.options.batch_size,
+            inputs.pad_id,
+            inputs.device,
+            inputs.notify,
+        )
     observation = Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
     keep = inputs.options.scale_objective == OUTPUT  # the whole-model step runs it again
     return dataclasses.replace(observation, model=hf_model if keep else None)
 
 
-def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: CalibrationData, batch_size: int,
-                pad_id: int, device: torch.device, notify: ProgressCallback) -> None:
+def observe_all(
+    model: torch.nn.Module,
+    observer: KVAbsmaxObserver,
+    data: CalibrationData,
+    batch_size: int,
+    pad_id: int,
+    device: torch.device,
+    notify: ProgressCallback,
+) -> None:
     """Every right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
     decoder = getattr(model, model.base_model_prefix, model)  # the stack without the LM head
     total_samples, total_tokens = len(data.sequences), data.num_tokens
@@ -51,7 +72,11 @@ def observe_all(model: torch.nn.Module, observer: KVAbsmaxObserver, data: Calibr
 
 def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:
     """The scale objective's samples alone (for llm-compressor's oneshot): the sampled sequences, run again."""
-    data = dataclasses.replace(inputs.data, sequences=tuple(s for s in inputs.data.sequences
-                                                            if s in inputs.sample_sequences))
+    data = dataclasses.replace(
+        inputs.data,
+        sequences=tuple(s for s in inputs.data.sequences if s in inputs.sample_sequences),
+    )
     options = dataclasses.replace(inputs.options, attention_scales=False)
-    return native_engine(dataclasses.replace(inputs, data=data, options=options, notify=lambda progress: None)).samples
+    return native_engine(
+        dataclasses.replace(inputs, data=data, options=options, notify=lambda progress: None)
+    ).samples

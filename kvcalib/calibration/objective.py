@@ -24,18 +24,38 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSample, attention_rows
 
-__all__ = ["ABSMAX", "ATTENTION", "OUTPUT", "FACTORS",
-           "GAIN", "TOLERANCE", "WIDER", "WIDER_GAIN", "Candidates", "Gather", "KindChoice",
-           "candidates", "choose", "sample_terms", "scored_numerics", "search", "sum_terms"]
+__all__ = [
+    "ABSMAX",
+    "ATTENTION",
+    "OUTPUT",
+    "FACTORS",
+    "GAIN",
+    "TOLERANCE",
+    "WIDER",
+    "WIDER_GAIN",
+    "Candidates",
+    "Gather",
+    "KindChoice",
+    "candidates",
+    "choose",
+    "sample_terms",
+    "scored_numerics",
+    "search",
+    "sum_terms",
+]
 
 ATTENTION = "attention"
 OUTPUT = "output"  # the default: the attention objective, then the whole-model step (kvcalib.calibration.output)
 FACTORS = tuple(2.0 ** (-j / 2) for j in range(11))
-WIDER = tuple(2.0 ** (j / 4) for j in range(1, 4))  # never clip: other places on the FP8 grid for the same values
+WIDER = tuple(
+    2.0 ** (j / 4) for j in range(1, 4)
+)  # never clip: other places on the FP8 grid for the same values
 GAIN = 0.5  # a clip must halve absmax's attention error (equivalent scales differ by up to ~30 %)
 WIDER_GAIN = 0.9  # a wider scale must cut it by a tenth (V's equally good scales differ by ~1-3 %, K's by ~5 %)
 TOLERANCE = 0.25  # of those that do, the least clipping within 25 % of their best
-SHORTLIST = 2  # the lowest attention errors the whole-model step weighs, beside the chosen and absmax
+SHORTLIST = (
+    2  # the lowest attention errors the whole-model step weighs, beside the chosen and absmax
+)
 UNIT_LABEL = "1.0"
 ABSMAX = "absmax"  # the candidate absmax / FP8 max, and --scale-objective absmax: it alone (llm-compressor's rule)
 
@@ -47,7 +67,9 @@ class Candidates:
     labels: tuple[str, ...]
     scales: torch.Tensor  # [C, kv_heads] float32
     ranges: torch.Tensor  # [C, kv_heads]: the |x| each scale maps to the FP8 max
-    clip_at: torch.Tensor  # [C, kv_heads]: |x| above this saturates on the target (range, after the scale's rounding)
+    clip_at: (
+        torch.Tensor
+    )  # [C, kv_heads]: |x| above this saturates on the target (range, after the scale's rounding)
 
     @property
     def unit(self) -> int:
@@ -55,8 +77,12 @@ class Candidates:
 
     def on(self, numerics: fp8.Target) -> Candidates:
         """The same scales as another server applies them: where it saturates."""
-        return replace(self, clip_at=fp8.from_fp8_domain(torch.full_like(self.scales, numerics.fp8_max), self.scales,
-                                                         numerics))
+        return replace(
+            self,
+            clip_at=fp8.from_fp8_domain(
+                torch.full_like(self.scales, numerics.fp8_max), self.scales, numerics
+            ),
+        )
 
     @property
     def keeps_range(self) -> torch.Tensor:
@@ -64,46 +90,74 @@ class Candidates:
         return self.scales >= self.scales[0]
 
 
-def candidates(head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv_heads: int | None = None
-               ) -> Candidates:
+def candidates(
+    head_absmax: torch.Tensor, target: fp8.Target, per_head: bool, kv_heads: int | None = None
+) -> Candidates:
     """The grid for one layer's K or V (head_absmax: [kv_heads], or [1]); per tensor, the `kv_heads` share it."""
     heads = head_absmax.float().reshape(-1)
     base = heads if per_head else heads.max().expand(kv_heads or heads.numel())
     # the scale a server of these scales with a larger FP8 max would write (absmax / 448 for trn2: llm-compressor's)
-    others = {target.fp8_max / t.fp8_max: f"absmax/{t.fp8_max:g}" for t in fp8.served_numerics(target)
-              if t.fp8_max > target.fp8_max}
-    factors = sorted({*FACTORS, *others}, reverse=True)  # absmax (1) first: every other factor is below it
+    others = {
+        target.fp8_max / t.fp8_max: f"absmax/{t.fp8_max:g}"
+        for t in fp8.served_numerics(target)
+        if t.fp8_max > target.fp8_max
+    }
+    factors = sorted(
+        {*FACTORS, *others}, reverse=True
+    )  # absmax (1) first: every other factor is below it
     labels = [ABSMAX if f == 1.0 else others.get(f, f"absmax x{f:.4g}") for f in factors]
     labels += [UNIT_LABEL, *(f"absmax x{f:.4g}" for f in WIDER)]
     unit = len(factors)
-    ranges = torch.stack([base * f for f in factors] + [torch.full_like(base, target.fp8_max)]
-                         + [base * f for f in WIDER])
+    ranges = torch.stack(
+        [base * f for f in factors]
+        + [torch.full_like(base, target.fp8_max)]
+        + [base * f for f in WIDER]
+    )
     stacked = fp8.scale_from_absmax(ranges, target)  # element-wise: every candidate's scale at once
     stacked[unit] = 1.0
     return Candidates(tuple(labels), stacked, ranges, stacked).on(target)
 
 
-def sample_terms(sample: AttentionSample, grids: Sequence[tuple[Candidates, Candidates]],
-                 numerics: Sequence[fp8.Target], subset: tuple[list[int], list[int]] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_terms(
+    sample: AttentionSample,
+    grids: Sequence[tuple[Candidates, Candidates]],
+    numerics: Sequence[fp8.Target],
+    subset: tuple[list[int], list[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample's terms per numerics (`grids`: K and V candidates, Candidates.on): float64 [numerics, 2, 4, C,
     kv_heads] (squared output error on choosing / held-out rows, elements saturated, elements) and [2, kv_heads]
     (the output's squared norm per half). `subset`: the K and V candidates to score (others 0); None: all."""
     output, probabilities = attention_rows(sample)
-    held = sample.held_out.repeat(output.shape[1] // sample.query.shape[1])  # the same rows in every group
+    held = sample.held_out.repeat(
+        output.shape[1] // sample.query.shape[1]
+    )  # the same rows in every group
     halves = torch.stack([~held, held], dim=1).double()
     terms = torch.zeros(len(numerics), 2, 4, *grids[0][0].scales.shape, dtype=torch.float64)
     terms[:, :, 3] = sample.key.shape[-1] * sample.key.shape[-2]  # K and V have the same shape
     for n, chip in enumerate(numerics):
         for kind, (values, cands) in enumerate(zip((sample.key, sample.value), grids[n])):
-            chosen = torch.arange(cands.scales.shape[0]) if subset is None else torch.tensor(subset[kind], dtype=int)
+            chosen = (
+                torch.arange(cands.scales.shape[0])
+                if subset is None
+                else torch.tensor(subset[kind], dtype=int)
+            )
             if not len(chosen):
                 continue
-            quantised = fp8.fake_quantize(values[None], cands.scales[chosen, :, None, None], chip)  # [C, Hkv, L, D]
-            put = {"key": quantised} if kind == 0 else {"value": quantised, "probabilities": probabilities}
-            error = (attention_rows(sample, **put)[0] - output).pow(2).sum(dim=-1).double()  # [C, Hkv, rows]
+            quantised = fp8.fake_quantize(
+                values[None], cands.scales[chosen, :, None, None], chip
+            )  # [C, Hkv, L, D]
+            put = (
+                {"key": quantised}
+                if kind == 0
+                else {"value": quantised, "probabilities": probabilities}
+            )
+            error = (
+                (attention_rows(sample, **put)[0] - output).pow(2).sum(dim=-1).double()
+            )  # [C, Hkv, rows]
             terms[n, kind, :2, chosen] = (error @ halves).permute(2, 0, 1)
-            saturated = values.abs().flatten(-2)[None] > cands.clip_at[chosen, :, None]  # [C, Hkv, L * D]
+            saturated = (
+                values.abs().flatten(-2)[None] > cands.clip_at[chosen, :, None]
+            )  # [C, Hkv, L * D]
             terms[n, kind, 2, chosen] = saturated.sum(dim=-1).double()
     return terms, (output.pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
 
@@ -127,13 +181,21 @@ class KindChoice:
     error: float  # held-out relative attention-output error ||ΔO|| / ||O|| of the chosen scale, on the target
     error_absmax: float
     error_unit: float
-    errors_on: tuple[tuple[str, float], ...] = ()  # (numerics, the chosen scale's held-out error there), target first
+    errors_on: tuple[
+        tuple[str, float], ...
+    ] = ()  # (numerics, the chosen scale's held-out error there), target first
     # for the whole-model step (kvcalib.calibration.output): what it may weigh, and what it found
-    shortlist: tuple[tuple[int, ...], ...] = ()  # per-head candidate indices: the chosen, the 2 best, absmax
+    shortlist: tuple[
+        tuple[int, ...], ...
+    ] = ()  # per-head candidate indices: the chosen, the 2 best, absmax
     clip_on_table: bool = False  # some clip at least halves absmax's error (GAIN), on both halves
-    gap: float = 1.0  # the chosen candidate's attention error over the best's (squared, choosing rows)
+    gap: float = (
+        1.0  # the chosen candidate's attention error over the best's (squared, choosing rows)
+    )
     step: str = ATTENTION  # which step chose: "attention" (this objective) or "output" (the whole-model step)
-    output: tuple[tuple[str, float], ...] = ()  # (candidate, mean next-token KL on the held-out rows) it weighed
+    output: tuple[
+        tuple[str, float], ...
+    ] = ()  # (candidate, mean next-token KL on the held-out rows) it weighed
     # per candidate on every head: (errors_on, held-out error, fraction clipped), for the step's pick
     uniform: tuple[tuple[tuple[tuple[str, float], ...], float, float], ...] = ()
 
@@ -143,20 +205,35 @@ class KindChoice:
         chosen by a tenth (WIDER_GAIN)."""
         return self.clip_on_table or self.gap * WIDER_GAIN**2 > 1.0
 
-    def rechosen(self, index: tuple[int, ...], labels: Sequence[str], output: tuple[tuple[str, float], ...]
-                 ) -> KindChoice:
+    def rechosen(
+        self, index: tuple[int, ...], labels: Sequence[str], output: tuple[tuple[str, float], ...]
+    ) -> KindChoice:
         """The whole-model step's record: `index` (the chosen, or one candidate on every head) and what it weighed."""
         if index == self.index:
             return replace(self, step=OUTPUT, output=output)
         errors_on, error, clipped = self.uniform[index[0]]
-        return replace(self, label=labels[index[0]], index=index, error=error, clipped=clipped, errors_on=errors_on,
-                       step=OUTPUT, output=output)
+        return replace(
+            self,
+            label=labels[index[0]],
+            index=index,
+            error=error,
+            clipped=clipped,
+            errors_on=errors_on,
+            step=OUTPUT,
+            output=output,
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "clipped": self.clipped, "attention_error": self.error,
-                "attention_error_absmax": self.error_absmax, "attention_error_unit": self.error_unit,
-                "attention_error_on": dict(self.errors_on), "step": self.step,
-                **({"output": dict(self.output)} if self.output else {})}
+        return {
+            "label": self.label,
+            "clipped": self.clipped,
+            "attention_error": self.error,
+            "attention_error_absmax": self.error_absmax,
+            "attention_error_unit": self.error_unit,
+            "attention_error_on": dict(self.errors_on),
+            "step": self.step,
+            **({"output": dict(self.output)} if self.output else {}),
+        }
 
 
 def _worst(errors: torch.Tensor) -> list[float]:
@@ -164,18 +241,31 @@ def _worst(errors: torch.Tensor) -> list[float]:
     return [max(math.fsum(row) for row in per) for per in errors.transpose(0, 1).tolist()]
 
 
-def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head: bool,
-           numerics: Sequence[fp8.Target] = ()) -> KindChoice:
+def choose(
+    terms: torch.Tensor,
+    norms: torch.Tensor,
+    cands: Candidates,
+    per_head: bool,
+    numerics: Sequence[fp8.Target] = (),
+) -> KindChoice:
     """The choice for one kind from its summed terms ([numerics, 4, C, kv_heads], target first; or [4, C, kv_heads])
     and the norms ([2, kv_heads]); each candidate judged by its error on the server where it does worst."""
     terms = terms[None] if terms.dim() == 3 else terms
     choosing, held, clipped, count = terms[:, 0], terms[:, 1], terms[0, 2], terms[0, 3]
     keeps = cands.keeps_range
     if per_head:
-        index = tuple(_pick(choosing[:, :, h].amax(dim=0).tolist(), held[:, :, h].amax(dim=0).tolist(),
-                            keeps[:, h].tolist()) for h in range(choosing.shape[2]))
+        index = tuple(
+            _pick(
+                choosing[:, :, h].amax(dim=0).tolist(),
+                held[:, :, h].amax(dim=0).tolist(),
+                keeps[:, h].tolist(),
+            )
+            for h in range(choosing.shape[2])
+        )
     else:
-        index = (_pick(_worst(choosing), _worst(held), keeps.all(dim=1).tolist()),) * choosing.shape[2]
+        index = (
+            _pick(_worst(choosing), _worst(held), keeps.all(dim=1).tolist()),
+        ) * choosing.shape[2]
 
     def held_error(per_head_index: Sequence[int], n: int = 0) -> float:
         err = math.fsum(held[n, c, h].item() for h, c in enumerate(per_head_index))
@@ -190,20 +280,37 @@ def choose(terms: torch.Tensor, norms: torch.Tensor, cands: Candidates, per_head
         label=labels.pop() if len(labels) == 1 else "per head",
         index=kept,
         clipped=math.fsum(clipped[c, h].item() for h, c in zip(heads, index)) / elements,
-        error=held_error(index), error_absmax=held_error([0] * len(heads)),
+        error=held_error(index),
+        error_absmax=held_error([0] * len(heads)),
         error_unit=held_error([cands.unit] * len(heads)),
         errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)),
-        uniform=tuple((tuple((chip.name, held_error([c] * len(heads), n)) for n, chip in enumerate(numerics)),
-                       held_error([c] * len(heads)), math.fsum(clipped[c].tolist()) / elements)
-                      for c in range(len(cands.labels))),
-        **_for_the_step(choosing, held, cands, index, kept))
+        uniform=tuple(
+            (
+                tuple(
+                    (chip.name, held_error([c] * len(heads), n)) for n, chip in enumerate(numerics)
+                ),
+                held_error([c] * len(heads)),
+                math.fsum(clipped[c].tolist()) / elements,
+            )
+            for c in range(len(cands.labels))
+        ),
+        **_for_the_step(choosing, held, cands, index, kept),
+    )
 
 
-def _for_the_step(choosing: torch.Tensor, held: torch.Tensor, cands: Candidates, index: tuple[int, ...],
-                  kept: tuple[int, ...]) -> dict[str, Any]:
+def _for_the_step(
+    choosing: torch.Tensor,
+    held: torch.Tensor,
+    cands: Candidates,
+    index: tuple[int, ...],
+    kept: tuple[int, ...],
+) -> dict[str, Any]:
     """KindChoice's shortlist, clip_on_table and gap, over the candidates scored in full: absmax, 1.0 and those
     that cut absmax's error as a pick needs (GAIN, WIDER_GAIN for a wider scale); the others stopped early."""
-    errors, held_errors = _worst(choosing.sum(dim=2, keepdim=True)), _worst(held.sum(dim=2, keepdim=True))
+    errors, held_errors = (
+        _worst(choosing.sum(dim=2, keepdim=True)),
+        _worst(held.sum(dim=2, keepdim=True)),
+    )
     keeps = cands.keeps_range.all(dim=1).tolist()
 
     def cuts(c: int) -> bool:
@@ -214,26 +321,40 @@ def _for_the_step(choosing: torch.Tensor, held: torch.Tensor, cands: Candidates,
     ranked = sorted(full, key=lambda c: (errors[c] + held_errors[c], c))[:SHORTLIST]
     best = min(full, key=lambda c: (errors[c], c))
     heads = range(choosing.shape[2])
-    picked = max(math.fsum(choosing[n, c, h].item() for h, c in zip(heads, index)) for n in range(len(choosing)))
-    return {"shortlist": tuple(dict.fromkeys([kept, *((c,) * len(kept) for c in ranked), (0,) * len(kept)])),
-            "clip_on_table": any(not keeps[c] and cuts(c) for c in range(1, len(errors))),
-            "gap": picked / errors[best] if errors[best] > 0 else 1.0}
+    picked = max(
+        math.fsum(choosing[n, c, h].item() for h, c in zip(heads, index))
+        for n in range(len(choosing))
+    )
+    return {
+        "shortlist": tuple(
+            dict.fromkeys([kept, *((c,) * len(kept) for c in ranked), (0,) * len(kept)])
+        ),
+        "clip_on_table": any(not keeps[c] and cuts(c) for c in range(1, len(errors))),
+        "gap": picked / errors[best] if errors[best] > 0 else 1.0,
+    }
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:
     """The candidate from its squared errors on the choosing and held-out rows (0 is absmax): see the module."""
-    def cuts(c: int, gain: float) -> bool:  # below gain x absmax's relative error on both halves (squared errors)
+
+    def cuts(
+        c: int, gain: float
+    ) -> bool:  # below gain x absmax's relative error on both halves (squared errors)
         return errors[c] < gain**2 * errors[0] and held_out[c] < gain**2 * held_out[0]
 
     better = [c for c in range(1, len(errors)) if not keeps_range[c] and cuts(c, GAIN)]
     if better:
         best = min(errors[c] for c in better)
         return next(c for c in better if errors[c] <= best * (1 + TOLERANCE) ** 2)
-    return min((c for c in range(len(errors)) if c == 0 or (keeps_range[c] and cuts(c, WIDER_GAIN))),
-               key=lambda c: (errors[c], c))
+    return min(
+        (c for c in range(len(errors)) if c == 0 or (keeps_range[c] and cuts(c, WIDER_GAIN))),
+        key=lambda c: (errors[c], c),
+    )
 
 
-Gather = Callable[[list[Any]], list[Any]]  # every rank's list, concatenated (one process: the list itself)
+Gather = Callable[
+    [list[Any]], list[Any]
+]  # every rank's list, concatenated (one process: the list itself)
 
 
 def scored_numerics(target: fp8.Target, per_head: bool) -> tuple[fp8.Target, ...]:
@@ -241,9 +362,14 @@ def scored_numerics(target: fp8.Target, per_head: bool) -> tuple[fp8.Target, ...
     return (target,) if per_head else fp8.served_numerics(target)
 
 
-def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch.Tensor],
-           v_heads: Sequence[torch.Tensor], target: fp8.Target, per_head: bool,
-           gather: Gather = lambda local: local) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
+def search(
+    samples: Sequence[Sequence[AttentionSample]],
+    k_heads: Sequence[torch.Tensor],
+    v_heads: Sequence[torch.Tensor],
+    target: fp8.Target,
+    per_head: bool,
+    gather: Gather = lambda local: local,
+) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
     """Per layer: the K and V choices and candidates, from every rank's samples (`gather`, twice a layer). absmax
     and 1.0 are scored first (absmax's error is the bar); the others until their error so far reaches it."""
     numerics = scored_numerics(target, per_head)
@@ -253,15 +379,25 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
         k, v = (candidates(heads[i], target, per_head, kv_heads) for heads in (k_heads, v_heads))
         grids = [(k.on(chip), v.on(chip)) for chip in numerics]
         anchors = ([0, k.unit], [0, v.unit])
-        pairs = [pair for rank in gather([[sample_terms(s, grids, numerics, anchors) for s in layer]]) for pair in rank]
+        pairs = [
+            pair
+            for rank in gather([[sample_terms(s, grids, numerics, anchors) for s in layer]])
+            for pair in rank
+        ]
         if not pairs:
             raise ValueError(f"layer {i}: no attention samples")
         bars = sum_terms([t for t, _ in pairs])
         rest = _scored_until_ruled_out(layer, grids, numerics, per_head, bars, anchors)
         terms = sum_terms([t for t, _ in pairs] + [t for rank in gather([rest]) for t in rank])
         norms = sum_terms([n for _, n in pairs])
-        chosen.append((choose(terms[:, 0], norms, k, per_head, numerics),
-                       choose(terms[:, 1], norms, v, per_head, numerics), k, v))
+        chosen.append(
+            (
+                choose(terms[:, 0], norms, k, per_head, numerics),
+                choose(terms[:, 1], norms, v, per_head, numerics),
+                k,
+                v,
+            )
+        )
     return chosen
 
 
@@ -269,14 +405,25 @@ def search(samples: Sequence[Sequence[AttentionSample]], k_heads: Sequence[torch
 _MARGIN = 1.0 + 1e-9
 
 
-def _scored_until_ruled_out(layer: Sequence[AttentionSample], grids: Sequence[tuple[Candidates, Candidates]],
-                            numerics: Sequence[fp8.Target], per_head: bool, bars: torch.Tensor,
-                            anchors: tuple[list[int], list[int]]) -> list[torch.Tensor]:
+def _scored_until_ruled_out(
+    layer: Sequence[AttentionSample],
+    grids: Sequence[tuple[Candidates, Candidates]],
+    numerics: Sequence[fp8.Target],
+    per_head: bool,
+    bars: torch.Tensor,
+    anchors: tuple[list[int], list[int]],
+) -> list[torch.Tensor]:
     """Each non-anchor candidate's terms, sample after sample, until its error so far reaches its bar (`bars`)."""
     keeps = [cands.keeps_range if per_head else cands.keeps_range.all(dim=1) for cands in grids[0]]
-    gains = [torch.where(keep, WIDER_GAIN**2, GAIN**2).double() for keep in keeps]  # [C(, kv_heads)]
-    bar = [bars[:, kind, :2, 0] if per_head else bars[:, kind, :2, 0].sum(dim=-1) for kind in range(2)]
-    active = tuple([c for c in range(len(gains[kind])) if c not in anchors[kind]] for kind in range(2))
+    gains = [
+        torch.where(keep, WIDER_GAIN**2, GAIN**2).double() for keep in keeps
+    ]  # [C(, kv_heads)]
+    bar = [
+        bars[:, kind, :2, 0] if per_head else bars[:, kind, :2, 0].sum(dim=-1) for kind in range(2)
+    ]
+    active = tuple(
+        [c for c in range(len(gains[kind])) if c not in anchors[kind]] for kind in range(2)
+    )
     sums, out = torch.zeros_like(bars), []
     for sample in layer:
         if not any(active):
@@ -286,8 +433,12 @@ def _scored_until_ruled_out(layer: Sequence[AttentionSample], grids: Sequence[tu
         out.append(terms)
         sums += terms
         for kind in range(2):
-            errors = sums[:, kind, :2] if per_head else sums[:, kind, :2].sum(dim=-1)  # [numerics, 2, C(, kv_heads)]
-            past = errors.amax(dim=0) >= gains[kind] * bar[kind].amax(dim=0)[:, None] * _MARGIN  # [2, C(, kv_heads)]
+            errors = (
+                sums[:, kind, :2] if per_head else sums[:, kind, :2].sum(dim=-1)
+            )  # [numerics, 2, C(, kv_heads)]
+            past = (
+                errors.amax(dim=0) >= gains[kind] * bar[kind].amax(dim=0)[:, None] * _MARGIN
+            )  # [2, C(, kv_heads)]
             ruled = past.any(dim=0).all(dim=1) if per_head else past.any(dim=0)
             active[kind][:] = [c for c in active[kind] if not ruled[c]]
     return out
@@ -297,36 +448,48 @@ FAR_WORSE = 2.0  # absmax's attention error this many times the chosen scale's (
 WORTH_WARNING = 0.05
 
 
-def near_constant_channels(samples: Sequence[AttentionSample], kind: str, absmax: float,
-                           limit: int = 6) -> tuple[int, list[tuple[int, float, float]]] | None:
+def near_constant_channels(
+    samples: Sequence[AttentionSample], kind: str, absmax: float, limit: int = 6
+) -> tuple[int, list[tuple[int, float, float]]] | None:
     """(head, [(channel, mean, std)]) of the head with the most channels of |mean| >= absmax / 4, std < 5 % of it."""
     if not samples:
         return None
-    x = torch.cat([(s.key if kind == "k" else s.value).float() for s in samples], dim=1)  # [Hkv, tokens, D]
+    x = torch.cat(
+        [(s.key if kind == "k" else s.value).float() for s in samples], dim=1
+    )  # [Hkv, tokens, D]
     mean, std = x.mean(dim=1), x.std(dim=1, correction=0)
     flagged = (mean.abs() >= 0.25 * absmax) & (std <= 0.05 * mean.abs())
     if not bool(flagged.any()):
         return None
     head = int(flagged.sum(dim=1).argmax())
-    channels = sorted(flagged[head].nonzero().flatten().tolist(), key=lambda c: -abs(float(mean[head, c])))
+    channels = sorted(
+        flagged[head].nonzero().flatten().tolist(), key=lambda c: -abs(float(mean[head, c]))
+    )
     return head, [(c, float(mean[head, c]), float(std[head, c])) for c in channels[:limit]]
 
 
-def absmax_warnings(layers: Sequence[Any], samples: Sequence[Sequence[AttentionSample]], target: fp8.Target
-                    ) -> list[str]:
+def absmax_warnings(
+    layers: Sequence[Any], samples: Sequence[Sequence[AttentionSample]], target: fp8.Target
+) -> list[str]:
     """A line for every layer's K or V where absmax / fp8_max would have been far worse than the chosen scale."""
     lines = []
     for layer in layers:
         for kind in "kv":
             choice = getattr(layer, kind).choice
-            if not choice or choice["attention_error_absmax"] <= max(FAR_WORSE * choice["attention_error"],
-                                                                      WORTH_WARNING):
+            if not choice or choice["attention_error_absmax"] <= max(
+                FAR_WORSE * choice["attention_error"], WORTH_WARNING
+            ):
                 continue
-            line = (f"layer {layer.layer} {kind.upper()}: absmax/{target.fp8_max:g} would cost attention-output error "
-                    f"{choice['attention_error_absmax']:.3f} against {choice['attention_error']:.3f} for the chosen "
-                    f"{choice['label']} ({choice['clipped']:.1%} clipped)")
-            found = near_constant_channels(samples[layer.layer] if layer.layer < len(samples) else (), kind,
-                                           getattr(layer, kind).absmax)
+            line = (
+                f"layer {layer.layer} {kind.upper()}: absmax/{target.fp8_max:g} would cost attention-output error "
+                f"{choice['attention_error_absmax']:.3f} against {choice['attention_error']:.3f} for the chosen "
+                f"{choice['label']} ({choice['clipped']:.1%} clipped)"
+            )
+            found = near_constant_channels(
+                samples[layer.layer] if layer.layer < len(samples) else (),
+                kind,
+                getattr(layer, kind).absmax,
+            )
             if found is not None:
                 head, channels = found
                 listed = ", ".join(f"{c} (mean {m:.4g}, std {s:.2g})" for c, m, s in channels)

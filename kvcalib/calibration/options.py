@@ -20,37 +20,76 @@ __all__ = ["CalibrateOptions", "CalibrationResult", "KindScales", "LayerScales"]
 @dataclass(frozen=True)
 class CalibrateOptions(RunOptions):
     target: str | None = option(
-        None, "Chip the scales are sized for: trn2 (FP8 max 240), trn3 or gpu (448). Default: the recipe's "
-        "kvcalib.target, else trn2.", panel="Scales", short="-t", choices=lambda: tuple(fp8.TARGETS))
-    num_samples: int = option(512, "First N rows of the split.", aliases=("--num-calibration-samples",),
-                              minimum=1, what="rows of the dataset to calibrate on")
-    max_seq_len: int = option(2048, "Tokens per sample at most.", aliases=("--max-seq-length",), minimum=1,
-                              what="tokens per sample")
-    batch_size: int = option(4, "Sequences per forward pass.", panel="Engine", minimum=1,
-                             what="sequences per forward pass")
+        None,
+        "Chip the scales are sized for: trn2 (FP8 max 240), trn3 or gpu (448). Default: the recipe's "
+        "kvcalib.target, else trn2.",
+        panel="Scales",
+        short="-t",
+        choices=lambda: tuple(fp8.TARGETS),
+    )
+    num_samples: int = option(
+        512,
+        "First N rows of the split.",
+        aliases=("--num-calibration-samples",),
+        minimum=1,
+        what="rows of the dataset to calibrate on",
+    )
+    max_seq_len: int = option(
+        2048,
+        "Tokens per sample at most.",
+        aliases=("--max-seq-length",),
+        minimum=1,
+        what="tokens per sample",
+    )
+    batch_size: int = option(
+        4,
+        "Sequences per forward pass.",
+        panel="Engine",
+        minimum=1,
+        what="sequences per forward pass",
+    )
     overwrite: bool = option(False, "Replace OUTPUT if it exists.", panel="Output")
     engine: str = option(
-        "auto", "auto (native, or stream when the weights would not fit), native, stream, or llmcompressor "
-        "(llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor]).", panel="Engine")
+        "auto",
+        "auto (native, or stream when the weights would not fit), native, stream, or llmcompressor "
+        "(llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor]).",
+        panel="Engine",
+    )
     recipe: str | None = option(
-        None, "llm-compressor recipe whose kv_cache_scheme to use: a shipped one by name (trn2, trn3, gpu) or a "
-        "YAML file.", panel="Scales", metavar="NAME|FILE")
+        None,
+        "llm-compressor recipe whose kv_cache_scheme to use: a shipped one by name (trn2, trn3, gpu) or a "
+        "YAML file.",
+        panel="Scales",
+        metavar="NAME|FILE",
+    )
     strategy: Literal["tensor", "attn_head"] | None = option(
-        None, "tensor (one K and one V scale per layer) or attn_head (one per KV head; GPU only: vLLM on Neuron "
-        "cannot load them). Default: the recipe's kv_cache_scheme, else tensor.", panel="Scales")
+        None,
+        "tensor (one K and one V scale per layer) or attn_head (one per KV head; GPU only: vLLM on Neuron "
+        "cannot load them). Default: the recipe's kv_cache_scheme, else tensor.",
+        panel="Scales",
+    )
     attention_scales: bool = option(
-        False, "Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's "
+        False,
+        "Also observe Q after RoPE (and q-norm) and write self_attn.q_scale with llm-compressor's "
         "FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet).",
-        panel="Scales")
+        panel="Scales",
+    )
     scale_objective: Literal["output", "attention", "absmax"] = option(
-        "output", "output: the attention objective, then where its candidates differ materially, the few best "
+        "output",
+        "output: the attention objective, then where its candidates differ materially, the few best "
         "scored by the model's next-token KL on held-out calibration rows, in the target's numerics and server "
         "order; attention: per layer, the scale whose attention output is closest to the unquantised one on every "
         "server the scales are for, clipping where that helps; absmax: absmax / FP8 max, never clipping "
-        "(llm-compressor's rule).", panel="Scales", metavar="output|attention|absmax")
+        "(llm-compressor's rule).",
+        panel="Scales",
+        metavar="output|attention|absmax",
+    )
     headroom: float = option(
-        1.0, "K/V scales that clip nothing sized for this many times the absmax seen (1: none): room for "
-        "contexts far longer than the samples, where absmax grows (e.g. 1.4142).", panel="Scales")
+        1.0,
+        "K/V scales that clip nothing sized for this many times the absmax seen (1: none): room for "
+        "contexts far longer than the samples, where absmax grows (e.g. 1.4142).",
+        panel="Scales",
+    )
     extra_provenance: dict[str, Any] = field(default_factory=dict)
     ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
     # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
@@ -61,9 +100,11 @@ class CalibrateOptions(RunOptions):
         """The values a user passes, checked before anything is read (UsageError naming the flag)."""
         check_options(self)
         if not 1.0 <= self.headroom <= 16.0:
-            raise UsageError(f"--headroom {self.headroom:g}: must be between 1 (none) and 16",
-                             hint="e.g. --headroom 1.4142 (a square root of 2) for contexts far longer than the "
-                             "samples")
+            raise UsageError(
+                f"--headroom {self.headroom:g}: must be between 1 (none) and 16",
+                hint="e.g. --headroom 1.4142 (a square root of 2) for contexts far longer than the "
+                "samples",
+            )
 
 
 @dataclass(frozen=True)
@@ -81,8 +122,11 @@ class KindScales:
     choice: dict[str, Any] | None = None
 
     def to_dict(self, keys: bool = True) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()
-                if v is not None and (keys or k != "key")}
+        return {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in asdict(self).items()
+            if v is not None and (keys or k != "key")
+        }
 
 
 @dataclass(frozen=True)
@@ -95,9 +139,13 @@ class LayerScales:
     q: KindScales | None = None
 
     def kinds(self) -> dict[str, KindScales]:
-        return {kind: s for kind, s in (("k", self.k), ("v", self.v), ("q", self.q)) if s is not None}
+        return {
+            kind: s for kind, s in (("k", self.k), ("v", self.v), ("q", self.q)) if s is not None
+        }
 
-    def to_dict(self, keys: bool = True) -> dict[str, Any]:  # keys=False: no tensor names (the provenance's)
+    def to_dict(
+        self, keys: bool = True
+    ) -> dict[str, Any]:  # keys=False: no tensor names (the provenance's)
         return {"layer": self.layer, **{kind: s.to_dict(keys) for kind, s in self.kinds().items()}}
 
 
@@ -132,10 +180,21 @@ class CalibrationResult:
         return self.num_tokens / self.observe_seconds if self.observe_seconds > 0 else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"output": self.output, "model": self.model, "target": self.target, "fp8_max": self.fp8_max,
-                "num_samples": self.num_samples, "num_tokens": self.num_tokens, "seconds": round(self.seconds, 3),
-                "tokens_per_s": round(self.tokens_per_s, 1), "compute": self.compute,
-                "scale_objective": self.scale_objective, "objective_seconds": round(self.objective_seconds, 3),
-                "output_step": self.output_step and self.output_step.to_dict(),
-                "layers": [layer.to_dict() for layer in self.layers], "warnings": list(self.warnings),
-                "validation": self.validation, "kv_cache": self.kv_cache and self.kv_cache.to_dict()}
+        return {
+            "output": self.output,
+            "model": self.model,
+            "target": self.target,
+            "fp8_max": self.fp8_max,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "compute": self.compute,
+            "scale_objective": self.scale_objective,
+            "objective_seconds": round(self.objective_seconds, 3),
+            "output_step": self.output_step and self.output_step.to_dict(),
+            "layers": [layer.to_dict() for layer in self.layers],
+            "warnings": list(self.warnings),
+            "validation": self.validation,
+            "kv_cache": self.kv_cache and self.kv_cache.to_dict(),
+        }

@@ -38,8 +38,18 @@ from kvcalib.evaluation.significance import paired_bootstrap
 from kvcalib.hf.compute import Float32Weights
 from kvcalib.hf.data import batches
 
-__all__ = ["BUDGET_SHARE", "MIN_FORWARDS", "OUTPUT", "ROW_TOKENS", "TOKENS", "StepReport", "budget", "decide",
-           "held_out_rows", "output_step"]
+__all__ = [
+    "BUDGET_SHARE",
+    "MIN_FORWARDS",
+    "OUTPUT",
+    "ROW_TOKENS",
+    "TOKENS",
+    "StepReport",
+    "budget",
+    "decide",
+    "held_out_rows",
+    "output_step",
+]
 
 TOKENS = 1024  # held-out calibration tokens the step scores on (half what the objective samples)
 ROW_TOKENS = 128  # each row at most this long (more rows for the paired intervals); Neuron order scores the 2nd half
@@ -68,7 +78,9 @@ class StepReport:
     changed: int = 0
     forwards: int = 0
     budget: int = 0
-    kl_before: float | None = None  # mean next-token KL (TOP-token bound) with the objective's choices
+    kl_before: float | None = (
+        None  # mean next-token KL (TOP-token bound) with the objective's choices
+    )
     kl_after: float | None = None  # with the step's
     skipped: str | None = None
 
@@ -76,8 +88,12 @@ class StepReport:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-def held_out_rows(sequences: Sequence[Sequence[int]], chose: frozenset[tuple[int, ...]], tokens: int = TOKENS,
-                  row_tokens: int = ROW_TOKENS) -> list[tuple[int, ...]]:
+def held_out_rows(
+    sequences: Sequence[Sequence[int]],
+    chose: frozenset[tuple[int, ...]],
+    tokens: int = TOKENS,
+    row_tokens: int = ROW_TOKENS,
+) -> list[tuple[int, ...]]:
     """Calibration rows the objective did not choose on, in order, cut to `row_tokens`, until `tokens` (at most
     MAX_ROWS rows)."""
     out: list[tuple[int, ...]] = []
@@ -116,14 +132,24 @@ class _Scorer:
         self.weights = Float32Weights()
         self.fresh = self.target.order == fp8.NEURON_ORDER
         self.reference = [self._reference(ids, mask) for ids, mask in self.batches]
-        self.tokens = self._gathered([scored.sum(dim=1).double() for _, _, scored in self.reference])
+        self.tokens = self._gathered(
+            [scored.sum(dim=1).double() for _, _, scored in self.reference]
+        )
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, hook: Any) -> torch.Tensor:
         ids, mask = ids.to(self.device), mask.to(self.device)
-        hook = OneLayer(None, None) if hook is None else FreshPrefill(hook, mask) if self.fresh else hook
+        hook = (
+            OneLayer(None, None)
+            if hook is None
+            else FreshPrefill(hook, mask)
+            if self.fresh
+            else hook
+        )
         return log_probs(self.model, ids, mask, hook, compute=self.compute, weights=self.weights)
 
-    def _reference(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _reference(
+        self, ids: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp = self._forward(ids, mask, None)
         top, index = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
         rest = torch.log1p(-top.exp().sum(-1).clamp(max=1 - 1e-7))
@@ -138,7 +164,9 @@ class _Scorer:
         for (ids, mask), (ref, index, scored) in zip(self.batches, self.reference):
             logq = self._forward(ids, mask, quantizer)
             top = logq.gather(-1, index)
-            q = torch.cat([top, torch.log1p(-top.exp().sum(-1).clamp(max=1 - 1e-7))[..., None]], dim=-1)
+            q = torch.cat(
+                [top, torch.log1p(-top.exp().sum(-1).clamp(max=1 - 1e-7))[..., None]], dim=-1
+            )
             per_token = (ref.exp() * (ref - q)).sum(-1).double()
             sums.append(torch.where(scored, per_token, 0.0).sum(dim=1))
         return self._gathered(sums)
@@ -149,26 +177,50 @@ class _Scorer:
         return [v for _, values in sorted(self.gather(mine)) for v in values]
 
 
-def output_step(model: torch.nn.Module | None, choices: Choices, rows: list[tuple[int, ...]], target: fp8.Target,
-                compute: ComputePath, pad: int, device: torch.device, forwards_allowed: int, headroom: float = 1.0,
-                rank: int = 0, world: int = 1, gather: Gather = lambda local: local) -> tuple[Choices, StepReport]:
+def output_step(
+    model: torch.nn.Module | None,
+    choices: Choices,
+    rows: list[tuple[int, ...]],
+    target: fp8.Target,
+    compute: ComputePath,
+    pad: int,
+    device: torch.device,
+    forwards_allowed: int,
+    headroom: float = 1.0,
+    rank: int = 0,
+    world: int = 1,
+    gather: Gather = lambda local: local,
+) -> tuple[Choices, StepReport]:
     """`choices` with the material layer-kinds settled by the output (module docstring), and what the step did
     (`model` None: the whole model does not fit, nothing settled)."""
-    kinds = [(i, kind) for i, layer in enumerate(choices) for kind in range(2) if layer[kind].material]
+    kinds = [
+        (i, kind) for i, layer in enumerate(choices) for kind in range(2) if layer[kind].material
+    ]
     if not kinds:
-        return choices, StepReport(material=0, budget=forwards_allowed, skipped="no layer's candidates differ "
-                                   "materially")
+        return choices, StepReport(
+            material=0, budget=forwards_allowed, skipped="no layer's candidates differ materially"
+        )
     if model is None:
-        return choices, StepReport(material=len(kinds), budget=forwards_allowed,
-                                   skipped="it runs the whole model, which does not fit in memory here")
+        return choices, StepReport(
+            material=len(kinds),
+            budget=forwards_allowed,
+            skipped="it runs the whole model, which does not fit in memory here",
+        )
     if len(rows) < MIN_ROWS:
-        return choices, StepReport(material=len(kinds), budget=forwards_allowed, skipped=f"{len(rows)} held-out "
-                                   f"calibration row(s); it needs {MIN_ROWS} (--num-samples)")
+        return choices, StepReport(
+            material=len(kinds),
+            budget=forwards_allowed,
+            skipped=f"{len(rows)} held-out calibration row(s); it needs {MIN_ROWS} (--num-samples)",
+        )
     scorer = _Scorer(model, rows, target, compute, pad, device, rank, world, gather)
     weighed = _weighed(choices, kinds, forwards_allowed - 2)
     state = [[choice.index for choice in layer[:2]] for layer in choices]
     start = current = scorer.kl(_quantizer(choices, state, target, headroom))
-    out, forwards, total = list(choices), 2, math.fsum(scorer.tokens)  # the reference, and the objective's choices
+    out, forwards, total = (
+        list(choices),
+        2,
+        math.fsum(scorer.tokens),
+    )  # the reference, and the objective's choices
     for i, kind in sorted(weighed):
         choice, cands = choices[i][kind], choices[i][kind + 2]
         costs, written = {choice.index: current}, {_key(choice.index, cands, headroom, target)}
@@ -181,25 +233,49 @@ def output_step(model: torch.nn.Module | None, choices: Choices, rows: list[tupl
                 forwards += 1
         state[i][kind] = pick = decide(costs, scorer.tokens, cands, choice.index)
         current = costs[pick]
-        record = choice.rechosen(pick, cands.labels, tuple((_label(index, cands), math.fsum(c) / total)
-                                                           for index, c in costs.items()))
+        record = choice.rechosen(
+            pick,
+            cands.labels,
+            tuple((_label(index, cands), math.fsum(c) / total) for index, c in costs.items()),
+        )
         out[i] = (record, out[i][1], *out[i][2:]) if kind == 0 else (out[i][0], record, *out[i][2:])
-    report = StepReport(rows=len(rows), tokens=int(total), material=len(kinds), weighed=len(weighed),
-                        changed=sum(o[k].index != c[k].index for o, c in zip(out, choices) for k in range(2)),
-                        forwards=forwards, budget=forwards_allowed, kl_before=math.fsum(start) / total,
-                        kl_after=math.fsum(current) / total)
-    if report.changed and _worse(current, start, scorer.tokens):  # ties that add up to worse: keep the objective's
-        return choices, replace(report, changed=0, kl_after=report.kl_before,
-                                skipped=f"its changes together were worse (KL {report.kl_after:.3g}) than none")
+    report = StepReport(
+        rows=len(rows),
+        tokens=int(total),
+        material=len(kinds),
+        weighed=len(weighed),
+        changed=sum(o[k].index != c[k].index for o, c in zip(out, choices) for k in range(2)),
+        forwards=forwards,
+        budget=forwards_allowed,
+        kl_before=math.fsum(start) / total,
+        kl_after=math.fsum(current) / total,
+    )
+    if report.changed and _worse(
+        current, start, scorer.tokens
+    ):  # ties that add up to worse: keep the objective's
+        return choices, replace(
+            report,
+            changed=0,
+            kl_after=report.kl_before,
+            skipped=f"its changes together were worse (KL {report.kl_after:.3g}) than none",
+        )
     return out, report
 
 
-def _weighed(choices: Choices, kinds: list[tuple[int, int]], forwards: int) -> list[tuple[int, int]]:
+def _weighed(
+    choices: Choices, kinds: list[tuple[int, int]], forwards: int
+) -> list[tuple[int, int]]:
     """The material kinds the budget allows: those with a clip on the table first, then the largest attention error
     absmax would cost (where a scale matters most)."""
     out = []
-    for i, kind in sorted(kinds, key=lambda ik: (not choices[ik[0]][ik[1]].clip_on_table,
-                                                 -choices[ik[0]][ik[1]].error_absmax, ik)):
+    for i, kind in sorted(
+        kinds,
+        key=lambda ik: (
+            not choices[ik[0]][ik[1]].clip_on_table,
+            -choices[ik[0]][ik[1]].error_absmax,
+            ik,
+        ),
+    ):
         cost = len(choices[i][kind].shortlist) - 1
         if cost <= forwards:
             out.append((i, kind))
@@ -207,8 +283,12 @@ def _weighed(choices: Choices, kinds: list[tuple[int, int]], forwards: int) -> l
     return out
 
 
-def decide(costs: dict[tuple[int, ...], list[float]], tokens: list[float], cands: Candidates,
-           chosen: tuple[int, ...]) -> tuple[int, ...]:
+def decide(
+    costs: dict[tuple[int, ...], list[float]],
+    tokens: list[float],
+    cands: Candidates,
+    chosen: tuple[int, ...],
+) -> tuple[int, ...]:
     """The lowest mean KL; among those indistinguishable from it (paired interval over rows reaching 0), the least
     clipping, then the objective's own (`chosen`)."""
     finite = [index for index in costs if all(map(math.isfinite, costs[index]))]
@@ -219,7 +299,10 @@ def decide(costs: dict[tuple[int, ...], list[float]], tokens: list[float], cands
     def ties(index: tuple[int, ...]) -> bool:
         return index == best or not _worse(costs[index], costs[best], tokens)
 
-    return max((index for index in finite if ties(index)), key=lambda index: (_kept(index, cands), index == chosen))
+    return max(
+        (index for index in finite if ties(index)),
+        key=lambda index: (_kept(index, cands), index == chosen),
+    )
 
 
 def _worse(costs: list[float], than: list[float], tokens: list[float]) -> bool:
@@ -232,27 +315,36 @@ def _kept(index: tuple[int, ...], cands: Candidates) -> float:
     """How much of absmax's range the candidate keeps, summed over heads (the least clipping: the most)."""
     heads = range(cands.ranges.shape[1])
     per_head = index * len(heads) if len(index) == 1 else index
-    return math.fsum(min(float(cands.ranges[c, h]), float(cands.ranges[0, h])) for h, c in zip(heads, per_head))
+    return math.fsum(
+        min(float(cands.ranges[c, h]), float(cands.ranges[0, h])) for h, c in zip(heads, per_head)
+    )
 
 
 def _label(index: tuple[int, ...], cands: Candidates) -> str:
     labels = {cands.labels[c] for c in index}
-    return labels.pop() if len(labels) == 1 else "per head " + ",".join(cands.labels[c] for c in index)
+    return (
+        labels.pop() if len(labels) == 1 else "per head " + ",".join(cands.labels[c] for c in index)
+    )
 
 
-def _key(index: tuple[int, ...], cands: Candidates, headroom: float, target: fp8.Target) -> tuple[float, ...]:
+def _key(
+    index: tuple[int, ...], cands: Candidates, headroom: float, target: fp8.Target
+) -> tuple[float, ...]:
     """The scales the candidate writes, per head, as calibration.scales.layer_scales writes them (--headroom)."""
     per_head = index * cands.scales.shape[1] if len(index) == 1 else index
     scales = torch.stack([cands.scales[c, h] for h, c in enumerate(per_head)])
     return tuple(with_headroom(scales, cands.ranges[0], headroom, target).tolist())
 
 
-def _quantizer(choices: Choices, state: list[list[tuple[int, ...]]], target: fp8.Target, headroom: float
-               ) -> KVQuantizer:
+def _quantizer(
+    choices: Choices, state: list[list[tuple[int, ...]]], target: fp8.Target, headroom: float
+) -> KVQuantizer:
     def scale(index: tuple[int, ...], cands: Candidates) -> Scale:
         written = _key(index, cands, headroom, target)
         return written[0] if len(index) == 1 else head_scale(list(written))
 
-    return KVQuantizer([scale(state[i][0], layer[2]) for i, layer in enumerate(choices)],
-                       [scale(state[i][1], layer[3]) for i, layer in enumerate(choices)], target)
-
+    return KVQuantizer(
+        [scale(state[i][0], layer[2]) for i, layer in enumerate(choices)],
+        [scale(state[i][1], layer[3]) for i, layer in enumerate(choices)],
+        target,
+    )

@@ -19,8 +19,8 @@ from kvcalib.calibration.engine import Engine, EngineInputs, Observation
 from kvcalib.calibration.llmcompressor import llmcompressor_engine
 from kvcalib.calibration.native import native_engine, sample_attention
 from kvcalib.calibration.objective import ABSMAX, Gather, absmax_warnings, scored_numerics, search
-from kvcalib.calibration.output import OUTPUT, StepReport, budget, held_out_rows, output_step
 from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales
+from kvcalib.calibration.output import OUTPUT, StepReport, budget, held_out_rows, output_step
 from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import RecipePlan, plan_recipe
 from kvcalib.calibration.scales import layer_scales, scale_tensors
@@ -31,19 +31,45 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import (ATTN_HEAD, SCALES_FILENAME, kv_cache_size, kv_only_quantization_config,
-                                 max_position_embeddings)
+from kvcalib.core.schema import (
+    ATTN_HEAD,
+    SCALES_FILENAME,
+    kv_cache_size,
+    kv_only_quantization_config,
+    max_position_embeddings,
+)
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
-from kvcalib.hf.model import (faithful_attention, load_model, load_tokenizer, pad_id, prepare_run, resolve_compute,
-                              resolve_target)
+from kvcalib.hf.model import (
+    faithful_attention,
+    load_model,
+    load_tokenizer,
+    pad_id,
+    prepare_run,
+    resolve_compute,
+    resolve_target,
+)
 from kvcalib.hf.samples import sample_sequences
-from kvcalib.validation.pipeline import validate_checkpoint  # calibrate validates what it wrote (pyproject.toml)
+from kvcalib.validation.pipeline import (
+    validate_checkpoint,  # calibrate validates what it wrote (pyproject.toml)
+)
 
-__all__ = ["ENGINES", "RunPlan", "calibrate", "check_run", "engine_inputs", "read_data", "register_engine"]
+__all__ = [
+    "ENGINES",
+    "RunPlan",
+    "calibrate",
+    "check_run",
+    "engine_inputs",
+    "read_data",
+    "register_engine",
+]
 
 # The engines by name. llm-compressor itself is imported only when its engine runs.
-ENGINES: dict[str, Engine] = {"native": native_engine, "stream": stream_engine, "llmcompressor": llmcompressor_engine}
+ENGINES: dict[str, Engine] = {
+    "native": native_engine,
+    "stream": stream_engine,
+    "llmcompressor": llmcompressor_engine,
+}
 
 
 def register_engine(name: str, engine: Engine) -> None:
@@ -68,8 +94,13 @@ class RunPlan:
     recovered: tuple[str, ...]  # what was restored or removed from interrupted runs
 
 
-def calibrate(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions | None = None,
-              progress: ProgressCallback | None = None) -> CalibrationResult:
+def calibrate(
+    model: str | Path,
+    dataset: str,
+    output: str | Path,
+    options: CalibrateOptions | None = None,
+    progress: ProgressCallback | None = None,
+) -> CalibrationResult:
     """Calibrate `model` on `dataset` and write the FP8-KV checkpoint to `output`."""
     notify = progress or no_progress
     started = time.perf_counter()
@@ -81,102 +112,198 @@ def calibrate(model: str | Path, dataset: str, output: str | Path, options: Cali
     inputs = engine_inputs(plan, data, pad, notify)
     observation, choices, objective_seconds, step = _observe(plan, inputs)
 
-    layers, warnings = layer_scales(observation, plan.target, plan.checkpoint.root, plan.recipe.strategy,
-                                    queries=opts.attention_scales, choices=choices, headroom=opts.headroom)
+    layers, warnings = layer_scales(
+        observation,
+        plan.target,
+        plan.checkpoint.root,
+        plan.recipe.strategy,
+        queries=opts.attention_scales,
+        choices=choices,
+        headroom=opts.headroom,
+    )
     if choices is not None:
         warnings.extend(absmax_warnings(layers, observation.samples, plan.target))
     if plan.engine.reason:
         warnings.append(plan.engine.reason)
     if step is not None and step.skipped and step.material and not step.forwards:
-        warnings.append(f"the whole-model step did not run ({step.skipped}): the attention objective's choices "
-                        f"stand for {step.material} layer K/V(s) whose candidates differ materially")
-    warnings.extend(context_warning(data, opts.max_seq_len, plan.checkpoint.config, output, opts.headroom))
+        warnings.append(
+            f"the whole-model step did not run ({step.skipped}): the attention objective's choices "
+            f"stand for {step.material} layer K/V(s) whose candidates differ materially"
+        )
+    warnings.extend(
+        context_warning(data, opts.max_seq_len, plan.checkpoint.config, output, opts.headroom)
+    )
 
     def result(more_warnings: list[str], validation: dict[str, Any] | None) -> CalibrationResult:
         return CalibrationResult(
-            output=str(output), model=str(model), target=plan.target.name, fp8_max=plan.target.fp8_max,
-            num_samples=len(data.sequences), num_tokens=data.num_tokens, layers=tuple(layers),
-            seconds=time.perf_counter() - started, observe_seconds=observation.seconds,
-            warnings=tuple(more_warnings), validation=validation, compute=plan.compute.describe(),
-            scale_objective=opts.scale_objective, objective_seconds=objective_seconds,
-            kv_cache=kv_cache_size(plan.checkpoint.config), output_step=step)
+            output=str(output),
+            model=str(model),
+            target=plan.target.name,
+            fp8_max=plan.target.fp8_max,
+            num_samples=len(data.sequences),
+            num_tokens=data.num_tokens,
+            layers=tuple(layers),
+            seconds=time.perf_counter() - started,
+            observe_seconds=observation.seconds,
+            warnings=tuple(more_warnings),
+            validation=validation,
+            compute=plan.compute.describe(),
+            scale_objective=opts.scale_objective,
+            objective_seconds=objective_seconds,
+            kv_cache=kv_cache_size(plan.checkpoint.config),
+            output_step=step,
+        )
 
     if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
         return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)
     notify(Progress("write"))
-    notes, validation = _write(plan, data, layers, observation.attention_classes if opts.attention_scales else ())
-    return result(list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation or None)
+    notes, validation = _write(
+        plan, data, layers, observation.attention_classes if opts.attention_scales else ()
+    )
+    return result(
+        list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation or None
+    )
 
 
 def read_data(plan: RunPlan, dataset: str) -> tuple[CalibrationData, int]:
     """The calibration samples, tokenised as the run tokenises them, and the padding id."""
     opts = plan.options
     tokenizer = load_tokenizer(plan.checkpoint.root, opts.trust_remote_code)
-    data = load_calibration_data(dataset, tokenizer, split=opts.split, text_column=opts.text_column,
-                                 num_samples=opts.num_samples, max_seq_len=opts.max_seq_len, seed=opts.seed,
-                                 add_special_tokens=opts.add_special_tokens)
+    data = load_calibration_data(
+        dataset,
+        tokenizer,
+        split=opts.split,
+        text_column=opts.text_column,
+        num_samples=opts.num_samples,
+        max_seq_len=opts.max_seq_len,
+        seed=opts.seed,
+        add_special_tokens=opts.add_special_tokens,
+    )
     return data, pad_id(tokenizer)
 
 
-def engine_inputs(plan: RunPlan, data: CalibrationData, pad: int, notify: ProgressCallback,
-                  probe_layers: int | None = None) -> EngineInputs:
+def engine_inputs(
+    plan: RunPlan,
+    data: CalibrationData,
+    pad: int,
+    notify: ProgressCallback,
+    probe_layers: int | None = None,
+) -> EngineInputs:
     """What the engine gets for `data`: the scale objective's sequences among them, the memory limit it sizes by."""
     opts = plan.options
-    sampled = sample_sequences(data.sequences, opts.batch_size, pad) if opts.scale_objective != ABSMAX \
+    sampled = (
+        sample_sequences(data.sequences, opts.batch_size, pad)
+        if opts.scale_objective != ABSMAX
         else frozenset()
-    return EngineInputs(plan.checkpoint, data, opts, plan.dtype, plan.device, pad, notify, plan.compute,
-                        plan.engine.limit if plan.engine.limit is not None else opts.memory,
-                        sample_sequences=sampled, probe_layers=probe_layers)
+    )
+    return EngineInputs(
+        plan.checkpoint,
+        data,
+        opts,
+        plan.dtype,
+        plan.device,
+        pad,
+        notify,
+        plan.compute,
+        plan.engine.limit if plan.engine.limit is not None else opts.memory,
+        sample_sequences=sampled,
+        probe_layers=probe_layers,
+    )
 
 
-def context_warning(data: CalibrationData, max_seq_len: int, config: dict[str, Any], output: str | Path,
-                    headroom: float = 1.0) -> list[str]:
+def context_warning(
+    data: CalibrationData,
+    max_seq_len: int,
+    config: dict[str, Any],
+    output: str | Path,
+    headroom: float = 1.0,
+) -> list[str]:
     """A warning when samples are under half the served context, no headroom (SmolLM2 at 8k tokens: K absmax 1.18x)."""
     context = max_position_embeddings(config)
     longest = data.longest
     if context is None or 2 * longest >= context or headroom > 1.0:
         return []
-    return [f"calibration samples are at most {longest} tokens (--max-seq-len {max_seq_len}), the model serves up "
-            f"to {context}: K/V later in long prompts can exceed the absmax seen here and saturate. Measure it with "
-            f"`kvcalib eval {output} --dataset HELD_OUT --context {min(context, 8192)}`; calibrate with --headroom "
-            f"1.4142 (room for the growth), or on longer samples (--max-seq-len)"]
+    return [
+        f"calibration samples are at most {longest} tokens (--max-seq-len {max_seq_len}), the model serves up "
+        f"to {context}: K/V later in long prompts can exceed the absmax seen here and saturate. Measure it with "
+        f"`kvcalib eval {output} --dataset HELD_OUT --context {min(context, 8192)}`; calibrate with --headroom "
+        f"1.4142 (room for the growth), or on longer samples (--max-seq-len)"
+    ]
 
 
-def check_run(model: str | Path, dataset: str, output: Path, opts: CalibrateOptions, *, dry: bool = False) -> RunPlan:
+def check_run(
+    model: str | Path, dataset: str, output: Path, opts: CalibrateOptions, *, dry: bool = False
+) -> RunPlan:
     """The cheap checks, before any weight is loaded; the plan of the run. `dry`: leave leftovers as they are."""
     opts.check_arguments()
     recipe = plan_recipe(opts.recipe, opts.target, opts.engine, opts.strategy)  # checked together
     target = resolve_target(recipe.target)
-    opts = replace(opts, strategy=recipe.strategy, attention_scales=opts.attention_scales or recipe.attention_scales,
-                   extra_provenance={**recipe.provenance, **opts.extra_provenance})
+    opts = replace(
+        opts,
+        strategy=recipe.strategy,
+        attention_scales=opts.attention_scales or recipe.attention_scales,
+        extra_provenance={**recipe.provenance, **opts.extra_provenance},
+    )
     if opts.attention_scales and opts.engine == "llmcompressor":
-        raise UsageError("--attention-scales observes Q with kvcalib's own engines; --engine llmcompressor "
-                         "observes K/V only", hint="drop --engine llmcompressor (native or stream observe Q)")
+        raise UsageError(
+            "--attention-scales observes Q with kvcalib's own engines; --engine llmcompressor "
+            "observes K/V only",
+            hint="drop --engine llmcompressor (native or stream observe Q)",
+        )
     run = prepare_run(model, opts)
     checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
-    opts = replace(opts, extra_provenance={**opts.extra_provenance,
-                                           **mxfp4.check_calibration(checkpoint, target, opts.engine)})
-    inputs = [("the model checkpoint", checkpoint.root), ("the dataset", Path(dataset).expanduser())]
+    opts = replace(
+        opts,
+        extra_provenance={
+            **opts.extra_provenance,
+            **mxfp4.check_calibration(checkpoint, target, opts.engine),
+        },
+    )
+    inputs = [
+        ("the model checkpoint", checkpoint.root),
+        ("the dataset", Path(dataset).expanduser()),
+    ]
     if opts.recipe is not None:
         inputs.append(("the recipe", Path(opts.recipe)))
-    writer = opts.ranks is None or opts.ranks.is_writer  # under torchrun only rank 0 touches the output's parent
-    recovered = check_output_path(output, inputs, opts.overwrite, recover_leftovers=writer and not dry)
+    writer = (
+        opts.ranks is None or opts.ranks.is_writer
+    )  # under torchrun only rank 0 touches the output's parent
+    recovered = check_output_path(
+        output, inputs, opts.overwrite, recover_leftovers=writer and not dry
+    )
     if writer:
         check_room(output, checkpoint)
     device = rank_device(device, opts.ranks)
     local_copies = opts.ranks.local_world_size if opts.ranks else 1
-    choice = choose_engine(opts.engine, checkpoint, dtype, device, copies=local_copies, host=opts.memory)
+    choice = choose_engine(
+        opts.engine, checkpoint, dtype, device, copies=local_copies, host=opts.memory
+    )
     opts = replace(opts, engine=choice.engine)
     if opts.engine not in ENGINES:
-        raise UsageError(f"unknown --engine {opts.engine!r}", hint=f"use one of {', '.join(sorted(ENGINES))}")
+        raise UsageError(
+            f"unknown --engine {opts.engine!r}", hint=f"use one of {', '.join(sorted(ENGINES))}"
+        )
     compute = resolve_compute(opts.bf16_compute, dtype, checkpoint, device, opts.cpu)
     if opts.engine == "llmcompressor":  # its oneshot runs the model as its users run it
         compute = ComputePath(NATIVE, "llm-compressor's oneshot runs the model natively")
-    return RunPlan(opts, recipe, target, checkpoint, output, dtype, device, choice, compute, tuple(inputs),
-                 tuple(recovered))
+    return RunPlan(
+        opts,
+        recipe,
+        target,
+        checkpoint,
+        output,
+        dtype,
+        device,
+        choice,
+        compute,
+        tuple(inputs),
+        tuple(recovered),
+    )
 
 
-def _observe(plan: RunPlan, inputs: EngineInputs) -> tuple[Observation, list | None, float, StepReport | None]:
+def _observe(
+    plan: RunPlan, inputs: EngineInputs
+) -> tuple[Observation, list | None, float, StepReport | None]:
     """The engine's observation, the scale objective's choices (None: absmax), the seconds the search and the
     whole-model step took, and what the step did (None: not asked for)."""
     engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
@@ -188,11 +315,22 @@ def _observe(plan: RunPlan, inputs: EngineInputs) -> tuple[Observation, list | N
         inputs.notify(Progress("objective"))
         started = time.perf_counter()
         samples = observation.samples
-        if not samples:  # an engine that keeps none (llm-compressor's): rank 0 takes them in a pass of its own
-            samples = sample_attention(inputs) if ranks is None or ranks.rank == 0 \
+        if (
+            not samples
+        ):  # an engine that keeps none (llm-compressor's): rank 0 takes them in a pass of its own
+            samples = (
+                sample_attention(inputs)
+                if ranks is None or ranks.rank == 0
                 else tuple(() for _ in observation.k_heads)
-        chosen = search(samples, observation.k_heads, observation.v_heads, plan.target,
-                        plan.recipe.strategy == ATTN_HEAD, gather)
+            )
+        chosen = search(
+            samples,
+            observation.k_heads,
+            observation.v_heads,
+            plan.target,
+            plan.recipe.strategy == ATTN_HEAD,
+            gather,
+        )
         if plan.options.scale_objective == OUTPUT:
             inputs.notify(Progress("output"))
             chosen, timing[1] = _output_step(plan, inputs, observation, chosen, gather)
@@ -210,33 +348,65 @@ def _observe(plan: RunPlan, inputs: EngineInputs) -> tuple[Observation, list | N
     return replace(observation, model=None), choices, timing[0], timing[1]
 
 
-def _output_step(plan: RunPlan, inputs: EngineInputs, observation: Observation, chosen: list, gather: Gather
-                 ) -> tuple[list, StepReport]:
+def _output_step(
+    plan: RunPlan, inputs: EngineInputs, observation: Observation, chosen: list, gather: Gather
+) -> tuple[list, StepReport]:
     """kvcalib.calibration.output on held-out calibration rows, with the engine's model or one loaded for it."""
     opts = plan.options
     rows = held_out_rows(inputs.data.sequences, inputs.sample_sequences)
     allowed = budget(inputs.data.num_tokens, sum(len(r) for r in rows))
     model = observation.model
     copies = opts.ranks.local_world_size if opts.ranks else 1
-    fits = model is not None or choose_engine("auto", plan.checkpoint, plan.dtype, plan.device, copies,
-                                              opts.memory).engine == "native"
+    fits = (
+        model is not None
+        or choose_engine(
+            "auto", plan.checkpoint, plan.dtype, plan.device, copies, opts.memory
+        ).engine
+        == "native"
+    )
     if not all(gather([fits])):  # every rank runs it, or none (its gathers are collective)
         model = None
     elif model is None:
-        model = load_model(plan.checkpoint, plan.dtype, plan.device, opts.trust_remote_code,
-                           attn_implementation=faithful_attention(plan.checkpoint.config))
+        model = load_model(
+            plan.checkpoint,
+            plan.dtype,
+            plan.device,
+            opts.trust_remote_code,
+            attn_implementation=faithful_attention(plan.checkpoint.config),
+        )
     rank, world = (opts.ranks.rank, opts.ranks.world_size) if opts.ranks else (0, 1)
-    return output_step(model, chosen, rows, plan.target, plan.compute, inputs.pad_id, plan.device, allowed,
-                       opts.headroom, rank, world, gather)
+    return output_step(
+        model,
+        chosen,
+        rows,
+        plan.target,
+        plan.compute,
+        inputs.pad_id,
+        plan.device,
+        allowed,
+        opts.headroom,
+        rank,
+        world,
+        gather,
+    )
 
 
-def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], attention_classes: tuple[str, ...]
-           ) -> tuple[list[str], dict[str, Any]]:
+def _write(
+    plan: RunPlan,
+    data: CalibrationData,
+    layers: list[LayerScales],
+    attention_classes: tuple[str, ...],
+) -> tuple[list[str], dict[str, Any]]:
     """Write, validate and publish the checkpoint; (notes, the validation report as a dict)."""
     config = plan.checkpoint.config
-    dtype_name = (str(plan.dtype).removeprefix("torch.") if plan.dtype
-                  else str(config.get("dtype") or config.get("torch_dtype")))
-    provenance = _provenance(plan.checkpoint.root, data, plan.options, plan.target, layers, dtype_name, config)
+    dtype_name = (
+        str(plan.dtype).removeprefix("torch.")
+        if plan.dtype
+        else str(config.get("dtype") or config.get("torch_dtype"))
+    )
+    provenance = _provenance(
+        plan.checkpoint.root, data, plan.options, plan.target, layers, dtype_name, config
+    )
     provenance["compute"] = plan.compute.describe()
     scales = scale_tensors(layers)
     validation: dict[str, Any] = {}
@@ -247,14 +417,24 @@ def _write(plan: RunPlan, data: CalibrationData, layers: list[LayerScales], atte
         validation["checkpoint"] = str(plan.output)
         if not report.ok:
             first = report.errors[0]
-            raise ValidationFailedError(f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} "
-                                        f"error(s)); first: [{first.rule}] {first.message}",
-                                        hint="nothing was written; please report this as a kvcalib bug")
-        write_card(tmp_dir, summarize(validation), base_model=_base_model(config))  # validate's verdict, published too
+            raise ValidationFailedError(
+                f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} "
+                f"error(s)); first: [{first.rule}] {first.message}",
+                hint="nothing was written; please report this as a kvcalib bug",
+            )
+        write_card(
+            tmp_dir, summarize(validation), base_model=_base_model(config)
+        )  # validate's verdict, published too
 
     quantization = kv_only_quantization_config(plan.recipe.strategy, attention_classes)
-    notes = write_checkpoint(plan.checkpoint, plan.output, WritePlan(scales, quantization, provenance),
-                             overwrite=plan.options.overwrite, check=check, inputs=plan.inputs)
+    notes = write_checkpoint(
+        plan.checkpoint,
+        plan.output,
+        WritePlan(scales, quantization, provenance),
+        overwrite=plan.options.overwrite,
+        check=check,
+        inputs=plan.inputs,
+    )
     return notes, validation
 
 
@@ -266,27 +446,51 @@ def _base_model(config: dict[str, Any]) -> str | None:
     return None
 
 
-def _provenance(model_dir: Path, data: CalibrationData, opts: CalibrateOptions, target: fp8.Target,
-                layers: list[LayerScales], dtype_name: str, config: dict[str, Any]) -> dict[str, Any]:
+def _provenance(
+    model_dir: Path,
+    data: CalibrationData,
+    opts: CalibrateOptions,
+    target: fp8.Target,
+    layers: list[LayerScales],
+    dtype_name: str,
+    config: dict[str, Any],
+) -> dict[str, Any]:
     return {
         "tool": "kvcalib",
         "kvcalib_version": __version__,
         "scale_convention": "x = fp8 * scale; scale = range / fp8_max, rounded up so the chip never saturates "
-                            "range; range = absmax, or with the attention objective the clip it chose "
-                            "(layers[].k.range)",
-        "scale_objective": opts.scale_objective, "headroom": opts.headroom, "target": target.name,
+        "range; range = absmax, or with the attention objective the clip it chose "
+        "(layers[].k.range)",
+        "scale_objective": opts.scale_objective,
+        "headroom": opts.headroom,
+        "target": target.name,
         "fp8_max": target.fp8_max,
         # the numerics the scale objective scored every candidate on (a clip is chosen only if good on all)
         "scored_on": [chip.name for chip in scored_numerics(target, opts.strategy == ATTN_HEAD)]
-        if opts.scale_objective != ABSMAX else [],
-        "scales_file": SCALES_FILENAME, "model": str(model_dir), "dtype": dtype_name, "engine": opts.engine,
-        "dataset": data.source, "split": data.split, "column": data.column, "seed": opts.seed,
-        "max_seq_len": opts.max_seq_len, "longest_sample": data.longest,
-        "model_context": max_position_embeddings(config), "num_samples": len(data.sequences),
-        "num_rows_selected": data.rows_selected, "num_rows_empty": data.rows_empty,
+        if opts.scale_objective != ABSMAX
+        else [],
+        "scales_file": SCALES_FILENAME,
+        "model": str(model_dir),
+        "dtype": dtype_name,
+        "engine": opts.engine,
+        "dataset": data.source,
+        "split": data.split,
+        "column": data.column,
+        "seed": opts.seed,
+        "max_seq_len": opts.max_seq_len,
+        "longest_sample": data.longest,
+        "model_context": max_position_embeddings(config),
+        "num_samples": len(data.sequences),
+        "num_rows_selected": data.rows_selected,
+        "num_rows_empty": data.rows_empty,
         "special_tokens": data.special_tokens_rule,
-        "special_tokens_added": list(data.special_tokens),  # e.g. [BOS]: what the plain-text rows start with
-        "num_tokens": data.num_tokens, "observer": "static_minmax", "strategy": opts.strategy,
-        "attention_scales": opts.attention_scales, "layers": [layer.to_dict(keys=False) for layer in layers],
+        "special_tokens_added": list(
+            data.special_tokens
+        ),  # e.g. [BOS]: what the plain-text rows start with
+        "num_tokens": data.num_tokens,
+        "observer": "static_minmax",
+        "strategy": opts.strategy,
+        "attention_scales": opts.attention_scales,
+        "layers": [layer.to_dict(keys=False) for layer in layers],
         **opts.extra_provenance,
     }

@@ -18,15 +18,27 @@ from kvcalib.calibration.pipeline import ENGINES, RunPlan, check_run, engine_inp
 from kvcalib.calibration.writer import measure_room
 from kvcalib.core.errors import KvcalibError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.core.schema import ATTN_HEAD, KvCacheSize, kv_cache_size, num_hidden_layers, text_config
+from kvcalib.core.schema import (
+    ATTN_HEAD,
+    KvCacheSize,
+    kv_cache_size,
+    num_hidden_layers,
+    text_config,
+)
 from kvcalib.hf.memory import HEADROOM, peak_rss_bytes, weight_bytes
 
 __all__ = ["PROBE_BATCHES", "PROBE_LAYERS", "CalibrationPlan", "Estimate", "plan_calibration"]
 
 PROBE_BATCHES = 2  # two, so a batch's compute is told apart from what a run pays once
-PROBE_LAYERS = 2  # the stream engine's probe: two layers, so a layer's load is told apart from its compute
-WRITE_BYTES_PER_S = 200e6  # copying weights where hard links do not work (an assumption, not measured)
-VALIDATE_SECONDS = 0.1  # writing config, card, scales, links, then validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
+PROBE_LAYERS = (
+    2  # the stream engine's probe: two layers, so a layer's load is told apart from its compute
+)
+WRITE_BYTES_PER_S = (
+    200e6  # copying weights where hard links do not work (an assumption, not measured)
+)
+VALIDATE_SECONDS = (
+    0.1  # writing config, card, scales, links, then validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
+)
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,10 @@ class Estimate:
         return self.load + self.observe + self.objective + self.write
 
     def to_dict(self) -> dict[str, float]:
-        return {k: round(getattr(self, k), 2) for k in ("load", "observe", "objective", "write", "total")}
+        return {
+            k: round(getattr(self, k), 2)
+            for k in ("load", "observe", "objective", "write", "total")
+        }
 
 
 @dataclass(frozen=True)
@@ -81,13 +96,21 @@ class CalibrationPlan:
         return not self.refusals
 
     def to_dict(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "estimate"},
-                "refusals": list(self.refusals), "kv_cache": self.kv_cache and self.kv_cache.to_dict(),
-                "estimate_seconds": None if self.estimate is None else self.estimate.to_dict()}
+        return {
+            **{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "estimate"},
+            "refusals": list(self.refusals),
+            "kv_cache": self.kv_cache and self.kv_cache.to_dict(),
+            "estimate_seconds": None if self.estimate is None else self.estimate.to_dict(),
+        }
 
 
-def plan_calibration(model: str | Path, dataset: str, output: str | Path, options: CalibrateOptions | None = None,
-                     progress: ProgressCallback | None = None) -> CalibrationPlan:
+def plan_calibration(
+    model: str | Path,
+    dataset: str,
+    output: str | Path,
+    options: CalibrateOptions | None = None,
+    progress: ProgressCallback | None = None,
+) -> CalibrationPlan:
     """The plan of `calibrate(...)`: UsageError as calibrate raises it; whatever else stops the run, a refusal."""
     notify, opts = progress or no_progress, options or CalibrateOptions()
     opts.check_arguments()
@@ -103,25 +126,43 @@ def plan_calibration(model: str | Path, dataset: str, output: str | Path, option
         refusal = err.message + (f" ({err.hint})" if err.hint else "")
         return CalibrationPlan(str(model), str(output), refusals=(refusal,))
     layers = num_hidden_layers(plan.checkpoint.config) or 1
-    setup = time.perf_counter() - began  # check_run and read_data: what the run does before its engine
+    setup = (
+        time.perf_counter() - began
+    )  # check_run and read_data: what the run does before its engine
     probe = {**_probe(plan, data, pad, layers, notify), "setup_seconds": round(setup, 3)}
     needed = weight_bytes(plan.checkpoint, plan.dtype)
     peak, scratch = _memory(plan, data, needed, layers)
     limit = plan.engine.limit or opts.memory
     return CalibrationPlan(
-        model=str(model), output=str(output), target=plan.target.name, engine=plan.options.engine,
-        engine_reason=plan.engine.reason, compute=plan.compute.describe(), num_layers=layers,
-        num_samples=len(data.sequences), num_tokens=data.num_tokens, weight_bytes=needed, peak_memory_bytes=peak,
-        memory_limit_bytes=limit.available if limit else None, memory_source=limit.source if limit else None,
-        weights_linked=room.linkable, output_bytes=room.needed, free_bytes=room.free, scratch_bytes=scratch,
-        probe=probe, estimate=_estimate(probe, data.num_tokens, layers, room.needed, room.linkable),
-        kv_cache=kv_cache_size(plan.checkpoint.config))
+        model=str(model),
+        output=str(output),
+        target=plan.target.name,
+        engine=plan.options.engine,
+        engine_reason=plan.engine.reason,
+        compute=plan.compute.describe(),
+        num_layers=layers,
+        num_samples=len(data.sequences),
+        num_tokens=data.num_tokens,
+        weight_bytes=needed,
+        peak_memory_bytes=peak,
+        memory_limit_bytes=limit.available if limit else None,
+        memory_source=limit.source if limit else None,
+        weights_linked=room.linkable,
+        output_bytes=room.needed,
+        free_bytes=room.free,
+        scratch_bytes=scratch,
+        probe=probe,
+        estimate=_estimate(probe, data.num_tokens, layers, room.needed, room.linkable),
+        kv_cache=kv_cache_size(plan.checkpoint.config),
+    )
 
 
-def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback) -> dict[str, Any]:
+def _probe(
+    plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback
+) -> dict[str, Any]:
     """Time the run's engine on PROBE_BATCHES batches (stream: PROBE_LAYERS layers), then the scale objective."""
     opts = plan.options
-    rows = data.sequences[:opts.batch_size * PROBE_BATCHES]
+    rows = data.sequences[: opts.batch_size * PROBE_BATCHES]
     probe_data = replace(data, sequences=rows)
     stream = plan.options.engine == "stream"
     probed = min(PROBE_LAYERS, layers) if stream else layers
@@ -131,52 +172,93 @@ def _probe(plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCall
         stamps.append((time.perf_counter(), event))
         notify(event)
 
-    name = "native" if plan.options.engine == "llmcompressor" else plan.options.engine  # oneshot: native's probe
+    name = (
+        "native" if plan.options.engine == "llmcompressor" else plan.options.engine
+    )  # oneshot: native's probe
     inputs = engine_inputs(plan, probe_data, pad, stamp, probe_layers=probed if stream else None)
     started = time.perf_counter()
     observation = ENGINES[name](inputs)
     observed = time.perf_counter()
     objective = 0.0
     if inputs.sample_sequences:
-        search([s for s in observation.samples[:probed]], observation.k_heads[:probed],
-               observation.v_heads[:probed], plan.target, plan.recipe.strategy == ATTN_HEAD)
+        search(
+            [s for s in observation.samples[:probed]],
+            observation.k_heads[:probed],
+            observation.v_heads[:probed],
+            plan.target,
+            plan.recipe.strategy == ATTN_HEAD,
+        )
         objective = time.perf_counter() - observed
     sampled = sum(len(s) for s in engine_inputs(plan, data, pad, no_progress).sample_sequences)
-    return {"engine": name, "batches": math.ceil(len(rows) / opts.batch_size), "layers": probed,
-            "tokens": probe_data.num_tokens, "objective_tokens": sum(len(s) for s in inputs.sample_sequences),
-            "run_objective_tokens": sampled, "seconds": round(observed - started + objective, 3),
-            "objective_seconds": round(objective, 3), "peak_rss_bytes": peak_rss_bytes(),
-            **_split(stamps, started, observed, stream)}
+    return {
+        "engine": name,
+        "batches": math.ceil(len(rows) / opts.batch_size),
+        "layers": probed,
+        "tokens": probe_data.num_tokens,
+        "objective_tokens": sum(len(s) for s in inputs.sample_sequences),
+        "run_objective_tokens": sampled,
+        "seconds": round(observed - started + objective, 3),
+        "objective_seconds": round(objective, 3),
+        "peak_rss_bytes": peak_rss_bytes(),
+        **_split(stamps, started, observed, stream),
+    }
 
 
-def _split(stamps: list[tuple[float, Progress]], started: float, ended: float, stream: bool) -> dict[str, float]:
+def _split(
+    stamps: list[tuple[float, Progress]], started: float, ended: float, stream: bool
+) -> dict[str, float]:
     """The probe's time from its progress events: paid once (load), per layer (stream loads), per batch."""
     observe = [(t, e) for t, e in stamps if e.stage == "observe"]
     if not stream:  # native: "observe" 0 after the load, then one after each batch
         first = observe[0][0] if observe else ended
-        return {"load_seconds": round(first - started, 4), "compute_seconds": round(ended - first, 4),
-                "layer_load_seconds": 0.0}
+        return {
+            "load_seconds": round(first - started, 4),
+            "compute_seconds": round(ended - first, 4),
+            "layer_load_seconds": 0.0,
+        }
     by_layer: dict[int, list[float]] = {}
     for t, e in observe:
         by_layer.setdefault(e.layer, []).append(t)
-    firsts, lasts = sorted(times[0] for times in by_layer.values()), sorted(times[-1] for times in by_layer.values())
+    firsts, lasts = (
+        sorted(times[0] for times in by_layer.values()),
+        sorted(times[-1] for times in by_layer.values()),
+    )
     batches = max(len(times) for times in by_layer.values()) if by_layer else 1
-    compute_one = (sum(times[-1] - times[0] for times in by_layer.values()) / len(by_layer) / (batches - 1)
-                   if by_layer and batches > 1 else 0.0)
-    cycle = lasts[-1] - lasts[-2] if len(lasts) > 1 else (lasts[0] - started if lasts else ended - started)
+    compute_one = (
+        sum(times[-1] - times[0] for times in by_layer.values()) / len(by_layer) / (batches - 1)
+        if by_layer and batches > 1
+        else 0.0
+    )
+    cycle = (
+        lasts[-1] - lasts[-2]
+        if len(lasts) > 1
+        else (lasts[0] - started if lasts else ended - started)
+    )
     layer_load = max(cycle - batches * compute_one, 0.0) if batches > 1 else 0.0
     compute = (cycle - layer_load) if batches > 1 else cycle
     first = firsts[0] if firsts else ended
-    return {"load_seconds": round(max(first - started - layer_load - compute_one, 0.0), 4),
-            "compute_seconds": round(compute, 4),  # one layer, every probed batch
-            "layer_load_seconds": round(layer_load, 4)}
+    return {
+        "load_seconds": round(max(first - started - layer_load - compute_one, 0.0), 4),
+        "compute_seconds": round(compute, 4),  # one layer, every probed batch
+        "layer_load_seconds": round(layer_load, 4),
+    }
 
 
-def _estimate(probe: dict[str, Any], tokens: int, layers: int, output_bytes: int, linked: bool) -> Estimate:
+def _estimate(
+    probe: dict[str, Any], tokens: int, layers: int, output_bytes: int, linked: bool
+) -> Estimate:
     scale, per_layer = tokens / max(probe["tokens"], 1), probe["engine"] == "stream"
-    observe = probe["compute_seconds"] * scale * (layers if per_layer else 1) + probe["layer_load_seconds"] * layers
-    objective = probe["objective_seconds"] * probe["run_objective_tokens"] / max(probe["objective_tokens"], 1) \
-        * layers / max(probe["layers"], 1)
+    observe = (
+        probe["compute_seconds"] * scale * (layers if per_layer else 1)
+        + probe["layer_load_seconds"] * layers
+    )
+    objective = (
+        probe["objective_seconds"]
+        * probe["run_objective_tokens"]
+        / max(probe["objective_tokens"], 1)
+        * layers
+        / max(probe["layers"], 1)
+    )
     write = VALIDATE_SECONDS + (0.0 if linked else output_bytes / WRITE_BYTES_PER_S)
     return Estimate(probe["setup_seconds"] + probe["load_seconds"], observe, objective, write)
 
@@ -186,7 +268,7 @@ def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, i
     if plan.options.engine != "stream":
         return int(weights * HEADROOM), 0
     hidden = int(text_config(plan.checkpoint.config).get("hidden_size") or 0)
-    element = (plan.dtype.itemsize if plan.dtype is not None else 2)
+    element = plan.dtype.itemsize if plan.dtype is not None else 2
     longest = max((len(s) for s in data.sequences), default=0)
     states = len(data.sequences) * longest * hidden * element
     limit, one_layer = plan.engine.limit or plan.options.memory, weights // max(layers, 1)

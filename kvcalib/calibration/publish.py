@@ -57,7 +57,12 @@ def stage(output: Path) -> Staging:
     staging = Staging(root, output)
     try:
         os.chmod(root, 0o755)  # mkdtemp makes it private; the published checkpoint is not
-        marker = {"output": output.name, "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        marker = {
+            "output": output.name,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+        }
         (root / MARKER).write_text(json.dumps(marker) + "\n")
         staging.checkpoint.mkdir()
     except BaseException:
@@ -90,8 +95,12 @@ def discard(staging: Staging) -> bool:
             os.rename(staging.old, staging.output)
             restored = True
         for child in sorted(staging.root.iterdir()) if staging.root.is_dir() else ():
-            if child.name != MARKER:  # the marker goes last: until then the sibling stays recognisable
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            if (
+                child.name != MARKER
+            ):  # the marker goes last: until then the sibling stays recognisable
+                shutil.rmtree(
+                    child
+                ) if child.is_dir() and not child.is_symlink() else child.unlink()
         (staging.root / MARKER).unlink(missing_ok=True)
         with contextlib.suppress(FileNotFoundError):
             staging.root.rmdir()
@@ -100,7 +109,11 @@ def discard(staging: Staging) -> bool:
 
 def siblings(output: Path) -> list[Path]:
     """Staging siblings of `output` that kvcalib made: the name, and the marker (or nothing at all) inside."""
-    return [entry for entry in _named(Path(output)) if (entry / MARKER).is_file() or not any(entry.iterdir())]
+    return [
+        entry
+        for entry in _named(Path(output))
+        if (entry / MARKER).is_file() or not any(entry.iterdir())
+    ]
 
 
 def _named(output: Path) -> list[Path]:
@@ -112,18 +125,25 @@ def recover(output: Path) -> list[str]:
     """Restore or remove what killed runs left next to `output` (unmarked: only reported); refuse a live writer."""
     output = Path(output)
     marked = siblings(output)
-    notes = [f"{path} next to {output} looks like a leftover of an earlier kvcalib run, without the marker "
-             "that would make it safe to remove: left alone; delete it if nothing uses it"
-             for path in _named(output) if path not in marked]
+    notes = [
+        f"{path} next to {output} looks like a leftover of an earlier kvcalib run, without the marker "
+        "that would make it safe to remove: left alone; delete it if nothing uses it"
+        for path in _named(output)
+        if path not in marked
+    ]
     for root in marked:
         owner = _owner(root)
         if owner is not None and _alive(*owner):
             raise OutputExistsError(
                 f"another kvcalib (pid {owner[0]}) is writing {output} (its staging directory {root})",
-                hint="wait for it to finish, or stop it; two runs must not write one output")
+                hint="wait for it to finish, or stop it; two runs must not write one output",
+            )
         who = f"pid {owner[0]}" if owner else "a process killed as it began"
-        done = (f"restored the previous {output} from {root.name}" if discard(Staging(root, output))
-                else f"removed {root.name} next to {output}")
+        done = (
+            f"restored the previous {output} from {root.name}"
+            if discard(Staging(root, output))
+            else f"removed {root.name} next to {output}"
+        )
         notes.append(f"{done}, left by an interrupted run ({who})")
     return notes
 
@@ -150,15 +170,20 @@ def _alive(pid: int, host: str, started: float) -> bool:
     except PermissionError:  # another user's process
         pass
     began = _process_start(pid)
-    return began is None or began <= started + 2.0  # a process that began after the marker reuses the pid
+    return (
+        began is None or began <= started + 2.0
+    )  # a process that began after the marker reuses the pid
 
 
 def _process_start(pid: int) -> float | None:
     """When `pid` started (seconds since the epoch), from /proc; None where that cannot be read."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
         return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None

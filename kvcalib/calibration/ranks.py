@@ -30,14 +30,22 @@ class Ranks:
             return None
         try:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-            local_rank, local_world = int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", world))
+            local_rank, local_world = (
+                int(env.get("LOCAL_RANK", rank)),
+                int(env.get("LOCAL_WORLD_SIZE", world)),
+            )
         except ValueError:
             raise UsageError(
                 f"RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r} LOCAL_RANK={env.get('LOCAL_RANK')!r} "
-                "are not integers", hint="launch with torchrun, which sets them") from None
+                "are not integers",
+                hint="launch with torchrun, which sets them",
+            ) from None
         if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-            raise UsageError(f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world} "
-                             "do not describe a valid launch", hint="launch with torchrun, which sets them")
+            raise UsageError(
+                f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} LOCAL_WORLD_SIZE={local_world} "
+                "do not describe a valid launch",
+                hint="launch with torchrun, which sets them",
+            )
         return cls(rank, world, local_rank, local_world)
 
 
@@ -48,6 +56,6 @@ def rank_device(device: torch.device, ranks: Ranks | None) -> torch.device:
     if ranks.local_rank >= torch.cuda.device_count():
         raise UsageError(
             f"rank {ranks.rank} (local rank {ranks.local_rank}) has no GPU: torch sees {torch.cuda.device_count()}",
-            hint="run at most one process per GPU (torchrun --nproc-per-node <number of GPUs>)")
+            hint="run at most one process per GPU (torchrun --nproc-per-node <number of GPUs>)",
+        )
     return torch.device("cuda", ranks.local_rank)
-

@@ -18,15 +18,34 @@ from kvcalib.core.errors import MissingDependencyError, RecipeError, UsageError
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, TENSOR, fp8_attention_groups
 
-__all__ = ["KV_SCHEME_KEY", "KvRecipe", "LLMCOMPRESSOR_DEFAULT_OBSERVER", "LLMCOMPRESSOR_ENGINE", "LLMCOMPRESSOR_HINT",
-           "NATIVE_OBSERVER", "OTHER_SCHEME_KEYS", "RECIPE_KEY", "RecipePlan", "STRATEGIES", "BUILTIN_RECIPES",
-           "builtin_recipes", "check_servable", "load_recipe", "plan_recipe", "recipe_file", "require_llmcompressor"]
+__all__ = [
+    "KV_SCHEME_KEY",
+    "KvRecipe",
+    "LLMCOMPRESSOR_DEFAULT_OBSERVER",
+    "LLMCOMPRESSOR_ENGINE",
+    "LLMCOMPRESSOR_HINT",
+    "NATIVE_OBSERVER",
+    "OTHER_SCHEME_KEYS",
+    "RECIPE_KEY",
+    "RecipePlan",
+    "STRATEGIES",
+    "BUILTIN_RECIPES",
+    "builtin_recipes",
+    "check_servable",
+    "load_recipe",
+    "plan_recipe",
+    "recipe_file",
+    "require_llmcompressor",
+]
 
 RECIPE_KEY = "kvcalib"  # the top-level key with kvcalib's own settings
 STRATEGIES = (TENSOR, ATTN_HEAD)
 
 KV_SCHEME_KEY = "kv_cache_scheme"
-OTHER_SCHEME_KEYS = ("scheme", "config_groups")  # a modifier's arguments that quantise something else
+OTHER_SCHEME_KEYS = (
+    "scheme",
+    "config_groups",
+)  # a modifier's arguments that quantise something else
 NATIVE_OBSERVER = "static_minmax"  # what the native engine measures: the absmax over every token
 # llm-compressor 0.14's K/V observer when a kv_cache_scheme names none (a moving average of per-batch ranges that
 # ends below the absmax): llmcompressor/modifiers/quantization/calibration.py, initialize_observer
@@ -42,11 +61,15 @@ class KvRecipe:
     """The KV-cache part of an llm-compressor recipe."""
 
     path: str
-    location: str  # where the kv_cache_scheme sits, e.g. quant_stage.quant_modifiers.QuantizationModifier
+    location: (
+        str  # where the kv_cache_scheme sits, e.g. quant_stage.quant_modifiers.QuantizationModifier
+    )
     scheme: dict[str, Any]  # the kv_cache_scheme as compressed-tensors dumps it (JSON types)
     target: str | None  # the recipe's kvcalib.target, if it names one
     ignored: tuple[str, ...] = ()  # modifiers (or their parts) that quantise something else
-    attention: bool = False  # an FP8-attention config group: Q scales too (calibrate --attention-scales)
+    attention: bool = (
+        False  # an FP8-attention config group: Q scales too (calibrate --attention-scales)
+    )
 
     @property
     def observer(self) -> str | None:
@@ -80,7 +103,9 @@ def builtin_recipes() -> Path:
 
 
 # The recipes kvcalib ships (recipes/, installed as kvcalib.recipes), by name: one per chip of the table.
-BUILTIN_RECIPES = tuple(name for name in fp8.TARGETS if (builtin_recipes() / f"kv-fp8-{name}.yaml").is_file())
+BUILTIN_RECIPES = tuple(
+    name for name in fp8.TARGETS if (builtin_recipes() / f"kv-fp8-{name}.yaml").is_file()
+)
 
 
 def recipe_file(recipe: str | Path) -> Path:
@@ -96,34 +121,52 @@ def load_recipe(path: str | Path) -> KvRecipe:
     import yaml
 
     path = recipe_file(path)
-    recipe_path = require_regular_file(path, "recipe", error=RecipeError, missing=RecipeError,
-                                       hint="pass a recipe file, or a shipped recipe by name: "
-                                       + ", ".join(BUILTIN_RECIPES))
+    recipe_path = require_regular_file(
+        path,
+        "recipe",
+        error=RecipeError,
+        missing=RecipeError,
+        hint="pass a recipe file, or a shipped recipe by name: " + ", ".join(BUILTIN_RECIPES),
+    )
     try:
         obj = yaml.safe_load(recipe_path.read_text(encoding="utf-8"))  # JSON is YAML too
     except OSError as exc:
-        raise RecipeError(f"cannot read recipe {path}: {exc.strerror or exc}",
-                          hint="check the file's permissions") from None
+        raise RecipeError(
+            f"cannot read recipe {path}: {exc.strerror or exc}", hint="check the file's permissions"
+        ) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RecipeError(f"{path}: not a YAML or JSON recipe ({first})",
-                          hint="fix the YAML, or start from the shipped one: --recipe trn2") from None
+        raise RecipeError(
+            f"{path}: not a YAML or JSON recipe ({first})",
+            hint="fix the YAML, or start from the shipped one: --recipe trn2",
+        ) from None
     if not isinstance(obj, dict):
-        raise RecipeError(f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
-                          hint=_SEE_SHIPPED)
+        raise RecipeError(
+            f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
+            hint=_SEE_SHIPPED,
+        )
     target = _recipe_target(obj, path)
     found, ignored, attention = _find_kv_schemes(obj, path)
     if not found:
-        raise RecipeError(f"{path}: no {KV_SCHEME_KEY} in the recipe",
-                          hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} "
-                          f"(or an FP8-attention config group); {_SEE_SHIPPED}")
-    parsed = [(location, _parse_scheme(value, f"{location}.{field}", path)) for location, field, value in found]
+        raise RecipeError(
+            f"{path}: no {KV_SCHEME_KEY} in the recipe",
+            hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} "
+            f"(or an FP8-attention config group); {_SEE_SHIPPED}",
+        )
+    parsed = [
+        (location, _parse_scheme(value, f"{location}.{field}", path))
+        for location, field, value in found
+    ]
     if len({json.dumps(scheme, sort_keys=True) for _, scheme in parsed}) > 1:
-        places = ", ".join(f"{location}.{field}" if field != KV_SCHEME_KEY else location
-                           for location, field, _ in found)
-        raise RecipeError(f"{path}: {len(parsed)} different {KV_SCHEME_KEY} entries ({places})",
-                          hint="keep one kv_cache_scheme; the KV cache has one format (an FP8-attention group "
-                          "quantises K/V with its own input_activations)")
+        places = ", ".join(
+            f"{location}.{field}" if field != KV_SCHEME_KEY else location
+            for location, field, _ in found
+        )
+        raise RecipeError(
+            f"{path}: {len(parsed)} different {KV_SCHEME_KEY} entries ({places})",
+            hint="keep one kv_cache_scheme; the KV cache has one format (an FP8-attention group "
+            "quantises K/V with its own input_activations)",
+        )
     location, scheme = parsed[0]
     return KvRecipe(str(path), location, scheme, target, tuple(ignored), attention)
 
@@ -133,77 +176,139 @@ def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
     s, chip = recipe.scheme, target.name
     example = f"recipes/kv-fp8-{chip}.yaml (--recipe {chip})"
     refusals = (  # (refused, what the scheme has and why the chip cannot serve it, the fix), the first one reported
-        (s["type"] != "float", f"type {s['type']!r} ({s['num_bits']}-bit integer KV), which {chip} cannot serve: "
-         "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
-         f"set type: float and num_bits: 8, as in {example}"),
-        (s["num_bits"] != 8, f"num_bits {s['num_bits']}, which {chip} cannot serve: vLLM's KV cache is FP8 "
-         "(num_bits 8)", f"set num_bits: 8, as in {example}"),
-        (s["dynamic"] is not False, f"dynamic: {s['dynamic']!r}, which {chip} cannot serve: vLLM reads static "
-         "per-layer KV scales from the checkpoint", f"set dynamic: false, as in {example}"),
-        (s["strategy"] == ATTN_HEAD and target.neuron, f"strategy attn_head (one scale per KV head), which {chip} "
-         f"cannot serve: {NEURON_PER_HEAD_REASON}", f"set strategy: tensor, as in {example}"),
-        (s["strategy"] not in STRATEGIES, f"strategy {s['strategy']!r}, which is no KV-cache strategy {chip} serves",
-         f"set strategy: tensor, as in {example}"),
-        (s["symmetric"] is not True, f"symmetric: false (a zero point), which {chip} cannot serve: vLLM's FP8 KV "
-         "cache is symmetric (x = fp8 * scale)", "set symmetric: true"))
+        (
+            s["type"] != "float",
+            f"type {s['type']!r} ({s['num_bits']}-bit integer KV), which {chip} cannot serve: "
+            "vLLM keeps an FP8 KV cache (type float, num_bits 8); compressed-tensors reads a missing type as int",
+            f"set type: float and num_bits: 8, as in {example}",
+        ),
+        (
+            s["num_bits"] != 8,
+            f"num_bits {s['num_bits']}, which {chip} cannot serve: vLLM's KV cache is FP8 "
+            "(num_bits 8)",
+            f"set num_bits: 8, as in {example}",
+        ),
+        (
+            s["dynamic"] is not False,
+            f"dynamic: {s['dynamic']!r}, which {chip} cannot serve: vLLM reads static "
+            "per-layer KV scales from the checkpoint",
+            f"set dynamic: false, as in {example}",
+        ),
+        (
+            s["strategy"] == ATTN_HEAD and target.neuron,
+            f"strategy attn_head (one scale per KV head), which {chip} "
+            f"cannot serve: {NEURON_PER_HEAD_REASON}",
+            f"set strategy: tensor, as in {example}",
+        ),
+        (
+            s["strategy"] not in STRATEGIES,
+            f"strategy {s['strategy']!r}, which is no KV-cache strategy {chip} serves",
+            f"set strategy: tensor, as in {example}",
+        ),
+        (
+            s["symmetric"] is not True,
+            f"symmetric: false (a zero point), which {chip} cannot serve: vLLM's FP8 KV "
+            "cache is symmetric (x = fp8 * scale)",
+            "set symmetric: true",
+        ),
+    )
     for refused, has, hint in refusals:
         if refused:
-            raise RecipeError(f"{recipe.path}: {recipe.location}.{KV_SCHEME_KEY} has {has}", hint=hint)
+            raise RecipeError(
+                f"{recipe.path}: {recipe.location}.{KV_SCHEME_KEY} has {has}", hint=hint
+            )
 
 
-def plan_recipe(recipe_path: str | Path | None, target: str | None, engine: str,
-                strategy: str | None = None) -> RecipePlan:
+def plan_recipe(
+    recipe_path: str | Path | None, target: str | None, engine: str, strategy: str | None = None
+) -> RecipePlan:
     """Read the recipe (if any), settle the target and the strategy, and check the scheme and engine can work."""
     recipe = load_recipe(recipe_path) if recipe_path is not None else None
-    if recipe is not None and recipe.target is not None and target is not None and target != recipe.target:
-        raise RecipeError(f"--target {target} contradicts {recipe.path}, which is for {recipe.target} "
-                          f"({RECIPE_KEY}.target)", hint=f"drop --target, or use --recipe {target}")
+    if (
+        recipe is not None
+        and recipe.target is not None
+        and target is not None
+        and target != recipe.target
+    ):
+        raise RecipeError(
+            f"--target {target} contradicts {recipe.path}, which is for {recipe.target} "
+            f"({RECIPE_KEY}.target)",
+            hint=f"drop --target, or use --recipe {target}",
+        )
     chosen = target or (recipe.target if recipe else None) or fp8.DEFAULT_TARGET
     warnings: list[str] = []
     if recipe is not None:
         if (known := fp8.TARGETS.get(chosen)) is not None:  # an unknown name: the caller reports it
             check_servable(recipe, known)
         if recipe.ignored:
-            warnings.append(f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
-                            f"{', '.join(recipe.ignored)}")
+            warnings.append(
+                f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
+                f"{', '.join(recipe.ignored)}"
+            )
     strategy = _plan_strategy(strategy, recipe, chosen)
-    provenance: dict[str, Any] = {} if recipe is None else {"recipe": recipe.path, "kv_cache_scheme": recipe.scheme}
+    provenance: dict[str, Any] = (
+        {} if recipe is None else {"recipe": recipe.path, "kv_cache_scheme": recipe.scheme}
+    )
     if engine == LLMCOMPRESSOR_ENGINE:
         require_llmcompressor()
-        observer = (recipe.observer if recipe else NATIVE_OBSERVER) or LLMCOMPRESSOR_DEFAULT_OBSERVER
+        observer = (
+            recipe.observer if recipe else NATIVE_OBSERVER
+        ) or LLMCOMPRESSOR_DEFAULT_OBSERVER
         provenance["llmcompressor_version"] = version("llmcompressor")
     else:
         observer = NATIVE_OBSERVER
         if recipe is not None and recipe.observer != NATIVE_OBSERVER:
-            named = (f"observer {recipe.observer!r}" if recipe.observer
-                     else f"no observer (llm-compressor would run {LLMCOMPRESSOR_DEFAULT_OBSERVER!r})")
-            warnings.append(f"{recipe.path}: {named}; the native engine measures the absmax over every token "
-                            f"({NATIVE_OBSERVER}); --engine {LLMCOMPRESSOR_ENGINE} runs the recipe's observer")
-    return RecipePlan(chosen, recipe, observer, strategy, bool(recipe and recipe.attention), tuple(warnings),
-                      {"observer": observer, **provenance})
+            named = (
+                f"observer {recipe.observer!r}"
+                if recipe.observer
+                else f"no observer (llm-compressor would run {LLMCOMPRESSOR_DEFAULT_OBSERVER!r})"
+            )
+            warnings.append(
+                f"{recipe.path}: {named}; the native engine measures the absmax over every token "
+                f"({NATIVE_OBSERVER}); --engine {LLMCOMPRESSOR_ENGINE} runs the recipe's observer"
+            )
+    return RecipePlan(
+        chosen,
+        recipe,
+        observer,
+        strategy,
+        bool(recipe and recipe.attention),
+        tuple(warnings),
+        {"observer": observer, **provenance},
+    )
 
 
 def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -> str:
     """--strategy, else the recipe's; refused for a Neuron target before anything is loaded."""
     if strategy is not None and strategy not in STRATEGIES:
-        raise UsageError(f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
-                         hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)")
+        raise UsageError(
+            f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
+            hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)",
+        )
     from_recipe = recipe.scheme.get("strategy") if recipe is not None else None
     if strategy is not None and from_recipe is not None and strategy != from_recipe:
-        raise RecipeError(f"--strategy {strategy} contradicts {recipe.path}, whose {KV_SCHEME_KEY} has strategy "
-                          f"{from_recipe}", hint="drop --strategy, or change the recipe")
+        raise RecipeError(
+            f"--strategy {strategy} contradicts {recipe.path}, whose {KV_SCHEME_KEY} has strategy "
+            f"{from_recipe}",
+            hint="drop --strategy, or change the recipe",
+        )
     chosen, known = strategy or from_recipe or TENSOR, fp8.TARGETS.get(target)
     if chosen == ATTN_HEAD and known is not None and known.neuron:
-        raise UsageError(f"--strategy attn_head (one scale per KV head) cannot serve on {target}: "
-                         f"{NEURON_PER_HEAD_REASON}", hint="use --strategy tensor for Neuron; per-head scales are for "
-                         "--target gpu (vLLM's FlashAttention backend)")
+        raise UsageError(
+            f"--strategy attn_head (one scale per KV head) cannot serve on {target}: "
+            f"{NEURON_PER_HEAD_REASON}",
+            hint="use --strategy tensor for Neuron; per-head scales are for "
+            "--target gpu (vLLM's FlashAttention backend)",
+        )
     return chosen
 
 
 def require_llmcompressor() -> None:
     if importlib.util.find_spec("llmcompressor") is None:
-        raise MissingDependencyError(f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
-                                     hint=LLMCOMPRESSOR_HINT)
+        raise MissingDependencyError(
+            f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
+            hint=LLMCOMPRESSOR_HINT,
+        )
 
 
 def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:
@@ -211,40 +316,60 @@ def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:
     if settings is None:
         return None
     if not isinstance(settings, dict) or set(settings) - {"target"}:
-        raise RecipeError(f"{path}: {RECIPE_KEY} must be a mapping with the key target only, not {settings!r}",
-                          hint=f"{RECIPE_KEY}: {{target: trn2}}")
+        raise RecipeError(
+            f"{path}: {RECIPE_KEY} must be a mapping with the key target only, not {settings!r}",
+            hint=f"{RECIPE_KEY}: {{target: trn2}}",
+        )
     target = settings.get("target")
     if target is not None and target not in fp8.TARGETS:
-        raise RecipeError(f"{path}: {RECIPE_KEY}.target {target!r} is not a known target",
-                          hint=f"use one of {', '.join(sorted(fp8.TARGETS))}")
+        raise RecipeError(
+            f"{path}: {RECIPE_KEY}.target {target!r} is not a known target",
+            hint=f"use one of {', '.join(sorted(fp8.TARGETS))}",
+        )
     return target
 
 
-def _find_kv_schemes(obj: dict[str, Any], path: str | Path) -> tuple[list[tuple[str, str, Any]], list[str], bool]:
+def _find_kv_schemes(
+    obj: dict[str, Any], path: str | Path
+) -> tuple[list[tuple[str, str, Any]], list[str], bool]:
     """(modifier location, field, scheme) for every kv_cache_scheme and FP8-attention group's input activations;
     modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
     found: list[tuple[str, str, Any]] = []
     ignored: list[str] = []
     for stage_key, stage in obj.items():
-        if not (isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, dict)):
+        if not (
+            isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, dict)
+        ):
             continue
         for group_key, group in stage.items():
-            if not (isinstance(group_key, str) and group_key.endswith("_modifiers") and isinstance(group, dict)):
+            if not (
+                isinstance(group_key, str)
+                and group_key.endswith("_modifiers")
+                and isinstance(group, dict)
+            ):
                 continue
             for modifier, arguments in group.items():
                 location = f"{stage_key}.{group_key}.{modifier}"
                 arguments = {} if arguments is None else arguments
                 if not isinstance(arguments, dict):
-                    raise RecipeError(f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                                      hint=f"see the shipped recipe for the layout {_SHIPPED}")
+                    raise RecipeError(
+                        f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
+                        hint=f"see the shipped recipe for the layout {_SHIPPED}",
+                    )
                 groups = arguments.get("config_groups")
                 fp8_attention = fp8_attention_groups(groups)
-                found += [(location, f"config_groups.{name}.input_activations", args)
-                          for name, args in fp8_attention.items()]
+                found += [
+                    (location, f"config_groups.{name}.input_activations", args)
+                    for name, args in fp8_attention.items()
+                ]
                 if arguments.get(KV_SCHEME_KEY) is not None:
                     found.append((location, KV_SCHEME_KEY, arguments[KV_SCHEME_KEY]))
-                others = [key for key in OTHER_SCHEME_KEYS if arguments.get(key)
-                          and not (key == "config_groups" and len(fp8_attention) == len(groups))]
+                others = [
+                    key
+                    for key in OTHER_SCHEME_KEYS
+                    if arguments.get(key)
+                    and not (key == "config_groups" and len(fp8_attention) == len(groups))
+                ]
                 if arguments.get(KV_SCHEME_KEY) is None and not fp8_attention:
                     ignored.append(location)
                 elif others:
@@ -258,13 +383,21 @@ def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]
 
     where = f"{path}: {location}"
     if not isinstance(value, dict):
-        raise RecipeError(f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
-                          hint=_SEE_SHIPPED)
+        raise RecipeError(
+            f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
+            hint=_SEE_SHIPPED,
+        )
     try:
         args = QuantizationArgs.model_validate(value)
-    except (ValueError, TypeError, NotImplementedError) as exc:  # pydantic's ValidationError is a ValueError
-        raise RecipeError(f"{where} is not a valid compressed-tensors QuantizationArgs: {_describe(exc)}",
-                          hint=_SEE_SHIPPED) from None
+    except (
+        ValueError,
+        TypeError,
+        NotImplementedError,
+    ) as exc:  # pydantic's ValidationError is a ValueError
+        raise RecipeError(
+            f"{where} is not a valid compressed-tensors QuantizationArgs: {_describe(exc)}",
+            hint=_SEE_SHIPPED,
+        ) from None
     return args.model_dump(mode="json")
 
 

@@ -22,11 +22,15 @@ def _check_finite(kind: str, per_layer: list[torch.Tensor], warnings: list[str])
     for i, heads in enumerate(per_layer):
         value = float(heads.max())  # NaN and inf propagate through max
         if not math.isfinite(value):
-            raise CalibrationError(f"layer {i}: {kind} absmax is {value} (overflow in the calibration dtype)",
-                                   hint="calibrate with --dtype bfloat16 or --dtype float32")
+            raise CalibrationError(
+                f"layer {i}: {kind} absmax is {value} (overflow in the calibration dtype)",
+                hint="calibrate with --dtype bfloat16 or --dtype float32",
+            )
         if value == 0.0:
-            warnings.append(f"layer {i}: {kind} was exactly zero on every token; its scale is floored at "
-                            f"{fp8.SCALE_FLOOR}")
+            warnings.append(
+                f"layer {i}: {kind} was exactly zero on every token; its scale is floored at "
+                f"{fp8.SCALE_FLOOR}"
+            )
 
 
 def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
@@ -34,21 +38,34 @@ def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
     if missing:
         raise CalibrationError(
             f"{model_dir}: decoder layer(s) {missing} {what} never observed during calibration",
-            hint="the model's attention does not go through transformers' attention interface for these layers")
+            hint="the model's attention does not go through transformers' attention interface for these layers",
+        )
 
 
-def with_headroom(head_scales: torch.Tensor, heads: torch.Tensor, headroom: float, target: fp8.Target) -> torch.Tensor:
+def with_headroom(
+    head_scales: torch.Tensor, heads: torch.Tensor, headroom: float, target: fp8.Target
+) -> torch.Tensor:
     """Each head's scale raised to cover headroom x its absmax, unless it clips that absmax (the objective's clip
     stays). A wider FP8 scale keeps the relative precision of normal values; only the smallest become subnormal."""
     if headroom == 1.0:
         return head_scales
     keeps = head_scales >= fp8.scale_from_absmax(heads, target)
-    return torch.where(keeps, torch.maximum(head_scales, fp8.scale_from_absmax(heads * headroom, target)), head_scales)
+    return torch.where(
+        keeps,
+        torch.maximum(head_scales, fp8.scale_from_absmax(heads * headroom, target)),
+        head_scales,
+    )
 
 
-def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, strategy: str = "tensor",
-                 queries: bool = False, choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None
-                 = None, headroom: float = 1.0) -> tuple[list[LayerScales], list[str]]:
+def layer_scales(
+    observation: Observation,
+    target: fp8.Target,
+    model_dir: Path,
+    strategy: str = "tensor",
+    queries: bool = False,
+    choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None,
+    headroom: float = 1.0,
+) -> tuple[list[LayerScales], list[str]]:
     """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; then with_headroom."""
     _unobserved(observation.observed, model_dir, "were")
     kinds = {"k": list(observation.k_heads), "v": list(observation.v_heads)}
@@ -62,29 +79,58 @@ def layer_scales(observation: Observation, target: fp8.Target, model_dir: Path, 
     for i in range(len(observation.observed)):
         k_choice, v_choice, k_cands, v_cands = (None,) * 4 if choices is None else choices[i]
         picks = {"k": (k_choice, k_cands), "v": (v_choice, v_cands), "q": (None, None)}
-        records = {kind: _kind_scales(per_layer[i].float(), target, scale_key(observation.attention_paths[i], kind),
-                                      strategy == ATTN_HEAD, *picks[kind], 1.0 if kind == "q" else headroom)
-                   for kind, per_layer in kinds.items()}
+        records = {
+            kind: _kind_scales(
+                per_layer[i].float(),
+                target,
+                scale_key(observation.attention_paths[i], kind),
+                strategy == ATTN_HEAD,
+                *picks[kind],
+                1.0 if kind == "q" else headroom,
+            )
+            for kind, per_layer in kinds.items()
+        }
         layers.append(LayerScales(layer=i, **records))
     return layers, warnings
 
 
-def _kind_scales(heads: torch.Tensor, target: fp8.Target, key: str, per_head: bool, choice: KindChoice | None,
-                 cands: Candidates | None, headroom: float) -> KindScales:
+def _kind_scales(
+    heads: torch.Tensor,
+    target: fp8.Target,
+    key: str,
+    per_head: bool,
+    choice: KindChoice | None,
+    cands: Candidates | None,
+    headroom: float,
+) -> KindScales:
     head_scales, chosen = fp8.scale_from_absmax(heads, target), None
     if choice is not None and cands is not None:
         index = choice.index * heads.numel() if len(choice.index) == 1 else choice.index
         head_scales = torch.stack([cands.scales[c, h] for h, c in enumerate(index)])
-        chosen = float(torch.stack([cands.ranges[c, h] for h, c in enumerate(index)])[int(head_scales.argmax())])
+        chosen = float(
+            torch.stack([cands.ranges[c, h] for h, c in enumerate(index)])[
+                int(head_scales.argmax())
+            ]
+        )
     if headroom != 1.0:
         head_scales = with_headroom(head_scales, heads, headroom, target)
         chosen = float(head_scales.max()) * target.fp8_max
-    return KindScales(absmax=float(heads.max()), scale=float(head_scales.max()),  # monotone: the max's scale
-                      key=key, head_absmax=tuple(heads.tolist()) if per_head else None,
-                      head_scales=tuple(head_scales.tolist()) if per_head else None, range=chosen,
-                      choice=None if choice is None else choice.to_dict())
+    return KindScales(
+        absmax=float(heads.max()),
+        scale=float(head_scales.max()),  # monotone: the max's scale
+        key=key,
+        head_absmax=tuple(heads.tolist()) if per_head else None,
+        head_scales=tuple(head_scales.tolist()) if per_head else None,
+        range=chosen,
+        choice=None if choice is None else choice.to_dict(),
+    )
 
 
 def scale_tensors(layers: list[LayerScales]) -> dict[str, torch.Tensor]:
-    return {s.key: torch.tensor(s.head_scales, dtype=torch.float32).reshape(-1, 1, 1) if s.head_scales is not None
-            else torch.tensor([s.scale], dtype=torch.float32) for layer in layers for s in layer.kinds().values()}
+    return {
+        s.key: torch.tensor(s.head_scales, dtype=torch.float32).reshape(-1, 1, 1)
+        if s.head_scales is not None
+        else torch.tensor([s.scale], dtype=torch.float32)
+        for layer in layers
+        for s in layer.kinds().values()
+    }

@@ -22,11 +22,23 @@ from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
 from kvcalib.core.schema import is_kv_scale_key
-from kvcalib.hf.attention import KVAbsmaxObserver, RecordingCache, StopForward, attention_modules, observing_queries
+from kvcalib.hf.attention import (
+    KVAbsmaxObserver,
+    RecordingCache,
+    StopForward,
+    attention_modules,
+    observing_queries,
+)
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
 from kvcalib.hf.memory import MemoryLimit, available_memory, release_free_memory
-from kvcalib.hf.model import build_skeleton, effective_dtype, faithful_attention, num_layers, text_config
+from kvcalib.hf.model import (
+    build_skeleton,
+    effective_dtype,
+    faithful_attention,
+    num_layers,
+    text_config,
+)
 
 __all__ = ["HIDDEN_STATES_MEMORY_SHARE", "capture_layer_inputs", "stream_engine"]
 
@@ -38,7 +50,9 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     inputs.notify(Progress("load-model"))
     checkpoint, model_dir = inputs.checkpoint, inputs.checkpoint.root
     dtype = effective_dtype(checkpoint, inputs.dtype)
-    model = build_skeleton(model_dir, dtype, inputs.options.trust_remote_code, faithful_attention(checkpoint.config))
+    model = build_skeleton(
+        model_dir, dtype, inputs.options.trust_remote_code, faithful_attention(checkpoint.config)
+    )
     decoder = getattr(model, model.base_model_prefix, model)
     prefix = f"{model.base_model_prefix}." if decoder is not model else ""
     n_layers = num_layers(model)
@@ -48,25 +62,40 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     weights.check(prefix)  # every weight findable before the long work starts
     weights.load(prefix, skip=f"{prefix}{layers_name}.")
 
-    observer = KVAbsmaxObserver(n_layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(n_layers))
-    batch_list = [(ids.to(inputs.device), mask.to(inputs.device))
-                  for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)]
+    observer = KVAbsmaxObserver(
+        n_layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(n_layers)
+    )
+    batch_list = [
+        (ids.to(inputs.device), mask.to(inputs.device))
+        for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)
+    ]
     started = time.perf_counter()
-    copies = inputs.options.ranks.local_world_size if inputs.options.ranks else 1  # ranks sharing this host
-    spill = _spill_needed(decoder, layers, batch_list, dtype, copies, inputs.memory or available_memory())
-    with torch.inference_mode(), compute_path(inputs.compute), \
-            _HiddenStates(spill, inputs.options.scratch_dir) as states:
+    copies = (
+        inputs.options.ranks.local_world_size if inputs.options.ranks else 1
+    )  # ranks sharing this host
+    spill = _spill_needed(
+        decoder, layers, batch_list, dtype, copies, inputs.memory or available_memory()
+    )
+    with (
+        torch.inference_mode(),
+        compute_path(inputs.compute),
+        _HiddenStates(spill, inputs.options.scratch_dir) as states,
+    ):
         for b, (ids, mask) in enumerate(batch_list):
             hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
             states.put(b, hidden)
         sizes = [(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]
-        for i, layer in enumerate(layers[:inputs.probe_layers]):
+        for i, layer in enumerate(layers[: inputs.probe_layers]):
             weights.load(f"{prefix}{layers_name}.{i}.")
             for b, (ids, mask) in enumerate(batch_list):
                 _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
                 observer.start_batch(ids, mask)
                 try:
-                    with observing_queries(observer) if observer.sees_attention_calls else nullcontext():
+                    with (
+                        observing_queries(observer)
+                        if observer.sees_attention_calls
+                        else nullcontext()
+                    ):
                         out = layer(states.get(b).to(inputs.device), *args, **kwargs)
                     states.put(b, out[0] if isinstance(out, tuple) else out)
                 except StopForward:  # the last layer: nothing after its K/V is needed
@@ -83,9 +112,14 @@ class _Captured(Exception):
     """Raised in place of layer `index`'s forward, with the (args, kwargs) it was given."""
 
 
-def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, index: int, input_ids: torch.Tensor,
-                         attention_mask: torch.Tensor, observer: KVAbsmaxObserver
-                         ) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]:
+def capture_layer_inputs(
+    decoder: torch.nn.Module,
+    layers: torch.nn.ModuleList,
+    index: int,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    observer: KVAbsmaxObserver,
+) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]:
     """(hidden states (real for layer 0 only), args, kwargs) the decoder's forward passes to layer `index`."""
 
     def stand_in(i: int):
@@ -93,18 +127,25 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
             if i == index:
                 raise _Captured(args, kwargs)
             return args[0] if args else kwargs["hidden_states"]
+
         return forward
 
     for i, layer in enumerate(layers):
         layer.forward = stand_in(i)  # an instance attribute shadows the class's forward
     try:
-        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                past_key_values=RecordingCache(decoder.config, observer))
+        decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            past_key_values=RecordingCache(decoder.config, observer),
+        )
     except _Captured as captured:
         args, kwargs = captured.args[0], dict(captured.args[1])
     else:
-        raise UnsupportedModelError(f"the decoder's forward never called decoder layer {index}",
-                                    hint="calibrate this model without --stream-layers")
+        raise UnsupportedModelError(
+            f"the decoder's forward never called decoder layer {index}",
+            hint="calibrate this model without --stream-layers",
+        )
     finally:
         for layer in layers:
             vars(layer).pop("forward", None)
@@ -114,24 +155,49 @@ def capture_layer_inputs(decoder: torch.nn.Module, layers: torch.nn.ModuleList, 
 class _Weights:
     """Loads one module's weights at a time, mapped and converted as `from_pretrained` does (renamings, MoE fusing)."""
 
-    def __init__(self, model: torch.nn.Module, model_dir: Path, files: CheckpointFiles, device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_dir: Path,
+        files: CheckpointFiles,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         from transformers.core_model_loading import WeightConverter, rename_source_key
 
-        self.model, self.model_dir, self.files, self.device, self.dtype = model, model_dir, files, device, dtype
-        self.quantizer = mxfp4.dequantizer(files.key_files)  # as from_pretrained dequantizes MXFP4 experts
+        self.model, self.model_dir, self.files, self.device, self.dtype = (
+            model,
+            model_dir,
+            files,
+            device,
+            dtype,
+        )
+        self.quantizer = mxfp4.dequantizer(
+            files.key_files
+        )  # as from_pretrained dequantizes MXFP4 experts
         transforms = self._mapping()
         renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         meta = dict(model.state_dict())
-        self.sources: dict[str, list[str]] = {}  # model parameter -> the checkpoint keys it is made from
-        keys = self.files.index.get("weight_map", {}) if isinstance(self.files.index, dict) else self.files.key_files
+        self.sources: dict[
+            str, list[str]
+        ] = {}  # model parameter -> the checkpoint keys it is made from
+        keys = (
+            self.files.index.get("weight_map", {})
+            if isinstance(self.files.index, dict)
+            else self.files.key_files
+        )
         for key in keys:
             target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
             self.sources.setdefault(target, []).append(key)
         # checkpoint tensors the model has no place for (earlier KV scales aside)
-        self.unexpected = sorted(k for target, ks in self.sources.items() if target not in meta
-                                 for k in ks if not is_kv_scale_key(k))
+        self.unexpected = sorted(
+            k
+            for target, ks in self.sources.items()
+            if target not in meta
+            for k in ks
+            if not is_kv_scale_key(k)
+        )
 
     def _mapping(self) -> list[Any]:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -139,14 +205,18 @@ class _Weights:
         return get_model_conversion_mapping(self.model, hf_quantizer=self.quantizer)
 
     def _under(self, prefix: str, skip: str | None) -> list[tuple[str, torch.Tensor]]:
-        return [(name, tensor) for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
-                if name.startswith(prefix) and not (skip and name.startswith(skip))]
+        return [
+            (name, tensor)
+            for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]
+            if name.startswith(prefix) and not (skip and name.startswith(skip))
+        ]
 
     def _missing(self, name: str) -> UnsupportedModelError:
         return UnsupportedModelError(
             f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
             hint="the checkpoint does not hold every weight this model's config describes; calibrate it in "
-            "memory (without --stream-layers) to see transformers' own report")
+            "memory (without --stream-layers) to see transformers' own report",
+        )
 
     def check(self, prefix: str) -> None:
         """Every weight under `prefix` has a source in the checkpoint, and every tensor a place."""
@@ -154,18 +224,25 @@ class _Weights:
             raise UnsupportedModelError(
                 f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
                 f"the model ({', '.join(self.unexpected[:3])}{', ...' if len(self.unexpected) > 3 else ''})",
-                hint="use the config.json and the *.safetensors files of one and the same model")
+                hint="use the config.json and the *.safetensors files of one and the same model",
+            )
         for name, tensor in self._under(prefix, None):
             if tensor.device.type == "meta" and name not in self.sources:
                 raise self._missing(name)
 
     def load(self, prefix: str, skip: str | None = None) -> None:
         """Put the meta weights under `prefix` (except those under `skip`) on the device."""
-        wanted = [name for name, tensor in self._under(prefix, skip) if tensor.device.type == "meta"]
+        wanted = [
+            name for name, tensor in self._under(prefix, skip) if tensor.device.type == "meta"
+        ]
         # MXFP4 experts one weight at a time, each source pair dropped once converted: a layer's MXFP4 tensors are
         # never all in memory beside its dequantised experts (GPT-OSS-120B: 1.6 GB of them a layer)
-        alone = [name for name in wanted if self.quantizer is not None
-                 and any(k.endswith(mxfp4.BLOCKS) for k in self.sources.get(name, []))]
+        alone = [
+            name
+            for name in wanted
+            if self.quantizer is not None
+            and any(k.endswith(mxfp4.BLOCKS) for k in self.sources.get(name, []))
+        ]
         self._convert([name for name in wanted if name not in alone], quantized=False)
         for name in alone:
             self._convert([name], quantized=True)
@@ -176,8 +253,13 @@ class _Weights:
                 owner, _, attr = name.rpartition(".")
                 holder = self.model.get_submodule(owner) if owner else self.model
                 moved = tensor.to(self.device)
-                setattr(holder, attr, torch.nn.Parameter(moved, requires_grad=False)
-                        if isinstance(tensor, torch.nn.Parameter) else moved)
+                setattr(
+                    holder,
+                    attr,
+                    torch.nn.Parameter(moved, requires_grad=False)
+                    if isinstance(tensor, torch.nn.Parameter)
+                    else moved,
+                )
 
     def _convert(self, names: list[str], quantized: bool) -> None:
         """Load the checkpoint tensors `names` are made from through transformers' conversion; `quantized`: MXFP4
@@ -194,10 +276,15 @@ class _Weights:
             state.update(load_tensors(self.model_dir / file, keys))
         if not state:
             return
-        config = LoadStateDictConfig(weight_mapping=self._mapping(), dtype=self.dtype,
-                                     hf_quantizer=self.quantizer if quantized else None)
+        config = LoadStateDictConfig(
+            weight_mapping=self._mapping(),
+            dtype=self.dtype,
+            hf_quantizer=self.quantizer if quantized else None,
+        )
         with mxfp4.expert_chunks() if quantized else nullcontext():
-            convert_and_load_state_dict_in_model(model=self.model, state_dict=state, load_config=config)
+            convert_and_load_state_dict_in_model(
+                model=self.model, state_dict=state, load_config=config
+            )
 
 
 class _HiddenStates:
@@ -205,7 +292,11 @@ class _HiddenStates:
 
     def __init__(self, spill: bool, scratch_dir: Path | None) -> None:
         self._memory: dict[int, torch.Tensor] = {}
-        self._dir = tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=scratch_dir) if spill else None
+        self._dir = (
+            tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=scratch_dir)
+            if spill
+            else None
+        )
 
     def __enter__(self) -> _HiddenStates:
         return self
@@ -237,13 +328,23 @@ class _HiddenStates:
         return load_file(str(self._path(b)))["hidden"]
 
 
-def _spill_needed(decoder: torch.nn.Module, layers: torch.nn.ModuleList,
-                  batch_list: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, copies: int,
-                  memory: MemoryLimit) -> bool:
+def _spill_needed(
+    decoder: torch.nn.Module,
+    layers: torch.nn.ModuleList,
+    batch_list: list[tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+    copies: int,
+    memory: MemoryLimit,
+) -> bool:
     """Spill when the hidden states of every batch would take over a share of this process's memory left."""
-    hidden_size, element = int(text_config(decoder).hidden_size), torch.tensor([], dtype=dtype).element_size()
+    hidden_size, element = (
+        int(text_config(decoder).hidden_size),
+        torch.tensor([], dtype=dtype).element_size(),
+    )
     hidden_bytes = sum(ids.numel() for ids, _mask in batch_list) * hidden_size * element
-    largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+    largest_layer = max(
+        sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers
+    )
     left = memory.available // copies - 2 * largest_layer  # a layer, and its load-time copy
     return hidden_bytes > HIDDEN_STATES_MEMORY_SHARE * left
 
@@ -251,13 +352,21 @@ def _spill_needed(decoder: torch.nn.Module, layers: torch.nn.ModuleList,
 def _progress(sizes: list[tuple[int, int]], num_layers: int, layer: int, b: int) -> Progress:
     """After batch `b` of `layer`: (samples, tokens) per batch in `sizes`, reported as through the whole model."""
     total = [sum(size[k] for size in sizes) for k in (0, 1)]
-    done = [(layer * total[k] + sum(size[k] for size in sizes[:b + 1])) // num_layers for k in (0, 1)]
-    return Progress("observe", done[0], total[0], done[1], total[1], layer=layer, num_layers=num_layers)
+    done = [
+        (layer * total[k] + sum(size[k] for size in sizes[: b + 1])) // num_layers for k in (0, 1)
+    ]
+    return Progress(
+        "observe", done[0], total[0], done[1], total[1], layer=layer, num_layers=num_layers
+    )
 
 
-def _decoder_layers(decoder: torch.nn.Module, num_layers: int, model_dir: Path) -> tuple[str, torch.nn.ModuleList]:
+def _decoder_layers(
+    decoder: torch.nn.Module, num_layers: int, model_dir: Path
+) -> tuple[str, torch.nn.ModuleList]:
     for name, child in decoder.named_children():
         if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers:
             return name, child
-    raise UnsupportedModelError(f"{model_dir}: no list of {num_layers} decoder layers found in "
-                                f"{type(decoder).__name__}", hint="calibrate this model without --stream-layers")
+    raise UnsupportedModelError(
+        f"{model_dir}: no list of {num_layers} decoder layers found in {type(decoder).__name__}",
+        hint="calibrate this model without --stream-layers",
+    )

@@ -21,46 +21,79 @@ from kvcalib.calibration.publish import discard, publish, recover, stage
 from kvcalib.core.checkpoint import Checkpoint, SafetensorsHeader, write_json
 from kvcalib.core.errors import CheckpointReadError, OutputExistsError, OutputWriteError
 from kvcalib.core.paths import overlapping
-from kvcalib.core.schema import (CONFIG_FILENAME, INDEX_FILENAME, PROVENANCE_FILENAME, PROVENANCE_METADATA_KEY,
-                                 SCALES_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key)
+from kvcalib.core.schema import (
+    CONFIG_FILENAME,
+    INDEX_FILENAME,
+    PROVENANCE_FILENAME,
+    PROVENANCE_METADATA_KEY,
+    SCALES_FILENAME,
+    SINGLE_WEIGHTS_FILENAME,
+    is_kv_scale_key,
+)
 
-__all__ = ["LINK_AT_BYTES", "SHARDED_SINGLE_FILENAME", "Room", "WritePlan", "bytes_needed", "check_output_path",
-           "check_room", "measure_room", "copy_without_keys", "link_or_copy", "write_checkpoint"]
+__all__ = [
+    "LINK_AT_BYTES",
+    "SHARDED_SINGLE_FILENAME",
+    "Room",
+    "WritePlan",
+    "bytes_needed",
+    "check_output_path",
+    "check_room",
+    "measure_room",
+    "copy_without_keys",
+    "link_or_copy",
+    "write_checkpoint",
+]
 
 # transformers loads a top-level model.safetensors and ignores the index beside it (and so the scales file): a
 # single-file checkpoint's weights are linked under the sharded name instead, so every loader reads the index.
 SHARDED_SINGLE_FILENAME = "model-00001-of-00001.safetensors"
 
 
-def check_output_path(output: Path, inputs: Sequence[tuple[str, Path]], overwrite: bool, *,
-                      recover_leftovers: bool = True) -> list[str]:
+def check_output_path(
+    output: Path,
+    inputs: Sequence[tuple[str, Path]],
+    overwrite: bool,
+    *,
+    recover_leftovers: bool = True,
+) -> list[str]:
     """Refuse an output overlapping an input, a link, or existing (no overwrite); recover leftovers, return notes."""
     output = Path(output)
     for what, path in inputs:
         if os.path.lexists(path) and overlapping(output, path):
             raise OutputExistsError(
                 f"output {output} overlaps {what} {path}" + _resolved_note(output, path),
-                hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}")
+                hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}",
+            )
     if output.is_symlink():
-        raise OutputExistsError(f"output {output} is a symbolic link (to {os.readlink(output)})",
-                                hint="pass a real directory path: the new checkpoint is renamed into place, which "
-                                "would replace the link itself")
+        raise OutputExistsError(
+            f"output {output} is a symbolic link (to {os.readlink(output)})",
+            hint="pass a real directory path: the new checkpoint is renamed into place, which "
+            "would replace the link itself",
+        )
     if os.path.lexists(output) and not output.is_dir():
-        raise OutputExistsError(f"output {output} exists and is not a directory",
-                                hint="choose another path; --overwrite replaces only a directory")
+        raise OutputExistsError(
+            f"output {output} exists and is not a directory",
+            hint="choose another path; --overwrite replaces only a directory",
+        )
     ancestor = _existing_ancestor(output.parent)
     if not ancestor.is_dir():
-        raise OutputExistsError(f"output {output} cannot be created: {ancestor} is not a directory",
-                                hint="choose an output path whose parent is a directory")
+        raise OutputExistsError(
+            f"output {output} cannot be created: {ancestor} is not a directory",
+            hint="choose an output path whose parent is a directory",
+        )
     notes = recover(output) if recover_leftovers else []
     if output.exists() and not overwrite:
-        raise OutputExistsError(f"output {output} already exists" + "".join(f"; {note}" for note in notes),
-                                hint="choose a new path, or pass --overwrite to replace it")
+        raise OutputExistsError(
+            f"output {output} already exists" + "".join(f"; {note}" for note in notes),
+            hint="choose a new path, or pass --overwrite to replace it",
+        )
     if output.exists() and any(output.iterdir()) and not (output / CONFIG_FILENAME).is_file():
         raise OutputExistsError(
             f"output {output} exists and is not a checkpoint (no {CONFIG_FILENAME}): --overwrite replaces only "
             "an earlier checkpoint or an empty directory",
-            hint="choose a new path for the checkpoint; nothing in that directory was touched")
+            hint="choose a new path for the checkpoint; nothing in that directory was touched",
+        )
     return notes
 
 
@@ -87,7 +120,9 @@ def measure_room(output: Path, source: Checkpoint) -> Room:
         linkable = _can_link(source, Path(probe))
     finally:
         Path(probe).unlink(missing_ok=True)
-    return Room(bytes_needed(source, linkable), shutil.disk_usage(ancestor).free, linkable, ancestor)
+    return Room(
+        bytes_needed(source, linkable), shutil.disk_usage(ancestor).free, linkable, ancestor
+    )
 
 
 def check_room(output: Path, source: Checkpoint) -> None:
@@ -99,12 +134,15 @@ def check_room(output: Path, source: Checkpoint) -> None:
             f"not enough space for {output}: the new files need {room.needed / 1e6:,.1f} MB, {room.where} has "
             f"{room.free / 1e6:,.1f} MB free" + copied,
             hint="free some space, or choose an output on a filesystem with room (on the model's own filesystem "
-                 "the weights are hard links and take no space)")
+            "the weights are hard links and take no space)",
+        )
 
 
 def bytes_needed(source: Checkpoint, linkable: bool) -> int:
     """What write_checkpoint adds on disk: copied weights (all of them if links fail), other files, the new JSON."""
-    total = 64 << 10  # scales, config, provenance: a few KB; the margin covers the filesystem's blocks
+    total = (
+        64 << 10
+    )  # scales, config, provenance: a few KB; the margin covers the filesystem's blocks
     files = source.files
     for name in files.files:
         header = files.headers[name]
@@ -131,7 +169,9 @@ def _can_link(source: Checkpoint, probe: Path) -> bool:
     return False
 
 
-def _existing_ancestor(path: Path) -> Path:  # `path` itself if it exists, else its nearest existing parent
+def _existing_ancestor(
+    path: Path,
+) -> Path:  # `path` itself if it exists, else its nearest existing parent
     path = Path(os.path.abspath(path))
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
@@ -157,7 +197,10 @@ def _write_error(exc: OSError, output: Path, where: Path | None = None) -> Outpu
     where = exc.filename or where or output
     return OutputWriteError(
         f"cannot write {output}: {exc.strerror or exc} ({where}); nothing at {output} was changed",
-        hint=_ERRNO_HINTS.get(exc.errno or 0, "check the output directory: permissions, space, the filesystem"))
+        hint=_ERRNO_HINTS.get(
+            exc.errno or 0, "check the output directory: permissions, space, the filesystem"
+        ),
+    )
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
@@ -170,14 +213,21 @@ def link_or_copy(src: Path, dst: Path) -> None:
 def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> None:
     """Write `header`'s file minus the tensors in `drop`; every kept tensor's bytes are copied verbatim."""
     src = header.path
-    kept = [info for info in sorted(header.tensors.values(), key=lambda t: t.data_offsets) if info.key not in drop]
+    kept = [
+        info
+        for info in sorted(header.tensors.values(), key=lambda t: t.data_offsets)
+        if info.key not in drop
+    ]
     new_header: dict[str, Any] = {}
     if header.metadata is not None:
         new_header["__metadata__"] = header.metadata
     offset = 0
     for info in kept:
-        new_header[info.key] = {"dtype": info.dtype, "shape": list(info.shape),
-                                "data_offsets": [offset, offset + info.nbytes]}
+        new_header[info.key] = {
+            "dtype": info.dtype,
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes],
+        }
         offset += info.nbytes
     raw = json.dumps(new_header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
@@ -190,8 +240,9 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
             while remaining:
                 chunk = fin.read(min(remaining, 64 << 20))
                 if not chunk:
-                    raise CheckpointReadError(f"{src}: unexpected end of file",
-                                              hint="copy the file again from the source")
+                    raise CheckpointReadError(
+                        f"{src}: unexpected end of file", hint="copy the file again from the source"
+                    )
                 fout.write(chunk)
                 remaining -= len(chunk)
 
@@ -205,12 +256,20 @@ class WritePlan:
     provenance: dict[str, Any]
 
 
-_Index = dict[str, tuple[str, int, int]]  # the new index, built up as files are written: key -> (file, bytes, numel)
+_Index = dict[
+    str, tuple[str, int, int]
+]  # the new index, built up as files are written: key -> (file, bytes, numel)
 
 
-def write_checkpoint(source: Checkpoint | Path, output: Path, plan: WritePlan, *, overwrite: bool = False,
-                     check: Callable[[Path], None] | None = None,
-                     inputs: Sequence[tuple[str, Path]] = ()) -> list[str]:
+def write_checkpoint(
+    source: Checkpoint | Path,
+    output: Path,
+    plan: WritePlan,
+    *,
+    overwrite: bool = False,
+    check: Callable[[Path], None] | None = None,
+    inputs: Sequence[tuple[str, Path]] = (),
+) -> list[str]:
     """Write source files (earlier KV scales dropped), scales, index, config in a staging sibling; `check`; publish."""
     source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     output = Path(os.path.abspath(output))
@@ -251,7 +310,7 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
 def _make_parents(output: Path) -> list[Path]:
     """Create OUT's missing parents; the ones created, deepest first (removed again on failure)."""
     parents = list(output.parents)
-    missing = parents[:parents.index(_existing_ancestor(output.parent))]
+    missing = parents[: parents.index(_existing_ancestor(output.parent))]
     for path in reversed(missing):
         path.mkdir()
     return missing
@@ -272,8 +331,13 @@ def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
             notes.append(f"{name}: dropped {len(stale)} earlier KV scale tensor(s)")
         else:
             link_or_copy(source.root / name, tmp / out_name)
-        index.update({key: (out_name, info.nbytes, math.prod(info.shape)) for key, info in header.tensors.items()
-                      if key not in stale})
+        index.update(
+            {
+                key: (out_name, info.nbytes, math.prod(info.shape))
+                for key, info in header.tensors.items()
+                if key not in stale
+            }
+        )
     return notes
 
 
@@ -283,12 +347,25 @@ def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
     scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
     clash = sorted(set(scales) & set(index))
     if clash:
-        raise CheckpointReadError(f"scale key {clash[0]} already exists in {index[clash[0]][0]}",
-                                  hint="the model's weights hold a tensor under a KV scale's name; please report this")
-    save_file(scales, str(tmp / SCALES_FILENAME),
-              metadata={"format": "pt", PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True)})
+        raise CheckpointReadError(
+            f"scale key {clash[0]} already exists in {index[clash[0]][0]}",
+            hint="the model's weights hold a tensor under a KV scale's name; please report this",
+        )
+    save_file(
+        scales,
+        str(tmp / SCALES_FILENAME),
+        metadata={
+            "format": "pt",
+            PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True),
+        },
+    )
     os.chmod(tmp / SCALES_FILENAME, 0o644)
-    index.update({key: (SCALES_FILENAME, t.numel() * t.element_size(), t.numel()) for key, t in scales.items()})
+    index.update(
+        {
+            key: (SCALES_FILENAME, t.numel() * t.element_size(), t.numel())
+            for key, t in scales.items()
+        }
+    )
 
 
 def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) -> None:
@@ -310,8 +387,15 @@ LINK_AT_BYTES = 16 << 20
 def _other_files(source: Path) -> list[Path]:
     """Tokenizer, generation config, remote code, ...: everything the writer carries over unchanged."""
     rewritten = {CONFIG_FILENAME, INDEX_FILENAME, PROVENANCE_FILENAME}
-    return [entry for entry in sorted(source.iterdir())
-            if not (entry.name.startswith(".") or entry.name in rewritten or entry.name.endswith(".safetensors"))]
+    return [
+        entry
+        for entry in sorted(source.iterdir())
+        if not (
+            entry.name.startswith(".")
+            or entry.name in rewritten
+            or entry.name.endswith(".safetensors")
+        )
+    ]
 
 
 def _copy_other_files(source: Path, dest: Path) -> None:

@@ -20,7 +20,9 @@ __all__ = ["command", "flags", "split_options"]
 _KW = inspect.Parameter.KEYWORD_ONLY
 # hidden parameter -> (the field it sets, the value it sets it to: None for the alias' own value)
 _HIDDEN: dict[str, tuple[str, Any]] = {}
-_SWITCHES: dict[str, tuple[bool, Any]] = {}  # a shown on/off flag -> (the value it sets, the field's default)
+_SWITCHES: dict[
+    str, tuple[bool, Any]
+] = {}  # a shown on/off flag -> (the value it sets, the field's default)
 
 
 def flags(cls: type, *names: str, **defaults: Any) -> list[inspect.Parameter]:
@@ -30,9 +32,17 @@ def flags(cls: type, *names: str, **defaults: Any) -> list[inspect.Parameter]:
     for name in names or tuple(n for n, f in by_name.items() if f.metadata.get("cli")):
         field, kind = by_name[name], annotation_of(cls, name)
         meta = field.metadata
-        default = defaults.get(name, field.default_factory() if field.default_factory is not dataclasses.MISSING
-                               else field.default)
-        shown, hidden, help = flag_of(field), [(alias, None) for alias in meta["aliases"]], meta["help"]
+        default = defaults.get(
+            name,
+            field.default_factory()
+            if field.default_factory is not dataclasses.MISSING
+            else field.default,
+        )
+        shown, hidden, help = (
+            flag_of(field),
+            [(alias, None) for alias in meta["aliases"]],
+            meta["help"],
+        )
         if "/" in shown:  # an on/off pair: the half that changes the default is shown
             on, off = shown.split("/")
             shown, other, value = (off, on, False) if default is True else (on, off, True)
@@ -43,18 +53,48 @@ def flags(cls: type, *names: str, **defaults: Any) -> list[inspect.Parameter]:
         else:
             choices = choices_of(cls, field)
             if choices is not None:
-                kind = Literal[choices] | None if type(None) in typing.get_args(kind) else Literal[choices]
+                kind = (
+                    Literal[choices] | None
+                    if type(None) in typing.get_args(kind)
+                    else Literal[choices]
+                )
             elif typing.get_origin(kind) is tuple:
                 kind, default = list[typing.get_args(kind)[0]], list(default)  # repeatable
-        shown_default = field.default_factory is dataclasses.MISSING and default is not None and kind is not bool
+        shown_default = (
+            field.default_factory is dataclasses.MISSING
+            and default is not None
+            and kind is not bool
+        )
         decls = (shown, *([meta["short"]] if meta["short"] else []))
-        params.append(inspect.Parameter(name, _KW, default=default, annotation=Annotated[kind, typer.Option(
-            *decls, help=help, rich_help_panel=meta["panel"], metavar=meta["metavar"], show_default=shown_default)]))
+        params.append(
+            inspect.Parameter(
+                name,
+                _KW,
+                default=default,
+                annotation=Annotated[
+                    kind,
+                    typer.Option(
+                        *decls,
+                        help=help,
+                        rich_help_panel=meta["panel"],
+                        metavar=meta["metavar"],
+                        show_default=shown_default,
+                    ),
+                ],
+            )
+        )
         for i, (decl, value) in enumerate(hidden):
             _HIDDEN[f"{name}__{i}"] = (name, value)
-            params.append(inspect.Parameter(f"{name}__{i}", _KW, default=None if value is None else False,
-                                            annotation=Annotated[kind if value is None else bool,
-                                                                 typer.Option(decl, hidden=True)]))
+            params.append(
+                inspect.Parameter(
+                    f"{name}__{i}",
+                    _KW,
+                    default=None if value is None else False,
+                    annotation=Annotated[
+                        kind if value is None else bool, typer.Option(decl, hidden=True)
+                    ],
+                )
+            )
     return params
 
 
@@ -71,14 +111,19 @@ def _merged(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def command(app: typer.Typer, name: str | None = None, *,
-            options: list[inspect.Parameter]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def command(
+    app: typer.Typer, name: str | None = None, *, options: list[inspect.Parameter]
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the function as command `name` with its own parameters (arguments and the command's own flags)
     followed by `options` (flags()); they all reach it as keywords, the options in its **kwargs."""
+
     def register(func: Callable[..., Any]) -> Callable[..., Any]:
         hints = typing.get_type_hints(func, include_extras=True)
-        own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(func).parameters.values()
-               if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        own = [
+            p.replace(annotation=hints[p.name])
+            for p in inspect.signature(func).parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
 
         @functools.wraps(func)
         def run(**values: Any) -> Any:

@@ -22,14 +22,22 @@ def serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
 
     def on_event(event: Any) -> None:
         if event.stage == "launch":
-            console.print(f"{event.server} server: {event.message}", soft_wrap=True, markup=False, style="bold")
+            console.print(
+                f"{event.server} server: {event.message}",
+                soft_wrap=True,
+                markup=False,
+                style="bold",
+            )
             if status is not None:
                 status.start()
         elif event.stage == "wait":
             line = f"{event.server}: waiting for /health, {event.elapsed_s:.0f} s | {event.message[-100:]}"
             if status is not None:
                 status.update(line)
-            elif event.elapsed_s - last_print[0] >= PLAIN_INTERVAL_S or event.elapsed_s < last_print[0]:
+            elif (
+                event.elapsed_s - last_print[0] >= PLAIN_INTERVAL_S
+                or event.elapsed_s < last_print[0]
+            ):
                 last_print[0] = event.elapsed_s
                 console.print(line, soft_wrap=True, markup=False)
         elif event.stage == "ready":
@@ -58,23 +66,43 @@ def _problem(p: Any) -> str:
 def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
     """serve-check's table, its variants and tasks, then `notes` (the kvcalib logger's records), failures, verdict."""
     columns = ("prompt", "output (FP8 KV)", "baseline", "agreement")
-    table = _table(escape(f"serve-check {result.checkpoint} on {result.device}"), columns, columns, overflow="fold")
+    table = _table(
+        escape(f"serve-check {result.checkpoint} on {result.device}"),
+        columns,
+        columns,
+        overflow="fold",
+    )
     for p in result.prompts:
         agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
-        table.add_row(escape(p.label or p.prompt), escape(repr(p.output)),
-                      "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
-                      agreement + _problem(p))
+        table.add_row(
+            escape(p.label or p.prompt),
+            escape(repr(p.output)),
+            "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
+            agreement + _problem(p),
+        )
     console.print(table)
-    nll = f"NLL fp8 {result.nll_fp8:.3f}" + ("" if result.nll_baseline is None
-                                             else f", baseline {result.nll_baseline:.3f}")
+    nll = f"NLL fp8 {result.nll_fp8:.3f}" + (
+        "" if result.nll_baseline is None else f", baseline {result.nll_baseline:.3f}"
+    )
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
-    baseline_ready = "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
-    console.print(f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}")
+    baseline_ready = (
+        "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
+    )
+    console.print(
+        f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}"
+    )
     if result.kv_capacity:  # as vLLM logged it (serving.server.kv_capacity)
-        console.print("KV cache vLLM logged: " + "; ".join(
-            f"{name} not logged" if c["tokens"] is None else
-            f"{name} {c['tokens']:,} tokens ({_num(c['max_concurrency'], '.2f')}x --max-model-len requests)"
-            for name, c in result.kv_capacity.items()), soft_wrap=True, markup=False)
+        console.print(
+            "KV cache vLLM logged: "
+            + "; ".join(
+                f"{name} not logged"
+                if c["tokens"] is None
+                else f"{name} {c['tokens']:,} tokens ({_num(c['max_concurrency'], '.2f')}x --max-model-len requests)"
+                for name, c in result.kv_capacity.items()
+            ),
+            soft_wrap=True,
+            markup=False,
+        )
     if result.canary is not None or result.prediction is not None:
         render_variants(console, result)
     if result.tasks:
@@ -88,34 +116,67 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
 
 def render_served_tasks(console: Console, rows: Any) -> None:
     """serve-check --tasks: served baseline and FP8 scores with the paired interval, and kvcalib's prediction."""
-    table = _table("lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib",
-                   ("task", "metric", "items", "served baseline", "served FP8", "served difference",
-                    "predicted baseline", "predicted FP8", "predicted difference"), ("task", "metric"), overflow="fold")
+    table = _table(
+        "lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib",
+        (
+            "task",
+            "metric",
+            "items",
+            "served baseline",
+            "served FP8",
+            "served difference",
+            "predicted baseline",
+            "predicted FP8",
+            "predicted difference",
+        ),
+        ("task", "metric"),
+        overflow="fold",
+    )
     for row in rows:
         served, predicted = row["served"], row["predicted"] or {}
-        table.add_row(row["task"], f"{row['metric']} ({row['filter']})", str(row["items"]),
-                      f"{served['baseline']:.4f}", f"{served['fp8']:.4f}", _spread(served.get("interval")),
-                      "-" if not predicted else f"{predicted['baseline']:.4f}",
-                      "-" if not predicted else f"{predicted['fp8']:.4f}", _spread(predicted.get("interval")))
+        table.add_row(
+            row["task"],
+            f"{row['metric']} ({row['filter']})",
+            str(row["items"]),
+            f"{served['baseline']:.4f}",
+            f"{served['fp8']:.4f}",
+            _spread(served.get("interval")),
+            "-" if not predicted else f"{predicted['baseline']:.4f}",
+            "-" if not predicted else f"{predicted['fp8']:.4f}",
+            _spread(predicted.get("interval")),
+        )
     console.print(table)
     for row in rows:
-        console.print(f"{row['task']} {row['metric']}: served {escape(row['served']['verdict'])}", soft_wrap=True,
-                      highlight=False)
+        console.print(
+            f"{row['task']} {row['metric']}: served {escape(row['served']['verdict'])}",
+            soft_wrap=True,
+            highlight=False,
+        )
 
 
 def render_variants(console: Console, result: Any) -> None:
     """Calibrated vs 1.0 vs the canary: what each server measured, and what kvcalib predicted."""
-    table = _table("KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline",
-                   ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"), ("scales",))
+    table = _table(
+        "KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline",
+        ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"),
+        ("scales",),
+    )
     for row in result.variants():
-        table.add_row(row["name"], _num(row["nll"], ".4f"), _num(row["agreement"], ".2f"),
-                      _num(row["served_delta_nll"], "+.4f"), _num(row["predicted_delta_nll"], "+.4f"))
+        table.add_row(
+            row["name"],
+            _num(row["nll"], ".4f"),
+            _num(row["agreement"], ".2f"),
+            _num(row["served_delta_nll"], "+.4f"),
+            _num(row["predicted_delta_nll"], "+.4f"),
+        )
     console.print(table)
     _render_delta_intervals(console, result.intervals)
     if result.canary is not None:
         color = "green" if result.canary.ok else "red"
-        console.print(f"canary: [{color}]{'ok' if result.canary.ok else 'FAILED'}[/] {escape(result.canary.reason)}",
-                      soft_wrap=True)
+        console.print(
+            f"canary: [{color}]{'ok' if result.canary.ok else 'FAILED'}[/] {escape(result.canary.reason)}",
+            soft_wrap=True,
+        )
 
 
 def _render_delta_intervals(console: Console, intervals: Any) -> None:
@@ -123,8 +184,17 @@ def _render_delta_intervals(console: Console, intervals: Any) -> None:
     shown = {name: found for name, found in (intervals or {}).items() if found is not None}
     if not shown:
         return
-    words = {"served": "served ΔNLL", "predicted": "predicted ΔNLL", "served_minus_predicted": "served - predicted"}
-    parts = [f"{words[name]} {_spread(found)} ({found['items']} blocks)" for name, found in shown.items()]
+    words = {
+        "served": "served ΔNLL",
+        "predicted": "predicted ΔNLL",
+        "served_minus_predicted": "served - predicted",
+    }
+    parts = [
+        f"{words[name]} {_spread(found)} ({found['items']} blocks)" for name, found in shown.items()
+    ]
     method = next(iter(shown.values()))["method"]
-    console.print(f"calibrated scales, approximate 95% intervals ({method}): " + "; ".join(parts),
-                  soft_wrap=True, highlight=False)
+    console.print(
+        f"calibrated scales, approximate 95% intervals ({method}): " + "; ".join(parts),
+        soft_wrap=True,
+        highlight=False,
+    )

@@ -45,10 +45,14 @@ class HostCpu:
     source: str = "/proc/cpuinfo"  # where the flags came from
 
     @classmethod
-    def from_cpuinfo(cls, path: Path, capability: str = "unknown", override: str | None = None) -> HostCpu:
+    def from_cpuinfo(
+        cls, path: Path, capability: str = "unknown", override: str | None = None
+    ) -> HostCpu:
         """Flags from `path` (a /proc/cpuinfo), or from `override` (space-separated flags) when given."""
         if override is not None:
-            return cls(frozenset(override.replace(",", " ").split()), capability, "KVCALIB_CPU_FLAGS")
+            return cls(
+                frozenset(override.replace(",", " ").split()), capability, "KVCALIB_CPU_FLAGS"
+            )
         try:
             flags = parse_cpu_flags(Path(path).read_text(errors="replace"))
         except OSError:
@@ -63,7 +67,9 @@ class HostCpu:
             import torch
 
             capability = torch.backends.cpu.get_cpu_capability()
-        return cls.from_cpuinfo(Path("/proc/cpuinfo"), capability, override=os.environ.get("KVCALIB_CPU_FLAGS"))
+        return cls.from_cpuinfo(
+            Path("/proc/cpuinfo"), capability, override=os.environ.get("KVCALIB_CPU_FLAGS")
+        )
 
     @property
     def native_bf16(self) -> bool | None:
@@ -79,8 +85,12 @@ class HostCpu:
 
     def describe(self) -> str:
         if self.flags is None:
-            return f"CPU flags unknown ({self.source} unreadable), torch capability {self.capability}"
-        shown = sorted(self.flags & (NATIVE_BF16_FLAGS | {"avx2", "avx512f", "amx_tile"})) or ["no AVX2"]
+            return (
+                f"CPU flags unknown ({self.source} unreadable), torch capability {self.capability}"
+            )
+        shown = sorted(self.flags & (NATIVE_BF16_FLAGS | {"avx2", "avx512f", "amx_tile"})) or [
+            "no AVX2"
+        ]
         return f"CPU {' '.join(shown)} (from {self.source}), torch capability {self.capability}"
 
 
@@ -96,17 +106,24 @@ class ComputePath:
         return self.bf16_matmul == FLOAT32
 
     def describe(self) -> str:
-        what = ("bf16 model, matmuls and attention in float32 with bf16 rounding" if self.emulated
-                else "native matmuls in the model's dtype")
+        what = (
+            "bf16 model, matmuls and attention in float32 with bf16 rounding"
+            if self.emulated
+            else "native matmuls in the model's dtype"
+        )
         return f"{what} ({self.reason})"
 
 
-def choose_compute(requested: str, dtype: torch.dtype, device: torch.device, cpu: HostCpu | None) -> ComputePath:
+def choose_compute(
+    requested: str, dtype: torch.dtype, device: torch.device, cpu: HostCpu | None
+) -> ComputePath:
     """The compute path for a model in `dtype` on `device`; ValueError for an unknown `requested`."""
     import torch
 
     if requested not in BF16_COMPUTE_CHOICES:
-        raise ValueError(f"unknown bf16 compute {requested!r}; use one of {', '.join(BF16_COMPUTE_CHOICES)}")
+        raise ValueError(
+            f"unknown bf16 compute {requested!r}; use one of {', '.join(BF16_COMPUTE_CHOICES)}"
+        )
     if dtype != torch.bfloat16:
         return ComputePath(NATIVE, f"the model runs in {str(dtype).removeprefix('torch.')}")
     if device.type != "cpu":
@@ -118,4 +135,6 @@ def choose_compute(requested: str, dtype: torch.dtype, device: torch.device, cpu
         return ComputePath(NATIVE, "CPU not known: assumed to have native bf16 matmul")
     if native:
         return ComputePath(NATIVE, f"{cpu.describe()}: native bf16 matmul")
-    return ComputePath(FLOAT32, f"{cpu.describe()}: no native bf16 matmul (needs avx512_bf16 or amx_bf16)")
+    return ComputePath(
+        FLOAT32, f"{cpu.describe()}: no native bf16 matmul (needs avx512_bf16 or amx_bf16)"
+    )

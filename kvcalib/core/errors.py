@@ -3,14 +3,31 @@ what to do next. The CLI catches `KvcalibError` only; anything else is a bug and
 
 from __future__ import annotations
 
-__all__ = ["CalibrationError", "CheckpointNotFoundError", "CheckpointReadError", "DatasetError", "DeviceError",
-           "KvcalibError", "MissingDependencyError", "OutOfMemoryError", "OutputExistsError", "OutputWriteError",
-           "RecipeError", "ServerError", "UnknownTargetError", "UnsupportedModelError", "UsageError",
-           "ValidationFailedError", "VllmNotFoundError", "check_at_least"]
+__all__ = [
+    "CalibrationError",
+    "CheckpointNotFoundError",
+    "CheckpointReadError",
+    "DatasetError",
+    "DeviceError",
+    "KvcalibError",
+    "MissingDependencyError",
+    "OutOfMemoryError",
+    "OutputExistsError",
+    "OutputWriteError",
+    "RecipeError",
+    "ServerError",
+    "UnknownTargetError",
+    "UnsupportedModelError",
+    "UsageError",
+    "ValidationFailedError",
+    "VllmNotFoundError",
+    "check_at_least",
+]
 
 
 class KvcalibError(Exception):
     """Base class of every user-facing kvcalib error."""
+
     exit_code = 1
 
     def __init__(self, message: str, hint: str | None = None) -> None:
@@ -23,6 +40,7 @@ class KvcalibError(Exception):
 
 class UsageError(KvcalibError):
     """Arguments that cannot work together, or an unknown value."""
+
     exit_code = 2
 
 
@@ -32,11 +50,13 @@ class UnknownTargetError(UsageError):
 
 class CheckpointNotFoundError(KvcalibError):
     """The model/checkpoint directory (or its config.json) is missing."""
+
     exit_code = 2
 
 
 class CheckpointReadError(KvcalibError):
     """A checkpoint file exists but cannot be parsed (config, index, safetensors header)."""
+
     exit_code = 2
 
 
@@ -54,6 +74,7 @@ class CalibrationError(KvcalibError):
 
 class OutputExistsError(KvcalibError):
     """The output path exists and --overwrite was not given, or it would clobber an input."""
+
     exit_code = 2
 
 
@@ -80,26 +101,38 @@ class MissingDependencyError(KvcalibError):
 # serve-check: exit codes 3 (the environment cannot run the check) and 4 (the server failed).
 class DeviceError(KvcalibError):
     """The requested device is not usable here: no Neuron devices, wrong chip, CPU lacks AVX-512."""
+
     exit_code = 3
 
 
 class VllmNotFoundError(KvcalibError):
     """The interpreter given for vLLM does not exist or has no vLLM (or no Neuron plugin)."""
+
     exit_code = 3
 
 
 class ServerError(KvcalibError):
     """The vLLM server exited, never became healthy, or stopped answering; `log` is its log file."""
+
     exit_code = 4
 
     def __init__(self, message: str, hint: str | None = None, log: str | None = None) -> None:
-        super().__init__(message, hint or (f"the server's log is {log}" if log else
-                                           "rerun with --log-dir DIR to keep the server's log"))
+        super().__init__(
+            message,
+            hint
+            or (
+                f"the server's log is {log}"
+                if log
+                else "rerun with --log-dir DIR to keep the server's log"
+            ),
+        )
         self.log = log
 
 
 def check_at_least(flag: str, value: float | None, minimum: float, *, what: str = "") -> None:
     """UsageError naming `flag` unless `value` (None: not given) is at least `minimum`."""
     if value is not None and not value >= minimum:
-        raise UsageError(f"{flag} must be at least {minimum:g}, not {value:g}" + (f" ({what})" if what else ""),
-                         hint=f"pass {flag} {minimum:g} or more, or leave it out for the default")
+        raise UsageError(
+            f"{flag} must be at least {minimum:g}, not {value:g}" + (f" ({what})" if what else ""),
+            hint=f"pass {flag} {minimum:g} or more, or leave it out for the default",
+        )

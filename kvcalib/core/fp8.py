@@ -13,18 +13,41 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BF16_RECIPROCAL", "DEFAULT_TARGET", "DIVIDE", "EMULATED", "F32_RECIPROCAL", "GPU_ORDER", "NEURON_ORDER",
-           "SCALE_FLOOR", "SCALE_ROUNDING_TOLERANCE", "TARGETS", "Target", "bf16_reciprocal_ok", "fake_quantize",
-           "from_fp8_domain", "get_target", "implied_fp8_max", "neuron_reciprocal", "scale_from_absmax",
-           "served_numerics", "sqnr_db", "to_fp8_domain"]
+__all__ = [
+    "BF16_RECIPROCAL",
+    "DEFAULT_TARGET",
+    "DIVIDE",
+    "EMULATED",
+    "F32_RECIPROCAL",
+    "GPU_ORDER",
+    "NEURON_ORDER",
+    "SCALE_FLOOR",
+    "SCALE_ROUNDING_TOLERANCE",
+    "TARGETS",
+    "Target",
+    "bf16_reciprocal_ok",
+    "fake_quantize",
+    "from_fp8_domain",
+    "get_target",
+    "implied_fp8_max",
+    "neuron_reciprocal",
+    "scale_from_absmax",
+    "served_numerics",
+    "sqnr_db",
+    "to_fp8_domain",
+]
 
 # How a server takes x into the FP8 domain (Target.scaling):
-BF16_RECIPROCAL = "bf16-reciprocal"  # x * bf16(1 / bf16(s)), clamped at ±fp8_max: vLLM's Neuron plugin
+BF16_RECIPROCAL = (
+    "bf16-reciprocal"  # x * bf16(1 / bf16(s)), clamped at ±fp8_max: vLLM's Neuron plugin
+)
 F32_RECIPROCAL = "f32-reciprocal"  # x * (1 / s) in float32
 DIVIDE = "divide"  # x / s in float32: GPU vLLM
 
 NEURON_ORDER = "neuron"  # Target.order (eval --order): prefill attends to the fresh K/V it writes; decode to FP8
-GPU_ORDER = "gpu"  # every position reads the FP8 cache (the K/V are written first, prefill included)
+GPU_ORDER = (
+    "gpu"  # every position reads the FP8 cache (the K/V are written first, prefill included)
+)
 
 
 @dataclass(frozen=True)
@@ -36,7 +59,9 @@ class Target:
     fp8_max: float
     scaling: str = DIVIDE  # BF16_RECIPROCAL, F32_RECIPROCAL or DIVIDE
     toward_zero: bool = False  # the cast truncates the mantissa instead of rounding to nearest even
-    mxfp4: bool = False  # runs MXFP4 matmuls natively (vLLM-Neuron's GPT-OSS keeps MXFP4 experts as they are)
+    mxfp4: bool = (
+        False  # runs MXFP4 matmuls natively (vLLM-Neuron's GPT-OSS keeps MXFP4 experts as they are)
+    )
     bf16_product: bool = False  # the product x * r is rounded to bf16 before the clamp and the cast
     order: str = GPU_ORDER  # NEURON_ORDER or GPU_ORDER
 
@@ -54,7 +79,9 @@ class Target:
 _NEURON = {"bf16_product": True, "order": NEURON_ORDER}
 TARGETS: dict[str, Target] = {
     "trn2": Target("trn2", "float8_e4m3fn", 240.0, BF16_RECIPROCAL, **_NEURON),  # AWS Trainium 2
-    "trn3": Target("trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL, mxfp4=True, **_NEURON),  # AWS Trainium 3
+    "trn3": Target(
+        "trn3", "float8_e4m3fn", 448.0, BF16_RECIPROCAL, mxfp4=True, **_NEURON
+    ),  # AWS Trainium 3
     "gpu": Target("gpu", "float8_e4m3fn", 448.0, DIVIDE),  # vLLM on GPU
 }
 
@@ -76,7 +103,11 @@ EMULATED: dict[str, Target] = {
 def served_numerics(target: Target) -> tuple[Target, ...]:
     """Every numerics a checkpoint sized for `target` is served with, `target` first: those whose fp8_max is at
     least its (a trn2 scale saturates at 448 x s there, not 240 x s); the objective scores each."""
-    others = [t for t in (*TARGETS.values(), *EMULATED.values()) if t != target and t.fp8_max >= target.fp8_max]
+    others = [
+        t
+        for t in (*TARGETS.values(), *EMULATED.values())
+        if t != target and t.fp8_max >= target.fp8_max
+    ]
     return (target, *others)
 
 
@@ -85,7 +116,9 @@ def get_target(name: str) -> Target:
     try:
         return TARGETS[name] if name in TARGETS else EMULATED[name]
     except KeyError:
-        raise ValueError(f"unknown target {name!r}; known targets: {', '.join(sorted(TARGETS))}") from None
+        raise ValueError(
+            f"unknown target {name!r}; known targets: {', '.join(sorted(TARGETS))}"
+        ) from None
 
 
 # How far (relative) a scale may sit above absmax / fp8_max: on Neuron it is rounded up onto the bf16 grid (8
@@ -103,9 +136,16 @@ def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Ten
     exact = torch.clamp(a / target.fp8_max, min=SCALE_FLOOR)
     finite = torch.isfinite(exact)
     bf16 = target.scaling == BF16_RECIPROCAL
-    def up(x: torch.Tensor) -> torch.Tensor:  # the next larger value on s's grid (bf16, else float32) after `x` > 0
-        return (x.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float() if bf16 else \
-            torch.nextafter(x, torch.tensor(float("inf")))
+
+    def up(
+        x: torch.Tensor,
+    ) -> torch.Tensor:  # the next larger value on s's grid (bf16, else float32) after `x` > 0
+        return (
+            (x.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float()
+            if bf16
+            else torch.nextafter(x, torch.tensor(float("inf")))
+        )
+
     s = exact.to(torch.bfloat16).float() if bf16 else exact
     s = torch.where(finite & (s < exact), up(s), s)
     while bool((over := finite & (to_fp8_domain(a, s, target) > target.fp8_max)).any()):
@@ -180,7 +220,9 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
     scaled = to_fp8_domain(x, scale, target).clamp_(-target.fp8_max, target.fp8_max)
     dtype = getattr(torch, target.dtype)
     q = scaled.to(dtype)
-    if target.toward_zero:  # one code down where the nearest-even cast rounded away from zero (codes are monotonic
+    if (
+        target.toward_zero
+    ):  # one code down where the nearest-even cast rounded away from zero (codes are monotonic
         codes = q.view(torch.uint8)  # in magnitude, the sign apart)
         away = (q.float().abs() > scaled.abs()) & ((codes & 0x7F) > 0)
         q = torch.where(away, codes - 1, codes).view(dtype)

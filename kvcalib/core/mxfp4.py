@@ -28,22 +28,40 @@ from kvcalib.core.fp8 import TARGETS, Target, get_target
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCKS", "DEQUANTIZE_COMMAND", "SCALES", "TRN2_CAUSE", "check_calibration",
-           "dequantize_mxfp4", "dequantized_on_load", "dequantizer", "expert_chunks", "findings", "weights"]
+__all__ = [
+    "BLOCKS",
+    "DEQUANTIZE_COMMAND",
+    "SCALES",
+    "TRN2_CAUSE",
+    "check_calibration",
+    "dequantize_mxfp4",
+    "dequantized_on_load",
+    "dequantizer",
+    "expert_chunks",
+    "findings",
+    "weights",
+]
 
 BLOCKS, SCALES = "_blocks", "_scales"
 DEQUANTIZE_COMMAND = "python -c \"import kvcalib; kvcalib.dequantize_mxfp4('MODEL', 'BF16_DIR')\""
-TRN2_CAUSE = (r"quantization='mxfp4' is not supported on TRN2",
-              "vLLM-Neuron's GPT-OSS runs MXFP4 experts as MXFP4 only on trn3 (vllm_neuron/model/gpt_oss/factory.py)",
-              ("on trn2 serve with --additional-config '{\"neuron_config\": {\"quantization\": \"bf16\"}}' "
-               "(kvcalib's model card and serve-check pass it)"))
+TRN2_CAUSE = (
+    r"quantization='mxfp4' is not supported on TRN2",
+    "vLLM-Neuron's GPT-OSS runs MXFP4 experts as MXFP4 only on trn3 (vllm_neuron/model/gpt_oss/factory.py)",
+    (
+        'on trn2 serve with --additional-config \'{"neuron_config": {"quantization": "bf16"}}\' '
+        "(kvcalib's model card and serve-check pass it)"
+    ),
+)
 
 
 def weights(keys: Iterable[str]) -> list[str]:
     """The weights stored as MXFP4 (a `<name>_blocks` and `<name>_scales` pair) among tensor keys: their names."""
     keys = set(keys)
-    return sorted(k.removesuffix(BLOCKS) for k in keys
-                  if k.endswith(BLOCKS) and k.removesuffix(BLOCKS) + SCALES in keys)
+    return sorted(
+        k.removesuffix(BLOCKS)
+        for k in keys
+        if k.endswith(BLOCKS) and k.removesuffix(BLOCKS) + SCALES in keys
+    )
 
 
 def neuron_quantization(target: str) -> str | None:
@@ -62,40 +80,73 @@ def check_calibration(checkpoint: Checkpoint, target: Target, engine: str) -> di
             f"{checkpoint.root}: the experts are MXFP4: GPU vLLM's MXFP4 support loads no KV scales (Mxfp4Config "
             "gives attention no quantization method), so FP8 KV would run at scale 1.0 whatever kvcalib writes",
             hint=f"for GPU, dequantize the experts to bf16 first and calibrate that checkpoint: {DEQUANTIZE_COMMAND}; "
-                 "for Neuron (--target trn2 or trn3) calibrate the MXFP4 checkpoint as it is")
+            "for Neuron (--target trn2 or trn3) calibrate the MXFP4 checkpoint as it is",
+        )
     if engine == "llmcompressor":
-        raise UsageError("--engine llmcompressor does not dequantise MXFP4 experts; kvcalib's engines do",
-                         hint="drop --engine llmcompressor (native, or stream for models larger than memory)")
-    return {"mxfp4_weights": len(names), "source_quantization_config": checkpoint.config.get("quantization_config")}
+        raise UsageError(
+            "--engine llmcompressor does not dequantise MXFP4 experts; kvcalib's engines do",
+            hint="drop --engine llmcompressor (native, or stream for models larger than memory)",
+        )
+    return {
+        "mxfp4_weights": len(names),
+        "source_quantization_config": checkpoint.config.get("quantization_config"),
+    }
 
 
-def findings(config: dict[str, Any], keys: Iterable[str], target: str) -> list[tuple[str, str, str, str, str]]:
+def findings(
+    config: dict[str, Any], keys: Iterable[str], target: str
+) -> list[tuple[str, str, str, str, str]]:
     """validate's MXFP4 rules as Finding fields: CKPT-MXFP4-PAIR, PORT-MXFP4-GPU, PORT-MXFP4-NEURON."""
     keys = set(keys)
     names = weights(keys)
-    orphans = sorted(k for k in keys if k.endswith((BLOCKS, SCALES)) and "experts" in k
-                     and k.rsplit("_", 1)[0] not in names)
-    found = [("CKPT-MXFP4-PAIR", "error", f"{key}: an MXFP4 tensor without its other half (`_blocks` and `_scales` "
-              "come in pairs): no loader can dequantise it", "restore the weight files from the released checkpoint",
-              key) for key in orphans[:3]]
+    orphans = sorted(
+        k
+        for k in keys
+        if k.endswith((BLOCKS, SCALES)) and "experts" in k and k.rsplit("_", 1)[0] not in names
+    )
+    found = [
+        (
+            "CKPT-MXFP4-PAIR",
+            "error",
+            f"{key}: an MXFP4 tensor without its other half (`_blocks` and `_scales` "
+            "come in pairs): no loader can dequantise it",
+            "restore the weight files from the released checkpoint",
+            key,
+        )
+        for key in orphans[:3]
+    ]
     qcfg = config.get("quantization_config")
     method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
     if names and not get_target(target).neuron:
-        found.append((
-            "PORT-MXFP4-GPU", "error",
-            f"{len(names)} expert weights are MXFP4 ({names[0]}_blocks, ...): GPU vLLM reads them only under its "
-            "MXFP4 config, which loads no KV scales (FP8 KV at scale 1.0)"
-            + ("" if method == "mxfp4" else f", and under this {method or 'missing'} config it cannot load them"),
-            f"calibrate the dequantised form for GPU: {DEQUANTIZE_COMMAND}, then kvcalib calibrate BF16_DIR --target "
-            "gpu", "config.json:quantization_config"))
+        found.append(
+            (
+                "PORT-MXFP4-GPU",
+                "error",
+                f"{len(names)} expert weights are MXFP4 ({names[0]}_blocks, ...): GPU vLLM reads them only under its "
+                "MXFP4 config, which loads no KV scales (FP8 KV at scale 1.0)"
+                + (
+                    ""
+                    if method == "mxfp4"
+                    else f", and under this {method or 'missing'} config it cannot load them"
+                ),
+                f"calibrate the dequantised form for GPU: {DEQUANTIZE_COMMAND}, then kvcalib calibrate BF16_DIR --target "
+                "gpu",
+                "config.json:quantization_config",
+            )
+        )
     elif names and method != "mxfp4":  # kvcalib's Neuron form
         quantization = neuron_quantization(target)
-        found.append((
-            "PORT-MXFP4-NEURON", "info",
-            f"{len(names)} expert weights are MXFP4, kept as released: Neuron's GPT-OSS model reads them by name "
-            f"(on {target}: neuron_config quantization {quantization!r})",
-            f"serve with --kv-cache-dtype fp8 --additional-config '{{\"neuron_config\": {{\"quantization\": "
-            f"\"{quantization}\"}}}}' (the model card's command)", "config.json:quantization_config"))
+        found.append(
+            (
+                "PORT-MXFP4-NEURON",
+                "info",
+                f"{len(names)} expert weights are MXFP4, kept as released: Neuron's GPT-OSS model reads them by name "
+                f"(on {target}: neuron_config quantization {quantization!r})",
+                f'serve with --kv-cache-dtype fp8 --additional-config \'{{"neuron_config": {{"quantization": '
+                f"\"{quantization}\"}}}}' (the model card's command)",
+                "config.json:quantization_config",
+            )
+        )
     return found
 
 
@@ -136,9 +187,11 @@ def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
             return original(blocks, scales, **kwargs)
         out = None
         for first in range(0, experts, per_chunk):
-            part = original(blocks[first:first + per_chunk], scales[first:first + per_chunk], **kwargs)
+            part = original(
+                blocks[first : first + per_chunk], scales[first : first + per_chunk], **kwargs
+            )
             out = part.new_empty((experts, *part.shape[1:])) if out is None else out
-            out[first:first + per_chunk] = part
+            out[first : first + per_chunk] = part
         return out
 
     integration.convert_moe_packed_tensors = chunked
@@ -148,13 +201,17 @@ def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
         integration.convert_moe_packed_tensors = original
 
 
-def dequantize_mxfp4(model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB") -> Path:
+def dequantize_mxfp4(
+    model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB"
+) -> Path:
     """Write `model_dir` again with its experts dequantised to bf16 and no quantization_config (calibrate's GPU
     form); saved without the reverse weight conversion, with which transformers 5.17 writes names it cannot load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
     with expert_chunks():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=Mxfp4Config(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, quantization_config=Mxfp4Config(dequantize=True)
+        )
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(output, max_shard_size=max_shard_size, save_original_format=False)

@@ -12,21 +12,50 @@ from typing import Any, Literal
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError, check_at_least
 
-__all__ = ["PANELS", "RunOptions", "annotation_of", "check_options", "choices_of", "flag_of", "option"]
+__all__ = [
+    "PANELS",
+    "RunOptions",
+    "annotation_of",
+    "check_options",
+    "choices_of",
+    "flag_of",
+    "option",
+]
 
 # The help panels, in the order --help shows them.
 PANELS = ("Data", "Scales", "Engine", "Output", "Serving")
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, panel: str = "Data", flag: str | None = None,
-           short: str | None = None, aliases: tuple[str, ...] = (), minimum: float | None = None, what: str = "",
-           choices: Callable[[], tuple[str, ...]] | None = None, metavar: str | None = None,
-           factory: Callable[[], Any] | None = None, cli: bool = True) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    panel: str = "Data",
+    flag: str | None = None,
+    short: str | None = None,
+    aliases: tuple[str, ...] = (),
+    minimum: float | None = None,
+    what: str = "",
+    choices: Callable[[], tuple[str, ...]] | None = None,
+    metavar: str | None = None,
+    factory: Callable[[], Any] | None = None,
+    cli: bool = True,
+) -> Any:
     """A dataclass field that is also a flag (default --field-name); `minimum` is checked with `what` it counts,
     `choices` a callable for a table's (else a Literal annotation's); `cli=False`: the library's only."""
     assert panel in PANELS, panel
-    meta = {"help": help, "panel": panel, "flag": flag, "short": short, "aliases": aliases, "minimum": minimum,
-            "what": what, "choices": choices, "metavar": metavar, "cli": cli}
+    meta = {
+        "help": help,
+        "panel": panel,
+        "flag": flag,
+        "short": short,
+        "aliases": aliases,
+        "minimum": minimum,
+        "what": what,
+        "choices": choices,
+        "metavar": metavar,
+        "cli": cli,
+    }
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -51,7 +80,11 @@ def annotation_of(cls: type, name: str) -> Any:
     """Field `name`'s annotation, evaluated in the module of the class that declares it."""
     owner = next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
     annotation = owner.__annotations__[name]
-    return eval(annotation, vars(sys.modules[owner.__module__])) if isinstance(annotation, str) else annotation
+    return (
+        eval(annotation, vars(sys.modules[owner.__module__]))
+        if isinstance(annotation, str)
+        else annotation
+    )
 
 
 def check_options(options: Any) -> None:
@@ -61,10 +94,16 @@ def check_options(options: Any) -> None:
         if "help" not in field.metadata or value is None:
             continue
         if field.metadata["minimum"] is not None:
-            check_at_least(flag_of(field), value, field.metadata["minimum"], what=field.metadata["what"])
-        allowed = None if field.metadata["choices"] else choices_of(type(options), field)  # a table's: its own error
+            check_at_least(
+                flag_of(field), value, field.metadata["minimum"], what=field.metadata["what"]
+            )
+        allowed = (
+            None if field.metadata["choices"] else choices_of(type(options), field)
+        )  # a table's: its own error
         if allowed is not None and value not in allowed:
-            raise UsageError(f"unknown {flag_of(field)} {value!r}", hint=f"use one of {', '.join(allowed)}")
+            raise UsageError(
+                f"unknown {flag_of(field)} {value!r}", hint=f"use one of {', '.join(allowed)}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +111,27 @@ class RunOptions:
     """What calibrate and eval both take: the data split and column, the seed, how the model runs."""
 
     split: str = option("train", "Dataset split.", aliases=("--dataset-split",))
-    text_column: str | None = option(None, "Column with the text (default: 'text', else chat 'messages').")
+    text_column: str | None = option(
+        None, "Column with the text (default: 'text', else chat 'messages')."
+    )
     seed: int = option(42, "Shuffle seed (llm-compressor's default).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = option(
-        "auto", "Weights' dtype: auto is the checkpoint's.", panel="Engine")
+        "auto", "Weights' dtype: auto is the checkpoint's.", panel="Engine"
+    )
     device: Literal["cpu", "cuda"] = option("cpu", "Where the model runs.", panel="Engine")
     trust_remote_code: bool = option(False, "Allow the model's own code.", panel="Engine")
     bf16_compute: Literal["auto", "native", "float32"] = option(
-        "auto", "bf16 models on CPU: auto is float32 matmuls with bf16 rounding where the CPU has no native bf16 "
-        "matmul (no avx512_bf16 or amx_bf16).", panel="Engine")
+        "auto",
+        "bf16 models on CPU: auto is float32 matmuls with bf16 rounding where the CPU has no native bf16 "
+        "matmul (no avx512_bf16 or amx_bf16).",
+        panel="Engine",
+    )
     add_special_tokens: bool | None = option(
-        None, "Add the tokenizer's special tokens (e.g. BOS) to every row / to none. Default: as vLLM serves it, "
-        "plain text with them, chat-template text without.", flag="--add-special-tokens/--no-add-special-tokens")
-    cpu: HostCpu | None = None  # the host CPU, as the CLI reads it; None: assumed to have native bf16
+        None,
+        "Add the tokenizer's special tokens (e.g. BOS) to every row / to none. Default: as vLLM serves it, "
+        "plain text with them, chat-template text without.",
+        flag="--add-special-tokens/--no-add-special-tokens",
+    )
+    cpu: HostCpu | None = (
+        None  # the host CPU, as the CLI reads it; None: assumed to have native bf16
+    )

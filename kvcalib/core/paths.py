@@ -11,8 +11,13 @@ from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError, Kv
 
 __all__ = ["file_kind", "overlapping", "require_regular_file"]
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def file_kind(mode: int) -> str:
@@ -21,19 +26,31 @@ def file_kind(mode: int) -> str:
     return next((kind for test, kind in _KINDS if test(mode)), regular)
 
 
-def require_regular_file(path: Path, what: str, *, error: type[KvcalibError] = CheckpointReadError,
-                         missing: type[KvcalibError] = CheckpointNotFoundError, hint: str | None = None) -> Path:
+def require_regular_file(
+    path: Path,
+    what: str,
+    *,
+    error: type[KvcalibError] = CheckpointReadError,
+    missing: type[KvcalibError] = CheckpointNotFoundError,
+    hint: str | None = None,
+) -> Path:
     """`path` if it is a regular file (after symlinks), opening nothing; `error` or `missing` otherwise."""
     path = Path(path)
     try:
         st = os.stat(path)
     except FileNotFoundError:
         raise missing(f"{what} not found: {path}", hint=hint or "check the path") from None
-    except OSError as exc:  # a permission-denied directory on the way, a loop of links, a name too long
-        raise error(f"cannot read {what} {path}: {exc.strerror}", hint="check the path and its permissions") from None
+    except (
+        OSError
+    ) as exc:  # a permission-denied directory on the way, a loop of links, a name too long
+        raise error(
+            f"cannot read {what} {path}: {exc.strerror}", hint="check the path and its permissions"
+        ) from None
     if not stat.S_ISREG(st.st_mode):
-        raise error(f"{what} {path} is {file_kind(st.st_mode)}, not a regular file",
-                    hint=hint or f"pass the {what} itself, as a regular file")
+        raise error(
+            f"{what} {path} is {file_kind(st.st_mode)}, not a regular file",
+            hint=hint or f"pass the {what} itself, as a regular file",
+        )
     return path
 
 

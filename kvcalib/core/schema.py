@@ -7,13 +7,41 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["ATTENTION_GROUP", "ATTN_HEAD", "CONFIG_FILENAME", "INDEX_FILENAME", "KV_KINDS", "KvCacheSize", "MAX_LAYERS",
-           "NEURON_ALT_LAYERS_PREFIX", "NEURON_LAYERS_PREFIX", "NEURON_PER_HEAD_REASON", "PROVENANCE_FILENAME",
-           "PROVENANCE_METADATA_KEY", "SCALES_FILENAME", "SINGLE_WEIGHTS_FILENAME", "TENSOR", "attention_groups",
-           "fp8_attention_groups", "head_counts", "head_dim", "is_attention_target", "is_kv_scale_key",
-           "kv_cache_scheme_args", "kv_cache_size", "kv_only_quantization_config", "max_position_embeddings",
-           "neuron_scale_key", "num_hidden_layers", "parse_foreign_scale_key", "parse_kv_scheme",
-           "parse_neuron_scale_key", "parse_q_scale_key", "scale_key", "text_config"]
+__all__ = [
+    "ATTENTION_GROUP",
+    "ATTN_HEAD",
+    "CONFIG_FILENAME",
+    "INDEX_FILENAME",
+    "KV_KINDS",
+    "KvCacheSize",
+    "MAX_LAYERS",
+    "NEURON_ALT_LAYERS_PREFIX",
+    "NEURON_LAYERS_PREFIX",
+    "NEURON_PER_HEAD_REASON",
+    "PROVENANCE_FILENAME",
+    "PROVENANCE_METADATA_KEY",
+    "SCALES_FILENAME",
+    "SINGLE_WEIGHTS_FILENAME",
+    "TENSOR",
+    "attention_groups",
+    "fp8_attention_groups",
+    "head_counts",
+    "head_dim",
+    "is_attention_target",
+    "is_kv_scale_key",
+    "kv_cache_scheme_args",
+    "kv_cache_size",
+    "kv_only_quantization_config",
+    "max_position_embeddings",
+    "neuron_scale_key",
+    "num_hidden_layers",
+    "parse_foreign_scale_key",
+    "parse_kv_scheme",
+    "parse_neuron_scale_key",
+    "parse_q_scale_key",
+    "scale_key",
+    "text_config",
+]
 
 KV_KINDS = ("k", "v")
 
@@ -23,7 +51,9 @@ PROVENANCE_FILENAME = "kvcalib_calibration.json"
 CONFIG_FILENAME = "config.json"
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILENAME = "model.safetensors"
-PROVENANCE_METADATA_KEY = "kvcalib"  # the scale file's safetensors metadata key holding the provenance JSON
+PROVENANCE_METADATA_KEY = (
+    "kvcalib"  # the scale file's safetensors metadata key holding the provenance JSON
+)
 
 # The decoder-layer prefix every Neuron scale loader reads (vllm-neuron's models, _load_kv_cache_scales; one fork
 # of a multimodal model reads the language_model one).
@@ -35,8 +65,10 @@ TENSOR = "tensor"
 ATTN_HEAD = "attn_head"
 
 # Why per-head KV scales (kv_cache_scheme strategy attn_head) cannot serve on Neuron.
-NEURON_PER_HEAD_REASON = ("vLLM on Neuron reads one k_scale and one v_scale per layer, and its loader's reshape "
-                          "to [1, 1] crashes on a per-head scale (RuntimeError: shape '[1, 1]' is invalid)")
+NEURON_PER_HEAD_REASON = (
+    "vLLM on Neuron reads one k_scale and one v_scale per layer, and its loader's reshape "
+    "to [1, 1] crashes on a per-head scale (RuntimeError: shape '[1, 1]' is invalid)"
+)
 
 MAX_LAYERS = 10_000  # far more than any model has; bounds the loop over a hostile config
 
@@ -77,7 +109,10 @@ def head_counts(config: dict[str, Any]) -> dict[str, int | None]:
 def head_dim(config: dict[str, Any]) -> int | None:
     """head_dim, else hidden_size / num_attention_heads (top level or text_config); None if not said."""
     text = text_config(config)
-    hidden, heads = _positive_int(text.get("hidden_size")), _positive_int(text.get("num_attention_heads"))
+    hidden, heads = (
+        _positive_int(text.get("hidden_size")),
+        _positive_int(text.get("num_attention_heads")),
+    )
     return _positive_int(text.get("head_dim")) or (hidden // heads if hidden and heads else None)
 
 
@@ -104,8 +139,10 @@ class KvCacheSize:
         if self.sequence:
             text += f"; one {self.context:,}-token sequence (max_position_embeddings): {_gb(self.sequence)}"
         if self.windowed:
-            text += (f" (its {self.sliding_layers} sliding-window layers holding {min(self.window, self.context):,} "
-                     f"tokens: {_gb(self.windowed)})")
+            text += (
+                f" (its {self.sliding_layers} sliding-window layers holding {min(self.window, self.context):,} "
+                f"tokens: {_gb(self.windowed)})"
+            )
         return text
 
 
@@ -119,17 +156,35 @@ def kv_cache_size(config: dict[str, Any]) -> KvCacheSize | None:
     layers, heads, size = num_hidden_layers(config), head_counts(config)["k"], head_dim(config)
     if not (layers and heads and size):
         return None
-    context, window = max_position_embeddings(config), _positive_int(text_config(config).get("sliding_window"))
+    context, window = (
+        max_position_embeddings(config),
+        _positive_int(text_config(config).get("sliding_window")),
+    )
     types = text_config(config).get("layer_types")
-    sliding = sum(t == "sliding_attention" for t in types) if window and isinstance(types, list) \
-        and len(types) == layers else 0
+    sliding = (
+        sum(t == "sliding_attention" for t in types)
+        if window and isinstance(types, list) and len(types) == layers
+        else 0
+    )
 
     def held(tokens: int) -> dict[str, int] | None:
-        return {dtype: 2 * heads * size * width * tokens for dtype, width in KV_VALUE_BYTES.items()} if tokens else None
+        return (
+            {dtype: 2 * heads * size * width * tokens for dtype, width in KV_VALUE_BYTES.items()}
+            if tokens
+            else None
+        )
 
-    windowed = (layers - sliding) * context + sliding * min(window, context) if sliding and context else 0
-    return KvCacheSize(held(layers), context, held(layers * (context or 0)), held(windowed),
-                       window if sliding else None, sliding)
+    windowed = (
+        (layers - sliding) * context + sliding * min(window, context) if sliding and context else 0
+    )
+    return KvCacheSize(
+        held(layers),
+        context,
+        held(layers * (context or 0)),
+        held(windowed),
+        window if sliding else None,
+        sliding,
+    )
 
 
 def scale_key(attention_module_path: str, kind: str) -> str:
@@ -146,12 +201,24 @@ def neuron_scale_key(layer: int, kind: str, layers_prefix: str = NEURON_LAYERS_P
 
 # Names other tools have used for KV scales that the Neuron loader does NOT read: (prefix, layer, kind or None).
 _FOREIGN_SCALE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"),
-     "k_proj/v_proj.output_scale (pre-2024 llm-compressor)"),
-    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale$"), "k_proj/v_proj.*_scale"),
-    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.([kv])_scale$"), "self_attn.attn.*_scale (vLLM module path)"),
+    (
+        re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"),
+        "k_proj/v_proj.output_scale (pre-2024 llm-compressor)",
+    ),
+    (
+        re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale$"),
+        "k_proj/v_proj.*_scale",
+    ),
+    (
+        re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.([kv])_scale$"),
+        "self_attn.attn.*_scale (vLLM module path)",
+    ),
     (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.kv_scale$"), "kv_scale (one scale for K and V)"),
-    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.kv_scale$"), "attn.kv_scale (one scale for K and V)"))
+    (
+        re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.kv_scale$"),
+        "attn.kv_scale (one scale for K and V)",
+    ),
+)
 
 _NEURON_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_scale$")
 
@@ -167,7 +234,11 @@ def parse_foreign_scale_key(key: str) -> tuple[int, str | None, str] | None:
     for pattern, description in _FOREIGN_SCALE_PATTERNS:
         m = pattern.match(key)
         if m:
-            return int(m.group(2)), m.group(3) if m.lastindex and m.lastindex >= 3 else None, description
+            return (
+                int(m.group(2)),
+                m.group(3) if m.lastindex and m.lastindex >= 3 else None,
+                description,
+            )
     return None
 
 
@@ -182,8 +253,11 @@ def parse_q_scale_key(key: str) -> tuple[str, int] | None:
 
 def is_kv_scale_key(key: str) -> bool:
     """Any KV-cache scale, under the Neuron name or a foreign one, or an attention layer's q_scale (FP8 attention)."""
-    return (parse_neuron_scale_key(key) is not None or parse_foreign_scale_key(key) is not None
-            or parse_q_scale_key(key) is not None)
+    return (
+        parse_neuron_scale_key(key) is not None
+        or parse_foreign_scale_key(key) is not None
+        or parse_q_scale_key(key) is not None
+    )
 
 
 # The kv_cache_scheme fields written: older compressed-tensors versions forbid unknown keys
@@ -195,8 +269,14 @@ def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
     """compressed-tensors `QuantizationArgs` for static FP8 KV per layer (tensor) or KV head (attn_head)."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    return QuantizationArgs(num_bits=8, type="float", strategy=strategy, dynamic=False, symmetric=True,
-                            observer="static_minmax")
+    return QuantizationArgs(
+        num_bits=8,
+        type="float",
+        strategy=strategy,
+        dynamic=False,
+        symmetric=True,
+        observer="static_minmax",
+    )
 
 
 def parse_kv_scheme(scheme: Any) -> Any:
@@ -220,40 +300,81 @@ def is_attention_target(target: Any) -> bool:
 
 def attention_groups(groups: Any) -> dict[str, list[Any]]:
     """name -> targets of every group quantising only input activations of an attention target."""
-    return {name: g["targets"] for name, g in (groups.items() if isinstance(groups, dict) else ())
-            if isinstance(g, dict) and g.get("input_activations") and not g.get("weights")
-            and isinstance(g.get("targets"), list) and any(is_attention_target(t) for t in g["targets"])}
+    return {
+        name: g["targets"]
+        for name, g in (groups.items() if isinstance(groups, dict) else ())
+        if isinstance(g, dict)
+        and g.get("input_activations")
+        and not g.get("weights")
+        and isinstance(g.get("targets"), list)
+        and any(is_attention_target(t) for t in g["targets"])
+    }
 
 
 def fp8_attention_groups(groups: Any) -> dict[str, Any]:
     """name -> input_activations of the well-formed FP8-attention groups (only attention targets)."""
-    return {name: groups[name]["input_activations"] for name, targets in attention_groups(groups).items()
-            if not groups[name].get("output_activations") and all(is_attention_target(t) for t in targets)}
+    return {
+        name: groups[name]["input_activations"]
+        for name, targets in attention_groups(groups).items()
+        if not groups[name].get("output_activations")
+        and all(is_attention_target(t) for t in targets)
+    }
 
 
-def kv_only_quantization_config(strategy: str = "tensor", attention_classes: tuple[str, ...] = ()) -> dict[str, Any]:
+def kv_only_quantization_config(
+    strategy: str = "tensor", attention_classes: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The KV `quantization_config` for config.json, built with compressed-tensors' models and read back by
     `QuantizationConfig.model_validate`; with `attention_classes`, also one FP8-attention group per class."""
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     args = kv_cache_scheme_args(strategy)
-    names = [ATTENTION_GROUP] if len(attention_classes) == 1 else [f"{ATTENTION_GROUP}_{c}" for c in attention_classes]
-    groups = {name: QuantizationScheme(targets=[cls], input_activations=args)
-              for name, cls in zip(names, attention_classes)}
-    config = QuantizationConfig(config_groups=groups, kv_cache_scheme=args, format="dense",
-                                quantization_status="compressed", ignore=[])
+    names = (
+        [ATTENTION_GROUP]
+        if len(attention_classes) == 1
+        else [f"{ATTENTION_GROUP}_{c}" for c in attention_classes]
+    )
+    groups = {
+        name: QuantizationScheme(targets=[cls], input_activations=args)
+        for name, cls in zip(names, attention_classes)
+    }
+    config = QuantizationConfig(
+        config_groups=groups,
+        kv_cache_scheme=args,
+        format="dense",
+        quantization_status="compressed",
+        ignore=[],
+    )
     dumped = config.model_dump(mode="json")
     scheme = {k: dumped["kv_cache_scheme"][k] for k in _KV_SCHEME_FIELDS}
     result = {
-        "config_groups": {name: {"targets": dumped["config_groups"][name]["targets"], "weights": None,
-                                 "input_activations": dict(scheme), "output_activations": None} for name in groups},
-        "format": dumped["format"], "ignore": [], "kv_cache_scheme": scheme, "quant_method": dumped["quant_method"],
-        "quantization_status": dumped["quantization_status"], "version": compressed_tensors.__version__,
+        "config_groups": {
+            name: {
+                "targets": dumped["config_groups"][name]["targets"],
+                "weights": None,
+                "input_activations": dict(scheme),
+                "output_activations": None,
+            }
+            for name in groups
+        },
+        "format": dumped["format"],
+        "ignore": [],
+        "kv_cache_scheme": scheme,
+        "quant_method": dumped["quant_method"],
+        "quantization_status": dumped["quantization_status"],
+        "version": compressed_tensors.__version__,
     }
     reread = QuantizationConfig.model_validate({k: v for k, v in result.items() if k != "version"})
-    if reread.kv_cache_scheme is None or reread.kv_cache_scheme.model_dump() != config.kv_cache_scheme.model_dump():
+    if (
+        reread.kv_cache_scheme is None
+        or reread.kv_cache_scheme.model_dump() != config.kv_cache_scheme.model_dump()
+    ):
         raise RuntimeError("compressed-tensors did not read back the kv_cache_scheme kvcalib wrote")
-    if {n: g.model_dump() for n, g in reread.config_groups.items()} != {n: g.model_dump() for n, g in groups.items()}:
-        raise RuntimeError("compressed-tensors did not read back the attention config group kvcalib wrote")
+    if {n: g.model_dump() for n, g in reread.config_groups.items()} != {
+        n: g.model_dump() for n, g in groups.items()
+    }:
+        raise RuntimeError(
+            "compressed-tensors did not read back the attention config group kvcalib wrote"
+        )
     return result

@@ -20,8 +20,8 @@ import torch
 
 from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import DatasetError, UsageError
-from kvcalib.core.schema import max_position_embeddings, text_config
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.core.schema import max_position_embeddings, text_config
 from kvcalib.evaluation.emulate import KVErrorMeter, LayerQuantStats
 from kvcalib.evaluation.pipeline import prepare_scales
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
@@ -31,8 +31,19 @@ from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
 from kvcalib.hf.memory import available_memory
 from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
 
-__all__ = ["BLOCK", "ContextResult", "ContextRow", "LongContext", "check_lengths", "evaluate_context", "forward_bytes",
-           "pack", "parse_lengths", "prepare_long_context", "scored_positions"]
+__all__ = [
+    "BLOCK",
+    "ContextResult",
+    "ContextRow",
+    "LongContext",
+    "check_lengths",
+    "evaluate_context",
+    "forward_bytes",
+    "pack",
+    "parse_lengths",
+    "prepare_long_context",
+    "scored_positions",
+]
 
 BLOCK = 64  # scored positions per bootstrap unit
 MIN_LENGTH = 8  # the last quarter must hold at least two predictions
@@ -64,16 +75,28 @@ class ContextRow:
 
     def beyond(self, kind: str) -> tuple[float, int]:
         """(largest absmax / clip threshold over layers, that layer) for kind "k" or "v"."""
-        ratios = [(getattr(s, f"{kind}_absmax") / getattr(s, f"{kind}_clip_at"), s.layer) for s in self.layers
-                  if getattr(s, f"{kind}_clip_at") > 0]
+        ratios = [
+            (getattr(s, f"{kind}_absmax") / getattr(s, f"{kind}_clip_at"), s.layer)
+            for s in self.layers
+            if getattr(s, f"{kind}_clip_at") > 0
+        ]
         return max(ratios, default=(0.0, -1))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"length": self.length, "name": self.name, "samples": self.samples, "tokens": self.tokens,
-                "baseline_nll": self.baseline_nll, "delta_nll": self.delta_nll,
-                "delta_nll_interval": None if self.interval is None else self.interval.to_dict(),
-                "k_clipped_max": self.k_clipped, "v_clipped_max": self.v_clipped, "k_beyond": self.beyond("k")[0],
-                "v_beyond": self.beyond("v")[0], "layers": [s.to_dict() for s in self.layers]}
+        return {
+            "length": self.length,
+            "name": self.name,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "baseline_nll": self.baseline_nll,
+            "delta_nll": self.delta_nll,
+            "delta_nll_interval": None if self.interval is None else self.interval.to_dict(),
+            "k_clipped_max": self.k_clipped,
+            "v_clipped_max": self.v_clipped,
+            "k_beyond": self.beyond("k")[0],
+            "v_beyond": self.beyond("v")[0],
+            "layers": [s.to_dict() for s in self.layers],
+        }
 
 
 @dataclass(frozen=True)
@@ -90,9 +113,16 @@ class ContextResult:
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "target": self.target, "max_positions": self.max_positions,
-                "tokens_available": self.tokens_available, "memory_bound": self.memory_bound,
-                "block": BLOCK, "rows": [r.to_dict() for r in self.rows], "seconds": round(self.seconds, 3)}
+        return {
+            "checkpoint": self.checkpoint,
+            "target": self.target,
+            "max_positions": self.max_positions,
+            "tokens_available": self.tokens_available,
+            "memory_bound": self.memory_bound,
+            "block": BLOCK,
+            "rows": [r.to_dict() for r in self.rows],
+            "seconds": round(self.seconds, 3),
+        }
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
@@ -100,8 +130,10 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     try:
         lengths = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise UsageError(f"--context {text!r}: not a comma-separated list of token counts",
-                         hint="e.g. --context 2048,8192") from None
+        raise UsageError(
+            f"--context {text!r}: not a comma-separated list of token counts",
+            hint="e.g. --context 2048,8192",
+        ) from None
     if not lengths:
         raise UsageError("--context names no length", hint="e.g. --context 2048,8192")
     return lengths
@@ -110,7 +142,9 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 def pack(stream: list[int], prefix: list[int], length: int, count: int) -> list[list[int]]:
     """Up to `count` samples of `length` tokens: `prefix`, then the next length - len(prefix) tokens of `stream`."""
     body = length - len(prefix)
-    return [prefix + stream[i * body:(i + 1) * body] for i in range(min(count, len(stream) // body))]
+    return [
+        prefix + stream[i * body : (i + 1) * body] for i in range(min(count, len(stream) // body))
+    ]
 
 
 def scored_positions(length: int) -> int:
@@ -143,26 +177,35 @@ def memory_bound(config: dict[str, Any], weight_bytes: int, available: int) -> i
     return low
 
 
-def check_lengths(lengths: tuple[int, ...], config: dict[str, Any], where: Path, weight_bytes: int,
-                  available: int) -> int:
+def check_lengths(
+    lengths: tuple[int, ...], config: dict[str, Any], where: Path, weight_bytes: int, available: int
+) -> int:
     """Each --context length at least MIN_LENGTH, within max_position_embeddings and memory; the memory bound."""
     limit, bound = max_position_embeddings(config), memory_bound(config, weight_bytes, available)
     for length in lengths:
         if length < MIN_LENGTH:
-            raise UsageError(f"--context {length}: too short to score its last quarter",
-                             hint=f"pass lengths of {MIN_LENGTH} tokens or more")
+            raise UsageError(
+                f"--context {length}: too short to score its last quarter",
+                hint=f"pass lengths of {MIN_LENGTH} tokens or more",
+            )
         if limit is not None and length > limit:
-            raise UsageError(f"--context {length} is above the model's max_position_embeddings {limit} ({where})",
-                             hint=f"pass lengths up to {limit}")
+            raise UsageError(
+                f"--context {length} is above the model's max_position_embeddings {limit} ({where})",
+                hint=f"pass lengths up to {limit}",
+            )
         if length > bound:
             need = forward_bytes(config, length, weight_bytes)
-            raise UsageError(f"--context {length}: one forward needs about {need / 2**30:.1f} GiB, and "
-                             f"{available / 2**30:.1f} GiB is available (up to {bound} tokens fit)",
-                             hint=f"pass lengths up to {bound}, or run where more memory is free")
+            raise UsageError(
+                f"--context {length}: one forward needs about {need / 2**30:.1f} GiB, and "
+                f"{available / 2**30:.1f} GiB is available (up to {bound} tokens fit)",
+                hint=f"pass lengths up to {bound}, or run where more memory is free",
+            )
     return bound
 
 
-def packed_stream(dataset: str, tokenizer: Any, split: str, text_column: str | None) -> tuple[list[int], list[int]]:
+def packed_stream(
+    dataset: str, tokenizer: Any, split: str, text_column: str | None
+) -> tuple[list[int], list[int]]:
     """The held-out text as one token stream (rows joined by a blank line, no special tokens), and the prefix."""
     rows = load_rows(dataset, split)
     column = resolve_column(list(rows.column_names), text_column, dataset)
@@ -172,23 +215,44 @@ def packed_stream(dataset: str, tokenizer: Any, split: str, text_column: str | N
 
 
 def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
-    sums = [float(nll[i:i + BLOCK].double().sum()) for i in range(0, nll.numel(), BLOCK)]
+    sums = [float(nll[i : i + BLOCK].double().sum()) for i in range(0, nll.numel(), BLOCK)]
     return sums, [min(BLOCK, nll.numel() - i) for i in range(0, nll.numel(), BLOCK)]
 
 
 @torch.inference_mode()
-def _last_quarter_nll(model: torch.nn.Module, ids: torch.Tensor, hook: Any, *, compute: ComputePath,
-                      weights: Float32Weights) -> torch.Tensor:
+def _last_quarter_nll(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    hook: Any,
+    *,
+    compute: ComputePath,
+    weights: Float32Weights,
+) -> torch.Tensor:
     """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in pipeline's log_probs."""
     q = scored_positions(ids.shape[1])
     with compute_path(compute, weights), observing_queries(hook) if hook.queries else nullcontext():
-        logits = model(input_ids=ids, use_cache=True, past_key_values=RecordingCache(model.config, hook),
-                       logits_to_keep=q + 1).logits[0, :-1].float()
+        logits = (
+            model(
+                input_ids=ids,
+                use_cache=True,
+                past_key_values=RecordingCache(model.config, hook),
+                logits_to_keep=q + 1,
+            )
+            .logits[0, :-1]
+            .float()
+        )
     return -torch.log_softmax(logits, dim=-1).gather(-1, ids[0, -q:, None])[:, 0]
 
 
-def run_length(samples: list[list[int]], quantizers: dict[str, Any], device: torch.device, forward: Any,
-               notify: ProgressCallback, length: int, nll: bool = True) -> tuple[ContextRow, ...]:
+def run_length(
+    samples: list[list[int]],
+    quantizers: dict[str, Any],
+    device: torch.device,
+    forward: Any,
+    notify: ProgressCallback,
+    length: int,
+    nll: bool = True,
+) -> tuple[ContextRow, ...]:
     """Every sample of one length: the baseline with the meter riding along, then (with `nll`) each scale set."""
     meter = KVErrorMeter(quantizers, device)
     base: list[float] = []  # per 64-token block of the scored positions, Σ NLL
@@ -203,11 +267,19 @@ def run_length(samples: list[list[int]], quantizers: dict[str, Any], device: tor
         for name, quantizer in quantizers.items() if nll else ():
             runs[name] += _block_sums(forward(ids, quantizer))[0]
     total = sum(tokens)
-    return tuple(ContextRow(
-        length=length, name=name, samples=len(samples), tokens=total, baseline_nll=sum(base) / total,
-        delta_nll=(sum(run) - sum(base)) / total if nll else None,
-        interval=paired_bootstrap([r - b for r, b in zip(run, base)], tokens) if nll else None,
-        layers=tuple(meter.layer_stats(name))) for name, run in runs.items())
+    return tuple(
+        ContextRow(
+            length=length,
+            name=name,
+            samples=len(samples),
+            tokens=total,
+            baseline_nll=sum(base) / total,
+            delta_nll=(sum(run) - sum(base)) / total if nll else None,
+            interval=paired_bootstrap([r - b for r, b in zip(run, base)], tokens) if nll else None,
+            layers=tuple(meter.layer_stats(name)),
+        )
+        for name, run in runs.items()
+    )
 
 
 @dataclass(frozen=True)
@@ -224,36 +296,75 @@ class LongContext:
 
     def load_model(self, opts: Any, notify: ProgressCallback) -> torch.nn.Module:
         notify(Progress("load-model"))
-        return load_model(self.run.checkpoint, self.run.dtype, self.run.device, opts.trust_remote_code,
-                          attn_implementation=faithful_attention(self.run.checkpoint.config))
+        return load_model(
+            self.run.checkpoint,
+            self.run.dtype,
+            self.run.device,
+            opts.trust_remote_code,
+            attn_implementation=faithful_attention(self.run.checkpoint.config),
+        )
 
 
-def prepare_long_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
-                         notify: ProgressCallback) -> LongContext:
+def prepare_long_context(
+    checkpoint: str | Path,
+    dataset: str,
+    lengths: tuple[int, ...],
+    opts: Any,
+    notify: ProgressCallback,
+) -> LongContext:
     """Scales and lengths checked and the text read, before the model loads."""
     run, quantizers, compute = prepare_scales(checkpoint, opts)
     ckpt = run.checkpoint
     weight_bytes = sum(f.stat().st_size for f in ckpt.root.glob("*.safetensors"))
-    bound = check_lengths(lengths, ckpt.config, ckpt.root, weight_bytes, available_memory(run.device).available)
+    bound = check_lengths(
+        lengths, ckpt.config, ckpt.root, weight_bytes, available_memory(run.device).available
+    )
     notify(Progress("load-data"))
     tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
     stream, prefix = packed_stream(dataset, tokenizer, opts.split, opts.text_column)
     return LongContext(run, quantizers, compute, bound, tokenizer, stream, prefix)
 
 
-def evaluate_context(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any,
-                     progress: ProgressCallback | None = None, nll: bool = True) -> ContextResult:
+def evaluate_context(
+    checkpoint: str | Path,
+    dataset: str,
+    lengths: tuple[int, ...],
+    opts: Any,
+    progress: ProgressCallback | None = None,
+    nll: bool = True,
+) -> ContextResult:
     """eval --context (the module docstring); without `nll` (--saturation-only) no ΔNLL, one forward a sample."""
     started, notify = time.perf_counter(), progress or no_progress
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
-    packed = {length: pack(long.stream, long.prefix, length, opts.num_samples) for length in lengths}
+    packed = {
+        length: pack(long.stream, long.prefix, length, opts.num_samples) for length in lengths
+    }
     for length, samples in packed.items():
         if not samples:
-            raise DatasetError(f"{dataset}: {len(long.stream)} tokens of text, too few for one sample of {length} "
-                               f"(--context {length})", hint="pass a longer held-out text, or shorter lengths")
-    forward = functools.partial(_last_quarter_nll, long.load_model(opts, notify), compute=long.compute,
-                                weights=Float32Weights())
-    rows = tuple(row for length, samples in packed.items()
-                 for row in run_length(samples, long.quantizers, long.run.device, forward, notify, length, nll))
-    return ContextResult(str(checkpoint), opts.target, max_position_embeddings(long.run.checkpoint.config),
-                         len(long.stream), long.memory_bound, rows, time.perf_counter() - started)
+            raise DatasetError(
+                f"{dataset}: {len(long.stream)} tokens of text, too few for one sample of {length} "
+                f"(--context {length})",
+                hint="pass a longer held-out text, or shorter lengths",
+            )
+    forward = functools.partial(
+        _last_quarter_nll,
+        long.load_model(opts, notify),
+        compute=long.compute,
+        weights=Float32Weights(),
+    )
+    rows = tuple(
+        row
+        for length, samples in packed.items()
+        for row in run_length(
+            samples, long.quantizers, long.run.device, forward, notify, length, nll
+        )
+    )
+    return ContextResult(
+        str(checkpoint),
+        opts.target,
+        max_position_embeddings(long.run.checkpoint.config),
+        len(long.stream),
+        long.memory_bound,
+        rows,
+        time.perf_counter() - started,
+    )

@@ -21,8 +21,16 @@ import torch
 from kvcalib.core import fp8
 from kvcalib.hf.samples import AttentionSampler, attention_error
 
-__all__ = ["FreshPrefill", "KVErrorMeter", "KVQuantizer", "LayerQuantStats", "Scale", "decode_rows", "head_scale",
-           "is_per_head"]
+__all__ = [
+    "FreshPrefill",
+    "KVErrorMeter",
+    "KVQuantizer",
+    "LayerQuantStats",
+    "Scale",
+    "decode_rows",
+    "head_scale",
+    "is_per_head",
+]
 
 
 @dataclass(frozen=True)
@@ -70,36 +78,62 @@ def is_per_head(*per_layer: list[Scale]) -> bool:
 
 def _layer(layer_idx: Any, num_layers: int) -> int:
     if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
-        raise RuntimeError(f"attention layer {layer_idx!r} is outside the model's {num_layers} layers")
+        raise RuntimeError(
+            f"attention layer {layer_idx!r} is outside the model's {num_layers} layers"
+        )
     return layer_idx
 
 
 class KVQuantizer:
     """An attention hook: K/V as their FP8 round trip on the target; with `fp8_attention` Q too (module docstring)."""
 
-    def __init__(self, k_scales: list[Scale], v_scales: list[Scale], target: fp8.Target,
-                 q_scales: list[Scale] | None = None, fp8_attention: bool = False) -> None:
+    def __init__(
+        self,
+        k_scales: list[Scale],
+        v_scales: list[Scale],
+        target: fp8.Target,
+        q_scales: list[Scale] | None = None,
+        fp8_attention: bool = False,
+    ) -> None:
         self.num_layers = len(k_scales)
         self.k_scales, self.v_scales, self.q_scales = k_scales, v_scales, q_scales
         self.target, self.fp8_attention = target, fp8_attention
-        self.queries = fp8_attention  # kvcalib.hf.attention.observing_queries runs while this is set
+        self.queries = (
+            fp8_attention  # kvcalib.hf.attention.observing_queries runs while this is set
+        )
 
     def _quantize(self, x: torch.Tensor, scale: Scale) -> torch.Tensor:
         if isinstance(scale, torch.Tensor):
             scale = scale.to(x.device)
         out = fp8.fake_quantize(x, scale, self.target)
-        return out.float() if self.fp8_attention else out  # FP8 attention: the FP8 values, exactly, in float32
+        return (
+            out.float() if self.fp8_attention else out
+        )  # FP8 attention: the FP8 values, exactly, in float32
 
-    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def observe(
+        self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         i = _layer(layer_idx, self.num_layers)
         return self._quantize(key, self.k_scales[i]), self._quantize(value, self.v_scales[i])
 
-    def attend(self, function: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+    def attend(
+        self,
+        function: Any,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         i = _layer(getattr(module, "layer_idx", None), self.num_layers)
         q = self._quantize(query, self.q_scales[i])
-        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() \
+        mask = (
+            attention_mask.float()
+            if attention_mask is not None and attention_mask.is_floating_point()
             else attention_mask
+        )
         output, weights = function(module, q, key.float(), value.float(), mask, *args, **kwargs)
         return output.to(query.dtype), weights
 
@@ -107,71 +141,129 @@ class KVQuantizer:
 def decode_rows(mask: torch.Tensor) -> torch.Tensor:
     """[B, S] bool: the positions each right-padded row of n real tokens decodes in the Neuron order: from ⌈n/2⌉."""
     real = mask.bool()
-    return real & (torch.arange(mask.shape[1], device=mask.device) >= (real.sum(1, keepdim=True) + 1) // 2)
+    return real & (
+        torch.arange(mask.shape[1], device=mask.device) >= (real.sum(1, keepdim=True) + 1) // 2
+    )
 
 
 class FreshPrefill:
     """An attention hook: `hook` (a KVQuantizer, or any whose `observe` returns quantised K/V or None) read by the
     decode rows (decode_rows(mask) of the batch's [B, S] mask) only; the others attend to the fresh K/V."""
 
-    queries = True  # kvcalib.hf.attention.observing_queries runs: `attend` takes every attention call
+    queries = (
+        True  # kvcalib.hf.attention.observing_queries runs: `attend` takes every attention call
+    )
 
     def __init__(self, hook: Any, mask: torch.Tensor) -> None:
         self.hook, self.decode = hook, decode_rows(mask)
 
-    def observe(self, *args: Any) -> None:  # the cache hands attention the fresh K/V; `attend` quantises them
+    def observe(
+        self, *args: Any
+    ) -> None:  # the cache hands attention the fresh K/V; `attend` quantises them
         return None
 
-    def attend(self, function: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def attend(
+        self,
+        function: Any,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         fresh = function(module, query, key, value, *args, **kwargs)
         quantised = self.hook.observe(getattr(module, "layer_idx", None), key, value)
         if quantised is None:
             return fresh
-        attend = self.hook.attend if getattr(self.hook, "fp8_attention", False) else lambda f, *a, **kw: f(*a, **kw)
-        read = attend(function, module, query, *quantised, *args, **kwargs)[0]  # [B, S, heads, head_dim]
-        return torch.where(self.decode[:, :, None, None], read.to(fresh[0].dtype), fresh[0]), fresh[1]
+        attend = (
+            self.hook.attend
+            if getattr(self.hook, "fp8_attention", False)
+            else lambda f, *a, **kw: f(*a, **kw)
+        )
+        read = attend(function, module, query, *quantised, *args, **kwargs)[
+            0
+        ]  # [B, S, heads, head_dim]
+        return torch.where(self.decode[:, :, None, None], read.to(fresh[0].dtype), fresh[0]), fresh[
+            1
+        ]
 
 
 class KVErrorMeter:
     """On the unquantised pass, per layer and configuration: SQNR and the fraction of elements that saturate, over
     real tokens only (`token_mask`, [B, S] bool, set per batch); each layer's figure is its own quantiser's."""
 
-    def __init__(self, configs: dict[str, KVQuantizer], device: torch.device | str = "cpu",
-                 sampler: AttentionSampler | None = None) -> None:
+    def __init__(
+        self,
+        configs: dict[str, KVQuantizer],
+        device: torch.device | str = "cpu",
+        sampler: AttentionSampler | None = None,
+    ) -> None:
         self.configs = configs
         self.num_layers = next(iter(configs.values())).num_layers
         self.token_mask: torch.Tensor | None = None
         self.fp8_attention = any(q.fp8_attention for q in configs.values())
-        self.sampler = sampler  # attention samples: each configuration's attention-output error per layer
-        self.queries = self.fp8_attention or sampler is not None  # kvcalib.hf.attention.observing_queries runs
+        self.sampler = (
+            sampler  # attention samples: each configuration's attention-output error per layer
+        )
+        self.queries = (
+            self.fp8_attention or sampler is not None
+        )  # kvcalib.hf.attention.observing_queries runs
         # [config, layer, kind(k/v/q), (signal, noise, clipped, count)] float64 sums; absmax [layer, kind]
-        self._sums = torch.zeros(len(configs), self.num_layers, 3, 4, dtype=torch.float64, device=device)
+        self._sums = torch.zeros(
+            len(configs), self.num_layers, 3, 4, dtype=torch.float64, device=device
+        )
         self._absmax = torch.zeros(self.num_layers, 3, dtype=torch.float64, device=device)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
         i = _layer(layer_idx, self.num_layers)
         for kind, x in enumerate((key, value)):
-            self._measure(i, kind, x, [(c, (q.k_scales, q.v_scales)[kind][i], q.target)
-                                       for c, q in enumerate(self.configs.values())])
+            self._measure(
+                i,
+                kind,
+                x,
+                [
+                    (c, (q.k_scales, q.v_scales)[kind][i], q.target)
+                    for c, q in enumerate(self.configs.values())
+                ],
+            )
 
-    def observe_call(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+    def observe_call(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> None:
         """One unquantised attention call: Q's error under FP8 attention, and the attention samples."""
         i = _layer(getattr(module, "layer_idx", None), self.num_layers)
         if self.fp8_attention:
-            self._measure(i, 2, query, [(c, q.q_scales[i], q.target) for c, q in enumerate(self.configs.values())
-                                        if q.fp8_attention])
+            self._measure(
+                i,
+                2,
+                query,
+                [
+                    (c, q.q_scales[i], q.target)
+                    for c, q in enumerate(self.configs.values())
+                    if q.fp8_attention
+                ],
+            )
         if self.sampler is not None:
             self.sampler.record(i, query, key, value, attention_mask, kwargs, module)
 
-    def _measure(self, layer: int, kind: int, x: torch.Tensor, scales: list[tuple[int, Scale, fp8.Target]]) -> None:
+    def _measure(
+        self, layer: int, kind: int, x: torch.Tensor, scales: list[tuple[int, Scale, fp8.Target]]
+    ) -> None:
         xf = x.float()  # [B, H, S, D]
         if self.token_mask is not None:
             xf = xf.transpose(1, 2)[self.token_mask]  # [real tokens, H, D]
         if xf.numel() == 0:
             return
-        self._absmax[layer, kind] = torch.maximum(self._absmax[layer, kind], xf.abs().max().double())
+        self._absmax[layer, kind] = torch.maximum(
+            self._absmax[layer, kind], xf.abs().max().double()
+        )
         signal = xf.double().pow(2).sum()
         count = torch.tensor(float(xf.numel()), dtype=torch.float64, device=xf.device)
         for c, scale, target in scales:
@@ -189,17 +281,36 @@ class KVErrorMeter:
         stats = []
         for i in range(self.num_layers):
             (ks, kn, kc, kcount), (vs, vn, vc, vcount), (qs, qn, qc, qcount) = sums[i].tolist()
-            q = {"q_sqnr_db": fp8.sqnr_db(qs, qn), "q_clipped": qc / max(qcount, 1.0)} \
-                if quantizer.fp8_attention else {}
+            q = (
+                {"q_sqnr_db": fp8.sqnr_db(qs, qn), "q_clipped": qc / max(qcount, 1.0)}
+                if quantizer.fp8_attention
+                else {}
+            )
             one = None if alone is None else alone[i]
-            stats.append(LayerQuantStats(
-                layer=i, k_sqnr_db=fp8.sqnr_db(ks, kn), v_sqnr_db=fp8.sqnr_db(vs, vn), k_clipped=kc / max(kcount, 1.0),
-                v_clipped=vc / max(vcount, 1.0), k_absmax=absmax[i, 0].item(), v_absmax=absmax[i, 1].item(),
-                k_clip_at=_clip_at(quantizer.k_scales[i], quantizer.target),
-                v_clip_at=_clip_at(quantizer.v_scales[i], quantizer.target), **q,
-                attention_error=None if self.sampler is None else attention_error(
-                    self.sampler.samples[i], quantizer.k_scales[i], quantizer.v_scales[i], quantizer.target),
-                delta_nll_alone=None if one is None else one.delta_nll, kl_alone=None if one is None else one.kl))
+            stats.append(
+                LayerQuantStats(
+                    layer=i,
+                    k_sqnr_db=fp8.sqnr_db(ks, kn),
+                    v_sqnr_db=fp8.sqnr_db(vs, vn),
+                    k_clipped=kc / max(kcount, 1.0),
+                    v_clipped=vc / max(vcount, 1.0),
+                    k_absmax=absmax[i, 0].item(),
+                    v_absmax=absmax[i, 1].item(),
+                    k_clip_at=_clip_at(quantizer.k_scales[i], quantizer.target),
+                    v_clip_at=_clip_at(quantizer.v_scales[i], quantizer.target),
+                    **q,
+                    attention_error=None
+                    if self.sampler is None
+                    else attention_error(
+                        self.sampler.samples[i],
+                        quantizer.k_scales[i],
+                        quantizer.v_scales[i],
+                        quantizer.target,
+                    ),
+                    delta_nll_alone=None if one is None else one.delta_nll,
+                    kl_alone=None if one is None else one.kl,
+                )
+            )
         return stats
 
 

@@ -21,16 +21,22 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from kvcalib.core.options import RunOptions
 from kvcalib.core.cpu import ComputePath, HostCpu
 from kvcalib.core.fp8 import DEFAULT_TARGET
+from kvcalib.core.options import RunOptions
 from kvcalib.core.schema import num_hidden_layers
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.pipeline import CHECKPOINT, UNIT, scale_set
 from kvcalib.hf.attention import QuantizingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
-from kvcalib.hf.model import (faithful_attention, load_model, load_tokenizer, prepare_run, resolve_compute,
-                              resolve_target)
+from kvcalib.hf.model import (
+    faithful_attention,
+    load_model,
+    load_tokenizer,
+    prepare_run,
+    resolve_compute,
+    resolve_target,
+)
 
 __all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load", "quantizer_for"]
 
@@ -49,17 +55,41 @@ class LoadedModel:
     weights: Float32Weights  # float32 copies of the weights, kept across forwards (when compute is emulated)
 
 
-def load(checkpoint: str | Path, dtype: str = "auto", device: str = "cpu", bf16_compute: str = "auto",
-         trust_remote_code: bool = False, cpu: HostCpu | None = None) -> LoadedModel:
+def load(
+    checkpoint: str | Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    bf16_compute: str = "auto",
+    trust_remote_code: bool = False,
+    cpu: HostCpu | None = None,
+) -> LoadedModel:
     """The model as `kvcalib eval` loads it (faithful attention, the compute path for this CPU)."""
-    options = RunOptions(dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute)
+    options = RunOptions(
+        dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute
+    )
     run = prepare_run(checkpoint, options)
-    compute = resolve_compute(bf16_compute, run.dtype, run.checkpoint, run.device,
-                              cpu or HostCpu.detect(with_capability=False))
-    model = load_model(run.checkpoint, run.dtype, run.device, trust_remote_code,
-                       attn_implementation=faithful_attention(run.checkpoint.config))
-    return LoadedModel(run.checkpoint.root, run.checkpoint.config, model,
-                       load_tokenizer(run.checkpoint.root, trust_remote_code), compute, Float32Weights())
+    compute = resolve_compute(
+        bf16_compute,
+        run.dtype,
+        run.checkpoint,
+        run.device,
+        cpu or HostCpu.detect(with_capability=False),
+    )
+    model = load_model(
+        run.checkpoint,
+        run.dtype,
+        run.device,
+        trust_remote_code,
+        attn_implementation=faithful_attention(run.checkpoint.config),
+    )
+    return LoadedModel(
+        run.checkpoint.root,
+        run.checkpoint.config,
+        model,
+        load_tokenizer(run.checkpoint.root, trust_remote_code),
+        compute,
+        Float32Weights(),
+    )
 
 
 def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuantizer | None:
@@ -67,8 +97,14 @@ def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuant
     target = resolve_target(target_name)
     if scales == BASELINE:
         return None
-    chosen = scale_set(scales, loaded.root, num_hidden_layers(loaded.config), target, loaded.config,
-                       what=f"scales={scales}")
+    chosen = scale_set(
+        scales,
+        loaded.root,
+        num_hidden_layers(loaded.config),
+        target,
+        loaded.config,
+        what=f"scales={scales}",
+    )
     return KVQuantizer(chosen.k, chosen.v, target)
 
 
@@ -76,11 +112,22 @@ def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuant
 class KvcalibLM(HFLM):
     """lm-eval's HFLM whose KV cache is stored in FP8 as `target` stores it (see the module docstring)."""
 
-    def __init__(self, pretrained: str | LoadedModel, target: str = DEFAULT_TARGET, scales: str = CHECKPOINT,
-                 bf16_compute: str = "auto", dtype: str = "auto", device: str = "cpu",
-                 trust_remote_code: bool = False, **kwargs: Any) -> None:
-        self.loaded = loaded = pretrained if isinstance(pretrained, LoadedModel) else load(
-            pretrained, dtype, device, bf16_compute, bool(trust_remote_code))
+    def __init__(
+        self,
+        pretrained: str | LoadedModel,
+        target: str = DEFAULT_TARGET,
+        scales: str = CHECKPOINT,
+        bf16_compute: str = "auto",
+        dtype: str = "auto",
+        device: str = "cpu",
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.loaded = loaded = (
+            pretrained
+            if isinstance(pretrained, LoadedModel)
+            else load(pretrained, dtype, device, bf16_compute, bool(trust_remote_code))
+        )
         # lm-eval's model_args parser turns "none" into None
         self.scales = BASELINE if scales is None or str(scales).lower() == BASELINE else str(scales)
         self.quantizer = quantizer_for(loaded, self.scales, target)
@@ -104,21 +151,32 @@ class KvcalibLM(HFLM):
         if not getattr(self, "_continuation", 0):
             return 0
         nonzero = (inps != 0).int()
-        last = torch.where(nonzero.any(dim=1), nonzero.shape[1] - 1 - nonzero.flip(1).argmax(dim=1), -1)
+        last = torch.where(
+            nonzero.any(dim=1), nonzero.shape[1] - 1 - nonzero.flip(1).argmax(dim=1), -1
+        )
         keep = self._continuation + int((inps.shape[1] - 1 - last).max())
         return 0 if keep >= inps.shape[1] else keep
 
-    def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                    labels: torch.Tensor | None = None) -> torch.Tensor:
+    def _model_call(
+        self,
+        inps: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         with compute_path(self.loaded.compute, self.loaded.weights):
             if self.quantizer is None:
                 return super()._model_call(inps, attn_mask, labels)
             with torch.no_grad():
-                return self.model(inps, past_key_values=self._cache(), use_cache=True,
-                                  logits_to_keep=self._logits_to_keep(inps)).logits
+                return self.model(
+                    inps,
+                    past_key_values=self._cache(),
+                    use_cache=True,
+                    logits_to_keep=self._logits_to_keep(inps),
+                ).logits
 
-    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
-                        ) -> torch.Tensor:
+    def _model_generate(
+        self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
+    ) -> torch.Tensor:
         if self.quantizer is not None:
             generation_kwargs["past_key_values"] = self._cache()
         with compute_path(self.loaded.compute, self.loaded.weights):

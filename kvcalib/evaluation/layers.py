@@ -25,12 +25,15 @@ class OneLayer:
     def __init__(self, quantizer: KVQuantizer | None, layer: int | None) -> None:
         self.quantizer, self.layer = quantizer, layer
 
-    def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def observe(
+        self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.quantizer.observe(layer_idx, key, value) if layer_idx == self.layer else None
 
 
-LogProbs = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # (input_ids, mask, hook) -> [B, S-1, V]
+LogProbs = Callable[
+    [torch.Tensor, torch.Tensor, Any], torch.Tensor
+]  # (input_ids, mask, hook) -> [B, S-1, V]
 
 
 @dataclass(frozen=True)
@@ -41,16 +44,25 @@ class LayerAlone:
     kl: float
 
 
-def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_size: int, pad: int,
-                 device: torch.device, quantizers: dict[str, KVQuantizer], notify: ProgressCallback = no_progress,
-                 fresh_prefill: bool = False) -> dict[str, list[LayerAlone | None]]:
+def layers_alone(
+    log_probs: LogProbs,
+    sequences: Sequence[Sequence[int]],
+    batch_size: int,
+    pad: int,
+    device: torch.device,
+    quantizers: dict[str, KVQuantizer],
+    notify: ProgressCallback = no_progress,
+    fresh_prefill: bool = False,
+) -> dict[str, list[LayerAlone | None]]:
     """name -> per layer, ΔNLL and KL with only that layer quantised (FP8 attention: None; no rows: {})."""
     if not sequences:
         return {}
     notify(Progress("layers-alone"))
     kv_only = {name: q for name, q in quantizers.items() if not q.fp8_attention}
     num_layers = next(iter(quantizers.values())).num_layers
-    sums = {name: torch.zeros(num_layers, 2, dtype=torch.float64) for name in kv_only}  # [layer, (nll, kl)]
+    sums = {
+        name: torch.zeros(num_layers, 2, dtype=torch.float64) for name in kv_only
+    }  # [layer, (nll, kl)]
     base_sum, count = 0.0, 0
     for input_ids, mask in batches(list(sequences), batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
@@ -63,10 +75,18 @@ def layers_alone(log_probs: LogProbs, sequences: Sequence[Sequence[int]], batch_
         for name, quantizer in kv_only.items():
             for layer in range(num_layers):
                 hook = OneLayer(quantizer, layer)
-                logp = log_probs(input_ids, mask, FreshPrefill(hook, mask) if fresh_prefill else hook)
+                logp = log_probs(
+                    input_ids, mask, FreshPrefill(hook, mask) if fresh_prefill else hook
+                )
                 nll = (-logp.gather(-1, targets)[..., 0][scored]).double().sum()
                 kl = (base.exp() * (base - logp)).sum(-1)[scored].double().sum()
                 sums[name][layer] += torch.stack([nll, kl]).cpu()
     n = max(count, 1)
-    return {name: [LayerAlone(delta_nll=(nll - base_sum) / n, kl=kl / n) for nll, kl in sums[name].tolist()]
-            if name in sums else [None] * num_layers for name in quantizers}
+    return {
+        name: [
+            LayerAlone(delta_nll=(nll - base_sum) / n, kl=kl / n) for nll, kl in sums[name].tolist()
+        ]
+        if name in sums
+        else [None] * num_layers
+        for name in quantizers
+    }

@@ -28,8 +28,21 @@ from kvcalib.evaluation.significance import Interval, paired_bootstrap, wilson
 from kvcalib.hf.attention import FanOutCache, QuantizingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
 
-__all__ = ["ANSWER_TOKENS", "BASELINE", "DEPTHS", "NEEDLE", "QUESTION", "NeedleResult", "NeedleRow", "Trial",
-           "evaluate_needle", "found", "insertion_point", "line_breaks", "needle_prompts"]
+__all__ = [
+    "ANSWER_TOKENS",
+    "BASELINE",
+    "DEPTHS",
+    "NEEDLE",
+    "QUESTION",
+    "NeedleResult",
+    "NeedleRow",
+    "Trial",
+    "evaluate_needle",
+    "found",
+    "insertion_point",
+    "line_breaks",
+    "needle_prompts",
+]
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 NEEDLE = "\n\nRemember this: the magic number is {key}. The magic number is {key}.\n\n"
@@ -56,9 +69,15 @@ class Trial:
         return found(self.key, self.answers[name])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"length": self.length, "depth": self.depth, "key": self.key, "offset": self.offset,
-                "position": self.position, "answers": dict(self.answers),
-                "found": {name: self.found(name) for name in self.answers}}
+        return {
+            "length": self.length,
+            "depth": self.depth,
+            "key": self.key,
+            "offset": self.offset,
+            "position": self.position,
+            "answers": dict(self.answers),
+            "found": {name: self.found(name) for name in self.answers},
+        }
 
 
 def found(key: str, answer: str) -> bool:
@@ -76,7 +95,9 @@ class NeedleRow:
     trials: int
     by_depth: tuple[tuple[float, int, int], ...]  # (depth, found, trials)
     rate_interval: tuple[float, float]  # Wilson 95%
-    interval: Interval | None  # paired bootstrap of (this run found - unquantised found) over trials; None: baseline
+    interval: (
+        Interval | None
+    )  # paired bootstrap of (this run found - unquantised found) over trials; None: baseline
 
     @property
     def rate(self) -> float:
@@ -84,13 +105,23 @@ class NeedleRow:
 
     def verdict(self, cell: bool = False) -> str:
         """The difference's verdict (Interval.verdict; `cell`: for a table), or the baseline's own rate."""
-        return "the unquantised cache's own rate" if self.interval is None else self.interval.verdict("{:+.1%}", cell)
+        return (
+            "the unquantised cache's own rate"
+            if self.interval is None
+            else self.interval.verdict("{:+.1%}", cell)
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"length": self.length, "name": self.name, "found": self.found, "trials": self.trials,
-                "rate": self.rate, "rate_interval": list(self.rate_interval),
-                "by_depth": [{"depth": d, "found": f, "trials": n} for d, f, n in self.by_depth],
-                "difference": None if self.interval is None else self.interval.to_dict()}
+        return {
+            "length": self.length,
+            "name": self.name,
+            "found": self.found,
+            "trials": self.trials,
+            "rate": self.rate,
+            "rate_interval": list(self.rate_interval),
+            "by_depth": [{"depth": d, "found": f, "trials": n} for d, f, n in self.by_depth],
+            "difference": None if self.interval is None else self.interval.to_dict(),
+        }
 
 
 @dataclass(frozen=True)
@@ -108,10 +139,19 @@ class NeedleResult:
     plot: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "target": self.target, "prefill": self.prefill,
-                "depths": list(self.depths), "needle": NEEDLE, "question": QUESTION, "answer_tokens": ANSWER_TOKENS,
-                "rows": [r.to_dict() for r in self.rows], "trials": [t.to_dict() for t in self.trials],
-                "seconds": round(self.seconds, 3), "plot": self.plot}
+        return {
+            "checkpoint": self.checkpoint,
+            "target": self.target,
+            "prefill": self.prefill,
+            "depths": list(self.depths),
+            "needle": NEEDLE,
+            "question": QUESTION,
+            "answer_tokens": ANSWER_TOKENS,
+            "rows": [r.to_dict() for r in self.rows],
+            "trials": [t.to_dict() for t in self.trials],
+            "seconds": round(self.seconds, 3),
+            "plot": self.plot,
+        }
 
 
 def insertion_point(stream: list[int], start: int, at: int, breaks: set[int]) -> int:
@@ -126,8 +166,16 @@ def line_breaks(stream: list[int], tokenizer: Any) -> set[int]:
     return {t for t in set(stream) if "\n" in tokenizer.decode([t])}
 
 
-def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length: int, depths: tuple[float, ...],
-                   keys: int, seed: int, breaks: set[int] | None = None) -> list[tuple[Trial, list[int]]]:
+def needle_prompts(
+    stream: list[int],
+    prefix: list[int],
+    tokenizer: Any,
+    length: int,
+    depths: tuple[float, ...],
+    keys: int,
+    seed: int,
+    breaks: set[int] | None = None,
+) -> list[tuple[Trial, list[int]]]:
     """`keys` trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question."""
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     breaks = line_breaks(stream, tokenizer) if breaks is None else breaks
@@ -140,90 +188,162 @@ def needle_prompts(stream: list[int], prefix: list[int], tokenizer: Any, length:
             fixed = len(prefix) + len(needle) + len(question)
             body = length - fixed
             if body < MIN_HAYSTACK:
-                raise UsageError(f"--context {length} --needle: too short for the needle and the question ({fixed} "
-                                 "tokens) and a haystack", hint=f"pass lengths of {fixed + MIN_HAYSTACK} or more")
+                raise UsageError(
+                    f"--context {length} --needle: too short for the needle and the question ({fixed} "
+                    "tokens) and a haystack",
+                    hint=f"pass lengths of {fixed + MIN_HAYSTACK} or more",
+                )
             if len(stream) < body:
-                raise DatasetError(f"{len(stream)} tokens of held-out text, too few for one haystack of {body} "
-                                   f"(--context {length} --needle)",
-                                   hint="pass a longer held-out text, or shorter lengths")
+                raise DatasetError(
+                    f"{len(stream)} tokens of held-out text, too few for one haystack of {body} "
+                    f"(--context {length} --needle)",
+                    hint="pass a longer held-out text, or shorter lengths",
+                )
             start = rng.randint(0, len(stream) - body)
-            at, hay = insertion_point(stream, start, round(depth * body), breaks), stream[start:start + body]
+            at, hay = (
+                insertion_point(stream, start, round(depth * body), breaks),
+                stream[start : start + body],
+            )
             ids = prefix + hay[:at] + needle + hay[at:] + question
             out.append((Trial(length, depth, key, start, len(prefix) + at, {}), ids))
     return out
 
 
 @torch.inference_mode()
-def _greedy(model: torch.nn.Module, cache: Any, logits: torch.Tensor, device: torch.device) -> list[int]:
+def _greedy(
+    model: torch.nn.Module, cache: Any, logits: torch.Tensor, device: torch.device
+) -> list[int]:
     """ANSWER_TOKENS greedy tokens after a prefill whose last logits are `logits`, decoding from `cache`."""
     got: list[int] = []
     while True:
         got.append(int(logits[0, -1].argmax()))
         if len(got) == ANSWER_TOKENS:
             return got
-        logits = model(input_ids=torch.tensor([[got[-1]]], device=device), past_key_values=cache, use_cache=True).logits
+        logits = model(
+            input_ids=torch.tensor([[got[-1]]], device=device),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
 
 
 @torch.inference_mode()
-def _prefill(model: torch.nn.Module, ids: list[int], cache: Any, device: torch.device) -> torch.Tensor:
-    return model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
-                 logits_to_keep=1).logits
+def _prefill(
+    model: torch.nn.Module, ids: list[int], cache: Any, device: torch.device
+) -> torch.Tensor:
+    return model(
+        input_ids=torch.tensor([ids], device=device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits
 
 
-def answer(model: torch.nn.Module, ids: list[int], quantizers: dict[str, Any], reads_fp8: bool,
-           device: torch.device) -> dict[str, list[int]]:
+def answer(
+    model: torch.nn.Module,
+    ids: list[int],
+    quantizers: dict[str, Any],
+    reads_fp8: bool,
+    device: torch.device,
+) -> dict[str, list[int]]:
     """Each run's greedy answer to one prompt: the baseline, then every scale set (order: module docstring)."""
     config = model.config
     if reads_fp8:
-        runs = {name: QuantizingCache(config, q) for name, q in {BASELINE: None, **quantizers}.items()}
-        return {name: _greedy(model, cache, _prefill(model, ids, cache, device), device)
-                for name, cache in runs.items()}
+        runs = {
+            name: QuantizingCache(config, q) for name, q in {BASELINE: None, **quantizers}.items()
+        }
+        return {
+            name: _greedy(model, cache, _prefill(model, ids, cache, device), device)
+            for name, cache in runs.items()
+        }
     children = {name: QuantizingCache(config, q) for name, q in quantizers.items()}
     fan = FanOutCache(config, list(children.values()))
     logits = _prefill(model, ids, fan, device)
     fan.children = []  # decoding writes each run's own cache only
-    return {BASELINE: _greedy(model, fan, logits, device),
-            **{name: _greedy(model, cache, logits, device) for name, cache in children.items()}}
+    return {
+        BASELINE: _greedy(model, fan, logits, device),
+        **{name: _greedy(model, cache, logits, device) for name, cache in children.items()},
+    }
 
 
-def summarise(trials: list[Trial], names: list[str], depths: tuple[float, ...]) -> tuple[NeedleRow, ...]:
+def summarise(
+    trials: list[Trial], names: list[str], depths: tuple[float, ...]
+) -> tuple[NeedleRow, ...]:
     rows = []
     for length in dict.fromkeys(t.length for t in trials):
         mine = [t for t in trials if t.length == length]
         base = [int(t.found(BASELINE)) for t in mine]
         for name in names:
             hits = [int(t.found(name)) for t in mine]
-            rows.append(NeedleRow(
-                length=length, name=name, found=sum(hits), trials=len(mine),
-                by_depth=tuple((d, sum(int(t.found(name)) for t in mine if t.depth == d),
-                                sum(1 for t in mine if t.depth == d)) for d in depths),
-                rate_interval=wilson(sum(hits), len(mine)),
-                interval=None if name == BASELINE else
-                paired_bootstrap([h - b for h, b in zip(hits, base)], worse_if_higher=False)))
+            rows.append(
+                NeedleRow(
+                    length=length,
+                    name=name,
+                    found=sum(hits),
+                    trials=len(mine),
+                    by_depth=tuple(
+                        (
+                            d,
+                            sum(int(t.found(name)) for t in mine if t.depth == d),
+                            sum(1 for t in mine if t.depth == d),
+                        )
+                        for d in depths
+                    ),
+                    rate_interval=wilson(sum(hits), len(mine)),
+                    interval=None
+                    if name == BASELINE
+                    else paired_bootstrap(
+                        [h - b for h, b in zip(hits, base)], worse_if_higher=False
+                    ),
+                )
+            )
     return tuple(rows)
 
 
-def evaluate_needle(checkpoint: str | Path, dataset: str, lengths: tuple[int, ...], opts: Any, keys: int | None = None,
-                    progress: ProgressCallback | None = None) -> NeedleResult:
+def evaluate_needle(
+    checkpoint: str | Path,
+    dataset: str,
+    lengths: tuple[int, ...],
+    opts: Any,
+    keys: int | None = None,
+    progress: ProgressCallback | None = None,
+) -> NeedleResult:
     """eval --context --needle (see the module docstring); `opts` an EvalOptions (target, compare, seed)."""
     started, notify = time.perf_counter(), progress or no_progress
     keys = DEFAULT_KEYS if keys is None else keys
     if keys < 1:
-        raise UsageError(f"--num-samples {keys}: the needle needs at least one key per length and depth",
-                         hint=f"pass --num-samples 1 or more (default {DEFAULT_KEYS} with --needle)")
+        raise UsageError(
+            f"--num-samples {keys}: the needle needs at least one key per length and depth",
+            hint=f"pass --num-samples 1 or more (default {DEFAULT_KEYS} with --needle)",
+        )
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
     breaks = line_breaks(long.stream, long.tokenizer)
-    prompts = [p for length in lengths for p in needle_prompts(long.stream, long.prefix, long.tokenizer, length,
-                                                               DEPTHS, keys, opts.seed, breaks)]
+    prompts = [
+        p
+        for length in lengths
+        for p in needle_prompts(
+            long.stream, long.prefix, long.tokenizer, length, DEPTHS, keys, opts.seed, breaks
+        )
+    ]
     model = long.load_model(opts, notify)
-    weights, reads_fp8 = Float32Weights(), (opts.order or fp8.get_target(opts.target).order) == fp8.GPU_ORDER
+    weights, reads_fp8 = (
+        Float32Weights(),
+        (opts.order or fp8.get_target(opts.target).order) == fp8.GPU_ORDER,
+    )
     trials, done, total = [], 0, sum(len(ids) for _, ids in prompts)
     for n, (trial, ids) in enumerate(prompts):
         notify(Progress(f"needle {trial.length}", n, len(prompts), done, total))
         with compute_path(long.compute, weights):
             answers = answer(model, ids, long.quantizers, reads_fp8, long.run.device)
-        trials.append(replace(trial, answers={name: long.tokenizer.decode(t) for name, t in answers.items()}))
+        trials.append(
+            replace(trial, answers={name: long.tokenizer.decode(t) for name, t in answers.items()})
+        )
         done += len(ids)
-    return NeedleResult(str(checkpoint), opts.target, "FP8 cache (GPU vLLM)" if reads_fp8 else "fresh K/V (Neuron)",
-                        DEPTHS, summarise(trials, [BASELINE, *long.quantizers], DEPTHS), tuple(trials),
-                        time.perf_counter() - started)
+    return NeedleResult(
+        str(checkpoint),
+        opts.target,
+        "FP8 cache (GPU vLLM)" if reads_fp8 else "fresh K/V (Neuron)",
+        DEPTHS,
+        summarise(trials, [BASELINE, *long.quantizers], DEPTHS),
+        tuple(trials),
+        time.perf_counter() - started,
+    )

@@ -13,25 +13,60 @@ __all__ = ["EvalOptions", "TaskOptions"]
 
 @dataclass(frozen=True)
 class EvalOptions(RunOptions):
-    target: str = option(fp8.DEFAULT_TARGET, "Chip numerics to emulate: trn2 (240), trn3 or gpu (448).",
-                         panel="Scales", short="-t", choices=lambda: tuple(fp8.TARGETS))
-    num_samples: int = option(64, "First N rows of the split; with --context, samples per length; with --needle, "
-                              "keys per length and depth (default 4).", minimum=1, what="rows of the dataset to score")
-    max_seq_len: int = option(512, "Tokens per sample at most.", minimum=2,
-                              what="tokens per sample: one predicts the next")
-    batch_size: int = option(2, "Sequences per forward pass.", panel="Engine", minimum=1,
-                             what="sequences per forward pass")
-    compare: tuple[str, ...] = option((), "Also run 'unit' (all scales 1.0) or another checkpoint's scales; "
-                                      "repeatable.", panel="Scales")
-    order: str | None = option(None, "Which K/V attention reads: neuron (each row's first half "
+    target: str = option(
+        fp8.DEFAULT_TARGET,
+        "Chip numerics to emulate: trn2 (240), trn3 or gpu (448).",
+        panel="Scales",
+        short="-t",
+        choices=lambda: tuple(fp8.TARGETS),
+    )
+    num_samples: int = option(
+        64,
+        "First N rows of the split; with --context, samples per length; with --needle, "
+        "keys per length and depth (default 4).",
+        minimum=1,
+        what="rows of the dataset to score",
+    )
+    max_seq_len: int = option(
+        512,
+        "Tokens per sample at most.",
+        minimum=2,
+        what="tokens per sample: one predicts the next",
+    )
+    batch_size: int = option(
+        2,
+        "Sequences per forward pass.",
+        panel="Engine",
+        minimum=1,
+        what="sequences per forward pass",
+    )
+    compare: tuple[str, ...] = option(
+        (),
+        "Also run 'unit' (all scales 1.0) or another checkpoint's scales; repeatable.",
+        panel="Scales",
+    )
+    order: str | None = option(
+        None,
+        "Which K/V attention reads: neuron (each row's first half "
         "a prompt on fresh K/V, the rest decoded from FP8 and scored) or gpu (all read FP8). Default: the target's.",
-        panel="Scales", choices=lambda: (fp8.NEURON_ORDER, fp8.GPU_ORDER))
-    fp8_attention: bool = option(False, "Also run every checkpoint that has q_scale as FP8 attention: Q quantised "
-                                 "with the target's numerics too, the attention matmuls on the FP8 values in "
-                                 "float32.", panel="Scales")
-    layer_rows: int = option(2, "Rows on which each layer is quantised alone, for its own ΔNLL (one forward pass "
-                             "per layer and scale set); 0: skip.", panel="Output", minimum=0,
-                             what="rows on which each layer is quantised alone")
+        panel="Scales",
+        choices=lambda: (fp8.NEURON_ORDER, fp8.GPU_ORDER),
+    )
+    fp8_attention: bool = option(
+        False,
+        "Also run every checkpoint that has q_scale as FP8 attention: Q quantised "
+        "with the target's numerics too, the attention matmuls on the FP8 values in "
+        "float32.",
+        panel="Scales",
+    )
+    layer_rows: int = option(
+        2,
+        "Rows on which each layer is quantised alone, for its own ΔNLL (one forward pass "
+        "per layer and scale set); 0: skip.",
+        panel="Output",
+        minimum=0,
+        what="rows on which each layer is quantised alone",
+    )
 
     def check_arguments(self) -> None:
         check_options(self)
@@ -42,13 +77,23 @@ class TaskOptions:
     tasks: tuple[str, ...]
     target: str = fp8.DEFAULT_TARGET
     compare: tuple[str, ...] = ()
-    limit: int | None = option(None, "With --tasks: items per task (lm-eval's --limit).", minimum=1,
-                               what="items per task")
-    num_fewshot: int | None = option(None, "With --tasks: examples in each prompt (lm-eval's).", minimum=0,
-                                     what="examples in each prompt")
-    include_path: tuple[str, ...] = option((), "With --tasks: a folder of task YAML (lm-eval's); repeatable.")
-    task_data: str | None = option(None, "With --tasks: task data laid out offline by scripts/prepare_tasks.py "
-                                   "DIR (lm-eval's tasks, local data).")
+    limit: int | None = option(
+        None, "With --tasks: items per task (lm-eval's --limit).", minimum=1, what="items per task"
+    )
+    num_fewshot: int | None = option(
+        None,
+        "With --tasks: examples in each prompt (lm-eval's).",
+        minimum=0,
+        what="examples in each prompt",
+    )
+    include_path: tuple[str, ...] = option(
+        (), "With --tasks: a folder of task YAML (lm-eval's); repeatable."
+    )
+    task_data: str | None = option(
+        None,
+        "With --tasks: task data laid out offline by scripts/prepare_tasks.py "
+        "DIR (lm-eval's tasks, local data).",
+    )
     batch_size: int = 1
     dtype: str = "auto"
     device: str = "cpu"
@@ -60,6 +105,8 @@ class TaskOptions:
 
     def check_arguments(self) -> None:
         if not self.tasks:
-            raise UsageError("--tasks names no task", hint="pass e.g. --tasks lambada_openai,arc_easy")
+            raise UsageError(
+                "--tasks names no task", hint="pass e.g. --tasks lambada_openai,arc_easy"
+            )
         check_options(self)
         check_at_least("--batch-size", self.batch_size, 1, what="requests per forward pass")

@@ -19,16 +19,25 @@ def check_plot_path(path: Path, inputs: Sequence[str | Path] = ()) -> Path:
     """Refuse a --plot path that is no .png, has no directory, or lies in (or is) an input; before any work."""
     path = Path(path)
     if path.suffix.lower() != ".png":
-        raise UsageError(f"--plot writes a PNG; {path} does not end in .png", hint="pass a path ending in .png")
+        raise UsageError(
+            f"--plot writes a PNG; {path} does not end in .png", hint="pass a path ending in .png"
+        )
     if not path.parent.is_dir():
-        raise UsageError(f"--plot: directory {path.parent} does not exist", hint="create it, or pick another path")
+        raise UsageError(
+            f"--plot: directory {path.parent} does not exist",
+            hint="create it, or pick another path",
+        )
     if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--plot: cannot write in {path.parent} (permission denied or read-only)",
-                         hint="pick a path in a directory you can write to")
+        raise UsageError(
+            f"--plot: cannot write in {path.parent} (permission denied or read-only)",
+            hint="pick a path in a directory you can write to",
+        )
     for item in inputs:
         if os.path.lexists(item) and overlapping(path, Path(item)):
-            raise UsageError(f"--plot {path} would write into the input {item}",
-                             hint="kvcalib never writes over its inputs; put the plot elsewhere")
+            raise UsageError(
+                f"--plot {path} would write into the input {item}",
+                hint="kvcalib never writes over its inputs; put the plot elsewhere",
+            )
     return path
 
 
@@ -48,11 +57,18 @@ def plot_needle(result: Any, path: Path) -> Path:
     plt, path = _pyplot(), check_plot_path(path)
     names = list(dict.fromkeys(row.name for row in result.rows))
     lengths = list(dict.fromkeys(row.length for row in result.rows))
-    fig, axes = plt.subplots(1, len(names), figsize=(2.2 + 1.1 * len(lengths) * len(names), 4.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(2.2 + 1.1 * len(lengths) * len(names), 4.2), squeeze=False
+    )
     for ax, name in zip(axes[0], names):
         rows = {row.length: row for row in result.rows if row.name == name}
-        grid = [[rows[length].by_depth[i][1] / max(rows[length].by_depth[i][2], 1) for length in lengths]
-                for i in range(len(result.depths))]
+        grid = [
+            [
+                rows[length].by_depth[i][1] / max(rows[length].by_depth[i][2], 1)
+                for length in lengths
+            ]
+            for i in range(len(result.depths))
+        ]
         image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         for i, depth in enumerate(result.depths):
             for j, length in enumerate(lengths):
@@ -65,7 +81,9 @@ def plot_needle(result: Any, path: Path) -> Path:
             ax.set_ylabel("needle depth")
         ax.set_title(_label(name), fontsize=9)
     fig.colorbar(image, ax=axes[0].tolist(), label="keys found")
-    fig.suptitle(f"needle retrieval, FP8 KV on {result.target} (prefill: {result.prefill})", fontsize=10)
+    fig.suptitle(
+        f"needle retrieval, FP8 KV on {result.target} (prefill: {result.prefill})", fontsize=10
+    )
     return _save(fig, plt, path)
 
 
@@ -79,26 +97,46 @@ def plot_eval(result: Any, path: Path) -> Path:
     layers = [s.layer for s in first.layers]
     for col, kind in enumerate(("k", "v")):
         ax = axes[0][col]
-        ax.plot(layers, [getattr(s, f"{kind}_absmax") for s in first.layers], "k-", lw=2,
-                label=f"{kind.upper()} absmax")
+        ax.plot(
+            layers,
+            [getattr(s, f"{kind}_absmax") for s in first.layers],
+            "k-",
+            lw=2,
+            label=f"{kind.upper()} absmax",
+        )
         for run in result.runs:
-            ax.plot(layers, [getattr(s, f"{kind}_clip_at") for s in run.layers], "--",
-                    label=f"clips above ({_label(run.name)})")
+            ax.plot(
+                layers,
+                [getattr(s, f"{kind}_clip_at") for s in run.layers],
+                "--",
+                label=f"clips above ({_label(run.name)})",
+            )
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(f"{kind.upper()}: absmax on the eval text vs where each configuration saturates")
+        ax.set_title(
+            f"{kind.upper()}: absmax on the eval text vs where each configuration saturates"
+        )
         ax.legend(fontsize=7)
         metrics = ((f"{kind}_sqnr_db", "SQNR (dB)"), (f"{kind}_clipped", "fraction clipped"))
         for row, (metric, title) in enumerate(metrics, start=1):
             ax = axes[row][col]
             for run in result.runs:
-                ax.plot(layers, [_finite(getattr(s, metric)) for s in run.layers], "o-", ms=3, label=_label(run.name))
+                ax.plot(
+                    layers,
+                    [_finite(getattr(s, metric)) for s in run.layers],
+                    "o-",
+                    ms=3,
+                    label=_label(run.name),
+                )
             ax.set_title(f"{kind.upper()} {title}")
             ax.legend(fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _query_and_summary(result, axes[3], layers)
-    fig.suptitle(f"{result.checkpoint} on {result.target} (FP8 max {result.fp8_max:g}), {result.num_tokens:,} tokens: "
-                 + ", ".join(f"{_label(r.name)} ΔNLL {r.delta_nll:+.4f}" for r in result.runs), fontsize=9)
+    fig.suptitle(
+        f"{result.checkpoint} on {result.target} (FP8 max {result.fp8_max:g}), {result.num_tokens:,} tokens: "
+        + ", ".join(f"{_label(r.name)} ΔNLL {r.delta_nll:+.4f}" for r in result.runs),
+        fontsize=9,
+    )
     fig.tight_layout()
     return _save(fig, plt, path)
 
@@ -111,8 +149,10 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
         os.replace(partial, path)
     except OSError as exc:
         partial.unlink(missing_ok=True)
-        raise UsageError(f"--plot: cannot write {path}: {exc.strerror or exc}",
-                         hint="pick a path in a directory you can write to, on a filesystem with room") from None
+        raise UsageError(
+            f"--plot: cannot write {path}: {exc.strerror or exc}",
+            hint="pick a path in a directory you can write to, on a filesystem with room",
+        ) from None
     finally:
         plt.close(fig)
         partial.unlink(missing_ok=True)
@@ -124,8 +164,18 @@ def _query_and_summary(result: Any, axes: Any, layers: list[int]) -> None:
     ax = axes[0]
     for run in result.runs:
         if run.layers and run.layers[0].q_sqnr_db is not None:
-            ax.plot(layers, [_finite(s.q_sqnr_db) for s in run.layers], "o-", ms=3, label=_label(run.name))
-    ax.set_title("Q SQNR (dB), FP8 attention" if ax.lines else "Q: no FP8-attention run (eval --fp8-attention)")
+            ax.plot(
+                layers,
+                [_finite(s.q_sqnr_db) for s in run.layers],
+                "o-",
+                ms=3,
+                label=_label(run.name),
+            )
+    ax.set_title(
+        "Q SQNR (dB), FP8 attention"
+        if ax.lines
+        else "Q: no FP8-attention run (eval --fp8-attention)"
+    )
     ax.set_xlabel("layer")
     if ax.lines:
         ax.legend(fontsize=7)
@@ -135,7 +185,13 @@ def _query_and_summary(result: Any, axes: Any, layers: list[int]) -> None:
     ax.bar([i - 0.2 for i in x], [r.delta_nll for r in result.runs], width=0.4, label="ΔNLL")
     ax.bar([i + 0.2 for i in x], [r.kl for r in result.runs], width=0.4, label="KL")
     for i, r in enumerate(result.runs):
-        ax.annotate(f"top-1 {r.top1:.1%}", (i, max(r.delta_nll, r.kl, 0)), ha="center", va="bottom", fontsize=7)
+        ax.annotate(
+            f"top-1 {r.top1:.1%}",
+            (i, max(r.delta_nll, r.kl, 0)),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     ax.set_xticks(list(x), [f"{n}\n{r.kind}" for n, r in zip(names, result.runs)], fontsize=7)
     ax.axhline(0, color="k", lw=0.5)
     ax.set_title("against the unquantised run: ΔNLL, KL (bars), top-1 agreement")

@@ -27,7 +27,9 @@ class ScaleSet:
         return is_per_head(self.k, self.v)
 
 
-def read_scale_set(ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_heads: int | None) -> ScaleSet:
+def read_scale_set(
+    ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_heads: int | None
+) -> ScaleSet:
     """The checkpoint's model.layers.{i}.self_attn.{k,v,q}_scale: shape [1], or one per head. Per-head Q is reduced
     as GPU vLLM's loader does (max over each KV head's query group: FlashAttention takes one q scale per KV head),
     then spread back over the query heads."""
@@ -40,14 +42,22 @@ def read_scale_set(ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_head
             if values is None:  # no q_scale: a KV-only checkpoint
                 break
             if len(values) != 1 and len(values) != heads:
-                raise UsageError(f"{ckpt_dir}: {key} has {len(values)} values; the model has {heads} heads",
-                                 hint=f"run `kvcalib validate {ckpt_dir} --target gpu`")
+                raise UsageError(
+                    f"{ckpt_dir}: {key} has {len(values)} values; the model has {heads} heads",
+                    hint=f"run `kvcalib validate {ckpt_dir} --target gpu`",
+                )
             if kind == "q" and len(values) != 1 and kv_heads:
                 group = len(values) // kv_heads
-                values = [max(values[g * group:(g + 1) * group]) for g in range(kv_heads) for _ in range(group)]
+                values = [
+                    max(values[g * group : (g + 1) * group])
+                    for g in range(kv_heads)
+                    for _ in range(group)
+                ]
             found[kind].append(head_scale(values))
     q = found["q"] if len(found["q"]) == num_layers else None
     if found["q"] and q is None:
-        raise UsageError(f"{ckpt_dir}: q_scale on {len(found['q'])} of {num_layers} layers",
-                         hint="recalibrate with kvcalib calibrate --attention-scales")
+        raise UsageError(
+            f"{ckpt_dir}: q_scale on {len(found['q'])} of {num_layers} layers",
+            hint="recalibrate with kvcalib calibrate --attention-scales",
+        )
     return ScaleSet(found["k"], found["v"], q)

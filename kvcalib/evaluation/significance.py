@@ -40,31 +40,59 @@ class Interval:
 
     @property
     def outcome(self) -> str:
-        return "indistinguishable" if not self.significant else \
-            "worse" if (self.estimate > 0) == self.worse_if_higher else "better"
+        return (
+            "indistinguishable"
+            if not self.significant
+            else "worse"
+            if (self.estimate > 0) == self.worse_if_higher
+            else "better"
+        )
 
     def verdict(self, fmt: str = "{:+.4f}", cell: bool = False) -> str:
         """The outcome in words: "worse by X ± Y (95% interval [a, b], n items)" (Y: half the interval's width);
         `cell`: without the interval, for a table; `fmt` formats a signed number ("{:+.2%}" for an accuracy)."""
         bounds = f"{self.level:.0%} interval [{fmt.format(self.low)}, {fmt.format(self.high)}], {self.items} items"
         if self.outcome == "indistinguishable":
-            return self.outcome + ("" if cell else f" from the unquantised cache ({fmt.format(self.estimate)}, "
-                                   f"{bounds})")
-        size, spread = fmt.format(abs(self.estimate)).lstrip("+"), fmt.format((self.high - self.low) / 2).lstrip("+")
+            return self.outcome + (
+                ""
+                if cell
+                else f" from the unquantised cache ({fmt.format(self.estimate)}, {bounds})"
+            )
+        size, spread = (
+            fmt.format(abs(self.estimate)).lstrip("+"),
+            fmt.format((self.high - self.low) / 2).lstrip("+"),
+        )
         return f"{self.outcome} by {size} ± {spread}" + ("" if cell else f" ({bounds})")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"estimate": self.estimate, "low": self.low, "high": self.high, "items": self.items,
-                "level": self.level, "method": self.method, "significant": self.significant, "outcome": self.outcome}
+        return {
+            "estimate": self.estimate,
+            "low": self.low,
+            "high": self.high,
+            "items": self.items,
+            "level": self.level,
+            "method": self.method,
+            "significant": self.significant,
+            "outcome": self.outcome,
+        }
 
 
-def paired_bootstrap(differences: Sequence[float], weights: Sequence[float] | None = None,
-                     resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL,
-                     worse_if_higher: bool = True) -> Interval | None:
+def paired_bootstrap(
+    differences: Sequence[float],
+    weights: Sequence[float] | None = None,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+    level: float = LEVEL,
+    worse_if_higher: bool = True,
+) -> Interval | None:
     """The interval of Σ differences / Σ weights (weights: tokens per item; None: 1 each, a plain mean) over
     items resampled with replacement. None with fewer than MIN_ITEMS items or no weight at all."""
     d = torch.tensor([float(x) for x in differences], dtype=torch.float64)
-    w = torch.ones_like(d) if weights is None else torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    w = (
+        torch.ones_like(d)
+        if weights is None
+        else torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    )
     if d.shape != w.shape:
         raise ValueError(f"{d.numel()} differences but {w.numel()} weights")
     n = d.numel()
@@ -85,5 +113,7 @@ def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, flo
         return 0.0, 1.0
     p = successes / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    half = (
+        z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    )
     return max(0.0, centre - half), min(1.0, centre + half)

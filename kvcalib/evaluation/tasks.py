@@ -23,8 +23,17 @@ from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluation.options import TaskOptions
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
 
-__all__ = ["BASELINE_NAME", "TaskOptions", "TaskResult", "TaskRow", "check_data", "evaluate_tasks", "paired_rows",
-           "require_lm_eval", "task_manager"]
+__all__ = [
+    "BASELINE_NAME",
+    "TaskOptions",
+    "TaskResult",
+    "TaskRow",
+    "check_data",
+    "evaluate_tasks",
+    "paired_rows",
+    "require_lm_eval",
+    "task_manager",
+]
 
 BASELINE_NAME = "baseline"
 
@@ -48,14 +57,26 @@ class TaskRow:
         """The interval's verdict (Interval.verdict; `cell`: for a table), or why there is none."""
         interval = self.intervals.get(name)
         if interval is None:
-            return f"no paired interval: {self.no_interval_reason}" if self.no_interval_reason else "no interval"
+            return (
+                f"no paired interval: {self.no_interval_reason}"
+                if self.no_interval_reason
+                else "no interval"
+            )
         return interval.verdict(cell=cell)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"task": self.task, "metric": self.metric, "filter": self.filter, "items": self.items,
-                "higher_is_better": self.higher_is_better, "baseline": self.baseline, "scores": self.scores,
-                "intervals": {n: None if i is None else i.to_dict() for n, i in self.intervals.items()},
-                "verdicts": {n: self.verdict(n) for n in self.scores}, "no_interval_reason": self.no_interval_reason}
+        return {
+            "task": self.task,
+            "metric": self.metric,
+            "filter": self.filter,
+            "items": self.items,
+            "higher_is_better": self.higher_is_better,
+            "baseline": self.baseline,
+            "scores": self.scores,
+            "intervals": {n: None if i is None else i.to_dict() for n, i in self.intervals.items()},
+            "verdicts": {n: self.verdict(n) for n in self.scores},
+            "no_interval_reason": self.no_interval_reason,
+        }
 
 
 @dataclass(frozen=True)
@@ -75,18 +96,28 @@ class TaskResult:
     lm_eval_version: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "target": self.target, "tasks": list(self.tasks),
-                "runs": list(self.runs), "limit": self.limit, "num_fewshot": self.num_fewshot,
-                "compute": self.compute, "seconds": round(self.seconds, 3), "lm_eval": self.lm_eval_version,
-                "rows": [r.to_dict() for r in self.rows]}
+        return {
+            "checkpoint": self.checkpoint,
+            "target": self.target,
+            "tasks": list(self.tasks),
+            "runs": list(self.runs),
+            "limit": self.limit,
+            "num_fewshot": self.num_fewshot,
+            "compute": self.compute,
+            "seconds": round(self.seconds, 3),
+            "lm_eval": self.lm_eval_version,
+            "rows": [r.to_dict() for r in self.rows],
+        }
 
 
 def require_lm_eval() -> Any:
     try:
         import lm_eval
     except ImportError:
-        raise UsageError("--tasks needs lm-eval-harness, which is not installed",
-                         hint="install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)") from None
+        raise UsageError(
+            "--tasks needs lm-eval-harness, which is not installed",
+            hint="install the extra: pip install 'kvcalib[tasks]' (lm-eval 0.4.13)",
+        ) from None
     return lm_eval
 
 
@@ -96,8 +127,10 @@ def task_manager(options: TaskOptions) -> Any:
     if options.task_data is not None:
         tasks_dir = Path(options.task_data) / "tasks"
         if not tasks_dir.is_dir():
-            raise UsageError(f"--task-data {options.task_data}: no tasks/ folder of task YAML there",
-                             hint=f"lay it out with: python scripts/prepare_tasks.py {options.task_data}")
+            raise UsageError(
+                f"--task-data {options.task_data}: no tasks/ folder of task YAML there",
+                hint=f"lay it out with: python scripts/prepare_tasks.py {options.task_data}",
+            )
         folders.append(str(tasks_dir))
     mtimes = tuple(os.stat(f).st_mtime_ns if os.path.exists(f) else -1 for f in folders)
     manager = _indexed(tuple(folders), mtimes, options.task_data is not None)
@@ -105,9 +138,11 @@ def task_manager(options: TaskOptions) -> Any:
     for task in options.tasks:
         if task not in known:
             close = difflib.get_close_matches(task, sorted(known), n=5, cutoff=0.6)
-            raise UsageError(f"unknown task {task!r}" + (f"; close names: {', '.join(close)}" if close else ""),
-                             hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path "
-                                  "DIR with its YAML")
+            raise UsageError(
+                f"unknown task {task!r}" + (f"; close names: {', '.join(close)}" if close else ""),
+                hint="list lm-eval's tasks with `lm_eval ls tasks`; a task of your own: --include-path "
+                "DIR with its YAML",
+            )
     return manager
 
 
@@ -118,7 +153,9 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
 
     index_log = logging.getLogger("lm_eval.tasks._index")
     level = index_log.level
-    if quiet:  # --task-data's YAML overrides lm-eval's on purpose: no warning line per task for that
+    if (
+        quiet
+    ):  # --task-data's YAML overrides lm-eval's on purpose: no warning line per task for that
         index_log.setLevel(logging.ERROR)
     try:
         return TaskManager(include_path=list(folders) or None)
@@ -131,29 +168,40 @@ def check_data(manager: Any, options: TaskOptions) -> None:
     for task in options.tasks:
         hub = _hub_dataset(manager, task)
         if hub is not None and not _offline_mode() and not _hub_reachable():
-            raise UsageError(f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
-                             hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` "
-                             "and pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1")
+            raise UsageError(
+                f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
+                hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` "
+                "and pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1",
+            )
         try:
             loaded = manager.load([task])["tasks"]  # {name: Task}, every leaf of a group
-        except Exception as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
-            raise UsageError(f"task {task}: its data could not be read ({type(exc).__name__}: {str(exc)[:300]})",
-                             hint="offline: lay out lm-eval's tasks with local data by `python "
-                                  "scripts/prepare_tasks.py DIR` and pass --task-data DIR, or give your own task YAML "
-                                  "with --include-path") from None
+        except (
+            Exception
+        ) as exc:  # datasets raises ConnectionError, FileNotFoundError, ValueError, ...
+            raise UsageError(
+                f"task {task}: its data could not be read ({type(exc).__name__}: {str(exc)[:300]})",
+                hint="offline: lay out lm-eval's tasks with local data by `python "
+                "scripts/prepare_tasks.py DIR` and pass --task-data DIR, or give your own task YAML "
+                "with --include-path",
+            ) from None
         if options.num_fewshot:
             for name, task_obj in loaded.items():
                 pool = _fewshot_pool(task_obj)
                 if pool < options.num_fewshot:
-                    raise UsageError(f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw "
-                                     "from", hint=f"pass --num-fewshot {max(pool - 1, 0)} or less")
+                    raise UsageError(
+                        f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw "
+                        "from",
+                        hint=f"pass --num-fewshot {max(pool - 1, 0)} or less",
+                    )
 
 
 def _fewshot_pool(task: Any) -> int:
     """How many documents lm-eval can draw few-shot examples from (less the evaluated one, from its own split)."""
     docs = task.fewshot_docs()
     size = len(docs) if docs is not None else 0
-    same = docs is not None and any(docs is getattr(task, f"{split}_docs")() for split in ("test", "validation"))
+    same = docs is not None and any(
+        docs is getattr(task, f"{split}_docs")() for split in ("test", "validation")
+    )
     return max(size - 1, 0) if same else size
 
 
@@ -164,11 +212,18 @@ def _hub_dataset(manager: Any, task: str) -> str | None:
     """The hub dataset `task` reads (None: local files, or not known from its YAML)."""
     entry = getattr(manager, "task_index", {}).get(task)
     path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
-    return path if isinstance(path, str) and path not in LOCAL_BUILDERS and not Path(path).exists() else None
+    return (
+        path
+        if isinstance(path, str) and path not in LOCAL_BUILDERS and not Path(path).exists()
+        else None
+    )
 
 
 def _offline_mode() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
 
 
 @functools.cache
@@ -181,7 +236,9 @@ def _hub_reachable(host: str = "huggingface.co") -> bool:
         return False
 
 
-def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCallback | None = None) -> TaskResult:
+def evaluate_tasks(
+    checkpoint: str, options: TaskOptions, progress: ProgressCallback | None = None
+) -> TaskResult:
     """Run `options.tasks` for the baseline and each scale set; pair every run with the baseline item by item."""
     options.check_arguments()
     notify = progress or no_progress
@@ -192,33 +249,68 @@ def evaluate_tasks(checkpoint: str, options: TaskOptions, progress: ProgressCall
     check_data(manager, options)
     started = time.perf_counter()
     notify(Progress("load-model"))
-    loaded = harness.load(checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code)
-    runs = {BASELINE_NAME: (harness.BASELINE, options.target), "checkpoint": (harness.CHECKPOINT, options.target)}
+    loaded = harness.load(
+        checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code
+    )
+    runs = {
+        BASELINE_NAME: (harness.BASELINE, options.target),
+        "checkpoint": (harness.CHECKPOINT, options.target),
+    }
     runs.update({entry: (entry, options.target) for entry in options.compare})
     runs.update({name: (scales, target) for name, scales, target in options.extra_runs})
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
     scores: dict[str, dict[str, Any]] = {}  # run -> lm-eval's own aggregate results
     configs: dict[str, Any] = {}
     for done, (name, (scales, target)) in enumerate(runs.items()):
-        notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs, {len(options.tasks)} task(s)"
-                        + (f", {options.limit} items each)" if options.limit else ")")))
-        model = harness.KvcalibLM(loaded, target=target, scales=scales, batch_size=options.batch_size)
-        out = lm_eval.simple_evaluate(model=model, tasks=list(options.tasks), num_fewshot=options.num_fewshot,
-                                      limit=options.limit, task_manager=manager, log_samples=True,
-                                      random_seed=options.seed, numpy_random_seed=options.seed,
-                                      torch_random_seed=options.seed, fewshot_random_seed=options.seed,
-                                      bootstrap_iters=0)
+        notify(
+            Progress(
+                f"tasks: {name} ({done + 1} of {len(runs)} runs, {len(options.tasks)} task(s)"
+                + (f", {options.limit} items each)" if options.limit else ")")
+            )
+        )
+        model = harness.KvcalibLM(
+            loaded, target=target, scales=scales, batch_size=options.batch_size
+        )
+        out = lm_eval.simple_evaluate(
+            model=model,
+            tasks=list(options.tasks),
+            num_fewshot=options.num_fewshot,
+            limit=options.limit,
+            task_manager=manager,
+            log_samples=True,
+            random_seed=options.seed,
+            numpy_random_seed=options.seed,
+            torch_random_seed=options.seed,
+            fewshot_random_seed=options.seed,
+            bootstrap_iters=0,
+        )
         samples[name], scores[name], configs = out["samples"], out["results"], out["configs"]
-    rows = tuple(row for task in options.tasks
-                 for row in paired_rows(task, configs.get(task, {}), samples, scores, list(runs)))
-    return TaskResult(checkpoint=str(checkpoint), target=options.target, tasks=options.tasks, rows=rows,
-                      runs=tuple(runs), limit=options.limit, num_fewshot=options.num_fewshot,
-                      compute=loaded.compute.describe(), seconds=time.perf_counter() - started,
-                      lm_eval_version=getattr(lm_eval, "__version__", ""))
+    rows = tuple(
+        row
+        for task in options.tasks
+        for row in paired_rows(task, configs.get(task, {}), samples, scores, list(runs))
+    )
+    return TaskResult(
+        checkpoint=str(checkpoint),
+        target=options.target,
+        tasks=options.tasks,
+        rows=rows,
+        runs=tuple(runs),
+        limit=options.limit,
+        num_fewshot=options.num_fewshot,
+        compute=loaded.compute.describe(),
+        seconds=time.perf_counter() - started,
+        lm_eval_version=getattr(lm_eval, "__version__", ""),
+    )
 
 
-def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, list[dict[str, Any]]]],
-                results: dict[str, dict[str, Any]], names: list[str]) -> list[TaskRow]:
+def paired_rows(
+    task: str,
+    config: dict[str, Any],
+    samples: dict[str, dict[str, list[dict[str, Any]]]],
+    results: dict[str, dict[str, Any]],
+    names: list[str],
+) -> list[TaskRow]:
     """Per metric and filter: runs paired by (doc_id, filter); a metric not a mean over items: no interval."""
     rows = []
     for spec in config.get("metric_list", []):
@@ -231,21 +323,46 @@ def paired_rows(task: str, config: dict[str, Any], samples: dict[str, dict[str, 
             scores, intervals = {}, {}
             for name in names[1:]:
                 mine = {doc: v for (f, doc), v in per_run[name].items() if f == filter_name}
-                numeric = mean and all(isinstance(mine.get(d), float) and isinstance(base[d], float) for d in docs)
-                scores[name] = _mean([mine[d] for d in docs]) if numeric \
+                numeric = mean and all(
+                    isinstance(mine.get(d), float) and isinstance(base[d], float) for d in docs
+                )
+                scores[name] = (
+                    _mean([mine[d] for d in docs])
+                    if numeric
                     else _aggregate(results, name, task, metric, filter_name)
-                intervals[name] = paired_bootstrap([mine[d] - base[d] for d in docs],
-                                                   worse_if_higher=not higher_is_better) if numeric else None
-            baseline = _mean(list(base.values())) if mean \
+                )
+                intervals[name] = (
+                    paired_bootstrap(
+                        [mine[d] - base[d] for d in docs], worse_if_higher=not higher_is_better
+                    )
+                    if numeric
+                    else None
+                )
+            baseline = (
+                _mean(list(base.values()))
+                if mean
                 else _aggregate(results, BASELINE_NAME, task, metric, filter_name)
+            )
             reason = "" if mean else f"aggregated by {aggregation}, not a mean over items"
-            rows.append(TaskRow(task=task, metric=metric, filter=filter_name, items=len(docs), baseline=baseline,
-                                higher_is_better=higher_is_better, scores=scores, intervals=intervals,
-                                no_interval_reason=reason))
+            rows.append(
+                TaskRow(
+                    task=task,
+                    metric=metric,
+                    filter=filter_name,
+                    items=len(docs),
+                    baseline=baseline,
+                    higher_is_better=higher_is_better,
+                    scores=scores,
+                    intervals=intervals,
+                    no_interval_reason=reason,
+                )
+            )
     return rows
 
 
-def _aggregate(results: dict[str, dict[str, Any]], run: str, task: str, metric: str, filter_name: str) -> float:
+def _aggregate(
+    results: dict[str, dict[str, Any]], run: str, task: str, metric: str, filter_name: str
+) -> float:
     """lm-eval's own aggregate of `metric` for one run (NaN where it reported none)."""
     try:
         return float(results[run][task][f"{metric},{filter_name}"])
@@ -268,4 +385,6 @@ def _values(items: list[dict[str, Any]], metric: str) -> dict[tuple[str, int], A
 
 def _mean(values: list[Any]) -> float:
     numbers = [v for v in values if isinstance(v, float)]
-    return math.fsum(numbers) / len(numbers) if numbers and len(numbers) == len(values) else math.nan
+    return (
+        math.fsum(numbers) / len(numbers) if numbers and len(numbers) == len(values) else math.nan
+    )

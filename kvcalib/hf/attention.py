@@ -15,8 +15,16 @@ from transformers import DynamicCache
 
 from kvcalib.core.errors import UnsupportedModelError
 
-__all__ = ["FanOutCache", "KVAbsmaxObserver", "QuantizingCache", "RecordingCache", "StopForward",
-           "attention_modules", "observe_batch", "observing_queries"]
+__all__ = [
+    "FanOutCache",
+    "KVAbsmaxObserver",
+    "QuantizingCache",
+    "RecordingCache",
+    "StopForward",
+    "attention_modules",
+    "observe_batch",
+    "observing_queries",
+]
 
 
 class RecordingCache(DynamicCache):
@@ -26,8 +34,14 @@ class RecordingCache(DynamicCache):
         super().__init__(config=config)
         self.observer = observer
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         replaced = self.observer.observe(layer_idx, key_states, value_states)
         return replaced if replaced is not None else (key_states, value_states)
 
@@ -39,8 +53,14 @@ class QuantizingCache(DynamicCache):
         super().__init__(config=config)
         self.quantizer = quantizer
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.quantizer is not None:
             key_states, value_states = self.quantizer.observe(layer_idx, key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -54,8 +74,14 @@ class FanOutCache(DynamicCache):
         super().__init__(config=config)
         self.children = children
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         for child in self.children:
             child.update(key_states, value_states, layer_idx, *args, **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -70,11 +96,17 @@ class KVAbsmaxObserver:
 
     def __init__(self, num_layers: int, queries: bool = False, sampler: Any = None) -> None:
         self.num_layers = num_layers
-        self.queries = queries  # also observe Q (see observing_queries); the forward stops after the last Q
+        self.queries = (
+            queries  # also observe Q (see observing_queries); the forward stops after the last Q
+        )
         self.sampler = sampler  # a kvcalib.hf.samples.AttentionSampler: keeps the chosen sequences' attention calls
-        self.k_heads: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads] float32 per layer
+        self.k_heads: list[torch.Tensor | None] = [
+            None
+        ] * num_layers  # [kv_heads] float32 per layer
         self.v_heads: list[torch.Tensor | None] = [None] * num_layers
-        self.q_heads: list[torch.Tensor | None] = [None] * num_layers  # [attention heads] float32 per layer
+        self.q_heads: list[torch.Tensor | None] = [
+            None
+        ] * num_layers  # [attention heads] float32 per layer
         self.observed = [0] * num_layers  # forward calls that reached each layer
         self.q_observed = [0] * num_layers
         self.token_mask: torch.Tensor | None = None
@@ -83,7 +115,8 @@ class KVAbsmaxObserver:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise UnsupportedModelError(
                 f"an attention layer reported layer_idx {layer_idx!r}, outside the model's {self.num_layers} layers",
-                hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)")
+                hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
+            )
 
     def _head_absmax(self, layer_idx: int, states: torch.Tensor) -> torch.Tensor:
         """[B, H, S, D] -> absmax per head [H] over the real tokens (NaN/inf propagate on purpose)."""
@@ -91,18 +124,24 @@ class KVAbsmaxObserver:
         mask = self.token_mask
         if mask is not None:
             if mask.shape != (per_token.shape[0], per_token.shape[2]):
-                raise RuntimeError(f"layer {layer_idx}: K/V/Q cover {(per_token.shape[0], per_token.shape[2])} "
-                                   f"tokens but the batch mask is {tuple(mask.shape)}")
+                raise RuntimeError(
+                    f"layer {layer_idx}: K/V/Q cover {(per_token.shape[0], per_token.shape[2])} "
+                    f"tokens but the batch mask is {tuple(mask.shape)}"
+                )
             per_token = per_token.masked_fill(~mask[:, None, :], 0.0)
         return per_token.amax(dim=(0, 2))
 
     @staticmethod
-    def _merge(store: list[torch.Tensor | None], layer_idx: int, heads: torch.Tensor, what: str) -> None:
+    def _merge(
+        store: list[torch.Tensor | None], layer_idx: int, heads: torch.Tensor, what: str
+    ) -> None:
         old = store[layer_idx]
         if old is not None and old.shape != heads.shape:
-            raise UnsupportedModelError(f"layer {layer_idx}: {what} had {old.numel()} heads in one forward and "
-                                        f"{heads.numel()} in another",
-                                        hint="kvcalib needs a fixed head count per layer")
+            raise UnsupportedModelError(
+                f"layer {layer_idx}: {what} had {old.numel()} heads in one forward and "
+                f"{heads.numel()} in another",
+                hint="kvcalib needs a fixed head count per layer",
+            )
         store[layer_idx] = heads if old is None else torch.maximum(old, heads)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -129,12 +168,21 @@ class KVAbsmaxObserver:
         if self.sampler is not None:
             self.sampler.end_batch()
 
-    def observe_call(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+    def observe_call(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> None:
         """One attention call as the module makes it: Q's absmax, the objective's sample; stops after the last."""
         layer_idx = getattr(module, "layer_idx", None)
         self._check_layer(layer_idx)
-        if self.queries:  # Q as the module hands it to its attention function: after RoPE (and q-norm)
+        if (
+            self.queries
+        ):  # Q as the module hands it to its attention function: after RoPE (and q-norm)
             self._merge(self.q_heads, layer_idx, self._head_absmax(layer_idx, query), "Q")
             self.q_observed[layer_idx] += 1
         if self.sampler is not None:
@@ -155,9 +203,18 @@ def observing_queries(observer: Any) -> Iterator[None]:
     def get_interface(attn_implementation: str, default: Any) -> Any:
         function = real(interface, attn_implementation, default)
 
-        def observed(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
-            attend = getattr(observer, "attend", None)  # an observer that runs the attention itself (eval's FP8)
+        def observed(
+            module: torch.nn.Module,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            *args: Any,
+            **kwargs: Any,
+        ) -> Any:
+            attend = getattr(
+                observer, "attend", None
+            )  # an observer that runs the attention itself (eval's FP8)
             if attend is not None:
                 return attend(function, module, query, key, value, attention_mask, *args, **kwargs)
             observer.observe_call(module, query, key, value, attention_mask, kwargs)
@@ -183,19 +240,28 @@ def attention_modules(model: torch.nn.Module, num_layers: int, where: object) ->
     if missing:
         raise UnsupportedModelError(
             f"{where}: no attention module (a ...Attention with a layer_idx) found for layer(s) {missing}",
-            hint="kvcalib observes the K/V that transformers' attention modules write to their KV cache")
+            hint="kvcalib observes the K/V that transformers' attention modules write to their KV cache",
+        )
     return found
 
 
 @torch.inference_mode()
-def observe_batch(decoder: torch.nn.Module, observer: KVAbsmaxObserver, input_ids: torch.Tensor,
-                  attention_mask: torch.Tensor) -> None:
+def observe_batch(
+    decoder: torch.nn.Module,
+    observer: KVAbsmaxObserver,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> None:
     """Run one right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
     observer.start_batch(input_ids, attention_mask)
     try:
         with observing_queries(observer) if observer.sees_attention_calls else nullcontext():
-            decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                    past_key_values=RecordingCache(decoder.config, observer))
+            decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=True,
+                past_key_values=RecordingCache(decoder.config, observer),
+            )
     except StopForward:
         pass
     finally:

@@ -13,8 +13,14 @@ from torch.overrides import TorchFunctionMode
 
 from kvcalib.core.cpu import ComputePath
 
-__all__ = ["FLOAT32_WEIGHTS_BUDGET", "SDPA_QUERY_BLOCK", "UPCAST_BLOCK_ELEMENTS", "Float32Weights",
-           "bf16_via_float32", "compute_path"]
+__all__ = [
+    "FLOAT32_WEIGHTS_BUDGET",
+    "SDPA_QUERY_BLOCK",
+    "UPCAST_BLOCK_ELEMENTS",
+    "Float32Weights",
+    "bf16_via_float32",
+    "compute_path",
+]
 
 # A weight is upcast for one call in row blocks of at most this many elements (64 MiB in float32).
 UPCAST_BLOCK_ELEMENTS = 16 << 20
@@ -27,7 +33,9 @@ class Float32Weights:
 
     def __init__(self, budget: int = FLOAT32_WEIGHTS_BUDGET) -> None:
         self.budget, self.used = budget, 0
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the parameter, its copy)
+        self._copies: dict[
+            int, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # id -> (the parameter, its copy)
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The float32 copy of `weight` (a bf16 nn.Parameter), made now if the budget allows; else None."""
@@ -57,8 +65,12 @@ def _up(x: Any) -> Any:
     return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            weights: Float32Weights | None = None) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weights: Float32Weights | None = None,
+) -> torch.Tensor:
     """F.linear with bf16 inputs in float32, the weight taken from `weights` or upcast in row blocks."""
     xf = x.float()
     kept = None if weights is None or weight.dtype != torch.bfloat16 else weights.get(weight)
@@ -67,9 +79,17 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     rows = max(1, UPCAST_BLOCK_ELEMENTS // max(1, weight.shape[-1]))
     if weight.shape[0] <= rows:
         return torch.nn.functional.linear(xf, weight.float(), _up(bias)).to(torch.bfloat16)
-    return torch.cat([torch.nn.functional.linear(xf, weight[i:i + rows].float(),
-                                                 None if bias is None else bias[i:i + rows].float()).to(torch.bfloat16)
-                      for i in range(0, weight.shape[0], rows)], dim=-1)
+    return torch.cat(
+        [
+            torch.nn.functional.linear(
+                xf,
+                weight[i : i + rows].float(),
+                None if bias is None else bias[i : i + rows].float(),
+            ).to(torch.bfloat16)
+            for i in range(0, weight.shape[0], rows)
+        ],
+        dim=-1,
+    )
 
 
 # Query rows per block of the emulated attention: bounds its float32 scores to [B, H, 64, S], and a causal block
@@ -77,9 +97,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 SDPA_QUERY_BLOCK = 64
 
 
-def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-          enable_gqa: bool = False) -> torch.Tensor:
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """SDPA on bf16 inputs as torch's CPU flash-attention kernel rounds: float32 scores, exp and sum, the exps in
     bf16 for the product with V (float32 accumulation), the output rounded to bf16 once."""
     if dropout_p:
@@ -94,18 +121,27 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
     for start in range(0, q_len, SDPA_QUERY_BLOCK):
         stop, block_mask = min(q_len, start + SDPA_QUERY_BLOCK), None
         if attn_mask is not None:
-            block_mask = attn_mask[..., start:stop, :] if attn_mask.shape[-2] == q_len else attn_mask
+            block_mask = (
+                attn_mask[..., start:stop, :] if attn_mask.shape[-2] == q_len else attn_mask
+            )
         lo, hi = _open_columns(block_mask, kv_len, stop if is_causal else kv_len)
         # [B, H, q, hi - lo] float32, worked on in place from here on
         scores = torch.matmul(query[..., start:stop, :].float(), kf_t[..., lo:hi]).mul_(scale)
         if is_causal:
             rows = torch.arange(start, stop, device=query.device)[:, None]
-            scores.masked_fill_(torch.arange(lo, hi, device=query.device)[None, :] > rows, float("-inf"))
+            scores.masked_fill_(
+                torch.arange(lo, hi, device=query.device)[None, :] > rows, float("-inf")
+            )
         if block_mask is not None:
             block_mask = block_mask[..., lo:hi]
-            scores = (scores.masked_fill_(~block_mask, float("-inf")) if block_mask.dtype == torch.bool
-                      else scores.add_(block_mask.float()))
-        row_max = scores.amax(dim=-1, keepdim=True).nan_to_num_(neginf=0.0)  # a fully masked row: zeros
+            scores = (
+                scores.masked_fill_(~block_mask, float("-inf"))
+                if block_mask.dtype == torch.bool
+                else scores.add_(block_mask.float())
+            )
+        row_max = scores.amax(dim=-1, keepdim=True).nan_to_num_(
+            neginf=0.0
+        )  # a fully masked row: zeros
         exp = scores.sub_(row_max).exp_()
         total = exp.sum(dim=-1, keepdim=True)
         out = torch.matmul(exp.to(torch.bfloat16).float(), vf[..., lo:hi, :]).div_(total)
@@ -117,7 +153,11 @@ def _open_columns(block_mask: torch.Tensor | None, kv_len: int, causal_end: int)
     """The key columns [lo, hi) outside which every row of a query block is masked (exp(score - max) = 0)."""
     lo, hi = 0, min(kv_len, causal_end)
     if block_mask is not None and block_mask.shape[-1] == kv_len:
-        allowed = block_mask if block_mask.dtype == torch.bool else block_mask > torch.finfo(block_mask.dtype).min / 2
+        allowed = (
+            block_mask
+            if block_mask.dtype == torch.bool
+            else block_mask > torch.finfo(block_mask.dtype).min / 2
+        )
         columns = allowed.reshape(-1, kv_len).any(dim=0).nonzero()
         if columns.numel():
             lo, hi = max(lo, int(columns[0])), min(hi, int(columns[-1]) + 1)
@@ -125,8 +165,20 @@ def _open_columns(block_mask: torch.Tensor | None, kv_len: int, causal_end: int)
 
 
 _F = torch.nn.functional
-_UPCAST_OPS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
-                         torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm, torch.einsum})
+_UPCAST_OPS = frozenset(
+    {
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.mm,
+        torch.Tensor.mm,
+        torch.bmm,
+        torch.Tensor.bmm,
+        torch.addmm,
+        torch.baddbmm,
+        torch.einsum,
+    }
+)
 
 
 class _Bf16ViaFloat32(TorchFunctionMode):
@@ -134,9 +186,16 @@ class _Bf16ViaFloat32(TorchFunctionMode):
         super().__init__()
         self.weights = weights
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
-        if func is _F.linear and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bfloat16:
+        if (
+            func is _F.linear
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].dtype == torch.bfloat16
+        ):
             return _linear(*args, **kwargs, weights=self.weights)
         if func is _F.scaled_dot_product_attention and _any_bf16(args[:3]):
             return _sdpa(*args, **kwargs)
@@ -144,22 +203,39 @@ class _Bf16ViaFloat32(TorchFunctionMode):
             return _grouped_mm(*args, **kwargs)
         if func in _UPCAST_OPS and _any_bf16(args):
             out = func(*(_up_all(a) for a in args), **{k: _up_all(v) for k, v in kwargs.items()})
-            return out.to(torch.bfloat16) if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+            return (
+                out.to(torch.bfloat16)
+                if isinstance(out, torch.Tensor) and out.is_floating_point()
+                else out
+            )
         return func(*args, **kwargs)
 
 
 # F.grouped_mm reaches a torch function mode as torch._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
-_GROUPED_MM = frozenset(f for f in (getattr(torch, "_grouped_mm", None), getattr(_F, "grouped_mm", None)) if f)
+_GROUPED_MM = frozenset(
+    f for f in (getattr(torch, "_grouped_mm", None), getattr(_F, "grouped_mm", None)) if f
+)
 
 
-def _experts_layout(mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> bool:
+def _experts_layout(
+    mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None
+) -> bool:
     """grouped_mm as MoE experts call it (transformers.integrations.moe); anything else runs as it is."""
-    return (bias is None and out_dtype in (None, torch.bfloat16) and isinstance(offs, torch.Tensor)
-            and isinstance(mat_a, torch.Tensor) and isinstance(mat_b, torch.Tensor) and mat_a.dim() == 2
-            and mat_b.dim() == 3 and offs.numel() == mat_b.shape[0])
+    return (
+        bias is None
+        and out_dtype in (None, torch.bfloat16)
+        and isinstance(offs, torch.Tensor)
+        and isinstance(mat_a, torch.Tensor)
+        and isinstance(mat_b, torch.Tensor)
+        and mat_a.dim() == 2
+        and mat_b.dim() == 3
+        and offs.numel() == mat_b.shape[0]
+    )
 
 
-def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+def _grouped_mm(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *_: Any, **__: Any
+) -> torch.Tensor:
     """Each expert's rows times its own weight, upcast alone, in float32, rounded to bf16 once."""
     out, start = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]), dtype=torch.bfloat16), 0
     for expert, end in enumerate(offs.tolist()):

@@ -18,9 +18,20 @@ import torch
 from kvcalib.core.errors import DatasetError
 from kvcalib.core.paths import require_regular_file
 
-__all__ = ["BUILDERS", "CHAT_COLUMN", "CalibrationData", "DEFAULT_TEXT_COLUMN", "batches", "default_special_tokens",
-           "leading_special_tokens", "load_calibration_data", "load_rows", "resolve_column", "special_tokens_rule",
-           "tokenize_as_served"]
+__all__ = [
+    "BUILDERS",
+    "CHAT_COLUMN",
+    "CalibrationData",
+    "DEFAULT_TEXT_COLUMN",
+    "batches",
+    "default_special_tokens",
+    "leading_special_tokens",
+    "load_calibration_data",
+    "load_rows",
+    "resolve_column",
+    "special_tokens_rule",
+    "tokenize_as_served",
+]
 
 # file suffix -> datasets' packaged builder
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -39,7 +50,9 @@ class CalibrationData:
     column: str
     rows_selected: int
     rows_empty: int  # rows that tokenised to nothing (skipped)
-    special_tokens: tuple[int, ...] = ()  # what the tokenizer added to the plain-text rows (e.g. BOS)
+    special_tokens: tuple[
+        int, ...
+    ] = ()  # what the tokenizer added to the plain-text rows (e.g. BOS)
     special_tokens_rule: str = ""  # how rows were tokenised (special_tokens_rule())
 
     @property
@@ -58,8 +71,13 @@ def load_rows(dataset: str, split: str):
     path = Path(dataset).expanduser()
     try:
         if os.path.lexists(path) and not path.is_dir():
-            require_regular_file(path, "dataset file", error=DatasetError, missing=DatasetError,
-                                 hint=f"pass a {', '.join(sorted(BUILDERS))} file, or a directory of them")
+            require_regular_file(
+                path,
+                "dataset file",
+                error=DatasetError,
+                missing=DatasetError,
+                hint=f"pass a {', '.join(sorted(BUILDERS))} file, or a directory of them",
+            )
             return _load_files([path], split)
         if path.is_dir():
             if any((path / name).exists() for name in _SAVED):
@@ -71,26 +89,43 @@ def load_rows(dataset: str, split: str):
     except DatasetError:
         raise
     except (ValueError, FileNotFoundError, OSError, KeyError) as exc:
-        raise DatasetError(f"cannot read dataset {dataset} (split {split!r}): {exc}",
-                           hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory, a save_to_disk "
-                           "directory, or a hub dataset id on a machine that is online") from None
-    except Exception as exc:  # datasets raises its own families (DatasetGenerationError, hub errors)
-        if type(exc).__module__.split(".")[0] not in {"datasets", "huggingface_hub", "pyarrow", "requests", "httpx"}:
+        raise DatasetError(
+            f"cannot read dataset {dataset} (split {split!r}): {exc}",
+            hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory, a save_to_disk "
+            "directory, or a hub dataset id on a machine that is online",
+        ) from None
+    except (
+        Exception
+    ) as exc:  # datasets raises its own families (DatasetGenerationError, hub errors)
+        if type(exc).__module__.split(".")[0] not in {
+            "datasets",
+            "huggingface_hub",
+            "pyarrow",
+            "requests",
+            "httpx",
+        }:
             raise
         cause = exc.__cause__ or exc.__context__
-        raise DatasetError(f"cannot read dataset {dataset} (split {split!r}): {exc}"
-                           + (f" ({cause})" if cause is not None else ""),
-                           hint="check that every file is well-formed (one JSON object per line in .jsonl, a header "
-                                "row in .csv)") from None
+        raise DatasetError(
+            f"cannot read dataset {dataset} (split {split!r}): {exc}"
+            + (f" ({cause})" if cause is not None else ""),
+            hint="check that every file is well-formed (one JSON object per line in .jsonl, a header "
+            "row in .csv)",
+        ) from None
 
 
 def _data_files(path: Path) -> list[Path]:
     """The data files under a directory; an entry with a data suffix that is no regular file is refused."""
-    files = [require_regular_file(entry, "dataset file", error=DatasetError, missing=DatasetError)
-             for entry in sorted(path.rglob("*")) if entry.suffix.lower() in BUILDERS and not entry.is_dir()]
+    files = [
+        require_regular_file(entry, "dataset file", error=DatasetError, missing=DatasetError)
+        for entry in sorted(path.rglob("*"))
+        if entry.suffix.lower() in BUILDERS and not entry.is_dir()
+    ]
     if not files:
-        raise DatasetError(f"no data files in {path}",
-                           hint=f"put {', '.join(sorted(BUILDERS))} files there, or a dataset saved with save_to_disk")
+        raise DatasetError(
+            f"no data files in {path}",
+            hint=f"put {', '.join(sorted(BUILDERS))} files there, or a dataset saved with save_to_disk",
+        )
     return files
 
 
@@ -100,14 +135,20 @@ def _load_files(files: list[Path], split: str):
     suffixes = {p.suffix.lower() for p in files}
     builders = {BUILDERS.get(s) for s in suffixes}
     if None in builders:
-        raise DatasetError(f"unsupported dataset file type {sorted(suffixes)} ({files[0]})",
-                           hint=f"use one of {', '.join(sorted(BUILDERS))}")
+        raise DatasetError(
+            f"unsupported dataset file type {sorted(suffixes)} ({files[0]})",
+            hint=f"use one of {', '.join(sorted(BUILDERS))}",
+        )
     if len(builders) > 1:
-        raise DatasetError(f"mixed dataset file types {sorted(suffixes)} under one dataset path",
-                           hint="keep one file type per dataset directory")
+        raise DatasetError(
+            f"mixed dataset file types {sorted(suffixes)} under one dataset path",
+            hint="keep one file type per dataset directory",
+        )
     if split != "train":
-        raise DatasetError(f"local data files have only the split 'train', not {split!r}",
-                           hint="drop --split, or save a DatasetDict with save_to_disk to keep named splits")
+        raise DatasetError(
+            f"local data files have only the split 'train', not {split!r}",
+            hint="drop --split, or save a DatasetDict with save_to_disk to keep named splits",
+        )
     (builder,) = builders
     for path in files:
         _check_file(path)
@@ -124,7 +165,9 @@ def _check_file(path: Path) -> None:
         with open(path, "rb") as f:
             if path.suffix.lower() != ".jsonl":
                 if not f.read(1):
-                    raise DatasetError(f"dataset file {path} is empty", hint="pass a file with text in it")
+                    raise DatasetError(
+                        f"dataset file {path} is empty", hint="pass a file with text in it"
+                    )
                 return
             rows = 0
             for number, line in enumerate(f, start=1):
@@ -133,17 +176,25 @@ def _check_file(path: Path) -> None:
                 try:
                     row = json.loads(line)
                 except ValueError as exc:
-                    raise DatasetError(f"{path}: line {number} is not valid JSON ({exc})", hint=one_object) from None
+                    raise DatasetError(
+                        f"{path}: line {number} is not valid JSON ({exc})", hint=one_object
+                    ) from None
                 if not isinstance(row, dict):
-                    raise DatasetError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object",
-                                       hint=one_object)
+                    raise DatasetError(
+                        f"{path}: line {number} is a JSON {type(row).__name__}, not an object",
+                        hint=one_object,
+                    )
                 rows += 1
     except OSError as exc:
-        raise DatasetError(f"cannot read dataset file {path}: {exc.strerror or exc}",
-                           hint="check the file's permissions") from None
+        raise DatasetError(
+            f"cannot read dataset file {path}: {exc.strerror or exc}",
+            hint="check the file's permissions",
+        ) from None
     if rows == 0:
-        raise DatasetError(f"dataset file {path} has no rows (it is empty or blank)",
-                           hint='pass a .jsonl file with one JSON object per line, e.g. {"text": "..."}')
+        raise DatasetError(
+            f"dataset file {path} has no rows (it is empty or blank)",
+            hint='pass a .jsonl file with one JSON object per line, e.g. {"text": "..."}',
+        )
 
 
 def _pick_split(obj: Any, split: str, name: str):
@@ -151,8 +202,10 @@ def _pick_split(obj: Any, split: str, name: str):
 
     if isinstance(obj, datasets.DatasetDict):
         if split not in obj:
-            raise DatasetError(f"dataset {name} has no split {split!r}; it has {sorted(obj)}",
-                               hint="pass one of them with --split")
+            raise DatasetError(
+                f"dataset {name} has no split {split!r}; it has {sorted(obj)}",
+                hint="pass one of them with --split",
+            )
         return obj[split]
     return obj
 
@@ -161,59 +214,110 @@ def resolve_column(column_names: list[str], text_column: str | None, source: str
     """The column to read: the one asked for, else `text`, else `messages`."""
     if text_column is not None:
         if text_column not in column_names:
-            raise DatasetError(f"dataset {source} has no column {text_column!r}; it has {column_names}",
-                               hint="pass one of them with --text-column")
+            raise DatasetError(
+                f"dataset {source} has no column {text_column!r}; it has {column_names}",
+                hint="pass one of them with --text-column",
+            )
         return text_column
     for candidate in (DEFAULT_TEXT_COLUMN, CHAT_COLUMN):
         if candidate in column_names:
             return candidate
-    raise DatasetError(f"dataset {source} has no 'text' or 'messages' column; it has {column_names}",
-                       hint="name the text column with --text-column")
+    raise DatasetError(
+        f"dataset {source} has no 'text' or 'messages' column; it has {column_names}",
+        hint="name the text column with --text-column",
+    )
 
 
-def load_calibration_data(dataset: str, tokenizer: Any, *, split: str = "train", text_column: str | None = None,
-                          num_samples: int = 512, max_seq_len: int = 2048, seed: int = 42,
-                          add_special_tokens: bool | None = None) -> CalibrationData:
+def load_calibration_data(
+    dataset: str,
+    tokenizer: Any,
+    *,
+    split: str = "train",
+    text_column: str | None = None,
+    num_samples: int = 512,
+    max_seq_len: int = 2048,
+    seed: int = 42,
+    add_special_tokens: bool | None = None,
+) -> CalibrationData:
     """Select, render and tokenise calibration samples (see the module docstring)."""
     import datasets
 
     ds = load_rows(dataset, split)
     column = resolve_column(list(ds.column_names), text_column, dataset)
     if len(ds) == 0:
-        raise DatasetError(f"dataset {dataset} (split {split!r}) has no rows", hint="pass a dataset with text in it")
+        raise DatasetError(
+            f"dataset {dataset} (split {split!r}) has no rows",
+            hint="pass a dataset with text in it",
+        )
     ds = ds.select(range(min(num_samples, len(ds))))
-    rendered = [_render(row, column, tokenizer, dataset, number) for number, row in enumerate(ds[column], start=1)]
+    rendered = [
+        _render(row, column, tokenizer, dataset, number)
+        for number, row in enumerate(ds[column], start=1)
+    ]
     # the order ds.shuffle(seed=seed) gives, as llm-compressor's
-    order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=seed)["row"]
+    order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=seed)[
+        "row"
+    ]
     texts, chat = [rendered[i][0] for i in order], [rendered[i][1] for i in order]
     encoded = tokenize_as_served(tokenizer, texts, chat, max_seq_len, add_special_tokens)
     sequences = tuple(tuple(ids) for ids in encoded if len(ids) > 0)
     if not sequences:
-        raise DatasetError(f"dataset {dataset}: all {len(texts)} selected rows of column {column!r} are empty",
-                           hint="pass a dataset with text in it")
-    added = default_special_tokens(tokenizer) if add_special_tokens is not False and not all(chat) else ()
-    return CalibrationData(sequences, dataset, split, column, len(texts), len(texts) - len(sequences), added,
-                           special_tokens_rule(add_special_tokens))
+        raise DatasetError(
+            f"dataset {dataset}: all {len(texts)} selected rows of column {column!r} are empty",
+            hint="pass a dataset with text in it",
+        )
+    added = (
+        default_special_tokens(tokenizer)
+        if add_special_tokens is not False and not all(chat)
+        else ()
+    )
+    return CalibrationData(
+        sequences,
+        dataset,
+        split,
+        column,
+        len(texts),
+        len(texts) - len(sequences),
+        added,
+        special_tokens_rule(add_special_tokens),
+    )
 
 
 def special_tokens_rule(add_special_tokens: bool | None) -> str:
     """The provenance's words for how the rows were tokenised."""
     if add_special_tokens is None:
         return "as served: plain text with the tokenizer's default special tokens, chat-template text with none"
-    return "every row with the tokenizer's special tokens" if add_special_tokens else "no special tokens added"
+    return (
+        "every row with the tokenizer's special tokens"
+        if add_special_tokens
+        else "no special tokens added"
+    )
 
 
-def tokenize_as_served(tokenizer: Any, texts: list[str], chat: list[bool], max_seq_len: int,
-                       add_special_tokens: bool | None = None) -> list[list[int]]:
+def tokenize_as_served(
+    tokenizer: Any,
+    texts: list[str],
+    chat: list[bool],
+    max_seq_len: int,
+    add_special_tokens: bool | None = None,
+) -> list[list[int]]:
     """Token ids of each text as vLLM sends it (module docstring); an empty text stays empty."""
     out: list[list[int]] = [[] for _ in texts]
     for rendered_chat in (False, True):
-        rows = [i for i, (text, is_chat) in enumerate(zip(texts, chat)) if is_chat == rendered_chat and text]
+        rows = [
+            i
+            for i, (text, is_chat) in enumerate(zip(texts, chat))
+            if is_chat == rendered_chat and text
+        ]
         if not rows:
             continue
         add = (not rendered_chat) if add_special_tokens is None else add_special_tokens
-        ids = tokenizer([texts[i] for i in rows], add_special_tokens=add, truncation=True,
-                        max_length=max_seq_len)["input_ids"]
+        ids = tokenizer(
+            [texts[i] for i in rows],
+            add_special_tokens=add,
+            truncation=True,
+            max_length=max_seq_len,
+        )["input_ids"]
         for i, row_ids in zip(rows, ids):
             out[i] = list(row_ids)
     return out
@@ -221,7 +325,9 @@ def tokenize_as_served(tokenizer: Any, texts: list[str], chat: list[bool], max_s
 
 def _bare_and_full(tokenizer: Any) -> tuple[list[int], list[int]]:
     """A one-letter text's ids without and with the tokenizer's default special tokens."""
-    return tokenizer("a", add_special_tokens=False)["input_ids"], tokenizer("a", add_special_tokens=True)["input_ids"]
+    return tokenizer("a", add_special_tokens=False)["input_ids"], tokenizer(
+        "a", add_special_tokens=True
+    )["input_ids"]
 
 
 def default_special_tokens(tokenizer: Any) -> tuple[int, ...]:
@@ -234,7 +340,7 @@ def leading_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids the tokenizer puts before plain text by default (BOS), in order; () if none."""
     bare, full = _bare_and_full(tokenizer)
     for start in range(len(full) - len(bare) + 1):
-        if full[start:start + len(bare)] == bare:
+        if full[start : start + len(bare)] == bare:
             return tuple(full[:start])
     return ()
 
@@ -248,18 +354,25 @@ def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> t
     where = f"{source}: row {row}, column {column!r}"
     if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         if not getattr(tokenizer, "chat_template", None):
-            raise DatasetError(f"{where} holds chat messages but the model has no chat template",
-                               hint="pass a text column with --text-column")
+            raise DatasetError(
+                f"{where} holds chat messages but the model has no chat template",
+                hint="pass a text column with --text-column",
+            )
         for number, message in enumerate(value, start=1):
             _check_message(message, f"{where}, message {number}")
         try:
             return tokenizer.apply_chat_template(value, tokenize=False), True
         except Exception as exc:  # noqa: BLE001 -- jinja2's errors, or the template's own raise_exception
-            raise DatasetError(f"{where}: the model's chat template refuses these messages ({exc})",
-                               hint="each message needs a 'role' the template knows and string 'content'") from None
+            raise DatasetError(
+                f"{where}: the model's chat template refuses these messages ({exc})",
+                hint="each message needs a 'role' the template knows and string 'content'",
+            ) from None
     kind = "a list of non-messages" if isinstance(value, list) else type(value).__name__
-    raise DatasetError(f"{where} holds {kind}, not text or chat messages", hint="name a text column with "
-                       '--text-column, or give chat rows as [{"role": ..., "content": ...}]')
+    raise DatasetError(
+        f"{where} holds {kind}, not text or chat messages",
+        hint="name a text column with "
+        '--text-column, or give chat rows as [{"role": ..., "content": ...}]',
+    )
 
 
 def _check_message(message: dict, where: str) -> None:
@@ -268,19 +381,22 @@ def _check_message(message: dict, where: str) -> None:
         if message.get(key) is None:  # datasets fills a key other rows have with None
             raise DatasetError(f"{where} has no {key!r}", hint=hint)
         if not isinstance(message[key], str):
-            raise DatasetError(f"{where}: {key!r} is {type(message[key]).__name__}, not a string", hint=hint)
+            raise DatasetError(
+                f"{where}: {key!r} is {type(message[key]).__name__}, not a string", hint=hint
+            )
 
 
-def batches(sequences: tuple[tuple[int, ...], ...], batch_size: int, pad_id: int = 0
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    sequences: tuple[tuple[int, ...], ...], batch_size: int, pad_id: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Right-padded (input_ids, attention_mask) batches, longest first to waste little padding."""
     order = sorted(sequences, key=len, reverse=True)
     for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+        chunk = order[start : start + batch_size]
         width = len(chunk[0])
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for row, seq in enumerate(chunk):
-            ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[row, :len(seq)] = 1
+            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
         yield ids, mask

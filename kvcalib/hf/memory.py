@@ -14,8 +14,19 @@ import torch
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import OutOfMemoryError
 
-__all__ = ["GiB", "HEADROOM", "EngineChoice", "MemoryLimit", "available_memory", "choose_engine",
-           "out_of_memory_error", "peak_rss_bytes", "proc_status", "release_free_memory", "weight_bytes"]
+__all__ = [
+    "GiB",
+    "HEADROOM",
+    "EngineChoice",
+    "MemoryLimit",
+    "available_memory",
+    "choose_engine",
+    "out_of_memory_error",
+    "peak_rss_bytes",
+    "proc_status",
+    "release_free_memory",
+    "weight_bytes",
+]
 
 GiB = 1 << 30
 HEADROOM = 1.2  # weights plus activations, the loader's copies, the runtime: stream when weights * HEADROOM do not fit
@@ -43,10 +54,14 @@ class EngineChoice:
 def weight_bytes(checkpoint: Checkpoint | Path, dtype: torch.dtype | None) -> int:
     """Bytes the checkpoint's tensors take in `dtype` (floating tensors; others as stored)."""
     checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
-    return checkpoint.weight_bytes(torch.tensor([], dtype=dtype).element_size() if dtype is not None else None)
+    return checkpoint.weight_bytes(
+        torch.tensor([], dtype=dtype).element_size() if dtype is not None else None
+    )
 
 
-def available_memory(device: torch.device | None = None, proc: Path = PROC, sys: Path = SYS) -> MemoryLimit:
+def available_memory(
+    device: torch.device | None = None, proc: Path = PROC, sys: Path = SYS
+) -> MemoryLimit:
     """The tightest of MemAvailable, the cgroup limit, the rlimits (and a CUDA device's free memory)."""
     limits: list[MemoryLimit] = []
     meminfo = _read_kib_fields(proc / "meminfo")
@@ -66,26 +81,47 @@ def available_memory(device: torch.device | None = None, proc: Path = PROC, sys:
     return min(limits, key=lambda limit: limit.available, default=MemoryLimit(_NO_LIMIT, "unknown"))
 
 
-def choose_engine(requested: str, checkpoint: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device,
-                  copies: int = 1, host: MemoryLimit | None = None) -> EngineChoice:
+def choose_engine(
+    requested: str,
+    checkpoint: Checkpoint | Path,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    copies: int = 1,
+    host: MemoryLimit | None = None,
+) -> EngineChoice:
     """`requested` unless "auto": then "stream" if the weights would not fit in `host` (None: available_memory)."""
     if requested != "auto":
         return EngineChoice(requested, None, None)
     checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
     needed = weight_bytes(checkpoint, dtype)
-    in_dtype = (str(dtype).removeprefix("torch.") if dtype is not None
-                else "/".join(checkpoint.stored_float_dtypes()) or "the stored dtypes")
+    in_dtype = (
+        str(dtype).removeprefix("torch.")
+        if dtype is not None
+        else "/".join(checkpoint.stored_float_dtypes()) or "the stored dtypes"
+    )
     host = host or available_memory()
     limits = [host]
     if device.type == "cuda":  # the in-memory engine loads on the host, then moves to the GPU
         limits.append(available_memory(device))
     for limit in limits:
-        per_process = limit.available if limit.source.startswith("cuda") else limit.available // max(copies, 1)
+        per_process = (
+            limit.available
+            if limit.source.startswith("cuda")
+            else limit.available // max(copies, 1)
+        )
         if needed * HEADROOM > per_process:
-            who = f" per process ({copies} on this host)" if copies > 1 and not limit.source.startswith("cuda") else ""
-            return EngineChoice("stream", limit, f"streaming the model layer by layer: its weights need "
-                                f"{needed / GiB:.2f} GiB in {in_dtype} (x{HEADROOM} headroom) but only "
-                                f"{per_process / GiB:.2f} GiB is available{who} ({limit.source})")
+            who = (
+                f" per process ({copies} on this host)"
+                if copies > 1 and not limit.source.startswith("cuda")
+                else ""
+            )
+            return EngineChoice(
+                "stream",
+                limit,
+                f"streaming the model layer by layer: its weights need "
+                f"{needed / GiB:.2f} GiB in {in_dtype} (x{HEADROOM} headroom) but only "
+                f"{per_process / GiB:.2f} GiB is available{who} ({limit.source})",
+            )
     return EngineChoice("native", host, None)
 
 
@@ -129,12 +165,16 @@ def _cgroup_headroom(proc: Path, sys: Path) -> int | None:
         _id, controllers, path = entry.split(":", 2)
         rel = path.lstrip("/")
         if controllers == "":  # v2 unified hierarchy
-            candidates = [(root / rel / "memory.max", root / rel / "memory.current"),
-                          (root / "memory.max", root / "memory.current")]
+            candidates = [
+                (root / rel / "memory.max", root / rel / "memory.current"),
+                (root / "memory.max", root / "memory.current"),
+            ]
         elif "memory" in controllers.split(","):
             base = root / "memory"
-            candidates = [(base / rel / "memory.limit_in_bytes", base / rel / "memory.usage_in_bytes"),
-                          (base / "memory.limit_in_bytes", base / "memory.usage_in_bytes")]
+            candidates = [
+                (base / rel / "memory.limit_in_bytes", base / rel / "memory.usage_in_bytes"),
+                (base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"),
+            ]
         else:
             continue
         for limit_path, usage_path in candidates:
@@ -170,15 +210,25 @@ def _malloc_trim() -> Any:
     return trim
 
 
-def out_of_memory_error(exc: BaseException, engine: str, device: torch.device) -> OutOfMemoryError | None:
+def out_of_memory_error(
+    exc: BaseException, engine: str, device: torch.device
+) -> OutOfMemoryError | None:
     """A clear error for an allocation that failed (host or GPU); None for any other exception."""
     text = str(exc)
-    oom = (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "allocate memory" in text
-           or "out of memory" in text.lower())
+    oom = (
+        isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+        or "allocate memory" in text
+        or "out of memory" in text.lower()
+    )
     if not oom:
         return None
     first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    hint = ("rerun with --stream-layers (one decoder layer in memory at a time)" if engine != "stream"
-            else "lower --batch-size or --max-seq-len, or free memory on this machine")
-    return OutOfMemoryError(f"ran out of memory on {device} calibrating with the {engine} engine ({first_line})",
-                            hint=hint)
+    hint = (
+        "rerun with --stream-layers (one decoder layer in memory at a time)"
+        if engine != "stream"
+        else "lower --batch-size or --max-seq-len, or free memory on this machine"
+    )
+    return OutOfMemoryError(
+        f"ran out of memory on {device} calibrating with the {engine} engine ({first_line})",
+        hint=hint,
+    )

@@ -12,16 +12,39 @@ import torch
 from kvcalib.core import fp8, mxfp4, schema
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute
-from kvcalib.core.errors import (CheckpointNotFoundError, CheckpointReadError, UnknownTargetError,
-                                 UnsupportedModelError, UsageError)
+from kvcalib.core.errors import (
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    UnknownTargetError,
+    UnsupportedModelError,
+    UsageError,
+)
 from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key
 
-__all__ = ["DTYPES", "PreparedRun", "check_index_files", "check_loading_info", "faithful_attention", "prepare_run",
-           "build_skeleton", "check_supported_model", "effective_dtype", "load_model", "load_model_config",
-           "load_tokenizer", "num_layers", "pad_id", "resolve_compute", "resolve_device", "resolve_dtype",
-           "resolve_model_dir", "resolve_target", "text_config"]
+__all__ = [
+    "DTYPES",
+    "PreparedRun",
+    "check_index_files",
+    "check_loading_info",
+    "faithful_attention",
+    "prepare_run",
+    "build_skeleton",
+    "check_supported_model",
+    "effective_dtype",
+    "load_model",
+    "load_model_config",
+    "load_tokenizer",
+    "num_layers",
+    "pad_id",
+    "resolve_compute",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_model_dir",
+    "resolve_target",
+    "text_config",
+]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -65,7 +88,9 @@ def resolve_device(name: str) -> torch.device:
     except RuntimeError:
         raise UsageError(f"unknown --device {name!r}", hint="use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but torch sees no CUDA device", hint="use --device cpu")
+        raise UsageError(
+            "--device cuda was asked for but torch sees no CUDA device", hint="use --device cpu"
+        )
     return device
 
 
@@ -77,14 +102,20 @@ def effective_dtype(checkpoint: Checkpoint, dtype: torch.dtype | None) -> torch.
     return getattr(torch, stored) if stored else torch.get_default_dtype()
 
 
-def resolve_compute(requested: str, dtype: torch.dtype | None, checkpoint: Checkpoint, device: torch.device,
-                    cpu: HostCpu | None) -> ComputePath:
+def resolve_compute(
+    requested: str,
+    dtype: torch.dtype | None,
+    checkpoint: Checkpoint,
+    device: torch.device,
+    cpu: HostCpu | None,
+) -> ComputePath:
     """The compute path for the model's effective dtype (`dtype`, else the checkpoint's own)."""
     try:
         return choose_compute(requested, effective_dtype(checkpoint, dtype), device, cpu)
     except ValueError as exc:
-        raise UsageError(str(exc),
-                         hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16") from None
+        raise UsageError(
+            str(exc), hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16"
+        ) from None
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -92,8 +123,10 @@ def resolve_model_dir(model: str | Path) -> Path:
     path = Path(model).expanduser()
     if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
         if not path.is_dir():
-            raise CheckpointNotFoundError(f"model directory not found: {model}", hint="pass a local Hugging Face "
-                                          "checkpoint directory (config.json + *.safetensors)")
+            raise CheckpointNotFoundError(
+                f"model directory not found: {model}",
+                hint="pass a local Hugging Face checkpoint directory (config.json + *.safetensors)",
+            )
         return path
     try:  # looks like a hub id (org/name) and is not a local path
         from huggingface_hub import snapshot_download
@@ -103,7 +136,8 @@ def resolve_model_dir(model: str | Path) -> Path:
     except Exception as exc:  # huggingface_hub raises many types; all mean "could not fetch"
         raise CheckpointNotFoundError(
             f"model {model} is not a local directory and could not be fetched from the hub ({type(exc).__name__})",
-            hint="pass a local checkpoint directory, or run where the hub is reachable") from None
+            hint="pass a local checkpoint directory, or run where the hub is reachable",
+        ) from None
 
 
 def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
@@ -114,39 +148,60 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
 
     # read from the lazy AutoModelForCausalLM's own module: importing transformers.models.auto directly would run
     # transformers/models/__init__.py, a scan of every model's directory
-    causal_names = importlib.import_module(AutoModelForCausalLM.__module__).MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    causal_names = importlib.import_module(
+        AutoModelForCausalLM.__module__
+    ).MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_dir, config = checkpoint.root, checkpoint.config
     model_type, architectures = config.get("model_type"), config.get("architectures") or []
     remote = trust_remote_code and "AutoModelForCausalLM" in (config.get("auto_map") or {})
-    causal = (any(isinstance(a, str) and (a in causal_names.values() or a.endswith("ForCausalLM"))
-                  for a in architectures) if architectures else model_type in causal_names)
+    causal = (
+        any(
+            isinstance(a, str) and (a in causal_names.values() or a.endswith("ForCausalLM"))
+            for a in architectures
+        )
+        if architectures
+        else model_type in causal_names
+    )
     if not (causal or remote):
         raise UnsupportedModelError(
             f"{model_dir}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a causal "
             "language model transformers can load with AutoModelForCausalLM",
-            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)")
+            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)",
+        )
     qcfg = config.get("quantization_config") or config.get("compression_config")
     if qcfg:
-        method = str(qcfg.get("quant_method", "")).lower().replace("_", "-") if isinstance(qcfg, dict) else ""
+        method = (
+            str(qcfg.get("quant_method", "")).lower().replace("_", "-")
+            if isinstance(qcfg, dict)
+            else ""
+        )
         groups = qcfg.get("config_groups") if isinstance(qcfg, dict) else None
         # MXFP4 experts are calibrated as they are (core.mxfp4: only --target gpu is refused, by calibrate);
         # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
         released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
-        if not released_mxfp4 and (method != "compressed-tensors"
-                                   or (groups and len(fp8_attention_groups(groups)) != len(groups))):
-            raise UnsupportedModelError(f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
-                                        f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
-                                        hint="calibrate from the unquantised (bf16/fp16) checkpoint")
+        if not released_mxfp4 and (
+            method != "compressed-tensors"
+            or (groups and len(fp8_attention_groups(groups)) != len(groups))
+        ):
+            raise UnsupportedModelError(
+                f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
+                f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
+                hint="calibrate from the unquantised (bf16/fp16) checkpoint",
+            )
     if not checkpoint.files.files:
-        raise UnsupportedModelError(f"{model_dir}: no *.safetensors weights",
-                                    hint="convert the checkpoint to safetensors (save_pretrained does this by default)")
+        raise UnsupportedModelError(
+            f"{model_dir}: no *.safetensors weights",
+            hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
+        )
     check_index_files(checkpoint)
     _refuse_special_files(model_dir)
     layers = config.get("num_hidden_layers", schema.text_config(config).get("num_hidden_layers"))
     if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
-        raise UnsupportedModelError(f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
-                                    hint="a decoder needs at least one layer; restore config.json from the original")
+        raise UnsupportedModelError(
+            f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
+            hint="a decoder needs at least one layer; restore config.json from the original",
+        )
 
 
 def _refuse_special_files(model_dir: Path) -> None:
@@ -154,13 +209,19 @@ def _refuse_special_files(model_dir: Path) -> None:
     for entry in sorted(model_dir.iterdir()):
         if entry.is_dir() or entry.name.startswith("."):
             continue
-        require_regular_file(entry, "checkpoint file", error=CheckpointReadError,
-                             hint="every file of a checkpoint is a regular file; replace it with the real one")
+        require_regular_file(
+            entry,
+            "checkpoint file",
+            error=CheckpointReadError,
+            hint="every file of a checkpoint is a regular file; replace it with the real one",
+        )
 
 
 def check_index_files(checkpoint: Checkpoint) -> None:
     """Every shard the index names exists (transformers would stop on the first one missing, with a traceback)."""
-    missing: dict[str, list[str]] = {}  # the scanner refused an index that is not an object, or its weight_map
+    missing: dict[
+        str, list[str]
+    ] = {}  # the scanner refused an index that is not an object, or its weight_map
     for key, name in (checkpoint.files.weight_map or {}).items():
         if not isinstance(name, str) or name not in checkpoint.files.headers:
             missing.setdefault(str(name), []).append(key)
@@ -170,7 +231,8 @@ def check_index_files(checkpoint: Checkpoint) -> None:
             f"{checkpoint.root / INDEX_FILENAME} names {name}, which is not in {checkpoint.root} "
             f"({len(keys)} tensor(s), e.g. {min(keys)})"
             + (f"; {len(missing) - 1} more file(s) are missing" if len(missing) > 1 else ""),
-            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way")
+            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way",
+        )
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
@@ -179,8 +241,10 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
     try:
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise UnsupportedModelError(f"{model_dir}: cannot load the tokenizer ({exc})",
-                                    hint="the checkpoint needs its tokenizer files (tokenizer.json, ...)") from None
+        raise UnsupportedModelError(
+            f"{model_dir}: cannot load the tokenizer ({exc})",
+            hint="the checkpoint needs its tokenizer files (tokenizer.json, ...)",
+        ) from None
 
 
 def load_model_config(model_dir: Path, trust_remote_code: bool) -> Any:
@@ -199,8 +263,13 @@ def faithful_attention(config: dict[str, Any]) -> str | None:
     return "eager" if schema.text_config(config).get("attn_logit_softcapping") else None
 
 
-def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool,
-               attn_implementation: str | None = None) -> torch.nn.Module:
+def load_model(
+    model: Checkpoint | Path,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    trust_remote_code: bool,
+    attn_implementation: str | None = None,
+) -> torch.nn.Module:
     """The model in `dtype` (None: stored) on `device`, eval mode; MXFP4 experts dequantized as they load."""
     from transformers import AutoModelForCausalLM
 
@@ -210,10 +279,20 @@ def load_model(model: Checkpoint | Path, dtype: torch.dtype | None, device: torc
     try:
         with mxfp4.dequantized_on_load(checkpoint.files.key_files, config) as quantization:
             model, info = AutoModelForCausalLM.from_pretrained(
-                model_dir, config=config, dtype=dtype if dtype is not None else "auto", output_loading_info=True,
-                attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, **quantization,
-                ignore_mismatched_sizes=True)  # reported in the loading info (and refused there), not raised
-    except (ValueError, ImportError, NotImplementedError) as exc:  # what transformers raises for a model it cannot run
+                model_dir,
+                config=config,
+                dtype=dtype if dtype is not None else "auto",
+                output_loading_info=True,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+                **quantization,
+                ignore_mismatched_sizes=True,
+            )  # reported in the loading info (and refused there), not raised
+    except (
+        ValueError,
+        ImportError,
+        NotImplementedError,
+    ) as exc:  # what transformers raises for a model it cannot run
         raise UnsupportedModelError(
             f"{model_dir}: transformers cannot run this {type(config).__name__.removesuffix('Config')} model "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
@@ -227,27 +306,44 @@ def check_loading_info(model_dir: Path, info: dict[str, Any]) -> None:
     """UnsupportedModelError when the loaded weights do not match the config (transformers fills gaps at random)."""
     missing = sorted(info.get("missing_keys") or ())
     unexpected = sorted(k for k in info.get("unexpected_keys") or () if not is_kv_scale_key(k))
-    mismatched = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or ())
-    problems = [f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
-                for what, keys in (("missing from the checkpoint", missing), ("not in the model", unexpected),
-                                   ("with the wrong shape", mismatched)) if keys]
+    mismatched = sorted(
+        str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or ()
+    )
+    problems = [
+        f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+        for what, keys in (
+            ("missing from the checkpoint", missing),
+            ("not in the model", unexpected),
+            ("with the wrong shape", mismatched),
+        )
+        if keys
+    ]
     if problems:
         raise UnsupportedModelError(
-            f"{model_dir}: the safetensors weights do not match config.json: " + "; ".join(problems),
+            f"{model_dir}: the safetensors weights do not match config.json: "
+            + "; ".join(problems),
             hint="transformers would fill missing weights with random values; use the config.json and the "
-                 "*.safetensors files of one and the same model")
+            "*.safetensors files of one and the same model",
+        )
 
 
-def build_skeleton(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool,
-                   attn_implementation: str | None = None) -> torch.nn.Module:
+def build_skeleton(
+    model_dir: Path,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    attn_implementation: str | None = None,
+) -> torch.nn.Module:
     """The model with every parameter on the meta device and real buffers (rotary frequencies)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(load_model_config(model_dir, trust_remote_code), dtype=dtype,
-                                                 attn_implementation=attn_implementation,
-                                                 trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(
+            load_model_config(model_dir, trust_remote_code),
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
     return model.requires_grad_(False).eval()
 
 
@@ -262,4 +358,6 @@ def num_layers(model: torch.nn.Module) -> int:
 
 
 def pad_id(tokenizer: Any) -> int:
-    return next((int(c) for c in (tokenizer.pad_token_id, tokenizer.eos_token_id) if c is not None), 0)
+    return next(
+        (int(c) for c in (tokenizer.pad_token_id, tokenizer.eos_token_id) if c is not None), 0
+    )

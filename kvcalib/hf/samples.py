@@ -13,8 +13,15 @@ import torch
 
 from kvcalib.hf.data import batches
 
-__all__ = ["ROWS_PER_SEQUENCE", "SAMPLE_TOKENS", "AttentionSample", "AttentionSampler", "attention_error",
-           "attention_rows", "sample_sequences"]
+__all__ = [
+    "ROWS_PER_SEQUENCE",
+    "SAMPLE_TOKENS",
+    "AttentionSample",
+    "AttentionSampler",
+    "attention_error",
+    "attention_rows",
+    "sample_sequences",
+]
 
 # The objective's share: whole batches in the run's order until SAMPLE_TOKENS tokens of K/V are kept (at least one),
 # ROWS_PER_SEQUENCE query rows of each, spread over its positions, alternately chosen from and held out.
@@ -29,15 +36,21 @@ class AttentionSample:
     query: torch.Tensor  # [heads, rows, head_dim]: the sampled query rows
     key: torch.Tensor  # [kv_heads, length, head_dim]
     value: torch.Tensor  # [kv_heads, length, head_dim]
-    bias: torch.Tensor  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive)
+    bias: (
+        torch.Tensor
+    )  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive)
     held_out: torch.Tensor  # [rows] bool: scored for the report, never for the choice
     scaling: float
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [heads] float32 (GPT-OSS)
 
 
-def sample_sequences(sequences: tuple[tuple[int, ...], ...], batch_size: int, pad_id: int,
-                     budget: int = SAMPLE_TOKENS) -> frozenset[tuple[int, ...]]:
+def sample_sequences(
+    sequences: tuple[tuple[int, ...], ...],
+    batch_size: int,
+    pad_id: int,
+    budget: int = SAMPLE_TOKENS,
+) -> frozenset[tuple[int, ...]]:
     """The sequences the objective scores: whole batches of the run's own batching, in order, to `budget` tokens."""
     chosen: set[tuple[int, ...]] = set()
     tokens = 0
@@ -62,52 +75,86 @@ def _rows(length: int, count: int) -> list[int]:
 class AttentionSampler:
     """Keeps the attention calls of the chosen sequences, per layer (see the module docstring)."""
 
-    def __init__(self, num_layers: int, sequences: Iterable[tuple[int, ...]], rows: int = ROWS_PER_SEQUENCE):
+    def __init__(
+        self, num_layers: int, sequences: Iterable[tuple[int, ...]], rows: int = ROWS_PER_SEQUENCE
+    ):
         self.sequences, self.rows = frozenset(sequences), rows
         self.samples: list[list[AttentionSample]] = [[] for _ in range(num_layers)]
-        self._batch: list[tuple[int, int]] = []  # (row in the batch, length) of the current batch's chosen rows
+        self._batch: list[
+            tuple[int, int]
+        ] = []  # (row in the batch, length) of the current batch's chosen rows
 
     def start_batch(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
         lengths = mask.sum(dim=1).tolist()
-        self._batch = [(r, int(n)) for r, n in enumerate(lengths)
-                       if tuple(input_ids[r, :int(n)].tolist()) in self.sequences]
+        self._batch = [
+            (r, int(n))
+            for r, n in enumerate(lengths)
+            if tuple(input_ids[r, : int(n)].tolist()) in self.sequences
+        ]
 
     def end_batch(self) -> None:
         self._batch = []
 
-    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, kwargs: dict[str, Any], module: torch.nn.Module) -> None:
+    def record(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        kwargs: dict[str, Any],
+        module: torch.nn.Module,
+    ) -> None:
         scaling = kwargs.get("scaling")
-        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
+        scaling = (
+            getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
+        )
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         for row, length in self._batch:
             positions = _rows(length, self.rows)
             index = torch.tensor(positions, device=query.device)
             held_out = torch.tensor([j % 2 == 1 for j in range(len(positions))])
-            self.samples[layer].append(AttentionSample(
-                query=query[row].index_select(1, index).detach().float().cpu(),
-                key=key[row, :, :length].detach().float().cpu(),
-                value=value[row, :, :length].detach().float().cpu(),
-                bias=_bias(attention_mask, row, index, length),
-                held_out=held_out, scaling=float(scaling), softcap=float(softcap) if softcap else None,
-                sinks=sinks.detach().float().cpu().clone() if isinstance(sinks, torch.Tensor) else None))
+            self.samples[layer].append(
+                AttentionSample(
+                    query=query[row].index_select(1, index).detach().float().cpu(),
+                    key=key[row, :, :length].detach().float().cpu(),
+                    value=value[row, :, :length].detach().float().cpu(),
+                    bias=_bias(attention_mask, row, index, length),
+                    held_out=held_out,
+                    scaling=float(scaling),
+                    softcap=float(softcap) if softcap else None,
+                    sinks=sinks.detach().float().cpu().clone()
+                    if isinstance(sinks, torch.Tensor)
+                    else None,
+                )
+            )
 
 
-def _bias(attention_mask: torch.Tensor | None, row: int, index: torch.Tensor, length: int) -> torch.Tensor:
+def _bias(
+    attention_mask: torch.Tensor | None, row: int, index: torch.Tensor, length: int
+) -> torch.Tensor:
     """The additive mask of the sampled rows over the sequence's keys (causal where the model passed none)."""
     if attention_mask is None:  # SDPA's is_causal path: no padding, no window
         keys = torch.arange(length)
         allowed = keys[None, :] <= index.cpu()[:, None]
         return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    rows = attention_mask[row if attention_mask.shape[0] > 1 else 0, 0].index_select(0, index)[:, :length].cpu()
+    rows = (
+        attention_mask[row if attention_mask.shape[0] > 1 else 0, 0]
+        .index_select(0, index)[:, :length]
+        .cpu()
+    )
     if rows.dtype == torch.bool:
         return torch.zeros(rows.shape).masked_fill(~rows, float("-inf"))
     additive = rows.float()  # eager's masks: 0 where allowed, the dtype's min where masked
     return additive.masked_fill(additive < -1e30, float("-inf"))
 
 
-def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                   probabilities: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_rows(
+    sample: AttentionSample,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    probabilities: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, probabilities) of the sampled rows in float32: `softmax(scaling q kᵀ [softcap] + mask [sinks]) v`,
     `key`/`value` replacing the sample's (leading dimensions broadcast), query heads grouped under their KV head
     (output [..., kv_heads, groups * rows, head_dim]); `probabilities` skips the softmax."""
@@ -119,21 +166,35 @@ def attention_rows(sample: AttentionSample, key: torch.Tensor | None = None, val
         if sample.softcap is not None:
             logits = torch.tanh(logits / sample.softcap) * sample.softcap
         logits = logits.add_(sample.bias.repeat(groups, 1))
-        if sample.sinks is not None:  # one logit per query head that takes probability and gives no value
-            sinks = sample.sinks.float().reshape(kv_heads, groups, 1, 1).expand(-1, -1, sample.query.shape[1], 1)
-            combined = torch.cat([logits, sinks.reshape(kv_heads, -1, 1).expand(*logits.shape[:-1], 1)], dim=-1)
-            probabilities = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        if (
+            sample.sinks is not None
+        ):  # one logit per query head that takes probability and gives no value
+            sinks = (
+                sample.sinks.float()
+                .reshape(kv_heads, groups, 1, 1)
+                .expand(-1, -1, sample.query.shape[1], 1)
+            )
+            combined = torch.cat(
+                [logits, sinks.reshape(kv_heads, -1, 1).expand(*logits.shape[:-1], 1)], dim=-1
+            )
+            probabilities = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[
+                ..., :-1
+            ]
         else:
             probabilities = torch.softmax(logits, dim=-1)
-    return _weighted(probabilities, (sample.value if value is None else value).float()), probabilities
+    return _weighted(
+        probabilities, (sample.value if value is None else value).float()
+    ), probabilities
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q kᵀ, leading dimensions of k folded into one bmm batch (broadcasting would copy kᵀ first)."""
     if k.dim() == 3:
         return torch.matmul(q, k.transpose(-1, -2))
-    batched = torch.bmm(q.expand(*k.shape[:-3], *q.shape).reshape(-1, *q.shape[1:]),
-                        k.reshape(-1, *k.shape[-2:]).transpose(1, 2))
+    batched = torch.bmm(
+        q.expand(*k.shape[:-3], *q.shape).reshape(-1, *q.shape[1:]),
+        k.reshape(-1, *k.shape[-2:]).transpose(1, 2),
+    )
     return batched.view(*k.shape[:-3], *q.shape[:-1], k.shape[-2])
 
 
@@ -149,7 +210,9 @@ def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def attention_error(samples: Sequence[AttentionSample], k_scale: Any, v_scale: Any, target: Any) -> float | None:
+def attention_error(
+    samples: Sequence[AttentionSample], k_scale: Any, v_scale: Any, target: Any
+) -> float | None:
     """Relative attention-output error ||O(K̂, V̂) - O|| / ||O||, K and V quantised on `target`; None: no samples."""
     from kvcalib.core import fp8
 

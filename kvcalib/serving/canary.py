@@ -18,11 +18,21 @@ from kvcalib.core.checkpoint import load_tensors, scan_checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import is_kv_scale_key
 
-__all__ = ["CANARY_DIVISOR", "MIN_NLL_CHANGE", "SAME_AGREEMENT", "CanaryResult", "judge_canary", "make_variant",
-           "mean_agreement", "self_agreement"]
+__all__ = [
+    "CANARY_DIVISOR",
+    "MIN_NLL_CHANGE",
+    "SAME_AGREEMENT",
+    "CanaryResult",
+    "judge_canary",
+    "make_variant",
+    "mean_agreement",
+    "self_agreement",
+]
 
 CANARY_DIVISOR = 64.0  # measured on SmolLM2 / vLLM CPU: /100 makes it print "-" over and over
-MIN_NLL_CHANGE = 0.05  # nats: less than this on the fixed text, and the same outputs, is "no change"
+MIN_NLL_CHANGE = (
+    0.05  # nats: less than this on the fixed text, and the same outputs, is "no change"
+)
 SAME_AGREEMENT = 0.01  # agreement within this of the calibrated run's is "the same"
 
 
@@ -41,7 +51,9 @@ class CanaryResult:
         return asdict(self)
 
 
-def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, value: float | None = None) -> Path:
+def make_variant(
+    checkpoint: Path, dest: Path, *, factor: float | None = None, value: float | None = None
+) -> Path:
     """`dest`: `checkpoint` with every KV scale times `factor` (or set to `value`), everything else symlinked."""
     import torch
     from safetensors.torch import save_file
@@ -51,7 +63,11 @@ def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, v
         _remove_earlier_variant(dest)
     dest.mkdir(parents=True)
     files = scan_checkpoint(checkpoint)
-    rewrite = {name: header for name, header in files.headers.items() if any(map(is_kv_scale_key, header.tensors))}
+    rewrite = {
+        name: header
+        for name, header in files.headers.items()
+        if any(map(is_kv_scale_key, header.tensors))
+    }
     for entry in sorted(checkpoint.iterdir()):
         if entry.name not in rewrite:
             os.symlink(entry, dest / entry.name)
@@ -59,7 +75,9 @@ def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, v
         tensors = load_tensors(checkpoint / name, header.tensors)
         for key, tensor in tensors.items():
             if is_kv_scale_key(key):
-                tensors[key] = torch.full_like(tensor, value) if value is not None else tensor * factor
+                tensors[key] = (
+                    torch.full_like(tensor, value) if value is not None else tensor * factor
+                )
         save_file(tensors, str(dest / name), metadata=header.metadata)
     return dest
 
@@ -67,9 +85,13 @@ def make_variant(checkpoint: Path, dest: Path, *, factor: float | None = None, v
 def _remove_earlier_variant(dest: Path) -> None:
     """Replace a variant an earlier serve-check left (symlinks and .safetensors only); refuse anything else."""
     entries = list(dest.iterdir()) if dest.is_dir() and not dest.is_symlink() else None
-    if entries is None or not all(e.is_symlink() or (e.is_file() and e.suffix == ".safetensors") for e in entries):
-        raise UsageError(f"{dest} exists and is not a checkpoint variant serve-check made",
-                         hint="pass another --log-dir, or move it away")
+    if entries is None or not all(
+        e.is_symlink() or (e.is_file() and e.suffix == ".safetensors") for e in entries
+    ):
+        raise UsageError(
+            f"{dest} exists and is not a checkpoint variant serve-check made",
+            hint="pass another --log-dir, or move it away",
+        )
     shutil.rmtree(dest)
 
 
@@ -78,25 +100,55 @@ def mean_agreement(values: Sequence[float | None] | None) -> float | None:
     return sum(scored) / len(scored) if scored else None
 
 
-def judge_canary(calibrated: Any, canary: Any, factor: float, device: str, server: str) -> CanaryResult:
+def judge_canary(
+    calibrated: Any, canary: Any, factor: float, device: str, server: str
+) -> CanaryResult:
     """Compare the variant's run with the checkpoint's (two `ServerRun`s against the same reference)."""
     change = canary.nll - calibrated.nll
-    agreement, reference_agreement = mean_agreement(canary.agreements), mean_agreement(calibrated.agreements)
+    agreement, reference_agreement = (
+        mean_agreement(canary.agreements),
+        mean_agreement(calibrated.agreements),
+    )
     same_text = [c.text for c in canary.completions] == [c.text for c in calibrated.completions]
-    same_agreement = (agreement is None or reference_agreement is None
-                      or abs(agreement - reference_agreement) < SAME_AGREEMENT)
+    same_agreement = (
+        agreement is None
+        or reference_agreement is None
+        or abs(agreement - reference_agreement) < SAME_AGREEMENT
+    )
     shown = f"NLL {canary.nll:.3f} vs {calibrated.nll:.3f}" + (
-        "" if agreement is None else f", agreement {agreement:.2f} vs {reference_agreement:.2f}")
+        "" if agreement is None else f", agreement {agreement:.2f} vs {reference_agreement:.2f}"
+    )
     if abs(change) < MIN_NLL_CHANGE and same_agreement and same_text:
-        return CanaryResult(False, factor, canary.nll, agreement, (
-            f"the server did not apply the checkpoint's KV scales: with every scale x{factor:g} it answered as with "
-            f"the calibrated ones ({shown}) on {device}, {server}"))
+        return CanaryResult(
+            False,
+            factor,
+            canary.nll,
+            agreement,
+            (
+                f"the server did not apply the checkpoint's KV scales: with every scale x{factor:g} it answered as with "
+                f"the calibrated ones ({shown}) on {device}, {server}"
+            ),
+        )
     if change <= -MIN_NLL_CHANGE:
-        return CanaryResult(False, factor, canary.nll, agreement, (
-            f"the server applies the checkpoint's KV scales the wrong way round: every scale x{factor:g} served "
-            f"better than the calibrated ones ({shown}) on {device}, {server}"))
-    return CanaryResult(True, factor, canary.nll, agreement, (
-        f"scales x{factor:g} changed the answers ({shown}): the server applies the checkpoint's scales"))
+        return CanaryResult(
+            False,
+            factor,
+            canary.nll,
+            agreement,
+            (
+                f"the server applies the checkpoint's KV scales the wrong way round: every scale x{factor:g} served "
+                f"better than the calibrated ones ({shown}) on {device}, {server}"
+            ),
+        )
+    return CanaryResult(
+        True,
+        factor,
+        canary.nll,
+        agreement,
+        (
+            f"scales x{factor:g} changed the answers ({shown}): the server applies the checkpoint's scales"
+        ),
+    )
 
 
 def self_agreement(run: Any) -> Any:

@@ -12,8 +12,15 @@ from typing import Any
 
 from kvcalib.core.schema import kv_cache_size
 
-__all__ = ["API_SERVER_MODULE", "baseline_kv_dtype", "command_line", "cpu_kv_cache_bytes", "interpreter_path",
-           "server_argv", "server_env"]
+__all__ = [
+    "API_SERVER_MODULE",
+    "baseline_kv_dtype",
+    "command_line",
+    "cpu_kv_cache_bytes",
+    "interpreter_path",
+    "server_argv",
+    "server_env",
+]
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 MIN_CPU_KV_CACHE_BYTES = 64 << 20
@@ -31,23 +38,56 @@ def cpu_kv_cache_bytes(config: Mapping[str, Any], max_model_len: int, max_num_se
 
 def baseline_kv_dtype(config: Mapping[str, Any]) -> str:
     """The baseline's KV dtype: the model's own 16-bit type (float32 models get bfloat16)."""
-    return "float16" if (config.get("dtype") or config.get("torch_dtype")) == "float16" else "bfloat16"
+    return (
+        "float16" if (config.get("dtype") or config.get("torch_dtype")) == "float16" else "bfloat16"
+    )
 
 
-def server_argv(python: Path, checkpoint: Path, port: int, *, fp8: bool, device: str, tp: int,
-                max_model_len: int, max_num_seqs: int, kv_cache_bytes: int | None = None,
-                baseline_dtype: str = "bfloat16", neuron_quantization: str | None = None) -> list[str]:
+def server_argv(
+    python: Path,
+    checkpoint: Path,
+    port: int,
+    *,
+    fp8: bool,
+    device: str,
+    tp: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_cache_bytes: int | None = None,
+    baseline_dtype: str = "bfloat16",
+    neuron_quantization: str | None = None,
+) -> list[str]:
     """The vLLM command line: the same for both servers except `--kv-cache-dtype`. `neuron_quantization`: the
     neuron_config quantization to name (GPT-OSS with MXFP4 experts: "bf16" on trn2, "mxfp4" on trn3)."""
-    argv = [str(python), "-m", API_SERVER_MODULE, "--model", str(checkpoint), "--host", "127.0.0.1",
-            "--port", str(port), "--tensor-parallel-size", str(tp), "--max-model-len", str(max_model_len),
-            "--max-num-batched-tokens", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-            "--no-enable-prefix-caching", "--no-async-scheduling"]
+    argv = [
+        str(python),
+        "-m",
+        API_SERVER_MODULE,
+        "--model",
+        str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-batched-tokens",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--no-enable-prefix-caching",
+        "--no-async-scheduling",
+    ]
     # The baseline names its KV dtype: with "auto", vLLM (CPU and GPU) turns FP8 on by itself when
     # the checkpoint's quantization_config has a kv_cache_scheme, as ours does.
     argv += ["--kv-cache-dtype", "fp8" if fp8 else baseline_dtype]
     if neuron_quantization is not None:
-        argv += ["--additional-config", json.dumps({"neuron_config": {"quantization": neuron_quantization}})]
+        argv += [
+            "--additional-config",
+            json.dumps({"neuron_config": {"quantization": neuron_quantization}}),
+        ]
     if device == "cpu":
         argv += ["--enforce-eager"]
         if kv_cache_bytes:
@@ -55,13 +95,19 @@ def server_argv(python: Path, checkpoint: Path, port: int, *, fp8: bool, device:
     return argv
 
 
-def server_env(env: Mapping[str, str], cache_dir: Path, neuron_visible_devices: str | None
-               ) -> tuple[dict[str, str], dict[str, str]]:
+def server_env(
+    env: Mapping[str, str], cache_dir: Path, neuron_visible_devices: str | None
+) -> tuple[dict[str, str], dict[str, str]]:
     """(the full environment, the variables serve-check set): caches off the home directory, offline."""
     base = dict(env)
-    defaults = {"VLLM_CACHE_ROOT": str(cache_dir / "vllm"), "VLLM_CONFIG_ROOT": str(cache_dir / "vllm-config"),
-                "MPLCONFIGDIR": str(cache_dir / "matplotlib"), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                "HF_HUB_OFFLINE": "1"}
+    defaults = {
+        "VLLM_CACHE_ROOT": str(cache_dir / "vllm"),
+        "VLLM_CONFIG_ROOT": str(cache_dir / "vllm-config"),
+        "MPLCONFIGDIR": str(cache_dir / "matplotlib"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
     added = {key: value for key, value in defaults.items() if key not in base}
     if neuron_visible_devices:
         added["NEURON_VISIBLE_DEVICES"] = neuron_visible_devices

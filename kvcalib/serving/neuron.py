@@ -17,9 +17,19 @@ from pathlib import Path
 from kvcalib.core.errors import DeviceError
 from kvcalib.core.fp8 import TARGETS
 
-__all__ = ["NEURON_TOOLS_DIR", "NeuronDevice", "NeuronHost", "SYSFS_ARCHITECTURE", "TARGET_OVERRIDE_ENV",
-           "TOOL_TIMEOUT_S", "detect_neuron_host", "find_neuron_ls", "parse_logfmt", "parse_neuron_ls_json",
-           "require_family"]
+__all__ = [
+    "NEURON_TOOLS_DIR",
+    "NeuronDevice",
+    "NeuronHost",
+    "SYSFS_ARCHITECTURE",
+    "TARGET_OVERRIDE_ENV",
+    "TOOL_TIMEOUT_S",
+    "detect_neuron_host",
+    "find_neuron_ls",
+    "parse_logfmt",
+    "parse_neuron_ls_json",
+    "require_family",
+]
 
 NEURON_TOOLS_DIR = Path("/opt/aws/neuron/bin")
 SYSFS_ARCHITECTURE = Path("devices/virtual/neuron_device/neuron0/info/architecture")
@@ -55,7 +65,9 @@ class NeuronHost:
 
 def find_neuron_ls(path_env: str | None) -> str | None:
     fallback = NEURON_TOOLS_DIR / "neuron-ls"
-    return shutil.which("neuron-ls", path=path_env) or (str(fallback) if os.access(fallback, os.X_OK) else None)
+    return shutil.which("neuron-ls", path=path_env) or (
+        str(fallback) if os.access(fallback, os.X_OK) else None
+    )
 
 
 def parse_logfmt(line: str) -> dict[str, str]:
@@ -76,24 +88,45 @@ def parse_neuron_ls_json(text: str) -> tuple[NeuronDevice, ...]:
     try:
         entries = json.loads(text)
     except json.JSONDecodeError as err:
-        raise DeviceError(f"neuron-ls --json-output printed something that is not JSON ({err})", hint=_HINT) from None
+        raise DeviceError(
+            f"neuron-ls --json-output printed something that is not JSON ({err})", hint=_HINT
+        ) from None
     if not isinstance(entries, list):
-        raise DeviceError("neuron-ls --json-output did not print a JSON array of devices", hint=_HINT)
+        raise DeviceError(
+            "neuron-ls --json-output did not print a JSON array of devices", hint=_HINT
+        )
     devices = []
     for position, entry in enumerate(entries):
         if not isinstance(entry, dict) or not isinstance(entry.get("nc_count"), int):
-            raise DeviceError(f"neuron-ls --json-output: device entry {position} has no integer nc_count", hint=_HINT)
-        devices.append(NeuronDevice(index=int(entry.get("neuron_device", position)), nc_count=entry["nc_count"],
-                                    memory_size=int(entry.get("memory_size") or 0), bdf=entry.get("bdf")))
+            raise DeviceError(
+                f"neuron-ls --json-output: device entry {position} has no integer nc_count",
+                hint=_HINT,
+            )
+        devices.append(
+            NeuronDevice(
+                index=int(entry.get("neuron_device", position)),
+                nc_count=entry["nc_count"],
+                memory_size=int(entry.get("memory_size") or 0),
+                bdf=entry.get("bdf"),
+            )
+        )
     return tuple(devices)
 
 
 def _run_tool(argv: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, env=dict(env),
-                              stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=TOOL_TIMEOUT_S,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
-        raise DeviceError(f"{argv[0]} did not answer within {TOOL_TIMEOUT_S:.0f} s", hint=_HINT) from None
+        raise DeviceError(
+            f"{argv[0]} did not answer within {TOOL_TIMEOUT_S:.0f} s", hint=_HINT
+        ) from None
     except OSError as err:
         raise DeviceError(f"cannot run {argv[0]}: {err}", hint=_HINT) from None
 
@@ -106,7 +139,8 @@ def _tool_failure(neuron_ls: str, proc: subprocess.CompletedProcess) -> DeviceEr
     return DeviceError(
         f"no Neuron devices: {neuron_ls} --json-output exited {proc.returncode} ({said})",
         hint="the Neuron driver is not loaded or this is not a Neuron instance; "
-             "check `lsmod | grep neuron` and /dev/neuron*, or use --device cpu")
+        "check `lsmod | grep neuron` and /dev/neuron*, or use --device cpu",
+    )
 
 
 def _family_from_sysfs(sysfs_root: Path) -> str | None:
@@ -117,8 +151,9 @@ def _family_from_sysfs(sysfs_root: Path) -> str | None:
     return text or None
 
 
-def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev")
-                       ) -> NeuronHost:
+def detect_neuron_host(
+    env: Mapping[str, str], sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev")
+) -> NeuronHost:
     """The Neuron devices and chip family of this host; DeviceError saying what was looked for."""
     neuron_ls = find_neuron_ls(env.get("PATH"))
     if neuron_ls is None:
@@ -126,7 +161,8 @@ def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), 
         seen = f"{len(dev_nodes)} /dev/neuron* node(s)" if dev_nodes else "no /dev/neuron* devices"
         raise DeviceError(
             f"no Neuron tools: neuron-ls is neither on PATH nor in {NEURON_TOOLS_DIR} ({seen})",
-            hint=_HINT + "; if the tools are installed elsewhere, put that directory on PATH")
+            hint=_HINT + "; if the tools are installed elsewhere, put that directory on PATH",
+        )
     proc = _run_tool([neuron_ls, "--json-output"], env)
     if proc.returncode != 0 or not proc.stdout.strip():
         raise _tool_failure(neuron_ls, proc)
@@ -147,14 +183,23 @@ def detect_neuron_host(env: Mapping[str, str], sysfs_root: Path = Path("/sys"), 
         raise DeviceError(
             f"cannot tell the Neuron chip family: no instance_type in {sysfs_root / SYSFS_ARCHITECTURE} "
             "and no `instance-type:` line from neuron-ls",
-            hint=f"set {TARGET_OVERRIDE_ENV}=trn2 or trn3 (the vLLM plugin obeys it too)")
-    return NeuronHost(family=family, instance_type=instance_type, family_source=source,
-                      devices=devices, neuron_ls=neuron_ls)
+            hint=f"set {TARGET_OVERRIDE_ENV}=trn2 or trn3 (the vLLM plugin obeys it too)",
+        )
+    return NeuronHost(
+        family=family,
+        instance_type=instance_type,
+        family_source=source,
+        devices=devices,
+        neuron_ls=neuron_ls,
+    )
 
 
 def require_family(host: NeuronHost, device: str) -> None:
     if host.family != device:
         where = f"{host.instance_type} " if host.instance_type else ""
-        raise DeviceError(f"this host is {host.family} ({where}from {host.family_source}), not {device}",
-                          hint=f"pass --device {host.family}" if host.family in TARGETS and TARGETS[host.family].neuron
-                          else "serve-check supports trn2 and trn3 Neuron hosts, or --device cpu")
+        raise DeviceError(
+            f"this host is {host.family} ({where}from {host.family_source}), not {device}",
+            hint=f"pass --device {host.family}"
+            if host.family in TARGETS and TARGETS[host.family].neuron
+            else "serve-check supports trn2 and trn3 Neuron hosts, or --device cpu",
+        )

@@ -22,55 +22,127 @@ DEVICES = (*NEURON_DEVICES, "cpu", "cuda")
 
 @dataclass(frozen=True)
 class ServeOptions:
-    device: str = option("cpu", "trn2 or trn3 (vLLM on Neuron), cpu (vLLM on CPU) or cuda (vLLM on GPU).",
-                         panel="Engine", choices=lambda: DEVICES)
-    tp: int | None = option(None, "Tensor-parallel size (default: every NeuronCore; 1 on cpu).", panel="Serving",
-                            minimum=1, what="tensor-parallel size")
-    max_model_len: int = option(2048, "Also the server's max-num-batched-tokens (Neuron needs them equal).",
-                                panel="Serving", minimum=1, what="tokens per sequence")
-    max_num_seqs: int = option(4, "Sequences the server runs at once.", panel="Serving", minimum=1,
-                               what="sequences at once")
-    port: int | None = option(None, "Port on 127.0.0.1 (default: a free one).", panel="Serving", minimum=1,
-                              what="a TCP port")
-    startup_timeout_s: float = option(1800.0, "Seconds to wait for GET /health.", panel="Serving",
-                                      flag="--startup-timeout", minimum=1, what="seconds to wait for the server")
-    stop_timeout_s: float = option(60.0, "Seconds between SIGTERM and SIGKILL.", panel="Serving",
-                                   flag="--stop-timeout", minimum=0, what="seconds between SIGTERM and SIGKILL")
+    device: str = option(
+        "cpu",
+        "trn2 or trn3 (vLLM on Neuron), cpu (vLLM on CPU) or cuda (vLLM on GPU).",
+        panel="Engine",
+        choices=lambda: DEVICES,
+    )
+    tp: int | None = option(
+        None,
+        "Tensor-parallel size (default: every NeuronCore; 1 on cpu).",
+        panel="Serving",
+        minimum=1,
+        what="tensor-parallel size",
+    )
+    max_model_len: int = option(
+        2048,
+        "Also the server's max-num-batched-tokens (Neuron needs them equal).",
+        panel="Serving",
+        minimum=1,
+        what="tokens per sequence",
+    )
+    max_num_seqs: int = option(
+        4,
+        "Sequences the server runs at once.",
+        panel="Serving",
+        minimum=1,
+        what="sequences at once",
+    )
+    port: int | None = option(
+        None,
+        "Port on 127.0.0.1 (default: a free one).",
+        panel="Serving",
+        minimum=1,
+        what="a TCP port",
+    )
+    startup_timeout_s: float = option(
+        1800.0,
+        "Seconds to wait for GET /health.",
+        panel="Serving",
+        flag="--startup-timeout",
+        minimum=1,
+        what="seconds to wait for the server",
+    )
+    stop_timeout_s: float = option(
+        60.0,
+        "Seconds between SIGTERM and SIGKILL.",
+        panel="Serving",
+        flag="--stop-timeout",
+        minimum=0,
+        what="seconds between SIGTERM and SIGKILL",
+    )
     prompts: tuple[Prompt, ...] | None = None  # None: BUILTIN_PROMPTS (the CLI's --prompts FILE)
-    baseline: bool | None = option(None, "Also serve without FP8 KV and compare (default: on for cpu).",
-                                   panel="Serving", flag="--baseline/--no-baseline")
+    baseline: bool | None = option(
+        None,
+        "Also serve without FP8 KV and compare (default: on for cpu).",
+        panel="Serving",
+        flag="--baseline/--no-baseline",
+    )
     max_tokens: int = 32
-    vllm_python: Path = option(help="Interpreter of the environment with vLLM (default: this Python).",
-                               panel="Serving", factory=lambda: Path(sys.executable))
-    log_dir: Path | None = option(None, "Where the server logs go (default: a new temporary directory, kept).",
-                                  panel="Serving")
-    neuron_visible_devices: str | None = option(None, "NEURON_VISIBLE_DEVICES for the server, e.g. 0-7.",
-                                                panel="Serving")
-    force: bool = option(False, "Serve scales sized for a larger FP8 max than the chip's.", panel="Serving")
-    env: Mapping[str, str] = field(default_factory=dict)  # the environment servers and tools inherit
+    vllm_python: Path = option(
+        help="Interpreter of the environment with vLLM (default: this Python).",
+        panel="Serving",
+        factory=lambda: Path(sys.executable),
+    )
+    log_dir: Path | None = option(
+        None,
+        "Where the server logs go (default: a new temporary directory, kept).",
+        panel="Serving",
+    )
+    neuron_visible_devices: str | None = option(
+        None, "NEURON_VISIBLE_DEVICES for the server, e.g. 0-7.", panel="Serving"
+    )
+    force: bool = option(
+        False, "Serve scales sized for a larger FP8 max than the chip's.", panel="Serving"
+    )
+    env: Mapping[str, str] = field(
+        default_factory=dict
+    )  # the environment servers and tools inherit
     sysfs_root: Path = Path("/sys")
     dev_root: Path = Path("/dev")
     cpu: HostCpu | None = None  # the host CPU (the CLI reads it); None: left to vLLM to refuse
     canary: bool | None = option(
-        None, "Also serve a copy with every K/V scale divided by 64, which must answer worse: proof that the "
+        None,
+        "Also serve a copy with every K/V scale divided by 64, which must answer worse: proof that the "
         "server applies the scales (default: on for cpu and cuda, off on Neuron, where each copy is another "
-        "compile).", panel="Serving", flag="--canary/--no-canary")
-    predict: bool = option(True, "kvcalib's emulated ΔNLL of the probe text (in-process on CPU) next to the "
-                           "served one.", panel="Serving", flag="--predict/--no-predict")
-    memory_bytes: int | None = None  # host memory the prediction may use (the CLI reads it); None: unknown
-    tasks: Any = None  # a kvcalib.serving.tasks.TaskSpec: lm-eval tasks against the baseline and FP8 servers
+        "compile).",
+        panel="Serving",
+        flag="--canary/--no-canary",
+    )
+    predict: bool = option(
+        True,
+        "kvcalib's emulated ΔNLL of the probe text (in-process on CPU) next to the served one.",
+        panel="Serving",
+        flag="--predict/--no-predict",
+    )
+    memory_bytes: int | None = (
+        None  # host memory the prediction may use (the CLI reads it); None: unknown
+    )
+    tasks: Any = (
+        None  # a kvcalib.serving.tasks.TaskSpec: lm-eval tasks against the baseline and FP8 servers
+    )
     context: int | None = option(
-        None, "Also send a passkey prompt of about this many tokens (within --max-model-len): the FP8 server "
-        "must find the key where the baseline does.", panel="Serving", minimum=MIN_CONTEXT,
-        what="tokens in the long prompt")
+        None,
+        "Also send a passkey prompt of about this many tokens (within --max-model-len): the FP8 server "
+        "must find the key where the baseline does.",
+        panel="Serving",
+        minimum=MIN_CONTEXT,
+        what="tokens in the long prompt",
+    )
 
     def check_arguments(self) -> None:
         """The values a user passes, checked before anything is read or started (UsageError naming the flag)."""
         check_options(self)
         if self.context is not None and self.context + self.max_tokens > self.max_model_len:
-            raise UsageError(f"--context {self.context} plus the {self.max_tokens} tokens of the answer exceeds "
-                             f"--max-model-len {self.max_model_len}",
-                             hint=f"pass --max-model-len {self.context + self.max_tokens} or more, "
-                                  "or a shorter --context")
+            raise UsageError(
+                f"--context {self.context} plus the {self.max_tokens} tokens of the answer exceeds "
+                f"--max-model-len {self.max_model_len}",
+                hint=f"pass --max-model-len {self.context + self.max_tokens} or more, "
+                "or a shorter --context",
+            )
         if self.port is not None and self.port > 65535:
-            raise UsageError(f"--port must be at most 65535, not {self.port}", hint="pass a TCP port, or leave it out")
+            raise UsageError(
+                f"--port must be at most 65535, not {self.port}",
+                hint="pass a TCP port, or leave it out",
+            )

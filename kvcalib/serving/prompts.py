@@ -13,12 +13,24 @@ from typing import Any
 from kvcalib.core.errors import UsageError
 from kvcalib.core.paths import require_regular_file
 
-__all__ = ["BUILTIN_PROMPTS", "FILLER", "MIN_CONTEXT", "NLL_TEXT", "Prompt", "contains", "context_prompt",
-           "passkey_prompt", "read_prompts_file", "unjudged_passkeys"]
+__all__ = [
+    "BUILTIN_PROMPTS",
+    "FILLER",
+    "MIN_CONTEXT",
+    "NLL_TEXT",
+    "Prompt",
+    "contains",
+    "context_prompt",
+    "passkey_prompt",
+    "read_prompts_file",
+    "unjudged_passkeys",
+]
 
 # The passkey test's haystack (Mohtashami & Jaggi 2023, "Landmark Attention"): one line repeated, so that
 # the key is the only thing in the prompt worth remembering.
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+)
 PASSKEY = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 MIN_CONTEXT = 64  # tokens: below this the "long" prompt is no longer than the built-in ones
@@ -28,7 +40,9 @@ MIN_CONTEXT = 64  # tokens: below this the "long" prompt is no longer than the b
 class Prompt:
     text: str
     expected: str | None = None  # a word a sane continuation contains (informative, not judged)
-    required: bool = False  # judged: the FP8 output must contain `expected` where the baseline's does
+    required: bool = (
+        False  # judged: the FP8 output must contain `expected` where the baseline's does
+    )
     tokens: int | None = None  # the prompt's length in the model's tokens, where it was measured
 
 
@@ -44,8 +58,10 @@ def passkey_prompt(length: int, count_tokens: Callable[[str], int], seed: int = 
 
     shortest = count_tokens(build(1))
     if shortest > length:
-        raise UsageError(f"--context {length}: the shortest passkey prompt is {shortest} tokens for this tokenizer",
-                         hint=f"pass --context {max(MIN_CONTEXT, shortest)} or more")
+        raise UsageError(
+            f"--context {length}: the shortest passkey prompt is {shortest} tokens for this tokenizer",
+            hint=f"pass --context {max(MIN_CONTEXT, shortest)} or more",
+        )
     eight = count_tokens(build(9)) - shortest  # tokens of eight filler lines
     lines = 1 + max(0, (length - shortest) * 8 // max(1, eight))
     tokens = count_tokens(build(lines))
@@ -62,10 +78,12 @@ def contains(text: str, expected: str | None) -> bool:
 def unjudged_passkeys(prompts: Sequence[Prompt], results: Sequence[Any]) -> list[str]:
     """Warnings for passkeys the FP8 server missed with no baseline to judge by (`results`: serve-check's
     PromptResult, one per prompt)."""
-    return [f"the FP8 server did not answer the {p.tokens or 0:,}-token passkey ({p.expected}); with no baseline to "
-            "compare, nothing says whether the model retrieves at that length without FP8 (pass --baseline)"
-            for p, r in zip(prompts, results) if p.required and r.baseline_output is None
-            and not contains(r.output, p.expected)]
+    return [
+        f"the FP8 server did not answer the {p.tokens or 0:,}-token passkey ({p.expected}); with no baseline to "
+        "compare, nothing says whether the model retrieves at that length without FP8 (pass --baseline)"
+        for p, r in zip(prompts, results)
+        if p.required and r.baseline_output is None and not contains(r.output, p.expected)
+    ]
 
 
 def context_prompt(checkpoint: Path, config: dict[str, Any], length: int) -> Prompt:
@@ -76,8 +94,10 @@ def context_prompt(checkpoint: Path, config: dict[str, Any], length: int) -> Pro
 
     most = max_position_embeddings(config)
     if most is not None and length > most:
-        raise UsageError(f"--context {length} is longer than the model's context (max_position_embeddings {most})",
-                         hint=f"pass --context {most} or less")
+        raise UsageError(
+            f"--context {length} is longer than the model's context (max_position_embeddings {most})",
+            hint=f"pass --context {most} or less",
+        )
     tokenizer = load_tokenizer(checkpoint, trust_remote_code=False)
     return passkey_prompt(length, lambda text: len(tokenizer(text)["input_ids"]))
 
@@ -100,21 +120,29 @@ NLL_TEXT = (
     "for evil, in the superlative degree of comparison only. There were a king with a large jaw and a queen with a "
     "plain face, on the throne of England; there were a king with a large jaw and a queen with a fair face, on the "
     "throne of France. In both countries it was clearer than crystal to the lords of the State preserves of loaves and "
-    "fishes, that things in general were settled for ever.")
+    "fishes, that things in general were settled for ever."
+)
 
 
 def read_prompts_file(path: Path) -> tuple[Prompt, ...]:
     """Prompts from a file: .jsonl rows {"prompt": ..., "expected": ...}, else one per non-blank line."""
     hint = "pass a UTF-8 text file with one prompt per line, or a .jsonl with a 'prompt' key"
-    path = require_regular_file(Path(path), "prompts file", error=UsageError, missing=UsageError, hint=hint)
+    path = require_regular_file(
+        Path(path), "prompts file", error=UsageError, missing=UsageError, hint=hint
+    )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"cannot read prompts file {path}: {err}", hint=hint) from None
-    prompts = [_jsonl_prompt(path, number, line) if path.suffix == ".jsonl" else Prompt(line)
-               for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    prompts = [
+        _jsonl_prompt(path, number, line) if path.suffix == ".jsonl" else Prompt(line)
+        for number, line in enumerate(text.splitlines(), start=1)
+        if line.strip()
+    ]
     if not prompts:
-        raise UsageError(f"prompts file {path} has no prompts", hint="one prompt per non-blank line")
+        raise UsageError(
+            f"prompts file {path} has no prompts", hint="one prompt per non-blank line"
+        )
     return tuple(prompts)
 
 
@@ -122,8 +150,16 @@ def _jsonl_prompt(path: Path, number: int, line: str) -> Prompt:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise UsageError(f"{path}:{number}: not JSON ({err})", hint='each line: {"prompt": "..."}') from None
-    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-        raise UsageError(f"{path}:{number}: no non-empty string 'prompt'", hint='each line: {"prompt": "..."}')
+        raise UsageError(
+            f"{path}:{number}: not JSON ({err})", hint='each line: {"prompt": "..."}'
+        ) from None
+    if (
+        not isinstance(row, dict)
+        or not isinstance(row.get("prompt"), str)
+        or not row["prompt"].strip()
+    ):
+        raise UsageError(
+            f"{path}:{number}: no non-empty string 'prompt'", hint='each line: {"prompt": "..."}'
+        )
     expected = row.get("expected")
     return Prompt(row["prompt"], expected if isinstance(expected, str) and expected else None)

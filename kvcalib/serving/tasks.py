@@ -8,8 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.errors import UsageError
-from kvcalib.evaluation.tasks import (BASELINE_NAME, TaskOptions, TaskRow, check_data, evaluate_tasks, paired_rows,
-                                      require_lm_eval, task_manager)
+from kvcalib.evaluation.tasks import (
+    BASELINE_NAME,
+    TaskOptions,
+    TaskRow,
+    check_data,
+    evaluate_tasks,
+    paired_rows,
+    require_lm_eval,
+    task_manager,
+)
 
 __all__ = ["FP8_NAME", "ServedTasks", "TaskSpec", "check_tasks", "run_served_tasks", "served_rows"]
 
@@ -26,17 +34,30 @@ class TaskSpec:
     include_path: tuple[str, ...] = ()
 
     @classmethod
-    def from_flags(cls, tasks: str | None, limit: int | None, task_data: str | None) -> TaskSpec | None:
+    def from_flags(
+        cls, tasks: str | None, limit: int | None, task_data: str | None
+    ) -> TaskSpec | None:
         """serve-check's --tasks, --limit, --task-data (None without --tasks)."""
         if tasks is None:
             if limit is not None or task_data is not None:
-                raise UsageError("--limit and --task-data go with --tasks", hint="pass --tasks TASK[,TASK]")
+                raise UsageError(
+                    "--limit and --task-data go with --tasks", hint="pass --tasks TASK[,TASK]"
+                )
             return None
-        return cls(tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit, task_data=task_data)
+        return cls(
+            tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+            limit=limit,
+            task_data=task_data,
+        )
 
     def options(self, **more: Any) -> TaskOptions:
-        return TaskOptions(tasks=self.tasks, limit=self.limit, task_data=self.task_data,
-                           include_path=self.include_path, **more)
+        return TaskOptions(
+            tasks=self.tasks,
+            limit=self.limit,
+            task_data=self.task_data,
+            include_path=self.include_path,
+            **more,
+        )
 
 
 @dataclass(frozen=True)
@@ -50,8 +71,10 @@ def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
     """Before any server starts: a baseline server to pair with, lm-eval installed, the tasks known, their data
     readable, the numbers sane."""
     if not with_baseline:
-        raise UsageError("--tasks pairs the FP8 server's scores with the baseline server's, which is off",
-                         hint="pass --baseline (on Neuron a second compile), or leave out --tasks")
+        raise UsageError(
+            "--tasks pairs the FP8 server's scores with the baseline server's, which is off",
+            hint="pass --baseline (on Neuron a second compile), or leave out --tasks",
+        )
     options = spec.options()
     options.check_arguments()
     require_lm_eval()
@@ -59,8 +82,10 @@ def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
         for name in ("aiohttp", "tenacity"):
             __import__(name)
     except ImportError as exc:
-        raise UsageError(f"serve-check --tasks needs lm-eval's API models, which need {exc.name}",
-                         hint="pip install 'kvcalib[tasks]' (it brings lm-eval[api])") from None
+        raise UsageError(
+            f"serve-check --tasks needs lm-eval's API models, which need {exc.name}",
+            hint="pip install 'kvcalib[tasks]' (it brings lm-eval[api])",
+        ) from None
     check_data(task_manager(options), options)
 
 
@@ -70,36 +95,75 @@ def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> ServedTasks:
     lm_eval, options = require_lm_eval(), spec.options()
     out = lm_eval.simple_evaluate(
         model="local-completions",
-        model_args={"model": str(checkpoint), "base_url": f"{url}/v1/completions", "tokenizer": str(checkpoint),
-                    "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
-                    "max_retries": 2},
-        tasks=list(spec.tasks), limit=spec.limit, task_manager=task_manager(options), log_samples=True,
-        random_seed=options.seed, numpy_random_seed=options.seed, torch_random_seed=options.seed,
-        fewshot_random_seed=options.seed, bootstrap_iters=0)
+        model_args={
+            "model": str(checkpoint),
+            "base_url": f"{url}/v1/completions",
+            "tokenizer": str(checkpoint),
+            "tokenizer_backend": "huggingface",
+            "tokenized_requests": True,
+            "num_concurrent": 1,
+            "max_retries": 2,
+        },
+        tasks=list(spec.tasks),
+        limit=spec.limit,
+        task_manager=task_manager(options),
+        log_samples=True,
+        random_seed=options.seed,
+        numpy_random_seed=options.seed,
+        torch_random_seed=options.seed,
+        fewshot_random_seed=options.seed,
+        bootstrap_iters=0,
+    )
     return ServedTasks(out["samples"], out["results"], out["configs"])
 
 
-def served_rows(spec: TaskSpec, baseline: ServedTasks, fp8: ServedTasks, checkpoint: Path, numerics: str | None
-                ) -> list[dict[str, Any]]:
+def served_rows(
+    spec: TaskSpec, baseline: ServedTasks, fp8: ServedTasks, checkpoint: Path, numerics: str | None
+) -> list[dict[str, Any]]:
     """Per task and metric: the served baseline and FP8 scores with the paired interval, and kvcalib's prediction
     of both on the same items (numerics None: no prediction)."""
     samples = {BASELINE_NAME: baseline.samples, FP8_NAME: fp8.samples}
     results = {BASELINE_NAME: baseline.results, FP8_NAME: fp8.results}
-    served = [row for task in spec.tasks
-              for row in paired_rows(task, fp8.configs.get(task, {}), samples, results, [BASELINE_NAME, FP8_NAME])]
+    served = [
+        row
+        for task in spec.tasks
+        for row in paired_rows(
+            task, fp8.configs.get(task, {}), samples, results, [BASELINE_NAME, FP8_NAME]
+        )
+    ]
     predicted: dict[tuple[str, str, str], TaskRow] = {}
     if numerics is not None:
         result = evaluate_tasks(str(checkpoint), spec.options(target=numerics))
         predicted = {(r.task, r.metric, r.filter): r for r in result.rows}
     rows = []
     for row in served:
-        guess, interval = predicted.get((row.task, row.metric, row.filter)), row.intervals.get(FP8_NAME)
-        rows.append({
-            "task": row.task, "metric": row.metric, "filter": row.filter, "items": row.items,
-            "served": {"baseline": row.baseline, "fp8": row.scores[FP8_NAME],
-                       "interval": None if interval is None else interval.to_dict(), "verdict": row.verdict(FP8_NAME)},
-            "predicted": None if guess is None else {
-                "numerics": numerics, "baseline": guess.baseline, "fp8": guess.scores["checkpoint"],
-                "interval": None if guess.intervals.get("checkpoint") is None else
-                guess.intervals["checkpoint"].to_dict(), "verdict": guess.verdict("checkpoint")}})
+        guess, interval = (
+            predicted.get((row.task, row.metric, row.filter)),
+            row.intervals.get(FP8_NAME),
+        )
+        rows.append(
+            {
+                "task": row.task,
+                "metric": row.metric,
+                "filter": row.filter,
+                "items": row.items,
+                "served": {
+                    "baseline": row.baseline,
+                    "fp8": row.scores[FP8_NAME],
+                    "interval": None if interval is None else interval.to_dict(),
+                    "verdict": row.verdict(FP8_NAME),
+                },
+                "predicted": None
+                if guess is None
+                else {
+                    "numerics": numerics,
+                    "baseline": guess.baseline,
+                    "fp8": guess.scores["checkpoint"],
+                    "interval": None
+                    if guess.intervals.get("checkpoint") is None
+                    else guess.intervals["checkpoint"].to_dict(),
+                    "verdict": guess.verdict("checkpoint"),
+                },
+            }
+        )
     return rows

@@ -18,18 +18,34 @@ _EXAMPLES = 3
 
 def _examples(keys: Iterable[str]) -> str:
     keys = sorted(keys)
-    return ", ".join(keys[:_EXAMPLES]) + (f", ... ({len(keys)} in all)" if len(keys) > _EXAMPLES else "")
+    return ", ".join(keys[:_EXAMPLES]) + (
+        f", ... ({len(keys)} in all)" if len(keys) > _EXAMPLES else ""
+    )
 
 
 def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
     """Read every header and the index (tolerant); report what cannot be read or does not agree."""
     scan = scan_checkpoint(root, tolerant=True)
-    findings = [Finding("CKPT-INDEX-UNREADABLE" if name == INDEX_FILENAME else "CKPT-HEADER", ERROR, exc.message,
-                        exc.hint, name) for name, exc in scan.problems]
+    findings = [
+        Finding(
+            "CKPT-INDEX-UNREADABLE" if name == INDEX_FILENAME else "CKPT-HEADER",
+            ERROR,
+            exc.message,
+            exc.hint,
+            name,
+        )
+        for name, exc in scan.problems
+    ]
     if not scan.files and not (root / INDEX_FILENAME).exists():
-        findings.append(Finding(
-            "CKPT-NO-SAFETENSORS", ERROR, f"no *.safetensors file in {root}: the Neuron loaders read safetensors only",
-            "convert the weights to safetensors (save_pretrained(..., safe_serialization=True))", str(root)))
+        findings.append(
+            Finding(
+                "CKPT-NO-SAFETENSORS",
+                ERROR,
+                f"no *.safetensors file in {root}: the Neuron loaders read safetensors only",
+                "convert the weights to safetensors (save_pretrained(..., safe_serialization=True))",
+                str(root),
+            )
+        )
     findings += _duplicate_findings(scan)
     if scan.index is not None:
         findings += _index_findings(scan, scan.index["weight_map"])
@@ -42,17 +58,24 @@ def _single_file_shadow_findings(scan: CheckpointFiles) -> list[Finding]:
     """transformers loads a top-level model.safetensors and never reads the index beside it."""
     if SINGLE_WEIGHTS_FILENAME not in scan.headers:
         return []
-    shadowed = sorted(k for k, files in scan.key_files.items() if SINGLE_WEIGHTS_FILENAME not in files)
+    shadowed = sorted(
+        k for k, files in scan.key_files.items() if SINGLE_WEIGHTS_FILENAME not in files
+    )
     if not shadowed:
         return []
     scales = [k for k in shadowed if is_kv_scale_key(k)]
-    return [Finding(
-        "CKPT-SINGLE-FILE-SHADOWS-INDEX", WARNING,
-        f"{SINGLE_WEIGHTS_FILENAME} exists beside {INDEX_FILENAME}: transformers (and compressed-tensors "
-        f"through it) loads only {SINGLE_WEIGHTS_FILENAME} and ignores {_examples(scales or shadowed)} in other "
-        "files; vLLM and the Neuron loaders are not affected",
-        f"rename {SINGLE_WEIGHTS_FILENAME} to model-00001-of-00001.safetensors and update weight_map "
-        "(kvcalib calibrate writes this layout)", SINGLE_WEIGHTS_FILENAME)]
+    return [
+        Finding(
+            "CKPT-SINGLE-FILE-SHADOWS-INDEX",
+            WARNING,
+            f"{SINGLE_WEIGHTS_FILENAME} exists beside {INDEX_FILENAME}: transformers (and compressed-tensors "
+            f"through it) loads only {SINGLE_WEIGHTS_FILENAME} and ignores {_examples(scales or shadowed)} in other "
+            "files; vLLM and the Neuron loaders are not affected",
+            f"rename {SINGLE_WEIGHTS_FILENAME} to model-00001-of-00001.safetensors and update weight_map "
+            "(kvcalib calibrate writes this layout)",
+            SINGLE_WEIGHTS_FILENAME,
+        )
+    ]
 
 
 def _is_file(path: Path) -> bool:
@@ -68,37 +91,74 @@ def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[F
     by_file: dict[str, list[str]] = {}
     for key, name in weight_map.items():
         by_file.setdefault(name if isinstance(name, str) else short_repr(name), []).append(key)
-    for name, keys in by_file.items():  # a bare name: no directory, drive (":" on Windows) or leading "."
-        if not name.endswith(".safetensors") or name.startswith(".") or any(c in name for c in "/\\:"):
-            findings.append(Finding(
-                "CKPT-INDEX-FILE-NAME", ERROR, f"weight_map names {name!r} for {_examples(keys)}: an index-based "
-                "loader accepts only bare top-level *.safetensors file names and refuses the checkpoint",
-                "move the file next to config.json and map its keys to its bare file name", location))
+    for (
+        name,
+        keys,
+    ) in by_file.items():  # a bare name: no directory, drive (":" on Windows) or leading "."
+        if (
+            not name.endswith(".safetensors")
+            or name.startswith(".")
+            or any(c in name for c in "/\\:")
+        ):
+            findings.append(
+                Finding(
+                    "CKPT-INDEX-FILE-NAME",
+                    ERROR,
+                    f"weight_map names {name!r} for {_examples(keys)}: an index-based "
+                    "loader accepts only bare top-level *.safetensors file names and refuses the checkpoint",
+                    "move the file next to config.json and map its keys to its bare file name",
+                    location,
+                )
+            )
         elif not _is_file(scan.root / name):
-            findings.append(Finding(
-                "CKPT-INDEX-FILE-MISSING", ERROR, f"weight_map names {name!r}, which does not exist, for "
-                f"{_examples(keys)}: an index-based loader refuses the checkpoint",
-                "restore the missing file, or rebuild the index from the files present", location))
+            findings.append(
+                Finding(
+                    "CKPT-INDEX-FILE-MISSING",
+                    ERROR,
+                    f"weight_map names {name!r}, which does not exist, for "
+                    f"{_examples(keys)}: an index-based loader refuses the checkpoint",
+                    "restore the missing file, or rebuild the index from the files present",
+                    location,
+                )
+            )
         elif name in scan.headers:
             stale = [key for key in keys if key not in scan.headers[name].tensors]
             findings += _per_key_or_file(
-                "CKPT-INDEX-KEY-STALE", stale, name, f"weight_map maps {{keys}} to {name}, which holds no such "
-                "tensor: an index-based loader cannot find it", "rebuild weight_map from the safetensors headers")
+                "CKPT-INDEX-KEY-STALE",
+                stale,
+                name,
+                f"weight_map maps {{keys}} to {name}, which holds no such "
+                "tensor: an index-based loader cannot find it",
+                "rebuild weight_map from the safetensors headers",
+            )
     for name, header in scan.headers.items():
         findings += _per_key_or_file(
-            "CKPT-INDEX-KEY-UNMAPPED", [key for key in header.tensors if key not in weight_map], name,
+            "CKPT-INDEX-KEY-UNMAPPED",
+            [key for key in header.tensors if key not in weight_map],
+            name,
             f"{{keys}} in {name} is missing from weight_map: loaders that glob *.safetensors read "
             "it, index-based loaders silently ignore it (a scale missing there runs at 1.0)",
-            f"add every key of {name} to weight_map with the bare file name {name!r}")
+            f"add every key of {name} to weight_map with the bare file name {name!r}",
+        )
     return findings
 
 
-def _per_key_or_file(rule: str, keys: list[str], name: str, message: str, hint: str) -> list[Finding]:
+def _per_key_or_file(
+    rule: str, keys: list[str], name: str, message: str, hint: str
+) -> list[Finding]:
     """An error per KV-scale key (those decide the numerics); one warning for a file's other keys."""
-    scale_keys, other = sorted(k for k in keys if is_kv_scale_key(k)), [k for k in keys if not is_kv_scale_key(k)]
-    findings = [Finding(rule, ERROR, message.replace("{keys}", key), hint, f"{name}:{key}") for key in scale_keys]
+    scale_keys, other = (
+        sorted(k for k in keys if is_kv_scale_key(k)),
+        [k for k in keys if not is_kv_scale_key(k)],
+    )
+    findings = [
+        Finding(rule, ERROR, message.replace("{keys}", key), hint, f"{name}:{key}")
+        for key in scale_keys
+    ]
     if other:
-        findings.append(Finding(rule, WARNING, message.replace("{keys}", _examples(other)), hint, name))
+        findings.append(
+            Finding(rule, WARNING, message.replace("{keys}", _examples(other)), hint, name)
+        )
     return findings
 
 
@@ -107,10 +167,17 @@ def _duplicate_findings(scan: CheckpointFiles) -> list[Finding]:
     for key, names in scan.key_files.items():
         if len(names) > 1:
             by_files.setdefault(names, []).append(key)
-    return [Finding("CKPT-DUPLICATE-KEY", ERROR, f"{_examples([k for k in keys if is_kv_scale_key(k)] or keys)} stored "
-                    f"in more than one file ({', '.join(names)}): which copy a loader uses is not defined",
-                    "keep each tensor in exactly one file", ", ".join(names))
-            for names, keys in sorted(by_files.items())]
+    return [
+        Finding(
+            "CKPT-DUPLICATE-KEY",
+            ERROR,
+            f"{_examples([k for k in keys if is_kv_scale_key(k)] or keys)} stored "
+            f"in more than one file ({', '.join(names)}): which copy a loader uses is not defined",
+            "keep each tensor in exactly one file",
+            ", ".join(names),
+        )
+        for names, keys in sorted(by_files.items())
+    ]
 
 
 def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[Finding]:
@@ -120,8 +187,15 @@ def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[F
         return []
     location = f"{INDEX_FILENAME}:metadata.total_size"
     if not isinstance(total_size, int) or isinstance(total_size, bool):
-        return [Finding("CKPT-TOTAL-SIZE", WARNING, f"metadata.total_size is {short_repr(total_size)}, not an integer",
-                        "set it to the sum of the byte sizes of the tensors in weight_map", location)]
+        return [
+            Finding(
+                "CKPT-TOTAL-SIZE",
+                WARNING,
+                f"metadata.total_size is {short_repr(total_size)}, not an integer",
+                "set it to the sum of the byte sizes of the tensors in weight_map",
+                location,
+            )
+        ]
     actual = 0
     for key, name in index["weight_map"].items():
         header = scan.headers.get(name) if isinstance(name, str) else None
@@ -131,5 +205,13 @@ def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[F
             actual += header.tensors[key].nbytes
     if actual == total_size:
         return []
-    return [Finding("CKPT-TOTAL-SIZE", WARNING, f"metadata.total_size is {total_size}, but the tensors in weight_map "
-                    f"hold {actual} bytes", f"set metadata.total_size to {actual}", location)]
+    return [
+        Finding(
+            "CKPT-TOTAL-SIZE",
+            WARNING,
+            f"metadata.total_size is {total_size}, but the tensors in weight_map "
+            f"hold {actual} bytes",
+            f"set metadata.total_size to {actual}",
+            location,
+        )
+    ]

@@ -21,8 +21,13 @@ from kvcalib.validation.scales import scale_findings
 __all__ = ["validate_checkpoint"]
 
 
-def validate_checkpoint(path: Path, target: str = DEFAULT_TARGET, *, strict: bool = False,
-                        neuron_config: dict | None = None) -> ValidationReport:
+def validate_checkpoint(
+    path: Path,
+    target: str = DEFAULT_TARGET,
+    *,
+    strict: bool = False,
+    neuron_config: dict | None = None,
+) -> ValidationReport:
     """Every finding for the checkpoint at `path` served on `target` ("trn2", "trn3", "gpu"); `neuron_config`: the
     serve command's `additional_config["neuron_config"]`, if known. Raises UnknownTargetError, CheckpointNotFoundError
     (no directory or config.json) and CheckpointReadError (config.json not a JSON object); all else is a Finding."""

@@ -9,20 +9,47 @@ from typing import Any
 
 from kvcalib.core.checkpoint import CheckpointFiles, read_json, read_values
 from kvcalib.core.errors import KvcalibError
-from kvcalib.core.fp8 import SCALE_FLOOR, SCALE_ROUNDING_TOLERANCE, TARGETS, get_target, implied_fp8_max
-from kvcalib.core.schema import (KV_KINDS, PROVENANCE_FILENAME, PROVENANCE_METADATA_KEY, head_counts, head_dim,
-                                 neuron_scale_key, num_hidden_layers, text_config)
+from kvcalib.core.fp8 import (
+    SCALE_FLOOR,
+    SCALE_ROUNDING_TOLERANCE,
+    TARGETS,
+    get_target,
+    implied_fp8_max,
+)
+from kvcalib.core.schema import (
+    KV_KINDS,
+    PROVENANCE_FILENAME,
+    PROVENANCE_METADATA_KEY,
+    head_counts,
+    head_dim,
+    neuron_scale_key,
+    num_hidden_layers,
+    text_config,
+)
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
 from kvcalib.validation.scales import LARGEST_FP8_MAX, ScaleCheck
 
-__all__ = ["OUTLIER_SHARE", "clipped_unscored", "finite_number", "outlier_findings", "provenance_kind",
-           "range_findings", "read_provenance", "served_special_tokens", "token_findings"]
+__all__ = [
+    "OUTLIER_SHARE",
+    "clipped_unscored",
+    "finite_number",
+    "outlier_findings",
+    "provenance_kind",
+    "range_findings",
+    "read_provenance",
+    "served_special_tokens",
+    "token_findings",
+]
 
 
 def provenance_kind(entry: dict, kind: str) -> dict:
     """One layer's K or V in kvcalib's provenance: `{"k": {"absmax": ...}}`, or flat `k_absmax` (before 0.2.0)."""
     nested = entry.get(kind)
-    return nested if isinstance(nested, dict) else {n[2:]: v for n, v in entry.items() if n.startswith(f"{kind}_")}
+    return (
+        nested
+        if isinstance(nested, dict)
+        else {n[2:]: v for n, v in entry.items() if n.startswith(f"{kind}_")}
+    )
 
 
 def finite_number(value: Any) -> float | None:
@@ -53,18 +80,26 @@ def clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]
             record = provenance_kind(entry, kind)
             clip, absmax = finite_number(record.get("range")), finite_number(record.get("absmax"))
             if clip is not None and absmax is not None and 0 <= clip < absmax * (1 - 1e-6):
-                clipped.append(f"layer {short_repr(entry.get('layer'))} {kind.upper()} at {clip / absmax:.2f} x absmax")
+                clipped.append(
+                    f"layer {short_repr(entry.get('layer'))} {kind.upper()} at {clip / absmax:.2f} x absmax"
+                )
     if not clipped:
         return []
-    scored_text = ", ".join(name[:24] if isinstance(name, str) else short_repr(name, 24) for name in scored_on[:4]) \
-        + (", ..." if len(scored_on) > 4 else "")
-    return [Finding(
-        "RANGE-CLIPPED-UNSCORED", WARNING,
-        f"the scale objective clipped {len(clipped)} scale(s) ({'; '.join(clipped[:3])}) scoring them on "
-        f"{scored_text} only, not on {target}: where {target} saturates elsewhere, a clip chosen to saturate "
-        "near-constant channels can put them on FP8 rounding boundaries instead",
-        f"recalibrate with kvcalib calibrate --target {target}, or with a kvcalib that scores every server "
-        "(its provenance lists them in scored_on)", where)]
+    scored_text = ", ".join(
+        name[:24] if isinstance(name, str) else short_repr(name, 24) for name in scored_on[:4]
+    ) + (", ..." if len(scored_on) > 4 else "")
+    return [
+        Finding(
+            "RANGE-CLIPPED-UNSCORED",
+            WARNING,
+            f"the scale objective clipped {len(clipped)} scale(s) ({'; '.join(clipped[:3])}) scoring them on "
+            f"{scored_text} only, not on {target}: where {target} saturates elsewhere, a clip chosen to saturate "
+            "near-constant channels can put them on FP8 rounding boundaries instead",
+            f"recalibrate with kvcalib calibrate --target {target}, or with a kvcalib that scores every server "
+            "(its provenance lists them in scored_on)",
+            where,
+        )
+    ]
 
 
 def read_provenance(scan: CheckpointFiles) -> dict[str, Any] | None:
@@ -84,8 +119,10 @@ def _larger_convention(target: str) -> str:
     own = TARGETS[target].fp8_max
     if own >= LARGEST_FP8_MAX:
         return ""
-    return (f": scales sized as absmax/{LARGEST_FP8_MAX:g} (llm-compressor, GPU vLLM) clip every value above "
-            f"{own:g}/{LARGEST_FP8_MAX:g} ≈ {own / LARGEST_FP8_MAX:.2f} of a layer's absmax on {target}")
+    return (
+        f": scales sized as absmax/{LARGEST_FP8_MAX:g} (llm-compressor, GPU vLLM) clip every value above "
+        f"{own:g}/{LARGEST_FP8_MAX:g} ≈ {own / LARGEST_FP8_MAX:.2f} of a layer's absmax on {target}"
+    )
 
 
 def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> list[Finding]:
@@ -95,42 +132,74 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
     findings: list[Finding] = []
     sources = _provenance_sources(scan, check, findings)
     if not sources:
-        return findings + [Finding("RANGE-UNKNOWN", INFO, "scales present, FP8 max unknown (no kvcalib provenance)"
-                                   + _larger_convention(target),
-                                   "recalibrate with kvcalib calibrate --target to be sure of the range")]
+        return findings + [
+            Finding(
+                "RANGE-UNKNOWN",
+                INFO,
+                "scales present, FP8 max unknown (no kvcalib provenance)"
+                + _larger_convention(target),
+                "recalibrate with kvcalib calibrate --target to be sure of the range",
+            )
+        ]
     (where, provenance), *rest = sources
     fp8_max = provenance.get("fp8_max")
     for other_where, other in rest:
         if other.get("fp8_max") != fp8_max:
-            findings.append(Finding("RANGE-PROVENANCE-DISAGREES", WARNING, f"{where} says fp8_max "
-                                    f"{short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
-                                    "recalibrate to get one consistent record", where))
+            findings.append(
+                Finding(
+                    "RANGE-PROVENANCE-DISAGREES",
+                    WARNING,
+                    f"{where} says fp8_max "
+                    f"{short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
+                    "recalibrate to get one consistent record",
+                    where,
+                )
+            )
     if finite_number(fp8_max) is None or fp8_max <= 0:
-        return findings + [_malformed_provenance(where, f"fp8_max is {short_repr(fp8_max)}, not a positive number")]
+        return findings + [
+            _malformed_provenance(where, f"fp8_max is {short_repr(fp8_max)}, not a positive number")
+        ]
     fp8_max = float(fp8_max)
     target_max = TARGETS[target].fp8_max
     calibrated_for = provenance.get("target")
     sized = f"scales were sized for FP8 max {fp8_max:g}" + (
-        f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else "")
+        f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else ""
+    )
     larger = fp8_max > target_max * (1 + 1e-6)
-    clipped = [] if larger else clipped_unscored(provenance, where, target)  # (a larger max is an error already)
+    clipped = (
+        [] if larger else clipped_unscored(provenance, where, target)
+    )  # (a larger max is an error already)
     if larger:
-        findings.append(Finding(
-            "RANGE-TARGET-MISMATCH", ERROR,
-            f"{sized}, but {target} saturates at {target_max:g}: values above "
-            f"{target_max:g}/{fp8_max:g} ≈ {target_max / fp8_max:.2f} of each layer's absmax clip",
-            f"recalibrate with kvcalib calibrate --target {target} "
-            "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)", where))
-    elif fp8_max < target_max * (1 - 1e-6) and not clipped:  # "safe" unless a clip was never scored there
-        findings.append(Finding(
-            "RANGE-TARGET-MISMATCH", INFO,
-            f"{sized}; {target} saturates at {target_max:g}: safe, using {fp8_max:g}/{target_max:g} "
-            f"≈ {fp8_max / target_max:.2f} of the FP8 range",
-            f"recalibrate with --target {target} for the full range", where))
+        findings.append(
+            Finding(
+                "RANGE-TARGET-MISMATCH",
+                ERROR,
+                f"{sized}, but {target} saturates at {target_max:g}: values above "
+                f"{target_max:g}/{fp8_max:g} ≈ {target_max / fp8_max:.2f} of each layer's absmax clip",
+                f"recalibrate with kvcalib calibrate --target {target} "
+                "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)",
+                where,
+            )
+        )
+    elif (
+        fp8_max < target_max * (1 - 1e-6) and not clipped
+    ):  # "safe" unless a clip was never scored there
+        findings.append(
+            Finding(
+                "RANGE-TARGET-MISMATCH",
+                INFO,
+                f"{sized}; {target} saturates at {target_max:g}: safe, using {fp8_max:g}/{target_max:g} "
+                f"≈ {fp8_max / target_max:.2f} of the FP8 range",
+                f"recalibrate with --target {target} for the full range",
+                where,
+            )
+        )
     return findings + clipped + _compare_layers(provenance, where, fp8_max, check)
 
 
-def _provenance_sources(scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]) -> list[tuple[str, dict]]:
+def _provenance_sources(
+    scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]
+) -> list[tuple[str, dict]]:
     sources: list[tuple[str, dict]] = []
     path = scan.root / PROVENANCE_FILENAME
     if path.exists():
@@ -149,17 +218,27 @@ def _provenance_sources(scan: CheckpointFiles, check: ScaleCheck, findings: list
             sources.append((where, json.loads(raw)))
         except (ValueError, RecursionError) as exc:
             findings.append(_malformed_provenance(where, f"not valid JSON ({exc})"))
-    findings += [_malformed_provenance(where, "not a JSON object") for where, data in sources
-                 if not isinstance(data, dict)]
+    findings += [
+        _malformed_provenance(where, "not a JSON object")
+        for where, data in sources
+        if not isinstance(data, dict)
+    ]
     return [(where, data) for where, data in sources if isinstance(data, dict)]
 
 
 def _malformed_provenance(where: str, problem: str) -> Finding:
-    return Finding("RANGE-PROVENANCE-MALFORMED", WARNING, f"kvcalib provenance {where}: {problem}; FP8 max unknown",
-                   "recalibrate with kvcalib calibrate to rewrite it", where)
+    return Finding(
+        "RANGE-PROVENANCE-MALFORMED",
+        WARNING,
+        f"kvcalib provenance {where}: {problem}; FP8 max unknown",
+        "recalibrate with kvcalib calibrate to rewrite it",
+        where,
+    )
 
 
-def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCheck) -> list[Finding]:
+def _compare_layers(
+    provenance: dict, where: str, fp8_max: float, check: ScaleCheck
+) -> list[Finding]:
     layers = provenance.get("layers")
     if layers is None:
         return []
@@ -179,19 +258,28 @@ def _compare_layers(provenance: dict, where: str, fp8_max: float, check: ScaleCh
             absmax = finite_number(record.get("range", record.get("absmax")))
             if actual is None:
                 continue
-            if recorded is not None and abs(recorded - actual) > 1e-5 * max(abs(recorded), abs(actual)):
+            if recorded is not None and abs(recorded - actual) > 1e-5 * max(
+                abs(recorded), abs(actual)
+            ):
                 disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
             elif absmax is not None and absmax > 0 and actual > SCALE_FLOOR * 2:
                 implied = implied_fp8_max(absmax, actual)
                 # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
                 if abs(implied - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max:
                     disagree.append(
-                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}")
+                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}"
+                    )
     if not disagree:
         return []
-    return [Finding("RANGE-PROVENANCE-DISAGREES", WARNING,
-                    f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
-                    "the scales were edited after calibration; recalibrate, or trust neither", where)]
+    return [
+        Finding(
+            "RANGE-PROVENANCE-DISAGREES",
+            WARNING,
+            f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
+            "the scales were edited after calibration; recalibrate, or trust neither",
+            where,
+        )
+    ]
 
 
 OUTLIER_SHARE = 0.25  # a bias this share of the k_scale's range (or more) is an outlier channel
@@ -207,12 +295,21 @@ def still_channels(config: dict[str, Any], size: int) -> set[int]:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 1:
         theta = 10000.0
     half = size // 2
-    still = {i for i in range(half) if STILL_POSITIONS * float(theta) ** (-2.0 * i / size) < STILL_RADIANS}
+    still = {
+        i
+        for i in range(half)
+        if STILL_POSITIONS * float(theta) ** (-2.0 * i / size) < STILL_RADIANS
+    }
     return still | {i + half for i in still}
 
 
-def outlier_findings(config: dict[str, Any], scan: CheckpointFiles, values: dict[str, float], prefix: str,
-                     target: str) -> list[Finding]:
+def outlier_findings(
+    config: dict[str, Any],
+    scan: CheckpointFiles,
+    values: dict[str, float],
+    prefix: str,
+    target: str,
+) -> list[Finding]:
     """OUTLIER-K-*: a k_proj bias in a RoPE pair that barely rotates puts a K channel at a constant; sized by absmax,
     it sits on a coarse part of the FP8 grid, where rounding flips it from token to token (no model run, no torch)."""
     objective = (read_provenance(scan) or {}).get("scale_objective")
@@ -221,11 +318,21 @@ def outlier_findings(config: dict[str, Any], scan: CheckpointFiles, values: dict
     kv_heads, layers, size = head_counts(config)["k"], num_hidden_layers(config), head_dim(config)
     if not (kv_heads and size is not None and size > 1 and layers):
         return []
-    still, fp8_max, found, probed = still_channels(config, size), get_target(target).fp8_max, [], False
+    still, fp8_max, found, probed = (
+        still_channels(config, size),
+        get_target(target).fp8_max,
+        [],
+        False,
+    )
     for layer in range(layers):
         key = f"{prefix}.{layer}.self_attn.k_proj.bias"
         header, scale = scan.header_of(key), values.get(neuron_scale_key(layer, "k", prefix))
-        if header is None or scale is None or not scale > 0 or header.tensors[key].nbytes > 4 * 65536:
+        if (
+            header is None
+            or scale is None
+            or not scale > 0
+            or header.tensors[key].nbytes > 4 * 65536
+        ):
             continue
         try:
             bias = read_values(header, key)
@@ -234,30 +341,42 @@ def outlier_findings(config: dict[str, Any], scan: CheckpointFiles, values: dict
         probed = True
         limit = OUTLIER_SHARE * scale * fp8_max
         for head in range(min(kv_heads, len(bias) // size)):
-            channels = [(c, bias[head * size + c]) for c in sorted(still)
-                        if math.isfinite(bias[head * size + c]) and abs(bias[head * size + c]) >= limit]
+            channels = [
+                (c, bias[head * size + c])
+                for c in sorted(still)
+                if math.isfinite(bias[head * size + c]) and abs(bias[head * size + c]) >= limit
+            ]
             if channels:
                 found.append((layer, head, channels, scale * fp8_max))
     if found:
         shown = "; ".join(
             f"layer {layer} KV head {head}: channels {', '.join(str(c) for c, _ in channels[:6])} at |K| "
             f"{min(abs(b) for _, b in channels):.4g}-{max(abs(b) for _, b in channels):.4g} of {span:.4g}"
-            for layer, head, channels, span in found[:3])
-        return [Finding(
-            "OUTLIER-K-CHANNELS", WARNING,
-            f"k_proj biases put near-constant K channels (RoPE pairs that barely rotate) at a large part of the "
-            f"range the k_scale is sized for, in {len(found)} layer/head(s): {shown}. Scales sized by absmax put "
-            f"such channels on a coarse part of the FP8 grid, where rounding flips them from token to token",
-            "measure it with `kvcalib eval CKPT --dataset DATA` (its attention error per layer), or recalibrate "
-            "with `kvcalib calibrate` (the attention objective clips such channels)",
-            f"{prefix}.{found[0][0]}.self_attn.k_proj.bias")]
+            for layer, head, channels, span in found[:3]
+        )
+        return [
+            Finding(
+                "OUTLIER-K-CHANNELS",
+                WARNING,
+                f"k_proj biases put near-constant K channels (RoPE pairs that barely rotate) at a large part of the "
+                f"range the k_scale is sized for, in {len(found)} layer/head(s): {shown}. Scales sized by absmax put "
+                f"such channels on a coarse part of the FP8 grid, where rounding flips them from token to token",
+                "measure it with `kvcalib eval CKPT --dataset DATA` (its attention error per layer), or recalibrate "
+                "with `kvcalib calibrate` (the attention objective clips such channels)",
+                f"{prefix}.{found[0][0]}.self_attn.k_proj.bias",
+            )
+        ]
     if probed or objective != "absmax":
         return []
-    return [Finding(  # kvcalib sized these by absmax on request: say what it could not check
-        "OUTLIER-K-UNKNOWN", INFO,
-        "near-constant outlier K channels (which make absmax-sized scales the worst choice) cannot be seen "
-        "without running the model: no k_proj bias to probe",
-        "`kvcalib eval CKPT --dataset DATA` reports each layer's attention-output error")]
+    return [
+        Finding(  # kvcalib sized these by absmax on request: say what it could not check
+            "OUTLIER-K-UNKNOWN",
+            INFO,
+            "near-constant outlier K channels (which make absmax-sized scales the worst choice) cannot be seen "
+            "without running the model: no k_proj bias to probe",
+            "`kvcalib eval CKPT --dataset DATA` reports each layer's attention-output error",
+        )
+    ]
 
 
 AS_SERVED = "as served"  # how the provenance's rule starts when rows were tokenised as vLLM does
@@ -272,7 +391,11 @@ def served_special_tokens(scan: CheckpointFiles) -> list[str]:
         post = read_json(path, "tokenizer").get("post_processor")
     except (KvcalibError, AttributeError):
         return []
-    processors = post.get("processors", []) if isinstance(post, dict) and post.get("type") == "Sequence" else [post]
+    processors = (
+        post.get("processors", [])
+        if isinstance(post, dict) and post.get("type") == "Sequence"
+        else [post]
+    )
     found = []
     for processor in processors:
         if isinstance(processor, dict) and processor.get("type") == "TemplateProcessing":
@@ -295,11 +418,20 @@ def token_findings(scan: CheckpointFiles) -> list[Finding]:
     added = served_special_tokens(scan)
     if not added:
         return []
-    how = "with --no-add-special-tokens" if isinstance(rule, str) else "by a kvcalib that added no special tokens"
-    return [Finding(
-        "CALIB-TOKENS-NOT-AS-SERVED", WARNING,
-        f"the scales were measured on text without {', '.join(added)}, calibrated {how}, while vLLM adds "
-        f"{'it' if len(added) == 1 else 'them'} to every completions prompt (tokenizer.json's post-processor): "
-        "the server writes K/V the calibration never saw (the first position is the attention sink)",
-        "recalibrate with `kvcalib calibrate` (its default tokenises as vLLM serves: plain text with the "
-        "tokenizer's special tokens, chat-template text without)", PROVENANCE_FILENAME)]
+    how = (
+        "with --no-add-special-tokens"
+        if isinstance(rule, str)
+        else "by a kvcalib that added no special tokens"
+    )
+    return [
+        Finding(
+            "CALIB-TOKENS-NOT-AS-SERVED",
+            WARNING,
+            f"the scales were measured on text without {', '.join(added)}, calibrated {how}, while vLLM adds "
+            f"{'it' if len(added) == 1 else 'them'} to every completions prompt (tokenizer.json's post-processor): "
+            "the server writes K/V the calibration never saw (the first position is the attention sink)",
+            "recalibrate with `kvcalib calibrate` (its default tokenises as vLLM serves: plain text with the "
+            "tokenizer's special tokens, chat-template text without)",
+            PROVENANCE_FILENAME,
+        )
+    ]

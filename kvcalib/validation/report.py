@@ -62,5 +62,9 @@ class ValidationReport:
         return not self.errors and not (self.strict and self.warnings)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "target": self.target, "ok": self.ok,
-                "findings": [f.to_dict() for f in self.findings]}
+        return {
+            "checkpoint": self.checkpoint,
+            "target": self.target,
+            "ok": self.ok,
+            "findings": [f.to_dict() for f in self.findings],
+        }

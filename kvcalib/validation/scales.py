@@ -11,8 +11,17 @@ from kvcalib.core import checkpoint
 from kvcalib.core.checkpoint import CheckpointFiles
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import DEFAULT_TARGET, TARGETS, bf16_reciprocal_ok, get_target
-from kvcalib.core.schema import (ATTN_HEAD, KV_KINDS, NEURON_ALT_LAYERS_PREFIX, NEURON_LAYERS_PREFIX, head_counts,
-                                 neuron_scale_key, num_hidden_layers, parse_foreign_scale_key, parse_neuron_scale_key)
+from kvcalib.core.schema import (
+    ATTN_HEAD,
+    KV_KINDS,
+    NEURON_ALT_LAYERS_PREFIX,
+    NEURON_LAYERS_PREFIX,
+    head_counts,
+    neuron_scale_key,
+    num_hidden_layers,
+    parse_foreign_scale_key,
+    parse_neuron_scale_key,
+)
 from kvcalib.validation.config import QCFG_LOCATION, declared_kv_cache_scheme
 from kvcalib.validation.heads import per_head_findings
 from kvcalib.validation.report import ERROR, WARNING, Finding
@@ -32,47 +41,82 @@ class ScaleCheck:
     files: set[str] = field(default_factory=set)  # files holding Neuron-named scales
     target: str = DEFAULT_TARGET
     per_head: bool = False  # kv_cache_scheme strategy attn_head: one scale per KV head (GPU vLLM)
-    heads: dict[str, int | None] = field(default_factory=dict)  # kind -> head count from config.json
-    zero: dict[str, list[int]] = field(default_factory=dict)  # kind -> the layers whose scale is 0.0
+    heads: dict[str, int | None] = field(
+        default_factory=dict
+    )  # kind -> head count from config.json
+    zero: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # kind -> the layers whose scale is 0.0
 
 
 def _layers_prefix(keys: list[str]) -> str:
     prefixes = {parsed[0] for parsed in map(parse_neuron_scale_key, keys) if parsed}
-    alt = NEURON_ALT_LAYERS_PREFIX in prefixes or any(k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in keys)
-    return NEURON_ALT_LAYERS_PREFIX if alt and NEURON_LAYERS_PREFIX not in prefixes else NEURON_LAYERS_PREFIX
+    alt = NEURON_ALT_LAYERS_PREFIX in prefixes or any(
+        k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in keys
+    )
+    return (
+        NEURON_ALT_LAYERS_PREFIX
+        if alt and NEURON_LAYERS_PREFIX not in prefixes
+        else NEURON_LAYERS_PREFIX
+    )
 
 
-def scale_findings(config: dict[str, Any], scan: CheckpointFiles, target: str) -> tuple[list[Finding], ScaleCheck]:
+def scale_findings(
+    config: dict[str, Any], scan: CheckpointFiles, target: str
+) -> tuple[list[Finding], ScaleCheck]:
     """SCALE-*: every layer's k_scale and v_scale, under the exact name Neuron reads."""
     findings: list[Finding] = []
     scheme = declared_kv_cache_scheme(config)
     scheme_declared = scheme is not None
-    check = ScaleCheck(prefix=_layers_prefix(sorted(scan.key_files)), target=target, heads=head_counts(config),
-                       per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD)
+    check = ScaleCheck(
+        prefix=_layers_prefix(sorted(scan.key_files)),
+        target=target,
+        heads=head_counts(config),
+        per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD,
+    )
     own, foreign = _sort_scale_keys(scan, check)
     check.present = bool(own or foreign)
     if not check.present:
-        findings.append(Finding(
-            "SCALE-NONE", ERROR if scheme_declared else WARNING,
-            "no KV-cache scales in the checkpoint: not calibrated; with --kv-cache-dtype fp8 every "
-            "layer runs with K and V scales 1.0"
-            + (" although quantization_config declares a kv_cache_scheme" if scheme_declared else ""),
-            "run kvcalib calibrate to write per-layer scales"
-            + (f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold them"
-               if scan.unreadable else "")))
+        findings.append(
+            Finding(
+                "SCALE-NONE",
+                ERROR if scheme_declared else WARNING,
+                "no KV-cache scales in the checkpoint: not calibrated; with --kv-cache-dtype fp8 every "
+                "layer runs with K and V scales 1.0"
+                + (
+                    " although quantization_config declares a kv_cache_scheme"
+                    if scheme_declared
+                    else ""
+                ),
+                "run kvcalib calibrate to write per-layer scales"
+                + (
+                    f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold them"
+                    if scan.unreadable
+                    else ""
+                ),
+            )
+        )
         return findings, check
     n_layers = num_hidden_layers(config)
     layers: list[int] | range = range(n_layers or 0)
     if n_layers is None:
         layers = sorted({layer for layer, _ in [*own, *foreign]})
         n_layers = layers[-1] + 1
-        findings.append(Finding(
-            "SCALE-LAYER-COUNT", WARNING, f"config.json has no usable num_hidden_layers: checked only the layers the "
-            f"scales name ({_layer_list(layers)})", "the Neuron model needs num_hidden_layers (top level, or under "
-            "text_config)", "config.json:num_hidden_layers"))
+        findings.append(
+            Finding(
+                "SCALE-LAYER-COUNT",
+                WARNING,
+                f"config.json has no usable num_hidden_layers: checked only the layers the "
+                f"scales name ({_layer_list(layers)})",
+                "the Neuron model needs num_hidden_layers (top level, or under text_config)",
+                "config.json:num_hidden_layers",
+            )
+        )
     for layer in layers:
         for kind in KV_KINDS:
-            findings += _check_one(scan, check, layer, kind, own.get((layer, kind)), foreign.get((layer, kind)))
+            findings += _check_one(
+                scan, check, layer, kind, own.get((layer, kind)), foreign.get((layer, kind))
+            )
     findings = _all_zero(findings, check, len(layers))
     findings += _whole_set_findings(check, own, n_layers, 2 * len(layers), scheme_declared, target)
     return findings, check
@@ -85,18 +129,28 @@ def _all_zero(findings: list[Finding], check: ScaleCheck, n_layers: int) -> list
         if n_layers < 2 or len(zero) < n_layers:
             continue
         names = {f"{check.prefix}.{layer}.self_attn.{kind}_scale" for layer in zero}
-        findings = [f for f in findings if not (f.rule == "SCALE-VALUE" and f.location.rsplit(":", 1)[-1] in names)]
-        findings.append(Finding(
-            "SCALE-ALL-ZERO", ERROR,
-            f"every {kind}_scale is 0.0 (layers {_layer_list(zero)}): no {kind.upper()} was observed, and served "
-            f"with FP8 KV every {kind.upper()} becomes inf or NaN (x / 0)",
-            "recalibrate, e.g. `kvcalib calibrate`; with llm-compressor, check that its KV observer hooks this "
-            "model's attention class (a non-zero scale on each layer)", f"{check.prefix}.*.self_attn.{kind}_scale"))
+        findings = [
+            f
+            for f in findings
+            if not (f.rule == "SCALE-VALUE" and f.location.rsplit(":", 1)[-1] in names)
+        ]
+        findings.append(
+            Finding(
+                "SCALE-ALL-ZERO",
+                ERROR,
+                f"every {kind}_scale is 0.0 (layers {_layer_list(zero)}): no {kind.upper()} was observed, and served "
+                f"with FP8 KV every {kind.upper()} becomes inf or NaN (x / 0)",
+                "recalibrate, e.g. `kvcalib calibrate`; with llm-compressor, check that its KV observer hooks this "
+                "model's attention class (a non-zero scale on each layer)",
+                f"{check.prefix}.*.self_attn.{kind}_scale",
+            )
+        )
     return findings
 
 
-def _sort_scale_keys(scan: CheckpointFiles, check: ScaleCheck
-                     ) -> tuple[dict[tuple[int, str], str], dict[tuple[int, str], list[str]]]:
+def _sort_scale_keys(
+    scan: CheckpointFiles, check: ScaleCheck
+) -> tuple[dict[tuple[int, str], str], dict[tuple[int, str], list[str]]]:
     """(layer, kind) -> the key under the chosen prefix; (layer, kind) -> the names Neuron ignores."""
     own: dict[tuple[int, str], str] = {}
     foreign: dict[tuple[int, str], list[str]] = {}
@@ -118,26 +172,48 @@ def _sort_scale_keys(scan: CheckpointFiles, check: ScaleCheck
     return own, foreign
 
 
-def _whole_set_findings(check: ScaleCheck, own: dict[tuple[int, str], str], n_layers: int, expected: int,
-                        scheme_declared: bool, target: str) -> list[Finding]:
+def _whole_set_findings(
+    check: ScaleCheck,
+    own: dict[tuple[int, str], str],
+    n_layers: int,
+    expected: int,
+    scheme_declared: bool,
+    target: str,
+) -> list[Finding]:
     """What the scales say together: extra layers, all 1.0, no kv_cache_scheme beside them."""
     findings = []
     extra = sorted(key for (layer, _), key in own.items() if layer >= n_layers)
     if extra:
-        findings.append(Finding(
-            "SCALE-EXTRA-LAYER", WARNING, f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for "
-            f"layers the model does not have (num_hidden_layers = {n_layers}); they are never read",
-            "check that the scales come from this model"))
+        findings.append(
+            Finding(
+                "SCALE-EXTRA-LAYER",
+                WARNING,
+                f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for "
+                f"layers the model does not have (num_hidden_layers = {n_layers}); they are never read",
+                "check that the scales come from this model",
+            )
+        )
     if expected and len(check.values) == expected and all(v == 1.0 for v in check.values.values()):
-        findings.append(Finding("SCALE-UNCALIBRATED", WARNING, "every K and V scale is exactly 1.0: the checkpoint "
-                                "looks uncalibrated (the same as no scales)",
-                                "run kvcalib calibrate to measure real per-layer scales"))
+        findings.append(
+            Finding(
+                "SCALE-UNCALIBRATED",
+                WARNING,
+                "every K and V scale is exactly 1.0: the checkpoint "
+                "looks uncalibrated (the same as no scales)",
+                "run kvcalib calibrate to measure real per-layer scales",
+            )
+        )
     if not scheme_declared and own:
-        findings.append(Finding(
-            "SCALE-NO-KV-SCHEME", WARNING if get_target(target).neuron else ERROR,
-            "KV scales are present but quantization_config declares no kv_cache_scheme: GPU vLLM does not load them "
-            "and runs FP8 KV with scales 1.0 (Neuron reads them with --kv-cache-dtype fp8)",
-            "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)", QCFG_LOCATION))
+        findings.append(
+            Finding(
+                "SCALE-NO-KV-SCHEME",
+                WARNING if get_target(target).neuron else ERROR,
+                "KV scales are present but quantization_config declares no kv_cache_scheme: GPU vLLM does not load them "
+                "and runs FP8 KV with scales 1.0 (Neuron reads them with --kv-cache-dtype fp8)",
+                "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
+                QCFG_LOCATION,
+            )
+        )
     return findings
 
 
@@ -147,28 +223,57 @@ def _layer_list(layers: list[int]) -> str:
     return ", ".join(map(str, layers[:8])) + (" ..." if len(layers) > 8 else "")
 
 
-def _check_one(scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, key: str | None,
-               others: list[str] | None) -> list[Finding]:
+def _check_one(
+    scan: CheckpointFiles,
+    check: ScaleCheck,
+    layer: int,
+    kind: str,
+    key: str | None,
+    others: list[str] | None,
+) -> list[Finding]:
     expected = neuron_scale_key(layer, kind, check.prefix)
     what = f"layer {layer}'s {kind.upper()} cache runs with scale 1.0 on Neuron (no error, no log line)"
     if key is None and others:
-        return [Finding("SCALE-FOREIGN-NAME", ERROR, f"found {', '.join(others)} but Neuron reads only {expected}: "
-                        f"{what}", f"store the scale as {expected} (float32, shape [1])",
-                        f"{scan.file_of(others[0])}:{others[0]}")]
+        return [
+            Finding(
+                "SCALE-FOREIGN-NAME",
+                ERROR,
+                f"found {', '.join(others)} but Neuron reads only {expected}: {what}",
+                f"store the scale as {expected} (float32, shape [1])",
+                f"{scan.file_of(others[0])}:{others[0]}",
+            )
+        ]
     if key is None:
         hint = "recalibrate, or add the missing scale (float32, shape [1])"
         if scan.unreadable:
-            hint += f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold it"
+            hint += (
+                f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold it"
+            )
         return [Finding("SCALE-MISSING", ERROR, f"{expected} is missing: {what}", hint, expected)]
     header = scan.header_of(key)
     location, info = f"{header.path.name}:{key}", header.tensors[key]
     findings = []
     if info.dtype != "F32":
-        findings.append(Finding("SCALE-DTYPE", WARNING, f"{key} is {info.dtype}, not F32",
-                                "write scales as float32, shape [1]", location))
+        findings.append(
+            Finding(
+                "SCALE-DTYPE",
+                WARNING,
+                f"{key} is {info.dtype}, not F32",
+                "write scales as float32, shape [1]",
+                location,
+            )
+        )
     if info.shape == ():
-        return findings + [Finding("SCALE-SHAPE", ERROR, f"{key} has shape [] (a 0-d scalar): the Neuron loader "
-                                   f"crashes with {_SCALAR_CRASH}", "write the scale with shape [1]", location)]
+        return findings + [
+            Finding(
+                "SCALE-SHAPE",
+                ERROR,
+                f"{key} has shape [] (a 0-d scalar): the Neuron loader "
+                f"crashes with {_SCALAR_CRASH}",
+                "write the scale with shape [1]",
+                location,
+            )
+        ]
     if check.per_head and not get_target(check.target).neuron:
         more, heads = per_head_findings(header, key, kind, check.heads.get(kind), location)
         if heads is not None:
@@ -184,13 +289,29 @@ def _check_one(scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, 
     if value == 0:
         check.zero.setdefault(kind, []).append(layer)
     if not math.isfinite(value) or value <= 0:
-        problem = "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
-        findings.append(Finding("SCALE-VALUE", ERROR, f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
-                                "recalibrate; a layer that saw only zeros still needs a tiny positive scale", location))
+        problem = (
+            "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
+        )
+        findings.append(
+            Finding(
+                "SCALE-VALUE",
+                ERROR,
+                f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
+                "recalibrate; a layer that saw only zeros still needs a tiny positive scale",
+                location,
+            )
+        )
     elif not bf16_reciprocal_ok(value):
-        findings.append(Finding("SCALE-VALUE", ERROR, f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which "
-                                "Neuron stores, is not finite and non-zero",
-                                "recalibrate; scales must stay within bf16's range", location))
+        findings.append(
+            Finding(
+                "SCALE-VALUE",
+                ERROR,
+                f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which "
+                "Neuron stores, is not finite and non-zero",
+                "recalibrate; scales must stay within bf16's range",
+                location,
+            )
+        )
     else:
         check.values[key] = value
         findings += _implausible(key, value, location)
@@ -200,28 +321,47 @@ def _check_one(scan: CheckpointFiles, check: ScaleCheck, layer: int, kind: str, 
 def _many_values(key: str, shape: tuple[int, ...], per_head: bool, location: str) -> Finding:
     numel = math.prod(shape)
     return Finding(
-        "SCALE-SHAPE", ERROR,
+        "SCALE-SHAPE",
+        ERROR,
         f"{key} has shape {list(shape)} ({numel} values, e.g. per-head): the Neuron loader's reshape "
         f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
         "Neuron takes one per-tensor scale per layer: write float32, shape [1]"
-        + ("; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)" if per_head else ""),
-        location)
+        + (
+            "; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)"
+            if per_head
+            else ""
+        ),
+        location,
+    )
 
 
 # Bounds outside which no real K or V needs the scale (above 2^6, |x| <= 1 falls below E4M3's smallest normal).
 IMPLAUSIBLY_LARGE_SCALE = 64.0
 IMPLAUSIBLY_SMALL_SCALE = 1e-6
-LARGEST_FP8_MAX = max(t.fp8_max for t in TARGETS.values())  # OCP E4M3FN's 448: llm-compressor's and GPU vLLM's
+LARGEST_FP8_MAX = max(
+    t.fp8_max for t in TARGETS.values()
+)  # OCP E4M3FN's 448: llm-compressor's and GPU vLLM's
 
 
 def _implausible(key: str, value: float, location: str) -> list[Finding]:
     if IMPLAUSIBLY_SMALL_SCALE <= value <= IMPLAUSIBLY_LARGE_SCALE:
         return []
     if value > IMPLAUSIBLY_LARGE_SCALE:
-        why = (f"above {IMPLAUSIBLY_LARGE_SCALE:g}, every K/V value of magnitude 1 or less becomes an FP8 "
-               "subnormal (x / s < 2^-6) and loses its precision")
+        why = (
+            f"above {IMPLAUSIBLY_LARGE_SCALE:g}, every K/V value of magnitude 1 or less becomes an FP8 "
+            "subnormal (x / s < 2^-6) and loses its precision"
+        )
     else:
-        why = (f"below {IMPLAUSIBLY_SMALL_SCALE:g}, it is sized for an absmax under {value * LARGEST_FP8_MAX:.3g}, and "
-               "every larger value saturates (a layer that saw only zeros while calibrating gets such a floor)")
-    return [Finding("SCALE-IMPLAUSIBLE", WARNING, f"{key} = {value:.3g}: no real K/V needs this scale; {why}",
-                    "recalibrate it (kvcalib calibrate), or check the tool that wrote it", location)]
+        why = (
+            f"below {IMPLAUSIBLY_SMALL_SCALE:g}, it is sized for an absmax under {value * LARGEST_FP8_MAX:.3g}, and "
+            "every larger value saturates (a layer that saw only zeros while calibrating gets such a floor)"
+        )
+    return [
+        Finding(
+            "SCALE-IMPLAUSIBLE",
+            WARNING,
+            f"{key} = {value:.3g}: no real K/V needs this scale; {why}",
+            "recalibrate it (kvcalib calibrate), or check the tool that wrote it",
+            location,
+        )
+    ]

@@ -14,7 +14,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.calibration.writer import WritePlan, write_checkpoint
 from kvcalib.core.errors import (
@@ -42,8 +41,12 @@ def read_scales(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_scales_equal_absmax_from_transformers_cache(tiny_llama_master, text_dataset, tmp_path):
     out = tmp_path / "out"
-    result = calibrate(tiny_llama_master, str(text_dataset), out,
-                       CalibrateOptions(batch_size=1, scale_objective="absmax", **SMALL))
+    result = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        out,
+        CalibrateOptions(batch_size=1, scale_objective="absmax", **SMALL),
+    )
     seqs = calibration_sequences(tiny_llama_master, text_dataset, **SMALL)
     k, v = oracle_absmax(tiny_llama_master, seqs)
     scales = read_scales(out)
@@ -58,9 +61,18 @@ def test_scales_equal_absmax_from_transformers_cache(tiny_llama_master, text_dat
 
 def test_padding_never_reaches_statistics(tiny_llama_master, text_dataset, tmp_path):
     """The same samples in one padded batch and one by one give identical scales."""
-    one = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=1, **SMALL))
-    batched = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "all",
-                        CalibrateOptions(batch_size=12, **SMALL))
+    one = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "one",
+        CalibrateOptions(batch_size=1, **SMALL),
+    )
+    batched = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "all",
+        CalibrateOptions(batch_size=12, **SMALL),
+    )
     lengths = {len(s) for s in calibration_sequences(tiny_llama_master, text_dataset, **SMALL)}
     assert len(lengths) > 1, "the samples must differ in length, or nothing is padded"
     for a, b in zip(one.layers, batched.layers):
@@ -78,8 +90,12 @@ def test_padding_tokens_would_change_the_result_if_counted(tiny_llama, text_data
     config = json.loads((tiny_llama / "config.json").read_text())
     tensors["model.embed_tokens.weight"][config["pad_token_id"]] *= 1000.0
     save(tensors, shard, metadata={"format": "pt"})
-    one = calibrate(tiny_llama, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=1, **SMALL))
-    batched = calibrate(tiny_llama, str(text_dataset), tmp_path / "all", CalibrateOptions(batch_size=12, **SMALL))
+    one = calibrate(
+        tiny_llama, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=1, **SMALL)
+    )
+    batched = calibrate(
+        tiny_llama, str(text_dataset), tmp_path / "all", CalibrateOptions(batch_size=12, **SMALL)
+    )
     for a, b in zip(one.layers, batched.layers):
         assert a.v.absmax == pytest.approx(b.v.absmax, rel=1e-6, abs=0)
 
@@ -117,13 +133,17 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
             for key in f.keys():
                 assert index["weight_map"][key] == name
     total = sum(
-        t.numel() * t.element_size() for p in out.glob("*.safetensors") for t in load_file(p).values()
+        t.numel() * t.element_size()
+        for p in out.glob("*.safetensors")
+        for t in load_file(p).values()
     )
     assert index["metadata"]["total_size"] == total
 
     # compressed-tensors parses the quantization_config
     config = json.loads((out / "config.json").read_text())
-    qc = QuantizationConfig.model_validate({k: v for k, v in config["quantization_config"].items() if k != "version"})
+    qc = QuantizationConfig.model_validate(
+        {k: v for k, v in config["quantization_config"].items() if k != "version"}
+    )
     assert qc.kv_cache_scheme.num_bits == 8 and qc.kv_cache_scheme.type == "float"
     assert qc.kv_cache_scheme.strategy == "tensor" and qc.kv_cache_scheme.dynamic is False
     assert qc.config_groups == {}
@@ -132,24 +152,43 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
     side = json.loads((out / PROVENANCE_FILENAME).read_text())
     assert side == provenance
     assert side["target"] == "trn3" and side["fp8_max"] == 448.0
-    assert [layer["k"]["scale"] for layer in side["layers"]] == [layer.k.scale for layer in result.layers]
+    assert [layer["k"]["scale"] for layer in side["layers"]] == [
+        layer.k.scale for layer in result.layers
+    ]
     for layer in result.layers:
-        assert_scale_sized(layer.k.scale, layer.k.range, "trn3")  # the range the objective chose (absmax or wider)
+        assert_scale_sized(
+            layer.k.scale, layer.k.range, "trn3"
+        )  # the range the objective chose (absmax or wider)
 
     # reloads in transformers with identical weights
     orig = AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict()
     new = AutoModelForCausalLM.from_pretrained(out).state_dict()
     for key, value in orig.items():
         assert torch.equal(value, new[key]), key
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ):
         assert (out / name).read_bytes() == (tiny_llama / name).read_bytes()
     assert result.validation is not None and result.validation["ok"] is True
 
 
 def test_trn2_scales_are_448_over_240_times_gpu_scales(tiny_llama_master, text_dataset, tmp_path):
     absmax = dict(scale_objective="absmax", **SMALL)  # the sizing rule itself
-    trn2 = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "a", CalibrateOptions(target="trn2", **absmax))
-    gpu = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b", CalibrateOptions(target="gpu", **absmax))
+    trn2 = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "a",
+        CalibrateOptions(target="trn2", **absmax),
+    )
+    gpu = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "b",
+        CalibrateOptions(target="gpu", **absmax),
+    )
     for a, b in zip(trn2.layers, gpu.layers):
         assert a.k.absmax == b.k.absmax
         assert_scale_sized(a.k.scale, a.k.absmax, "trn2")
@@ -164,11 +203,15 @@ def test_recalibrating_replaces_scales_and_overwrite(tiny_llama_master, text_dat
     result = calibrate(first, str(text_dataset), second, CalibrateOptions(target="trn2", **SMALL))
     index = json.loads((second / INDEX_FILENAME).read_text())
     assert index["weight_map"][neuron_scale_key(0, "k")] == SCALES_FILENAME
-    assert_scale_sized(read_scales(second)[neuron_scale_key(0, "k")].item(), result.layers[0].k.range, "trn2")
+    assert_scale_sized(
+        read_scales(second)[neuron_scale_key(0, "k")].item(), result.layers[0].k.range, "trn2"
+    )
     assert result.validation["ok"]
     # --overwrite replaces an existing output whole
     (second / "stray.txt").write_text("old")
-    calibrate(first, str(text_dataset), second, CalibrateOptions(target="trn3", overwrite=True, **SMALL))
+    calibrate(
+        first, str(text_dataset), second, CalibrateOptions(target="trn3", overwrite=True, **SMALL)
+    )
     assert not (second / "stray.txt").exists()
     assert json.loads((second / PROVENANCE_FILENAME).read_text())["target"] == "trn3"
 
@@ -205,7 +248,10 @@ def test_zero_absmax_gets_a_floor_and_a_warning(tiny_llama, text_dataset, tmp_pa
     result = calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
     assert result.layers[1].v.absmax == 0.0
     assert result.layers[1].v.scale == pytest.approx(1e-8, rel=2**-6)
-    assert "layer 1: V was exactly zero on every token; its scale is floored at 1e-08" in result.warnings
+    assert (
+        "layer 1: V was exactly zero on every token; its scale is floored at 1e-08"
+        in result.warnings
+    )
 
 
 def test_fp16_overflow_names_the_layer(tiny_llama, text_dataset, tmp_path):
@@ -214,16 +260,30 @@ def test_fp16_overflow_names_the_layer(tiny_llama, text_dataset, tmp_path):
     tensors = load_file(shard)
     tensors["model.layers.0.self_attn.k_proj.weight"].fill_(3000.0)
     save_file(tensors, shard, metadata={"format": "pt"})
-    with pytest.raises(CalibrationError,
-                       match=r"^layer 0: K absmax is (inf|nan) \(overflow in the calibration dtype\)$") as exc:
-        calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(dtype="float16", **SMALL))
+    with pytest.raises(
+        CalibrationError,
+        match=r"^layer 0: K absmax is (inf|nan) \(overflow in the calibration dtype\)$",
+    ) as exc:
+        calibrate(
+            tiny_llama,
+            str(text_dataset),
+            tmp_path / "out",
+            CalibrateOptions(dtype="float16", **SMALL),
+        )
     assert exc.value.hint == "calibrate with --dtype bfloat16 or --dtype float32"
     assert not (tmp_path / "out").exists()
 
 
 def test_chat_messages_column_uses_the_chat_template(tiny_llama_master, tmp_path):
-    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"},
-                          {"role": "assistant", "content": "An answer."}]} for i in range(5)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": "An answer."},
+            ]
+        }
+        for i in range(5)
+    ]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     result = calibrate(tiny_llama_master, str(data), tmp_path / "out", CalibrateOptions(**SMALL))
     from transformers import AutoTokenizer
@@ -231,8 +291,14 @@ def test_chat_messages_column_uses_the_chat_template(tiny_llama_master, tmp_path
     tok = AutoTokenizer.from_pretrained(tiny_llama_master)
     rendered = tok.apply_chat_template(rows[0]["messages"], tokenize=False)
     assert "<|im_start|>user" in rendered
-    expected = sum(len(tok(tok.apply_chat_template(r["messages"], tokenize=False),
-                           add_special_tokens=False)["input_ids"]) for r in rows)
+    expected = sum(
+        len(
+            tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)[
+                "input_ids"
+            ]
+        )
+        for r in rows
+    )
     assert result.num_tokens == expected and result.num_samples == 5
 
 
@@ -240,7 +306,11 @@ def test_chat_messages_column_uses_the_chat_template(tiny_llama_master, tmp_path
 def test_dataset_formats(kind, tiny_llama_master, tmp_path):
     import datasets
 
-    texts = ["The first sample of prose.", "A second, longer sample of prose for calibration.", "Third."]
+    texts = [
+        "The first sample of prose.",
+        "A second, longer sample of prose for calibration.",
+        "Third.",
+    ]
     ds = datasets.Dataset.from_dict({"text": texts})
     if kind == "txt":
         path = tmp_path / "data.txt"
@@ -283,7 +353,9 @@ def test_selection_is_first_n_rows_then_shuffled(tiny_llama_master, tmp_path):
 
 def _no_output_left(parent: Path, name: str) -> None:
     assert not (parent / name).exists()
-    assert not [p for p in parent.iterdir() if p.name.startswith(f".{name}.")], "a temporary directory was left"
+    assert not [p for p in parent.iterdir() if p.name.startswith(f".{name}.")], (
+        "a temporary directory was left"
+    )
 
 
 def test_error_missing_model_dir(text_dataset, tmp_path):
@@ -296,10 +368,17 @@ def test_error_not_a_causal_lm(text_dataset, tmp_path):
     from transformers import BertConfig
 
     model_dir = tmp_path / "bert"
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-               architectures=["BertForMaskedLM"]).save_pretrained(model_dir)
-    with pytest.raises(UnsupportedModelError,
-                       match=r"model_type 'bert' \(architectures \['BertForMaskedLM'\]\) is not a causal") as exc:
+    BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        architectures=["BertForMaskedLM"],
+    ).save_pretrained(model_dir)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model_type 'bert' \(architectures \['BertForMaskedLM'\]\) is not a causal",
+    ) as exc:
         calibrate(model_dir, str(text_dataset), tmp_path / "out")
     assert exc.value.hint == "kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)"
     _no_output_left(tmp_path, "out")
@@ -310,20 +389,38 @@ def test_error_weights_that_do_not_match_the_config(tiny_llama, text_dataset, tm
     config = json.loads((tiny_llama / "config.json").read_text())
     config["num_hidden_layers"] = 5
     (tiny_llama / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match=r"the safetensors weights do not match config.json: \d+ missing "
-                                                    r"from the checkpoint \(model\.layers\.3\.") as exc:
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"the safetensors weights do not match config.json: \d+ missing "
+        r"from the checkpoint \(model\.layers\.3\.",
+    ) as exc:
         calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
     assert "random values" in exc.value.hint
     _no_output_left(tmp_path, "out")
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.3\.\S+ is not in the checkpoint's safetensors"):
-        calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(engine="stream", **SMALL))
+    with pytest.raises(
+        UnsupportedModelError, match=r"model\.layers\.3\.\S+ is not in the checkpoint's safetensors"
+    ):
+        calibrate(
+            tiny_llama,
+            str(text_dataset),
+            tmp_path / "out",
+            CalibrateOptions(engine="stream", **SMALL),
+        )
     _no_output_left(tmp_path, "out")
     config["num_hidden_layers"] = 2  # now the shards hold a layer the model does not have
     (tiny_llama / "config.json").write_text(json.dumps(config))
     for engine in ("native", "stream"):
-        with pytest.raises(UnsupportedModelError, match=r"do not match config.json: \d+ not in the model "
-                                                        r"\(model\.layers\.2\."):
-            calibrate(tiny_llama, str(text_dataset), tmp_path / "out", CalibrateOptions(engine=engine, **SMALL))
+        with pytest.raises(
+            UnsupportedModelError,
+            match=r"do not match config.json: \d+ not in the model "
+            r"\(model\.layers\.2\.",
+        ):
+            calibrate(
+                tiny_llama,
+                str(text_dataset),
+                tmp_path / "out",
+                CalibrateOptions(engine=engine, **SMALL),
+            )
         _no_output_left(tmp_path, "out")
 
 
@@ -331,7 +428,9 @@ def test_error_already_weight_quantised(tiny_llama, text_dataset, tmp_path):
     config = json.loads((tiny_llama / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     (tiny_llama / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match=r"the model is already quantised \(quant_method 'fp8'\)"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"the model is already quantised \(quant_method 'fp8'\)"
+    ):
         calibrate(tiny_llama, str(text_dataset), tmp_path / "out")
 
 
@@ -345,7 +444,12 @@ def test_error_empty_dataset(tiny_llama_master, tmp_path):
 
 def test_error_unknown_text_column(tiny_llama_master, text_dataset, tmp_path):
     with pytest.raises(DatasetError, match=r"has no column 'body'; it has \['text'\]") as exc:
-        calibrate(tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(text_column="body"))
+        calibrate(
+            tiny_llama_master,
+            str(text_dataset),
+            tmp_path / "out",
+            CalibrateOptions(text_column="body"),
+        )
     assert exc.value.hint == "pass one of them with --text-column"
     _no_output_left(tmp_path, "out")
 
@@ -368,15 +472,24 @@ def test_error_existing_output_without_overwrite(tiny_llama_master, text_dataset
 def test_error_output_inside_input(tiny_llama, text_dataset):
     before = tree_digest(tiny_llama)
     with pytest.raises(OutputExistsError, match="overlaps the model checkpoint"):
-        calibrate(tiny_llama, str(text_dataset), tiny_llama / "calibrated", CalibrateOptions(overwrite=True))
+        calibrate(
+            tiny_llama,
+            str(text_dataset),
+            tiny_llama / "calibrated",
+            CalibrateOptions(overwrite=True),
+        )
     with pytest.raises(OutputExistsError, match="overlaps the model checkpoint"):
         calibrate(tiny_llama, str(text_dataset), tiny_llama, CalibrateOptions(overwrite=True))
     assert tree_digest(tiny_llama) == before
 
 
 def test_error_unknown_target(tiny_llama_master, text_dataset, tmp_path):
-    with pytest.raises(UnknownTargetError, match=r"^unknown target 'trn9'; known targets: gpu, trn2, trn3$"):
-        calibrate(tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(target="trn9"))
+    with pytest.raises(
+        UnknownTargetError, match=r"^unknown target 'trn9'; known targets: gpu, trn2, trn3$"
+    ):
+        calibrate(
+            tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(target="trn9")
+        )
     _no_output_left(tmp_path, "out")
 
 
@@ -385,12 +498,22 @@ def test_interrupted_write_leaves_nothing(tiny_llama_master, tmp_path, exc_type)
     def boom(_tmp: Path) -> None:
         raise exc_type("interrupted")
 
-    plan = WritePlan(scales={neuron_scale_key(0, "k"): torch.tensor([0.1])}, quantization_config={}, provenance={})
+    plan = WritePlan(
+        scales={neuron_scale_key(0, "k"): torch.tensor([0.1])},
+        quantization_config={},
+        provenance={},
+    )
     with pytest.raises(exc_type):
         write_checkpoint(tiny_llama_master, tmp_path / "out", plan, check=boom)
     _no_output_left(tmp_path, "out")
 
 
 def test_errors_are_kvcalib_errors():
-    for cls in (CheckpointNotFoundError, DatasetError, OutputExistsError, UnknownTargetError, CalibrationError):
+    for cls in (
+        CheckpointNotFoundError,
+        DatasetError,
+        OutputExistsError,
+        UnknownTargetError,
+        CalibrationError,
+    ):
         assert issubclass(cls, KvcalibError)

@@ -13,10 +13,16 @@ from planted import build_planted_llama
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from kvcalib.calibration.card import (
+    BEGIN,
+    CHECKPOINT_PLACEHOLDER,
+    END,
+    SERVE_DEFAULTS,
+    TAGS,
+    write_card,
+)
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
-from kvcalib.calibration.card import BEGIN, CHECKPOINT_PLACEHOLDER, END, SERVE_DEFAULTS, TAGS, write_card
 from kvcalib.cli import app
 from kvcalib.core.schema import SCALES_FILENAME
 from kvcalib.serving.launch import server_argv
@@ -39,16 +45,22 @@ def test_front_matter_parses_with_huggingface_hub(carded, text_dataset, tmp_path
     calibrate(carded, str(text_dataset), out, CalibrateOptions(**SMALL))
     card = ModelCard.load(out / "README.md")
     assert set(TAGS) | {"tiny"} <= set(card.data.tags) and card.data.license == "apache-2.0"
-    assert card.text.startswith("# Tiny Llama\n\nThe user's own words.\n") and card.text.count(BEGIN) == 1
+    assert (
+        card.text.startswith("# Tiny Llama\n\nThe user's own words.\n")
+        and card.text.count(BEGIN) == 1
+    )
     assert (carded / "README.md").read_text() == USER_CARD  # the input's card is never written
 
 
 def scale_table(text: str) -> list[dict[str, float]]:
     """The card's per-layer table: a dict per row, by column name."""
-    lines = text[text.index("| layer |"):].splitlines()
+    lines = text[text.index("| layer |") :].splitlines()
     names = [c.strip() for c in lines[0].strip("|").split("|")]
-    return [dict(zip(names, (float(c) for c in line.strip("|").split("|")))) for line in lines[2:]
-            if line.startswith("| ")]
+    return [
+        dict(zip(names, (float(c) for c in line.strip("|").split("|"))))
+        for line in lines[2:]
+        if line.startswith("| ")
+    ]
 
 
 def test_scale_table_is_the_scales_file(tiny_llama_master, text_dataset, tmp_path):
@@ -62,7 +74,10 @@ def test_scale_table_is_the_scales_file(tiny_llama_master, text_dataset, tmp_pat
         for kind in "kv":
             value = float(scales[f"model.layers.{int(row['layer'])}.self_attn.{kind}_scale"])
             assert row[f"{kind}_scale"] == pytest.approx(value, rel=1e-5)
-    assert "OK for trn2: 0 error(s), 0 warning(s)" in text and "sized for **trn2** (E4M3, max 240)" in text
+    assert (
+        "OK for trn2: 0 error(s), 0 warning(s)" in text
+        and "sized for **trn2** (E4M3, max 240)" in text
+    )
 
 
 FORMULAS = {
@@ -80,19 +95,32 @@ def test_the_formula_states_what_was_written(name, text_dataset, tmp_path):
     tiny Llama with near-constant K channels, whose layer 0 K the objective clips)."""
     model = build_planted_llama(tmp_path / "planted", text_dataset)
     out = tmp_path / name
-    result = calibrate(model, str(text_dataset), out, CalibrateOptions(num_samples=16, max_seq_len=64,
-                                                                       **FORMULAS[name]))
+    result = calibrate(
+        model,
+        str(text_dataset),
+        out,
+        CalibrateOptions(num_samples=16, max_seq_len=64, **FORMULAS[name]),
+    )
     text = (out / "README.md").read_text()
     rows = scale_table(text)
     if name == "absmax":
-        assert "`k_scale = absmax(K) / 240` per layer" in text and "nothing clips; also right on trn3, gpu, vllm-cpu" \
-            in text and "k range" not in text
+        assert (
+            "`k_scale = absmax(K) / 240` per layer" in text
+            and "nothing clips; also right on trn3, gpu, vllm-cpu" in text
+            and "k range" not in text
+        )
         return
     if name == "headroom":
-        assert "`k_scale = range(K) / 240` per layer" in text and "where the range is 2 x absmax(K) (--headroom): " \
-            "nothing clips; also right on trn3, gpu, vllm-cpu" in text
+        assert (
+            "`k_scale = range(K) / 240` per layer" in text
+            and "where the range is 2 x absmax(K) (--headroom): "
+            "nothing clips; also right on trn3, gpu, vllm-cpu"
+            in text
+        )
         return
-    if name == "per-head":  # GPU FlashAttention alone serves per-head scales: scored there, claimed nowhere else
+    if (
+        name == "per-head"
+    ):  # GPU FlashAttention alone serves per-head scales: scored there, claimed nowhere else
         assert "per head, after rotary embedding" in text and "also right on" not in text
         assert json.loads((out / "kvcalib_calibration.json").read_text())["scored_on"] == ["gpu"]
         return
@@ -103,10 +131,14 @@ def test_the_formula_states_what_was_written(name, text_dataset, tmp_path):
         for kind in "kv":
             assert row[f"{kind} range"] == pytest.approx(getattr(layer, kind).range, rel=1e-5)
             # rounded up onto the bf16 grid so that the chip never saturates the range (core.fp8.scale_from_absmax)
-            assert row[f"{kind}_scale"] * 240 / row[f"{kind} range"] == pytest.approx(1.0, abs=2**-6)
+            assert row[f"{kind}_scale"] * 240 / row[f"{kind} range"] == pytest.approx(
+                1.0, abs=2**-6
+            )
 
 
-def test_recalibration_replaces_its_section_and_keeps_the_users_text(carded, text_dataset, tmp_path):
+def test_recalibration_replaces_its_section_and_keeps_the_users_text(
+    carded, text_dataset, tmp_path
+):
     first, second = tmp_path / "first", tmp_path / "second"
     calibrate(carded, str(text_dataset), first, CalibrateOptions(**SMALL))
     with open(first / "README.md", "a") as f:
@@ -122,32 +154,78 @@ def test_serve_commands_are_the_ones_serve_check_runs(tiny_llama_master, text_da
     out = tmp_path / "out"
     calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(**SMALL))
     blocks = re.findall(r"```bash\n(.*?)\n```", (out / "README.md").read_text(), re.S)
-    expected = [shlex.join(server_argv(Path("python"), Path(CHECKPOINT_PLACEHOLDER), SERVE_DEFAULTS["port"], fp8=True,
-                                       device=device, tp=SERVE_DEFAULTS["tp"],
-                                       max_model_len=SERVE_DEFAULTS["max_model_len"],
-                                       max_num_seqs=SERVE_DEFAULTS["max_num_seqs"])) for device in ("trn2", "cuda")]
+    expected = [
+        shlex.join(
+            server_argv(
+                Path("python"),
+                Path(CHECKPOINT_PLACEHOLDER),
+                SERVE_DEFAULTS["port"],
+                fp8=True,
+                device=device,
+                tp=SERVE_DEFAULTS["tp"],
+                max_model_len=SERVE_DEFAULTS["max_model_len"],
+                max_num_seqs=SERVE_DEFAULTS["max_num_seqs"],
+            )
+        )
+        for device in ("trn2", "cuda")
+    ]
     assert blocks == expected and all("--kv-cache-dtype fp8" in b for b in blocks)
 
 
-def test_the_kv_cache_it_buys_is_in_the_summary_and_the_card(tiny_llama_master, text_dataset, tmp_path):
+def test_the_kv_cache_it_buys_is_in_the_summary_and_the_card(
+    tiny_llama_master, text_dataset, tmp_path
+):
     """calibrate's summary and card give the KV bytes per token and per sequence, bf16 and FP8; on a
     GPT-OSS-120B-shaped config.json the card reads the design doc's figures and the sliding-window ones."""
     out = tmp_path / "out"
-    run = CliRunner().invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(out),
-                                   "--num-samples", "4", "--max-seq-len", "32", "--json"])
+    run = CliRunner().invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(out),
+            "--num-samples",
+            "4",
+            "--max-seq-len",
+            "32",
+            "--json",
+        ],
+    )
     assert run.exit_code == 0, run.stderr
     config = json.loads((out / "config.json").read_text())
-    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 2 \
-        * config["hidden_size"] // config["num_attention_heads"]
+    per_token = (
+        2
+        * config["num_hidden_layers"]
+        * config["num_key_value_heads"]
+        * 2
+        * config["hidden_size"]
+        // config["num_attention_heads"]
+    )
     context = config["max_position_embeddings"]
-    assert json.loads(run.stdout)["kv_cache"]["sequence"] == {"bf16": per_token * context,
-                                                              "fp8": per_token // 2 * context}
-    assert f"KV cache: {per_token:,} B/token bf16, {per_token // 2:,} FP8; one {context:,}-token sequence" in run.stderr
-    config.update(num_hidden_layers=36, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-                  sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18)
+    assert json.loads(run.stdout)["kv_cache"]["sequence"] == {
+        "bf16": per_token * context,
+        "fp8": per_token // 2 * context,
+    }
+    assert (
+        f"KV cache: {per_token:,} B/token bf16, {per_token // 2:,} FP8; one {context:,}-token sequence"
+        in run.stderr
+    )
+    config.update(
+        num_hidden_layers=36,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 18,
+    )
     (out / "config.json").write_text(json.dumps(config))
     write_card(out, "OK")
     card = (out / "README.md").read_text()
-    assert ("| KV cache | 73,728 B/token bf16, 36,864 FP8; one 131,072-token sequence (max_position_embeddings): "
-            "9.66 GB bf16, 4.83 GB FP8 (its 18 sliding-window layers holding 128 tokens: 4.84 GB bf16, "
-            "2.42 GB FP8) |") in card
+    assert (
+        "| KV cache | 73,728 B/token bf16, 36,864 FP8; one 131,072-token sequence (max_position_embeddings): "
+        "9.66 GB bf16, 4.83 GB FP8 (its 18 sliding-window layers holding 128 tokens: 4.84 GB bf16, "
+        "2.42 GB FP8) |"
+    ) in card

@@ -28,28 +28,33 @@ from helpers import REPO, assert_scale_sized
 from oracle import calibration_sequences, oracle_absmax
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.schema import PROVENANCE_FILENAME, SCALES_FILENAME, neuron_scale_key
 
 pytestmark = [
     pytest.mark.proof("llmcompressor"),
-    pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None,
-                       reason="llm-compressor is not installed (the optional extra: pip install "
-                              "kvcalib[llmcompressor])"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llmcompressor") is None,
+        reason="llm-compressor is not installed (the optional extra: pip install "
+        "kvcalib[llmcompressor])",
+    ),
 ]
 
 RECIPES = REPO / "recipes"
 TINY = dict(num_samples=12, max_seq_len=128)
 SMOL = dict(num_samples=6, max_seq_len=128)
-BF16_SCALE_ROUNDING = 2.0**-8  # half a bf16 step, relative: llm-compressor holds scales in the model's dtype
+BF16_SCALE_ROUNDING = (
+    2.0**-8
+)  # half a bf16 step, relative: llm-compressor holds scales in the model's dtype
 BF16_STEP = 2.0**-7  # one bf16 step of a K/V value, relative (at most)
 
 
 def default_observer_recipe(path):
     """recipes/kv-fp8-gpu.yaml without `observer`: llm-compressor picks its default for K/V."""
     recipe = yaml.safe_load((RECIPES / "kv-fp8-gpu.yaml").read_text())
-    del recipe["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["kv_cache_scheme"]["observer"]
+    del recipe["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["kv_cache_scheme"][
+        "observer"
+    ]
     path.write_text(yaml.safe_dump(recipe))
     return path
 
@@ -57,7 +62,9 @@ def default_observer_recipe(path):
 def token_dataset(sequences):
     from datasets import Dataset
 
-    return Dataset.from_dict({"input_ids": sequences, "attention_mask": [[1] * len(s) for s in sequences]})
+    return Dataset.from_dict(
+        {"input_ids": sequences, "attention_mask": [[1] * len(s) for s in sequences]}
+    )
 
 
 def saved_scales(ckpt):
@@ -66,7 +73,9 @@ def saved_scales(ckpt):
 
     scales = {}
     for path in ckpt.glob("*.safetensors"):
-        scales.update({k: v for k, v in load_file(path).items() if k.endswith(("k_scale", "v_scale"))})
+        scales.update(
+            {k: v for k, v in load_file(path).items() if k.endswith(("k_scale", "v_scale"))}
+        )
     return scales
 
 
@@ -77,7 +86,9 @@ def eager_absmax(model_dir, sequences):
 
 def cross_check(native, static, default, label):
     """Per-layer relative differences; prints the table, returns the largest |static - native| / native."""
-    print(f"\n{label}: layer, kind, native absmax, static_minmax rel diff, default observer rel diff")
+    print(
+        f"\n{label}: layer, kind, native absmax, static_minmax rel diff, default observer rel diff"
+    )
     largest = 0.0
     below = []
     for n, s, d in zip(native.layers, static.layers, default.layers):
@@ -86,9 +97,11 @@ def cross_check(native, static, default, label):
             largest = max(largest, abs(b - a) / a)
             below.append((a - c) / a)
             print(f"{label} {n.layer:3d} {kind} {a:10.5g} {(b - a) / a:+.2e} {(c - a) / a:+.2%}")
-    print(f"{label}: largest |static_minmax - native| / native over all layers: {largest:.2e}; "
-          f"default observer below the absmax by {min(below):.2%} to {max(below):.2%} (median "
-          f"{sorted(below)[len(below) // 2]:.2%})")
+    print(
+        f"{label}: largest |static_minmax - native| / native over all layers: {largest:.2e}; "
+        f"default observer below the absmax by {min(below):.2%} to {max(below):.2%} (median "
+        f"{sorted(below)[len(below) // 2]:.2%})"
+    )
     return largest, below
 
 
@@ -96,10 +109,22 @@ def three_engines(model, dataset, root, data_opts):
     """The same samples through the native engine, llm-compressor static_minmax, and its default observer."""
     opts = dict(target="gpu", batch_size=1, **data_opts)
     native = calibrate(model, str(dataset), root / "native", CalibrateOptions(**opts))
-    static = calibrate(model, str(dataset), root / "static", CalibrateOptions(
-        engine="llmcompressor", recipe=str(RECIPES / "kv-fp8-gpu.yaml"), **opts))
-    default = calibrate(model, str(dataset), root / "default", CalibrateOptions(
-        engine="llmcompressor", recipe=str(default_observer_recipe(root / "default.yaml")), **opts))
+    static = calibrate(
+        model,
+        str(dataset),
+        root / "static",
+        CalibrateOptions(engine="llmcompressor", recipe=str(RECIPES / "kv-fp8-gpu.yaml"), **opts),
+    )
+    default = calibrate(
+        model,
+        str(dataset),
+        root / "default",
+        CalibrateOptions(
+            engine="llmcompressor",
+            recipe=str(default_observer_recipe(root / "default.yaml")),
+            **opts,
+        ),
+    )
     return native, static, default
 
 
@@ -110,34 +135,51 @@ def tiny_runs(tiny_llama_master, text_dataset, tmp_path_factory):
 
 
 @pytest.mark.parametrize("target", ["trn2", "trn3", "gpu"])
-def test_recipes_run_in_llmcompressors_own_oneshot(target, tiny_llama_master, text_dataset, tiny_runs, tmp_path):
+def test_recipes_run_in_llmcompressors_own_oneshot(
+    target, tiny_llama_master, text_dataset, tiny_runs, tmp_path
+):
     """Each recipe as it is, in a user's oneshot call: it runs, and its scales are absmax / 448 even for trn2."""
     from llmcompressor import oneshot
 
     native = tiny_runs[0]
     sequences = calibration_sequences(tiny_llama_master, text_dataset, **TINY)
     out = tmp_path / "oneshot"
-    oneshot(model=str(tiny_llama_master), recipe=str(RECIPES / f"kv-fp8-{target}.yaml"),
-            dataset=token_dataset(sequences), num_calibration_samples=len(sequences), output_dir=str(out))
+    oneshot(
+        model=str(tiny_llama_master),
+        recipe=str(RECIPES / f"kv-fp8-{target}.yaml"),
+        dataset=token_dataset(sequences),
+        num_calibration_samples=len(sequences),
+        output_dir=str(out),
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["kv_cache_scheme"]["observer"] == "static_minmax"
     scales = saved_scales(out)
     for layer in native.layers:
         for kind in ("k", "v"):
-            expected = getattr(layer, kind).absmax / 448  # what llm-compressor can size for, whatever the target
-            assert scales[neuron_scale_key(layer.layer, kind)].item() == pytest.approx(expected, rel=1e-6)
+            expected = (
+                getattr(layer, kind).absmax / 448
+            )  # what llm-compressor can size for, whatever the target
+            assert scales[neuron_scale_key(layer.layer, kind)].item() == pytest.approx(
+                expected, rel=1e-6
+            )
 
 
 def test_tiny_native_equals_llmcompressor_static_minmax(tiny_runs):
     native, static, default, _ = tiny_runs
     largest, below = cross_check(native, static, default, "tiny")
     assert largest <= 1e-6  # float32 model: scales held in float32
-    for s, d in zip(static.layers, default.layers):  # a moving average of per-batch maxima stays below their maximum
+    for s, d in zip(
+        static.layers, default.layers
+    ):  # a moving average of per-batch maxima stays below their maximum
         assert d.k.absmax <= s.k.absmax * (1 + 1e-6) and d.v.absmax <= s.v.absmax * (1 + 1e-6)
-    assert max(below) > 0.01, "llm-compressor's default observer is expected to end below the absmax"
+    assert max(below) > 0.01, (
+        "llm-compressor's default observer is expected to end below the absmax"
+    )
 
 
-def test_llmcompressor_default_observer_depends_on_sample_order(tiny_llama_master, text_dataset, tmp_path):
+def test_llmcompressor_default_observer_depends_on_sample_order(
+    tiny_llama_master, text_dataset, tmp_path
+):
     """oneshot's default shuffles the samples; its default K/V observer then gives other scales per order."""
     from llmcompressor import oneshot
 
@@ -146,28 +188,63 @@ def test_llmcompressor_default_observer_depends_on_sample_order(tiny_llama_maste
     runs = []
     for order in (sequences, sequences[::-1]):
         out = tmp_path / f"run{len(runs)}"
-        oneshot(model=str(tiny_llama_master), recipe=str(recipe), dataset=token_dataset(order),
-                num_calibration_samples=len(order), shuffle_calibration_samples=False, output_dir=str(out))
+        oneshot(
+            model=str(tiny_llama_master),
+            recipe=str(recipe),
+            dataset=token_dataset(order),
+            num_calibration_samples=len(order),
+            shuffle_calibration_samples=False,
+            output_dir=str(out),
+        )
         runs.append(saved_scales(out))
     differ = [key for key in runs[0] if not torch.equal(runs[0][key], runs[1][key])]
     assert differ, "the same samples in another order gave the same scales"
 
 
-def test_engine_end_to_end_from_the_command_line(tiny_llama_master, text_dataset, tiny_runs, tmp_path):
+def test_engine_end_to_end_from_the_command_line(
+    tiny_llama_master, text_dataset, tiny_runs, tmp_path
+):
     """A real `python -m kvcalib` process: stdout is JSON only (llm-compressor logs to stdout by default)."""
     native = tiny_runs[0]
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("LLM_COMPRESSOR_LOG_DISABLED", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcalib", "calibrate", str(tiny_llama_master), "--dataset", str(text_dataset),
-         "-o", str(out), "--engine", "llmcompressor", "--recipe", str(RECIPES / "kv-fp8-trn2.yaml"),
-         "--num-calibration-samples", str(TINY["num_samples"]), "--max-seq-length", str(TINY["max_seq_len"]), "--json"],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            sys.executable,
+            "-m",
+            "kvcalib",
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(out),
+            "--engine",
+            "llmcompressor",
+            "--recipe",
+            str(RECIPES / "kv-fp8-trn2.yaml"),
+            "--num-calibration-samples",
+            str(TINY["num_samples"]),
+            "--max-seq-length",
+            str(TINY["max_seq_len"]),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     payload = json.loads(proc.stdout)
-    assert payload["target"] == "trn2" and payload["fp8_max"] == 240.0 and payload["validation"]["ok"] is True
+    assert (
+        payload["target"] == "trn2"
+        and payload["fp8_max"] == 240.0
+        and payload["validation"]["ok"] is True
+    )
     from safetensors.torch import load_file
 
     scales = load_file(out / SCALES_FILENAME)
@@ -176,10 +253,14 @@ def test_engine_end_to_end_from_the_command_line(tiny_llama_master, text_dataset
             assert theirs[kind]["absmax"] == pytest.approx(getattr(mine, kind).absmax, rel=1e-6)
             key = neuron_scale_key(mine.layer, kind)
             assert scales[key].dtype == torch.float32 and scales[key].shape == (1,)
-            assert_scale_sized(scales[key].item(), theirs[kind]["range"], "trn2")  # the objective's chosen range
+            assert_scale_sized(
+                scales[key].item(), theirs[kind]["range"], "trn2"
+            )  # the objective's chosen range
     provenance = json.loads((out / PROVENANCE_FILENAME).read_text())
     assert provenance["engine"] == "llmcompressor" and provenance["observer"] == "static_minmax"
-    assert provenance["llmcompressor_version"] and provenance["recipe"] == str(RECIPES / "kv-fp8-trn2.yaml")
+    assert provenance["llmcompressor_version"] and provenance["recipe"] == str(
+        RECIPES / "kv-fp8-trn2.yaml"
+    )
 
 
 @pytest.mark.slow
@@ -192,9 +273,15 @@ def test_smollm2_native_equals_llmcompressor_static_minmax(smollm2, text_dataset
     k, v = eager_absmax(smollm2, calibration_sequences(smollm2, text_dataset, **SMOL))
     for layer, k_eager, v_eager in zip(static.layers, k.tolist(), v.tolist()):
         for theirs, eager in ((layer.k.absmax, k_eager), (layer.v.absmax, v_eager)):
-            assert theirs == pytest.approx(torch.tensor(eager / 448).bfloat16().item() * 448, rel=1e-6), layer.layer
-    for s, d in zip(static.layers, default.layers):  # both bf16: the moving average may round one step up
-        assert d.k.absmax <= s.k.absmax * (1 + BF16_STEP) and d.v.absmax <= s.v.absmax * (1 + BF16_STEP)
+            assert theirs == pytest.approx(
+                torch.tensor(eager / 448).bfloat16().item() * 448, rel=1e-6
+            ), layer.layer
+    for s, d in zip(
+        static.layers, default.layers
+    ):  # both bf16: the moving average may round one step up
+        assert d.k.absmax <= s.k.absmax * (1 + BF16_STEP) and d.v.absmax <= s.v.absmax * (
+            1 + BF16_STEP
+        )
     assert max(below) > 0.01
 
 
@@ -204,15 +291,27 @@ def test_per_head_native_equals_llmcompressor_attn_head(tiny_llama_master, text_
     from safetensors.torch import load_file
 
     recipe = yaml.safe_load((RECIPES / "kv-fp8-gpu.yaml").read_text())
-    recipe["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    recipe["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["kv_cache_scheme"][
+        "strategy"
+    ] = "attn_head"
     (tmp_path / "heads.yaml").write_text(yaml.safe_dump(recipe))
     opts = dict(target="gpu", batch_size=1, **TINY)
-    native = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "native",
-                       CalibrateOptions(strategy="attn_head", **opts))
-    theirs = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "llmc",
-                       CalibrateOptions(engine="llmcompressor", recipe=str(tmp_path / "heads.yaml"), **opts))
+    native = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "native",
+        CalibrateOptions(strategy="attn_head", **opts),
+    )
+    theirs = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "llmc",
+        CalibrateOptions(engine="llmcompressor", recipe=str(tmp_path / "heads.yaml"), **opts),
+    )
     for mine, other in zip(native.layers, theirs.layers):
         assert len(other.k.head_absmax) == 2
         assert list(other.k.head_absmax) == pytest.approx(list(mine.k.head_absmax), rel=1e-6)
         assert list(other.v.head_absmax) == pytest.approx(list(mine.v.head_absmax), rel=1e-6)
-    assert load_file(tmp_path / "llmc" / "kv_scales.safetensors")["model.layers.0.self_attn.k_scale"].shape == (2, 1, 1)
+    assert load_file(tmp_path / "llmc" / "kv_scales.safetensors")[
+        "model.layers.0.self_attn.k_scale"
+    ].shape == (2, 1, 1)

@@ -35,7 +35,11 @@ def _grid():
 
 def test_a_clear_winner_wins_and_a_tie_goes_to_the_least_clipping():
     grid = _grid()
-    absmax, half, quarter = (0,), (grid.labels.index("absmax x0.5"),), (grid.labels.index("absmax x0.25"),)
+    absmax, half, quarter = (
+        (0,),
+        (grid.labels.index("absmax x0.5"),),
+        (grid.labels.index("absmax x0.25"),),
+    )
     tokens = [100.0] * 8
     noisy = [1.0 + 0.01 * (-1) ** r for r in range(8)]
     # x0.25 costs a tenth of the others on every row: it wins although it clips the most
@@ -62,9 +66,15 @@ def test_the_step_weighs_a_close_call_and_records_it(planted, text_dataset, tmp_
     assert step.skipped is None and step.rows == 16 and step.tokens > 0 and step.weighed >= 1
     assert 2 + 2 * step.weighed <= step.forwards <= step.budget
     k = result.layers[0].k
-    assert k.choice["step"] == "output" and "absmax" in k.choice["output"] and len(k.choice["output"]) >= 2
+    assert (
+        k.choice["step"] == "output"
+        and "absmax" in k.choice["output"]
+        and len(k.choice["output"]) >= 2
+    )
     grid = objective.candidates(torch.tensor([k.absmax]), fp8.get_target("trn2"), per_head=False)
-    assert k.scale == float(grid.scales[grid.labels.index(k.choice["label"]), 0])  # the written scale is the pick's
+    assert k.scale == float(
+        grid.scales[grid.labels.index(k.choice["label"]), 0]
+    )  # the written scale is the pick's
     provenance = json.loads((tmp_path / "out" / PROVENANCE_FILENAME).read_text())
     assert provenance["scale_objective"] == "output"
     assert provenance["layers"][0]["k"]["choice"] == k.choice
@@ -72,38 +82,87 @@ def test_the_step_weighs_a_close_call_and_records_it(planted, text_dataset, tmp_
 
 
 def test_per_head_scales_are_weighed_per_head(planted, text_dataset, tmp_path):
-    result = calibrate(planted, str(text_dataset), tmp_path / "out",
-                       CalibrateOptions(target="gpu", strategy="attn_head", **STEP))
+    result = calibrate(
+        planted,
+        str(text_dataset),
+        tmp_path / "out",
+        CalibrateOptions(target="gpu", strategy="attn_head", **STEP),
+    )
     [k] = [s for layer in result.layers for s in (layer.k, layer.v) if s.choice.get("output")]
-    assert result.output_step.weighed == 1 and k.choice["step"] == "output" and len(k.head_scales) == 2
+    assert (
+        result.output_step.weighed == 1 and k.choice["step"] == "output" and len(k.head_scales) == 2
+    )
     grid = objective.candidates(torch.tensor(k.head_absmax), fp8.get_target("gpu"), per_head=True)
-    assert len(k.choice["output"]) >= 2 and all(isinstance(kl, float) for kl in k.choice["output"].values())
-    if k.choice["label"] != "per head":  # one candidate on every head: each head's scale is that candidate's
+    assert len(k.choice["output"]) >= 2 and all(
+        isinstance(kl, float) for kl in k.choice["output"].values()
+    )
+    if (
+        k.choice["label"] != "per head"
+    ):  # one candidate on every head: each head's scale is that candidate's
         c = grid.labels.index(k.choice["label"])
         assert list(k.head_scales) == [float(grid.scales[c, h]) for h in range(len(k.head_scales))]
 
 
-def test_a_model_that_does_not_fit_keeps_the_objectives_choice_and_says_so(planted, text_dataset, tmp_path):
-    result = calibrate(planted, str(text_dataset), tmp_path / "out",
-                       CalibrateOptions(memory=MemoryLimit(0, "a test's machine"), scratch_dir=tmp_path, **STEP))
+def test_a_model_that_does_not_fit_keeps_the_objectives_choice_and_says_so(
+    planted, text_dataset, tmp_path
+):
+    result = calibrate(
+        planted,
+        str(text_dataset),
+        tmp_path / "out",
+        CalibrateOptions(memory=MemoryLimit(0, "a test's machine"), scratch_dir=tmp_path, **STEP),
+    )
     assert result.output_step.skipped and result.output_step.forwards == 0
     assert result.layers[0].k.choice["step"] == "attention"
-    assert any(w.startswith("the whole-model step did not run (it runs the whole model, which does not fit")
-               for w in result.warnings)
+    assert any(
+        w.startswith(
+            "the whole-model step did not run (it runs the whole model, which does not fit"
+        )
+        for w in result.warnings
+    )
 
 
 @pytest.mark.proof("torchrun")
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+@pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
 def test_two_processes_weigh_what_one_weighs(planted, text_dataset, tmp_path):
     """Each rank scores its share of the held-out batches; every row's KL is gathered: one process's, to the bit."""
     from helpers import REPO, SUPPORT
 
     one = calibrate(planted, str(text_dataset), tmp_path / "one", CalibrateOptions(**STEP))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "kvcalib", "calibrate", str(planted), "--dataset", str(text_dataset), "-o",
-                           str(tmp_path / "two"), "--num-samples", "64", "--max-seq-len", "64", "--batch-size", "4",
-                           "--json"], capture_output=True, text=True, env=env, timeout=600)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kvcalib",
+            "calibrate",
+            str(planted),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(tmp_path / "two"),
+            "--num-samples",
+            "64",
+            "--max-seq-len",
+            "64",
+            "--batch-size",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)
     assert one.output_step.weighed >= 1 and two["output_step"] == one.output_step.to_dict()

@@ -31,47 +31,112 @@ def test_the_plan_estimates_the_smollm2_run(smollm2, text_dataset, tmp_path):
     """SmolLM2-135M, 16 x 64: the plan probes, writes nothing, and estimates each phase; the run it plans then
     succeeds. The estimate against the run is printed, not asserted: wall time on a shared host is no test
     (measured: 16 x 256 fortunes, estimate 26 s against 26.4 s; the stream engine 27.2 s against 25.8 s)."""
-    out, args = tmp_path / "out", ["--num-samples", "16", "--max-seq-len", "64", "--bf16-compute", "float32"]
+    out, args = (
+        tmp_path / "out",
+        ["--num-samples", "16", "--max-seq-len", "64", "--bf16-compute", "float32"],
+    )
     code, planned, stderr = plan(smollm2, "--dataset", text_dataset, "-o", out, *args)
     assert code == 0 and planned["refusals"] == [] and listing(tmp_path) == [], stderr
-    assert planned["engine"] == "native" and planned["weights_linked"] and planned["num_layers"] == 30
+    assert (
+        planned["engine"] == "native" and planned["weights_linked"] and planned["num_layers"] == 30
+    )
     assert planned["probe"]["batches"] == 2 and planned["probe"]["tokens"] > 0
-    assert planned["peak_memory_bytes"] >= planned["weight_bytes"] > 200 << 20  # 135M parameters in bf16
+    assert (
+        planned["peak_memory_bytes"] >= planned["weight_bytes"] > 200 << 20
+    )  # 135M parameters in bf16
     assert "plan: nothing written" in stderr and "estimate" in stderr
-    run = runner.invoke(app, ["calibrate", str(smollm2), "--dataset", str(text_dataset), "-o", str(out), *args,
-                              "--json"])
+    run = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(smollm2),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(out),
+            *args,
+            "--json",
+        ],
+    )
     assert run.exit_code == 0, run.stderr
     seconds, estimate = json.loads(run.stdout)["seconds"], planned["estimate_seconds"]["total"]
     print(f"SmolLM2 16 x 64: estimated {estimate:.1f} s, ran {seconds:.1f} s")
-    assert estimate > 0 and seconds > 0 and all(v >= 0 for v in planned["estimate_seconds"].values())
+    assert (
+        estimate > 0 and seconds > 0 and all(v >= 0 for v in planned["estimate_seconds"].values())
+    )
 
 
 def test_the_stream_engine_is_probed_on_its_first_layers(tiny_llama_master, text_dataset, tmp_path):
-    code, planned, stderr = plan(tiny_llama_master, "--dataset", text_dataset, "-o", tmp_path / "out",
-                                 "--num-samples", "8", "--max-seq-len", "32", "--engine", "stream")
+    code, planned, stderr = plan(
+        tiny_llama_master,
+        "--dataset",
+        text_dataset,
+        "-o",
+        tmp_path / "out",
+        "--num-samples",
+        "8",
+        "--max-seq-len",
+        "32",
+        "--engine",
+        "stream",
+    )
     assert code == 0 and planned["engine"] == "stream", stderr
     probe, estimate = planned["probe"], planned["estimate_seconds"]
     assert probe["layers"] == 2 and probe["batches"] == 2 and planned["num_layers"] == 3
     assert estimate["total"] > 0 and estimate["observe"] > 0 and listing(tmp_path) == []
     kv = planned["kv_cache"]  # what FP8 buys: half the bytes per token and per max-length sequence
     assert kv["per_token"]["fp8"] * 2 == kv["per_token"]["bf16"] > 0 and kv["windowed"] is None
-    assert kv["sequence"]["bf16"] == kv["per_token"]["bf16"] * kv["context"] and "B/token bf16" in stderr
+    assert (
+        kv["sequence"]["bf16"] == kv["per_token"]["bf16"] * kv["context"]
+        and "B/token bf16" in stderr
+    )
 
 
-def test_what_would_stop_the_run_is_a_refusal_and_nothing_is_touched(tiny_llama_master, text_dataset, tmp_path):
+def test_what_would_stop_the_run_is_a_refusal_and_nothing_is_touched(
+    tiny_llama_master, text_dataset, tmp_path
+):
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("a user's file")
-    leftover = tmp_path / ".out.kvcalib-interrupted"  # an interrupted run's staging directory: only a run recovers it
+    leftover = (
+        tmp_path / ".out.kvcalib-interrupted"
+    )  # an interrupted run's staging directory: only a run recovers it
     leftover.mkdir()
     before = listing(tmp_path)
-    code, planned, stderr = plan(tiny_llama_master, "--dataset", text_dataset, "-o", out, "--num-samples", "4",
-                                 "--max-seq-len", "32")
-    assert code == 0 and len(planned["refusals"]) == 1 and "exists" in planned["refusals"][0], stderr
-    assert "calibrate would stop" in stderr and listing(tmp_path) == before and listing(out) == ["mine.txt"]
+    code, planned, stderr = plan(
+        tiny_llama_master,
+        "--dataset",
+        text_dataset,
+        "-o",
+        out,
+        "--num-samples",
+        "4",
+        "--max-seq-len",
+        "32",
+    )
+    assert code == 0 and len(planned["refusals"]) == 1 and "exists" in planned["refusals"][0], (
+        stderr
+    )
+    assert (
+        "calibrate would stop" in stderr
+        and listing(tmp_path) == before
+        and listing(out) == ["mine.txt"]
+    )
     # wrong arguments are usage errors, as for a run (exit 2, before anything is read)
-    bad = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
-                              str(tmp_path / "o2"), "--num-samples", "0", "--plan"])
+    bad = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(tmp_path / "o2"),
+            "--num-samples",
+            "0",
+            "--plan",
+        ],
+    )
     assert bad.exit_code == 2 and "--num-samples" in bad.stderr
 
 
@@ -84,15 +149,42 @@ def test_the_plan_estimates_the_tiny_mxfp4_gpt_oss_run(text_dataset, tmp_path):
 
     model = build_gpt_oss_mxfp4(tmp_path / "released")
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "kvcalib", "calibrate", str(model), "--dataset", str(text_dataset), "-o",
-               str(out), "--num-samples", "16", "--max-seq-len", "64", "--target", "trn2", "--engine", "stream",
-               "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvcalib",
+        "calibrate",
+        str(model),
+        "--dataset",
+        str(text_dataset),
+        "-o",
+        str(out),
+        "--num-samples",
+        "16",
+        "--max-seq-len",
+        "64",
+        "--target",
+        "trn2",
+        "--engine",
+        "stream",
+        "--json",
+    ]
     planned = subprocess.run([*command, "--plan"], capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
     plan_json = json.loads(planned.stdout)
-    assert plan_json["refusals"] == [] and plan_json["engine"] == "stream" and plan_json["weights_linked"]
-    kv = plan_json["kv_cache"]  # GPT-OSS alternates sliding (window 8 here) and full attention layers
-    assert kv["window"] == 8 and kv["sliding_layers"] > 0 and kv["windowed"]["fp8"] < kv["sequence"]["fp8"]
+    assert (
+        plan_json["refusals"] == []
+        and plan_json["engine"] == "stream"
+        and plan_json["weights_linked"]
+    )
+    kv = plan_json[
+        "kv_cache"
+    ]  # GPT-OSS alternates sliding (window 8 here) and full attention layers
+    assert (
+        kv["window"] == 8
+        and kv["sliding_layers"] > 0
+        and kv["windowed"]["fp8"] < kv["sequence"]["fp8"]
+    )
     assert listing(tmp_path) == ["released"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -12,7 +12,6 @@ from helpers import REPO
 from typer.testing import CliRunner
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.calibration.recipe import load_recipe, plan_recipe, recipe_file
 from kvcalib.cli import app
@@ -20,7 +19,14 @@ from kvcalib.core.errors import MissingDependencyError, RecipeError
 from kvcalib.core.schema import PROVENANCE_FILENAME, kv_cache_scheme_args
 
 RECIPES = REPO / "recipes"
-FP8 = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True, observer="static_minmax")
+FP8 = dict(
+    num_bits=8,
+    type="float",
+    strategy="tensor",
+    dynamic=False,
+    symmetric=True,
+    observer="static_minmax",
+)
 SMALL = dict(num_samples=4, max_seq_len=32)
 runner = CliRunner()
 
@@ -51,31 +57,76 @@ def test_shipped_recipes_hold_kvcalibs_scheme_and_their_target(target):
 
 REFUSED = [
     # (case, kv_cache_scheme changes, target, message after "<path>: quant_stage...kv_cache_scheme ")
-    ("dynamic", dict(dynamic=True), "trn2",
-     "has dynamic: True, which trn2 cannot serve: vLLM reads static per-layer KV scales from the checkpoint"),
-    ("per-head on trn2", dict(strategy="attn_head"), "trn2",
-     "has strategy attn_head (one scale per KV head), which trn2 cannot serve: vLLM on Neuron reads one k_scale "
-     "and one v_scale per layer, and its loader's reshape to [1, 1] crashes on a per-head scale"),
-    ("per-head on trn3", dict(strategy="attn_head"), "trn3",
-     "has strategy attn_head (one scale per KV head), which trn3 cannot serve: vLLM on Neuron reads one k_scale "
-     "and one v_scale per layer, and its loader's reshape to [1, 1] crashes on a per-head scale"),
-    ("int8", dict(type="int"), "trn2",
-     "has type 'int' (8-bit integer KV), which trn2 cannot serve: vLLM keeps an FP8 KV cache (type float, "
-     "num_bits 8); compressed-tensors reads a missing type as int"),
-    ("no type is int", dict(type=None), "gpu", "has type 'int' (8-bit integer KV), which gpu cannot serve"),
-    ("fp4", dict(num_bits=4), "trn3",
-     "has num_bits 4, which trn3 cannot serve: vLLM's KV cache is FP8 (num_bits 8)"),
-    ("asymmetric", dict(symmetric=False), "trn2",
-     "has symmetric: false (a zero point), which trn2 cannot serve: vLLM's FP8 KV cache is symmetric "
-     "(x = fp8 * scale)"),
-    ("per-channel", dict(strategy="channel"), "gpu",
-     "has strategy 'channel', which is no KV-cache strategy gpu serves"),
-    ("fp16 bits", dict(num_bits=16), "trn2",
-     "is not a valid compressed-tensors QuantizationArgs: Only num_bits in (8) are supported"),
-    ("unknown field", dict(fp8_max=240), "trn2",
-     "is not a valid compressed-tensors QuantizationArgs: fp8_max: Extra inputs are not permitted"),
-    ("dynamic local", dict(dynamic="local"), "trn2",
-     "is not a valid compressed-tensors QuantizationArgs: local is only supported for strategy tensor_group"),
+    (
+        "dynamic",
+        dict(dynamic=True),
+        "trn2",
+        "has dynamic: True, which trn2 cannot serve: vLLM reads static per-layer KV scales from the checkpoint",
+    ),
+    (
+        "per-head on trn2",
+        dict(strategy="attn_head"),
+        "trn2",
+        "has strategy attn_head (one scale per KV head), which trn2 cannot serve: vLLM on Neuron reads one k_scale "
+        "and one v_scale per layer, and its loader's reshape to [1, 1] crashes on a per-head scale",
+    ),
+    (
+        "per-head on trn3",
+        dict(strategy="attn_head"),
+        "trn3",
+        "has strategy attn_head (one scale per KV head), which trn3 cannot serve: vLLM on Neuron reads one k_scale "
+        "and one v_scale per layer, and its loader's reshape to [1, 1] crashes on a per-head scale",
+    ),
+    (
+        "int8",
+        dict(type="int"),
+        "trn2",
+        "has type 'int' (8-bit integer KV), which trn2 cannot serve: vLLM keeps an FP8 KV cache (type float, "
+        "num_bits 8); compressed-tensors reads a missing type as int",
+    ),
+    (
+        "no type is int",
+        dict(type=None),
+        "gpu",
+        "has type 'int' (8-bit integer KV), which gpu cannot serve",
+    ),
+    (
+        "fp4",
+        dict(num_bits=4),
+        "trn3",
+        "has num_bits 4, which trn3 cannot serve: vLLM's KV cache is FP8 (num_bits 8)",
+    ),
+    (
+        "asymmetric",
+        dict(symmetric=False),
+        "trn2",
+        "has symmetric: false (a zero point), which trn2 cannot serve: vLLM's FP8 KV cache is symmetric "
+        "(x = fp8 * scale)",
+    ),
+    (
+        "per-channel",
+        dict(strategy="channel"),
+        "gpu",
+        "has strategy 'channel', which is no KV-cache strategy gpu serves",
+    ),
+    (
+        "fp16 bits",
+        dict(num_bits=16),
+        "trn2",
+        "is not a valid compressed-tensors QuantizationArgs: Only num_bits in (8) are supported",
+    ),
+    (
+        "unknown field",
+        dict(fp8_max=240),
+        "trn2",
+        "is not a valid compressed-tensors QuantizationArgs: fp8_max: Extra inputs are not permitted",
+    ),
+    (
+        "dynamic local",
+        dict(dynamic="local"),
+        "trn2",
+        "is not a valid compressed-tensors QuantizationArgs: local is only supported for strategy tensor_group",
+    ),
 ]
 
 
@@ -85,8 +136,9 @@ def test_schemes_the_target_cannot_serve_are_refused(case, changes, target, mess
     path = write_recipe(tmp_path / "recipe.yaml", scheme)
     with pytest.raises(RecipeError) as exc:
         plan_recipe(path, target, "native")
-    assert exc.value.message.startswith(f"{path}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme "
-                                        f"{message}"), exc.value.message
+    assert exc.value.message.startswith(
+        f"{path}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme {message}"
+    ), exc.value.message
     assert exc.value.hint
 
 
@@ -97,8 +149,9 @@ def test_a_per_head_recipe_sets_the_strategy_for_gpu(tmp_path):
     assert plan_recipe(None, "gpu", "native").strategy == "tensor"
     with pytest.raises(RecipeError) as exc:
         plan_recipe(path, "gpu", "native", "tensor")
-    assert exc.value.message == (f"--strategy tensor contradicts {path}, whose kv_cache_scheme has strategy "
-                                 "attn_head")
+    assert exc.value.message == (
+        f"--strategy tensor contradicts {path}, whose kv_cache_scheme has strategy attn_head"
+    )
 
 
 @pytest.mark.parametrize("target", ["trn2", "trn3"])
@@ -107,14 +160,21 @@ def test_per_head_is_refused_for_neuron_before_anything_is_loaded(target, tmp_pa
     from kvcalib.core.errors import UsageError
 
     with pytest.raises(UsageError) as exc:
-        calibrate(tmp_path / "no-such-model", str(tmp_path / "no-such-data"), tmp_path / "out",
-                  CalibrateOptions(target=target, strategy="attn_head"))
+        calibrate(
+            tmp_path / "no-such-model",
+            str(tmp_path / "no-such-data"),
+            tmp_path / "out",
+            CalibrateOptions(target=target, strategy="attn_head"),
+        )
     assert exc.value.message == (
         f"--strategy attn_head (one scale per KV head) cannot serve on {target}: vLLM on Neuron reads one k_scale "
         "and one v_scale per layer, and its loader's reshape to [1, 1] crashes on a per-head scale "
-        "(RuntimeError: shape '[1, 1]' is invalid)")
+        "(RuntimeError: shape '[1, 1]' is invalid)"
+    )
     assert "--target gpu" in exc.value.hint
-    with pytest.raises(UsageError, match="--strategy 'channel' is not a KV-cache strategy kvcalib writes"):
+    with pytest.raises(
+        UsageError, match="--strategy 'channel' is not a KV-cache strategy kvcalib writes"
+    ):
         plan_recipe(None, "gpu", "native", "channel")
     assert not (tmp_path / "out").exists()
 
@@ -124,25 +184,55 @@ def test_unreadable_recipes(tmp_path):
         (tmp_path / name).write_text(text)
         return tmp_path / name
 
-    two = {"quant_stage": {"quant_modifiers": {"QuantizationModifier": {"kv_cache_scheme": FP8},
-                                               "GPTQModifier": {"kv_cache_scheme": {**FP8, "observer": "minmax"}}}}}
+    two = {
+        "quant_stage": {
+            "quant_modifiers": {
+                "QuantizationModifier": {"kv_cache_scheme": FP8},
+                "GPTQModifier": {"kv_cache_scheme": {**FP8, "observer": "minmax"}},
+            }
+        }
+    }
     cases = [
         (tmp_path / "missing.yaml", f"recipe not found: {tmp_path / 'missing.yaml'}"),
-        (recipe("bad.yaml", "quant_stage: [unclosed"), f"{tmp_path / 'bad.yaml'}: not a YAML or JSON recipe ("),
-        (recipe("list.yaml", "- 1\n- 2\n"),
-         f"{tmp_path / 'list.yaml'}: a recipe is a mapping of `<name>_stage` sections, not list"),
-        (write_recipe(tmp_path / "w8a8.yaml", None, scheme="W8A8", targets=["Linear"]),
-         f"{tmp_path / 'w8a8.yaml'}: no kv_cache_scheme in the recipe"),
-        (recipe("two.yaml", json.dumps(two)), f"{tmp_path / 'two.yaml'}: 2 different kv_cache_scheme entries "
-         "(quant_stage.quant_modifiers.QuantizationModifier, quant_stage.quant_modifiers.GPTQModifier)"),
-        (write_recipe(tmp_path / "h100.yaml", FP8, target="h100"),
-         f"{tmp_path / 'h100.yaml'}: kvcalib.target 'h100' is not a known target"),
-        (recipe("extra.yaml", "kvcalib: {target: trn2, fp8_max: 240}\n"),
-         f"{tmp_path / 'extra.yaml'}: kvcalib must be a mapping with the key target only"),
-        (recipe("scalar.yaml", yaml.safe_dump(
-            {"quant_stage": {"quant_modifiers": {"QuantizationModifier": {"kv_cache_scheme": "fp8"}}}})),
-         f"{tmp_path / 'scalar.yaml'}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme "
-         "must be a mapping"),
+        (
+            recipe("bad.yaml", "quant_stage: [unclosed"),
+            f"{tmp_path / 'bad.yaml'}: not a YAML or JSON recipe (",
+        ),
+        (
+            recipe("list.yaml", "- 1\n- 2\n"),
+            f"{tmp_path / 'list.yaml'}: a recipe is a mapping of `<name>_stage` sections, not list",
+        ),
+        (
+            write_recipe(tmp_path / "w8a8.yaml", None, scheme="W8A8", targets=["Linear"]),
+            f"{tmp_path / 'w8a8.yaml'}: no kv_cache_scheme in the recipe",
+        ),
+        (
+            recipe("two.yaml", json.dumps(two)),
+            f"{tmp_path / 'two.yaml'}: 2 different kv_cache_scheme entries "
+            "(quant_stage.quant_modifiers.QuantizationModifier, quant_stage.quant_modifiers.GPTQModifier)",
+        ),
+        (
+            write_recipe(tmp_path / "h100.yaml", FP8, target="h100"),
+            f"{tmp_path / 'h100.yaml'}: kvcalib.target 'h100' is not a known target",
+        ),
+        (
+            recipe("extra.yaml", "kvcalib: {target: trn2, fp8_max: 240}\n"),
+            f"{tmp_path / 'extra.yaml'}: kvcalib must be a mapping with the key target only",
+        ),
+        (
+            recipe(
+                "scalar.yaml",
+                yaml.safe_dump(
+                    {
+                        "quant_stage": {
+                            "quant_modifiers": {"QuantizationModifier": {"kv_cache_scheme": "fp8"}}
+                        }
+                    }
+                ),
+            ),
+            f"{tmp_path / 'scalar.yaml'}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme "
+            "must be a mapping",
+        ),
     ]
     for path, message in cases:
         with pytest.raises(RecipeError) as exc:
@@ -159,8 +249,10 @@ def test_target_comes_from_the_recipe_unless_given(tmp_path):
     assert plan_recipe(None, None, "native").target == "trn2"
     with pytest.raises(RecipeError) as exc:
         plan_recipe(RECIPES / "kv-fp8-trn2.yaml", "gpu", "native")
-    assert exc.value.message == (f"--target gpu contradicts {RECIPES / 'kv-fp8-trn2.yaml'}, which is for trn2 "
-                                 "(kvcalib.target)")
+    assert exc.value.message == (
+        f"--target gpu contradicts {RECIPES / 'kv-fp8-trn2.yaml'}, which is for trn2 "
+        "(kvcalib.target)"
+    )
     assert exc.value.hint == "drop --target, or use --recipe gpu"
 
 
@@ -182,22 +274,42 @@ def test_what_kvcalib_does_not_run_is_said(tmp_path):
     w8a8 = write_recipe(tmp_path / "w8a8.yaml", FP8, scheme="W8A8", targets=["Linear"])
     assert plan_recipe(w8a8, None, "native").warnings == (
         f"{w8a8}: kvcalib runs the kv_cache_scheme only and ignores quant_stage.quant_modifiers.QuantizationModifier "
-        "(scheme)",)
+        "(scheme)",
+    )
     minmax = write_recipe(tmp_path / "minmax.yaml", {**FP8, "observer": "minmax"})
     assert plan_recipe(minmax, None, "native").warnings == (
         f"{minmax}: observer 'minmax'; the native engine measures the absmax over every token (static_minmax); "
-        "--engine llmcompressor runs the recipe's observer",)
-    default = write_recipe(tmp_path / "default.yaml", {k: v for k, v in FP8.items() if k != "observer"})
+        "--engine llmcompressor runs the recipe's observer",
+    )
+    default = write_recipe(
+        tmp_path / "default.yaml", {k: v for k, v in FP8.items() if k != "observer"}
+    )
     assert plan_recipe(default, None, "native").warnings == (
         f"{default}: no observer (llm-compressor would run 'minmax'); the native engine measures the absmax over "
-        "every token (static_minmax); --engine llmcompressor runs the recipe's observer",)
+        "every token (static_minmax); --engine llmcompressor runs the recipe's observer",
+    )
 
 
 def test_cli_recipe_sets_target_and_provenance(tiny_llama_master, text_dataset, tmp_path):
     out = tmp_path / "out"
-    result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(out),
-                                 "--num-samples", "4", "--max-seq-len", "32",
-                                 "--recipe", str(RECIPES / "kv-fp8-gpu.yaml"), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(out),
+            "--num-samples",
+            "4",
+            "--max-seq-len",
+            "32",
+            "--recipe",
+            str(RECIPES / "kv-fp8-gpu.yaml"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["target"] == "gpu" and payload["fp8_max"] == 448.0
@@ -210,35 +322,81 @@ def test_cli_recipe_sets_target_and_provenance(tiny_llama_master, text_dataset, 
 def test_cli_refuses_before_anything_is_loaded(tiny_llama_master, text_dataset, tmp_path):
     recipe = write_recipe(tmp_path / "int8.yaml", {**FP8, "type": "int"})
     cases = [
-        (["--recipe", str(recipe)], 2,
-         f"error: {recipe}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme has type 'int'"),
-        (["--recipe", str(RECIPES / "kv-fp8-trn2.yaml"), "--target", "trn3"], 2,
-         f"error: --target trn3 contradicts {RECIPES / 'kv-fp8-trn2.yaml'}, which is for trn2"),
-        (["--recipe", str(tmp_path / "nope.yaml")], 2, f"error: recipe not found: {tmp_path / 'nope.yaml'}"),
+        (
+            ["--recipe", str(recipe)],
+            2,
+            f"error: {recipe}: quant_stage.quant_modifiers.QuantizationModifier.kv_cache_scheme has type 'int'",
+        ),
+        (
+            ["--recipe", str(RECIPES / "kv-fp8-trn2.yaml"), "--target", "trn3"],
+            2,
+            f"error: --target trn3 contradicts {RECIPES / 'kv-fp8-trn2.yaml'}, which is for trn2",
+        ),
+        (
+            ["--recipe", str(tmp_path / "nope.yaml")],
+            2,
+            f"error: recipe not found: {tmp_path / 'nope.yaml'}",
+        ),
     ]
     for extra, code, first_line in cases:
-        result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset),
-                                     "-o", str(tmp_path / "o"), *extra])
+        result = runner.invoke(
+            app,
+            [
+                "calibrate",
+                str(tiny_llama_master),
+                "--dataset",
+                str(text_dataset),
+                "-o",
+                str(tmp_path / "o"),
+                *extra,
+            ],
+        )
         assert result.exit_code == code, result.stderr
         lines = result.stderr.strip().splitlines()
         assert lines[0].startswith(first_line), result.stderr
-        assert lines[-1].startswith("hint: ") and "Traceback" not in result.stderr and result.stdout == ""
+        assert (
+            lines[-1].startswith("hint: ")
+            and "Traceback" not in result.stderr
+            and result.stdout == ""
+        )
     assert not (tmp_path / "o").exists()
 
 
-def test_engine_llmcompressor_without_llmcompressor_says_how_to_get_it(tiny_llama_master, text_dataset, tmp_path,
-                                                                      monkeypatch):
-    monkeypatch.setitem(sys.modules, "llmcompressor", None)  # what `import llmcompressor` sees when it is absent
+def test_engine_llmcompressor_without_llmcompressor_says_how_to_get_it(
+    tiny_llama_master, text_dataset, tmp_path, monkeypatch
+):
+    monkeypatch.setitem(
+        sys.modules, "llmcompressor", None
+    )  # what `import llmcompressor` sees when it is absent
     with pytest.raises(MissingDependencyError) as exc:
-        calibrate(tiny_llama_master, str(text_dataset), tmp_path / "o",
-                  CalibrateOptions(engine="llmcompressor", **SMALL))
-    assert exc.value.message == "--engine llmcompressor needs llm-compressor, which is not installed"
+        calibrate(
+            tiny_llama_master,
+            str(text_dataset),
+            tmp_path / "o",
+            CalibrateOptions(engine="llmcompressor", **SMALL),
+        )
+    assert (
+        exc.value.message == "--engine llmcompressor needs llm-compressor, which is not installed"
+    )
     assert exc.value.hint == "pip install kvcalib[llmcompressor]"
-    result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset),
-                                 "-o", str(tmp_path / "o"), "--engine", "llmcompressor"])
+    result = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(tmp_path / "o"),
+            "--engine",
+            "llmcompressor",
+        ],
+    )
     assert result.exit_code == 1
-    assert result.stderr.splitlines() == ["error: --engine llmcompressor needs llm-compressor, which is not installed",
-                                          "hint: pip install kvcalib[llmcompressor]"]
+    assert result.stderr.splitlines() == [
+        "error: --engine llmcompressor needs llm-compressor, which is not installed",
+        "hint: pip install kvcalib[llmcompressor]",
+    ]
     assert not (tmp_path / "o").exists()
 
 
@@ -248,25 +406,46 @@ def test_help_names_the_extra():
     assert "pip install kvcalib[llmcompressor]" in result.stdout and "--recipe" in result.stdout
 
 
-def test_llm_compressors_fp8_attention_recipe_means_attention_scales(tiny_llama_master, text_dataset, tmp_path):
+def test_llm_compressors_fp8_attention_recipe_means_attention_scales(
+    tiny_llama_master, text_dataset, tmp_path
+):
     """llm-compressor's FP8-attention example (a config group on LlamaAttention's input activations, no
     kv_cache_scheme: it quantises K/V with the same arguments) calibrates Q too, as --attention-scales does."""
-    attention = {"targets": ["LlamaAttention"], "input_activations": {**FP8, "strategy": "attn_head"}}
-    path = write_recipe(tmp_path / "attention.yaml", target="gpu", config_groups={"attention": attention})
+    attention = {
+        "targets": ["LlamaAttention"],
+        "input_activations": {**FP8, "strategy": "attn_head"},
+    }
+    path = write_recipe(
+        tmp_path / "attention.yaml", target="gpu", config_groups={"attention": attention}
+    )
     recipe = load_recipe(path)
     assert recipe.attention and recipe.scheme["strategy"] == "attn_head" and recipe.ignored == ()
     plan = plan_recipe(path, None, "native")
     assert (plan.strategy, plan.attention_scales) == ("attn_head", True)
-    result = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(recipe=str(path),
-                                                                                                 **SMALL))
+    result = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "out",
+        CalibrateOptions(recipe=str(path), **SMALL),
+    )
     assert len(result.layers[0].q.head_scales) == 4 and len(result.layers[0].k.head_scales) == 2
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["config_groups"]["attention"]["targets"] == ["LlamaAttention"]
     # the same group beside a kv_cache_scheme that differs: one KV format only
-    clash = write_recipe(tmp_path / "clash.yaml", FP8, target="gpu", config_groups={"attention": attention})
+    clash = write_recipe(
+        tmp_path / "clash.yaml", FP8, target="gpu", config_groups={"attention": attention}
+    )
     with pytest.raises(RecipeError, match="2 different kv_cache_scheme entries"):
         load_recipe(clash)
     # a weight group beside it is still reported as ignored
-    mixed = write_recipe(tmp_path / "mixed.yaml", target="gpu", config_groups={
-        "attention": attention, "w8": {"targets": ["Linear"], "weights": {**FP8, "strategy": "channel"}}})
-    assert load_recipe(mixed).ignored == ("quant_stage.quant_modifiers.QuantizationModifier (config_groups)",)
+    mixed = write_recipe(
+        tmp_path / "mixed.yaml",
+        target="gpu",
+        config_groups={
+            "attention": attention,
+            "w8": {"targets": ["Linear"], "weights": {**FP8, "strategy": "channel"}},
+        },
+    )
+    assert load_recipe(mixed).ignored == (
+        "quant_stage.quant_modifiers.QuantizationModifier (config_groups)",
+    )

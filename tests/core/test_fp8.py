@@ -43,7 +43,9 @@ QUANTISER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,target,scale,x,expected", QUANTISER_CASES, ids=[c[0] for c in QUANTISER_CASES])
+@pytest.mark.parametrize(
+    "name,target,scale,x,expected", QUANTISER_CASES, ids=[c[0] for c in QUANTISER_CASES]
+)
 def test_fake_quantize_matches_hand_computed_values(name, target, scale, x, expected):
     got = fp8.fake_quantize(torch.tensor([x], dtype=torch.float32), scale, target).item()
     assert got == pytest.approx(expected, rel=1e-6, abs=1e-12), name
@@ -66,7 +68,9 @@ def test_sqnr_floor_for_calibrated_gaussian(target):
 
 
 @pytest.mark.parametrize("target", [TRN2, TRN3, GPU], ids=lambda t: t.name)
-@pytest.mark.parametrize("absmax", [1e-3, 0.07, 1.0, 4.6838, 15.69, 20.5, 239.9, 300.0, 1234.5, 1e6])
+@pytest.mark.parametrize(
+    "absmax", [1e-3, 0.07, 1.0, 4.6838, 15.69, 20.5, 239.9, 300.0, 1234.5, 1e6]
+)
 def test_scale_rule(target, absmax):
     """s >= absmax/fp8_max, at most 2^-6 above it, and the chip maps absmax inside ±fp8_max."""
     s = fp8.scale_from_absmax(absmax, target).item()
@@ -98,12 +102,22 @@ def test_sqnr_db_edges():
 
 
 def test_unknown_target_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"^unknown target 'h100'; known targets: gpu, trn2, trn3$"):
+    with pytest.raises(
+        ValueError, match=r"^unknown target 'h100'; known targets: gpu, trn2, trn3$"
+    ):
         fp8.get_target("h100")
 
 
-@pytest.mark.parametrize("target", [fp8.get_target("vllm-cpu"), fp8.Target(
-    "e5m2-toward-zero", "float8_e5m2", 57344.0, fp8.F32_RECIPROCAL, toward_zero=True)], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "target",
+    [
+        fp8.get_target("vllm-cpu"),
+        fp8.Target(
+            "e5m2-toward-zero", "float8_e5m2", 57344.0, fp8.F32_RECIPROCAL, toward_zero=True
+        ),
+    ],
+    ids=lambda t: t.name,
+)
 def test_numerics_truncating_toward_zero(target):
     """A cast toward zero (vLLM CPU's, over any FP8 dtype) is the largest magnitude of the dtype not above
     |x * (1/s)|, sign kept."""
@@ -113,7 +127,13 @@ def test_numerics_truncating_toward_zero(target):
     grid = grid[grid.isfinite() & (grid <= target.fp8_max)]  # every finite magnitude
     torch.manual_seed(0)
     big = target.fp8_max / 8
-    x = torch.cat([torch.randn(4000) * big, torch.randn(1000) * 1e-3, torch.tensor([0.0, target.fp8_max, -1e6, 1e-9])])
+    x = torch.cat(
+        [
+            torch.randn(4000) * big,
+            torch.randn(1000) * 1e-3,
+            torch.tensor([0.0, target.fp8_max, -1e6, 1e-9]),
+        ]
+    )
     for scale in (1.0, 0.04345703125, 0.0625):
         got = fp8.fake_quantize(x, scale, target) / scale
         y = (x * (1.0 / torch.tensor(scale))).clamp(-target.fp8_max, target.fp8_max)
@@ -141,7 +161,20 @@ def test_bf16_reciprocal_check_needs_no_torch_and_agrees_with_it():
 
     rng = random.Random(0)
     values = [rng.choice((1, -1)) * 10 ** rng.uniform(-45, 45) for _ in range(20000)]
-    values += [0.0, 1e-38, 1e-39, 1e-40, 2**-126, 2**-133, 2**-134, 3.39e38, 3.4e38, 1e39, float("inf"), float("nan")]
+    values += [
+        0.0,
+        1e-38,
+        1e-39,
+        1e-40,
+        2**-126,
+        2**-133,
+        2**-134,
+        3.39e38,
+        3.4e38,
+        1e39,
+        float("inf"),
+        float("nan"),
+    ]
     assert [fp8.bf16_reciprocal_ok(v) for v in values] == [with_torch(v) for v in values]
 
 
@@ -150,8 +183,18 @@ def test_scale_from_absmax_is_element_by_element(target):
     """Every element of a tensor gets the scale it gets alone (the search asks for all its candidates at once)."""
     chip = fp8.get_target(target)
     torch.manual_seed(0)
-    values = torch.cat([torch.exp2(torch.empty(300).uniform_(-40, 40)), torch.tensor(
-        [0.0, 1e-45, 1e-8, 239.9, 240.0, 448.0, 3.3e38, float("inf"), float("nan")])]).reshape(3, -1)
+    values = torch.cat(
+        [
+            torch.exp2(torch.empty(300).uniform_(-40, 40)),
+            torch.tensor(
+                [0.0, 1e-45, 1e-8, 239.9, 240.0, 448.0, 3.3e38, float("inf"), float("nan")]
+            ),
+        ]
+    ).reshape(3, -1)
     together = fp8.scale_from_absmax(values, chip)
-    alone = torch.stack([fp8.scale_from_absmax(float(a), chip) for a in values.flatten().tolist()]).reshape(3, -1)
-    assert together.shape == values.shape and torch.equal(together.view(torch.int32), alone.view(torch.int32))
+    alone = torch.stack(
+        [fp8.scale_from_absmax(float(a), chip) for a in values.flatten().tolist()]
+    ).reshape(3, -1)
+    assert together.shape == values.shape and torch.equal(
+        together.view(torch.int32), alone.view(torch.int32)
+    )

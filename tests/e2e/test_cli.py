@@ -15,12 +15,30 @@ runner = CliRunner()
 
 def test_calibrate_json_on_stdout_and_table_on_stderr(tiny_llama_master, text_dataset, tmp_path):
     out = tmp_path / "out"
-    result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(out),
-                                 "--num-samples", "8", "--max-seq-len", "64", "--target", "trn3", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(out),
+            "--num-samples",
+            "8",
+            "--max-seq-len",
+            "64",
+            "--target",
+            "trn3",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     assert {"output", "target", "fp8_max", "num_samples", "num_tokens", "layers"} <= set(payload)
-    assert payload["target"] == "trn3" and payload["fp8_max"] == 448.0 and payload["num_samples"] == 8
+    assert (
+        payload["target"] == "trn3" and payload["fp8_max"] == 448.0 and payload["num_samples"] == 8
+    )
     assert [layer["layer"] for layer in payload["layers"]] == [0, 1, 2]
     assert set(payload["layers"][0]) == {"layer", "k", "v"}
     assert set(payload["layers"][0]["k"]) >= {"absmax", "scale", "key", "range", "choice"}
@@ -29,9 +47,24 @@ def test_calibrate_json_on_stdout_and_table_on_stderr(tiny_llama_master, text_da
 
 
 def test_llm_compressor_argument_names(tiny_llama_master, text_dataset, tmp_path):
-    result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
-                                 str(tmp_path / "out"), "--num-calibration-samples", "3", "--max-seq-length", "16",
-                                 "--dataset-split", "train", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(tmp_path / "out"),
+            "--num-calibration-samples",
+            "3",
+            "--max-seq-length",
+            "16",
+            "--dataset-split",
+            "train",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["num_samples"] == 3 and payload["num_tokens"] <= 48
@@ -39,25 +72,65 @@ def test_llm_compressor_argument_names(tiny_llama_master, text_dataset, tmp_path
 
 def test_calibrate_user_errors_are_one_line_and_a_hint(tiny_llama_master, text_dataset, tmp_path):
     cases = [
-        (["calibrate", str(tmp_path / "nope"), "--dataset", str(text_dataset), "-o", str(tmp_path / "o")], 2,
-         f"error: model directory not found: {tmp_path / 'nope'}"),
-        (["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(tmp_path / "o"),
-          "--text-column", "body"], 1, "error: dataset"),
-        (["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o", str(tmp_path),
-          ], 2, f"error: output {tmp_path} already exists"),
+        (
+            [
+                "calibrate",
+                str(tmp_path / "nope"),
+                "--dataset",
+                str(text_dataset),
+                "-o",
+                str(tmp_path / "o"),
+            ],
+            2,
+            f"error: model directory not found: {tmp_path / 'nope'}",
+        ),
+        (
+            [
+                "calibrate",
+                str(tiny_llama_master),
+                "--dataset",
+                str(text_dataset),
+                "-o",
+                str(tmp_path / "o"),
+                "--text-column",
+                "body",
+            ],
+            1,
+            "error: dataset",
+        ),
+        (
+            [
+                "calibrate",
+                str(tiny_llama_master),
+                "--dataset",
+                str(text_dataset),
+                "-o",
+                str(tmp_path),
+            ],
+            2,
+            f"error: output {tmp_path} already exists",
+        ),
     ]
     for args, code, first_line in cases:
         result = runner.invoke(app, args)
         assert result.exit_code == code, (args, result.stderr)
-        lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("calibrate: ")]
-        assert lines[0].startswith(first_line), result.stderr  # after any progress line the work got to
+        lines = [
+            line
+            for line in result.stderr.strip().splitlines()
+            if not line.startswith("calibrate: ")
+        ]
+        assert lines[0].startswith(first_line), (
+            result.stderr
+        )  # after any progress line the work got to
         assert lines[-1].startswith("hint: "), result.stderr
         assert "Traceback" not in result.stderr and result.stdout == ""
     assert not (tmp_path / "o").exists()
 
 
 def test_python_dash_m_works():
-    proc = subprocess.run([sys.executable, "-m", "kvcalib", "--help"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcalib", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     for command in ("calibrate", "validate"):
         assert command in proc.stdout
@@ -109,7 +182,9 @@ def test_validate_unreadable_is_exit_2(tmp_path):
     broken = runner.invoke(app, ["validate", str(tmp_path / "ckpt")])
     assert broken.exit_code == 2 and "cannot parse config.json" in broken.stderr
     target = runner.invoke(app, ["validate", str(tmp_path / "ckpt"), "--target", "a100"])
-    assert target.exit_code == 2 and "'a100' is not one of 'trn2', 'trn3', 'gpu'" in target.stderr  # --help lists them
+    assert (
+        target.exit_code == 2 and "'a100' is not one of 'trn2', 'trn3', 'gpu'" in target.stderr
+    )  # --help lists them
 
 
 # --- what a user sees in a log: plain progress lines, --quiet, --json, --version ----------------------
@@ -120,15 +195,31 @@ def test_progress_lines_without_a_terminal(tiny_llama_master, text_dataset, tmp_
     from kvcalib.cli import render
 
     monkeypatch.setattr(render, "PLAIN_INTERVAL_S", 0.0)  # every update; 30 s in real runs
-    result = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
-                                 str(tmp_path / "out"), "--num-samples", "6", "--batch-size", "1",
-                                 "--max-seq-len", "32"])
+    result = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(tmp_path / "out"),
+            "--num-samples",
+            "6",
+            "--batch-size",
+            "1",
+            "--max-seq-len",
+            "32",
+        ],
+    )
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("calibrate:")]
     samples = [line.split()[1] for line in lines if " samples, " in line]
     assert lines[:2] == ["calibrate: reading dataset", "calibrate: loading model"]
     assert samples[0] == "0/6" and samples[-1] == "6/6" and len(samples) >= 4, lines
-    assert all(" tokens, " in line and " tok/s, ETA " in line for line in lines if " samples, " in line)
+    assert all(
+        " tokens, " in line and " tok/s, ETA " in line for line in lines if " samples, " in line
+    )
     assert "calibrate: writing checkpoint" in lines
 
 
@@ -136,13 +227,37 @@ def test_progress_through_a_real_pipe_starts_and_ends(tiny_llama_master, text_da
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "kvcalib", "calibrate", str(tiny_llama_master), "--dataset",
-                           str(text_dataset), "-o", str(tmp_path / "out"), "--num-samples", "4", "--max-seq-len", "32",
-                           "--json"], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvcalib",
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(tmp_path / "out"),
+            "--num-samples",
+            "4",
+            "--max-seq-len",
+            "32",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["num_samples"] == 4  # stdout stays pure JSON
-    lines = [line for line in done.stderr.splitlines() if line.startswith("calibrate: ") and " samples, " in line]
-    assert lines[0].startswith("calibrate: 0/4 samples") and lines[-1].startswith("calibrate: 4/4 samples"), lines
+    lines = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith("calibrate: ") and " samples, " in line
+    ]
+    assert lines[0].startswith("calibrate: 0/4 samples") and lines[-1].startswith(
+        "calibrate: 4/4 samples"
+    ), lines
 
 
 def test_quiet_prints_nothing_but_errors(tiny_llama_master, text_dataset, tmp_path):
@@ -151,16 +266,35 @@ def test_quiet_prints_nothing_but_errors(tiny_llama_master, text_dataset, tmp_pa
     import sys
 
     def kvcalib(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kvcalib", *args], capture_output=True, text=True, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "kvcalib", *args], capture_output=True, text=True, check=False
+        )
 
-    args = ("calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "--num-samples", "4",
-            "--max-seq-len", "32", "--quiet")
+    args = (
+        "calibrate",
+        str(tiny_llama_master),
+        "--dataset",
+        str(text_dataset),
+        "--num-samples",
+        "4",
+        "--max-seq-len",
+        "32",
+        "--quiet",
+    )
     quiet = kvcalib(*args, "-o", str(tmp_path / "a"))
     assert (quiet.returncode, quiet.stderr, quiet.stdout) == (0, "", "")
     as_json = kvcalib(*args, "-o", str(tmp_path / "b"), "--json")
-    assert as_json.returncode == 0 and as_json.stderr == "" and json.loads(as_json.stdout)["target"] == "trn2"
+    assert (
+        as_json.returncode == 0
+        and as_json.stderr == ""
+        and json.loads(as_json.stdout)["target"] == "trn2"
+    )
     failed = kvcalib(*args, "-o", str(tmp_path / "a"))  # exists: an error is still said
-    assert failed.returncode == 2 and failed.stderr.startswith("error: output") and "hint:" in failed.stderr
+    assert (
+        failed.returncode == 2
+        and failed.stderr.startswith("error: output")
+        and "hint:" in failed.stderr
+    )
     validated = kvcalib("validate", str(tmp_path / "a"), "--quiet")
     assert (validated.returncode, validated.stderr, validated.stdout) == (0, "", "")
 

@@ -23,8 +23,13 @@ from typer.testing import CliRunner
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("KVCALIB_UPDATE_GOLDEN") == "1"
-VOLATILE = {"seconds", "tokens_per_s", "ready_s", "objective_seconds",  # timings: compared by type only
-            "significant"}  # whether an interval of near-zero differences excludes 0: CPU rounding decides
+VOLATILE = {
+    "seconds",
+    "tokens_per_s",
+    "ready_s",
+    "objective_seconds",  # timings: compared by type only
+    "significant",
+}  # whether an interval of near-zero differences excludes 0: CPU rounding decides
 HELP_ENV = {"COLUMNS": "120", "TERMINAL_WIDTH": "120", "NO_COLOR": "1", "FORCE_COLOR": None}
 
 
@@ -43,21 +48,29 @@ def normalise(obj, roots: dict[str, str]):
 def assert_matches(actual, expected, where: str = "$") -> None:
     if isinstance(expected, dict):
         assert isinstance(actual, dict), where
-        assert sorted(actual) == sorted(expected), f"{where}: keys {sorted(actual)} != {sorted(expected)}"
+        assert sorted(actual) == sorted(expected), (
+            f"{where}: keys {sorted(actual)} != {sorted(expected)}"
+        )
         for key in expected:
             if key in VOLATILE:
-                assert (type(actual[key]) is type(expected[key])
-                        or {type(actual[key]), type(expected[key])} <= {int, float}), f"{where}.{key}"
+                assert type(actual[key]) is type(expected[key]) or {
+                    type(actual[key]),
+                    type(expected[key]),
+                } <= {int, float}, f"{where}.{key}"
             else:
                 assert_matches(actual[key], expected[key], f"{where}.{key}")
     elif isinstance(expected, list):
-        assert isinstance(actual, list) and len(actual) == len(expected), f"{where}: {actual!r} != {expected!r}"
+        assert isinstance(actual, list) and len(actual) == len(expected), (
+            f"{where}: {actual!r} != {expected!r}"
+        )
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_matches(a, e, f"{where}[{i}]")
     elif isinstance(expected, float) and not isinstance(expected, bool):
         assert isinstance(actual, (int, float)), f"{where}: {actual!r}"
         if math.isfinite(expected):
-            assert actual == pytest.approx(expected, rel=1e-3, abs=1e-3), f"{where}: {actual} != {expected}"
+            assert actual == pytest.approx(expected, rel=1e-3, abs=1e-3), (
+                f"{where}: {actual} != {expected}"
+            )
         else:
             assert actual == expected, where
     else:
@@ -86,14 +99,49 @@ def golden_run(tiny_llama_master, text_dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("golden")
     out = root / "out"
     runner = CliRunner()
-    roots = {str(out): "<OUT>", str(tiny_llama_master): "<MODEL>", str(text_dataset): "<DATA>", str(REPO): "<REPO>"}
-    calibrated = runner.invoke(app, ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset), "-o",
-                                     str(out), "--num-samples", "8", "--max-seq-len", "64", "--json"])
+    roots = {
+        str(out): "<OUT>",
+        str(tiny_llama_master): "<MODEL>",
+        str(text_dataset): "<DATA>",
+        str(REPO): "<REPO>",
+    }
+    calibrated = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(tiny_llama_master),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(out),
+            "--num-samples",
+            "8",
+            "--max-seq-len",
+            "64",
+            "--json",
+        ],
+    )
     assert calibrated.exit_code == 0, calibrated.stderr
     validated = runner.invoke(app, ["validate", str(out), "--json"])
-    evaluated = runner.invoke(app, ["eval", str(out), "--dataset", str(text_dataset), "--num-samples", "4",
-                                    "--max-seq-len", "64", "--compare", "unit", "--json"])
-    assert validated.exit_code == 0 and evaluated.exit_code == 0, validated.stderr + evaluated.stderr
+    evaluated = runner.invoke(
+        app,
+        [
+            "eval",
+            str(out),
+            "--dataset",
+            str(text_dataset),
+            "--num-samples",
+            "4",
+            "--max-seq-len",
+            "64",
+            "--compare",
+            "unit",
+            "--json",
+        ],
+    )
+    assert validated.exit_code == 0 and evaluated.exit_code == 0, (
+        validated.stderr + evaluated.stderr
+    )
     return out, roots, {"calibrate": calibrated, "validate": validated, "eval": evaluated}
 
 
@@ -117,8 +165,10 @@ def test_output_files_are_unchanged(golden_run):
             "keys": sorted(f.keys()),
             "shapes": {k: list(f.get_slice(k).get_shape()) for k in f.keys()},
             "dtypes": sorted({f.get_slice(k).get_dtype() for k in f.keys()}),
-            "metadata": {"format": metadata["format"],
-                         "kvcalib": normalise(json.loads(metadata["kvcalib"]), roots)},
+            "metadata": {
+                "format": metadata["format"],
+                "kvcalib": normalise(json.loads(metadata["kvcalib"]), roots),
+            },
         }
     check_golden("output-files.json", files)
 

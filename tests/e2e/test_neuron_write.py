@@ -19,7 +19,11 @@ def plugin_write(x: torch.Tensor, scale: float) -> torch.Tensor:
     """A transcription of jinhuang12/vllm-neuron at ed3580d, vllm_neuron/model/llama3/model.py, _write_kv_cache:
     bf16 K/V times the stored bf16 reciprocal (fp8_kv_golden.py: 1.0 / torch.tensor([scale], bfloat16)), clamped at
     FP8_CLAMP_MAX (240 on trn2), cast to the cache's dtype."""
-    return (x * (1.0 / torch.tensor([scale], dtype=torch.bfloat16))).clamp(-240.0, 240.0).to(torch.float8_e4m3fn)
+    return (
+        (x * (1.0 / torch.tensor([scale], dtype=torch.bfloat16)))
+        .clamp(-240.0, 240.0)
+        .to(torch.float8_e4m3fn)
+    )
 
 
 class _Recorder:
@@ -35,7 +39,9 @@ def test_trn2_quantiser_equals_the_plugins_write_path_on_real_kv(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).eval()
-    ids = AutoTokenizer.from_pretrained(smollm2)(" ".join(fortune_texts(8, chars=200)), return_tensors="pt")
+    ids = AutoTokenizer.from_pretrained(smollm2)(
+        " ".join(fortune_texts(8, chars=200)), return_tensors="pt"
+    )
     recorder = _Recorder()
     with torch.inference_mode():
         model(**ids, use_cache=True, past_key_values=RecordingCache(model.config, recorder))
@@ -52,4 +58,6 @@ def test_trn2_quantiser_equals_the_plugins_write_path_on_real_kv(smollm2):
             changed += int((fp8.fake_quantize(x.float(), scale, f32_product) != plugin).sum())
             codes += x.numel()
     print(f"{changed / codes:.2%} of {codes} FP8 codes differ with a float32 product")
-    assert changed > 0.005 * codes  # the float32 product is one step off on a share of them: the test has teeth
+    assert (
+        changed > 0.005 * codes
+    )  # the float32 product is one step off on a share of them: the test has teeth

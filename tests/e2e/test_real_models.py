@@ -10,7 +10,6 @@ from oracle import oracle_absmax
 from real_models import FAST, trn2_beats_448
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 
@@ -28,10 +27,16 @@ def test_gemma3_calibrates_the_bos_prefixed_stream_vllm_builds(gemma3, prose, tm
     from transformers import AutoTokenizer
 
     opts = dict(num_samples=4, max_seq_len=96)
-    result = calibrate(gemma3, str(prose), tmp_path / "out", CalibrateOptions(
-        batch_size=1, scale_objective="absmax", dtype="float32", **opts))
+    result = calibrate(
+        gemma3,
+        str(prose),
+        tmp_path / "out",
+        CalibrateOptions(batch_size=1, scale_objective="absmax", dtype="float32", **opts),
+    )
     tok = AutoTokenizer.from_pretrained(gemma3)
-    texts = _texts(prose)[:opts["num_samples"]]  # the rows calibrate selects (their order moves no max)
+    texts = _texts(prose)[
+        : opts["num_samples"]
+    ]  # the rows calibrate selects (their order moves no max)
     served = [tok(t, truncation=True, max_length=96)["input_ids"] for t in texts]
     assert all(s[0] == tok.bos_token_id == 2 for s in served)
     k, v = oracle_absmax(gemma3, served, dtype=torch.float32)
@@ -50,11 +55,18 @@ def test_gemma3_calibrates_the_bos_prefixed_stream_vllm_builds(gemma3, prose, tm
 def test_gemma3_eval_scores_the_models_real_nll(gemma3, prose, tmp_path):
     """With its <bos>, Gemma 3 scores prose at its real NLL (measured on these 4 x 128 fortunes: 3.98 nats with
     it, 6.21 without; 3.8 and 6.6 on 32 rows)."""
-    calibrate(gemma3, str(prose), tmp_path / "ckpt", CalibrateOptions(num_samples=4, max_seq_len=96, **FAST))
+    calibrate(
+        gemma3,
+        str(prose),
+        tmp_path / "ckpt",
+        CalibrateOptions(num_samples=4, max_seq_len=96, **FAST),
+    )
     opts = dict(num_samples=4, max_seq_len=128, layer_rows=0, **FAST)
     served = evaluate(tmp_path / "ckpt", str(prose), EvalOptions(**opts))
     bare = evaluate(tmp_path / "ckpt", str(prose), EvalOptions(add_special_tokens=False, **opts))
-    print(f"Gemma 3 NLL on fortunes: {served.baseline_nll:.3f} with <bos>, {bare.baseline_nll:.3f} without")
+    print(
+        f"Gemma 3 NLL on fortunes: {served.baseline_nll:.3f} with <bos>, {bare.baseline_nll:.3f} without"
+    )
     assert served.baseline_nll < 4.5 and bare.baseline_nll > served.baseline_nll + 1.0
 
 

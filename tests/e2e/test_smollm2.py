@@ -10,7 +10,6 @@ from helpers import assert_scale_sized, fortune_texts, write_jsonl
 from oracle import calibration_sequences, oracle_absmax, oracle_heads, tree_digest
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.schema import SCALES_FILENAME, neuron_scale_key
 
@@ -23,13 +22,19 @@ def smol_calibrated(smollm2, text_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("smol") / "smollm2-fp8kv"
     before = tree_digest(smollm2)
     # absmax: what these tests compare with transformers' own cache (the attention objective: test_scale_objective)
-    result = calibrate(smollm2, str(text_dataset), out, CalibrateOptions(batch_size=1, scale_objective="absmax",
-                                                                         **OPTS))
+    result = calibrate(
+        smollm2,
+        str(text_dataset),
+        out,
+        CalibrateOptions(batch_size=1, scale_objective="absmax", **OPTS),
+    )
     assert tree_digest(smollm2) == before
     return out, result
 
 
-def test_smollm2_scales_equal_absmax_from_transformers_cache(smollm2, text_dataset, smol_calibrated):
+def test_smollm2_scales_equal_absmax_from_transformers_cache(
+    smollm2, text_dataset, smol_calibrated
+):
     from safetensors.torch import load_file
 
     out, result = smol_calibrated
@@ -45,8 +50,11 @@ def test_smollm2_scales_equal_absmax_from_transformers_cache(smollm2, text_datas
 
 
 def _batch_vs_one(one, batched) -> list[float]:
-    return [abs(b - a) / a for x, y in zip(one.layers, batched.layers)
-            for a, b in ((x.k.absmax, y.k.absmax), (x.v.absmax, y.v.absmax))]
+    return [
+        abs(b - a) / a
+        for x, y in zip(one.layers, batched.layers)
+        for a, b in ((x.k.absmax, y.k.absmax), (x.v.absmax, y.v.absmax))
+    ]
 
 
 def test_smollm2_batching_is_exact_to_float32_rounding(smollm2, text_dataset, tmp_path):
@@ -59,10 +67,16 @@ def test_smollm2_batching_is_exact_to_float32_rounding(smollm2, text_dataset, tm
     percent.
     """
     opts = dict(OPTS, dtype="float32")
-    one = calibrate(smollm2, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=1, **opts))
-    batched = calibrate(smollm2, str(text_dataset), tmp_path / "six", CalibrateOptions(batch_size=6, **opts))
+    one = calibrate(
+        smollm2, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=1, **opts)
+    )
+    batched = calibrate(
+        smollm2, str(text_dataset), tmp_path / "six", CalibrateOptions(batch_size=6, **opts)
+    )
     diffs = _batch_vs_one(one, batched)
-    print(f"float32 batch 6 vs 1: largest {max(diffs):.3g}, {sum(d == 0 for d in diffs)} of {len(diffs)} equal")
+    print(
+        f"float32 batch 6 vs 1: largest {max(diffs):.3g}, {sum(d == 0 for d in diffs)} of {len(diffs)} equal"
+    )
     assert max(diffs) <= 2**-16
 
 
@@ -76,10 +90,14 @@ def test_smollm2_batched_matches_one_by_one(smollm2, text_dataset, smol_calibrat
     in float32 (test_smollm2_batching_is_exact_to_float32_rounding).
     """
     _, one = smol_calibrated
-    batched = calibrate(smollm2, str(text_dataset), tmp_path / "b", CalibrateOptions(batch_size=6, **OPTS))
+    batched = calibrate(
+        smollm2, str(text_dataset), tmp_path / "b", CalibrateOptions(batch_size=6, **OPTS)
+    )
     diffs = _batch_vs_one(one, batched)
-    print(f"bf16 batch 6 vs 1: largest {max(diffs):.2%}, {sum(d > 2**-6 for d in diffs)} of {len(diffs)} "
-          f"beyond 2^-6, {sum(d == 0 for d in diffs)} equal ({batched.compute})")
+    print(
+        f"bf16 batch 6 vs 1: largest {max(diffs):.2%}, {sum(d > 2**-6 for d in diffs)} of {len(diffs)} "
+        f"beyond 2^-6, {sum(d == 0 for d in diffs)} equal ({batched.compute})"
+    )
     assert max(diffs) <= 2**-5
     assert sum(d <= 2**-6 for d in diffs) >= 0.9 * len(diffs)
 
@@ -91,7 +109,9 @@ def test_smollm2_checkpoint_is_valid_and_reloads(smollm2, smol_calibrated):
     assert result.validation["ok"] is True
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["kv_cache_scheme"]["type"] == "float"
-    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, output_loading_info=True
+    )
     orig = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).state_dict()
     loaded = model.state_dict()
     for name, tensor in orig.items():
@@ -106,7 +126,9 @@ def test_smollm2_checkpoint_is_valid_and_reloads(smollm2, smol_calibrated):
             for kind in "kv":
                 key = neuron_scale_key(layer, kind)
                 expected = getattr(result.layers[layer], kind).scale
-                assert loaded[key].float().item() == pytest.approx(expected, rel=2**-8), key  # held in bf16
+                assert loaded[key].float().item() == pytest.approx(expected, rel=2**-8), (
+                    key
+                )  # held in bf16
 
 
 def test_smollm2_float32_path_stays_within_bf16_noise_of_native_bf16(smollm2, tmp_path):
@@ -118,25 +140,47 @@ def test_smollm2_float32_path_stays_within_bf16_noise_of_native_bf16(smollm2, tm
     are to each other, measured: at most 1.4-2.2% on 8x256, 16x256, 32x256, 8x512 and 32x128 tokens, with
     at most 2 of 60 values beyond 2^-6.
     """
-    opts = dict(num_samples=8, max_seq_len=256)  # native bf16 is slow on AVX2: 8 x 256 keeps it near a minute
-    long_texts = write_jsonl(tmp_path / "long.jsonl", [{"text": t} for t in fortune_texts(8, chars=2000)])
-    result = calibrate(smollm2, str(long_texts), tmp_path / "f32", CalibrateOptions(
-        bf16_compute="float32", scale_objective="absmax", **opts))
-    assert result.compute.startswith("bf16 model, matmuls and attention in float32 with bf16 rounding")
+    opts = dict(
+        num_samples=8, max_seq_len=256
+    )  # native bf16 is slow on AVX2: 8 x 256 keeps it near a minute
+    long_texts = write_jsonl(
+        tmp_path / "long.jsonl", [{"text": t} for t in fortune_texts(8, chars=2000)]
+    )
+    result = calibrate(
+        smollm2,
+        str(long_texts),
+        tmp_path / "f32",
+        CalibrateOptions(bf16_compute="float32", scale_objective="absmax", **opts),
+    )
+    assert result.compute.startswith(
+        "bf16 model, matmuls and attention in float32 with bf16 rounding"
+    )
     assert result.num_tokens == 8 * 256
     k, v = oracle_absmax(smollm2, calibration_sequences(smollm2, long_texts, **opts))  # native bf16
-    diffs = [abs(mine - theirs) / theirs for layer in result.layers
-             for mine, theirs in ((layer.k.absmax, k[layer.layer].item()), (layer.v.absmax, v[layer.layer].item()))]
-    print(f"float32 path vs native bf16: largest {max(diffs):.2%}, {sum(d > 2**-6 for d in diffs)} of {len(diffs)} "
-          f"beyond 2^-6, {sum(d == 0 for d in diffs)} equal")
+    diffs = [
+        abs(mine - theirs) / theirs
+        for layer in result.layers
+        for mine, theirs in (
+            (layer.k.absmax, k[layer.layer].item()),
+            (layer.v.absmax, v[layer.layer].item()),
+        )
+    ]
+    print(
+        f"float32 path vs native bf16: largest {max(diffs):.2%}, {sum(d > 2**-6 for d in diffs)} of {len(diffs)} "
+        f"beyond 2^-6, {sum(d == 0 for d in diffs)} equal"
+    )
     assert max(diffs) <= 2**-5
     assert sum(d <= 2**-6 for d in diffs) >= 0.9 * len(diffs)
-    for layer in result.layers:  # the scales still never saturate on the chip: sized for their own absmax
+    for (
+        layer
+    ) in result.layers:  # the scales still never saturate on the chip: sized for their own absmax
         assert_scale_sized(layer.k.scale, layer.k.absmax, "trn2")
         assert_scale_sized(layer.v.scale, layer.v.absmax, "trn2")
 
 
-def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, smol_calibrated, tmp_path):
+def test_smollm2_per_head_and_q_scales_equal_the_oracle(
+    smollm2, text_dataset, smol_calibrated, tmp_path
+):
     """SmolLM2 (3 KV heads, 9 query heads): K/V per KV head equal to transformers' own cache, to the bit (the same
     kernels, sample by sample); Q per head within bf16 noise of the query its own eager attention is handed
     (eager and SDPA layers round apart in bf16); every per-head scale by the rounding rule; the per-tensor run's
@@ -147,9 +191,19 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, s
 
     _, per_tensor = smol_calibrated
     out = tmp_path / "heads"
-    result = calibrate(smollm2, str(text_dataset), out, CalibrateOptions(batch_size=1, target="gpu",
-                                                                         strategy="attn_head", attention_scales=True,
-                                                                         scale_objective="absmax", **OPTS))
+    result = calibrate(
+        smollm2,
+        str(text_dataset),
+        out,
+        CalibrateOptions(
+            batch_size=1,
+            target="gpu",
+            strategy="attn_head",
+            attention_scales=True,
+            scale_objective="absmax",
+            **OPTS,
+        ),
+    )
     seqs = calibration_sequences(smollm2, text_dataset, **OPTS)
     k, v, _ = oracle_heads(smollm2, seqs, attn_implementation="sdpa")
     _, _, q = oracle_heads(smollm2, seqs)
@@ -157,11 +211,21 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, s
     q_diffs = []
     for layer in result.layers:
         i = layer.layer
-        assert list(layer.k.head_absmax) == k[i].tolist() and list(layer.v.head_absmax) == v[i].tolist(), i
-        assert (layer.k.absmax, layer.v.absmax) == (per_tensor.layers[i].k.absmax, per_tensor.layers[i].v.absmax)
+        assert (
+            list(layer.k.head_absmax) == k[i].tolist()
+            and list(layer.v.head_absmax) == v[i].tolist()
+        ), i
+        assert (layer.k.absmax, layer.v.absmax) == (
+            per_tensor.layers[i].k.absmax,
+            per_tensor.layers[i].v.absmax,
+        )
         assert len(layer.q.head_absmax) == 9
         q_diffs += [abs(a - b) / b for a, b in zip(layer.q.head_absmax, q[i].tolist())]
-        for kind, absmax in (("k", layer.k.head_absmax), ("v", layer.v.head_absmax), ("q", layer.q.head_absmax)):
+        for kind, absmax in (
+            ("k", layer.k.head_absmax),
+            ("v", layer.v.head_absmax),
+            ("q", layer.q.head_absmax),
+        ):
             tensor = scales[f"model.layers.{i}.self_attn.{kind}_scale"]
             assert tuple(tensor.shape) == (len(absmax), 1, 1)
             for scale, a in zip(tensor.reshape(-1).tolist(), absmax):
@@ -169,14 +233,20 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(smollm2, text_dataset, s
     assert q_diffs[:9] == [0.0] * 9, "layer 0's Q comes before any attention: exact"
     assert max(q_diffs) <= 2**-5
     spread = [max(layer.k.head_absmax) / min(layer.k.head_absmax) for layer in result.layers]
-    print(f"SmolLM2 K absmax, largest / smallest head per layer: median {sorted(spread)[15]:.2f}, "
-          f"max {max(spread):.2f}")
+    print(
+        f"SmolLM2 K absmax, largest / smallest head per layer: median {sorted(spread)[15]:.2f}, "
+        f"max {max(spread):.2f}"
+    )
     assert validate_checkpoint(out, "gpu").ok and not validate_checkpoint(out, "trn2").ok
 
 
 @pytest.mark.proof("torchrun")
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
-def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(smollm2, text_dataset, tmp_path):
+@pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
+def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(
+    smollm2, text_dataset, tmp_path
+):
     """Per-head K/V and Q scales of the real bf16 model: layer by layer, and split over 2 torchrun processes,
     the very bits of the in-memory run."""
     import os
@@ -187,24 +257,69 @@ def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(smo
     from safetensors.torch import load_file
 
     def bits(ckpt):
-        return {k: v.view(torch.int32).reshape(-1).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
+        return {
+            k: v.view(torch.int32).reshape(-1).tolist()
+            for k, v in load_file(ckpt / SCALES_FILENAME).items()
+        }
 
     # One compute path for all three, named: the library's default (no CPU given: native bf16) and the CLI's
     # (this CPU's flags: float32 matmuls without avx512_bf16/amx) differ on AVX2 machines, and so do the bits.
-    args = dict(target="gpu", strategy="attn_head", attention_scales=True, batch_size=2, bf16_compute="float32",
-                **OPTS)
+    args = dict(
+        target="gpu",
+        strategy="attn_head",
+        attention_scales=True,
+        batch_size=2,
+        bf16_compute="float32",
+        **OPTS,
+    )
     memory = calibrate(smollm2, str(text_dataset), tmp_path / "memory", CalibrateOptions(**args))
-    streamed = calibrate(smollm2, str(text_dataset), tmp_path / "stream", CalibrateOptions(engine="stream", **args))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "kvcalib", "calibrate", str(smollm2), "--dataset", str(text_dataset), "-o",
-                           str(tmp_path / "two"), "--target", "gpu", "--strategy", "attn_head", "--attention-scales",
-                           "--bf16-compute", "float32", "--batch-size", "2", "--num-samples", str(OPTS["num_samples"]),
-                           "--max-seq-len", str(OPTS["max_seq_len"]), "--json"], capture_output=True, text=True,
-                           env=env, timeout=900)
+    streamed = calibrate(
+        smollm2, str(text_dataset), tmp_path / "stream", CalibrateOptions(engine="stream", **args)
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kvcalib",
+            "calibrate",
+            str(smollm2),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(tmp_path / "two"),
+            "--target",
+            "gpu",
+            "--strategy",
+            "attn_head",
+            "--attention-scales",
+            "--bf16-compute",
+            "float32",
+            "--batch-size",
+            "2",
+            "--num-samples",
+            str(OPTS["num_samples"]),
+            "--max-seq-len",
+            str(OPTS["max_seq_len"]),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = bits(tmp_path / "memory")
     assert len(expected) == 90 and len(expected["model.layers.0.self_attn.k_scale"]) == 3
     assert bits(tmp_path / "stream") == expected and bits(tmp_path / "two") == expected
-    assert [layer.to_dict() for layer in streamed.layers] == [layer.to_dict() for layer in memory.layers]
+    assert [layer.to_dict() for layer in streamed.layers] == [
+        layer.to_dict() for layer in memory.layers
+    ]
     assert json.loads(proc.stdout)["layers"] == [layer.to_dict() for layer in memory.layers]

@@ -14,7 +14,6 @@ from helpers import SCRIPTS, build_tiny_llama
 from typer.testing import CliRunner
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core.errors import CheckpointReadError
@@ -24,8 +23,18 @@ DATA = dict(num_samples=8, max_seq_len=128)
 
 
 def make_outlier(src: Path, out: Path, factor: int) -> Path:
-    subprocess.run([sys.executable, str(SCRIPTS / "make_outlier_model.py"), str(src), str(out),
-                    "--factor", str(factor)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "make_outlier_model.py"),
+            str(src),
+            str(out),
+            "--factor",
+            str(factor),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -42,7 +51,9 @@ def tiny_outlier(tiny_llama_master, text_dataset, tmp_path_factory):
     """The tiny Llama with K x64 (its K absmax ~5 becomes ~300 > 240), calibrated for trn2 and for gpu."""
     root = tmp_path_factory.mktemp("outlier")
     outlier = make_outlier(tiny_llama_master, root / "outlier", 64)
-    trn2 = calibrate(outlier, str(text_dataset), root / "trn2", CalibrateOptions(target="trn2", **DATA))
+    trn2 = calibrate(
+        outlier, str(text_dataset), root / "trn2", CalibrateOptions(target="trn2", **DATA)
+    )
     calibrate(outlier, str(text_dataset), root / "gpu", CalibrateOptions(target="gpu", **DATA))
     return outlier, root / "trn2", root / "gpu", trn2
 
@@ -51,12 +62,16 @@ def test_outlier_variant_reproduces_the_original_logits(tiny_llama_master, tiny_
     outlier, _, _, result = tiny_outlier
     ids = list(range(5, 60))
     assert torch.equal(logits(tiny_llama_master, ids), logits(outlier, ids))
-    assert max(layer.k.absmax for layer in result.layers) > 240, "the variant must have K beyond trn2's range"
+    assert max(layer.k.absmax for layer in result.layers) > 240, (
+        "the variant must have K beyond trn2's range"
+    )
 
 
 def test_calibrated_scales_beat_unit_scales_on_outliers(tiny_outlier, text_dataset):
     _, trn2_ckpt, _, _ = tiny_outlier
-    result = evaluate(trn2_ckpt, str(text_dataset), EvalOptions(target="trn2", compare=("unit",), **DATA))
+    result = evaluate(
+        trn2_ckpt, str(text_dataset), EvalOptions(target="trn2", compare=("unit",), **DATA)
+    )
     calibrated, unit = result.runs
     assert (calibrated.name, unit.name) == ("checkpoint", "unit")
     assert unit.k_clipped > 0.001, "scale 1.0 must saturate the x64 keys on trn2"
@@ -70,7 +85,9 @@ def test_calibrated_scales_beat_unit_scales_on_outliers(tiny_outlier, text_datas
 def test_448_scales_clip_on_trn2_and_240_scales_do_not(tiny_outlier, text_dataset):
     """On the calibration data itself: trn2 scales saturate nothing, gpu-sized (448) scales do."""
     _, trn2_ckpt, gpu_ckpt, _ = tiny_outlier
-    result = evaluate(trn2_ckpt, str(text_dataset), EvalOptions(target="trn2", compare=(str(gpu_ckpt),), **DATA))
+    result = evaluate(
+        trn2_ckpt, str(text_dataset), EvalOptions(target="trn2", compare=(str(gpu_ckpt),), **DATA)
+    )
     ours, sized_448 = result.runs
     assert sized_448.name == str(gpu_ckpt)
     assert all(layer.k_clipped == 0.0 and layer.v_clipped == 0.0 for layer in ours.layers)
@@ -86,8 +103,24 @@ def test_448_scales_clip_on_trn2_and_240_scales_do_not(tiny_outlier, text_datase
 def test_eval_json_and_plot(tiny_outlier, text_dataset, tmp_path):
     _, trn2_ckpt, _, _ = tiny_outlier
     png = tmp_path / "eval.png"
-    result = CliRunner().invoke(app, ["eval", str(trn2_ckpt), "--dataset", str(text_dataset), "--num-samples", "4",
-                                      "--max-seq-len", "64", "--compare", "unit", "--plot", str(png), "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            str(trn2_ckpt),
+            "--dataset",
+            str(text_dataset),
+            "--num-samples",
+            "4",
+            "--max-seq-len",
+            "64",
+            "--compare",
+            "unit",
+            "--plot",
+            str(png),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     assert {"target", "num_tokens", "baseline", "runs"} <= set(payload)
@@ -96,7 +129,9 @@ def test_eval_json_and_plot(tiny_outlier, text_dataset, tmp_path):
     assert [r["name"] for r in payload["runs"]] == ["checkpoint", "unit"]
     for run in payload["runs"]:
         assert {"name", "nll", "ppl", "delta_nll", "kl", "top1", "layers"} <= set(run)
-        assert {"layer", "k_sqnr_db", "v_sqnr_db", "k_clipped", "v_clipped"} <= set(run["layers"][0])
+        assert {"layer", "k_sqnr_db", "v_sqnr_db", "k_clipped", "v_clipped"} <= set(
+            run["layers"][0]
+        )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "FP8 KV on trn2" in result.stderr
 
@@ -105,7 +140,9 @@ def test_a_one_layer_model_quantised_alone_is_the_whole_run(text_dataset, tmp_pa
     """By construction: with one layer and every row, "that layer alone" is the whole quantised run."""
     model = build_tiny_llama(tmp_path / "one-layer", num_layers=1)
     calibrate(model, str(text_dataset), tmp_path / "cal", CalibrateOptions(**DATA))
-    result = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(compare=("unit",), layer_rows=8, **DATA))
+    result = evaluate(
+        tmp_path / "cal", str(text_dataset), EvalOptions(compare=("unit",), layer_rows=8, **DATA)
+    )
     assert result.layer_rows == 8
     for run in result.runs:
         [layer] = run.layers
@@ -115,10 +152,21 @@ def test_a_one_layer_model_quantised_alone_is_the_whole_run(text_dataset, tmp_pa
 
 def test_layers_alone_in_the_cli_and_off_with_zero_rows(tiny_outlier, text_dataset):
     _, trn2_ckpt, _, _ = tiny_outlier
-    args = ["eval", str(trn2_ckpt), "--dataset", str(text_dataset), "--num-samples", "4", "--max-seq-len", "64"]
+    args = [
+        "eval",
+        str(trn2_ckpt),
+        "--dataset",
+        str(text_dataset),
+        "--num-samples",
+        "4",
+        "--max-seq-len",
+        "64",
+    ]
     shown = CliRunner().invoke(app, [*args, "--compare", "unit", "--per-layer", "--json"])
     assert shown.exit_code == 0, shown.stderr
-    assert "unit: per layer (alone: that layer quantised, the others not, on 2 row(s))" in shown.stderr
+    assert (
+        "unit: per layer (alone: that layer quantised, the others not, on 2 row(s))" in shown.stderr
+    )
     payload = json.loads(shown.stdout)
     assert payload["layer_rows"] == 2
     for run in payload["runs"]:
@@ -132,10 +180,14 @@ def test_layers_alone_in_the_cli_and_off_with_zero_rows(tiny_outlier, text_datas
 
 
 def test_eval_needs_scales(tiny_llama_master, text_dataset):
-    with pytest.raises(CheckpointReadError, match=r"no KV scale model\.layers\.0\.self_attn\.k_scale$") as exc:
+    with pytest.raises(
+        CheckpointReadError, match=r"no KV scale model\.layers\.0\.self_attn\.k_scale$"
+    ) as exc:
         evaluate(tiny_llama_master, str(text_dataset), EvalOptions(**DATA))
     assert "kvcalib calibrate" in exc.value.hint
-    result = CliRunner().invoke(app, ["eval", str(tiny_llama_master), "--dataset", str(text_dataset)])
+    result = CliRunner().invoke(
+        app, ["eval", str(tiny_llama_master), "--dataset", str(text_dataset)]
+    )
     assert result.exit_code == 2 and "error:" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -149,12 +201,23 @@ def test_smollm2_outlier_variant_under_trn2(smollm2, text_dataset, tmp_path):
     """
     outlier = make_outlier(smollm2, tmp_path / "outlier", 64)
     ids = list(range(100, 164))
-    assert torch.equal(logits(smollm2, ids), logits(outlier, ids)), "bf16 without FP8 KV must be unchanged"
-    opts = dict(num_samples=4, max_seq_len=128, bf16_compute="float32")  # the measured gap holds on both paths
-    cal = calibrate(outlier, str(text_dataset), tmp_path / "cal", CalibrateOptions(target="trn2", **opts))
-    assert min(layer.k.absmax for layer in cal.layers) > 2 * 240, "every layer's K must be far beyond trn2's range"
-    result = evaluate(tmp_path / "cal", str(text_dataset), EvalOptions(target="trn2", compare=("unit",), layer_rows=0,
-                                                                       **opts))
+    assert torch.equal(logits(smollm2, ids), logits(outlier, ids)), (
+        "bf16 without FP8 KV must be unchanged"
+    )
+    opts = dict(
+        num_samples=4, max_seq_len=128, bf16_compute="float32"
+    )  # the measured gap holds on both paths
+    cal = calibrate(
+        outlier, str(text_dataset), tmp_path / "cal", CalibrateOptions(target="trn2", **opts)
+    )
+    assert min(layer.k.absmax for layer in cal.layers) > 2 * 240, (
+        "every layer's K must be far beyond trn2's range"
+    )
+    result = evaluate(
+        tmp_path / "cal",
+        str(text_dataset),
+        EvalOptions(target="trn2", compare=("unit",), layer_rows=0, **opts),
+    )
     calibrated, unit = result.runs
     assert unit.k_clipped > 0.01 and calibrated.k_clipped == 0.0
     assert unit.delta_nll > calibrated.delta_nll + 0.2

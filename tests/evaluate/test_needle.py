@@ -7,17 +7,15 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache
 from helpers import scaled_copy, tutorial_texts, write_jsonl
+from transformers import DynamicCache
 from typer.testing import CliRunner
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import DatasetError, UsageError
-from kvcalib.evaluation.pipeline import EvalOptions
 from kvcalib.evaluation.context import packed_stream
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.needle import (
@@ -32,7 +30,7 @@ from kvcalib.evaluation.needle import (
     insertion_point,
     needle_prompts,
 )
-from kvcalib.evaluation.pipeline import CHECKPOINT, scale_set
+from kvcalib.evaluation.pipeline import CHECKPOINT, EvalOptions, scale_set
 from kvcalib.evaluation.significance import wilson
 from kvcalib.hf.attention import FanOutCache, QuantizingCache
 from kvcalib.hf.model import load_model, load_tokenizer
@@ -45,7 +43,11 @@ def small(calibrated, tmp_path_factory):
 
 def test_a_key_is_found_only_whole_and_in_order():
     assert found("483920", " 483920.") and found("483920", " 4 8 3 9 2 0")
-    assert not found("483920", " 48392") and not found("483920", " 029384") and not found("483920", " the number")
+    assert (
+        not found("483920", " 48392")
+        and not found("483920", " 029384")
+        and not found("483920", " the number")
+    )
 
 
 def test_wilson_interval_matches_known_values():
@@ -63,7 +65,9 @@ def test_the_needle_goes_after_the_nearest_line_break_before_its_depth():
     assert insertion_point(stream, 0, 0, {9}) == 0
 
 
-def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_length(calibrated, text_dataset):
+def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_length(
+    calibrated, text_dataset
+):
     cal = calibrated
     tokenizer = load_tokenizer(cal, False)
     stream, prefix = packed_stream(str(text_dataset), tokenizer, "train", None)
@@ -77,29 +81,40 @@ def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_
         body = 400 - len(prefix) - len(needle) - len(question)
         bodies.append(body)
         at = trial.position - len(prefix)
-        hay = stream[trial.offset:trial.offset + body]
+        hay = stream[trial.offset : trial.offset + body]
         assert len(ids) == 400 and len(trial.key) == 6
         assert ids == prefix + hay[:at] + needle + hay[at:] + question
         assert abs(at - round(trial.depth * body)) <= 64
-    assert prompts == needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, seed=7)  # deterministic
-    assert ([t.key for t, _ in prompts]
-            != [t.key for t, _ in needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, 8)])
+    assert prompts == needle_prompts(
+        stream, prefix, tokenizer, 400, DEPTHS, 2, seed=7
+    )  # deterministic
+    assert [t.key for t, _ in prompts] != [
+        t.key for t, _ in needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, 8)
+    ]
     with pytest.raises(UsageError, match="--context 40 --needle: too short"):
         needle_prompts(stream, prefix, tokenizer, 40, DEPTHS, 1, seed=7)
-    short = stream[:min(bodies) - 1]
-    with pytest.raises(DatasetError, match=f"{len(short)} tokens of held-out text, too few for one haystack"):
+    short = stream[: min(bodies) - 1]
+    with pytest.raises(
+        DatasetError, match=f"{len(short)} tokens of held-out text, too few for one haystack"
+    ):
         needle_prompts(short, prefix, tokenizer, 400, DEPTHS, 1, seed=7)
 
 
 def _quantizers(cal, small):
     target = fp8.get_target("trn2")
     config = json.loads((cal / "config.json").read_text())
-    return {name: KVQuantizer(s.k, s.v, target) for name, s in (
-        ("checkpoint", scale_set(CHECKPOINT, cal, 3, target, config)),
-        ("div64", scale_set(str(small), cal, 3, target, config)))}
+    return {
+        name: KVQuantizer(s.k, s.v, target)
+        for name, s in (
+            ("checkpoint", scale_set(CHECKPOINT, cal, 3, target, config)),
+            ("div64", scale_set(str(small), cal, 3, target, config)),
+        )
+    }
 
 
-def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_chip_stores_them(calibrated, small):
+def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_chip_stores_them(
+    calibrated, small
+):
     """Neuron's order: the prefill attends to fresh K/V (its logits are the unquantised ones) while every scale
     set's cache holds those K/V as the chip stores them (a prefill that read FP8 would store others from layer 1
     on: each layer's K/V come from the layers before it)."""
@@ -125,7 +140,9 @@ def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(fan.layers, plain_cache.layers))
 
 
-def test_neuron_decodes_every_run_from_the_fresh_prefill_gpu_prefills_each_from_fp8(calibrated, small):
+def test_neuron_decodes_every_run_from_the_fresh_prefill_gpu_prefills_each_from_fp8(
+    calibrated, small
+):
     cal = calibrated
     model = load_model(cal, torch.float32, torch.device("cpu"), False)
     quantizers = _quantizers(cal, small)
@@ -134,24 +151,38 @@ def test_neuron_decodes_every_run_from_the_fresh_prefill_gpu_prefills_each_from_
     gpu = answer(model, ids, quantizers, reads_fp8=True, device=torch.device("cpu"))
     assert all(len(tokens) == ANSWER_TOKENS for tokens in [*neuron.values(), *gpu.values()])
     assert neuron[BASELINE] == gpu[BASELINE]  # no quantisation: one order
-    assert {tokens[0] for tokens in neuron.values()} == {neuron[BASELINE][0]}  # the first token is the prefill's
+    assert {tokens[0] for tokens in neuron.values()} == {
+        neuron[BASELINE][0]
+    }  # the first token is the prefill's
     assert gpu["div64"][0] != gpu[BASELINE][0]  # prefill read FP8 with scales /64
     assert neuron["div64"] != neuron[BASELINE]  # decoding read it
 
 
 def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, tmp_path):
     cal = calibrated
-    result = evaluate_needle(cal, str(text_dataset), (300, 400), EvalOptions(compare=(str(small),), dtype="float32"),
-                             keys=2)
+    result = evaluate_needle(
+        cal,
+        str(text_dataset),
+        (300, 400),
+        EvalOptions(compare=(str(small),), dtype="float32"),
+        keys=2,
+    )
     assert result.prefill == "fresh K/V (Neuron)" and len(result.trials) == 2 * 2 * len(DEPTHS)
-    assert [(r.length, r.name) for r in result.rows] == [(300, BASELINE), (300, "checkpoint"), (300, str(small)),
-                                                          (400, BASELINE), (400, "checkpoint"), (400, str(small))]
+    assert [(r.length, r.name) for r in result.rows] == [
+        (300, BASELINE),
+        (300, "checkpoint"),
+        (300, str(small)),
+        (400, BASELINE),
+        (400, "checkpoint"),
+        (400, str(small)),
+    ]
     for row in result.rows:
         trials = [t for t in result.trials if t.length == row.length]
         hits = [t.found(row.name) for t in trials]
         assert row.found == sum(hits) and row.trials == len(trials) == 10
         assert [(d, f, n) for d, f, n in row.by_depth] == [
-            (d, sum(t.found(row.name) for t in trials if t.depth == d), 2) for d in DEPTHS]
+            (d, sum(t.found(row.name) for t in trials if t.depth == d), 2) for d in DEPTHS
+        ]
         assert row.rate_interval == wilson(row.found, row.trials)
         if row.name == BASELINE:
             assert row.interval is None
@@ -164,21 +195,41 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, t
     pytest.importorskip("matplotlib")
     runner = CliRunner()
     plot = tmp_path / "needle.png"
-    res = runner.invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "300", "--needle",
-                              "--num-samples", "1", "--dtype", "float32", "--plot", str(plot), "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "eval",
+            str(cal),
+            "--dataset",
+            str(text_dataset),
+            "--context",
+            "300",
+            "--needle",
+            "--num-samples",
+            "1",
+            "--dtype",
+            "float32",
+            "--plot",
+            str(plot),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(res.stdout)["plot"] == str(plot)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--needle"], "--needle or --saturation-only runs at the lengths of --context"),
-    (["--context", "300", "--needle", "--saturation-only"], "(not both)"),
-    (["--context", "300", "--plot", "x.png"], "draws the needle heatmap: add --needle"),
-    (["--context", "40", "--needle"], "--context 40 --needle: too short"),
-    (["--context", "300", "--needle", "--num-samples", "0"], "at least one key"),
-    (["--context", "100000", "--needle"], "above the model's max_position_embeddings 512"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--needle"], "--needle or --saturation-only runs at the lengths of --context"),
+        (["--context", "300", "--needle", "--saturation-only"], "(not both)"),
+        (["--context", "300", "--plot", "x.png"], "draws the needle heatmap: add --needle"),
+        (["--context", "40", "--needle"], "--context 40 --needle: too short"),
+        (["--context", "300", "--needle", "--num-samples", "0"], "at least one key"),
+        (["--context", "100000", "--needle"], "above the model's max_position_embeddings 512"),
+    ],
+)
 def test_bad_needle_input_is_a_usage_error(calibrated, text_dataset, args, message):
     cal = calibrated
     res = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), *args])
@@ -187,19 +238,34 @@ def test_bad_needle_input_is_a_usage_error(calibrated, text_dataset, args, messa
 
 
 @pytest.mark.slow
-def test_smollm2_finds_the_key_with_calibrated_scales_and_loses_it_at_div64(smollm2, text_dataset, tmp_path):
+def test_smollm2_finds_the_key_with_calibrated_scales_and_loses_it_at_div64(
+    smollm2, text_dataset, tmp_path
+):
     """SmolLM2-135M-Instruct retrieves the key at 1,024 tokens (measured: 30/30 at 1,024 and 2,048, 4/9 at 4,096)."""
     held_out_text = tmp_path / "tutorial.jsonl"
     write_jsonl(held_out_text, [{"text": t} for t in tutorial_texts(40)])
-    calibrate(smollm2, str(text_dataset), tmp_path / "cal",
-              CalibrateOptions(num_samples=16, max_seq_len=256, bf16_compute="float32"))
+    calibrate(
+        smollm2,
+        str(text_dataset),
+        tmp_path / "cal",
+        CalibrateOptions(num_samples=16, max_seq_len=256, bf16_compute="float32"),
+    )
     broken = scaled_copy(tmp_path / "cal", tmp_path / "div64", 1 / 64)
-    result = evaluate_needle(tmp_path / "cal", str(held_out_text), (1024,),
-                             EvalOptions(compare=(str(broken),), dtype="float32"), keys=2)
+    result = evaluate_needle(
+        tmp_path / "cal",
+        str(held_out_text),
+        (1024,),
+        EvalOptions(compare=(str(broken),), dtype="float32"),
+        keys=2,
+    )
     rows = {row.name: row for row in result.rows}
-    print("\n".join(f"{name}: {row.found}/{row.trials} {row.verdict()}" for name, row in rows.items()))
+    print(
+        "\n".join(f"{name}: {row.found}/{row.trials} {row.verdict()}" for name, row in rows.items())
+    )
     assert rows[BASELINE].found >= 9
     assert not rows["checkpoint"].interval.significant
     assert rows[str(broken)].interval.high < -0.5 and rows[str(broken)].interval.outcome == "worse"
-    assert rows[str(broken)].verdict(cell=True).startswith("worse by ") and rows[BASELINE].verdict(cell=True) == \
-        "the unquantised cache's own rate"
+    assert (
+        rows[str(broken)].verdict(cell=True).startswith("worse by ")
+        and rows[BASELINE].verdict(cell=True) == "the unquantised cache's own rate"
+    )

@@ -24,8 +24,12 @@ LENGTHS = (11, 6)  # two rows, right-padded: prompts of 6 and 3 tokens
 @torch.inference_mode()
 def _one_forward(model, ids, mask, hook):
     with observing_queries(hook) if getattr(hook, "queries", False) else nullcontext():
-        return model(input_ids=ids, attention_mask=mask, use_cache=True,
-                     past_key_values=RecordingCache(model.config, hook)).logits
+        return model(
+            input_ids=ids,
+            attention_mask=mask,
+            use_cache=True,
+            past_key_values=RecordingCache(model.config, hook),
+        ).logits
 
 
 @torch.inference_mode()
@@ -34,10 +38,19 @@ def _prefill_then_decode(model, row, quantizer):
     needle probe does), then each later token alone, reading the cache with its own K/V quantised first."""
     p = (len(row) + 1) // 2
     cache = QuantizingCache(model.config, quantizer)
-    logits = [model(input_ids=torch.tensor([row[:p]]), past_key_values=FanOutCache(model.config, [cache]),
-                    use_cache=True).logits[0]]
+    logits = [
+        model(
+            input_ids=torch.tensor([row[:p]]),
+            past_key_values=FanOutCache(model.config, [cache]),
+            use_cache=True,
+        ).logits[0]
+    ]
     for token in row[p:]:
-        logits.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0])
+        logits.append(
+            model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[
+                0
+            ]
+        )
     return torch.cat(logits)
 
 
@@ -46,7 +59,9 @@ def test_the_neuron_order_in_one_forward_is_prefill_then_token_by_token_decode(t
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_master, dtype=torch.float32).eval()
     layers = model.config.num_hidden_layers
-    quantizer = KVQuantizer([0.01] * layers, [0.01] * layers, fp8.get_target("trn2"))  # coarse: a visible change
+    quantizer = KVQuantizer(
+        [0.01] * layers, [0.01] * layers, fp8.get_target("trn2")
+    )  # coarse: a visible change
     rows = [[(7 * i + 3 * r) % 200 + 5 for i in range(n)] for r, n in enumerate(LENGTHS)]
     ids = torch.tensor([row + [0] * (max(LENGTHS) - len(row)) for row in rows])
     mask = torch.tensor([[1] * len(row) + [0] * (max(LENGTHS) - len(row)) for row in rows])
@@ -58,10 +73,10 @@ def test_the_neuron_order_in_one_forward_is_prefill_then_token_by_token_decode(t
     for b, row in enumerate(rows):
         literal = _prefill_then_decode(model, row, quantizer)
         p = (len(row) + 1) // 2
-        assert (neuron[b, :len(row)] - literal).abs().max() < 1e-4
+        assert (neuron[b, : len(row)] - literal).abs().max() < 1e-4
         assert torch.equal(neuron[b, :p], fresh[b, :p])  # the prompt never reads the cache
         # the decode steps do, and unlike the GPU order's prompt: both far outside 1e-4
-        assert (neuron[b, p:len(row)] - fresh[b, p:len(row)]).abs().max() > 1e-2
+        assert (neuron[b, p : len(row)] - fresh[b, p : len(row)]).abs().max() > 1e-2
         assert (neuron[b, :p] - gpu[b, :p]).abs().max() > 1e-2
 
 
@@ -71,14 +86,21 @@ def calibrated(tiny_llama_master, text_dataset, tmp_path_factory):
     from kvcalib.calibration.pipeline import calibrate
 
     out = tmp_path_factory.mktemp("order") / "cal"
-    calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(num_samples=4, max_seq_len=64))
+    calibrate(
+        tiny_llama_master, str(text_dataset), out, CalibrateOptions(num_samples=4, max_seq_len=64)
+    )
     return out
 
 
 def test_the_order_follows_the_target_and_scores_the_decode_steps(calibrated, text_dataset):
-    runs = {(target, order): evaluate(calibrated, str(text_dataset), EvalOptions(
-        target=target, order=order, num_samples=4, max_seq_len=64, layer_rows=0))
-        for target, order in (("trn2", None), ("trn2", "gpu"), ("gpu", None), ("gpu", "neuron"))}
+    runs = {
+        (target, order): evaluate(
+            calibrated,
+            str(text_dataset),
+            EvalOptions(target=target, order=order, num_samples=4, max_seq_len=64, layer_rows=0),
+        )
+        for target, order in (("trn2", None), ("trn2", "gpu"), ("gpu", None), ("gpu", "neuron"))
+    }
     assert [r.order for r in runs.values()] == ["neuron", "gpu", "gpu", "neuron"]
     # GPU: every prediction but each row's last; Neuron: the decode steps', from ⌈n/2⌉ to n-2
     lengths = [int(n) for n in _lengths(calibrated, text_dataset)]
@@ -91,17 +113,37 @@ def _lengths(checkpoint, dataset):
     from kvcalib.hf.data import load_calibration_data
     from kvcalib.hf.model import load_tokenizer
 
-    data = load_calibration_data(str(dataset), load_tokenizer(checkpoint, False), split="train", text_column=None,
-                                 num_samples=4, max_seq_len=64, seed=42)
+    data = load_calibration_data(
+        str(dataset),
+        load_tokenizer(checkpoint, False),
+        split="train",
+        text_column=None,
+        num_samples=4,
+        max_seq_len=64,
+        seed=42,
+    )
     return [len(s) for s in data.sequences]
 
 
 def test_eval_json_and_table_say_which_order(calibrated, text_dataset):
-    args = ["eval", str(calibrated), "--dataset", str(text_dataset), "--num-samples", "2", "--max-seq-len", "32",
-            "--layer-rows", "0", "--json"]
+    args = [
+        "eval",
+        str(calibrated),
+        "--dataset",
+        str(text_dataset),
+        "--num-samples",
+        "2",
+        "--max-seq-len",
+        "32",
+        "--layer-rows",
+        "0",
+        "--json",
+    ]
     default, gpu = (CliRunner().invoke(app, args + more) for more in ([], ["--order", "gpu"]))
     assert default.exit_code == 0 and gpu.exit_code == 0, default.stderr + gpu.stderr
-    assert json.loads(default.stdout)["order"] == "neuron" and json.loads(gpu.stdout)["order"] == "gpu"
+    assert (
+        json.loads(default.stdout)["order"] == "neuron" and json.loads(gpu.stdout)["order"] == "gpu"
+    )
     assert "scored in the Neuron order (prefill reads fresh K/V, decode reads FP8" in default.stderr
     assert "scored in the GPU order (every position reads FP8)" in gpu.stderr
     wrong = CliRunner().invoke(app, args + ["--order", "tpu"])
@@ -120,6 +162,11 @@ def test_serve_checks_prediction_is_in_the_order_of_the_server_it_predicts(calib
     from kvcalib.serving.predict import predict
     from kvcalib.serving.prompts import NLL_TEXT
 
-    cpu, neuron = (predict(calibrated, numerics, NLL_TEXT, unit=False) for numerics in ("vllm-cpu", "trn2"))
-    assert (cpu.order, neuron.order) == ("gpu", "neuron")  # vLLM on CPU reads the cache for prefill too
+    cpu, neuron = (
+        predict(calibrated, numerics, NLL_TEXT, unit=False) for numerics in ("vllm-cpu", "trn2")
+    )
+    assert (cpu.order, neuron.order) == (
+        "gpu",
+        "neuron",
+    )  # vLLM on CPU reads the cache for prefill too
     assert len(neuron.token_delta) < len(cpu.token_delta)  # the decode steps only

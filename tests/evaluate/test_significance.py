@@ -14,22 +14,35 @@ def test_identical_runs_give_an_interval_of_zero():
     interval = paired_bootstrap([0.0] * 50, [100] * 50)
     assert (interval.estimate, interval.low, interval.high) == (0.0, 0.0, 0.0)
     assert not interval.significant
-    assert interval.outcome == "indistinguishable" and interval.verdict(cell=True) == "indistinguishable"
-    assert interval.verdict().startswith("indistinguishable from the unquantised cache (+0.0000, 95% interval")
+    assert (
+        interval.outcome == "indistinguishable"
+        and interval.verdict(cell=True) == "indistinguishable"
+    )
+    assert interval.verdict().startswith(
+        "indistinguishable from the unquantised cache (+0.0000, 95% interval"
+    )
 
 
 def test_a_known_shift_is_recovered():
     rng = random.Random(1)
     tokens, differences = [], []
-    for _ in range(100):  # per-sequence sums: 0.1 nats a token, noise of 0.05 that cancels exactly in pairs
+    for _ in range(
+        100
+    ):  # per-sequence sums: 0.1 nats a token, noise of 0.05 that cancels exactly in pairs
         n, noise = rng.randint(50, 300), rng.gauss(0, 0.05)
         tokens += [n, n]
         differences += [n * (0.1 + noise), n * (0.1 - noise)]
     interval = paired_bootstrap(differences, tokens)
     assert interval.estimate == pytest.approx(0.1)
     assert 0.09 < interval.low < 0.1 < interval.high < 0.11
-    assert interval.significant and interval.outcome == "worse" and interval.verdict().startswith("worse by 0.1")
-    assert interval.verdict(cell=True) == f"worse by 0.1000 ± {(interval.high - interval.low) / 2:.4f}"
+    assert (
+        interval.significant
+        and interval.outcome == "worse"
+        and interval.verdict().startswith("worse by 0.1")
+    )
+    assert (
+        interval.verdict(cell=True) == f"worse by 0.1000 ± {(interval.high - interval.low) / 2:.4f}"
+    )
     better = paired_bootstrap([-d for d in differences], tokens)
     assert better.to_dict()["outcome"] == "better" and better.verdict().startswith("better by 0.1")
     accuracy = paired_bootstrap([-d for d in differences], tokens, worse_if_higher=False)
@@ -62,8 +75,11 @@ def test_no_interval_rather_than_a_fake_one():
 
 def test_eval_reports_paired_intervals(calibrated, text_dataset):
     """The interval's estimate is the run's own ΔNLL (both are Σ / Σ tokens), in --json with its method."""
-    result = evaluate(calibrated, str(text_dataset), EvalOptions(num_samples=8, max_seq_len=64,
-                                                                 compare=("unit",), layer_rows=0))
+    result = evaluate(
+        calibrated,
+        str(text_dataset),
+        EvalOptions(num_samples=8, max_seq_len=64, compare=("unit",), layer_rows=0),
+    )
     for run in result.runs:
         nll, accuracy = run.intervals
         assert nll.items == accuracy.items == 8
@@ -72,8 +88,20 @@ def test_eval_reports_paired_intervals(calibrated, text_dataset):
         assert nll.low <= nll.estimate <= nll.high
         payload = run.to_dict()
         assert payload["delta_nll_interval"]["method"].startswith("paired bootstrap over items")
-        assert set(payload["delta_accuracy_interval"]) == {"estimate", "low", "high", "items", "level", "method",
-                                                           "significant", "outcome"}
-        assert not accuracy.worse_if_higher and nll.worse_if_higher  # a lower accuracy is worse, a higher NLL
-    single = evaluate(calibrated, str(text_dataset), EvalOptions(num_samples=1, max_seq_len=64, layer_rows=0))
+        assert set(payload["delta_accuracy_interval"]) == {
+            "estimate",
+            "low",
+            "high",
+            "items",
+            "level",
+            "method",
+            "significant",
+            "outcome",
+        }
+        assert (
+            not accuracy.worse_if_higher and nll.worse_if_higher
+        )  # a lower accuracy is worse, a higher NLL
+    single = evaluate(
+        calibrated, str(text_dataset), EvalOptions(num_samples=1, max_seq_len=64, layer_rows=0)
+    )
     assert single.runs[0].intervals == (None, None)

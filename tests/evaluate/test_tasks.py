@@ -28,8 +28,14 @@ def responses(out: dict, task: str) -> dict:
 
 
 def run(model: str, args: str, task_dir) -> dict:
-    return lm_eval.simple_evaluate(model=model, model_args=args, tasks=TASKS, log_samples=True, device="cpu",
-                                   task_manager=TaskManager(include_path=str(task_dir)))
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=args,
+        tasks=TASKS,
+        log_samples=True,
+        device="cpu",
+        task_manager=TaskManager(include_path=str(task_dir)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +57,50 @@ def test_the_registered_model_with_no_scales_is_lm_evals_hf_model(hf_run, calibr
 
 
 def test_eval_tasks_end_to_end(hf_run, calibrated, task_dir):
-    result = CliRunner().invoke(app, ["eval", str(calibrated), "--tasks", ",".join([*TASKS, "kvcalib_tiny_ppl"]),
-                                      "--include-path", str(task_dir), "--compare", "unit", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            str(calibrated),
+            "--tasks",
+            ",".join([*TASKS, "kvcalib_tiny_ppl"]),
+            "--include-path",
+            str(task_dir),
+            "--compare",
+            "unit",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["runs"] == ["baseline", "checkpoint", "unit"] and payload["lm_eval"] == "0.4.13"
     rows = {row["task"]: row for row in payload["rows"]}
     mc = rows["kvcalib_tiny_mc"]
     assert mc["metric"] == "acc" and mc["items"] == 6
-    assert mc["baseline"] == hf_run["results"]["kvcalib_tiny_mc"]["acc,none"]  # the baseline is lm-eval's own
+    assert (
+        mc["baseline"] == hf_run["results"]["kvcalib_tiny_mc"]["acc,none"]
+    )  # the baseline is lm-eval's own
     for name in ("checkpoint", "unit"):
         interval = mc["intervals"][name]
-        assert interval["items"] == 6 and interval["low"] <= interval["estimate"] <= interval["high"]
+        assert (
+            interval["items"] == 6 and interval["low"] <= interval["estimate"] <= interval["high"]
+        )
         assert interval["estimate"] == pytest.approx(mc["scores"][name] - mc["baseline"])
-    assert rows["kvcalib_tiny_gen"]["baseline"] == hf_run["results"]["kvcalib_tiny_gen"]["exact_match,none"]
-    ppl = rows["kvcalib_tiny_ppl"]  # aggregated by weighted perplexity: no per-item paired form, no interval
+    assert (
+        rows["kvcalib_tiny_gen"]["baseline"]
+        == hf_run["results"]["kvcalib_tiny_gen"]["exact_match,none"]
+    )
+    ppl = rows[
+        "kvcalib_tiny_ppl"
+    ]  # aggregated by weighted perplexity: no per-item paired form, no interval
     assert ppl["intervals"] == {"checkpoint": None, "unit": None}
     assert "weighted_perplexity" in ppl["no_interval_reason"]
-    assert ppl["baseline"] > 1 and ppl["scores"]["unit"] > 1  # lm-eval's own aggregate, reported as it is
-    assert "lm-eval tasks with FP8 KV on trn2" in result.stderr and "paired bootstrap" in result.stderr
+    assert (
+        ppl["baseline"] > 1 and ppl["scores"]["unit"] > 1
+    )  # lm-eval's own aggregate, reported as it is
+    assert (
+        "lm-eval tasks with FP8 KV on trn2" in result.stderr and "paired bootstrap" in result.stderr
+    )
 
 
 def test_generation_decodes_from_the_quantised_cache(calibrated):
@@ -79,7 +110,9 @@ def test_generation_decodes_from_the_quantised_cache(calibrated):
     quantizer = harness.quantizer_for(loaded, "checkpoint", "trn2")
     ids = torch.tensor([[5, 17, 23, 42, 8, 9, 11]])
     with torch.inference_mode():
-        whole = loaded.model(ids, past_key_values=QuantizingCache(loaded.model.config, quantizer)).logits[0, -1]
+        whole = loaded.model(
+            ids, past_key_values=QuantizingCache(loaded.model.config, quantizer)
+        ).logits[0, -1]
         cache = QuantizingCache(loaded.model.config, quantizer)
         loaded.model(ids[:, :-1], past_key_values=cache)
         stepped = loaded.model(ids[:, -1:], past_key_values=cache).logits[0, -1]
@@ -97,7 +130,9 @@ def test_generation_decodes_from_the_quantised_cache(calibrated):
     out = model._model_generate(ids, max_length=ids.shape[1] + 4, stop=[], do_sample=False)
     layers = loaded.model.config.num_hidden_layers
     assert out.shape[1] == ids.shape[1] + 4
-    assert calls == [ids.shape[1]] * layers + [1] * (3 * layers)  # the prompt, then each decoded token's K/V
+    assert calls == [ids.shape[1]] * layers + [1] * (
+        3 * layers
+    )  # the prompt, then each decoded token's K/V
 
 
 def test_scoring_the_continuations_logits_only_changes_no_answer(calibrated, task_dir):
@@ -110,29 +145,52 @@ def test_scoring_the_continuations_logits_only_changes_no_answer(calibrated, tas
     keep = kept._logits_to_keep
     kept._logits_to_keep = lambda inps: widths.append((keep(inps), inps.shape[1])) or widths[-1][0]
     manager = TaskManager(include_path=str(task_dir))
-    outs = [lm_eval.simple_evaluate(model=m, tasks=TASKS[:1], log_samples=True, task_manager=manager)
-            for m in (kept, full)]
+    outs = [
+        lm_eval.simple_evaluate(model=m, tasks=TASKS[:1], log_samples=True, task_manager=manager)
+        for m in (kept, full)
+    ]
     assert responses(outs[0], TASKS[0]) == responses(outs[1], TASKS[0])
-    assert any(0 < kept_ < width for kept_, width in widths)  # it really scored fewer positions (0: all of them)
+    assert any(
+        0 < kept_ < width for kept_, width in widths
+    )  # it really scored fewer positions (0: all of them)
 
 
 def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, monkeypatch):
     base = ["eval", str(calibrated), "--include-path", str(task_dir)]
     cases = [
-        ([*base, "--tasks", "kvcalib_tiny_mcc"], "unknown task 'kvcalib_tiny_mcc'; close names: kvcalib_tiny_mc"),
+        (
+            [*base, "--tasks", "kvcalib_tiny_mcc"],
+            "unknown task 'kvcalib_tiny_mcc'; close names: kvcalib_tiny_mc",
+        ),
         ([*base, "--tasks", "kvcalib_tiny_mc", "--limit", "0"], "--limit"),
         ([*base, "--tasks", "kvcalib_tiny_mc", "--limit", "-1"], "--limit"),
         ([*base, "--tasks", "kvcalib_tiny_mc", "--num-fewshot", "-1"], "--num-fewshot"),
-        ([*base, "--tasks", "kvcalib_tiny_mc", "--num-fewshot", "6"],  # 6 items: 5 others to draw from
-         "--num-fewshot 6: task kvcalib_tiny_mc has 5 example(s) to draw from"),
+        (
+            [
+                *base,
+                "--tasks",
+                "kvcalib_tiny_mc",
+                "--num-fewshot",
+                "6",
+            ],  # 6 items: 5 others to draw from
+            "--num-fewshot 6: task kvcalib_tiny_mc has 5 example(s) to draw from",
+        ),
         ([*base, "--tasks", "kvcalib_tiny_mc", "--dataset", "x.jsonl"], "not both"),
         (["eval", str(calibrated)], "eval needs --dataset DATA or --tasks"),
     ]
     for argv, message in cases:
         result = CliRunner().invoke(app, argv)
-        assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr, argv
-    missing = CliRunner().invoke(app, [*base, "--tasks", "kvcalib_tiny_mc", "--task-data", str(task_dir / "none")])
-    assert missing.exit_code == 2 and "no tasks/ folder" in missing.stderr and "prepare_tasks.py" in missing.stderr
+        assert (
+            result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
+        ), argv
+    missing = CliRunner().invoke(
+        app, [*base, "--tasks", "kvcalib_tiny_mc", "--task-data", str(task_dir / "none")]
+    )
+    assert (
+        missing.exit_code == 2
+        and "no tasks/ folder" in missing.stderr
+        and "prepare_tasks.py" in missing.stderr
+    )
 
     # a hub task with no way to the hub: refused at once, naming the task and the offline way
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
@@ -141,8 +199,12 @@ def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, 
     def no_network(*args, **kwargs):
         raise OSError("Network is unreachable")
 
-    monkeypatch.setattr(socket, "create_connection", no_network)  # the machine's network, not kvcalib's code
-    offline = CliRunner().invoke(app, ["eval", str(calibrated), "--tasks", "arc_easy", "--limit", "2"])
+    monkeypatch.setattr(
+        socket, "create_connection", no_network
+    )  # the machine's network, not kvcalib's code
+    offline = CliRunner().invoke(
+        app, ["eval", str(calibrated), "--tasks", "arc_easy", "--limit", "2"]
+    )
     assert offline.exit_code == 2, offline.stderr
     assert "task arc_easy reads allenai/ai2_arc from the Hugging Face hub" in offline.stderr
     assert "--task-data" in offline.stderr

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute, parse_cpu_flags
 from kvcalib.core.errors import UsageError
@@ -32,14 +31,22 @@ def test_cpu_flags_from_cpuinfo(tmp_path):
     assert injected.flags == {"avx2", "fma"} and injected.source == "KVCALIB_CPU_FLAGS"
 
 
-@pytest.mark.parametrize("cpu, native_bf16, vllm_fp8_kv", [
-    (AVX2_EPYC, False, False),
-    (AVX512_BF16, True, True),
-    (SAPPHIRE_RAPIDS, True, True),
-    (AVX512_NO_BF16, False, True),
-    (HostCpu(frozenset({"avx512f", "avx512_bf16"}), "AVX2"), False, True),  # ATEN_CPU_CAPABILITY=avx2
-    (HostCpu(None), None, None),
-], ids=["avx2-epyc", "avx512-bf16", "amx", "avx512-no-bf16", "capability-avx2", "unknown"])
+@pytest.mark.parametrize(
+    "cpu, native_bf16, vllm_fp8_kv",
+    [
+        (AVX2_EPYC, False, False),
+        (AVX512_BF16, True, True),
+        (SAPPHIRE_RAPIDS, True, True),
+        (AVX512_NO_BF16, False, True),
+        (
+            HostCpu(frozenset({"avx512f", "avx512_bf16"}), "AVX2"),
+            False,
+            True,
+        ),  # ATEN_CPU_CAPABILITY=avx2
+        (HostCpu(None), None, None),
+    ],
+    ids=["avx2-epyc", "avx512-bf16", "amx", "avx512-no-bf16", "capability-avx2", "unknown"],
+)
 def test_what_a_cpu_allows(cpu, native_bf16, vllm_fp8_kv):
     assert cpu.native_bf16 is native_bf16
     assert cpu.vllm_fp8_kv is vllm_fp8_kv
@@ -48,29 +55,45 @@ def test_what_a_cpu_allows(cpu, native_bf16, vllm_fp8_kv):
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-@pytest.mark.parametrize("requested, dtype, device, cpu, expected, reason", [
-    ("auto", torch.bfloat16, CPU, AVX2_EPYC, "float32", "no native bf16 matmul (needs avx512_bf16 or amx_bf16)"),
-    ("auto", torch.bfloat16, CPU, AVX512_BF16, "native", "native bf16 matmul"),
-    ("auto", torch.bfloat16, CPU, None, "native", "CPU not known"),
-    ("auto", torch.float32, CPU, AVX2_EPYC, "native", "the model runs in float32"),
-    ("float32", torch.float16, CPU, AVX2_EPYC, "native", "the model runs in float16"),
-    ("auto", torch.bfloat16, CUDA, AVX2_EPYC, "native", "bf16 on cuda"),
-    ("native", torch.bfloat16, CPU, AVX2_EPYC, "native", "--bf16-compute native"),
-    ("float32", torch.bfloat16, CPU, AVX512_BF16, "float32", "--bf16-compute float32"),
-])
+@pytest.mark.parametrize(
+    "requested, dtype, device, cpu, expected, reason",
+    [
+        (
+            "auto",
+            torch.bfloat16,
+            CPU,
+            AVX2_EPYC,
+            "float32",
+            "no native bf16 matmul (needs avx512_bf16 or amx_bf16)",
+        ),
+        ("auto", torch.bfloat16, CPU, AVX512_BF16, "native", "native bf16 matmul"),
+        ("auto", torch.bfloat16, CPU, None, "native", "CPU not known"),
+        ("auto", torch.float32, CPU, AVX2_EPYC, "native", "the model runs in float32"),
+        ("float32", torch.float16, CPU, AVX2_EPYC, "native", "the model runs in float16"),
+        ("auto", torch.bfloat16, CUDA, AVX2_EPYC, "native", "bf16 on cuda"),
+        ("native", torch.bfloat16, CPU, AVX2_EPYC, "native", "--bf16-compute native"),
+        ("float32", torch.bfloat16, CPU, AVX512_BF16, "float32", "--bf16-compute float32"),
+    ],
+)
 def test_compute_path_choice(requested, dtype, device, cpu, expected, reason):
     path = choose_compute(requested, dtype, device, cpu)
     assert path.bf16_matmul == expected and reason in path.reason
 
 
 def test_unknown_compute_choice_is_refused():
-    with pytest.raises(ValueError, match="unknown bf16 compute 'fast'; use one of auto, native, float32"):
+    with pytest.raises(
+        ValueError, match="unknown bf16 compute 'fast'; use one of auto, native, float32"
+    ):
         choose_compute("fast", torch.bfloat16, CPU, None)
 
 
 def test_emulated_linear_is_float32_math_rounded_once_to_bf16():
     torch.manual_seed(0)
-    x, w, b = torch.randn(3, 7, 64).bfloat16(), torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    x, w, b = (
+        torch.randn(3, 7, 64).bfloat16(),
+        torch.randn(96, 64).bfloat16(),
+        torch.randn(96).bfloat16(),
+    )
     with bf16_via_float32():
         y, y_nobias = F.linear(x, w, b), F.linear(x, w)
         z = torch.nn.Linear(64, 96, dtype=torch.bfloat16)(x)
@@ -83,10 +106,16 @@ def test_emulated_linear_is_float32_math_rounded_once_to_bf16():
 def test_emulated_linear_upcasts_a_large_weight_in_row_blocks():
     torch.manual_seed(0)
     rows = UPCAST_BLOCK_ELEMENTS // 32 + 3  # more rows than one block holds
-    x, w, b = torch.randn(2, 32).bfloat16(), torch.randn(rows, 32).bfloat16(), torch.randn(rows).bfloat16()
+    x, w, b = (
+        torch.randn(2, 32).bfloat16(),
+        torch.randn(rows, 32).bfloat16(),
+        torch.randn(rows).bfloat16(),
+    )
     with bf16_via_float32():
         y = F.linear(x, w, b)
-    assert y.shape == (2, rows) and torch.equal(y, F.linear(x.float(), w.float(), b.float()).bfloat16())
+    assert y.shape == (2, rows) and torch.equal(
+        y, F.linear(x.float(), w.float(), b.float()).bfloat16()
+    )
 
 
 def test_emulated_grouped_mm_is_each_experts_float32_product_rounded_once():
@@ -95,13 +124,17 @@ def test_emulated_grouped_mm_is_each_experts_float32_product_rounded_once():
     Other layouts run natively."""
     torch.manual_seed(0)
     a, b = torch.randn(40, 64).bfloat16(), torch.randn(4, 64, 96).bfloat16()
-    offs = torch.tensor([10, 10, 25, 36], dtype=torch.int32)  # expert 1 gets no rows; rows 36.. none
+    offs = torch.tensor(
+        [10, 10, 25, 36], dtype=torch.int32
+    )  # expert 1 gets no rows; rows 36.. none
     with bf16_via_float32():
         out = F.grouped_mm(a, b, offs=offs)
     bounds = [0, 10, 10, 25, 36]
     expected = torch.zeros(40, 96, dtype=torch.bfloat16)
     for e in range(4):
-        expected[bounds[e]:bounds[e + 1]] = (a[bounds[e]:bounds[e + 1]].float() @ b[e].float()).bfloat16()
+        expected[bounds[e] : bounds[e + 1]] = (
+            a[bounds[e] : bounds[e + 1]].float() @ b[e].float()
+        ).bfloat16()
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     x = torch.randn(4, 5, 64).bfloat16()
     with bf16_via_float32():  # 3-D x 3-D (batched) is not the experts' layout: left to torch
@@ -129,33 +162,45 @@ def test_emulated_attention_matches_the_native_kernel(case):
     """Close to torch's native bf16 CPU kernel, and as accurate against a float64 reference."""
     torch.manual_seed(0)
     b, h, s, d = 2, 4, 96, 32
-    q, k, v = ((torch.randn(b, h, s, d) * 2).bfloat16(), (torch.randn(b, h, s, d) * 2).bfloat16(),
-               torch.randn(b, h, s, d).bfloat16())
+    q, k, v = (
+        (torch.randn(b, h, s, d) * 2).bfloat16(),
+        (torch.randn(b, h, s, d) * 2).bfloat16(),
+        torch.randn(b, h, s, d).bfloat16(),
+    )
     kwargs: dict = {}
     if case == "causal":
         kwargs["is_causal"] = True
     elif case == "padding-mask":
         mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None].repeat(b, 1, 1, 1)
         mask[1, :, :, 80:] = False  # the second row is padded after 80 tokens
-        mask[1, :, 80:, 0] = True  # (padded queries still see a real token, as transformers' masks do)
+        mask[1, :, 80:, 0] = (
+            True  # (padded queries still see a real token, as transformers' masks do)
+        )
         kwargs["attn_mask"] = mask
     elif case == "gqa":
         k, v = k[:, :2], v[:, :2]
         kwargs.update(is_causal=True, enable_gqa=True)
     elif case == "additive-mask":
-        kwargs["attn_mask"] = torch.zeros(s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1),
-                                                            float("-inf")).bfloat16()
+        kwargs["attn_mask"] = (
+            torch.zeros(s, s)
+            .masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            .bfloat16()
+        )
     else:  # a few new query rows against a longer cache
         q = q[:, :, -4:]
         kwargs["attn_mask"] = torch.ones(4, s, dtype=torch.bool)
     native = F.scaled_dot_product_attention(q, k, v, **kwargs)
     with bf16_via_float32():
         emulated = F.scaled_dot_product_attention(q, k, v, **kwargs)
-    ref_kwargs = {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
-                  for key, val in kwargs.items()}
+    ref_kwargs = {
+        key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
+        for key, val in kwargs.items()
+    }
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **ref_kwargs)
     assert emulated.dtype == torch.bfloat16 and emulated.shape == native.shape
-    assert (emulated == native).float().mean() > 0.95  # the same roundings as the native kernel, nearly everywhere
+    assert (
+        emulated == native
+    ).float().mean() > 0.95  # the same roundings as the native kernel, nearly everywhere
     assert _sqnr_db(emulated, exact) > _sqnr_db(native, exact) - 0.5
     assert _sqnr_db(emulated, exact) > 45  # bf16 output rounding (~52 dB) dominates
 
@@ -218,33 +263,73 @@ def test_kept_float32_weights_change_nothing_but_the_upcasts(tiny_llama_master):
             first, again = model(input_ids=ids).logits, model(input_ids=ids).logits
         with bf16_via_float32(none_kept):
             over_budget = model(input_ids=ids).logits
-    assert torch.equal(first, plain) and torch.equal(again, plain) and torch.equal(over_budget, plain)
-    assert kept.used == sum(w.numel() * 4 for w in {id(w): w for w in linears}.values())  # each weight once
-    assert all(kept.get(w).dtype == torch.float32 and torch.equal(kept.get(w), w.float()) for w in linears)
-    assert none_kept.used == 0 and none_kept.get(linears[0]) is None  # past the budget: upcast per call
-    assert Float32Weights().get(torch.ones(3, 3, dtype=torch.bfloat16)) is None  # activations are never kept
+    assert (
+        torch.equal(first, plain) and torch.equal(again, plain) and torch.equal(over_budget, plain)
+    )
+    assert kept.used == sum(
+        w.numel() * 4 for w in {id(w): w for w in linears}.values()
+    )  # each weight once
+    assert all(
+        kept.get(w).dtype == torch.float32 and torch.equal(kept.get(w), w.float()) for w in linears
+    )
+    assert (
+        none_kept.used == 0 and none_kept.get(linears[0]) is None
+    )  # past the budget: upcast per call
+    assert (
+        Float32Weights().get(torch.ones(3, 3, dtype=torch.bfloat16)) is None
+    )  # activations are never kept
     assert all(w.dtype == torch.bfloat16 for w in model.parameters())
 
 
 def test_streamed_equals_in_memory_on_the_float32_path(tiny_llama_master, text_dataset, tmp_path):
-    opts = dict(num_samples=12, max_seq_len=64, batch_size=4, dtype="bfloat16", bf16_compute="float32")
-    memory = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "memory", CalibrateOptions(**opts))
-    streamed = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "stream",
-                         CalibrateOptions(engine="stream", **opts))
-    assert ([(layer.k.absmax, layer.v.absmax) for layer in streamed.layers]
-            == [(layer.k.absmax, layer.v.absmax) for layer in memory.layers])
-    assert memory.compute.startswith("bf16 model, matmuls and attention in float32 with bf16 rounding")
+    opts = dict(
+        num_samples=12, max_seq_len=64, batch_size=4, dtype="bfloat16", bf16_compute="float32"
+    )
+    memory = calibrate(
+        tiny_llama_master, str(text_dataset), tmp_path / "memory", CalibrateOptions(**opts)
+    )
+    streamed = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "stream",
+        CalibrateOptions(engine="stream", **opts),
+    )
+    assert [(layer.k.absmax, layer.v.absmax) for layer in streamed.layers] == [
+        (layer.k.absmax, layer.v.absmax) for layer in memory.layers
+    ]
+    assert memory.compute.startswith(
+        "bf16 model, matmuls and attention in float32 with bf16 rounding"
+    )
 
 
 def test_calibrate_says_which_path_it_took(tiny_llama_master, text_dataset, tmp_path):
     opts = dict(num_samples=4, max_seq_len=32, dtype="bfloat16")
-    on_avx2 = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "a", CalibrateOptions(cpu=AVX2_EPYC, **opts))
-    assert on_avx2.compute == ComputePath("float32", f"{AVX2_EPYC.describe()}: no native bf16 matmul "
-                                                     "(needs avx512_bf16 or amx_bf16)").describe()
+    on_avx2 = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "a",
+        CalibrateOptions(cpu=AVX2_EPYC, **opts),
+    )
+    assert (
+        on_avx2.compute
+        == ComputePath(
+            "float32",
+            f"{AVX2_EPYC.describe()}: no native bf16 matmul (needs avx512_bf16 or amx_bf16)",
+        ).describe()
+    )
     assert "CPU avx2 (from /proc/cpuinfo), torch capability AVX2" in on_avx2.compute
-    on_amx = calibrate(tiny_llama_master, str(text_dataset), tmp_path / "b",
-                       CalibrateOptions(cpu=SAPPHIRE_RAPIDS, **opts))
+    on_amx = calibrate(
+        tiny_llama_master,
+        str(text_dataset),
+        tmp_path / "b",
+        CalibrateOptions(cpu=SAPPHIRE_RAPIDS, **opts),
+    )
     assert on_amx.compute.startswith("native matmuls in the model's dtype")
     with pytest.raises(UsageError, match="unknown --bf16-compute 'fast'"):
-        calibrate(tiny_llama_master, str(text_dataset), tmp_path / "c", CalibrateOptions(bf16_compute="fast", **opts))
+        calibrate(
+            tiny_llama_master,
+            str(text_dataset),
+            tmp_path / "c",
+            CalibrateOptions(bf16_compute="fast", **opts),
+        )
     assert not (tmp_path / "c").exists()

@@ -22,28 +22,63 @@ from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
 
 OPTS = dict(num_samples=6, max_seq_len=48, batch_size=3, target="gpu")
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def family_config(name: str, vocab_size: int, pad_id: int):
     import transformers as tf
 
     config_cls, extra = {
-        "llama3": (tf.LlamaConfig, dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                      "high_freq_factor": 4.0,
-                                                      "original_max_position_embeddings": 64})),
-        "qwen2": (tf.Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+        "llama3": (
+            tf.LlamaConfig,
+            dict(
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            ),
+        ),
+        "qwen2": (
+            tf.Qwen2Config,
+            dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        ),
         "qwen3": (tf.Qwen3Config, {}),
-        "qwen3_moe": (tf.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+        "qwen3_moe": (
+            tf.Qwen3MoeConfig,
+            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        ),
         "mistral": (tf.MistralConfig, dict(sliding_window=8)),
-        "gemma2": (tf.Gemma2Config, dict(attn_logit_softcapping=2.0, final_logit_softcapping=None, sliding_window=8)),
+        "gemma2": (
+            tf.Gemma2Config,
+            dict(attn_logit_softcapping=2.0, final_logit_softcapping=None, sliding_window=8),
+        ),
         "gemma3": (tf.Gemma3TextConfig, dict(sliding_window=8)),
         "phi3": (tf.Phi3Config, {}),
-        "gpt_oss": (tf.GptOssConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+        "gpt_oss": (
+            tf.GptOssConfig,
+            dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+        ),
     }[name]
-    kwargs = {**COMMON, **extra, "vocab_size": vocab_size, "pad_token_id": pad_id, "bos_token_id": None,
-              "eos_token_id": None}
+    kwargs = {
+        **COMMON,
+        **extra,
+        "vocab_size": vocab_size,
+        "pad_token_id": pad_id,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
     if name == "phi3":
         kwargs.pop("head_dim")  # hidden_size / heads
     return config_cls(**kwargs)
@@ -63,8 +98,11 @@ def scale_k_per_layer(model: torch.nn.Module) -> None:
             if hasattr(module, "q_proj"):
                 module.q_proj.weight.mul_(4.0)
             if hasattr(module, "k_norm"):
-                (module.k_norm.weight.mul_(factor) if module.k_norm.weight.abs().sum()
-                 else module.k_norm.weight.add_(factor - 1))
+                (
+                    module.k_norm.weight.mul_(factor)
+                    if module.k_norm.weight.abs().sum()
+                    else module.k_norm.weight.add_(factor - 1)
+                )
             elif hasattr(module, "k_proj"):
                 module.k_proj.weight.mul_(factor)
                 if module.k_proj.bias is not None:
@@ -73,11 +111,23 @@ def scale_k_per_layer(model: torch.nn.Module) -> None:
                 q = module.config.num_attention_heads * module.head_dim
                 kv = module.config.num_key_value_heads * module.head_dim
                 module.qkv_proj.weight[:q].mul_(4.0)
-                module.qkv_proj.weight[q:q + kv].mul_(factor)
+                module.qkv_proj.weight[q : q + kv].mul_(factor)
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3",
-                                        "phi3", "gpt_oss"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "llama3",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "mistral",
+        "gemma2",
+        "gemma3",
+        "phi3",
+        "gpt_oss",
+    ],
+)
 def family(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +148,9 @@ def oracle(model_dir, sequences) -> tuple[list[float], list[float]]:
     checkpoint's own dtype."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="eager", dtype="auto"
+    ).eval()
     n = model.config.num_hidden_layers
     k, v = [0.0] * n, [0.0] * n
     with torch.inference_mode():
@@ -106,7 +158,9 @@ def oracle(model_dir, sequences) -> tuple[list[float], list[float]]:
             ids = torch.tensor([seq])
             cache = DynamicCache()  # no config: every layer keeps every token, sliding ones too
             cached = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-            assert torch.equal(cached, model(input_ids=ids, use_cache=False).logits), "the oracle checks itself"
+            assert torch.equal(cached, model(input_ids=ids, use_cache=False).logits), (
+                "the oracle checks itself"
+            )
             for i, layer in enumerate(cache.layers):
                 k[i] = max(k[i], layer.keys.abs().max().item())
                 v[i] = max(v[i], layer.values.abs().max().item())
@@ -116,8 +170,13 @@ def oracle(model_dir, sequences) -> tuple[list[float], list[float]]:
 @pytest.mark.parametrize("engine", ["native", "stream"])
 def test_absmax_equals_the_models_own_cache(family, engine, text_dataset, tmp_path):
     name, model_dir = family
-    result = calibrate(model_dir, str(text_dataset), tmp_path / "out", CalibrateOptions(engine=engine, **OPTS))
-    k, v = oracle(model_dir, calibration_sequences(model_dir, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"]))
+    result = calibrate(
+        model_dir, str(text_dataset), tmp_path / "out", CalibrateOptions(engine=engine, **OPTS)
+    )
+    k, v = oracle(
+        model_dir,
+        calibration_sequences(model_dir, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"]),
+    )
     assert len(result.layers) == 3
     assert len({round(x / k[0], 3) for x in k}) == 3, "the layers' K must differ clearly"
     for layer in result.layers:
@@ -131,13 +190,23 @@ def test_per_head_and_q_absmax_equal_the_models_own(family, engine, text_dataset
     """--strategy attn_head --attention-scales: K/V per KV head as the model's cache holds them, Q per head as the
     model hands it to its own attention function (after RoPE, and q-norm in Qwen3), for every family."""
     name, model_dir = family
-    result = calibrate(model_dir, str(text_dataset), tmp_path / "out",
-                       CalibrateOptions(engine=engine, strategy="attn_head", attention_scales=True, **OPTS))
-    k, v, q = oracle_heads(model_dir, calibration_sequences(model_dir, text_dataset, OPTS["num_samples"],
-                                                            OPTS["max_seq_len"]))
+    result = calibrate(
+        model_dir,
+        str(text_dataset),
+        tmp_path / "out",
+        CalibrateOptions(engine=engine, strategy="attn_head", attention_scales=True, **OPTS),
+    )
+    k, v, q = oracle_heads(
+        model_dir,
+        calibration_sequences(model_dir, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"]),
+    )
     for layer in result.layers:
         i = layer.layer
-        for mine, theirs in ((layer.k.head_absmax, k[i]), (layer.v.head_absmax, v[i]), (layer.q.head_absmax, q[i])):
+        for mine, theirs in (
+            (layer.k.head_absmax, k[i]),
+            (layer.v.head_absmax, v[i]),
+            (layer.q.head_absmax, q[i]),
+        ):
             assert len(mine) == theirs.numel(), (name, i)
             assert list(mine) == pytest.approx(theirs.tolist(), rel=1e-6), (name, i)
         assert layer.q.absmax == max(layer.q.head_absmax)
@@ -155,43 +224,80 @@ def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dat
     from transformers import AutoModelForCausalLM, Mxfp4Config
     from typer.testing import CliRunner
 
-    from kvcalib.cli import app
     from kvcalib import dequantize_mxfp4  # the public name the refusal's hint gives
+    from kvcalib.cli import app
     from kvcalib.validation.pipeline import validate_checkpoint
 
     tokenizer = build_word_tokenizer()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config("gpt_oss", len(tokenizer), tokenizer.pad_token_id))
+    model = AutoModelForCausalLM.from_config(
+        family_config("gpt_oss", len(tokenizer), tokenizer.pad_token_id)
+    )
     scale_k_per_layer(model)
     released = tmp_path / "gpt-oss-mxfp4"
     model.to(torch.bfloat16).save_pretrained(released)
     tokenizer.save_pretrained(released)
     save_as_mxfp4(released)
-    assert json.loads((released / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    assert (
+        json.loads((released / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "mxfp4"
+    )
     # validate gives the platform's own verdict on the released form: MX quantization is refused on Neuron
     assert "NEURON-QCFG-MX" in [f.rule for f in validate_checkpoint(released, "trn2").errors]
 
-    gpu = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
-                                   str(tmp_path / "gpu"), "--num-samples", "4", "--max-seq-len", "32",
-                                   "--target", "gpu"])
+    gpu = CliRunner().invoke(
+        app,
+        [
+            "calibrate",
+            str(released),
+            "--dataset",
+            str(text_dataset),
+            "-o",
+            str(tmp_path / "gpu"),
+            "--num-samples",
+            "4",
+            "--max-seq-len",
+            "32",
+            "--target",
+            "gpu",
+        ],
+    )
     assert gpu.exit_code != 0 and "Traceback" not in gpu.stderr
-    assert "GPU vLLM's MXFP4 support loads no KV scales" in gpu.stderr and "dequantize_mxfp4(" in gpu.stderr
+    assert (
+        "GPU vLLM's MXFP4 support loads no KV scales" in gpu.stderr
+        and "dequantize_mxfp4(" in gpu.stderr
+    )
     assert not (tmp_path / "gpu").exists()
 
     # the GPU form: experts dequantised to bf16 by transformers, then calibrated
     bf16 = dequantize_mxfp4(released, tmp_path / "gpt-oss-bf16", max_shard_size="100KB")
     loaded, info = AutoModelForCausalLM.from_pretrained(bf16, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]  # every expert weight written and read back
-    dequantized = AutoModelForCausalLM.from_pretrained(released, quantization_config=Mxfp4Config(dequantize=True))
-    assert torch.equal(loaded.model.layers[1].mlp.experts.gate_up_proj,
-                       dequantized.model.layers[1].mlp.experts.gate_up_proj)
+    assert (
+        not info["missing_keys"] and not info["unexpected_keys"]
+    )  # every expert weight written and read back
+    dequantized = AutoModelForCausalLM.from_pretrained(
+        released, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    assert torch.equal(
+        loaded.model.layers[1].mlp.experts.gate_up_proj,
+        dequantized.model.layers[1].mlp.experts.gate_up_proj,
+    )
     runs = {}
-    for name, source, engine, target in [("bf16-gpu", bf16, "native", "gpu"), ("bf16", bf16, "native", "trn2"),
-                                         ("mxfp4", released, "native", "trn2"),
-                                         ("mxfp4-stream", released, "stream", "trn2")]:
-        runs[name] = calibrate(source, str(text_dataset), tmp_path / name,
-                               CalibrateOptions(**{**OPTS, "target": target, "engine": engine}))
-    k, v = oracle(bf16, calibration_sequences(bf16, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"]))
+    for name, source, engine, target in [
+        ("bf16-gpu", bf16, "native", "gpu"),
+        ("bf16", bf16, "native", "trn2"),
+        ("mxfp4", released, "native", "trn2"),
+        ("mxfp4-stream", released, "stream", "trn2"),
+    ]:
+        runs[name] = calibrate(
+            source,
+            str(text_dataset),
+            tmp_path / name,
+            CalibrateOptions(**{**OPTS, "target": target, "engine": engine}),
+        )
+    k, v = oracle(
+        bf16, calibration_sequences(bf16, text_dataset, OPTS["num_samples"], OPTS["max_seq_len"])
+    )
     for layer in runs["bf16-gpu"].layers:
         assert layer.k.absmax == pytest.approx(k[layer.layer], rel=1e-6)
         assert layer.v.absmax == pytest.approx(v[layer.layer], rel=1e-6)
@@ -200,35 +306,81 @@ def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dat
         assert validate_checkpoint(tmp_path / "bf16", target).ok
 
     def measured(result):
-        return [(layer.k.absmax, layer.v.absmax, layer.k.scale, layer.v.scale, layer.k.range, layer.v.range)
-                for layer in result.layers]
+        return [
+            (
+                layer.k.absmax,
+                layer.v.absmax,
+                layer.k.scale,
+                layer.v.scale,
+                layer.k.range,
+                layer.v.range,
+            )
+            for layer in result.layers
+        ]
 
-    assert measured(runs["mxfp4"]) == measured(runs["bf16"]) == measured(runs["mxfp4-stream"])  # bit for bit
+    assert (
+        measured(runs["mxfp4"]) == measured(runs["bf16"]) == measured(runs["mxfp4-stream"])
+    )  # bit for bit
     out = tmp_path / "mxfp4"
     weights = {p.name: p for p in out.glob("model-*.safetensors")}
-    assert weights and all(p.stat().st_nlink > 1 for p in weights.values())  # the released bytes, linked
+    assert weights and all(
+        p.stat().st_nlink > 1 for p in weights.values()
+    )  # the released bytes, linked
     written = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.stat().st_nlink == 1)
-    assert written < 200_000, written  # scales, config, card, tokenizer: nothing bf16 (the experts alone are ~1 MB)
+    assert written < 200_000, (
+        written
+    )  # scales, config, card, tokenizer: nothing bf16 (the experts alone are ~1 MB)
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "compressed-tensors"  # KV-only: the platform accepts it
+    assert (
+        config["quantization_config"]["quant_method"] == "compressed-tensors"
+    )  # KV-only: the platform accepts it
     provenance = json.loads((out / "kvcalib_calibration.json").read_text())
-    assert provenance["mxfp4_weights"] == 6 and provenance["source_quantization_config"]["quant_method"] == "mxfp4"
-    rules = {t: [(f.rule, f.severity) for f in validate_checkpoint(out, t).findings] for t in ("trn2", "trn3", "gpu")}
-    assert rules["trn2"] == [("PORT-MXFP4-NEURON", "info")] and validate_checkpoint(out, "trn3").ok, rules
+    assert (
+        provenance["mxfp4_weights"] == 6
+        and provenance["source_quantization_config"]["quant_method"] == "mxfp4"
+    )
+    rules = {
+        t: [(f.rule, f.severity) for f in validate_checkpoint(out, t).findings]
+        for t in ("trn2", "trn3", "gpu")
+    }
+    assert (
+        rules["trn2"] == [("PORT-MXFP4-NEURON", "info")] and validate_checkpoint(out, "trn3").ok
+    ), rules
     assert ("PORT-MXFP4-GPU", "error") in rules["gpu"], rules
     card = (out / "README.md").read_text()
-    assert """--additional-config '{"neuron_config": {"quantization": "bf16"}}'""" in card and "Not for GPU" in card
+    assert (
+        """--additional-config '{"neuron_config": {"quantization": "bf16"}}'""" in card
+        and "Not for GPU" in card
+    )
     # kvcalib reads its own Neuron form back (eval dequantises the linked experts the same way)
     scored = kvcalib.evaluate(out, str(text_dataset), num_samples=2, max_seq_len=16, layer_rows=0)
     assert scored.baseline_nll > 0
     # calibrate --plan on the released checkpoint: no refusal for trn2, the GPU refusal for --target gpu
     for target, refused in (("trn2", False), ("gpu", True)):
-        planned = CliRunner().invoke(app, ["calibrate", str(released), "--dataset", str(text_dataset), "-o",
-                                           str(tmp_path / f"plan-{target}"), "--num-samples", "4", "--max-seq-len",
-                                           "32", "--target", target, "--plan", "--json"])
+        planned = CliRunner().invoke(
+            app,
+            [
+                "calibrate",
+                str(released),
+                "--dataset",
+                str(text_dataset),
+                "-o",
+                str(tmp_path / f"plan-{target}"),
+                "--num-samples",
+                "4",
+                "--max-seq-len",
+                "32",
+                "--target",
+                target,
+                "--plan",
+                "--json",
+            ],
+        )
         assert planned.exit_code == 0 and "Traceback" not in planned.stderr, planned.stderr
         refusals = json.loads(planned.stdout)["refusals"]
-        assert bool(refusals) == refused and (not refused or "GPU vLLM's MXFP4 support" in refusals[0]), refusals
+        assert bool(refusals) == refused and (
+            not refused or "GPU vLLM's MXFP4 support" in refusals[0]
+        ), refusals
         assert not (tmp_path / f"plan-{target}").exists()
 
 
@@ -259,17 +411,25 @@ def test_the_objectives_attention_is_the_models_own(family, attn, text_dataset):
     from kvcalib.hf.samples import AttentionSampler, attention_rows
 
     name, model_dir = family
-    if attn != "eager":  # what kvcalib runs: transformers' default, eager where SDPA would drop soft-capping
+    if (
+        attn != "eager"
+    ):  # what kvcalib runs: transformers' default, eager where SDPA would drop soft-capping
         attn = faithful_attention(json.loads((model_dir / "config.json").read_text()))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation=attn, dtype=torch.float32
+    ).eval()
     sequences = [tuple(s) for s in calibration_sequences(model_dir, text_dataset, 4, 40)]
     sampler = AttentionSampler(3, sequences, rows=64)  # every position of every sequence
     ids, mask = next(batches(tuple(sequences), 4, 0))
     hook = _Comparing(sampler)
     sampler.start_batch(ids, mask)
     with torch.inference_mode(), observing_queries(hook):
-        model.model(input_ids=ids, attention_mask=mask, use_cache=True,
-                    past_key_values=RecordingCache(model.config, hook_cache := _PassThrough()))
+        model.model(
+            input_ids=ids,
+            attention_mask=mask,
+            use_cache=True,
+            past_key_values=RecordingCache(model.config, hook_cache := _PassThrough()),
+        )
     assert hook_cache.calls == 3
     order = sorted(sequences, key=len, reverse=True)
     for layer in range(3):
@@ -302,11 +462,15 @@ def test_mxfp4_dequantised_a_few_experts_at_a_time_is_transformers_own():
     whole = integration.dequantize_convertops(blocks, scales)
     with mxfp4.expert_chunks(per_chunk=3):
         chunked = integration.dequantize_convertops(blocks, scales)
-    assert integration.convert_moe_packed_tensors.__name__ == "convert_moe_packed_tensors"  # restored
+    assert (
+        integration.convert_moe_packed_tensors.__name__ == "convert_moe_packed_tensors"
+    )  # restored
     assert chunked.shape == whole.shape == (10, 64, 6) and torch.equal(chunked, whole)
 
 
-def test_the_stream_engine_dequantises_mxfp4_from_the_stored_bytes(tmp_path, text_dataset, monkeypatch):
+def test_the_stream_engine_dequantises_mxfp4_from_the_stored_bytes(
+    tmp_path, text_dataset, monkeypatch
+):
     """The stream loader hands transformers' dequantisation the MXFP4 blocks and scales as stored (uint8), as
     from_pretrained does for a pre-quantized checkpoint: loaded without the quantizer, transformers casts them to
     the model's dtype first, and for GPT-OSS-120B that bf16 copy of a layer's blocks was 2 GiB of the peak."""
@@ -322,6 +486,12 @@ def test_the_stream_engine_dequantises_mxfp4_from_the_stored_bytes(tmp_path, tex
 
     monkeypatch.setattr(integration, "convert_moe_packed_tensors", recording)
     released = build_gpt_oss_mxfp4(tmp_path / "released", layers=2)
-    calibrate(released, str(text_dataset), tmp_path / "out",
-              CalibrateOptions(**{**OPTS, "target": "trn2", "engine": "stream", "scale_objective": "absmax"}))
+    calibrate(
+        released,
+        str(text_dataset),
+        tmp_path / "out",
+        CalibrateOptions(
+            **{**OPTS, "target": "trn2", "engine": "stream", "scale_objective": "absmax"}
+        ),
+    )
     assert seen and set(seen) == {(torch.uint8, torch.uint8)}, seen

@@ -15,7 +15,6 @@ import pytest
 from test_corpus import snapshot
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.errors import OutputWriteError
 
@@ -29,8 +28,12 @@ def small_fs(tmp_path: Path):
             pytest.skip("the disk-full test mounts a small tmpfs, which needs root")
         mnt = tmp_path / f"fs-{size}"
         mnt.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounted.append(mnt)
@@ -49,14 +52,24 @@ def test_too_small_is_refused_before_calibrating(small_fs, tiny_llama_master, sh
     mnt = small_fs("256k")  # the weights are copied (another filesystem): ~0.7 MB do not fit
     stages = []
     with pytest.raises(OutputWriteError) as err:
-        calibrate(tiny_llama_master, str(short_dataset), mnt / "out", OPTIONS,
-                  progress=lambda p: stages.append(p.stage))
+        calibrate(
+            tiny_llama_master,
+            str(short_dataset),
+            mnt / "out",
+            OPTIONS,
+            progress=lambda p: stages.append(p.stage),
+        )
     assert stages == []  # refused in the checks, before the dataset or the model was read
-    assert f"not enough space for {mnt / 'out'}" in err.value.message and "hard links do not work" in err.value.message
+    assert (
+        f"not enough space for {mnt / 'out'}" in err.value.message
+        and "hard links do not work" in err.value.message
+    )
     assert err.value.hint and os.listdir(mnt) == []
 
 
-def test_disk_full_mid_write_keeps_the_old_output(small_fs, tiny_llama_master, short_dataset, handmade_master):
+def test_disk_full_mid_write_keeps_the_old_output(
+    small_fs, tiny_llama_master, short_dataset, handmade_master
+):
     mnt = small_fs("2m")
     out = mnt / "out"
     shutil.copytree(handmade_master, out)

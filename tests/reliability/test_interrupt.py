@@ -37,17 +37,27 @@ K, T, INT, H = signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP
 # the new checkpoint is in place, so SIGINT/SIGTERM there end with the new one (and exit 128+N).
 # SIGINT, SIGTERM and SIGHUP reach one handler: each is sent at least once, SIGKILL at every point.
 SCENARIOS = [
-    ("observe", INT, "old"), ("observe", H, "old"), ("observe", K, "old"),
-    ("write", INT, "old"), ("write", K, "old"),
-    ("publish", T, "new"), ("publish", K, "old"),
-    ("exchanged", INT, "new"), ("exchanged", K, "new"),
-    ("between", T, "new"), ("between", K, "absent"),
+    ("observe", INT, "old"),
+    ("observe", H, "old"),
+    ("observe", K, "old"),
+    ("write", INT, "old"),
+    ("write", K, "old"),
+    ("publish", T, "new"),
+    ("publish", K, "old"),
+    ("exchanged", INT, "new"),
+    ("exchanged", K, "new"),
+    ("between", T, "new"),
+    ("between", K, "absent"),
 ]
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, tiny_llama_master: Path, short_dataset: Path, handmade_master: Path) -> dict[str, Path]:
-    old = shutil.copytree(handmade_master, tmp_path_factory.mktemp("interrupt") / "old")  # what OUT holds before
+def inputs(
+    tmp_path_factory, tiny_llama_master: Path, short_dataset: Path, handmade_master: Path
+) -> dict[str, Path]:
+    old = shutil.copytree(
+        handmade_master, tmp_path_factory.mktemp("interrupt") / "old"
+    )  # what OUT holds before
     return {"model": tiny_llama_master, "data": short_dataset, "old": old}
 
 
@@ -83,24 +93,44 @@ def wait_for(proc: subprocess.Popen, line: str, timeout: float = 120.0) -> None:
     raise AssertionError(f"never reached {line!r}: {seen}\n{proc.stderr.read()}")
 
 
-@pytest.mark.parametrize(("point", "sig", "expected"), SCENARIOS,
-                         ids=[f"{p}-{signal.Signals(s).name}" for p, s, _ in SCENARIOS])
+@pytest.mark.parametrize(
+    ("point", "sig", "expected"),
+    SCENARIOS,
+    ids=[f"{p}-{signal.Signals(s).name}" for p, s, _ in SCENARIOS],
+)
 def test_interrupt_then_rerun(point, sig, expected, inputs, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(inputs["old"], out)
     old = snapshot(out)
-    args = [str(inputs["model"]), "--dataset", str(inputs["data"]), "-o", str(out), "--overwrite",
-            "--num-samples", "4", "--max-seq-len", "32"]
+    args = [
+        str(inputs["model"]),
+        "--dataset",
+        str(inputs["data"]),
+        "-o",
+        str(out),
+        "--overwrite",
+        "--num-samples",
+        "4",
+        "--max-seq-len",
+        "32",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), point, "--", "calibrate", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), point, "--", "calibrate", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     wait_for(proc, f"AT {point}")
     proc.send_signal(sig)
     rc = proc.wait(timeout=120)
     stderr = proc.stderr.read()
     assert rc == (-sig if sig == K else 128 + sig), stderr
     if sig != K:
-        assert f"interrupted ({signal.Signals(sig).name})" in stderr and "Traceback" not in stderr, stderr
+        assert (
+            f"interrupted ({signal.Signals(sig).name})" in stderr and "Traceback" not in stderr
+        ), stderr
         assert siblings(out) == [], stderr  # cleaned up on the way out
     assert state_of(out, old) == expected, stderr
     left = siblings(out)
@@ -118,17 +148,35 @@ def test_interrupt_then_rerun(point, sig, expected, inputs, tmp_path):
 def test_stale_sibling_of_a_live_run_is_not_touched(inputs, tmp_path):
     """A staging directory whose writer still runs: refused (two runs must not write one output), kept."""
     out = tmp_path / "out"
-    args = [str(inputs["model"]), "--dataset", str(inputs["data"]), "-o", str(out), "--num-samples", "4",
-            "--max-seq-len", "32"]
+    args = [
+        str(inputs["model"]),
+        "--dataset",
+        str(inputs["data"]),
+        "-o",
+        str(out),
+        "--num-samples",
+        "4",
+        "--max-seq-len",
+        "32",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "write", "--", "calibrate", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "write", "--", "calibrate", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for(proc, "AT write")
         left = siblings(out)
         assert len(left) == 1
         result = CliRunner().invoke(app, ["calibrate", *args])
-        assert result.exit_code == 2 and "another kvcalib" in result.output and "hint:" in result.output
+        assert (
+            result.exit_code == 2
+            and "another kvcalib" in result.output
+            and "hint:" in result.output
+        )
         assert siblings(out) == left
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -141,18 +189,44 @@ def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, task_dir, tmp_
     """Stopped mid-run, eval (with --plot), eval --tasks (inside lm-eval's scoring, run from an empty folder) and
     validate exit as Ctrl-C does, write nothing and leave the checkpoint as it was."""
     plot = tmp_path / "plot.png"
-    args = {"eval": ["eval", str(inputs["old"]), "--dataset", str(inputs["data"]), "--num-samples", "2",
-                     "--plot", str(plot)],
-            "validate": ["validate", str(inputs["old"])],
-            "tasks": ["eval", str(inputs["old"]), "--tasks", "kvcalib_tiny_mc", "--compare", "unit",
-                      "--include-path", str(task_dir)]}[command]
+    args = {
+        "eval": [
+            "eval",
+            str(inputs["old"]),
+            "--dataset",
+            str(inputs["data"]),
+            "--num-samples",
+            "2",
+            "--plot",
+            str(plot),
+        ],
+        "validate": ["validate", str(inputs["old"])],
+        "tasks": [
+            "eval",
+            str(inputs["old"]),
+            "--tasks",
+            "kvcalib_tiny_mc",
+            "--compare",
+            "unit",
+            "--include-path",
+            str(task_dir),
+        ],
+    }[command]
     before = snapshot(inputs["old"])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), command, "--", *args], env=env, text=True, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), command, "--", *args],
+        env=env,
+        text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     wait_for(proc, f"AT {command}")
     proc.send_signal(sig)
     assert proc.wait(timeout=120) == 128 + sig
     stderr = proc.stderr.read()
-    assert f"interrupted ({signal.Signals(sig).name})" in stderr and "Traceback" not in stderr, stderr
+    assert f"interrupted ({signal.Signals(sig).name})" in stderr and "Traceback" not in stderr, (
+        stderr
+    )
     assert os.listdir(tmp_path) == [] and snapshot(inputs["old"]) == before

@@ -10,7 +10,6 @@ import pytest
 from serve_helpers import FAKE_BIN, FAKE_HOST_CPU_FLAGS, build_llama_head32, fake_python
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
 
 
@@ -33,7 +32,12 @@ def head32_calibrated(tmp_path_factory, text_dataset, head32_model) -> dict[str,
     out = {}
     for target in ("trn2", "gpu"):
         out[target] = root / f"llama-{target}"
-        calibrate(model, str(text_dataset), out[target], CalibrateOptions(target=target, num_samples=4, max_seq_len=32))
+        calibrate(
+            model,
+            str(text_dataset),
+            out[target],
+            CalibrateOptions(target=target, num_samples=4, max_seq_len=32),
+        )
     return out
 
 
@@ -63,5 +67,3 @@ def neuron_env(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("PATH", f"{FAKE_BIN}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
     return fake_python(tmp_path / "fake-neuron", neuron=True)
-
-

@@ -14,8 +14,10 @@ from typer.testing import CliRunner
 import kvcalib
 from kvcalib.cli import app
 
-TIMING = re.compile(r"seconds|_s$|tokens_per_s|^pid|server_pids|ready|^log|^baseline_log|checkpoint|output|path|"
-                    r"command|^url|^port|wall")
+TIMING = re.compile(
+    r"seconds|_s$|tokens_per_s|^pid|server_pids|ready|^log|^baseline_log|checkpoint|output|path|"
+    r"command|^url|^port|wall"
+)
 
 
 def comparable(obj, root: Path):
@@ -39,29 +41,69 @@ def test_the_api_gives_the_cli_results(head32_model, text_dataset, cpu_python, t
     api_out, cli_out = tmp_path / "api" / "ckpt", tmp_path / "cli" / "ckpt"
     serve = {"vllm_python": cpu_python}
     with caplog.at_level(logging.WARNING, logger="kvcalib"):
-        calibrated = kvcalib.calibrate(head32_model, str(text_dataset), api_out, target="gpu", num_samples=4,
-                                       max_seq_len=32, serve_check="cpu",
-                                       serve={**serve, "log_dir": tmp_path / "api" / "logs"})
+        calibrated = kvcalib.calibrate(
+            head32_model,
+            str(text_dataset),
+            api_out,
+            target="gpu",
+            num_samples=4,
+            max_seq_len=32,
+            serve_check="cpu",
+            serve={**serve, "log_dir": tmp_path / "api" / "logs"},
+        )
     report = kvcalib.validate(api_out, target="gpu")
-    served = kvcalib.serve_check(api_out, device="cpu", log_dir=tmp_path / "api" / "logs2", stop_timeout_s=5.0,
-                                 **serve)
+    served = kvcalib.serve_check(
+        api_out, device="cpu", log_dir=tmp_path / "api" / "logs2", stop_timeout_s=5.0, **serve
+    )
 
-    code, cli = cli_json("calibrate", head32_model, "--dataset", text_dataset, "-o", cli_out, "--target", "gpu",
-                         "--num-samples", "4", "--max-seq-len", "32", "--serve-check", "cpu", "--vllm-python",
-                         cpu_python, "--log-dir", tmp_path / "cli" / "logs", "--json")
+    code, cli = cli_json(
+        "calibrate",
+        head32_model,
+        "--dataset",
+        text_dataset,
+        "-o",
+        cli_out,
+        "--target",
+        "gpu",
+        "--num-samples",
+        "4",
+        "--max-seq-len",
+        "32",
+        "--serve-check",
+        "cpu",
+        "--vllm-python",
+        cpu_python,
+        "--log-dir",
+        tmp_path / "cli" / "logs",
+        "--json",
+    )
     assert code == 0 and calibrated.serve_check.ok and report.ok and served.ok
     validated = cli_json("validate", cli_out, "--target", "gpu", "--json")
-    checked = cli_json("serve-check", cli_out, "--device", "cpu", "--vllm-python", cpu_python, "--stop-timeout", "5",
-                       "--log-dir", tmp_path / "cli" / "logs2", "--json")
+    checked = cli_json(
+        "serve-check",
+        cli_out,
+        "--device",
+        "cpu",
+        "--vllm-python",
+        cpu_python,
+        "--stop-timeout",
+        "5",
+        "--log-dir",
+        tmp_path / "cli" / "logs2",
+        "--json",
+    )
 
     # the same scales, computed the same way (the host CPU read alike), validated alike, served alike
     assert calibrated.compute == cli["calibration"]["compute"]
+
     def same(ours: dict, theirs: dict) -> bool:
         a, b = comparable(ours, api_out.parent), comparable(theirs, cli_out.parent)
         assert a == b, [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
         return True
 
-    assert same(calibrated.to_dict(), cli["calibration"]) and same(calibrated.serve_check.to_dict(), cli["serve_check"])
+    assert same(calibrated.to_dict(), cli["calibration"]) and same(
+        calibrated.serve_check.to_dict(), cli["serve_check"]
+    )
     assert validated[0] == 0 and same(report.to_dict(), validated[1])
     assert checked[0] == 0 and same(served.to_dict(), checked[1])
     # the model card: validate's and serve-check's figures, the same text but for the paths

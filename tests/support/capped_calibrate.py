@@ -17,21 +17,34 @@ import sys
 from transformers import AutoTokenizer
 
 from kvcalib.calibration.options import CalibrateOptions
-
 from kvcalib.calibration.pipeline import calibrate
-from kvcalib.hf.memory import proc_status
 from kvcalib.core.errors import KvcalibError
 from kvcalib.hf.data import load_calibration_data
+from kvcalib.hf.memory import proc_status
 
 engine, model, dataset, out, headroom_mb, samples, seq_len = sys.argv[1:8]
 bf16_compute = sys.argv[8] if len(sys.argv) > 8 else "auto"
-load_calibration_data(dataset, AutoTokenizer.from_pretrained(model), num_samples=int(samples), max_seq_len=int(seq_len))
+load_calibration_data(
+    dataset,
+    AutoTokenizer.from_pretrained(model),
+    num_samples=int(samples),
+    max_seq_len=int(seq_len),
+)
 cap = proc_status()["VmSize"] + (int(headroom_mb) << 20)
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 try:
-    result = calibrate(model, dataset, out, CalibrateOptions(engine=engine, num_samples=int(samples),
-                                                             max_seq_len=int(seq_len), batch_size=4,
-                                                             bf16_compute=bf16_compute))
+    result = calibrate(
+        model,
+        dataset,
+        out,
+        CalibrateOptions(
+            engine=engine,
+            num_samples=int(samples),
+            max_seq_len=int(seq_len),
+            batch_size=4,
+            bf16_compute=bf16_compute,
+        ),
+    )
 except KvcalibError as err:
     print(json.dumps({"error": type(err).__name__, "message": err.message, "hint": err.hint}))
     sys.exit(1)

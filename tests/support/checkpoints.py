@@ -19,7 +19,9 @@ from kvcalib.core.schema import (
     neuron_scale_key,
 )
 
-PREFIX = "Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale)."
+PREFIX = (
+    "Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale)."
+)
 
 
 def read_json(path: Path) -> Any:
@@ -55,7 +57,11 @@ def make_calibrated(ckpt: Path, *, fp8_max: float = 240.0, target: str = "trn2")
             tensors[neuron_scale_key(i, kind)] = scale
         layers.append(entry)
     provenance = {"target": target, "fp8_max": fp8_max, "layers": layers}
-    save_file(tensors, ckpt / SCALES_FILENAME, metadata={"format": "pt", "kvcalib": json.dumps(provenance)})
+    save_file(
+        tensors,
+        ckpt / SCALES_FILENAME,
+        metadata={"format": "pt", "kvcalib": json.dumps(provenance)},
+    )
     sync_index(ckpt)
     config["quantization_config"] = kv_only_quantization_config()
     write_json(ckpt / CONFIG_FILENAME, config)
@@ -77,10 +83,18 @@ def neuron_platform(quant_cfg: Any, neuron_config: dict | None) -> None:
         return  # fp8 included
     for group_name, group in quant_cfg.get("config_groups", {}).items():
         if group.get("weights"):
-            raise ValueError(f"{PREFIX} Weight quantization in config_groups['{group_name}'] is not supported.")
+            raise ValueError(
+                f"{PREFIX} Weight quantization in config_groups['{group_name}'] is not supported."
+            )
         if group.get("output_activations"):
-            raise ValueError(f"{PREFIX} Output activation quantization in config_groups['{group_name}'] is not "
-                             "supported.")
-        if group.get("input_activations") and not any("Attention" in t for t in group.get("targets", [])):
-            raise ValueError(f"{PREFIX} Input activation quantization on non-attention targets in "
-                             f"config_groups['{group_name}'] is not supported.")
+            raise ValueError(
+                f"{PREFIX} Output activation quantization in config_groups['{group_name}'] is not "
+                "supported."
+            )
+        if group.get("input_activations") and not any(
+            "Attention" in t for t in group.get("targets", [])
+        ):
+            raise ValueError(
+                f"{PREFIX} Input activation quantization on non-attention targets in "
+                f"config_groups['{group_name}'] is not supported."
+            )

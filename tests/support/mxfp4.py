@@ -15,8 +15,12 @@ import torch
 FP4_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 MXFP4_QUANTIZATION_CONFIG = {
     "quant_method": "mxfp4",
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-                               "lm_head"],
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
 }
 
 
@@ -29,7 +33,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # the nearest FP4 magnitude, a tie to the smaller one: the midpoints between magnitudes as bucket boundaries
     magnitude = torch.bucketize(scaled.abs(), (FP4_MAGNITUDES[1:] + FP4_MAGNITUDES[:-1]) / 2)
     code = magnitude + 8 * ((scaled < 0) & (magnitude > 0)).long()
-    return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(
+        torch.uint8
+    )
 
 
 def save_as_mxfp4(model_dir: Path) -> Path:
@@ -56,10 +62,23 @@ def build_gpt_oss_mxfp4(out_dir: Path, layers: int = 3) -> Path:
     from transformers import GptOssConfig, GptOssForCausalLM
 
     tokenizer = build_word_tokenizer()
-    config = GptOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                          num_local_experts=4, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False,
-                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=None)
+    config = GptOssConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -12,17 +12,23 @@ def tree_digest(root: Path) -> dict[str, str]:
     """Every file under root -> sha256, to prove a directory was not touched."""
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*")) if p.is_file()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
     }
 
 
-def oracle_absmax(model_dir: Path, sequences: list[list[int]], attn_implementation: str | None = None,
-                  dtype: str | torch.dtype = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def oracle_absmax(
+    model_dir: Path,
+    sequences: list[list[int]],
+    attn_implementation: str | None = None,
+    dtype: str | torch.dtype = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V absmax read back from transformers' own KV cache after a plain forward, one sample at a time."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation,
-                                                 dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation=attn_implementation, dtype=dtype
+    ).eval()
     n = model.config.num_hidden_layers
     k, v = torch.zeros(n), torch.zeros(n)
     with torch.inference_mode():
@@ -35,19 +41,28 @@ def oracle_absmax(model_dir: Path, sequences: list[list[int]], attn_implementati
     return k, v
 
 
-def calibration_sequences(model_dir: Path, dataset: Path, num_samples: int, max_seq_len: int) -> list[list[int]]:
+def calibration_sequences(
+    model_dir: Path, dataset: Path, num_samples: int, max_seq_len: int
+) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from kvcalib.hf.data import load_calibration_data
 
-    data = load_calibration_data(str(dataset), AutoTokenizer.from_pretrained(model_dir),
-                                 num_samples=num_samples, max_seq_len=max_seq_len)
+    data = load_calibration_data(
+        str(dataset),
+        AutoTokenizer.from_pretrained(model_dir),
+        num_samples=num_samples,
+        max_seq_len=max_seq_len,
+    )
     return [list(s) for s in data.sequences]
 
 
-
-def oracle_heads(model_dir: Path, sequences: list[list[int]], dtype: str = "auto", attn_implementation: str = "eager"
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+def oracle_heads(
+    model_dir: Path,
+    sequences: list[list[int]],
+    dtype: str = "auto",
+    attn_implementation: str = "eager",
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Per layer: K and V absmax per KV head read back from transformers' own DynamicCache, and Q absmax per
     attention head as the model hands Q (after RoPE and q-norm) to its own eager attention function,
     captured by wrapping that function in the model's modeling module (Q only with eager attention).
@@ -56,7 +71,9 @@ def oracle_heads(model_dir: Path, sequences: list[list[int]], dtype: str = "auto
 
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation=attn_implementation, dtype=dtype
+    ).eval()
     modeling = sys.modules[type(model).__module__]
     real = modeling.eager_attention_forward
     n = model.config.num_hidden_layers

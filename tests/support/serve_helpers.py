@@ -18,9 +18,15 @@ def fake_python(directory: Path, neuron: bool = False, cuda: bool = False) -> Pa
     """An executable `python` that runs this interpreter with the fake vllm (and Neuron plugin, or a CUDA torch)
     importable."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = [str(FAKES)] + ([str(FAKES / "neuron")] if neuron else []) + ([str(FAKES / "cuda")] if cuda else [])
+    paths = (
+        [str(FAKES)]
+        + ([str(FAKES / "neuron")] if neuron else [])
+        + ([str(FAKES / "cuda")] if cuda else [])
+    )
     script = directory / "python"
-    script.write_text(f'#!/bin/sh\nPYTHONPATH="{os.pathsep.join(paths)}" exec "{sys.executable}" "$@"\n')
+    script.write_text(
+        f'#!/bin/sh\nPYTHONPATH="{os.pathsep.join(paths)}" exec "{sys.executable}" "$@"\n'
+    )
     script.chmod(0o755)
     return script
 
@@ -33,9 +39,17 @@ def build_llama_head32(out_dir: Path) -> Path:
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out_dir)
@@ -75,7 +89,9 @@ def session_members(leaders: Iterable[int]) -> set[tuple[int, str]]:
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+            fields = (
+                (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            )  # state ppid pgrp session ...
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, IndexError):
             continue
@@ -118,11 +134,22 @@ def assert_nothing_left(marker: str, output: str) -> None:
 FAKE_HOST_CPU_FLAGS = "fpu sse2 avx avx2 fma avx512f avx512bw"
 
 
-def serve(ckpt: Path, python: Path, *extra: str, env: dict[str, str] | None = None, monkeypatch=None):
+def serve(
+    ckpt: Path, python: Path, *extra: str, env: dict[str, str] | None = None, monkeypatch=None
+):
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
-    args = ["serve-check", str(ckpt), "--vllm-python", str(python), "--log-dir", str(ckpt.parent / "logs"),
-            "--stop-timeout", "5", *extra]
+    args = [
+        "serve-check",
+        str(ckpt),
+        "--vllm-python",
+        str(python),
+        "--log-dir",
+        str(ckpt.parent / "logs"),
+        "--stop-timeout",
+        "5",
+        *extra,
+    ]
     from typer.testing import CliRunner
 
     from kvcalib.cli import app

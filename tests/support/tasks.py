@@ -70,6 +70,10 @@ def write_tiny_tasks(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     items = folder / "items.jsonl"
     items.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
-    for name, text in (("tiny_mc", MULTIPLE_CHOICE), ("tiny_gen", GENERATION), ("tiny_ppl", PERPLEXITY)):
+    for name, text in (
+        ("tiny_mc", MULTIPLE_CHOICE),
+        ("tiny_gen", GENERATION),
+        ("tiny_ppl", PERPLEXITY),
+    ):
         (folder / f"{name}.yaml").write_text(text.format(items=items))
     return folder

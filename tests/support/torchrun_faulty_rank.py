@@ -14,8 +14,8 @@ import sys
 
 import torch.distributed as dist
 
-from kvcalib.calibration.pipeline import register_engine
 from kvcalib.calibration.native import native_engine
+from kvcalib.calibration.pipeline import register_engine
 from kvcalib.cli import main
 from kvcalib.core.errors import CalibrationError
 

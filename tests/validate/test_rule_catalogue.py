@@ -51,7 +51,9 @@ def _severities(node: ast.AST) -> set[str]:
 
 
 @cache
-def _scan() -> tuple[dict[str, list[str]], dict[str, list[str]], list[tuple[str, set[str], str]], list[str]]:
+def _scan() -> tuple[
+    dict[str, list[str]], dict[str, list[str]], list[tuple[str, set[str], str]], list[str]
+]:
     """Over every module of kvcalib but the catalogue: (emitted, mentioned, severities, fragments).
 
     emitted: code -> where it is the first argument of a call or the first item of a tuple, as in
@@ -71,7 +73,13 @@ def _scan() -> tuple[dict[str, list[str]], dict[str, list[str]], list[tuple[str,
                     mentioned.setdefault(node.value, []).append(where)
                 elif FRAGMENT.search(node.value):
                     fragments.append(f"{where}: {node.value!r}")
-            items = node.args if isinstance(node, ast.Call) else node.elts if isinstance(node, ast.Tuple) else []
+            items = (
+                node.args
+                if isinstance(node, ast.Call)
+                else node.elts
+                if isinstance(node, ast.Tuple)
+                else []
+            )
             if not items:
                 continue
             for code in _codes(items[0]):
@@ -86,7 +94,8 @@ def test_the_committed_catalogue_is_current():
     assert script.COMMAND == REGENERATE
     assert script.OUT == SCRIPTS / "VALIDATE_RULES.md"
     assert script.OUT.read_text(encoding="utf-8") == script.render(), (
-        f"scripts/VALIDATE_RULES.md is stale: run `{REGENERATE}` and commit it")
+        f"scripts/VALIDATE_RULES.md is stale: run `{REGENERATE}` and commit it"
+    )
 
 
 def test_the_catalogue_lists_every_code_once_with_a_severity_and_a_source():
@@ -94,7 +103,9 @@ def test_the_catalogue_lists_every_code_once_with_a_severity_and_a_source():
     assert len(codes) == len(set(codes)) == len(RULE)
     for rule in RULE.values():
         assert CODE.match(rule.code), rule
-        named = [word for word in SEVERITIES if word in rule.severity]  # a text names every severity it takes
+        named = [
+            word for word in SEVERITIES if word in rule.severity
+        ]  # a text names every severity it takes
         assert rule.severity in SEVERITIES or len(named) >= 2, rule
         assert rule.catches and rule.follows, rule
 
@@ -102,16 +113,22 @@ def test_the_catalogue_lists_every_code_once_with_a_severity_and_a_source():
 def test_every_code_kvcalib_emits_is_in_the_catalogue():
     emitted, mentioned, _, fragments = _scan()
     assert len(emitted) > 40  # the scan sees the rule modules (about 60 codes)
-    assert not fragments, f"finding codes must be whole literals, which the catalogue's test can read: {fragments}"
+    assert not fragments, (
+        f"finding codes must be whole literals, which the catalogue's test can read: {fragments}"
+    )
     missing = {code: where for code, where in {**mentioned, **emitted}.items() if code not in RULE}
-    assert not missing, (f"codes in kvcalib but not in kvcalib/validation/rules.py: {missing}; add them there, "
-                         f"then run `{REGENERATE}`")
+    assert not missing, (
+        f"codes in kvcalib but not in kvcalib/validation/rules.py: {missing}; add them there, "
+        f"then run `{REGENERATE}`"
+    )
 
 
 def test_every_code_in_the_catalogue_is_emitted():
     emitted, *_ = _scan()
     dead = sorted(set(RULE) - set(emitted))
-    assert not dead, f"rules.py lists codes nothing in kvcalib emits: {dead}; remove them, then run `{REGENERATE}`"
+    assert not dead, (
+        f"rules.py lists codes nothing in kvcalib emits: {dead}; remove them, then run `{REGENERATE}`"
+    )
 
 
 def test_each_emission_uses_a_severity_the_catalogue_gives():
@@ -119,8 +136,14 @@ def test_each_emission_uses_a_severity_the_catalogue_gives():
     assert severities
     for code, found, where in severities:
         rule = RULE[code]
-        allowed = {rule.severity} if rule.severity in SEVERITIES else {w for w in SEVERITIES if w in rule.severity}
-        assert found <= allowed, f"{where}: {code} emitted as {sorted(found)}, the catalogue says {rule.severity!r}"
+        allowed = (
+            {rule.severity}
+            if rule.severity in SEVERITIES
+            else {w for w in SEVERITIES if w in rule.severity}
+        )
+        assert found <= allowed, (
+            f"{where}: {code} emitted as {sorted(found)}, the catalogue says {rule.severity!r}"
+        )
 
 
 def test_the_catalogue_file_has_one_row_per_code():

@@ -16,12 +16,17 @@ from kvcalib.core.schema import SCALES_FILENAME, kv_only_quantization_config
 from kvcalib.validation.config import neuron_quantization_verdict
 from kvcalib.validation.pipeline import validate_checkpoint
 
+
 @pytest.fixture(scope="module")
 def checkpoints(calibrate_tiny) -> dict[str, Path]:
-    return {name: calibrate_tiny(**options) for name, options in {
-        "per-head": dict(target="gpu", strategy="attn_head"),
-        "per-head-q": dict(target="gpu", strategy="attn_head", attention_scales=True),
-        "tensor-q-trn2": dict(target="trn2", attention_scales=True)}.items()}
+    return {
+        name: calibrate_tiny(**options)
+        for name, options in {
+            "per-head": dict(target="gpu", strategy="attn_head"),
+            "per-head-q": dict(target="gpu", strategy="attn_head", attention_scales=True),
+            "tensor-q-trn2": dict(target="trn2", attention_scales=True),
+        }.items()
+    }
 
 
 def copy(src: Path, tmp_path: Path) -> Path:
@@ -56,7 +61,9 @@ def test_per_head_verdicts(checkpoints):
         gpu = validate_checkpoint(checkpoints[name], "gpu")
         assert gpu.ok, gpu.errors
         strategy = [f for f in gpu.findings if f.rule == "PORT-KV-SCHEME-STRATEGY"]
-        assert [f.severity for f in strategy] == ["info"] and "FlashAttention" in strategy[0].message
+        assert [f.severity for f in strategy] == ["info"] and "FlashAttention" in strategy[
+            0
+        ].message
         for target in ("trn2", "trn3"):
             neuron = validate_checkpoint(checkpoints[name], target)
             assert not neuron.ok
@@ -65,7 +72,9 @@ def test_per_head_verdicts(checkpoints):
             assert "the Neuron loader's reshape to [1, 1] crashes" in shape[0].message
             assert "--target gpu --strategy attn_head" in shape[0].hint
             assert "PORT-KV-SCHEME-STRATEGY" in rules(neuron, "error")
-            assert "NEURON-QCFG-INPUT-ACT" not in rules(neuron)  # the platform itself accepts the config
+            assert "NEURON-QCFG-INPUT-ACT" not in rules(
+                neuron
+            )  # the platform itself accepts the config
 
 
 def test_q_scale_on_neuron_is_information(checkpoints):
@@ -73,7 +82,8 @@ def test_q_scale_on_neuron_is_information(checkpoints):
     assert report.ok and not report.warnings, report.findings
     (unused,) = [f for f in report.findings if f.rule == "SCALE-Q-UNUSED"]
     assert unused.severity == "info" and unused.message.startswith(
-        "q_scale on 3 layer(s) (FP8 attention): not consumed by the plugin today")
+        "q_scale on 3 layer(s) (FP8 attention): not consumed by the plugin today"
+    )
     assert validate_checkpoint(checkpoints["tensor-q-trn2"], "gpu").ok
 
 
@@ -86,19 +96,28 @@ def _edit_scales(ckpt: Path, edit) -> None:
 
 def test_what_gpu_vllm_cannot_load_is_an_error(checkpoints, tmp_path):
     wrong_heads = copy(checkpoints["per-head-q"], tmp_path / "a")
-    _edit_scales(wrong_heads, lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.ones(3, 1, 1) / 100}))
+    _edit_scales(
+        wrong_heads,
+        lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.ones(3, 1, 1) / 100}),
+    )
     errors = validate_checkpoint(wrong_heads, "gpu").errors
     assert [(f.rule, f.location) for f in errors] == [
-        ("SCALE-HEADS", f"{SCALES_FILENAME}:model.layers.1.self_attn.k_scale")]
+        ("SCALE-HEADS", f"{SCALES_FILENAME}:model.layers.1.self_attn.k_scale")
+    ]
     assert "has shape [3, 1, 1] (3 values) but the model has 2 KV heads" in errors[0].message
 
     bad_value = copy(checkpoints["per-head-q"], tmp_path / "b")
-    _edit_scales(bad_value, lambda t: t.update({"model.layers.0.self_attn.v_scale": torch.tensor([[[0.01]], [[0.0]]])}))
+    _edit_scales(
+        bad_value,
+        lambda t: t.update({"model.layers.0.self_attn.v_scale": torch.tensor([[[0.01]], [[0.0]]])}),
+    )
     (error,) = validate_checkpoint(bad_value, "gpu").errors
     assert error.rule == "SCALE-HEADS" and "head 1 = 0.0" in error.message
 
     bad_q = copy(checkpoints["per-head-q"], tmp_path / "c")
-    _edit_scales(bad_q, lambda t: t.update({"model.layers.2.self_attn.q_scale": torch.ones(2, 1, 1)}))
+    _edit_scales(
+        bad_q, lambda t: t.update({"model.layers.2.self_attn.q_scale": torch.ones(2, 1, 1)})
+    )
     (error,) = validate_checkpoint(bad_q, "gpu").errors
     assert error.rule == "SCALE-Q-SHAPE" and "the model has 4 attention heads" in error.message
 
@@ -111,8 +130,13 @@ def test_what_gpu_vllm_cannot_load_is_an_error(checkpoints, tmp_path):
 def test_an_attention_group_gpu_vllm_would_not_recognise(checkpoints, tmp_path):
     ckpt = copy(checkpoints["per-head-q"], tmp_path)
     config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["attention"]["targets"] = ["LlamaAttention", "Qwen3Attention"]
+    config["quantization_config"]["config_groups"]["attention"]["targets"] = [
+        "LlamaAttention",
+        "Qwen3Attention",
+    ]
     (ckpt / "config.json").write_text(json.dumps(config))
     report = validate_checkpoint(ckpt, "gpu")
     assert "PORT-ATTENTION-GROUP" in rules(report, "warning")
-    assert "PORT-ATTENTION-GROUP" not in rules(validate_checkpoint(checkpoints["per-head-q"], "gpu"))
+    assert "PORT-ATTENTION-GROUP" not in rules(
+        validate_checkpoint(checkpoints["per-head-q"], "gpu")
+    )

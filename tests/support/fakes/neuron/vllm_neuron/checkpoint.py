@@ -8,7 +8,14 @@ import struct
 from pathlib import Path
 from typing import Any
 
-_FORMATS = {"F32": ("f", 4), "F64": ("d", 8), "F16": ("e", 2), "U8": ("B", 1), "I32": ("i", 4), "I64": ("q", 8)}
+_FORMATS = {
+    "F32": ("f", 4),
+    "F64": ("d", 8),
+    "F16": ("e", 2),
+    "U8": ("B", 1),
+    "I32": ("i", 4),
+    "I64": ("q", 8),
+}
 
 
 class SafetensorsCheckpoint:
@@ -42,7 +49,9 @@ class SafetensorsCheckpoint:
             f.seek(start + begin)
             data = f.read(n * size)
         if dtype == "BF16":
-            return [struct.unpack("<f", b"\0\0" + data[i:i + 2])[0] for i in range(0, len(data), 2)]
+            return [
+                struct.unpack("<f", b"\0\0" + data[i : i + 2])[0] for i in range(0, len(data), 2)
+            ]
         return list(struct.unpack(f"<{n}{_FORMATS[dtype][0]}", data))
 
 

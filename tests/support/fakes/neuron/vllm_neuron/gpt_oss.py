@@ -30,7 +30,9 @@ def select_implementation(neuron_config: Mapping[str, Any], target: str) -> str:
     """factory.py `_validate_config` then `_select_implementation`."""
     quantization = neuron_config.get("quantization")
     if quantization == "mxfp4" and target == "trn2":
-        raise ValueError("quantization='mxfp4' is not supported on TRN2. Please use quantization='bf16'")
+        raise ValueError(
+            "quantization='mxfp4' is not supported on TRN2. Please use quantization='bf16'"
+        )
     if quantization in ("mxfp4", "bf16"):
         return f"model_{quantization}"
     return "model_mxfp4" if target.startswith("trn3") else "model_bf16"
@@ -38,31 +40,62 @@ def select_implementation(neuron_config: Mapping[str, Any], target: str) -> str:
 
 def _dense_names(layer: int) -> list[str]:
     p = f"model.layers.{layer}"
-    return ([f"{p}.self_attn.{proj}.{kind}" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
-             for kind in ("weight", "bias")]
-            + [f"{p}.self_attn.sinks", f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight",
-               f"{p}.mlp.router.weight", f"{p}.mlp.router.bias", f"{p}.mlp.experts.gate_up_proj_bias",
-               f"{p}.mlp.experts.down_proj_bias"])
+    return [
+        f"{p}.self_attn.{proj}.{kind}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
+        for kind in ("weight", "bias")
+    ] + [
+        f"{p}.self_attn.sinks",
+        f"{p}.input_layernorm.weight",
+        f"{p}.post_attention_layernorm.weight",
+        f"{p}.mlp.router.weight",
+        f"{p}.mlp.router.bias",
+        f"{p}.mlp.experts.gate_up_proj_bias",
+        f"{p}.mlp.experts.down_proj_bias",
+    ]
 
 
-def _mxfp4_expert(checkpoint: SafetensorsCheckpoint, name: str, experts: int, rows: int, cols: int,
-                  dequantize: bool) -> float | None:
+def _mxfp4_expert(
+    checkpoint: SafetensorsCheckpoint,
+    name: str,
+    experts: int,
+    rows: int,
+    cols: int,
+    dequantize: bool,
+) -> float | None:
     """Check one MXFP4 pair's shapes against the config; with `dequantize`, the first expert row's absmax."""
     blocks, scales = checkpoint.entry(f"{name}_blocks"), checkpoint.entry(f"{name}_scales")
     want = [experts, rows, cols // 32, 16]
-    if blocks["dtype"] != "U8" or blocks["shape"] != want or scales["dtype"] != "U8" or scales["shape"] != want[:3]:
-        raise RuntimeError(f"{name}: MXFP4 blocks {blocks['dtype']} {blocks['shape']} and scales {scales['dtype']} "
-                           f"{scales['shape']} do not match the config's {want} / {want[:3]} (uint8)")
+    if (
+        blocks["dtype"] != "U8"
+        or blocks["shape"] != want
+        or scales["dtype"] != "U8"
+        or scales["shape"] != want[:3]
+    ):
+        raise RuntimeError(
+            f"{name}: MXFP4 blocks {blocks['dtype']} {blocks['shape']} and scales {scales['dtype']} "
+            f"{scales['shape']} do not match the config's {want} / {want[:3]} (uint8)"
+        )
     if not dequantize:
         return None
-    codes, exponents = checkpoint.read(f"{name}_blocks", cols // 2), checkpoint.read(f"{name}_scales", cols // 32)
-    values = [FP4_E2M1[(byte >> shift) & 15] * 2.0 ** (exponents[i // 16] - 127)
-              for i, byte in enumerate(codes) for shift in (0, 4)]
+    codes, exponents = (
+        checkpoint.read(f"{name}_blocks", cols // 2),
+        checkpoint.read(f"{name}_scales", cols // 32),
+    )
+    values = [
+        FP4_E2M1[(byte >> shift) & 15] * 2.0 ** (exponents[i // 16] - 127)
+        for i, byte in enumerate(codes)
+        for shift in (0, 4)
+    ]
     return max(abs(v) for v in values)
 
 
-def load_weights(implementation: str, checkpoint: SafetensorsCheckpoint, config: Mapping[str, Any],
-                 log: Callable[[str], None]) -> None:
+def load_weights(
+    implementation: str,
+    checkpoint: SafetensorsCheckpoint,
+    config: Mapping[str, Any],
+    log: Callable[[str], None],
+) -> None:
     layers, experts = config["num_hidden_layers"], config["num_local_experts"]
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     names = set(checkpoint.get_tensor_names())
@@ -82,10 +115,18 @@ def load_weights(implementation: str, checkpoint: SafetensorsCheckpoint, config:
     if not mxfp4:
         log(f"{implementation}: experts read as bf16 ({2 * layers} tensors)")
         return
-    peaks = [_mxfp4_expert(checkpoint, f"model.layers.{layer}.mlp.experts.{proj}", experts, rows, cols,
-                           implementation == "model_bf16")
-             for layer in range(layers) for proj, rows, cols in (("gate_up_proj", 2 * inter, hidden),
-                                                                 ("down_proj", hidden, inter))]
+    peaks = [
+        _mxfp4_expert(
+            checkpoint,
+            f"model.layers.{layer}.mlp.experts.{proj}",
+            experts,
+            rows,
+            cols,
+            implementation == "model_bf16",
+        )
+        for layer in range(layers)
+        for proj, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter))
+    ]
     if implementation == "model_bf16":
         if not all(math.isfinite(p) for p in peaks):
             raise RuntimeError("MXFP4 dequantisation produced a non-finite expert weight")
@@ -94,8 +135,9 @@ def load_weights(implementation: str, checkpoint: SafetensorsCheckpoint, config:
         log(f"model_mxfp4: {len(peaks)} MXFP4 expert weights loaded as MXFP4")
 
 
-def load_kv_cache_scales(checkpoint: SafetensorsCheckpoint, layers: int, kv_cache_dtype: str,
-                         log: Callable[[str], None]) -> dict[str, float] | None:
+def load_kv_cache_scales(
+    checkpoint: SafetensorsCheckpoint, layers: int, kv_cache_dtype: str, log: Callable[[str], None]
+) -> dict[str, float] | None:
     """The checkpoint scale each layer's kernel runs with (1 / the inverted bf16 value); None for an unquantized
     KV cache (nothing read)."""
     if kv_cache_dtype not in QUANTIZED_KV_CACHE_DTYPES:
@@ -111,7 +153,9 @@ def load_kv_cache_scales(checkpoint: SafetensorsCheckpoint, layers: int, kv_cach
             if shape == []:
                 raise IndexError("slice() cannot be applied to a 0-dim tensor.")
             if math.prod(shape) != 1:
-                raise RuntimeError(f"shape '[1, 1]' is invalid for input of size {math.prod(shape)}")
+                raise RuntimeError(
+                    f"shape '[1, 1]' is invalid for input of size {math.prod(shape)}"
+                )
             scales[key] = 1.0 / to_bfloat16(1.0 / to_bfloat16(checkpoint.read(key, 1)[0]))
             read += 1
     log(f"KV cache scales: {read} of {2 * layers} read from the checkpoint, the rest 1.0")

@@ -14,7 +14,9 @@ from typing import Any
 
 SUPPORTED_QUANTIZATION = ["neuron_quant", "compressed-tensors", "modelopt", "fp8"]
 CPU_DEQUANT_QUANTIZATIONS = frozenset({"mxfp8"})
-_KV_ONLY = "Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale). "
+_KV_ONLY = (
+    "Neuron only supports compressed-tensors for KV cache quantization (q_scale/k_scale/v_scale). "
+)
 
 
 def platform_target(env: Mapping[str, str] = os.environ) -> str:
@@ -33,14 +35,24 @@ def validate_quantization_config(quant_cfg: Any, neuron_config: Mapping[str, Any
         raise ValueError(
             f"Neuron does not support MX quantization: quant_method={quant_method!r}. The compile target is trn2 "
             f"(gen3), whose matmul substrate has no MX path. Use one of {SUPPORTED_QUANTIZATION}, or select a Neuron "
-            "CPU-dequant path with additional_config['neuron_config']['quantization'].")
+            "CPU-dequant path with additional_config['neuron_config']['quantization']."
+        )
     if quant_method != "compressed-tensors":
         return
     for name, group in (quant_cfg.get("config_groups") or {}).items():
         if group.get("weights"):
-            raise ValueError(_KV_ONLY + f"Weight quantization in config_groups['{name}'] is not supported.")
+            raise ValueError(
+                _KV_ONLY + f"Weight quantization in config_groups['{name}'] is not supported."
+            )
         if group.get("output_activations"):
-            raise ValueError(_KV_ONLY + f"Output activation quantization in config_groups['{name}'] is not supported.")
-        if group.get("input_activations") and not any("Attention" in t for t in group.get("targets", [])):
-            raise ValueError(_KV_ONLY + "Input activation quantization on non-attention targets in "
-                             f"config_groups['{name}'] is not supported.")
+            raise ValueError(
+                _KV_ONLY
+                + f"Output activation quantization in config_groups['{name}'] is not supported."
+            )
+        if group.get("input_activations") and not any(
+            "Attention" in t for t in group.get("targets", [])
+        ):
+            raise ValueError(
+                _KV_ONLY + "Input activation quantization on non-attention targets in "
+                f"config_groups['{name}'] is not supported."
+            )

@@ -56,10 +56,27 @@ import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-KV_CACHE_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc",
-                   "fp8_per_token_head", "int4_per_token_head", "int8_per_token_head", "nvfp4", "nvfp4_4over6",
-                   "nvfp4_ds_mla", "turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-                   "turboquant_k8v4", "ultraquant_4bit"]
+KV_CACHE_DTYPES = [
+    "auto",
+    "bfloat16",
+    "float16",
+    "fp8",
+    "fp8_ds_mla",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_per_token_head",
+    "int4_per_token_head",
+    "int8_per_token_head",
+    "nvfp4",
+    "nvfp4_4over6",
+    "nvfp4_ds_mla",
+    "turboquant_3bit_nc",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_k8v4",
+    "ultraquant_4bit",
+]
 NEURON_KV_CACHE_DTYPES = {"float32", "float16", "bfloat16", "fp8", "fp8_e4m3"}
 MODE = os.environ.get("FAKE_VLLM_MODE", "")
 PID = os.getpid()
@@ -72,12 +89,18 @@ LONG_PROMPT = 256  # tokens (the fake's: words and spaces)
 
 
 def log(message: str, level: str = "INFO") -> None:
-    print(f"(APIServer pid={PID}) {level} {time.strftime('%m-%d %H:%M:%S')} [fake_api_server.py] {message}", flush=True)
+    print(
+        f"(APIServer pid={PID}) {level} {time.strftime('%m-%d %H:%M:%S')} [fake_api_server.py] {message}",
+        flush=True,
+    )
 
 
 def fail(exc_type: str, message: str) -> None:
-    print("Traceback (most recent call last):\n  File \"<frozen runpy>\", line 198, in _run_module_as_main\n"
-          "  File \"vllm/entrypoints/openai/api_server.py\", line 59, in <module>", flush=True)
+    print(
+        'Traceback (most recent call last):\n  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+        '  File "vllm/entrypoints/openai/api_server.py", line 59, in <module>',
+        flush=True,
+    )
     print(f"{exc_type}: {message}", flush=True)
     sys.exit(1)
 
@@ -137,13 +160,25 @@ def check_neuron(args: argparse.Namespace, config: dict, kv_dtype: str) -> dict[
     except ValueError as exc:
         fail("ValueError", str(exc))
     if kv_dtype not in NEURON_KV_CACHE_DTYPES and kv_dtype != "auto":
-        fail("ValueError", f"Unsupported kv_cache_dtype '{kv_dtype}' on Neuron. "
-             f"Supported values: 'auto', {sorted(NEURON_KV_CACHE_DTYPES)}")
+        fail(
+            "ValueError",
+            f"Unsupported kv_cache_dtype '{kv_dtype}' on Neuron. "
+            f"Supported values: 'auto', {sorted(NEURON_KV_CACHE_DTYPES)}",
+        )
     if args.enforce_eager:
-        fail("ValueError", "enforce_eager is not supported on the Neuron platform: eager mode is CPU-only.")
-    if args.async_scheduling is not False and neuron_config.get("on_device_sampling_config") is None:
-        fail("ValueError", "Async scheduling requires on-device sampling: set neuron_config.on_device_sampling_config "
-             "in --additional-config, or pass --no-async-scheduling.")
+        fail(
+            "ValueError",
+            "enforce_eager is not supported on the Neuron platform: eager mode is CPU-only.",
+        )
+    if (
+        args.async_scheduling is not False
+        and neuron_config.get("on_device_sampling_config") is None
+    ):
+        fail(
+            "ValueError",
+            "Async scheduling requires on-device sampling: set neuron_config.on_device_sampling_config "
+            "in --additional-config, or pass --no-async-scheduling.",
+        )
     scales = None
     if "GptOssForCausalLM" in (config.get("architectures") or []):
         scales = load_gpt_oss(Path(args.model), config, neuron_config, platform_target(), kv_dtype)
@@ -152,15 +187,22 @@ def check_neuron(args: argparse.Namespace, config: dict, kv_dtype: str) -> dict[
             if shape == []:
                 fail("IndexError", "slice() cannot be applied to a 0-dim tensor.")
     segmented = args.enable_prefix_caching is not False or (
-        (args.max_num_batched_tokens or 8192) < (args.max_model_len or config.get("max_position_embeddings", 0)))
+        (args.max_num_batched_tokens or 8192)
+        < (args.max_model_len or config.get("max_position_embeddings", 0))
+    )
     if kv_dtype in ("fp8", "fp8_e4m3") and segmented:
         time.sleep(0.2)  # found while compiling the segmented-prefill graph
-        fail("NotImplementedError", "FP8 segmented prefill requires a packed KV cache; attention_segmented_cte cannot "
-             "read a non-packed FP8 K cache. Non-packed FP8 is supported for full prefill only.")
+        fail(
+            "NotImplementedError",
+            "FP8 segmented prefill requires a packed KV cache; attention_segmented_cte cannot "
+            "read a non-packed FP8 K cache. Non-packed FP8 is supported for full prefill only.",
+        )
     return scales
 
 
-def load_gpt_oss(model: Path, config: dict, neuron_config: dict, target: str, kv_dtype: str) -> dict[str, float] | None:
+def load_gpt_oss(
+    model: Path, config: dict, neuron_config: dict, target: str, kv_dtype: str
+) -> dict[str, float] | None:
     """vllm_neuron/model/gpt_oss/: the factory's choice, then its load_weights (the fake plugin's gpt_oss.py)."""
     from vllm_neuron import gpt_oss
     from vllm_neuron.checkpoint import SafetensorsCheckpoint
@@ -217,17 +259,29 @@ def saturation(model: Path, fp8_max: float, scales: dict[str, float] | None = No
     fractions = []
     for entry in layers:
         for kind in ("k", "v"):
-            scale, absmax = scales.get(f"model.layers.{entry['layer']}.self_attn.{kind}_scale"), entry[kind]["absmax"]
+            scale, absmax = (
+                scales.get(f"model.layers.{entry['layer']}.self_attn.{kind}_scale"),
+                entry[kind]["absmax"],
+            )
             if scale and absmax > 0:
                 if MODE == "inverted-scales":
-                    scale = (absmax / fp8_max) ** 2 / scale  # the mirror image around the right scale
+                    scale = (
+                        absmax / fp8_max
+                    ) ** 2 / scale  # the mirror image around the right scale
                 fractions.append(max(0.0, 1.0 - scale * fp8_max / absmax))
     return sum(fractions) / len(fractions) if fractions else 0.0
 
 
 class Engine:
-    def __init__(self, model: str, names: list[str], fp8: bool, fp8_max: float = 448.0,
-                 max_model_len: int | None = None, scales: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        names: list[str],
+        fp8: bool,
+        fp8_max: float = 448.0,
+        max_model_len: int | None = None,
+        scales: dict[str, float] | None = None,
+    ) -> None:
         self.model, self.names, self.fp8, self.max_model_len = model, names, fp8, max_model_len
         self.requests = 0
         self.saturated = saturation(Path(model), fp8_max, scales) if fp8 else 0.0
@@ -254,8 +308,11 @@ class Engine:
     def complete_one(self, body: dict) -> dict:
         self.requests += 1
         if MODE == "die-mid-probe" and self.fp8 and self.requests >= 2:
-            print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace "
-                  "(above) for the root cause.", flush=True)
+            print(
+                "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace "
+                "(above) for the root cause.",
+                flush=True,
+            )
             os._exit(1)
         prompt = body.get("prompt")
         if isinstance(prompt, list):
@@ -265,11 +322,17 @@ class Engine:
             prompt_ids = [token_id(p) for p in tokenize(text_prompt)]
         max_tokens = int(body.get("max_tokens") or 16)
         if self.max_model_len and len(prompt_ids) + max_tokens > self.max_model_len:
-            return {"status": 400, "error": {
-                "message": f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                           f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, "
-                           f"{max_tokens} in the completion). Please reduce the length of the messages or completion.",
-                "type": "BadRequestError", "param": None, "code": 400}}
+            return {
+                "status": 400,
+                "error": {
+                    "message": f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, "
+                    f"{max_tokens} in the completion). Please reduce the length of the messages or completion.",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                },
+            }
         if (MODE == "degenerate" and self.fp8) or MODE == "repetitive":
             pieces = ["!"] * max_tokens
         else:
@@ -282,8 +345,16 @@ class Engine:
                 source = " purple " + source
             words = tokenize(source)
             pieces = [words[i % len(words)] for i in range(max_tokens)]
-        choice = {"index": 0, "text": "".join(pieces), "logprobs": None, "finish_reason": "length",
-                  "stop_reason": None, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
+        choice = {
+            "index": 0,
+            "text": "".join(pieces),
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+        }
         if body.get("return_token_ids"):
             choice["token_ids"] = [token_id(p) for p in pieces]
             choice["prompt_token_ids"] = prompt_ids
@@ -292,27 +363,42 @@ class Engine:
             entries = [None]
             for tid in prompt_ids[1:]:
                 rank = 2 if self.broken else 1
-                entry = {str(tid): {"logprob": self.logprob(tid), "rank": rank, "decoded_token": "?"}}
+                entry = {
+                    str(tid): {"logprob": self.logprob(tid), "rank": rank, "decoded_token": "?"}
+                }
                 if top >= 1 and rank != 1:
                     entry[str(tid + 1)] = {"logprob": -0.5, "rank": 1, "decoded_token": "?"}
                 entries.append(entry)
             choice["prompt_logprobs"] = entries
-        if body.get("echo") and body.get("logprobs") is not None:  # OpenAI's form: the prompt's tokens, then the new
+        if (
+            body.get("echo") and body.get("logprobs") is not None
+        ):  # OpenAI's form: the prompt's tokens, then the new
             ids = prompt_ids + [token_id(p) for p in pieces]
             lps = [None] + [self.logprob(t) for t in ids[1:]]
             choice["text"] = (text_prompt or "") + choice["text"]
-            choice["logprobs"] = {"tokens": [str(t) for t in ids], "token_logprobs": lps,
-                                  "top_logprobs": [None] + [{str(t + 1 if self.broken else t): -0.5} for t in ids[1:]],
-                                  "text_offset": list(range(len(ids)))}
-        return {"id": f"cmpl-{self.requests}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model, "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": max_tokens}}
+            choice["logprobs"] = {
+                "tokens": [str(t) for t in ids],
+                "token_logprobs": lps,
+                "top_logprobs": [None]
+                + [{str(t + 1 if self.broken else t): -0.5} for t in ids[1:]],
+                "text_offset": list(range(len(ids))),
+            }
+        return {
+            "id": f"cmpl-{self.requests}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": max_tokens},
+        }
 
 
 def make_handler(engine: Engine):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args) -> None:
-            log(f"{self.address_string()} - \"{self.requestline}\" {args[1] if len(args) > 1 else ''}")
+            log(
+                f'{self.address_string()} - "{self.requestline}" {args[1] if len(args) > 1 else ""}'
+            )
 
         def _send(self, code: int, obj: object | None) -> None:
             data = b"" if obj is None else json.dumps(obj).encode()
@@ -326,17 +412,34 @@ def make_handler(engine: Engine):
             if self.path == "/health":
                 self._send(200, None)
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": n, "object": "model"} for n in engine.names]})
+                self._send(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": n, "object": "model"} for n in engine.names],
+                    },
+                )
             else:
                 self._send(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            body = json.loads(
+                self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}"
+            )
             if self.path != "/v1/completions":
                 self._send(404, {"detail": "Not Found"})
             elif body.get("model") not in engine.names:
-                self._send(404, {"error": {"message": f"The model `{body.get('model')}` does not exist.",
-                                           "type": "NotFoundError", "param": "model", "code": 404}})
+                self._send(
+                    404,
+                    {
+                        "error": {
+                            "message": f"The model `{body.get('model')}` does not exist.",
+                            "type": "NotFoundError",
+                            "param": "model",
+                            "code": 404,
+                        }
+                    },
+                )
             else:
                 answer = engine.complete(body)
                 self._send(answer.pop("status", 200), answer)
@@ -345,7 +448,11 @@ def make_handler(engine: Engine):
 
 
 def start_engine_core(model: str) -> subprocess.Popen:
-    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if os.environ.get("FAKE_VLLM_IGNORE_SIGTERM") else ""
+    ignore = (
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        if os.environ.get("FAKE_VLLM_IGNORE_SIGTERM")
+        else ""
+    )
     code = f"import signal, time; {ignore}time.sleep(3600)"
     # Same process group, like vLLM's EngineCore; the model path in argv lets tests find it.
     return subprocess.Popen([sys.executable, "-c", code, "fake-engine-core", model])
@@ -359,8 +466,11 @@ def main() -> None:
     try:
         config = json.loads((model / "config.json").read_text())
     except OSError:
-        fail("OSError", f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{args.model}'. "
-             "Use `repo_type` argument if needed.")
+        fail(
+            "OSError",
+            f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{args.model}'. "
+            "Use `repo_type` argument if needed.",
+        )
     kv_dtype = resolve_kv_dtype(args, config, neuron)
     fp8 = kv_dtype.startswith("fp8")
     platform = "neuron" if neuron else os.environ.get("FAKE_VLLM_PLATFORM", "cpu")
@@ -381,7 +491,9 @@ def main() -> None:
     def ignore(signum, frame) -> None:
         log("SIGTERM received and ignored")
 
-    signal.signal(signal.SIGTERM, ignore if os.environ.get("FAKE_VLLM_IGNORE_SIGTERM") else shutdown)
+    signal.signal(
+        signal.SIGTERM, ignore if os.environ.get("FAKE_VLLM_IGNORE_SIGTERM") else shutdown
+    )
     if fp8 and MODE == "crash":
         time.sleep(0.3)
         fail("IndexError", "slice() cannot be applied to a 0-dim tensor.")
@@ -389,9 +501,12 @@ def main() -> None:
         time.sleep(0.3)
         fail("RuntimeError", "something nobody has seen before")
     if fp8 and MODE == "oom":
-        fail("ValueError", "Available memory on node 0 (1.02/12.21 GiB) on startup is less than desired CPU memory "
-             "utilization (0.92, 11.24 GiB). On the CPU backend, the `--gpu-memory-utilization` flag controls the "
-             "fraction of CPU memory reserved (despite its name).")
+        fail(
+            "ValueError",
+            "Available memory on node 0 (1.02/12.21 GiB) on startup is less than desired CPU memory "
+            "utilization (0.92, 11.24 GiB). On the CPU backend, the `--gpu-memory-utilization` flag controls the "
+            "fraction of CPU memory reserved (despite its name).",
+        )
     delay = float(os.environ.get("FAKE_VLLM_HEALTH_DELAY", "1.0"))
     log("Loading model weights ...")
     time.sleep(delay)
@@ -399,8 +514,12 @@ def main() -> None:
         log("still compiling ...")
         time.sleep(1.0)
     names = args.served_model_name or [args.model]
-    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), make_handler(
-        Engine(args.model, names, fp8, 240.0 if neuron else 448.0, args.max_model_len, scales)))
+    server = ThreadingHTTPServer(
+        (args.host or "0.0.0.0", args.port),
+        make_handler(
+            Engine(args.model, names, fp8, 240.0 if neuron else 448.0, args.max_model_len, scales)
+        ),
+    )
     log(f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     while True:
