@@ -131,22 +131,21 @@ def code_token_lines(source: str) -> list[int]:
 def functions(files: dict[str, Path]) -> list[tuple[int, str]]:
     """(code tokens, "module:qualname") of every function and method, nested ones counted in their outer one too."""
     out = []
+
+    def walk(node: ast.AST, prefix: str, name: str, token_lines: list[int]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                qual = f"{prefix}{child.name}"
+                start = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                count = sum(start <= line <= child.end_lineno for line in token_lines)
+                out.append((count, f"{name}:{qual}"))
+                walk(child, qual + ".", name, token_lines)
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.", name, token_lines)
+
     for name, path in files.items():
         source = path.read_text(encoding="utf-8")
-        token_lines = code_token_lines(source)
-
-        def walk(node: ast.AST, prefix: str) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    qual = f"{prefix}{child.name}"
-                    start = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                    count = sum(start <= line <= child.end_lineno for line in token_lines)
-                    out.append((count, f"{name}:{qual}"))
-                    walk(child, qual + ".")
-                elif isinstance(child, ast.ClassDef):
-                    walk(child, f"{prefix}{child.name}.")
-
-        walk(ast.parse(source), "")
+        walk(ast.parse(source), "", name, code_token_lines(source))
     return sorted(out, reverse=True)
 
 

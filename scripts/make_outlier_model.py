@@ -51,7 +51,7 @@ def make_outlier(
     model = AutoModelForCausalLM.from_pretrained(src, config=config, dtype="auto")
     scaled = 0
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             if not (hasattr(module, "q_proj") and hasattr(module, "k_proj")):
                 continue
             if with_v and head is not None:

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 .venv/bin/python scripts/check_layout.py  # no import circle, no oversized module or function
 .venv/bin/lint-imports --no-cache  # the layers: cli -> api -> jobs -> hf -> core (contracts in pyproject.toml)
+.venv/bin/ruff format --check kvcalib tests scripts  # line breaks are the formatter's
 .venv/bin/ruff check kvcalib tests scripts  # the rules: pyproject.toml's [tool.ruff]
 .venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
 export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -344,7 +344,7 @@ def _observe(
             observation = engine(inputs)
             choices = finish(observation, lambda local: local)
     except (MemoryError, RuntimeError) as exc:
-        raise out_of_memory_error(exc, plan.options.engine, plan.device) or exc
+        raise out_of_memory_error(exc, plan.options.engine, plan.device) or exc from exc
     return replace(observation, model=None), choices, timing[0], timing[1]
 
 

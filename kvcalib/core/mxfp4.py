@@ -129,8 +129,8 @@ def findings(
                     if method == "mxfp4"
                     else f", and under this {method or 'missing'} config it cannot load them"
                 ),
-                f"calibrate the dequantised form for GPU: {DEQUANTIZE_COMMAND}, then kvcalib calibrate BF16_DIR --target "
-                "gpu",
+                f"calibrate the dequantised form for GPU: {DEQUANTIZE_COMMAND}, "
+                "then kvcalib calibrate BF16_DIR --target gpu",
                 "config.json:quantization_config",
             )
         )

@@ -70,7 +70,7 @@ def plot_needle(result: Any, path: Path) -> Path:
             for i in range(len(result.depths))
         ]
         image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        for i, depth in enumerate(result.depths):
+        for i in range(len(result.depths)):
             for j, length in enumerate(lengths):
                 _, hit, n = rows[length].by_depth[i]
                 ax.text(j, i, f"{hit}/{n}", ha="center", va="center", fontsize=8)

@@ -125,8 +125,8 @@ def judge_canary(
             canary.nll,
             agreement,
             (
-                f"the server did not apply the checkpoint's KV scales: with every scale x{factor:g} it answered as with "
-                f"the calibrated ones ({shown}) on {device}, {server}"
+                "the server did not apply the checkpoint's KV scales: "
+                f"with every scale x{factor:g} it answered as with the calibrated ones ({shown}) on {device}, {server}"
             ),
         )
     if change <= -MIN_NLL_CHANGE:

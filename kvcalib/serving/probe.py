@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -62,7 +61,6 @@ class ServerClient:
             urllib.error.URLError,
             http.client.HTTPException,
             ConnectionError,
-            socket.timeout,
             TimeoutError,
         ) as err:
             raise self._lost(path, err) from None

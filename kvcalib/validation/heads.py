@@ -111,8 +111,8 @@ def query_findings(
             Finding(
                 "SCALE-Q-UNUSED",
                 INFO,
-                f"q_scale on {len(keys)} layer(s) (FP8 attention): not consumed by the plugin today; vLLM on Neuron reads "
-                "k_scale and v_scale only, so Q stays in bf16 there",
+                f"q_scale on {len(keys)} layer(s) (FP8 attention): not consumed by the plugin today; "
+                "vLLM on Neuron reads k_scale and v_scale only, so Q stays in bf16 there",
                 "nothing to do: GPU vLLM's FP8 attention reads q_scale; Neuron ignores it",
                 keys[min(keys)],
             )

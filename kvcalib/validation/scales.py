@@ -208,8 +208,9 @@ def _whole_set_findings(
             Finding(
                 "SCALE-NO-KV-SCHEME",
                 WARNING if get_target(target).neuron else ERROR,
-                "KV scales are present but quantization_config declares no kv_cache_scheme: GPU vLLM does not load them "
-                "and runs FP8 KV with scales 1.0 (Neuron reads them with --kv-cache-dtype fp8)",
+                "KV scales are present but quantization_config declares no kv_cache_scheme: "
+                "GPU vLLM does not load them and runs FP8 KV with scales 1.0 "
+                "(Neuron reads them with --kv-cache-dtype fp8)",
                 "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
                 QCFG_LOCATION,
             )

@@ -126,7 +126,7 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
     for key in expected:
         assert index["weight_map"][key] == SCALES_FILENAME
     scales = read_scales(out)
-    for key, tensor in scales.items():
+    for tensor in scales.values():
         assert tensor.dtype == torch.float32 and tuple(tensor.shape) == (1,)
     for name in shards:
         with safe_open(out / name, framework="pt") as f:

@@ -166,7 +166,8 @@ def test_degenerate(text, ids, why):
         ),
         ("IndexError: slice() cannot be applied to a 0-dim tensor.", "a KV scale is a 0-d tensor"),
         (
-            "NotImplementedError: FP8 segmented prefill requires a packed KV cache; attention_segmented_cte cannot read",
+            "NotImplementedError: FP8 segmented prefill requires a packed KV cache; "
+            "attention_segmented_cte cannot read",
             "cannot use segmented prefill",
         ),
         (

@@ -315,7 +315,7 @@ def test_every_case_agrees_with_the_real_vllm() -> None:
             name,
             outcome,
         )
-    for (name, qc, neuron_config, rule, _, _), (outcome, value) in zip(
+    for (name, qc, neuron_config, _, _, _), (outcome, value) in zip(
         CASES, results[: len(CASES)], strict=True
     ):
         verdict = neuron_quantization_verdict(qc, neuron_config)

@@ -183,7 +183,7 @@ def check_neuron(args: argparse.Namespace, config: dict, kv_dtype: str) -> dict[
     if "GptOssForCausalLM" in (config.get("architectures") or []):
         scales = load_gpt_oss(Path(args.model), config, neuron_config, platform_target(), kv_dtype)
     else:
-        for key, shape in read_kv_scale_shapes(Path(args.model)).items():
+        for shape in read_kv_scale_shapes(Path(args.model)).values():
             if shape == []:
                 fail("IndexError", "slice() cannot be applied to a 0-dim tensor.")
     segmented = args.enable_prefix_caching is not False or (
