@@ -344,7 +344,10 @@ def _observe(
             observation = engine(inputs)
             choices = finish(observation, lambda local: local)
     except (MemoryError, RuntimeError) as exc:
-        raise out_of_memory_error(exc, plan.options.engine, plan.device) or exc from exc
+        error = out_of_memory_error(exc, plan.options.engine, plan.device)
+        if error is None:
+            raise
+        raise error from exc
     return replace(observation, model=None), choices, timing[0], timing[1]
 
 
