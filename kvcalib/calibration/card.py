@@ -106,8 +106,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     )
     kv, added = kv_cache_size(read_config(ckpt)), provenance.get("special_tokens_added")
     what = (
-        "Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, one per KV head, shape `[kv_heads, 1, 1]`; "
-        "GPU vLLM reads them on its FlashAttention backend, vLLM on Neuron cannot load them)"
+        "Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, shape `[kv_heads, 1, 1]`)"
         if per_head
         else "Per-tensor FP8 KV-cache scales"
     )
@@ -115,13 +114,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         BEGIN,
         "## FP8 KV cache (kvcalib)",
         "",
-        f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {_formula(provenance, per_head)}"
-        + (
-            " With `q_scale` (Q after RoPE) and the FP8-attention config group: GPU vLLM's FP8 "
-            "attention reads it; the Neuron plugin does not consume it today."
-            if queries
-            else ""
-        ),
+        f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {_summary(provenance, per_head)}",
         "",
         "| | |",
         "|---|---|",
@@ -140,6 +133,17 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     mxfp4 = bool(provenance.get("mxfp4_weights"))
     commands = serve_commands(CHECKPOINT_PLACEHOLDER, mxfp4)
     lines += ["### Serving it", ""]
+    if per_head:
+        lines += [
+            "GPU vLLM reads per-head scales on its FlashAttention backend; vLLM on Neuron cannot load them.",
+            "",
+        ]
+    if queries:
+        lines += [
+            "`q_scale` (Q after rotary embedding) and the FP8-attention config group are for GPU vLLM's FP8 "
+            "attention; the Neuron plugin does not read them.",
+            "",
+        ]
     if not per_head:
         lines += [
             "vLLM on Neuron (Trainium 2"
@@ -205,85 +209,76 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     return "\n".join(lines + ["", END, ""])
 
 
-def _ranges(provenance: dict[str, Any]) -> tuple[bool, bool]:
-    """(some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE, some is below it: clipped)."""
-    fp8_max, pairs = provenance["fp8_max"], []
-    for kind in (row[k] for row in provenance.get("layers", []) for k in "kv"):
-        if kind.get("head_scales") and kind.get("head_absmax"):
-            pairs += [(s * fp8_max, a) for s, a in zip(kind["head_scales"], kind["head_absmax"])]
-        elif isinstance(kind.get("range"), (int, float)):
-            pairs.append((kind["range"], kind["absmax"]))
-    same = 1 + fp8.SCALE_ROUNDING_TOLERANCE
-    return any(not a <= r <= a * same for r, a in pairs if a > 0), any(
-        r < a * (1 - 1e-6) for r, a in pairs if a > 0
-    )
+def _ranges(provenance: dict[str, Any]) -> tuple[bool, dict[str, list[int]]]:
+    """(some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE, kind -> the layers where a
+    range is below its absmax: clipped)."""
+    fp8_max, chosen, clipped = provenance["fp8_max"], False, {"K": [], "V": []}
+    for row in provenance.get("layers", []):
+        for kind in "kv":
+            record, pairs = row[kind], []
+            if record.get("head_scales") and record.get("head_absmax"):
+                pairs = [
+                    (s * fp8_max, a) for s, a in zip(record["head_scales"], record["head_absmax"])
+                ]
+            elif isinstance(record.get("range"), (int, float)):
+                pairs = [(record["range"], record["absmax"])]
+            pairs = [(r, a) for r, a in pairs if a > 0]
+            chosen |= any(not a <= r <= a * (1 + fp8.SCALE_ROUNDING_TOLERANCE) for r, a in pairs)
+            if any(r < a * (1 - 1e-6) for r, a in pairs):
+                clipped[kind.upper()].append(row["layer"])
+    return chosen, {kind: layers for kind, layers in clipped.items() if layers}
 
 
-def _formula(provenance: dict[str, Any], per_head: bool) -> str:
-    """What was written (absmax or the chosen range / fp8_max) and the servers where it is right."""
-    fp8_max, target, headroom = (
-        provenance["fp8_max"],
-        provenance["target"],
-        provenance.get("headroom") or 1.0,
-    )
-    served = [] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))[1:]]
-    smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]
-    refused = (
-        f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate again with --target "
-        f"{smaller[0]} to serve there."
-        if smaller
-        else ""
-    )
-    per = "head" if per_head else "layer"
+def _layers(layers: list[int]) -> str:
+    return f"layer {layers[0]}" if len(layers) == 1 else "layers " + ", ".join(map(str, layers))
+
+
+def _summary(provenance: dict[str, Any], per_head: bool) -> str:
+    """The card's first paragraph: what was written, how the range was chosen, what clips, where it was scored."""
+    fp8_max, target = provenance["fp8_max"], provenance["target"]
+    headroom, objective = provenance.get("headroom") or 1.0, provenance.get("scale_objective")
     chosen, clipped = _ranges(provenance)
-    wider = f"{headroom:g} x absmax(K) (--headroom)" if headroom != 1.0 else ""
-    if not chosen:
-        text = f"`k_scale = absmax(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V)"
-    elif provenance.get("scale_objective") not in ("attention", "output"):
-        text = (
-            f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
-            f"range is {wider or 'absmax(K)'}"
+    wider = f"{headroom:g} x absmax(K) (--headroom)"
+    text = (
+        f"`k_scale = {'range' if chosen else 'absmax'}(K) / {fp8_max:g}` per "
+        f"{'head' if per_head else 'layer'}, after rotary embedding (the same for V)."
+    )
+    if chosen and objective not in ("attention", "output"):
+        text += f" The range is {wider}."
+    elif chosen:
+        text += (
+            " The range (the table's range columns) is the candidate around absmax(K) with the least "
+            "attention error"
+            + (
+                ", the model's own next-token KL deciding where candidates differ materially"
+                if objective == "output"
+                else ""
+            )
+            + (f"; where it clips nothing, at least {wider}" if headroom != 1.0 else "")
+            + "."
+        )
+    if clipped:
+        text += " Clipped below absmax: " + "; ".join(
+            f"{kind} in {_layers(layers)}" for kind, layers in clipped.items()
+        )
+        scored = [name for name in provenance.get("scored_on") or [] if name != target]
+        text += (
+            f". Scored on {target} and on {', '.join(scored)}, each at its own FP8 max."
+            if scored
+            else f". Scored on {target} alone: serve these scales there only."
         )
     else:
-        text = (
-            f"`k_scale = range(K) / {fp8_max:g}` per {per}, after rotary embedding (the same for V), where the "
-            "range is the attention objective's choice (the table's range columns)"
-            + (
-                ", where the candidates differed materially settled by the model's own next-token KL on held-out "
-                "calibration rows in the target's numerics and server order"
-                if provenance.get("scale_objective") == "output"
-                else ""
-            )
-            + ": absmax(K), or "
-            + (
-                "below it where saturating near-constant channels keeps attention right, or "
-                if clipped
-                else ""
-            )
-            + "above it where a wider scale puts the values on better FP8 grid points"
-            + (f"; where it clips nothing, at least {wider}" if wider else "")
+        served = provenance.get("scored_on") or (
+            [target] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))]
         )
-    if not clipped:
-        return (
-            text
-            + ": nothing clips"
-            + (
-                f"; also right on {', '.join(served)}, where the scales use the range up "
-                f"to {fp8_max:g}"
-                if served
-                else ""
-            )
-            + "."
-            + refused
+        text += f" Nothing clips: right on {', '.join(served)}."
+    smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]
+    if smaller:
+        text += (
+            f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate with --target "
+            f"{smaller[0]} to serve there."
         )
-    scored = [name for name in provenance.get("scored_on") or [] if name != target]
-    if scored:
-        return text + (
-            f". Every candidate scale was scored on {target} and on {', '.join(scored)} (each saturates at "
-            "its own FP8 max x scale) and chosen by its attention error where that is largest."
-            + refused
-        )
-    return text + f". The clips were scored on {target} alone: serve these scales on {target} only."
+    return text
 
 
 def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:

@@ -73,12 +73,13 @@ def server_argv(
         str(tp),
         "--max-model-len",
         str(max_model_len),
-        "--max-num-batched-tokens",
-        str(max_model_len),
+        # Neuron's FP8 prefill reads a packed KV cache (a whole prompt in one batch) and it samples
+        # on the host (no async scheduling); vLLM CPU is served the same. GPU vLLM needs neither.
+        *(() if device == "cuda" else ("--max-num-batched-tokens", str(max_model_len))),
         "--max-num-seqs",
         str(max_num_seqs),
         "--no-enable-prefix-caching",
-        "--no-async-scheduling",
+        *(() if device == "cuda" else ("--no-async-scheduling",)),
     ]
     # The baseline names its KV dtype: with "auto", vLLM (CPU and GPU) turns FP8 on by itself when
     # the checkpoint's quantization_config has a kv_cache_scheme, as ours does.

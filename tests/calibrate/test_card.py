@@ -90,9 +90,10 @@ FORMULAS = {
 
 @pytest.mark.parametrize("name", FORMULAS)
 def test_the_formula_states_what_was_written(name, text_dataset, tmp_path):
-    """The card's formula is what the scales are: absmax / 240 where nothing else was chosen, else the range the
-    attention objective (or --headroom) chose, shown per layer; a clip names every server it was scored on (on the
-    tiny Llama with near-constant K channels, whose layer 0 K the objective clips)."""
+    """The card's first paragraph is what the scales are: absmax / 240 where nothing else was chosen, else the
+    range the objective (or --headroom) chose, shown per layer; it names what clips and every server it was
+    scored on (on the tiny Llama with near-constant K channels, whose layer 0 K the objective clips), and it
+    stays short: the details are in the table and the provenance."""
     model = build_planted_llama(tmp_path / "planted", text_dataset)
     out = tmp_path / name
     result = calibrate(
@@ -103,30 +104,33 @@ def test_the_formula_states_what_was_written(name, text_dataset, tmp_path):
     )
     text = (out / "README.md").read_text()
     rows = scale_table(text)
+    summary = text.split("## FP8 KV cache (kvcalib)\n\n")[1].split("\n\n")[0]
+    assert summary.startswith("Per-") and len(summary.split()) < 80, summary
     if name == "absmax":
         assert (
             "`k_scale = absmax(K) / 240` per layer" in text
-            and "nothing clips; also right on trn3, gpu, vllm-cpu" in text
+            and "Nothing clips: right on trn2, trn3, gpu, vllm-cpu." in text
             and "k range" not in text
         )
         return
     if name == "headroom":
         assert (
             "`k_scale = range(K) / 240` per layer" in text
-            and "where the range is 2 x absmax(K) (--headroom): "
-            "nothing clips; also right on trn3, gpu, vllm-cpu"
+            and "The range is 2 x absmax(K) (--headroom). Nothing clips: right on trn2, trn3, gpu, "
+            "vllm-cpu."
             in text
         )
         return
     if (
         name == "per-head"
     ):  # GPU FlashAttention alone serves per-head scales: scored there, claimed nowhere else
-        assert "per head, after rotary embedding" in text and "also right on" not in text
+        assert "per head, after rotary embedding" in text and "Nothing clips: right on gpu." in text
         assert json.loads((out / "kvcalib_calibration.json").read_text())["scored_on"] == ["gpu"]
         return
     assert result.layers[0].k.range < result.layers[0].k.absmax  # clipped
     assert "`k_scale = range(K) / 240` per layer" in text
-    assert "scored on trn2 and on trn3, gpu, vllm-cpu" in text
+    assert "next-token KL deciding where candidates differ materially" in text
+    assert "Clipped below absmax: K in layer 0. Scored on trn2 and on trn3, gpu, vllm-cpu," in text
     for row, layer in zip(rows, result.layers):
         for kind in "kv":
             assert row[f"{kind} range"] == pytest.approx(getattr(layer, kind).range, rel=1e-5)
@@ -151,6 +155,8 @@ def test_recalibration_replaces_its_section_and_keeps_the_users_text(
 
 
 def test_serve_commands_are_the_ones_serve_check_runs(tiny_llama_master, text_dataset, tmp_path):
+    """Each server gets its own command: Neuron's packed FP8 prefill (a whole prompt in one batch) and host
+    sampling (no async scheduling) are Neuron's flags, not GPU vLLM's."""
     out = tmp_path / "out"
     calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(**SMALL))
     blocks = re.findall(r"```bash\n(.*?)\n```", (out / "README.md").read_text(), re.S)
@@ -170,6 +176,9 @@ def test_serve_commands_are_the_ones_serve_check_runs(tiny_llama_master, text_da
         for device in ("trn2", "cuda")
     ]
     assert blocks == expected and all("--kv-cache-dtype fp8" in b for b in blocks)
+    neuron, gpu = blocks
+    for flag in ("--max-num-batched-tokens 2048", "--no-async-scheduling"):
+        assert flag in neuron and flag not in gpu, flag
 
 
 def test_the_kv_cache_it_buys_is_in_the_summary_and_the_card(
