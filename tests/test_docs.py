@@ -61,3 +61,13 @@ def test_help_is_readable_at_80_columns(command):
             assert choices in out.replace(
                 "\n", ""
             )  # --target and --scale-objective list their choices
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_script_a_doc_names_is_there_or_at_its_commit(doc):
+    """A script removed from scripts/ is named with the commit where it lives (`git show COMMIT:scripts/X.py`)."""
+    text = doc.read_text()
+    for name in set(re.findall(r"scripts/(\w+\.(?:py|sh))", text)):
+        assert (REPO / "scripts" / name).is_file() or re.search(
+            rf"git show [0-9a-f]{{7,40}}:scripts/{name}", text
+        ), f"{doc.name} names scripts/{name}, which is not there"

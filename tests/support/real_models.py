@@ -23,7 +23,7 @@ def trn2_beats_448(
 
     Calibrated on 8 x 256 fortunes, scored on 8 x 256 tokens of the Python tutorial, measured: Gemma-3-270M
     calibrated +0.016, absmax/448 +0.033; Qwen2.5-Coder-0.5B +0.043, +0.127 (each test's gap is half the
-    difference). On 16 x 256 (scripts/objective_table.py): Qwen +0.036 against +0.112, Gemma +0.011 against +0.044.
+    difference). On 16 x 256 (BENCHMARKS.md): Qwen +0.036 against +0.112, Gemma +0.011 against +0.044.
     Scored on `eval_samples` x 256 tokens: Qwen's test uses 4 (measured +0.020 against +0.101)."""
     opts = dict(num_samples=8, max_seq_len=256, **FAST)
     ours = calibrate(model, str(prose), tmp_path / "trn2", CalibrateOptions(target="trn2", **opts))
