@@ -52,8 +52,7 @@ def size(text: str) -> tuple[int, int]:
 def calibrations(
     model: Path, out: Path, data: str, calib: tuple[int, int], compute: str
 ) -> dict[str, Path]:
-    from kvcalib.calibration.options import CalibrateOptions
-    from kvcalib.calibration.pipeline import calibrate
+    import kvcalib
 
     plans = {
         "default-trn2": dict(target="trn2"),
@@ -64,17 +63,15 @@ def calibrations(
     for name, options in plans.items():
         found[name] = out / f"{model.name}-{name}"
         if not (found[name] / "config.json").exists():
-            calibrate(
+            kvcalib.calibrate(
                 model,
                 data,
                 found[name],
-                CalibrateOptions(
-                    num_samples=calib[0],
-                    max_seq_len=calib[1],
-                    bf16_compute=compute,
-                    overwrite=True,
-                    **options,
-                ),
+                num_samples=calib[0],
+                max_seq_len=calib[1],
+                bf16_compute=compute,
+                overwrite=True,
+                **options,
             )
     return found
 
@@ -85,23 +82,21 @@ def scale_source(ckpts: dict[str, Path], pattern: str, target: str) -> str:
 
 def nll_rows(ckpts: dict[str, Path], held_out: str, size_: tuple[int, int], compute: str) -> dict:
     """(target, scales) -> (ΔNLL, its interval), and the token count."""
-    from kvcalib.evaluation.pipeline import EvalOptions, evaluate
+    import kvcalib
 
     rows, tokens = {}, 0
     for target in TARGETS:
         own = ckpts[f"default-{target}"]
         others = tuple(scale_source(ckpts, pattern, target) for _, pattern in SCALES[1:])
-        result = evaluate(
+        result = kvcalib.evaluate(
             own,
             held_out,
-            EvalOptions(
-                target=target,
-                num_samples=size_[0],
-                max_seq_len=size_[1],
-                compare=others,
-                layer_rows=0,
-                bf16_compute=compute,
-            ),
+            target=target,
+            num_samples=size_[0],
+            max_seq_len=size_[1],
+            compare=others,
+            layer_rows=0,
+            bf16_compute=compute,
         )
         tokens = result.num_tokens
         for (label, _), run in zip(SCALES, result.runs):
@@ -116,7 +111,7 @@ def run_name(target: str, label: str) -> str:
 
 def task_rows(ckpts: dict[str, Path], task_data: str, limit: int, compute: str) -> dict:
     """(target, scales) -> {task: (score, interval)}, and the baseline's scores and item counts."""
-    from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
+    import kvcalib
 
     runs = tuple(
         (run_name(target, label), scale_source(ckpts, pattern, target), target)
@@ -124,16 +119,14 @@ def task_rows(ckpts: dict[str, Path], task_data: str, limit: int, compute: str) 
         for label, pattern in SCALES
         if run_name(target, label) != "checkpoint"
     )
-    result = evaluate_tasks(
-        str(ckpts["default-trn2"]),
-        TaskOptions(
-            tasks=tuple(t for t, _, _ in TASKS),
-            task_data=task_data,
-            limit=limit,
-            extra_runs=runs,
-            bf16_compute=compute,
-            batch_size=4,
-        ),
+    result = kvcalib.evaluate_tasks(
+        ckpts["default-trn2"],
+        [t for t, _, _ in TASKS],
+        task_data=task_data,
+        limit=limit,
+        extra_runs=runs,
+        bf16_compute=compute,
+        batch_size=4,
     )
     wanted = {(task, metric) for task, metric, _ in TASKS}
     rows = {}

@@ -114,6 +114,7 @@ def child_env(threads: int, **extra: str) -> dict[str, str]:
 def child_sequences(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
+    # internal: the baselines read the very token sequences calibrate reads
     from kvcalib.hf.data import load_calibration_data
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -147,6 +148,7 @@ def child_forward(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    # internal: the bare forward batches and computes as calibrate does, so only the observing differs
     from kvcalib.core.cpu import HostCpu, choose_compute
     from kvcalib.hf.compute import compute_path
     from kvcalib.hf.data import batches

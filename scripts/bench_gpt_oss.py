@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -199,9 +200,7 @@ def proc_io() -> dict[str, int]:
 
 
 def peak_rss() -> int:
-    from kvcalib.hf.memory import peak_rss_bytes
-
-    return peak_rss_bytes()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB, the VmHWM
 
 
 def child_calibrate(args: argparse.Namespace) -> None:
@@ -245,6 +244,7 @@ def child_forward(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
+    # internal: the bare forward loads, batches and computes as calibrate does, so only the observing differs
     from kvcalib.core.cpu import HostCpu, choose_compute
     from kvcalib.core.mxfp4 import expert_chunks
     from kvcalib.hf.compute import compute_path

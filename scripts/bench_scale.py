@@ -38,14 +38,12 @@ REPO = Path(__file__).resolve().parent.parent
 GiB = 2**30
 
 CHILD = """
-import json, sys
-from kvcalib.calibration.options import CalibrateOptions
-from kvcalib.calibration.pipeline import calibrate
-from kvcalib.hf.memory import peak_rss_bytes
+import json, resource, sys
+import kvcalib
 engine, model, data, out, samples, seq_len = sys.argv[1:7]
-r = calibrate(model, data, out, CalibrateOptions(engine=engine, num_samples=int(samples), max_seq_len=int(seq_len),
-                                                 batch_size=4))
-print(json.dumps({"peak_rss": peak_rss_bytes(), "tokens_per_s": r.tokens_per_s, "seconds": r.seconds,
+r = kvcalib.calibrate(model, data, out, engine=engine, num_samples=int(samples), max_seq_len=int(seq_len), batch_size=4)
+peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB, the VmHWM
+print(json.dumps({"peak_rss": peak_rss, "tokens_per_s": r.tokens_per_s, "seconds": r.seconds,
                   "absmax": [[l.k.absmax, l.v.absmax] for l in r.layers]}))
 """
 
@@ -63,7 +61,7 @@ def env() -> dict[str, str]:
 
 def build(root: Path, name: str, hidden: int, layers: int) -> tuple[Path, int]:
     sys.path.insert(0, str(REPO / "scripts"))
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     from helpers import build_tokenizer
     from make_synthetic_llama import build_synthetic_llama
 
@@ -81,7 +79,7 @@ def build(root: Path, name: str, hidden: int, layers: int) -> tuple[Path, int]:
 
 
 def write_dataset(path: Path, rows: int) -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     from helpers import fortune_texts, write_jsonl
 
     return write_jsonl(path, [{"text": t} for t in fortune_texts(rows, chars=2000)])
@@ -170,6 +168,7 @@ def balance_bound(
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(REPO))
+    # internal: how calibrate splits the batches between ranks, which no public function returns
     from kvcalib.calibration.distributed import batch_shares
     from kvcalib.hf.data import load_calibration_data
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The scale objective's search as a share of the whole calibration, three ways, on the same samples in one process.
 
-One `kvcalib.calibrate` run (CalibrateOptions at the CLI defaults but for the sizes given) with its search
+One `kvcalib.calibrate` run (the CLI's defaults but for the sizes given) with its search
 wrapped so that, on the same attention samples, three searches run in turn:
 
   unpruned  every candidate scored on every sample (objective.sample_terms, sum_terms, choose: the public pieces)
@@ -50,7 +50,7 @@ def load_tuned(rev: str, folder: Path) -> types.ModuleType:
         "tuned_fp8": ("kvcalib/core/fp8.py", {}),
         "tuned_samples": ("kvcalib/hf/samples.py", {}),
         "tuned_objective": (
-            "kvcalib/calibration/objective.py",
+            "kvcalib/calibrate/objective.py",
             {
                 "from kvcalib.core import fp8": "import tuned_fp8 as fp8",
                 "from kvcalib.hf.samples import": "from tuned_samples import",
@@ -88,9 +88,10 @@ def main() -> None:
     args = parser.parse_args()
     print(provenance(), flush=True)
 
+    import kvcalib
+
+    # internal: this times the search itself, swapped in where the pipeline calls it, and its pieces
     from kvcalib.calibration import objective, pipeline
-    from kvcalib.calibration.options import CalibrateOptions
-    from kvcalib.calibration.pipeline import calibrate
 
     with tempfile.TemporaryDirectory() as tmp:
         tuned = load_tuned(args.tuned_from, Path(tmp))
@@ -143,13 +144,13 @@ def main() -> None:
 
         pipeline.search = three
         dataset = args.dataset or _fortunes(Path(tmp) / "fortunes.jsonl", args.num_samples)
-        run = calibrate(
+        run = kvcalib.calibrate(
             args.model,
             dataset,
             Path(tmp) / "out",
-            CalibrateOptions(
-                target=args.target, num_samples=args.num_samples, max_seq_len=args.max_seq_len
-            ),
+            target=args.target,
+            num_samples=args.num_samples,
+            max_seq_len=args.max_seq_len,
         )
     rest = run.seconds - sum(sum(times) for times in seconds.values())
     best = {name: min(times) for name, times in seconds.items()}

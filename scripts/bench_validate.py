@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time `validate_checkpoint` on a synthetic 100-shard checkpoint against reading every tensor once.
+"""Time `kvcalib.validate` on a synthetic 100-shard checkpoint against reading every tensor once.
 
 Builds (in a temporary directory, removed afterwards unless --keep) a Llama-shaped
 checkpoint: --shards weight files of about --shard-mb MB each, an index, config.json with
@@ -7,7 +7,7 @@ the KV-only quantization_config, kv_scales.safetensors for --layers layers and t
 provenance file. Then it times, each --reps times, with the page cache warm and (where
 the OS lets us drop a file's cached pages) cold:
 
-  validate   kvcalib.validation.validate_checkpoint(ckpt, "trn2")
+  validate   kvcalib.validate(ckpt, target="trn2")
   baseline   safetensors.torch.load_file on every shard, touching every page (every tensor read once)
 
 and prints the medians and their ratio. Then the whole process, as a user or a CI job pays it:
@@ -37,6 +37,9 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import kvcalib  # noqa: E402
+
+# internal: the synthetic checkpoint is written with kvcalib's own scale math, file and key names
 from kvcalib.core.fp8 import TARGETS, scale_from_absmax  # noqa: E402
 from kvcalib.core.schema import (  # noqa: E402
     CONFIG_FILENAME,
@@ -46,7 +49,6 @@ from kvcalib.core.schema import (  # noqa: E402
     kv_only_quantization_config,
     neuron_scale_key,
 )
-from kvcalib.validation.pipeline import validate_checkpoint  # noqa: E402
 
 TENSORS_PER_SHARD = 8
 
@@ -128,7 +130,7 @@ def drop_page_cache(root: Path) -> bool:
 
 
 def validate_once(root: Path) -> None:
-    report = validate_checkpoint(root, "trn2")
+    report = kvcalib.validate(root, target="trn2")
     if report.findings:
         raise SystemExit(f"the synthetic checkpoint should validate clean: {report.findings}")
 

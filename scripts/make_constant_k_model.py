@@ -64,7 +64,7 @@ def boundary_values(
     `both` alternates the two, so the mechanism bites whichever the server does."""
     import torch
 
-    from kvcalib.core import fp8
+    from kvcalib.core import fp8  # internal: the chip's FP8 grid, on which the fixture puts K
 
     chip = fp8.get_target(target_name)
     multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, chip))
@@ -141,23 +141,17 @@ def layer_absmax(
     model: Path, dataset: str, num_samples: int, max_seq_len: int, bf16_compute: str = "auto"
 ) -> list[float]:
     """Every layer's K absmax, as `kvcalib calibrate` measures it on this machine (with `bf16_compute`)."""
-    from kvcalib.calibration.options import CalibrateOptions
-    from kvcalib.calibration.pipeline import calibrate
-    from kvcalib.core.cpu import HostCpu
+    import kvcalib
 
-    cpu = HostCpu.from_cpuinfo(Path("/proc/cpuinfo"), override=os.environ.get("KVCALIB_CPU_FLAGS"))
     with tempfile.TemporaryDirectory() as tmp:
-        result = calibrate(
+        result = kvcalib.calibrate(
             model,
             dataset,
             Path(tmp) / "out",
-            CalibrateOptions(
-                num_samples=num_samples,
-                max_seq_len=max_seq_len,
-                scale_objective="absmax",
-                cpu=cpu,
-                bf16_compute=bf16_compute,
-            ),
+            num_samples=num_samples,
+            max_seq_len=max_seq_len,
+            scale_objective="absmax",
+            bf16_compute=bf16_compute,
         )
     return [layer.k.absmax for layer in result.layers]
 
@@ -182,7 +176,7 @@ def make(
     """Build the variant (the mechanism in every KV head of `head` of every layer of `layer`); the first layer's
     K channel values, its measured absmax and the scale whose grid they sit on (absmax x `grid_factor` / fp8_max)
     on `target`. `bf16_compute`: how the absmax is measured, as the calibration that reads the variant computes."""
-    from kvcalib.core import fp8
+    from kvcalib.core import fp8  # internal: the chip's FP8 grid, on which the fixture puts K
 
     layers = [layer] if isinstance(layer, int) else list(layer)
     heads = [head] if isinstance(head, int) else list(head)

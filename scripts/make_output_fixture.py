@@ -46,7 +46,7 @@ def midpoints(scale: float, target_name: str, low: float, count: int = 4) -> lis
     just below fp8_max, above `low` x fp8_max (a cast to nearest flips there)."""
     import torch
 
-    from kvcalib.core import fp8
+    from kvcalib.core import fp8  # internal: the chip's FP8 grid, on which the fixture puts K
 
     chip = fp8.get_target(target_name)
     multiplier = float(fp8.to_fp8_domain(torch.tensor(1.0), scale, chip))
@@ -69,7 +69,7 @@ def midpoints(scale: float, target_name: str, low: float, count: int = 4) -> lis
 def values_for(absmax: float, measured: float, target: str, clip: float) -> dict[int, list[float]]:
     """Per KV head, the planted channels' K: the seen head's on absmax's midpoints above `clip`, the hidden head's
     on absmax x `clip`'s midpoints above `clip` / √2 (in absmax x `clip`'s units: above 1 / √2)."""
-    from kvcalib.core import fp8
+    from kvcalib.core import fp8  # internal: the chip's FP8 grid, on which the fixture puts K
 
     chip = fp8.get_target(target)
     scale = float(fp8.scale_from_absmax(measured, chip))

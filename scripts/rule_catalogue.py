@@ -7,13 +7,15 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvcalib.validation.rules import RULES  # noqa: E402 - the repository on sys.path first
+# internal: the rules as declared, which this catalogue documents (the repository on sys.path first)
+from kvcalib.validation.rules import RULES  # noqa: E402
 
 OUT = REPO / "scripts" / "VALIDATE_RULES.md"
 COMMAND = "python scripts/rule_catalogue.py"
@@ -46,6 +48,7 @@ def render() -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     OUT.write_text(render(), encoding="utf-8")
     print(f"wrote {OUT.relative_to(REPO)}")
 
