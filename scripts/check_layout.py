@@ -19,6 +19,7 @@ exits 1 with the reasons when a rule is broken. CI runs it (scripts/test.sh).
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
 import sys
@@ -150,8 +151,11 @@ def functions(files: dict[str, Path]) -> list[tuple[int, str]]:
 
 
 def main() -> int:
-    default = Path(__file__).resolve().parent.parent / "kvcalib"
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else default).resolve()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "package", nargs="?", type=Path, default=Path(__file__).resolve().parent.parent / "kvcalib"
+    )
+    root = parser.parse_args().package.resolve()
     files, edges = read_package(root)
     sizes = {
         name: len(code_token_lines(path.read_text(encoding="utf-8")))

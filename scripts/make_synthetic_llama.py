@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
     from helpers import build_tokenizer
 
     size = build_synthetic_llama(

@@ -10,6 +10,7 @@ scripts/BENCHMARKS.md quotes it with each table, so a figure always says where i
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -76,4 +77,5 @@ def provenance(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     print(provenance())
