@@ -172,6 +172,16 @@ def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Pick:
+    """One layer's K or V as it is written: its candidates, the chosen one per KV head (one entry per tensor) and the
+    record of the choice."""
+
+    candidates: Candidates
+    index: tuple[int, ...]
+    choice: ScaleChoice
+
+
+@dataclass(frozen=True)
 class Scored:
     """One layer's K or V as the attention objective scored it (`choose`): per server (target first), candidate and
     KV head, the summed squared attention-output error on the choosing rows and on the held-out rows; per candidate and
@@ -195,22 +205,22 @@ class Scored:
         err = math.fsum(self.held[n, c, h].item() for h, c in enumerate(self.per_head(index)))
         return math.sqrt(err / self.norm) if self.norm > 0 else 0.0
 
-    def choice(
+    def pick(
         self,
         index: tuple[int, ...] | None = None,
         step: str = ATTENTION,
         output: tuple[tuple[str, float], ...] | None = None,
-    ) -> ScaleChoice:
-        """The record of candidate `index` (default: the objective's pick), chosen by `step`."""
-        index = self.per_head(self.index if index is None else index)
-        heads = range(self.held.shape[2])
+    ) -> Pick:
+        """Candidate `index` (default: the objective's pick) chosen by `step`, to be written, and its record."""
+        kept = self.index if index is None else index
+        index = self.per_head(kept)
         labels = {self.candidates.labels[c] for c in index}
-        return ScaleChoice(
+        choice = ScaleChoice(
             label=labels.pop() if len(labels) == 1 else "per head",
-            clipped=math.fsum(self.saturated[c, h].item() for h, c in zip(heads, index))
+            clipped=math.fsum(self.saturated[c, h].item() for h, c in enumerate(index))
             / self.elements,
             attention_error=self.held_error(index),
-            attention_error_absmax=self.held_error((0,)),
+            attention_error_absmax=self.error_absmax,
             attention_error_unit=self.held_error((self.candidates.unit,)),
             attention_error_on=tuple(
                 (name, self.held_error(index, n)) for n, name in enumerate(self.numerics)
@@ -218,25 +228,16 @@ class Scored:
             step=step,
             output=output,
         )
-
-    def pick(
-        self,
-        index: tuple[int, ...] | None = None,
-        step: str = ATTENTION,
-        output: tuple[tuple[str, float], ...] | None = None,
-    ) -> Pick:
-        """Candidate `index` (default: the objective's pick) chosen by `step`, to be written."""
-        index = self.index if index is None else index
-        return Pick(self.candidates, index, self.choice(index, step, output))
+        return Pick(self.candidates, kept, choice)
 
     # the objective's pick, as attributes
     @property
     def label(self) -> str:
-        return self.choice().label
+        return self.pick().choice.label
 
     @property
     def clipped(self) -> float | None:
-        return self.choice().clipped
+        return self.pick().choice.clipped
 
     @property
     def error(self) -> float:
@@ -252,17 +253,7 @@ class Scored:
 
     @property
     def errors_on(self) -> tuple[tuple[str, float], ...] | None:
-        return self.choice().attention_error_on
-
-
-@dataclass(frozen=True)
-class Pick:
-    """One layer's K or V as it is written: its candidates, the chosen one per KV head (one entry per tensor) and the
-    record of the choice."""
-
-    candidates: Candidates
-    index: tuple[int, ...]
-    choice: ScaleChoice
+        return self.pick().choice.attention_error_on
 
 
 def worst(errors: torch.Tensor) -> list[float]:

@@ -228,7 +228,7 @@ def output_step(
     rank: int = 0,
     world: int = 1,
     gather: Gather = lambda local: local,
-) -> tuple[list[tuple[Pick, ...]], StepReport]:
+) -> tuple[list[list[Pick]], StepReport]:
     """Per layer, K and V as written: the objective's picks with its close calls (close_call) settled by the
     output on held-out calibration rows (`sequences` less `sampled`, the objective's), and what the step did
     (`model` None: the whole model does not fit, nothing settled)."""
@@ -251,7 +251,7 @@ def output_step(
         else None
     )
     if skipped:
-        return _written(picks), StepReport(material=len(calls), budget=allowed, skipped=skipped)
+        return picks, StepReport(material=len(calls), budget=allowed, skipped=skipped)
     scorer = _Scorer(model, rows, target, compute, pad, device, rank, world, gather)
     weighed = _weighed(layers, calls, allowed - 2)
     state = [[scored.index for scored in layer] for layer in layers]
@@ -290,17 +290,13 @@ def output_step(
     )
     if report.changed and _worse(current, start, scorer.tokens):
         # ties that add up to worse: keep the objective's
-        return [tuple(scored.pick() for scored in layer) for layer in layers], replace(
+        return [[scored.pick() for scored in layer] for layer in layers], replace(
             report,
             changed=0,
             kl_after=report.kl_before,
             skipped=f"its changes together were worse (KL {report.kl_after:.3g}) than none",
         )
-    return _written(picks), report
-
-
-def _written(picks: list[list[Pick]]) -> list[tuple[Pick, ...]]:
-    return [tuple(layer) for layer in picks]
+    return picks, report
 
 
 def _weighed(

@@ -310,13 +310,13 @@ def check_run(
 
 def _observe(
     plan: RunPlan, inputs: EngineInputs
-) -> tuple[Observation, list[tuple[Pick, ...]] | None, float, StepReport | None]:
+) -> tuple[Observation, list[list[Pick]] | None, float, StepReport | None]:
     """The engine's observation, the scale objective's picks (None: absmax), the seconds the search and the
     whole-model step took, and what the step did (None: not asked for)."""
     engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
     timing: list[Any] = [0.0, None]
 
-    def finish(observation: Observation, gather: Gather) -> list[tuple[Pick, ...]] | None:
+    def finish(observation: Observation, gather: Gather) -> list[list[Pick]] | None:
         if not inputs.sample_sequences:
             return None
         inputs.notify(Progress("objective"))
@@ -342,7 +342,7 @@ def _observe(
             inputs.notify(Progress("output"))
             picks, timing[1] = _output_step(plan, inputs, observation, scored, gather)
         else:
-            picks = [tuple(kind.pick() for kind in layer) for layer in scored]
+            picks = [[kind.pick() for kind in layer] for layer in scored]
         timing[0] = time.perf_counter() - started
         return picks
 
@@ -362,7 +362,7 @@ def _observe(
 
 def _output_step(
     plan: RunPlan, inputs: EngineInputs, observation: Observation, scored: list, gather: Gather
-) -> tuple[list[tuple[Pick, ...]], StepReport]:
+) -> tuple[list[list[Pick]], StepReport]:
     """kvcalib.calibration.output with the engine's model, or one loaded for it where it fits (None where not)."""
     opts = plan.options
     model = observation.model

@@ -63,7 +63,7 @@ def layer_scales(
     model_dir: Path,
     strategy: str = "tensor",
     queries: bool = False,
-    choices: list[tuple[Pick, ...]] | None = None,
+    choices: list[list[Pick]] | None = None,
     headroom: float = 1.0,
 ) -> tuple[list[LayerScales], list[str]]:
     """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; then with_headroom."""

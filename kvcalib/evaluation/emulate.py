@@ -61,7 +61,7 @@ class LayerQuantStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            k: {kind: c.to_dict() for kind, c in v.items()} if k == "chosen" else v
+            k: {kind: c.to_dict() for kind, c in v.items()} if isinstance(v, dict) else v
             for k, v in vars(self).items()
             if v is not None
         }
