@@ -22,6 +22,7 @@ from kvcalib.calibration.objective import (
     ABSMAX,
     Gather,
     Pick,
+    Scored,
     absmax_warnings,
     scored_numerics,
     search,
@@ -361,7 +362,11 @@ def _observe(
 
 
 def _output_step(
-    plan: RunPlan, inputs: EngineInputs, observation: Observation, scored: list, gather: Gather
+    plan: RunPlan,
+    inputs: EngineInputs,
+    observation: Observation,
+    scored: list[tuple[Scored, Scored]],
+    gather: Gather,
 ) -> tuple[list[list[Pick]], StepReport]:
     """kvcalib.calibration.output with the engine's model, or one loaded for it where it fits (None where not)."""
     opts = plan.options
