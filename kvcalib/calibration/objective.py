@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvcalib.core import fp8
+from kvcalib.core.choice import ScaleChoice
 from kvcalib.hf.samples import AttentionSample, attention_rows
 
 __all__ = [
@@ -35,13 +36,15 @@ __all__ = [
     "WIDER_GAIN",
     "Candidates",
     "Gather",
-    "KindChoice",
+    "Pick",
+    "Scored",
     "candidates",
     "choose",
     "sample_terms",
     "scored_numerics",
     "search",
     "sum_terms",
+    "worst",
 ]
 
 ATTENTION = "attention"
@@ -53,9 +56,6 @@ WIDER = tuple(
 GAIN = 0.5  # a clip must halve absmax's attention error (equivalent scales differ by up to ~30 %)
 WIDER_GAIN = 0.9  # a wider scale must cut it by a tenth (V's equally good scales differ by ~1-3 %, K's by ~5 %)
 TOLERANCE = 0.25  # of those that do, the least clipping within 25 % of their best
-SHORTLIST = (
-    2  # the lowest attention errors the whole-model step weighs, beside the chosen and absmax
-)
 UNIT_LABEL = "1.0"
 ABSMAX = "absmax"  # the candidate absmax / FP8 max, and --scale-objective absmax: it alone (llm-compressor's rule)
 
@@ -172,71 +172,91 @@ def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class KindChoice:
-    """What the objective chose for one layer's K or V, and what the alternatives would have cost."""
+class Pick:
+    """One layer's K or V as it is written: its candidates, the chosen one per KV head (one entry per tensor) and the
+    record of the choice."""
 
-    label: str  # the chosen candidate ("absmax", "absmax x0.5", "1.0", ...)
-    index: tuple[int, ...]  # the chosen candidate per KV head (one entry per tensor)
-    clipped: float  # the fraction of the sample's elements the chosen scale saturates on the target
-    error: float  # held-out relative attention-output error ||ΔO|| / ||O|| of the chosen scale, on the target
-    error_absmax: float
-    error_unit: float
-    errors_on: tuple[
-        tuple[str, float], ...
-    ] = ()  # (numerics, the chosen scale's held-out error there), target first
-    # for the whole-model step (kvcalib.calibration.output): what it may weigh, and what it found
-    shortlist: tuple[
-        tuple[int, ...], ...
-    ] = ()  # per-head candidate indices: the chosen, the 2 best, absmax
-    clip_on_table: bool = False  # some clip at least halves absmax's error (GAIN), on both halves
-    gap: float = (
-        1.0  # the chosen candidate's attention error over the best's (squared, choosing rows)
-    )
-    step: str = ATTENTION  # which step chose: "attention" (this objective) or "output" (the whole-model step)
-    output: tuple[
-        tuple[str, float], ...
-    ] = ()  # (candidate, mean next-token KL on the held-out rows) it weighed
-    # per candidate on every head: (errors_on, held-out error, fraction clipped), for the step's pick
-    uniform: tuple[tuple[tuple[tuple[str, float], ...], float, float], ...] = ()
+    candidates: Candidates
+    index: tuple[int, ...]
+    choice: ScaleChoice
 
-    @property
-    def material(self) -> bool:
-        """The candidates differ enough to weigh at the output: a clip is on the table, or the best beats the
-        chosen by a tenth (WIDER_GAIN)."""
-        return self.clip_on_table or self.gap * WIDER_GAIN**2 > 1.0
 
-    def rechosen(
-        self, index: tuple[int, ...], labels: Sequence[str], output: tuple[tuple[str, float], ...]
-    ) -> KindChoice:
-        """The whole-model step's record: `index` (the chosen, or one candidate on every head) and what it weighed."""
-        if index == self.index:
-            return replace(self, step=OUTPUT, output=output)
-        errors_on, error, clipped = self.uniform[index[0]]
-        return replace(
-            self,
-            label=labels[index[0]],
-            index=index,
-            error=error,
-            clipped=clipped,
-            errors_on=errors_on,
-            step=OUTPUT,
+@dataclass(frozen=True)
+class Scored:
+    """One layer's K or V as the attention objective scored it (`choose`): per server (target first), candidate and
+    KV head, the summed squared attention-output error on the choosing rows and on the held-out rows; per candidate and
+    KV head, the elements it saturates on the target; and the objective's pick (the module's rule)."""
+
+    candidates: Candidates
+    index: tuple[int, ...]  # the pick per KV head (one entry per tensor)
+    choosing: torch.Tensor  # [numerics, C, kv_heads] float64
+    held: torch.Tensor  # [numerics, C, kv_heads] float64
+    saturated: torch.Tensor  # [C, kv_heads] float64
+    elements: float  # the sampled elements (at least 1)
+    norm: float  # the held-out rows' squared attention output, summed
+    numerics: tuple[str, ...] = ()  # the servers' names
+
+    def per_head(self, index: tuple[int, ...]) -> tuple[int, ...]:
+        """`index` with one entry per KV head (a per-tensor index repeated)."""
+        return index * self.held.shape[2] if len(index) == 1 else index
+
+    def held_error(self, index: tuple[int, ...], n: int = 0) -> float:
+        """The held-out relative attention-output error of candidate `index` on numerics `n`."""
+        err = math.fsum(self.held[n, c, h].item() for h, c in enumerate(self.per_head(index)))
+        return math.sqrt(err / self.norm) if self.norm > 0 else 0.0
+
+    def pick(
+        self,
+        index: tuple[int, ...] | None = None,
+        step: str = ATTENTION,
+        output: tuple[tuple[str, float], ...] | None = None,
+    ) -> Pick:
+        """Candidate `index` (default: the objective's pick) chosen by `step`, to be written, and its record."""
+        kept = self.index if index is None else index
+        index = self.per_head(kept)
+        labels = {self.candidates.labels[c] for c in index}
+        choice = ScaleChoice(
+            label=labels.pop() if len(labels) == 1 else "per head",
+            clipped=math.fsum(self.saturated[c, h].item() for h, c in enumerate(index))
+            / self.elements,
+            attention_error=self.held_error(index),
+            attention_error_absmax=self.error_absmax,
+            attention_error_unit=self.held_error((self.candidates.unit,)),
+            attention_error_on=tuple(
+                (name, self.held_error(index, n)) for n, name in enumerate(self.numerics)
+            ),
+            step=step,
             output=output,
         )
+        return Pick(self.candidates, kept, choice)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "clipped": self.clipped,
-            "attention_error": self.error,
-            "attention_error_absmax": self.error_absmax,
-            "attention_error_unit": self.error_unit,
-            "attention_error_on": dict(self.errors_on),
-            "step": self.step,
-            **({"output": dict(self.output)} if self.output else {}),
-        }
+    # the objective's pick, as attributes
+    @property
+    def label(self) -> str:
+        return self.pick().choice.label
+
+    @property
+    def clipped(self) -> float | None:
+        return self.pick().choice.clipped
+
+    @property
+    def error(self) -> float:
+        return self.held_error(self.index)
+
+    @property
+    def error_absmax(self) -> float:
+        return self.held_error((0,))
+
+    @property
+    def error_unit(self) -> float:
+        return self.held_error((self.candidates.unit,))
+
+    @property
+    def errors_on(self) -> tuple[tuple[str, float], ...] | None:
+        return self.pick().choice.attention_error_on
 
 
-def _worst(errors: torch.Tensor) -> list[float]:
+def worst(errors: torch.Tensor) -> list[float]:
     """[numerics, C, kv_heads] squared errors -> per candidate, the largest over numerics of its sum over heads."""
     return [max(math.fsum(row) for row in per) for per in errors.transpose(0, 1).tolist()]
 
@@ -247,9 +267,10 @@ def choose(
     cands: Candidates,
     per_head: bool,
     numerics: Sequence[fp8.Target] = (),
-) -> KindChoice:
-    """The choice for one kind from its summed terms ([numerics, 4, C, kv_heads], target first; or [4, C, kv_heads])
-    and the norms ([2, kv_heads]); each candidate judged by its error on the server where it does worst."""
+) -> Scored:
+    """The scored candidates for one kind from its summed terms ([numerics, 4, C, kv_heads], target first; or
+    [4, C, kv_heads]) and the norms ([2, kv_heads]); each candidate judged by its error on the server where it does
+    worst."""
     terms = terms[None] if terms.dim() == 3 else terms
     choosing, held, clipped, count = terms[:, 0], terms[:, 1], terms[0, 2], terms[0, 3]
     keeps = cands.keeps_range
@@ -263,75 +284,17 @@ def choose(
             for h in range(choosing.shape[2])
         )
     else:
-        index = (
-            _pick(_worst(choosing), _worst(held), keeps.all(dim=1).tolist()),
-        ) * choosing.shape[2]
-
-    def held_error(per_head_index: Sequence[int], n: int = 0) -> float:
-        err = math.fsum(held[n, c, h].item() for h, c in enumerate(per_head_index))
-        norm = math.fsum(norms[1].tolist())
-        return math.sqrt(err / norm) if norm > 0 else 0.0
-
-    heads = range(choosing.shape[2])
-    labels = {cands.labels[c] for c in index}
-    kept = index if per_head else index[:1]
-    elements = max(math.fsum(count[0].tolist()), 1.0)
-    return KindChoice(
-        label=labels.pop() if len(labels) == 1 else "per head",
-        index=kept,
-        clipped=math.fsum(clipped[c, h].item() for h, c in zip(heads, index)) / elements,
-        error=held_error(index),
-        error_absmax=held_error([0] * len(heads)),
-        error_unit=held_error([cands.unit] * len(heads)),
-        errors_on=tuple((chip.name, held_error(index, n)) for n, chip in enumerate(numerics)),
-        uniform=tuple(
-            (
-                tuple(
-                    (chip.name, held_error([c] * len(heads), n)) for n, chip in enumerate(numerics)
-                ),
-                held_error([c] * len(heads)),
-                math.fsum(clipped[c].tolist()) / elements,
-            )
-            for c in range(len(cands.labels))
-        ),
-        **_for_the_step(choosing, held, cands, index, kept),
+        index = (_pick(worst(choosing), worst(held), keeps.all(dim=1).tolist()),)
+    return Scored(
+        cands,
+        index,
+        choosing,
+        held,
+        clipped,
+        max(math.fsum(count[0].tolist()), 1.0),
+        math.fsum(norms[1].tolist()),
+        tuple(chip.name for chip in numerics),
     )
-
-
-def _for_the_step(
-    choosing: torch.Tensor,
-    held: torch.Tensor,
-    cands: Candidates,
-    index: tuple[int, ...],
-    kept: tuple[int, ...],
-) -> dict[str, Any]:
-    """KindChoice's shortlist, clip_on_table and gap, over the candidates scored in full: absmax, 1.0 and those
-    that cut absmax's error as a pick needs (GAIN, WIDER_GAIN for a wider scale); the others stopped early."""
-    errors, held_errors = (
-        _worst(choosing.sum(dim=2, keepdim=True)),
-        _worst(held.sum(dim=2, keepdim=True)),
-    )
-    keeps = cands.keeps_range.all(dim=1).tolist()
-
-    def cuts(c: int) -> bool:
-        gain = WIDER_GAIN if keeps[c] else GAIN
-        return errors[c] < gain**2 * errors[0] and held_errors[c] < gain**2 * held_errors[0]
-
-    full = [c for c in range(len(errors)) if c in (0, cands.unit) or cuts(c)]
-    ranked = sorted(full, key=lambda c: (errors[c] + held_errors[c], c))[:SHORTLIST]
-    best = min(full, key=lambda c: (errors[c], c))
-    heads = range(choosing.shape[2])
-    picked = max(
-        math.fsum(choosing[n, c, h].item() for h, c in zip(heads, index))
-        for n in range(len(choosing))
-    )
-    return {
-        "shortlist": tuple(
-            dict.fromkeys([kept, *((c,) * len(kept) for c in ranked), (0,) * len(kept)])
-        ),
-        "clip_on_table": any(not keeps[c] and cuts(c) for c in range(1, len(errors))),
-        "gap": picked / errors[best] if errors[best] > 0 else 1.0,
-    }
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:
@@ -369,8 +332,8 @@ def search(
     target: fp8.Target,
     per_head: bool,
     gather: Gather = lambda local: local,
-) -> list[tuple[KindChoice, KindChoice, Candidates, Candidates]]:
-    """Per layer: the K and V choices and candidates, from every rank's samples (`gather`, twice a layer). absmax
+) -> list[tuple[Scored, Scored]]:
+    """Per layer: K and V scored, from every rank's samples (`gather`, twice a layer). absmax
     and 1.0 are scored first (absmax's error is the bar); the others until their error so far reaches it."""
     numerics = scored_numerics(target, per_head)
     chosen = []
@@ -394,8 +357,6 @@ def search(
             (
                 choose(terms[:, 0], norms, k, per_head, numerics),
                 choose(terms[:, 1], norms, v, per_head, numerics),
-                k,
-                v,
             )
         )
     return chosen
@@ -476,14 +437,14 @@ def absmax_warnings(
     for layer in layers:
         for kind in "kv":
             choice = getattr(layer, kind).choice
-            if not choice or choice["attention_error_absmax"] <= max(
-                FAR_WORSE * choice["attention_error"], WORTH_WARNING
+            if not choice or choice.attention_error_absmax <= max(
+                FAR_WORSE * choice.attention_error, WORTH_WARNING
             ):
                 continue
             line = (
                 f"layer {layer.layer} {kind.upper()}: absmax/{target.fp8_max:g} would cost attention-output error "
-                f"{choice['attention_error_absmax']:.3f} against {choice['attention_error']:.3f} for the chosen "
-                f"{choice['label']} ({choice['clipped']:.1%} clipped)"
+                f"{choice.attention_error_absmax:.3f} against {choice.attention_error:.3f} for the chosen "
+                f"{choice.label} ({choice.clipped:.1%} clipped)"
             )
             found = near_constant_channels(
                 samples[layer.layer] if layer.layer < len(samples) else (),

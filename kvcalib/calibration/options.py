@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcalib.core import fp8
+from kvcalib.core.choice import ScaleChoice
 from kvcalib.core.errors import UsageError
 from kvcalib.core.options import RunOptions, check_options, option
 
@@ -119,12 +120,12 @@ class KindScales:
     head_absmax: tuple[float, ...] | None = None
     head_scales: tuple[float, ...] | None = None
     range: float | None = None
-    choice: dict[str, Any] | None = None
+    choice: ScaleChoice | None = None
 
     def to_dict(self, keys: bool = True) -> dict[str, Any]:
         return {
-            k: list(v) if isinstance(v, tuple) else v
-            for k, v in asdict(self).items()
+            k: list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, ScaleChoice) else v
+            for k, v in vars(self).items()
             if v is not None and (keys or k != "key")
         }
 

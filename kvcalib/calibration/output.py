@@ -3,10 +3,10 @@
 The attention objective scores each layer alone, and its pick rule (the least clipping within 25 % of the best)
 cannot see that the cost at the output is not monotone in the clip: a near-constant K channel flips on FP8 rounding
 boundaries at one scale and saturates (constant, ignored by softmax) at a deeper one. So where a layer's candidates
-differ materially (KindChoice.material: a clip is on the table, or the best beats the chosen by a tenth), its
-shortlist (the chosen, the 2 lowest attention errors, absmax) is scored by the model itself: next-token KL against
-the unquantised cache on TOKENS of held-out calibration rows (never the objective's), every other layer at its current
-choice, in the target's numerics and its server's order (Neuron: a fresh-K/V prefill of each row's first half,
+differ materially (close_call: a clip is on the table, or the best beats the pick by a tenth), its shortlist
+(the objective's pick, the SHORTLIST lowest attention errors, absmax) is scored by the model itself: next-token KL
+against the unquantised cache on TOKENS of held-out calibration rows (never the objective's), every other layer at its
+current choice, in the target's numerics and its server's order (Neuron: a fresh-K/V prefill of each row's first half,
 then decode steps reading FP8; emulate.FreshPrefill). A coordinate pass in layer order: an early layer's change
 moves every later layer's inputs, so later layers are weighed against the early layers' settled choices.
 
@@ -27,13 +27,22 @@ from typing import Any
 
 import torch
 
-from kvcalib.calibration.objective import OUTPUT, Candidates, Gather, KindChoice
+from kvcalib.calibration.objective import (
+    GAIN,
+    OUTPUT,
+    WIDER_GAIN,
+    Candidates,
+    Gather,
+    Pick,
+    Scored,
+    worst,
+)
 from kvcalib.calibration.scales import with_headroom
 from kvcalib.core import fp8
 from kvcalib.core.cpu import ComputePath
-from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, Scale, decode_rows, head_scale
+from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, Scale, head_scale
 from kvcalib.evaluation.layers import OneLayer
-from kvcalib.evaluation.pipeline import log_probs
+from kvcalib.evaluation.scoring import log_probs, row_sums, scored_tokens, token_kl
 from kvcalib.evaluation.significance import paired_bootstrap
 from kvcalib.hf.compute import Float32Weights
 from kvcalib.hf.data import batches
@@ -43,9 +52,11 @@ __all__ = [
     "MIN_FORWARDS",
     "OUTPUT",
     "ROW_TOKENS",
+    "SHORTLIST",
     "TOKENS",
     "StepReport",
     "budget",
+    "close_call",
     "decide",
     "held_out_rows",
     "output_step",
@@ -57,10 +68,14 @@ MIN_ROW_TOKENS = 8
 MIN_ROWS, MAX_ROWS = 4, 32
 BUDGET_SHARE = 0.1  # the step's forwards, in tokens, at most this share of the calibration's
 MIN_FORWARDS = 5
+SHORTLIST = 2  # the lowest attention errors the step weighs, beside the objective's pick and absmax
 TOP = 1024  # KL over the reference's TOP most likely tokens and the rest lumped (a lower bound of the full KL)
 LOGIT_BYTES = 64 << 20  # the log-probabilities one step batch may hold
 
-Choices = list[tuple[KindChoice, KindChoice, Candidates, Candidates]]
+Layers = Sequence[
+    tuple[Scored, Scored]
+]  # per layer: K and V as the attention objective scored them
+Shortlist = tuple[tuple[int, ...], ...]  # per-head candidate indices (one entry per tensor)
 
 
 @dataclass(frozen=True)
@@ -152,23 +167,14 @@ class _Scorer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp = self._forward(ids, mask, None)
         top, index = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
-        rest = torch.log1p(-top.exp().sum(-1).clamp(max=1 - 1e-7))
-        scored = (mask[:, 1:] & mask[:, :-1]).bool().to(logp.device)
-        if self.fresh:
-            scored &= decode_rows(mask.to(logp.device))[:, :-1]
-        return torch.cat([top, rest[..., None]], dim=-1), index, scored
+        return _lumped(top), index, scored_tokens(mask.to(logp.device), self.fresh)
 
     def kl(self, quantizer: KVQuantizer) -> list[float]:
         """Every row's summed KL (rows in the single process's order), with K/V through `quantizer`."""
         sums = []
         for (ids, mask), (ref, index, scored) in zip(self.batches, self.reference):
             logq = self._forward(ids, mask, quantizer)
-            top = logq.gather(-1, index)
-            q = torch.cat(
-                [top, torch.log1p(-top.exp().sum(-1).clamp(max=1 - 1e-7))[..., None]], dim=-1
-            )
-            per_token = (ref.exp() * (ref - q)).sum(-1).double()
-            sums.append(torch.where(scored, per_token, 0.0).sum(dim=1))
+            sums.append(row_sums(token_kl(ref, _lumped(logq.gather(-1, index))), scored))
         return self._gathered(sums)
 
     def _gathered(self, local: list[torch.Tensor]) -> list[float]:
@@ -177,106 +183,132 @@ class _Scorer:
         return [v for _, values in sorted(self.gather(mine)) for v in values]
 
 
+def close_call(scored: Scored) -> tuple[Shortlist, bool] | None:
+    """Where the candidates differ materially (a clip is on the table: one at least halves absmax's error, GAIN, on
+    both halves; or the best beats the pick by a tenth, WIDER_GAIN), what the step weighs: the pick, the SHORTLIST
+    lowest attention errors and absmax, and whether a clip is on the table; None elsewhere. Over the candidates
+    scored in full: absmax, 1.0 and those that cut absmax's error as a pick needs (GAIN, WIDER_GAIN for a wider
+    scale); the others stopped early."""
+    choosing, cands, kept = scored.choosing, scored.candidates, scored.index
+    errors, held_errors = (
+        worst(choosing.sum(dim=2, keepdim=True)),
+        worst(scored.held.sum(dim=2, keepdim=True)),
+    )
+    keeps = cands.keeps_range.all(dim=1).tolist()
+
+    def cuts(c: int) -> bool:
+        gain = WIDER_GAIN if keeps[c] else GAIN
+        return errors[c] < gain**2 * errors[0] and held_errors[c] < gain**2 * held_errors[0]
+
+    full = [c for c in range(len(errors)) if c in (0, cands.unit) or cuts(c)]
+    ranked = sorted(full, key=lambda c: (errors[c] + held_errors[c], c))[:SHORTLIST]
+    best = min(full, key=lambda c: (errors[c], c))
+    picked = max(
+        math.fsum(choosing[n, c, h].item() for h, c in enumerate(scored.per_head(kept)))
+        for n in range(len(choosing))
+    )
+    gap = picked / errors[best] if errors[best] > 0 else 1.0  # squared, choosing rows
+    clip_on_table = any(not keeps[c] and cuts(c) for c in range(1, len(errors)))
+    if not (clip_on_table or gap * WIDER_GAIN**2 > 1.0):
+        return None
+    shortlist = dict.fromkeys([kept, *((c,) * len(kept) for c in ranked), (0,) * len(kept)])
+    return tuple(shortlist), clip_on_table
+
+
 def output_step(
     model: torch.nn.Module | None,
-    choices: Choices,
-    rows: list[tuple[int, ...]],
+    layers: Layers,
+    sequences: Sequence[Sequence[int]],
+    sampled: frozenset[tuple[int, ...]],
     target: fp8.Target,
     compute: ComputePath,
     pad: int,
     device: torch.device,
-    forwards_allowed: int,
     headroom: float = 1.0,
     rank: int = 0,
     world: int = 1,
     gather: Gather = lambda local: local,
-) -> tuple[Choices, StepReport]:
-    """`choices` with the material layer-kinds settled by the output (module docstring), and what the step did
+) -> tuple[list[list[Pick]], StepReport]:
+    """Per layer, K and V as written: the objective's picks with its close calls (close_call) settled by the
+    output on held-out calibration rows (`sequences` less `sampled`, the objective's), and what the step did
     (`model` None: the whole model does not fit, nothing settled)."""
-    kinds = [
-        (i, kind) for i, layer in enumerate(choices) for kind in range(2) if layer[kind].material
-    ]
-    if not kinds:
-        return choices, StepReport(
-            material=0, budget=forwards_allowed, skipped="no layer's candidates differ materially"
-        )
-    if model is None:
-        return choices, StepReport(
-            material=len(kinds),
-            budget=forwards_allowed,
-            skipped="it runs the whole model, which does not fit in memory here",
-        )
-    if len(rows) < MIN_ROWS:
-        return choices, StepReport(
-            material=len(kinds),
-            budget=forwards_allowed,
-            skipped=f"{len(rows)} held-out calibration row(s); it needs {MIN_ROWS} (--num-samples)",
-        )
+    picks = [[scored.pick() for scored in layer] for layer in layers]
+    calls = {
+        (i, kind): call
+        for i, layer in enumerate(layers)
+        for kind, scored in enumerate(layer)
+        if (call := close_call(scored)) is not None
+    }
+    rows = held_out_rows(sequences, sampled)
+    allowed = budget(sum(map(len, sequences)), sum(map(len, rows)))
+    skipped = (
+        "no layer's candidates differ materially"
+        if not calls
+        else "it runs the whole model, which does not fit in memory here"
+        if model is None
+        else f"{len(rows)} held-out calibration row(s); it needs {MIN_ROWS} (--num-samples)"
+        if len(rows) < MIN_ROWS
+        else None
+    )
+    if skipped:
+        return picks, StepReport(material=len(calls), budget=allowed, skipped=skipped)
     scorer = _Scorer(model, rows, target, compute, pad, device, rank, world, gather)
-    weighed = _weighed(choices, kinds, forwards_allowed - 2)
-    state = [[choice.index for choice in layer[:2]] for layer in choices]
-    start = current = scorer.kl(_quantizer(choices, state, target, headroom))
-    out, forwards, total = (
-        list(choices),
-        2,
-        math.fsum(scorer.tokens),
-    )  # the reference, and the objective's choices
+    weighed = _weighed(layers, calls, allowed - 2)
+    state = [[scored.index for scored in layer] for layer in layers]
+    start = current = scorer.kl(_quantizer(layers, state, target, headroom))
+    forwards, total = 2, math.fsum(scorer.tokens)  # the reference, and the objective's picks
     for i, kind in sorted(weighed):
-        choice, cands = choices[i][kind], choices[i][kind + 2]
-        costs, written = {choice.index: current}, {_key(choice.index, cands, headroom, target)}
-        for index in choice.shortlist:
+        scored = layers[i][kind]
+        cands = scored.candidates
+        costs = {scored.index: current}
+        written = {_key(scored.index, cands, headroom, target)}
+        for index in calls[i, kind][0]:
             key = _key(index, cands, headroom, target)
             if key not in written:  # --headroom can make two candidates one
                 written.add(key)
                 state[i][kind] = index
-                costs[index] = scorer.kl(_quantizer(choices, state, target, headroom))
+                costs[index] = scorer.kl(_quantizer(layers, state, target, headroom))
                 forwards += 1
-        state[i][kind] = pick = decide(costs, scorer.tokens, cands, choice.index)
+        state[i][kind] = pick = decide(costs, scorer.tokens, cands, scored.index)
         current = costs[pick]
-        record = choice.rechosen(
-            pick,
-            cands.labels,
-            tuple((_label(index, cands), math.fsum(c) / total) for index, c in costs.items()),
-        )
-        out[i] = (record, out[i][1], *out[i][2:]) if kind == 0 else (out[i][0], record, *out[i][2:])
+        output = tuple((_label(index, cands), math.fsum(c) / total) for index, c in costs.items())
+        picks[i][kind] = scored.pick(pick, OUTPUT, output)
     report = StepReport(
         rows=len(rows),
         tokens=int(total),
-        material=len(kinds),
+        material=len(calls),
         weighed=len(weighed),
-        changed=sum(o[k].index != c[k].index for o, c in zip(out, choices) for k in range(2)),
+        changed=sum(
+            index != scored.index
+            for layer, indices in zip(layers, state)
+            for scored, index in zip(layer, indices)
+        ),
         forwards=forwards,
-        budget=forwards_allowed,
+        budget=allowed,
         kl_before=math.fsum(start) / total,
         kl_after=math.fsum(current) / total,
     )
-    if report.changed and _worse(
-        current, start, scorer.tokens
-    ):  # ties that add up to worse: keep the objective's
-        return choices, replace(
+    if report.changed and _worse(current, start, scorer.tokens):
+        # ties that add up to worse: keep the objective's
+        return [[scored.pick() for scored in layer] for layer in layers], replace(
             report,
             changed=0,
             kl_after=report.kl_before,
             skipped=f"its changes together were worse (KL {report.kl_after:.3g}) than none",
         )
-    return out, report
+    return picks, report
 
 
 def _weighed(
-    choices: Choices, kinds: list[tuple[int, int]], forwards: int
+    layers: Layers, calls: dict[tuple[int, int], tuple[Shortlist, bool]], forwards: int
 ) -> list[tuple[int, int]]:
-    """The material kinds the budget allows: those with a clip on the table first, then the largest attention error
+    """The close calls the budget allows: those with a clip on the table first, then the largest attention error
     absmax would cost (where a scale matters most)."""
     out = []
     for i, kind in sorted(
-        kinds,
-        key=lambda ik: (
-            not choices[ik[0]][ik[1]].clip_on_table,
-            -choices[ik[0]][ik[1]].error_absmax,
-            ik,
-        ),
+        calls, key=lambda ik: (not calls[ik][1], -layers[ik[0]][ik[1]].error_absmax, ik)
     ):
-        cost = len(choices[i][kind].shortlist) - 1
+        cost = len(calls[i, kind][0]) - 1
         if cost <= forwards:
             out.append((i, kind))
             forwards -= cost
@@ -337,14 +369,19 @@ def _key(
 
 
 def _quantizer(
-    choices: Choices, state: list[list[tuple[int, ...]]], target: fp8.Target, headroom: float
+    layers: Layers, state: list[list[tuple[int, ...]]], target: fp8.Target, headroom: float
 ) -> KVQuantizer:
     def scale(index: tuple[int, ...], cands: Candidates) -> Scale:
         written = _key(index, cands, headroom, target)
         return written[0] if len(index) == 1 else head_scale(list(written))
 
-    return KVQuantizer(
-        [scale(state[i][0], layer[2]) for i, layer in enumerate(choices)],
-        [scale(state[i][1], layer[3]) for i, layer in enumerate(choices)],
-        target,
+    k, v = (
+        [scale(state[i][kind], layer[kind].candidates) for i, layer in enumerate(layers)]
+        for kind in range(2)
     )
+    return KVQuantizer(k, v, target)
+
+
+def _lumped(top: torch.Tensor) -> torch.Tensor:
+    """[..., TOP] log-probabilities and one more: the rest of the distribution, lumped."""
+    return torch.cat([top, torch.log1p(-top.exp().sum(-1).clamp(max=1 - 1e-7))[..., None]], dim=-1)

@@ -18,9 +18,17 @@ from kvcalib.calibration.distributed import observe_across_ranks
 from kvcalib.calibration.engine import Engine, EngineInputs, Observation
 from kvcalib.calibration.llmcompressor import llmcompressor_engine
 from kvcalib.calibration.native import native_engine, sample_attention
-from kvcalib.calibration.objective import ABSMAX, Gather, absmax_warnings, scored_numerics, search
+from kvcalib.calibration.objective import (
+    ABSMAX,
+    Gather,
+    Pick,
+    Scored,
+    absmax_warnings,
+    scored_numerics,
+    search,
+)
 from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales
-from kvcalib.calibration.output import OUTPUT, StepReport, budget, held_out_rows, output_step
+from kvcalib.calibration.output import OUTPUT, StepReport, output_step
 from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import RecipePlan, plan_recipe
 from kvcalib.calibration.scales import layer_scales, scale_tensors
@@ -303,13 +311,13 @@ def check_run(
 
 def _observe(
     plan: RunPlan, inputs: EngineInputs
-) -> tuple[Observation, list | None, float, StepReport | None]:
-    """The engine's observation, the scale objective's choices (None: absmax), the seconds the search and the
+) -> tuple[Observation, list[list[Pick]] | None, float, StepReport | None]:
+    """The engine's observation, the scale objective's picks (None: absmax), the seconds the search and the
     whole-model step took, and what the step did (None: not asked for)."""
     engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
     timing: list[Any] = [0.0, None]
 
-    def finish(observation: Observation, gather: Gather) -> list | None:
+    def finish(observation: Observation, gather: Gather) -> list[list[Pick]] | None:
         if not inputs.sample_sequences:
             return None
         inputs.notify(Progress("objective"))
@@ -323,7 +331,7 @@ def _observe(
                 if ranks is None or ranks.rank == 0
                 else tuple(() for _ in observation.k_heads)
             )
-        chosen = search(
+        scored = search(
             samples,
             observation.k_heads,
             observation.v_heads,
@@ -333,9 +341,11 @@ def _observe(
         )
         if plan.options.scale_objective == OUTPUT:
             inputs.notify(Progress("output"))
-            chosen, timing[1] = _output_step(plan, inputs, observation, chosen, gather)
+            picks, timing[1] = _output_step(plan, inputs, observation, scored, gather)
+        else:
+            picks = [[kind.pick() for kind in layer] for layer in scored]
         timing[0] = time.perf_counter() - started
-        return chosen
+        return picks
 
     try:
         if ranks is not None and ranks.world_size > 1:
@@ -352,12 +362,14 @@ def _observe(
 
 
 def _output_step(
-    plan: RunPlan, inputs: EngineInputs, observation: Observation, chosen: list, gather: Gather
-) -> tuple[list, StepReport]:
-    """kvcalib.calibration.output on held-out calibration rows, with the engine's model or one loaded for it."""
+    plan: RunPlan,
+    inputs: EngineInputs,
+    observation: Observation,
+    scored: list[tuple[Scored, Scored]],
+    gather: Gather,
+) -> tuple[list[list[Pick]], StepReport]:
+    """kvcalib.calibration.output with the engine's model, or one loaded for it where it fits (None where not)."""
     opts = plan.options
-    rows = held_out_rows(inputs.data.sequences, inputs.sample_sequences)
-    allowed = budget(inputs.data.num_tokens, sum(len(r) for r in rows))
     model = observation.model
     copies = opts.ranks.local_world_size if opts.ranks else 1
     fits = (
@@ -380,13 +392,13 @@ def _output_step(
     rank, world = (opts.ranks.rank, opts.ranks.world_size) if opts.ranks else (0, 1)
     return output_step(
         model,
-        chosen,
-        rows,
+        scored,
+        inputs.data.sequences,
+        inputs.sample_sequences,
         plan.target,
         plan.compute,
         inputs.pad_id,
         plan.device,
-        allowed,
         opts.headroom,
         rank,
         world,

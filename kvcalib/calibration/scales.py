@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvcalib.calibration.engine import Observation
-from kvcalib.calibration.objective import Candidates, KindChoice
+from kvcalib.calibration.objective import Pick
 from kvcalib.calibration.options import KindScales, LayerScales
 from kvcalib.core import fp8
 from kvcalib.core.errors import CalibrationError
@@ -63,7 +63,7 @@ def layer_scales(
     model_dir: Path,
     strategy: str = "tensor",
     queries: bool = False,
-    choices: list[tuple[KindChoice, KindChoice, Candidates, Candidates]] | None = None,
+    choices: list[list[Pick]] | None = None,
     headroom: float = 1.0,
 ) -> tuple[list[LayerScales], list[str]]:
     """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; then with_headroom."""
@@ -77,15 +77,14 @@ def layer_scales(
         _check_finite(kind.upper(), per_layer, warnings)
     layers = []
     for i in range(len(observation.observed)):
-        k_choice, v_choice, k_cands, v_cands = (None,) * 4 if choices is None else choices[i]
-        picks = {"k": (k_choice, k_cands), "v": (v_choice, v_cands), "q": (None, None)}
+        picks = dict(zip("kv", choices[i])) if choices is not None else {}
         records = {
             kind: _kind_scales(
                 per_layer[i].float(),
                 target,
                 scale_key(observation.attention_paths[i], kind),
                 strategy == ATTN_HEAD,
-                *picks[kind],
+                picks.get(kind),
                 1.0 if kind == "q" else headroom,
             )
             for kind, per_layer in kinds.items()
@@ -99,16 +98,15 @@ def _kind_scales(
     target: fp8.Target,
     key: str,
     per_head: bool,
-    choice: KindChoice | None,
-    cands: Candidates | None,
+    pick: Pick | None,
     headroom: float,
 ) -> KindScales:
     head_scales, chosen = fp8.scale_from_absmax(heads, target), None
-    if choice is not None and cands is not None:
-        index = choice.index * heads.numel() if len(choice.index) == 1 else choice.index
-        head_scales = torch.stack([cands.scales[c, h] for h, c in enumerate(index)])
+    if pick is not None:
+        index = pick.index * heads.numel() if len(pick.index) == 1 else pick.index
+        head_scales = torch.stack([pick.candidates.scales[c, h] for h, c in enumerate(index)])
         chosen = float(
-            torch.stack([cands.ranges[c, h] for h, c in enumerate(index)])[
+            torch.stack([pick.candidates.ranges[c, h] for h, c in enumerate(index)])[
                 int(head_scales.argmax())
             ]
         )
@@ -122,7 +120,7 @@ def _kind_scales(
         head_absmax=tuple(heads.tolist()) if per_head else None,
         head_scales=tuple(head_scales.tolist()) if per_head else None,
         range=chosen,
-        choice=None if choice is None else choice.to_dict(),
+        choice=None if pick is None else pick.choice,
     )
 
 

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from kvcalib.core import fp8
+from kvcalib.core.choice import ScaleChoice
 
 __all__ = [
     "progress_bar",
@@ -148,11 +149,11 @@ def _duration(seconds: float) -> str:
     )
 
 
-def _chosen(choice: dict[str, Any] | None) -> str:
+def _chosen(choice: ScaleChoice | None) -> str:
     """The table's "chosen" cell: the candidate, and "(output)" where the whole-model step weighed others."""
     if not choice:
         return ""
-    return choice["label"].replace("absmax x", "x") + (" (output)" if choice.get("output") else "")
+    return choice.label.replace("absmax x", "x") + (" (output)" if choice.output else "")
 
 
 def _print_objective(console: Console, result: Any) -> None:

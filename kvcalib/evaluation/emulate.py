@@ -13,12 +13,13 @@ position's K/V come from its own row's path, so this is prefill + token-by-token
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvcalib.core import fp8
+from kvcalib.core.choice import ScaleChoice
 from kvcalib.hf.samples import AttentionSampler, attention_error
 
 __all__ = [
@@ -56,10 +57,14 @@ class LayerQuantStats:
     attention_error: float | None = None
     delta_nll_alone: float | None = None
     kl_alone: float | None = None
-    chosen: dict[str, Any] | None = None
+    chosen: dict[str, ScaleChoice] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {
+            k: {kind: c.to_dict() for kind, c in v.items()} if isinstance(v, dict) else v
+            for k, v in vars(self).items()
+            if v is not None
+        }
 
 
 Scale = float | torch.Tensor  # one per layer, or [1, heads, 1, 1] per head

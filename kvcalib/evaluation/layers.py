@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
-from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, decode_rows
+from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer
+from kvcalib.evaluation.scoring import scored_tokens, token_kl
 from kvcalib.hf.data import batches
 
 __all__ = ["LayerAlone", "OneLayer", "layers_alone"]
@@ -66,8 +67,7 @@ def layers_alone(
     base_sum, count = 0.0, 0
     for input_ids, mask in batches(list(sequences), batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
-        scored = (mask[:, 1:] & mask[:, :-1]).bool()
-        scored &= decode_rows(mask)[:, :-1] if fresh_prefill else scored
+        scored = scored_tokens(mask, fresh_prefill)
         targets = input_ids[:, 1:, None]
         base = log_probs(input_ids, mask, OneLayer(None, None))
         base_sum += (-base.gather(-1, targets)[..., 0][scored]).double().sum().item()
@@ -79,7 +79,7 @@ def layers_alone(
                     input_ids, mask, FreshPrefill(hook, mask) if fresh_prefill else hook
                 )
                 nll = (-logp.gather(-1, targets)[..., 0][scored]).double().sum()
-                kl = (base.exp() * (base - logp)).sum(-1)[scored].double().sum()
+                kl = token_kl(base, logp)[scored].double().sum()
                 sums[name][layer] += torch.stack([nll, kl]).cpu()
     n = max(count, 1)
     return {

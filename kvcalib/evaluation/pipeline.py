@@ -13,7 +13,6 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from kvcalib.core import fp8
 from kvcalib.core.checkpoint import read_config, scan_checkpoint
+from kvcalib.core.choice import ScaleChoice
 from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
@@ -31,15 +31,14 @@ from kvcalib.evaluation.emulate import (
     KVErrorMeter,
     KVQuantizer,
     LayerQuantStats,
-    decode_rows,
     is_per_head,
 )
 from kvcalib.evaluation.layers import layers_alone
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.scales import ScaleSet, read_scale_set
+from kvcalib.evaluation.scoring import log_probs, row_sums, scored_tokens, token_kl
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
-from kvcalib.hf.attention import RecordingCache, observing_queries
-from kvcalib.hf.compute import Float32Weights, compute_path
+from kvcalib.hf.compute import Float32Weights
 from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
 from kvcalib.hf.model import (
     PreparedRun,
@@ -62,7 +61,6 @@ __all__ = [
     "EvalResult",
     "RunResult",
     "evaluate",
-    "log_probs",
     "prepare_scales",
 ]
 
@@ -191,11 +189,11 @@ class _Totals:
     def add(self, logp: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
         """One batch's next-token log-probabilities [B, S-1, V] against `targets` [B, S-1]; returns the top-1."""
         token_nll, top1 = -logp.gather(-1, targets[..., None])[..., 0], logp.argmax(-1)
-        nll = _row_sums(token_nll, scored)
+        nll = row_sums(token_nll, scored)
         self.nll += float(nll.sum())
         self.count += int(scored.sum())
         self.row_nll += nll.tolist()
-        self.row_correct += _row_sums(top1 == targets, scored).tolist()
+        self.row_correct += row_sums(top1 == targets, scored).tolist()
         self.row_tokens += scored.sum(dim=1).tolist()
         values, masks = token_nll.double().cpu(), scored.cpu()  # one transfer a batch
         self.token_nll += [row[mask] for row, mask in zip(values, masks)]
@@ -203,11 +201,6 @@ class _Totals:
 
     def tokens(self) -> torch.Tensor:
         return torch.cat(self.token_nll) if self.token_nll else torch.zeros(0, dtype=torch.float64)
-
-
-def _row_sums(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """[B, S] per-token values -> [B] float64 sums over the scored tokens."""
-    return torch.where(scored, values.double(), 0.0).sum(dim=1)
 
 
 def _intervals(run: _Totals, baseline: _Totals) -> tuple[Interval | None, Interval | None]:
@@ -338,18 +331,21 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
         if source and source.is_dir()
         else None
     )
-    chosen: dict[Any, dict[str, Any]] = {}
+    chosen: dict[Any, dict[str, ScaleChoice]] = {}
     for entry in (provenance or {}).get("layers") or ():
         kinds = {
-            kind: {
-                key: entry[kind]["choice"][key]
-                for key in ("label", "step", "output")
-                if key in entry[kind]["choice"]
-            }
+            kind: ScaleChoice(
+                choice["label"],
+                step=choice.get("step"),
+                output=tuple(output.items())
+                if isinstance(output := choice.get("output"), dict)
+                else None,
+            )
             for kind in "kv"
             if isinstance(entry, dict)
             and isinstance(entry.get(kind), dict)
-            and isinstance(entry[kind].get("choice"), dict)
+            and isinstance(choice := entry[kind].get("choice"), dict)
+            and isinstance(choice.get("label"), str)
         }
         if kinds:
             chosen[entry.get("layer")] = kinds
@@ -399,10 +395,7 @@ def _score(
     notify(Progress("observe", 0, len(data.sequences), 0, data.num_tokens))
     for input_ids, mask in batches(data.sequences, batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
-        scored = (
-            mask[:, 1:] & mask[:, :-1]
-        ).bool()  # predicting token t+1 from a real token t (Neuron: decoding)
-        scored &= decode_rows(mask)[:, :-1] if fresh_prefill else scored
+        scored = scored_tokens(mask, fresh_prefill)
         targets = input_ids[:, 1:]
         meter.token_mask = mask.bool()
         meter.sampler.start_batch(input_ids, mask)  # evaluate's meter always has one
@@ -417,7 +410,7 @@ def _score(
                 FreshPrefill(run.quantizer, mask) if fresh_prefill else run.quantizer,
             )
             top1 = run.add(logp, targets, scored)
-            kl = (base_logp.exp() * (base_logp - logp)).sum(-1)
+            kl = token_kl(base_logp, logp)
             run.kl += kl[scored].double().sum().item()
             run.agree += (top1 == base_top1)[scored].sum().item()
             del logp, kl
@@ -425,30 +418,6 @@ def _score(
         done_tokens += int(mask.sum())
         notify(Progress("observe", done_samples, len(data.sequences), done_tokens, data.num_tokens))
     return baseline
-
-
-@torch.inference_mode()
-def log_probs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    mask: torch.Tensor,
-    hook: Any,
-    *,
-    compute: ComputePath,
-    weights: Float32Weights | None = None,
-) -> torch.Tensor:
-    """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
-    with (
-        compute_path(compute, weights),
-        observing_queries(hook) if getattr(hook, "queries", False) else nullcontext(),
-    ):
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            use_cache=True,
-            past_key_values=RecordingCache(model.config, hook),
-        ).logits
-    return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 
 
 def _config_num_layers(config: dict[str, Any], where: Path) -> int:

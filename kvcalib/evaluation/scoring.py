@@ -1,0 +1,57 @@
+"""Next-token scoring as eval, its per-layer runs (layers.py) and calibrate's whole-model step do it: the model's
+log-probabilities with a hook on its K/V, which predictions are scored, and the KL against a reference run."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from kvcalib.core.cpu import ComputePath
+from kvcalib.evaluation.emulate import decode_rows
+from kvcalib.hf.attention import RecordingCache, observing_queries
+from kvcalib.hf.compute import Float32Weights, compute_path
+
+__all__ = ["log_probs", "row_sums", "scored_tokens", "token_kl"]
+
+
+@torch.inference_mode()
+def log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    hook: Any,
+    *,
+    compute: ComputePath,
+    weights: Float32Weights | None = None,
+) -> torch.Tensor:
+    """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
+    with (
+        compute_path(compute, weights),
+        observing_queries(hook) if getattr(hook, "queries", False) else nullcontext(),
+    ):
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            use_cache=True,
+            past_key_values=RecordingCache(model.config, hook),
+        ).logits
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1)
+
+
+def scored_tokens(mask: torch.Tensor, fresh_prefill: bool) -> torch.Tensor:
+    """[B, S-1] bool: the predictions scored, of a real token from a real token; in Neuron's order
+    (`fresh_prefill`) only the decode steps (emulate.decode_rows)."""
+    scored = (mask[:, 1:] & mask[:, :-1]).bool()
+    return scored & decode_rows(mask)[:, :-1] if fresh_prefill else scored
+
+
+def token_kl(reference: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(reference || logp) per position, from log-probabilities over the last dimension."""
+    return (reference.exp() * (reference - logp)).sum(-1)
+
+
+def row_sums(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """[B, S] per-token values -> [B] float64 sums over the scored tokens."""
+    return torch.where(scored, values.double(), 0.0).sum(dim=1)
