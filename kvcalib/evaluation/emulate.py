@@ -44,10 +44,6 @@ class KindQuantStats:
     absmax: float | None = None
     clip_at: float | None = None
 
-    def to_dict(self, kind: str) -> dict[str, float]:
-        """The figures as LayerQuantStats's keys: `k_sqnr_db`, ..."""
-        return {f"{kind}_{key}": v for key, v in asdict(self).items() if v is not None}
-
 
 @dataclass(frozen=True)
 class LayerQuantStats:
@@ -69,16 +65,12 @@ class LayerQuantStats:
     chosen: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        kinds = (("k", self.k), ("v", self.v), ("q", self.q))
-        return {
-            "layer": self.layer,
-            **{key: v for kind, s in kinds if s is not None for key, v in s.to_dict(kind).items()},
-            **{
-                key: getattr(self, key)
-                for key in ("attention_error", "delta_nll_alone", "kl_alone", "chosen")
-                if getattr(self, key) is not None
-            },
-        }
+        kinds = {"k": self.k, "v": self.v, "q": self.q}
+        out = {key: v for key, v in self.__dict__.items() if key not in kinds and v is not None}
+        for kind, stats in kinds.items():  # flat: k_sqnr_db, ...
+            figures = asdict(stats) if stats else {}
+            out.update({f"{kind}_{key}": v for key, v in figures.items() if v is not None})
+        return out
 
 
 Scale = float | torch.Tensor  # one per layer, or [1, heads, 1, 1] per head

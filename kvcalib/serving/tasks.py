@@ -113,15 +113,9 @@ class ServedTaskRow:
     numerics: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        row = {key: v for key, v in self.__dict__.items() if key != "numerics"}
         predicted = self.predicted and {"numerics": self.numerics, **self.predicted.to_dict()}
-        return {
-            "task": self.task,
-            "metric": self.metric,
-            "filter": self.filter,
-            "items": self.items,
-            "served": self.served.to_dict(),
-            "predicted": predicted,
-        }
+        return {**row, "served": self.served.to_dict(), "predicted": predicted}
 
 
 def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
