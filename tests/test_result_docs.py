@@ -11,12 +11,18 @@ from typing import Any
 
 import pytest
 
-from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, KindScales, LayerScales
+from kvcalib.calibration.options import (
+    CalibrateOptions,
+    CalibrationResult,
+    KindScales,
+    LayerScales,
+    StepReport,
+)
 from kvcalib.calibration.pipeline import calibrate
-from kvcalib.calibration.plan import CalibrationPlan, plan_calibration
+from kvcalib.calibration.plan import CalibrationPlan, Probe, plan_calibration
 from kvcalib.core.schema import KvCacheSize, kv_cache_size
 from kvcalib.evaluation.context import ContextResult, ContextRow, evaluate_context
-from kvcalib.evaluation.emulate import LayerQuantStats
+from kvcalib.evaluation.emulate import KindQuantStats, LayerQuantStats
 from kvcalib.evaluation.needle import NeedleResult, evaluate_needle
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.pipeline import EvalResult, RunResult, evaluate
@@ -24,6 +30,9 @@ from kvcalib.evaluation.significance import Interval, paired_bootstrap
 from kvcalib.evaluation.tasks import TaskResult, TaskRow
 from kvcalib.serving.canary import CanaryResult
 from kvcalib.serving.pipeline import PromptResult, ServeCheckResult
+from kvcalib.serving.predict import DeltaIntervals
+from kvcalib.serving.server import KvCapacity
+from kvcalib.serving.tasks import ServedTaskRow, TaskScores
 from kvcalib.validation.pipeline import validate_checkpoint
 from kvcalib.validation.report import Finding, ValidationReport
 
@@ -59,6 +68,7 @@ def test_calibrate_and_its_layers(tiny_llama_master, text_dataset, tmp_path):
     assert {"head_scales", "range", "choice"} <= set(k)
     assert_documented(KindScales, {**q, **k})
     assert_documented(KvCacheSize, payload["kv_cache"])
+    assert_documented(StepReport, every_field(StepReport).to_dict())
 
 
 def test_calibrate_plan(tiny_llama_master, text_dataset, tmp_path):
@@ -67,6 +77,7 @@ def test_calibrate_plan(tiny_llama_master, text_dataset, tmp_path):
     )
     assert plan.ok
     assert_documented(CalibrationPlan, plan.to_dict())
+    assert_documented(Probe, plan.to_dict()["probe"])
 
 
 def test_validate(tiny_llama_master):
@@ -82,7 +93,10 @@ def test_eval(calibrated, text_dataset):
     assert_documented(EvalResult, payload)
     assert_documented(RunResult, payload["runs"][0])
     assert_documented(Interval, payload["runs"][0]["delta_nll_interval"])
-    assert_documented(LayerQuantStats, every_field(LayerQuantStats).to_dict())
+    kind = every_field(KindQuantStats)
+    layer = every_field(LayerQuantStats, k=kind, v=kind, q=KindQuantStats(1.0, 1.0))
+    assert_documented(LayerQuantStats, layer.to_dict())
+    assert_documented(KindQuantStats, dataclasses.asdict(kind))
 
 
 def test_eval_context_and_needle(calibrated, text_dataset):
@@ -108,14 +122,20 @@ def test_eval_tasks():
     )
 
 
-@pytest.mark.parametrize("cls", [PromptResult, CanaryResult])
+@pytest.mark.parametrize("cls", [PromptResult, CanaryResult, KvCapacity])
 def test_serve_check_parts(cls):
     assert_documented(cls, every_field(cls, "x").to_dict())
 
 
 def test_serve_check():
+    interval = paired_bootstrap([0.1, 0.2, -0.1, 0.3])
     prompt = PromptResult("prompt", "output", "output", 1.0)
     canary = CanaryResult(True, 1 / 64, 3.0, 0.2, "the scales are applied")
+    scores = TaskScores(0.5, 0.25, interval, "worse")
+    row = ServedTaskRow("task", "acc", "none", 4, scores, scores, "trn2")
+    assert_documented(ServedTaskRow, row.to_dict())
+    assert_documented(TaskScores, scores.to_dict())
+    assert_documented(DeltaIntervals, DeltaIntervals(interval, interval, interval).to_dict())
     result = ServeCheckResult(
         "ckpt",
         "cpu",

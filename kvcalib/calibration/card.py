@@ -19,6 +19,7 @@ from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME,
 from kvcalib.serving.launch import (
     server_argv,  # the card's commands are serve-check's (declared: pyproject.toml)
 )
+from kvcalib.validation.report import ValidationReport
 
 __all__ = [
     "BEGIN",
@@ -323,12 +324,9 @@ def _serve_lines(serve: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def summarize(validation: dict[str, Any]) -> str:
-    """validate's verdict in a line, from a ValidationReport's to_dict()."""
-    findings = validation.get("findings") or []
-    errors = sum(1 for f in findings if f.get("severity") == "error")
-    warnings = sum(1 for f in findings if f.get("severity") == "warning")
+def summarize(report: ValidationReport) -> str:
+    """validate's verdict in a line."""
     return (
-        f"{'OK' if validation.get('ok') else 'FAILED'} for {validation.get('target')}: "
-        f"{errors} error(s), {warnings} warning(s)"
+        f"{'OK' if report.ok else 'FAILED'} for {report.target}: "
+        f"{len(report.errors)} error(s), {len(report.warnings)} warning(s)"
     )

@@ -10,12 +10,15 @@ from kvcalib.core import fp8
 from kvcalib.core.choice import ScaleChoice
 from kvcalib.core.errors import UsageError
 from kvcalib.core.options import RunOptions, check_options, option
+from kvcalib.core.schema import KvCacheSize
+from kvcalib.validation.report import ValidationReport
 
 if TYPE_CHECKING:
     from kvcalib.calibration.ranks import Ranks
     from kvcalib.hf.memory import MemoryLimit
+    from kvcalib.serving.pipeline import ServeCheckResult
 
-__all__ = ["CalibrateOptions", "CalibrationResult", "KindScales", "LayerScales"]
+__all__ = ["CalibrateOptions", "CalibrationResult", "KindScales", "LayerScales", "StepReport"]
 
 
 @dataclass(frozen=True)
@@ -151,11 +154,36 @@ class LayerScales:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """The whole-model step (calibration.output) in CalibrationResult.output_step: rows and tokens scored on, material
+    (layer-kinds whose candidates differ materially), weighed (those the budget allowed), changed (whose scale it
+    changed), forwards (full-model passes over the rows, the reference's included), budget (forwards allowed),
+    kl_before and kl_after (mean next-token KL on the rows with the objective's choices and with the step's); skipped:
+    why it did not run, or why its changes were undone."""
+
+    rows: int = 0
+    tokens: int = 0
+    material: int = 0
+    weighed: int = 0
+    changed: int = 0
+    forwards: int = 0
+    budget: int = 0
+    kl_before: float | None = (
+        None  # mean next-token KL (TOP-token bound) with the objective's choices
+    )
+    kl_after: float | None = None  # with the step's
+    skipped: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
 class CalibrationResult:
     """What `calibrate` wrote; to_dict() is its --json (with --serve-check, its "calibration", beside "serve_check": the
     ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens, seconds, tokens_per_s
     (of observing), objective_seconds (the scale objective's search and whole-model step), compute (the compute path),
-    scale_objective, output_step (calibration.output.StepReport; null unless scale_objective is output), layers
+    scale_objective, output_step (StepReport; null unless scale_objective is output), layers
     (LayerScales), warnings, validation (ValidationReport of what was written), kv_cache (KvCacheSize)."""
 
     output: str
@@ -168,13 +196,13 @@ class CalibrationResult:
     seconds: float
     observe_seconds: float
     warnings: tuple[str, ...] = ()
-    validation: dict[str, Any] | None = None
+    validation: ValidationReport | None = None
     compute: str = ""
     scale_objective: str = "absmax"
     objective_seconds: float = 0.0
-    serve_check: Any = None
-    kv_cache: Any = None
-    output_step: Any = None
+    serve_check: ServeCheckResult | None = None
+    kv_cache: KvCacheSize | None = None
+    output_step: StepReport | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -196,6 +224,6 @@ class CalibrationResult:
             "output_step": self.output_step and self.output_step.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
             "warnings": list(self.warnings),
-            "validation": self.validation,
+            "validation": self.validation and self.validation.to_dict(),
             "kv_cache": self.kv_cache and self.kv_cache.to_dict(),
         }

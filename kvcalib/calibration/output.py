@@ -37,6 +37,7 @@ from kvcalib.calibration.objective import (
     Scored,
     worst,
 )
+from kvcalib.calibration.options import StepReport
 from kvcalib.calibration.scales import with_headroom
 from kvcalib.core import fp8
 from kvcalib.core.cpu import ComputePath
@@ -76,31 +77,6 @@ Layers = Sequence[
     tuple[Scored, Scored]
 ]  # per layer: K and V as the attention objective scored them
 Shortlist = tuple[tuple[int, ...], ...]  # per-head candidate indices (one entry per tensor)
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """The whole-model step in CalibrationResult.output_step: rows and tokens scored on, material (layer-kinds whose
-    candidates differ materially), weighed (those the budget allowed), changed (whose scale it changed), forwards
-    (full-model passes over the rows, the reference's included), budget (forwards allowed), kl_before and kl_after
-    (mean next-token KL on the rows with the objective's choices and with the step's); skipped: why it did not run,
-    or why its changes were undone."""
-
-    rows: int = 0
-    tokens: int = 0
-    material: int = 0
-    weighed: int = 0
-    changed: int = 0
-    forwards: int = 0
-    budget: int = 0
-    kl_before: float | None = (
-        None  # mean next-token KL (TOP-token bound) with the objective's choices
-    )
-    kl_after: float | None = None  # with the step's
-    skipped: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 def held_out_rows(

@@ -61,6 +61,7 @@ from kvcalib.hf.samples import sample_sequences
 from kvcalib.validation.pipeline import (
     validate_checkpoint,  # calibrate validates what it wrote (pyproject.toml)
 )
+from kvcalib.validation.report import ValidationReport
 
 __all__ = [
     "ENGINES",
@@ -142,7 +143,7 @@ def calibrate(
         context_warning(data, opts.max_seq_len, plan.checkpoint.config, output, opts.headroom)
     )
 
-    def result(more_warnings: list[str], validation: dict[str, Any] | None) -> CalibrationResult:
+    def result(more_warnings: list[str], validation: ValidationReport | None) -> CalibrationResult:
         return CalibrationResult(
             output=str(output),
             model=str(model),
@@ -168,9 +169,7 @@ def calibrate(
     notes, validation = _write(
         plan, data, layers, observation.attention_classes if opts.attention_scales else ()
     )
-    return result(
-        list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation or None
-    )
+    return result(list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation)
 
 
 def read_data(plan: RunPlan, dataset: str) -> tuple[CalibrationData, int]:
@@ -411,8 +410,8 @@ def _write(
     data: CalibrationData,
     layers: list[LayerScales],
     attention_classes: tuple[str, ...],
-) -> tuple[list[str], dict[str, Any]]:
-    """Write, validate and publish the checkpoint; (notes, the validation report as a dict)."""
+) -> tuple[list[str], ValidationReport | None]:
+    """Write, validate and publish the checkpoint; (notes, the validation report, naming the output)."""
     config = plan.checkpoint.config
     dtype_name = (
         str(plan.dtype).removeprefix("torch.")
@@ -424,12 +423,11 @@ def _write(
     )
     provenance["compute"] = plan.compute.describe()
     scales = scale_tensors(layers)
-    validation: dict[str, Any] = {}
+    validation: list[ValidationReport] = []
 
     def check(tmp_dir: Path) -> None:
         report = validate_checkpoint(tmp_dir, plan.target.name)
-        validation.update(report.to_dict())
-        validation["checkpoint"] = str(plan.output)
+        validation.append(replace(report, checkpoint=str(plan.output)))
         if not report.ok:
             first = report.errors[0]
             raise ValidationFailedError(
@@ -438,7 +436,7 @@ def _write(
                 hint="nothing was written; please report this as a kvcalib bug",
             )
         write_card(
-            tmp_dir, summarize(validation), base_model=_base_model(config)
+            tmp_dir, summarize(report), base_model=_base_model(config)
         )  # validate's verdict, published too
 
     quantization = kv_only_quantization_config(plan.recipe.strategy, attention_classes)
@@ -450,7 +448,7 @@ def _write(
         check=check,
         inputs=plan.inputs,
     )
-    return notes, validation
+    return notes, validation[0] if validation else None
 
 
 def _base_model(config: dict[str, Any]) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,14 @@ from kvcalib.core.schema import (
 )
 from kvcalib.hf.memory import HEADROOM, peak_rss_bytes, weight_bytes
 
-__all__ = ["PROBE_BATCHES", "PROBE_LAYERS", "CalibrationPlan", "Estimate", "plan_calibration"]
+__all__ = [
+    "PROBE_BATCHES",
+    "PROBE_LAYERS",
+    "CalibrationPlan",
+    "Estimate",
+    "Probe",
+    "plan_calibration",
+]
 
 PROBE_BATCHES = 2  # two, so a batch's compute is told apart from what a run pays once
 PROBE_LAYERS = (
@@ -62,12 +69,39 @@ class Estimate:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """The timed probe in CalibrationPlan's probe: engine (the one timed), batches, layers and tokens it ran on,
+    objective_tokens (the objective's search ran on) and run_objective_tokens (the run's would), seconds and
+    objective_seconds (of the search), peak_rss_bytes; from its progress events: load_seconds (paid once),
+    compute_seconds (the probed batches: native the whole model, stream one layer), layer_load_seconds (stream: one
+    layer's load); setup_seconds (calibrate's checks and data, before the engine)."""
+
+    engine: str
+    batches: int
+    layers: int
+    tokens: int
+    objective_tokens: int
+    run_objective_tokens: int
+    seconds: float
+    objective_seconds: float
+    peak_rss_bytes: int
+    load_seconds: float
+    compute_seconds: float
+    layer_load_seconds: float
+    setup_seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class CalibrationPlan:
     """What `calibrate` would do; to_dict() is `calibrate --plan --json`. model, output, refusals (what would stop the
     run; then the rest is null or 0), target, engine, engine_reason, compute, num_layers, num_samples, num_tokens,
     weight_bytes (in the calibration dtype), peak_memory_bytes (estimated), memory_limit_bytes, memory_source (null: no
     limit), weights_linked (or copied), output_bytes (new on its filesystem), free_bytes, scratch_bytes (the stream
-    engine's spill, at most), probe, estimate_seconds (load, observe, objective, write, total), kv_cache."""
+    engine's spill, at most), probe (Probe; {} with refusals), estimate_seconds (load, observe, objective, write,
+    total), kv_cache."""
 
     model: str
     output: str
@@ -87,7 +121,7 @@ class CalibrationPlan:
     output_bytes: int = 0
     free_bytes: int = 0
     scratch_bytes: int = 0
-    probe: dict[str, Any] = field(default_factory=dict)
+    probe: Probe | None = None
     estimate: Estimate | None = None
     kv_cache: KvCacheSize | None = None
 
@@ -99,6 +133,7 @@ class CalibrationPlan:
         return {
             **{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "estimate"},
             "refusals": list(self.refusals),
+            "probe": self.probe.to_dict() if self.probe else {},
             "kv_cache": self.kv_cache and self.kv_cache.to_dict(),
             "estimate_seconds": None if self.estimate is None else self.estimate.to_dict(),
         }
@@ -129,7 +164,7 @@ def plan_calibration(
     setup = (
         time.perf_counter() - began
     )  # check_run and read_data: what the run does before its engine
-    probe = {**_probe(plan, data, pad, layers, notify), "setup_seconds": round(setup, 3)}
+    probe = _probe(plan, data, pad, layers, notify, round(setup, 3))
     needed = weight_bytes(plan.checkpoint, plan.dtype)
     peak, scratch = _memory(plan, data, needed, layers)
     limit = plan.engine.limit or opts.memory
@@ -158,8 +193,8 @@ def plan_calibration(
 
 
 def _probe(
-    plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback
-) -> dict[str, Any]:
+    plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback, setup: float
+) -> Probe:
     """Time the run's engine on PROBE_BATCHES batches (stream: PROBE_LAYERS layers), then the scale objective."""
     opts = plan.options
     rows = data.sequences[: opts.batch_size * PROBE_BATCHES]
@@ -190,18 +225,19 @@ def _probe(
         )
         objective = time.perf_counter() - observed
     sampled = sum(len(s) for s in engine_inputs(plan, data, pad, no_progress).sample_sequences)
-    return {
-        "engine": name,
-        "batches": math.ceil(len(rows) / opts.batch_size),
-        "layers": probed,
-        "tokens": probe_data.num_tokens,
-        "objective_tokens": sum(len(s) for s in inputs.sample_sequences),
-        "run_objective_tokens": sampled,
-        "seconds": round(observed - started + objective, 3),
-        "objective_seconds": round(objective, 3),
-        "peak_rss_bytes": peak_rss_bytes(),
+    return Probe(
+        engine=name,
+        batches=math.ceil(len(rows) / opts.batch_size),
+        layers=probed,
+        tokens=probe_data.num_tokens,
+        objective_tokens=sum(len(s) for s in inputs.sample_sequences),
+        run_objective_tokens=sampled,
+        seconds=round(observed - started + objective, 3),
+        objective_seconds=round(objective, 3),
+        peak_rss_bytes=peak_rss_bytes(),
         **_split(stamps, started, observed, stream),
-    }
+        setup_seconds=setup,
+    )
 
 
 def _split(
@@ -244,23 +280,21 @@ def _split(
     }
 
 
-def _estimate(
-    probe: dict[str, Any], tokens: int, layers: int, output_bytes: int, linked: bool
-) -> Estimate:
-    scale, per_layer = tokens / max(probe["tokens"], 1), probe["engine"] == "stream"
+def _estimate(probe: Probe, tokens: int, layers: int, output_bytes: int, linked: bool) -> Estimate:
+    scale, per_layer = tokens / max(probe.tokens, 1), probe.engine == "stream"
     observe = (
-        probe["compute_seconds"] * scale * (layers if per_layer else 1)
-        + probe["layer_load_seconds"] * layers
+        probe.compute_seconds * scale * (layers if per_layer else 1)
+        + probe.layer_load_seconds * layers
     )
     objective = (
-        probe["objective_seconds"]
-        * probe["run_objective_tokens"]
-        / max(probe["objective_tokens"], 1)
+        probe.objective_seconds
+        * probe.run_objective_tokens
+        / max(probe.objective_tokens, 1)
         * layers
-        / max(probe["layers"], 1)
+        / max(probe.layers, 1)
     )
     write = VALIDATE_SECONDS + (0.0 if linked else output_bytes / WRITE_BYTES_PER_S)
-    return Estimate(probe["setup_seconds"] + probe["load_seconds"], observe, objective, write)
+    return Estimate(probe.setup_seconds + probe.load_seconds, observe, objective, write)
 
 
 def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, int]:

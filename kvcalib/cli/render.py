@@ -6,7 +6,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -15,6 +15,17 @@ from rich.table import Table
 
 from kvcalib.core import fp8
 from kvcalib.core.choice import ScaleChoice
+
+if TYPE_CHECKING:  # the results' modules load torch; the CLI imports this module at start
+    from kvcalib.calibration.options import CalibrationResult
+    from kvcalib.calibration.plan import CalibrationPlan
+    from kvcalib.core.progress import Progress as RunProgress
+    from kvcalib.evaluation.context import ContextResult
+    from kvcalib.evaluation.needle import NeedleResult
+    from kvcalib.evaluation.pipeline import EvalResult, RunResult
+    from kvcalib.evaluation.significance import Interval
+    from kvcalib.evaluation.tasks import TaskResult
+    from kvcalib.validation.report import ValidationReport
 
 __all__ = [
     "progress_bar",
@@ -31,7 +42,7 @@ __all__ = [
 @contextmanager
 def progress_bar(
     console: Console, label: str = "calibrating", name: str = "calibrate"
-) -> Iterator[Callable[[Any], None]]:
+) -> Iterator[Callable[[RunProgress], None]]:
     """A progress callback: the rich bar on a terminal, plain `name: ...` lines elsewhere (a log, a pipe, CI)."""
     if not console.is_terminal:
         yield plain_progress(console, name)
@@ -51,7 +62,7 @@ def progress_bar(
     task = bar.add_task("starting", total=None, samples="-", tokens="-", rate="-")
     observe_started: list[float] = []
 
-    def on_progress(p: Any) -> None:
+    def on_progress(p: RunProgress) -> None:
         if not bar.live.is_started:
             bar.start()
         if p.stage != "observe":
@@ -61,7 +72,7 @@ def progress_bar(
             observe_started.append(time.perf_counter())
         elapsed = time.perf_counter() - observe_started[0]
         rate = f"{p.tokens_done / elapsed:,.0f}" if elapsed > 0 and p.tokens_done else "-"
-        where = f" layer {p.layer + 1}/{p.num_layers}" if getattr(p, "num_layers", 0) else ""
+        where = f" layer {p.layer + 1}/{p.num_layers}" if p.num_layers else ""
         bar.update(
             task,
             description=label + where,
@@ -91,11 +102,11 @@ _STAGES = {
 }
 
 
-def plain_progress(console: Console, name: str) -> Callable[[Any], None]:
+def plain_progress(console: Console, name: str) -> Callable[[RunProgress], None]:
     """Progress as plain lines: `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 9m12s`."""
     state: dict[str, Any] = {"stage": None, "started": None, "last": None, "finished": False}
 
-    def on_progress(p: Any) -> None:
+    def on_progress(p: RunProgress) -> None:
         now = time.monotonic()
         if p.stage != "observe":
             if p.stage != state["stage"]:
@@ -106,7 +117,7 @@ def plain_progress(console: Console, name: str) -> Callable[[Any], None]:
             return
         state["stage"] = "observe"
         state["started"] = state["started"] or now
-        layers = getattr(p, "num_layers", 0)
+        layers = p.num_layers
         finished = p.tokens_done >= p.tokens_total and (not layers or p.layer + 1 == layers)
         due = (
             state["last"] is None
@@ -156,7 +167,7 @@ def _chosen(choice: ScaleChoice | None) -> str:
     return choice.label.replace("absmax x", "x") + (" (output)" if choice.output else "")
 
 
-def _print_objective(console: Console, result: Any) -> None:
+def _print_objective(console: Console, result: CalibrationResult) -> None:
     """The clipped or widened scales, and what the whole-model step weighed: each candidate's KL at the output."""
     clipped = [
         f"layer {layer.layer} {kind.upper()} {s.choice['label']}"
@@ -210,7 +221,7 @@ def _print_weighed(
                 )
 
 
-def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
+def render_calibration(console: Console, result: CalibrationResult, notes: list[str]) -> None:
     """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records."""
     per_head = any(layer.k.head_scales is not None for layer in result.layers)
     queries = any(layer.q is not None for layer in result.layers)
@@ -248,7 +259,7 @@ def render_calibration(console: Console, result: Any, notes: list[str]) -> None:
     for note in notes:
         console.print(f"[yellow]warning:[/] {note}", soft_wrap=True)
     if result.validation is not None:
-        n_warn = sum(1 for f in result.validation["findings"] if f["severity"] == "warning")
+        n_warn = len(result.validation.warnings)
         console.print(
             f"validation: [green]ok[/] for {result.target}"
             + (f" ({n_warn} warning(s))" if n_warn else "")
@@ -266,7 +277,7 @@ def _size(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def render_plan(console: Console, plan: Any) -> None:
+def render_plan(console: Console, plan: CalibrationPlan) -> None:
     """calibrate --plan: what would stop the run, else the engine, memory, disk and the estimated time."""
     if plan.refusals:
         for refusal in plan.refusals:
@@ -302,8 +313,8 @@ def render_plan(console: Console, plan: Any) -> None:
         ),
         (
             "probe",
-            f"{probe['batches']} batch(es), {probe['layers']} layer(s), {probe['tokens']:,} tokens: "
-            f"{probe['seconds']:.1f} s",
+            f"{probe.batches} batch(es), {probe.layers} layer(s), {probe.tokens:,} tokens: "
+            f"{probe.seconds:.1f} s",
         ),
         (
             "estimate",
@@ -322,7 +333,7 @@ def render_plan(console: Console, plan: Any) -> None:
     console.print("plan: nothing written")
 
 
-def render_report(console: Console, report: Any) -> None:
+def render_report(console: Console, report: ValidationReport) -> None:
     if report.findings:
         columns = ("rule", "severity", "where", "message", "hint")
         table = _table(
@@ -349,19 +360,18 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _spread(interval: Any, fmt: str = "+.4f") -> str:
-    """An interval (an Interval or its to_dict()) as `estimate [low, high]`; "-" for none."""
-    if not interval:
+def _spread(interval: Interval | None, fmt: str = "+.4f") -> str:
+    """An interval as `estimate [low, high]`; "-" for none."""
+    if interval is None:
         return "-"
-    i = interval if isinstance(interval, dict) else interval.to_dict()
-    return f"{i['estimate']:{fmt}} [{i['low']:{fmt}}, {i['high']:{fmt}}]"
+    return f"{interval.estimate:{fmt}} [{interval.low:{fmt}}, {interval.high:{fmt}}]"
 
 
 def _worst(values: list[tuple[float, int]], fmt: str) -> str:
     return "-" if not values else (fmt + " (layer {})").format(*max(values))
 
 
-def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
+def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -> None:
     table = _table(
         f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
         f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens",
@@ -383,7 +393,7 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
         overflow="fold",
     )
     for run in result.runs:
-        q = [s.q_sqnr_db for s in run.layers if s.q_sqnr_db is not None]
+        q = [s.q.sqnr_db for s in run.layers if s.q is not None]
         table.add_row(
             run.name,
             run.kind,
@@ -397,8 +407,8 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
                 "{:.3f}",
             ),
             _worst([(s.kl_alone, s.layer) for s in run.layers if s.kl_alone is not None], "{:.5f}"),
-            f"{min(s.k_sqnr_db for s in run.layers):.1f}",
-            f"{min(s.v_sqnr_db for s in run.layers):.1f}",
+            f"{min(s.k.sqnr_db for s in run.layers):.1f}",
+            f"{min(s.v.sqnr_db for s in run.layers):.1f}",
             f"{min(q):.1f}" if q else "-",
         )
     console.print(table)
@@ -446,7 +456,7 @@ def render_eval(console: Console, result: Any, per_layer: bool = False) -> None:
         console.print(f"plot: {result.plot}")
 
 
-def render_context(console: Console, result: Any) -> None:
+def render_context(console: Console, result: ContextResult) -> None:
     """eval --context: per length and scale set, ΔNLL on the last quarter, and the worst layer's saturation."""
     table = _table(
         f"FP8 KV on {result.target} at long context: {result.tokens_available:,} tokens of text packed "
@@ -489,7 +499,7 @@ def render_context(console: Console, result: Any) -> None:
     )
 
 
-def render_needle(console: Console, result: Any) -> None:
+def render_needle(console: Console, result: NeedleResult) -> None:
     """eval --context --needle: keys found per length and scale set, by depth, and the paired verdict."""
     table = _table(
         escape(
@@ -529,7 +539,7 @@ def render_needle(console: Console, result: Any) -> None:
     )
 
 
-def render_tasks(console: Console, result: Any) -> None:
+def render_tasks(console: Console, result: TaskResult) -> None:
     """eval --tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
     table = _table(
         escape(
@@ -572,7 +582,7 @@ def render_tasks(console: Console, result: Any) -> None:
     )
 
 
-def _render_layers(console: Console, run: Any, layer_rows: int) -> None:
+def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
     """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping; the scale the
     checkpoint's objective chose, and what the whole-model step found the alternatives cost."""
     chosen = any(s.chosen for s in run.layers)
@@ -605,12 +615,12 @@ def _render_layers(console: Console, run: Any, layer_rows: int) -> None:
             _num(s.attention_error, ".3f"),
             _num(s.delta_nll_alone, "+.4f"),
             _num(s.kl_alone, ".5f"),
-            f"{s.k_sqnr_db:.1f}",
-            f"{s.v_sqnr_db:.1f}",
-            f"{s.k_clipped:.2%}",
-            f"{s.v_clipped:.2%}",
-            f"{s.k_clip_at:.4g}",
-            f"{s.k_absmax:.4g}",
+            f"{s.k.sqnr_db:.1f}",
+            f"{s.v.sqnr_db:.1f}",
+            f"{s.k.clipped:.2%}",
+            f"{s.v.clipped:.2%}",
+            f"{s.k.clip_at:.4g}",
+            f"{s.k.absmax:.4g}",
             *(
                 (_chosen((s.chosen or {}).get("k")), _chosen((s.chosen or {}).get("v")))
                 if chosen

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 
 from kvcalib.cli.render import PLAIN_INTERVAL_S, _num, _spread, _table
 
+if TYPE_CHECKING:
+    from kvcalib.serving.pipeline import PromptResult, ServeCheckResult, ServeEvent
+    from kvcalib.serving.predict import DeltaIntervals
+    from kvcalib.serving.tasks import ServedTaskRow
+
 __all__ = ["render_serve_check", "serve_status"]
 
 
 @contextmanager
-def serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
+def serve_status(console: Console) -> Iterator[Callable[[ServeEvent], None]]:
     """Live status on stderr: the command, then elapsed time and the log's last line while waiting."""
     status = console.status("", spinner="dots") if console.is_terminal else None
     last_print = [0.0]
 
-    def on_event(event: Any) -> None:
+    def on_event(event: ServeEvent) -> None:
         if event.stage == "launch":
             console.print(
                 f"{event.server} server: {event.message}",
@@ -55,7 +60,7 @@ def serve_status(console: Console) -> Iterator[Callable[[Any], None]]:
             status.stop()
 
 
-def _problem(p: Any) -> str:
+def _problem(p: PromptResult) -> str:
     if p.problem is None:
         return ""
     if not p.failed:
@@ -63,7 +68,7 @@ def _problem(p: Any) -> str:
     return f" [red]{escape(p.problem)}[/]"
 
 
-def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
+def render_serve_check(console: Console, result: ServeCheckResult, notes: list[str]) -> None:
     """serve-check's table, its variants and tasks, then `notes` (the kvcalib logger's records), failures, verdict."""
     columns = ("prompt", "output (FP8 KV)", "baseline", "agreement")
     table = _table(
@@ -96,8 +101,8 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
             "KV cache vLLM logged: "
             + "; ".join(
                 f"{name} not logged"
-                if c["tokens"] is None
-                else f"{name} {c['tokens']:,} tokens ({_num(c['max_concurrency'], '.2f')}x --max-model-len requests)"
+                if c.tokens is None
+                else f"{name} {c.tokens:,} tokens ({_num(c.max_concurrency, '.2f')}x --max-model-len requests)"
                 for name, c in result.kv_capacity.items()
             ),
             soft_wrap=True,
@@ -114,7 +119,7 @@ def render_serve_check(console: Console, result: Any, notes: list[str]) -> None:
     console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")
 
 
-def render_served_tasks(console: Console, rows: Any) -> None:
+def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> None:
     """serve-check --tasks: served baseline and FP8 scores with the paired interval, and kvcalib's prediction."""
     table = _table(
         "lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib",
@@ -133,28 +138,28 @@ def render_served_tasks(console: Console, rows: Any) -> None:
         overflow="fold",
     )
     for row in rows:
-        served, predicted = row["served"], row["predicted"] or {}
+        served, predicted = row.served, row.predicted
         table.add_row(
-            row["task"],
-            f"{row['metric']} ({row['filter']})",
-            str(row["items"]),
-            f"{served['baseline']:.4f}",
-            f"{served['fp8']:.4f}",
-            _spread(served.get("interval")),
-            "-" if not predicted else f"{predicted['baseline']:.4f}",
-            "-" if not predicted else f"{predicted['fp8']:.4f}",
-            _spread(predicted.get("interval")),
+            row.task,
+            f"{row.metric} ({row.filter})",
+            str(row.items),
+            f"{served.baseline:.4f}",
+            f"{served.fp8:.4f}",
+            _spread(served.interval),
+            "-" if predicted is None else f"{predicted.baseline:.4f}",
+            "-" if predicted is None else f"{predicted.fp8:.4f}",
+            _spread(predicted and predicted.interval),
         )
     console.print(table)
     for row in rows:
         console.print(
-            f"{row['task']} {row['metric']}: served {escape(row['served']['verdict'])}",
+            f"{row.task} {row.metric}: served {escape(row.served.verdict)}",
             soft_wrap=True,
             highlight=False,
         )
 
 
-def render_variants(console: Console, result: Any) -> None:
+def render_variants(console: Console, result: ServeCheckResult) -> None:
     """Calibrated vs 1.0 vs the canary: what each server measured, and what kvcalib predicted."""
     table = _table(
         "KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline",
@@ -179,9 +184,9 @@ def render_variants(console: Console, result: Any) -> None:
         )
 
 
-def _render_delta_intervals(console: Console, intervals: Any) -> None:
+def _render_delta_intervals(console: Console, intervals: DeltaIntervals) -> None:
     """The calibrated scales' ΔNLL on the probe text, served and predicted, with their 95 % intervals."""
-    shown = {name: found for name, found in (intervals or {}).items() if found is not None}
+    shown = {name: found for name, found in intervals.__dict__.items() if found is not None}
     if not shown:
         return
     words = {
@@ -190,9 +195,9 @@ def _render_delta_intervals(console: Console, intervals: Any) -> None:
         "served_minus_predicted": "served - predicted",
     }
     parts = [
-        f"{words[name]} {_spread(found)} ({found['items']} blocks)" for name, found in shown.items()
+        f"{words[name]} {_spread(found)} ({found.items} blocks)" for name, found in shown.items()
     ]
-    method = next(iter(shown.values()))["method"]
+    method = next(iter(shown.values())).method
     console.print(
         f"calibrated scales, approximate 95% intervals ({method}): " + "; ".join(parts),
         soft_wrap=True,

@@ -67,18 +67,18 @@ class ContextRow:
 
     @property
     def k_clipped(self) -> float:
-        return max((s.k_clipped for s in self.layers), default=0.0)
+        return max((s.k.clipped for s in self.layers), default=0.0)
 
     @property
     def v_clipped(self) -> float:
-        return max((s.v_clipped for s in self.layers), default=0.0)
+        return max((s.v.clipped for s in self.layers), default=0.0)
 
     def beyond(self, kind: str) -> tuple[float, int]:
         """(largest absmax / clip threshold over layers, that layer) for kind "k" or "v"."""
         ratios = [
-            (getattr(s, f"{kind}_absmax") / getattr(s, f"{kind}_clip_at"), s.layer)
+            (stats.absmax / stats.clip_at, s.layer)
             for s in self.layers
-            if getattr(s, f"{kind}_clip_at") > 0
+            if (stats := getattr(s, kind)).clip_at > 0
         ]
         return max(ratios, default=(0.0, -1))
 

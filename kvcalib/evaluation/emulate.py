@@ -13,7 +13,7 @@ position's K/V come from its own row's path, so this is prefill + token-by-token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "FreshPrefill",
     "KVErrorMeter",
     "KVQuantizer",
+    "KindQuantStats",
     "LayerQuantStats",
     "Scale",
     "decode_rows",
@@ -35,36 +36,46 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class KindQuantStats:
+    """One layer's K, V or Q in LayerQuantStats: sqnr_db, clipped (fraction saturated at ±fp8_max); K and V: absmax
+    (unquantised), clip_at (|x| that saturates; per head, the largest scale's)."""
+
+    sqnr_db: float
+    clipped: float
+    absmax: float | None = None
+    clip_at: float | None = None
+
+
+@dataclass(frozen=True)
 class LayerQuantStats:
-    """One layer's quantisation error in eval's layers: layer, k_sqnr_db, v_sqnr_db, k_clipped, v_clipped (fraction
-    saturated at ±fp8_max), k_absmax, v_absmax (unquantised), k_clip_at, v_clip_at (|x| that saturates; per head, the
-    largest scale's); where measured: q_sqnr_db, q_clipped (FP8 attention), attention_error (||ΔO|| / ||O||),
-    delta_nll_alone, kl_alone (nats with only this layer's K/V quantised, on eval's first layer_rows rows); chosen
-    (from a kvcalib checkpoint's provenance: {"k": ..., "v": ...}, each the scale objective's choice: label, step and,
-    where the whole-model step weighed candidates, output: each one's next-token KL))."""
+    """One layer's quantisation error in eval's layers: layer, k, v, q (KindQuantStats; q with FP8 attention), in
+    to_dict() as k_sqnr_db, v_sqnr_db, k_clipped, v_clipped (fraction saturated at ±fp8_max), k_absmax, v_absmax
+    (unquantised), k_clip_at, v_clip_at (|x| that saturates; per head, the largest scale's), q_sqnr_db, q_clipped;
+    where measured: attention_error (||ΔO|| / ||O||), delta_nll_alone, kl_alone (nats with only this layer's K/V
+    quantised, on eval's first layer_rows rows); chosen (from a kvcalib checkpoint's provenance: {"k": ..., "v": ...},
+    each the scale objective's choice: label, step and, where the whole-model step weighed candidates, output: each
+    one's next-token KL))."""
 
     layer: int
-    k_sqnr_db: float
-    v_sqnr_db: float
-    k_clipped: float
-    v_clipped: float
-    k_absmax: float
-    v_absmax: float
-    k_clip_at: float
-    v_clip_at: float
-    q_sqnr_db: float | None = None
-    q_clipped: float | None = None
+    k: KindQuantStats
+    v: KindQuantStats
+    q: KindQuantStats | None = None
     attention_error: float | None = None
     delta_nll_alone: float | None = None
     kl_alone: float | None = None
     chosen: dict[str, ScaleChoice] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            k: {kind: c.to_dict() for kind, c in v.items()} if isinstance(v, dict) else v
-            for k, v in vars(self).items()
-            if v is not None
+        kinds = {"k": self.k, "v": self.v, "q": self.q}
+        out = {
+            key: {kind: c.to_dict() for kind, c in v.items()} if isinstance(v, dict) else v
+            for key, v in self.__dict__.items()
+            if key not in kinds and v is not None
         }
+        for kind, stats in kinds.items():  # flat: k_sqnr_db, ...
+            figures = asdict(stats) if stats else {}
+            out.update({f"{kind}_{key}": v for key, v in figures.items() if v is not None})
+        return out
 
 
 Scale = float | torch.Tensor  # one per layer, or [1, heads, 1, 1] per head
@@ -285,25 +296,25 @@ class KVErrorMeter:
         sums, absmax = self._sums[c].cpu(), self._absmax.cpu()
         stats = []
         for i in range(self.num_layers):
-            (ks, kn, kc, kcount), (vs, vn, vc, vcount), (qs, qn, qc, qcount) = sums[i].tolist()
-            q = (
-                {"q_sqnr_db": fp8.sqnr_db(qs, qn), "q_clipped": qc / max(qcount, 1.0)}
-                if quantizer.fp8_attention
-                else {}
+            k, v, q = (
+                KindQuantStats(fp8.sqnr_db(signal, noise), clipped / max(count, 1.0))
+                for signal, noise, clipped, count in sums[i].tolist()
             )
             one = None if alone is None else alone[i]
             stats.append(
                 LayerQuantStats(
                     layer=i,
-                    k_sqnr_db=fp8.sqnr_db(ks, kn),
-                    v_sqnr_db=fp8.sqnr_db(vs, vn),
-                    k_clipped=kc / max(kcount, 1.0),
-                    v_clipped=vc / max(vcount, 1.0),
-                    k_absmax=absmax[i, 0].item(),
-                    v_absmax=absmax[i, 1].item(),
-                    k_clip_at=_clip_at(quantizer.k_scales[i], quantizer.target),
-                    v_clip_at=_clip_at(quantizer.v_scales[i], quantizer.target),
-                    **q,
+                    k=replace(
+                        k,
+                        absmax=absmax[i, 0].item(),
+                        clip_at=_clip_at(quantizer.k_scales[i], quantizer.target),
+                    ),
+                    v=replace(
+                        v,
+                        absmax=absmax[i, 1].item(),
+                        clip_at=_clip_at(quantizer.v_scales[i], quantizer.target),
+                    ),
+                    q=q if quantizer.fp8_attention else None,
                     attention_error=None
                     if self.sampler is None
                     else attention_error(

@@ -100,11 +100,11 @@ class RunResult:
 
     @property
     def k_clipped(self) -> float:
-        return sum(s.k_clipped for s in self.layers) / max(len(self.layers), 1)
+        return sum(s.k.clipped for s in self.layers) / max(len(self.layers), 1)
 
     @property
     def v_clipped(self) -> float:
-        return sum(s.v_clipped for s in self.layers) / max(len(self.layers), 1)
+        return sum(s.v.clipped for s in self.layers) / max(len(self.layers), 1)
 
     def to_dict(self) -> dict[str, Any]:
         nll, accuracy = self.intervals

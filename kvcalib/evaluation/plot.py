@@ -99,7 +99,7 @@ def plot_eval(result: Any, path: Path) -> Path:
         ax = axes[0][col]
         ax.plot(
             layers,
-            [getattr(s, f"{kind}_absmax") for s in first.layers],
+            [getattr(s, kind).absmax for s in first.layers],
             "k-",
             lw=2,
             label=f"{kind.upper()} absmax",
@@ -107,7 +107,7 @@ def plot_eval(result: Any, path: Path) -> Path:
         for run in result.runs:
             ax.plot(
                 layers,
-                [getattr(s, f"{kind}_clip_at") for s in run.layers],
+                [getattr(s, kind).clip_at for s in run.layers],
                 "--",
                 label=f"clips above ({_label(run.name)})",
             )
@@ -117,13 +117,13 @@ def plot_eval(result: Any, path: Path) -> Path:
             f"{kind.upper()}: absmax on the eval text vs where each configuration saturates"
         )
         ax.legend(fontsize=7)
-        metrics = ((f"{kind}_sqnr_db", "SQNR (dB)"), (f"{kind}_clipped", "fraction clipped"))
+        metrics = (("sqnr_db", "SQNR (dB)"), ("clipped", "fraction clipped"))
         for row, (metric, title) in enumerate(metrics, start=1):
             ax = axes[row][col]
             for run in result.runs:
                 ax.plot(
                     layers,
-                    [_finite(getattr(s, metric)) for s in run.layers],
+                    [_finite(getattr(getattr(s, kind), metric)) for s in run.layers],
                     "o-",
                     ms=3,
                     label=_label(run.name),
@@ -163,10 +163,10 @@ def _query_and_summary(result: Any, axes: Any, layers: list[int]) -> None:
     """Bottom row: Q SQNR per layer (FP8 attention runs) and ΔNLL, KL, top-1 of every run."""
     ax = axes[0]
     for run in result.runs:
-        if run.layers and run.layers[0].q_sqnr_db is not None:
+        if run.layers and run.layers[0].q is not None:
             ax.plot(
                 layers,
-                [_finite(s.q_sqnr_db) for s in run.layers],
+                [_finite(s.q.sqnr_db) for s in run.layers],
                 "o-",
                 ms=3,
                 label=_label(run.name),

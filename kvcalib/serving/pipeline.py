@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcalib.core.checkpoint import Checkpoint, read_config
 from kvcalib.core.errors import ServerError, UsageError
@@ -34,7 +34,7 @@ from kvcalib.serving.launch import (
     server_env,
 )
 from kvcalib.serving.options import NEURON_DEVICES, ServeOptions
-from kvcalib.serving.predict import Prediction, delta_intervals, predict
+from kvcalib.serving.predict import DeltaIntervals, Prediction, delta_intervals, predict
 from kvcalib.serving.preflight import Environment, Preflight, check_environment, preflight
 from kvcalib.serving.probe import Completion, ServerClient, degenerate
 from kvcalib.serving.prompts import (
@@ -45,7 +45,16 @@ from kvcalib.serving.prompts import (
     context_prompt,
     unjudged_passkeys,
 )
-from kvcalib.serving.server import VllmServer, free_port, kv_capacity, require_free_port
+from kvcalib.serving.server import (
+    KvCapacity,
+    VllmServer,
+    free_port,
+    kv_capacity,
+    require_free_port,
+)
+
+if TYPE_CHECKING:
+    from kvcalib.serving.tasks import ServedTaskRow, ServedTasks
 
 __all__ = [
     "AGREEMENT_THRESHOLD",
@@ -124,14 +133,12 @@ class ServerRun:
     completions: tuple[Completion, ...]
     nll: float
     agreements: tuple[float | None, ...] | None = None
-    task_output: Any = (
-        None  # serve-check --tasks: lm-eval's output against this server (tasks.ServedTasks)
+    task_output: ServedTasks | None = (
+        None  # serve-check --tasks: lm-eval's output against this server
     )
     pid: int | None = None  # the server's process id: it leads its own session and process group
     token_nll: tuple[float, ...] = ()  # each token's NLL of the fixed text (nll is their mean)
-    kv_capacity: Mapping[str, Any] = field(
-        default_factory=dict
-    )  # the KV cache vLLM logged: server.kv_capacity
+    kv_capacity: KvCapacity = KvCapacity()  # the KV cache vLLM logged
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,8 @@ class ServeCheckResult:
     log (the FP8 server's), baseline_ready_s, baseline_command, baseline_log (null: no baseline), prompts
     (PromptResult), nll (fp8, baseline: nats per token of the fixed text), agreement, thresholds, fp8_max,
     tensor_parallel_size, vllm; null unless run: canary (CanaryResult), unit (every scale 1.0), prediction (eval's);
-    delta_nll (served, predicted, intervals), variants, server_pids, tasks (--tasks), kv_capacity (vLLM's log)."""
+    delta_nll (served, predicted, intervals: DeltaIntervals), variants, server_pids, tasks (--tasks: ServedTaskRow),
+    kv_capacity (KvCapacity per server, from vLLM's log)."""
 
     checkpoint: str
     device: str
@@ -164,9 +172,9 @@ class ServeCheckResult:
     unit: ServerRun | None = None
     prediction: Prediction | None = None
     server_pids: Mapping[str, int] = field(default_factory=dict)
-    tasks: tuple[dict[str, Any], ...] = ()
-    intervals: Mapping[str, Any] = field(default_factory=dict)
-    kv_capacity: Mapping[str, Any] = field(default_factory=dict)
+    tasks: tuple[ServedTaskRow, ...] = ()
+    intervals: DeltaIntervals = DeltaIntervals()
+    kv_capacity: Mapping[str, KvCapacity] = field(default_factory=dict)
 
     def variants(self) -> list[dict[str, Any]]:
         """The table: each server's NLL and agreement, served and predicted ΔNLL."""
@@ -246,12 +254,12 @@ class ServeCheckResult:
             "delta_nll": {
                 "served": None if base is None else self.nll_fp8 - base,
                 "predicted": pred.delta_nll if pred else None,
-                "intervals": dict(self.intervals),
+                "intervals": self.intervals.to_dict(),
             },
             "variants": self.variants(),
             "server_pids": dict(self.server_pids),
-            "tasks": list(self.tasks),
-            "kv_capacity": dict(self.kv_capacity),
+            "tasks": [row.to_dict() for row in self.tasks],
+            "kv_capacity": {name: c.to_dict() for name, c in self.kv_capacity.items()},
         }
 
 
@@ -570,7 +578,7 @@ def _task_rows(
     pre: Preflight,
     baseline: ServerRun | None,
     fp8: ServerRun,
-) -> list[dict[str, Any]]:
+) -> list[ServedTaskRow]:
     """serve-check --tasks: the FP8 server's task scores paired with the baseline's, next to kvcalib's prediction."""
     if options.tasks is None or baseline is None:
         return []

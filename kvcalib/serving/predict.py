@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcalib.core.cpu import HostCpu
 
-__all__ = ["BLOCK_TOKENS", "Prediction", "delta_intervals", "predict"]
+if TYPE_CHECKING:
+    from kvcalib.evaluation.significance import Interval
+
+__all__ = ["BLOCK_TOKENS", "DeltaIntervals", "Prediction", "delta_intervals", "predict"]
 
 BLOCK_TOKENS = 16
 
@@ -39,6 +42,19 @@ class Prediction:
             for k, v in asdict(self).items()
             if k != "token_delta"
         }
+
+
+@dataclass(frozen=True)
+class DeltaIntervals:
+    """The calibrated scales' ΔNLL on the probe text in ServeCheckResult's delta_nll intervals: served, predicted and
+    served_minus_predicted (each an Interval over blocks of BLOCK_TOKENS tokens; null: nothing to pair)."""
+
+    served: Interval | None = None
+    predicted: Interval | None = None
+    served_minus_predicted: Interval | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: found and found.to_dict() for name, found in self.__dict__.items()}
 
 
 def predict(
@@ -90,14 +106,13 @@ def delta_intervals(
     fp8: Sequence[float],
     prediction: Prediction | None,
     warnings: list[str],
-) -> dict[str, Any]:
-    """Intervals ("served", "predicted", "served_minus_predicted": Interval.to_dict() or None) from per-token NLLs;
-    why one is missing is appended to `warnings`."""
+) -> DeltaIntervals:
+    """The intervals from per-token NLLs; why one is missing is appended to `warnings`."""
     from kvcalib.evaluation.significance import paired_bootstrap
 
     predicted = None if prediction is None else prediction.token_delta
 
-    def interval(values: Sequence[float] | None) -> dict[str, Any] | None:
+    def interval(values: Sequence[float] | None) -> Interval | None:
         if values is None:
             return None
         starts = range(0, len(values), BLOCK_TOKENS)
@@ -105,14 +120,10 @@ def delta_intervals(
             [sum(values[i : i + BLOCK_TOKENS]) for i in starts],
             [len(values[i : i + BLOCK_TOKENS]) for i in starts],
         )
-        return (
-            None
-            if found is None
-            else {
-                **found.to_dict(),
-                "method": f"paired bootstrap over blocks of "
-                f"{BLOCK_TOKENS} tokens, {found.method.split(', ', 1)[1]}",
-            }
+        return found and replace(
+            found,
+            method=f"paired bootstrap over blocks of {BLOCK_TOKENS} tokens, "
+            f"{found.method.split(', ', 1)[1]}",
         )
 
     served = None if baseline is None else [f - b for f, b in zip(fp8, baseline)]
@@ -131,8 +142,4 @@ def delta_intervals(
                 f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: the two "
                 "tokenised the text differently, so served and predicted are not paired"
             )
-    return {
-        "served": interval(served),
-        "predicted": interval(predicted),
-        "served_minus_predicted": interval(difference),
-    }
+    return DeltaIntervals(interval(served), interval(predicted), interval(difference))

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "Diagnosis",
     "HEALTH_TIMEOUT_S",
     "KNOWN_CAUSES",
+    "KvCapacity",
     "LOG_TAIL_LINES",
     "POLL_S",
     "PORT_FREE_TIMEOUT_S",
@@ -140,13 +141,25 @@ _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens", re.I)
 _KV_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", re.I)
 
 
-def kv_capacity(log_text: str) -> dict[str, Any]:
-    """{"tokens", "max_concurrency"} of the KV cache a vLLM log reports last (None: not logged)."""
+@dataclass(frozen=True)
+class KvCapacity:
+    """One server's KV cache in ServeCheckResult's kv_capacity, as its vLLM log reports it last: tokens,
+    max_concurrency (requests of --max-model-len tokens at once); null: not logged."""
+
+    tokens: int | None = None
+    max_concurrency: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_capacity(log_text: str) -> KvCapacity:
+    """The KV cache a vLLM log reports last."""
     tokens, concurrency = _KV_TOKENS.findall(log_text), _KV_CONCURRENCY.findall(log_text)
-    return {
-        "tokens": int(tokens[-1].replace(",", "")) if tokens else None,
-        "max_concurrency": float(concurrency[-1]) if concurrency else None,
-    }
+    return KvCapacity(
+        int(tokens[-1].replace(",", "")) if tokens else None,
+        float(concurrency[-1]) if concurrency else None,
+    )
 
 
 @dataclass(frozen=True)

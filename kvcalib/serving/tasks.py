@@ -3,11 +3,12 @@ server's per-item scores paired with the baseline's, next to kvcalib's emulation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvcalib.core.errors import UsageError
+from kvcalib.evaluation.significance import Interval
 from kvcalib.evaluation.tasks import (
     BASELINE_NAME,
     TaskOptions,
@@ -19,7 +20,16 @@ from kvcalib.evaluation.tasks import (
     task_manager,
 )
 
-__all__ = ["FP8_NAME", "ServedTasks", "TaskSpec", "check_tasks", "run_served_tasks", "served_rows"]
+__all__ = [
+    "FP8_NAME",
+    "ServedTaskRow",
+    "ServedTasks",
+    "TaskScores",
+    "TaskSpec",
+    "check_tasks",
+    "run_served_tasks",
+    "served_rows",
+]
 
 FP8_NAME = "fp8"
 
@@ -62,9 +72,50 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class ServedTasks:
+    """lm-eval's own output against one server (simple_evaluate's samples, results, configs): paired_rows reads it."""
+
     samples: dict[str, list[dict[str, Any]]]
     results: dict[str, Any]
     configs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TaskScores:
+    """The served or the predicted scores in a ServedTaskRow: baseline, fp8, interval (fp8 - baseline on the same
+    items; null: none, the verdict says why), verdict."""
+
+    baseline: float
+    fp8: float
+    interval: Interval | None
+    verdict: str
+
+    @classmethod
+    def of(cls, row: TaskRow, name: str) -> TaskScores:
+        """Run `name`'s scores in an eval row, against the row's baseline."""
+        return cls(row.baseline, row.scores[name], row.intervals.get(name), row.verdict(name))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "interval": self.interval and self.interval.to_dict()}
+
+
+@dataclass(frozen=True)
+class ServedTaskRow:
+    """One task and metric in ServeCheckResult's tasks: task, metric, filter, items; served (TaskScores of the FP8
+    server against the baseline server); predicted (kvcalib's emulation of both on the same items, with its numerics;
+    null: not predicted)."""
+
+    task: str
+    metric: str
+    filter: str
+    items: int
+    served: TaskScores
+    predicted: TaskScores | None = None
+    numerics: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        row = {key: v for key, v in self.__dict__.items() if key != "numerics"}
+        predicted = self.predicted and {"numerics": self.numerics, **self.predicted.to_dict()}
+        return {**row, "served": self.served.to_dict(), "predicted": predicted}
 
 
 def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
@@ -119,7 +170,7 @@ def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> ServedTasks:
 
 def served_rows(
     spec: TaskSpec, baseline: ServedTasks, fp8: ServedTasks, checkpoint: Path, numerics: str | None
-) -> list[dict[str, Any]]:
+) -> list[ServedTaskRow]:
     """Per task and metric: the served baseline and FP8 scores with the paired interval, and kvcalib's prediction
     of both on the same items (numerics None: no prediction)."""
     samples = {BASELINE_NAME: baseline.samples, FP8_NAME: fp8.samples}
@@ -137,33 +188,16 @@ def served_rows(
         predicted = {(r.task, r.metric, r.filter): r for r in result.rows}
     rows = []
     for row in served:
-        guess, interval = (
-            predicted.get((row.task, row.metric, row.filter)),
-            row.intervals.get(FP8_NAME),
-        )
+        guess = predicted.get((row.task, row.metric, row.filter))
         rows.append(
-            {
-                "task": row.task,
-                "metric": row.metric,
-                "filter": row.filter,
-                "items": row.items,
-                "served": {
-                    "baseline": row.baseline,
-                    "fp8": row.scores[FP8_NAME],
-                    "interval": None if interval is None else interval.to_dict(),
-                    "verdict": row.verdict(FP8_NAME),
-                },
-                "predicted": None
-                if guess is None
-                else {
-                    "numerics": numerics,
-                    "baseline": guess.baseline,
-                    "fp8": guess.scores["checkpoint"],
-                    "interval": None
-                    if guess.intervals.get("checkpoint") is None
-                    else guess.intervals["checkpoint"].to_dict(),
-                    "verdict": guess.verdict("checkpoint"),
-                },
-            }
+            ServedTaskRow(
+                row.task,
+                row.metric,
+                row.filter,
+                row.items,
+                TaskScores.of(row, FP8_NAME),
+                guess and TaskScores.of(guess, "checkpoint"),
+                numerics if guess else None,
+            )
         )
     return rows

@@ -172,7 +172,7 @@ def test_written_checkpoint(tiny_llama, text_dataset, tmp_path):
         "chat_template.jinja",
     ):
         assert (out / name).read_bytes() == (tiny_llama / name).read_bytes()
-    assert result.validation is not None and result.validation["ok"] is True
+    assert result.validation is not None and result.validation.ok is True
 
 
 def test_trn2_scales_are_448_over_240_times_gpu_scales(tiny_llama_master, text_dataset, tmp_path):
@@ -206,7 +206,7 @@ def test_recalibrating_replaces_scales_and_overwrite(tiny_llama_master, text_dat
     assert_scale_sized(
         read_scales(second)[neuron_scale_key(0, "k")].item(), result.layers[0].k.range, "trn2"
     )
-    assert result.validation["ok"]
+    assert result.validation.ok
     # --overwrite replaces an existing output whole
     (second / "stray.txt").write_text("old")
     calibrate(
@@ -236,7 +236,7 @@ def test_scales_inside_a_weight_shard_are_moved_out(tiny_llama, text_dataset, tm
     for key, value in rewritten.items():
         assert torch.equal(value, tensors[key])
     assert any("dropped 2 earlier KV scale" in w for w in result.warnings)
-    assert result.validation["ok"]
+    assert result.validation.ok
 
 
 def test_zero_absmax_gets_a_floor_and_a_warning(tiny_llama, text_dataset, tmp_path):

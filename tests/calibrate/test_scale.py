@@ -108,7 +108,7 @@ def test_streamed_scales_equal_in_memory(arch, dtype, tiny_llama_master, text_da
     assert absmax(streamed) == absmax(native)
     assert scale_bits(tmp_path / "stream") == scale_bits(tmp_path / "native")
     assert json.loads((tmp_path / "stream" / PROVENANCE_FILENAME).read_text())["engine"] == "stream"
-    assert streamed.validation["ok"] is True
+    assert streamed.validation.ok is True
 
 
 def test_streamed_equals_in_memory_only_with_each_layers_own_mask(tmp_path, text_dataset):

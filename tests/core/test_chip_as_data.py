@@ -84,9 +84,9 @@ def test_a_chip_defined_here_calibrates_validates_and_evaluates(
     assert all(
         18.0 < sqnr < 28.0
         for layer in checkpoint.layers
-        for sqnr in (layer.k_sqnr_db, layer.v_sqnr_db)
+        for sqnr in (layer.k.sqnr_db, layer.v.sqnr_db)
     )
-    assert all(layer.k_clipped == 0.0 for layer in unit.layers)  # scale 1.0: nothing reaches 57344
+    assert all(layer.k.clipped == 0.0 for layer in unit.layers)  # scale 1.0: nothing reaches 57344
 
 
 def test_the_objectives_first_candidate_is_absmax(e5m2):

@@ -106,7 +106,7 @@ def test_smollm2_checkpoint_is_valid_and_reloads(smollm2, smol_calibrated):
     from transformers import AutoModelForCausalLM
 
     out, result = smol_calibrated
-    assert result.validation["ok"] is True
+    assert result.validation.ok is True
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["kv_cache_scheme"]["type"] == "float"
     model, info = AutoModelForCausalLM.from_pretrained(

@@ -107,8 +107,8 @@ def test_the_last_quarter_and_saturation_are_what_a_hand_computation_gives(
                     .float()
                     .mean()
                 )
-                assert layer.k_clipped == pytest.approx(float(clipped), abs=1e-6)
-                assert layer.k_absmax == pytest.approx(float(k.abs().max()), rel=1e-6)
+                assert layer.k.clipped == pytest.approx(float(clipped), abs=1e-6)
+                assert layer.k.absmax == pytest.approx(float(k.abs().max()), rel=1e-6)
             assert row.interval is not None and row.interval.items == 3 * -(-q // BLOCK)
         assert rows[str(small)].k_clipped > max(0.01, 5 * rows["checkpoint"].k_clipped)
         assert rows[str(small)].beyond("k")[0] > 2 * rows["checkpoint"].beyond("k")[0]
@@ -353,6 +353,6 @@ def test_smollm2_clips_at_8k_with_256_token_scales_and_headroom_removes_it(smoll
         f"{room.beyond('v')[0]:.2f}, {room.k_clipped:.4%}/{room.v_clipped:.4%}"
     )
     assert max(short.beyond("k")[0], short.beyond("v")[0]) > 1.1
-    assert sum(layer.k_clipped > 0 or layer.v_clipped > 0 for layer in short.layers) >= 5
+    assert sum(layer.k.clipped > 0 or layer.v.clipped > 0 for layer in short.layers) >= 5
     assert max(room.beyond("k")[0], room.beyond("v")[0]) < 0.95
     assert room.k_clipped == 0 and room.v_clipped == 0

@@ -79,7 +79,7 @@ def test_calibrated_scales_beat_unit_scales_on_outliers(tiny_outlier, text_datas
     # ΔNLL on this random model is noise of ±0.001 (its sign moved with the bf16 product); KL is the steady one
     assert calibrated.kl < unit.kl
     assert calibrated.top1 >= unit.top1
-    assert min(layer.k_sqnr_db for layer in calibrated.layers) > 25.0
+    assert min(layer.k.sqnr_db for layer in calibrated.layers) > 25.0
 
 
 def test_448_scales_clip_on_trn2_and_240_scales_do_not(tiny_outlier, text_dataset):
@@ -90,11 +90,11 @@ def test_448_scales_clip_on_trn2_and_240_scales_do_not(tiny_outlier, text_datase
     )
     ours, sized_448 = result.runs
     assert sized_448.name == str(gpu_ckpt)
-    assert all(layer.k_clipped == 0.0 and layer.v_clipped == 0.0 for layer in ours.layers)
+    assert all(layer.k.clipped == 0.0 and layer.v.clipped == 0.0 for layer in ours.layers)
     assert sized_448.k_clipped > 0.0 and sized_448.v_clipped > 0.0
     # values above 240/448 of absmax clip: the threshold sits there
     for layer in sized_448.layers:
-        assert layer.k_clip_at == pytest.approx(layer.k_absmax * 240 / 448, rel=0.02)
+        assert layer.k.clip_at == pytest.approx(layer.k.absmax * 240 / 448, rel=0.02)
     # the same 448 scales are right on a 448 chip
     on_gpu = evaluate(gpu_ckpt, str(text_dataset), EvalOptions(target="gpu", **DATA))
     assert on_gpu.runs[0].k_clipped == 0.0

@@ -64,8 +64,8 @@ def test_per_head_with_equal_heads_is_per_tensor_to_the_bit(checkpoints, text_da
     plain, heads = result.runs
     assert (plain.kind, heads.kind) == ("KV per-tensor", "KV per-head")
     assert (heads.nll, heads.kl, heads.top1) == (plain.nll, plain.kl, plain.top1)
-    assert [layer.k_sqnr_db for layer in heads.layers] == [
-        layer.k_sqnr_db for layer in plain.layers
+    assert [layer.k.sqnr_db for layer in heads.layers] == [
+        layer.k.sqnr_db for layer in plain.layers
     ]
 
 
@@ -134,9 +134,9 @@ def test_q_scales_are_really_applied(checkpoints, text_dataset, tmp_path):
     calibrated, crushed = runs["checkpoint +fp8-attn"], runs[f"{small} +fp8-attn"]
     assert runs[str(small)].nll == runs["checkpoint"].nll  # KV only: q_scale is not read
     assert crushed.kl > 20 * calibrated.kl
-    assert all(layer.q_clipped > 0.5 for layer in crushed.layers)
+    assert all(layer.q.clipped > 0.5 for layer in crushed.layers)
     assert all(
-        layer.q_clipped < 0.01 for layer in calibrated.layers
+        layer.q.clipped < 0.01 for layer in calibrated.layers
     )  # held-out text may pass the calibrated absmax
 
 

@@ -182,7 +182,7 @@ def test_absmax_equals_the_models_own_cache(family, engine, text_dataset, tmp_pa
     for layer in result.layers:
         assert layer.k.absmax == pytest.approx(k[layer.layer], rel=1e-6), (name, layer.layer, "K")
         assert layer.v.absmax == pytest.approx(v[layer.layer], rel=1e-6), (name, layer.layer, "V")
-    assert result.validation["ok"] is True
+    assert result.validation.ok is True
 
 
 @pytest.mark.parametrize("engine", ["native", "stream"])
@@ -212,7 +212,7 @@ def test_per_head_and_q_absmax_equal_the_models_own(family, engine, text_dataset
         assert layer.q.absmax == max(layer.q.head_absmax)
         assert len(layer.k.head_absmax) == 2 and len(layer.q.head_absmax) == 4
     assert len({round(max(k[i]).item() / max(q[i]).item(), 3) for i in range(3)}) == 3, "Q is not K"
-    assert result.validation["ok"] is True
+    assert result.validation.ok is True
 
 
 def test_gpt_oss_with_mxfp4_experts_is_calibrated_as_released(tmp_path, text_dataset):

@@ -30,15 +30,13 @@ def test_served_predicted_and_their_difference():
     warnings = []
     found = delta_intervals(baseline, served, prediction(predicted), warnings)
     assert warnings == []
-    assert found["served"]["estimate"] == pytest.approx(0.05) and found["predicted"][
-        "estimate"
-    ] == pytest.approx(0.04)
-    difference = found["served_minus_predicted"]
-    assert (
-        difference["items"] == 10 and difference["low"] == pytest.approx(0.01) == difference["high"]
-    )
-    assert found["served"]["low"] <= 0.05 <= found["served"]["high"]
-    assert "blocks of 16 tokens" in found["served"]["method"]
+    assert found.served.estimate == pytest.approx(
+        0.05
+    ) and found.predicted.estimate == pytest.approx(0.04)
+    difference = found.served_minus_predicted
+    assert difference.items == 10 and difference.low == pytest.approx(0.01) == difference.high
+    assert found.served.low <= 0.05 <= found.served.high
+    assert "blocks of 16 tokens" in found.served.method
 
 
 def test_what_cannot_be_paired_says_why():
@@ -47,16 +45,16 @@ def test_what_cannot_be_paired_says_why():
         None, [2.0] * 40, prediction([0.1] * 40), warnings
     )  # Neuron: no baseline server
     assert (
-        found["served"] is None
-        and found["served_minus_predicted"] is None
-        and found["predicted"] is not None
+        found.served is None
+        and found.served_minus_predicted is None
+        and found.predicted is not None
     )
     assert warnings == []
     found = delta_intervals([2.0] * 40, [2.1] * 40, prediction([0.1] * 41), warnings)
-    assert found["served"] is not None and found["served_minus_predicted"] is None
+    assert found.served is not None and found.served_minus_predicted is None
     assert warnings == [
         "the servers scored 40 tokens, the prediction 41: the two tokenised the text differently, so "
         "served and predicted are not paired"
     ]
     found = delta_intervals([2.0] * 40, [2.1] * 40, None, [])  # --no-predict
-    assert found["predicted"] is None and found["served_minus_predicted"] is None
+    assert found.predicted is None and found.served_minus_predicted is None

@@ -39,6 +39,7 @@ from kvcalib.serving.prompts import (
     unjudged_passkeys,
 )
 from kvcalib.serving.server import (
+    KvCapacity,
     VllmServer,
     diagnose,
     free_port,
@@ -281,14 +282,14 @@ concurrency for 2,048 tokens per request: 16.00x
 
 def test_the_kv_capacity_is_read_from_vllms_log():
     """The same bytes hold twice the tokens in FP8; older vLLM (GPU) logs the two figures on two lines."""
-    assert kv_capacity(VLLM_CPU_BF16_LOG) == {"tokens": 16384, "max_concurrency": 8.0}
-    assert kv_capacity(VLLM_CPU_FP8_LOG) == {"tokens": 32768, "max_concurrency": 16.0}
+    assert kv_capacity(VLLM_CPU_BF16_LOG) == KvCapacity(16384, 8.0)
+    assert kv_capacity(VLLM_CPU_FP8_LOG) == KvCapacity(32768, 16.0)
     older = (
         "INFO [kv_cache_utils.py:716] GPU KV cache size: 1,234,560 tokens\n"
         "INFO [kv_cache_utils.py:720] Maximum concurrency for 131,072 tokens per request: 9.42x\n"
     )
-    assert kv_capacity(older) == {"tokens": 1234560, "max_concurrency": 9.42}
-    assert kv_capacity("INFO fake vLLM: serving\n") == {"tokens": None, "max_concurrency": None}
+    assert kv_capacity(older) == KvCapacity(1234560, 9.42)
+    assert kv_capacity("INFO fake vLLM: serving\n") == KvCapacity(None, None)
 
 
 def test_baseline_kv_dtype_is_the_models_16_bit_type():
