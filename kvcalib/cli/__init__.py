@@ -279,14 +279,12 @@ def eval_command(
     **values: Any,
 ) -> None:
     """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
-    from click.core import ParameterSource
-
     from kvcalib.api import eval_options, evaluate
     from kvcalib.evaluation.plot import check_plot_path, plot_eval
 
     if tasks is not None or dataset is None:
         return _eval_tasks(checkpoint, dataset, tasks, values, as_json, quiet)
-    given = ctx.get_parameter_source("num_samples") is not ParameterSource.DEFAULT
+    given = ctx.get_parameter_source("num_samples").name != "DEFAULT"  # typer's own click
     keys = values["num_samples"] if given else None  # --needle's default is its own
     with _errors():
         options = eval_options(**split_options(EvalOptions, values))
