@@ -106,7 +106,7 @@ def command(
     for source in sources:
         cls, names = source if isinstance(source, tuple) else (source, None)
         for field in dataclasses.fields(cls):
-            if field.metadata.get("cli") and (names is None or field.name in names):
+            if "help" in field.metadata and (names is None or field.name in names):
                 fields.setdefault(field.name, field)
     flags = {field_name: _flag(field) for field_name, field in fields.items()}
 

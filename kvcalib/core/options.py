@@ -48,10 +48,10 @@ def option(
     choices: Callable[[], tuple[str, ...]] | None = None,
     metavar: str | None = None,
     factory: Callable[[], Any] | None = None,
-    cli: bool = True,
 ) -> Any:
     """A dataclass field that is also a flag (default --field-name); `minimum` is checked with `what` it counts,
-    `choices` a callable for a table's (else a Literal annotation's); `cli=False`: the library's only."""
+    `choices` a callable for a table's (else a Literal annotation's). A field declared otherwise is the library's
+    only (no flag)."""
     assert panel in PANELS, panel
     meta = {
         "help": help,
@@ -63,7 +63,6 @@ def option(
         "what": what,
         "choices": choices,
         "metavar": metavar,
-        "cli": cli,
     }
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
