@@ -109,6 +109,7 @@ def calibrate(
         Literal[DEVICES] | None,
         typer.Option(
             "--serve-check",
+            metavar="|".join(DEVICES),
             help="Then serve the new checkpoint with FP8 KV and probe it, as serve-check does (with its "
             "serving flags), on this device; the device and vLLM are checked before calibrating.",
             rich_help_panel="Serving",
