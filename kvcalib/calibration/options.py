@@ -1,6 +1,6 @@
-"""What calibrate takes (CalibrateOptions) and what it returns (CalibrationResult)."""
-
-from __future__ import annotations
+"""What calibrate takes (CalibrateOptions) and what it returns (CalibrationResult). Real annotations (no
+`from __future__ import annotations`: kvcalib.core.options reads a field's type as it is); a type imported only under
+TYPE_CHECKING is written as a string."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +18,20 @@ if TYPE_CHECKING:
     from kvcalib.hf.memory import MemoryLimit
     from kvcalib.serving.pipeline import ServeCheckResult
 
-__all__ = ["CalibrateOptions", "CalibrationResult", "KindScales", "LayerScales", "StepReport"]
+__all__ = [
+    "CalibrateOptions",
+    "Engine",
+    "ScaleObjective",
+    "Strategy",
+    "CalibrationResult",
+    "KindScales",
+    "LayerScales",
+    "StepReport",
+]
+
+Engine = Literal["auto", "native", "stream", "llmcompressor"]
+Strategy = Literal["tensor", "attn_head"]
+ScaleObjective = Literal["output", "attention", "absmax"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +66,10 @@ class CalibrateOptions(RunOptions):
         what="sequences per forward pass",
     )
     overwrite: bool = option(False, "Replace OUTPUT if it exists.", panel="Output")
-    engine: str = option(
+    engine: Engine = option(
         "auto",
-        "auto (native, or stream when the weights would not fit), native, stream, or llmcompressor "
-        "(llm-compressor's oneshot observes; pip install kvcalib\\[llmcompressor]).",
+        "auto: native, or stream when the weights would not fit; llmcompressor: llm-compressor's oneshot "
+        "observes (pip install kvcalib\\[llmcompressor]).",
         panel="Engine",
     )
     recipe: str | None = option(
@@ -66,7 +79,7 @@ class CalibrateOptions(RunOptions):
         panel="Scales",
         metavar="NAME|FILE",
     )
-    strategy: Literal["tensor", "attn_head"] | None = option(
+    strategy: Strategy | None = option(
         None,
         "tensor (one K and one V scale per layer) or attn_head (one per KV head; GPU only: vLLM on Neuron "
         "cannot load them). Default: the recipe's kv_cache_scheme, else tensor.",
@@ -78,7 +91,7 @@ class CalibrateOptions(RunOptions):
         "FP8-attention config group (GPU vLLM's FP8 attention reads it; the Neuron plugin does not yet).",
         panel="Scales",
     )
-    scale_objective: Literal["output", "attention", "absmax"] = option(
+    scale_objective: ScaleObjective = option(
         "output",
         "output: the attention objective, then where its candidates differ materially, the few best "
         "scored by the model's next-token KL on held-out calibration rows, in the target's numerics and server "
@@ -95,9 +108,9 @@ class CalibrateOptions(RunOptions):
         panel="Scales",
     )
     extra_provenance: dict[str, Any] = field(default_factory=dict)
-    ranks: Ranks | None = None  # set under torchrun: this process's share; only rank 0 writes
+    ranks: "Ranks | None" = None  # set under torchrun: this process's share; only rank 0 writes
     # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
-    memory: MemoryLimit | None = None  # the host memory this process may use
+    memory: "MemoryLimit | None" = None  # the host memory this process may use
     scratch_dir: Path | None = None  # where the stream engine spills hidden states
 
     def check_arguments(self) -> None:
@@ -200,7 +213,7 @@ class CalibrationResult:
     compute: str = ""
     scale_objective: str = "absmax"
     objective_seconds: float = 0.0
-    serve_check: ServeCheckResult | None = None
+    serve_check: "ServeCheckResult | None" = None
     kv_cache: KvCacheSize | None = None
     output_step: StepReport | None = None
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from kvcalib._version import __version__
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.cli.common import _errors, _print_json, _stderr, captured_notes
-from kvcalib.cli.flags import command, flags, split_options
+from kvcalib.cli.flags import command, split_options
 from kvcalib.cli.render import (
     progress_bar,
     render_calibration,
@@ -31,7 +31,7 @@ from kvcalib.cli.render_serve import render_serve_check, serve_status
 from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import DEFAULT_TARGET, TARGETS
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
-from kvcalib.serving.options import ServeOptions
+from kvcalib.serving.options import DEVICES, ServeOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
@@ -79,16 +79,10 @@ Tasks = Annotated[
     ),
 ]
 DATA_HELP = "Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, or a hub id."
-_SERVE_FLAGS = (
-    "vllm_python",
-    "tp",
-    "max_model_len",
-    "startup_timeout_s",
-    "log_dir",
-)  # calibrate --serve-check's
 
 
-@command(app, options=[*flags(CalibrateOptions), *flags(ServeOptions, *_SERVE_FLAGS)])
+# Its flags: CalibrateOptions' fields, then ServeOptions' for --serve-check (their --device is --serve-check's).
+@command(app, "calibrate", CalibrateOptions, ServeOptions)
 def calibrate(
     model: Annotated[
         str,
@@ -112,11 +106,12 @@ def calibrate(
         ),
     ] = False,
     serve_device: Annotated[
-        str | None,
+        Literal[DEVICES] | None,
         typer.Option(
             "--serve-check",
-            help="Then serve the new checkpoint with FP8 KV and probe it, as serve-check does, on this "
-            "device (trn2, trn3, cpu, cuda); the device and vLLM are checked before calibrating.",
+            metavar="|".join(DEVICES),
+            help="Then serve the new checkpoint with FP8 KV and probe it, as serve-check does (with its "
+            "serving flags), on this device; the device and vLLM are checked before calibrating.",
             rich_help_panel="Serving",
         ),
     ] = None,
@@ -165,9 +160,8 @@ def calibrate(
         serve_device is not None
     ):  # everything serving needs but the scales, before an hour of calibration
         with _errors():
-            serving = plan_serve_check(
-                model, options, serve_device, **{k: values[k] for k in _SERVE_FLAGS}
-            )
+            serve = split_options(ServeOptions, values)
+            serving = plan_serve_check(model, options, **{**serve, "device": serve_device})
     with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
         result = run_calibration(model, dataset, output, options, progress=on_progress)
     _report_calibration(console, result, notes, serving, as_json)
@@ -219,8 +213,10 @@ def validate(
     raise typer.Exit(0 if report.ok else 1)
 
 
-@command(app, "eval", options=[*flags(EvalOptions, num_samples=None), *flags(TaskOptions)])
+# Its flags: EvalOptions' fields, then TaskOptions' (--tasks) not already among them.
+@command(app, "eval", EvalOptions, TaskOptions)
 def eval_command(
+    ctx: typer.Context,
     checkpoint: Annotated[
         str, typer.Argument(help="Calibrated checkpoint directory (its weights and scales).")
     ],
@@ -289,11 +285,10 @@ def eval_command(
 
     if tasks is not None or dataset is None:
         return _eval_tasks(checkpoint, dataset, tasks, values, as_json, quiet)
-    keys = values["num_samples"]  # --needle's default is its own
+    given = ctx.get_parameter_source("num_samples").name != "DEFAULT"  # typer's own click
+    keys = values["num_samples"] if given else None  # --needle's default is its own
     with _errors():
-        options = eval_options(
-            **{**split_options(EvalOptions, values), "num_samples": 64 if keys is None else keys}
-        )
+        options = eval_options(**split_options(EvalOptions, values))
     console = _stderr(quiet)
     if context is not None or needle or saturation_only:
         return _eval_context(
@@ -384,8 +379,8 @@ def _eval_tasks(
             )
         # --seed shuffles --dataset's rows; lm-eval seeds its own few-shot sampling (TaskOptions.seed)
         options = task_options(
-            [t.strip() for t in tasks.split(",") if t.strip()],
             **split_options(TaskOptions, {k: v for k, v in values.items() if k != "seed"}),
+            tasks=[t.strip() for t in tasks.split(",") if t.strip()],
         )
         with progress_bar(console, "evaluating tasks", "eval") as on_progress:
             result = evaluate_tasks(
@@ -394,7 +389,8 @@ def _eval_tasks(
     _show(render_tasks, console, result, as_json)
 
 
-@command(app, "serve-check", options=flags(ServeOptions, device=...))
+# Its flags: ServeOptions' fields, and TaskOptions' --limit and --task-data for --tasks.
+@command(app, "serve-check", ServeOptions, (TaskOptions, ("limit", "task_data")))
 def serve_check(
     checkpoint: Annotated[Path, typer.Argument(help="Calibrated checkpoint directory to serve.")],
     prompts: Annotated[
@@ -406,25 +402,12 @@ def serve_check(
         ),
     ] = None,
     tasks: Tasks = None,
-    limit: Annotated[
-        int | None,
-        typer.Option("--limit", help="With --tasks: items per task.", rich_help_panel="Data"),
-    ] = None,
-    task_data: Annotated[
-        str | None,
-        typer.Option(
-            "--task-data",
-            help="With --tasks: offline task data (scripts/prepare_tasks.py DIR).",
-            rich_help_panel="Data",
-        ),
-    ] = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     **values: Any,
 ) -> None:
     """Serve CKPT with vLLM's FP8 KV cache, probe it, compare with a baseline, and always stop the server."""
     from kvcalib.api import serve_check as run_serve_check
-    from kvcalib.api import serve_options
     from kvcalib.serving.prompts import read_prompts_file
     from kvcalib.serving.tasks import TaskSpec
 
@@ -434,12 +417,14 @@ def serve_check(
         serve_status(console) as on_event,
         captured_notes() as notes,
     ):
-        options = serve_options(
+        spec = TaskSpec.from_flags(tasks, values.pop("limit"), values.pop("task_data"))
+        result = run_serve_check(
+            checkpoint,
             **values,
             prompts=read_prompts_file(prompts) if prompts else None,
-            tasks=TaskSpec.from_flags(tasks, limit, task_data),
+            tasks=spec,
+            progress=on_event,
         )
-        result = run_serve_check(checkpoint, options=options, progress=on_event)
     _show(render_serve_check, console, result, as_json, notes)
     raise typer.Exit(0 if result.ok else 1)
 

@@ -13,109 +13,102 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from kvcalib.core.options import annotation_of, choices_of, flag_of
+from kvcalib.core.options import choices_of, flag_of
 
-__all__ = ["command", "flags", "split_options"]
+__all__ = ["command", "split_options"]
 
 _KW = inspect.Parameter.KEYWORD_ONLY
-# hidden parameter -> (the field it sets, the value it sets it to: None for the alias' own value)
-_HIDDEN: dict[str, tuple[str, Any]] = {}
-_SWITCHES: dict[
-    str, tuple[bool, Any]
-] = {}  # a shown on/off flag -> (the value it sets, the field's default)
+# One field's flag: its parameters (the one --help shows, then the hidden ones) and how the field's value is read
+# back from the values typer parsed.
+Flag = tuple[list[inspect.Parameter], Callable[[dict[str, Any]], Any]]
 
 
-def flags(cls: type, *names: str, **defaults: Any) -> list[inspect.Parameter]:
-    """Typer parameters for the fields `names` of options class `cls` (every flag-declared field when none are
-    named); `defaults`: the command's own default for a field, where it differs from the library's."""
-    by_name, params = {f.name: f for f in dataclasses.fields(cls)}, []
-    for name in names or tuple(n for n, f in by_name.items() if f.metadata.get("cli")):
-        field, kind = by_name[name], annotation_of(cls, name)
-        meta = field.metadata
-        default = defaults.get(
+def _flag(field: dataclasses.Field) -> Flag:
+    """The flag of options field `field`: shown with the field's type (its choices as a Literal, a tuple repeatable),
+    default and help; each alias a hidden flag that sets the field; of an on/off pair, the half that changes the
+    default shown and the other hidden."""
+    meta, name = field.metadata, field.name
+    default = (
+        field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+    )
+    shown, kind, help = flag_of(field), field.type, meta["help"]
+    hidden: list[tuple[str, Any]] = [
+        (a, None) for a in meta["aliases"]
+    ]  # (flag, value: None = its own)
+    switch = None  # an on/off pair: (the value the shown half sets, the field's default)
+    if "/" in shown:
+        on, off = shown.split("/")
+        shown, other, value = (off, on, False) if default is True else (on, off, True)
+        hidden.append((other, not value))
+        help, switch, kind, default = (
+            f"{help} The opposite: {other}.",
+            (value, default),
+            bool,
+            False,
+        )
+    elif (choices := choices_of(field)) is not None:
+        optional = type(None) in typing.get_args(kind)
+        kind = Literal[choices] | None if optional else Literal[choices]
+    elif typing.get_origin(kind) is tuple:
+        kind, default = list[typing.get_args(kind)[0]], list(default)  # repeatable
+    decls = (shown, *([meta["short"]] if meta["short"] else []))
+    show_default = field.default_factory is dataclasses.MISSING and kind is not bool
+    params = [
+        inspect.Parameter(
             name,
-            field.default_factory()
-            if field.default_factory is not dataclasses.MISSING
-            else field.default,
+            _KW,
+            default=... if default is dataclasses.MISSING else default,
+            annotation=Annotated[
+                kind,
+                typer.Option(
+                    *decls,
+                    help=help,
+                    rich_help_panel=meta["panel"],
+                    metavar=meta["metavar"],
+                    show_default=show_default and default is not None,
+                ),
+            ],
         )
-        shown, hidden, help = (
-            flag_of(field),
-            [(alias, None) for alias in meta["aliases"]],
-            meta["help"],
-        )
-        if "/" in shown:  # an on/off pair: the half that changes the default is shown
-            on, off = shown.split("/")
-            shown, other, value = (off, on, False) if default is True else (on, off, True)
-            hidden.append((other, not value))
-            help = f"{help} The opposite: {other}."
-            _SWITCHES[name] = (value, default)
-            kind, default = bool, False
-        else:
-            choices = choices_of(cls, field)
-            if choices is not None:
-                kind = (
-                    Literal[choices] | None
-                    if type(None) in typing.get_args(kind)
-                    else Literal[choices]
-                )
-            elif typing.get_origin(kind) is tuple:
-                kind, default = list[typing.get_args(kind)[0]], list(default)  # repeatable
-        shown_default = (
-            field.default_factory is dataclasses.MISSING
-            and default is not None
-            and kind is not bool
-        )
-        decls = (shown, *([meta["short"]] if meta["short"] else []))
+    ]
+    for i, (decl, value) in enumerate(hidden):
         params.append(
             inspect.Parameter(
-                name,
+                f"{name}__{i}",
                 _KW,
-                default=default,
+                default=None if value is None else False,
                 annotation=Annotated[
-                    kind,
-                    typer.Option(
-                        *decls,
-                        help=help,
-                        rich_help_panel=meta["panel"],
-                        metavar=meta["metavar"],
-                        show_default=shown_default,
-                    ),
+                    kind if value is None else bool, typer.Option(decl, hidden=True)
                 ],
             )
         )
-        for i, (decl, value) in enumerate(hidden):
-            _HIDDEN[f"{name}__{i}"] = (name, value)
-            params.append(
-                inspect.Parameter(
-                    f"{name}__{i}",
-                    _KW,
-                    default=None if value is None else False,
-                    annotation=Annotated[
-                        kind if value is None else bool, typer.Option(decl, hidden=True)
-                    ],
-                )
-            )
-    return params
 
+    def read(parsed: dict[str, Any]) -> Any:
+        value = parsed[name]
+        if switch is not None:
+            value = switch[0] if value else switch[1]
+        for i, (_, sets) in enumerate(hidden):
+            given = parsed[f"{name}__{i}"]
+            if given not in (None, False, []):
+                value = given if sets is None else sets
+        return tuple(value) if isinstance(value, list) else value
 
-def _merged(values: dict[str, Any]) -> dict[str, Any]:
-    """The fields' values from flags()' parameters: an alias given overrides; an on/off pair resolves."""
-    out = {k: v for k, v in values.items() if k not in _HIDDEN}
-    for name, (value, default) in _SWITCHES.items():
-        if name in out:
-            out[name] = value if out[name] else default
-    for key, (name, value) in _HIDDEN.items():
-        given = values.get(key)
-        if key in values and given not in (None, False, []):
-            out[name] = given if value is None else value
-    return out
+    return params, read
 
 
 def command(
-    app: typer.Typer, name: str | None = None, *, options: list[inspect.Parameter]
+    app: typer.Typer, name: str, *sources: type | tuple[type, tuple[str, ...]]
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register the function as command `name` with its own parameters (arguments and the command's own flags)
-    followed by `options` (flags()); they all reach it as keywords, the options in its **kwargs."""
+    """Register the function as command `name`: its own parameters (arguments and the command's own flags), then
+    a flag for each option field of `sources`, options classes (every field) or (class, field names). A name an
+    earlier source has is the same flag (eval's --device, both EvalOptions' and TaskOptions'). The fields reach the
+    function as keywords, in its **values: an alias given as the field, an on/off pair as the field's value."""
+    fields: dict[str, dataclasses.Field] = {}
+    for source in sources:
+        cls, names = source if isinstance(source, tuple) else (source, None)
+        for field in dataclasses.fields(cls):
+            if "help" in field.metadata and (names is None or field.name in names):
+                fields.setdefault(field.name, field)
+    flags = {field_name: _flag(field) for field_name, field in fields.items()}
 
     def register(func: Callable[..., Any]) -> Callable[..., Any]:
         hints = typing.get_type_hints(func, include_extras=True)
@@ -126,16 +119,18 @@ def command(
         ]
 
         @functools.wraps(func)
-        def run(**values: Any) -> Any:
-            return func(**_merged(values))
+        def run(**parsed: Any) -> Any:
+            values = {field_name: read(parsed) for field_name, (_, read) in flags.items()}
+            return func(**{p.name: parsed[p.name] for p in own}, **values)
 
-        run.__signature__ = inspect.Signature([*own, *options])  # type: ignore[attr-defined]
+        params = [p for field_params, _ in flags.values() for p in field_params]
+        run.__signature__ = inspect.Signature([*own, *params])  # type: ignore[attr-defined]
         return app.command(name)(run)
 
     return register
 
 
 def split_options(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """The entries of `values` that are fields of `cls`, repeatable flags' lists as the tuples the field holds."""
+    """The entries of `values` that are fields of `cls`."""
     names = {f.name for f in dataclasses.fields(cls)}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in names}
+    return {k: v for k, v in values.items() if k in names}

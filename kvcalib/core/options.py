@@ -1,10 +1,11 @@
 """Options declared once: each field of a job's options dataclass holds its flag, help, panel, choices and lower
-bound; the library checks values from that (`check_options`), the CLI its parameters (kvcalib.cli.flags)."""
+bound; the library checks values from that (`check_options`), the API takes each field as a keyword with the field's
+default (kvcalib.api), the CLI builds its parameters from the same fields (kvcalib.cli.flags).
 
-from __future__ import annotations
+The options modules keep real annotations (no `from __future__ import annotations`), so a field's type is the type
+object itself, `dataclasses.fields(cls)[i].type`, read without evaluating a string."""
 
 import dataclasses
-import sys
 import typing
 from collections.abc import Callable
 from typing import Any, Literal
@@ -14,8 +15,11 @@ from kvcalib.core.errors import UsageError, check_at_least
 
 __all__ = [
     "PANELS",
+    "Bf16Compute",
+    "Device",
+    "Dtype",
+    "ModelOptions",
     "RunOptions",
-    "annotation_of",
     "check_options",
     "choices_of",
     "flag_of",
@@ -24,6 +28,11 @@ __all__ = [
 
 # The help panels, in the order --help shows them.
 PANELS = ("Data", "Scales", "Engine", "Output", "Serving")
+
+# Each option with a fixed set of values is a Literal, declared once: the field, the API's keyword and --help use it.
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+Device = Literal["cpu", "cuda"]
+Bf16Compute = Literal["auto", "native", "float32"]
 
 
 def option(
@@ -39,10 +48,10 @@ def option(
     choices: Callable[[], tuple[str, ...]] | None = None,
     metavar: str | None = None,
     factory: Callable[[], Any] | None = None,
-    cli: bool = True,
 ) -> Any:
     """A dataclass field that is also a flag (default --field-name); `minimum` is checked with `what` it counts,
-    `choices` a callable for a table's (else a Literal annotation's); `cli=False`: the library's only."""
+    `choices` a callable for a table's (else a Literal annotation's). A field declared otherwise is the library's
+    only (no flag)."""
     assert panel in PANELS, panel
     meta = {
         "help": help,
@@ -54,7 +63,6 @@ def option(
         "what": what,
         "choices": choices,
         "metavar": metavar,
-        "cli": cli,
     }
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -65,26 +73,14 @@ def flag_of(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
-def choices_of(cls: type, field: dataclasses.Field) -> tuple[str, ...] | None:
-    """The values `field` of options class `cls` may take, or None for any."""
+def choices_of(field: dataclasses.Field) -> tuple[str, ...] | None:
+    """The values `field` may take (its table's, else its Literal annotation's), or None for any."""
     if field.metadata.get("choices") is not None:
         return field.metadata["choices"]()
-    annotation = annotation_of(cls, field.name)
-    for arg in (annotation, *typing.get_args(annotation)):
+    for arg in (field.type, *typing.get_args(field.type)):
         if typing.get_origin(arg) is typing.Literal:
             return typing.get_args(arg)
     return None
-
-
-def annotation_of(cls: type, name: str) -> Any:
-    """Field `name`'s annotation, evaluated in the module of the class that declares it."""
-    owner = next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
-    annotation = owner.__annotations__[name]
-    return (
-        eval(annotation, vars(sys.modules[owner.__module__]))
-        if isinstance(annotation, str)
-        else annotation
-    )
 
 
 def check_options(options: Any) -> None:
@@ -98,7 +94,7 @@ def check_options(options: Any) -> None:
                 flag_of(field), value, field.metadata["minimum"], what=field.metadata["what"]
             )
         allowed = (
-            None if field.metadata["choices"] else choices_of(type(options), field)
+            None if field.metadata["choices"] else choices_of(field)
         )  # a table's: its own error
         if allowed is not None and value not in allowed:
             raise UsageError(
@@ -107,7 +103,22 @@ def check_options(options: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunOptions:
+class ModelOptions:
+    """How the model runs: what calibrate, eval and eval --tasks all take."""
+
+    dtype: Dtype = option("auto", "Weights' dtype: auto is the checkpoint's.", panel="Engine")
+    device: Device = option("cpu", "Where the model runs.", panel="Engine")
+    trust_remote_code: bool = option(False, "Allow the model's own code.", panel="Engine")
+    bf16_compute: Bf16Compute = option(
+        "auto",
+        "bf16 models on CPU: auto is float32 matmuls with bf16 rounding where the CPU has no native bf16 "
+        "matmul (no avx512_bf16 or amx_bf16).",
+        panel="Engine",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions(ModelOptions):
     """What calibrate and eval both take: the data split and column, the seed, how the model runs."""
 
     split: str = option("train", "Dataset split.", aliases=("--dataset-split",))
@@ -115,17 +126,6 @@ class RunOptions:
         None, "Column with the text (default: 'text', else chat 'messages')."
     )
     seed: int = option(42, "Shuffle seed (llm-compressor's default).")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = option(
-        "auto", "Weights' dtype: auto is the checkpoint's.", panel="Engine"
-    )
-    device: Literal["cpu", "cuda"] = option("cpu", "Where the model runs.", panel="Engine")
-    trust_remote_code: bool = option(False, "Allow the model's own code.", panel="Engine")
-    bf16_compute: Literal["auto", "native", "float32"] = option(
-        "auto",
-        "bf16 models on CPU: auto is float32 matmuls with bf16 rounding where the CPU has no native bf16 "
-        "matmul (no avx512_bf16 or amx_bf16).",
-        panel="Engine",
-    )
     add_special_tokens: bool | None = option(
         None,
         "Add the tokenizer's special tokens (e.g. BOS) to every row / to none. Default: as vLLM serves it, "

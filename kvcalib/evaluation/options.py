@@ -1,37 +1,25 @@
-"""What eval takes: EvalOptions (held-out text, context, needle) and TaskOptions (lm-eval tasks)."""
-
-from __future__ import annotations
+"""What eval takes: EvalOptions (held-out text, context, needle) and TaskOptions (lm-eval tasks), both
+ScoreOptions (the chip, the scale sets, the model), so `eval --dataset` and `eval --tasks` share their defaults."""
 
 from dataclasses import dataclass
 
 from kvcalib.core import fp8
-from kvcalib.core.errors import UsageError, check_at_least
-from kvcalib.core.options import RunOptions, check_options, option
+from kvcalib.core.errors import UsageError
+from kvcalib.core.options import ModelOptions, RunOptions, check_options, option
 
-__all__ = ["EvalOptions", "TaskOptions"]
+__all__ = ["EvalOptions", "ScoreOptions", "TaskOptions"]
 
 
 @dataclass(frozen=True)
-class EvalOptions(RunOptions):
+class ScoreOptions(ModelOptions):
+    """What eval scores with, on held-out text or lm-eval tasks: the chip, the scale sets, the batch."""
+
     target: str = option(
         fp8.DEFAULT_TARGET,
         "Chip numerics to emulate: trn2 (240), trn3 or gpu (448).",
         panel="Scales",
         short="-t",
         choices=lambda: tuple(fp8.TARGETS),
-    )
-    num_samples: int = option(
-        64,
-        "First N rows of the split; with --context, samples per length; with --needle, "
-        "keys per length and depth (default 4).",
-        minimum=1,
-        what="rows of the dataset to score",
-    )
-    max_seq_len: int = option(
-        512,
-        "Tokens per sample at most.",
-        minimum=2,
-        what="tokens per sample: one predicts the next",
     )
     batch_size: int = option(
         2,
@@ -44,6 +32,23 @@ class EvalOptions(RunOptions):
         (),
         "Also run 'unit' (all scales 1.0) or another checkpoint's scales; repeatable.",
         panel="Scales",
+    )
+
+
+@dataclass(frozen=True)
+class EvalOptions(RunOptions, ScoreOptions):
+    num_samples: int = option(
+        64,
+        "First N rows of the split; with --context, samples per length; with --needle, "
+        "keys per length and depth (default 4).",
+        minimum=1,
+        what="rows of the dataset to score",
+    )
+    max_seq_len: int = option(
+        512,
+        "Tokens per sample at most.",
+        minimum=2,
+        what="tokens per sample: one predicts the next",
     )
     order: str | None = option(
         None,
@@ -73,10 +78,8 @@ class EvalOptions(RunOptions):
 
 
 @dataclass(frozen=True)
-class TaskOptions:
-    tasks: tuple[str, ...]
-    target: str = fp8.DEFAULT_TARGET
-    compare: tuple[str, ...] = ()
+class TaskOptions(ScoreOptions):
+    tasks: tuple[str, ...] = ()
     limit: int | None = option(
         None, "With --tasks: items per task (lm-eval's --limit).", minimum=1, what="items per task"
     )
@@ -94,11 +97,6 @@ class TaskOptions:
         "With --tasks: task data laid out offline by scripts/prepare_tasks.py "
         "DIR (lm-eval's tasks, local data).",
     )
-    batch_size: int = 1
-    dtype: str = "auto"
-    device: str = "cpu"
-    bf16_compute: str = "auto"
-    trust_remote_code: bool = False
     seed: int = 1234  # lm-eval's own default seeds (few-shot sampling)
     # library only: more runs on the same items, (name, scales, target), e.g. other chips' numerics in one pass
     extra_runs: tuple[tuple[str, str, str], ...] = ()
@@ -109,4 +107,3 @@ class TaskOptions:
                 "--tasks names no task", hint="pass e.g. --tasks lambada_openai,arc_easy"
             )
         check_options(self)
-        check_at_least("--batch-size", self.batch_size, 1, what="requests per forward pass")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvcalib.core.errors import DatasetError
+from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 
 __all__ = [
@@ -232,14 +233,15 @@ def load_calibration_data(
     dataset: str,
     tokenizer: Any,
     *,
-    split: str = "train",
-    text_column: str | None = None,
-    num_samples: int = 512,
-    max_seq_len: int = 2048,
-    seed: int = 42,
-    add_special_tokens: bool | None = None,
+    num_samples: int,
+    max_seq_len: int,
+    split: str = RunOptions.split,
+    text_column: str | None = RunOptions.text_column,
+    seed: int = RunOptions.seed,
+    add_special_tokens: bool | None = RunOptions.add_special_tokens,
 ) -> CalibrationData:
-    """Select, render and tokenise calibration samples (see the module docstring)."""
+    """Select, render and tokenise calibration samples (see the module docstring); the defaults are calibrate's and
+    eval's (RunOptions), `num_samples` and `max_seq_len` differ between them, so the caller names them."""
     import datasets
 
     ds = load_rows(dataset, split)

@@ -1,18 +1,19 @@
-"""What serve-check takes (ServeOptions)."""
-
-from __future__ import annotations
+"""What serve-check takes (ServeOptions). Real annotations (kvcalib.core.options reads a field's type as it is)."""
 
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import TARGETS
 from kvcalib.core.options import check_options, option
 from kvcalib.serving.prompts import MIN_CONTEXT, Prompt
+
+if TYPE_CHECKING:
+    from kvcalib.serving.tasks import TaskSpec
 
 __all__ = ["DEVICES", "NEURON_DEVICES", "ServeOptions"]
 
@@ -23,8 +24,7 @@ DEVICES = (*NEURON_DEVICES, "cpu", "cuda")
 @dataclass(frozen=True)
 class ServeOptions:
     device: str = option(
-        "cpu",
-        "trn2 or trn3 (vLLM on Neuron), cpu (vLLM on CPU) or cuda (vLLM on GPU).",
+        help="trn2 or trn3 (vLLM on Neuron), cpu (vLLM on CPU) or cuda (vLLM on GPU).",
         panel="Engine",
         choices=lambda: DEVICES,
     )
@@ -119,9 +119,7 @@ class ServeOptions:
     memory_bytes: int | None = (
         None  # host memory the prediction may use (the CLI reads it); None: unknown
     )
-    tasks: Any = (
-        None  # a kvcalib.serving.tasks.TaskSpec: lm-eval tasks against the baseline and FP8 servers
-    )
+    tasks: "TaskSpec | None" = None  # lm-eval tasks against the baseline and FP8 servers
     context: int | None = option(
         None,
         "Also send a passkey prompt of about this many tokens (within --max-model-len): the FP8 server "

@@ -444,7 +444,7 @@ CASES = [
     Case("max-seq-len-0", CAL + ("--max-seq-len", "0"), 2, "--max-seq-len"),
     Case("target-unknown", CAL + ("--target", "trn9"), 2, "trn9", hint=False),
     Case("dtype-unknown", CAL + ("--dtype", "float8"), 2, "--dtype", hint=False),
-    Case("engine-unknown", CAL + ("--engine", "warp"), 2, "--engine"),
+    Case("engine-unknown", CAL + ("--engine", "warp"), 2, "--engine", hint=False),
     Case("device-unknown", CAL + ("--device", "tpu"), 2, "--device", hint=False),
     Case("bf16-compute-unknown", CAL + ("--bf16-compute", "fast"), 2, "--bf16-compute", hint=False),
     Case("recipe-missing", CAL + ("--recipe", "{w}/nope.yaml"), 2, "{w}/nope.yaml"),
