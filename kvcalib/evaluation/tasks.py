@@ -30,12 +30,15 @@ __all__ = [
     "TaskRow",
     "check_data",
     "evaluate_tasks",
+    "LmEvalOutput",
     "paired_rows",
     "require_lm_eval",
     "task_manager",
 ]
 
 BASELINE_NAME = "baseline"
+LmEvalOutput = dict[str, Any]
+"""lm-eval's simple_evaluate output with log_samples: its "samples", "results" and "configs", as lm-eval writes them."""
 
 
 @dataclass(frozen=True)
@@ -258,9 +261,7 @@ def evaluate_tasks(
     }
     runs.update({entry: (entry, options.target) for entry in options.compare})
     runs.update({name: (scales, target) for name, scales, target in options.extra_runs})
-    samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    scores: dict[str, dict[str, Any]] = {}  # run -> lm-eval's own aggregate results
-    configs: dict[str, Any] = {}
+    outputs: dict[str, LmEvalOutput] = {}
     for done, (name, (scales, target)) in enumerate(runs.items()):
         notify(
             Progress(
@@ -284,12 +285,8 @@ def evaluate_tasks(
             fewshot_random_seed=options.seed,
             bootstrap_iters=0,
         )
-        samples[name], scores[name], configs = out["samples"], out["results"], out["configs"]
-    rows = tuple(
-        row
-        for task in options.tasks
-        for row in paired_rows(task, configs.get(task, {}), samples, scores, list(runs))
-    )
+        outputs[name] = out
+    rows = tuple(row for task in options.tasks for row in paired_rows(task, outputs))
     return TaskResult(
         checkpoint=str(checkpoint),
         target=options.target,
@@ -304,14 +301,13 @@ def evaluate_tasks(
     )
 
 
-def paired_rows(
-    task: str,
-    config: dict[str, Any],
-    samples: dict[str, dict[str, list[dict[str, Any]]]],
-    results: dict[str, dict[str, Any]],
-    names: list[str],
-) -> list[TaskRow]:
-    """Per metric and filter: runs paired by (doc_id, filter); a metric not a mean over items: no interval."""
+def paired_rows(task: str, outputs: dict[str, LmEvalOutput]) -> list[TaskRow]:
+    """Per metric and filter: each run's items paired with the first run's (the baseline) by (doc_id, filter); a
+    metric not a mean over items: no interval."""
+    names = list(outputs)
+    samples = {name: out["samples"] for name, out in outputs.items()}
+    results = {name: out["results"] for name, out in outputs.items()}
+    config = outputs[names[-1]]["configs"].get(task, {})
     rows = []
     for spec in config.get("metric_list", []):
         metric, aggregation = spec["metric"], spec.get("aggregation", "mean")

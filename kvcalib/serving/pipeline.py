@@ -54,7 +54,8 @@ from kvcalib.serving.server import (
 )
 
 if TYPE_CHECKING:
-    from kvcalib.serving.tasks import ServedTaskRow, ServedTasks
+    from kvcalib.evaluation.tasks import LmEvalOutput
+    from kvcalib.serving.tasks import ServedTaskRow
 
 __all__ = [
     "AGREEMENT_THRESHOLD",
@@ -133,7 +134,7 @@ class ServerRun:
     completions: tuple[Completion, ...]
     nll: float
     agreements: tuple[float | None, ...] | None = None
-    task_output: ServedTasks | None = (
+    task_output: LmEvalOutput | None = (
         None  # serve-check --tasks: lm-eval's output against this server
     )
     pid: int | None = None  # the server's process id: it leads its own session and process group

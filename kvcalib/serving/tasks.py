@@ -11,6 +11,7 @@ from kvcalib.core.errors import UsageError
 from kvcalib.evaluation.significance import Interval
 from kvcalib.evaluation.tasks import (
     BASELINE_NAME,
+    LmEvalOutput,
     TaskOptions,
     TaskRow,
     check_data,
@@ -23,7 +24,6 @@ from kvcalib.evaluation.tasks import (
 __all__ = [
     "FP8_NAME",
     "ServedTaskRow",
-    "ServedTasks",
     "TaskScores",
     "TaskSpec",
     "check_tasks",
@@ -68,15 +68,6 @@ class TaskSpec:
             include_path=self.include_path,
             **more,
         )
-
-
-@dataclass(frozen=True)
-class ServedTasks:
-    """lm-eval's own output against one server (simple_evaluate's samples, results, configs): paired_rows reads it."""
-
-    samples: dict[str, list[dict[str, Any]]]
-    results: dict[str, Any]
-    configs: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -140,11 +131,11 @@ def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
     check_data(task_manager(options), options)
 
 
-def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> ServedTasks:
+def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> LmEvalOutput:
     """The tasks against the server at `url`, through lm-eval's local-completions model (token ids sent as lm-eval
     tokenises them with the checkpoint's tokenizer, one request at a time)."""
     lm_eval, options = require_lm_eval(), spec.options()
-    out = lm_eval.simple_evaluate(
+    return lm_eval.simple_evaluate(
         model="local-completions",
         model_args={
             "model": str(checkpoint),
@@ -165,23 +156,19 @@ def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> ServedTasks:
         fewshot_random_seed=options.seed,
         bootstrap_iters=0,
     )
-    return ServedTasks(out["samples"], out["results"], out["configs"])
 
 
 def served_rows(
-    spec: TaskSpec, baseline: ServedTasks, fp8: ServedTasks, checkpoint: Path, numerics: str | None
+    spec: TaskSpec,
+    baseline: LmEvalOutput,
+    fp8: LmEvalOutput,
+    checkpoint: Path,
+    numerics: str | None,
 ) -> list[ServedTaskRow]:
     """Per task and metric: the served baseline and FP8 scores with the paired interval, and kvcalib's prediction
     of both on the same items (numerics None: no prediction)."""
-    samples = {BASELINE_NAME: baseline.samples, FP8_NAME: fp8.samples}
-    results = {BASELINE_NAME: baseline.results, FP8_NAME: fp8.results}
-    served = [
-        row
-        for task in spec.tasks
-        for row in paired_rows(
-            task, fp8.configs.get(task, {}), samples, results, [BASELINE_NAME, FP8_NAME]
-        )
-    ]
+    outputs = {BASELINE_NAME: baseline, FP8_NAME: fp8}
+    served = [row for task in spec.tasks for row in paired_rows(task, outputs)]
     predicted: dict[tuple[str, str, str], TaskRow] = {}
     if numerics is not None:
         result = evaluate_tasks(str(checkpoint), spec.options(target=numerics))
