@@ -71,7 +71,7 @@ class Observation:
     ] = ()  # per layer: the scale objective's (this rank's)
     model: Any = field(
         default=None, compare=False, repr=False
-    )  # the loaded model, if the engine holds it whole
+    )  # the whole-model step's: the loaded model held whole, or the stream engine's LayerStream
 
     @classmethod
     def of(

@@ -65,6 +65,15 @@ class CalibrateOptions(RunOptions):
         minimum=1,
         what="sequences per forward pass",
     )
+    max_memory: float | None = option(
+        None,
+        "GiB of host memory this run may use (as accelerate's max_memory): a model that does not fit streams "
+        "layer by layer, the whole-model step too, and --plan sizes the run by it. Default: what is free.",
+        panel="Engine",
+        minimum=0,
+        what="GiB",
+        metavar="GIB",
+    )
     overwrite: bool = option(False, "Replace OUTPUT if it exists.", panel="Output")
     engine: Engine = option(
         "auto",
@@ -170,9 +179,10 @@ class LayerScales:
 class StepReport:
     """The whole-model step (calibration.output) in CalibrationResult.output_step: rows and tokens scored on, material
     (layer-kinds whose candidates differ materially), weighed (those the budget allowed), changed (whose scale it
-    changed), forwards (full-model passes over the rows, the reference's included), budget (forwards allowed),
-    kl_before and kl_after (mean next-token KL on the rows with the objective's choices and with the step's); skipped:
-    why it did not run, or why its changes were undone."""
+    changed), forwards (runs over the rows through the layers, each from the layer it weighs on, the reference's
+    included), passes (over the decoder layers: 1, and 1 more after each change but the last), budget (forwards
+    allowed), kl_before and kl_after (mean next-token KL on the rows with the objective's choices and with the
+    step's); skipped: why it did not run, or why its changes were undone."""
 
     rows: int = 0
     tokens: int = 0
@@ -180,6 +190,7 @@ class StepReport:
     weighed: int = 0
     changed: int = 0
     forwards: int = 0
+    passes: int = 0
     budget: int = 0
     kl_before: float | None = (
         None  # mean next-token KL (TOP-token bound) with the objective's choices

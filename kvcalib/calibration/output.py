@@ -13,8 +13,8 @@ moves every later layer's inputs, so later layers are weighed against the early 
 The lowest mean KL wins; candidates whose cost is indistinguishable from it (the paired interval over rows of
 the difference reaches 0) tie, and of those the least clipping wins, then the objective's own. The pass runs at most
 `budget` forwards (BUDGET_SHARE of the calibration's tokens, MIN_FORWARDS at least): the material kinds with a clip
-on the table first, then those where absmax's attention error is largest. It needs the whole model: the stream
-engine's run loads it when it fits in memory, else keeps the objective's choices and says so. Under torchrun the
+on the table first, then those where absmax's attention error is largest. The candidates go through the layers
+side by side, one layer at a time (output_step): the same in memory and streamed from the checkpoint. Under torchrun the
 rows' batches are shared round-robin and every row's sum gathered: each rank decides as one process does, to the bit.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,13 +40,15 @@ from kvcalib.calibration.objective import (
 )
 from kvcalib.calibration.options import StepReport
 from kvcalib.calibration.scales import with_headroom
+from kvcalib.calibration.stream import LayerStream, capture_layer_inputs
 from kvcalib.core import fp8
 from kvcalib.core.cpu import ComputePath
 from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, Scale, head_scale
 from kvcalib.evaluation.layers import OneLayer
-from kvcalib.evaluation.scoring import log_probs, row_sums, scored_tokens, token_kl
+from kvcalib.evaluation.scoring import row_sums, scored_tokens, token_kl
 from kvcalib.evaluation.significance import paired_bootstrap
-from kvcalib.hf.compute import Float32Weights
+from kvcalib.hf.attention import RecordingCache, observing_queries
+from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import batches
 
 __all__ = [
@@ -101,11 +104,27 @@ def budget(calibration_tokens: int, step_tokens: int) -> int:
     return max(MIN_FORWARDS, int(BUDGET_SHARE * calibration_tokens / max(step_tokens, 1)))
 
 
+Branch = tuple[
+    int, KVQuantizer | None
+]  # (the layer it leaves the base at, its K/V quantizer; None: unquantised)
+BASE, REFERENCE = "base", "reference"
+
+
+class _Switch:
+    """The attention hook of whichever branch is going through the layer: set before each call."""
+
+    hook: Any = None
+
+    def observe(self, *args: Any) -> Any:
+        return self.hook.observe(*args)
+
+
 @dataclass
 class _Scorer:
-    """Per-row KL sums of the model's next-token distributions against the unquantised run's, batch by batch."""
+    """Per-row KL sums of the model's next-token distributions against the unquantised run's, for branches that go
+    through the decoder layers side by side, one layer at a time (each layer loaded once a pass when streamed)."""
 
-    model: torch.nn.Module
+    stream: LayerStream
     rows: list[tuple[int, ...]]
     target: fp8.Target
     compute: ComputePath
@@ -116,47 +135,115 @@ class _Scorer:
     gather: Gather = lambda local: local
 
     def __post_init__(self) -> None:
-        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        self.stream.load_head()
+        vocab = int(self.stream.model.get_output_embeddings().weight.shape[0])
         size = max(1, LOGIT_BYTES // (4 * vocab * max(len(r) for r in self.rows)))
         shares = enumerate(batches(tuple(self.rows), size, self.pad))
-        self.batches = [b for i, b in shares if i % self.world == self.rank]
-        self.weights = Float32Weights()
+        self.batches = [
+            (ids.to(self.device), mask.to(self.device))
+            for i, (ids, mask) in shares
+            if i % self.world == self.rank
+        ]
         self.fresh = self.target.order == fp8.NEURON_ORDER
-        self.reference = [self._reference(ids, mask) for ids, mask in self.batches]
-        self.tokens = self._gathered(
-            [scored.sum(dim=1).double() for _, _, scored in self.reference]
-        )
+        self.head_weights = Float32Weights()
+        self.reference: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.tokens: list[float] = []
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, hook: Any) -> torch.Tensor:
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        hook = (
-            OneLayer(None, None)
-            if hook is None
-            else FreshPrefill(hook, mask)
-            if self.fresh
-            else hook
-        )
-        return log_probs(self.model, ids, mask, hook, compute=self.compute, weights=self.weights)
+    def _hook(self, quantizer: KVQuantizer | None, mask: torch.Tensor) -> Any:
+        if quantizer is None:
+            return OneLayer(None, None)
+        return FreshPrefill(quantizer, mask) if self.fresh else quantizer
 
-    def _reference(
-        self, ids: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logp = self._forward(ids, mask, None)
-        top, index = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
-        return _lumped(top), index, scored_tokens(mask.to(logp.device), self.fresh)
+    def run(
+        self, start: int, inputs: list[torch.Tensor] | None, branches: dict[Any, Branch]
+    ) -> tuple[dict[Any, list[float]], dict[int, list[torch.Tensor]]]:
+        """Every row's summed KL per branch (rows in the single process's order), each branch the BASE's hidden
+        states up to its layer, its own after; `inputs`: the BASE's at layer `start` (None: from the embeddings,
+        and REFERENCE, the unquantised run, among the branches). Also the BASE's hidden states at each branch's
+        layer."""
+        stream, switch, hidden = self.stream, _Switch(), {name: [] for name in branches}
+        saved: dict[int, list[torch.Tensor]] = {}
+        with torch.inference_mode():
+            for i in range(start, len(stream.layers)):
+                if any(at == i for at, _ in branches.values()):
+                    saved[i] = []  # (none where this rank has no batch)
+                with stream.layer(i) as layer, compute_path(self.compute, Float32Weights()):
+                    for b, (ids, mask) in enumerate(self.batches):
+                        first, args, kwargs = capture_layer_inputs(
+                            stream.decoder, stream.layers, i, ids, mask, switch
+                        )
+                        if i == start:
+                            base = first if inputs is None else inputs[b]
+                            for name in branches:
+                                hidden[name].append(base)
+                        for name, (at, _) in branches.items():
+                            if at == i and i > start:
+                                hidden[name][b] = hidden[BASE][b]
+                        if i in saved:
+                            saved[i].append(hidden[BASE][b])
+                        for name, (at, quantizer) in branches.items():
+                            if at <= i:
+                                switch.hook = hook = self._hook(quantizer, mask)
+                                with (
+                                    observing_queries(hook)
+                                    if getattr(hook, "queries", False)
+                                    else nullcontext()
+                                ):
+                                    out = layer(hidden[name][b], *args, **kwargs)
+                                hidden[name][b] = out[0] if isinstance(out, tuple) else out
+            sums: dict[Any, list[torch.Tensor]] = {
+                name: [] for name in branches if name != REFERENCE
+            }
+            for b, (ids, mask) in enumerate(self.batches):
+                if REFERENCE in branches:
+                    logp = self._log_probs(hidden[REFERENCE][b], ids, mask)
+                    top, index = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
+                    self.reference.append((_lumped(top), index, scored_tokens(mask, self.fresh)))
+                ref, index, scored = self.reference[b]
+                for name in sums:
+                    logq = self._log_probs(hidden[name][b], ids, mask)
+                    sums[name].append(
+                        row_sums(token_kl(ref, _lumped(logq.gather(-1, index))), scored)
+                    )
+        if REFERENCE in branches:
+            self.tokens = self._gathered(
+                [scored.sum(dim=1).double() for _, _, scored in self.reference]
+            )
+        return {name: self._gathered(values) for name, values in sums.items()}, saved
 
-    def kl(self, quantizer: KVQuantizer) -> list[float]:
-        """Every row's summed KL (rows in the single process's order), with K/V through `quantizer`."""
-        sums = []
-        for (ids, mask), (ref, index, scored) in zip(self.batches, self.reference):
-            logq = self._forward(ids, mask, quantizer)
-            sums.append(row_sums(token_kl(ref, _lumped(logq.gather(-1, index))), scored))
-        return self._gathered(sums)
+    def _log_probs(
+        self, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The model's next-token log-probabilities from the last layer's output `hidden` (its norm and head)."""
+        layers = self.stream.layers
+        for i, layer in enumerate(layers):
+            layer.forward = _passes(hidden if i == len(layers) - 1 else None)
+        try:
+            with compute_path(self.compute, self.head_weights):
+                logits = self.stream.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    use_cache=True,
+                    past_key_values=RecordingCache(self.stream.model.config, OneLayer(None, None)),
+                ).logits
+        finally:
+            for layer in layers:
+                vars(layer).pop("forward", None)
+        return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 
     def _gathered(self, local: list[torch.Tensor]) -> list[float]:
         """Per-batch row values from every rank, back in the single process's batch order."""
         mine = [(i * self.world + self.rank, values.tolist()) for i, values in enumerate(local)]
         return [v for _, values in sorted(self.gather(mine)) for v in values]
+
+
+def _passes(out: torch.Tensor | None) -> Any:
+    """A decoder layer's stand-in: returns `out`, or (None) the hidden states it is given."""
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return out if out is not None else args[0] if args else kwargs["hidden_states"]
+
+    return forward
 
 
 def close_call(scored: Scored) -> tuple[Shortlist, bool] | None:
@@ -192,7 +279,7 @@ def close_call(scored: Scored) -> tuple[Shortlist, bool] | None:
 
 
 def output_step(
-    model: torch.nn.Module | None,
+    stream: LayerStream,
     layers: Layers,
     sequences: Sequence[Sequence[int]],
     sampled: frozenset[tuple[int, ...]],
@@ -206,8 +293,12 @@ def output_step(
     gather: Gather = lambda local: local,
 ) -> tuple[list[list[Pick]], StepReport]:
     """Per layer, K and V as written: the objective's picks with its close calls (close_call) settled by the
-    output on held-out calibration rows (`sequences` less `sampled`, the objective's), and what the step did
-    (`model` None: the whole model does not fit, nothing settled)."""
+    output on held-out calibration rows (`sequences` less `sampled`, the objective's), and what the step did.
+
+    The candidates go through the layers side by side with the current choices (BASE), each from its own layer on:
+    one pass over the layers weighs every close call whose earlier ones keep their pick. Where one changes, the
+    layers from its layer on run again for the close calls after it, from the BASE's saved hidden states there
+    (the settled prefix is not recomputed): passes = 1 + the changes before the last close call."""
     picks = [[scored.pick() for scored in layer] for layer in layers]
     calls = {
         (i, kind): call
@@ -220,35 +311,52 @@ def output_step(
     skipped = (
         "no layer's candidates differ materially"
         if not calls
-        else "it runs the whole model, which does not fit in memory here"
-        if model is None
         else f"{len(rows)} held-out calibration row(s); it needs {MIN_ROWS} (--num-samples)"
         if len(rows) < MIN_ROWS
         else None
     )
     if skipped:
         return picks, StepReport(material=len(calls), budget=allowed, skipped=skipped)
-    scorer = _Scorer(model, rows, target, compute, pad, device, rank, world, gather)
+    scorer = _Scorer(stream, rows, target, compute, pad, device, rank, world, gather)
     weighed = _weighed(layers, calls, allowed - 2)
     state = [[scored.index for scored in layer] for layer in layers]
-    start = current = scorer.kl(_quantizer(layers, state, target, headroom))
-    forwards, total = 2, math.fsum(scorer.tokens)  # the reference, and the objective's picks
-    for i, kind in sorted(weighed):
-        scored = layers[i][kind]
-        cands = scored.candidates
-        costs = {scored.index: current}
-        written = {_key(scored.index, cands, headroom, target)}
-        for index in calls[i, kind][0]:
-            key = _key(index, cands, headroom, target)
-            if key not in written:  # --headroom can make two candidates one
-                written.add(key)
-                state[i][kind] = index
-                costs[index] = scorer.kl(_quantizer(layers, state, target, headroom))
-                forwards += 1
-        state[i][kind] = pick = decide(costs, scorer.tokens, cands, scored.index)
-        current = costs[pick]
-        output = tuple((_label(index, cands), math.fsum(c) / total) for index, c in costs.items())
-        picks[i][kind] = scored.pick(pick, OUTPUT, output)
+    pending, start, inputs, first = sorted(weighed), 0, None, True
+    forwards = passes = 0
+    while first or pending:
+        branches: dict[Any, Branch] = {BASE: (start, _quantizer(layers, state, target, headroom))}
+        if first:
+            branches[REFERENCE] = (0, None)
+        for i, kind in pending:  # each candidate against the settled choices before it
+            cands = layers[i][kind].candidates
+            written = {_key(state[i][kind], cands, headroom, target)}
+            for index in calls[i, kind][0]:
+                key = _key(index, cands, headroom, target)
+                if key not in written:  # --headroom can make two candidates one
+                    written.add(key)
+                    trial = [list(kinds) for kinds in state]
+                    trial[i][kind] = index
+                    branches[i, kind, index] = (i, _quantizer(layers, trial, target, headroom))
+        sums, saved = scorer.run(start, inputs, branches)
+        forwards, passes = forwards + len(branches), passes + 1
+        current = sums[BASE]
+        if first:
+            start_costs, total, first = current, math.fsum(scorer.tokens), False
+        for n, (i, kind) in enumerate(pending):
+            scored = layers[i][kind]
+            costs = {scored.index: current} | {
+                name[2]: sums[name] for name in branches if name[:2] == (i, kind)
+            }
+            state[i][kind] = pick = decide(costs, scorer.tokens, scored.candidates, scored.index)
+            output = tuple(
+                (_label(index, scored.candidates), math.fsum(c) / total)
+                for index, c in costs.items()
+            )
+            picks[i][kind] = scored.pick(pick, OUTPUT, output)
+            if pick != scored.index:  # the layers after it run again, from its layer's input
+                current, pending, start, inputs = costs[pick], pending[n + 1 :], i, saved[i]
+                break
+        else:
+            pending = []
     report = StepReport(
         rows=len(rows),
         tokens=int(total),
@@ -260,11 +368,12 @@ def output_step(
             for scored, index in zip(layer, indices)
         ),
         forwards=forwards,
+        passes=passes,
         budget=allowed,
-        kl_before=math.fsum(start) / total,
+        kl_before=math.fsum(start_costs) / total,
         kl_after=math.fsum(current) / total,
     )
-    if report.changed and _worse(current, start, scorer.tokens):
+    if report.changed and _worse(current, start_costs, scorer.tokens):
         # ties that add up to worse: keep the objective's
         return [[scored.pick() for scored in layer] for layer in layers], replace(
             report,

@@ -32,7 +32,7 @@ from kvcalib.calibration.output import OUTPUT, StepReport, output_step
 from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import RecipePlan, plan_recipe
 from kvcalib.calibration.scales import layer_scales, scale_tensors
-from kvcalib.calibration.stream import stream_engine
+from kvcalib.calibration.stream import LayerStream, open_stream, stream_engine
 from kvcalib.calibration.writer import WritePlan, check_output_path, check_room, write_checkpoint
 from kvcalib.core import fp8, mxfp4
 from kvcalib.core.checkpoint import Checkpoint
@@ -47,7 +47,14 @@ from kvcalib.core.schema import (
     max_position_embeddings,
 )
 from kvcalib.hf.data import CalibrationData, load_calibration_data
-from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
+from kvcalib.hf.memory import (
+    EngineChoice,
+    GiB,
+    MemoryLimit,
+    available_memory,
+    choose_engine,
+    out_of_memory_error,
+)
 from kvcalib.hf.model import (
     faithful_attention,
     load_model,
@@ -243,6 +250,11 @@ def check_run(
 ) -> RunPlan:
     """The cheap checks, before any weight is loaded; the plan of the run. `dry`: leave leftovers as they are."""
     opts.check_arguments()
+    if opts.max_memory is not None:  # the tighter of the host's and the user's
+        cap = MemoryLimit(int(opts.max_memory * GiB), f"--max-memory {opts.max_memory:g}")
+        opts = replace(
+            opts, memory=min(opts.memory or available_memory(), cap, key=lambda m: m.available)
+        )
     recipe = plan_recipe(opts.recipe, opts.target, opts.engine, opts.strategy)  # checked together
     target = resolve_target(recipe.target)
     opts = replace(
@@ -367,30 +379,35 @@ def _output_step(
     scored: list[tuple[Scored, Scored]],
     gather: Gather,
 ) -> tuple[list[list[Pick]], StepReport]:
-    """kvcalib.calibration.output with the engine's model, or one loaded for it where it fits (None where not)."""
-    opts = plan.options
-    model = observation.model
-    copies = opts.ranks.local_world_size if opts.ranks else 1
-    fits = (
-        model is not None
-        or choose_engine(
+    """kvcalib.calibration.output with the engine's model: held whole, or streamed again (the stream engine's, or
+    one opened for the step where the whole model does not fit)."""
+    opts, model = plan.options, observation.model
+    if isinstance(model, LayerStream):
+        stream = model
+    elif model is not None:
+        stream = LayerStream.whole(model, plan.checkpoint.root)
+    else:
+        copies = opts.ranks.local_world_size if opts.ranks else 1
+        engine = choose_engine(
             "auto", plan.checkpoint, plan.dtype, plan.device, copies, opts.memory
-        ).engine
-        == "native"
-    )
-    if not all(gather([fits])):  # every rank runs it, or none (its gathers are collective)
-        model = None
-    elif model is None:
-        model = load_model(
-            plan.checkpoint,
-            plan.dtype,
-            plan.device,
-            opts.trust_remote_code,
-            attn_implementation=faithful_attention(plan.checkpoint.config),
+        )
+        stream = (
+            LayerStream.whole(
+                load_model(
+                    plan.checkpoint,
+                    plan.dtype,
+                    plan.device,
+                    opts.trust_remote_code,
+                    attn_implementation=faithful_attention(plan.checkpoint.config),
+                ),
+                plan.checkpoint.root,
+            )
+            if engine.engine == "native"
+            else open_stream(plan.checkpoint, plan.dtype, plan.device, opts.trust_remote_code)
         )
     rank, world = (opts.ranks.rank, opts.ranks.world_size) if opts.ranks else (0, 1)
     return output_step(
-        model,
+        stream,
         scored,
         inputs.data.sequences,
         inputs.sample_sequences,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.core import mxfp4
-from kvcalib.core.checkpoint import CheckpointFiles, load_tensors
+from kvcalib.core.checkpoint import Checkpoint, CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
 from kvcalib.core.schema import is_kv_scale_key
@@ -40,28 +42,79 @@ from kvcalib.hf.model import (
     text_config,
 )
 
-__all__ = ["HIDDEN_STATES_MEMORY_SHARE", "capture_layer_inputs", "stream_engine"]
+__all__ = [
+    "HIDDEN_STATES_MEMORY_SHARE",
+    "LayerStream",
+    "capture_layer_inputs",
+    "open_stream",
+    "stream_engine",
+]
 
 # Hidden states stay in memory up to this share of the memory left after the streamed weights; beyond, on disk.
 HIDDEN_STATES_MEMORY_SHARE = 0.5
 
 
-def stream_engine(inputs: EngineInputs) -> Observation:
-    inputs.notify(Progress("load-model"))
-    checkpoint, model_dir = inputs.checkpoint, inputs.checkpoint.root
-    dtype = effective_dtype(checkpoint, inputs.dtype)
+@dataclass
+class LayerStream:
+    """A causal LM run one decoder layer at a time: with `weights` None, every layer in memory; else its other
+    weights loaded and each layer loaded from the checkpoint when reached (layer()), back to meta after."""
+
+    model: torch.nn.Module
+    decoder: torch.nn.Module
+    layers: torch.nn.ModuleList
+    weights: _Weights | None = None
+    prefix: str = ""  # the layers' state-dict path, e.g. "model.layers."
+
+    @classmethod
+    def whole(cls, model: torch.nn.Module, where: Path) -> LayerStream:
+        decoder = getattr(model, model.base_model_prefix, model)
+        return cls(model, decoder, _decoder_layers(decoder, num_layers(model), where)[1])
+
+    def load_head(self) -> None:
+        """The output embeddings as well (the observation never needs them): tied to the input's, or loaded."""
+        if self.weights is not None:
+            self.model.tie_weights()
+            self.weights.load("", skip=self.prefix)
+
+    @contextmanager
+    def layer(self, i: int) -> Iterator[torch.nn.Module]:
+        if self.weights is None:
+            yield self.layers[i]
+            return
+        self.weights.load(f"{self.prefix}{i}.")
+        try:
+            yield self.layers[i]
+        finally:
+            self.layers[i].to("meta")  # frees the layer's weights
+            release_free_memory()  # and the forward's freed activations, before the next layer loads
+
+
+def open_stream(
+    checkpoint: Checkpoint, dtype: torch.dtype | None, device: torch.device, trust_remote_code: bool
+) -> LayerStream:
+    """The model on the meta device, every weight checked findable, its non-layer weights loaded."""
+    model_dir = checkpoint.root
+    dtype = effective_dtype(checkpoint, dtype)
     model = build_skeleton(
-        model_dir, dtype, inputs.options.trust_remote_code, faithful_attention(checkpoint.config)
+        model_dir, dtype, trust_remote_code, faithful_attention(checkpoint.config)
     )
     decoder = getattr(model, model.base_model_prefix, model)
     prefix = f"{model.base_model_prefix}." if decoder is not model else ""
-    n_layers = num_layers(model)
-    layers_name, layers = _decoder_layers(decoder, n_layers, model_dir)
-    attn_paths = attention_modules(model, n_layers, model_dir)
-    weights = _Weights(model, model_dir, checkpoint.files, inputs.device, dtype)
+    layers_name, layers = _decoder_layers(decoder, num_layers(model), model_dir)
+    weights = _Weights(model, model_dir, checkpoint.files, device, dtype)
     weights.check(prefix)  # every weight findable before the long work starts
     weights.load(prefix, skip=f"{prefix}{layers_name}.")
+    return LayerStream(model, decoder, layers, weights, f"{prefix}{layers_name}.")
 
+
+def stream_engine(inputs: EngineInputs) -> Observation:
+    inputs.notify(Progress("load-model"))
+    stream = open_stream(
+        inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code
+    )
+    model, decoder, layers = stream.model, stream.decoder, stream.layers
+    n_layers = len(layers)
+    attn_paths = attention_modules(model, n_layers, inputs.checkpoint.root)
     observer = KVAbsmaxObserver(
         n_layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(n_layers)
     )
@@ -74,7 +127,12 @@ def stream_engine(inputs: EngineInputs) -> Observation:
         inputs.options.ranks.local_world_size if inputs.options.ranks else 1
     )  # ranks sharing this host
     spill = _spill_needed(
-        decoder, layers, batch_list, dtype, copies, inputs.memory or available_memory()
+        decoder,
+        layers,
+        batch_list,
+        effective_dtype(inputs.checkpoint, inputs.dtype),
+        copies,
+        inputs.memory or available_memory(),
     )
     with (
         torch.inference_mode(),
@@ -85,27 +143,26 @@ def stream_engine(inputs: EngineInputs) -> Observation:
             hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
             states.put(b, hidden)
         sizes = [(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]
-        for i, layer in enumerate(layers[: inputs.probe_layers]):
-            weights.load(f"{prefix}{layers_name}.{i}.")
-            for b, (ids, mask) in enumerate(batch_list):
-                _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
-                observer.start_batch(ids, mask)
-                try:
-                    with (
-                        observing_queries(observer)
-                        if observer.sees_attention_calls
-                        else nullcontext()
-                    ):
-                        out = layer(states.get(b).to(inputs.device), *args, **kwargs)
-                    states.put(b, out[0] if isinstance(out, tuple) else out)
-                except StopForward:  # the last layer: nothing after its K/V is needed
-                    pass
-                finally:
-                    observer.end_batch()
-                inputs.notify(_progress(sizes, n_layers, i, b))
-            layer.to("meta")  # frees the layer's weights
-            release_free_memory()  # and the forward's freed activations, before the next layer loads
-    return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
+        for i in range(n_layers)[: inputs.probe_layers]:
+            with stream.layer(i) as layer:
+                for b, (ids, mask) in enumerate(batch_list):
+                    _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
+                    observer.start_batch(ids, mask)
+                    try:
+                        with (
+                            observing_queries(observer)
+                            if observer.sees_attention_calls
+                            else nullcontext()
+                        ):
+                            out = layer(states.get(b).to(inputs.device), *args, **kwargs)
+                        states.put(b, out[0] if isinstance(out, tuple) else out)
+                    except StopForward:  # the last layer: nothing after its K/V is needed
+                        pass
+                    finally:
+                        observer.end_batch()
+                    inputs.notify(_progress(sizes, n_layers, i, b))
+    observation = Observation.of(observer, attn_paths, time.perf_counter() - started, model)
+    return replace(observation, model=stream)  # the whole-model step streams it again
 
 
 class _Captured(Exception):

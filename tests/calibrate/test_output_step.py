@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from planted import build_planted_llama
+from planted import build_planted_llama, every_kind_weighed
 
 from kvcalib.calibration import objective
 from kvcalib.calibration.options import CalibrateOptions
@@ -18,7 +18,6 @@ from kvcalib.calibration.output import decide, held_out_rows
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core import fp8
 from kvcalib.core.schema import PROVENANCE_FILENAME
-from kvcalib.hf.memory import MemoryLimit
 
 # 64 rows of 64 tokens: the objective samples 32 (2,048 tokens), the step scores 16 of the rest (1,024 tokens)
 STEP = dict(num_samples=64, max_seq_len=64, batch_size=4)
@@ -103,23 +102,31 @@ def test_per_head_scales_are_weighed_per_head(planted, text_dataset, tmp_path):
         assert list(k.head_scales) == [float(grid.scales[c, h]) for h in range(len(k.head_scales))]
 
 
-def test_a_model_that_does_not_fit_keeps_the_objectives_choice_and_says_so(
-    planted, text_dataset, tmp_path
+@pytest.mark.parametrize("passes", ["one", "several"])
+def test_streamed_the_step_weighs_what_it_weighs_in_memory(
+    planted, text_dataset, tmp_path, monkeypatch, passes
 ):
-    result = calibrate(
+    """--max-memory 0 streams the model and the step; its picks, costs and report equal the in-memory run's, to the
+    bit, with one pass over the layers or several (a change at an early layer re-runs the later ones)."""
+    if passes == "several":
+        every_kind_weighed(monkeypatch)
+    whole = calibrate(planted, str(text_dataset), tmp_path / "whole", CalibrateOptions(**STEP))
+    streamed = calibrate(
         planted,
         str(text_dataset),
-        tmp_path / "out",
-        CalibrateOptions(memory=MemoryLimit(0, "a test's machine"), scratch_dir=tmp_path, **STEP),
+        tmp_path / "streamed",
+        CalibrateOptions(max_memory=0, scratch_dir=tmp_path, **STEP),
     )
-    assert result.output_step.skipped and result.output_step.forwards == 0
-    assert result.layers[0].k.choice["step"] == "attention"
-    assert any(
-        w.startswith(
-            "the whole-model step did not run (it runs the whole model, which does not fit"
-        )
-        for w in result.warnings
-    )
+    assert any(w.startswith("streaming the model layer by layer") for w in streamed.warnings)
+    assert streamed.output_step == whole.output_step and whole.output_step.skipped is None
+    assert [layer.to_dict() for layer in streamed.layers] == [
+        layer.to_dict() for layer in whole.layers
+    ]
+    step = whole.output_step
+    if passes == "several":
+        assert step.changed >= 2 and step.passes >= 2 and step.weighed == 2 * len(whole.layers)
+    else:
+        assert step.passes == 1
 
 
 @pytest.mark.proof("torchrun")
