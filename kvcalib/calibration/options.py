@@ -178,11 +178,11 @@ class LayerScales:
 @dataclass(frozen=True)
 class StepReport:
     """The whole-model step (calibration.output) in CalibrationResult.output_step: rows and tokens scored on, material
-    (layer-kinds whose candidates differ materially), weighed (those the budget allowed), changed (whose scale it
-    changed), forwards (runs over the rows through the layers, each from the layer it weighs on, the reference's
-    included), passes (over the decoder layers: 1, and 1 more after each change but the last), budget (forwards
-    allowed), kl_before and kl_after (mean next-token KL on the rows with the objective's choices and with the
-    step's); skipped: why it did not run, or why its changes were undone."""
+    (layer-kinds whose candidates differ materially), weighed (those the budget and MAX_PASSES allowed), changed
+    (whose scale it changed), forwards (runs over the rows through the layers, each from the layer it weighs on, the
+    reference's included), passes (over the decoder layers: 1, and 1 more after each change but the last), budget
+    (forwards allowed), kl_before and kl_after (mean next-token KL on the rows with the objective's choices and with
+    the step's); skipped: why it did not run, or why its changes were undone."""
 
     rows: int = 0
     tokens: int = 0

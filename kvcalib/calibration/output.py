@@ -53,6 +53,7 @@ from kvcalib.hf.data import batches
 
 __all__ = [
     "BUDGET_SHARE",
+    "MAX_PASSES",
     "MIN_FORWARDS",
     "OUTPUT",
     "ROW_TOKENS",
@@ -72,6 +73,7 @@ MIN_ROW_TOKENS = 8
 MIN_ROWS, MAX_ROWS = 4, 32
 BUDGET_SHARE = 0.1  # the step's forwards, in tokens, at most this share of the calibration's
 MIN_FORWARDS = 5
+MAX_PASSES = 3  # over the layers (streamed: each reads the weights from the first changed layer on)
 SHORTLIST = 2  # the lowest attention errors the step weighs, beside the objective's pick and absmax
 TOP = 1024  # KL over the reference's TOP most likely tokens and the rest lumped (a lower bound of the full KL)
 LOGIT_BYTES = 64 << 20  # the log-probabilities one step batch may hold
@@ -298,7 +300,8 @@ def output_step(
     The candidates go through the layers side by side with the current choices (BASE), each from its own layer on:
     one pass over the layers weighs every close call whose earlier ones keep their pick. Where one changes, the
     layers from its layer on run again for the close calls after it, from the BASE's saved hidden states there
-    (the settled prefix is not recomputed): passes = 1 + the changes before the last close call."""
+    (the settled prefix is not recomputed): passes = 1 + the changes before the last close call, at most
+    MAX_PASSES; the close calls a change leaves after the last pass keep the objective's pick."""
     picks = [[scored.pick() for scored in layer] for layer in layers]
     calls = {
         (i, kind): call
@@ -321,7 +324,7 @@ def output_step(
     weighed = _weighed(layers, calls, allowed - 2)
     state = [[scored.index for scored in layer] for layer in layers]
     pending, start, inputs, first = sorted(weighed), 0, None, True
-    forwards = passes = 0
+    forwards = passes = unweighed = 0
     while first or pending:
         branches: dict[Any, Branch] = {BASE: (start, _quantizer(layers, state, target, headroom))}
         if first:
@@ -357,11 +360,13 @@ def output_step(
                 break
         else:
             pending = []
+        if passes == MAX_PASSES:  # the close calls left keep the objective's pick
+            unweighed, pending = len(pending), []
     report = StepReport(
         rows=len(rows),
         tokens=int(total),
         material=len(calls),
-        weighed=len(weighed),
+        weighed=len(weighed) - unweighed,
         changed=sum(
             index != scored.index
             for layer, indices in zip(layers, state)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from planted import build_planted_llama, every_kind_weighed
 
-from kvcalib.calibration import objective
+from kvcalib.calibration import objective, output
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.output import decide, held_out_rows
 from kvcalib.calibration.pipeline import calibrate
@@ -102,14 +102,17 @@ def test_per_head_scales_are_weighed_per_head(planted, text_dataset, tmp_path):
         assert list(k.head_scales) == [float(grid.scales[c, h]) for h in range(len(k.head_scales))]
 
 
-@pytest.mark.parametrize("passes", ["one", "several"])
+@pytest.mark.parametrize("passes", ["one", "several", "capped"])
 def test_streamed_the_step_weighs_what_it_weighs_in_memory(
     planted, text_dataset, tmp_path, monkeypatch, passes
 ):
     """--max-memory 0 streams the model and the step; its picks, costs and report equal the in-memory run's, to the
-    bit, with one pass over the layers or several (a change at an early layer re-runs the later ones)."""
-    if passes == "several":
+    bit, with one pass over the layers or several (a change at an early layer re-runs the later ones), or capped
+    at MAX_PASSES."""
+    if passes != "one":
         every_kind_weighed(monkeypatch)
+    if passes == "capped":  # the close calls after the first change keep the objective's pick
+        monkeypatch.setattr(output, "MAX_PASSES", 1)
     whole = calibrate(planted, str(text_dataset), tmp_path / "whole", CalibrateOptions(**STEP))
     streamed = calibrate(
         planted,
@@ -123,7 +126,9 @@ def test_streamed_the_step_weighs_what_it_weighs_in_memory(
         layer.to_dict() for layer in whole.layers
     ]
     step = whole.output_step
-    if passes == "several":
+    if passes == "capped":
+        assert step.passes == 1 and step.changed == 1 and step.weighed < 2 * len(whole.layers)
+    elif passes == "several":
         assert step.changed >= 2 and step.passes >= 2 and step.weighed == 2 * len(whole.layers)
     else:
         assert step.passes == 1
