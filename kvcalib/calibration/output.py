@@ -324,21 +324,9 @@ def output_step(
     weighed = _weighed(layers, calls, allowed - 2)
     state = [[scored.index for scored in layer] for layer in layers]
     pending, start, inputs, first = sorted(weighed), 0, None, True
-    forwards = passes = unweighed = 0
+    forwards = passes = unweighed = changed = 0
     while first or pending:
-        branches: dict[Any, Branch] = {BASE: (start, _quantizer(layers, state, target, headroom))}
-        if first:
-            branches[REFERENCE] = (0, None)
-        for i, kind in pending:  # each candidate against the settled choices before it
-            cands = layers[i][kind].candidates
-            written = {_key(state[i][kind], cands, headroom, target)}
-            for index in calls[i, kind][0]:
-                key = _key(index, cands, headroom, target)
-                if key not in written:  # --headroom can make two candidates one
-                    written.add(key)
-                    trial = [list(kinds) for kinds in state]
-                    trial[i][kind] = index
-                    branches[i, kind, index] = (i, _quantizer(layers, trial, target, headroom))
+        branches = _branches(layers, calls, state, pending, start, target, headroom, first)
         sums, saved = scorer.run(start, inputs, branches)
         forwards, passes = forwards + len(branches), passes + 1
         current = sums[BASE]
@@ -357,6 +345,7 @@ def output_step(
             picks[i][kind] = scored.pick(pick, OUTPUT, output)
             if pick != scored.index:  # the layers after it run again, from its layer's input
                 current, pending, start, inputs = costs[pick], pending[n + 1 :], i, saved[i]
+                changed += 1
                 break
         else:
             pending = []
@@ -367,11 +356,7 @@ def output_step(
         tokens=int(total),
         material=len(calls),
         weighed=len(weighed) - unweighed,
-        changed=sum(
-            index != scored.index
-            for layer, indices in zip(layers, state)
-            for scored, index in zip(layer, indices)
-        ),
+        changed=changed,
         forwards=forwards,
         passes=passes,
         budget=allowed,
@@ -387,6 +372,34 @@ def output_step(
             skipped=f"its changes together were worse (KL {report.kl_after:.3g}) than none",
         )
     return picks, report
+
+
+def _branches(
+    layers: Layers,
+    calls: dict[tuple[int, int], tuple[Shortlist, bool]],
+    state: list[list[tuple[int, ...]]],
+    pending: list[tuple[int, int]],
+    start: int,
+    target: fp8.Target,
+    headroom: float,
+    reference: bool,
+) -> dict[Any, Branch]:
+    """BASE (the current choices) from layer `start`, each pending close call's other candidates from its own
+    layer, against the current choices everywhere else; with `reference`, REFERENCE (unquantised) from layer 0."""
+    branches: dict[Any, Branch] = {BASE: (start, _quantizer(layers, state, target, headroom))}
+    if reference:
+        branches[REFERENCE] = (0, None)
+    for i, kind in pending:
+        cands = layers[i][kind].candidates
+        written = {_key(state[i][kind], cands, headroom, target)}
+        for index in calls[i, kind][0]:
+            key = _key(index, cands, headroom, target)
+            if key not in written:  # --headroom can make two candidates one
+                written.add(key)
+                trial = [list(kinds) for kinds in state]
+                trial[i][kind] = index
+                branches[i, kind, index] = (i, _quantizer(layers, trial, target, headroom))
+    return branches
 
 
 def _weighed(
