@@ -179,3 +179,68 @@ def test_two_processes_weigh_what_one_weighs(planted, text_dataset, tmp_path):
     two = json.loads(proc.stdout)
     assert one.output_step.weighed >= 1 and two["output_step"] == one.output_step.to_dict()
     assert two["layers"] == [layer.to_dict() for layer in one.layers]
+
+
+@pytest.mark.proof("torchrun")
+@pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
+def test_two_nodes_weigh_what_one_process_weighs(planted, text_dataset, tmp_path):
+    """Two torchrun agents (nodes) of one process each meet at a c10d rendezvous, a two-host launch on one
+    host, writing to one path: only global rank 0 reports and writes, one process's scales, bit for bit."""
+    from helpers import REPO, SUPPORT, scale_bits
+
+    from kvcalib.serving.server import free_port
+
+    one = calibrate(planted, str(text_dataset), tmp_path / "one", CalibrateOptions(**STEP))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1"
+    )
+    node = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        tmp_path.name,
+        "-m",
+        "kvcalib",
+        "calibrate",
+        str(planted),
+        "--dataset",
+        str(text_dataset),
+        "-o",
+        str(tmp_path / "two"),
+        *("--num-samples", "64", "--max-seq-len", "64", "--batch-size", "4", "--json"),
+    ]
+    agents = []
+    for n in range(2):  # files, not pipes: a full pipe would stall one node and so both
+        with (
+            open(tmp_path / f"node{n}.out", "w") as out,
+            open(tmp_path / f"node{n}.err", "w") as err,
+        ):
+            agents.append(subprocess.Popen(node, stdout=out, stderr=err, env=env))
+    try:
+        codes = [agent.wait(timeout=600) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    errors = [(tmp_path / f"node{n}.err").read_text()[-3000:] for n in range(2)]
+    assert codes == [0, 0], errors
+    printed = [(tmp_path / f"node{n}.out").read_text() for n in range(2)]
+    printed = [out for out in printed if out.strip()]
+    assert len(printed) == 1, printed  # one JSON object: only global rank 0 prints
+    two = json.loads(printed[0])
+    assert two["layers"] == [layer.to_dict() for layer in one.layers]
+    assert one.output_step.weighed >= 1 and two["output_step"] == one.output_step.to_dict()
+    assert scale_bits(tmp_path / "two") == scale_bits(tmp_path / "one")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], (
+        "no temporary output"
+    )
