@@ -181,8 +181,9 @@ class StepReport:
     (layer-kinds whose candidates differ materially), weighed (those the budget and MAX_PASSES allowed), changed
     (whose scale it changed), forwards (runs over the rows through the layers, each from the layer it weighs on, the
     reference's included), passes (over the decoder layers: 1, and 1 more after each change but the last), budget
-    (forwards allowed), kl_before and kl_after (mean next-token KL on the rows with the objective's choices and with
-    the step's); skipped: why it did not run, or why its changes were undone."""
+    (forwards allowed), kl_before and kl_after (mean next-token KL with the objective's choices and with the step's,
+    in-sample: on the rows that chose), non_finite (the layer-kinds whose every candidate's KL was not finite: the
+    objective's choice stands); skipped: why it did not run, or why its changes were undone."""
 
     rows: int = 0
     tokens: int = 0
@@ -196,6 +197,7 @@ class StepReport:
         None  # mean next-token KL (TOP-token bound) with the objective's choices
     )
     kl_after: float | None = None  # with the step's
+    non_finite: tuple[str, ...] | None = None
     skipped: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,19 +3,21 @@
 The attention objective scores each layer alone, and its pick rule (the least clipping within 25 % of the best)
 cannot see that the cost at the output is not monotone in the clip: a near-constant K channel flips on FP8 rounding
 boundaries at one scale and saturates (constant, ignored by softmax) at a deeper one. So where a layer's candidates
-differ materially (close_call: a clip is on the table, or the best beats the pick by a tenth), its shortlist
-(the objective's pick, the SHORTLIST lowest attention errors, absmax) is scored by the model itself: next-token KL
-against the unquantised cache on TOKENS of held-out calibration rows (never the objective's), every other layer at its
-current choice, in the target's numerics and its server's order (Neuron: a fresh-K/V prefill of each row's first half,
-then decode steps reading FP8; emulate.FreshPrefill). A coordinate pass in layer order: an early layer's change
-moves every later layer's inputs, so later layers are weighed against the early layers' settled choices.
+differ materially (close_call: a clip is on the table, or the best beats the pick by a tenth), its shortlist (the
+objective's pick, the SHORTLIST lowest attention errors, absmax) is scored by the model itself: next-token KL
+against the unquantised cache on TOKENS of held-out calibration rows (never the objective's), every other layer at
+its current choice, as written (--headroom; with --attention-scales, Q in FP8 too), in the target's numerics and its
+server's order (Neuron: a fresh-K/V prefill of each row's first half, then decode steps reading FP8;
+emulate.FreshPrefill). A coordinate pass in layer order: an early layer's change moves every later layer's inputs,
+so later layers are weighed against the early layers' settled choices.
 
-The lowest mean KL wins; candidates whose cost is indistinguishable from it (the paired interval over rows of
-the difference reaches 0) tie, and of those the least clipping wins, then the objective's own. The pass runs at most
-`budget` forwards (BUDGET_SHARE of the calibration's tokens, MIN_FORWARDS at least): the material kinds with a clip
-on the table first, then those where absmax's attention error is largest. The candidates go through the layers
-side by side, one layer at a time (output_step): the same in memory and streamed from the checkpoint. Under torchrun the
-rows' batches are shared round-robin and every row's sum gathered: each rank decides as one process does, to the bit.
+The lowest mean KL wins; candidates whose cost is indistinguishable from it (the paired interval over rows of the
+difference reaches 0) tie, and of those the least clipping wins, then the objective's own; a cost not finite on a
+row neither wins nor ties. The pass runs at most `budget` forwards (BUDGET_SHARE of the calibration's tokens,
+MIN_FORWARDS at least): the material kinds with a clip on the table first, then those where absmax's attention error
+is largest. The candidates go through the layers side by side, one layer at a time (output_step): the same in memory
+and streamed from the checkpoint. Under torchrun the rows' batches are shared round-robin and every row's sum
+gathered: each rank decides as one process does, to the bit.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from kvcalib.calibration.objective import (
     worst,
 )
 from kvcalib.calibration.options import StepReport
-from kvcalib.calibration.scales import with_headroom
+from kvcalib.calibration.scales import written_scales
 from kvcalib.calibration.stream import LayerStream, capture_layer_inputs
 from kvcalib.core import fp8
 from kvcalib.core.cpu import ComputePath
@@ -290,12 +292,14 @@ def output_step(
     pad: int,
     device: torch.device,
     headroom: float = 1.0,
+    q_scales: list[Scale] | None = None,
     rank: int = 0,
     world: int = 1,
     gather: Gather = lambda local: local,
 ) -> tuple[list[list[Pick]], StepReport]:
     """Per layer, K and V as written: the objective's picks with its close calls (close_call) settled by the
     output on held-out calibration rows (`sequences` less `sampled`, the objective's), and what the step did.
+    `q_scales`: the Q scales written (--attention-scales): the candidates are weighed under FP8 attention.
 
     The candidates go through the layers side by side with the current choices (BASE), each from its own layer on:
     one pass over the layers weighs every close call whose earlier ones keep their pick. Where one changes, the
@@ -325,8 +329,11 @@ def output_step(
     state = [[scored.index for scored in layer] for layer in layers]
     pending, start, inputs, first = sorted(weighed), 0, None, True
     forwards = passes = unweighed = changed = 0
+    unscored: list[str] = []
     while first or pending:
-        branches = _branches(layers, calls, state, pending, start, target, headroom, first)
+        branches = _branches(
+            layers, calls, state, pending, start, first, target, headroom, q_scales
+        )
         sums, saved = scorer.run(start, inputs, branches)
         forwards, passes = forwards + len(branches), passes + 1
         current = sums[BASE]
@@ -338,11 +345,9 @@ def output_step(
                 name[2]: sums[name] for name in branches if name[:2] == (i, kind)
             }
             state[i][kind] = pick = decide(costs, scorer.tokens, scored.candidates, scored.index)
-            output = tuple(
-                (_label(index, scored.candidates), math.fsum(c) / total)
-                for index, c in costs.items()
-            )
-            picks[i][kind] = scored.pick(pick, OUTPUT, output)
+            if not any(map(_finite, costs.values())):
+                unscored.append(f"layer {i} {'KV'[kind]}")
+            picks[i][kind] = scored.pick(pick, OUTPUT, _record(costs, scored.candidates, total))
             if pick != scored.index:  # the layers after it run again, from its layer's input
                 current, pending, start, inputs = costs[pick], pending[n + 1 :], i, saved[i]
                 changed += 1
@@ -362,6 +367,7 @@ def output_step(
         budget=allowed,
         kl_before=math.fsum(start_costs) / total,
         kl_after=math.fsum(current) / total,
+        non_finite=tuple(unscored) or None,
     )
     if report.changed and _worse(current, start_costs, scorer.tokens):
         # ties that add up to worse: keep the objective's
@@ -380,25 +386,32 @@ def _branches(
     state: list[list[tuple[int, ...]]],
     pending: list[tuple[int, int]],
     start: int,
+    first: bool,
     target: fp8.Target,
     headroom: float,
-    reference: bool,
+    q_scales: list[Scale] | None,
 ) -> dict[Any, Branch]:
-    """BASE (the current choices) from layer `start`, each pending close call's other candidates from its own
-    layer, against the current choices everywhere else; with `reference`, REFERENCE (unquantised) from layer 0."""
-    branches: dict[Any, Branch] = {BASE: (start, _quantizer(layers, state, target, headroom))}
-    if reference:
+    """A pass's branches: the BASE (the current choices) from `start`, the REFERENCE on the `first`, and each pending
+    close call's candidates against the settled choices before it, from its layer on (one per scale written:
+    --headroom can make two candidates one)."""
+    branches: dict[Any, Branch] = {
+        BASE: (start, _quantizer(layers, state, target, headroom, q_scales))
+    }
+    if first:
         branches[REFERENCE] = (0, None)
     for i, kind in pending:
         cands = layers[i][kind].candidates
         written = {_key(state[i][kind], cands, headroom, target)}
         for index in calls[i, kind][0]:
             key = _key(index, cands, headroom, target)
-            if key not in written:  # --headroom can make two candidates one
+            if key not in written:
                 written.add(key)
                 trial = [list(kinds) for kinds in state]
                 trial[i][kind] = index
-                branches[i, kind, index] = (i, _quantizer(layers, trial, target, headroom))
+                branches[i, kind, index] = (
+                    i,
+                    _quantizer(layers, trial, target, headroom, q_scales),
+                )
     return branches
 
 
@@ -425,10 +438,11 @@ def decide(
     chosen: tuple[int, ...],
 ) -> tuple[int, ...]:
     """The lowest mean KL; among those indistinguishable from it (paired interval over rows reaching 0), the least
-    clipping, then the objective's own (`chosen`)."""
-    finite = [index for index in costs if all(map(math.isfinite, costs[index]))]
-    if chosen not in finite:
-        finite.append(chosen)  # nothing finite beats it: the objective's own stands
+    clipping, then the objective's own (`chosen`). A candidate with a non-finite cost on any row neither wins nor
+    ties; where none is finite, `chosen`."""
+    finite = [index for index in costs if _finite(costs[index])]
+    if not finite:
+        return chosen  # nothing finite: the objective's own stands (output_step reports it)
     best = min(finite, key=lambda index: (math.fsum(costs[index]), index != chosen))
 
     def ties(index: tuple[int, ...]) -> bool:
@@ -440,8 +454,15 @@ def decide(
     )
 
 
+def _finite(costs: list[float]) -> bool:
+    return all(map(math.isfinite, costs))
+
+
 def _worse(costs: list[float], than: list[float], tokens: list[float]) -> bool:
-    """`costs` worse than `than` beyond the noise: the paired interval over rows of the difference is above 0."""
+    """`costs` worse than `than` beyond the noise: not finite on some row, or the paired interval over rows of the
+    difference above 0."""
+    if not _finite(costs):
+        return True
     interval = paired_bootstrap([a - b for a, b in zip(costs, than)], tokens)
     return interval is not None and interval.low > 0.0
 
@@ -455,6 +476,13 @@ def _kept(index: tuple[int, ...], cands: Candidates) -> float:
     )
 
 
+def _record(
+    costs: dict[tuple[int, ...], list[float]], cands: Candidates, total: float
+) -> tuple[tuple[str, float], ...]:
+    """Each candidate weighed and its mean next-token KL, as ScaleChoice.output records them."""
+    return tuple((_label(index, cands), math.fsum(c) / total) for index, c in costs.items())
+
+
 def _label(index: tuple[int, ...], cands: Candidates) -> str:
     labels = {cands.labels[c] for c in index}
     return (
@@ -465,24 +493,28 @@ def _label(index: tuple[int, ...], cands: Candidates) -> str:
 def _key(
     index: tuple[int, ...], cands: Candidates, headroom: float, target: fp8.Target
 ) -> tuple[float, ...]:
-    """The scales the candidate writes, per head, as calibration.scales.layer_scales writes them (--headroom)."""
+    """The scales the candidate writes (per head, or one per tensor), as layer_scales writes them: written_scales."""
     per_head = index * cands.scales.shape[1] if len(index) == 1 else index
     scales = torch.stack([cands.scales[c, h] for h, c in enumerate(per_head)])
-    return tuple(with_headroom(scales, cands.ranges[0], headroom, target).tolist())
+    return tuple(written_scales(scales, cands.ranges[0], headroom, target, len(index) > 1).tolist())
 
 
 def _quantizer(
-    layers: Layers, state: list[list[tuple[int, ...]]], target: fp8.Target, headroom: float
+    layers: Layers,
+    state: list[list[tuple[int, ...]]],
+    target: fp8.Target,
+    headroom: float,
+    q_scales: list[Scale] | None = None,
 ) -> KVQuantizer:
-    def scale(index: tuple[int, ...], cands: Candidates) -> Scale:
-        written = _key(index, cands, headroom, target)
-        return written[0] if len(index) == 1 else head_scale(list(written))
-
+    """The K/V scales `state` writes; with `q_scales` (those written), FP8 attention."""
     k, v = (
-        [scale(state[i][kind], layer[kind].candidates) for i, layer in enumerate(layers)]
+        [
+            head_scale(list(_key(state[i][kind], layer[kind].candidates, headroom, target)))
+            for i, layer in enumerate(layers)
+        ]
         for kind in range(2)
     )
-    return KVQuantizer(k, v, target)
+    return KVQuantizer(k, v, target, q_scales, fp8_attention=q_scales is not None)
 
 
 def _lumped(top: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from kvcalib.core.schema import (
     kv_only_quantization_config,
     max_position_embeddings,
 )
+from kvcalib.evaluation.emulate import head_scale
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.memory import (
     EngineChoice,
@@ -145,6 +146,11 @@ def calibrate(
         warnings.append(
             f"the whole-model step did not run ({step.skipped}): the attention objective's choices "
             f"stand for {step.material} layer K/V(s) whose candidates differ materially"
+        )
+    if step is not None and step.non_finite:
+        warnings.append(
+            f"the whole-model step: next-token KL was not finite for every candidate of "
+            f"{', '.join(step.non_finite)}: the attention objective's choice stands"
         )
     warnings.extend(
         context_warning(data, opts.max_seq_len, plan.checkpoint.config, output, opts.headroom)
@@ -406,6 +412,12 @@ def _output_step(
             else open_stream(plan.checkpoint, plan.dtype, plan.device, opts.trust_remote_code)
         )
     rank, world = (opts.ranks.rank, opts.ranks.world_size) if opts.ranks else (0, 1)
+    q_scales = None
+    if opts.attention_scales:  # the Q scales written: the step weighs FP8 attention
+        written, _ = layer_scales(
+            observation, plan.target, plan.checkpoint.root, plan.recipe.strategy, queries=True
+        )
+        q_scales = [head_scale(list(s.q.head_scales or (s.q.scale,))) for s in written]
     return output_step(
         stream,
         scored,
@@ -416,6 +428,7 @@ def _output_step(
         inputs.pad_id,
         plan.device,
         opts.headroom,
+        q_scales,
         rank,
         world,
         gather,

@@ -15,7 +15,7 @@ from kvcalib.core import fp8
 from kvcalib.core.errors import CalibrationError
 from kvcalib.core.schema import ATTN_HEAD, scale_key
 
-__all__ = ["layer_scales", "scale_tensors", "with_headroom"]
+__all__ = ["layer_scales", "scale_tensors", "written_scales"]
 
 
 def _check_finite(kind: str, per_layer: list[torch.Tensor], warnings: list[str]) -> None:
@@ -42,11 +42,19 @@ def _unobserved(counts: tuple[int, ...], model_dir: Path, what: str) -> None:
         )
 
 
-def with_headroom(
-    head_scales: torch.Tensor, heads: torch.Tensor, headroom: float, target: fp8.Target
+def written_scales(
+    head_scales: torch.Tensor,
+    heads: torch.Tensor,
+    headroom: float,
+    target: fp8.Target,
+    per_head: bool,
 ) -> torch.Tensor:
-    """Each head's scale raised to cover headroom x its absmax, unless it clips that absmax (the objective's clip
-    stays). A wider FP8 scale keeps the relative precision of normal values; only the smallest become subnormal."""
+    """The scales written for a K/V (or Q) whose chosen scale per head is `head_scales` and absmax per head `heads`:
+    per head, each head's; per tensor, one ([1]), their max. A scale that keeps the absmax (per tensor: the tensor's)
+    is raised to cover headroom x it; a clip stays a clip. A wider FP8 scale keeps the relative precision of normal
+    values; only the smallest become subnormal."""
+    if not per_head:
+        head_scales, heads = head_scales.max().reshape(1), heads.max().reshape(1)
     if headroom == 1.0:
         return head_scales
     keeps = head_scales >= fp8.scale_from_absmax(heads, target)
@@ -66,7 +74,7 @@ def layer_scales(
     choices: list[list[Pick]] | None = None,
     headroom: float = 1.0,
 ) -> tuple[list[LayerScales], list[str]]:
-    """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; then with_headroom."""
+    """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; as written_scales writes them."""
     _unobserved(observation.observed, model_dir, "were")
     kinds = {"k": list(observation.k_heads), "v": list(observation.v_heads)}
     if queries:
@@ -110,15 +118,15 @@ def _kind_scales(
                 int(head_scales.argmax())
             ]
         )
+    written = written_scales(head_scales, heads, headroom, target, per_head)
     if headroom != 1.0:
-        head_scales = with_headroom(head_scales, heads, headroom, target)
-        chosen = float(head_scales.max()) * target.fp8_max
+        chosen = float(written.max()) * target.fp8_max
     return KindScales(
         absmax=float(heads.max()),
-        scale=float(head_scales.max()),  # monotone: the max's scale
+        scale=float(written.max()),
         key=key,
         head_absmax=tuple(heads.tolist()) if per_head else None,
-        head_scales=tuple(head_scales.tolist()) if per_head else None,
+        head_scales=tuple(written.tolist()) if per_head else None,
         range=chosen,
         choice=None if pick is None else pick.choice,
     )

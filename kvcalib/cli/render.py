@@ -195,8 +195,8 @@ def _print_objective(console: Console, result: CalibrationResult) -> None:
     console.print(
         f"whole-model step: {step.weighed} of {step.material} close call(s) weighed by next-token KL on "
         f"{step.rows} held-out rows ({step.tokens:,} tokens scored, {step.forwards} forwards), "
-        f"{step.changed} changed, KL {step.kl_before:.3g} -> {step.kl_after:.3g}"
-        + (f"; undone: {step.skipped}" if step.skipped else ""),
+        f"{step.changed} changed, KL {step.kl_before:.3g} -> {step.kl_after:.3g} (in-sample: on the rows that "
+        "chose)" + (f"; undone: {step.skipped}" if step.skipped else ""),
         soft_wrap=True,
         markup=False,
     )

@@ -3,20 +3,27 @@ Llama (near-constant K channels in layer 0) in every engine: in memory, streamed
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from planted import build_planted_llama, every_kind_weighed
+from rich.console import Console
 
 from kvcalib.calibration import objective, output
+from kvcalib.calibration.engine import Observation
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.output import decide, held_out_rows
 from kvcalib.calibration.pipeline import calibrate
+from kvcalib.calibration.scales import layer_scales
+from kvcalib.cli.render import render_calibration
 from kvcalib.core import fp8
+from kvcalib.core.choice import ScaleChoice
 from kvcalib.core.schema import PROVENANCE_FILENAME
 
 # 64 rows of 64 tokens: the objective samples 32 (2,048 tokens), the step scores 16 of the rest (1,024 tokens)
@@ -52,6 +59,43 @@ def test_a_clear_winner_wins_and_a_tie_goes_to_the_least_clipping():
     assert decide({half: noisy, absmax: noisy}, tokens, grid, half) == absmax
 
 
+def test_a_non_finite_cost_neither_wins_nor_ties():
+    grid = _grid()
+    absmax, half = (0,), (grid.labels.index("absmax x0.5"),)
+    tokens, nan, inf = [100.0] * 8, float("nan"), float("inf")
+    # the objective's absmax is NaN on a row and lower elsewhere: x0.5, finite, wins (a tie would go to absmax)
+    assert decide({absmax: [nan] + [0.1] * 7, half: [1.0] * 8}, tokens, grid, absmax) == half
+    # absmax is infinite on a row: the objective's x0.5 stands
+    assert decide({half: [1.0] * 8, absmax: [inf] + [0.1] * 7}, tokens, grid, half) == half
+    # nothing finite: the objective's own
+    assert decide({half: [nan] * 8, absmax: [inf] * 8}, tokens, grid, half) == half
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_step_scores_the_scales_written_and_headroom_keeps_a_clip(per_head):
+    """K absmax [10, 6] per KV head, a clip to 7.07 (absmax x0.7071; per head: head 0's) and --headroom 1.4142:
+    the step's quantizer has the scales layer_scales writes. Per tensor the clip stays (head 1's absmax, kept,
+    does not widen it); per head, head 1 (absmax) gets its headroom."""
+    trn2, heads, headroom = fp8.get_target("trn2"), torch.tensor([10.0, 6.0]), 1.4142
+    cands = objective.candidates(heads, trn2, per_head)
+    clip = cands.labels.index("absmax x0.7071")
+    index = (clip, 0) if per_head else (clip,)
+    pick = objective.Pick(cands, index, ScaleChoice("per head" if per_head else "absmax x0.7071"))
+    observation = Observation((heads,), (heads,), (1,), {0: "model.layers.0.self_attn"}, 0.0)
+    strategy = "attn_head" if per_head else "tensor"
+    [written], _ = layer_scales(
+        observation, trn2, Path("model"), strategy, choices=[[pick, pick]], headroom=headroom
+    )
+    scored = output._quantizer([(pick, pick)], [[index, index]], trn2, headroom).k_scales[0]
+    clipped = float(cands.scales[clip, 0])
+    if per_head:
+        widened = float(fp8.scale_from_absmax(heads * headroom, trn2)[1])
+        assert written.k.head_scales == (clipped, widened)
+        assert scored.flatten().tolist() == list(written.k.head_scales)
+    else:
+        assert scored == written.k.scale == clipped
+
+
 def test_held_out_rows_are_never_the_objectives():
     sequences = [tuple(range(n, n + 40)) for n in range(20)]
     chose = frozenset(sequences[:12])
@@ -78,6 +122,36 @@ def test_the_step_weighs_a_close_call_and_records_it(planted, text_dataset, tmp_
     assert provenance["scale_objective"] == "output"
     assert provenance["layers"][0]["k"]["choice"] == k.choice
     assert result.to_dict()["output_step"]["weighed"] == step.weighed
+    console = Console(file=io.StringIO(), width=300)
+    render_calibration(console, result, [])
+    assert "(in-sample: on the rows that chose)" in console.file.getvalue()
+
+
+def test_where_no_candidate_has_a_finite_kl_the_objectives_pick_stands(
+    planted, text_dataset, tmp_path, monkeypatch
+):
+    nan = float("nan")
+    monkeypatch.setattr(output, "row_sums", lambda values, scored: torch.full((len(values),), nan))
+    result = calibrate(planted, str(text_dataset), tmp_path / "out", CalibrateOptions(**STEP))
+    step = result.output_step
+    assert step.weighed >= 1 and step.changed == 0 and len(step.non_finite) == step.weighed
+    assert any(
+        f"not finite for every candidate of {step.non_finite[0]}" in w for w in result.warnings
+    )
+
+
+def test_with_attention_scales_the_step_weighs_fp8_attention(
+    planted, text_dataset, tmp_path, monkeypatch
+):
+    """--attention-scales: every quantizer the step scores with carries the Q scales written, as FP8 attention."""
+    built = []
+    quantizer = output._quantizer
+    monkeypatch.setattr(output, "_quantizer", lambda *a: built.append(quantizer(*a)) or built[-1])
+    options = CalibrateOptions(attention_scales=True, **STEP)
+    result = calibrate(planted, str(text_dataset), tmp_path / "out", options)
+    assert result.output_step.weighed >= 1 and built
+    written = [layer.q.scale for layer in result.layers]
+    assert all(q.fp8_attention and q.q_scales == written for q in built)
 
 
 def test_per_head_scales_are_weighed_per_head(planted, text_dataset, tmp_path):
