@@ -170,10 +170,10 @@ def _chosen(choice: ScaleChoice | None) -> str:
 def _print_objective(console: Console, result: CalibrationResult) -> None:
     """The clipped or widened scales, and what the whole-model step weighed: each candidate's KL at the output."""
     clipped = [
-        f"layer {layer.layer} {kind.upper()} {s.choice['label']}"
+        f"layer {layer.layer} {kind.upper()} {s.choice.label}"
         for layer in result.layers
         for kind, s in layer.kinds().items()
-        if s.choice and s.choice["label"] != "absmax"
+        if s.choice and s.choice.label != "absmax"
     ]
     step = result.output_step
     none = (
@@ -206,15 +206,15 @@ def _print_objective(console: Console, result: CalibrationResult) -> None:
 
 
 def _print_weighed(
-    console: Console, layers: list[tuple[int, dict[str, Any] | None, dict[str, Any] | None]]
+    console: Console, layers: list[tuple[int, ScaleChoice | None, ScaleChoice | None]]
 ) -> None:
     """A line per layer K/V the whole-model step weighed: the pick, and each candidate's next-token KL."""
     for layer, *choices in layers:
         for kind, choice in zip("KV", choices):
-            if choice and choice.get("output"):
-                costs = ", ".join(f"{label} {kl:.3g}" for label, kl in choice["output"].items())
+            if choice and choice.output:
+                costs = ", ".join(f"{label} {kl:.3g}" for label, kl in choice.output)
                 console.print(
-                    f"  layer {layer} {kind}: {choice['label']} by the {choice.get('step')} step "
+                    f"  layer {layer} {kind}: {choice.label} by the {choice.step} step "
                     f"(next-token KL: {costs})",
                     soft_wrap=True,
                     markup=False,
@@ -621,14 +621,10 @@ def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
             f"{s.v.clipped:.2%}",
             f"{s.k.clip_at:.4g}",
             f"{s.k.absmax:.4g}",
-            *(
-                (_chosen((s.chosen or {}).get("k")), _chosen((s.chosen or {}).get("v")))
-                if chosen
-                else ()
-            ),
+            *(_chosen((s.chosen or {}).get(kind)) for kind in "kv" if chosen),
         )
     console.print(table)
     _print_weighed(
         console,
-        [(s.layer, (s.chosen or {}).get("k"), (s.chosen or {}).get("v")) for s in run.layers],
+        [(s.layer, *((s.chosen or {}).get(kind) for kind in "kv")) for s in run.layers],
     )

@@ -3,22 +3,21 @@ and the provenance it writes) and what eval reads back from that provenance (`la
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ScaleChoice"]
 
 
-@dataclass(frozen=True, eq=False)
-class ScaleChoice(Mapping[str, Any]):
+@dataclass(frozen=True)
+class ScaleChoice:
     """label: the candidate ("absmax", "absmax x0.5", "1.0", "per head", ...); clipped: the fraction of the sampled
     elements it saturates on the target; attention_error, attention_error_absmax, attention_error_unit: the held-out
     relative attention-output error ||ΔO|| / ||O|| of the choice, of absmax and of 1.0 on the target;
     attention_error_on: the choice's on each server it was scored for, target first; step: which step chose it
     ("attention": the attention objective, "output": the whole-model step); output: each candidate the whole-model
     step weighed and its mean next-token KL. Eval reads back label, step and output. A field left None is not
-    recorded. Read as a mapping, it is its to_dict()."""
+    recorded."""
 
     label: str
     clipped: float | None = None
@@ -35,12 +34,3 @@ class ScaleChoice(Mapping[str, Any]):
             for k, v in vars(self).items()
             if v is not None
         }
-
-    def __getitem__(self, key: str) -> Any:
-        return self.to_dict()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.to_dict())
-
-    def __len__(self) -> int:
-        return len(self.to_dict())

@@ -81,7 +81,7 @@ def test_the_search_agrees_with_a_brute_force_oracle(planted, text_dataset, tmp_
         CalibrateOptions(scale_objective="attention", **SMALL),
     )
     chosen = result.layers[0]
-    assert chosen.k.choice["label"] != "absmax" and chosen.k.scale < chosen.k.absmax / 240
+    assert chosen.k.choice.label != "absmax" and chosen.k.scale < chosen.k.absmax / 240
     target = fp8.get_target("trn2")
     grid = objective.candidates(torch.tensor([chosen.k.absmax]), target, per_head=False)
     model = AutoModelForCausalLM.from_pretrained(planted, dtype=torch.float32).eval()
@@ -93,18 +93,18 @@ def test_the_search_agrees_with_a_brute_force_oracle(planted, text_dataset, tmp_
     print({label: round(value, 5) for label, value in kl.items()})
     best = min(kl.values())
     assert kl["absmax"] > 10 * best  # the mechanism: absmax / 240 is the worst scale there is
-    assert kl[chosen.k.choice["label"]] <= 1.5 * best
-    assert kl[chosen.k.choice["label"]] < kl["absmax"] / 10
+    assert kl[chosen.k.choice.label] <= 1.5 * best
+    assert kl[chosen.k.choice.label] < kl["absmax"] / 10
     # the scale written is the chosen candidate's, sized for its range; validate agrees it is deliberate
-    assert chosen.k.scale == float(grid.scales[grid.labels.index(chosen.k.choice["label"]), 0])
-    assert chosen.k.range == float(grid.ranges[grid.labels.index(chosen.k.choice["label"]), 0])
+    assert chosen.k.scale == float(grid.scales[grid.labels.index(chosen.k.choice.label), 0])
+    assert chosen.k.range == float(grid.ranges[grid.labels.index(chosen.k.choice.label), 0])
     report = validate_checkpoint(tmp_path / "out", "trn2")
     assert report.ok and not [f for f in report.findings if f.rule.startswith("RANGE")], (
         report.findings
     )
     provenance = json.loads((tmp_path / "out" / PROVENANCE_FILENAME).read_text())
     assert provenance["scale_objective"] == "attention"
-    assert provenance["layers"][0]["k"]["choice"]["label"] == chosen.k.choice["label"]
+    assert provenance["layers"][0]["k"]["choice"]["label"] == chosen.k.choice.label
 
 
 def test_the_warning_names_the_layer_the_head_and_the_channels(planted, text_dataset, tmp_path):
@@ -173,10 +173,10 @@ def test_a_model_without_the_mechanism_clips_nothing(tmp_path, text_dataset):
         )
         for layer in result.layers:
             for choice in (layer.k.choice, layer.v.choice):
-                assert not choice["label"].startswith(("absmax x0", "absmax/")), choice
+                assert not choice.label.startswith(("absmax x0", "absmax/")), choice
                 assert (
-                    choice["clipped"] == 0.0
-                    and choice["attention_error"] <= choice["attention_error_absmax"]
+                    choice.clipped == 0.0
+                    and choice.attention_error <= choice.attention_error_absmax
                 )
 
 

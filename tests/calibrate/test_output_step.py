@@ -110,17 +110,17 @@ def test_the_step_weighs_a_close_call_and_records_it(planted, text_dataset, tmp_
     assert 2 + 2 * step.weighed <= step.forwards <= step.budget
     k = result.layers[0].k
     assert (
-        k.choice["step"] == "output"
-        and "absmax" in k.choice["output"]
-        and len(k.choice["output"]) >= 2
+        k.choice.step == "output"
+        and "absmax" in dict(k.choice.output)
+        and len(k.choice.output) >= 2
     )
     grid = objective.candidates(torch.tensor([k.absmax]), fp8.get_target("trn2"), per_head=False)
     assert k.scale == float(
-        grid.scales[grid.labels.index(k.choice["label"]), 0]
+        grid.scales[grid.labels.index(k.choice.label), 0]
     )  # the written scale is the pick's
     provenance = json.loads((tmp_path / "out" / PROVENANCE_FILENAME).read_text())
     assert provenance["scale_objective"] == "output"
-    assert provenance["layers"][0]["k"]["choice"] == k.choice
+    assert provenance["layers"][0]["k"]["choice"] == k.choice.to_dict()
     assert result.to_dict()["output_step"]["weighed"] == step.weighed
     console = Console(file=io.StringIO(), width=300)
     render_calibration(console, result, [])
@@ -161,18 +161,14 @@ def test_per_head_scales_are_weighed_per_head(planted, text_dataset, tmp_path):
         tmp_path / "out",
         CalibrateOptions(target="gpu", strategy="attn_head", **STEP),
     )
-    [k] = [s for layer in result.layers for s in (layer.k, layer.v) if s.choice.get("output")]
-    assert (
-        result.output_step.weighed == 1 and k.choice["step"] == "output" and len(k.head_scales) == 2
-    )
+    [k] = [s for layer in result.layers for s in (layer.k, layer.v) if s.choice.output]
+    assert result.output_step.weighed == 1 and k.choice.step == "output" and len(k.head_scales) == 2
     grid = objective.candidates(torch.tensor(k.head_absmax), fp8.get_target("gpu"), per_head=True)
-    assert len(k.choice["output"]) >= 2 and all(
-        isinstance(kl, float) for kl in k.choice["output"].values()
-    )
+    assert len(k.choice.output) >= 2 and all(isinstance(kl, float) for _, kl in k.choice.output)
     if (
-        k.choice["label"] != "per head"
+        k.choice.label != "per head"
     ):  # one candidate on every head: each head's scale is that candidate's
-        c = grid.labels.index(k.choice["label"])
+        c = grid.labels.index(k.choice.label)
         assert list(k.head_scales) == [float(grid.scales[c, h]) for h in range(len(k.head_scales))]
 
 

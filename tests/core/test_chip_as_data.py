@@ -56,12 +56,12 @@ def test_a_chip_defined_here_calibrates_validates_and_evaluates(
         for kind in "kv":
             record = getattr(layer, kind)
             choice = record.choice
-            labels.append(choice["label"])
+            labels.append(choice.label)
             # absmax is a candidate (the first): every choice is judged against its error
-            assert choice["attention_error_absmax"] >= choice["attention_error"] >= 0.0
-            assert choice["attention_error_on"] == {e5m2.name: choice["attention_error"]}
-            if choice["label"] == "absmax":
-                assert choice["attention_error"] == choice["attention_error_absmax"]
+            assert choice.attention_error_absmax >= choice.attention_error >= 0.0
+            assert dict(choice.attention_error_on) == {e5m2.name: choice.attention_error}
+            if choice.label == "absmax":
+                assert choice.attention_error == choice.attention_error_absmax
                 assert record.scale == float(fp8.scale_from_absmax(record.absmax, e5m2))
     assert (
         "absmax" in labels

@@ -97,26 +97,25 @@ def test_the_output_step_overrules_what_the_attention_objective_cannot_see(smoll
         fixture, str(calibration), tmp_path / "default", CalibrateOptions(**options)
     )
     theirs, mine = attention.layers[0].k.choice, default.layers[0].k.choice
+    kl = dict(mine.output)
     print(
         "layer 0 K: attention objective",
-        theirs["label"],
+        theirs.label,
         "error",
-        round(theirs["attention_error"], 3),
+        round(theirs.attention_error, 3),
         "(absmax",
-        round(theirs["attention_error_absmax"], 3),
+        round(theirs.attention_error_absmax, 3),
         "); step",
-        mine["label"],
+        mine.label,
         "KL",
-        mine["output"],
+        kl,
     )
     # measured: the objective x0.7071 (attention error 0.372, absmax 0.759); the step's KL on the held-out calibration
     # rows x0.7071 0.349, x0.25 0.057, x0.04419 0.058, absmax 0.670: x0.25 (the least clipping of the two it ties)
     assert (
-        theirs["label"] == OBJECTIVES_PICK
-        and mine["label"] != OBJECTIVES_PICK
-        and mine["step"] == "output"
+        theirs.label == OBJECTIVES_PICK and mine.label != OBJECTIVES_PICK and mine.step == "output"
     )
-    assert mine["output"][OBJECTIVES_PICK] > 3 * mine["output"][mine["label"]]
+    assert kl[OBJECTIVES_PICK] > 3 * kl[mine.label]
     assert default.output_step.changed >= 1
 
     result = evaluate(
@@ -149,16 +148,16 @@ def test_the_output_step_overrules_what_the_attention_objective_cannot_see(smoll
     total = math.fsum(tokens)
     mean = {label: math.fsum(c) / total for label, c in costs.items()}
     best = min(mean, key=mean.get)
-    step_gap = paired_bootstrap([a - b for a, b in zip(costs[mine["label"]], costs[best])], tokens)
+    step_gap = paired_bootstrap([a - b for a, b in zip(costs[mine.label], costs[best])], tokens)
     objective_gap = paired_bootstrap(
         [a - b for a, b in zip(costs[OBJECTIVES_PICK], costs[best])], tokens
     )
     print("oracle KL per layer 0 K candidate:", {label: round(m, 4) for label, m in mean.items()})
     print(
-        f"oracle best {best}; KL minus the best's: the step's {mine['label']} {_interval(step_gap)}, "
+        f"oracle best {best}; KL minus the best's: the step's {mine.label} {_interval(step_gap)}, "
         f"the objective's {OBJECTIVES_PICK} {_interval(objective_gap)}"
     )
     # measured (4 tutorial rows, 1,020 tokens): best x0.125 0.0446 (x0.5 down to x0.03125, and 1.0: 0.045-0.048);
     # the step's x0.25 +0.0006 [-0.0012, +0.0030]; the objective's x0.7071 +0.278 [+0.172, +0.374]; absmax 0.568
-    assert best == mine["label"] or step_gap.low <= 0.0
+    assert best == mine.label or step_gap.low <= 0.0
     assert best != OBJECTIVES_PICK and objective_gap.low > 10 * max(step_gap.high, 0.001)

@@ -46,9 +46,9 @@ def test_the_attention_objective_rescues_what_absmax_breaks(smollm2, tmp_path):
         CalibrateOptions(scale_objective="absmax", **CALIBRATION, **FAST),
     )
     layer0 = chosen.layers[0]
-    assert layer0.k.choice["label"] != "absmax" and layer0.k.scale < absmax.layers[0].k.scale / 1.5
+    assert layer0.k.choice.label != "absmax" and layer0.k.scale < absmax.layers[0].k.scale / 1.5
     # measured: absmax x0.25 (every planted channel saturates), attention error 0.23 against absmax's 0.77
-    assert layer0.k.choice["attention_error_absmax"] > 2 * layer0.k.choice["attention_error"]
+    assert layer0.k.choice.attention_error_absmax > 2 * layer0.k.choice.attention_error
     assert any(
         w.startswith("layer 0 K: absmax/240 would cost") and "KV head 0 has near-constant" in w
         for w in chosen.warnings

@@ -236,7 +236,7 @@ def test_a_trn2_checkpoint_serves_on_448_hardware_as_kvcalib_predicts(
         CalibrateOptions(target="trn2", num_samples=16, max_seq_len=256, bf16_compute="float32"),
     )
     assert (
-        result.layers[0].k.choice["label"] != "absmax"
+        result.layers[0].k.choice.label != "absmax"
     )  # the fixture's mechanism: absmax is the worst scale
     assert not [
         f for f in validate_checkpoint(out, "gpu").findings if f.rule == "RANGE-CLIPPED-UNSCORED"
