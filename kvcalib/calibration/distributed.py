@@ -2,7 +2,8 @@
 
 Ranks get whole batches of the single process's batching; one all_gather of a status and two all_reduces (absmax:
 MAX, counts: SUM) make the scales one process's bit for bit, and the objective's terms are summed exactly. Only
-rank 0 writes; a failing rank still joins the status exchange, then all raise; COLLECTIVE_TIMEOUT bounds waits."""
+rank 0 writes; a failing rank still joins the status exchange, then all raise (the whole-model step's gathers carry
+a status too: `together`); COLLECTIVE_TIMEOUT bounds waits."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
+from kvcalib.calibration.objective import Gather
 from kvcalib.calibration.ranks import Ranks
 from kvcalib.core.errors import CalibrationError, KvcalibError, UsageError
 from kvcalib.hf.data import batches
 
-__all__ = ["COLLECTIVE_TIMEOUT", "batch_shares", "observe_across_ranks"]
+__all__ = ["COLLECTIVE_TIMEOUT", "RanksFailed", "batch_shares", "observe_across_ranks", "together"]
+
+T = TypeVar("T")
 
 COLLECTIVE_TIMEOUT = timedelta(
     minutes=60
@@ -68,15 +72,7 @@ def observe_across_ranks(
             observation = engine(local_inputs)
         except Exception as exc:  # joins the status exchange below, then is raised again
             failure = exc
-        status = (
-            None
-            if failure is None
-            else (
-                failure.message
-                if isinstance(failure, KvcalibError)
-                else f"{type(failure).__name__}: {failure}"
-            )
-        )
+        status = None if failure is None else _describe(failure)
         try:
             statuses = _all_gather(status, ranks.world_size)
         except RuntimeError as exc:  # a peer vanished (killed, crashed) mid-exchange
@@ -88,18 +84,68 @@ def observe_across_ranks(
         if failure is not None:
             raise failure
         if failed or observation is None:
-            detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))
-            raise CalibrationError(
-                f"{len(failed)} of {ranks.world_size} processes failed during calibration "
-                f"({detail}); nothing was written",
-                hint="fix what the failing rank reports and run again",
-            )
+            raise RanksFailed(failed, ranks.world_size)
         reduced = _reduce(observation, collective_device)
 
         def gather(local: list[Any]) -> list[Any]:
             return [item for part in _all_gather(local, ranks.world_size) for item in part]
 
         return reduced, finish(reduced, gather) if finish is not None else None
+
+
+class RanksFailed(CalibrationError):
+    """Raised on the ranks that did not fail (by `together` on every rank where every failure ran out of memory),
+    from each failed rank's error: `detail`, those in words ("rank R: ERROR"; the error alone in one process);
+    `out_of_memory`, every one ran out of memory."""
+
+    def __init__(self, failures: dict[int, str], world_size: int, out_of_memory: bool = False):
+        self.out_of_memory = out_of_memory
+        self.detail = "; ".join(
+            f"rank {r}: {message}" if world_size > 1 else message
+            for r, message in sorted(failures.items())
+        )
+        super().__init__(
+            f"{len(failures)} of {world_size} processes failed during calibration ({self.detail}); "
+            "nothing was written",
+            hint="fix what the failing rank reports and run again",
+        )
+
+
+def together(
+    step: Callable[[Gather], T], gather: Gather, out_of_memory: Callable[[Exception], bool]
+) -> T:
+    """`step(checked)`, every gather through `checked` (and one after the step) exchanging each rank's status with
+    its data. Every rank runs the same gathers in the same order, so a rank whose step fails posts its error in the
+    gather the others reach next: there they raise RanksFailed naming it, and it raises its own error (RanksFailed
+    where every failure ran out of memory), none waiting out COLLECTIVE_TIMEOUT."""
+
+    def exchange(status: tuple[str, bool] | None, local: list[Any]) -> list[Any]:
+        parts = gather([(status, local)])
+        failed = {r: s for r, (s, _) in enumerate(parts) if s is not None}
+        if failed:
+            messages = {r: message for r, (message, _) in failed.items()}
+            raise RanksFailed(messages, len(parts), all(oom for _, oom in failed.values()))
+        return [item for _, part in parts for item in part]
+
+    try:
+        result = step(lambda local: exchange(None, local))
+    except RanksFailed:
+        raise
+    except Exception as exc:
+        try:
+            exchange((_describe(exc), out_of_memory(exc)), [])
+        except RanksFailed as failed:
+            if failed.out_of_memory:
+                raise
+        raise
+    exchange(None, [])
+    return result
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, KvcalibError):
+        return exc.message
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 @contextmanager

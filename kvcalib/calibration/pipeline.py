@@ -14,7 +14,7 @@ import torch
 
 from kvcalib._version import __version__
 from kvcalib.calibration.card import summarize, write_card
-from kvcalib.calibration.distributed import observe_across_ranks
+from kvcalib.calibration.distributed import RanksFailed, observe_across_ranks, together
 from kvcalib.calibration.engine import Engine, EngineInputs, Observation
 from kvcalib.calibration.llmcompressor import llmcompressor_engine
 from kvcalib.calibration.native import native_engine, sample_attention
@@ -28,7 +28,7 @@ from kvcalib.calibration.objective import (
     search,
 )
 from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales
-from kvcalib.calibration.output import OUTPUT, StepReport, output_step
+from kvcalib.calibration.output import OUTPUT, StepReport, close_call, output_step
 from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import RecipePlan, plan_recipe
 from kvcalib.calibration.scales import layer_scales, scale_tensors
@@ -358,7 +358,7 @@ def _observe(
         )
         if plan.options.scale_objective == OUTPUT:
             inputs.notify(Progress("output"))
-            picks, timing[1] = _output_step(plan, inputs, observation, scored, gather)
+            picks, timing[1] = _optional_step(plan, inputs, observation, scored, gather)
         else:
             picks = [[kind.pick() for kind in layer] for layer in scored]
         timing[0] = time.perf_counter() - started
@@ -376,6 +376,34 @@ def _observe(
             raise
         raise error from exc
     return replace(observation, model=None), choices, timing[0], timing[1]
+
+
+def _optional_step(
+    plan: RunPlan,
+    inputs: EngineInputs,
+    observation: Observation,
+    scored: list[tuple[Scored, Scored]],
+    gather: Gather,
+) -> tuple[list[list[Pick]], StepReport]:
+    """_output_step, its gathers exchanging each rank's status (distributed.together): where it ran out of memory
+    (every rank that failed did), the attention objective's picks and a StepReport saying why it did not run; any
+    other failure raises on every rank at once."""
+    try:
+        return together(
+            lambda checked: _output_step(plan, inputs, observation, scored, checked),
+            gather,
+            lambda exc: out_of_memory_error(exc, plan.options.engine, plan.device) is not None,
+        )
+    except RanksFailed as failed:
+        if not failed.out_of_memory:
+            raise
+        skipped = (
+            f"out of memory, {failed.detail}; a lower --max-memory streams the model through it, "
+            "--scale-objective attention does without it"
+        )
+        material = sum(close_call(kind) is not None for layer in scored for kind in layer)
+        picks = [[kind.pick() for kind in layer] for layer in scored]
+        return picks, StepReport(material=material, skipped=skipped)
 
 
 def _output_step(

@@ -1,13 +1,16 @@
 """The whole-model step (kvcalib.calibration.output): its decision rule by construction, and on the planted tiny
-Llama (near-constant K channels in layer 0) in every engine: in memory, streamed, per head, under torchrun."""
+Llama (near-constant K channels in layer 0) in every engine: in memory, streamed, per head, under torchrun; out of
+memory (the objective's picks stand) and a rank failing in it (every rank ends at once)."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -251,6 +254,58 @@ def test_two_processes_weigh_what_one_weighs(planted, text_dataset, tmp_path):
     assert two["layers"] == [layer.to_dict() for layer in one.layers]
 
 
+def test_out_of_memory_in_the_step_leaves_the_objectives_picks(
+    planted, text_dataset, tmp_path, monkeypatch
+):
+    attention = calibrate(
+        planted,
+        str(text_dataset),
+        tmp_path / "attention",
+        CalibrateOptions(scale_objective="attention", **STEP),
+    )
+
+    def run(*args):
+        raise MemoryError("planted")
+
+    monkeypatch.setattr(output._Scorer, "run", run)
+    result = calibrate(planted, str(text_dataset), tmp_path / "out", CalibrateOptions(**STEP))
+    assert result.validation.ok and (tmp_path / "out" / PROVENANCE_FILENAME).is_file()
+    assert [layer.to_dict() for layer in result.layers] == [
+        layer.to_dict() for layer in attention.layers
+    ]
+    step = result.output_step
+    assert step.skipped.startswith("out of memory, MemoryError: planted; a lower --max-memory")
+    assert step.material >= 1 and step.forwards == 0
+    assert f"the whole-model step did not run ({step.skipped})" in " ".join(result.warnings)
+
+
+def _faulty_torchrun(mode, planted, text_dataset, out):
+    from helpers import REPO, SUPPORT
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1"
+    )
+    args = ["--num-samples", "64", "--max-seq-len", "64", "--batch-size", "4", "--json"]
+    return subprocess.run(
+        [
+            *(
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+            ),
+            *(str(SUPPORT / "torchrun_faulty_rank.py"), mode, "calibrate", str(planted)),
+            *("--dataset", str(text_dataset), "-o", str(out), *args),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
 @pytest.mark.proof("torchrun")
 @pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
@@ -314,3 +369,42 @@ def test_two_nodes_weigh_what_one_process_weighs(planted, text_dataset, tmp_path
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], (
         "no temporary output"
     )
+
+
+@pytest.mark.proof("torchrun")
+@pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
+def test_a_rank_failing_in_the_step_ends_every_rank_at_once(planted, text_dataset, tmp_path):
+    """Rank 1 raises at its first pass over the layers, rank 0 reaches the gather after its own: it reports rank 1's
+    error there, not 60 minutes later (COLLECTIVE_TIMEOUT) nor as a lost connection."""
+    proc = _faulty_torchrun("step", planted, text_dataset, tmp_path / "out")
+    ended = time.time()
+    failed_at = float(re.search(r"failing at ([\d.]+)", proc.stderr)[1])
+    assert proc.returncode != 0 and ended - failed_at < 60
+    assert (
+        proc.stderr.count(
+            "error: 1 of 2 processes failed during calibration (rank 1: RuntimeError: rank one's "
+            "step broke); nothing was written"
+        )
+        == 1
+    ), proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.proof("torchrun")
+@pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
+def test_a_rank_out_of_memory_in_the_step_leaves_every_rank_the_objectives_picks(
+    planted, text_dataset, tmp_path
+):
+    proc = _faulty_torchrun("step-oom", planted, text_dataset, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    skipped = result["output_step"]["skipped"]
+    assert skipped.startswith(
+        "out of memory, rank 1: MemoryError: rank one's step needs more memory; a lower"
+    )
+    assert f"the whole-model step did not run ({skipped})" in " ".join(result["warnings"])
+    assert (tmp_path / "out" / PROVENANCE_FILENAME).is_file()
