@@ -5,8 +5,8 @@ first batches (longest first) through its engine (stream: the first PROBE_LAYERS
 every one the objective samples, then the objective's search on the first PROBE_LAYERS layers: on the run's own
 sequences, since its cost is per sequence more than per token (16 query rows each). The estimate scales each part by
 what the run has more of: load (checks, data, weights), observe, objective (the search, by layers), step (the
-whole-model step: 2 forwards and its close calls' shortlists, from the probed layers', within its budget; each the
-held-out tokens through the model at the probe's rate) and write."""
+whole-model step: 2 forwards and its close calls' shortlists, from the probed layers' and one at least, within its
+budget; each the held-out tokens through the model at the probe's rate) and write."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ PROBE_LAYERS = (
 WRITE_BYTES_PER_S = (
     200e6  # copying weights where hard links do not work (an assumption, not measured)
 )
+ONE_CALL = 2  # forwards one close call adds: the step is assumed to find one where the probed layers had none
 STEP_COST = (
     1.2  # a step forward's seconds per token against the observing engine's (measured: 1.2, 1.25)
 )
@@ -82,9 +83,9 @@ class Probe:
     """The timed probe in CalibrationPlan's probe: engine (the one timed), batches, layers and tokens it ran on,
     objective_tokens (the objective's search ran on: the run's own) and run_objective_tokens (the run's),
     objective_layers (searched), seconds, objective_seconds (of the search) and objective_first_seconds (its first
-    layer's, with what the run pays once), close_calls (in the searched layers:
-    K/Vs the whole-model step would weigh), step_tokens (the held-out tokens it scores; 0: it would not run),
-    step_forwards (estimated, within its budget), peak_rss_bytes; from its progress events: load_seconds (paid
+    layer's, with what the run pays once), close_calls (in the searched layers: K/Vs the whole-model step would
+    weigh), step_tokens (the held-out tokens it scores; 0: too few rows, it would not run), step_forwards
+    (estimated, within its budget), peak_rss_bytes; from its progress events: load_seconds (paid
     once), compute_seconds (the probed batches: native the whole model, stream one layer), layer_load_seconds
     (stream: one layer's load); setup_seconds (calibrate's checks and data, before the engine)."""
 
@@ -250,9 +251,9 @@ def _probe(
     calls = [c for layer in scored for kind in layer if (c := close_call(kind)) is not None]
     step_tokens = forwards = 0
     held = held_out_rows(data.sequences, sampled)
-    if opts.scale_objective == OUTPUT and calls and len(held) >= MIN_ROWS:
+    if opts.scale_objective == OUTPUT and times and len(held) >= MIN_ROWS:
         step_tokens = sum(map(len, held))
-        weighs = sum(len(shortlist) - 1 for shortlist, _ in calls) * layers / probed
+        weighs = max(sum(len(shortlist) - 1 for shortlist, _ in calls) * layers / probed, ONE_CALL)
         forwards = 2 + min(budget(data.num_tokens, step_tokens) - 2, round(weighs))
     return Probe(
         engine=name,
