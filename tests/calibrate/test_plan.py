@@ -41,7 +41,14 @@ def test_the_plan_estimates_the_smollm2_run(smollm2, text_dataset, tmp_path):
     assert (
         planned["engine"] == "native" and planned["weights_linked"] and planned["num_layers"] == 30
     )
-    assert planned["probe"]["batches"] == 2 and planned["probe"]["tokens"] > 0
+    probe = planned[
+        "probe"
+    ]  # every batch the objective samples (all 16 rows here), its search on 2 layers
+    assert probe["batches"] == 4 and probe["tokens"] == planned["num_tokens"] > 0
+    assert (
+        probe["objective_tokens"] == probe["run_objective_tokens"]
+        and probe["objective_layers"] == 2
+    )
     assert (
         planned["peak_memory_bytes"] >= planned["weight_bytes"] > 200 << 20
     )  # 135M parameters in bf16
