@@ -41,9 +41,8 @@ def test_the_plan_estimates_the_smollm2_run(smollm2, text_dataset, tmp_path):
     assert (
         planned["engine"] == "native" and planned["weights_linked"] and planned["num_layers"] == 30
     )
-    probe = planned[
-        "probe"
-    ]  # every batch the objective samples (all 16 rows here), its search on 2 layers
+    # the probe: every batch the objective samples (all 16 rows here), its search on 2 layers
+    probe = planned["probe"]
     assert probe["batches"] == 4 and probe["tokens"] == planned["num_tokens"] > 0
     assert (
         probe["objective_tokens"] == probe["run_objective_tokens"]
