@@ -1,8 +1,12 @@
 """`calibrate --plan`: what a run would do and take, before it runs; nothing is written (leftovers are left).
 
-calibrate's checks run as they would (what stops the run is a refusal, not raised); then a timed probe: the first
-PROBE_BATCHES batches through the run's engine (stream: its first PROBE_LAYERS layers) and the objective's search.
-The estimate scales each part (load, observe, objective, write) by what the run has more of."""
+calibrate's checks run as they would (what stops the run is a refusal, not raised); then a timed probe: the run's
+first batches (longest first) through its engine (stream: the first PROBE_LAYERS layers), PROBE_BATCHES at least and
+every one the objective samples, then the objective's search on the first PROBE_LAYERS layers: on the run's own
+sequences, since its cost is per sequence more than per token (16 query rows each). The estimate scales each part by
+what the run has more of: load (checks, data, weights), observe, objective (the search, by layers), step (the
+whole-model step: 2 forwards and its close calls' shortlists, from the probed layers' and one at least, within its
+budget; each the held-out tokens through the model at the probe's rate) and write."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any
 
 from kvcalib.calibration.objective import search
 from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.output import MIN_ROWS, OUTPUT, budget, close_call, held_out_rows
 from kvcalib.calibration.pipeline import ENGINES, RunPlan, check_run, engine_inputs, read_data
 from kvcalib.calibration.writer import measure_room
 from kvcalib.core.errors import KvcalibError, UsageError
@@ -43,6 +48,10 @@ PROBE_LAYERS = (
 WRITE_BYTES_PER_S = (
     200e6  # copying weights where hard links do not work (an assumption, not measured)
 )
+ONE_CALL = 2  # forwards one close call adds: the step is assumed to find one where the probed layers had none
+STEP_COST = (
+    1.2  # a step forward's seconds per token against the observing engine's (measured: 1.2, 1.25)
+)
 VALIDATE_SECONDS = (
     0.1  # writing config, card, scales, links, then validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
 )
@@ -55,26 +64,30 @@ class Estimate:
     load: float
     observe: float
     objective: float
+    step: float
     write: float
 
     @property
     def total(self) -> float:
-        return self.load + self.observe + self.objective + self.write
+        return self.load + self.observe + self.objective + self.step + self.write
 
     def to_dict(self) -> dict[str, float]:
         return {
             k: round(getattr(self, k), 2)
-            for k in ("load", "observe", "objective", "write", "total")
+            for k in ("load", "observe", "objective", "step", "write", "total")
         }
 
 
 @dataclass(frozen=True)
 class Probe:
     """The timed probe in CalibrationPlan's probe: engine (the one timed), batches, layers and tokens it ran on,
-    objective_tokens (the objective's search ran on) and run_objective_tokens (the run's would), seconds and
-    objective_seconds (of the search), peak_rss_bytes; from its progress events: load_seconds (paid once),
-    compute_seconds (the probed batches: native the whole model, stream one layer), layer_load_seconds (stream: one
-    layer's load); setup_seconds (calibrate's checks and data, before the engine)."""
+    objective_tokens (the objective's search ran on: the run's own) and run_objective_tokens (the run's),
+    objective_layers (searched), seconds, objective_seconds (of the search) and objective_first_seconds (its first
+    layer's, with what the run pays once), close_calls (in the searched layers: K/Vs the whole-model step would
+    weigh), step_tokens (the held-out tokens it scores; 0: too few rows, it would not run), step_forwards
+    (estimated, within its budget), peak_rss_bytes; from its progress events: load_seconds (paid
+    once), compute_seconds (the probed batches: native the whole model, stream one layer), layer_load_seconds
+    (stream: one layer's load); setup_seconds (calibrate's checks and data, before the engine)."""
 
     engine: str
     batches: int
@@ -82,8 +95,13 @@ class Probe:
     tokens: int
     objective_tokens: int
     run_objective_tokens: int
+    objective_layers: int
     seconds: float
     objective_seconds: float
+    objective_first_seconds: float
+    close_calls: int
+    step_tokens: int
+    step_forwards: int
     peak_rss_bytes: int
     load_seconds: float
     compute_seconds: float
@@ -100,8 +118,8 @@ class CalibrationPlan:
     run; then the rest is null or 0), target, engine, engine_reason, compute, num_layers, num_samples, num_tokens,
     weight_bytes (in the calibration dtype), peak_memory_bytes (estimated), memory_limit_bytes, memory_source (null: no
     limit), weights_linked (or copied), output_bytes (new on its filesystem), free_bytes, scratch_bytes (the stream
-    engine's spill, at most), probe (Probe; {} with refusals), estimate_seconds (load, observe, objective, write,
-    total), kv_cache."""
+    engine's spill, at most), probe (Probe; {} with refusals), estimate_seconds (load, observe, objective, step,
+    write, total), kv_cache."""
 
     model: str
     output: str
@@ -167,7 +185,7 @@ def plan_calibration(
     probe = _probe(plan, data, pad, layers, notify, round(setup, 3))
     needed = weight_bytes(plan.checkpoint, plan.dtype)
     peak, scratch = _memory(plan, data, needed, layers)
-    limit = plan.engine.limit or opts.memory
+    limit = plan.engine.limit or plan.options.memory  # --max-memory's cap, as check_run resolved it
     return CalibrationPlan(
         model=str(model),
         output=str(output),
@@ -195,45 +213,62 @@ def plan_calibration(
 def _probe(
     plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback, setup: float
 ) -> Probe:
-    """Time the run's engine on PROBE_BATCHES batches (stream: PROBE_LAYERS layers), then the scale objective."""
+    """Time the run's engine on its first batches (see the module docstring), then the objective's search."""
     opts = plan.options
-    rows = data.sequences[: opts.batch_size * PROBE_BATCHES]
+    sampled = engine_inputs(plan, data, pad, no_progress).sample_sequences  # the run's objective's
+    order = sorted(data.sequences, key=len, reverse=True)  # as the engines batch them
+    seen: set[tuple[int, ...]] = set()
+    count = opts.batch_size * PROBE_BATCHES
+    for i, seq in enumerate(order):  # the objective's are the first whole batches
+        if len(seen) == len(sampled):
+            count = max(count, i)
+            break
+        seen.update({tuple(seq)} & sampled)
+    else:
+        count = len(order)
+    rows = tuple(order[:count])
     probe_data = replace(data, sequences=rows)
-    stream = plan.options.engine == "stream"
-    probed = min(PROBE_LAYERS, layers) if stream else layers
+    stream = opts.engine == "stream"
+    probed = min(PROBE_LAYERS, layers)
     stamps: list[tuple[float, Progress]] = []
 
     def stamp(event: Progress) -> None:
         stamps.append((time.perf_counter(), event))
         notify(event)
 
-    name = (
-        "native" if plan.options.engine == "llmcompressor" else plan.options.engine
-    )  # oneshot: native's probe
+    name = "native" if opts.engine == "llmcompressor" else opts.engine  # oneshot: native's probe
     inputs = engine_inputs(plan, probe_data, pad, stamp, probe_layers=probed if stream else None)
     started = time.perf_counter()
     observation = ENGINES[name](inputs)
     observed = time.perf_counter()
-    objective = 0.0
-    if inputs.sample_sequences:
-        search(
-            [s for s in observation.samples[:probed]],
-            observation.k_heads[:probed],
-            observation.v_heads[:probed],
-            plan.target,
-            plan.recipe.strategy == ATTN_HEAD,
-        )
-        objective = time.perf_counter() - observed
-    sampled = sum(len(s) for s in engine_inputs(plan, data, pad, no_progress).sample_sequences)
+    scored: list[Any] = []
+    times: list[float] = []  # the search's, layer by layer: the first pays what the run pays once
+    ob, per_head = observation, plan.recipe.strategy == ATTN_HEAD
+    for i in range(probed) if inputs.sample_sequences else ():
+        began, one = time.perf_counter(), slice(i, i + 1)
+        scored += search(ob.samples[one], ob.k_heads[one], ob.v_heads[one], plan.target, per_head)
+        times.append(time.perf_counter() - began)
+    calls = [c for layer in scored for kind in layer if (c := close_call(kind)) is not None]
+    step_tokens = forwards = 0
+    held = held_out_rows(data.sequences, sampled)
+    if opts.scale_objective == OUTPUT and times and len(held) >= MIN_ROWS:
+        step_tokens = sum(map(len, held))
+        weighs = max(sum(len(shortlist) - 1 for shortlist, _ in calls) * layers / probed, ONE_CALL)
+        forwards = 2 + min(budget(data.num_tokens, step_tokens) - 2, round(weighs))
     return Probe(
         engine=name,
         batches=math.ceil(len(rows) / opts.batch_size),
-        layers=probed,
+        layers=layers if not stream else probed,
         tokens=probe_data.num_tokens,
         objective_tokens=sum(len(s) for s in inputs.sample_sequences),
-        run_objective_tokens=sampled,
-        seconds=round(observed - started + objective, 3),
-        objective_seconds=round(objective, 3),
+        run_objective_tokens=sum(len(s) for s in sampled),
+        objective_layers=probed if inputs.sample_sequences else 0,
+        seconds=round(observed - started + sum(times), 3),
+        objective_seconds=round(sum(times), 3),
+        objective_first_seconds=round(times[0] if times else 0.0, 3),
+        close_calls=len(calls),
+        step_tokens=step_tokens,
+        step_forwards=forwards,
         peak_rss_bytes=peak_rss_bytes(),
         **_split(stamps, started, observed, stream),
         setup_seconds=setup,
@@ -281,20 +316,25 @@ def _split(
 
 
 def _estimate(probe: Probe, tokens: int, layers: int, output_bytes: int, linked: bool) -> Estimate:
-    scale, per_layer = tokens / max(probe.tokens, 1), probe.engine == "stream"
-    observe = (
-        probe.compute_seconds * scale * (layers if per_layer else 1)
-        + probe.layer_load_seconds * layers
-    )
-    objective = (
-        probe.objective_seconds
-        * probe.run_objective_tokens
-        / max(probe.objective_tokens, 1)
-        * layers
-        / max(probe.layers, 1)
+    stream = probe.engine == "stream"
+    per_token = (
+        probe.compute_seconds / max(probe.tokens, 1) * (layers if stream else 1)
+    )  # the model
+    loads = probe.layer_load_seconds * layers  # stream: every layer loaded, once a pass
+    first, searched = probe.objective_first_seconds, probe.objective_layers
+    rest = (probe.objective_seconds - first) / (searched - 1) if searched > 1 else first
+    objective = first + rest * (layers - 1) if searched else 0.0
+    step = probe.step_forwards * probe.step_tokens * per_token * STEP_COST + (
+        loads if probe.step_forwards else 0.0
     )
     write = VALIDATE_SECONDS + (0.0 if linked else output_bytes / WRITE_BYTES_PER_S)
-    return Estimate(probe.setup_seconds + probe.load_seconds, observe, objective, write)
+    return Estimate(
+        probe.setup_seconds + probe.load_seconds,
+        per_token * tokens + loads,
+        objective,
+        step,
+        write,
+    )
 
 
 def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, int]:

@@ -319,7 +319,7 @@ def render_plan(console: Console, plan: CalibrationPlan) -> None:
         (
             "estimate",
             f"{_duration(est.total)} (load {est.load:.0f} s, observe {est.observe:.0f} s, objective "
-            f"{est.objective:.0f} s, write {est.write:.0f} s)",
+            f"{est.objective:.0f} s, step {est.step:.0f} s, write {est.write:.0f} s)",
         ),
     ]
     table = Table(
