@@ -10,7 +10,7 @@ fortunes) stands in for the released one; only the embedding's size matters here
 
 Two fresh processes, each timed from outside (wall, CPU, peak RSS from wait4) and from inside:
   (a) calibrate  `kvcalib.calibrate(SLICE, ..., engine="stream", target="trn2")`: each layer's experts
-                 dequantised in memory by transformers as it loads, the hidden states carried layer to layer.
+                 dequantised in memory as it loads (kvcalib.core.mxfp4.dequantize), the hidden states carried on.
                  Per layer: seconds from its load to its last batch (the progress events), tokens/s.
                  Disk: /proc/self/io (read_bytes: from the device, 0 when the page cache holds the files; rchar /
                  wchar: through read/write calls) and the bytes of tensors the run must read.
@@ -27,10 +27,12 @@ The prediction for the whole model (36 layers, 512 samples x 2048 tokens): per l
 dequantise; independent of the tokens) plus its compute time scaled by tokens and by the analytic FLOPs per
 token at 2048 against the measured length (attention grows with context, the rest does not). On a 192-vCPU host
 (96 physical cores) the assumption is stated with the numbers: compute scales with the physical cores used at
-the efficiency given by --efficiency (default 0.5), the load does not scale. RSS: (a)'s peak without the
-hidden states, plus the hidden states of 512 x 2048 tokens unless they spill (kvcalib.calibration.stream spills
-them to disk when they would take more than half the memory left). Disk: the released files read once; the
-output is links plus ~20 kB; a spill writes and reads the hidden states once per layer.
+the efficiency given by --efficiency (default 0.5), the load is not scaled (transformers' dequantisation
+did not scale with threads; kvcalib's table does, partly: scripts/bench_mxfp4_load.py). RSS: (a)'s peak
+without the hidden states, plus the hidden states of 512 x 2048 tokens unless they spill
+(kvcalib.calibration.stream spills them to disk when they would take more than half the memory left).
+Disk: the released files read once; the output is links plus ~20 kB; a spill writes and reads the hidden
+states once per layer.
 
     python scripts/bench_gpt_oss.py [--layers 2] [--num-samples 16] [--max-seq-len 256] [--threads 2]
         [--work DIR (kept: the slice is reused when it is there)] [--skip-forward]

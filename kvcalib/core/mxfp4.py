@@ -12,7 +12,8 @@ declaring `{"quant_method": "mxfp4"}`; `quantizers.auto.AutoHfQuantizer.from_con
 `get_weight_conversions` (quantizers/quantizer_mxfp4.py) maps the pairs through `integrations.mxfp4.Mxfp4Dequantize`
 (the stream engine passes it to `conversion_mapping.get_model_conversion_mapping` and
 `modeling_utils.LoadStateDictConfig`); `integrations.mxfp4.convert_moe_packed_tensors` (what `dequantize_convertops`
-calls), swapped while loading; `save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`."""
+calls), swapped while loading for `dequantize`, whose table `_convert_moe_packed_tensors` computes;
+`save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ __all__ = [
     "SCALES",
     "TRN2_CAUSE",
     "check_calibration",
+    "dequantize",
     "dequantize_mxfp4",
     "dequantized_on_load",
     "dequantizer",
@@ -173,28 +175,50 @@ def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, 
         yield {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
+def dequantize(
+    blocks: torch.Tensor, scales: torch.Tensor, *, dtype: Any = None, per_chunk: int = 4, **_: Any
+) -> torch.Tensor:
+    """transformers' `convert_moe_packed_tensors` ([E, R, G, 16] uint8 codes, [E, R, G] exponents + 127 ->
+    [E, G * 32, R]), bit for bit, by table: each byte's two values under each scale, worked out once by
+    transformers' own arithmetic (65,536 pairs), then looked up `per_chunk` experts at a time into the result
+    (one gather and one transpose a chunk, ~10x faster on CPUs; a chunk's transient memory)."""
+    import torch
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    dtype = dtype or torch.bfloat16
+    pair = {2: torch.int32, 4: torch.int64}[dtype.itemsize]
+    byte = torch.arange(256, dtype=torch.uint8, device=blocks.device)
+    table = _convert_moe_packed_tensors(  # [1, 512, scale]: byte b's values at rows 2b, 2b + 1
+        byte.expand(256, 256).reshape(1, 256, 1, 256), byte.reshape(1, 256, 1), dtype=dtype
+    )
+    table = table[0].T.contiguous().view(pair).reshape(-1)  # [scale << 8 | byte] -> the pair
+    experts, rows, groups, width = blocks.shape
+    out = torch.empty((experts, groups * width * 2, rows), dtype=dtype, device=blocks.device)
+    for first in range(0, experts, per_chunk):
+        last = min(first + per_chunk, experts)
+        index = blocks[first:last].to(torch.int32)
+        index.add_(scales[first:last].to(torch.int32).unsqueeze(-1) << 8)
+        values = table.index_select(0, index.reshape(-1)).view(dtype)
+        out[first:last].copy_(values.reshape(last - first, rows, -1).transpose(1, 2))
+    return out
+
+
 @contextmanager
 def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
-    """transformers' MXFP4 dequantisation applied `per_chunk` experts at a time into one result: the same values,
-    a chunk's transient memory instead of twice a layer's experts (+8.5 GB for GPT-OSS-120B's gate_up alone)."""
+    """transformers' MXFP4 dequantisation, while loading, done by `dequantize` (`per_chunk` experts at a time):
+    the same values, ~10x faster, a chunk's transient memory instead of twice a layer's experts (+8.5 GB for
+    GPT-OSS-120B's gate_up alone). Blocks other than [E, R, G, 16] go to transformers' own."""
+    import torch
     from transformers.integrations import mxfp4 as integration
 
     original = integration.convert_moe_packed_tensors
 
-    def chunked(blocks: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        experts = blocks.shape[0] if blocks.dim() >= 3 else 0
-        if experts <= per_chunk:
+    def by_table(blocks: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if blocks.dim() != 4 or kwargs.get("dtype", torch.bfloat16).itemsize not in (2, 4):
             return original(blocks, scales, **kwargs)
-        out = None
-        for first in range(0, experts, per_chunk):
-            part = original(
-                blocks[first : first + per_chunk], scales[first : first + per_chunk], **kwargs
-            )
-            out = part.new_empty((experts, *part.shape[1:])) if out is None else out
-            out[first : first + per_chunk] = part
-        return out
+        return dequantize(blocks, scales, per_chunk=per_chunk, **kwargs)
 
-    integration.convert_moe_packed_tensors = chunked
+    integration.convert_moe_packed_tensors = by_table
     try:
         yield
     finally:

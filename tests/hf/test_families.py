@@ -475,6 +475,29 @@ def test_mxfp4_dequantised_a_few_experts_at_a_time_is_transformers_own():
     assert chunked.shape == whole.shape == (10, 64, 6) and torch.equal(chunked, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mxfp4_dequantised_by_table_is_transformers_own(dtype):
+    """kvcalib.core.mxfp4.dequantize (a table of every byte's values under every scale, then a gather): bit for
+    bit transformers' `convert_moe_packed_tensors`, over every byte and every scale (0 and 255 included: 2^-127,
+    and inf times the codes, NaN for the zeros), on GPT-OSS-120B's 90 blocks a row, experts a chunk apart."""
+    from transformers.integrations import mxfp4 as integration
+
+    from kvcalib.core import mxfp4
+
+    torch.manual_seed(0)
+    blocks = torch.randint(0, 256, (5, 48, 90, 16), dtype=torch.uint8)
+    scales = torch.randint(0, 256, (5, 48, 90), dtype=torch.uint8)
+    scales[0, 0], blocks[0, 0] = (
+        torch.arange(90),
+        torch.arange(256).reshape(16, 16).repeat(6, 1)[:90],
+    )
+    want = integration.convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+    got = mxfp4.dequantize(blocks, scales, dtype=dtype, per_chunk=2)
+    bits = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    assert got.shape == want.shape == (5, 90 * 32, 48) and got.dtype == want.dtype
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
 def test_the_stream_engine_dequantises_mxfp4_from_the_stored_bytes(
     tmp_path, text_dataset, monkeypatch
 ):
@@ -482,16 +505,17 @@ def test_the_stream_engine_dequantises_mxfp4_from_the_stored_bytes(
     from_pretrained does for a pre-quantized checkpoint: loaded without the quantizer, transformers casts them to
     the model's dtype first, and for GPT-OSS-120B that bf16 copy of a layer's blocks was 2 GiB of the peak."""
     from mxfp4 import build_gpt_oss_mxfp4
-    from transformers.integrations import mxfp4 as integration
+
+    from kvcalib.core import mxfp4
 
     seen = []
-    original = integration.convert_moe_packed_tensors
+    original = mxfp4.dequantize  # what transformers' dequantisation calls while kvcalib loads
 
     def recording(blocks, scales, **kwargs):
         seen.append((blocks.dtype, scales.dtype))
         return original(blocks, scales, **kwargs)
 
-    monkeypatch.setattr(integration, "convert_moe_packed_tensors", recording)
+    monkeypatch.setattr(mxfp4, "dequantize", recording)
     released = build_gpt_oss_mxfp4(tmp_path / "released", layers=2)
     calibrate(
         released,
