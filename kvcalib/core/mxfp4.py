@@ -180,8 +180,9 @@ def dequantize(
 ) -> torch.Tensor:
     """transformers' `convert_moe_packed_tensors` ([E, R, G, 16] uint8 codes, [E, R, G] exponents + 127 ->
     [E, G * 32, R]), bit for bit, by table: each byte's two values under each scale, worked out once by
-    transformers' own arithmetic (65,536 pairs), then looked up `per_chunk` experts at a time into the result
-    (one gather and one transpose a chunk, ~10x faster on CPUs; a chunk's transient memory)."""
+    transformers' own arithmetic (65,536 pairs), then gathered `per_chunk` experts at a time straight into the
+    result's memory. The result is transformers' layout as a transposed view of [E, R, G * 32] (what the experts'
+    matmuls read as is, like a Linear weight), not a copy: the copy was most of a GPT-OSS-120B layer's load."""
     import torch
     from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
 
@@ -193,14 +194,13 @@ def dequantize(
     )
     table = table[0].T.contiguous().view(pair).reshape(-1)  # [scale << 8 | byte] -> the pair
     experts, rows, groups, width = blocks.shape
-    out = torch.empty((experts, groups * width * 2, rows), dtype=dtype, device=blocks.device)
+    out = torch.empty((experts, rows * groups * width), dtype=pair, device=blocks.device)
     for first in range(0, experts, per_chunk):
         last = min(first + per_chunk, experts)
         index = blocks[first:last].to(torch.int32)
         index.add_(scales[first:last].to(torch.int32).unsqueeze(-1) << 8)
-        values = table.index_select(0, index.reshape(-1)).view(dtype)
-        out[first:last].copy_(values.reshape(last - first, rows, -1).transpose(1, 2))
-    return out
+        torch.index_select(table, 0, index.reshape(-1), out=out[first:last].view(-1))
+    return out.view(dtype).reshape(experts, rows, groups * width * 2).transpose(1, 2)
 
 
 @contextmanager
