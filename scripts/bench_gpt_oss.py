@@ -23,18 +23,43 @@ Two fresh processes, each timed from outside (wall, CPU, peak RSS from wait4) an
 Targets (the issue's): peak RSS of (a) <= one layer's dequantised weights + the hidden states + 2 GiB;
 (a)'s observing tokens/s within 1.2x of (c)'s forward tokens/s.
 
-The prediction for the whole model (36 layers, 512 samples x 2048 tokens): per layer, (a)'s load time (read +
-dequantise; independent of the tokens) plus its compute time scaled by tokens and by the analytic FLOPs per
-token at 2048 against the measured length (attention grows with context, the rest does not). On a 192-vCPU host
-(96 physical cores) the assumption is stated with the numbers: compute scales with the physical cores used at
-the efficiency given by --efficiency (default 0.5), the load is not scaled (transformers' dequantisation
-did not scale with threads; kvcalib's table does, partly: scripts/bench_mxfp4_load.py). RSS: (a)'s peak
-without the hidden states, plus the hidden states of 512 x 2048 tokens unless they spill
-(kvcalib.calibration.stream spills them to disk when they would take more than half the memory left).
-Disk: the released files read once; the output is links plus ~20 kB; a spill writes and reads the hidden
-states once per layer.
+With --ranks R > 1, (a) runs under torchrun (`python -m torch.distributed.run --standalone --nproc-per-node R`),
+each rank with --threads threads: kvcalib.calibrate shares whole batches between the ranks
+(kvcalib.calibration.distributed), so the samples must make R batches at least. Rank 0 prints the JSON (its
+progress marks, its /proc/self/io); wall and CPU are the whole torchrun tree's, and the peak RSS from wait4 is
+the largest single process of the tree (Linux's maxrss of a reaped child takes the largest of its own reaped
+children, RUSAGE_CHILDREN's), not the ranks' sum. (a) also reports the scale choice: the whole-model step's
+StepReport (forwards, passes, budget, tokens, skipped) and objective_seconds, split at the step's progress event
+into the search and the step (the step reports no seconds of its own).
 
-    python scripts/bench_gpt_oss.py [--layers 2] [--num-samples 16] [--max-seq-len 256] [--threads 2]
+The prediction for the whole model is built from the parts measured, for kvcalib's own defaults (samples and
+sequence length read from CalibrateOptions; 36 layers) and the whole run, not only the observation:
+  load     a layer's read + dequantise (the gap before a layer's batches), x 36. Not scaled with cores: the
+           read is the disk's; the dequantisation scales only partly (scripts/bench_mxfp4_load.py).
+  observe  the measured compute per token per layer (all ranks together), scaled by the analytic FLOPs per
+           token at the default length against the measured one (attention grows with context, the rest does
+           not), x the default tokens x 36.
+  search   the scale objective's search per layer, x 36: it samples a fixed ~2k tokens a layer (SAMPLE_TOKENS of
+           kvcalib.hf.samples), independent of
+           the samples and of the step's budget.
+  step     the whole-model step (kvcalib.calibration.output): budget(default tokens, TOKENS) forwards, each of
+           TOKENS tokens in rows of ROW_TOKENS through all 36 layers (an upper bound: a candidate's branch runs
+           from its own layer on) and the LM head, at the measured per-token rate FLOPs-scaled to ROW_TOKENS
+           (the head by its FLOPs too). Streamed, it also re-reads the weights: up to MAX_PASSES passes, each
+           reading all 36 layers again (worst case: a change at layer 0) at the measured load time, not scaled.
+Two totals each for this machine (the measured ranks x threads) and for a 192-vCPU host: streamed (worst case,
+MAX_PASSES re-reads) and in memory (a host whose memory holds the dequantised model, ~240 GB: e.g.
+trn2.48xlarge's 2 TiB; loaded once, no re-reads). On the 192-vCPU host the observe, search and step compute are
+divided by a speed-up S, --speedup, by default 96 physical cores / (ranks x threads) x --efficiency (0.5): the
+compute assumed to scale with the cores at that share of linear; the load and the re-reads are not scaled. The
+formula and its numbers are printed with the prediction. RSS (one process): (a)'s peak without its hidden states,
+plus its share of the default tokens' hidden states unless they spill (kvcalib.calibration.stream spills them to
+disk when they would take more than half the memory left). Disk: the released files read once (streamed, the
+step's re-reads on top); the output is links plus ~20 kB; a spill writes and reads the hidden states once per
+layer.
+
+    python scripts/bench_gpt_oss.py [--layers 2] [--num-samples 16] [--max-seq-len 256] [--threads 2] [--ranks 1]
+        [--efficiency 0.5 | --speedup S]
         [--work DIR (kept: the slice is reused when it is there)] [--skip-forward]
 """
 
@@ -79,7 +104,7 @@ SHAPE = dict(
         "original_max_position_embeddings": 4096,
     },
 )
-FULL_LAYERS, FULL_SAMPLES, FULL_SEQ = 36, 512, 2048
+FULL_LAYERS = 36
 
 
 def flops_per_token(seq: int) -> float:
@@ -209,11 +234,16 @@ def child_calibrate(args: argparse.Namespace) -> None:
     import kvcalib
 
     marks: dict[int, list[float]] = {}
+    stages: dict[
+        str, float
+    ] = {}  # when the search ("objective") and the whole-model step ("output") began
     started = time.perf_counter()
 
     def progress(p) -> None:
         if p.stage == "observe":
             marks.setdefault(p.layer, []).append(time.perf_counter() - started)
+        elif p.stage in ("objective", "output"):
+            stages.setdefault(p.stage, time.perf_counter() - started)
 
     result = kvcalib.calibrate(
         args.model,
@@ -226,12 +256,27 @@ def child_calibrate(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         progress=progress,
     )
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 reports
+        return
+    # objective_s covers the search and the whole-model step; the step reports no seconds of its own, so they
+    # are split at the step's progress event ("output"): the search from "objective" to it, the step after
+    search_s = step_s = None
+    if "objective" in stages:
+        search_s = (
+            stages.get("output", stages["objective"] + result.objective_seconds)
+            - stages["objective"]
+        )
+        step_s = result.objective_seconds - search_s
     print(
         json.dumps(
             {
                 "wall": time.perf_counter() - started,
                 "observe_s": result.observe_seconds,
                 "objective_s": result.objective_seconds,
+                "search_s": search_s,
+                "step_s": step_s,
+                "output_step": result.output_step.to_dict() if result.output_step else None,
+                "world": int(os.environ.get("WORLD_SIZE", "1")),
                 "tokens": result.num_tokens,
                 "layers": [marks[k] for k in sorted(marks)],
                 "io": proc_io(),
@@ -289,7 +334,10 @@ def child_forward(args: argparse.Namespace) -> None:
 
 
 def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, float, dict]:
-    """(wall s, CPU s, peak RSS bytes, the child's JSON) of one child process; exits on failure."""
+    """(wall s, CPU s, peak RSS bytes, the child's JSON: its last line that starts with "{") of one child process;
+    exits on failure. Under torchrun the child is torchrun's launcher: wait4's rusage then counts the CPU of the
+    whole tree and its maxrss is the largest of the launcher and its (waited-for) ranks (Linux keeps the children's
+    largest, RUSAGE_CHILDREN's maxrss), i.e. the largest one process, not their sum."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         started = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
@@ -303,8 +351,20 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, flo
             wall,
             usage.ru_utime + usage.ru_stime,
             usage.ru_maxrss * 1024,
-            json.loads(out.read().splitlines()[-1]),
+            json.loads([line for line in out.read().splitlines() if line.startswith("{")][-1]),
         )
+
+
+def full_run() -> tuple[dict, object]:
+    """kvcalib's own defaults (CalibrateOptions' fields) and its whole-model step's module (its constants, budget)."""
+    import dataclasses
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from kvcalib.calibration import output
+    from kvcalib.calibration.options import CalibrateOptions
+
+    return {f.name: f.default for f in dataclasses.fields(CalibrateOptions)}, output
 
 
 def layer_bytes(model: Path) -> tuple[int, int, int]:
@@ -327,9 +387,25 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each process")
     parser.add_argument(
-        "--efficiency", type=float, default=0.5, help="the 192-vCPU prediction's scaling efficiency"
+        "--ranks",
+        type=int,
+        default=1,
+        help="(a) under torchrun with this many processes (1: one plain process)",
+    )
+    parser.add_argument(
+        "--efficiency",
+        type=float,
+        default=0.5,
+        help="the 192-vCPU prediction's scaling efficiency (of linear in the cores)",
+    )
+    parser.add_argument(
+        "--speedup",
+        type=float,
+        default=None,
+        help="the 192-vCPU host's compute over this machine's "
+        "(default: 96 / (ranks x threads) x --efficiency)",
     )
     parser.add_argument(
         "--work", type=Path, default=None, help="kept; a slice already there is reused"
@@ -359,6 +435,13 @@ def main() -> None:
         (child_calibrate if args.child == "calibrate" else child_forward)(args)
         return
 
+    if (
+        -(-args.num_samples // args.batch_size) < args.ranks
+    ):  # kvcalib shares whole batches between ranks
+        parser.error(
+            f"--ranks {args.ranks} needs {args.ranks} batches at least: --num-samples {args.num_samples} in "
+            f"--batch-size {args.batch_size} makes fewer"
+        )
     print(provenance(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="kvcalib-gpt-oss-"))
     model, dataset = work / f"gpt-oss-120b-slice-{args.layers}", work / "fortunes.jsonl"
@@ -391,7 +474,20 @@ def main() -> None:
     ]
     out = work / "calibrated"
     shutil.rmtree(out, ignore_errors=True)
-    a_wall, a_cpu, a_rss, a = run_measured([*child, "calibrate", "--out", str(out)], env)
+    calibrate = [*child, "calibrate", "--out", str(out)]
+    if (
+        args.ranks > 1
+    ):  # torchrun runs the script itself: the interpreter's arguments go to torchrun
+        calibrate = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(args.ranks),
+            *calibrate[1:],
+        ]
+    a_wall, a_cpu, a_rss, a = run_measured(calibrate, env)
     written = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.stat().st_nlink == 1)
     c = None
     if not args.skip_forward:
@@ -406,12 +502,18 @@ def main() -> None:
 def report(args, model: Path, a_run, written: int, c_run) -> None:
     a_wall, a_cpu, a_rss, a = a_run
     layer_bf16, layer_disk, rest_disk = layer_bytes(model)
-    hidden = a["tokens"] * SHAPE["hidden_size"] * 2
-    tokens = a["tokens"]
+    tokens, ranks = a["tokens"], args.ranks
+    hidden = tokens * SHAPE["hidden_size"] * 2 // ranks  # one process's share
     print(
         f"\nGPT-OSS-120B slice: {args.layers} layers, {tokens:,} tokens ({args.num_samples} x <= {args.max_seq_len}),"
-        f" batch {args.batch_size}, {args.threads} threads; {a['compute']}"
+        f" batch {args.batch_size}, {ranks} rank(s) x {args.threads} thread(s)"
+        f"{' under torchrun' if ranks > 1 else ''}; {a['compute']}"
     )
+    if ranks > 1:
+        print(
+            "  (rank 0's timings and disk counters; wall and CPU of the whole torchrun tree; peak RSS: its largest "
+            "process, wait4's maxrss, which Linux takes over the children: not their sum)"
+        )
     print(
         f"one layer: {layer_bf16 / GiB:.2f} GiB dequantised bf16, {layer_disk / GiB:.2f} GiB MXFP4 on disk; "
         f"embedding + LM head + norm {rest_disk / GiB:.2f} GiB"
@@ -443,6 +545,14 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
         f"included), compute {a_compute:.1f} s ({tokens * args.layers / a_compute:,.0f} token-layers/s), scale "
         f"objective {a['objective_s']:.1f} s; peak RSS {a_rss / GiB:.2f} GiB"
     )
+    step = a["output_step"] or {}
+    if a["search_s"] is not None:
+        print(
+            f"    scale objective: search {a['search_s']:.1f} s, whole-model step {a['step_s']:.1f} s (split at the "
+            f"step's progress event); step: {step.get('forwards', 0)} forward(s), {step.get('passes', 0)} pass(es), "
+            f"budget {step.get('budget', 0)}, {step.get('tokens', 0):,} tokens"
+            + (f"; skipped: {step['skipped']}" if step.get("skipped") else "")
+        )
     io = a["io"]
     print(
         f"    disk: read_bytes {io['read_bytes'] / GiB:.2f} GiB (0 where the page cache held the files), rchar "
@@ -467,33 +577,72 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
             f"{(a['observe_s'] - a_compute) / c['load_s']:.2f}   wall a/c = "
             f"{a_wall / c_wall:.2f}   peak RSS a/c = {a_rss / c_rss:.2f}"
         )
-    # the whole model
+    # the whole model: kvcalib's own defaults for samples and length, the step's own constants
+    defaults, output = full_run()
+    full_samples, full_seq = defaults["num_samples"], defaults["max_seq_len"]
     load_s = sum(loads) / len(loads) if loads else (a["observe_s"] - a_compute) / args.layers
-    per_token = per_layer / tokens
-    scale = flops_per_token(FULL_SEQ) / flops_per_token(args.max_seq_len)
-    full_tokens = FULL_SAMPLES * FULL_SEQ
-    compute_here = FULL_LAYERS * full_tokens * per_token * scale
-    here = FULL_LAYERS * load_s + compute_here
-    big = FULL_LAYERS * load_s + compute_here * args.threads / (96 * args.efficiency)
+    per_token = per_layer / tokens  # seconds per token per layer, all ranks together
+    scale = flops_per_token(full_seq) / flops_per_token(args.max_seq_len)
+    full_tokens = full_samples * full_seq
+    measured_cores = ranks * args.threads
+    speedup = args.speedup or 96 / measured_cores * args.efficiency
+    # (1) load: each layer read + dequantised once; (2) observe: the decoder over every token
+    load = FULL_LAYERS * load_s
+    observe = FULL_LAYERS * full_tokens * per_token * scale
+    # (3) the search: a fixed sample of tokens a layer (independent of the samples and the budget)
+    search = FULL_LAYERS * (a["search_s"] or 0.0) / args.layers
+    # (4) the whole-model step: budget() forwards of TOKENS tokens in rows of ROW_TOKENS, each through every layer
+    # (an upper bound: a candidate's branch runs from its own layer on) and the LM head; streamed, up to
+    # MAX_PASSES passes re-read every layer (worst case: a change at layer 0)
+    forwards = output.budget(full_tokens, output.TOKENS)
+    row_scale = flops_per_token(output.ROW_TOKENS) / flops_per_token(args.max_seq_len)
+    head_scale = 2 * SHAPE["hidden_size"] * SHAPE["vocab_size"] / flops_per_token(args.max_seq_len)
+    step_compute = forwards * output.TOKENS * per_token * (FULL_LAYERS * row_scale + head_scale)
+    rereads = output.MAX_PASSES * FULL_LAYERS * load_s
     full_hidden = full_tokens * SHAPE["hidden_size"] * 2
     print(
-        f"\nwhole GPT-OSS-120B (36 layers, {FULL_SAMPLES} x {FULL_SEQ} = {full_tokens:,} tokens), predicted:"
+        f"\nwhole GPT-OSS-120B ({FULL_LAYERS} layers, kvcalib's defaults {full_samples} x {full_seq} = "
+        f"{full_tokens:,} tokens), predicted from the parts measured here:"
     )
     print(
-        f"  per layer (36 taken whole; the last stops after its K/V): load {load_s:.1f} s (not scaled), compute "
-        f"{per_token * 1e3:.3f} ms/token at "
-        f"{args.max_seq_len} tokens x {scale:.2f} (FLOPs at {FULL_SEQ})"
+        f"  load     {FULL_LAYERS} x {load_s:.1f} s (a layer's read + dequantise) = {load / 60:.1f} min; not "
+        "scaled with cores (the read is the disk's, the dequantisation scaled only partly: bench_mxfp4_load.py)"
     )
     print(
-        f"  this machine ({args.threads} threads): {here / 3600:.1f} h; a 192-vCPU host (96 cores at "
-        f"{args.efficiency:.0%} of linear, load not scaled): {big / 3600:.2f} h"
+        f"  observe  {per_token * 1e3:.3f} ms/token/layer at {args.max_seq_len} tokens x {scale:.2f} (FLOPs at "
+        f"{full_seq}) x {full_tokens:,} tokens x {FULL_LAYERS} = {observe / 3600:.2f} h here"
     )
     print(
-        f"  peak RSS: {(a_rss - hidden) / GiB:.1f} GiB + hidden states {full_hidden / GiB:.1f} GiB (spilled to disk "
-        "where that is over half the free memory)"
+        f"  search   {a['search_s'] or 0.0:.1f} s / {args.layers} layers x {FULL_LAYERS} = {search / 60:.1f} min here "
+        "(a fixed ~2k-token sample a layer: independent of the samples and the budget)"
     )
     print(
-        f"  disk read {(FULL_LAYERS * layer_disk + rest_disk) / GiB:.0f} GiB (the released files once); written "
+        f"  step     {forwards} forwards (budget({full_tokens:,}, {output.TOKENS}), {output.BUDGET_SHARE:.0%} of the "
+        f"tokens) x {output.TOKENS} tokens in rows of {output.ROW_TOKENS} through {FULL_LAYERS} layers (an upper "
+        f"bound) + the LM head, FLOPs-scaled from the per-token rate: {step_compute / 60:.1f} min here; streamed, "
+        f"up to {output.MAX_PASSES} passes re-reading all {FULL_LAYERS} layers (worst case) at {load_s:.1f} s: "
+        f"+{rereads / 60:.1f} min, not scaled"
+    )
+    print(
+        f"  192-vCPU host: observe, search and step compute / S, S = 96 cores / ({ranks} x {args.threads} measured) x "
+        f"efficiency {args.efficiency:g} = {speedup:.1f}"
+        + (f" (given: --speedup {args.speedup:g})" if args.speedup else "")
+        + "; the load and the re-reads not scaled"
+    )
+    for name, by in ((f"this machine ({ranks} x {args.threads})", 1.0), ("192-vCPU host", speedup)):
+        in_memory = load + (observe + search + step_compute) / by
+        print(
+            f"  {name}: streamed (worst case, {output.MAX_PASSES} passes) {(in_memory + rereads) / 3600:.2f} h; "
+            f"in memory (the dequantised model, ~240 GB, held: e.g. trn2.48xlarge's 2 TiB; loaded once) "
+            f"{in_memory / 3600:.2f} h"
+        )
+    print(
+        f"  peak RSS (one process): {(a_rss - hidden) / GiB:.1f} GiB + its hidden states "
+        f"{full_hidden / ranks / GiB:.1f} GiB (spilled to disk where that is over half the free memory)"
+    )
+    print(
+        f"  disk read {(FULL_LAYERS * layer_disk + rest_disk) / GiB:.0f} GiB (the released files once; streamed, "
+        f"the step's re-reads up to {output.MAX_PASSES * FULL_LAYERS * layer_disk / GiB:.0f} GiB more); written "
         f"~{written / 1e3:.0f} kB + links, and with a spill {FULL_LAYERS * full_hidden / GiB:.0f} GiB of hidden "
         "states written and read back (once a layer)"
     )
