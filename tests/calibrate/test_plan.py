@@ -33,7 +33,7 @@ def listing(path) -> list[str]:
 def test_the_plan_estimates_the_smollm2_run(smollm2, text_dataset, tmp_path):
     """SmolLM2-135M, 16 x 64: the plan probes, writes nothing, and estimates each phase; the run it plans then
     succeeds. The estimate against the run is printed, not asserted: wall time on a shared host is no test
-    (measured: 16 x 256 fortunes, estimate 26 s against 26.4 s; the stream engine 27.2 s against 25.8 s)."""
+    (scripts/BENCHMARKS.md, "Time estimate of calibrate --plan", has SmolLM2 run alone)."""
     out, args = (
         tmp_path / "out",
         ["--num-samples", "16", "--max-seq-len", "64", "--bf16-compute", "float32"],
