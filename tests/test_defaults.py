@@ -99,7 +99,7 @@ def test_the_api_takes_every_field_with_its_default(cls, func):
 def test_help_shows_the_keywords():
     """help(kvcalib.calibrate) shows each keyword and its default (a real signature, not **options)."""
     text = pydoc.render_doc(kvcalib.calibrate, renderer=pydoc.plaintext)
-    assert "num_samples: 'int' = 512" in text and "engine: 'Engine' = 'auto'" in text
+    assert "num_samples: 'int' = 32" in text and "engine: 'Engine' = 'auto'" in text
     assert "**" not in text.split("\n")[2]
 
 

@@ -121,8 +121,8 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         "|---|---|",
         f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
         f"{provenance.get('column')}) |",
-        f"| samples | {provenance.get('num_samples')} ({provenance.get('num_tokens'):,} tokens, at most "
-        f"{provenance.get('max_seq_len')} each, seed {provenance.get('seed')}) |",
+        f"| samples | {provenance.get('num_samples')} (at most {provenance.get('max_seq_len')} tokens each, seed "
+        f"{provenance.get('seed')}); {provenance.get('num_tokens'):,} tokens: {provenance.get('token_budget')} |",
         f"| tokens | {provenance.get('special_tokens')}"  # how the rows were tokenised
         + (f"; ids added to plain text: {added}" if added else "")
         + " |",

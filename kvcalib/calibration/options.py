@@ -13,8 +13,15 @@ from kvcalib.core.options import RunOptions, check_options, option
 from kvcalib.core.schema import KvCacheSize
 from kvcalib.validation.report import ValidationReport
 
+# Why the default budget: scripts/bench_tokens.py's study (scripts/BENCHMARKS.md, "How many calibration tokens")
+TOKEN_STUDY = (
+    "the fewest measured whose scales are within the noise of 1M tokens' (held-out ΔNLL, paired) on SmolLM2-135M, "
+    "Gemma-3-270M and Qwen2.5-Coder-0.5B (kvcalib's token study), with 8 held-out rows for the whole-model step"
+)
+
 if TYPE_CHECKING:
     from kvcalib.calibration.ranks import Ranks
+    from kvcalib.hf.data import CalibrationData
     from kvcalib.hf.memory import MemoryLimit
     from kvcalib.serving.pipeline import ServeCheckResult
 
@@ -45,8 +52,10 @@ class CalibrateOptions(RunOptions):
         choices=lambda: tuple(fp8.TARGETS),
     )
     num_samples: int = option(
-        512,
-        "First N rows of the split.",
+        32,
+        "First N rows of the split. The default 32 x --max-seq-len 2048 (64k tokens) is the fewest measured whose "
+        "scales are within the noise of 1M tokens' on three real models and that leaves the whole-model step its "
+        "8 held-out rows.",
         aliases=("--num-calibration-samples",),
         minimum=1,
         what="rows of the dataset to calibrate on",
@@ -132,6 +141,20 @@ class CalibrateOptions(RunOptions):
                 "samples",
             )
 
+    def token_budget(self, data: "CalibrationData") -> str:
+        """Why `data` has the tokens it has: the rows and length asked (with the defaults, what they rest on), and
+        where the dataset gave less."""
+        cls, full = type(self), len(data.sequences) * self.max_seq_len
+        asked = f"--num-samples {self.num_samples} x --max-seq-len {self.max_seq_len}"
+        if (self.num_samples, self.max_seq_len) == (cls.num_samples, cls.max_seq_len):
+            asked = f"the defaults, {asked}: {TOKEN_STUDY}"
+        short = [f"the dataset gave {data.rows_selected} rows"] * (
+            data.rows_selected < self.num_samples
+        )
+        if data.num_tokens < full:
+            short.append(f"rows average {data.num_tokens / len(data.sequences):,.0f} tokens")
+        return asked + "".join(f"; {s}" for s in short)
+
 
 @dataclass(frozen=True)
 class KindScales:
@@ -207,7 +230,8 @@ class StepReport:
 @dataclass(frozen=True)
 class CalibrationResult:
     """What `calibrate` wrote; to_dict() is its --json (with --serve-check, its "calibration", beside "serve_check": the
-    ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens, seconds, tokens_per_s
+    ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens, token_budget (why that
+    many), seconds, tokens_per_s
     (of observing), objective_seconds (the scale objective's search and whole-model step), compute (the compute path),
     scale_objective, output_step (StepReport; null unless scale_objective is output), layers
     (LayerScales), warnings, validation (ValidationReport of what was written), kv_cache (KvCacheSize)."""
@@ -229,6 +253,7 @@ class CalibrationResult:
     serve_check: "ServeCheckResult | None" = None
     kv_cache: KvCacheSize | None = None
     output_step: StepReport | None = None
+    token_budget: str = ""  # why num_tokens (CalibrateOptions.token_budget)
 
     @property
     def tokens_per_s(self) -> float:
@@ -242,6 +267,7 @@ class CalibrationResult:
             "fp8_max": self.fp8_max,
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
+            "token_budget": self.token_budget,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens_per_s, 1),
             "compute": self.compute,

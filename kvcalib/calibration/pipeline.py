@@ -174,6 +174,7 @@ def calibrate(
             objective_seconds=objective_seconds,
             kv_cache=kv_cache_size(plan.checkpoint.config),
             output_step=step,
+            token_budget=opts.token_budget(data),
         )
 
     if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
@@ -559,6 +560,7 @@ def _provenance(
             data.special_tokens
         ),  # e.g. [BOS]: what the plain-text rows start with
         "num_tokens": data.num_tokens,
+        "token_budget": opts.token_budget(data),
         "observer": "static_minmax",
         "strategy": opts.strategy,
         "attention_scales": opts.attention_scales,

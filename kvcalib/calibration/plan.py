@@ -116,10 +116,10 @@ class Probe:
 class CalibrationPlan:
     """What `calibrate` would do; to_dict() is `calibrate --plan --json`. model, output, refusals (what would stop the
     run; then the rest is null or 0), target, engine, engine_reason, compute, num_layers, num_samples, num_tokens,
-    weight_bytes (in the calibration dtype), peak_memory_bytes (estimated), memory_limit_bytes, memory_source (null: no
-    limit), weights_linked (or copied), output_bytes (new on its filesystem), free_bytes, scratch_bytes (the stream
-    engine's spill, at most), probe (Probe; {} with refusals), estimate_seconds (load, observe, objective, step,
-    write, total), kv_cache."""
+    token_budget (why that many), weight_bytes (in the calibration dtype), peak_memory_bytes (estimated),
+    memory_limit_bytes, memory_source (null: no limit), weights_linked (or copied), output_bytes (new on its
+    filesystem), free_bytes, scratch_bytes (the stream engine's spill, at most), probe (Probe; {} with refusals),
+    estimate_seconds (load, observe, objective, step, write, total), kv_cache."""
 
     model: str
     output: str
@@ -131,6 +131,7 @@ class CalibrationPlan:
     num_layers: int | None = None
     num_samples: int = 0
     num_tokens: int = 0
+    token_budget: str = ""
     weight_bytes: int = 0
     peak_memory_bytes: int = 0
     memory_limit_bytes: int | None = None
@@ -196,6 +197,7 @@ def plan_calibration(
         num_layers=layers,
         num_samples=len(data.sequences),
         num_tokens=data.num_tokens,
+        token_budget=plan.options.token_budget(data),
         weight_bytes=needed,
         peak_memory_bytes=peak,
         memory_limit_bytes=limit.available if limit else None,

@@ -271,6 +271,7 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
         f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
         f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all"
     )
+    console.print(f"tokens: {result.token_budget}", soft_wrap=True, markup=False)  # why that many
 
 
 def _size(n: int) -> str:
@@ -294,7 +295,11 @@ def render_plan(console: Console, plan: CalibrationPlan) -> None:
         ("target", plan.target),
         ("engine", plan.engine + (f" ({plan.engine_reason})" if plan.engine_reason else "")),
         ("compute", plan.compute),
-        ("samples", f"{plan.num_samples:,} ({plan.num_tokens:,} tokens), {plan.num_layers} layers"),
+        (
+            "samples",
+            f"{plan.num_samples:,} ({plan.num_tokens:,} tokens: {plan.token_budget}), "
+            f"{plan.num_layers} layers",
+        ),
         (
             "peak memory",
             f"~{_size(plan.peak_memory_bytes)} (weights {_size(plan.weight_bytes)}; available {available}",
