@@ -175,3 +175,25 @@ def test_needle_without_num_samples_takes_its_own_default(calibrated, text_datas
     )
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["trials"]) == DEFAULT_KEYS * len(DEPTHS)
+
+
+def test_the_token_budget_says_why_a_run_has_its_tokens():
+    """The result, the card and --plan carry CalibrateOptions.token_budget: the defaults name what they rest on
+    (the token study), other sizes the flags; a dataset short of rows or of tokens per row is said."""
+    from kvcalib.calibration.options import TOKEN_STUDY
+    from kvcalib.hf.data import CalibrationData
+
+    def data(rows: int, length: int) -> CalibrationData:
+        return CalibrationData(((1,) * length,) * rows, "d.jsonl", "train", "text", rows, 0)
+
+    defaults = CalibrateOptions()
+    full = data(defaults.num_samples, defaults.max_seq_len)
+    assert defaults.token_budget(full) == (
+        f"the defaults, --num-samples {defaults.num_samples} x --max-seq-len {defaults.max_seq_len}: "
+        + TOKEN_STUDY
+    )
+    small = CalibrateOptions(num_samples=16, max_seq_len=256)
+    assert small.token_budget(data(16, 256)) == "--num-samples 16 x --max-seq-len 256"
+    assert small.token_budget(data(5, 100)) == (
+        "--num-samples 16 x --max-seq-len 256; the dataset gave 5 rows; rows average 100 tokens"
+    )
