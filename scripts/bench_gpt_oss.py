@@ -39,9 +39,9 @@ sequence length read from CalibrateOptions; 36 layers) and the whole run, not on
   observe  the measured compute per token per layer (all ranks together), scaled by the analytic FLOPs per
            token at the default length against the measured one (attention grows with context, the rest does
            not), x the default tokens x 36.
-  search   the scale objective's search per layer, x 36: it samples a fixed ~2k tokens a layer (SAMPLE_TOKENS of
-           kvcalib.hf.samples), independent of
-           the samples and of the step's budget.
+  search   the scale objective's search per layer, x 36, x the K/V tokens it samples at the defaults over those
+           it sampled here (kvcalib.hf.samples.sample_sequences: whole batches until SAMPLE_TOKENS, whatever the
+           budget: one batch of 4 x 2048 at the defaults, 2 of 4 x 256 at the script's).
   step     the whole-model step (kvcalib.calibration.output): budget(default tokens, TOKENS) forwards, each of
            TOKENS tokens in rows of ROW_TOKENS through all 36 layers (an upper bound: a candidate's branch runs
            from its own layer on) and the LM head, at the measured per-token rate FLOPs-scaled to ROW_TOKENS
@@ -125,6 +125,14 @@ def flops_per_token(seq: int) -> float:
     attention = 2 * 2 * heads * d * (seq + 1) / 2
     experts = k * 2 * (h * 2 * inter + inter * h) + 2 * h * SHAPE["num_local_experts"]
     return projections + attention + experts
+
+
+def sampled_tokens(batch_size: int, seq: int) -> int:
+    """The K/V tokens the search samples a layer with rows of `seq` tokens: whole batches until SAMPLE_TOKENS."""
+    from kvcalib.hf.samples import SAMPLE_TOKENS
+
+    batch = batch_size * seq
+    return -(-SAMPLE_TOKENS // batch) * batch
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -436,11 +444,11 @@ def main() -> None:
         return
 
     if (
-        -(-args.num_samples // args.batch_size) < args.ranks
-    ):  # kvcalib shares whole batches between ranks
+        -(-args.num_samples // args.batch_size) < 2 * args.ranks
+    ):  # kvcalib shares whole batches between ranks; a layer's compute needs 2 on rank 0
         parser.error(
-            f"--ranks {args.ranks} needs {args.ranks} batches at least: --num-samples {args.num_samples} in "
-            f"--batch-size {args.batch_size} makes fewer"
+            f"--ranks {args.ranks} needs {2 * args.ranks} batches at least (2 a rank, to time a layer): "
+            f"--num-samples {args.num_samples} in --batch-size {args.batch_size} makes fewer"
         )
     print(provenance(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="kvcalib-gpt-oss-"))
@@ -589,8 +597,11 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
     # (1) load: each layer read + dequantised once; (2) observe: the decoder over every token
     load = FULL_LAYERS * load_s
     observe = FULL_LAYERS * full_tokens * per_token * scale
-    # (3) the search: a fixed sample of tokens a layer (independent of the samples and the budget)
-    search = FULL_LAYERS * (a["search_s"] or 0.0) / args.layers
+    # (3) the search: whole batches until SAMPLE_TOKENS a layer, whatever the budget: scaled by the K/V tokens
+    sampled = sampled_tokens(args.batch_size, full_seq) / sampled_tokens(
+        args.batch_size, args.max_seq_len
+    )
+    search = FULL_LAYERS * (a["search_s"] or 0.0) / args.layers * sampled
     # (4) the whole-model step: budget() forwards of TOKENS tokens in rows of ROW_TOKENS, each through every layer
     # (an upper bound: a candidate's branch runs from its own layer on) and the LM head; streamed, up to
     # MAX_PASSES passes re-read every layer (worst case: a change at layer 0)
@@ -613,8 +624,8 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
         f"{full_seq}) x {full_tokens:,} tokens x {FULL_LAYERS} = {observe / 3600:.2f} h here"
     )
     print(
-        f"  search   {a['search_s'] or 0.0:.1f} s / {args.layers} layers x {FULL_LAYERS} = {search / 60:.1f} min here "
-        "(a fixed ~2k-token sample a layer: independent of the samples and the budget)"
+        f"  search   {a['search_s'] or 0.0:.1f} s / {args.layers} layers x {FULL_LAYERS} x {sampled:.1f} (the K/V "
+        f"tokens it samples at the defaults over here) = {search / 60:.1f} min here"
     )
     print(
         f"  step     {forwards} forwards (budget({full_tokens:,}, {output.TOKENS}), {output.BUDGET_SHARE:.0%} of the "

@@ -19,7 +19,7 @@ kvcalib.hf.samples.SAMPLE_TOKENS: the same at any N; model load and writing scal
 are a little low), labelled as such. Timing is for reading: nothing is asserted.
 
     python scripts/bench_search.py [--model DIR] [--dataset FILE] [--num-samples 16] [--max-seq-len 2048]
-        [--target trn2] [--reps 1] [--extrapolate 512] [--tuned-from 4ee64d5]
+        [--target trn2] [--reps 1] [--extrapolate 32] [--tuned-from 4ee64d5]
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ def main() -> None:
     parser.add_argument("--target", default="trn2")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument(
-        "--extrapolate", type=int, default=512, help="also print the shares at this many samples"
+        "--extrapolate",
+        type=int,
+        default=32,
+        help="also print the shares at this many samples (the default's)",
     )
     parser.add_argument("--tuned-from", default=TUNED_FROM)
     args = parser.parse_args()

@@ -195,5 +195,7 @@ def test_the_token_budget_says_why_a_run_has_its_tokens():
     small = CalibrateOptions(num_samples=16, max_seq_len=256)
     assert small.token_budget(data(16, 256)) == "--num-samples 16 x --max-seq-len 256"
     assert small.token_budget(data(5, 100)) == (
-        "--num-samples 16 x --max-seq-len 256; the dataset gave 5 rows; rows average 100 tokens"
+        "asked --num-samples 16 x --max-seq-len 256; the dataset gave 5 rows; rows average 100 tokens"
     )
+    empty = dataclasses.replace(data(12, 256), rows_selected=16, rows_empty=4)
+    assert small.token_budget(empty) == "asked --num-samples 16 x --max-seq-len 256; 4 rows empty"

@@ -143,17 +143,20 @@ class CalibrateOptions(RunOptions):
 
     def token_budget(self, data: "CalibrationData") -> str:
         """Why `data` has the tokens it has: the rows and length asked (with the defaults, what they rest on), and
-        where the dataset gave less."""
-        cls, full = type(self), len(data.sequences) * self.max_seq_len
+        where the dataset gave less (fewer rows, empty rows, shorter rows)."""
+        cls = type(self)
         asked = f"--num-samples {self.num_samples} x --max-seq-len {self.max_seq_len}"
         if (self.num_samples, self.max_seq_len) == (cls.num_samples, cls.max_seq_len):
             asked = f"the defaults, {asked}: {TOKEN_STUDY}"
+        if data.num_tokens == self.num_samples * self.max_seq_len:
+            return asked
         short = [f"the dataset gave {data.rows_selected} rows"] * (
             data.rows_selected < self.num_samples
         )
-        if data.num_tokens < full:
+        short += [f"{data.rows_empty} rows empty"] * (data.rows_empty > 0)
+        if data.num_tokens < len(data.sequences) * self.max_seq_len:
             short.append(f"rows average {data.num_tokens / len(data.sequences):,.0f} tokens")
-        return asked + "".join(f"; {s}" for s in short)
+        return f"asked {asked}; " + "; ".join(short)
 
 
 @dataclass(frozen=True)

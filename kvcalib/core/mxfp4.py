@@ -229,7 +229,8 @@ def dequantize_mxfp4(
     model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB"
 ) -> Path:
     """Write `model_dir` again with its experts dequantised to bf16 and no quantization_config (calibrate's GPU
-    form); saved without the reverse weight conversion, with which transformers 5.17 writes names it cannot load."""
+    form); saved without the reverse weight conversion, with which transformers 5.17 writes names it cannot load.
+    The experts load as transposed views (`dequantize`); saving copies each into a shard contiguously."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
     with expert_chunks():
