@@ -26,10 +26,10 @@ from kvcalib.calibration.options import (
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import DEFAULT_TARGET
-from kvcalib.core.mxfp4 import dequantize_mxfp4
 from kvcalib.core.options import Bf16Compute, Device, Dtype
 from kvcalib.core.progress import ProgressCallback
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
+from kvcalib.hf.mxfp4 import dequantize_mxfp4
 from kvcalib.serving.options import ServeOptions
 
 if TYPE_CHECKING:

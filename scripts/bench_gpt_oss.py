@@ -10,7 +10,7 @@ fortunes) stands in for the released one; only the embedding's size matters here
 
 Two fresh processes, each timed from outside (wall, CPU, peak RSS from wait4) and from inside:
   (a) calibrate  `kvcalib.calibrate(SLICE, ..., engine="stream", target="trn2")`: each layer's experts
-                 dequantised in memory as it loads (kvcalib.core.mxfp4.dequantize), the hidden states carried on.
+                 dequantised in memory as it loads (kvcalib.hf.mxfp4.dequantize), the hidden states carried on.
                  Per layer: seconds from its load to its last batch (the progress events), tokens/s.
                  Disk: /proc/self/io (read_bytes: from the device, 0 when the page cache holds the files; rchar /
                  wchar: through read/write calls) and the bytes of tensors the run must read.
@@ -301,9 +301,9 @@ def child_forward(args: argparse.Namespace) -> None:
 
     # internal: the bare forward loads, batches and computes as calibrate does, so only the observing differs
     from kvcalib.core.cpu import HostCpu, choose_compute
-    from kvcalib.core.mxfp4 import expert_chunks
     from kvcalib.hf.compute import compute_path
     from kvcalib.hf.data import batches, load_calibration_data
+    from kvcalib.hf.mxfp4 import expert_chunks
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = load_calibration_data(

@@ -6,7 +6,7 @@ into --work when it is not there), one process, layer 0's shard (1.63 GiB), for 
   read          the shard's bytes read into memory (no conversion; what safetensors maps), page cache warm
   transformers  the stream engine's layer load (LayerStream.layer) with transformers' dequantisation
                 (`_convert_moe_packed_tensors`) a few experts at a time: kvcalib at 5b17fb3
-  table         the same load with kvcalib.core.mxfp4.dequantize (a table lookup; kvcalib now)
+  table         the same load with kvcalib.hf.mxfp4.dequantize (a table lookup; kvcalib now)
 and once, first: `cold read`, the read after posix_fadvise(DONTNEED) on the shard (from the device unless the
 kernel kept the pages). Seconds, and each against transformers' at the same thread count.
 
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def transformers_own(blocks, scales, *, per_chunk: int = 4, **kwargs):
-    """kvcalib.core.mxfp4.expert_chunks at 5b17fb3: transformers' dequantisation, `per_chunk` experts at a time."""
+    """kvcalib.hf.mxfp4.expert_chunks at 5b17fb3: transformers' dequantisation, `per_chunk` experts at a time."""
     from transformers.integrations.mxfp4 import _convert_moe_packed_tensors as convert
 
     out = None
@@ -54,8 +54,8 @@ def main() -> None:
     from bench_gpt_oss import build_slice
 
     from kvcalib.calibration.stream import open_stream
-    from kvcalib.core import mxfp4
     from kvcalib.core.checkpoint import Checkpoint
+    from kvcalib.hf import mxfp4
 
     print(provenance(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="kvcalib-gpt-oss-"))

@@ -52,6 +52,7 @@ from kvcalib.evaluation.significance import paired_bootstrap
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import batches
+from kvcalib.hf.internals import cache_kwargs
 
 __all__ = [
     "BUDGET_SHARE",
@@ -228,7 +229,10 @@ class _Scorer:
                     input_ids=ids,
                     attention_mask=mask,
                     use_cache=True,
-                    past_key_values=RecordingCache(self.stream.model.config, OneLayer(None, None)),
+                    **cache_kwargs(
+                        self.stream.model,
+                        RecordingCache(self.stream.model.config, OneLayer(None, None)),
+                    ),
                 ).logits
         finally:
             for layer in layers:

@@ -24,6 +24,7 @@ from kvcalib.core.checkpoint import Checkpoint, CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
 from kvcalib.core.schema import is_kv_scale_key
+from kvcalib.hf import internals
 from kvcalib.hf.attention import (
     KVAbsmaxObserver,
     RecordingCache,
@@ -41,6 +42,7 @@ from kvcalib.hf.model import (
     num_layers,
     text_config,
 )
+from kvcalib.hf.mxfp4 import dequantizer, expert_chunks
 
 __all__ = [
     "HIDDEN_STATES_MEMORY_SHARE",
@@ -194,7 +196,7 @@ def capture_layer_inputs(
             input_ids=input_ids,
             attention_mask=attention_mask,
             use_cache=True,
-            past_key_values=RecordingCache(decoder.config, observer),
+            **internals.cache_kwargs(decoder, RecordingCache(decoder.config, observer)),
         )
     except _Captured as captured:
         args, kwargs = captured.args[0], dict(captured.args[1])
@@ -220,8 +222,6 @@ class _Weights:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-
         self.model, self.model_dir, self.files, self.device, self.dtype = (
             model,
             model_dir,
@@ -229,12 +229,11 @@ class _Weights:
             device,
             dtype,
         )
-        self.quantizer = mxfp4.dequantizer(
-            files.key_files
-        )  # as from_pretrained dequantizes MXFP4 experts
-        transforms = self._mapping()
-        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        # as from_pretrained dequantizes MXFP4 experts
+        self.quantizer = dequantizer(files.key_files)
+        renamings, converters = internals.split_mapping(
+            internals.conversion_mapping(model, self.quantizer)
+        )
         meta = dict(model.state_dict())
         self.sources: dict[
             str, list[str]
@@ -245,7 +244,9 @@ class _Weights:
             else self.files.key_files
         )
         for key in keys:
-            target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            target = internals.rename_source_key(
+                key, renamings, converters, model.base_model_prefix, meta
+            )
             self.sources.setdefault(target, []).append(key)
         # checkpoint tensors the model has no place for (earlier KV scales aside)
         self.unexpected = sorted(
@@ -255,11 +256,6 @@ class _Weights:
             for k in ks
             if not is_kv_scale_key(k)
         )
-
-    def _mapping(self) -> list[Any]:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        return get_model_conversion_mapping(self.model, hf_quantizer=self.quantizer)
 
     def _under(self, prefix: str, skip: str | None) -> list[tuple[str, torch.Tensor]]:
         return [
@@ -321,9 +317,6 @@ class _Weights:
     def _convert(self, names: list[str], quantized: bool) -> None:
         """Load the checkpoint tensors `names` are made from through transformers' conversion; `quantized`: MXFP4
         pairs with from_pretrained's quantizer, read as stored (uint8), not cast (GPT-OSS-120B: +2 GiB otherwise)."""
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-        from transformers.modeling_utils import LoadStateDictConfig
-
         by_file: dict[str, list[str]] = {}
         for name in names:
             for key in self.sources.get(name, []):
@@ -333,14 +326,14 @@ class _Weights:
             state.update(load_tensors(self.model_dir / file, keys))
         if not state:
             return
-        config = LoadStateDictConfig(
-            weight_mapping=self._mapping(),
-            dtype=self.dtype,
-            hf_quantizer=self.quantizer if quantized else None,
-        )
-        with mxfp4.expert_chunks() if quantized else nullcontext():
-            convert_and_load_state_dict_in_model(
-                model=self.model, state_dict=state, load_config=config
+        with expert_chunks() if quantized else nullcontext():
+            internals.load_state_dict(
+                self.model,
+                state,
+                self.dtype,
+                # afresh each time: a conversion collects the tensors it converts
+                internals.conversion_mapping(self.model, self.quantizer),
+                self.quantizer if quantized else None,
             )
 
 

@@ -1,2 +1,2 @@
 """The pure floor: errors, FP8 numerics, names and schemas, reading checkpoints, the host CPU, progress. Nothing
-here imports transformers (core.mxfp4 does, inside its functions), datasets or anything above it in kvcalib."""
+here imports transformers, datasets or anything above it in kvcalib."""

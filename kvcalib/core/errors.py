@@ -95,7 +95,8 @@ class RecipeError(UsageError):
 
 
 class MissingDependencyError(KvcalibError):
-    """An optional dependency (an extra such as kvcalib[llmcompressor]) is not installed."""
+    """An optional dependency (an extra such as kvcalib[llmcompressor]) is not installed, or a dependency's release
+    lacks what kvcalib uses (transformers' internals: kvcalib.hf.internals)."""
 
 
 # serve-check: exit codes 3 (the environment cannot run the check) and 4 (the server failed).

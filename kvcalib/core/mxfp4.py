@@ -7,27 +7,16 @@ docs/model-recipes/gpt-oss.md serves the released checkpoint on trn2 with its qu
 (0.32) gives attention no quant method under its MXFP4 config (vllm/model_executor/layers/quantization/mxfp4.py,
 Mxfp4Config.get_quant_method): FP8 KV runs at 1.0, so --target gpu is refused (`dequantize_mxfp4` makes a bf16 form).
 
-transformers 5.17.0 internals used (imported inside the functions): `Mxfp4Config(dequantize=True)` with a config
-declaring `{"quant_method": "mxfp4"}`; `quantizers.auto.AutoHfQuantizer.from_config(..., pre_quantized=True)`, whose
-`get_weight_conversions` (quantizers/quantizer_mxfp4.py) maps the pairs through `integrations.mxfp4.Mxfp4Dequantize`
-(the stream engine passes it to `conversion_mapping.get_model_conversion_mapping` and
-`modeling_utils.LoadStateDictConfig`); `integrations.mxfp4.convert_moe_packed_tensors` (what `dequantize_convertops`
-calls), swapped while loading for `dequantize`, whose table `_convert_moe_packed_tensors` computes;
-`save_pretrained(save_original_format=False)` with `model.hf_quantizer = None`."""
+Dequantising them as transformers loads them is kvcalib.hf.mxfp4's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import UnsupportedModelError, UsageError
 from kvcalib.core.fp8 import TARGETS, Target, get_target
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "BLOCKS",
@@ -35,12 +24,8 @@ __all__ = [
     "SCALES",
     "TRN2_CAUSE",
     "check_calibration",
-    "dequantize",
-    "dequantize_mxfp4",
-    "dequantized_on_load",
-    "dequantizer",
-    "expert_chunks",
     "findings",
+    "neuron_quantization",
     "weights",
 ]
 
@@ -150,95 +135,3 @@ def findings(
             )
         )
     return found
-
-
-def dequantizer(keys: Iterable[str]) -> Any:
-    """transformers' MXFP4 quantizer, set to dequantize as they load; None without MXFP4 weights."""
-    if not weights(keys):
-        return None
-    from transformers import Mxfp4Config
-    from transformers.quantizers.auto import AutoHfQuantizer
-
-    return AutoHfQuantizer.from_config(Mxfp4Config(dequantize=True), pre_quantized=True)
-
-
-@contextmanager
-def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, Any]]:
-    """from_pretrained's extra arguments: with MXFP4 weights, `config` declares them and they dequantize on load."""
-    if not weights(keys):
-        yield {}
-        return
-    from transformers import Mxfp4Config
-
-    config.quantization_config = {"quant_method": "mxfp4"}
-    with expert_chunks():
-        yield {"quantization_config": Mxfp4Config(dequantize=True)}
-
-
-def dequantize(
-    blocks: torch.Tensor, scales: torch.Tensor, *, dtype: Any = None, per_chunk: int = 4, **_: Any
-) -> torch.Tensor:
-    """transformers' `convert_moe_packed_tensors` ([E, R, G, 16] uint8 codes, [E, R, G] exponents + 127 ->
-    [E, G * 32, R]), bit for bit, by table: each byte's two values under each scale, worked out once by
-    transformers' own arithmetic (65,536 pairs), then gathered `per_chunk` experts at a time straight into the
-    result's memory. The result is transformers' layout as a transposed view of [E, R, G * 32] (what the experts'
-    matmuls read as is, like a Linear weight), not a copy: the copy was most of a GPT-OSS-120B layer's load."""
-    import torch
-    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
-
-    dtype = dtype or torch.bfloat16
-    pair = {2: torch.int32, 4: torch.int64}[dtype.itemsize]
-    byte = torch.arange(256, dtype=torch.uint8, device=blocks.device)
-    table = _convert_moe_packed_tensors(  # [1, 512, scale]: byte b's values at rows 2b, 2b + 1
-        byte.expand(256, 256).reshape(1, 256, 1, 256), byte.reshape(1, 256, 1), dtype=dtype
-    )
-    table = table[0].T.contiguous().view(pair).reshape(-1)  # [scale << 8 | byte] -> the pair
-    experts, rows, groups, width = blocks.shape
-    out = torch.empty((experts, rows * groups * width), dtype=pair, device=blocks.device)
-    for first in range(0, experts, per_chunk):
-        last = min(first + per_chunk, experts)
-        index = blocks[first:last].to(torch.int32)
-        index.add_(scales[first:last].to(torch.int32).unsqueeze(-1) << 8)
-        torch.index_select(table, 0, index.reshape(-1), out=out[first:last].view(-1))
-    return out.view(dtype).reshape(experts, rows, groups * width * 2).transpose(1, 2)
-
-
-@contextmanager
-def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
-    """transformers' MXFP4 dequantisation, while loading, done by `dequantize` (`per_chunk` experts at a time):
-    the same values, ~10x faster, a chunk's transient memory instead of twice a layer's experts (+8.5 GB for
-    GPT-OSS-120B's gate_up alone). Blocks other than [E, R, G, 16] go to transformers' own."""
-    import torch
-    from transformers.integrations import mxfp4 as integration
-
-    original = integration.convert_moe_packed_tensors
-
-    def by_table(blocks: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        if blocks.dim() != 4 or kwargs.get("dtype", torch.bfloat16).itemsize not in (2, 4):
-            return original(blocks, scales, **kwargs)
-        return dequantize(blocks, scales, per_chunk=per_chunk, **kwargs)
-
-    integration.convert_moe_packed_tensors = by_table
-    try:
-        yield
-    finally:
-        integration.convert_moe_packed_tensors = original
-
-
-def dequantize_mxfp4(
-    model_dir: str | Path, output: str | Path, max_shard_size: str = "5GB"
-) -> Path:
-    """Write `model_dir` again with its experts dequantised to bf16 and no quantization_config (calibrate's GPU
-    form); saved without the reverse weight conversion, with which transformers 5.17 writes names it cannot load.
-    The experts load as transposed views (`dequantize`); saving copies each into a shard contiguously."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
-
-    with expert_chunks():
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, quantization_config=Mxfp4Config(dequantize=True)
-        )
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    model.save_pretrained(output, max_shard_size=max_shard_size, save_original_format=False)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(output)
-    return Path(output)

@@ -28,6 +28,7 @@ from kvcalib.evaluation.significance import Interval, paired_bootstrap
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
+from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.memory import available_memory
 from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
 
@@ -235,7 +236,7 @@ def _last_quarter_nll(
             model(
                 input_ids=ids,
                 use_cache=True,
-                past_key_values=RecordingCache(model.config, hook),
+                **cache_kwargs(model, RecordingCache(model.config, hook)),
                 logits_to_keep=q + 1,
             )
             .logits[0, :-1]

@@ -29,6 +29,7 @@ from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.pipeline import CHECKPOINT, UNIT, scale_set
 from kvcalib.hf.attention import QuantizingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
+from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.model import (
     faithful_attention,
     load_model,
@@ -169,7 +170,7 @@ class KvcalibLM(HFLM):
             with torch.no_grad():
                 return self.model(
                     inps,
-                    past_key_values=self._cache(),
+                    **cache_kwargs(self.model, self._cache()),
                     use_cache=True,
                     logits_to_keep=self._logits_to_keep(inps),
                 ).logits
@@ -178,6 +179,6 @@ class KvcalibLM(HFLM):
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
     ) -> torch.Tensor:
         if self.quantizer is not None:
-            generation_kwargs["past_key_values"] = self._cache()
+            generation_kwargs.update(cache_kwargs(self.model, self._cache()))
         with compute_path(self.loaded.compute, self.loaded.weights):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)

@@ -27,6 +27,7 @@ from kvcalib.evaluation.context import prepare_long_context
 from kvcalib.evaluation.significance import Interval, paired_bootstrap, wilson
 from kvcalib.hf.attention import FanOutCache, QuantizingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
+from kvcalib.hf.internals import cache_kwargs
 
 __all__ = [
     "ANSWER_TOKENS",
@@ -221,7 +222,7 @@ def _greedy(
             return got
         logits = model(
             input_ids=torch.tensor([[got[-1]]], device=device),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
         ).logits
 
@@ -232,7 +233,7 @@ def _prefill(
 ) -> torch.Tensor:
     return model(
         input_ids=torch.tensor([ids], device=device),
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         use_cache=True,
         logits_to_keep=1,
     ).logits

@@ -12,6 +12,7 @@ from kvcalib.core.cpu import ComputePath
 from kvcalib.evaluation.emulate import decode_rows
 from kvcalib.hf.attention import RecordingCache, observing_queries
 from kvcalib.hf.compute import Float32Weights, compute_path
+from kvcalib.hf.internals import cache_kwargs
 
 __all__ = ["log_probs", "row_sums", "scored_tokens", "token_kl"]
 
@@ -35,7 +36,7 @@ def log_probs(
             input_ids=input_ids,
             attention_mask=mask,
             use_cache=True,
-            past_key_values=RecordingCache(model.config, hook),
+            **cache_kwargs(model, RecordingCache(model.config, hook)),
         ).logits
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 

@@ -1,5 +1,5 @@
 """Observe the K and V each attention layer writes to its KV cache, by being that cache: every transformers
-attention module calls `past_key_values.update(key, value, layer_idx)` with exactly what it stores (K after RoPE and
+attention module calls its cache's `update(key, value, layer_idx)` with exactly what it stores (K after RoPE and
 any k-norm, V as is, `[batch, kv_heads, seq, head_dim]`); a `RecordingCache` shows them to an observer (which may
 return replacements: eval's FP8 cache) and hands them back, the model's own attention unchanged. Q never reaches the
 cache: `observing_queries` wraps the function transformers' AttentionInterface returns, which also feeds hf.samples."""
@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from kvcalib.core.errors import UnsupportedModelError
+from kvcalib.hf.internals import attention_functions, cache_kwargs
 
 __all__ = [
     "FanOutCache",
@@ -195,9 +196,7 @@ class KVAbsmaxObserver:
 def observing_queries(observer: Any) -> Iterator[None]:
     """While inside, each attention module's call through transformers' AttentionInterface goes to
     `observer.observe_call` first, or to `observer.attend(function, module, ...)` where it has one (eval's FP8)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    interface = ALL_ATTENTION_FUNCTIONS
+    interface = attention_functions()
     real = type(interface).get_interface
 
     def get_interface(attn_implementation: str, default: Any) -> Any:
@@ -260,7 +259,7 @@ def observe_batch(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 use_cache=True,
-                past_key_values=RecordingCache(decoder.config, observer),
+                **cache_kwargs(decoder, RecordingCache(decoder.config, observer)),
             )
     except StopForward:
         pass

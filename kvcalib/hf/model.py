@@ -22,6 +22,8 @@ from kvcalib.core.errors import (
 from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key
+from kvcalib.hf import internals
+from kvcalib.hf.mxfp4 import dequantized_on_load
 
 __all__ = [
     "DTYPES",
@@ -142,15 +144,7 @@ def resolve_model_dir(model: str | Path) -> Path:
 
 def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
     """A causal LM, unquantised (or KV-only), with safetensors weights."""
-    import importlib
-
-    from transformers import AutoModelForCausalLM
-
-    # read from the lazy AutoModelForCausalLM's own module: importing transformers.models.auto directly would run
-    # transformers/models/__init__.py, a scan of every model's directory
-    causal_names = importlib.import_module(
-        AutoModelForCausalLM.__module__
-    ).MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    causal_names = internals.causal_lm_names()
 
     model_dir, config = checkpoint.root, checkpoint.config
     model_type, architectures = config.get("model_type"), config.get("architectures") or []
@@ -277,7 +271,7 @@ def load_model(
     model_dir = checkpoint.root
     config = load_model_config(model_dir, trust_remote_code)
     try:
-        with mxfp4.dequantized_on_load(checkpoint.files.key_files, config) as quantization:
+        with dequantized_on_load(checkpoint.files.key_files, config) as quantization:
             model, info = AutoModelForCausalLM.from_pretrained(
                 model_dir,
                 config=config,

@@ -19,6 +19,7 @@ from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import PROVENANCE_FILENAME
+from kvcalib.hf.internals import cache_kwargs
 from kvcalib.validation.pipeline import validate_checkpoint
 
 SMALL = dict(num_samples=16, max_seq_len=64)
@@ -59,7 +60,7 @@ def _kl(model, sequences, observer) -> float:
                 model(
                     input_ids=ids,
                     use_cache=True,
-                    past_key_values=RecordingCache(model.config, observer),
+                    **cache_kwargs(model, RecordingCache(model.config, observer)),
                 )
                 .logits.float()
                 .log_softmax(-1)

@@ -10,6 +10,7 @@ from helpers import fortune_texts
 
 from kvcalib.core import fp8
 from kvcalib.hf.attention import RecordingCache
+from kvcalib.hf.internals import cache_kwargs
 
 pytestmark = pytest.mark.slow
 LAYERS = (0, 1, 14, 29)
@@ -44,7 +45,7 @@ def test_trn2_quantiser_equals_the_plugins_write_path_on_real_kv(smollm2):
     )
     recorder = _Recorder()
     with torch.inference_mode():
-        model(**ids, use_cache=True, past_key_values=RecordingCache(model.config, recorder))
+        model(**ids, use_cache=True, **cache_kwargs(model, RecordingCache(model.config, recorder)))
     trn2 = fp8.get_target("trn2")
     f32_product = dataclasses.replace(trn2, bf16_product=False)
     codes = changed = 0

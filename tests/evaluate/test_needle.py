@@ -33,6 +33,7 @@ from kvcalib.evaluation.needle import (
 from kvcalib.evaluation.pipeline import CHECKPOINT, EvalOptions, scale_set
 from kvcalib.evaluation.significance import wilson
 from kvcalib.hf.attention import FanOutCache, QuantizingCache
+from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.model import load_model, load_tokenizer
 
 
@@ -125,16 +126,16 @@ def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_
     children = {name: QuantizingCache(model.config, q) for name, q in quantizers.items()}
     with torch.inference_mode():
         fan = FanOutCache(model.config, list(children.values()))
-        fresh = model(input_ids=ids, past_key_values=fan, use_cache=True).logits
+        fresh = model(input_ids=ids, **cache_kwargs(model, fan), use_cache=True).logits
         plain_cache = DynamicCache(config=model.config)
-        plain = model(input_ids=ids, past_key_values=plain_cache, use_cache=True).logits
+        plain = model(input_ids=ids, **cache_kwargs(model, plain_cache), use_cache=True).logits
         for name, q in quantizers.items():
             for i, (mine, theirs) in enumerate(zip(children[name].layers, plain_cache.layers)):
                 k, v = q.observe(i, theirs.keys, theirs.values)
                 assert torch.equal(mine.keys, k) and torch.equal(mine.values, v)
                 assert not torch.equal(mine.keys, theirs.keys)
             own = QuantizingCache(model.config, q)
-            model(input_ids=ids, past_key_values=own, use_cache=True)
+            model(input_ids=ids, **cache_kwargs(model, own), use_cache=True)
             assert not torch.equal(own.layers[-1].keys, children[name].layers[-1].keys)
     assert torch.equal(fresh, plain)
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(fan.layers, plain_cache.layers))

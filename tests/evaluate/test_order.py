@@ -17,6 +17,7 @@ from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, decode_rows
 from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 from kvcalib.hf.attention import FanOutCache, QuantizingCache, RecordingCache, observing_queries
+from kvcalib.hf.internals import cache_kwargs
 
 LENGTHS = (11, 6)  # two rows, right-padded: prompts of 6 and 3 tokens
 
@@ -28,7 +29,7 @@ def _one_forward(model, ids, mask, hook):
             input_ids=ids,
             attention_mask=mask,
             use_cache=True,
-            past_key_values=RecordingCache(model.config, hook),
+            **cache_kwargs(model, RecordingCache(model.config, hook)),
         ).logits
 
 
@@ -41,15 +42,15 @@ def _prefill_then_decode(model, row, quantizer):
     logits = [
         model(
             input_ids=torch.tensor([row[:p]]),
-            past_key_values=FanOutCache(model.config, [cache]),
+            **cache_kwargs(model, FanOutCache(model.config, [cache])),
             use_cache=True,
         ).logits[0]
     ]
     for token in row[p:]:
         logits.append(
-            model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[
-                0
-            ]
+            model(
+                input_ids=torch.tensor([[token]]), **cache_kwargs(model, cache), use_cache=True
+            ).logits[0]
         )
     return torch.cat(logits)
 

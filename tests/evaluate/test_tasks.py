@@ -19,6 +19,7 @@ from kvcalib.core.errors import UsageError
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
 from kvcalib.hf.attention import QuantizingCache
+from kvcalib.hf.internals import cache_kwargs
 
 TASKS = ["kvcalib_tiny_mc", "kvcalib_tiny_gen"]
 
@@ -111,11 +112,11 @@ def test_generation_decodes_from_the_quantised_cache(calibrated):
     ids = torch.tensor([[5, 17, 23, 42, 8, 9, 11]])
     with torch.inference_mode():
         whole = loaded.model(
-            ids, past_key_values=QuantizingCache(loaded.model.config, quantizer)
+            ids, **cache_kwargs(loaded.model, QuantizingCache(loaded.model.config, quantizer))
         ).logits[0, -1]
         cache = QuantizingCache(loaded.model.config, quantizer)
-        loaded.model(ids[:, :-1], past_key_values=cache)
-        stepped = loaded.model(ids[:, -1:], past_key_values=cache).logits[0, -1]
+        loaded.model(ids[:, :-1], **cache_kwargs(loaded.model, cache))
+        stepped = loaded.model(ids[:, -1:], **cache_kwargs(loaded.model, cache)).logits[0, -1]
     torch.testing.assert_close(stepped, whole, atol=1e-4, rtol=1e-4)
 
     calls = []

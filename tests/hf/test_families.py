@@ -20,6 +20,7 @@ from oracle import calibration_sequences, oracle_heads
 import kvcalib
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
+from kvcalib.hf.internals import cache_kwargs
 
 OPTS = dict(num_samples=6, max_seq_len=48, batch_size=3, target="gpu")
 COMMON = dict(
@@ -157,7 +158,7 @@ def oracle(model_dir, sequences) -> tuple[list[float], list[float]]:
         for seq in sequences:
             ids = torch.tensor([seq])
             cache = DynamicCache()  # no config: every layer keeps every token, sliding ones too
-            cached = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            cached = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
             assert torch.equal(cached, model(input_ids=ids, use_cache=False).logits), (
                 "the oracle checks itself"
             )
@@ -435,7 +436,7 @@ def test_the_objectives_attention_is_the_models_own(family, attn, text_dataset):
             input_ids=ids,
             attention_mask=mask,
             use_cache=True,
-            past_key_values=RecordingCache(model.config, hook_cache := _PassThrough()),
+            **cache_kwargs(model.model, RecordingCache(model.config, hook_cache := _PassThrough())),
         )
     assert hook_cache.calls == 3
     order = sorted(sequences, key=len, reverse=True)
@@ -457,18 +458,19 @@ class _PassThrough:
 
 
 def test_mxfp4_dequantised_a_few_experts_at_a_time_is_transformers_own():
-    """kvcalib.core.mxfp4.expert_chunks: transformers' dequantisation, as its loader calls it, run on chunks
-    of experts into one result: bit for bit what it returns for the whole tensor."""
+    """kvcalib.hf.mxfp4.expert_chunks: transformers' dequantisation, as its loader calls it (the module's
+    `convert_moe_packed_tensors`, under both releases' `dequantize_convertops`), run on chunks of experts into one
+    result: bit for bit what it returns for the whole tensor."""
     from transformers.integrations import mxfp4 as integration
 
-    from kvcalib.core import mxfp4
+    from kvcalib.hf import mxfp4
 
     torch.manual_seed(0)
     blocks = torch.randint(0, 256, (10, 6, 2, 16), dtype=torch.uint8)
     scales = torch.randint(117, 137, (10, 6, 2), dtype=torch.uint8)
-    whole = integration.dequantize_convertops(blocks, scales)
+    whole = integration.convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
     with mxfp4.expert_chunks(per_chunk=3):
-        chunked = integration.dequantize_convertops(blocks, scales)
+        chunked = integration.convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
     assert (
         integration.convert_moe_packed_tensors.__name__ == "convert_moe_packed_tensors"
     )  # restored
@@ -477,12 +479,12 @@ def test_mxfp4_dequantised_a_few_experts_at_a_time_is_transformers_own():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_mxfp4_dequantised_by_table_is_transformers_own(dtype):
-    """kvcalib.core.mxfp4.dequantize (a table of every byte's values under every scale, then a gather): bit for
+    """kvcalib.hf.mxfp4.dequantize (a table of every byte's values under every scale, then a gather): bit for
     bit transformers' `convert_moe_packed_tensors`, over every byte and every scale (0 and 255 included: 2^-127,
     and inf times the codes, NaN for the zeros), on GPT-OSS-120B's 90 blocks a row, experts a chunk apart."""
     from transformers.integrations import mxfp4 as integration
 
-    from kvcalib.core import mxfp4
+    from kvcalib.hf import mxfp4
 
     torch.manual_seed(0)
     blocks = torch.randint(0, 256, (5, 48, 90, 16), dtype=torch.uint8)
@@ -506,7 +508,7 @@ def test_the_stream_engine_dequantises_mxfp4_from_the_stored_bytes(
     the model's dtype first, and for GPT-OSS-120B that bf16 copy of a layer's blocks was 2 GiB of the peak."""
     from mxfp4 import build_gpt_oss_mxfp4
 
-    from kvcalib.core import mxfp4
+    from kvcalib.hf import mxfp4
 
     seen = []
     original = mxfp4.dequantize  # what transformers' dequantisation calls while kvcalib loads

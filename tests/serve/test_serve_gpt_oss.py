@@ -29,7 +29,7 @@ SCALES = "kv_scales.safetensors"
 def forms(tmp_path_factory, text_dataset) -> dict[str, Path]:
     """released: as GPT-OSS ships (MXFP4 config); trn2 / trn3: kvcalib's Neuron form for that chip (MXFP4 experts
     linked, KV-only config); dequantized: the experts in bf16 (the GPU form), calibrated for trn2."""
-    from kvcalib.core.mxfp4 import dequantize_mxfp4
+    from kvcalib.hf.mxfp4 import dequantize_mxfp4
 
     root = tmp_path_factory.mktemp("gpt-oss")
     forms = {"released": build_gpt_oss_mxfp4(root / "released", layers=LAYERS)}

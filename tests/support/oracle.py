@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from kvcalib.hf.internals import cache_kwargs
+
 
 def tree_digest(root: Path) -> dict[str, str]:
     """Every file under root -> sha256, to prove a directory was not touched."""
@@ -34,7 +36,7 @@ def oracle_absmax(
     with torch.inference_mode():
         for seq in sequences:
             cache = DynamicCache(config=model.config)
-            model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True)
+            model(input_ids=torch.tensor([seq]), **cache_kwargs(model, cache), use_cache=True)
             for i, layer in enumerate(cache.layers):
                 k[i] = torch.maximum(k[i], layer.keys.abs().max().float())
                 v[i] = torch.maximum(v[i], layer.values.abs().max().float())
@@ -94,7 +96,7 @@ def oracle_heads(
         with torch.inference_mode():
             for seq in sequences:
                 cache = DynamicCache()  # no config: every layer keeps every token
-                model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True)
+                model(input_ids=torch.tensor([seq]), **cache_kwargs(model, cache), use_cache=True)
                 for i, layer in enumerate(cache.layers):
                     grow(k, i, layer.keys)
                     grow(v, i, layer.values)

@@ -1,0 +1,78 @@
+"""kvcalib.hf.internals, the one door to transformers' private internals: on the installed release each resolves
+and does what kvcalib uses it for; where one is missing or its parameters changed (a release outside the tested
+range), the command refuses with one line naming the release, the tested range and what to install, and writes
+nothing."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from kvcalib.cli import app
+from kvcalib.hf import internals
+from kvcalib.hf.model import load_model
+
+
+def test_every_internal_resolves_on_the_installed_release(tiny_llama):
+    """What each accessor returns on this release (CI: 5.17.0 and 5.25.0)."""
+    assert internals.causal_lm_names()["llama"] == "LlamaForCausalLM"
+    assert callable(internals.attention_functions().get_interface)
+    assert type(internals.mxfp4_quantizer()).__name__ == "Mxfp4HfQuantizer"
+    table = internals.mxfp4_table(
+        torch.bfloat16
+    )  # byte 0x21 (codes 1 and 2: 0.5, 1.0) at exponent 127: x1
+    assert table.shape == (512, 256) and table[0x42:0x44, 127].tolist() == [0.5, 1.0]
+    model = load_model(tiny_llama, torch.float32, torch.device("cpu"), False)
+    renamings, converters = internals.split_mapping(internals.conversion_mapping(model, None))
+    meta = dict(model.state_dict())
+    key = "model.layers.0.self_attn.k_proj.weight"
+    assert internals.rename_source_key(key, renamings, converters, "model", meta) == key
+    assert set(internals.cache_kwargs(model, None)) <= {"cache", "past_key_values"}
+
+
+def _drop(monkeypatch, module: str, name: str) -> None:
+    monkeypatch.delattr(importlib.import_module(f"transformers.{module}"), name)
+
+
+def _narrow(monkeypatch, module: str, name: str) -> None:
+    monkeypatch.setattr(importlib.import_module(f"transformers.{module}"), name, lambda model: [])
+
+
+@pytest.mark.parametrize(
+    "change, module, name, flags, what",
+    [
+        (_drop, "core_model_loading", "rename_source_key", ["--stream-layers"], "is missing"),
+        (
+            _narrow,
+            "conversion_mapping",
+            "get_model_conversion_mapping",
+            ["--stream-layers"],
+            "no longer takes hf_quantizer",
+        ),
+        (_drop, "models.auto.modeling_auto", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", [], "is missing"),
+    ],
+)
+def test_a_changed_internal_is_refused_in_one_line(
+    change, module, name, flags, what, tiny_llama, short_dataset, tmp_path, monkeypatch
+):
+    change(monkeypatch, module, name)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        ["calibrate", str(tiny_llama), "--dataset", str(short_dataset), "-o", str(out)]
+        + ["--num-samples", "2", "--max-seq-len", "16", *flags],
+    )
+    assert result.exit_code == 1, result.output
+    *_progress, refusal = result.stderr.strip().splitlines()
+    assert result.stderr.count("error:") == 1
+    assert refusal == (
+        f"error: transformers {transformers.__version__}: transformers.{module}.{name}, which kvcalib "
+        f"uses, {what} (kvcalib is tested with transformers 5.17 to 5.25): "
+        "pip install 'transformers>=5.17,<5.26'"
+    )
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+    assert not out.exists()
