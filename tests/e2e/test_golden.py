@@ -28,6 +28,8 @@ VOLATILE = {
     "tokens_per_s",
     "ready_s",
     "objective_seconds",  # timings: compared by type only
+    "version",  # the installed compressed-tensors and transformers releases, in config.json (CI's two legs
+    "transformers_version",  # differ)
     "significant",
 }  # whether an interval of near-zero differences excludes 0: CPU rounding decides
 HELP_ENV = {"COLUMNS": "120", "TERMINAL_WIDTH": "120", "NO_COLOR": "1", "FORCE_COLOR": None}
