@@ -31,7 +31,7 @@ def _tested(python: str, package: str, version: str, tests: list[str]) -> str:
         text=True,
         cwd=REPO,
     )
-    counts = re.findall(r"(\d+) (passed|failed|skipped|error)", done.stdout.splitlines()[-1])
+    counts = re.findall(r"(\d+) (passed|failed|skipped|error)", done.stdout[-300:])
     summary = ", ".join(f"{n} {what}" for n, what in counts) or done.stdout[-200:]
     return f"| {package} {version} | {summary} | {time.perf_counter() - started:.0f} s |"
 

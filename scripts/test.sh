@@ -53,7 +53,7 @@ done
 rm -rf "$KVCALIB_MODELS/.wheels"' &
 prepare=$!
 report=$(mktemp)
-trap 'rm -f "$report" "$report.constraints"; kill -- -"$prepare" 2>/dev/null || true' EXIT
+trap 'rm -f "$report"; kill -- -"$prepare" 2>/dev/null || true' EXIT
 status=0
 # Two pytest-xdist workers (one per core, each single-threaded), a test file to one worker: about 1.8x
 # faster than one process here.
@@ -62,22 +62,24 @@ KVCALIB_PROOF_REPORT="$report" .venv/bin/python -m pytest -q --durations=15 -n "
 echo
 cat "$report" 2>/dev/null || echo "tests: no report (pytest exited $status before the end of the run)"
 [ $# -eq 0 ] || exit "$status"  # tests named by hand: the first leg only
-# The second leg: the newest releases of kvcalib's tested ranges (pyproject.toml), without the llmcompressor
-# extra, in ./.venv-newest (2 GB of disk; ~2 min to build, then reused): the families, streaming, MXFP4/GPT-OSS,
-# eval and validate, with transformers' deprecation warnings as errors, and the same scales as the first leg's
-# environment (tests/e2e/test_stacks.py). About 5 min on 2 cores, install included.
-NEWEST=(transformers==5.25.0 compressed-tensors==0.20.1)
+# The second leg: the newest releases of kvcalib's tested ranges (scripts/constraints-newest.txt), without the
+# llmcompressor extra, in ./.venv-newest (2 GB of disk; ~2 min to build, then reused): the families, streaming,
+# MXFP4/GPT-OSS, eval and validate, with transformers' deprecation warnings as errors, and the same scales as the
+# first leg's environment (tests/e2e/test_stacks.py). About 5 min on 2 cores, install included.
 echo
-echo "second leg: ${NEWEST[*]}"
+echo "second leg: $(grep -E '^(transformers|compressed-tensors)==' scripts/constraints-newest.txt | xargs)"
 if [ ! -x .venv-newest/bin/python ] && [ "$(free_gb)" -lt 4 ]; then
   echo "second leg skipped: only $(free_gb) GB free on this disk; ./.venv-newest takes 2 GB" >&2
   exit "$status"
 fi
-[ -x .venv-newest/bin/python ] || "${PYTHON:-python3}" -m venv .venv-newest
-grep -v -e '^transformers==' -e '^compressed-tensors==' scripts/constraints.txt >"$report.constraints"
-.venv-newest/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv-newest/bin/python -m pip install -q --disable-pip-version-check -c "$report.constraints" \
-  -e '.[gguf,plot,tasks]' "${NEWEST[@]}" pytest pytest-xdist hypothesis
+pip_newest() { .venv-newest/bin/python -m pip install -q --disable-pip-version-check -c scripts/constraints-newest.txt "$@"; }
+if ! { [ -x .venv-newest/bin/python ] || "${PYTHON:-python3}" -m venv .venv-newest; } || ! pip_newest torch==2.13.0 ||
+  ! pip_newest -e '.[gguf,plot,tasks]' pytest pytest-xdist hypothesis; then
+  [ "$(free_gb)" -lt 1 ] || exit 1  # the disk filled up meanwhile (another process): the machine's limit
+  rm -rf .venv-newest
+  echo "second leg skipped: this disk filled up while ./.venv-newest was built" >&2
+  exit "$status"
+fi
 KVCALIB_PINNED_PYTHON="$PWD/.venv/bin/python" KVCALIB_PROOF_REPORT="$report" .venv-newest/bin/python -m pytest -q \
   --durations=10 -n "${KVCALIB_TEST_WORKERS:-2}" --dist loadfile -W error::FutureWarning \
   tests/hf tests/validate tests/e2e/test_stacks.py tests/e2e/test_golden.py tests/e2e/test_smollm2.py \

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
 
-from kvcalib.core.errors import MissingDependencyError
+from kvcalib.core.errors import MissingDependencyError, UnsupportedModelError
 
 __all__ = [
     "TESTED",
@@ -41,7 +42,8 @@ __all__ = [
     "split_mapping",
 ]
 
-TESTED = ("5.17", "5.25")  # each minor release between checked; CI runs 5.17.0 and 5.25.0
+# CI runs 5.17.0 and 5.25.0; scripts/stack_table.py each minor release between
+TESTED = ("5.17", "5.25")
 INSTALL = "pip install 'transformers>=5.17,<5.26'"
 
 
@@ -57,8 +59,8 @@ def internal(module: str, name: str, *params: str) -> Any:
     else:
         try:
             taken = inspect.signature(found).parameters if params else {}
-        except (TypeError, ValueError):
-            taken = {}
+        except (TypeError, ValueError):  # no signature to read (a builtin): nothing to check
+            taken = dict.fromkeys(params)
         absent = [p for p in params if p not in taken]
         changed = f"no longer takes {', '.join(absent)}" if absent else ""
     if changed:  # one line: the release, what changed, the tested range, what to install
@@ -70,8 +72,9 @@ def internal(module: str, name: str, *params: str) -> Any:
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
-    """The forward (or generate) keyword that hands `model` a KV cache, `cache` (transformers from 5.25, where
-    `past_key_values` is deprecated) or `past_key_values` (before it, and remote code): the name its forward takes."""
+    """The keyword that hands `model` a KV cache: `cache` where its forward takes it (transformers 5.25's models,
+    where `past_key_values` is deprecated), else `past_key_values` (before, and remote code). generate() takes the
+    same name as the release's models (its model kwargs reach forward)."""
     parameters = inspect.signature(model.forward).parameters
     return {"cache" if "cache" in parameters else "past_key_values": cache}
 
@@ -89,7 +92,13 @@ def rename_source_key(
         "base_model_prefix",
         "meta_state_dict",
     )
-    return rename(key, renamings, converters, prefix, meta)[0]
+    return rename(
+        source_key=key,
+        weight_renamings=renamings,
+        weight_converters=converters,
+        base_model_prefix=prefix,
+        meta_state_dict=meta,
+    )[0]
 
 
 def conversion_mapping(model: Any, quantizer: Any) -> list[Any]:
@@ -113,7 +122,8 @@ def load_state_dict(
     model: Any, state: dict[str, Any], dtype: Any, mapping: list[Any], quantizer: Any
 ) -> None:
     """Load checkpoint tensors `state` into `model` in `dtype` as from_pretrained does, through `mapping`
-    (`conversion_mapping`'s) and `quantizer` (None: the tensors as stored)."""
+    (`conversion_mapping`'s) and `quantizer` (None: the tensors as stored). transformers records a conversion
+    that raised and goes on: the first is raised here."""
     config = internal(
         "modeling_utils", "LoadStateDictConfig", "weight_mapping", "dtype", "hf_quantizer"
     )
@@ -124,7 +134,7 @@ def load_state_dict(
         "state_dict",
         "load_config",
     )
-    load(
+    info, _ = load(
         model=model,
         state_dict=state,
         load_config=config(
@@ -133,6 +143,15 @@ def load_state_dict(
             hf_quantizer=quantizer,
         ),
     )
+    for weight, error in (getattr(info, "conversion_errors", None) or {}).items():
+        raised = re.findall(
+            r"^\w+(?:Error|Exception): .*$", error, re.MULTILINE
+        )  # the traceback's last
+        raise UnsupportedModelError(
+            f"transformers could not convert the checkpoint's tensors for {weight}: "
+            f"{(raised or error.strip().splitlines())[-1]}",
+            hint="calibrate this checkpoint in memory (without --stream-layers) for transformers' own report",
+        )
 
 
 def attention_functions() -> Any:
@@ -180,7 +199,9 @@ def mxfp4_dequantizing(
     replacement: Callable[[Callable[..., Any]], Callable[..., Any]],
 ) -> Iterator[None]:
     """While inside, transformers' MXFP4 dequantisation (`convert_moe_packed_tensors(blocks, scales, dtype=)`, what
-    its loader calls) is `replacement(original)`."""
+    its loader calls) is `replacement(original)`. `mxfp4_table`'s internal is checked here, on entry: inside a
+    load, transformers records what a conversion raises instead of raising it."""
+    internal("integrations.mxfp4", "_convert_moe_packed_tensors", "dtype")
     original = internal("integrations.mxfp4", "convert_moe_packed_tensors", "dtype")
     module = importlib.import_module("transformers.integrations.mxfp4")
     module.convert_moe_packed_tensors = replacement(original)

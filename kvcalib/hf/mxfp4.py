@@ -1,7 +1,8 @@
 """MXFP4 experts dequantised as transformers loads them (the rules, what is MXFP4 and where it serves, are
-kvcalib.core.mxfp4's): from_pretrained and the streamed engine declare `{"quant_method": "mxfp4"}` and pass
-`Mxfp4Config(dequantize=True)`, whose quantizer maps each `_blocks`/`_scales` pair through transformers'
-`convert_moe_packed_tensors`; kvcalib swaps that for `dequantize`, the same values by table (kvcalib.hf.internals)."""
+kvcalib.core.mxfp4's): from_pretrained gets `Mxfp4Config(dequantize=True)` with the config declaring
+`{"quant_method": "mxfp4"}`, and the streamed engine that config's quantizer; either maps each `_blocks`/`_scales`
+pair through transformers' `convert_moe_packed_tensors`, which kvcalib swaps for `dequantize`, the same values by
+table (the internals: kvcalib.hf.internals)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def dequantize(
 def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
     """transformers' MXFP4 dequantisation, while loading, done by `dequantize` (`per_chunk` experts at a time):
     the same values, ~10x faster, a chunk's transient memory instead of twice a layer's experts (+8.5 GB for
-    GPT-OSS-120B's gate_up alone). Blocks other than [E, R, G, 16] go to transformers' own."""
+    GPT-OSS-120B's gate_up alone). Blocks of other ranks, and dtypes of other widths, go to transformers' own."""
     import torch
 
     def by_table(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

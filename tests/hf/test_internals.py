@@ -54,16 +54,30 @@ def _narrow(monkeypatch, module: str, name: str) -> None:
             "no longer takes hf_quantizer",
         ),
         (_drop, "models.auto.modeling_auto", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", [], "is missing"),
+        # MXFP4 experts, in memory and streamed: inside a load transformers records errors, not raising them
+        (_drop, "integrations.mxfp4", "_convert_moe_packed_tensors", ["mxfp4"], "is missing"),
+        (
+            _drop,
+            "integrations.mxfp4",
+            "_convert_moe_packed_tensors",
+            ["mxfp4", "--stream-layers"],
+            "is missing",
+        ),
     ],
 )
 def test_a_changed_internal_is_refused_in_one_line(
     change, module, name, flags, what, tiny_llama, short_dataset, tmp_path, monkeypatch
 ):
+    from mxfp4 import build_gpt_oss_mxfp4
+
+    model = tiny_llama
+    if flags[:1] == ["mxfp4"]:
+        model, flags = build_gpt_oss_mxfp4(tmp_path / "gpt-oss", layers=2), flags[1:]
     change(monkeypatch, module, name)
     out = tmp_path / "out"
     result = CliRunner().invoke(
         app,
-        ["calibrate", str(tiny_llama), "--dataset", str(short_dataset), "-o", str(out)]
+        ["calibrate", str(model), "--dataset", str(short_dataset), "-o", str(out)]
         + ["--num-samples", "2", "--max-seq-len", "16", *flags],
     )
     assert result.exit_code == 1, result.output
@@ -76,3 +90,28 @@ def test_a_changed_internal_is_refused_in_one_line(
     )
     assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
     assert not out.exists()
+
+
+def test_a_conversion_that_fails_while_streaming_is_named(short_dataset, tmp_path, monkeypatch):
+    """transformers records what a conversion raises and loads on without the weight: the stream engine says
+    which weight, and why, instead of reporting it missing from the checkpoint."""
+    from mxfp4 import build_gpt_oss_mxfp4
+
+    from kvcalib.hf import mxfp4
+
+    def broken(blocks, scales, **kwargs):
+        raise ValueError("a conversion that fails")
+
+    monkeypatch.setattr(mxfp4, "dequantize", broken)
+    model = build_gpt_oss_mxfp4(tmp_path / "gpt-oss", layers=2)
+    result = CliRunner().invoke(
+        app,
+        ["calibrate", str(model), "--dataset", str(short_dataset), "-o", str(tmp_path / "out")]
+        + ["--num-samples", "2", "--max-seq-len", "16", "--stream-layers"],
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert (
+        "error: transformers could not convert the checkpoint's tensors for model.layers.0.mlp.experts."
+        in (result.stderr)
+    )
+    assert "gate_up_proj: ValueError: a conversion that fails\n" in result.stderr
