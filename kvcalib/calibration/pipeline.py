@@ -30,7 +30,12 @@ from kvcalib.calibration.objective import (
 from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales
 from kvcalib.calibration.output import OUTPUT, StepReport, close_call, output_step
 from kvcalib.calibration.ranks import rank_device
-from kvcalib.calibration.recipe import RecipePlan, plan_recipe
+from kvcalib.calibration.recipe import (
+    LLMCOMPRESSOR_ENGINE,
+    RecipePlan,
+    plan_recipe,
+    require_llmcompressor,
+)
 from kvcalib.calibration.scales import layer_scales, scale_tensors
 from kvcalib.calibration.stream import LayerStream, open_stream, stream_engine
 from kvcalib.calibration.writer import WritePlan, check_output_path, check_room, write_checkpoint
@@ -270,12 +275,15 @@ def check_run(
         attention_scales=opts.attention_scales or recipe.attention_scales,
         extra_provenance={**recipe.provenance, **opts.extra_provenance},
     )
-    if opts.attention_scales and opts.engine == "llmcompressor":
-        raise UsageError(
-            "--attention-scales observes Q with kvcalib's own engines; --engine llmcompressor "
-            "observes K/V only",
-            hint="drop --engine llmcompressor (native or stream observe Q)",
-        )
+    if opts.engine == LLMCOMPRESSOR_ENGINE:
+        if opts.attention_scales:  # said before whether it is installed
+            raise UsageError(
+                "--attention-scales observes Q with kvcalib's own engines; --engine llmcompressor "
+                "observes K/V only",
+                hint="drop --engine llmcompressor (native or stream observe Q)",
+            )
+        llmcompressor = {"llmcompressor_version": require_llmcompressor()}
+        opts = replace(opts, extra_provenance={**opts.extra_provenance, **llmcompressor})
     run = prepare_run(model, opts)
     checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
     opts = replace(

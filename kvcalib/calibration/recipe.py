@@ -249,12 +249,12 @@ def plan_recipe(
     provenance: dict[str, Any] = (
         {} if recipe is None else {"recipe": recipe.path, "kv_cache_scheme": recipe.scheme}
     )
-    if engine == LLMCOMPRESSOR_ENGINE:
-        require_llmcompressor()
+    if (
+        engine == LLMCOMPRESSOR_ENGINE
+    ):  # installed? check_run asks, after what the flags cannot do together
         observer = (
             recipe.observer if recipe else NATIVE_OBSERVER
         ) or LLMCOMPRESSOR_DEFAULT_OBSERVER
-        provenance["llmcompressor_version"] = version("llmcompressor")
     else:
         observer = NATIVE_OBSERVER
         if recipe is not None and recipe.observer != NATIVE_OBSERVER:
@@ -303,12 +303,14 @@ def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -
     return chosen
 
 
-def require_llmcompressor() -> None:
+def require_llmcompressor() -> str:
+    """The installed llm-compressor's version; MissingDependencyError without it."""
     if importlib.util.find_spec("llmcompressor") is None:
         raise MissingDependencyError(
             f"--engine {LLMCOMPRESSOR_ENGINE} needs llm-compressor, which is not installed",
             hint=LLMCOMPRESSOR_HINT,
         )
+    return version("llmcompressor")
 
 
 def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:

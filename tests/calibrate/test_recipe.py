@@ -379,25 +379,20 @@ def test_engine_llmcompressor_without_llmcompressor_says_how_to_get_it(
         exc.value.message == "--engine llmcompressor needs llm-compressor, which is not installed"
     )
     assert exc.value.hint == "pip install kvcalib[llmcompressor]"
-    result = runner.invoke(
-        app,
-        [
-            "calibrate",
-            str(tiny_llama_master),
-            "--dataset",
-            str(text_dataset),
-            "-o",
-            str(tmp_path / "o"),
-            "--engine",
-            "llmcompressor",
-        ],
-    )
+    args = ["calibrate", str(tiny_llama_master), "--dataset", str(text_dataset)]
+    args += ["-o", str(tmp_path / "o"), "--engine", "llmcompressor"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
         "error: --engine llmcompressor needs llm-compressor, which is not installed",
         "hint: pip install kvcalib[llmcompressor]",
     ]
     assert not (tmp_path / "o").exists()
+    # flags that cannot work together are said first: installing the extra would not make them work
+    both = runner.invoke(app, [*args, "--attention-scales"])
+    assert both.exit_code == 2 and both.stderr.startswith(
+        "error: --attention-scales observes Q with kvcalib's own engines"
+    )
 
 
 def test_help_names_the_extra():
