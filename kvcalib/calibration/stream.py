@@ -231,10 +231,8 @@ class _Weights:
         )
         # as from_pretrained dequantizes MXFP4 experts
         self.quantizer = dequantizer(files.key_files)
-        renamings, converters = internals.split_mapping(
-            internals.conversion_mapping(model, self.quantizer)
-        )
         meta = dict(model.state_dict())
+        rename = internals.renamer(model, self.quantizer, meta)
         self.sources: dict[
             str, list[str]
         ] = {}  # model parameter -> the checkpoint keys it is made from
@@ -244,9 +242,7 @@ class _Weights:
             else self.files.key_files
         )
         for key in keys:
-            target = internals.rename_source_key(
-                key, renamings, converters, model.base_model_prefix, meta
-            )
+            target = rename(key)
             self.sources.setdefault(target, []).append(key)
         # checkpoint tensors the model has no place for (earlier KV scales aside)
         self.unexpected = sorted(

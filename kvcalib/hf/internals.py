@@ -38,8 +38,7 @@ __all__ = [
     "mxfp4_dequantizing",
     "mxfp4_quantizer",
     "mxfp4_table",
-    "rename_source_key",
-    "split_mapping",
+    "renamer",
 ]
 
 # CI runs 5.17.0 and 5.25.0; scripts/stack_table.py each minor release between
@@ -79,10 +78,17 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     return {"cache" if "cache" in parameters else "past_key_values": cache}
 
 
-def rename_source_key(
-    key: str, renamings: list[Any], converters: list[Any], prefix: str, meta: dict[str, Any]
-) -> str:
-    """The model parameter checkpoint tensor `key` loads into, as from_pretrained renames it."""
+def conversion_mapping(model: Any, quantizer: Any) -> list[Any]:
+    """from_pretrained's weight renamings and conversions for `model` (MXFP4 dequantisation with `quantizer`)."""
+    mapping = internal(
+        "conversion_mapping", "get_model_conversion_mapping", "model", "hf_quantizer"
+    )
+    return mapping(model, hf_quantizer=quantizer)
+
+
+def renamer(model: Any, quantizer: Any, meta: dict[str, Any]) -> Callable[[str], str]:
+    """checkpoint key -> the model parameter it loads into, as from_pretrained renames it (`meta`: the model's
+    state dict; `quantizer`: MXFP4's conversions), the internals looked up once for every key."""
     rename = internal(
         "core_model_loading",
         "rename_source_key",
@@ -92,30 +98,17 @@ def rename_source_key(
         "base_model_prefix",
         "meta_state_dict",
     )
-    return rename(
+    converter = internal("core_model_loading", "WeightConverter")
+    mapping = conversion_mapping(model, quantizer)
+    renamings = [t for t in mapping if not isinstance(t, converter)]
+    converters = [t for t in mapping if isinstance(t, converter)]
+    return lambda key: rename(
         source_key=key,
         weight_renamings=renamings,
         weight_converters=converters,
-        base_model_prefix=prefix,
+        base_model_prefix=model.base_model_prefix,
         meta_state_dict=meta,
     )[0]
-
-
-def conversion_mapping(model: Any, quantizer: Any) -> list[Any]:
-    """from_pretrained's weight renamings and conversions for `model` (MXFP4 dequantisation with `quantizer`)."""
-    mapping = internal(
-        "conversion_mapping", "get_model_conversion_mapping", "model", "hf_quantizer"
-    )
-    return mapping(model, hf_quantizer=quantizer)
-
-
-def split_mapping(mapping: list[Any]) -> tuple[list[Any], list[Any]]:
-    """`mapping` as (renamings, converters)."""
-    converter = internal("core_model_loading", "WeightConverter")
-    return (
-        [t for t in mapping if not isinstance(t, converter)],
-        [t for t in mapping if isinstance(t, converter)],
-    )
 
 
 def load_state_dict(
@@ -144,9 +137,8 @@ def load_state_dict(
         ),
     )
     for weight, error in (getattr(info, "conversion_errors", None) or {}).items():
-        raised = re.findall(
-            r"^\w+(?:Error|Exception): .*$", error, re.MULTILINE
-        )  # the traceback's last
+        # the exception the traceback ends with
+        raised = re.findall(r"^\w+(?:Error|Exception): .*$", error, re.MULTILINE)
         raise UnsupportedModelError(
             f"transformers could not convert the checkpoint's tensors for {weight}: "
             f"{(raised or error.strip().splitlines())[-1]}",

@@ -27,10 +27,8 @@ def test_every_internal_resolves_on_the_installed_release(tiny_llama):
     )  # byte 0x21 (codes 1 and 2: 0.5, 1.0) at exponent 127: x1
     assert table.shape == (512, 256) and table[0x42:0x44, 127].tolist() == [0.5, 1.0]
     model = load_model(tiny_llama, torch.float32, torch.device("cpu"), False)
-    renamings, converters = internals.split_mapping(internals.conversion_mapping(model, None))
-    meta = dict(model.state_dict())
     key = "model.layers.0.self_attn.k_proj.weight"
-    assert internals.rename_source_key(key, renamings, converters, "model", meta) == key
+    assert internals.renamer(model, None, dict(model.state_dict()))(key) == key
     assert set(internals.cache_kwargs(model, None)) <= {"cache", "past_key_values"}
 
 
