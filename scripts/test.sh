@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-.venv/bin/python scripts/check_layout.py  # no import circle, no oversized module or function
+.venv/bin/python scripts/check_layout.py  # no import circle; the code-token report
 .venv/bin/lint-imports --no-cache  # the layers: cli -> api -> jobs -> hf -> core (contracts in pyproject.toml)
 .venv/bin/ruff format --check kvcalib tests scripts  # line breaks are the formatter's
 .venv/bin/ruff check kvcalib tests scripts  # the rules: pyproject.toml's [tool.ruff]
