@@ -309,16 +309,16 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
     chosen: dict[Any, dict[str, ScaleChoice]] = {}
     for entry in (provenance or {}).get("layers") or ():
         try:  # a provenance kvcalib did not write, or an older one: the layer shows no choice
-            choices = {kind: entry[kind]["choice"] for kind in "kv" if kind in entry}
             chosen[entry["layer"]] = {
                 kind: ScaleChoice(
-                    str(c["label"]), step=c.get("step"), output=tuple(dict(c["output"]).items())
+                    str(c["label"]),
+                    step=c.get("step"),
+                    output=tuple(c["output"].items()) if "output" in c else None,
                 )
-                if "output" in c
-                else ScaleChoice(str(c["label"]), step=c.get("step"))
-                for kind, c in choices.items()
+                for kind in "kv"
+                if kind in entry and (c := entry[kind]["choice"])
             }
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (KeyError, TypeError, AttributeError):
             continue
     return tuple(replace(s, chosen=chosen[s.layer]) if s.layer in chosen else s for s in stats)
 

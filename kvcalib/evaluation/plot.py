@@ -62,18 +62,12 @@ def plot_needle(result: Any, path: Path) -> Path:
         1, len(names), figsize=(2.2 + 1.1 * len(lengths) * len(names), 4.2), squeeze=False
     )
     for ax, name in zip(axes[0], names):
-        rows = {row.length: row for row in result.rows if row.name == name}
-        grid = [
-            [
-                rows[length].by_depth[i][1] / max(rows[length].by_depth[i][2], 1)
-                for length in lengths
-            ]
-            for i in range(len(result.depths))
-        ]
+        by_length = {row.length: row.by_depth for row in result.rows if row.name == name}
+        counts = [[by_length[n][i][1:] for n in lengths] for i in range(len(result.depths))]
+        grid = [[hit / max(n, 1) for hit, n in row] for row in counts]
         image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        for i in range(len(result.depths)):
-            for j, length in enumerate(lengths):
-                _, hit, n = rows[length].by_depth[i]
+        for i, row in enumerate(counts):
+            for j, (hit, n) in enumerate(row):
                 ax.text(j, i, f"{hit}/{n}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(lengths)), [f"{length:,}" for length in lengths])
         ax.set_yticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths])
