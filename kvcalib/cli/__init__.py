@@ -278,7 +278,7 @@ def eval_command(
     needle: _moved("--needle", "eval-needle") = False,
     **values: Any,
 ) -> None:
-    """Predict FP8-KV accuracy on held-out text with the chip's own numerics, against an unquantised KV cache."""
+    """Predict FP8-KV accuracy on held-out text with the chip's numerics, against an unquantised KV cache."""
     _evaluate("evaluate", checkpoint, dataset, values, plot, as_json, quiet, per_layer)
 
 
@@ -304,8 +304,7 @@ def eval_context(
     quiet: Quiet = False,
     **values: Any,
 ) -> None:
-    """Score long prompts packed from held-out text: per length and layer the K/V saturation and absmax past the
-    scales, and ΔNLL on each sample's last quarter."""
+    """Long prompts: per length and layer the K/V saturation past the scales, and ΔNLL on the last quarter."""
     values.update(num_samples=num_samples)
     _evaluate(
         "evaluate_context",
@@ -341,9 +340,7 @@ def eval_needle(
     quiet: Quiet = False,
     **values: Any,
 ) -> None:
-    """The needle probe: a 6-digit key at 0-100% depth of held-out text of each length, asked for at the end and
-    greedy-decoded from the FP8 cache; keys found per length, depth and scale set, paired against the unquantised
-    cache."""
+    """Passkey retrieval at 0-100% depth of long prompts, decoded from the FP8 cache against the unquantised."""
     _evaluate(
         "evaluate_needle",
         checkpoint,
@@ -398,7 +395,7 @@ def eval_tasks(
     quiet: Quiet = False,
     **values: Any,
 ) -> None:
-    """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against the unquantised KV cache."""
+    """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against an unquantised KV cache."""
     from kvcalib.api import evaluate_tasks, task_options
 
     console = _stderr(quiet)

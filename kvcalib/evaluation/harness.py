@@ -125,26 +125,17 @@ class KvcalibLM(HFLM):
         return 0 if keep >= inps.shape[1] else keep
 
     def _model_call(
-        self,
-        inps: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None
     ) -> torch.Tensor:
-        with compute_path(self.loaded.compute, self.loaded.weights):
-            if self.quantizer is None:
-                return super()._model_call(inps, attn_mask, labels)
-            with torch.no_grad():
-                return self.model(
-                    inps,
-                    **cache_kwargs(self.model, self._cache()),
-                    use_cache=True,
-                    logits_to_keep=self._logits_to_keep(inps),
-                ).logits
+        """Every run, the baseline too (no quantiser), through the same cache and LM-head slice."""
+        keep = self._logits_to_keep(inps)
+        with compute_path(self.loaded.compute, self.loaded.weights), torch.no_grad():
+            cache = cache_kwargs(self.model, self._cache())
+            return self.model(inps, **cache, use_cache=True, logits_to_keep=keep).logits
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
     ) -> torch.Tensor:
-        if self.quantizer is not None:
-            generation_kwargs.update(cache_kwargs(self.model, self._cache()))
+        generation_kwargs.update(cache_kwargs(self.model, self._cache()))
         with compute_path(self.loaded.compute, self.loaded.weights):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
