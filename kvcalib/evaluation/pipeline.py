@@ -212,14 +212,6 @@ class _Totals:
         return torch.cat(self.token_nll) if self.token_nll else torch.zeros(0, dtype=torch.float64)
 
 
-def _intervals(run: _Totals, baseline: _Totals) -> tuple[Interval | None, Interval | None]:
-    """Paired intervals over sequences: ΔNLL per token, and the change in top-1 accuracy (next token)."""
-    tokens = baseline.row_tokens
-    nll = paired_bootstrap([q - b for q, b in zip(run.row_nll, baseline.row_nll)], tokens)
-    top1 = [q - b for q, b in zip(run.row_correct, baseline.row_correct)]
-    return nll, paired_bootstrap(top1, tokens, worse_if_higher=False)
-
-
 def evaluate(
     checkpoint: str | Path,
     dataset: str,
@@ -264,7 +256,7 @@ def evaluate(
         _score, forward, batch_size=opts.batch_size, pad=pad, device=job.run.device, fresh=fresh
     )
     baseline, totals = score(data.sequences, job.quantizers, notify, meter=meter)
-    rows = data.sequences[: opts.layer_rows]
+    rows, tokens = data.sequences[: opts.layer_rows], baseline.row_tokens
     alone = _layers_alone(score, rows, job.quantizers, notify)
     runs = tuple(
         RunResult(
@@ -277,7 +269,14 @@ def evaluate(
             layers=_chosen(meter.layer_stats(name, alone.get(name)), job.run.checkpoint.root, name),
             kind=_kind(job.quantizers[name]),
             accuracy=sum(t.row_correct) / t.count,
-            intervals=_intervals(t, baseline),
+            intervals=(  # paired over rows: ΔNLL per token, the change in next-token accuracy
+                paired_bootstrap([q - b for q, b in zip(t.row_nll, baseline.row_nll)], tokens),
+                paired_bootstrap(
+                    [q - b for q, b in zip(t.row_correct, baseline.row_correct)],
+                    tokens,
+                    worse_if_higher=False,
+                ),
+            ),
             token_nll=t.tokens(),
         )
         for name, t in totals.items()
