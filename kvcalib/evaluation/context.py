@@ -212,8 +212,9 @@ def packed_stream(
 
 
 def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
-    sums = [float(nll[i : i + BLOCK].double().sum()) for i in range(0, nll.numel(), BLOCK)]
-    return sums, [min(BLOCK, nll.numel() - i) for i in range(0, nll.numel(), BLOCK)]
+    """Σ NLL and the token count of each BLOCK of the scored positions."""
+    blocks = nll.double().split(BLOCK)
+    return [float(b.sum()) for b in blocks], [b.numel() for b in blocks]
 
 
 def _last_quarter_nll(ids: torch.Tensor, hook: Any, **forward: Any) -> torch.Tensor:
