@@ -290,7 +290,7 @@ def evaluate(
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
 ) -> EvalResult:
-    """`kvcalib eval --dataset`: FP8-KV accuracy on held-out text against the unquantised cache (compare: "unit"
+    """`kvcalib eval`: FP8-KV accuracy on held-out text against the unquantised cache (compare: "unit"
     or other checkpoints); the keywords are EvalOptions' fields, or `options` made already."""
     from kvcalib.evaluation.pipeline import evaluate as run
 
@@ -324,7 +324,7 @@ def evaluate_context(
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
 ) -> ContextResult:
-    """`kvcalib eval --context L,...`: K/V saturation and ΔNLL (nll) per length and layer; the keywords are
+    """`kvcalib eval-context --lengths L,...`: K/V saturation and ΔNLL (nll) per length and layer; the keywords are
     EvalOptions' fields (num_samples: samples per length), or `options` made already."""
     from kvcalib.evaluation.context import evaluate_context as run
 
@@ -358,7 +358,7 @@ def evaluate_needle(
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
 ) -> NeedleResult:
-    """`kvcalib eval --context L,... --needle`: keys found per length and depth, per scale set (`keys` per length
+    """`kvcalib eval-needle --lengths L,...`: keys found per length and depth, per scale set (`keys` per length
     and depth; None: the needle's default); the keywords are EvalOptions' fields, or `options` made already."""
     from kvcalib.evaluation.needle import evaluate_needle as run
 
@@ -386,7 +386,7 @@ def evaluate_tasks(
     options: TaskOptions | None = None,
     progress: ProgressCallback | None = None,
 ) -> TaskResult:
-    """`kvcalib eval --tasks`: lm-eval tasks under the chip's FP8-KV numerics, paired item by item; the keywords
+    """`kvcalib eval-tasks`: lm-eval tasks under the chip's FP8-KV numerics, paired item by item; the keywords
     are TaskOptions' fields, or `options` made already."""
     from kvcalib.evaluation.tasks import evaluate_tasks as run
 

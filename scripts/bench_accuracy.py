@@ -9,7 +9,7 @@ absmax/448:
   (`kvcalib eval`);
 - lm-eval's own LAMBADA (acc), HellaSwag (acc_norm) and ARC-Easy (acc), the first `--limit` items
   of each, on offline data (scripts/prepare_tasks.py), each run paired with the baseline item by
-  item (`kvcalib eval --tasks`), baseline once per model.
+  item (`kvcalib eval-tasks`), baseline once per model.
 Prints one markdown table, with the item and token counts. Nothing is asserted.
 
     python scripts/bench_accuracy.py [MODEL ...] [--limit 30] [--calib 16x256] [--held-out 16x256]

@@ -9,8 +9,8 @@ budget the first N rows of --row tokens. Held out: the Python tutorial (`_source
 - the scales against the largest budget's: the largest |log2| ratio of a K or V scale, and how many differ;
 - ΔNLL against the unquantised cache in the Neuron order (`kvcalib eval`), and the paired interval over held-out
   rows of ΔNLL(budget) − ΔNLL(largest budget), on the same rows (rows of equal length: --held-out);
-- clipping at --context tokens (`eval --context L --saturation-only`): the worst layer's K and V saturated fraction
-  on the held-out tutorial packed to that length.
+- clipping at --context tokens (`eval-context --lengths L --saturation-only`): the worst layer's K and V saturated
+  fraction on the held-out tutorial packed to that length.
 Prints one markdown table (with the command, commit, date and CPU). Nothing is asserted.
 
     python scripts/bench_tokens.py [MODEL ...] [--budgets 16k,64k,256k,1m] [--row 2048] [--held-out 16x1024]

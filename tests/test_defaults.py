@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import kvcalib
 from kvcalib.calibration.options import CalibrateOptions
-from kvcalib.cli import app
+from kvcalib.cli import LONG, app
 from kvcalib.core.options import choices_of, flag_of
 from kvcalib.evaluation.needle import DEFAULT_KEYS, DEPTHS
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
@@ -33,14 +33,10 @@ COMMANDS = {
             (kvcalib.serve_check,),
         ),  # --serve-check's; its --device is --serve-check
     ],
-    "eval": [
-        (
-            EvalOptions,
-            None,
-            (kvcalib.evaluate, kvcalib.evaluate_context, kvcalib.evaluate_needle),
-        ),
-        (TaskOptions, None, (kvcalib.evaluate_tasks,)),
-    ],
+    "eval": [(EvalOptions, None, (kvcalib.evaluate,))],
+    "eval-context": [(EvalOptions, LONG, (kvcalib.evaluate_context,))],
+    "eval-needle": [(EvalOptions, (*LONG, "seed", "order"), (kvcalib.evaluate_needle,))],
+    "eval-tasks": [(TaskOptions, None, (kvcalib.evaluate_tasks,))],
     "serve-check": [
         (ServeOptions, None, (kvcalib.serve_check,)),
         (TaskOptions, ("limit", "task_data"), (kvcalib.evaluate_tasks,)),
@@ -165,12 +161,11 @@ def test_every_choice_is_listed_in_help(command):
     assert listed >= {"calibrate": 8, "validate": 1, "eval": 5, "serve-check": 1}[command]
 
 
-def test_needle_without_num_samples_takes_its_own_default(calibrated, text_dataset):
-    """eval --needle without --num-samples places DEFAULT_KEYS keys per depth, not --num-samples' 64 (whose
-    default --help shows): the CLI tells a flag left at its default from one given."""
+def test_needle_without_keys_takes_its_own_default(calibrated, text_dataset):
+    """eval-needle without --keys places DEFAULT_KEYS keys per depth."""
     result = CliRunner().invoke(
         app,
-        ["eval", str(calibrated), "-d", str(text_dataset), "--context", "300", "--needle"]
+        ["eval-needle", str(calibrated), "-d", str(text_dataset), "--lengths", "300"]
         + ["--dtype", "float32", "--json"],
     )
     assert result.exit_code == 0, result.output

@@ -43,7 +43,10 @@ def test_no_diary_and_every_relative_link_resolves(doc):
             )
 
 
-@pytest.mark.parametrize("command", ["calibrate", "eval", "serve-check", "validate"])
+@pytest.mark.parametrize(
+    "command",
+    ["calibrate", "eval", "eval-context", "eval-needle", "eval-tasks", "serve-check", "validate"],
+)
 def test_help_is_readable_at_80_columns(command):
     env = {**os.environ, "COLUMNS": "80", "TERMINAL_WIDTH": "80", "NO_COLOR": "1"}
     env.pop("FORCE_COLOR", None)

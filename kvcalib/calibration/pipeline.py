@@ -252,7 +252,7 @@ def context_warning(
     return [
         f"calibration samples are at most {longest} tokens (--max-seq-len {max_seq_len}), the model serves up "
         f"to {context}: K/V later in long prompts can exceed the absmax seen here and saturate. Measure it with "
-        f"`kvcalib eval {output} --dataset HELD_OUT --context {min(context, 8192)}`; calibrate with --headroom "
+        f"`kvcalib eval-context {output} --dataset HELD_OUT --lengths {min(context, 8192)}`; calibrate with --headroom "
         f"1.4142 (room for the growth), or on longer samples (--max-seq-len)"
     ]
 

@@ -213,57 +213,52 @@ def validate(
     raise typer.Exit(0 if report.ok else 1)
 
 
-# Its flags: EvalOptions' fields, then TaskOptions' (--tasks) not already among them.
-@command(app, "eval", EvalOptions, TaskOptions)
+Checkpoint = Annotated[
+    str, typer.Argument(help="Calibrated checkpoint directory (its weights and scales).")
+]
+HeldOut = Annotated[
+    str,
+    typer.Option(
+        "--dataset",
+        "-d",
+        help="Held-out text, in any form calibrate accepts.",
+        rich_help_panel="Data",
+    ),
+]
+Lengths = Annotated[
+    str,
+    typer.Option(
+        "--lengths",
+        help="Prompt lengths in tokens, comma-separated (e.g. 2048,8192).",
+        rich_help_panel="Data",
+    ),
+]
+# eval-context's and eval-needle's EvalOptions fields (one long prompt at a time: no batch, rows or layer runs)
+LONG = (
+    *("dtype", "device", "trust_remote_code", "bf16_compute", "target", "compare"),
+    *("split", "text_column", "fp8_attention"),
+)
+
+
+def _moved(flag: str, to: str, kind: type = bool) -> Any:
+    """A flag of `eval` that is a command of its own now: refused (exit 2), naming the command."""
+
+    def refuse(value: Any) -> None:
+        if value:
+            raise typer.BadParameter(f"now its own command: kvcalib {to} (see its --help)")
+
+    return Annotated[kind, typer.Option(flag, hidden=True, callback=refuse)]
+
+
+@command(app, "eval", EvalOptions)
 def eval_command(
-    ctx: typer.Context,
-    checkpoint: Annotated[
-        str, typer.Argument(help="Calibrated checkpoint directory (its weights and scales).")
-    ],
-    dataset: Annotated[
-        str | None,
-        typer.Option(
-            "--dataset",
-            "-d",
-            help="Held-out text, in any form calibrate accepts.",
-            rich_help_panel="Data",
-        ),
-    ] = None,
-    tasks: Tasks = None,
-    context: Annotated[
-        str | None,
-        typer.Option(
-            "--context",
-            help="Lengths, comma-separated (e.g. 2048,8192): samples packed from --dataset to each, "
-            "--num-samples per length at most; per layer the K/V saturation and absmax past the scales, and ΔNLL on "
-            "each sample's last quarter.",
-            rich_help_panel="Data",
-        ),
-    ] = None,
-    saturation_only: Annotated[
-        bool,
-        typer.Option(
-            "--saturation-only",
-            help="With --context: only the unquantised forward per sample (saturation and "
-            "absmax against each scale set), no ΔNLL.",
-            rich_help_panel="Data",
-        ),
-    ] = False,
-    needle: Annotated[
-        bool,
-        typer.Option(
-            "--needle",
-            help="With --context: the needle probe instead; a 6-digit key placed at 0-100% depth of "
-            "held-out text of each length, asked for at the end and greedy-decoded reading the FP8 cache; keys found "
-            "per length, depth and scale set, paired against the unquantised cache.",
-            rich_help_panel="Data",
-        ),
-    ] = False,
+    checkpoint: Checkpoint,
+    dataset: HeldOut,
     plot: Annotated[
         Path | None,
         typer.Option(
             "--plot",
-            help="Write a PNG of per-layer absmax, SQNR and clipping (with --needle: the heatmap).",
+            help="Write a PNG of per-layer absmax, SQNR and clipping.",
             rich_help_panel="Output",
         ),
     ] = None,
@@ -277,115 +272,136 @@ def eval_command(
     ] = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
+    tasks: _moved("--tasks", "eval-tasks", str | None) = None,
+    context: _moved("--context", "eval-context", str | None) = None,
+    saturation_only: _moved("--saturation-only", "eval-context") = False,
+    needle: _moved("--needle", "eval-needle") = False,
     **values: Any,
 ) -> None:
-    """Predict FP8-KV accuracy with the chip's own numerics, against an unquantised KV cache."""
-    from kvcalib.api import eval_options, evaluate
-    from kvcalib.evaluation.plot import check_plot_path, plot_eval
-
-    if tasks is not None or dataset is None:
-        return _eval_tasks(checkpoint, dataset, tasks, values, as_json, quiet)
-    given = ctx.get_parameter_source("num_samples").name != "DEFAULT"  # typer's own click
-    keys = values["num_samples"] if given else None  # --needle's default is its own
-    with _errors():
-        options = eval_options(**split_options(EvalOptions, values))
-    console = _stderr(quiet)
-    if context is not None or needle or saturation_only:
-        return _eval_context(
-            checkpoint,
-            dataset,
-            context,
-            options,
-            console,
-            as_json,
-            plot,
-            needle,
-            keys,
-            not saturation_only,
-        )
-    with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
-        if plot is not None:
-            check_plot_path(plot, [checkpoint, dataset, *options.compare])
-        result = evaluate(checkpoint, dataset, options=options, progress=on_progress)
-        if plot is not None:
-            result = dataclasses.replace(result, plot=str(plot_eval(result, plot)))
-    _show(render_eval, console, result, as_json, per_layer)
+    """Predict FP8-KV accuracy on held-out text with the chip's numerics, against an unquantised KV cache."""
+    _evaluate("evaluate", checkpoint, dataset, values, plot, as_json, quiet, per_layer)
 
 
-def _eval_context(
+@command(app, "eval-context", (EvalOptions, LONG))
+def eval_context(
+    checkpoint: Checkpoint,
+    dataset: HeldOut,
+    lengths: Lengths,
+    num_samples: Annotated[
+        int,
+        typer.Option("--num-samples", help="Samples per length at most.", rich_help_panel="Data"),
+    ] = EvalOptions.num_samples,
+    saturation_only: Annotated[
+        bool,
+        typer.Option(
+            "--saturation-only",
+            help="Only the unquantised forward per sample (saturation and absmax against each scale set), "
+            "no ΔNLL.",
+            rich_help_panel="Data",
+        ),
+    ] = False,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    **values: Any,
+) -> None:
+    """Long prompts: per length and layer the K/V saturation past the scales, and ΔNLL on the last quarter."""
+    values.update(num_samples=num_samples)
+    _evaluate(
+        "evaluate_context",
+        checkpoint,
+        dataset,
+        values,
+        None,
+        as_json,
+        quiet,
+        lengths=lengths,
+        nll=not saturation_only,
+    )
+
+
+@command(app, "eval-needle", (EvalOptions, (*LONG, "seed", "order")))
+def eval_needle(
+    checkpoint: Checkpoint,
+    dataset: HeldOut,
+    lengths: Lengths,
+    keys: Annotated[
+        int | None,
+        typer.Option(
+            "--keys", help="Keys per length and depth (default 4).", rich_help_panel="Data"
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot", help="Write a PNG heatmap of the keys found.", rich_help_panel="Output"
+        ),
+    ] = None,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    **values: Any,
+) -> None:
+    """Passkey retrieval at 0-100% depth of long prompts, decoded from the FP8 cache against the unquantised."""
+    _evaluate(
+        "evaluate_needle",
+        checkpoint,
+        dataset,
+        values,
+        plot,
+        as_json,
+        quiet,
+        lengths=lengths,
+        keys=keys,
+    )
+
+
+def _evaluate(
+    job: str,
     checkpoint: str,
     dataset: str,
-    context: str | None,
-    options: Any,
-    console: Console,
-    as_json: bool,
-    plot: Path | None,
-    needle: bool,
-    keys: int | None,
-    nll: bool = True,
-) -> None:
-    """eval --context (kvcalib.evaluation.context); with --needle the needle probe, `keys` per length and depth."""
-    from kvcalib.api import evaluate_context, evaluate_needle
-    from kvcalib.evaluation.context import parse_lengths
-    from kvcalib.evaluation.plot import check_plot_path, plot_needle
-
-    with _errors(), progress_bar(console, "evaluating long context", "eval") as on_progress:
-        if context is None or needle and not nll:
-            raise UsageError(
-                "--needle or --saturation-only runs at the lengths of --context (not both)",
-                hint="e.g. --context 1024,4096 --needle",
-            )
-        lengths = parse_lengths(context)
-        if not needle:
-            if plot is not None:
-                raise UsageError(
-                    "--plot with --context draws the needle heatmap: add --needle",
-                    hint="or drop --plot",
-                )
-            result = evaluate_context(
-                checkpoint, dataset, lengths, options=options, progress=on_progress, nll=nll
-            )
-        else:
-            if plot is not None:
-                check_plot_path(plot, [checkpoint, dataset, *options.compare])
-            result = evaluate_needle(
-                checkpoint, dataset, lengths, keys=keys, options=options, progress=on_progress
-            )
-            if plot is not None:
-                result = dataclasses.replace(result, plot=str(plot_needle(result, plot)))
-    _show(render_needle if needle else render_context, console, result, as_json)
-
-
-def _eval_tasks(
-    checkpoint: str,
-    dataset: str | None,
-    tasks: str | None,
     values: dict[str, Any],
+    plot: Path | None,
     as_json: bool,
     quiet: bool,
+    per_layer: bool = False,
+    **keywords: Any,
 ) -> None:
-    """eval --tasks: lm-eval tasks, each run paired against the baseline (kvcalib.evaluation.tasks)."""
+    """eval, eval-context, eval-needle: the options (the host CPU read), --plot's path checked before the work, the
+    job (kvcalib.api's function `job`), its picture, its table."""
+    import kvcalib.api as api
+    from kvcalib.evaluation import plot as plots
+    from kvcalib.evaluation.context import parse_lengths
+
+    console = _stderr(quiet)
+    with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
+        options = api.eval_options(**values)
+        if "lengths" in keywords:
+            keywords["lengths"] = parse_lengths(keywords["lengths"])
+        if plot is not None:
+            plots.check_plot_path(plot, [checkpoint, dataset, *options.compare])
+        run = getattr(api, job)
+        result = run(checkpoint, dataset, options=options, progress=on_progress, **keywords)
+        if plot is not None:
+            draw = plots.plot_eval if job == "evaluate" else plots.plot_needle
+            result = dataclasses.replace(result, plot=str(draw(result, plot)))
+    render = {"evaluate": render_eval, "evaluate_context": render_context}.get(job, render_needle)
+    _show(render, console, result, as_json, *([per_layer] if job == "evaluate" else []))
+
+
+@command(app, "eval-tasks", TaskOptions)
+def eval_tasks(
+    checkpoint: Checkpoint,
+    tasks: Tasks,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+    **values: Any,
+) -> None:
+    """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against an unquantised KV cache."""
     from kvcalib.api import evaluate_tasks, task_options
 
     console = _stderr(quiet)
-    with _errors():
-        if dataset is not None or tasks is None:
-            raise UsageError(
-                "eval needs --dataset (held-out text) or --tasks (lm-eval tasks), not both"
-                if dataset is not None
-                else "eval needs --dataset DATA or --tasks TASK[,TASK]",
-                hint="e.g. kvcalib eval CKPT --dataset held-out.jsonl, or --tasks lambada_openai "
-                "--limit 200",
-            )
-        # --seed shuffles --dataset's rows; lm-eval seeds its own few-shot sampling (TaskOptions.seed)
-        options = task_options(
-            **split_options(TaskOptions, {k: v for k, v in values.items() if k != "seed"}),
-            tasks=[t.strip() for t in tasks.split(",") if t.strip()],
-        )
-        with progress_bar(console, "evaluating tasks", "eval") as on_progress:
-            result = evaluate_tasks(
-                checkpoint, options.tasks, options=options, progress=on_progress
-            )
+    with _errors(), progress_bar(console, "evaluating tasks", "eval") as on_progress:
+        options = task_options(**values, tasks=[t.strip() for t in tasks.split(",") if t.strip()])
+        result = evaluate_tasks(checkpoint, options.tasks, options=options, progress=on_progress)
     _show(render_tasks, console, result, as_json)
 
 

@@ -1,4 +1,4 @@
-"""eval --context: what the scales do at the context lengths the FP8 cache exists for (K's absmax grows with
+"""eval-context: what the scales do at the context lengths the FP8 cache exists for (K's absmax grows with
 longer text and later positions; calibration sees short samples).
 
 For each length L, samples are packed from the held-out text (rows joined by a blank line, tokenised once without
@@ -11,26 +11,22 @@ from __future__ import annotations
 
 import functools
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvcalib.core.cpu import ComputePath
 from kvcalib.core.errors import DatasetError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import max_position_embeddings, text_config
 from kvcalib.evaluation.emulate import KVErrorMeter, LayerQuantStats
-from kvcalib.evaluation.pipeline import prepare_scales
+from kvcalib.evaluation.pipeline import Prepared, prepare_scales
+from kvcalib.evaluation.scoring import log_probs
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
-from kvcalib.hf.attention import RecordingCache, observing_queries
-from kvcalib.hf.compute import Float32Weights, compute_path
+from kvcalib.hf.compute import Float32Weights
 from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
-from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.memory import available_memory
-from kvcalib.hf.model import faithful_attention, load_model, load_tokenizer
 
 __all__ = [
     "BLOCK",
@@ -102,7 +98,7 @@ class ContextRow:
 
 @dataclass(frozen=True)
 class ContextResult:
-    """What `eval --context` measured; to_dict() is its --json: checkpoint, target, max_positions (null: unknown),
+    """What `eval-context` measured; to_dict() is its --json: checkpoint, target, max_positions (null: unknown),
     tokens_available, memory_bound, block (positions per bootstrap unit), rows (ContextRow), seconds."""
 
     checkpoint: str
@@ -127,16 +123,16 @@ class ContextResult:
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:
-    """--context L1,L2,...: positive token counts (UsageError otherwise)."""
+    """--lengths L1,L2,...: positive token counts (UsageError otherwise)."""
     try:
         lengths = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise UsageError(
-            f"--context {text!r}: not a comma-separated list of token counts",
-            hint="e.g. --context 2048,8192",
+            f"--lengths {text!r}: not a comma-separated list of token counts",
+            hint="e.g. --lengths 2048,8192",
         ) from None
     if not lengths:
-        raise UsageError("--context names no length", hint="e.g. --context 2048,8192")
+        raise UsageError("--lengths names no length", hint="e.g. --lengths 2048,8192")
     return lengths
 
 
@@ -181,23 +177,23 @@ def memory_bound(config: dict[str, Any], weight_bytes: int, available: int) -> i
 def check_lengths(
     lengths: tuple[int, ...], config: dict[str, Any], where: Path, weight_bytes: int, available: int
 ) -> int:
-    """Each --context length at least MIN_LENGTH, within max_position_embeddings and memory; the memory bound."""
+    """Each --lengths length at least MIN_LENGTH, within max_position_embeddings and memory; the memory bound."""
     limit, bound = max_position_embeddings(config), memory_bound(config, weight_bytes, available)
     for length in lengths:
         if length < MIN_LENGTH:
             raise UsageError(
-                f"--context {length}: too short to score its last quarter",
+                f"--lengths {length}: too short to score its last quarter",
                 hint=f"pass lengths of {MIN_LENGTH} tokens or more",
             )
         if limit is not None and length > limit:
             raise UsageError(
-                f"--context {length} is above the model's max_position_embeddings {limit} ({where})",
+                f"--lengths {length} is above the model's max_position_embeddings {limit} ({where})",
                 hint=f"pass lengths up to {limit}",
             )
         if length > bound:
             need = forward_bytes(config, length, weight_bytes)
             raise UsageError(
-                f"--context {length}: one forward needs about {need / 2**30:.1f} GiB, and "
+                f"--lengths {length}: one forward needs about {need / 2**30:.1f} GiB, and "
                 f"{available / 2**30:.1f} GiB is available (up to {bound} tokens fit)",
                 hint=f"pass lengths up to {bound}, or run where more memory is free",
             )
@@ -216,33 +212,16 @@ def packed_stream(
 
 
 def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
-    sums = [float(nll[i : i + BLOCK].double().sum()) for i in range(0, nll.numel(), BLOCK)]
-    return sums, [min(BLOCK, nll.numel() - i) for i in range(0, nll.numel(), BLOCK)]
+    """Σ NLL and the token count of each BLOCK of the scored positions."""
+    blocks = nll.double().split(BLOCK)
+    return [float(b.sum()) for b in blocks], [b.numel() for b in blocks]
 
 
-@torch.inference_mode()
-def _last_quarter_nll(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    hook: Any,
-    *,
-    compute: ComputePath,
-    weights: Float32Weights,
-) -> torch.Tensor:
-    """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in pipeline's log_probs."""
+def _last_quarter_nll(ids: torch.Tensor, hook: Any, **forward: Any) -> torch.Tensor:
+    """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in eval's scoring."""
     q = scored_positions(ids.shape[1])
-    with compute_path(compute, weights), observing_queries(hook) if hook.queries else nullcontext():
-        logits = (
-            model(
-                input_ids=ids,
-                use_cache=True,
-                **cache_kwargs(model, RecordingCache(model.config, hook)),
-                logits_to_keep=q + 1,
-            )
-            .logits[0, :-1]
-            .float()
-        )
-    return -torch.log_softmax(logits, dim=-1).gather(-1, ids[0, -q:, None])[:, 0]
+    logp = log_probs(input_ids=ids, mask=None, hook=hook, keep=q + 1, **forward)
+    return -logp[0].gather(-1, ids[0, -q:, None])[:, 0]
 
 
 def run_length(
@@ -285,25 +264,13 @@ def run_length(
 
 @dataclass(frozen=True)
 class LongContext:
-    """What eval --context and --needle share before a forward: run, scale sets, tokenizer, text as tokens."""
+    """What eval-context and eval-needle share before a forward: the prepared job, the text as tokens."""
 
-    run: Any  # kvcalib.evaluation.pipeline's prepared run
-    quantizers: dict[str, Any]
-    compute: Any
+    job: Prepared
     memory_bound: int
     tokenizer: Any
     stream: list[int]
     prefix: list[int]
-
-    def load_model(self, opts: Any, notify: ProgressCallback) -> torch.nn.Module:
-        notify(Progress("load-model"))
-        return load_model(
-            self.run.checkpoint,
-            self.run.dtype,
-            self.run.device,
-            opts.trust_remote_code,
-            attn_implementation=faithful_attention(self.run.checkpoint.config),
-        )
 
 
 def prepare_long_context(
@@ -314,16 +281,15 @@ def prepare_long_context(
     notify: ProgressCallback,
 ) -> LongContext:
     """Scales and lengths checked and the text read, before the model loads."""
-    run, quantizers, compute = prepare_scales(checkpoint, opts)
-    ckpt = run.checkpoint
+    job = prepare_scales(checkpoint, opts)
+    ckpt = job.run.checkpoint
     weight_bytes = sum(f.stat().st_size for f in ckpt.root.glob("*.safetensors"))
-    bound = check_lengths(
-        lengths, ckpt.config, ckpt.root, weight_bytes, available_memory(run.device).available
-    )
+    available = available_memory(job.run.device).available
+    bound = check_lengths(lengths, ckpt.config, ckpt.root, weight_bytes, available)
     notify(Progress("load-data"))
-    tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
+    tokenizer = job.tokenizer()
     stream, prefix = packed_stream(dataset, tokenizer, opts.split, opts.text_column)
-    return LongContext(run, quantizers, compute, bound, tokenizer, stream, prefix)
+    return LongContext(job, bound, tokenizer, stream, prefix)
 
 
 def evaluate_context(
@@ -334,7 +300,7 @@ def evaluate_context(
     progress: ProgressCallback | None = None,
     nll: bool = True,
 ) -> ContextResult:
-    """eval --context (the module docstring); without `nll` (--saturation-only) no ΔNLL, one forward a sample."""
+    """eval-context (the module docstring); without `nll` (--saturation-only) no ΔNLL, one forward a sample."""
     started, notify = time.perf_counter(), progress or no_progress
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
     packed = {
@@ -344,26 +310,23 @@ def evaluate_context(
         if not samples:
             raise DatasetError(
                 f"{dataset}: {len(long.stream)} tokens of text, too few for one sample of {length} "
-                f"(--context {length})",
+                f"(--lengths {length})",
                 hint="pass a longer held-out text, or shorter lengths",
             )
+    job = long.job
+    model = job.model(notify)
     forward = functools.partial(
-        _last_quarter_nll,
-        long.load_model(opts, notify),
-        compute=long.compute,
-        weights=Float32Weights(),
+        _last_quarter_nll, model=model, compute=job.compute, weights=Float32Weights()
     )
     rows = tuple(
         row
         for length, samples in packed.items()
-        for row in run_length(
-            samples, long.quantizers, long.run.device, forward, notify, length, nll
-        )
+        for row in run_length(samples, job.quantizers, job.run.device, forward, notify, length, nll)
     )
     return ContextResult(
         str(checkpoint),
         opts.target,
-        max_position_embeddings(long.run.checkpoint.config),
+        max_position_embeddings(job.run.checkpoint.config),
         len(long.stream),
         long.memory_bound,
         rows,

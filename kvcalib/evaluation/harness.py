@@ -21,23 +21,16 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath, HostCpu
 from kvcalib.core.fp8 import DEFAULT_TARGET
-from kvcalib.core.options import RunOptions
-from kvcalib.core.schema import num_hidden_layers
+from kvcalib.core.options import ModelOptions
 from kvcalib.evaluation.emulate import KVQuantizer
-from kvcalib.evaluation.pipeline import CHECKPOINT, UNIT, scale_set
+from kvcalib.evaluation.pipeline import CHECKPOINT, UNIT, Prepared, scale_set
 from kvcalib.hf.attention import QuantizingCache
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.internals import cache_kwargs
-from kvcalib.hf.model import (
-    faithful_attention,
-    load_model,
-    load_tokenizer,
-    prepare_run,
-    resolve_compute,
-    resolve_target,
-)
+from kvcalib.hf.model import resolve_target
 
 __all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load", "quantizer_for"]
 
@@ -48,8 +41,7 @@ BASELINE = "none"  # scales=none: no quantisation
 class LoadedModel:
     """A checkpoint's model and tokenizer in memory, shared by every scale set a run compares."""
 
-    root: Path
-    config: dict[str, Any]
+    checkpoint: Checkpoint
     model: torch.nn.Module
     tokenizer: Any
     compute: ComputePath
@@ -65,31 +57,12 @@ def load(
     cpu: HostCpu | None = None,
 ) -> LoadedModel:
     """The model as `kvcalib eval` loads it (faithful attention, the compute path for this CPU)."""
-    options = RunOptions(
+    options = ModelOptions(
         dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute
     )
-    run = prepare_run(checkpoint, options)
-    compute = resolve_compute(
-        bf16_compute,
-        run.dtype,
-        run.checkpoint,
-        run.device,
-        cpu or HostCpu.detect(with_capability=False),
-    )
-    model = load_model(
-        run.checkpoint,
-        run.dtype,
-        run.device,
-        trust_remote_code,
-        attn_implementation=faithful_attention(run.checkpoint.config),
-    )
+    job = Prepared.open(checkpoint, options, cpu or HostCpu.detect(with_capability=False))
     return LoadedModel(
-        run.checkpoint.root,
-        run.checkpoint.config,
-        model,
-        load_tokenizer(run.checkpoint.root, trust_remote_code),
-        compute,
-        Float32Weights(),
+        job.run.checkpoint, job.model(), job.tokenizer(), job.compute, Float32Weights()
     )
 
 
@@ -98,14 +71,7 @@ def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuant
     target = resolve_target(target_name)
     if scales == BASELINE:
         return None
-    chosen = scale_set(
-        scales,
-        loaded.root,
-        num_hidden_layers(loaded.config),
-        target,
-        loaded.config,
-        what=f"scales={scales}",
-    )
+    chosen = scale_set(scales, loaded.checkpoint, target, what=f"scales={scales}")
     return KVQuantizer(chosen.k, chosen.v, target)
 
 
@@ -159,26 +125,17 @@ class KvcalibLM(HFLM):
         return 0 if keep >= inps.shape[1] else keep
 
     def _model_call(
-        self,
-        inps: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        self, inps: torch.Tensor, attn_mask: Any = None, labels: Any = None
     ) -> torch.Tensor:
-        with compute_path(self.loaded.compute, self.loaded.weights):
-            if self.quantizer is None:
-                return super()._model_call(inps, attn_mask, labels)
-            with torch.no_grad():
-                return self.model(
-                    inps,
-                    **cache_kwargs(self.model, self._cache()),
-                    use_cache=True,
-                    logits_to_keep=self._logits_to_keep(inps),
-                ).logits
+        """Every run, the baseline too (no quantiser), through the same cache and LM-head slice."""
+        keep = self._logits_to_keep(inps)
+        with compute_path(self.loaded.compute, self.loaded.weights), torch.no_grad():
+            cache = cache_kwargs(self.model, self._cache())
+            return self.model(inps, **cache, use_cache=True, logits_to_keep=keep).logits
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
     ) -> torch.Tensor:
-        if self.quantizer is not None:
-            generation_kwargs.update(cache_kwargs(self.model, self._cache()))
+        generation_kwargs.update(cache_kwargs(self.model, self._cache()))
         with compute_path(self.loaded.compute, self.loaded.weights):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)

@@ -1,4 +1,4 @@
-"""eval --context L --needle: does the model still find a fact deep in a long prompt when its cache is FP8?
+"""eval-needle: does the model still find a fact deep in a long prompt when its cache is FP8?
 
 The passkey retrieval test (Mohtashami & Jaggi 2023, "Landmark Attention") on the held-out text: for each length L
 and depth d, a sentence with a random 6-digit key at d of a haystack (at a line break when one is near), then a
@@ -52,7 +52,7 @@ ANSWER_TOKENS = 8  # " 123456" is 1 to 7 tokens in the tokenizers measured; one 
 SNAP = 64  # a line break at most this many tokens before the depth's position takes the needle
 BASELINE = "unquantised"
 MIN_HAYSTACK = 16  # tokens of held-out text a prompt must hold besides the needle and the question
-DEFAULT_KEYS = 4  # trials per length x depth when --num-samples is not given
+DEFAULT_KEYS = 4  # trials per length x depth when --keys is not given
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class NeedleRow:
 
 @dataclass(frozen=True)
 class NeedleResult:
-    """What `eval --needle` found; to_dict() is its --json: checkpoint, target, prefill ("fresh K/V (Neuron)" or "FP8
+    """What `eval-needle` found; to_dict() is its --json: checkpoint, target, prefill ("fresh K/V (Neuron)" or "FP8
     cache (GPU vLLM)"), depths, needle, question, answer_tokens (greedy tokens read), rows, trials, seconds, plot."""
 
     checkpoint: str
@@ -190,14 +190,14 @@ def needle_prompts(
             body = length - fixed
             if body < MIN_HAYSTACK:
                 raise UsageError(
-                    f"--context {length} --needle: too short for the needle and the question ({fixed} "
+                    f"--lengths {length}: too short for the needle and the question ({fixed} "
                     "tokens) and a haystack",
                     hint=f"pass lengths of {fixed + MIN_HAYSTACK} or more",
                 )
             if len(stream) < body:
                 raise DatasetError(
                     f"{len(stream)} tokens of held-out text, too few for one haystack of {body} "
-                    f"(--context {length} --needle)",
+                    f"(eval-needle --lengths {length})",
                     hint="pass a longer held-out text, or shorter lengths",
                 )
             start = rng.randint(0, len(stream) - body)
@@ -211,32 +211,24 @@ def needle_prompts(
 
 
 @torch.inference_mode()
+def _forward(
+    model: torch.nn.Module, ids: list[int], cache: Any, device: torch.device
+) -> torch.Tensor:
+    """The logits at the last of `ids`, their K/V written to (and read from) `cache`."""
+    kwargs = cache_kwargs(model, cache)
+    return model(
+        input_ids=torch.tensor([ids], device=device), **kwargs, use_cache=True, logits_to_keep=1
+    ).logits
+
+
 def _greedy(
     model: torch.nn.Module, cache: Any, logits: torch.Tensor, device: torch.device
 ) -> list[int]:
     """ANSWER_TOKENS greedy tokens after a prefill whose last logits are `logits`, decoding from `cache`."""
-    got: list[int] = []
-    while True:
-        got.append(int(logits[0, -1].argmax()))
-        if len(got) == ANSWER_TOKENS:
-            return got
-        logits = model(
-            input_ids=torch.tensor([[got[-1]]], device=device),
-            **cache_kwargs(model, cache),
-            use_cache=True,
-        ).logits
-
-
-@torch.inference_mode()
-def _prefill(
-    model: torch.nn.Module, ids: list[int], cache: Any, device: torch.device
-) -> torch.Tensor:
-    return model(
-        input_ids=torch.tensor([ids], device=device),
-        **cache_kwargs(model, cache),
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits
+    got = [int(logits[0, -1].argmax())]
+    while len(got) < ANSWER_TOKENS:
+        got.append(int(_forward(model, got[-1:], cache, device)[0, -1].argmax()))
+    return got
 
 
 def answer(
@@ -253,12 +245,12 @@ def answer(
             name: QuantizingCache(config, q) for name, q in {BASELINE: None, **quantizers}.items()
         }
         return {
-            name: _greedy(model, cache, _prefill(model, ids, cache, device), device)
+            name: _greedy(model, cache, _forward(model, ids, cache, device), device)
             for name, cache in runs.items()
         }
     children = {name: QuantizingCache(config, q) for name, q in quantizers.items()}
     fan = FanOutCache(config, list(children.values()))
-    logits = _prefill(model, ids, fan, device)
+    logits = _forward(model, ids, fan, device)
     fan.children = []  # decoding writes each run's own cache only
     return {
         BASELINE: _greedy(model, fan, logits, device),
@@ -269,34 +261,26 @@ def answer(
 def summarise(
     trials: list[Trial], names: list[str], depths: tuple[float, ...]
 ) -> tuple[NeedleRow, ...]:
+    """Per length and run: keys found (by depth too), their Wilson interval, the paired difference from BASELINE."""
     rows = []
     for length in dict.fromkeys(t.length for t in trials):
         mine = [t for t in trials if t.length == length]
-        base = [int(t.found(BASELINE)) for t in mine]
+        base = [t.found(BASELINE) for t in mine]
         for name in names:
-            hits = [int(t.found(name)) for t in mine]
-            rows.append(
-                NeedleRow(
-                    length=length,
-                    name=name,
-                    found=sum(hits),
-                    trials=len(mine),
-                    by_depth=tuple(
-                        (
-                            d,
-                            sum(int(t.found(name)) for t in mine if t.depth == d),
-                            sum(1 for t in mine if t.depth == d),
-                        )
-                        for d in depths
-                    ),
-                    rate_interval=wilson(sum(hits), len(mine)),
-                    interval=None
-                    if name == BASELINE
-                    else paired_bootstrap(
-                        [h - b for h, b in zip(hits, base)], worse_if_higher=False
-                    ),
+            hits = [t.found(name) for t in mine]
+            by_depth = tuple(
+                (
+                    d,
+                    sum(h for h, t in zip(hits, mine) if t.depth == d),
+                    [t.depth for t in mine].count(d),
                 )
+                for d in depths
             )
+            differences = [h - b for h, b in zip(hits, base)]
+            paired = paired_bootstrap(differences, worse_if_higher=False)
+            found, n = sum(hits), len(mine)
+            interval = None if name == BASELINE else paired
+            rows.append(NeedleRow(length, name, found, n, by_depth, wilson(found, n), interval))
     return tuple(rows)
 
 
@@ -308,13 +292,13 @@ def evaluate_needle(
     keys: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> NeedleResult:
-    """eval --context --needle (see the module docstring); `opts` an EvalOptions (target, compare, seed)."""
+    """eval-needle (see the module docstring); `opts` an EvalOptions (target, compare, seed)."""
     started, notify = time.perf_counter(), progress or no_progress
     keys = DEFAULT_KEYS if keys is None else keys
     if keys < 1:
         raise UsageError(
-            f"--num-samples {keys}: the needle needs at least one key per length and depth",
-            hint=f"pass --num-samples 1 or more (default {DEFAULT_KEYS} with --needle)",
+            f"--keys {keys}: the needle needs at least one key per length and depth",
+            hint=f"pass --keys 1 or more (default {DEFAULT_KEYS})",
         )
     long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
     breaks = line_breaks(long.stream, long.tokenizer)
@@ -325,16 +309,14 @@ def evaluate_needle(
             long.stream, long.prefix, long.tokenizer, length, DEPTHS, keys, opts.seed, breaks
         )
     ]
-    model = long.load_model(opts, notify)
-    weights, reads_fp8 = (
-        Float32Weights(),
-        (opts.order or fp8.get_target(opts.target).order) == fp8.GPU_ORDER,
-    )
+    job = long.job
+    model, weights = job.model(notify), Float32Weights()
+    reads_fp8 = (opts.order or job.target.order) == fp8.GPU_ORDER
     trials, done, total = [], 0, sum(len(ids) for _, ids in prompts)
     for n, (trial, ids) in enumerate(prompts):
         notify(Progress(f"needle {trial.length}", n, len(prompts), done, total))
-        with compute_path(long.compute, weights):
-            answers = answer(model, ids, long.quantizers, reads_fp8, long.run.device)
+        with compute_path(job.compute, weights):
+            answers = answer(model, ids, job.quantizers, reads_fp8, job.run.device)
         trials.append(
             replace(trial, answers={name: long.tokenizer.decode(t) for name, t in answers.items()})
         )
@@ -344,7 +326,7 @@ def evaluate_needle(
         opts.target,
         "FP8 cache (GPU vLLM)" if reads_fp8 else "fresh K/V (Neuron)",
         DEPTHS,
-        summarise(trials, [BASELINE, *long.quantizers], DEPTHS),
+        summarise(trials, [BASELINE, *job.quantizers], DEPTHS),
         tuple(trials),
         time.perf_counter() - started,
     )

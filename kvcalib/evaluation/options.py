@@ -39,8 +39,7 @@ class ScoreOptions(ModelOptions):
 class EvalOptions(RunOptions, ScoreOptions):
     num_samples: int = option(
         64,
-        "First N rows of the split; with --context, samples per length; with --needle, "
-        "keys per length and depth (default 4).",
+        "First N rows of the split.",
         minimum=1,
         what="rows of the dataset to score",
     )

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from kvcalib.core import fp8
-from kvcalib.core.checkpoint import read_config, scan_checkpoint
+from kvcalib.core.checkpoint import Checkpoint, read_config, scan_checkpoint
 from kvcalib.core.choice import ScaleChoice
-from kvcalib.core.cpu import ComputePath
+from kvcalib.core.cpu import ComputePath, HostCpu
 from kvcalib.core.errors import UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import NEURON_PER_HEAD_REASON, head_counts, num_hidden_layers
@@ -33,19 +33,18 @@ from kvcalib.evaluation.emulate import (
     LayerQuantStats,
     is_per_head,
 )
-from kvcalib.evaluation.layers import layers_alone
+from kvcalib.evaluation.layers import LayerAlone, OneLayer
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.scales import ScaleSet, read_scale_set
 from kvcalib.evaluation.scoring import log_probs, row_sums, scored_tokens, token_kl
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
 from kvcalib.hf.compute import Float32Weights
-from kvcalib.hf.data import CalibrationData, batches, load_calibration_data
+from kvcalib.hf.data import batches, load_calibration_data
 from kvcalib.hf.model import (
     PreparedRun,
     faithful_attention,
     load_model,
     load_tokenizer,
-    num_layers,
     pad_id,
     prepare_run,
     resolve_compute,
@@ -59,13 +58,16 @@ __all__ = [
     "UNIT",
     "EvalOptions",
     "EvalResult",
+    "Prepared",
     "RunResult",
     "evaluate",
     "prepare_scales",
+    "scale_set",
 ]
 
 UNIT = "unit"  # --compare unit: every scale 1.0 (what a checkpoint without scales runs with)
 CHECKPOINT = "checkpoint"
+FP8_ATTN = " +fp8-attn"  # the name of a scale set's FP8-attention run: its name and this
 
 
 @dataclass(frozen=True)
@@ -173,21 +175,25 @@ class _Totals:
     """Running sums over scored tokens for one configuration, and per sequence (for the paired intervals)."""
 
     nll: float = 0.0
-    kl: float = 0.0
+    kl: float = 0.0  # against the baseline: KL(baseline || this), agreement with its top-1
     agree: float = 0.0
     count: int = 0
-    quantizer: KVQuantizer | None = None
-    row_nll: list[float] = field(
-        default_factory=list
-    )  # per sequence: Σ NLL, correct top-1 predictions, tokens
+    row_nll: list[float] = field(default_factory=list)  # per sequence: Σ NLL, correct top-1, tokens
     row_correct: list[float] = field(default_factory=list)
     row_tokens: list[int] = field(default_factory=list)
     token_nll: list[torch.Tensor] = field(
         default_factory=list
-    )  # per row: its scored tokens' NLLs (float64)
+    )  # per row: its tokens' NLLs (float64)
 
-    def add(self, logp: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-        """One batch's next-token log-probabilities [B, S-1, V] against `targets` [B, S-1]; returns the top-1."""
+    def add(
+        self,
+        logp: torch.Tensor,
+        targets: torch.Tensor,
+        scored: torch.Tensor,
+        base: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One batch's next-token log-probabilities [B, S-1, V] against `targets` [B, S-1] (and the baseline's
+        log-probabilities and top-1, `base`); returns the top-1."""
         token_nll, top1 = -logp.gather(-1, targets[..., None])[..., 0], logp.argmax(-1)
         nll = row_sums(token_nll, scored)
         self.nll += float(nll.sum())
@@ -197,23 +203,13 @@ class _Totals:
         self.row_tokens += scored.sum(dim=1).tolist()
         values, masks = token_nll.double().cpu(), scored.cpu()  # one transfer a batch
         self.token_nll += [row[mask] for row, mask in zip(values, masks)]
+        if base is not None:
+            self.kl += token_kl(base[0], logp)[scored].double().sum().item()
+            self.agree += (top1 == base[1])[scored].sum().item()
         return top1
 
     def tokens(self) -> torch.Tensor:
         return torch.cat(self.token_nll) if self.token_nll else torch.zeros(0, dtype=torch.float64)
-
-
-def _intervals(run: _Totals, baseline: _Totals) -> tuple[Interval | None, Interval | None]:
-    """Paired intervals over sequences: ΔNLL per token, and the change in top-1 accuracy (next token)."""
-    nll = paired_bootstrap(
-        [q - b for q, b in zip(run.row_nll, baseline.row_nll)], baseline.row_tokens
-    )
-    top1 = paired_bootstrap(
-        [q - b for q, b in zip(run.row_correct, baseline.row_correct)],
-        baseline.row_tokens,
-        worse_if_higher=False,
-    )
-    return nll, top1
 
 
 def evaluate(
@@ -226,15 +222,12 @@ def evaluate(
     opts = options or EvalOptions()
     notify = progress or no_progress
     started = time.perf_counter()
-    run, quantizers, compute = prepare_scales(checkpoint, opts)
-    ckpt, dtype, device = run.checkpoint, run.dtype, run.device
-    target = quantizers[CHECKPOINT].target
-    order = opts.order or target.order
+    job = prepare_scales(checkpoint, opts)
+    order = opts.order or job.target.order
     fresh = order == fp8.NEURON_ORDER
-    layers = _config_num_layers(ckpt.config, ckpt.root)
 
     notify(Progress("load-data"))
-    tokenizer = load_tokenizer(ckpt.root, opts.trust_remote_code)
+    tokenizer = job.tokenizer()
     data = load_calibration_data(
         dataset,
         tokenizer,
@@ -252,74 +245,57 @@ def evaluate(
             hint="pass longer texts or a larger --max-seq-len"
             + (", or --order gpu" if fresh else ""),
         )
-    notify(Progress("load-model"))
-    model = load_model(
-        ckpt,
-        dtype,
-        device,
-        opts.trust_remote_code,
-        attn_implementation=faithful_attention(ckpt.config),
-    )
-    if num_layers(model) != layers:
-        raise UsageError(
-            f"{ckpt.root}: config says {layers} layers, the model has {num_layers(model)}",
-            hint="use the config.json and the weights of one and the same model",
-        )
-
-    totals = {name: _Totals(quantizer=quantizer) for name, quantizer in quantizers.items()}
+    model, pad = job.model(notify), pad_id(tokenizer)
     sampler = AttentionSampler(
-        layers, sample_sequences(data.sequences, opts.batch_size, pad_id(tokenizer))
+        job.quantizers[CHECKPOINT].num_layers,
+        sample_sequences(data.sequences, opts.batch_size, pad),
     )
-    meter = KVErrorMeter({name: t.quantizer for name, t in totals.items()}, device, sampler)
-    forward = functools.partial(log_probs, model, compute=compute, weights=Float32Weights())
-    baseline = _score(
-        forward, data, opts.batch_size, pad_id(tokenizer), device, meter, totals, notify, fresh
+    meter = KVErrorMeter(job.quantizers, job.run.device, sampler)
+    forward = functools.partial(log_probs, model, compute=job.compute, weights=Float32Weights())
+    score = functools.partial(
+        _score, forward, batch_size=opts.batch_size, pad=pad, device=job.run.device, fresh=fresh
     )
-    base_nll_mean = baseline.nll / baseline.count
-    alone = layers_alone(
-        forward,
-        data.sequences[: opts.layer_rows],
-        opts.batch_size,
-        pad_id(tokenizer),
-        device,
-        quantizers,
-        notify,
-        fresh,
-    )
+    baseline, totals = score(data.sequences, job.quantizers, notify, meter=meter)
+    rows, tokens = data.sequences[: opts.layer_rows], baseline.row_tokens
+    alone = _layers_alone(score, rows, job.quantizers, notify)
     runs = tuple(
         RunResult(
             name=name,
             nll=t.nll / t.count,
             ppl=math.exp(t.nll / t.count),
-            delta_nll=t.nll / t.count - base_nll_mean,
+            delta_nll=(t.nll - baseline.nll) / t.count,
             kl=t.kl / t.count,
             top1=t.agree / t.count,
-            layers=_chosen(meter.layer_stats(name, alone.get(name)), ckpt.root, name),
-            kind=_kind(t.quantizer),
+            layers=_chosen(meter.layer_stats(name, alone.get(name)), job.run.checkpoint.root, name),
+            kind=_kind(job.quantizers[name]),
             accuracy=sum(t.row_correct) / t.count,
-            intervals=_intervals(t, baseline),
+            intervals=(  # paired over rows: ΔNLL per token, the change in next-token accuracy
+                paired_bootstrap([q - b for q, b in zip(t.row_nll, baseline.row_nll)], tokens),
+                paired_bootstrap(
+                    [q - b for q, b in zip(t.row_correct, baseline.row_correct)],
+                    tokens,
+                    worse_if_higher=False,
+                ),
+            ),
             token_nll=t.tokens(),
         )
         for name, t in totals.items()
     )
     return EvalResult(
         checkpoint=str(checkpoint),
-        target=target.name,
-        fp8_max=target.fp8_max,
+        target=job.target.name,
+        fp8_max=job.target.fp8_max,
         order=order,
         num_samples=len(data.sequences),
         num_tokens=baseline.count,
-        baseline_nll=base_nll_mean,
+        baseline_nll=baseline.nll / baseline.count,
         baseline_accuracy=sum(baseline.row_correct) / baseline.count,
         runs=runs,
         seconds=time.perf_counter() - started,
-        compute=compute.describe(),
-        layer_rows=min(opts.layer_rows, len(data.sequences)),
+        compute=job.compute.describe(),
+        layer_rows=len(rows),
         baseline_token_nll=baseline.tokens(),
     )
-
-
-FP8_ATTN = " +fp8-attn"
 
 
 def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQuantStats, ...]:
@@ -327,97 +303,145 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
     base = name.removesuffix(FP8_ATTN)
     source = root if base == CHECKPOINT else None if base == UNIT else Path(base)
     provenance = (
-        read_provenance(scan_checkpoint(source, tolerant=True))
-        if source and source.is_dir()
-        else None
+        source and source.is_dir() and read_provenance(scan_checkpoint(source, tolerant=True))
     )
     chosen: dict[Any, dict[str, ScaleChoice]] = {}
     for entry in (provenance or {}).get("layers") or ():
-        kinds = {
-            kind: ScaleChoice(
-                choice["label"],
-                step=choice.get("step"),
-                output=tuple(output.items())
-                if isinstance(output := choice.get("output"), dict)
-                else None,
-            )
-            for kind in "kv"
-            if isinstance(entry, dict)
-            and isinstance(entry.get(kind), dict)
-            and isinstance(choice := entry[kind].get("choice"), dict)
-            and isinstance(choice.get("label"), str)
-        }
-        if kinds:
-            chosen[entry.get("layer")] = kinds
+        try:  # a provenance kvcalib did not write, or an older one: the layer shows no choice
+            chosen[entry["layer"]] = {
+                kind: ScaleChoice(
+                    str(c["label"]),
+                    step=c.get("step"),
+                    output=tuple(c["output"].items()) if "output" in c else None,
+                )
+                for kind in "kv"
+                if kind in entry and (c := entry[kind]["choice"])
+            }
+        except (KeyError, TypeError, AttributeError):
+            continue
     return tuple(replace(s, chosen=chosen[s.layer]) if s.layer in chosen else s for s in stats)
 
 
-def prepare_scales(
-    checkpoint: str | Path, opts: EvalOptions
-) -> tuple[PreparedRun, dict[str, KVQuantizer], ComputePath]:
+@dataclass(frozen=True)
+class Prepared:
+    """An eval job's inputs, checked before data or model: the checkpoint (PreparedRun), how it computes, and,
+    for evaluate, context and needle, the target and a quantiser per scale set (the checkpoint's, then --compare's)."""
+
+    run: PreparedRun
+    compute: ComputePath
+    trust_remote_code: bool
+    target: fp8.Target | None = None
+    quantizers: dict[str, KVQuantizer] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, checkpoint: str | Path, opts: Any, cpu: HostCpu | None) -> Prepared:
+        """The checkpoint found and checked, the compute path for `opts` (ModelOptions) on `cpu`."""
+        run = prepare_run(checkpoint, opts)
+        compute = resolve_compute(opts.bf16_compute, run.dtype, run.checkpoint, run.device, cpu)
+        return cls(run, compute, opts.trust_remote_code)
+
+    def tokenizer(self) -> Any:
+        return load_tokenizer(self.run.checkpoint.root, self.trust_remote_code)
+
+    def model(self, notify: ProgressCallback = no_progress) -> torch.nn.Module:
+        """The one way every eval job loads the model: in its dtype and device, attention as it serves."""
+        notify(Progress("load-model"))
+        ckpt = self.run.checkpoint
+        attention = faithful_attention(ckpt.config)
+        return load_model(ckpt, self.run.dtype, self.run.device, self.trust_remote_code, attention)
+
+
+def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> Prepared:
     """The checkpoint, a quantiser per scale set and the compute path: all eval checks before data or model."""
     opts.check_arguments()
     target = resolve_target(opts.target)
-    run = prepare_run(checkpoint, opts)
-    layers = _config_num_layers(run.checkpoint.config, run.checkpoint.root)
+    job = Prepared.open(checkpoint, opts, opts.cpu)
     configs: dict[str, ScaleSet] = {}
-    for entry in (
-        CHECKPOINT,
-        *opts.compare,
-    ):  # the checkpoint's own scales, then each --compare entry
+    for entry in (CHECKPOINT, *opts.compare):  # the checkpoint's own scales, then each --compare
         if entry in configs:
             raise UsageError(f"--compare {entry} given twice", hint="name each comparison once")
-        configs[entry] = scale_set(
-            entry, run.checkpoint.root, layers, target, run.checkpoint.config
-        )
-    quantizers = _quantizers(configs, target, opts.fp8_attention)
-    return (
-        run,
-        quantizers,
-        resolve_compute(opts.bf16_compute, run.dtype, run.checkpoint, run.device, opts.cpu),
-    )
+        configs[entry] = scale_set(entry, job.run.checkpoint, target)
+    quantizers = {name: KVQuantizer(s.k, s.v, target) for name, s in configs.items()}
+    if opts.fp8_attention:  # one more run for each that has q_scale
+        with_q = {name: s for name, s in configs.items() if s.q is not None}
+        if not with_q:
+            raise UsageError(
+                "--fp8-attention needs q_scale, and no checkpoint evaluated has one",
+                hint="calibrate with kvcalib calibrate --attention-scales",
+            )
+        for name, s in with_q.items():
+            quantizers[name + FP8_ATTN] = KVQuantizer(s.k, s.v, target, s.q, fp8_attention=True)
+    return replace(job, target=target, quantizers=quantizers)
 
 
 def _score(
     forward: Callable[..., torch.Tensor],
-    data: CalibrationData,
+    sequences: list[list[int]],
+    hooks: dict[Any, Any],
+    notify: ProgressCallback,
+    *,
     batch_size: int,
     pad: int,
     device: torch.device,
-    meter: KVErrorMeter,
-    totals: dict[str, _Totals],
-    notify: ProgressCallback,
-    fresh_prefill: bool,
-) -> _Totals:
-    """Every batch unquantised (the baseline, returned; `meter` rides along) and once per scale configuration."""
-    baseline = _Totals()
+    fresh: bool,
+    meter: KVErrorMeter | None = None,
+    stage: str = "observe",
+) -> tuple[_Totals, dict[Any, _Totals]]:
+    """Every batch unquantised (the baseline; `meter` rides along) and once per K/V hook (in Neuron's order,
+    `fresh`: on a fresh-K/V prefill); the baseline's totals and each hook's."""
+    baseline, totals = _Totals(), {key: _Totals() for key in hooks}
     done_samples = done_tokens = 0
-    notify(Progress("observe", 0, len(data.sequences), 0, data.num_tokens))
-    for input_ids, mask in batches(data.sequences, batch_size, pad):
+    num_tokens = sum(len(s) for s in sequences)
+    notify(Progress(stage, 0, len(sequences), 0, num_tokens))
+    for input_ids, mask in batches(sequences, batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
-        scored = scored_tokens(mask, fresh_prefill)
-        targets = input_ids[:, 1:]
-        meter.token_mask = mask.bool()
-        meter.sampler.start_batch(input_ids, mask)  # evaluate's meter always has one
-        base_logp = forward(input_ids, mask, meter)
-        meter.token_mask = None
-        meter.sampler.end_batch()
-        base_top1 = baseline.add(base_logp, targets, scored)
-        for run in totals.values():
-            logp = forward(
-                input_ids,
-                mask,
-                FreshPrefill(run.quantizer, mask) if fresh_prefill else run.quantizer,
-            )
-            top1 = run.add(logp, targets, scored)
-            kl = token_kl(base_logp, logp)
-            run.kl += kl[scored].double().sum().item()
-            run.agree += (top1 == base_top1)[scored].sum().item()
-            del logp, kl
+        scored, targets = scored_tokens(mask, fresh), input_ids[:, 1:]
+        if meter is not None:
+            meter.token_mask = mask.bool()
+            meter.sampler.start_batch(input_ids, mask)  # evaluate's meter always has one
+        base_logp = forward(input_ids, mask, meter or OneLayer(None, None))
+        if meter is not None:
+            meter.token_mask = None
+            meter.sampler.end_batch()
+        base = (base_logp, baseline.add(base_logp, targets, scored))
+        for key, hook in hooks.items():
+            logp = forward(input_ids, mask, FreshPrefill(hook, mask) if fresh else hook)
+            totals[key].add(logp, targets, scored, base)
+            del logp
         done_samples += input_ids.shape[0]
         done_tokens += int(mask.sum())
-        notify(Progress("observe", done_samples, len(data.sequences), done_tokens, data.num_tokens))
-    return baseline
+        notify(Progress(stage, done_samples, len(sequences), done_tokens, num_tokens))
+    return baseline, totals
+
+
+def _layers_alone(
+    score: Callable[..., tuple[_Totals, dict[Any, _Totals]]],
+    rows: list[list[int]],
+    quantizers: dict[str, KVQuantizer],
+    notify: ProgressCallback,
+) -> dict[str, list[LayerAlone | None]]:
+    """name -> per layer, ΔNLL and KL with only that layer's K/V quantised (evaluation.layers), on `rows`; an FP8
+    attention run: None per layer; no rows: {}."""
+    if not rows:
+        return {}
+    layers = range(quantizers[CHECKPOINT].num_layers)
+    hooks = {
+        (name, i): OneLayer(q, i)
+        for name, q in quantizers.items()
+        if not q.fp8_attention
+        for i in layers
+    }
+    base, totals = score(rows, hooks, notify, stage="layers-alone")
+    n = max(base.count, 1)
+    return {
+        name: [
+            LayerAlone((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n)
+            if (name, i) in totals
+            else None
+            for i in layers
+        ]
+        for name in quantizers
+    }
 
 
 def _config_num_layers(config: dict[str, Any], where: Path) -> int:
@@ -431,34 +455,26 @@ def _config_num_layers(config: dict[str, Any], where: Path) -> int:
 
 
 def scale_set(
-    entry: str,
-    model_dir: Path,
-    num_layers: int,
-    target: fp8.Target,
-    config: dict[str, Any],
-    what: str | None = None,
+    entry: str, checkpoint: Checkpoint, target: fp8.Target, what: str | None = None
 ) -> ScaleSet:
-    """One configuration's scales: CHECKPOINT (model_dir's own), UNIT (every scale 1.0) or another checkpoint's
+    """One configuration's scales: CHECKPOINT (the checkpoint's own), UNIT (every scale 1.0) or another checkpoint's
     path (of the same model: as many layers), per tensor or per head; per-head scales refused for Neuron.
     `what` names the entry in messages (default "--compare ENTRY")."""
-    what = what or f"--compare {entry}"
+    root, config = checkpoint.root, checkpoint.config
+    layers = _config_num_layers(config, root)
     if entry == UNIT:
-        scales = ScaleSet([1.0] * num_layers, [1.0] * num_layers, None)
-    else:
-        source = model_dir if entry == CHECKPOINT else Path(entry)
-        if source != model_dir:
-            other_layers = _config_num_layers(read_config(source), source)
-            if other_layers != num_layers:
-                raise UsageError(
-                    f"{what}: {other_layers} layers, but {model_dir} has {num_layers}",
-                    hint="compare checkpoints of the same model",
-                )
-        heads = head_counts(config)
-        scales = read_scale_set(source, num_layers, heads["k"], heads["q"])
+        return ScaleSet([1.0] * layers, [1.0] * layers, None)
+    source = root if entry == CHECKPOINT else Path(entry)
+    if source != root and (other := _config_num_layers(read_config(source), source)) != layers:
+        raise UsageError(
+            f"{what or f'--compare {entry}'}: {other} layers, but {root} has {layers}",
+            hint="compare checkpoints of the same model",
+        )
+    heads = head_counts(config)
+    scales = read_scale_set(source, layers, heads["k"], heads["q"])
     if scales.per_head and target.neuron:
         raise UsageError(
-            f"{model_dir if entry == CHECKPOINT else entry}: per-head KV scales, which {target.name} "
-            f"cannot serve: {NEURON_PER_HEAD_REASON}",
+            f"{source}: per-head KV scales, which {target.name} cannot serve: {NEURON_PER_HEAD_REASON}",
             hint="evaluate per-head scales with --target gpu; calibrate per tensor for Neuron",
         )
     return scales
@@ -467,20 +483,3 @@ def scale_set(
 def _kind(quantizer: KVQuantizer) -> str:
     heads = "per-head" if is_per_head(quantizer.k_scales, quantizer.v_scales) else "per-tensor"
     return f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}"
-
-
-def _quantizers(
-    configs: dict[str, ScaleSet], target: fp8.Target, fp8_attention: bool
-) -> dict[str, KVQuantizer]:
-    """One run per configuration (K/V in FP8); with --fp8-attention one more for each that has q_scale."""
-    runs = {name: KVQuantizer(s.k, s.v, target) for name, s in configs.items()}
-    if fp8_attention:
-        with_q = {name: s for name, s in configs.items() if s.q is not None}
-        if not with_q:
-            raise UsageError(
-                "--fp8-attention needs q_scale, and no checkpoint evaluated has one",
-                hint="calibrate with kvcalib calibrate --attention-scales",
-            )
-        for name, s in with_q.items():
-            runs[name + FP8_ATTN] = KVQuantizer(s.k, s.v, target, q_scales=s.q, fp8_attention=True)
-    return runs

@@ -1,5 +1,6 @@
 """A picture of an eval: per layer, K/V absmax against each configuration's clip level, SQNR,
-and the fraction of K/V that saturated. matplotlib is an optional extra (`kvcalib[plot]`)."""
+and the fraction of K/V that saturated; of the needle probe, keys found by depth and
+length. matplotlib is an optional extra (`kvcalib[plot]`)."""
 
 from __future__ import annotations
 
@@ -61,18 +62,12 @@ def plot_needle(result: Any, path: Path) -> Path:
         1, len(names), figsize=(2.2 + 1.1 * len(lengths) * len(names), 4.2), squeeze=False
     )
     for ax, name in zip(axes[0], names):
-        rows = {row.length: row for row in result.rows if row.name == name}
-        grid = [
-            [
-                rows[length].by_depth[i][1] / max(rows[length].by_depth[i][2], 1)
-                for length in lengths
-            ]
-            for i in range(len(result.depths))
-        ]
+        by_length = {row.length: row.by_depth for row in result.rows if row.name == name}
+        counts = [[by_length[n][i][1:] for n in lengths] for i in range(len(result.depths))]
+        grid = [[hit / max(n, 1) for hit, n in row] for row in counts]
         image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        for i in range(len(result.depths)):
-            for j, length in enumerate(lengths):
-                _, hit, n = rows[length].by_depth[i]
+        for i, row in enumerate(counts):
+            for j, (hit, n) in enumerate(row):
                 ax.text(j, i, f"{hit}/{n}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(lengths)), [f"{length:,}" for length in lengths])
         ax.set_yticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths])
@@ -88,53 +83,47 @@ def plot_needle(result: Any, path: Path) -> Path:
 
 
 def plot_eval(result: Any, path: Path) -> Path:
-    """Write a PNG for an `EvalResult` to `path` (atomically) and return the path."""
+    """Write a PNG for an `EvalResult` to `path` (atomically) and return the path: per layer and kind (K, V; Q with
+    FP8 attention) the absmax against where each run saturates, the SQNR and the fraction clipped; each run's ΔNLL,
+    KL and top-1 agreement in the title."""
     plt, path = _pyplot(), check_plot_path(path)
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(4, 2, figsize=(12, 14))
-    first = result.runs[0]
-    layers = [s.layer for s in first.layers]
-    for col, kind in enumerate(("k", "v")):
-        ax = axes[0][col]
-        ax.plot(
-            layers,
-            [getattr(s, kind).absmax for s in first.layers],
-            "k-",
-            lw=2,
-            label=f"{kind.upper()} absmax",
+    runs, layers = result.runs, [s.layer for s in result.runs[0].layers]
+    kinds = "kvq" if any(r.layers[0].q is not None for r in runs) else "kv"
+    fig, axes = plt.subplots(3, len(kinds), figsize=(6 * len(kinds), 11), squeeze=False)
+    for col, kind in enumerate(kinds):
+        upper = kind.upper()
+        panels = (
+            ("clip_at", f"{upper}: absmax vs where each run saturates"),
+            ("sqnr_db", f"{upper} SQNR (dB)"),
+            ("clipped", f"{upper} fraction clipped"),
         )
-        for run in result.runs:
-            ax.plot(
-                layers,
-                [getattr(s, kind).clip_at for s in run.layers],
-                "--",
-                label=f"clips above ({_label(run.name)})",
-            )
-        ax.set_yscale("log")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(
-            f"{kind.upper()}: absmax on the eval text vs where each configuration saturates"
-        )
-        ax.legend(fontsize=7)
-        metrics = (("sqnr_db", "SQNR (dB)"), ("clipped", "fraction clipped"))
-        for row, (metric, title) in enumerate(metrics, start=1):
+        for row, (attr, title) in enumerate(panels):
             ax = axes[row][col]
-            for run in result.runs:
-                ax.plot(
-                    layers,
-                    [_finite(getattr(getattr(s, kind), metric)) for s in run.layers],
-                    "o-",
-                    ms=3,
-                    label=_label(run.name),
-                )
-            ax.set_title(f"{kind.upper()} {title}")
-            ax.legend(fontsize=7)
+            for run in runs:
+                stats = [getattr(s, kind) for s in run.layers]
+                if stats[0] is not None and getattr(stats[0], attr) is not None:
+                    points = [_finite(getattr(x, attr)) for x in stats]
+                    ax.plot(
+                        layers, points, "--" if row == 0 else "o-", ms=3, label=_label(run.name)
+                    )
+            if row == 0 and ax.lines:
+                absmax = [getattr(s, kind).absmax for s in runs[0].layers]
+                ax.plot(layers, absmax, "k-", lw=2, label=f"{upper} absmax")
+                ax.set_yscale("log")
+            ax.set_title(title if ax.lines else f"{upper}: not measured", fontsize=9)
+            ax.set_xlabel("layer")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    _query_and_summary(result, axes[3], layers)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    summary = (
+        f"{_label(r.name)}: ΔNLL {r.delta_nll:+.4f}, KL {r.kl:.4f}, top-1 {r.top1:.1%}"
+        for r in runs
+    )
     fig.suptitle(
-        f"{result.checkpoint} on {result.target} (FP8 max {result.fp8_max:g}), {result.num_tokens:,} tokens: "
-        + ", ".join(f"{_label(r.name)} ΔNLL {r.delta_nll:+.4f}" for r in result.runs),
+        f"{result.checkpoint} on {result.target} (FP8 max {result.fp8_max:g}), {result.num_tokens:,} tokens\n"
+        + "; ".join(summary),
         fontsize=9,
     )
     fig.tight_layout()
@@ -157,45 +146,6 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
         plt.close(fig)
         partial.unlink(missing_ok=True)
     return path
-
-
-def _query_and_summary(result: Any, axes: Any, layers: list[int]) -> None:
-    """Bottom row: Q SQNR per layer (FP8 attention runs) and ΔNLL, KL, top-1 of every run."""
-    ax = axes[0]
-    for run in result.runs:
-        if run.layers and run.layers[0].q is not None:
-            ax.plot(
-                layers,
-                [_finite(s.q.sqnr_db) for s in run.layers],
-                "o-",
-                ms=3,
-                label=_label(run.name),
-            )
-    ax.set_title(
-        "Q SQNR (dB), FP8 attention"
-        if ax.lines
-        else "Q: no FP8-attention run (eval --fp8-attention)"
-    )
-    ax.set_xlabel("layer")
-    if ax.lines:
-        ax.legend(fontsize=7)
-    ax = axes[1]
-    names = [_label(r.name) for r in result.runs]
-    x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [r.delta_nll for r in result.runs], width=0.4, label="ΔNLL")
-    ax.bar([i + 0.2 for i in x], [r.kl for r in result.runs], width=0.4, label="KL")
-    for i, r in enumerate(result.runs):
-        ax.annotate(
-            f"top-1 {r.top1:.1%}",
-            (i, max(r.delta_nll, r.kl, 0)),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-        )
-    ax.set_xticks(list(x), [f"{n}\n{r.kind}" for n, r in zip(names, result.runs)], fontsize=7)
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set_title("against the unquantised run: ΔNLL, KL (bars), top-1 agreement")
-    ax.legend(fontsize=7)
 
 
 def _finite(value: float) -> float:

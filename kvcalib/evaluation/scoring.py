@@ -26,8 +26,10 @@ def log_probs(
     *,
     compute: ComputePath,
     weights: Float32Weights | None = None,
+    keep: int = 0,
 ) -> torch.Tensor:
-    """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V."""
+    """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V (`keep`: of the last
+    keep - 1 tokens only, [B, keep - 1, V]; asked of the model only then: remote code may not know logits_to_keep)."""
     with (
         compute_path(compute, weights),
         observing_queries(hook) if getattr(hook, "queries", False) else nullcontext(),
@@ -37,6 +39,7 @@ def log_probs(
             attention_mask=mask,
             use_cache=True,
             **cache_kwargs(model, RecordingCache(model.config, hook)),
+            **({"logits_to_keep": keep} if keep else {}),
         ).logits
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)
 

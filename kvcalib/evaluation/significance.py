@@ -88,22 +88,17 @@ def paired_bootstrap(
     """The interval of Σ differences / Σ weights (weights: tokens per item; None: 1 each, a plain mean) over
     items resampled with replacement. None with fewer than MIN_ITEMS items or no weight at all."""
     d = torch.tensor([float(x) for x in differences], dtype=torch.float64)
-    w = (
-        torch.ones_like(d)
-        if weights is None
-        else torch.tensor([float(x) for x in weights], dtype=torch.float64)
-    )
+    w = torch.tensor([1.0] * len(d) if weights is None else weights, dtype=torch.float64)
     if d.shape != w.shape:
         raise ValueError(f"{d.numel()} differences but {w.numel()} weights")
     n = d.numel()
-    if n < MIN_ITEMS or float(w.sum()) <= 0 or not all(math.isfinite(x) for x in d.tolist()):
+    if n < MIN_ITEMS or w.sum() <= 0 or not d.isfinite().all():
         return None
     index = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))
     totals = w[index].sum(dim=1)
-    stats = d[index].sum(dim=1) / totals.clamp_min(1e-300)
-    stats = stats[totals > 0]
-    tail = (1 - level) / 2
-    low, high = torch.quantile(stats, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    stats = (d[index].sum(dim=1) / totals)[totals > 0]
+    tail = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    low, high = torch.quantile(stats, tail).tolist()
     return Interval(float(d.sum() / w.sum()), low, high, n, level, worse_if_higher=worse_if_higher)
 
 

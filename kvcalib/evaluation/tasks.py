@@ -257,35 +257,26 @@ def evaluate_tasks(
     )
     runs = {
         BASELINE_NAME: (harness.BASELINE, options.target),
-        "checkpoint": (harness.CHECKPOINT, options.target),
+        **{name: (name, options.target) for name in (harness.CHECKPOINT, *options.compare)},
+        **{name: (scales, target) for name, scales, target in options.extra_runs},
     }
-    runs.update({entry: (entry, options.target) for entry in options.compare})
-    runs.update({name: (scales, target) for name, scales, target in options.extra_runs})
     outputs: dict[str, LmEvalOutput] = {}
     for done, (name, (scales, target)) in enumerate(runs.items()):
-        notify(
-            Progress(
-                f"tasks: {name} ({done + 1} of {len(runs)} runs, {len(options.tasks)} task(s)"
-                + (f", {options.limit} items each)" if options.limit else ")")
-            )
-        )
+        notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs)"))
         model = harness.KvcalibLM(
             loaded, target=target, scales=scales, batch_size=options.batch_size
         )
-        out = lm_eval.simple_evaluate(
+        seeds = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+        outputs[name] = lm_eval.simple_evaluate(
             model=model,
             tasks=list(options.tasks),
             num_fewshot=options.num_fewshot,
             limit=options.limit,
             task_manager=manager,
             log_samples=True,
-            random_seed=options.seed,
-            numpy_random_seed=options.seed,
-            torch_random_seed=options.seed,
-            fewshot_random_seed=options.seed,
             bootstrap_iters=0,
+            **dict.fromkeys(seeds, options.seed),
         )
-        outputs[name] = out
     rows = tuple(row for task in options.tasks for row in paired_rows(task, outputs))
     return TaskResult(
         checkpoint=str(checkpoint),
@@ -302,66 +293,64 @@ def evaluate_tasks(
 
 
 def paired_rows(task: str, outputs: dict[str, LmEvalOutput]) -> list[TaskRow]:
-    """Per metric and filter: each run's items paired with the first run's (the baseline) by (doc_id, filter); a
-    metric not a mean over items: no interval."""
-    names = list(outputs)
-    samples = {name: out["samples"] for name, out in outputs.items()}
-    results = {name: out["results"] for name, out in outputs.items()}
-    config = outputs[names[-1]]["configs"].get(task, {})
+    """Per metric and filter: each run's items paired with the baseline's (BASELINE_NAME, the first run) by
+    (doc_id, filter); a metric not a mean over items: lm-eval's own aggregate, no interval."""
+    config = outputs[list(outputs)[-1]]["configs"].get(task, {})
     rows = []
     for spec in config.get("metric_list", []):
         metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
-        mean, higher_is_better = aggregation == "mean", bool(spec.get("higher_is_better", True))
-        per_run = {name: _values(samples[name].get(task, []), metric) for name in names}
-        for filter_name in sorted({f for f, _ in per_run[BASELINE_NAME]}):
-            base = {doc: v for (f, doc), v in per_run[BASELINE_NAME].items() if f == filter_name}
-            docs = sorted(base)
-            scores, intervals = {}, {}
-            for name in names[1:]:
-                mine = {doc: v for (f, doc), v in per_run[name].items() if f == filter_name}
-                numeric = mean and all(
-                    isinstance(mine.get(d), float) and isinstance(base[d], float) for d in docs
+        higher_is_better = bool(spec.get("higher_is_better", True))
+        values = {
+            name: _values(out["samples"].get(task, []), metric) for name, out in outputs.items()
+        }
+        for filter_name in sorted({f for f, _ in values[BASELINE_NAME]}):
+            docs = sorted(doc for f, doc in values[BASELINE_NAME] if f == filter_name)
+            items = {name: [v.get((filter_name, d)) for d in docs] for name, v in values.items()}
+            means = {  # a mean over items, where every item has a number
+                name: math.fsum(x) / len(x)
+                for name, x in items.items()
+                if aggregation == "mean" and x and all(isinstance(v, float) for v in x)
+            }
+            scores = {
+                name: means.get(name, _aggregate(out, task, metric, filter_name))
+                for name, out in outputs.items()
+            }
+            intervals = {
+                name: paired_bootstrap(
+                    [a - b for a, b in zip(items[name], items[BASELINE_NAME])],
+                    worse_if_higher=not higher_is_better,
                 )
-                scores[name] = (
-                    _mean([mine[d] for d in docs])
-                    if numeric
-                    else _aggregate(results, name, task, metric, filter_name)
-                )
-                intervals[name] = (
-                    paired_bootstrap(
-                        [mine[d] - base[d] for d in docs], worse_if_higher=not higher_is_better
-                    )
-                    if numeric
-                    else None
-                )
-            baseline = (
-                _mean(list(base.values()))
-                if mean
-                else _aggregate(results, BASELINE_NAME, task, metric, filter_name)
+                if name in means and BASELINE_NAME in means
+                else None
+                for name in scores
+                if name != BASELINE_NAME
+            }
+            reason = (
+                ""
+                if aggregation == "mean"
+                else f"aggregated by {aggregation}, not a mean over items"
             )
-            reason = "" if mean else f"aggregated by {aggregation}, not a mean over items"
+            baseline = scores.pop(BASELINE_NAME)
             rows.append(
                 TaskRow(
-                    task=task,
-                    metric=metric,
-                    filter=filter_name,
-                    items=len(docs),
-                    baseline=baseline,
-                    higher_is_better=higher_is_better,
-                    scores=scores,
-                    intervals=intervals,
-                    no_interval_reason=reason,
+                    task,
+                    metric,
+                    filter_name,
+                    len(docs),
+                    higher_is_better,
+                    baseline,
+                    scores,
+                    intervals,
+                    reason,
                 )
             )
     return rows
 
 
-def _aggregate(
-    results: dict[str, dict[str, Any]], run: str, task: str, metric: str, filter_name: str
-) -> float:
+def _aggregate(output: LmEvalOutput, task: str, metric: str, filter_name: str) -> float:
     """lm-eval's own aggregate of `metric` for one run (NaN where it reported none)."""
     try:
-        return float(results[run][task][f"{metric},{filter_name}"])
+        return float(output["results"][task][f"{metric},{filter_name}"])
     except (KeyError, TypeError, ValueError):
         return math.nan
 
@@ -377,10 +366,3 @@ def _values(items: list[dict[str, Any]], metric: str) -> dict[tuple[str, int], A
             pass
         out[(item.get("filter", "none"), int(item["doc_id"]))] = value
     return out
-
-
-def _mean(values: list[Any]) -> float:
-    numbers = [v for v in values if isinstance(v, float)]
-    return (
-        math.fsum(numbers) / len(numbers) if numbers and len(numbers) == len(values) else math.nan
-    )

@@ -175,7 +175,19 @@ def test_output_files_are_unchanged(golden_run):
     check_golden("output-files.json", files)
 
 
-@pytest.mark.parametrize("command", [None, "calibrate", "validate", "eval", "serve-check"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        None,
+        "calibrate",
+        "validate",
+        "eval",
+        "eval-context",
+        "eval-needle",
+        "eval-tasks",
+        "serve-check",
+    ],
+)
 def test_flags_are_unchanged(command, monkeypatch):
     from kvcalib.cli import app
 

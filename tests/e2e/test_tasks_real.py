@@ -1,4 +1,4 @@
-"""eval --tasks on the real SmolLM2 with lm-eval's own LAMBADA (offline data): broken scales are significantly worse,
+"""eval-tasks on the real SmolLM2 with lm-eval's own LAMBADA (offline data): broken scales are significantly worse,
 calibrated ones indistinguishable from the unquantised cache."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""eval --context: packed long samples, the last quarter's ΔNLL and per-layer saturation, against a hand computation."""
+"""eval-context: packed long samples, the last quarter's ΔNLL and per-layer saturation, against a hand computation."""
 
 from __future__ import annotations
 
@@ -124,12 +124,12 @@ def test_lengths_past_the_model_or_memory_are_refused_naming_both_numbers(
     limit = config["max_position_embeddings"]
     with pytest.raises(
         UsageError,
-        match=f"--context {limit + 1} is above the model's max_position_embeddings {limit}",
+        match=f"--lengths {limit + 1} is above the model's max_position_embeddings {limit}",
     ):
         evaluate_context(cal, str(text_dataset), (16, limit + 1), EvalOptions())
     need = forward_bytes(config, 64, 10**6)
     with pytest.raises(
-        UsageError, match=r"--context 64: one forward needs about .* GiB, and .* GiB is available"
+        UsageError, match=r"--lengths 64: one forward needs about .* GiB, and .* GiB is available"
     ):
         check_lengths((64,), config, cal, 10**6, need // 4)
     with pytest.raises(UsageError, match="too short"):
@@ -147,11 +147,11 @@ def test_the_command_line(calibrated, small, text_dataset):
     result = CliRunner().invoke(
         app,
         [
-            "eval",
+            "eval-context",
             str(cal),
             "--dataset",
             str(text_dataset),
-            "--context",
+            "--lengths",
             "32,64",
             "--compare",
             str(small),
@@ -172,11 +172,11 @@ def test_the_command_line(calibrated, small, text_dataset):
     only = CliRunner().invoke(
         app,
         [
-            "eval",
+            "eval-context",
             str(cal),
             "--dataset",
             str(text_dataset),
-            "--context",
+            "--lengths",
             "32,64",
             "--compare",
             str(small),
@@ -193,9 +193,13 @@ def test_the_command_line(calibrated, small, text_dataset):
     assert [r["layers"] for r in rows] == [r["layers"] for r in payload["rows"]]
     assert all(r["delta_nll"] is None and r["delta_nll_interval"] is None for r in rows)
     bad = CliRunner().invoke(
-        app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32,x"]
+        app, ["eval-context", str(cal), "--dataset", str(text_dataset), "--lengths", "32,x"]
     )
-    assert bad.exit_code == 2 and "--context" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.exit_code == 2 and "--lengths" in bad.stderr and "Traceback" not in bad.stderr
+    old = CliRunner().invoke(
+        app, ["eval", str(cal), "--dataset", str(text_dataset), "--context", "32"]
+    )  # eval's old spelling names the command that took it over
+    assert old.exit_code == 2 and "kvcalib eval-context" in old.stderr
 
 
 def test_fp8_attention_quantises_q_at_long_context(calibrate_tiny, text_dataset, tmp_path):
@@ -217,11 +221,11 @@ def test_fp8_attention_quantises_q_at_long_context(calibrate_tiny, text_dataset,
     result = CliRunner().invoke(
         app,
         [
-            "eval",
+            "eval-context",
             str(cal),
             "--dataset",
             str(text_dataset),
-            "--context",
+            "--lengths",
             "32,64",
             "--target",
             "gpu",
@@ -270,7 +274,7 @@ def test_calibrate_warns_when_its_samples_are_far_shorter_than_the_context(
         len(warning) == 1
         and "at most 16 tokens (--max-seq-len 16), the model serves up to 512" in warning[0]
     )
-    assert "--context 512" in warning[0]
+    assert "eval-context" in warning[0] and "--lengths 512" in warning[0]
     provenance = json.loads((tmp_path / "short" / PROVENANCE_FILENAME).read_text())
     assert provenance["longest_sample"] == 16 and provenance["model_context"] == 512
     write_jsonl(tmp_path / "long.jsonl", [{"text": " ".join(fortune_texts(40, chars=100))}])

@@ -1,4 +1,4 @@
-"""eval --context --needle: the prompts laid out exactly, the chip's order of prefill and decode, the counts and
+"""eval-needle: the prompts laid out exactly, the chip's order of prefill and decode, the counts and
 intervals, the heatmap; on the real SmolLM2, scales /64 lose the key and calibrated ones keep it."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core import fp8
+from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import DatasetError, UsageError
 from kvcalib.evaluation.context import packed_stream
 from kvcalib.evaluation.emulate import KVQuantizer
@@ -92,7 +93,7 @@ def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_
     assert [t.key for t, _ in prompts] != [
         t.key for t, _ in needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, 8)
     ]
-    with pytest.raises(UsageError, match="--context 40 --needle: too short"):
+    with pytest.raises(UsageError, match="--lengths 40: too short"):
         needle_prompts(stream, prefix, tokenizer, 40, DEPTHS, 1, seed=7)
     short = stream[: min(bodies) - 1]
     with pytest.raises(
@@ -102,13 +103,12 @@ def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_
 
 
 def _quantizers(cal, small):
-    target = fp8.get_target("trn2")
-    config = json.loads((cal / "config.json").read_text())
+    target, ckpt = fp8.get_target("trn2"), Checkpoint.open(cal)
     return {
         name: KVQuantizer(s.k, s.v, target)
         for name, s in (
-            ("checkpoint", scale_set(CHECKPOINT, cal, 3, target, config)),
-            ("div64", scale_set(str(small), cal, 3, target, config)),
+            ("checkpoint", scale_set(CHECKPOINT, ckpt, target)),
+            ("div64", scale_set(str(small), ckpt, target)),
         )
     }
 
@@ -199,14 +199,13 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, t
     res = runner.invoke(
         app,
         [
-            "eval",
+            "eval-needle",
             str(cal),
             "--dataset",
             str(text_dataset),
-            "--context",
+            "--lengths",
             "300",
-            "--needle",
-            "--num-samples",
+            "--keys",
             "1",
             "--dtype",
             "float32",
@@ -221,19 +220,17 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, t
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "command, args, message",
     [
-        (["--needle"], "--needle or --saturation-only runs at the lengths of --context"),
-        (["--context", "300", "--needle", "--saturation-only"], "(not both)"),
-        (["--context", "300", "--plot", "x.png"], "draws the needle heatmap: add --needle"),
-        (["--context", "40", "--needle"], "--context 40 --needle: too short"),
-        (["--context", "300", "--needle", "--num-samples", "0"], "at least one key"),
-        (["--context", "100000", "--needle"], "above the model's max_position_embeddings 512"),
+        ("eval-needle", ["--lengths", "40"], "--lengths 40: too short"),
+        ("eval-needle", ["--lengths", "300", "--keys", "0"], "at least one key"),
+        ("eval-needle", ["--lengths", "100000"], "above the model's max_position_embeddings 512"),
+        ("eval", ["--needle"], "now its own command: kvcalib eval-needle"),
+        ("eval", ["--saturation-only"], "now its own command: kvcalib eval-context"),
     ],
 )
-def test_bad_needle_input_is_a_usage_error(calibrated, text_dataset, args, message):
-    cal = calibrated
-    res = CliRunner().invoke(app, ["eval", str(cal), "--dataset", str(text_dataset), *args])
+def test_bad_needle_input_is_a_usage_error(calibrated, text_dataset, command, args, message):
+    res = CliRunner().invoke(app, [command, str(calibrated), "--dataset", str(text_dataset), *args])
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split())
 

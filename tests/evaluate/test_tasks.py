@@ -1,4 +1,4 @@
-"""eval --tasks and the lm-eval model "kvcalib": lm-eval's own tasks, prompts and metrics on local YAML tasks."""
+"""eval-tasks and the lm-eval model "kvcalib": lm-eval's own tasks, prompts and metrics on local YAML tasks."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_eval_tasks_end_to_end(hf_run, calibrated, task_dir):
     result = CliRunner().invoke(
         app,
         [
-            "eval",
+            "eval-tasks",
             str(calibrated),
             "--tasks",
             ",".join([*TASKS, "kvcalib_tiny_ppl"]),
@@ -157,7 +157,7 @@ def test_scoring_the_continuations_logits_only_changes_no_answer(calibrated, tas
 
 
 def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, monkeypatch):
-    base = ["eval", str(calibrated), "--include-path", str(task_dir)]
+    base = ["eval-tasks", str(calibrated), "--include-path", str(task_dir)]
     cases = [
         (
             [*base, "--tasks", "kvcalib_tiny_mcc"],
@@ -176,8 +176,7 @@ def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, 
             ],  # 6 items: 5 others to draw from
             "--num-fewshot 6: task kvcalib_tiny_mc has 5 example(s) to draw from",
         ),
-        ([*base, "--tasks", "kvcalib_tiny_mc", "--dataset", "x.jsonl"], "not both"),
-        (["eval", str(calibrated)], "eval needs --dataset DATA or --tasks"),
+        (["eval", str(calibrated), "--tasks", "x"], "now its own command: kvcalib eval-tasks"),
     ]
     for argv, message in cases:
         result = CliRunner().invoke(app, argv)
@@ -204,7 +203,7 @@ def test_bad_task_input_is_refused_before_the_model_loads(calibrated, task_dir, 
         socket, "create_connection", no_network
     )  # the machine's network, not kvcalib's code
     offline = CliRunner().invoke(
-        app, ["eval", str(calibrated), "--tasks", "arc_easy", "--limit", "2"]
+        app, ["eval-tasks", str(calibrated), "--tasks", "arc_easy", "--limit", "2"]
     )
     assert offline.exit_code == 2, offline.stderr
     assert "task arc_easy reads allenai/ai2_arc from the Hugging Face hub" in offline.stderr

@@ -186,7 +186,7 @@ def test_stale_sibling_of_a_live_run_is_not_touched(inputs, tmp_path):
 
 @pytest.mark.parametrize(("command", "sig"), [("eval", T), ("validate", H), ("tasks", INT)])
 def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, task_dir, tmp_path):
-    """Stopped mid-run, eval (with --plot), eval --tasks (inside lm-eval's scoring, run from an empty folder) and
+    """Stopped mid-run, eval (with --plot), eval-tasks (inside lm-eval's scoring, run from an empty folder) and
     validate exit as Ctrl-C does, write nothing and leave the checkpoint as it was."""
     plot = tmp_path / "plot.png"
     args = {
@@ -202,7 +202,7 @@ def test_eval_and_validate_exit_like_ctrl_c(command, sig, inputs, task_dir, tmp_
         ],
         "validate": ["validate", str(inputs["old"])],
         "tasks": [
-            "eval",
+            "eval-tasks",
             str(inputs["old"]),
             "--tasks",
             "kvcalib_tiny_mc",

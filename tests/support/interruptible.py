@@ -12,7 +12,7 @@ signal then; without one the run goes on):
 - between    the fallback publish (no renameat2): OUT moved into the sibling, the new one not yet in place
 - eval       (kvcalib eval) before the model is loaded
 - validate   (kvcalib validate) before the safetensors headers are read
-- tasks      (kvcalib eval --tasks) inside lm-eval's scoring, the model loaded and the task data read
+- tasks      (kvcalib eval-tasks) inside lm-eval's scoring, the model loaded and the task data read
 
 Everything else is the real CLI, run as `kvcalib` runs it.
 """
