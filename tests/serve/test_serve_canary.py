@@ -293,8 +293,8 @@ def test_calibrate_then_a_failing_serve_check_keeps_the_checkpoint(
         (("--serve-check", "trn2"), 3, "no Neuron devices"),
         (
             ("--serve-check", "cpu", "--vllm-python", "{tmp}/none"),
-            2,
-            "--vllm-python {tmp}/none: no such file",
+            3,
+            "--vllm-python {tmp}/none is not an executable interpreter: no such file",
         ),
         (
             ("--serve-check", "cpu", "--target", "gpu", "--max-model-len", "0"),
