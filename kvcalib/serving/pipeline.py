@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcalib.core.checkpoint import Checkpoint, read_config
-from kvcalib.core.errors import ServerError, UsageError, VllmNotFoundError
+from kvcalib.core.errors import UsageError, VllmNotFoundError
 from kvcalib.core.paths import overlapping
 from kvcalib.serving.canary import (
     CANARY_DIVISOR,
@@ -30,8 +30,7 @@ from kvcalib.serving.canary import (
 from kvcalib.serving.launch import command_line, interpreter_path, server_argv, server_env
 from kvcalib.serving.options import DEVICES, NEURON_DEVICES, ServeOptions
 from kvcalib.serving.predict import DeltaIntervals, Prediction, delta_intervals, predict
-from kvcalib.serving.preflight import Environment, Preflight, check_environment, preflight
-from kvcalib.serving.probe import Completion, ServerClient, degenerate
+from kvcalib.serving.preflight import Preflight, check_environment, preflight
 from kvcalib.serving.prompts import (
     BUILTIN_PROMPTS,
     NLL_TEXT,
@@ -40,7 +39,14 @@ from kvcalib.serving.prompts import (
     context_prompt,
     unjudged_passkeys,
 )
-from kvcalib.serving.server import KvCapacity, ServeEvent, VllmServer, free_port, kv_capacity
+from kvcalib.serving.server import (
+    Completion,
+    KvCapacity,
+    ServeEvent,
+    VllmServer,
+    free_port,
+    kv_capacity,
+)
 
 if TYPE_CHECKING:
     from kvcalib.evaluation.tasks import LmEvalOutput
@@ -54,6 +60,7 @@ __all__ = [
     "ServeEvent",
     "ServerRun",
     "check_serving",
+    "degenerate",
     "judge",
     "serve_check",
 ]
@@ -258,31 +265,22 @@ def _run_server(
         with server:
             ready_s = server.wait_healthy(options.startup_timeout_s, progress)
             progress(ServeEvent("ready", name, ready_s))
-            client = ServerClient(server.url, str(checkpoint), server.exit_code, log=str(log))
-            try:
-                completions = []
-                for i, prompt in enumerate(prompts, start=1):
-                    step(f"prompt {i}/{len(prompts)}")
-                    completions.append(client.complete(prompt.text, options.max_tokens))
-                step("NLL of the fixed text")
-                token_nll, agreements, task_output = client.token_nlls(NLL_TEXT), None, None
-                if reference is not None:
-                    step("agreement with the baseline")
-                    agreements = tuple(
-                        client.top1_agreement(r.prompt_token_ids, r.token_ids) for r in reference
-                    )
-                if options.tasks is not None and name in ("baseline", "fp8"):
-                    step(f"lm-eval tasks {','.join(options.tasks.tasks)}")
-                    from kvcalib.serving.tasks import run_served_tasks
+            completions = []
+            for i, prompt in enumerate(prompts, start=1):
+                step(f"prompt {i}/{len(prompts)}")
+                completions.append(server.complete(prompt.text, options.max_tokens))
+            step("NLL of the fixed text")
+            token_nll, agreements, task_output = server.token_nlls(NLL_TEXT), None, None
+            if reference is not None:
+                step("agreement with the baseline")
+                agreements = tuple(
+                    server.top1_agreement(r.prompt_token_ids, r.token_ids) for r in reference
+                )
+            if options.tasks is not None and name in ("baseline", "fp8"):
+                step(f"lm-eval tasks {','.join(options.tasks.tasks)}")
+                from kvcalib.serving.tasks import run_served_tasks
 
-                    task_output = run_served_tasks(server.url, checkpoint, options.tasks)
-            except ServerError:
-                if server.exit_code() is not None:  # it died: show why, as for a failed start
-                    raise server.failure(
-                        f"the {name} vLLM server exited with code {server.exit_code()} during the probe"
-                    ) from None
-                raise
-            progress(ServeEvent("stop", name))
+                task_output = run_served_tasks(server.url, checkpoint, options.tasks)
     finally:
         progress(ServeEvent("stopped", name))
     return ServerRun(
@@ -295,6 +293,18 @@ def _run_server(
         task_output,
         server.process.pid,
         kv_capacity(log.read_text(encoding="utf-8", errors="replace")),
+    )
+
+
+def degenerate(text: str, token_ids: Sequence[int]) -> str | None:
+    """Why an output is degenerate (empty, or a token or two repeated), or None if it is not."""
+    if not text.strip():
+        return "empty output"
+    n, distinct = len(token_ids), len(set(token_ids))
+    return (
+        f"{n} tokens but only {distinct} distinct"
+        if n >= 8 and distinct <= max(1, n // 8)
+        else None
     )
 
 
@@ -371,10 +381,10 @@ def _checked(options: ServeOptions, checkpoint: Path) -> ServeOptions:
     return replace(options, vllm_python=python)
 
 
-def check_serving(model: Path, options: ServeOptions) -> Environment:
+def check_serving(model: Path, options: ServeOptions) -> None:
     """What `calibrate --serve-check` checks first: all serve-check would refuse but the scales (not there yet)."""
     model = Path(model).resolve()
-    return check_environment(read_config(model), _checked(options, model))
+    check_environment(read_config(model), _checked(options, model))
 
 
 def serve_check(

@@ -24,7 +24,6 @@ from kvcalib.validation.pipeline import validate_checkpoint
 from kvcalib.validation.provenance import read_provenance
 
 __all__ = [
-    "Environment",
     "Preflight",
     "check_cpu",
     "check_environment",
@@ -68,15 +67,9 @@ _CUDA_HINT = "install a CUDA build of vLLM (pip install vllm) on a host with an 
 
 
 @dataclass(frozen=True)
-class Environment:
-    """What the machine offers a server, found without the checkpoint's scales."""
-
+class Preflight:
     tensor_parallel_size: int
     vllm_version: str
-
-
-@dataclass(frozen=True)
-class Preflight(Environment):
     target: str  # the validate target: trn2, trn3, or gpu for cpu and cuda
     fp8_max: float | None  # what the provenance says the scales were sized for
     config: dict[str, Any]
@@ -216,9 +209,9 @@ def check_strategy(strategy: Any, device: str) -> None:
     )
 
 
-def check_environment(config: dict[str, Any], options: ServeOptions) -> Environment:
-    """The device, vLLM and the port for a model with `config` (calibrate --serve-check's checks); the options'
-    arguments are checked already."""
+def check_environment(config: dict[str, Any], options: ServeOptions) -> tuple[int, str]:
+    """(tensor-parallel size, vLLM version): the device, vLLM and the port checked for a model with `config`
+    (calibrate --serve-check's checks); the options' arguments are checked already."""
     device, cores = options.device, 1
     scheme = declared_kv_cache_scheme(config)
     check_strategy(scheme.get("strategy") if isinstance(scheme, dict) else None, device)
@@ -236,20 +229,20 @@ def check_environment(config: dict[str, Any], options: ServeOptions) -> Environm
     version = find_vllm(options.vllm_python, options.env, device, options.tp)
     if options.port:
         require_free_port(options.port)
-    return Environment(options.tp or cores, version)
+    return options.tp or cores, version
 
 
 def preflight(checkpoint: Path, options: ServeOptions) -> Preflight:
     """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
     config, target = read_config(checkpoint), validate_target(options.device)
     warnings = check_validation(checkpoint, target, options.force)
-    machine = check_environment(config, options)
+    tp, version = check_environment(config, options)
     scan = scan_checkpoint(checkpoint)
     fp8_max = (read_provenance(scan) or {}).get("fp8_max")
     experts = options.device in NEURON_DEVICES and mxfp4.weights(scan.key_files)
     return Preflight(
-        machine.tensor_parallel_size,
-        machine.vllm_version,
+        tp,
+        version,
         target,
         float(fp8_max)
         if isinstance(fp8_max, (int, float)) and not isinstance(fp8_max, bool)

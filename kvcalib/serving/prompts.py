@@ -15,8 +15,6 @@ from kvcalib.core.paths import require_regular_file
 
 __all__ = [
     "BUILTIN_PROMPTS",
-    "FILLER",
-    "MIN_CONTEXT",
     "NLL_TEXT",
     "Prompt",
     "contains",
@@ -134,32 +132,31 @@ def read_prompts_file(path: Path) -> tuple[Prompt, ...]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"cannot read prompts file {path}: {err}", hint=hint) from None
-    prompts = [
-        _jsonl_prompt(path, number, line) if path.suffix == ".jsonl" else Prompt(line)
-        for number, line in enumerate(text.splitlines(), start=1)
-        if line.strip()
-    ]
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append(Prompt(line))
+            continue
+        try:
+            row = json.loads(line)
+            ok = (
+                isinstance(row, dict)
+                and isinstance(row.get("prompt"), str)
+                and row["prompt"].strip()
+            )
+            why = None if ok else "no non-empty string 'prompt'"
+        except json.JSONDecodeError as err:
+            why = f"not JSON ({err})"
+        if why:
+            raise UsageError(f"{path}:{number}: {why}", hint='each line: {"prompt": "..."}')
+        expected = row.get("expected")
+        prompts.append(
+            Prompt(row["prompt"], expected if isinstance(expected, str) and expected else None)
+        )
     if not prompts:
         raise UsageError(
             f"prompts file {path} has no prompts", hint="one prompt per non-blank line"
         )
     return tuple(prompts)
-
-
-def _jsonl_prompt(path: Path, number: int, line: str) -> Prompt:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise UsageError(
-            f"{path}:{number}: not JSON ({err})", hint='each line: {"prompt": "..."}'
-        ) from None
-    if (
-        not isinstance(row, dict)
-        or not isinstance(row.get("prompt"), str)
-        or not row["prompt"].strip()
-    ):
-        raise UsageError(
-            f"{path}:{number}: no non-empty string 'prompt'", hint='each line: {"prompt": "..."}'
-        )
-    expected = row.get("expected")
-    return Prompt(row["prompt"], expected if isinstance(expected, str) and expected else None)

@@ -1,13 +1,18 @@
-"""Run a vLLM server as a child process group, wait for it, and always take it down again.
+"""Run a vLLM server as a child process group, wait for it, ask it, and always take it down again.
 
 `VllmServer` is a context manager: on every exit path it SIGTERMs the whole process group (vLLM forks an engine core
 and workers), SIGKILLs it after `stop_timeout_s`, and waits for the port to be free. On Linux the server also gets
 SIGTERM if kvcalib dies (PR_SET_PDEATHSIG). A failed start raises with the log's tail and its known cause (`diagnose`).
+The probe talks to its OpenAI-compatible HTTP API (stdlib only); `top1_agreement` is teacher-forced on the baseline's
+tokens, so one early near-tie does not turn every later token into a disagreement, and a degenerate FP8 server cannot
+agree with its own repetition.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import re
 import signal
@@ -15,8 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,7 @@ from kvcalib.core import mxfp4
 from kvcalib.core.errors import ServerError, UsageError
 
 __all__ = [
+    "Completion",
     "KNOWN_CAUSES",
     "KvCapacity",
     "ServeEvent",
@@ -43,6 +50,8 @@ LOG_TAIL_LINES = 25
 DIAGNOSE_LINES = 400  # a root cause sits above vLLM's long multi-process tracebacks
 PORT_FREE_TIMEOUT_S = 15.0
 HOST = "127.0.0.1"
+REQUEST_TIMEOUT_S = 600.0
+DEATH_GRACE_S = 5.0  # a dropped connection often means a process on its way out
 
 # What a failed start looks like in the log -> (what it means, what to do). First match wins.
 KNOWN_CAUSES: tuple[tuple[str, str, str], ...] = (
@@ -150,12 +159,19 @@ def kv_capacity(log_text: str) -> KvCapacity:
 
 @dataclass(frozen=True)
 class ServeEvent:
-    """Progress: stage is launch (message: the command), wait, ready, probe, stop or stopped."""
+    """Progress: stage is launch (message: the command), wait, ready, probe or stopped."""
 
     stage: str
     server: str  # "fp8", "baseline", "unit" or "canary"
     elapsed_s: float = 0.0
     message: str = ""
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
 
 
 def free_port() -> int:
@@ -179,7 +195,7 @@ def require_free_port(port: int) -> None:
         )
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024) -> str:
+def log_tail(path: Path, lines: int, max_bytes: int) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
@@ -289,11 +305,11 @@ class VllmServer:
 
     def failure(self, message: str, default_hint: str | None = None) -> ServerError:
         """A ServerError with the log's tail and, when recognised, the cause and what to do."""
-        found = diagnose(log_tail(self.log_path, lines=DIAGNOSE_LINES, max_bytes=256 * 1024))
-        hint = default_hint or "read the log tail above"
+        text = log_tail(self.log_path, lines=DIAGNOSE_LINES, max_bytes=256 * 1024)
+        found, hint = diagnose(text), default_hint or "read the log tail above"
         if found is not None:
             message, hint = f"{message}: {found[0]}\n  {found[2]}", found[1]
-        tail = log_tail(self.log_path)
+        tail = "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
         message += (
             f"\n--- last lines of {self.log_path} ---\n{tail}"
             if tail
@@ -326,3 +342,92 @@ class VllmServer:
         _wait(lambda: port_in_use(self.port), PORT_FREE_TIMEOUT_S, 0.1)
         if interrupted:
             raise KeyboardInterrupt
+
+    def _completion(self, prompt: str | Sequence[int], max_tokens: int, **more: Any) -> dict:
+        """The first choice of the greedy completion of `prompt` (text or token ids) by the model it serves."""
+        path = "/v1/completions"
+        body = {
+            "model": self.argv[self.argv.index("--model") + 1],  # vLLM's served model name
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **more,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        log = str(self.log_path)
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:500]
+            raise ServerError(
+                f"the server answered {path} with HTTP {err.code}: {detail}",
+                hint="see the server log",
+                log=log,
+            ) from None
+        except (OSError, http.client.HTTPException) as err:
+            _wait(lambda: self.exit_code() is None, DEATH_GRACE_S, 0.05)
+            if self.exit_code() is not None:  # it died: show why, as for a failed start
+                raise self.failure(
+                    f"the {self.name} vLLM server exited with code {self.exit_code()} during the probe"
+                ) from None
+            raise ServerError(
+                f"the {self.name} vLLM server stopped answering {path} ({err})",
+                hint="the server is still running but did not answer in time; see its log",
+                log=log,
+            ) from None
+        except json.JSONDecodeError:
+            raise ServerError(f"the server's answer to {path} is not JSON", log=log) from None
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise ServerError("the server's completion has no choices", log=log)
+        return choices[0]
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int) -> Completion:
+        choice = self._completion(prompt, max_tokens)
+        return Completion(
+            str(choice.get("text") or ""),
+            tuple(choice.get("token_ids") or ()),
+            tuple(choice.get("prompt_token_ids") or ()),
+        )
+
+    def _prompt_logprobs(self, prompt: str | Sequence[int], top: int) -> list[dict]:
+        """The log-prob entry ({"logprob", "rank", ...}) of each prompt token after the first."""
+        choice = self._completion(prompt, 1, prompt_logprobs=top)
+        logprobs, ids = choice.get("prompt_logprobs"), choice.get("prompt_token_ids")
+        if not isinstance(logprobs, list) or not isinstance(ids, list) or len(logprobs) != len(ids):
+            raise ServerError(
+                "the server returned no prompt log-probs (prompt_logprobs / prompt_token_ids)",
+                hint="serve-check needs a vLLM whose completions API takes prompt_logprobs and "
+                "return_token_ids",
+                log=str(self.log_path),
+            )
+        entries = []
+        for position, token in zip(logprobs[1:], ids[1:]):
+            entry = position.get(str(token)) if isinstance(position, dict) else None
+            if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), (int, float)):
+                raise ServerError(
+                    f"prompt log-probs lack an entry for token {token}", log=str(self.log_path)
+                )
+            entries.append(entry)
+        return entries
+
+    def token_nlls(self, text: str) -> tuple[float, ...]:
+        """The negative log-likelihood (nats) of each token of `text` after its first."""
+        values = tuple(-entry["logprob"] for entry in self._prompt_logprobs(text, 0))
+        if not values:
+            raise ServerError("the NLL text is a single token", log=str(self.log_path))
+        return values
+
+    def top1_agreement(
+        self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]
+    ) -> float | None:
+        """Share of `continuation_ids` this server ranks first, given the same prefix (None if empty)."""
+        if not continuation_ids:
+            return None
+        entries = self._prompt_logprobs([*prompt_ids, *continuation_ids], 1)
+        ranks = [entry.get("rank") for entry in entries[len(prompt_ids) - 1 :]]
+        return ranks.count(1) / len(ranks)

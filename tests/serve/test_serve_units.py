@@ -22,9 +22,8 @@ from kvcalib.serving.neuron import (
     parse_neuron_ls_json,
     require_family,
 )
-from kvcalib.serving.pipeline import ServerRun, judge
+from kvcalib.serving.pipeline import ServerRun, degenerate, judge
 from kvcalib.serving.preflight import check_cpu
-from kvcalib.serving.probe import Completion, degenerate
 from kvcalib.serving.prompts import (
     FILLER,
     Prompt,
@@ -34,6 +33,7 @@ from kvcalib.serving.prompts import (
     unjudged_passkeys,
 )
 from kvcalib.serving.server import (
+    Completion,
     KvCapacity,
     VllmServer,
     diagnose,
@@ -66,9 +66,14 @@ def test_logfmt_fields():
     [
         ("named", 2, None),
         ("[]", 0, None),
-        ("not json", None, "printed something that is not JSON"),
+        ("not json", None, "did not print a JSON array of devices, each with an integer nc_count"),
         ('{"nc_count": 2}', None, "did not print a JSON array of devices"),
-        ('[{"neuron_device": 0}]', None, "device entry 0 has no integer nc_count"),
+        (
+            '[{"neuron_device": 0}]',
+            None,
+            "each with an integer nc_count: '\\[{\"neuron_device\": 0}\\]'",
+        ),
+        ('[{"nc_count": "2"}]', None, "each with an integer nc_count"),
     ],
 )
 def test_neuron_ls_json(text, devices, error):
@@ -530,14 +535,29 @@ def test_the_fake_neuron_ls_without_a_driver_behaves_like_the_real_one():
     )
 
 
-def test_a_dropped_connection_waits_for_the_process_to_finish_dying():
-    from kvcalib.serving.probe import ServerClient
+DROP_AND_DIE = """
+import socket, sys, time
+with socket.create_server(("127.0.0.1", int(sys.argv[1]))) as sock:
+    sock.accept()[0].close()
+time.sleep(0.5)
+print("engine core died", flush=True)
+sys.exit(1)
+"""
 
-    calls = iter([None, None, None, 1])  # the process is still exiting when the connection drops
-    client = ServerClient(
-        f"http://127.0.0.1:{free_port()}", "m", lambda: next(calls, 1), log="server.log"
+
+def test_a_dropped_connection_waits_for_the_process_to_finish_dying(tmp_path):
+    """The connection drops while the process is still exiting: the error is its exit, with the log's tail."""
+    port = free_port()
+    server = _server(tmp_path, DROP_AND_DIE, port, stop_timeout_s=1.0)
+    server.argv += ["--model", "m"]
+    with server, pytest.raises(ServerError) as caught:
+        deadline = time.monotonic() + 30
+        while not listening(port):
+            assert time.monotonic() < deadline and server.exit_code() is None
+            time.sleep(0.05)
+        server.complete("hello", 4)
+    assert caught.value.message.startswith(
+        "the test vLLM server exited with code 1 during the probe\n--- last lines of"
     )
-    with pytest.raises(ServerError) as caught:
-        client.complete("hello", 4)
-    assert caught.value.message == "the vLLM server exited (code 1) while answering /v1/completions"
-    assert caught.value.log == "server.log"
+    assert "engine core died" in caught.value.message
+    assert caught.value.log == str(tmp_path / "server.log")
