@@ -20,7 +20,6 @@ from kvcalib.core.schema import is_kv_scale_key
 
 __all__ = [
     "CANARY_DIVISOR",
-    "MIN_NLL_CHANGE",
     "CanaryResult",
     "judge_canary",
     "make_variant",
@@ -98,11 +97,9 @@ def mean_agreement(values: Sequence[float | None] | None) -> float | None:
     return sum(scored) / len(scored) if scored else None
 
 
-def judge_canary(
-    calibrated: Any, canary: Any, factor: float, device: str, server: str
-) -> CanaryResult:
+def judge_canary(calibrated: Any, canary: Any, device: str, server: str) -> CanaryResult:
     """Compare the variant's run with the checkpoint's (two `ServerRun`s against the same reference)."""
-    change = canary.nll - calibrated.nll
+    change, factor = canary.nll - calibrated.nll, 1 / CANARY_DIVISOR
     agreement, reference = mean_agreement(canary.agreements), mean_agreement(calibrated.agreements)
     same_text = [c.text for c in canary.completions] == [c.text for c in calibrated.completions]
     same_agreement = None in (agreement, reference) or abs(agreement - reference) < SAME_AGREEMENT

@@ -13,9 +13,7 @@ from typing import Any
 from kvcalib.core.schema import kv_cache_size
 
 __all__ = [
-    "API_SERVER_MODULE",
     "baseline_kv_dtype",
-    "command_line",
     "cpu_kv_cache_bytes",
     "interpreter_path",
     "server_argv",
@@ -97,9 +95,10 @@ def server_argv(
 
 
 def server_env(
-    env: Mapping[str, str], cache_dir: Path, neuron_visible_devices: str | None
-) -> tuple[dict[str, str], dict[str, str]]:
-    """(the full environment, the variables serve-check set): caches off the home directory, offline."""
+    argv: Sequence[str], env: Mapping[str, str], cache_dir: Path, neuron_visible_devices: str | None
+) -> tuple[dict[str, str], str]:
+    """(the server's environment: caches off the home directory, offline; the command line to print, with the
+    variables serve-check set)."""
     defaults = {
         "VLLM_CACHE_ROOT": str(cache_dir / "vllm"),
         "VLLM_CONFIG_ROOT": str(cache_dir / "vllm-config"),
@@ -111,11 +110,8 @@ def server_env(
     added = {key: value for key, value in defaults.items() if key not in env}
     if neuron_visible_devices:
         added["NEURON_VISIBLE_DEVICES"] = neuron_visible_devices
-    return {**env, **added}, added
-
-
-def command_line(argv: Sequence[str], added: Mapping[str, str]) -> str:
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in added.items()] + [shlex.join(argv)])
+    command = " ".join([f"{k}={shlex.quote(v)}" for k, v in added.items()] + [shlex.join(argv)])
+    return {**env, **added}, command
 
 
 def interpreter_path(python: Path, path_env: str | None) -> Path:

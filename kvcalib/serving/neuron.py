@@ -11,19 +11,12 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvcalib.core.errors import DeviceError
 from kvcalib.core.fp8 import TARGETS
 
-__all__ = [
-    "NeuronHost",
-    "detect_neuron_host",
-    "parse_logfmt",
-    "parse_neuron_ls_json",
-    "require_family",
-]
+__all__ = ["neuron_cores", "parse_neuron_ls_json"]
 
 NEURON_TOOLS_DIR = Path("/opt/aws/neuron/bin")
 SYSFS_ARCHITECTURE = Path("devices/virtual/neuron_device/neuron0/info/architecture")
@@ -32,23 +25,6 @@ TOOL_TIMEOUT_S = 60.0
 _INSTANCE_TYPE_LINE = re.compile(r"instance-type:\s*([A-Za-z0-9.\-]+)")
 _LOGFMT_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _HINT = "run on a Trainium instance with the Neuron driver and tools (aws-neuronx-tools), or use --device cpu"
-
-
-@dataclass(frozen=True)
-class NeuronHost:
-    family: str  # "trn2", "trn3", "trn1", "inf2", ...
-    instance_type: str | None
-    family_source: str  # where the family was read: sysfs, neuron-ls, or the override variable
-    num_cores: int = 0  # NeuronCores over every device
-    neuron_ls: str = ""
-
-
-def parse_logfmt(line: str) -> dict[str, str]:
-    """`level=fatal msg="Failed ..." error="..."` -> {"level": "fatal", "msg": "Failed ...", ...}."""
-    return {
-        key: value[1:-1].replace('\\"', '"') if value.startswith('"') else value
-        for key, value in _LOGFMT_FIELD.findall(line)
-    }
 
 
 def parse_neuron_ls_json(text: str) -> int:
@@ -81,10 +57,13 @@ def _run_tool(argv: list[str], env: Mapping[str, str]) -> subprocess.CompletedPr
         raise DeviceError(f"cannot run {argv[0]}: {err}", hint=_HINT) from None
 
 
-def detect_neuron_host(
-    env: Mapping[str, str], sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev")
-) -> NeuronHost:
-    """The Neuron devices and chip family of this host; DeviceError saying what was looked for."""
+def neuron_cores(
+    env: Mapping[str, str],
+    device: str,
+    sysfs_root: Path = Path("/sys"),
+    dev_root: Path = Path("/dev"),
+) -> int:
+    """The NeuronCores of this host, whose chip family must be `device`; DeviceError saying what was looked for."""
     fallback = NEURON_TOOLS_DIR / "neuron-ls"
     neuron_ls = shutil.which("neuron-ls", path=env.get("PATH")) or (
         str(fallback) if os.access(fallback, os.X_OK) else None
@@ -99,8 +78,11 @@ def detect_neuron_host(
     proc = _run_tool([neuron_ls, "--json-output"], env)
     if proc.returncode != 0 or not proc.stdout.strip():
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        fatal = next((parse_logfmt(line) for line in lines if "level=" in line), {})
-        said = ": ".join(fatal[k] for k in ("msg", "error") if fatal.get(k))
+        # the fatal logfmt line: level=fatal msg="..." error="..."
+        fatal = dict(_LOGFMT_FIELD.findall(next((line for line in lines if "level=" in line), "")))
+        said = ": ".join(
+            fatal[k].strip('"').replace('\\"', '"') for k in ("msg", "error") if k in fatal
+        )
         raise DeviceError(
             f"no Neuron devices: {neuron_ls} --json-output exited {proc.returncode} "
             f"({said or (lines[-1] if lines else 'no output')})",
@@ -130,15 +112,12 @@ def detect_neuron_host(
             "and no `instance-type:` line from neuron-ls",
             hint=f"set {TARGET_OVERRIDE_ENV}=trn2 or trn3 (the vLLM plugin obeys it too)",
         )
-    return NeuronHost(family, instance_type, source, cores, neuron_ls)
-
-
-def require_family(host: NeuronHost, device: str) -> None:
-    if host.family != device:
-        where = f"{host.instance_type} " if host.instance_type else ""
+    if family != device:
+        where = f"{instance_type} " if instance_type else ""
         raise DeviceError(
-            f"this host is {host.family} ({where}from {host.family_source}), not {device}",
-            hint=f"pass --device {host.family}"
-            if host.family in TARGETS and TARGETS[host.family].neuron
+            f"this host is {family} ({where}from {source}), not {device}",
+            hint=f"pass --device {family}"
+            if family in TARGETS and TARGETS[family].neuron
             else "serve-check supports trn2 and trn3 Neuron hosts, or --device cpu",
         )
+    return cores

@@ -27,7 +27,7 @@ from kvcalib.serving.canary import (
     mean_agreement,
     self_agreement,
 )
-from kvcalib.serving.launch import command_line, interpreter_path, server_argv, server_env
+from kvcalib.serving.launch import interpreter_path, server_argv, server_env
 from kvcalib.serving.options import DEVICES, NEURON_DEVICES, ServeOptions
 from kvcalib.serving.predict import DeltaIntervals, Prediction, delta_intervals, predict
 from kvcalib.serving.preflight import Preflight, check_environment, preflight
@@ -53,8 +53,6 @@ if TYPE_CHECKING:
     from kvcalib.serving.tasks import ServedTaskRow
 
 __all__ = [
-    "AGREEMENT_THRESHOLD",
-    "NLL_TOLERANCE",
     "PromptResult",
     "ServeCheckResult",
     "ServeEvent",
@@ -65,8 +63,6 @@ __all__ = [
     "serve_check",
 ]
 
-# Where the server's numerics differ from its validate target's: vLLM CPU truncates to E4M3 (core.fp8.EMULATED).
-EMULATED_DEVICES = {"cpu": "vllm-cpu"}
 AGREEMENT_THRESHOLD = 0.8  # mean top-1 agreement with the baseline, over the prompts
 NLL_TOLERANCE = 0.10  # FP8 NLL may exceed the baseline's by at most 10 %
 
@@ -225,9 +221,6 @@ class ServeCheckResult:
         }
 
 
-Progress = Callable[[ServeEvent], None]
-
-
 def _run_server(
     name: str,
     checkpoint: Path,
@@ -237,7 +230,7 @@ def _run_server(
     pre: Preflight,
     log_dir: Path,
     prompts: Sequence[Prompt],
-    progress: Progress,
+    progress: Callable[[ServeEvent], None],
 ) -> ServerRun:
     """Serve `checkpoint`, ask it the prompts, the NLL text, the agreement with `reference` and the tasks."""
     port = options.port or free_port()  # --port was checked free before the first server
@@ -253,8 +246,8 @@ def _run_server(
         config=pre.config,
         neuron_quantization=pre.neuron_quantization,
     )
-    env, added = server_env(options.env, log_dir / "cache", options.neuron_visible_devices)
-    command, log = command_line(argv, added), log_dir / f"vllm-{name}.log"
+    env, command = server_env(argv, options.env, log_dir / "cache", options.neuron_visible_devices)
+    log = log_dir / f"vllm-{name}.log"
     server = VllmServer(name, argv, env, port, log, log_dir, options.stop_timeout_s)
 
     def step(message: str) -> None:
@@ -388,7 +381,7 @@ def check_serving(model: Path, options: ServeOptions) -> None:
 
 
 def serve_check(
-    checkpoint: Path, options: ServeOptions, progress: Progress | None = None
+    checkpoint: Path, options: ServeOptions, progress: Callable[[ServeEvent], None] | None = None
 ) -> ServeCheckResult:
     """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
     checkpoint = Path(checkpoint).resolve()
@@ -403,9 +396,8 @@ def serve_check(
     on_neuron = options.device in NEURON_DEVICES
     with_baseline = not on_neuron if options.baseline is None else options.baseline
     with_canary = not on_neuron if options.canary is None else options.canary
-    if (
-        options.tasks is not None
-    ):  # a baseline, lm-eval, the tasks and their data: before any server
+    if options.tasks is not None:
+        # a baseline, lm-eval, the tasks and their data: before any server
         from kvcalib.serving.tasks import check_tasks
 
         check_tasks(options.tasks, with_baseline)
@@ -419,7 +411,8 @@ def serve_check(
     canary_dir = with_canary and make_variant(
         checkpoint, variants / f"scales-div{CANARY_DIVISOR:g}", factor=1 / CANARY_DIVISOR
     )
-    numerics = EMULATED_DEVICES.get(options.device, pre.target) if options.predict else None
+    # the server's numerics: vLLM CPU truncates to E4M3 (core.fp8.EMULATED), the others are their validate target's
+    numerics = ("vllm-cpu" if options.device == "cpu" else pre.target) if options.predict else None
     prediction = _predict(checkpoint, options, numerics, canary_dir or None, warnings)
     serve = partial(
         _run_server, options=options, pre=pre, log_dir=log_dir, prompts=prompts, progress=progress
@@ -432,9 +425,8 @@ def serve_check(
         baseline and baseline.token_nll, fp8.token_nll, prediction, warnings
     )
     tasks = []
-    if (
-        options.tasks is not None
-    ):  # the FP8 server's task scores paired with the baseline's, and predicted
+    if options.tasks is not None:
+        # the FP8 server's task scores paired with the baseline's, and predicted
         from kvcalib.serving.tasks import served_rows
 
         tasks = served_rows(
@@ -448,9 +440,7 @@ def serve_check(
             unit = serve("unit", unit_dir, reference)
         canary_run = serve("canary", canary_dir, reference)
         calibrated = fp8 if baseline else self_agreement(fp8)
-        canary = judge_canary(
-            calibrated, canary_run, 1 / CANARY_DIVISOR, options.device, pre.vllm_version
-        )
+        canary = judge_canary(calibrated, canary_run, options.device, pre.vllm_version)
         failures += [] if canary.ok else [canary.reason]
     runs = {"baseline": baseline, "fp8": fp8, "unit": unit, "canary": canary_run}
     return ServeCheckResult(

@@ -16,12 +16,12 @@ from kvcalib.core.checkpoint import read_config, scan_checkpoint
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import DeviceError, UsageError, ValidationFailedError, VllmNotFoundError
 from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, head_dim
-from kvcalib.serving.neuron import detect_neuron_host, require_family
+from kvcalib.serving.neuron import neuron_cores
 from kvcalib.serving.options import NEURON_DEVICES, ServeOptions
 from kvcalib.serving.server import require_free_port
 from kvcalib.validation.config import declared_kv_cache_scheme
 from kvcalib.validation.pipeline import validate_checkpoint
-from kvcalib.validation.provenance import read_provenance
+from kvcalib.validation.provenance import finite_number, read_provenance
 
 __all__ = [
     "Preflight",
@@ -221,9 +221,7 @@ def check_environment(config: dict[str, Any], options: ServeOptions) -> tuple[in
                 f"--max-model-len {options.max_model_len} is over {MAX_NEURON_MODEL_LEN}",
                 hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384",
             )
-        host = detect_neuron_host(options.env, options.sysfs_root, options.dev_root)
-        require_family(host, device)
-        cores = host.num_cores
+        cores = neuron_cores(options.env, device, options.sysfs_root, options.dev_root)
     elif device == "cpu":
         check_cpu(config, options.cpu)
     version = find_vllm(options.vllm_python, options.env, device, options.tp)
@@ -238,15 +236,12 @@ def preflight(checkpoint: Path, options: ServeOptions) -> Preflight:
     warnings = check_validation(checkpoint, target, options.force)
     tp, version = check_environment(config, options)
     scan = scan_checkpoint(checkpoint)
-    fp8_max = (read_provenance(scan) or {}).get("fp8_max")
     experts = options.device in NEURON_DEVICES and mxfp4.weights(scan.key_files)
     return Preflight(
         tp,
         version,
         target,
-        float(fp8_max)
-        if isinstance(fp8_max, (int, float)) and not isinstance(fp8_max, bool)
-        else None,
+        finite_number((read_provenance(scan) or {}).get("fp8_max")),
         config,
         tuple(warnings),
         mxfp4.neuron_quantization(options.device) if experts else None,

@@ -32,7 +32,6 @@ from kvcalib.core.errors import ServerError, UsageError
 
 __all__ = [
     "Completion",
-    "KNOWN_CAUSES",
     "KvCapacity",
     "ServeEvent",
     "VllmServer",
@@ -295,8 +294,7 @@ class VllmServer:
                     default_hint="raise --startup-timeout (Neuron compiles take up to 30 minutes), "
                     "or read the log for where it stalled",
                 )
-            tail = log_tail(self.log_path, lines=5, max_bytes=8192).split("\n")
-            last = next((line.strip() for line in reversed(tail) if line.strip()), "")
+            last = log_tail(self.log_path, 5, 8192).strip().rsplit("\n", 1)[-1].strip()
             progress(ServeEvent("wait", self.name, elapsed, last))
             time.sleep(POLL_S)
         raise self.failure(

@@ -15,13 +15,7 @@ from serve_helpers import FAKE_BIN, listening
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import DeviceError, ServerError, UsageError
 from kvcalib.serving.launch import baseline_kv_dtype, cpu_kv_cache_bytes
-from kvcalib.serving.neuron import (
-    NeuronHost,
-    detect_neuron_host,
-    parse_logfmt,
-    parse_neuron_ls_json,
-    require_family,
-)
+from kvcalib.serving.neuron import neuron_cores, parse_neuron_ls_json
 from kvcalib.serving.pipeline import ServerRun, degenerate, judge
 from kvcalib.serving.preflight import check_cpu
 from kvcalib.serving.prompts import (
@@ -51,16 +45,6 @@ TRN1_JSON = (
 )
 
 
-def test_logfmt_fields():
-    line = 'level=fatal msg="Failed to load MLA system information" error="failed to discover Neuron devices"'
-    assert parse_logfmt(line) == {
-        "level": "fatal",
-        "msg": "Failed to load MLA system information",
-        "error": "failed to discover Neuron devices",
-    }
-    assert parse_logfmt('a=1 b="x \\"y\\""') == {"a": "1", "b": 'x "y"'}
-
-
 @pytest.mark.parametrize(
     "text, devices, error",
     [
@@ -85,7 +69,7 @@ def test_neuron_ls_json(text, devices, error):
         assert parse_neuron_ls_json(text) == devices
 
 
-def test_family_from_sysfs_beats_neuron_ls_and_the_override_beats_both(tmp_path, monkeypatch):
+def test_family_from_sysfs_beats_neuron_ls_and_the_override_beats_both(tmp_path):
     env = {
         "PATH": f"{FAKE_BIN}{os.pathsep}/usr/bin:/bin",
         "FAKE_NEURON_LS": "trn2",
@@ -94,33 +78,64 @@ def test_family_from_sysfs_beats_neuron_ls_and_the_override_beats_both(tmp_path,
     arch = tmp_path / "devices/virtual/neuron_device/neuron0/info/architecture"
     arch.mkdir(parents=True)
     (arch / "instance_type").write_text("trn3.48xlarge\n")
-    host = detect_neuron_host(env, sysfs_root=tmp_path)
-    assert (host.family, host.instance_type, host.family_source, host.num_cores) == (
-        "trn3",
-        "trn3.48xlarge",
-        "sysfs",
-        8,
-    )
-    assert host.neuron_ls == str(FAKE_BIN / "neuron-ls")
-    table = detect_neuron_host(env, sysfs_root=tmp_path / "no-sysfs")
-    assert (table.family, table.instance_type, table.family_source) == (
-        "trn2",
-        "trn2.3xlarge",
-        "neuron-ls",
-    )
-    forced = detect_neuron_host(
-        {**env, "NEURON_PLATFORM_TARGET_OVERRIDE": "trn3"}, sysfs_root=tmp_path / "no-sysfs"
-    )
-    assert (forced.family, forced.family_source) == ("trn3", "NEURON_PLATFORM_TARGET_OVERRIDE")
-
-
-def test_require_family():
-    host = NeuronHost("inf2", "inf2.xlarge", "sysfs", 2)
+    assert neuron_cores(env, "trn3", sysfs_root=tmp_path) == 8  # 2 devices of 4 NeuronCores
     with pytest.raises(
-        DeviceError, match=r"this host is inf2 \(inf2.xlarge from sysfs\), not trn2"
+        DeviceError, match=r"this host is trn3 \(trn3.48xlarge from sysfs\), not trn2"
     ):
-        require_family(host, "trn2")
-    require_family(NeuronHost("trn2", None, "neuron-ls"), "trn2")
+        neuron_cores(env, "trn2", sysfs_root=tmp_path)
+    with pytest.raises(
+        DeviceError, match=r"this host is trn2 \(trn2.3xlarge from neuron-ls\), not trn3"
+    ) as table:
+        neuron_cores(env, "trn3", sysfs_root=tmp_path / "no-sysfs")
+    assert table.value.hint == "pass --device trn2"
+    forced = {**env, "NEURON_PLATFORM_TARGET_OVERRIDE": "trn3"}
+    assert neuron_cores(forced, "trn3", sysfs_root=tmp_path / "no-sysfs") == 8
+    with pytest.raises(
+        DeviceError, match=r"trn3 \(trn2.3xlarge from NEURON_PLATFORM_TARGET_OVERRIDE\)"
+    ):
+        neuron_cores(forced, "trn2", sysfs_root=tmp_path / "no-sysfs")
+
+
+# (FAKE_NEURON_LS, neuron-ls on PATH, the refusal, its hint): as the real tool behaves on each kind of host
+@pytest.mark.parametrize(
+    "ls_mode, on_path, message, hint",
+    [
+        (
+            "trn2",
+            False,
+            "no Neuron tools: neuron-ls is neither on PATH nor in /opt/aws/neuron/bin (no /dev/neuron* devices)",
+            "run on a Trainium instance",
+        ),
+        (
+            "nodriver",
+            True,
+            "--json-output exited 1 (Failed to load MLA system information: failed to "
+            "discover Neuron devices)",
+            "the Neuron driver is not loaded",
+        ),
+        ("empty", True, "--json-output listed none", "run on a Trainium instance"),
+        (
+            "trn1",
+            True,
+            "this host is trn1 (trn1.2xlarge from neuron-ls), not trn2",
+            "serve-check supports trn2 and trn3",
+        ),
+        (
+            "inf2",
+            True,
+            "this host is inf2 (inf2.xlarge from neuron-ls), not trn2",
+            "serve-check supports trn2 and trn3",
+        ),
+    ],
+)
+def test_neuron_host_detection_errors(tmp_path, ls_mode, on_path, message, hint):
+    env = {
+        "PATH": (f"{FAKE_BIN}{os.pathsep}" if on_path else "") + "/usr/bin:/bin",
+        "FAKE_NEURON_LS": ls_mode,
+    }
+    with pytest.raises(DeviceError) as caught:
+        neuron_cores(env, "trn2", sysfs_root=tmp_path, dev_root=tmp_path)
+    assert message in caught.value.message and hint in caught.value.hint
 
 
 @pytest.mark.parametrize(
@@ -521,7 +536,7 @@ def test_the_fake_neuron_ls_without_a_driver_behaves_like_the_real_one():
         env={**os.environ, "FAKE_NEURON_LS": "nodriver"},
     )
     assert proc.returncode == 1 and proc.stdout == ""
-    assert parse_logfmt(proc.stderr.strip())["level"] == "fatal"
+    assert proc.stderr.startswith("level=fatal msg=")
     devices = json.loads(
         subprocess.run(
             [str(FAKE_BIN / "neuron-ls"), "--json-output"],
