@@ -37,7 +37,6 @@ from kvcalib.serving.prompts import (
     Prompt,
     contains,
     context_prompt,
-    unjudged_passkeys,
 )
 from kvcalib.serving.server import (
     Completion,
@@ -303,9 +302,9 @@ def degenerate(text: str, token_ids: Sequence[int]) -> str | None:
 
 def judge(
     prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None
-) -> tuple[list[PromptResult], list[str], float | None]:
-    """Per-prompt results, the reasons the check failed (none: it passed), and the mean agreement."""
-    results, failures = [], []
+) -> tuple[list[PromptResult], list[str], list[str], float | None]:
+    """Per-prompt results, the reasons the check failed (none: it passed), warnings, and the mean agreement."""
+    results, failures, warnings = [], [], []
     for i, (prompt, out) in enumerate(zip(prompts, fp8.completions)):
         ref = baseline.completions[i] if baseline else None
         tokens = prompt.tokens or len(out.prompt_token_ids)
@@ -336,6 +335,12 @@ def judge(
                 f"prompt {i + 1} (the {tokens:,}-token passkey): the "
                 f"baseline answers the key {prompt.expected}, the FP8 server does not ({out.text[:40]!r})"
             )
+        elif prompt.required and not ref and not contains(out.text, prompt.expected):
+            warnings.append(
+                f"the FP8 server did not answer the {tokens:,}-token passkey ({prompt.expected}); with no "
+                "baseline to compare, nothing says whether the model retrieves at that length without FP8 "
+                "(pass --baseline)"
+            )
         results.append(result)
     agreement = None
     if baseline is not None and fp8.agreements is not None:
@@ -348,7 +353,7 @@ def judge(
             failures.append(
                 f"FP8 NLL {fp8.nll:.3f} > baseline {baseline.nll:.3f} x {1 + NLL_TOLERANCE:g}"
             )
-    return results, failures, agreement
+    return results, failures, warnings, agreement
 
 
 def _checked(options: ServeOptions, checkpoint: Path) -> ServeOptions:
@@ -419,8 +424,8 @@ def serve_check(
     )
     baseline = serve("baseline", checkpoint, None) if with_baseline else None
     fp8 = serve("fp8", checkpoint, baseline and baseline.completions)
-    results, failures, agreement = judge(prompts, fp8, baseline)
-    warnings += unjudged_passkeys(prompts, results)
+    results, failures, unjudged, agreement = judge(prompts, fp8, baseline)
+    warnings += unjudged
     intervals = delta_intervals(
         baseline and baseline.token_nll, fp8.token_nll, prediction, warnings
     )

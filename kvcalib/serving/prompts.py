@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,6 @@ __all__ = [
     "context_prompt",
     "passkey_prompt",
     "read_prompts_file",
-    "unjudged_passkeys",
 ]
 
 # The passkey test's haystack (Mohtashami & Jaggi 2023, "Landmark Attention"): one line repeated, so that
@@ -71,17 +70,6 @@ def passkey_prompt(length: int, count_tokens: Callable[[str], int], seed: int = 
 
 def contains(text: str, expected: str | None) -> bool:
     return expected is not None and expected.lower() in text.lower()
-
-
-def unjudged_passkeys(prompts: Sequence[Prompt], results: Sequence[Any]) -> list[str]:
-    """Warnings for passkeys the FP8 server missed with no baseline to judge by (`results`: serve-check's
-    PromptResult, one per prompt)."""
-    return [
-        f"the FP8 server did not answer the {p.tokens or 0:,}-token passkey ({p.expected}); with no baseline to "
-        "compare, nothing says whether the model retrieves at that length without FP8 (pass --baseline)"
-        for p, r in zip(prompts, results)
-        if p.required and r.baseline_output is None and not contains(r.output, p.expected)
-    ]
 
 
 def context_prompt(checkpoint: Path, config: dict[str, Any], length: int) -> Prompt:

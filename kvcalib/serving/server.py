@@ -265,7 +265,7 @@ class VllmServer:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=dict(self.env),
+                    env=self.env,
                     cwd=self.cwd,
                     start_new_session=True,  # its pid is its session and process group id
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
@@ -377,11 +377,11 @@ class VllmServer:
                 hint="the server is still running but did not answer in time; see its log",
                 log=log,
             ) from None
-        except json.JSONDecodeError:
-            raise ServerError(f"the server's answer to {path} is not JSON", log=log) from None
+        except ValueError:  # not JSON
+            answer = None
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise ServerError("the server's completion has no choices", log=log)
+            raise ServerError(f"the server's answer to {path} has no choices", log=log)
         return choices[0]
 
     def complete(self, prompt: str | Sequence[int], max_tokens: int) -> Completion:
@@ -415,10 +415,7 @@ class VllmServer:
 
     def token_nlls(self, text: str) -> tuple[float, ...]:
         """The negative log-likelihood (nats) of each token of `text` after its first."""
-        values = tuple(-entry["logprob"] for entry in self._prompt_logprobs(text, 0))
-        if not values:
-            raise ServerError("the NLL text is a single token", log=str(self.log_path))
-        return values
+        return tuple(-entry["logprob"] for entry in self._prompt_logprobs(text, 0))
 
     def top1_agreement(
         self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]

@@ -24,7 +24,6 @@ from kvcalib.serving.prompts import (
     context_prompt,
     passkey_prompt,
     read_prompts_file,
-    unjudged_passkeys,
 )
 from kvcalib.serving.server import (
     Completion,
@@ -417,10 +416,9 @@ def test_judge_the_passkey():
     ]
     for (base, fp8), failures in cases:
         assert judge([passkey], _run(2.9, (1.0,), (fp8,)), _run(2.8, None, (base,)))[1] == failures
-    results, failures, _ = judge(
-        [passkey], _run(2.9, None, (" 54321.",)), None
-    )  # no baseline: a warning, no failure
-    assert failures == [] and unjudged_passkeys([passkey], results) == [
+    # no baseline: a warning, no failure
+    _, failures, warnings, _ = judge([passkey], _run(2.9, None, (" 54321.",)), None)
+    assert failures == [] and warnings == [
         "the FP8 server did not answer the 4,000-token passkey (12345); with no baseline to compare, nothing says "
         "whether the model retrieves at that length without FP8 (pass --baseline)"
     ]
@@ -455,7 +453,10 @@ def test_judge_the_passkey():
     ],
 )
 def test_judge(fp8, baseline, failures):
-    results, found, agreement = judge([Prompt("The capital of France is", "Paris")], fp8, baseline)
+    results, found, warnings, agreement = judge(
+        [Prompt("The capital of France is", "Paris")], fp8, baseline
+    )
+    assert warnings == []
     assert found == failures
     assert agreement == (fp8.agreements[0] if baseline else None)
     assert results[0].to_dict()["expected_found"] == ("Paris" in fp8.completions[0].text)
