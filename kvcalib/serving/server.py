@@ -1,8 +1,8 @@
 """Run a vLLM server as a child process group, wait for it, ask it, and always take it down again.
 
 `VllmServer` is a context manager: on every exit path it SIGTERMs the whole process group (vLLM forks an engine core
-and workers), SIGKILLs it after `stop_timeout_s`, and waits for the port to be free. On Linux the server also gets
-SIGTERM if kvcalib dies (PR_SET_PDEATHSIG). A failed start raises with the log's tail and its known cause (`diagnose`).
+and workers), SIGKILLs it after `stop_timeout_s`, and waits for the port to be free. The server also gets SIGTERM if
+kvcalib dies (Linux's PR_SET_PDEATHSIG). A failed start raises with the log's tail and its known cause (`diagnose`).
 The probe talks to its OpenAI-compatible HTTP API (stdlib only); `top1_agreement` is teacher-forced on the baseline's
 tokens, so one early near-tie does not turn every later token into a disagreement, and a degenerate FP8 server cannot
 agree with its own repetition.
@@ -18,7 +18,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -212,12 +211,8 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def group_members(pgid: int, proc: Path = Path("/proc")) -> list[int]:
-    """Live (non-zombie) processes in a process group (`proc`: where /proc is)."""
-    if not proc.is_dir():  # not Linux: ask the kernel whether the group still exists
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, 0)
-            return [pgid]
-        return []
+    """Live (non-zombie) processes in a process group (`proc`: where /proc is; serve-check runs on Linux only:
+    vLLM's Neuron, CUDA and x86 CPU backends do)."""
     members = []
     for entry in proc.iterdir():
         try:
@@ -268,7 +263,7 @@ class VllmServer:
                     env=self.env,
                     cwd=self.cwd,
                     start_new_session=True,  # its pid is its session and process group id
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    preexec_fn=_die_with_parent,
                 )
             except OSError as err:
                 raise ServerError(
