@@ -23,7 +23,6 @@ SYSFS_ARCHITECTURE = Path("devices/virtual/neuron_device/neuron0/info/architectu
 TARGET_OVERRIDE_ENV = "NEURON_PLATFORM_TARGET_OVERRIDE"
 TOOL_TIMEOUT_S = 60.0
 _INSTANCE_TYPE_LINE = re.compile(r"instance-type:\s*([A-Za-z0-9.\-]+)")
-_LOGFMT_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _HINT = "run on a Trainium instance with the Neuron driver and tools (aws-neuronx-tools), or use --device cpu"
 
 
@@ -77,15 +76,11 @@ def neuron_cores(
         )
     proc = _run_tool([neuron_ls, "--json-output"], env)
     if proc.returncode != 0 or not proc.stdout.strip():
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        # the fatal logfmt line: level=fatal msg="..." error="..."
-        fatal = dict(_LOGFMT_FIELD.findall(next((line for line in lines if "level=" in line), "")))
-        said = ": ".join(
-            fatal[k].strip('"').replace('\\"', '"') for k in ("msg", "error") if k in fatal
-        )
+        said = proc.stderr.strip().rsplit("\n", 1)[
+            -1
+        ]  # without a driver: level=fatal msg="..." error="..."
         raise DeviceError(
-            f"no Neuron devices: {neuron_ls} --json-output exited {proc.returncode} "
-            f"({said or (lines[-1] if lines else 'no output')})",
+            f"no Neuron devices: {neuron_ls} --json-output exited {proc.returncode} ({said or 'no output'})",
             hint="the Neuron driver is not loaded or this is not a Neuron instance; "
             "check `lsmod | grep neuron` and /dev/neuron*, or use --device cpu",
         )

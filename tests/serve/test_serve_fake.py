@@ -120,7 +120,7 @@ def vllm_dummy():
 def test_leftovers_are_the_servers_own_sessions_not_the_hosts_vllm_processes(
     ckpt, cpu_python, vllm_dummy
 ):
-    result = serve(ckpt, cpu_python, "--device", "cpu", "--json")
+    result = serve(ckpt, cpu_python, "--device", "cpu", "--no-predict", "--json")
     assert result.exit_code == 0, result.stderr
     pids = json.loads(result.stdout)["server_pids"]
     assert set(pids) == {"baseline", "fp8", "unit", "canary"} and len(set(pids.values())) == 4
@@ -231,6 +231,8 @@ def test_failure_paths_exit_code_message_and_no_leftovers(
         cpu_python,
         "--device",
         "cpu",
+        "--no-canary",
+        "--no-predict",
         *extra,
         env={"FAKE_VLLM_MODE": mode},
         monkeypatch=monkeypatch,
@@ -251,6 +253,8 @@ def test_repetition_the_baseline_server_shares_is_the_model_not_the_cache(
         cpu_python,
         "--device",
         "cpu",
+        "--no-canary",
+        "--no-predict",
         "--json",
         env={"FAKE_VLLM_MODE": "repetitive"},
         monkeypatch=monkeypatch,
@@ -270,6 +274,7 @@ def test_a_server_that_ignores_sigterm_is_killed(ckpt, cpu_python, monkeypatch):
         "--device",
         "cpu",
         "--no-baseline",
+        "--no-predict",
         "--startup-timeout",
         "2",
         env={"FAKE_VLLM_MODE": "hang", "FAKE_VLLM_IGNORE_SIGTERM": "1"},
@@ -290,6 +295,7 @@ def test_the_cpu_backends_own_refusal_is_recognised(ckpt, cpu_python, monkeypatc
         "--device",
         "cpu",
         "--no-baseline",
+        "--no-predict",
         env={"FAKE_VLLM_CPU_FLAGS": "avx2 fma"},
         monkeypatch=monkeypatch,
     )
@@ -440,7 +446,10 @@ def test_prompts_file(ckpt, cpu_python, tmp_path):
         '{"prompt": "Tell me a story", "expected": "story"}\n\n{"prompt": "Once upon a time"}\n'
     )
     result = serve(
-        ckpt, cpu_python, "--device", "cpu", "--no-baseline", "--prompts", str(prompts), "--json"
+        ckpt,
+        cpu_python,
+        *("--device", "cpu", "--no-baseline", "--no-canary", "--no-predict"),
+        *("--prompts", str(prompts), "--json"),
     )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)["prompts"]
@@ -528,6 +537,8 @@ def test_interrupt_stops_the_server(ckpt, cpu_python, tmp_path, sig):
             "--device",
             "cpu",
             "--no-baseline",
+            "--no-canary",
+            "--no-predict",  # a fresh interpreter: no torch before the server (not what is tested)
             "--vllm-python",
             str(cpu_python),
             "--stop-timeout",
@@ -540,7 +551,9 @@ def test_interrupt_stops_the_server(ckpt, cpu_python, tmp_path, sig):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 300  # the CLI starts in a fresh interpreter: slow on a loaded machine
+    deadline = (
+        time.monotonic() + 300
+    )  # the CLI starts in a fresh interpreter: slow on a loaded machine
     while not any("fake-engine-core" in cmd for _, cmd in processes_mentioning(str(ckpt))):
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()  # never wait on a serve-check that hangs (its server dies with it: PDEATHSIG)

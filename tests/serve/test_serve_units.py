@@ -108,8 +108,8 @@ def test_family_from_sysfs_beats_neuron_ls_and_the_override_beats_both(tmp_path)
         (
             "nodriver",
             True,
-            "--json-output exited 1 (Failed to load MLA system information: failed to "
-            "discover Neuron devices)",
+            '--json-output exited 1 (level=fatal msg="Failed to load MLA system information" '
+            'error="failed to discover Neuron devices")',
             "the Neuron driver is not loaded",
         ),
         ("empty", True, "--json-output listed none", "run on a Trainium instance"),
