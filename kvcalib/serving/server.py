@@ -387,30 +387,25 @@ class VllmServer:
             tuple(choice.get("prompt_token_ids") or ()),
         )
 
-    def _prompt_logprobs(self, prompt: str | Sequence[int], top: int) -> list[dict]:
-        """The log-prob entry ({"logprob", "rank", ...}) of each prompt token after the first."""
+    def _prompt_logprobs(self, prompt: str | Sequence[int], top: int) -> list[tuple[float, Any]]:
+        """(log-prob, rank) of each prompt token after the first."""
         choice = self._completion(prompt, 1, prompt_logprobs=top)
-        logprobs, ids = choice.get("prompt_logprobs"), choice.get("prompt_token_ids")
-        if not isinstance(logprobs, list) or not isinstance(ids, list) or len(logprobs) != len(ids):
+        try:
+            positions, ids = choice["prompt_logprobs"][1:], choice["prompt_token_ids"][1:]
+            entries = [position[str(token)] for position, token in zip(positions, ids, strict=True)]
+            return [(float(entry["logprob"]), entry.get("rank")) for entry in entries]
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise ServerError(
-                "the server returned no prompt log-probs (prompt_logprobs / prompt_token_ids)",
+                "the server returned no prompt log-probs (prompt_logprobs / prompt_token_ids) for "
+                f"every prompt token: {str(choice)[:200]}",
                 hint="serve-check needs a vLLM whose completions API takes prompt_logprobs and "
                 "return_token_ids",
                 log=str(self.log_path),
-            )
-        entries = []
-        for position, token in zip(logprobs[1:], ids[1:]):
-            entry = position.get(str(token)) if isinstance(position, dict) else None
-            if not isinstance(entry, dict) or not isinstance(entry.get("logprob"), (int, float)):
-                raise ServerError(
-                    f"prompt log-probs lack an entry for token {token}", log=str(self.log_path)
-                )
-            entries.append(entry)
-        return entries
+            ) from None
 
     def token_nlls(self, text: str) -> tuple[float, ...]:
         """The negative log-likelihood (nats) of each token of `text` after its first."""
-        return tuple(-entry["logprob"] for entry in self._prompt_logprobs(text, 0))
+        return tuple(-logprob for logprob, _ in self._prompt_logprobs(text, 0))
 
     def top1_agreement(
         self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]
@@ -418,6 +413,6 @@ class VllmServer:
         """Share of `continuation_ids` this server ranks first, given the same prefix (None if empty)."""
         if not continuation_ids:
             return None
-        entries = self._prompt_logprobs([*prompt_ids, *continuation_ids], 1)
-        ranks = [entry.get("rank") for entry in entries[len(prompt_ids) - 1 :]]
+        scored = self._prompt_logprobs([*prompt_ids, *continuation_ids], 1)
+        ranks = [rank for _, rank in scored[len(prompt_ids) - 1 :]]
         return ranks.count(1) / len(ranks)
