@@ -381,7 +381,7 @@ def serve_check(
     checkpoint: Path, options: ServeOptions, progress: Callable[[ServeEvent], None] | None = None
 ) -> ServeCheckResult:
     """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
-    checkpoint = Path(checkpoint).resolve()
+    checkpoint, progress = Path(checkpoint).resolve(), progress or (lambda event: None)
     options = _checked(options, checkpoint)
     pre = preflight(checkpoint, options)
     prompts = (options.prompts or BUILTIN_PROMPTS) + (
