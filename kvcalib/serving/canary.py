@@ -20,8 +20,6 @@ from kvcalib.core.schema import is_kv_scale_key
 
 __all__ = [
     "CANARY_DIVISOR",
-    "MIN_NLL_CHANGE",
-    "SAME_AGREEMENT",
     "CanaryResult",
     "judge_canary",
     "make_variant",
@@ -54,45 +52,44 @@ class CanaryResult:
 def make_variant(
     checkpoint: Path, dest: Path, *, factor: float | None = None, value: float | None = None
 ) -> Path:
-    """`dest`: `checkpoint` with every KV scale times `factor` (or set to `value`), everything else symlinked."""
+    """`dest`: `checkpoint` with every KV scale times `factor` (or set to `value`), everything else symlinked.
+    A variant an earlier serve-check left there (symlinks and .safetensors only) is replaced; anything else refused."""
     import torch
     from safetensors.torch import save_file
 
     checkpoint, dest = Path(checkpoint).resolve(), Path(dest)
     if dest.exists() or dest.is_symlink():
-        _remove_earlier_variant(dest)
+        ours = (
+            dest.is_dir()
+            and not dest.is_symlink()
+            and all(
+                e.is_symlink() or (e.is_file() and e.suffix == ".safetensors")
+                for e in dest.iterdir()
+            )
+        )
+        if not ours:
+            raise UsageError(
+                f"{dest} exists and is not a checkpoint variant serve-check made",
+                hint="pass another --log-dir, or move it away",
+            )
+        shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    files = scan_checkpoint(checkpoint)
+    headers = scan_checkpoint(checkpoint).headers
     rewrite = {
-        name: header
-        for name, header in files.headers.items()
-        if any(map(is_kv_scale_key, header.tensors))
+        name for name, header in headers.items() if any(map(is_kv_scale_key, header.tensors))
     }
     for entry in sorted(checkpoint.iterdir()):
         if entry.name not in rewrite:
             os.symlink(entry, dest / entry.name)
-    for name, header in sorted(rewrite.items()):
-        tensors = load_tensors(checkpoint / name, header.tensors)
+    for name in sorted(rewrite):
+        tensors = load_tensors(checkpoint / name, headers[name].tensors)
         for key, tensor in tensors.items():
             if is_kv_scale_key(key):
                 tensors[key] = (
                     torch.full_like(tensor, value) if value is not None else tensor * factor
                 )
-        save_file(tensors, str(dest / name), metadata=header.metadata)
+        save_file(tensors, str(dest / name), metadata=headers[name].metadata)
     return dest
-
-
-def _remove_earlier_variant(dest: Path) -> None:
-    """Replace a variant an earlier serve-check left (symlinks and .safetensors only); refuse anything else."""
-    entries = list(dest.iterdir()) if dest.is_dir() and not dest.is_symlink() else None
-    if entries is None or not all(
-        e.is_symlink() or (e.is_file() and e.suffix == ".safetensors") for e in entries
-    ):
-        raise UsageError(
-            f"{dest} exists and is not a checkpoint variant serve-check made",
-            hint="pass another --log-dir, or move it away",
-        )
-    shutil.rmtree(dest)
 
 
 def mean_agreement(values: Sequence[float | None] | None) -> float | None:
@@ -100,55 +97,32 @@ def mean_agreement(values: Sequence[float | None] | None) -> float | None:
     return sum(scored) / len(scored) if scored else None
 
 
-def judge_canary(
-    calibrated: Any, canary: Any, factor: float, device: str, server: str
-) -> CanaryResult:
+def judge_canary(calibrated: Any, canary: Any, device: str, server: str) -> CanaryResult:
     """Compare the variant's run with the checkpoint's (two `ServerRun`s against the same reference)."""
-    change = canary.nll - calibrated.nll
-    agreement, reference_agreement = (
-        mean_agreement(canary.agreements),
-        mean_agreement(calibrated.agreements),
-    )
+    change, factor = canary.nll - calibrated.nll, 1 / CANARY_DIVISOR
+    agreement, reference = mean_agreement(canary.agreements), mean_agreement(calibrated.agreements)
     same_text = [c.text for c in canary.completions] == [c.text for c in calibrated.completions]
-    same_agreement = (
-        agreement is None
-        or reference_agreement is None
-        or abs(agreement - reference_agreement) < SAME_AGREEMENT
-    )
+    same_agreement = None in (agreement, reference) or abs(agreement - reference) < SAME_AGREEMENT
     shown = f"NLL {canary.nll:.3f} vs {calibrated.nll:.3f}" + (
-        "" if agreement is None else f", agreement {agreement:.2f} vs {reference_agreement:.2f}"
+        "" if agreement is None else f", agreement {agreement:.2f} vs {reference:.2f}"
     )
+    ok = False
     if abs(change) < MIN_NLL_CHANGE and same_agreement and same_text:
-        return CanaryResult(
-            False,
-            factor,
-            canary.nll,
-            agreement,
-            (
-                "the server did not apply the checkpoint's KV scales: "
-                f"with every scale x{factor:g} it answered as with the calibrated ones ({shown}) on {device}, {server}"
-            ),
+        reason = (
+            "the server did not apply the checkpoint's KV scales: with every scale "
+            f"x{factor:g} it answered as with the calibrated ones ({shown}) on {device}, {server}"
         )
-    if change <= -MIN_NLL_CHANGE:
-        return CanaryResult(
-            False,
-            factor,
-            canary.nll,
-            agreement,
-            (
-                f"the server applies the checkpoint's KV scales the wrong way round: every scale x{factor:g} served "
-                f"better than the calibrated ones ({shown}) on {device}, {server}"
-            ),
+    elif change <= -MIN_NLL_CHANGE:
+        reason = (
+            f"the server applies the checkpoint's KV scales the wrong way round: every scale x{factor:g} served "
+            f"better than the calibrated ones ({shown}) on {device}, {server}"
         )
-    return CanaryResult(
-        True,
-        factor,
-        canary.nll,
-        agreement,
-        (
-            f"scales x{factor:g} changed the answers ({shown}): the server applies the checkpoint's scales"
-        ),
-    )
+    else:
+        ok, reason = (
+            True,
+            f"scales x{factor:g} changed the answers ({shown}): the server applies the checkpoint's scales",
+        )
+    return CanaryResult(ok, factor, canary.nll, agreement, reason)
 
 
 def self_agreement(run: Any) -> Any:

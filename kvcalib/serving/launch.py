@@ -13,9 +13,7 @@ from typing import Any
 from kvcalib.core.schema import kv_cache_size
 
 __all__ = [
-    "API_SERVER_MODULE",
     "baseline_kv_dtype",
-    "command_line",
     "cpu_kv_cache_bytes",
     "interpreter_path",
     "server_argv",
@@ -23,7 +21,7 @@ __all__ = [
 ]
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-MIN_CPU_KV_CACHE_BYTES = 64 << 20
+MIB = 1 << 20
 
 
 def cpu_kv_cache_bytes(config: Mapping[str, Any], max_model_len: int, max_num_seqs: int) -> int:
@@ -33,14 +31,13 @@ def cpu_kv_cache_bytes(config: Mapping[str, Any], max_model_len: int, max_num_se
     if size is None:
         return 1 << 30
     wanted = 2 * size.per_token["bf16"] * max_model_len * max_num_seqs
-    return max(MIN_CPU_KV_CACHE_BYTES, -(-wanted // (1 << 20)) * (1 << 20))
+    return max(64 * MIB, -(-wanted // MIB) * MIB)
 
 
 def baseline_kv_dtype(config: Mapping[str, Any]) -> str:
     """The baseline's KV dtype: the model's own 16-bit type (float32 models get bfloat16)."""
-    return (
-        "float16" if (config.get("dtype") or config.get("torch_dtype")) == "float16" else "bfloat16"
-    )
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return "float16" if dtype == "float16" else "bfloat16"
 
 
 def server_argv(
@@ -53,12 +50,15 @@ def server_argv(
     tp: int,
     max_model_len: int,
     max_num_seqs: int,
-    kv_cache_bytes: int | None = None,
-    baseline_dtype: str = "bfloat16",
+    config: Mapping[str, Any] | None = None,
     neuron_quantization: str | None = None,
 ) -> list[str]:
-    """The vLLM command line: the same for both servers except `--kv-cache-dtype`. `neuron_quantization`: the
-    neuron_config quantization to name (GPT-OSS with MXFP4 experts: "bf16" on trn2, "mxfp4" on trn3)."""
+    """The vLLM command line: the same for both servers except `--kv-cache-dtype` (the baseline's from `config`, the
+    checkpoint's config.json). `neuron_quantization`: the neuron_config quantization to name (GPT-OSS with MXFP4
+    experts: "bf16" on trn2, "mxfp4" on trn3)."""
+    # Neuron's FP8 prefill reads a packed KV cache (a whole prompt in one batch) and it samples
+    # on the host (no async scheduling); vLLM CPU is served the same. GPU vLLM needs neither.
+    packed = device != "cuda"
     argv = [
         str(python),
         "-m",
@@ -73,34 +73,32 @@ def server_argv(
         str(tp),
         "--max-model-len",
         str(max_model_len),
-        # Neuron's FP8 prefill reads a packed KV cache (a whole prompt in one batch) and it samples
-        # on the host (no async scheduling); vLLM CPU is served the same. GPU vLLM needs neither.
-        *(() if device == "cuda" else ("--max-num-batched-tokens", str(max_model_len))),
+        *(("--max-num-batched-tokens", str(max_model_len)) if packed else ()),
         "--max-num-seqs",
         str(max_num_seqs),
         "--no-enable-prefix-caching",
-        *(() if device == "cuda" else ("--no-async-scheduling",)),
+        *(("--no-async-scheduling",) if packed else ()),
+        # The baseline names its KV dtype: with "auto", vLLM (CPU and GPU) turns FP8 on by itself when
+        # the checkpoint's quantization_config has a kv_cache_scheme, as ours does.
+        "--kv-cache-dtype",
+        "fp8" if fp8 else baseline_kv_dtype(config or {}),
     ]
-    # The baseline names its KV dtype: with "auto", vLLM (CPU and GPU) turns FP8 on by itself when
-    # the checkpoint's quantization_config has a kv_cache_scheme, as ours does.
-    argv += ["--kv-cache-dtype", "fp8" if fp8 else baseline_dtype]
     if neuron_quantization is not None:
         argv += [
             "--additional-config",
             json.dumps({"neuron_config": {"quantization": neuron_quantization}}),
         ]
     if device == "cpu":
-        argv += ["--enforce-eager"]
-        if kv_cache_bytes:
-            argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        kv_bytes = cpu_kv_cache_bytes(config or {}, max_model_len, max_num_seqs)
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes)]
     return argv
 
 
 def server_env(
-    env: Mapping[str, str], cache_dir: Path, neuron_visible_devices: str | None
-) -> tuple[dict[str, str], dict[str, str]]:
-    """(the full environment, the variables serve-check set): caches off the home directory, offline."""
-    base = dict(env)
+    argv: Sequence[str], env: Mapping[str, str], cache_dir: Path, neuron_visible_devices: str | None
+) -> tuple[dict[str, str], str]:
+    """(the server's environment: caches off the home directory, offline; the command line to print, with the
+    variables serve-check set)."""
     defaults = {
         "VLLM_CACHE_ROOT": str(cache_dir / "vllm"),
         "VLLM_CONFIG_ROOT": str(cache_dir / "vllm-config"),
@@ -109,21 +107,15 @@ def server_env(
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
     }
-    added = {key: value for key, value in defaults.items() if key not in base}
+    added = {key: value for key, value in defaults.items() if key not in env}
     if neuron_visible_devices:
         added["NEURON_VISIBLE_DEVICES"] = neuron_visible_devices
-    return {**base, **added}, added
-
-
-def command_line(argv: Sequence[str], added: Mapping[str, str]) -> str:
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in added.items()] + [shlex.join(argv)])
+    command = " ".join([f"{k}={shlex.quote(v)}" for k, v in added.items()] + [shlex.join(argv)])
+    return {**env, **added}, command
 
 
 def interpreter_path(python: Path, path_env: str | None) -> Path:
     """An absolute path for --vllm-python (servers run in the log directory), symlinks kept: a venv's
     python is a symlink whose target is the base interpreter, without the venv's packages."""
-    if os.sep not in str(python):
-        found = shutil.which(str(python), path=path_env)
-        if found:
-            return Path(found)
-    return Path(os.path.abspath(python))
+    found = None if os.sep in str(python) else shutil.which(str(python), path=path_env)
+    return Path(found or os.path.abspath(python))

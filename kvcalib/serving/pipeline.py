@@ -8,14 +8,16 @@ the plugin's own (vllm-neuron test/utils/server/); every server is a `VllmServer
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcalib.core.checkpoint import Checkpoint, read_config
-from kvcalib.core.errors import ServerError, UsageError
+from kvcalib.core.errors import UsageError, VllmNotFoundError
 from kvcalib.core.paths import overlapping
 from kvcalib.serving.canary import (
     CANARY_DIVISOR,
@@ -25,32 +27,24 @@ from kvcalib.serving.canary import (
     mean_agreement,
     self_agreement,
 )
-from kvcalib.serving.launch import (
-    baseline_kv_dtype,
-    command_line,
-    cpu_kv_cache_bytes,
-    interpreter_path,
-    server_argv,
-    server_env,
-)
-from kvcalib.serving.options import NEURON_DEVICES, ServeOptions
+from kvcalib.serving.launch import interpreter_path, server_argv, server_env
+from kvcalib.serving.options import DEVICES, NEURON_DEVICES, ServeOptions
 from kvcalib.serving.predict import DeltaIntervals, Prediction, delta_intervals, predict
-from kvcalib.serving.preflight import Environment, Preflight, check_environment, preflight
-from kvcalib.serving.probe import Completion, ServerClient, degenerate
+from kvcalib.serving.preflight import Preflight, check_environment, preflight
 from kvcalib.serving.prompts import (
     BUILTIN_PROMPTS,
     NLL_TEXT,
     Prompt,
     contains,
     context_prompt,
-    unjudged_passkeys,
 )
 from kvcalib.serving.server import (
+    Completion,
     KvCapacity,
+    ServeEvent,
     VllmServer,
     free_port,
     kv_capacity,
-    require_free_port,
 )
 
 if TYPE_CHECKING:
@@ -58,33 +52,18 @@ if TYPE_CHECKING:
     from kvcalib.serving.tasks import ServedTaskRow
 
 __all__ = [
-    "AGREEMENT_THRESHOLD",
-    "NLL_TOLERANCE",
-    "check_serving",
-    "Progress",
     "PromptResult",
     "ServeCheckResult",
     "ServeEvent",
-    "ServeOptions",
     "ServerRun",
+    "check_serving",
+    "degenerate",
     "judge",
     "serve_check",
 ]
 
-# Where the server's numerics differ from its validate target's: vLLM CPU truncates to E4M3 (core.fp8.EMULATED).
-EMULATED_DEVICES = {"cpu": "vllm-cpu"}
 AGREEMENT_THRESHOLD = 0.8  # mean top-1 agreement with the baseline, over the prompts
 NLL_TOLERANCE = 0.10  # FP8 NLL may exceed the baseline's by at most 10 %
-
-
-@dataclass(frozen=True)
-class ServeEvent:
-    """Progress: stage is launch (message: the command), wait, ready, probe, stop or stopped."""
-
-    stage: str
-    server: str  # "fp8" or "baseline"
-    elapsed_s: float = 0.0
-    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -132,14 +111,17 @@ class ServerRun:
     log: str
     ready_s: float
     completions: tuple[Completion, ...]
-    nll: float
+    token_nll: tuple[float, ...]  # each token's NLL of the fixed text
     agreements: tuple[float | None, ...] | None = None
     task_output: LmEvalOutput | None = (
         None  # serve-check --tasks: lm-eval's output against this server
     )
     pid: int | None = None  # the server's process id: it leads its own session and process group
-    token_nll: tuple[float, ...] = ()  # each token's NLL of the fixed text (nll is their mean)
     kv_capacity: KvCapacity = KvCapacity()  # the KV cache vLLM logged
+
+    @property
+    def nll(self) -> float:
+        return sum(self.token_nll) / len(self.token_nll)
 
 
 @dataclass(frozen=True)
@@ -179,52 +161,26 @@ class ServeCheckResult:
 
     def variants(self) -> list[dict[str, Any]]:
         """The table: each server's NLL and agreement, served and predicted ΔNLL."""
-        rows = []
-        if self.nll_baseline is not None:
-            rows.append(
-                {
-                    "name": "baseline",
-                    "nll": self.nll_baseline,
-                    "agreement": None,
-                    "served_delta_nll": 0.0,
-                    "predicted_delta_nll": 0.0 if self.prediction else None,
-                }
-            )
-        pred = self.prediction
-        rows.append(
-            self._row("calibrated", self.nll_fp8, self.agreement, pred.delta_nll if pred else None)
-        )
-        if self.unit is not None:
-            rows.append(
-                self._row(
-                    "scales 1.0",
-                    self.unit.nll,
-                    mean_agreement(self.unit.agreements),
-                    pred.unit_delta_nll if pred else None,
-                )
-            )
-        if self.canary is not None:
-            rows.append(
-                self._row(
-                    f"scales x{self.canary.factor:g}",
-                    self.canary.nll,
-                    self.canary.agreement,
-                    pred.canary_delta_nll if pred else None,
-                )
-            )
-        return rows
-
-    def _row(
-        self, name: str, nll: float, agreement: float | None, predicted: float | None
-    ) -> dict[str, Any]:
-        served = None if self.nll_baseline is None else nll - self.nll_baseline
-        return {
-            "name": name,
-            "nll": nll,
-            "agreement": agreement,
-            "served_delta_nll": served,
-            "predicted_delta_nll": predicted,
-        }
+        pred, unit, canary, base = self.prediction, self.unit, self.canary, self.nll_baseline
+        rows = [("calibrated", self.nll_fp8, self.agreement, pred and pred.delta_nll)]
+        if base is not None:
+            rows.insert(0, ("baseline", base, None, pred and 0.0))
+        if unit:
+            agreement = mean_agreement(unit.agreements)
+            rows.append(("scales 1.0", unit.nll, agreement, pred and pred.unit_delta_nll))
+        if canary:
+            name = f"scales x{canary.factor:g}"
+            rows.append((name, canary.nll, canary.agreement, pred and pred.canary_delta_nll))
+        return [
+            {
+                "name": name,
+                "nll": nll,
+                "agreement": agreement,
+                "served_delta_nll": None if base is None else nll - base,
+                "predicted_delta_nll": predicted,
+            }
+            for name, nll, agreement, predicted in rows
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         pred, unit, base = self.prediction, self.unit, self.nll_baseline
@@ -264,351 +220,272 @@ class ServeCheckResult:
         }
 
 
-Progress = Callable[[ServeEvent], None]
-
-
 def _run_server(
     name: str,
     checkpoint: Path,
+    reference: Sequence[Completion] | None,
+    *,
     options: ServeOptions,
     pre: Preflight,
     log_dir: Path,
     prompts: Sequence[Prompt],
-    reference: Sequence[Completion] | None,
-    progress: Progress,
+    progress: Callable[[ServeEvent], None],
 ) -> ServerRun:
-    port = options.port or free_port()
-    if options.port:
-        require_free_port(port)
-    kv_bytes = (
-        cpu_kv_cache_bytes(pre.config, options.max_model_len, options.max_num_seqs)
-        if options.device == "cpu"
-        else None
-    )
+    """Serve `checkpoint`, ask it the prompts, the NLL text, the agreement with `reference` and the tasks."""
+    port = options.port or free_port()  # --port was checked free before the first server
     argv = server_argv(
         options.vllm_python,
         checkpoint,
         port,
-        fp8=(name != "baseline"),
+        fp8=name != "baseline",
         device=options.device,
         tp=pre.tensor_parallel_size,
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
-        kv_cache_bytes=kv_bytes,
-        baseline_dtype=baseline_kv_dtype(pre.config),
+        config=pre.config,
         neuron_quantization=pre.neuron_quantization,
     )
-    env, added = server_env(options.env, log_dir / "cache", options.neuron_visible_devices)
-    command, log_path = command_line(argv, added), log_dir / f"vllm-{name}.log"
+    env, command = server_env(argv, options.env, log_dir / "cache", options.neuron_visible_devices)
+    log = log_dir / f"vllm-{name}.log"
+    server = VllmServer(name, argv, env, port, log, log_dir, options.stop_timeout_s)
+
+    def step(message: str) -> None:
+        progress(ServeEvent("probe", name, message=message))
+
     progress(ServeEvent("launch", name, message=command))
-    server = VllmServer(
-        name, argv, env, port, log_path, cwd=log_dir, stop_timeout_s=options.stop_timeout_s
-    )
     try:
         with server:
-            ready_s = server.wait_healthy(
-                options.startup_timeout_s,
-                lambda tick: progress(
-                    ServeEvent("wait", tick.name, tick.elapsed_s, tick.last_log_line)
-                ),
-            )
+            ready_s = server.wait_healthy(options.startup_timeout_s, progress)
             progress(ServeEvent("ready", name, ready_s))
-            run = _probe(name, server, checkpoint, options, prompts, reference, progress)
-            progress(ServeEvent("stop", name))
+            completions = []
+            for i, prompt in enumerate(prompts, start=1):
+                step(f"prompt {i}/{len(prompts)}")
+                completions.append(server.complete(prompt.text, options.max_tokens))
+            step("NLL of the fixed text")
+            token_nll, agreements, task_output = server.token_nlls(NLL_TEXT), None, None
+            if reference is not None:
+                step("agreement with the baseline")
+                agreements = tuple(
+                    server.top1_agreement(r.prompt_token_ids, r.token_ids) for r in reference
+                )
+            if options.tasks is not None and name in ("baseline", "fp8"):
+                step(f"lm-eval tasks {','.join(options.tasks.tasks)}")
+                from kvcalib.serving.tasks import run_served_tasks
+
+                task_output = run_served_tasks(server.url, checkpoint, options.tasks)
     finally:
         progress(ServeEvent("stopped", name))
-    *answers, token_nll = run
     return ServerRun(
         command,
-        str(log_path),
+        str(log),
         ready_s,
-        *answers,
-        pid=server.pid,
-        token_nll=token_nll,
-        kv_capacity=kv_capacity(log_path.read_text(encoding="utf-8", errors="replace")),
+        tuple(completions),
+        token_nll,
+        agreements,
+        task_output,
+        server.process.pid,
+        kv_capacity(log.read_text(encoding="utf-8", errors="replace")),
     )
 
 
-def _probe(
-    name: str,
-    server: VllmServer,
-    checkpoint: Path,
-    options: ServeOptions,
-    prompts: Sequence[Prompt],
-    reference: Sequence[Completion] | None,
-    progress: Progress,
-) -> tuple[Any, ...]:
-    client = ServerClient(server.url, str(checkpoint), server.exit_code, log=str(server.log_path))
-    try:
-        completions = []
-        for i, prompt in enumerate(prompts, start=1):
-            progress(ServeEvent("probe", name, message=f"prompt {i}/{len(prompts)}"))
-            completions.append(client.complete(prompt.text, options.max_tokens))
-        progress(ServeEvent("probe", name, message="NLL of the fixed text"))
-        token_nll = client.token_nlls(NLL_TEXT)
-        agreements = None
-        if reference is not None:
-            progress(ServeEvent("probe", name, message="agreement with the baseline"))
-            agreements = tuple(
-                client.top1_agreement(ref.prompt_token_ids, ref.token_ids) for ref in reference
-            )
-        task_output = None
-        if options.tasks is not None and name in ("baseline", "fp8"):
-            progress(
-                ServeEvent("probe", name, message=f"lm-eval tasks {','.join(options.tasks.tasks)}")
-            )
-            from kvcalib.serving.tasks import run_served_tasks
-
-            task_output = run_served_tasks(server.url, checkpoint, options.tasks)
-    except ServerError:
-        if server.exit_code() is not None:  # it died: show why, as for a failed start
-            raise server.failure(
-                f"the {name} vLLM server exited with code {server.exit_code()} during the probe"
-            ) from None
-        raise
-    return tuple(completions), sum(token_nll) / len(token_nll), agreements, task_output, token_nll
+def degenerate(text: str, token_ids: Sequence[int]) -> str | None:
+    """Why an output is degenerate (empty, or a token or two repeated), or None if it is not."""
+    if not text.strip():
+        return "empty output"
+    n, distinct = len(token_ids), len(set(token_ids))
+    return (
+        f"{n} tokens but only {distinct} distinct"
+        if n >= 8 and distinct <= max(1, n // 8)
+        else None
+    )
 
 
 def judge(
     prompts: Sequence[Prompt], fp8: ServerRun, baseline: ServerRun | None
-) -> tuple[list[PromptResult], list[str], float | None]:
-    """Per-prompt results, the reasons the check failed (none: it passed), and the mean agreement."""
-    results, failures = [], []
+) -> tuple[list[PromptResult], list[str], list[str], float | None]:
+    """Per-prompt results, the reasons the check failed (none: it passed), warnings, and the mean agreement."""
+    results, failures, warnings = [], [], []
     for i, (prompt, out) in enumerate(zip(prompts, fp8.completions)):
-        reference = baseline.completions[i] if baseline else None
+        ref = baseline.completions[i] if baseline else None
         tokens = prompt.tokens or len(out.prompt_token_ids)
         result = PromptResult(
             prompt.text,
             out.text,
-            reference.text if reference else None,
+            ref and ref.text,
             fp8.agreements[i] if fp8.agreements else None,
             prompt.expected,
             degenerate(out.text, out.token_ids),
-            degenerate(reference.text, reference.token_ids) if reference else None,
+            ref and degenerate(ref.text, ref.token_ids),
             f"passkey prompt, {tokens:,} tokens, key {prompt.expected}"
             if prompt.required
             else None,
         )
         if result.failed:
-            against = ", where the baseline's is not" if reference else ""
+            against = ", where the baseline's is not" if ref else ""
             failures.append(
                 f"prompt {i + 1} ({prompt.text[:40]!r}): degenerate output, {result.problem}{against}"
             )
-        elif (
-            prompt.required
-            and reference
-            and contains(reference.text, prompt.expected)
-            and not contains(out.text, prompt.expected)
-        ):
-            failures.append(
-                f"prompt {i + 1} (the {tokens:,}-token passkey): the "
-                f"baseline answers the key {prompt.expected}, the FP8 server does not ({out.text[:40]!r})"
-            )
+        elif prompt.required and not contains(out.text, prompt.expected):
+            if ref is None:
+                warnings.append(
+                    f"the FP8 server did not answer the {tokens:,}-token passkey ({prompt.expected}); with no "
+                    "baseline to compare, nothing says whether the model retrieves at that length without "
+                    "FP8 (pass --baseline)"
+                )
+            elif contains(ref.text, prompt.expected):
+                failures.append(
+                    f"prompt {i + 1} (the {tokens:,}-token passkey): the baseline answers the key "
+                    f"{prompt.expected}, the FP8 server does not ({out.text[:40]!r})"
+                )
         results.append(result)
-    agreement = None
-    if baseline is not None and fp8.agreements is not None:
-        agreement = mean_agreement(fp8.agreements)
-        if agreement is not None and agreement < AGREEMENT_THRESHOLD:
-            failures.append(
-                f"mean agreement with the baseline {agreement:.2f} < {AGREEMENT_THRESHOLD}"
-            )
-        if fp8.nll > baseline.nll * (1 + NLL_TOLERANCE):
-            failures.append(
-                f"FP8 NLL {fp8.nll:.3f} > baseline {baseline.nll:.3f} x {1 + NLL_TOLERANCE:g}"
-            )
-    return results, failures, agreement
+    agreement = baseline and mean_agreement(fp8.agreements)
+    if agreement is not None and agreement < AGREEMENT_THRESHOLD:
+        failures.append(f"mean agreement with the baseline {agreement:.2f} < {AGREEMENT_THRESHOLD}")
+    if baseline and fp8.nll > baseline.nll * (1 + NLL_TOLERANCE):
+        failures.append(
+            f"FP8 NLL {fp8.nll:.3f} > baseline {baseline.nll:.3f} x {1 + NLL_TOLERANCE:g}"
+        )
+    return results, failures, warnings, agreement
 
 
 def _checked(options: ServeOptions, checkpoint: Path) -> ServeOptions:
     """The arguments, then the options with --vllm-python made absolute."""
     options.check_arguments()
+    if options.device not in DEVICES:
+        raise UsageError(
+            f"unknown --device {options.device!r}", hint=f"choose one of: {', '.join(DEVICES)}"
+        )
     if options.log_dir is not None and overlapping(options.log_dir, checkpoint):
         raise UsageError(
             f"--log-dir {options.log_dir} overlaps the checkpoint {checkpoint}",
             hint="kvcalib never writes into the checkpoint it checks; put the logs elsewhere",
         )
-    options = replace(
-        options, vllm_python=interpreter_path(options.vllm_python, options.env.get("PATH"))
-    )
-    if not options.vllm_python.exists():
-        raise UsageError(
-            f"--vllm-python {options.vllm_python}: no such file",
-            hint="pass the python of the "
-            "environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh prints it)",
+    python = interpreter_path(options.vllm_python, options.env.get("PATH"))
+    if not os.access(python, os.X_OK) or python.is_dir():
+        raise VllmNotFoundError(
+            f"--vllm-python {python} is not an executable interpreter"
+            + ("" if python.exists() else ": no such file"),
+            hint="pass the python of the environment that has vLLM (for CPU: bash "
+            "scripts/setup_vllm_cpu.sh prints it)",
         )
-    return options
+    return replace(options, vllm_python=python)
 
 
-def check_serving(model: Path, options: ServeOptions) -> Environment:
+def check_serving(model: Path, options: ServeOptions) -> None:
     """What `calibrate --serve-check` checks first: all serve-check would refuse but the scales (not there yet)."""
     model = Path(model).resolve()
-    options = _checked(options, model)
-    return check_environment(read_config(model), options)
+    check_environment(read_config(model), _checked(options, model))
 
 
 def serve_check(
-    checkpoint: Path, options: ServeOptions, progress: Progress | None = None
+    checkpoint: Path, options: ServeOptions, progress: Callable[[ServeEvent], None] | None = None
 ) -> ServeCheckResult:
     """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
-    emit, checkpoint = progress or (lambda event: None), Path(checkpoint).resolve()
+    checkpoint, progress = Path(checkpoint).resolve(), progress or (lambda event: None)
     options = _checked(options, checkpoint)
     pre = preflight(checkpoint, options)
-    prompts = (
-        *(options.prompts or BUILTIN_PROMPTS),
-        *((context_prompt(checkpoint, pre.config, options.context),) if options.context else ()),
+    prompts = (options.prompts or BUILTIN_PROMPTS) + (
+        (context_prompt(checkpoint, pre.config, options.context),) if options.context else ()
     )
     # absolute: every server runs in the log directory, and the variants and caches under it are passed by path
-    log_dir = (
-        Path(options.log_dir).absolute()
-        if options.log_dir
-        else Path(tempfile.mkdtemp(prefix="kvcalib-serve-"))
-    )
+    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="kvcalib-serve-")).absolute()
     log_dir.mkdir(parents=True, exist_ok=True)
-    with_baseline = (
-        options.baseline if options.baseline is not None else options.device not in NEURON_DEVICES
-    )
-    with_canary = (
-        options.canary if options.canary is not None else options.device not in NEURON_DEVICES
-    )
+    on_neuron = options.device in NEURON_DEVICES
+    with_baseline = not on_neuron if options.baseline is None else options.baseline
+    with_canary = not on_neuron if options.canary is None else options.canary
     if options.tasks is not None:
+        # a baseline, lm-eval, the tasks and their data: before any server
         from kvcalib.serving.tasks import check_tasks
 
-        check_tasks(
-            options.tasks, with_baseline
-        )  # a baseline, lm-eval, the tasks and their data: before any server
+        check_tasks(options.tasks, with_baseline)
     warnings = list(pre.warnings)
     if not with_canary:
         warnings.append(
             "the canary is off (on Neuron each variant is another compile): nothing proves the server "
             "applies the checkpoint's scales; pass --canary to check"
         )
-    canary_dir = (
-        make_variant(
-            checkpoint,
-            log_dir / "variants" / f"scales-div{CANARY_DIVISOR:g}",
-            factor=1 / CANARY_DIVISOR,
-        )
-        if with_canary
-        else None
+    variants = log_dir / "variants"
+    canary_dir = with_canary and make_variant(
+        checkpoint, variants / f"scales-div{CANARY_DIVISOR:g}", factor=1 / CANARY_DIVISOR
     )
-    prediction = _predict(checkpoint, options, pre, canary_dir, warnings)
-    baseline = (
-        _run_server("baseline", checkpoint, options, pre, log_dir, prompts, None, emit)
-        if with_baseline
-        else None
+    # the server's numerics: vLLM CPU truncates to E4M3 (core.fp8.EMULATED), the others are their validate target's
+    numerics = ("vllm-cpu" if options.device == "cpu" else pre.target) if options.predict else None
+    prediction = _predict(checkpoint, options, numerics, canary_dir or None, warnings)
+    serve = partial(
+        _run_server, options=options, pre=pre, log_dir=log_dir, prompts=prompts, progress=progress
     )
-    fp8 = _run_server(
-        "fp8",
-        checkpoint,
-        options,
-        pre,
-        log_dir,
-        prompts,
-        baseline.completions if baseline else None,
-        emit,
-    )
-    results, failures, agreement = judge(prompts, fp8, baseline)
-    warnings += unjudged_passkeys(prompts, results)
+    baseline = serve("baseline", checkpoint, None) if with_baseline else None
+    fp8 = serve("fp8", checkpoint, baseline and baseline.completions)
+    results, failures, unjudged, agreement = judge(prompts, fp8, baseline)
+    warnings += unjudged
     intervals = delta_intervals(
-        baseline.token_nll if baseline else None, fp8.token_nll, prediction, warnings
+        baseline and baseline.token_nll, fp8.token_nll, prediction, warnings
     )
-    tasks = _task_rows(options, checkpoint, pre, baseline, fp8)
-    canary, unit, canary_run = None, None, None
-    if canary_dir is not None:
+    tasks = []
+    if options.tasks is not None:
+        # the FP8 server's task scores paired with the baseline's, and predicted
+        from kvcalib.serving.tasks import served_rows
+
+        tasks = served_rows(
+            options.tasks, baseline.task_output, fp8.task_output, checkpoint, numerics
+        )
+    canary = unit = canary_run = None
+    if canary_dir:
         reference = (baseline or fp8).completions
         if options.device == "cpu":  # cheap here: the table shows calibrated vs 1.0 vs broken
-            unit_dir = make_variant(checkpoint, log_dir / "variants" / "scales-1.0", value=1.0)
-            unit = _run_server("unit", unit_dir, options, pre, log_dir, prompts, reference, emit)
-        canary_run = _run_server(
-            "canary", canary_dir, options, pre, log_dir, prompts, reference, emit
-        )
-        canary = judge_canary(
-            fp8 if baseline else self_agreement(fp8),
-            canary_run,
-            1 / CANARY_DIVISOR,
-            options.device,
-            pre.vllm_version,
-        )
-        if not canary.ok:
-            failures.append(canary.reason)
+            unit_dir = make_variant(checkpoint, variants / "scales-1.0", value=1.0)
+            unit = serve("unit", unit_dir, reference)
+        canary_run = serve("canary", canary_dir, reference)
+        calibrated = fp8 if baseline else self_agreement(fp8)
+        canary = judge_canary(calibrated, canary_run, options.device, pre.vllm_version)
+        failures += [] if canary.ok else [canary.reason]
+    runs = {"baseline": baseline, "fp8": fp8, "unit": unit, "canary": canary_run}
     return ServeCheckResult(
-        checkpoint=str(checkpoint),
-        device=options.device,
-        ok=not failures,
-        ready_s=fp8.ready_s,
-        command=fp8.command,
-        log=fp8.log,
-        prompts=tuple(results),
-        nll_fp8=fp8.nll,
-        nll_baseline=baseline.nll if baseline else None,
-        agreement=agreement,
-        failures=tuple(failures),
-        warnings=tuple(warnings),
-        fp8_max=pre.fp8_max,
-        tensor_parallel_size=pre.tensor_parallel_size,
-        vllm_version=pre.vllm_version,
-        baseline_ready_s=baseline.ready_s if baseline else None,
-        baseline_command=baseline.command if baseline else None,
-        baseline_log=baseline.log if baseline else None,
-        canary=canary,
-        unit=unit,
-        prediction=prediction,
-        tasks=tuple(tasks),
-        intervals=intervals,
-        server_pids={
-            name: r.pid
-            for name, r in (
-                ("baseline", baseline),
-                ("fp8", fp8),
-                ("unit", unit),
-                ("canary", canary_run),
-            )
-            if r is not None and r.pid is not None
-        },
-        kv_capacity={
-            name: r.kv_capacity
-            for name, r in (("baseline", baseline), ("fp8", fp8))
-            if r is not None
-        },
+        str(checkpoint),
+        options.device,
+        not failures,
+        fp8.ready_s,
+        fp8.command,
+        fp8.log,
+        tuple(results),
+        fp8.nll,
+        baseline and baseline.nll,
+        agreement,
+        tuple(failures),
+        tuple(warnings),
+        pre.fp8_max,
+        pre.tensor_parallel_size,
+        pre.vllm_version,
+        baseline and baseline.ready_s,
+        baseline and baseline.command,
+        baseline and baseline.log,
+        canary,
+        unit,
+        prediction,
+        {name: run.pid for name, run in runs.items() if run},
+        tuple(tasks),
+        intervals,
+        {name: run.kv_capacity for name, run in list(runs.items())[:2] if run},
     )
-
-
-def _task_rows(
-    options: ServeOptions,
-    checkpoint: Path,
-    pre: Preflight,
-    baseline: ServerRun | None,
-    fp8: ServerRun,
-) -> list[ServedTaskRow]:
-    """serve-check --tasks: the FP8 server's task scores paired with the baseline's, next to kvcalib's prediction."""
-    if options.tasks is None or baseline is None:
-        return []
-    from kvcalib.serving.tasks import served_rows
-
-    numerics = EMULATED_DEVICES.get(options.device, pre.target) if options.predict else None
-    return served_rows(options.tasks, baseline.task_output, fp8.task_output, checkpoint, numerics)
 
 
 def _predict(
     checkpoint: Path,
     options: ServeOptions,
-    pre: Preflight,
+    numerics: str | None,
     canary_dir: Path | None,
     warnings: list[str],
 ) -> Prediction | None:
     """kvcalib's emulation of the same text, in-process on CPU; None (with a warning) when skipped."""
-    if not options.predict:
+    if numerics is None:
         return None
-    weights = Checkpoint.open(checkpoint).weight_bytes(
-        4
-    )  # the emulation runs the model in float32 at worst
+    weights = Checkpoint.open(checkpoint).weight_bytes(4)  # the emulation runs in float32 at worst
     if options.memory_bytes is not None and weights > options.memory_bytes // 2:
         warnings.append(
             f"no prediction: the model needs about {weights / 2**30:.1f} GiB in float32, more than half "
             f"of the {options.memory_bytes / 2**30:.1f} GiB this host has free"
         )
         return None
-    numerics = EMULATED_DEVICES.get(options.device, pre.target)
     return predict(
         checkpoint,
         numerics,

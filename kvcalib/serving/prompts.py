@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,15 +15,12 @@ from kvcalib.core.paths import require_regular_file
 
 __all__ = [
     "BUILTIN_PROMPTS",
-    "FILLER",
-    "MIN_CONTEXT",
     "NLL_TEXT",
     "Prompt",
     "contains",
     "context_prompt",
     "passkey_prompt",
     "read_prompts_file",
-    "unjudged_passkeys",
 ]
 
 # The passkey test's haystack (Mohtashami & Jaggi 2023, "Landmark Attention"): one line repeated, so that
@@ -75,17 +72,6 @@ def contains(text: str, expected: str | None) -> bool:
     return expected is not None and expected.lower() in text.lower()
 
 
-def unjudged_passkeys(prompts: Sequence[Prompt], results: Sequence[Any]) -> list[str]:
-    """Warnings for passkeys the FP8 server missed with no baseline to judge by (`results`: serve-check's
-    PromptResult, one per prompt)."""
-    return [
-        f"the FP8 server did not answer the {p.tokens or 0:,}-token passkey ({p.expected}); with no baseline to "
-        "compare, nothing says whether the model retrieves at that length without FP8 (pass --baseline)"
-        for p, r in zip(prompts, results)
-        if p.required and r.baseline_output is None and not contains(r.output, p.expected)
-    ]
-
-
 def context_prompt(checkpoint: Path, config: dict[str, Any], length: int) -> Prompt:
     """serve-check --context: the passkey prompt of about `length` tokens, counted with the checkpoint's tokenizer as
     vLLM's completions API counts them (special tokens added); UsageError past the model's context."""
@@ -134,32 +120,31 @@ def read_prompts_file(path: Path) -> tuple[Prompt, ...]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"cannot read prompts file {path}: {err}", hint=hint) from None
-    prompts = [
-        _jsonl_prompt(path, number, line) if path.suffix == ".jsonl" else Prompt(line)
-        for number, line in enumerate(text.splitlines(), start=1)
-        if line.strip()
-    ]
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append(Prompt(line))
+            continue
+        try:
+            row = json.loads(line)
+            ok = (
+                isinstance(row, dict)
+                and isinstance(row.get("prompt"), str)
+                and row["prompt"].strip()
+            )
+            why = None if ok else "no non-empty string 'prompt'"
+        except json.JSONDecodeError as err:
+            why = f"not JSON ({err})"
+        if why:
+            raise UsageError(f"{path}:{number}: {why}", hint='each line: {"prompt": "..."}')
+        expected = row.get("expected")
+        prompts.append(
+            Prompt(row["prompt"], expected if isinstance(expected, str) and expected else None)
+        )
     if not prompts:
         raise UsageError(
             f"prompts file {path} has no prompts", hint="one prompt per non-blank line"
         )
     return tuple(prompts)
-
-
-def _jsonl_prompt(path: Path, number: int, line: str) -> Prompt:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise UsageError(
-            f"{path}:{number}: not JSON ({err})", hint='each line: {"prompt": "..."}'
-        ) from None
-    if (
-        not isinstance(row, dict)
-        or not isinstance(row.get("prompt"), str)
-        or not row["prompt"].strip()
-    ):
-        raise UsageError(
-            f"{path}:{number}: no non-empty string 'prompt'", hint='each line: {"prompt": "..."}'
-        )
-    expected = row.get("expected")
-    return Prompt(row["prompt"], expected if isinstance(expected, str) and expected else None)

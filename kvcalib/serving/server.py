@@ -1,19 +1,23 @@
-"""Run a vLLM server as a child process group, wait for it, and always take it down again.
+"""Run a vLLM server as a child process group, wait for it, ask it, and always take it down again.
 
 `VllmServer` is a context manager: on every exit path it SIGTERMs the whole process group (vLLM forks an engine core
-and workers), SIGKILLs it after `stop_timeout_s`, and waits for the port to be free. On Linux the server also gets
-SIGTERM if kvcalib dies (PR_SET_PDEATHSIG). A failed start raises with the log's tail and its known cause (`diagnose`).
+and workers), SIGKILLs it after `stop_timeout_s`, and waits for the port to be free. The server also gets SIGTERM if
+kvcalib dies (Linux's PR_SET_PDEATHSIG). A failed start raises with the log's tail and its known cause (`diagnose`).
+The probe talks to its OpenAI-compatible HTTP API (stdlib only); `top1_agreement` is teacher-forced on the baseline's
+tokens, so one early near-tie does not turn every later token into a disagreement, and a degenerate FP8 server cannot
+agree with its own repetition.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,21 +30,14 @@ from kvcalib.core import mxfp4
 from kvcalib.core.errors import ServerError, UsageError
 
 __all__ = [
-    "DIAGNOSE_LINES",
-    "Diagnosis",
-    "HEALTH_TIMEOUT_S",
-    "KNOWN_CAUSES",
+    "Completion",
     "KvCapacity",
-    "LOG_TAIL_LINES",
-    "POLL_S",
-    "PORT_FREE_TIMEOUT_S",
+    "ServeEvent",
     "VllmServer",
-    "WaitStatus",
     "diagnose",
     "free_port",
     "group_members",
     "kv_capacity",
-    "log_tail",
     "port_in_use",
     "require_free_port",
 ]
@@ -50,6 +47,9 @@ HEALTH_TIMEOUT_S = 5.0
 LOG_TAIL_LINES = 25
 DIAGNOSE_LINES = 400  # a root cause sits above vLLM's long multi-process tracebacks
 PORT_FREE_TIMEOUT_S = 15.0
+HOST = "127.0.0.1"
+REQUEST_TIMEOUT_S = 600.0
+DEATH_GRACE_S = 5.0  # a dropped connection often means a process on its way out
 
 # What a failed start looks like in the log -> (what it means, what to do). First match wins.
 KNOWN_CAUSES: tuple[tuple[str, str, str], ...] = (
@@ -118,20 +118,13 @@ KNOWN_CAUSES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Diagnosis:
-    cause: str
-    hint: str
-    line: str  # the log line that matched
-
-
-def diagnose(log_text: str) -> Diagnosis | None:
-    """The first known cause of a failed start found in a server log, if any."""
+def diagnose(log_text: str) -> tuple[str, str, str] | None:
+    """(cause, hint, the log line that matched) of a failed start, for the first known cause in a server log."""
     lines = log_text.splitlines()
     for pattern, cause, hint in KNOWN_CAUSES:
         for line in reversed(lines):
             if re.search(pattern, line):
-                return Diagnosis(cause, hint, line.strip())
+                return cause, hint, line.strip()
     return None
 
 
@@ -163,32 +156,47 @@ def kv_capacity(log_text: str) -> KvCapacity:
 
 
 @dataclass(frozen=True)
-class WaitStatus:
-    """One tick of the wait for /health."""
+class ServeEvent:
+    """Progress: stage is launch (message: the command), wait, ready, probe or stopped."""
 
-    name: str
-    elapsed_s: float
-    last_log_line: str
+    stage: str
+    server: str  # "fp8", "baseline", "unit" or "canary"
+    elapsed_s: float = 0.0
+    message: str = ""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
         return sock.getsockname()[1]
 
 
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something accepts connections on host:port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def port_in_use(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    with socket.socket() as sock:
         sock.settimeout(1.0)
-        return sock.connect_ex((host, port)) == 0
+        return sock.connect_ex((HOST, port)) == 0
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024) -> str:
+def require_free_port(port: int) -> None:
+    if port_in_use(port):
+        raise UsageError(
+            f"port {port} on {HOST} is already in use",
+            hint="pick another --port, or leave it out to use a free one",
+        )
+
+
+def log_tail(path: Path, lines: int, max_bytes: int) -> str:
     try:
         with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
             data = f.read().decode(errors="replace")
     except OSError:
         return ""
@@ -203,19 +211,12 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def group_members(pgid: int, proc: Path = Path("/proc")) -> list[int]:
-    """Live (non-zombie) processes in a process group (`proc`: where /proc is)."""
-    if not proc.is_dir():  # not Linux: ask the kernel whether the group still exists
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
+    """Live (non-zombie) processes in a process group (`proc`: where /proc is; serve-check runs on Linux only:
+    vLLM's Neuron, CUDA and x86 CPU backends do)."""
     members = []
     for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            stat = (entry / "stat").read_text()
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2 :].split()  # state ppid pgrp ...
@@ -224,50 +225,34 @@ def group_members(pgid: int, proc: Path = Path("/proc")) -> list[int]:
     return members
 
 
-class VllmServer:
-    """One vLLM server process group; use as a context manager so it is always stopped."""
+def _wait(condition: Callable[[], bool], timeout_s: float, step_s: float) -> None:
+    """Sleep while `condition()` holds, for at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while condition() and time.monotonic() < deadline:
+        time.sleep(step_s)
 
-    def __init__(
-        self,
-        name: str,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        port: int,
-        log_path: Path,
-        cwd: Path,
-        stop_timeout_s: float = 60.0,
-        host: str = "127.0.0.1",
-    ) -> None:
-        self.name, self.argv, self.env, self.port, self.host = (
-            name,
-            list(argv),
-            dict(env),
-            port,
-            host,
-        )
-        self.log_path, self.cwd, self.stop_timeout_s = Path(log_path), Path(cwd), stop_timeout_s
-        self.process: subprocess.Popen | None = None
+
+@dataclass
+class VllmServer:
+    """One vLLM server process group on 127.0.0.1; use as a context manager so it is always stopped."""
+
+    name: str
+    argv: list[str]
+    env: Mapping[str, str]
+    port: int
+    log_path: Path
+    cwd: Path
+    stop_timeout_s: float = 60.0
+    process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        """The server's process id, which is also its session and process group id (start_new_session)."""
-        return None if self.process is None else self.process.pid
+        return f"http://{HOST}:{self.port}"
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
     def __enter__(self) -> VllmServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    def start(self) -> None:
         with open(self.log_path, "ab") as log:
             try:
                 self.process = subprocess.Popen(
@@ -277,60 +262,47 @@ class VllmServer:
                     stderr=subprocess.STDOUT,
                     env=self.env,
                     cwd=self.cwd,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    start_new_session=True,  # its pid is its session and process group id
+                    preexec_fn=_die_with_parent,
                 )
             except OSError as err:
                 raise ServerError(
                     f"cannot start {self.argv[0]}: {err}", log=str(self.log_path)
                 ) from None
+        return self
 
-    def wait_healthy(
-        self, timeout_s: float, on_tick: Callable[[WaitStatus], None] | None = None
-    ) -> float:
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout_s: float, progress: Callable[[ServeEvent], None]) -> float:
         """Seconds until `GET /health` answered 200; ServerError if the process exits or time runs out."""
         start = time.monotonic()
-        while True:
-            elapsed, code = time.monotonic() - start, self.exit_code()
-            if code is not None:
-                raise self.failure(
-                    f"the {self.name} vLLM server exited with code {code} before it was healthy"
-                )
-            if self._healthy():
-                return time.monotonic() - start
+        while (code := self.exit_code()) is None:
+            elapsed = time.monotonic() - start
+            with contextlib.suppress(OSError):  # not up yet (URLError, refused, timed out)
+                with urllib.request.urlopen(f"{self.url}/health", timeout=HEALTH_TIMEOUT_S) as r:
+                    if r.status == 200:
+                        return time.monotonic() - start
             if elapsed >= timeout_s:
                 raise self.failure(
                     f"the {self.name} vLLM server was not healthy after {timeout_s:.0f} s (--startup-timeout)",
                     default_hint="raise --startup-timeout (Neuron compiles take up to 30 minutes), "
                     "or read the log for where it stalled",
                 )
-            if on_tick is not None:
-                tail = [
-                    line.strip()
-                    for line in log_tail(self.log_path, lines=5, max_bytes=8192).splitlines()
-                ]
-                on_tick(
-                    WaitStatus(
-                        self.name, elapsed, next((line for line in reversed(tail) if line), "")
-                    )
-                )
+            last = log_tail(self.log_path, 5, 8192).strip().rsplit("\n", 1)[-1].strip()
+            progress(ServeEvent("wait", self.name, elapsed, last))
             time.sleep(POLL_S)
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=HEALTH_TIMEOUT_S) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, OSError):
-            return False
+        raise self.failure(
+            f"the {self.name} vLLM server exited with code {code} before it was healthy"
+        )
 
     def failure(self, message: str, default_hint: str | None = None) -> ServerError:
         """A ServerError with the log's tail and, when recognised, the cause and what to do."""
-        found = diagnose(log_tail(self.log_path, lines=DIAGNOSE_LINES, max_bytes=256 * 1024))
-        tail = log_tail(self.log_path)
+        text = log_tail(self.log_path, lines=DIAGNOSE_LINES, max_bytes=256 * 1024)
+        found, hint = diagnose(text), default_hint or "read the log tail above"
         if found is not None:
-            message, hint = f"{message}: {found.cause}\n  {found.line}", found.hint
-        else:
-            hint = default_hint or "read the log tail above"
+            message, hint = f"{message}: {found[0]}\n  {found[2]}", found[1]
+        tail = "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
         message += (
             f"\n--- last lines of {self.log_path} ---\n{tail}"
             if tail
@@ -343,47 +315,104 @@ class VllmServer:
         process = self.process
         if process is None:
             return
-        pgid = process.pid  # start_new_session: the server leads its own group
-        interrupted = False
-        if self._signal_group(pgid, signal.SIGTERM):
-            deadline = time.monotonic() + self.stop_timeout_s
+        pgid, interrupted = process.pid, False
+
+        def alive() -> bool:
+            process.poll()  # reap the leader, so it does not count as a zombie member
+            return bool(group_members(pgid))
+
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
+            os.killpg(pgid, signal.SIGTERM)
             try:
-                while self._group_alive(process, pgid) and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                _wait(alive, self.stop_timeout_s, 0.1)
             except KeyboardInterrupt:  # a second Ctrl-C: stop waiting politely, never skip the kill
                 interrupted = True
-            if self._group_alive(process, pgid):
-                self._signal_group(pgid, signal.SIGKILL)
-                deadline = time.monotonic() + 10.0
-                while self._group_alive(process, pgid) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-        with contextlib.suppress(
-            subprocess.TimeoutExpired
-        ):  # SIGKILL cannot be ignored: never in practice
+            if alive():
+                os.killpg(pgid, signal.SIGKILL)
+                _wait(alive, 10.0, 0.05)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL cannot be ignored
             process.wait(timeout=10.0)
-        deadline = time.monotonic() + PORT_FREE_TIMEOUT_S
-        while port_in_use(self.port, self.host) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait(lambda: port_in_use(self.port), PORT_FREE_TIMEOUT_S, 0.1)
         if interrupted:
             raise KeyboardInterrupt
 
-    @staticmethod
-    def _signal_group(pgid: int, sig: int) -> bool:
-        try:
-            os.killpg(pgid, sig)
-            return True
-        except ProcessLookupError:
-            return False
-
-    @staticmethod
-    def _group_alive(process: subprocess.Popen, pgid: int) -> bool:
-        process.poll()  # reap the leader, so it does not count as a zombie member
-        return bool(group_members(pgid))
-
-
-def require_free_port(port: int) -> None:
-    if port_in_use(port):
-        raise UsageError(
-            f"port {port} on 127.0.0.1 is already in use",
-            hint="pick another --port, or leave it out to use a free one",
+    def _completion(self, prompt: str | Sequence[int], max_tokens: int, **more: Any) -> dict:
+        """The first choice of the greedy completion of `prompt` (text or token ids) by the model it serves."""
+        path = "/v1/completions"
+        body = {
+            "model": self.argv[self.argv.index("--model") + 1],  # vLLM's served model name
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **more,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
+        log = str(self.log_path)
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:500]
+            raise ServerError(
+                f"the server answered {path} with HTTP {err.code}: {detail}",
+                hint="see the server log",
+                log=log,
+            ) from None
+        except (OSError, http.client.HTTPException) as err:
+            _wait(lambda: self.exit_code() is None, DEATH_GRACE_S, 0.05)
+            if self.exit_code() is not None:  # it died: show why, as for a failed start
+                raise self.failure(
+                    f"the {self.name} vLLM server exited with code {self.exit_code()} during the probe"
+                ) from None
+            raise ServerError(
+                f"the {self.name} vLLM server stopped answering {path} ({err})",
+                hint="the server is still running but did not answer in time; see its log",
+                log=log,
+            ) from None
+        except ValueError:  # not JSON
+            answer = None
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise ServerError(f"the server's answer to {path} has no choices", log=log)
+        return choices[0]
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int) -> Completion:
+        choice = self._completion(prompt, max_tokens)
+        return Completion(
+            str(choice.get("text") or ""),
+            tuple(choice.get("token_ids") or ()),
+            tuple(choice.get("prompt_token_ids") or ()),
+        )
+
+    def _prompt_logprobs(self, prompt: str | Sequence[int], top: int) -> list[tuple[float, Any]]:
+        """(log-prob, rank) of each prompt token after the first."""
+        choice = self._completion(prompt, 1, prompt_logprobs=top)
+        try:
+            positions, ids = choice["prompt_logprobs"][1:], choice["prompt_token_ids"][1:]
+            entries = [position[str(token)] for position, token in zip(positions, ids, strict=True)]
+            return [(float(entry["logprob"]), entry.get("rank")) for entry in entries]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ServerError(
+                "the server returned no prompt log-probs (prompt_logprobs / prompt_token_ids) for "
+                f"every prompt token: {str(choice)[:200]}",
+                hint="serve-check needs a vLLM whose completions API takes prompt_logprobs and "
+                "return_token_ids",
+                log=str(self.log_path),
+            ) from None
+
+    def token_nlls(self, text: str) -> tuple[float, ...]:
+        """The negative log-likelihood (nats) of each token of `text` after its first."""
+        return tuple(-logprob for logprob, _ in self._prompt_logprobs(text, 0))
+
+    def top1_agreement(
+        self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]
+    ) -> float | None:
+        """Share of `continuation_ids` this server ranks first, given the same prefix (None if empty)."""
+        if not continuation_ids:
+            return None
+        scored = self._prompt_logprobs([*prompt_ids, *continuation_ids], 1)
+        ranks = [rank for _, rank in scored[len(prompt_ids) - 1 :]]
+        return ranks.count(1) / len(ranks)

@@ -3,7 +3,7 @@ server's per-item scores paired with the baseline's, next to kvcalib's emulation
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ from kvcalib.evaluation.tasks import (
 )
 
 __all__ = [
-    "FP8_NAME",
     "ServedTaskRow",
     "TaskScores",
     "TaskSpec",
@@ -35,13 +34,9 @@ FP8_NAME = "fp8"
 
 
 @dataclass(frozen=True)
-class TaskSpec:
-    """What serve-check --tasks runs: lm-eval task names, items per task, where their data comes from."""
-
-    tasks: tuple[str, ...]
-    limit: int | None = None
-    task_data: str | None = None
-    include_path: tuple[str, ...] = ()
+class TaskSpec(TaskOptions):
+    """What serve-check --tasks runs: eval --tasks' options (lm-eval task names, items per task, where their data
+    comes from)."""
 
     @classmethod
     def from_flags(
@@ -58,15 +53,6 @@ class TaskSpec:
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
             limit=limit,
             task_data=task_data,
-        )
-
-    def options(self, **more: Any) -> TaskOptions:
-        return TaskOptions(
-            tasks=self.tasks,
-            limit=self.limit,
-            task_data=self.task_data,
-            include_path=self.include_path,
-            **more,
         )
 
 
@@ -117,24 +103,23 @@ def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
             "--tasks pairs the FP8 server's scores with the baseline server's, which is off",
             hint="pass --baseline (on Neuron a second compile), or leave out --tasks",
         )
-    options = spec.options()
-    options.check_arguments()
+    spec.check_arguments()
     require_lm_eval()
     try:  # lm-eval's API models need its [api] extra
-        for name in ("aiohttp", "tenacity"):
-            __import__(name)
+        import aiohttp  # noqa: F401
+        import tenacity  # noqa: F401
     except ImportError as exc:
         raise UsageError(
             f"serve-check --tasks needs lm-eval's API models, which need {exc.name}",
             hint="pip install 'kvcalib[tasks]' (it brings lm-eval[api])",
         ) from None
-    check_data(task_manager(options), options)
+    check_data(task_manager(spec), spec)
 
 
 def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> LmEvalOutput:
     """The tasks against the server at `url`, through lm-eval's local-completions model (token ids sent as lm-eval
     tokenises them with the checkpoint's tokenizer, one request at a time)."""
-    lm_eval, options = require_lm_eval(), spec.options()
+    lm_eval, seed = require_lm_eval(), spec.seed
     return lm_eval.simple_evaluate(
         model="local-completions",
         model_args={
@@ -148,12 +133,12 @@ def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> LmEvalOutput
         },
         tasks=list(spec.tasks),
         limit=spec.limit,
-        task_manager=task_manager(options),
+        task_manager=task_manager(spec),
         log_samples=True,
-        random_seed=options.seed,
-        numpy_random_seed=options.seed,
-        torch_random_seed=options.seed,
-        fewshot_random_seed=options.seed,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
         bootstrap_iters=0,
     )
 
@@ -167,24 +152,23 @@ def served_rows(
 ) -> list[ServedTaskRow]:
     """Per task and metric: the served baseline and FP8 scores with the paired interval, and kvcalib's prediction
     of both on the same items (numerics None: no prediction)."""
-    outputs = {BASELINE_NAME: baseline, FP8_NAME: fp8}
-    served = [row for task in spec.tasks for row in paired_rows(task, outputs)]
     predicted: dict[tuple[str, str, str], TaskRow] = {}
     if numerics is not None:
-        result = evaluate_tasks(str(checkpoint), spec.options(target=numerics))
+        result = evaluate_tasks(str(checkpoint), replace(spec, target=numerics))
         predicted = {(r.task, r.metric, r.filter): r for r in result.rows}
     rows = []
-    for row in served:
-        guess = predicted.get((row.task, row.metric, row.filter))
-        rows.append(
-            ServedTaskRow(
-                row.task,
-                row.metric,
-                row.filter,
-                row.items,
-                TaskScores.of(row, FP8_NAME),
-                guess and TaskScores.of(guess, "checkpoint"),
-                numerics if guess else None,
+    for task in spec.tasks:
+        for row in paired_rows(task, {BASELINE_NAME: baseline, FP8_NAME: fp8}):
+            guess = predicted.get((row.task, row.metric, row.filter))
+            rows.append(
+                ServedTaskRow(
+                    row.task,
+                    row.metric,
+                    row.filter,
+                    row.items,
+                    TaskScores.of(row, FP8_NAME),
+                    guess and TaskScores.of(guess, "checkpoint"),
+                    guess and numerics,
+                )
             )
-        )
     return rows

@@ -14,8 +14,10 @@ from kvcalib.calibration.pipeline import calibrate
 
 
 @pytest.fixture(autouse=True)
-def fake_host_cpu(monkeypatch):
+def fake_host(monkeypatch):
+    """The fake host's CPU (AVX-512), and a fake vLLM healthy at once (hung or failing starts have their own modes)."""
     monkeypatch.setenv("KVCALIB_CPU_FLAGS", FAKE_HOST_CPU_FLAGS)
+    monkeypatch.setenv("FAKE_VLLM_HEALTH_DELAY", "0")
 
 
 @pytest.fixture(scope="session")

@@ -66,13 +66,12 @@ def test_an_honest_server_passes_the_canary(ckpt, cpu_python):
     assert tree(ckpt) == before  # the variants never write through to the checkpoint
     assert "canary: ok" in result.stderr and "predicted ΔNLL" in result.stderr
     assert_nothing_left(str(ckpt), result.stderr)
-    again = serve(
-        ckpt, cpu_python, "--device", "cpu", "--json"
-    )  # the same --log-dir: the variants are made anew
+    # the same --log-dir: the variants are made anew
+    again = serve(ckpt, cpu_python, "--device", "cpu", "--no-baseline", "--no-predict", "--json")
     assert again.exit_code == 0, again.stderr
     assert json.loads(again.stdout)["canary"]["ok"] and tree(ckpt) == before
     (variant / "notes.txt").write_text("mine")  # what serve-check did not make is never deleted
-    refused = serve(ckpt, cpu_python, "--device", "cpu", "--json")
+    refused = serve(ckpt, cpu_python, "--device", "cpu", "--no-predict", "--json")
     assert (
         refused.exit_code == 2
         and f"{variant} exists and is not a checkpoint variant serve-check made" in refused.stderr
@@ -93,6 +92,7 @@ def test_a_server_that_mishandles_the_scales_fails(ckpt, cpu_python, monkeypatch
         cpu_python,
         "--device",
         "cpu",
+        "--no-predict",
         "--json",
         env={"FAKE_VLLM_MODE": mode},
         monkeypatch=monkeypatch,
@@ -142,6 +142,7 @@ def test_neuron_runs_no_canary_by_default_and_says_so(ckpt, neuron_env, monkeypa
         "--device",
         "trn2",
         "--canary",
+        "--no-predict",
         "--json",
         env={"FAKE_NEURON_LS": "trn2", "FAKE_NEURON_DEVICES": "1"},
         monkeypatch=monkeypatch,
@@ -280,7 +281,10 @@ def test_calibrate_then_a_failing_serve_check_keeps_the_checkpoint(
     monkeypatch.setenv("FAKE_VLLM_MODE", "degenerate")
     out = tmp_path / "out"
     result = calibrate_and_serve(
-        head32_model, text_dataset, out, "--serve-check", "cpu", "--vllm-python", str(cpu_python)
+        head32_model,
+        text_dataset,
+        out,
+        *("--serve-check", "cpu", "--vllm-python", str(cpu_python), "--no-canary", "--no-predict"),
     )
     assert result.exit_code == 1, result.stderr  # serve-check's exit code
     assert validate_checkpoint(out, "trn2").ok and "degenerate output" in result.stderr
@@ -293,8 +297,8 @@ def test_calibrate_then_a_failing_serve_check_keeps_the_checkpoint(
         (("--serve-check", "trn2"), 3, "no Neuron devices"),
         (
             ("--serve-check", "cpu", "--vllm-python", "{tmp}/none"),
-            2,
-            "--vllm-python {tmp}/none: no such file",
+            3,
+            "--vllm-python {tmp}/none is not an executable interpreter: no such file",
         ),
         (
             ("--serve-check", "cpu", "--target", "gpu", "--max-model-len", "0"),

@@ -62,7 +62,6 @@ def start(
         tp=1,
         max_model_len=256,
         max_num_seqs=4,
-        baseline_dtype=kv,
         neuron_quantization=(neuron_config or {}).get("quantization"),
     )
     env = {**os.environ, "FAKE_NEURON_LS": chip, "FAKE_VLLM_HEALTH_DELAY": "0"}
