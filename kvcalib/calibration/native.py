@@ -31,7 +31,7 @@ def native_engine(inputs: EngineInputs) -> Observation:
     layers = num_layers(hf_model)
     attn_paths = attention_modules(hf_model, layers, inputs.checkpoint.root)
     observer = KVAbsmaxObserver(
-        layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(layers)
+        layers, queries=inputs.attention_scales, sampler=inputs.sampler(layers)
     )
     started = time.perf_counter()
     with compute_path(inputs.compute):

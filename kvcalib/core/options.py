@@ -10,7 +10,6 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError, check_at_least
 
 __all__ = [
@@ -131,7 +130,4 @@ class RunOptions(ModelOptions):
         "Add the tokenizer's special tokens (e.g. BOS) to every row / to none. Default: as vLLM serves it, "
         "plain text with them, chat-template text without.",
         flag="--add-special-tokens/--no-add-special-tokens",
-    )
-    cpu: HostCpu | None = (
-        None  # the host CPU, as the CLI reads it; None: assumed to have native bf16
     )

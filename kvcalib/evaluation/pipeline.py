@@ -374,7 +374,7 @@ def prepare_scales(
     return (
         run,
         quantizers,
-        resolve_compute(opts.bf16_compute, run.dtype, run.checkpoint, run.device, opts.cpu),
+        resolve_compute(opts.bf16_compute, run.dtype, run.checkpoint, run.device),
     )
 
 

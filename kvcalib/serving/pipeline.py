@@ -447,9 +447,13 @@ def check_serving(model: Path, options: ServeOptions) -> Environment:
 
 
 def serve_check(
-    checkpoint: Path, options: ServeOptions, progress: Progress | None = None
+    checkpoint: Path,
+    options: ServeOptions,
+    progress: Progress | None = None,
+    memory: int | None = None,
 ) -> ServeCheckResult:
-    """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
+    """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed.
+    `memory`: the bytes the prediction may use (None: what this host has free)."""
     emit, checkpoint = progress or (lambda event: None), Path(checkpoint).resolve()
     options = _checked(options, checkpoint)
     pre = preflight(checkpoint, options)
@@ -491,7 +495,7 @@ def serve_check(
         if with_canary
         else None
     )
-    prediction = _predict(checkpoint, options, pre, canary_dir, warnings)
+    prediction = _predict(checkpoint, options, pre, canary_dir, warnings, memory)
     baseline = (
         _run_server("baseline", checkpoint, options, pre, log_dir, prompts, None, emit)
         if with_baseline
@@ -595,6 +599,7 @@ def _predict(
     pre: Preflight,
     canary_dir: Path | None,
     warnings: list[str],
+    memory: int | None,
 ) -> Prediction | None:
     """kvcalib's emulation of the same text, in-process on CPU; None (with a warning) when skipped."""
     if not options.predict:
@@ -602,10 +607,14 @@ def _predict(
     weights = Checkpoint.open(checkpoint).weight_bytes(
         4
     )  # the emulation runs the model in float32 at worst
-    if options.memory_bytes is not None and weights > options.memory_bytes // 2:
+    if memory is None:
+        from kvcalib.hf.memory import available_memory  # torch: only where the prediction runs
+
+        memory = available_memory().available
+    if weights > memory // 2:
         warnings.append(
             f"no prediction: the model needs about {weights / 2**30:.1f} GiB in float32, more than half "
-            f"of the {options.memory_bytes / 2**30:.1f} GiB this host has free"
+            f"of the {memory / 2**30:.1f} GiB this run may use"
         )
         return None
     numerics = EMULATED_DEVICES.get(options.device, pre.target)
@@ -615,5 +624,4 @@ def _predict(
         NLL_TEXT,
         canary=canary_dir,
         unit=options.device == "cpu",
-        cpu=options.cpu,
     )

@@ -227,7 +227,7 @@ def check_environment(config: dict[str, Any], options: ServeOptions) -> Environm
         host = detect_neuron_host(env, options.sysfs_root, options.dev_root)
         require_family(host, device)
     elif device == "cpu":
-        check_cpu(config, options.cpu)
+        check_cpu(config, HostCpu.detect(with_capability=False))
     version = find_vllm(options.vllm_python, env, neuron)
     if device == "cuda":
         check_cuda(options.vllm_python, env, options.tp)
