@@ -52,17 +52,7 @@ def option(
     `choices` a callable for a table's (else a Literal annotation's). A field declared otherwise is the library's
     only (no flag)."""
     assert panel in PANELS, panel
-    meta = {
-        "help": help,
-        "panel": panel,
-        "flag": flag,
-        "short": short,
-        "aliases": aliases,
-        "minimum": minimum,
-        "what": what,
-        "choices": choices,
-        "metavar": metavar,
-    }
+    meta = {k: v for k, v in locals().items() if k not in ("default", "factory")}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -114,6 +104,10 @@ class ModelOptions:
         "matmul (no avx512_bf16 or amx_bf16).",
         panel="Engine",
     )
+
+    def check_arguments(self) -> None:
+        """The values a user passes, checked before anything is read (UsageError naming the flag)."""
+        check_options(self)
 
 
 @dataclasses.dataclass(frozen=True)
