@@ -81,7 +81,6 @@ __all__ = [
     "check_run",
     "engine_inputs",
     "read_data",
-    "register_engine",
 ]
 
 # The engines by name. llm-compressor itself is imported only when its engine runs.
@@ -90,11 +89,6 @@ ENGINES: dict[str, Engine] = {
     "stream": stream_engine,
     "llmcompressor": llmcompressor_engine,
 }
-
-
-def register_engine(name: str, engine: Engine) -> None:
-    """Make `engine` the one --engine NAME runs (a new name, or one of the built-in ones)."""
-    ENGINES[name] = engine
 
 
 @dataclass(frozen=True)
@@ -308,13 +302,11 @@ def check_run(
     device = rank_device(device, ranks)
     copies = ranks.local_world_size if ranks else 1
     choice = choose_engine(opts.engine, checkpoint, dtype, device, copies, machine.memory)
-    if choice.engine not in ENGINES:
-        raise UsageError(
-            f"unknown --engine {choice.engine!r}", hint=f"use one of {', '.join(sorted(ENGINES))}"
-        )
-    compute = resolve_compute(opts.bf16_compute, dtype, checkpoint, device, machine.cpu)
-    if choice.engine == "llmcompressor":  # its oneshot runs the model as its users run it
-        compute = ComputePath(NATIVE, "llm-compressor's oneshot runs the model natively")
+    compute = (  # oneshot runs the model as its users run it
+        ComputePath(NATIVE, "llm-compressor's oneshot runs the model natively")
+        if choice.engine == LLMCOMPRESSOR_ENGINE
+        else resolve_compute(opts.bf16_compute, dtype, checkpoint, device, machine.cpu)
+    )
     return RunPlan(
         opts,
         machine,

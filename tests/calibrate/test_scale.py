@@ -21,6 +21,7 @@ from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.calibration.ranks import Ranks
 from kvcalib.cli import app
+from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import PROVENANCE_FILENAME
 from kvcalib.hf.data import batches
@@ -330,9 +331,10 @@ def test_freed_heap_memory_goes_back_to_the_system_between_layers():
 def test_auto_keeps_a_small_model_in_memory(tiny_llama_master):
     limit = available_memory()
     assert 0 < limit.available and limit.source
-    choice = choose_engine("auto", tiny_llama_master, None, torch.device("cpu"))
+    checkpoint, cpu = Checkpoint.open(tiny_llama_master), torch.device("cpu")
+    choice = choose_engine("auto", checkpoint, None, cpu, 1, limit)
     assert (choice.engine, choice.reason) == ("native", None)
-    assert choose_engine("stream", tiny_llama_master, None, torch.device("cpu")).engine == "stream"
+    assert choose_engine("stream", checkpoint, None, cpu, 1, limit).engine == "stream"
 
 
 # --- a memory cap the model does not fit in ----------------------------------------------------
