@@ -138,7 +138,7 @@ def calibrate(
             raise UsageError(  # --stream-layers is --engine stream
                 f"--stream-layers contradicts --engine {options.engine}", hint="pass one of them"
             )
-        options = dataclasses.replace(options, engine="stream" if stream_layers else options.engine)
+        options = dataclasses.replace(options, engine="stream") if stream_layers else options
         machine = Machine.read(options)
     console = _stderr(quiet)
     if plan:
