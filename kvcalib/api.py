@@ -1,32 +1,23 @@
 """The public API: the jobs as the command line runs them (kvcalib.cli calls these same functions; see kvcalib).
 
-What the CLI reads from the machine is read here unless given: the host CPU, the memory this process may use, the
-temporary directory, the torchrun rank and the environment servers inherit (None: this machine's). Each public
-function takes every field of its options class as a keyword whose default is the field's (`CalibrateOptions.seed`),
-so the default is declared once, in the options class, and the CLI reads the same field; importing this module loads
-no torch."""
+Each function takes its options class's fields as keywords, each declared once, in the class
+(`CalibrateOptions.seed`), or the options made already (`options=`), not both. What the run reads from the machine
+(the host CPU, memory, torchrun's ranks) is read where it is used, never written into the options; importing this
+module loads no torch."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
-import os
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
+import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcalib.calibration.options import (
-    CalibrateOptions,
-    CalibrationResult,
-    Engine,
-    ScaleObjective,
-    Strategy,
-)
-from kvcalib.core.cpu import HostCpu
+from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, Machine
 from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import DEFAULT_TARGET
-from kvcalib.core.options import Bf16Compute, Device, Dtype
 from kvcalib.core.progress import ProgressCallback
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
 from kvcalib.hf.mxfp4 import dequantize_mxfp4
@@ -34,20 +25,15 @@ from kvcalib.serving.options import ServeOptions
 
 if TYPE_CHECKING:
     from kvcalib.calibration.plan import CalibrationPlan
-    from kvcalib.calibration.ranks import Ranks
     from kvcalib.evaluation.context import ContextResult
     from kvcalib.evaluation.needle import NeedleResult
     from kvcalib.evaluation.pipeline import EvalResult
     from kvcalib.evaluation.tasks import TaskResult
-    from kvcalib.hf.memory import MemoryLimit
     from kvcalib.serving.pipeline import ServeCheckResult, ServeEvent
-    from kvcalib.serving.prompts import Prompt
-    from kvcalib.serving.tasks import TaskSpec
     from kvcalib.validation.report import ValidationReport
 
 __all__ = [
     "calibrate",
-    "calibrate_options",
     "dequantize_mxfp4",
     "eval_options",
     "evaluate",
@@ -59,7 +45,6 @@ __all__ = [
     "run_calibration",
     "serve_calibrated",
     "serve_check",
-    "serve_options",
     "task_options",
     "validate",
 ]
@@ -73,31 +58,52 @@ def _logged(result: Any) -> Any:
     return result
 
 
-def _fields(cls: type, given: dict[str, Any]) -> dict[str, Any]:
-    """The entries of `given` (a function's locals()) that are fields of `cls`; None for a field whose default is
-    built (default_factory) leaves it out, so the field builds it."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    return {
-        k: v
-        for k, v in given.items()
-        if k in fields and not (v is None and fields[k].default_factory is not dataclasses.MISSING)
-    }
+def _options(cls: type, options: Any, fields: dict[str, Any], name: str) -> Any:
+    """`options`, or a `cls` of `fields` (a sequence where the field is a tuple); a keyword that is no field is
+    Python's TypeError, options and keywords together a UsageError naming the keywords (they would be dropped)."""
+    if options is not None and fields:
+        raise UsageError(
+            f"{name}() takes options= or keywords, not both: {', '.join(sorted(fields))} given beside options=",
+            hint="set them in the options (dataclasses.replace), or pass only keywords",
+        )
+    if options is not None:
+        return options
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in fields:
+        if key not in known:
+            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+    tuples = {k for k, f in known.items() if typing.get_origin(f.type) is tuple}
+    return cls(**{k: tuple(v) if k in tuples else v for k, v in fields.items()})
 
 
-def calibrate_options(**fields: Any) -> CalibrateOptions:
-    """CalibrateOptions as the CLI makes them: the host CPU, memory, scratch directory and torchrun rank read
-    unless given (not None)."""
-    from kvcalib.calibration.ranks import Ranks
-    from kvcalib.hf.memory import available_memory
+def _keywords(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Show `cls`'s fields in place of the function's **fields (help(), inspect.signature)."""
 
-    machine = {
-        "cpu": HostCpu.detect,
-        "memory": available_memory,
-        "scratch_dir": lambda: Path(tempfile.gettempdir()),
-        "ranks": lambda: Ranks.from_env(os.environ),
-    }
-    read = {k: get() for k, get in machine.items() if fields.get(k) is None}
-    return CalibrateOptions(**{**fields, **read})
+    def mark(func: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(func)
+        own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        fields = [
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=f.type,
+                default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+            )
+            for f in dataclasses.fields(cls)
+            if f.name not in sig.parameters
+        ]
+        func.__signature__ = sig.replace(parameters=[*own, *fields])  # type: ignore[attr-defined]
+        return func
+
+    return mark
+
+
+def eval_options(**fields: Any) -> EvalOptions:
+    return _options(EvalOptions, None, fields, "EvalOptions")
+
+
+def task_options(**fields: Any) -> TaskOptions:
+    return _options(TaskOptions, None, fields, "TaskOptions")
 
 
 def plan_serve_check(
@@ -110,9 +116,7 @@ def plan_serve_check(
     from kvcalib.serving.pipeline import check_serving
     from kvcalib.serving.preflight import check_strategy, validate_target
 
-    if serve.get("memory_bytes") is None and calibration.memory is not None:
-        serve["memory_bytes"] = calibration.memory.available
-    options = serve_options(device=device, **serve)
+    options = _options(ServeOptions, None, {**serve, "device": device}, "serve")
     options.check_arguments()
     plan = plan_recipe(
         calibration.recipe, calibration.target, calibration.engine, calibration.strategy
@@ -134,114 +138,74 @@ def run_calibration(
     dataset: str,
     output: str | Path,
     options: CalibrateOptions,
+    machine: Machine | None = None,
     progress: ProgressCallback | None = None,
 ) -> CalibrationResult:
     """The calibration itself (kvcalib.calibration.pipeline), its notes logged."""
     from kvcalib.calibration.pipeline import calibrate as run
 
-    return _logged(run(model, dataset, output, options, progress=progress))
+    return _logged(run(model, dataset, output, options, machine, progress))
 
 
 def serve_calibrated(
     result: CalibrationResult,
     serving: ServeOptions,
+    machine: Machine,
     progress: Callable[[ServeEvent], None] | None = None,
 ) -> CalibrationResult:
-    """serve-check on the checkpoint calibrate just wrote (figures into the model card); sets `.serve_check`."""
+    """serve-check on the checkpoint calibrate just wrote (figures into the model card), its prediction within the
+    memory the calibration had (--max-memory's cap too); sets `.serve_check`."""
     from kvcalib.calibration.card import summarize, write_card
+    from kvcalib.serving.pipeline import serve_check as run
 
-    served = serve_check(result.output, device=serving.device, options=serving, progress=progress)
+    served = _logged(run(Path(result.output), serving, progress, machine.memory.available))
     write_card(Path(result.output), summarize(result.validation), serve=served.to_dict())
     return dataclasses.replace(result, serve_check=served)
 
 
+@_keywords(CalibrateOptions)
 def plan(
     model: str | Path,
     dataset: str,
     output: str | Path,
     *,
-    dtype: Dtype = CalibrateOptions.dtype,
-    device: Device = CalibrateOptions.device,
-    trust_remote_code: bool = CalibrateOptions.trust_remote_code,
-    bf16_compute: Bf16Compute = CalibrateOptions.bf16_compute,
-    split: str = CalibrateOptions.split,
-    text_column: str | None = CalibrateOptions.text_column,
-    seed: int = CalibrateOptions.seed,
-    add_special_tokens: bool | None = CalibrateOptions.add_special_tokens,
-    cpu: HostCpu | None = CalibrateOptions.cpu,
-    target: str | None = CalibrateOptions.target,
-    num_samples: int = CalibrateOptions.num_samples,
-    max_seq_len: int = CalibrateOptions.max_seq_len,
-    batch_size: int = CalibrateOptions.batch_size,
-    max_memory: float | None = CalibrateOptions.max_memory,
-    overwrite: bool = CalibrateOptions.overwrite,
-    engine: Engine = CalibrateOptions.engine,
-    recipe: str | None = CalibrateOptions.recipe,
-    strategy: Strategy | None = CalibrateOptions.strategy,
-    attention_scales: bool = CalibrateOptions.attention_scales,
-    scale_objective: ScaleObjective = CalibrateOptions.scale_objective,
-    headroom: float = CalibrateOptions.headroom,
-    extra_provenance: dict[str, Any] | None = None,
-    ranks: Ranks | None = CalibrateOptions.ranks,
-    memory: MemoryLimit | None = CalibrateOptions.memory,
-    scratch_dir: Path | None = CalibrateOptions.scratch_dir,
     options: CalibrateOptions | None = None,
     progress: ProgressCallback | None = None,
+    **fields: Any,
 ) -> CalibrationPlan:
     """`kvcalib calibrate ... --plan` (kvcalib.calibration.plan): what `calibrate` with these keywords would do and
-    take, or with `options` made already."""
+    take."""
     from kvcalib.calibration.plan import plan_calibration
 
-    options = options or calibrate_options(**_fields(CalibrateOptions, locals()))
+    options = _options(CalibrateOptions, options, fields, "plan")
     return plan_calibration(model, dataset, output, options, progress=progress)
 
 
+@_keywords(CalibrateOptions)
 def calibrate(
     model: str | Path,
     dataset: str,
     output: str | Path,
     *,
-    dtype: Dtype = CalibrateOptions.dtype,
-    device: Device = CalibrateOptions.device,
-    trust_remote_code: bool = CalibrateOptions.trust_remote_code,
-    bf16_compute: Bf16Compute = CalibrateOptions.bf16_compute,
-    split: str = CalibrateOptions.split,
-    text_column: str | None = CalibrateOptions.text_column,
-    seed: int = CalibrateOptions.seed,
-    add_special_tokens: bool | None = CalibrateOptions.add_special_tokens,
-    cpu: HostCpu | None = CalibrateOptions.cpu,
-    target: str | None = CalibrateOptions.target,
-    num_samples: int = CalibrateOptions.num_samples,
-    max_seq_len: int = CalibrateOptions.max_seq_len,
-    batch_size: int = CalibrateOptions.batch_size,
-    max_memory: float | None = CalibrateOptions.max_memory,
-    overwrite: bool = CalibrateOptions.overwrite,
-    engine: Engine = CalibrateOptions.engine,
-    recipe: str | None = CalibrateOptions.recipe,
-    strategy: Strategy | None = CalibrateOptions.strategy,
-    attention_scales: bool = CalibrateOptions.attention_scales,
-    scale_objective: ScaleObjective = CalibrateOptions.scale_objective,
-    headroom: float = CalibrateOptions.headroom,
-    extra_provenance: dict[str, Any] | None = None,
-    ranks: Ranks | None = CalibrateOptions.ranks,
-    memory: MemoryLimit | None = CalibrateOptions.memory,
-    scratch_dir: Path | None = CalibrateOptions.scratch_dir,
     serve_check: str | None = None,
     serve: dict[str, Any] | None = None,
+    options: CalibrateOptions | None = None,
     progress: ProgressCallback | None = None,
     serve_progress: Callable[[ServeEvent], None] | None = None,
+    **fields: Any,
 ) -> CalibrationResult:
     """`kvcalib calibrate`: an FP8-KV checkpoint of `model` at `output`, scales from `dataset`; the CalibrationResult.
-    The keywords are CalibrateOptions' fields; serve_check: a device to serve the result on, as `kvcalib calibrate
-    --serve-check` does (`serve`: ServeOptions fields, as for `serve_check`)."""
-    calibration = calibrate_options(**_fields(CalibrateOptions, locals()))
+    serve_check: a device to serve the result on, as `kvcalib calibrate --serve-check` does (`serve`: ServeOptions
+    fields, as for `serve_check`)."""
+    calibration = _options(CalibrateOptions, options, fields, "calibrate")
+    machine = Machine.read(calibration)
     serving = (
         None
         if serve_check is None
         else plan_serve_check(model, calibration, serve_check, **(serve or {}))
     )
-    result = run_calibration(model, dataset, output, calibration, progress)
-    return result if serving is None else serve_calibrated(result, serving, serve_progress)
+    result = run_calibration(model, dataset, output, calibration, machine, progress)
+    return result if serving is None else serve_calibrated(result, serving, machine, serve_progress)
 
 
 def validate(
@@ -253,193 +217,91 @@ def validate(
     return validate_checkpoint(Path(path), target, strict=strict)
 
 
-def eval_options(**fields: Any) -> EvalOptions:
-    """EvalOptions as the CLI makes them, the host CPU read unless given (not None)."""
-    if fields.get("cpu") is None:
-        fields["cpu"] = HostCpu.detect()
-    return EvalOptions(**{**fields, "compare": tuple(fields.get("compare", ()))})
-
-
-def task_options(**fields: Any) -> TaskOptions:
-    """TaskOptions as the CLI makes them (lm-eval tasks by name; limit, num_fewshot, task_data, ...)."""
-    tuples = ("tasks", "compare", "include_path")
-    return TaskOptions(**{k: tuple(v) if k in tuples else v for k, v in fields.items()})
-
-
+@_keywords(EvalOptions)
 def evaluate(
     checkpoint: str | Path,
     dataset: str,
     *,
-    dtype: Dtype = EvalOptions.dtype,
-    device: Device = EvalOptions.device,
-    trust_remote_code: bool = EvalOptions.trust_remote_code,
-    bf16_compute: Bf16Compute = EvalOptions.bf16_compute,
-    target: str = EvalOptions.target,
-    batch_size: int = EvalOptions.batch_size,
-    compare: Sequence[str] = EvalOptions.compare,
-    split: str = EvalOptions.split,
-    text_column: str | None = EvalOptions.text_column,
-    seed: int = EvalOptions.seed,
-    add_special_tokens: bool | None = EvalOptions.add_special_tokens,
-    cpu: HostCpu | None = EvalOptions.cpu,
-    num_samples: int = EvalOptions.num_samples,
-    max_seq_len: int = EvalOptions.max_seq_len,
-    order: str | None = EvalOptions.order,
-    fp8_attention: bool = EvalOptions.fp8_attention,
-    layer_rows: int = EvalOptions.layer_rows,
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
+    **fields: Any,
 ) -> EvalResult:
     """`kvcalib eval`: FP8-KV accuracy on held-out text against the unquantised cache (compare: "unit"
     or other checkpoints); the keywords are EvalOptions' fields, or `options` made already."""
     from kvcalib.evaluation.pipeline import evaluate as run
 
-    options = options or eval_options(**_fields(EvalOptions, locals()))
+    options = _options(EvalOptions, options, fields, "evaluate")
     return run(str(checkpoint), dataset, options, progress=progress)
 
 
+@_keywords(EvalOptions)
 def evaluate_context(
     checkpoint: str | Path,
     dataset: str,
     lengths: Sequence[int],
     *,
     nll: bool = True,
-    dtype: Dtype = EvalOptions.dtype,
-    device: Device = EvalOptions.device,
-    trust_remote_code: bool = EvalOptions.trust_remote_code,
-    bf16_compute: Bf16Compute = EvalOptions.bf16_compute,
-    target: str = EvalOptions.target,
-    batch_size: int = EvalOptions.batch_size,
-    compare: Sequence[str] = EvalOptions.compare,
-    split: str = EvalOptions.split,
-    text_column: str | None = EvalOptions.text_column,
-    seed: int = EvalOptions.seed,
-    add_special_tokens: bool | None = EvalOptions.add_special_tokens,
-    cpu: HostCpu | None = EvalOptions.cpu,
-    num_samples: int = EvalOptions.num_samples,
-    max_seq_len: int = EvalOptions.max_seq_len,
-    order: str | None = EvalOptions.order,
-    fp8_attention: bool = EvalOptions.fp8_attention,
-    layer_rows: int = EvalOptions.layer_rows,
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
+    **fields: Any,
 ) -> ContextResult:
     """`kvcalib eval-context --lengths L,...`: K/V saturation and ΔNLL (nll) per length and layer; the keywords are
     EvalOptions' fields (num_samples: samples per length), or `options` made already."""
     from kvcalib.evaluation.context import evaluate_context as run
 
-    options = options or eval_options(**_fields(EvalOptions, locals()))
+    options = _options(EvalOptions, options, fields, "evaluate_context")
     return run(str(checkpoint), dataset, tuple(lengths), options, progress=progress, nll=nll)
 
 
+@_keywords(EvalOptions)
 def evaluate_needle(
     checkpoint: str | Path,
     dataset: str,
     lengths: Sequence[int],
     *,
     keys: int | None = None,
-    dtype: Dtype = EvalOptions.dtype,
-    device: Device = EvalOptions.device,
-    trust_remote_code: bool = EvalOptions.trust_remote_code,
-    bf16_compute: Bf16Compute = EvalOptions.bf16_compute,
-    target: str = EvalOptions.target,
-    batch_size: int = EvalOptions.batch_size,
-    compare: Sequence[str] = EvalOptions.compare,
-    split: str = EvalOptions.split,
-    text_column: str | None = EvalOptions.text_column,
-    seed: int = EvalOptions.seed,
-    add_special_tokens: bool | None = EvalOptions.add_special_tokens,
-    cpu: HostCpu | None = EvalOptions.cpu,
-    num_samples: int = EvalOptions.num_samples,
-    max_seq_len: int = EvalOptions.max_seq_len,
-    order: str | None = EvalOptions.order,
-    fp8_attention: bool = EvalOptions.fp8_attention,
-    layer_rows: int = EvalOptions.layer_rows,
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
+    **fields: Any,
 ) -> NeedleResult:
     """`kvcalib eval-needle --lengths L,...`: keys found per length and depth, per scale set (`keys` per length
     and depth; None: the needle's default); the keywords are EvalOptions' fields, or `options` made already."""
     from kvcalib.evaluation.needle import evaluate_needle as run
 
-    options = options or eval_options(**_fields(EvalOptions, locals()))
+    options = _options(EvalOptions, options, fields, "evaluate_needle")
     return run(str(checkpoint), dataset, tuple(lengths), options, keys, progress=progress)
 
 
+@_keywords(TaskOptions)
 def evaluate_tasks(
     checkpoint: str | Path,
-    tasks: Sequence[str],
+    tasks: Sequence[str] | None = None,
     *,
-    dtype: Dtype = TaskOptions.dtype,
-    device: Device = TaskOptions.device,
-    trust_remote_code: bool = TaskOptions.trust_remote_code,
-    bf16_compute: Bf16Compute = TaskOptions.bf16_compute,
-    target: str = TaskOptions.target,
-    batch_size: int = TaskOptions.batch_size,
-    compare: Sequence[str] = TaskOptions.compare,
-    limit: int | None = TaskOptions.limit,
-    num_fewshot: int | None = TaskOptions.num_fewshot,
-    include_path: Sequence[str] = TaskOptions.include_path,
-    task_data: str | None = TaskOptions.task_data,
-    seed: int = TaskOptions.seed,
-    extra_runs: tuple[tuple[str, str, str], ...] = TaskOptions.extra_runs,
     options: TaskOptions | None = None,
     progress: ProgressCallback | None = None,
+    **fields: Any,
 ) -> TaskResult:
     """`kvcalib eval-tasks`: lm-eval tasks under the chip's FP8-KV numerics, paired item by item; the keywords
     are TaskOptions' fields, or `options` made already."""
     from kvcalib.evaluation.tasks import evaluate_tasks as run
 
-    options = options or task_options(**_fields(TaskOptions, locals()))
+    if tasks is not None and (options is None or tuple(tasks) != options.tasks):
+        fields["tasks"] = tasks
+    options = _options(TaskOptions, options, fields, "evaluate_tasks")
     return run(str(checkpoint), options, progress=progress)
 
 
-def serve_options(**fields: Any) -> ServeOptions:
-    """ServeOptions as the CLI makes them: the environment, CPU flags and memory read unless given (not None)."""
-    from kvcalib.hf.memory import available_memory
-
-    machine = {
-        "env": lambda: dict(os.environ),
-        "cpu": lambda: HostCpu.detect(with_capability=False),
-        "memory_bytes": lambda: available_memory().available,
-    }
-    read = {k: get() for k, get in machine.items() if fields.get(k) is None}
-    return ServeOptions(**{**fields, **read})
-
-
+@_keywords(ServeOptions)
 def serve_check(
     checkpoint: str | Path,
     *,
-    device: str,
-    tp: int | None = ServeOptions.tp,
-    max_model_len: int = ServeOptions.max_model_len,
-    max_num_seqs: int = ServeOptions.max_num_seqs,
-    port: int | None = ServeOptions.port,
-    startup_timeout_s: float = ServeOptions.startup_timeout_s,
-    stop_timeout_s: float = ServeOptions.stop_timeout_s,
-    prompts: tuple[Prompt, ...] | None = ServeOptions.prompts,
-    baseline: bool | None = ServeOptions.baseline,
-    max_tokens: int = ServeOptions.max_tokens,
-    vllm_python: Path | None = None,
-    log_dir: Path | None = ServeOptions.log_dir,
-    neuron_visible_devices: str | None = ServeOptions.neuron_visible_devices,
-    force: bool = ServeOptions.force,
-    env: Mapping[str, str] | None = None,
-    sysfs_root: Path = ServeOptions.sysfs_root,
-    dev_root: Path = ServeOptions.dev_root,
-    cpu: HostCpu | None = ServeOptions.cpu,
-    canary: bool | None = ServeOptions.canary,
-    predict: bool = ServeOptions.predict,
-    memory_bytes: int | None = ServeOptions.memory_bytes,
-    tasks: TaskSpec | None = ServeOptions.tasks,
-    context: int | None = ServeOptions.context,
     options: ServeOptions | None = None,
     progress: Callable[[ServeEvent], None] | None = None,
+    **fields: Any,
 ) -> ServeCheckResult:
     """`kvcalib serve-check`: serve `checkpoint` on `device` with vLLM's FP8 KV cache, probe it, compare with a
-    baseline, always stop the servers; the ServeCheckResult. The keywords are ServeOptions' fields (vllm_python None:
-    this Python; env None: this process's environment), or `options` made already."""
+    baseline, always stop the servers; the ServeCheckResult."""
     from kvcalib.serving.pipeline import serve_check as run
 
-    options = options or serve_options(**_fields(ServeOptions, locals()))
-    return _logged(run(Path(checkpoint), options, progress=progress))
+    options = _options(ServeOptions, options, fields, "serve_check")
+    return _logged(run(Path(checkpoint), options, progress))

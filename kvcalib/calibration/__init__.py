@@ -1,2 +1,2 @@
 """The calibrate job: per-layer K/V absmax over a dataset -> FP8 scales -> a new checkpoint (pipeline.py).
-Public entry: kvcalib.calibrate (kvcalib/api.py); own engines via pipeline.register_engine."""
+Public entry: kvcalib.calibrate (kvcalib/api.py)."""

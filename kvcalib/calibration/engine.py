@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.progress import ProgressCallback
@@ -25,7 +25,9 @@ class EngineInputs:
 
     checkpoint: Checkpoint  # config.json and the safetensors headers, read once
     data: CalibrationData
-    options: CalibrateOptions
+    options: CalibrateOptions  # as the user gave them
+    machine: Machine
+    attention_scales: bool  # observe Q too: asked, or the recipe's
     dtype: torch.dtype | None  # None: the checkpoint's own dtype
     device: torch.device
     pad_id: int

@@ -31,7 +31,7 @@ def native_engine(inputs: EngineInputs) -> Observation:
     layers = num_layers(hf_model)
     attn_paths = attention_modules(hf_model, layers, inputs.checkpoint.root)
     observer = KVAbsmaxObserver(
-        layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(layers)
+        layers, queries=inputs.attention_scales, sampler=inputs.sampler(layers)
     )
     started = time.perf_counter()
     with compute_path(inputs.compute):
@@ -76,7 +76,6 @@ def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...],
         inputs.data,
         sequences=tuple(s for s in inputs.data.sequences if s in inputs.sample_sequences),
     )
-    options = dataclasses.replace(inputs.options, attention_scales=False)
     return native_engine(
-        dataclasses.replace(inputs, data=data, options=options, notify=lambda progress: None)
+        dataclasses.replace(inputs, data=data, attention_scales=False, notify=lambda progress: None)
     ).samples

@@ -2,12 +2,15 @@
 `from __future__ import annotations`: kvcalib.core.options reads a field's type as it is); a type imported only under
 TYPE_CHECKING is written as a string."""
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcalib.core import fp8
 from kvcalib.core.choice import ScaleChoice
+from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError
 from kvcalib.core.options import RunOptions, check_options, option
 from kvcalib.core.schema import KvCacheSize
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CalibrateOptions",
     "Engine",
+    "Machine",
     "ScaleObjective",
     "Strategy",
     "CalibrationResult",
@@ -126,10 +130,6 @@ class CalibrateOptions(RunOptions):
         panel="Scales",
     )
     extra_provenance: dict[str, Any] = field(default_factory=dict)
-    ranks: "Ranks | None" = None  # set under torchrun: this process's share; only rank 0 writes
-    # The machine, as the CLI reads it; None: read from /proc and /sys, TMPDIR.
-    memory: "MemoryLimit | None" = None  # the host memory this process may use
-    scratch_dir: Path | None = None  # where the stream engine spills hidden states
 
     def check_arguments(self) -> None:
         """The values a user passes, checked before anything is read (UsageError naming the flag)."""
@@ -157,6 +157,41 @@ class CalibrateOptions(RunOptions):
         if data.num_tokens < len(data.sequences) * self.max_seq_len:
             short.append(f"rows average {data.num_tokens / len(data.sequences):,.0f} tokens")
         return f"asked {asked}; " + "; ".join(short)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a calibration reads from this machine, once (`Machine.read`), passed beside the options and never
+    written into them: the host CPU, the memory this process may use (the tighter of what is free and --max-memory),
+    torchrun's ranks (None outside torchrun; only rank 0 writes), where the stream engine spills hidden states."""
+
+    cpu: HostCpu
+    memory: "MemoryLimit"
+    ranks: "Ranks | None"
+    scratch_dir: Path
+
+    @classmethod
+    def read(
+        cls,
+        options: CalibrateOptions,
+        cpu: HostCpu | None = None,
+        memory: "MemoryLimit | None" = None,
+        scratch_dir: Path | None = None,
+    ) -> "Machine":
+        """This machine as `options` limit it; what is given is taken as read (a test acts out another machine)."""
+        from kvcalib.calibration.ranks import Ranks
+        from kvcalib.hf.memory import GiB, MemoryLimit, available_memory
+
+        memory = memory or available_memory()
+        if options.max_memory is not None:
+            cap = MemoryLimit(int(options.max_memory * GiB), f"--max-memory {options.max_memory:g}")
+            memory = min(memory, cap, key=lambda m: m.available)
+        return cls(
+            cpu or HostCpu.detect(),
+            memory,
+            Ranks.from_env(os.environ),
+            scratch_dir or Path(tempfile.gettempdir()),
+        )
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,12 @@ from kvcalib.calibration.objective import (
     scored_numerics,
     search,
 )
-from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales
+from kvcalib.calibration.options import (
+    CalibrateOptions,
+    CalibrationResult,
+    LayerScales,
+    Machine,
+)
 from kvcalib.calibration.output import OUTPUT, StepReport, close_call, output_step
 from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import (
@@ -53,14 +58,7 @@ from kvcalib.core.schema import (
 )
 from kvcalib.evaluation.emulate import head_scale
 from kvcalib.hf.data import CalibrationData, load_calibration_data
-from kvcalib.hf.memory import (
-    EngineChoice,
-    GiB,
-    MemoryLimit,
-    available_memory,
-    choose_engine,
-    out_of_memory_error,
-)
+from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
 from kvcalib.hf.model import (
     faithful_attention,
     load_model,
@@ -83,7 +81,6 @@ __all__ = [
     "check_run",
     "engine_inputs",
     "read_data",
-    "register_engine",
 ]
 
 # The engines by name. llm-compressor itself is imported only when its engine runs.
@@ -94,16 +91,13 @@ ENGINES: dict[str, Engine] = {
 }
 
 
-def register_engine(name: str, engine: Engine) -> None:
-    """Make `engine` the one --engine NAME runs (a new name, or one of the built-in ones)."""
-    ENGINES[name] = engine
-
-
 @dataclass(frozen=True)
 class RunPlan:
-    """Everything checked before the long work starts."""
+    """The run as resolved from the options (as the user gave them) and the machine, checked before the long work
+    starts: the engine chosen, the compute path, the recipe's strategy and Q scales, the provenance."""
 
     options: CalibrateOptions
+    machine: Machine
     recipe: RecipePlan
     target: fp8.Target
     checkpoint: Checkpoint
@@ -112,6 +106,8 @@ class RunPlan:
     device: torch.device
     engine: EngineChoice
     compute: ComputePath
+    attention_scales: bool  # asked, or the recipe's
+    provenance: dict[str, Any]  # the recipe's, the engine's, extra_provenance
     inputs: tuple[tuple[str, Path], ...]  # what the output must not overlap
     recovered: tuple[str, ...]  # what was restored or removed from interrupted runs
 
@@ -121,13 +117,14 @@ def calibrate(
     dataset: str,
     output: str | Path,
     options: CalibrateOptions | None = None,
+    machine: Machine | None = None,
     progress: ProgressCallback | None = None,
 ) -> CalibrationResult:
-    """Calibrate `model` on `dataset` and write the FP8-KV checkpoint to `output`."""
+    """Calibrate `model` on `dataset` and write the FP8-KV checkpoint to `output` (machine None: this one)."""
     notify = progress or no_progress
     started = time.perf_counter()
-    plan = check_run(model, dataset, Path(output), options or CalibrateOptions())
-    opts = plan.options
+    plan = check_run(model, dataset, Path(output), options or CalibrateOptions(), machine)
+    opts, ranks = plan.options, plan.machine.ranks
 
     notify(Progress("load-data"))
     data, pad = read_data(plan, dataset)
@@ -139,7 +136,7 @@ def calibrate(
         plan.target,
         plan.checkpoint.root,
         plan.recipe.strategy,
-        queries=opts.attention_scales,
+        queries=plan.attention_scales,
         choices=choices,
         headroom=opts.headroom,
     )
@@ -182,11 +179,11 @@ def calibrate(
             token_budget=opts.token_budget(data),
         )
 
-    if opts.ranks is not None and not opts.ranks.is_writer:  # rank 0 writes and validates
-        return result(warnings + [f"rank {opts.ranks.rank}: nothing written (rank 0 writes)"], None)
+    if ranks is not None and not ranks.is_writer:  # rank 0 writes and validates
+        return result(warnings + [f"rank {ranks.rank}: nothing written (rank 0 writes)"], None)
     notify(Progress("write"))
     notes, validation = _write(
-        plan, data, layers, observation.attention_classes if opts.attention_scales else ()
+        plan, data, layers, observation.attention_classes if plan.attention_scales else ()
     )
     return result(list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation)
 
@@ -226,12 +223,14 @@ def engine_inputs(
         plan.checkpoint,
         data,
         opts,
+        plan.machine,
+        plan.attention_scales,
         plan.dtype,
         plan.device,
         pad,
         notify,
         plan.compute,
-        plan.engine.limit if plan.engine.limit is not None else opts.memory,
+        plan.engine.limit if plan.engine.limit is not None else plan.machine.memory,
         sample_sequences=sampled,
         probe_layers=probe_layers,
     )
@@ -258,70 +257,59 @@ def context_warning(
 
 
 def check_run(
-    model: str | Path, dataset: str, output: Path, opts: CalibrateOptions, *, dry: bool = False
+    model: str | Path,
+    dataset: str,
+    output: Path,
+    opts: CalibrateOptions,
+    machine: Machine | None = None,
+    *,
+    dry: bool = False,
 ) -> RunPlan:
-    """The cheap checks, before any weight is loaded; the plan of the run. `dry`: leave leftovers as they are."""
+    """The cheap checks, before any weight is loaded; the run resolved from `opts` and `machine` (None: this one,
+    read). `dry`: leave leftovers as they are."""
     opts.check_arguments()
-    if opts.max_memory is not None:  # the tighter of the host's and the user's
-        cap = MemoryLimit(int(opts.max_memory * GiB), f"--max-memory {opts.max_memory:g}")
-        opts = replace(
-            opts, memory=min(opts.memory or available_memory(), cap, key=lambda m: m.available)
-        )
+    machine = machine or Machine.read(opts)
     recipe = plan_recipe(opts.recipe, opts.target, opts.engine, opts.strategy)  # checked together
     target = resolve_target(recipe.target)
-    opts = replace(
-        opts,
-        strategy=recipe.strategy,
-        attention_scales=opts.attention_scales or recipe.attention_scales,
-        extra_provenance={**recipe.provenance, **opts.extra_provenance},
-    )
+    attention_scales = opts.attention_scales or recipe.attention_scales
+    provenance = {**recipe.provenance, **opts.extra_provenance}
     if opts.engine == LLMCOMPRESSOR_ENGINE:
-        if opts.attention_scales:  # said before whether it is installed
+        if attention_scales:  # said before whether it is installed
             raise UsageError(
                 "--attention-scales observes Q with kvcalib's own engines; --engine llmcompressor "
                 "observes K/V only",
                 hint="drop --engine llmcompressor (native or stream observe Q)",
             )
-        llmcompressor = {"llmcompressor_version": require_llmcompressor()}
-        opts = replace(opts, extra_provenance={**opts.extra_provenance, **llmcompressor})
+        provenance["llmcompressor_version"] = require_llmcompressor()
     run = prepare_run(model, opts)
     checkpoint, dtype, device = run.checkpoint, run.dtype, run.device
-    opts = replace(
-        opts,
-        extra_provenance={
-            **opts.extra_provenance,
-            **mxfp4.check_calibration(checkpoint, target, opts.engine),
-        },
-    )
+    provenance.update(mxfp4.check_calibration(checkpoint, target, opts.engine))
     inputs = [
         ("the model checkpoint", checkpoint.root),
         ("the dataset", Path(dataset).expanduser()),
     ]
     if opts.recipe is not None:
         inputs.append(("the recipe", Path(opts.recipe)))
+    ranks = machine.ranks
     writer = (
-        opts.ranks is None or opts.ranks.is_writer
+        ranks is None or ranks.is_writer
     )  # under torchrun only rank 0 touches the output's parent
     recovered = check_output_path(
         output, inputs, opts.overwrite, recover_leftovers=writer and not dry
     )
     if writer:
         check_room(output, checkpoint)
-    device = rank_device(device, opts.ranks)
-    local_copies = opts.ranks.local_world_size if opts.ranks else 1
-    choice = choose_engine(
-        opts.engine, checkpoint, dtype, device, copies=local_copies, host=opts.memory
+    device = rank_device(device, ranks)
+    copies = ranks.local_world_size if ranks else 1
+    choice = choose_engine(opts.engine, checkpoint, dtype, device, copies, machine.memory)
+    compute = (  # oneshot runs the model as its users run it
+        ComputePath(NATIVE, "llm-compressor's oneshot runs the model natively")
+        if choice.engine == LLMCOMPRESSOR_ENGINE
+        else resolve_compute(opts.bf16_compute, dtype, checkpoint, device, machine.cpu)
     )
-    opts = replace(opts, engine=choice.engine)
-    if opts.engine not in ENGINES:
-        raise UsageError(
-            f"unknown --engine {opts.engine!r}", hint=f"use one of {', '.join(sorted(ENGINES))}"
-        )
-    compute = resolve_compute(opts.bf16_compute, dtype, checkpoint, device, opts.cpu)
-    if opts.engine == "llmcompressor":  # its oneshot runs the model as its users run it
-        compute = ComputePath(NATIVE, "llm-compressor's oneshot runs the model natively")
     return RunPlan(
         opts,
+        machine,
         recipe,
         target,
         checkpoint,
@@ -330,6 +318,8 @@ def check_run(
         device,
         choice,
         compute,
+        attention_scales,
+        provenance,
         tuple(inputs),
         tuple(recovered),
     )
@@ -340,7 +330,7 @@ def _observe(
 ) -> tuple[Observation, list[list[Pick]] | None, float, StepReport | None]:
     """The engine's observation, the scale objective's picks (None: absmax), the seconds the search and the
     whole-model step took, and what the step did (None: not asked for)."""
-    engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
+    engine, ranks = ENGINES[plan.engine.engine], plan.machine.ranks
     timing: list[Any] = [0.0, None]
 
     def finish(observation: Observation, gather: Gather) -> list[list[Pick]] | None:
@@ -380,7 +370,7 @@ def _observe(
             observation = engine(inputs)
             choices = finish(observation, lambda local: local)
     except (MemoryError, RuntimeError) as exc:
-        error = out_of_memory_error(exc, plan.options.engine, plan.device)
+        error = out_of_memory_error(exc, plan.engine.engine, plan.device)
         if error is None:
             raise
         raise error from exc
@@ -401,7 +391,7 @@ def _optional_step(
         return together(
             lambda checked: _output_step(plan, inputs, observation, scored, checked),
             gather,
-            lambda exc: out_of_memory_error(exc, plan.options.engine, plan.device) is not None,
+            lambda exc: out_of_memory_error(exc, plan.engine.engine, plan.device) is not None,
         )
     except RanksFailed as failed:
         if not failed.out_of_memory:
@@ -424,15 +414,15 @@ def _output_step(
 ) -> tuple[list[list[Pick]], StepReport]:
     """kvcalib.calibration.output with the engine's model: held whole, or streamed again (the stream engine's, or
     one opened for the step where the whole model does not fit)."""
-    opts, model = plan.options, observation.model
+    opts, model, ranks = plan.options, observation.model, plan.machine.ranks
     if isinstance(model, LayerStream):
         stream = model
     elif model is not None:
         stream = LayerStream.whole(model, plan.checkpoint.root)
     else:
-        copies = opts.ranks.local_world_size if opts.ranks else 1
+        copies = ranks.local_world_size if ranks else 1
         engine = choose_engine(
-            "auto", plan.checkpoint, plan.dtype, plan.device, copies, opts.memory
+            "auto", plan.checkpoint, plan.dtype, plan.device, copies, plan.machine.memory
         )
         stream = (
             LayerStream.whole(
@@ -448,9 +438,9 @@ def _output_step(
             if engine.engine == "native"
             else open_stream(plan.checkpoint, plan.dtype, plan.device, opts.trust_remote_code)
         )
-    rank, world = (opts.ranks.rank, opts.ranks.world_size) if opts.ranks else (0, 1)
+    rank, world = (ranks.rank, ranks.world_size) if ranks else (0, 1)
     q_scales = None
-    if opts.attention_scales:  # the Q scales written: the step weighs FP8 attention
+    if plan.attention_scales:  # the Q scales written: the step weighs FP8 attention
         written, _ = layer_scales(
             observation, plan.target, plan.checkpoint.root, plan.recipe.strategy, queries=True
         )
@@ -485,9 +475,7 @@ def _write(
         if plan.dtype
         else str(config.get("dtype") or config.get("torch_dtype"))
     )
-    provenance = _provenance(
-        plan.checkpoint.root, data, plan.options, plan.target, layers, dtype_name, config
-    )
+    provenance = _provenance(plan, data, layers, dtype_name, config)
     provenance["compute"] = plan.compute.describe()
     scales = scale_tensors(layers)
     validation: list[ValidationReport] = []
@@ -527,14 +515,13 @@ def _base_model(config: dict[str, Any]) -> str | None:
 
 
 def _provenance(
-    model_dir: Path,
+    plan: RunPlan,
     data: CalibrationData,
-    opts: CalibrateOptions,
-    target: fp8.Target,
     layers: list[LayerScales],
     dtype_name: str,
     config: dict[str, Any],
 ) -> dict[str, Any]:
+    opts, target = plan.options, plan.target
     return {
         "tool": "kvcalib",
         "kvcalib_version": __version__,
@@ -546,13 +533,15 @@ def _provenance(
         "target": target.name,
         "fp8_max": target.fp8_max,
         # the numerics the scale objective scored every candidate on (a clip is chosen only if good on all)
-        "scored_on": [chip.name for chip in scored_numerics(target, opts.strategy == ATTN_HEAD)]
+        "scored_on": [
+            chip.name for chip in scored_numerics(target, plan.recipe.strategy == ATTN_HEAD)
+        ]
         if opts.scale_objective != ABSMAX
         else [],
         "scales_file": SCALES_FILENAME,
-        "model": str(model_dir),
+        "model": str(plan.checkpoint.root),
         "dtype": dtype_name,
-        "engine": opts.engine,
+        "engine": plan.engine.engine,
         "dataset": data.source,
         "split": data.split,
         "column": data.column,
@@ -570,8 +559,8 @@ def _provenance(
         "num_tokens": data.num_tokens,
         "token_budget": opts.token_budget(data),
         "observer": "static_minmax",
-        "strategy": opts.strategy,
-        "attention_scales": opts.attention_scales,
+        "strategy": plan.recipe.strategy,
+        "attention_scales": plan.attention_scales,
         "layers": [layer.to_dict(keys=False) for layer in layers],
-        **opts.extra_provenance,
+        **plan.provenance,
     }

@@ -186,12 +186,12 @@ def plan_calibration(
     probe = _probe(plan, data, pad, layers, notify, round(setup, 3))
     needed = weight_bytes(plan.checkpoint, plan.dtype)
     peak, scratch = _memory(plan, data, needed, layers)
-    limit = plan.engine.limit or plan.options.memory  # --max-memory's cap, as check_run resolved it
+    limit = plan.engine.limit or plan.machine.memory  # --max-memory's cap, as check_run resolved it
     return CalibrationPlan(
         model=str(model),
         output=str(output),
         target=plan.target.name,
-        engine=plan.options.engine,
+        engine=plan.engine.engine,
         engine_reason=plan.engine.reason,
         compute=plan.compute.describe(),
         num_layers=layers,
@@ -230,7 +230,8 @@ def _probe(
         count = len(order)
     rows = tuple(order[:count])
     probe_data = replace(data, sequences=rows)
-    stream = opts.engine == "stream"
+    engine = plan.engine.engine
+    stream = engine == "stream"
     probed = min(PROBE_LAYERS, layers)
     stamps: list[tuple[float, Progress]] = []
 
@@ -238,7 +239,7 @@ def _probe(
         stamps.append((time.perf_counter(), event))
         notify(event)
 
-    name = "native" if opts.engine == "llmcompressor" else opts.engine  # oneshot: native's probe
+    name = "native" if engine == "llmcompressor" else engine  # oneshot: native's probe
     inputs = engine_inputs(plan, probe_data, pad, stamp, probe_layers=probed if stream else None)
     started = time.perf_counter()
     observation = ENGINES[name](inputs)
@@ -341,13 +342,13 @@ def _estimate(probe: Probe, tokens: int, layers: int, output_bytes: int, linked:
 
 def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, int]:
     """(peak, scratch) bytes: the weights x HEADROOM; stream: two layers and the hidden states (or one batch's)."""
-    if plan.options.engine != "stream":
+    if plan.engine.engine != "stream":
         return int(weights * HEADROOM), 0
     hidden = int(text_config(plan.checkpoint.config).get("hidden_size") or 0)
     element = plan.dtype.itemsize if plan.dtype is not None else 2
     longest = max((len(s) for s in data.sequences), default=0)
     states = len(data.sequences) * longest * hidden * element
-    limit, one_layer = plan.engine.limit or plan.options.memory, weights // max(layers, 1)
+    limit, one_layer = plan.engine.limit or plan.machine.memory, weights // max(layers, 1)
     if limit is not None and states + 2 * one_layer > limit.available:
         return 2 * one_layer + plan.options.batch_size * longest * hidden * element, states
     return 2 * one_layer + states, 0

@@ -118,7 +118,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     n_layers = len(layers)
     attn_paths = attention_modules(model, n_layers, inputs.checkpoint.root)
     observer = KVAbsmaxObserver(
-        n_layers, queries=inputs.options.attention_scales, sampler=inputs.sampler(n_layers)
+        n_layers, queries=inputs.attention_scales, sampler=inputs.sampler(n_layers)
     )
     batch_list = [
         (ids.to(inputs.device), mask.to(inputs.device))
@@ -126,7 +126,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     ]
     started = time.perf_counter()
     copies = (
-        inputs.options.ranks.local_world_size if inputs.options.ranks else 1
+        inputs.machine.ranks.local_world_size if inputs.machine.ranks else 1
     )  # ranks sharing this host
     spill = _spill_needed(
         decoder,
@@ -139,7 +139,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     with (
         torch.inference_mode(),
         compute_path(inputs.compute),
-        _HiddenStates(spill, inputs.options.scratch_dir) as states,
+        _HiddenStates(spill, inputs.machine.scratch_dir) as states,
     ):
         for b, (ids, mask) in enumerate(batch_list):
             hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)

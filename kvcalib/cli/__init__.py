@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from kvcalib._version import __version__
-from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.cli.common import _errors, _print_json, _stderr, captured_notes
 from kvcalib.cli.flags import command, split_options
 from kvcalib.cli.render import (
@@ -129,42 +129,34 @@ def calibrate(
     **values: Any,
 ) -> None:
     """Choose per-layer K/V scales on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
-    from kvcalib.api import calibrate_options, plan_serve_check, run_calibration
     from kvcalib.api import plan as run_plan
+    from kvcalib.api import plan_serve_check, run_calibration
 
-    with _errors():  # kvcalib.calibrate(...) is these three calls; the CLI renders between them
-        fields = split_options(CalibrateOptions, values)
-        if stream_layers and fields["engine"] not in (
-            "auto",
-            "stream",
-        ):  # --stream-layers is --engine stream
-            raise UsageError(
-                f"--stream-layers contradicts --engine {fields['engine']}", hint="pass one of them"
+    with _errors():  # kvcalib.calibrate(...) is these calls; the CLI renders between them
+        options = CalibrateOptions(**split_options(CalibrateOptions, values))
+        if stream_layers and options.engine not in ("auto", "stream"):
+            raise UsageError(  # --stream-layers is --engine stream
+                f"--stream-layers contradicts --engine {options.engine}", hint="pass one of them"
             )
-        options = calibrate_options(
-            **{**fields, "engine": "stream" if stream_layers else fields["engine"]}
-        )
+        options = dataclasses.replace(options, engine="stream") if stream_layers else options
+        machine = Machine.read(options)
     console = _stderr(quiet)
     if plan:
         with _errors(), progress_bar(console, "probing", "plan") as on_progress:
             result = run_plan(model, dataset, output, options=options, progress=on_progress)
         return _show(render_plan, console, result, as_json)
-    if (
-        options.ranks is not None and not options.ranks.is_writer
-    ):  # other ranks work quietly; rank 0 reports
+    if machine.ranks is not None and not machine.ranks.is_writer:  # rank 0 reports
         with _errors(quiet=True):
-            run_calibration(model, dataset, output, options)
+            run_calibration(model, dataset, output, options, machine)
         return
     serving = None
-    if (
-        serve_device is not None
-    ):  # everything serving needs but the scales, before an hour of calibration
+    if serve_device is not None:  # all serving needs but the scales, before the calibration
         with _errors():
             serve = split_options(ServeOptions, values)
             serving = plan_serve_check(model, options, **{**serve, "device": serve_device})
     with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
-        result = run_calibration(model, dataset, output, options, progress=on_progress)
-    _report_calibration(console, result, notes, serving, as_json)
+        result = run_calibration(model, dataset, output, options, machine, on_progress)
+    _report_calibration(console, result, notes, serving, machine, as_json)
 
 
 def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
@@ -174,7 +166,7 @@ def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any)
 
 
 def _report_calibration(
-    console: Console, result: Any, notes: list[str], serving: Any, as_json: bool
+    console: Console, result: Any, notes: list[str], serving: Any, machine: Any, as_json: bool
 ) -> None:
     """The table; with --serve-check, serve-check's run on the published checkpoint and its exit code."""
     from kvcalib.api import serve_calibrated
@@ -187,7 +179,7 @@ def _report_calibration(
         serve_status(console) as on_event,
         captured_notes() as notes,
     ):
-        served = serve_calibrated(result, serving, on_event).serve_check
+        served = serve_calibrated(result, serving, machine, on_event).serve_check
     render_serve_check(console, served, notes)
     if as_json:
         _print_json({"calibration": result.to_dict(), "serve_check": served.to_dict()})

@@ -10,7 +10,6 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError, check_at_least
 
 __all__ = [
@@ -53,17 +52,7 @@ def option(
     `choices` a callable for a table's (else a Literal annotation's). A field declared otherwise is the library's
     only (no flag)."""
     assert panel in PANELS, panel
-    meta = {
-        "help": help,
-        "panel": panel,
-        "flag": flag,
-        "short": short,
-        "aliases": aliases,
-        "minimum": minimum,
-        "what": what,
-        "choices": choices,
-        "metavar": metavar,
-    }
+    meta = {k: v for k, v in locals().items() if k not in ("default", "factory")}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -116,6 +105,10 @@ class ModelOptions:
         panel="Engine",
     )
 
+    def check_arguments(self) -> None:
+        """The values a user passes, checked before anything is read (UsageError naming the flag)."""
+        check_options(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions(ModelOptions):
@@ -131,7 +124,4 @@ class RunOptions(ModelOptions):
         "Add the tokenizer's special tokens (e.g. BOS) to every row / to none. Default: as vLLM serves it, "
         "plain text with them, chat-template text without.",
         flag="--add-special-tokens/--no-add-special-tokens",
-    )
-    cpu: HostCpu | None = (
-        None  # the host CPU, as the CLI reads it; None: assumed to have native bf16
     )

@@ -72,9 +72,6 @@ class EvalOptions(RunOptions, ScoreOptions):
         what="rows on which each layer is quantised alone",
     )
 
-    def check_arguments(self) -> None:
-        check_options(self)
-
 
 @dataclass(frozen=True)
 class TaskOptions(ScoreOptions):

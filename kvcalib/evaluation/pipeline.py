@@ -334,7 +334,7 @@ class Prepared:
     quantizers: dict[str, KVQuantizer] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, checkpoint: str | Path, opts: Any, cpu: HostCpu | None) -> Prepared:
+    def open(cls, checkpoint: str | Path, opts: Any, cpu: HostCpu | None = None) -> Prepared:
         """The checkpoint found and checked, the compute path for `opts` (ModelOptions) on `cpu`."""
         run = prepare_run(checkpoint, opts)
         compute = resolve_compute(opts.bf16_compute, run.dtype, run.checkpoint, run.device, cpu)
@@ -355,7 +355,7 @@ def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> Prepared:
     """The checkpoint, a quantiser per scale set and the compute path: all eval checks before data or model."""
     opts.check_arguments()
     target = resolve_target(opts.target)
-    job = Prepared.open(checkpoint, opts, opts.cpu)
+    job = Prepared.open(checkpoint, opts)
     configs: dict[str, ScaleSet] = {}
     for entry in (CHECKPOINT, *opts.compare):  # the checkpoint's own scales, then each --compare
         if entry in configs:

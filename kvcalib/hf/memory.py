@@ -83,23 +83,21 @@ def available_memory(
 
 def choose_engine(
     requested: str,
-    checkpoint: Checkpoint | Path,
+    checkpoint: Checkpoint,
     dtype: torch.dtype | None,
     device: torch.device,
-    copies: int = 1,
-    host: MemoryLimit | None = None,
+    copies: int,
+    host: MemoryLimit,
 ) -> EngineChoice:
-    """`requested` unless "auto": then "stream" if the weights would not fit in `host` (None: available_memory)."""
+    """`requested` unless "auto": then "stream" if the weights would not fit in `host` (per copy)."""
     if requested != "auto":
         return EngineChoice(requested, None, None)
-    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
     needed = weight_bytes(checkpoint, dtype)
     in_dtype = (
         str(dtype).removeprefix("torch.")
         if dtype is not None
         else "/".join(checkpoint.stored_float_dtypes()) or "the stored dtypes"
     )
-    host = host or available_memory()
     limits = [host]
     if device.type == "cuda":  # the in-memory engine loads on the host, then moves to the GPU
         limits.append(available_memory(device))

@@ -109,11 +109,14 @@ def resolve_compute(
     dtype: torch.dtype | None,
     checkpoint: Checkpoint,
     device: torch.device,
-    cpu: HostCpu | None,
+    cpu: HostCpu | None = None,
 ) -> ComputePath:
-    """The compute path for the model's effective dtype (`dtype`, else the checkpoint's own)."""
+    """The compute path for the model's effective dtype (`dtype`, else the checkpoint's own) on `cpu` (None: this
+    one, `HostCpu.detect`)."""
     try:
-        return choose_compute(requested, effective_dtype(checkpoint, dtype), device, cpu)
+        return choose_compute(
+            requested, effective_dtype(checkpoint, dtype), device, cpu or HostCpu.detect()
+        )
     except ValueError as exc:
         raise UsageError(
             str(exc), hint="--bf16-compute auto picks float32 matmuls on CPUs without native bf16"

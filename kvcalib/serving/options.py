@@ -1,12 +1,12 @@
 """What serve-check takes (ServeOptions). Real annotations (kvcalib.core.options reads a field's type as it is)."""
 
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import TARGETS
 from kvcalib.core.options import check_options, option
@@ -96,12 +96,10 @@ class ServeOptions:
     force: bool = option(
         False, "Serve scales sized for a larger FP8 max than the chip's.", panel="Serving"
     )
-    env: Mapping[str, str] = field(
-        default_factory=dict
-    )  # the environment servers and tools inherit
+    # the environment servers and tools inherit (default: this process's)
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     sysfs_root: Path = Path("/sys")
     dev_root: Path = Path("/dev")
-    cpu: HostCpu | None = None  # the host CPU (the CLI reads it); None: left to vLLM to refuse
     canary: bool | None = option(
         None,
         "Also serve a copy with every K/V scale divided by 64, which must answer worse: proof that the "
@@ -115,9 +113,6 @@ class ServeOptions:
         "kvcalib's emulated ΔNLL of the probe text (in-process on CPU) next to the served one.",
         panel="Serving",
         flag="--predict/--no-predict",
-    )
-    memory_bytes: int | None = (
-        None  # host memory the prediction may use (the CLI reads it); None: unknown
     )
     tasks: "TaskSpec | None" = None  # lm-eval tasks against the baseline and FP8 servers
     context: int | None = option(

@@ -378,9 +378,13 @@ def check_serving(model: Path, options: ServeOptions) -> None:
 
 
 def serve_check(
-    checkpoint: Path, options: ServeOptions, progress: Callable[[ServeEvent], None] | None = None
+    checkpoint: Path,
+    options: ServeOptions,
+    progress: Callable[[ServeEvent], None] | None = None,
+    memory: int | None = None,
 ) -> ServeCheckResult:
-    """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed."""
+    """Run the whole check; raises KvcalibError when it cannot run, returns ok=False when it ran and failed.
+    `memory`: the bytes the prediction may use (None: what this host has free)."""
     checkpoint, progress = Path(checkpoint).resolve(), progress or (lambda event: None)
     options = _checked(options, checkpoint)
     pre = preflight(checkpoint, options)
@@ -410,7 +414,7 @@ def serve_check(
     )
     # the server's numerics: vLLM CPU truncates to E4M3 (core.fp8.EMULATED), the others are their validate target's
     numerics = ("vllm-cpu" if options.device == "cpu" else pre.target) if options.predict else None
-    prediction = _predict(checkpoint, options, numerics, canary_dir or None, warnings)
+    prediction = _predict(checkpoint, options, numerics, canary_dir or None, warnings, memory)
     serve = partial(
         _run_server, options=options, pre=pre, log_dir=log_dir, prompts=prompts, progress=progress
     )
@@ -475,15 +479,20 @@ def _predict(
     numerics: str | None,
     canary_dir: Path | None,
     warnings: list[str],
+    memory: int | None,
 ) -> Prediction | None:
     """kvcalib's emulation of the same text, in-process on CPU; None (with a warning) when skipped."""
     if numerics is None:
         return None
     weights = Checkpoint.open(checkpoint).weight_bytes(4)  # the emulation runs in float32 at worst
-    if options.memory_bytes is not None and weights > options.memory_bytes // 2:
+    if memory is None:
+        from kvcalib.hf.memory import available_memory  # torch: only where the prediction runs
+
+        memory = available_memory().available
+    if weights > memory // 2:
         warnings.append(
             f"no prediction: the model needs about {weights / 2**30:.1f} GiB in float32, more than half "
-            f"of the {options.memory_bytes / 2**30:.1f} GiB this host has free"
+            f"of the {memory / 2**30:.1f} GiB this run may use"
         )
         return None
     return predict(
@@ -492,5 +501,4 @@ def _predict(
         NLL_TEXT,
         canary=canary_dir,
         unit=options.device == "cpu",
-        cpu=options.cpu,
     )

@@ -12,8 +12,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcalib.core.cpu import HostCpu
-
 if TYPE_CHECKING:
     from kvcalib.evaluation.significance import Interval
 
@@ -64,7 +62,6 @@ def predict(
     *,
     canary: Path | None = None,
     unit: bool = True,
-    cpu: HostCpu | None = None,
 ) -> Prediction:
     """The emulated NLLs of `text` (one sample, as the server scores it) for the checkpoint's scales and the others.
     kvcalib.evaluation (torch) is imported here so that `import kvcalib.serving` stays light."""
@@ -83,7 +80,6 @@ def predict(
                 max_seq_len=4096,
                 batch_size=1,
                 compare=compare,
-                cpu=cpu,
                 layer_rows=0,
             ),
         )

@@ -223,7 +223,7 @@ def check_environment(config: dict[str, Any], options: ServeOptions) -> tuple[in
             )
         cores = neuron_cores(options.env, device, options.sysfs_root, options.dev_root)
     elif device == "cpu":
-        check_cpu(config, options.cpu)
+        check_cpu(config, HostCpu.detect(with_capability=False))
     version = find_vllm(options.vllm_python, options.env, device, options.tp)
     if options.port:
         require_free_port(options.port)

@@ -106,8 +106,9 @@ def cross_check(native, static, default, label):
 
 
 def three_engines(model, dataset, root, data_opts):
-    """The same samples through the native engine, llm-compressor static_minmax, and its default observer."""
-    opts = dict(target="gpu", batch_size=1, **data_opts)
+    """The same samples through the native engine, llm-compressor static_minmax, and its default observer, all
+    computing natively (oneshot does; the native engine would emulate bf16 in float32 on a CPU without bf16)."""
+    opts = dict(target="gpu", batch_size=1, bf16_compute="native", **data_opts)
     native = calibrate(model, str(dataset), root / "native", CalibrateOptions(**opts))
     static = calibrate(
         model,

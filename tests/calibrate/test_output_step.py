@@ -20,7 +20,7 @@ from rich.console import Console
 
 from kvcalib.calibration import objective, output
 from kvcalib.calibration.engine import Observation
-from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.calibration.output import decide, held_out_rows
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.calibration.scales import layer_scales
@@ -191,7 +191,8 @@ def test_streamed_the_step_weighs_what_it_weighs_in_memory(
         planted,
         str(text_dataset),
         tmp_path / "streamed",
-        CalibrateOptions(max_memory=0, scratch_dir=tmp_path, **STEP),
+        CalibrateOptions(max_memory=0, **STEP),
+        Machine.read(CalibrateOptions(max_memory=0), scratch_dir=tmp_path),
     )
     assert any(w.startswith("streaming the model layer by layer") for w in streamed.warnings)
     assert streamed.output_step == whole.output_step and whole.output_step.skipped is None

@@ -17,10 +17,11 @@ from typer.testing import CliRunner
 
 from kvcalib.calibration import stream
 from kvcalib.calibration.distributed import batch_shares
-from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.calibration.ranks import Ranks
 from kvcalib.cli import app
+from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import PROVENANCE_FILENAME
 from kvcalib.hf.data import batches
@@ -176,9 +177,10 @@ def _spill_dirs(root: Path) -> list[Path]:
 def test_hidden_states_spill_to_disk_and_are_cleaned_up(tiny_llama_master, text_dataset, tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    spill = dict(
-        memory=MemoryLimit(0, "a test's machine"), scratch_dir=scratch
-    )  # any hidden state is "too large"
+    # any hidden state is "too large"
+    spill = Machine.read(
+        CalibrateOptions(), memory=MemoryLimit(0, "a test's machine"), scratch_dir=scratch
+    )
     spilled: list[int] = []
 
     def watch(progress) -> None:
@@ -197,7 +199,8 @@ def test_hidden_states_spill_to_disk_and_are_cleaned_up(tiny_llama_master, text_
         tiny_llama_master,
         str(text_dataset),
         tmp_path / "stream",
-        CalibrateOptions(engine="stream", **SMALL, **spill),
+        CalibrateOptions(engine="stream", **SMALL),
+        spill,
         progress=watch,
     )
     assert spilled and min(spilled) == 3, (
@@ -212,7 +215,9 @@ def test_interrupted_stream_leaves_no_spill_and_no_output(
 ):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    spill = dict(memory=MemoryLimit(0, "a test's machine"), scratch_dir=scratch)
+    spill = Machine.read(
+        CalibrateOptions(), memory=MemoryLimit(0, "a test's machine"), scratch_dir=scratch
+    )
 
     def interrupt_at_layer_1(progress) -> None:
         if progress.stage == "observe" and progress.layer == 1:
@@ -223,7 +228,8 @@ def test_interrupted_stream_leaves_no_spill_and_no_output(
             tiny_llama_master,
             str(text_dataset),
             tmp_path / "out",
-            CalibrateOptions(engine="stream", **SMALL, **spill),
+            CalibrateOptions(engine="stream", **SMALL),
+            spill,
             progress=interrupt_at_layer_1,
         )
     assert _spill_dirs(scratch) == []
@@ -325,9 +331,10 @@ def test_freed_heap_memory_goes_back_to_the_system_between_layers():
 def test_auto_keeps_a_small_model_in_memory(tiny_llama_master):
     limit = available_memory()
     assert 0 < limit.available and limit.source
-    choice = choose_engine("auto", tiny_llama_master, None, torch.device("cpu"))
+    checkpoint, cpu = Checkpoint.open(tiny_llama_master), torch.device("cpu")
+    choice = choose_engine("auto", checkpoint, None, cpu, 1, limit)
     assert (choice.engine, choice.reason) == ("native", None)
-    assert choose_engine("stream", tiny_llama_master, None, torch.device("cpu")).engine == "stream"
+    assert choose_engine("stream", checkpoint, None, cpu, 1, limit).engine == "stream"
 
 
 # --- a memory cap the model does not fit in ----------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcalib.calibration.options import CalibrateOptions
+from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.cpu import ComputePath, HostCpu, choose_compute, parse_cpu_flags
 from kvcalib.core.errors import UsageError
@@ -308,7 +308,8 @@ def test_calibrate_says_which_path_it_took(tiny_llama_master, text_dataset, tmp_
         tiny_llama_master,
         str(text_dataset),
         tmp_path / "a",
-        CalibrateOptions(cpu=AVX2_EPYC, **opts),
+        CalibrateOptions(**opts),
+        Machine.read(CalibrateOptions(), cpu=AVX2_EPYC),
     )
     assert (
         on_avx2.compute
@@ -322,7 +323,8 @@ def test_calibrate_says_which_path_it_took(tiny_llama_master, text_dataset, tmp_
         tiny_llama_master,
         str(text_dataset),
         tmp_path / "b",
-        CalibrateOptions(cpu=SAPPHIRE_RAPIDS, **opts),
+        CalibrateOptions(**opts),
+        Machine.read(CalibrateOptions(), cpu=SAPPHIRE_RAPIDS),
     )
     assert on_amx.compute.startswith("native matmuls in the model's dtype")
     with pytest.raises(UsageError, match="unknown --bf16-compute 'fast'"):

@@ -114,3 +114,28 @@ def test_the_api_gives_the_cli_results(head32_model, text_dataset, cpu_python, t
     notes = [r.getMessage() for r in caplog.records if r.name.startswith("kvcalib")]
     assert notes == [*calibrated.warnings, *calibrated.serve_check.warnings, *served.warnings]
     assert_nothing_left(str(tmp_path), "")
+
+
+def test_serve_checks_prediction_keeps_within_max_memory(
+    head32_model, text_dataset, cpu_python, tmp_path
+):
+    """calibrate --serve-check's prediction is sized by the memory the run may use, --max-memory's cap included
+    (not the host's free memory): a cap too small for the model in float32 skips it, saying so."""
+    calibrated = kvcalib.calibrate(
+        head32_model,
+        str(text_dataset),
+        tmp_path / "ckpt",
+        target="gpu",
+        num_samples=4,
+        max_seq_len=32,
+        max_memory=0,
+        serve_check="cpu",
+        serve={"vllm_python": cpu_python, "log_dir": tmp_path / "logs", "canary": False},
+    )
+    assert calibrated.serve_check.prediction is None
+    assert any(
+        w.startswith("no prediction: the model needs about")
+        and "of the 0.0 GiB this run may use" in w
+        for w in calibrated.serve_check.warnings
+    ), calibrated.serve_check.warnings
+    assert_nothing_left(str(tmp_path), "")
