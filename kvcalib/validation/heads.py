@@ -19,7 +19,7 @@ from kvcalib.core.schema import (
     head_counts,
     is_attention_target,
     num_hidden_layers,
-    parse_q_scale_key,
+    parse_scale_key,
 )
 from kvcalib.validation.config import QCFG_LOCATION
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding
@@ -68,8 +68,12 @@ def per_head_findings(
 def _q_keys(scan: CheckpointFiles) -> dict[int, str]:
     found: dict[int, str] = {}
     for key in sorted(scan.key_files):
-        parsed = parse_q_scale_key(key)
-        if parsed and parsed[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX):
+        parsed = parse_scale_key(key)
+        if (
+            parsed
+            and parsed[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX)
+            and parsed[2] == "q"
+        ):
             found.setdefault(parsed[1], key)
     return found
 

@@ -20,7 +20,7 @@ from kvcalib.core.schema import (
     neuron_scale_key,
     num_hidden_layers,
     parse_foreign_scale_key,
-    parse_neuron_scale_key,
+    parse_scale_key,
 )
 from kvcalib.validation.config import QCFG_LOCATION, declared_kv_cache_scheme
 from kvcalib.validation.heads import per_head_findings
@@ -50,15 +50,12 @@ class ScaleCheck:
 
 
 def _layers_prefix(keys: list[str]) -> str:
-    prefixes = {parsed[0] for parsed in map(parse_neuron_scale_key, keys) if parsed}
-    alt = NEURON_ALT_LAYERS_PREFIX in prefixes or any(
-        k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in keys
+    """The other loader's prefix where the keys are under it and none is a K/V scale under the usual one."""
+    alt = any(k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in keys)
+    usual = any(
+        p and p[0] == NEURON_LAYERS_PREFIX and p[2] != "q" for p in map(parse_scale_key, keys)
     )
-    return (
-        NEURON_ALT_LAYERS_PREFIX
-        if alt and NEURON_LAYERS_PREFIX not in prefixes
-        else NEURON_LAYERS_PREFIX
-    )
+    return NEURON_ALT_LAYERS_PREFIX if alt and not usual else NEURON_LAYERS_PREFIX
 
 
 def scale_findings(
@@ -155,19 +152,16 @@ def _sort_scale_keys(
     own: dict[tuple[int, str], str] = {}
     foreign: dict[tuple[int, str], list[str]] = {}
     for key in sorted(scan.key_files):
-        parsed = parse_neuron_scale_key(key)
+        parsed, other = parse_scale_key(key), parse_foreign_scale_key(key)
+        if parsed and parsed[2] == "q" or not (parsed or other):
+            continue
         if parsed and parsed[0] == check.prefix:
             own[(parsed[1], parsed[2])] = key
             check.files.add(scan.file_of(key))
             continue
-        if parsed:  # the right leaf name under a prefix Neuron does not read
-            layer, kinds = parsed[1], (parsed[2],)
-        else:
-            other = parse_foreign_scale_key(key)
-            if other is None:
-                continue
-            layer, kinds = other[0], ((other[1],) if other[1] else KV_KINDS)
-        for kind in kinds:
+        # the right leaf name under a prefix Neuron does not read, or a name it does not read
+        layer, only = parsed[1:] if parsed else other
+        for kind in (only,) if only else KV_KINDS:
             foreign.setdefault((layer, kind), []).append(key)
     return own, foreign
 
