@@ -16,7 +16,13 @@ from typing import Any
 from kvcalib.core import fp8
 from kvcalib.core.errors import MissingDependencyError, RecipeError, UsageError
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, TENSOR, fp8_attention_groups
+from kvcalib.core.schema import (
+    ATTN_HEAD,
+    NEURON_PER_HEAD_REASON,
+    TENSOR,
+    fp8_attention_groups,
+    parse_kv_scheme,
+)
 
 __all__ = [
     "KV_SCHEME_KEY",
@@ -74,11 +80,6 @@ class KvRecipe:
     @property
     def observer(self) -> str | None:
         return self.scheme.get("observer")
-
-    def quantization_args(self) -> Any:  # the scheme as compressed-tensors `QuantizationArgs`
-        from compressed_tensors.quantization import QuantizationArgs
-
-        return QuantizationArgs.model_validate(self.scheme)
 
 
 @dataclass(frozen=True)
@@ -381,8 +382,6 @@ def _find_kv_schemes(
 
 def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:
     """The scheme through compressed-tensors' QuantizationArgs, as JSON types; the observer as written."""
-    from compressed_tensors.quantization import QuantizationArgs
-
     where = f"{path}: {location}"
     if not isinstance(value, dict):
         raise RecipeError(
@@ -390,26 +389,10 @@ def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]
             hint=_SEE_SHIPPED,
         )
     try:
-        args = QuantizationArgs.model_validate(value)
-    except (
-        ValueError,
-        TypeError,
-        NotImplementedError,
-    ) as exc:  # pydantic's ValidationError is a ValueError
+        args = parse_kv_scheme(value)
+    except ValueError as exc:
         raise RecipeError(
-            f"{where} is not a valid compressed-tensors QuantizationArgs: {_describe(exc)}",
+            f"{where} is not a valid compressed-tensors QuantizationArgs: {exc}",
             hint=_SEE_SHIPPED,
         ) from None
     return args.model_dump(mode="json")
-
-
-def _describe(exc: Exception) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        parts = []
-        for error in errors():
-            loc = ".".join(str(p) for p in error.get("loc", ()))
-            msg = str(error.get("msg", "")).removeprefix("Value error, ")
-            parts.append(f"{loc}: {msg}" if loc else msg)
-        return "; ".join(parts)
-    return str(exc)

@@ -62,7 +62,8 @@ def check_output_path(
     for what, path in inputs:
         if os.path.lexists(path) and overlapping(output, path):
             raise OutputExistsError(
-                f"output {output} overlaps {what} {path}" + _resolved_note(output, path),
+                f"output {output} overlaps {what} {path} (after symlinks: {output.resolve()} and "
+                f"{Path(path).resolve()})",
                 hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}",
             )
     if output.is_symlink():
@@ -71,16 +72,14 @@ def check_output_path(
             hint="pass a real directory path: the new checkpoint is renamed into place, which "
             "would replace the link itself",
         )
-    if os.path.lexists(output) and not output.is_dir():
-        raise OutputExistsError(
-            f"output {output} exists and is not a directory",
-            hint="choose another path; --overwrite replaces only a directory",
-        )
     ancestor = _existing_ancestor(output.parent)
-    if not ancestor.is_dir():
+    if (os.path.lexists(output) and not output.is_dir()) or not ancestor.is_dir():
         raise OutputExistsError(
-            f"output {output} cannot be created: {ancestor} is not a directory",
-            hint="choose an output path whose parent is a directory",
+            f"output {output} exists and is not a directory"
+            if os.path.lexists(output)
+            else f"output {output} cannot be created: {ancestor} is not a directory",
+            hint="choose an output path that is a directory or can be made one (--overwrite replaces only a "
+            "directory)",
         )
     notes = recover(output) if recover_leftovers else []
     if output.exists() and not overwrite:
@@ -178,15 +177,9 @@ def _existing_ancestor(
     return path
 
 
-def _resolved_note(output: Path, path: Path) -> str:
-    real_out, real_in = Path(output).resolve(), Path(path).resolve()
-    moved = real_out != Path(os.path.abspath(output)) or real_in != Path(os.path.abspath(path))
-    return f" (after symlinks: {real_out} and {real_in})" if moved else ""
-
-
 _ERRNO_HINTS = {
-    errno.ENOSPC: "the filesystem is full: free some space, or choose an output elsewhere",
-    errno.EDQUOT: "your disk quota is used up: free some space, or choose an output elsewhere",
+    errno.ENOSPC: "the filesystem (or your quota) is full: free some space, or choose an output elsewhere",
+    errno.EDQUOT: "the filesystem (or your quota) is full: free some space, or choose an output elsewhere",
     errno.EROFS: "the filesystem is read-only: choose an output on a writable one",
     errno.EACCES: "you may not write there: choose a directory you own, or fix its permissions",
     errno.EPERM: "the directory refuses writes (immutable or a restricted mount): choose another output",
@@ -211,16 +204,14 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 
 def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> None:
-    """Write `header`'s file minus the tensors in `drop`; every kept tensor's bytes are copied verbatim."""
-    src = header.path
-    kept = [
-        info
-        for info in sorted(header.tensors.values(), key=lambda t: t.data_offsets)
-        if info.key not in drop
-    ]
-    new_header: dict[str, Any] = {}
-    if header.metadata is not None:
-        new_header["__metadata__"] = header.metadata
+    """Write `header`'s file minus the tensors in `drop`; every kept tensor's bytes are copied verbatim (a short read
+    leaves a file that validate, before publishing, refuses)."""
+    kept = sorted(
+        (i for i in header.tensors.values() if i.key not in drop), key=lambda i: i.data_offsets
+    )
+    new_header: dict[str, Any] = (
+        {} if header.metadata is None else {"__metadata__": header.metadata}
+    )
     offset = 0
     for info in kept:
         new_header[info.key] = {
@@ -231,20 +222,12 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
         offset += info.nbytes
     raw = json.dumps(new_header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        fout.write(struct.pack("<Q", len(raw)))
-        fout.write(raw)
+    with open(header.path, "rb") as fin, open(dst, "wb") as fout:
+        fout.write(struct.pack("<Q", len(raw)) + raw)
         for info in kept:
             fin.seek(header.data_start + info.data_offsets[0])
-            remaining = info.nbytes
-            while remaining:
-                chunk = fin.read(min(remaining, 64 << 20))
-                if not chunk:
-                    raise CheckpointReadError(
-                        f"{src}: unexpected end of file", hint="copy the file again from the source"
-                    )
-                fout.write(chunk)
-                remaining -= len(chunk)
+            for done in range(0, info.nbytes, 64 << 20):
+                fout.write(fin.read(min(64 << 20, info.nbytes - done)))
 
 
 @dataclass(frozen=True)

@@ -244,10 +244,26 @@ def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
 
 
 def parse_kv_scheme(scheme: Any) -> Any:
-    """A kv_cache_scheme parsed by compressed-tensors itself; raises what pydantic raises."""
+    """A kv_cache_scheme parsed by compressed-tensors' `QuantizationArgs`; where it refuses it, ValueError with
+    pydantic's first three errors as `field: message`."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    return QuantizationArgs.model_validate(scheme)
+    try:
+        return QuantizationArgs.model_validate(scheme)
+    except (
+        ValueError,
+        TypeError,
+        NotImplementedError,
+    ) as exc:  # pydantic's ValidationError is a ValueError
+        errors = exc.errors() if callable(getattr(exc, "errors", None)) else [{"msg": str(exc)}]
+        raise ValueError(
+            "; ".join(
+                ".".join(map(str, e.get("loc", ())))
+                + (": " if e.get("loc") else "")
+                + str(e["msg"]).removeprefix("Value error, ")
+                for e in errors[:3]
+            )
+        ) from None
 
 
 # llm-compressor's FP8-attention config group: input activations of the attention class, e.g. {"attention":

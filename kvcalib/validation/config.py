@@ -47,18 +47,16 @@ SCALE_LOADER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "gpt_oss"})
 UNSCALED_FP8_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 
-_JSON_TYPES = (
-    (type(None), "null"),
-    (bool, "a boolean"),
-    ((int, float), "a number"),
-    (str, "a string"),
-    (list, "an array"),
-)
-
-
 def json_type(value: Any) -> str:
     """The JSON name of a parsed value's type, for messages."""
-    return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "an object")
+    names = {
+        type(None): "null",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+    }
+    return names.get(type(value), "an array" if isinstance(value, list) else "an object")
 
 
 def _malformed(message: str, location: str, hint: str) -> Finding:
@@ -264,17 +262,12 @@ def _architectures(config: dict[str, Any]) -> list[str]:
     return [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
 
 
-def _model_type(config: dict[str, Any]) -> str | None:
-    model_type = config.get("model_type")
-    return model_type if isinstance(model_type, str) else None
-
-
 def _in_family(
     config: dict[str, Any], architectures: frozenset[str], model_types: frozenset[str]
 ) -> bool:
-    return (
-        bool(architectures.intersection(_architectures(config)))
-        or _model_type(config) in model_types
+    model_type = config.get("model_type")
+    return bool(architectures.intersection(_architectures(config))) or (
+        isinstance(model_type, str) and model_type in model_types
     )
 
 
@@ -365,7 +358,7 @@ def portability_findings(
             ", ".join(_architectures(config))
             or f"model_type {short_repr(config.get('model_type'))}"
         )
-        unscaled = _model_type(config) in UNSCALED_FP8_MODEL_TYPES
+        unscaled = _in_family(config, frozenset(), UNSCALED_FP8_MODEL_TYPES)
         findings.append(
             Finding(
                 "PORT-NO-SCALE-LOADER",
@@ -472,7 +465,7 @@ def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
             Finding(
                 "PORT-KV-SCHEME-INVALID",
                 ERROR,
-                f"kv_cache_scheme does not parse as compressed-tensors QuantizationArgs: {_pydantic_summary(exc)}",
+                f"kv_cache_scheme does not parse as compressed-tensors QuantizationArgs: {exc}",
                 "keep only num_bits, type, strategy, dynamic, symmetric, observer in kv_cache_scheme; "
                 "put provenance elsewhere (unknown keys are refused)",
                 location,
@@ -522,14 +515,3 @@ def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
             )
         )
     return findings
-
-
-def _pydantic_summary(exc: Exception) -> str:
-    """The first few of pydantic's errors, as `field: message`; the text of anything else."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        return "; ".join(
-            [f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors()][:3]
-        )
-    return f"{type(exc).__name__}: {exc}"
