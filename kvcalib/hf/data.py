@@ -82,36 +82,34 @@ def load_rows(dataset: str, split: str):
             return _load_files([path], split)
         if path.is_dir():
             if any((path / name).exists() for name in _SAVED):
-                return _pick_split(datasets.load_from_disk(str(path)), split, dataset)
+                saved = datasets.load_from_disk(str(path))
+                if isinstance(saved, datasets.DatasetDict) and split not in saved:
+                    raise DatasetError(
+                        f"dataset {dataset} has no split {split!r}; it has {sorted(saved)}",
+                        hint="pass one of them with --split",
+                    )
+                return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
             return _load_files(_data_files(path), split)
         if dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS:
             raise DatasetError(f"dataset not found: {dataset}", hint="check the path")
         return datasets.load_dataset(dataset, split=split)
     except DatasetError:
         raise
-    except (ValueError, FileNotFoundError, OSError, KeyError) as exc:
-        raise DatasetError(
-            f"cannot read dataset {dataset} (split {split!r}): {exc}",
-            hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory, a save_to_disk "
-            "directory, or a hub dataset id on a machine that is online",
-        ) from None
     except (
         Exception
-    ) as exc:  # datasets raises its own families (DatasetGenerationError, hub errors)
-        if type(exc).__module__.split(".")[0] not in {
-            "datasets",
-            "huggingface_hub",
-            "pyarrow",
-            "requests",
-            "httpx",
-        }:
+    ) as exc:  # datasets raises its own families too (DatasetGenerationError, hub errors)
+        ours = {"datasets", "huggingface_hub", "pyarrow", "requests", "httpx"}
+        if not isinstance(exc, (ValueError, OSError, KeyError)) and (
+            type(exc).__module__.split(".")[0] not in ours
+        ):
             raise
         cause = exc.__cause__ or exc.__context__
         raise DatasetError(
             f"cannot read dataset {dataset} (split {split!r}): {exc}"
             + (f" ({cause})" if cause is not None else ""),
-            hint="check that every file is well-formed (one JSON object per line in .jsonl, a header "
-            "row in .csv)",
+            hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory (each file well-formed: one JSON "
+            "object per line in .jsonl, a header row in .csv), a save_to_disk directory, or a hub dataset id on "
+            "a machine that is online",
         ) from None
 
 
@@ -196,19 +194,6 @@ def _check_file(path: Path) -> None:
             f"dataset file {path} has no rows (it is empty or blank)",
             hint='pass a .jsonl file with one JSON object per line, e.g. {"text": "..."}',
         )
-
-
-def _pick_split(obj: Any, split: str, name: str):
-    import datasets
-
-    if isinstance(obj, datasets.DatasetDict):
-        if split not in obj:
-            raise DatasetError(
-                f"dataset {name} has no split {split!r}; it has {sorted(obj)}",
-                hint="pass one of them with --split",
-            )
-        return obj[split]
-    return obj
 
 
 def resolve_column(column_names: list[str], text_column: str | None, source: str) -> str:
@@ -395,10 +380,8 @@ def batches(
     order = sorted(sequences, key=len, reverse=True)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        width = len(chunk[0])
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        ids = torch.full((len(chunk), len(chunk[0])), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
         for row, seq in enumerate(chunk):
-            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[row, : len(seq)] = 1
+            ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
         yield ids, mask

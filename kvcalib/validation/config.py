@@ -387,13 +387,12 @@ _PLAIN_FP8_SCHEME = {
 
 
 def _plain_fp8_scheme(scheme: Any) -> bool:
-    if not isinstance(scheme, dict) or not set(_PLAIN_FP8_SCHEME) <= set(scheme) <= {
-        *_PLAIN_FP8_SCHEME,
-        "observer",
-    }:
-        return False
-    exact = all(type(scheme[k]) is type(v) and scheme[k] == v for k, v in _PLAIN_FP8_SCHEME.items())
-    return exact and (scheme.get("observer") is None or type(scheme["observer"]) is str)
+    return (
+        isinstance(scheme, dict)
+        and set(scheme) - {"observer"} == set(_PLAIN_FP8_SCHEME)
+        and all(type(scheme[k]) is type(v) and scheme[k] == v for k, v in _PLAIN_FP8_SCHEME.items())
+        and type(scheme.get("observer")) in (str, type(None))
+    )
 
 
 def _kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
