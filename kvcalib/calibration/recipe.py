@@ -25,19 +25,9 @@ from kvcalib.core.schema import (
 )
 
 __all__ = [
-    "KV_SCHEME_KEY",
     "KvRecipe",
-    "LLMCOMPRESSOR_DEFAULT_OBSERVER",
     "LLMCOMPRESSOR_ENGINE",
-    "LLMCOMPRESSOR_HINT",
-    "NATIVE_OBSERVER",
-    "OTHER_SCHEME_KEYS",
-    "RECIPE_KEY",
     "RecipePlan",
-    "STRATEGIES",
-    "BUILTIN_RECIPES",
-    "builtin_recipes",
-    "check_servable",
     "load_recipe",
     "plan_recipe",
     "recipe_file",

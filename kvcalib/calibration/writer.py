@@ -33,15 +33,12 @@ from kvcalib.core.schema import (
 
 __all__ = [
     "LINK_AT_BYTES",
-    "SHARDED_SINGLE_FILENAME",
     "Room",
     "WritePlan",
     "bytes_needed",
     "check_output_path",
     "check_room",
     "measure_room",
-    "copy_without_keys",
-    "link_or_copy",
     "write_checkpoint",
 ]
 
@@ -115,8 +112,13 @@ def measure_room(output: Path, source: Checkpoint) -> Room:
     except OSError as exc:
         raise _write_error(exc, output, ancestor) from None
     os.close(fd)
+    names, linkable = source.files.files, True
     try:
-        linkable = _can_link(source, Path(probe))
+        if names:  # a hard link where the probe was
+            os.unlink(probe)
+            os.link(source.root / names[0], probe)
+    except OSError:
+        linkable = False
     finally:
         Path(probe).unlink(missing_ok=True)
     return Room(
@@ -142,9 +144,7 @@ def bytes_needed(source: Checkpoint, linkable: bool) -> int:
     total = (
         64 << 10
     )  # scales, config, provenance: a few KB; the margin covers the filesystem's blocks
-    files = source.files
-    for name in files.files:
-        header = files.headers[name]
+    for header in source.files.headers.values():
         if not linkable or any(is_kv_scale_key(k) for k in header.tensors):
             total += header.file_size
     index = source.root / INDEX_FILENAME
@@ -157,20 +157,8 @@ def bytes_needed(source: Checkpoint, linkable: bool) -> int:
     return total
 
 
-def _can_link(source: Checkpoint, probe: Path) -> bool:
-    names = source.files.files
-    if not names:
-        return True
-    probe.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        os.link(source.root / names[0], probe)
-        return True
-    return False
-
-
-def _existing_ancestor(
-    path: Path,
-) -> Path:  # `path` itself if it exists, else its nearest existing parent
+def _existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing parent."""
     path = Path(os.path.abspath(path))
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
@@ -194,13 +182,6 @@ def _write_error(exc: OSError, output: Path, where: Path | None = None) -> Outpu
             exc.errno or 0, "check the output directory: permissions, space, the filesystem"
         ),
     )
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> None:
@@ -313,7 +294,7 @@ def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
             copy_without_keys(header, tmp / out_name, stale)
             notes.append(f"{name}: dropped {len(stale)} earlier KV scale tensor(s)")
         else:
-            link_or_copy(source.root / name, tmp / out_name)
+            _carry(source.root / name, tmp / out_name, link=True)
         index.update(
             {
                 key: (out_name, info.nbytes, math.prod(info.shape))
@@ -389,5 +370,11 @@ def _copy_other_files(source: Path, dest: Path) -> None:
             _carry(entry, dest / entry.name)
 
 
-def _carry(src: str | Path, dst: str | Path) -> None:
-    (link_or_copy if os.path.getsize(src) >= LINK_AT_BYTES else shutil.copy2)(Path(src), Path(dst))
+def _carry(src: str | Path, dst: str | Path, link: bool = False) -> None:
+    """Hard-link weights and files of LINK_AT_BYTES or more (a copy where links fail); copy the rest."""
+    try:
+        if link or os.path.getsize(src) >= LINK_AT_BYTES:
+            return os.link(src, dst)
+    except OSError:
+        pass
+    shutil.copy2(src, dst)

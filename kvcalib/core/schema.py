@@ -8,13 +8,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = [
-    "ATTENTION_GROUP",
     "ATTN_HEAD",
     "CONFIG_FILENAME",
     "INDEX_FILENAME",
     "KV_KINDS",
     "KvCacheSize",
-    "MAX_LAYERS",
     "NEURON_ALT_LAYERS_PREFIX",
     "NEURON_LAYERS_PREFIX",
     "NEURON_PER_HEAD_REASON",

@@ -20,12 +20,8 @@ from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 
 __all__ = [
-    "BUILDERS",
-    "CHAT_COLUMN",
     "CalibrationData",
-    "DEFAULT_TEXT_COLUMN",
     "batches",
-    "default_special_tokens",
     "leading_special_tokens",
     "load_calibration_data",
     "load_rows",
@@ -133,15 +129,10 @@ def _load_files(files: list[Path], split: str):
 
     suffixes = {p.suffix.lower() for p in files}
     builders = {BUILDERS.get(s) for s in suffixes}
-    if None in builders:
+    if None in builders or len(builders) > 1:
         raise DatasetError(
-            f"unsupported dataset file type {sorted(suffixes)} ({files[0]})",
-            hint=f"use one of {', '.join(sorted(BUILDERS))}",
-        )
-    if len(builders) > 1:
-        raise DatasetError(
-            f"mixed dataset file types {sorted(suffixes)} under one dataset path",
-            hint="keep one file type per dataset directory",
+            f"unsupported or mixed dataset file types {sorted(suffixes)} ({files[0]})",
+            hint=f"keep one file type per dataset directory, one of {', '.join(sorted(BUILDERS))}",
         )
     if split != "train":
         raise DatasetError(
@@ -289,47 +280,39 @@ def tokenize_as_served(
     add_special_tokens: bool | None = None,
 ) -> list[list[int]]:
     """Token ids of each text as vLLM sends it (module docstring); an empty text stays empty."""
-    out: list[list[int]] = [[] for _ in texts]
-    for rendered_chat in (False, True):
-        rows = [
-            i
-            for i, (text, is_chat) in enumerate(zip(texts, chat))
-            if is_chat == rendered_chat and text
-        ]
-        if not rows:
-            continue
-        add = (not rendered_chat) if add_special_tokens is None else add_special_tokens
-        ids = tokenizer(
-            [texts[i] for i in rows],
-            add_special_tokens=add,
-            truncation=True,
-            max_length=max_seq_len,
-        )["input_ids"]
-        for i, row_ids in zip(rows, ids):
-            out[i] = list(row_ids)
-    return out
+    return [
+        list(
+            tokenizer(
+                text,
+                add_special_tokens=not is_chat
+                if add_special_tokens is None
+                else add_special_tokens,
+                truncation=True,
+                max_length=max_seq_len,
+            )["input_ids"]
+        )
+        if text
+        else []
+        for text, is_chat in zip(texts, chat)
+    ]
 
 
 def _bare_and_full(tokenizer: Any) -> tuple[list[int], list[int]]:
     """A one-letter text's ids without and with the tokenizer's default special tokens."""
-    return tokenizer("a", add_special_tokens=False)["input_ids"], tokenizer(
-        "a", add_special_tokens=True
-    )["input_ids"]
+    return tuple(tokenizer("a", add_special_tokens=add)["input_ids"] for add in (False, True))
 
 
 def default_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids the tokenizer adds around plain text by default (BOS, EOS ...), in order."""
     bare, full = _bare_and_full(tokenizer)
-    return tuple(i for i in full if i not in bare) if full != bare else ()
+    return tuple(i for i in full if i not in bare)
 
 
 def leading_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids the tokenizer puts before plain text by default (BOS), in order; () if none."""
     bare, full = _bare_and_full(tokenizer)
-    for start in range(len(full) - len(bare) + 1):
-        if full[start : start + len(bare)] == bare:
-            return tuple(full[:start])
-    return ()
+    starts = [s for s in range(len(full) - len(bare) + 1) if full[s : s + len(bare)] == bare]
+    return tuple(full[: starts[0]]) if starts else ()
 
 
 def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> tuple[str, bool]:

@@ -11,19 +11,11 @@ from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, parse_kv_sche
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = [
-    "LLAMA_ARCHITECTURES",
-    "LLAMA_METHODS",
-    "PLATFORM_PREFIX",
     "QCFG_LOCATION",
-    "SCALE_LOADER_ARCHITECTURES",
-    "SCALE_LOADER_MODEL_TYPES",
-    "UNSCALED_FP8_MODEL_TYPES",
     "declared_kv_cache_scheme",
-    "json_type",
     "llama_gate",
     "neuron_quantization_verdict",
     "portability_findings",
-    "vllm_quantization_config",
 ]
 
 QCFG_LOCATION = "config.json:quantization_config"

@@ -14,7 +14,6 @@ from kvcalib.core.fp8 import (
     SCALE_ROUNDING_TOLERANCE,
     TARGETS,
     get_target,
-    implied_fp8_max,
 )
 from kvcalib.core.schema import (
     KV_KINDS,
@@ -230,24 +229,24 @@ def _compare_layers(
             continue
         for kind in KV_KINDS:
             key = neuron_scale_key(layer, kind, check.prefix)
-            actual = check.values.get(key)
-            record = provenance_kind(entry, kind)
+            actual, record = check.values.get(key), provenance_kind(entry, kind)
             recorded = finite_number(record.get("scale"))
             # what the scale was sized for: the range the scale objective chose, else the absmax
-            absmax = finite_number(record.get("range", record.get("absmax")))
+            absmax = finite_number(record.get("range", record.get("absmax"))) or 0.0
             if actual is None:
                 continue
-            if recorded is not None and abs(recorded - actual) > 1e-5 * max(
-                abs(recorded), abs(actual)
-            ):
+            if recorded is not None and abs(recorded - actual) > 1e-5 * max(recorded, actual):
                 disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
-            elif absmax is not None and absmax > 0 and actual > SCALE_FLOOR * 2:
-                implied = implied_fp8_max(absmax, actual)
-                # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
-                if abs(implied - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max:
-                    disagree.append(
-                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}"
-                    )
+            # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
+            elif (
+                absmax > 0
+                and actual > SCALE_FLOOR * 2
+                and abs(absmax / actual - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max
+            ):
+                disagree.append(
+                    f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {absmax / actual:.6g}, "
+                    f"not {fp8_max:g}"
+                )
     if not disagree:
         return []
     return [

@@ -41,9 +41,7 @@ class ScaleCheck:
     files: set[str] = field(default_factory=set)  # files holding Neuron-named scales
     target: str = DEFAULT_TARGET
     per_head: bool = False  # kv_cache_scheme strategy attn_head: one scale per KV head (GPU vLLM)
-    heads: dict[str, int | None] = field(
-        default_factory=dict
-    )  # kind -> head count from config.json
+    heads: dict[str, int | None] = field(default_factory=dict)  # kind -> head count (config.json)
     zero: dict[str, list[int]] = field(
         default_factory=dict
     )  # kind -> the layers whose scale is 0.0
@@ -85,12 +83,7 @@ def scale_findings(
                     if scheme_declared
                     else ""
                 ),
-                "run kvcalib calibrate to write per-layer scales"
-                + (
-                    f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold them"
-                    if scan.unreadable
-                    else ""
-                ),
+                "run kvcalib calibrate to write per-layer scales" + _unreadable(scan),
             )
         )
         return findings, check
@@ -212,6 +205,11 @@ def _whole_set_findings(
     return findings
 
 
+def _unreadable(scan: CheckpointFiles) -> str:
+    n = len(scan.unreadable)
+    return f"; {n} safetensors file(s) could not be read and may hold scales" if n else ""
+
+
 def _layer_list(layers: list[int]) -> str:
     if len(layers) > 2 and layers[-1] - layers[0] + 1 == len(layers):  # sorted, distinct: a run
         return f"{layers[0]}..{layers[-1]}"
@@ -239,11 +237,7 @@ def _check_one(
             )
         ]
     if key is None:
-        hint = "recalibrate, or add the missing scale (float32, shape [1])"
-        if scan.unreadable:
-            hint += (
-                f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold it"
-            )
+        hint = "recalibrate, or add the missing scale (float32, shape [1])" + _unreadable(scan)
         return [Finding("SCALE-MISSING", ERROR, f"{expected} is missing: {what}", hint, expected)]
     header = scan.header_of(key)
     location, info = f"{header.path.name}:{key}", header.tensors[key]
@@ -275,59 +269,44 @@ def _check_one(
             check.values[key] = max(heads)
             findings += _implausible(key, max(heads), location)
         return findings + more
-    if math.prod(info.shape) != 1:
-        return findings + [_many_values(key, info.shape, check.per_head, location)]
+    numel = math.prod(info.shape)
+    if numel != 1:
+        return findings + [
+            Finding(
+                "SCALE-SHAPE",
+                ERROR,
+                f"{key} has shape {list(info.shape)} ({numel} values, e.g. per-head): the Neuron loader's reshape "
+                f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
+                "Neuron takes one per-tensor scale per layer: write float32, shape [1]"
+                + (
+                    "; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)"
+                    if check.per_head
+                    else ""
+                ),
+                location,
+            )
+        ]
     try:
         value = checkpoint.read_values(header, key, 1)[0]
     except KvcalibError as exc:
         return findings + [Finding("SCALE-UNREADABLE", ERROR, exc.message, exc.hint, location)]
     if value == 0:
         check.zero.setdefault(kind, []).append(layer)
-    if not math.isfinite(value) or value <= 0:
-        problem = (
-            "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
-        )
-        findings.append(
-            Finding(
-                "SCALE-VALUE",
-                ERROR,
-                f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
-                "recalibrate; a layer that saw only zeros still needs a tiny positive scale",
-                location,
-            )
-        )
-    elif not bf16_reciprocal_ok(value):
-        findings.append(
-            Finding(
-                "SCALE-VALUE",
-                ERROR,
-                f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which "
-                "Neuron stores, is not finite and non-zero",
-                "recalibrate; scales must stay within bf16's range",
-                location,
-            )
-        )
-    else:
+    problem = "not finite" if not math.isfinite(value) else "zero" if value == 0 else "negative"
+    if math.isfinite(value) and value > 0 and bf16_reciprocal_ok(value):
         check.values[key] = value
-        findings += _implausible(key, value, location)
-    return findings
-
-
-def _many_values(key: str, shape: tuple[int, ...], per_head: bool, location: str) -> Finding:
-    numel = math.prod(shape)
-    return Finding(
-        "SCALE-SHAPE",
-        ERROR,
-        f"{key} has shape {list(shape)} ({numel} values, e.g. per-head): the Neuron loader's reshape "
-        f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
-        "Neuron takes one per-tensor scale per layer: write float32, shape [1]"
-        + (
-            "; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)"
-            if per_head
-            else ""
-        ),
-        location,
-    )
+        return findings + _implausible(key, value, location)
+    return findings + [
+        Finding(
+            "SCALE-VALUE",
+            ERROR,
+            f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which Neuron stores, is not finite and non-zero"
+            if math.isfinite(value) and value > 0
+            else f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
+            "recalibrate; a scale must be positive (a layer that saw only zeros too) and within bf16's range",
+            location,
+        )
+    ]
 
 
 # Bounds outside which no real K or V needs the scale (above 2^6, |x| <= 1 falls below E4M3's smallest normal).
