@@ -329,44 +329,37 @@ def _find_kv_schemes(
     modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
     found: list[tuple[str, str, Any]] = []
     ignored: list[str] = []
-    for stage_key, stage in obj.items():
-        if not (
-            isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, dict)
-        ):
-            continue
-        for group_key, group in stage.items():
-            if not (
-                isinstance(group_key, str)
-                and group_key.endswith("_modifiers")
-                and isinstance(group, dict)
-            ):
-                continue
-            for modifier, arguments in group.items():
-                location = f"{stage_key}.{group_key}.{modifier}"
-                arguments = {} if arguments is None else arguments
-                if not isinstance(arguments, dict):
-                    raise RecipeError(
-                        f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                        hint=f"see the shipped recipe for the layout {_SHIPPED}",
-                    )
-                groups = arguments.get("config_groups")
-                fp8_attention = fp8_attention_groups(groups)
-                found += [
-                    (location, f"config_groups.{name}.input_activations", args)
-                    for name, args in fp8_attention.items()
-                ]
-                if arguments.get(KV_SCHEME_KEY) is not None:
-                    found.append((location, KV_SCHEME_KEY, arguments[KV_SCHEME_KEY]))
-                others = [
-                    key
-                    for key in OTHER_SCHEME_KEYS
-                    if arguments.get(key)
-                    and not (key == "config_groups" and len(fp8_attention) == len(groups))
-                ]
-                if arguments.get(KV_SCHEME_KEY) is None and not fp8_attention:
-                    ignored.append(location)
-                elif others:
-                    ignored.append(f"{location} ({', '.join(others)})")
+    modifiers = [
+        (f"{stage_key}.{group_key}.{modifier}", {} if arguments is None else arguments)
+        for stage_key, stage in obj.items()
+        if str(stage_key).endswith("_stage") and isinstance(stage, dict)
+        for group_key, group in stage.items()
+        if str(group_key).endswith("_modifiers") and isinstance(group, dict)
+        for modifier, arguments in group.items()
+    ]
+    for location, arguments in modifiers:
+        if not isinstance(arguments, dict):
+            raise RecipeError(
+                f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
+                hint=f"see the shipped recipe for the layout {_SHIPPED}",
+            )
+        groups, scheme = arguments.get("config_groups"), arguments.get(KV_SCHEME_KEY)
+        fp8_attention = fp8_attention_groups(groups)
+        found += [
+            (location, f"config_groups.{name}.input_activations", args)
+            for name, args in fp8_attention.items()
+        ]
+        found += [(location, KV_SCHEME_KEY, scheme)] if scheme is not None else []
+        others = [
+            key
+            for key in OTHER_SCHEME_KEYS
+            if arguments.get(key)
+            and not (key == "config_groups" and len(fp8_attention) == len(groups))
+        ]
+        if scheme is None and not fp8_attention:
+            ignored.append(location)
+        elif others:
+            ignored.append(f"{location} ({', '.join(others)})")
     return found, ignored, any(field != KV_SCHEME_KEY for _, field, _ in found)
 
 

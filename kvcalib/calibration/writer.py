@@ -19,7 +19,7 @@ from typing import Any
 
 from kvcalib.calibration.publish import discard, publish, recover, stage
 from kvcalib.core.checkpoint import Checkpoint, SafetensorsHeader, write_json
-from kvcalib.core.errors import CheckpointReadError, OutputExistsError, OutputWriteError
+from kvcalib.core.errors import OutputExistsError, OutputWriteError
 from kvcalib.core.paths import overlapping
 from kvcalib.core.schema import (
     CONFIG_FILENAME,
@@ -308,13 +308,8 @@ def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
 def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
     from safetensors.torch import save_file
 
+    # (a scale key the weights also hold is in two files: validate refuses it before publishing)
     scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
-    clash = sorted(set(scales) & set(index))
-    if clash:
-        raise CheckpointReadError(
-            f"scale key {clash[0]} already exists in {index[clash[0]][0]}",
-            hint="the model's weights hold a tensor under a KV scale's name; please report this",
-        )
     save_file(
         scales,
         str(tmp / SCALES_FILENAME),

@@ -159,31 +159,29 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         raise refuse("__metadata__ does not map strings to strings")
-    tensors, end = {}, 0
-    for key, entry in sorted(header.items(), key=lambda item: _offsets(item[1])):
-        begin, stop = _offsets(entry)
-        dtype, shape = (entry.get("dtype"), entry.get("shape")) if begin == end else (0, 0)
+    tensors = {}
+    for key, entry in header.items():
+        fields = entry if isinstance(entry, dict) else {}
+        dtype, shape, offsets = (fields.get(k) for k in ("dtype", "shape", "data_offsets"))
         if not (
             type(dtype) is str
             and dtype in _DTYPES
             and isinstance(shape, list)
             and all(type(d) is int and d >= 0 for d in shape)
-            and stop - begin == math.prod(shape) * _DTYPES[dtype][0]
+            and isinstance(offsets, list)
+            and [type(o) for o in offsets] == [int, int]
+            and offsets[1] - offsets[0] == math.prod(shape) * _DTYPES[dtype][0]
         ):
-            raise refuse(
-                f"tensor {key!r} is malformed, or overlaps another, or leaves a gap before it"
-            )
-        tensors[key], end = TensorInfo(key, dtype, tuple(shape), (begin, stop)), stop
+            raise refuse(f"tensor {key!r} is malformed")
+        tensors[key] = TensorInfo(key, dtype, tuple(shape), (offsets[0], offsets[1]))
+    end = 0
+    for info in sorted(tensors.values(), key=lambda t: t.data_offsets):
+        if info.data_offsets[0] != end:
+            raise refuse(f"tensor {info.key!r} overlaps another or leaves a gap before it")
+        end = info.data_offsets[1]
     if 8 + header_len + end != file_size:
         raise refuse(f"the tensors cover {end} of the {file_size - 8 - header_len} data bytes")
     return SafetensorsHeader(path, tensors, metadata, 8 + header_len, file_size)
-
-
-def _offsets(entry: Any) -> tuple[int, int]:
-    """A header entry's data_offsets, or (-1, -1) where they are not two integers (refused in order)."""
-    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-    ok = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-    return (offsets[0], offsets[1]) if ok else (-1, -1)
 
 
 @dataclass(frozen=True)

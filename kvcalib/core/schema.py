@@ -72,12 +72,8 @@ MAX_LAYERS = 10_000  # far more than any model has; bounds the loop over a hosti
 
 def num_hidden_layers(config: dict[str, Any]) -> int | None:
     """config.json's num_hidden_layers, top level or under text_config (multimodal configs); None if unusable."""
-    for holder in (config, config.get("text_config")):
-        if isinstance(holder, dict):
-            n = holder.get("num_hidden_layers")
-            if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_LAYERS:
-                return n
-    return None
+    found = (holder.get("num_hidden_layers") for holder in (config, text_config(config)))
+    return next((n for n in found if type(n) is int and 0 <= n <= MAX_LAYERS), None)
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:

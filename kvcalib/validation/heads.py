@@ -66,16 +66,13 @@ def per_head_findings(
 
 
 def _q_keys(scan: CheckpointFiles) -> dict[int, str]:
-    found: dict[int, str] = {}
-    for key in sorted(scan.key_files):
-        parsed = parse_scale_key(key)
-        if (
-            parsed
-            and parsed[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX)
-            and parsed[2] == "q"
-        ):
-            found.setdefault(parsed[1], key)
-    return found
+    """layer -> its q_scale key under either prefix Neuron reads (the first in sorted order)."""
+    parsed = ((key, parse_scale_key(key)) for key in sorted(scan.key_files, reverse=True))
+    return {
+        p[1]: key
+        for key, p in parsed
+        if p and p[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX) and p[2] == "q"
+    }
 
 
 def declared_attention_groups(config: dict[str, Any]) -> list[tuple[str, Any]]:
