@@ -328,7 +328,7 @@ def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
 
 
 def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) -> None:
-    out: dict[str, Any] = dict(source_index) if source_index is not None else {}
+    out: dict[str, Any] = dict(source_index or {})
     metadata = dict(out.get("metadata") or {})
     metadata["total_size"] = sum(nbytes for _, nbytes, _ in index.values())
     if "total_parameters" in metadata:  # newer transformers record it; keep it true

@@ -263,13 +263,11 @@ def load_calibration_data(
 
 def special_tokens_rule(add_special_tokens: bool | None) -> str:
     """The provenance's words for how the rows were tokenised."""
-    if add_special_tokens is None:
-        return "as served: plain text with the tokenizer's default special tokens, chat-template text with none"
-    return (
-        "every row with the tokenizer's special tokens"
-        if add_special_tokens
-        else "no special tokens added"
-    )
+    return {
+        None: "as served: plain text with the tokenizer's default special tokens, chat-template text with none",
+        True: "every row with the tokenizer's special tokens",
+        False: "no special tokens added",
+    }[add_special_tokens]
 
 
 def tokenize_as_served(

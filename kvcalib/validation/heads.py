@@ -12,7 +12,6 @@ from kvcalib.core.checkpoint import CheckpointFiles
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import get_target
 from kvcalib.core.schema import (
-    ATTN_HEAD,
     NEURON_ALT_LAYERS_PREFIX,
     NEURON_LAYERS_PREFIX,
     attention_groups,
@@ -101,7 +100,7 @@ def attention_group_findings(config: dict[str, Any], target: str) -> list[Findin
 
 
 def query_findings(
-    config: dict[str, Any], scan: CheckpointFiles, target: str, strategy: str | None
+    config: dict[str, Any], scan: CheckpointFiles, target: str, per_head: bool
 ) -> list[Finding]:
     """q_scale: information on Neuron (not read); on gpu, present on every layer when FP8 attention is declared."""
     keys, declared = _q_keys(scan), bool(declared_attention_groups(config))
@@ -134,13 +133,13 @@ def query_findings(
                     QCFG_LOCATION,
                 )
             )
-    expected = head_counts(config)["q"] if strategy == ATTN_HEAD else 1
+    expected = head_counts(config)["q"] if per_head else 1
     for key in keys.values():
         header = scan.header_of(key)
         if header is None:
             continue
         location, numel = f"{header.path.name}:{key}", math.prod(header.tensors[key].shape)
-        if strategy != ATTN_HEAD and numel != 1:
+        if not per_head and numel != 1:
             findings.append(
                 Finding(
                     "SCALE-Q-SHAPE",

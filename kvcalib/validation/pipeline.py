@@ -10,7 +10,6 @@ from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import read_config
 from kvcalib.core.errors import UnknownTargetError
 from kvcalib.core.fp8 import DEFAULT_TARGET, get_target
-from kvcalib.core.schema import ATTN_HEAD
 from kvcalib.validation.config import llama_gate, neuron_quantization_verdict, portability_findings
 from kvcalib.validation.files import scan_for_validation
 from kvcalib.validation.heads import attention_group_findings, query_findings
@@ -54,7 +53,7 @@ def validate_checkpoint(
     findings += outlier_findings(config, scan, check, target, provenance)
     findings += token_findings(scan, provenance)
     findings += portability_findings(config, target, check.present)
-    findings += query_findings(config, scan, target, ATTN_HEAD if check.per_head else None)
+    findings += query_findings(config, scan, target, check.per_head)
     findings += attention_group_findings(config, target)
     findings += [Finding(*found) for found in mxfp4.findings(config, scan.key_files, target)]
     return ValidationReport(str(path), target, tuple(findings), strict)

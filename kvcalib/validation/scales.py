@@ -108,7 +108,40 @@ def scale_findings(
                 scan, check, layer, kind, own.get((layer, kind)), foreign.get((layer, kind))
             )
     findings = _all_zero(findings, check, len(layers))
-    findings += _whole_set_findings(check, own, n_layers, 2 * len(layers), scheme_declared, target)
+    extra = sorted(key for (layer, _), key in own.items() if layer >= n_layers)
+    if extra:
+        findings.append(
+            Finding(
+                "SCALE-EXTRA-LAYER",
+                WARNING,
+                f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for "
+                f"layers the model does not have (num_hidden_layers = {n_layers}); they are never read",
+                "check that the scales come from this model",
+            )
+        )
+    values = check.values.values()
+    if layers and len(values) == 2 * len(layers) and all(v == 1.0 for v in values):
+        findings.append(
+            Finding(
+                "SCALE-UNCALIBRATED",
+                WARNING,
+                "every K and V scale is exactly 1.0: the checkpoint "
+                "looks uncalibrated (the same as no scales)",
+                "run kvcalib calibrate to measure real per-layer scales",
+            )
+        )
+    if not scheme_declared and own:
+        findings.append(
+            Finding(
+                "SCALE-NO-KV-SCHEME",
+                WARNING if get_target(target).neuron else ERROR,
+                "KV scales are present but quantization_config declares no kv_cache_scheme: "
+                "GPU vLLM does not load them and runs FP8 KV with scales 1.0 "
+                "(Neuron reads them with --kv-cache-dtype fp8)",
+                "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
+                QCFG_LOCATION,
+            )
+        )
     return findings, check
 
 
@@ -157,52 +190,6 @@ def _sort_scale_keys(
         for kind in (only,) if only else KV_KINDS:
             foreign.setdefault((layer, kind), []).append(key)
     return own, foreign
-
-
-def _whole_set_findings(
-    check: ScaleCheck,
-    own: dict[tuple[int, str], str],
-    n_layers: int,
-    expected: int,
-    scheme_declared: bool,
-    target: str,
-) -> list[Finding]:
-    """What the scales say together: extra layers, all 1.0, no kv_cache_scheme beside them."""
-    findings = []
-    extra = sorted(key for (layer, _), key in own.items() if layer >= n_layers)
-    if extra:
-        findings.append(
-            Finding(
-                "SCALE-EXTRA-LAYER",
-                WARNING,
-                f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for "
-                f"layers the model does not have (num_hidden_layers = {n_layers}); they are never read",
-                "check that the scales come from this model",
-            )
-        )
-    if expected and len(check.values) == expected and all(v == 1.0 for v in check.values.values()):
-        findings.append(
-            Finding(
-                "SCALE-UNCALIBRATED",
-                WARNING,
-                "every K and V scale is exactly 1.0: the checkpoint "
-                "looks uncalibrated (the same as no scales)",
-                "run kvcalib calibrate to measure real per-layer scales",
-            )
-        )
-    if not scheme_declared and own:
-        findings.append(
-            Finding(
-                "SCALE-NO-KV-SCHEME",
-                WARNING if get_target(target).neuron else ERROR,
-                "KV scales are present but quantization_config declares no kv_cache_scheme: "
-                "GPU vLLM does not load them and runs FP8 KV with scales 1.0 "
-                "(Neuron reads them with --kv-cache-dtype fp8)",
-                "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
-                QCFG_LOCATION,
-            )
-        )
-    return findings
 
 
 def _unreadable(scan: CheckpointFiles) -> str:
