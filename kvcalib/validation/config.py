@@ -55,9 +55,11 @@ def _malformed(message: str, location: str, hint: str) -> Finding:
     return Finding("NEURON-QCFG-MALFORMED", ERROR, message, hint, location)
 
 
-def _rejected(rule: str, what: str, group: str, location: str, hint: str) -> Finding:
+def _rejected(rule: str, what: str, group: str, hint: str | None = None) -> Finding:
     message = f"{PLATFORM_PREFIX} {what} in config_groups['{group}'] is not supported."
-    return Finding(rule, ERROR, message, hint, location)
+    return Finding(
+        rule, ERROR, message, hint or _KV_ONLY_HINT, f"{QCFG_LOCATION}.config_groups['{group}']"
+    )
 
 
 _KV_ONLY_HINT = (
@@ -186,46 +188,15 @@ def _group_verdict(name: str, group: Any) -> Finding | None:
             "each config group must be an object; remove this one for a KV-only checkpoint",
         )
     if group.get("weights"):
-        return _rejected(
-            "NEURON-QCFG-WEIGHTS", "Weight quantization", name, location, _KV_ONLY_HINT
-        )
+        return _rejected("NEURON-QCFG-WEIGHTS", "Weight quantization", name)
     if group.get("output_activations"):
-        return _rejected(
-            "NEURON-QCFG-OUTPUT-ACT",
-            "Output activation quantization",
-            name,
-            location,
-            _KV_ONLY_HINT,
-        )
+        return _rejected("NEURON-QCFG-OUTPUT-ACT", "Output activation quantization", name)
     if not group.get("input_activations"):
         return None
     targets = group.get("targets", [])
-    matched = _attention_target(targets, name, location)
-    if isinstance(matched, Finding):
-        return matched
-    if matched:
-        return None
-    hint = (
-        _KV_ONLY_HINT
-        if not isinstance(targets, str)
-        else (
-            f"targets is a string, which the platform reads character by character "
-            f'and never matches; write a list such as ["LlamaAttention"]. {_KV_ONLY_HINT}'
-        )
-    )
-    return _rejected(
-        "NEURON-QCFG-INPUT-ACT",
-        "Input activation quantization on non-attention targets",
-        name,
-        location,
-        hint,
-    )
-
-
-def _attention_target(targets: Any, name: str, location: str) -> bool | Finding:
-    """The platform's own test, `any("Attention" in t for t in targets)`, run as it runs; its crash is a Finding."""
-    try:
-        return any("Attention" in t for t in targets)
+    try:  # the platform's own test, run as it runs: its crash is a finding too
+        if any("Attention" in t for t in targets):
+            return None
     except (
         TypeError
     ):  # targets not iterable, or a target `in` cannot test (substring, element or key membership)
@@ -243,6 +214,20 @@ def _attention_target(targets: Any, name: str, location: str) -> bool | Finding:
             f"{location}.targets[{i}]",
             "every target must be a string (a module class name or a re: pattern)",
         )
+    hint = (
+        _KV_ONLY_HINT
+        if not isinstance(targets, str)
+        else (
+            f"targets is a string, which the platform reads character by character "
+            f'and never matches; write a list such as ["LlamaAttention"]. {_KV_ONLY_HINT}'
+        )
+    )
+    return _rejected(
+        "NEURON-QCFG-INPUT-ACT",
+        "Input activation quantization on non-attention targets",
+        name,
+        hint,
+    )
 
 
 def _architectures(config: dict[str, Any]) -> list[str]:
