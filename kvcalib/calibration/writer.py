@@ -166,8 +166,8 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 _ERRNO_HINTS = {
-    errno.ENOSPC: "the filesystem (or your quota) is full: free some space, or choose an output elsewhere",
-    errno.EDQUOT: "the filesystem (or your quota) is full: free some space, or choose an output elsewhere",
+    errno.ENOSPC: "the filesystem is full: free some space, or choose an output elsewhere",
+    errno.EDQUOT: "your disk quota is used up: free some space, or choose an output elsewhere",
     errno.EROFS: "the filesystem is read-only: choose an output on a writable one",
     errno.EACCES: "you may not write there: choose a directory you own, or fix its permissions",
     errno.EPERM: "the directory refuses writes (immutable or a restricted mount): choose another output",

@@ -182,8 +182,6 @@ def kv_cache_size(config: dict[str, Any]) -> KvCacheSize | None:
 
 def scale_key(attention_module_path: str, kind: str) -> str:
     """`<attention module path>.k_scale` / `.v_scale` / `.q_scale`: the attention module's own state-dict name."""
-    if kind not in (*KV_KINDS, "q"):
-        raise ValueError(f"kind must be 'k', 'v' or 'q', not {kind!r}")
     return f"{attention_module_path}.{kind}_scale"
 
 
