@@ -215,12 +215,7 @@ def plan_recipe(
 ) -> RecipePlan:
     """Read the recipe (if any), settle the target and the strategy, and check the scheme and engine can work."""
     recipe = load_recipe(recipe_path) if recipe_path is not None else None
-    if (
-        recipe is not None
-        and recipe.target is not None
-        and target is not None
-        and target != recipe.target
-    ):
+    if recipe is not None and target is not None and recipe.target not in (None, target):
         raise RecipeError(
             f"--target {target} contradicts {recipe.path}, which is for {recipe.target} "
             f"({RECIPE_KEY}.target)",
@@ -237,9 +232,6 @@ def plan_recipe(
                 f"{', '.join(recipe.ignored)}"
             )
     strategy = _plan_strategy(strategy, recipe, chosen)
-    provenance: dict[str, Any] = (
-        {} if recipe is None else {"recipe": recipe.path, "kv_cache_scheme": recipe.scheme}
-    )
     if (
         engine == LLMCOMPRESSOR_ENGINE
     ):  # installed? check_run asks, after what the flags cannot do together
@@ -265,7 +257,9 @@ def plan_recipe(
         strategy,
         bool(recipe and recipe.attention),
         tuple(warnings),
-        {"observer": observer, **provenance},
+        {"observer": observer}
+        if recipe is None
+        else {"observer": observer, "recipe": recipe.path, "kv_cache_scheme": recipe.scheme},
     )
 
 

@@ -269,15 +269,9 @@ def still_channels(config: dict[str, Any], size: int) -> set[int]:
     """The channels of the RoPE pairs that turn less than STILL_RADIANS over STILL_POSITIONS positions."""
     text = text_config(config)
     rope = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
-    theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 1:
-        theta = 10000.0
-    half = size // 2
-    still = {
-        i
-        for i in range(half)
-        if STILL_POSITIONS * float(theta) ** (-2.0 * i / size) < STILL_RADIANS
-    }
+    theta = finite_number(rope.get("rope_theta", text.get("rope_theta"))) or 0.0
+    theta, half = theta if theta > 1 else 10000.0, size // 2  # a huge integer is no theta either
+    still = {i for i in range(half) if STILL_POSITIONS * theta ** (-2.0 * i / size) < STILL_RADIANS}
     return still | {i + half for i in still}
 
 

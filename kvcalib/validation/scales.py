@@ -72,7 +72,7 @@ def scale_findings(
     own, foreign = _sort_scale_keys(scan, check)
     check.present = bool(own or foreign)
     if not check.present:
-        findings.append(
+        return [
             Finding(
                 "SCALE-NONE",
                 ERROR if scheme_declared else WARNING,
@@ -85,8 +85,7 @@ def scale_findings(
                 ),
                 "run kvcalib calibrate to write per-layer scales" + _unreadable(scan),
             )
-        )
-        return findings, check
+        ], check
     n_layers = num_hidden_layers(config)
     layers: list[int] | range = range(n_layers or 0)
     if n_layers is None:
