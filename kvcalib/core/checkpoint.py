@@ -93,10 +93,8 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointReadError(
             f"cannot read {what} {path}: {exc.strerror or exc}", hint="check the file's permissions"
         ) from None
-    except (
-        ValueError,
-        RecursionError,
-    ) as exc:  # bad JSON or UTF-8, an over-long integer, nested too deep
+    # bad JSON or UTF-8, an integer over Python's digit limit, nesting too deep
+    except (ValueError, RecursionError) as exc:
         raise CheckpointReadError(
             f"cannot parse {what} {path}: {exc}",
             hint="the file is not JSON Python can read; restore it from the original checkpoint",
@@ -127,7 +125,7 @@ def read_config(ckpt_dir: Path) -> dict[str, Any]:
 
 
 def read_safetensors_header(path: Path) -> SafetensorsHeader:
-    """Parse the header of a safetensors file without reading any tensor data, with safetensors' own checks: every
+    """Parse the header of a safetensors file without reading any tensor data, checked as safetensors checks it: every
     entry well-formed and the tensors tiling the data, in order, no gap, no overlap."""
     path = Path(path)
 

@@ -357,13 +357,10 @@ def served_special_tokens(scan: CheckpointFiles) -> list[str]:
         post = read_json(path, "tokenizer").get("post_processor")
     except (KvcalibError, AttributeError):
         return []
-    processors = (
-        post.get("processors", [])
-        if isinstance(post, dict) and post.get("type") == "Sequence"
-        else [post]
-    )
+    sequence = isinstance(post, dict) and post.get("type") == "Sequence"
+    processors = post.get("processors") if sequence else [post]
     found = []
-    for processor in processors:
+    for processor in processors if isinstance(processors, list) else []:
         if isinstance(processor, dict) and processor.get("type") == "TemplateProcessing":
             for piece in processor.get("single") or []:
                 special = piece.get("SpecialToken") if isinstance(piece, dict) else None
