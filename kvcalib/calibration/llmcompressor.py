@@ -14,7 +14,7 @@ from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.calibration.recipe import load_recipe, require_llmcompressor
 from kvcalib.core.errors import CalibrationError
 from kvcalib.core.progress import Progress
-from kvcalib.core.schema import ATTN_HEAD, kv_cache_scheme_args
+from kvcalib.core.schema import ATTN_HEAD, kv_cache_scheme_args, parse_kv_scheme
 from kvcalib.hf.attention import attention_modules
 from kvcalib.hf.model import load_model, num_layers
 
@@ -30,7 +30,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
 
     opts = inputs.options
     scheme = (
-        load_recipe(opts.recipe).quantization_args()
+        parse_kv_scheme(load_recipe(opts.recipe).scheme)
         if opts.recipe
         else kv_cache_scheme_args(opts.strategy or "tensor")
     )

@@ -16,22 +16,18 @@ from typing import Any
 from kvcalib.core import fp8
 from kvcalib.core.errors import MissingDependencyError, RecipeError, UsageError
 from kvcalib.core.paths import require_regular_file
-from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, TENSOR, fp8_attention_groups
+from kvcalib.core.schema import (
+    ATTN_HEAD,
+    NEURON_PER_HEAD_REASON,
+    TENSOR,
+    fp8_attention_groups,
+    parse_kv_scheme,
+)
 
 __all__ = [
-    "KV_SCHEME_KEY",
     "KvRecipe",
-    "LLMCOMPRESSOR_DEFAULT_OBSERVER",
     "LLMCOMPRESSOR_ENGINE",
-    "LLMCOMPRESSOR_HINT",
-    "NATIVE_OBSERVER",
-    "OTHER_SCHEME_KEYS",
-    "RECIPE_KEY",
     "RecipePlan",
-    "STRATEGIES",
-    "BUILTIN_RECIPES",
-    "builtin_recipes",
-    "check_servable",
     "load_recipe",
     "plan_recipe",
     "recipe_file",
@@ -74,11 +70,6 @@ class KvRecipe:
     @property
     def observer(self) -> str | None:
         return self.scheme.get("observer")
-
-    def quantization_args(self) -> Any:  # the scheme as compressed-tensors `QuantizationArgs`
-        from compressed_tensors.quantization import QuantizationArgs
-
-        return QuantizationArgs.model_validate(self.scheme)
 
 
 @dataclass(frozen=True)
@@ -224,12 +215,7 @@ def plan_recipe(
 ) -> RecipePlan:
     """Read the recipe (if any), settle the target and the strategy, and check the scheme and engine can work."""
     recipe = load_recipe(recipe_path) if recipe_path is not None else None
-    if (
-        recipe is not None
-        and recipe.target is not None
-        and target is not None
-        and target != recipe.target
-    ):
+    if recipe is not None and target is not None and recipe.target not in (None, target):
         raise RecipeError(
             f"--target {target} contradicts {recipe.path}, which is for {recipe.target} "
             f"({RECIPE_KEY}.target)",
@@ -246,9 +232,6 @@ def plan_recipe(
                 f"{', '.join(recipe.ignored)}"
             )
     strategy = _plan_strategy(strategy, recipe, chosen)
-    provenance: dict[str, Any] = (
-        {} if recipe is None else {"recipe": recipe.path, "kv_cache_scheme": recipe.scheme}
-    )
     if (
         engine == LLMCOMPRESSOR_ENGINE
     ):  # installed? check_run asks, after what the flags cannot do together
@@ -274,7 +257,9 @@ def plan_recipe(
         strategy,
         bool(recipe and recipe.attention),
         tuple(warnings),
-        {"observer": observer, **provenance},
+        {"observer": observer}
+        if recipe is None
+        else {"observer": observer, "recipe": recipe.path, "kv_cache_scheme": recipe.scheme},
     )
 
 
@@ -338,51 +323,42 @@ def _find_kv_schemes(
     modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
     found: list[tuple[str, str, Any]] = []
     ignored: list[str] = []
-    for stage_key, stage in obj.items():
-        if not (
-            isinstance(stage_key, str) and stage_key.endswith("_stage") and isinstance(stage, dict)
-        ):
-            continue
-        for group_key, group in stage.items():
-            if not (
-                isinstance(group_key, str)
-                and group_key.endswith("_modifiers")
-                and isinstance(group, dict)
-            ):
-                continue
-            for modifier, arguments in group.items():
-                location = f"{stage_key}.{group_key}.{modifier}"
-                arguments = {} if arguments is None else arguments
-                if not isinstance(arguments, dict):
-                    raise RecipeError(
-                        f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                        hint=f"see the shipped recipe for the layout {_SHIPPED}",
-                    )
-                groups = arguments.get("config_groups")
-                fp8_attention = fp8_attention_groups(groups)
-                found += [
-                    (location, f"config_groups.{name}.input_activations", args)
-                    for name, args in fp8_attention.items()
-                ]
-                if arguments.get(KV_SCHEME_KEY) is not None:
-                    found.append((location, KV_SCHEME_KEY, arguments[KV_SCHEME_KEY]))
-                others = [
-                    key
-                    for key in OTHER_SCHEME_KEYS
-                    if arguments.get(key)
-                    and not (key == "config_groups" and len(fp8_attention) == len(groups))
-                ]
-                if arguments.get(KV_SCHEME_KEY) is None and not fp8_attention:
-                    ignored.append(location)
-                elif others:
-                    ignored.append(f"{location} ({', '.join(others)})")
+    modifiers = [
+        (f"{stage_key}.{group_key}.{modifier}", {} if arguments is None else arguments)
+        for stage_key, stage in obj.items()
+        if str(stage_key).endswith("_stage") and isinstance(stage, dict)
+        for group_key, group in stage.items()
+        if str(group_key).endswith("_modifiers") and isinstance(group, dict)
+        for modifier, arguments in group.items()
+    ]
+    for location, arguments in modifiers:
+        if not isinstance(arguments, dict):
+            raise RecipeError(
+                f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
+                hint=f"see the shipped recipe for the layout {_SHIPPED}",
+            )
+        groups, scheme = arguments.get("config_groups"), arguments.get(KV_SCHEME_KEY)
+        fp8_attention = fp8_attention_groups(groups)
+        found += [
+            (location, f"config_groups.{name}.input_activations", args)
+            for name, args in fp8_attention.items()
+        ]
+        found += [(location, KV_SCHEME_KEY, scheme)] if scheme is not None else []
+        others = [
+            key
+            for key in OTHER_SCHEME_KEYS
+            if arguments.get(key)
+            and not (key == "config_groups" and len(fp8_attention) == len(groups))
+        ]
+        if scheme is None and not fp8_attention:
+            ignored.append(location)
+        elif others:
+            ignored.append(f"{location} ({', '.join(others)})")
     return found, ignored, any(field != KV_SCHEME_KEY for _, field, _ in found)
 
 
 def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:
     """The scheme through compressed-tensors' QuantizationArgs, as JSON types; the observer as written."""
-    from compressed_tensors.quantization import QuantizationArgs
-
     where = f"{path}: {location}"
     if not isinstance(value, dict):
         raise RecipeError(
@@ -390,26 +366,10 @@ def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]
             hint=_SEE_SHIPPED,
         )
     try:
-        args = QuantizationArgs.model_validate(value)
-    except (
-        ValueError,
-        TypeError,
-        NotImplementedError,
-    ) as exc:  # pydantic's ValidationError is a ValueError
+        args = parse_kv_scheme(value)
+    except ValueError as exc:
         raise RecipeError(
-            f"{where} is not a valid compressed-tensors QuantizationArgs: {_describe(exc)}",
+            f"{where} is not a valid compressed-tensors QuantizationArgs: {exc}",
             hint=_SEE_SHIPPED,
         ) from None
     return args.model_dump(mode="json")
-
-
-def _describe(exc: Exception) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        parts = []
-        for error in errors():
-            loc = ".".join(str(p) for p in error.get("loc", ()))
-            msg = str(error.get("msg", "")).removeprefix("Value error, ")
-            parts.append(f"{loc}: {msg}" if loc else msg)
-        return "; ".join(parts)
-    return str(exc)

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvcalib.calibration.publish import discard, publish, recover, stage
 from kvcalib.core.checkpoint import Checkpoint, SafetensorsHeader, write_json
-from kvcalib.core.errors import CheckpointReadError, OutputExistsError, OutputWriteError
+from kvcalib.core.errors import OutputExistsError, OutputWriteError
 from kvcalib.core.paths import overlapping
 from kvcalib.core.schema import (
     CONFIG_FILENAME,
@@ -33,15 +33,12 @@ from kvcalib.core.schema import (
 
 __all__ = [
     "LINK_AT_BYTES",
-    "SHARDED_SINGLE_FILENAME",
     "Room",
     "WritePlan",
     "bytes_needed",
     "check_output_path",
     "check_room",
     "measure_room",
-    "copy_without_keys",
-    "link_or_copy",
     "write_checkpoint",
 ]
 
@@ -62,7 +59,8 @@ def check_output_path(
     for what, path in inputs:
         if os.path.lexists(path) and overlapping(output, path):
             raise OutputExistsError(
-                f"output {output} overlaps {what} {path}" + _resolved_note(output, path),
+                f"output {output} overlaps {what} {path} (after symlinks: {output.resolve()} and "
+                f"{Path(path).resolve()})",
                 hint=f"kvcalib never writes over its inputs; choose an output directory outside {path}",
             )
     if output.is_symlink():
@@ -71,16 +69,14 @@ def check_output_path(
             hint="pass a real directory path: the new checkpoint is renamed into place, which "
             "would replace the link itself",
         )
-    if os.path.lexists(output) and not output.is_dir():
-        raise OutputExistsError(
-            f"output {output} exists and is not a directory",
-            hint="choose another path; --overwrite replaces only a directory",
-        )
     ancestor = _existing_ancestor(output.parent)
-    if not ancestor.is_dir():
+    if (os.path.lexists(output) and not output.is_dir()) or not ancestor.is_dir():
         raise OutputExistsError(
-            f"output {output} cannot be created: {ancestor} is not a directory",
-            hint="choose an output path whose parent is a directory",
+            f"output {output} exists and is not a directory"
+            if os.path.lexists(output)
+            else f"output {output} cannot be created: {ancestor} is not a directory",
+            hint="choose an output path that is a directory or can be made one (--overwrite replaces only a "
+            "directory)",
         )
     notes = recover(output) if recover_leftovers else []
     if output.exists() and not overwrite:
@@ -116,8 +112,13 @@ def measure_room(output: Path, source: Checkpoint) -> Room:
     except OSError as exc:
         raise _write_error(exc, output, ancestor) from None
     os.close(fd)
+    names, linkable = source.files.files, True
     try:
-        linkable = _can_link(source, Path(probe))
+        if names:  # a hard link where the probe was
+            os.unlink(probe)
+            os.link(source.root / names[0], probe)
+    except OSError:
+        linkable = False
     finally:
         Path(probe).unlink(missing_ok=True)
     return Room(
@@ -143,9 +144,7 @@ def bytes_needed(source: Checkpoint, linkable: bool) -> int:
     total = (
         64 << 10
     )  # scales, config, provenance: a few KB; the margin covers the filesystem's blocks
-    files = source.files
-    for name in files.files:
-        header = files.headers[name]
+    for header in source.files.headers.values():
         if not linkable or any(is_kv_scale_key(k) for k in header.tensors):
             total += header.file_size
     index = source.root / INDEX_FILENAME
@@ -158,30 +157,12 @@ def bytes_needed(source: Checkpoint, linkable: bool) -> int:
     return total
 
 
-def _can_link(source: Checkpoint, probe: Path) -> bool:
-    names = source.files.files
-    if not names:
-        return True
-    probe.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        os.link(source.root / names[0], probe)
-        return True
-    return False
-
-
-def _existing_ancestor(
-    path: Path,
-) -> Path:  # `path` itself if it exists, else its nearest existing parent
+def _existing_ancestor(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest existing parent."""
     path = Path(os.path.abspath(path))
     while not os.path.lexists(path) and path != path.parent:
         path = path.parent
     return path
-
-
-def _resolved_note(output: Path, path: Path) -> str:
-    real_out, real_in = Path(output).resolve(), Path(path).resolve()
-    moved = real_out != Path(os.path.abspath(output)) or real_in != Path(os.path.abspath(path))
-    return f" (after symlinks: {real_out} and {real_in})" if moved else ""
 
 
 _ERRNO_HINTS = {
@@ -203,24 +184,15 @@ def _write_error(exc: OSError, output: Path, where: Path | None = None) -> Outpu
     )
 
 
-def link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> None:
-    """Write `header`'s file minus the tensors in `drop`; every kept tensor's bytes are copied verbatim."""
-    src = header.path
-    kept = [
-        info
-        for info in sorted(header.tensors.values(), key=lambda t: t.data_offsets)
-        if info.key not in drop
-    ]
-    new_header: dict[str, Any] = {}
-    if header.metadata is not None:
-        new_header["__metadata__"] = header.metadata
+    """Write `header`'s file minus the tensors in `drop`; every kept tensor's bytes are copied verbatim (a short read
+    leaves a file that validate, before publishing, refuses)."""
+    kept = sorted(
+        (i for i in header.tensors.values() if i.key not in drop), key=lambda i: i.data_offsets
+    )
+    new_header: dict[str, Any] = (
+        {} if header.metadata is None else {"__metadata__": header.metadata}
+    )
     offset = 0
     for info in kept:
         new_header[info.key] = {
@@ -231,20 +203,12 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
         offset += info.nbytes
     raw = json.dumps(new_header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        fout.write(struct.pack("<Q", len(raw)))
-        fout.write(raw)
+    with open(header.path, "rb") as fin, open(dst, "wb") as fout:
+        fout.write(struct.pack("<Q", len(raw)) + raw)
         for info in kept:
             fin.seek(header.data_start + info.data_offsets[0])
-            remaining = info.nbytes
-            while remaining:
-                chunk = fin.read(min(remaining, 64 << 20))
-                if not chunk:
-                    raise CheckpointReadError(
-                        f"{src}: unexpected end of file", hint="copy the file again from the source"
-                    )
-                fout.write(chunk)
-                remaining -= len(chunk)
+            for done in range(0, info.nbytes, 64 << 20):
+                fout.write(fin.read(min(64 << 20, info.nbytes - done)))
 
 
 @dataclass(frozen=True)
@@ -330,7 +294,7 @@ def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
             copy_without_keys(header, tmp / out_name, stale)
             notes.append(f"{name}: dropped {len(stale)} earlier KV scale tensor(s)")
         else:
-            link_or_copy(source.root / name, tmp / out_name)
+            _carry(source.root / name, tmp / out_name, link=True)
         index.update(
             {
                 key: (out_name, info.nbytes, math.prod(info.shape))
@@ -344,13 +308,8 @@ def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
 def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
     from safetensors.torch import save_file
 
+    # (a scale key the weights also hold is in two files: validate refuses it before publishing)
     scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
-    clash = sorted(set(scales) & set(index))
-    if clash:
-        raise CheckpointReadError(
-            f"scale key {clash[0]} already exists in {index[clash[0]][0]}",
-            hint="the model's weights hold a tensor under a KV scale's name; please report this",
-        )
     save_file(
         scales,
         str(tmp / SCALES_FILENAME),
@@ -369,7 +328,7 @@ def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
 
 
 def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) -> None:
-    out: dict[str, Any] = dict(source_index) if source_index is not None else {}
+    out: dict[str, Any] = dict(source_index or {})
     metadata = dict(out.get("metadata") or {})
     metadata["total_size"] = sum(nbytes for _, nbytes, _ in index.values())
     if "total_parameters" in metadata:  # newer transformers record it; keep it true
@@ -406,5 +365,11 @@ def _copy_other_files(source: Path, dest: Path) -> None:
             _carry(entry, dest / entry.name)
 
 
-def _carry(src: str | Path, dst: str | Path) -> None:
-    (link_or_copy if os.path.getsize(src) >= LINK_AT_BYTES else shutil.copy2)(Path(src), Path(dst))
+def _carry(src: str | Path, dst: str | Path, link: bool = False) -> None:
+    """Hard-link weights and files of LINK_AT_BYTES or more (a copy where links fail); copy the rest."""
+    try:
+        if link or os.path.getsize(src) >= LINK_AT_BYTES:
+            return os.link(src, dst)
+    except OSError:
+        pass
+    shutil.copy2(src, dst)

@@ -29,7 +29,6 @@ __all__ = [
     "fake_quantize",
     "from_fp8_domain",
     "get_target",
-    "implied_fp8_max",
     "neuron_reciprocal",
     "scale_from_absmax",
     "served_numerics",
@@ -151,11 +150,6 @@ def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Ten
     while bool((over := finite & (to_fp8_domain(a, s, target) > target.fp8_max)).any()):
         s = torch.where(over, up(s), s)
     return torch.where(finite, s, exact)
-
-
-def implied_fp8_max(absmax: float, scale: float) -> float:
-    """The FP8 max a scale was sized for, given the absmax it came from."""
-    return absmax / scale
 
 
 def bf16_reciprocal_ok(scale: float) -> bool:

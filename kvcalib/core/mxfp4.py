@@ -20,7 +20,6 @@ from kvcalib.core.fp8 import TARGETS, Target, get_target
 
 __all__ = [
     "BLOCKS",
-    "DEQUANTIZE_COMMAND",
     "SCALES",
     "TRN2_CAUSE",
     "check_calibration",

@@ -9,21 +9,15 @@ from pathlib import Path
 
 from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError, KvcalibError
 
-__all__ = ["file_kind", "overlapping", "require_regular_file"]
+__all__ = ["overlapping", "require_regular_file"]
 
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
-
-
-def file_kind(mode: int) -> str:
-    """'a regular file', 'a directory', 'a FIFO (named pipe)', ... for an st_mode."""
-    regular = "a regular file" if stat.S_ISREG(mode) else "not a regular file"
-    return next((kind for test, kind in _KINDS if test(mode)), regular)
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
 
 
 def require_regular_file(
@@ -48,7 +42,8 @@ def require_regular_file(
         ) from None
     if not stat.S_ISREG(st.st_mode):
         raise error(
-            f"{what} {path} is {file_kind(st.st_mode)}, not a regular file",
+            f"{what} {path} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a regular file')}, not a regular "
+            "file",
             hint=hint or f"pass the {what} itself, as a regular file",
         )
     return path

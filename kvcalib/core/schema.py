@@ -8,13 +8,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = [
-    "ATTENTION_GROUP",
     "ATTN_HEAD",
     "CONFIG_FILENAME",
     "INDEX_FILENAME",
     "KV_KINDS",
     "KvCacheSize",
-    "MAX_LAYERS",
     "NEURON_ALT_LAYERS_PREFIX",
     "NEURON_LAYERS_PREFIX",
     "NEURON_PER_HEAD_REASON",
@@ -37,8 +35,7 @@ __all__ = [
     "num_hidden_layers",
     "parse_foreign_scale_key",
     "parse_kv_scheme",
-    "parse_neuron_scale_key",
-    "parse_q_scale_key",
+    "parse_scale_key",
     "scale_key",
     "text_config",
 ]
@@ -75,12 +72,8 @@ MAX_LAYERS = 10_000  # far more than any model has; bounds the loop over a hosti
 
 def num_hidden_layers(config: dict[str, Any]) -> int | None:
     """config.json's num_hidden_layers, top level or under text_config (multimodal configs); None if unusable."""
-    for holder in (config, config.get("text_config")):
-        if isinstance(holder, dict):
-            n = holder.get("num_hidden_layers")
-            if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_LAYERS:
-                return n
-    return None
+    found = (holder.get("num_hidden_layers") for holder in (config, text_config(config)))
+    return next((n for n in found if type(n) is int and 0 <= n <= MAX_LAYERS), None)
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -189,8 +182,6 @@ def kv_cache_size(config: dict[str, Any]) -> KvCacheSize | None:
 
 def scale_key(attention_module_path: str, kind: str) -> str:
     """`<attention module path>.k_scale` / `.v_scale` / `.q_scale`: the attention module's own state-dict name."""
-    if kind not in (*KV_KINDS, "q"):
-        raise ValueError(f"kind must be 'k', 'v' or 'q', not {kind!r}")
     return f"{attention_module_path}.{kind}_scale"
 
 
@@ -199,65 +190,30 @@ def neuron_scale_key(layer: int, kind: str, layers_prefix: str = NEURON_LAYERS_P
     return scale_key(f"{layers_prefix}.{layer}.self_attn", kind)
 
 
-# Names other tools have used for KV scales that the Neuron loader does NOT read: (prefix, layer, kind or None).
-_FOREIGN_SCALE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (
-        re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.output_scale$"),
-        "k_proj/v_proj.output_scale (pre-2024 llm-compressor)",
-    ),
-    (
-        re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_proj\.[kv]_scale$"),
-        "k_proj/v_proj.*_scale",
-    ),
-    (
-        re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.([kv])_scale$"),
-        "self_attn.attn.*_scale (vLLM module path)",
-    ),
-    (re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.kv_scale$"), "kv_scale (one scale for K and V)"),
-    (
-        re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.attn\.kv_scale$"),
-        "attn.kv_scale (one scale for K and V)",
-    ),
+_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kvq])_scale$")
+# Names other tools have used for KV scales that the Neuron loader does NOT read: k_proj/v_proj.output_scale
+# (pre-2024 llm-compressor), k_proj/v_proj.*_scale, self_attn.attn.*_scale (vLLM's module path), and one kv_scale
+# for K and V (under self_attn or self_attn.attn).
+_FOREIGN_SCALE_RE = re.compile(
+    r"^.*\.layers\.(\d+)\.self_attn\.(?:([kv])_proj\.(?:output|[kv])_scale|attn\.([kv])_scale|(?:attn\.)?kv_scale)$"
 )
 
-_NEURON_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.([kv])_scale$")
 
-
-def parse_neuron_scale_key(key: str) -> tuple[str, int, str] | None:
-    """(layers prefix, layer, 'k'|'v') for a `*.layers.{i}.self_attn.{k,v}_scale` key."""
-    m = _NEURON_SCALE_RE.match(key)
+def parse_scale_key(key: str) -> tuple[str, int, str] | None:
+    """(layers prefix, layer, 'k'|'v'|'q') for a `*.layers.{i}.self_attn.{k,v,q}_scale` key."""
+    m = _SCALE_RE.match(key)
     return (m.group(1), int(m.group(2)), m.group(3)) if m else None
 
 
-def parse_foreign_scale_key(key: str) -> tuple[int, str | None, str] | None:
-    """(layer, kind or None, description) for a KV scale under a name Neuron ignores."""
-    for pattern, description in _FOREIGN_SCALE_PATTERNS:
-        m = pattern.match(key)
-        if m:
-            return (
-                int(m.group(2)),
-                m.group(3) if m.lastindex and m.lastindex >= 3 else None,
-                description,
-            )
-    return None
-
-
-_Q_SCALE_RE = re.compile(r"^(.*\.layers)\.(\d+)\.self_attn\.q_scale$")
-
-
-def parse_q_scale_key(key: str) -> tuple[str, int] | None:
-    """(layers prefix, layer) for a `*.layers.{i}.self_attn.q_scale` key (FP8 attention's Q scale)."""
-    m = _Q_SCALE_RE.match(key)
-    return (m.group(1), int(m.group(2))) if m else None
+def parse_foreign_scale_key(key: str) -> tuple[int, str | None] | None:
+    """(layer, kind or None: one scale for both) for a KV scale under a name Neuron ignores."""
+    m = _FOREIGN_SCALE_RE.match(key)
+    return (int(m.group(1)), m.group(2) or m.group(3)) if m else None
 
 
 def is_kv_scale_key(key: str) -> bool:
     """Any KV-cache scale, under the Neuron name or a foreign one, or an attention layer's q_scale (FP8 attention)."""
-    return (
-        parse_neuron_scale_key(key) is not None
-        or parse_foreign_scale_key(key) is not None
-        or parse_q_scale_key(key) is not None
-    )
+    return parse_scale_key(key) is not None or parse_foreign_scale_key(key) is not None
 
 
 # The kv_cache_scheme fields written: older compressed-tensors versions forbid unknown keys
@@ -280,10 +236,26 @@ def kv_cache_scheme_args(strategy: str = "tensor") -> Any:
 
 
 def parse_kv_scheme(scheme: Any) -> Any:
-    """A kv_cache_scheme parsed by compressed-tensors itself; raises what pydantic raises."""
+    """A kv_cache_scheme parsed by compressed-tensors' `QuantizationArgs`; where it refuses it, ValueError with
+    pydantic's first three errors as `field: message`."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    return QuantizationArgs.model_validate(scheme)
+    try:
+        return QuantizationArgs.model_validate(scheme)
+    except (
+        ValueError,
+        TypeError,
+        NotImplementedError,
+    ) as exc:  # pydantic's ValidationError is a ValueError
+        errors = exc.errors() if callable(getattr(exc, "errors", None)) else [{"msg": str(exc)}]
+        raise ValueError(
+            "; ".join(
+                ".".join(map(str, e.get("loc", ())))
+                + (": " if e.get("loc") else "")
+                + str(e["msg"]).removeprefix("Value error, ")
+                for e in errors[:3]
+            )
+        ) from None
 
 
 # llm-compressor's FP8-attention config group: input activations of the attention class, e.g. {"attention":
@@ -324,57 +296,34 @@ def fp8_attention_groups(groups: Any) -> dict[str, Any]:
 def kv_only_quantization_config(
     strategy: str = "tensor", attention_classes: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """The KV `quantization_config` for config.json, built with compressed-tensors' models and read back by
-    `QuantizationConfig.model_validate`; with `attention_classes`, also one FP8-attention group per class."""
+    """The KV `quantization_config` for config.json, its kv_cache_scheme dumped by compressed-tensors' models and the
+    whole read back by `QuantizationConfig.model_validate`; with `attention_classes`, one FP8-attention group per
+    class."""
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationConfig
 
-    args = kv_cache_scheme_args(strategy)
+    dumped = kv_cache_scheme_args(strategy).model_dump(mode="json")
+    scheme = {k: dumped[k] for k in _KV_SCHEME_FIELDS}
     names = (
         [ATTENTION_GROUP]
         if len(attention_classes) == 1
         else [f"{ATTENTION_GROUP}_{c}" for c in attention_classes]
     )
-    groups = {
-        name: QuantizationScheme(targets=[cls], input_activations=args)
-        for name, cls in zip(names, attention_classes)
-    }
-    config = QuantizationConfig(
-        config_groups=groups,
-        kv_cache_scheme=args,
-        format="dense",
-        quantization_status="compressed",
-        ignore=[],
-    )
-    dumped = config.model_dump(mode="json")
-    scheme = {k: dumped["kv_cache_scheme"][k] for k in _KV_SCHEME_FIELDS}
-    result = {
+    config = {
         "config_groups": {
             name: {
-                "targets": dumped["config_groups"][name]["targets"],
+                "targets": [cls],
                 "weights": None,
                 "input_activations": dict(scheme),
                 "output_activations": None,
             }
-            for name in groups
+            for name, cls in zip(names, attention_classes)
         },
-        "format": dumped["format"],
+        "format": "dense",
         "ignore": [],
         "kv_cache_scheme": scheme,
-        "quant_method": dumped["quant_method"],
-        "quantization_status": dumped["quantization_status"],
-        "version": compressed_tensors.__version__,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
     }
-    reread = QuantizationConfig.model_validate({k: v for k, v in result.items() if k != "version"})
-    if (
-        reread.kv_cache_scheme is None
-        or reread.kv_cache_scheme.model_dump() != config.kv_cache_scheme.model_dump()
-    ):
-        raise RuntimeError("compressed-tensors did not read back the kv_cache_scheme kvcalib wrote")
-    if {n: g.model_dump() for n, g in reread.config_groups.items()} != {
-        n: g.model_dump() for n, g in groups.items()
-    }:
-        raise RuntimeError(
-            "compressed-tensors did not read back the attention config group kvcalib wrote"
-        )
-    return result
+    QuantizationConfig.model_validate(config)
+    return {**config, "version": compressed_tensors.__version__}

@@ -20,12 +20,8 @@ from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 
 __all__ = [
-    "BUILDERS",
-    "CHAT_COLUMN",
     "CalibrationData",
-    "DEFAULT_TEXT_COLUMN",
     "batches",
-    "default_special_tokens",
     "leading_special_tokens",
     "load_calibration_data",
     "load_rows",
@@ -82,36 +78,34 @@ def load_rows(dataset: str, split: str):
             return _load_files([path], split)
         if path.is_dir():
             if any((path / name).exists() for name in _SAVED):
-                return _pick_split(datasets.load_from_disk(str(path)), split, dataset)
+                saved = datasets.load_from_disk(str(path))
+                if isinstance(saved, datasets.DatasetDict) and split not in saved:
+                    raise DatasetError(
+                        f"dataset {dataset} has no split {split!r}; it has {sorted(saved)}",
+                        hint="pass one of them with --split",
+                    )
+                return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
             return _load_files(_data_files(path), split)
         if dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS:
             raise DatasetError(f"dataset not found: {dataset}", hint="check the path")
         return datasets.load_dataset(dataset, split=split)
     except DatasetError:
         raise
-    except (ValueError, FileNotFoundError, OSError, KeyError) as exc:
-        raise DatasetError(
-            f"cannot read dataset {dataset} (split {split!r}): {exc}",
-            hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory, a save_to_disk "
-            "directory, or a hub dataset id on a machine that is online",
-        ) from None
     except (
         Exception
-    ) as exc:  # datasets raises its own families (DatasetGenerationError, hub errors)
-        if type(exc).__module__.split(".")[0] not in {
-            "datasets",
-            "huggingface_hub",
-            "pyarrow",
-            "requests",
-            "httpx",
-        }:
+    ) as exc:  # datasets raises its own families too (DatasetGenerationError, hub errors)
+        ours = {"datasets", "huggingface_hub", "pyarrow", "requests", "httpx"}
+        if not isinstance(exc, (ValueError, OSError, KeyError)) and (
+            type(exc).__module__.split(".")[0] not in ours
+        ):
             raise
         cause = exc.__cause__ or exc.__context__
         raise DatasetError(
             f"cannot read dataset {dataset} (split {split!r}): {exc}"
             + (f" ({cause})" if cause is not None else ""),
-            hint="check that every file is well-formed (one JSON object per line in .jsonl, a header "
-            "row in .csv)",
+            hint="pass a local .txt/.jsonl/.json/.parquet/.csv file or directory (each file well-formed: one JSON "
+            "object per line in .jsonl, a header row in .csv), a save_to_disk directory, or a hub dataset id on "
+            "a machine that is online",
         ) from None
 
 
@@ -135,15 +129,10 @@ def _load_files(files: list[Path], split: str):
 
     suffixes = {p.suffix.lower() for p in files}
     builders = {BUILDERS.get(s) for s in suffixes}
-    if None in builders:
+    if None in builders or len(builders) > 1:
         raise DatasetError(
-            f"unsupported dataset file type {sorted(suffixes)} ({files[0]})",
-            hint=f"use one of {', '.join(sorted(BUILDERS))}",
-        )
-    if len(builders) > 1:
-        raise DatasetError(
-            f"mixed dataset file types {sorted(suffixes)} under one dataset path",
-            hint="keep one file type per dataset directory",
+            f"unsupported or mixed dataset file types {sorted(suffixes)} ({files[0]})",
+            hint=f"keep one file type per dataset directory, one of {', '.join(sorted(BUILDERS))}",
         )
     if split != "train":
         raise DatasetError(
@@ -196,19 +185,6 @@ def _check_file(path: Path) -> None:
             f"dataset file {path} has no rows (it is empty or blank)",
             hint='pass a .jsonl file with one JSON object per line, e.g. {"text": "..."}',
         )
-
-
-def _pick_split(obj: Any, split: str, name: str):
-    import datasets
-
-    if isinstance(obj, datasets.DatasetDict):
-        if split not in obj:
-            raise DatasetError(
-                f"dataset {name} has no split {split!r}; it has {sorted(obj)}",
-                hint="pass one of them with --split",
-            )
-        return obj[split]
-    return obj
 
 
 def resolve_column(column_names: list[str], text_column: str | None, source: str) -> str:
@@ -287,13 +263,11 @@ def load_calibration_data(
 
 def special_tokens_rule(add_special_tokens: bool | None) -> str:
     """The provenance's words for how the rows were tokenised."""
-    if add_special_tokens is None:
-        return "as served: plain text with the tokenizer's default special tokens, chat-template text with none"
-    return (
-        "every row with the tokenizer's special tokens"
-        if add_special_tokens
-        else "no special tokens added"
-    )
+    return {
+        None: "as served: plain text with the tokenizer's default special tokens, chat-template text with none",
+        True: "every row with the tokenizer's special tokens",
+        False: "no special tokens added",
+    }[add_special_tokens]
 
 
 def tokenize_as_served(
@@ -304,47 +278,39 @@ def tokenize_as_served(
     add_special_tokens: bool | None = None,
 ) -> list[list[int]]:
     """Token ids of each text as vLLM sends it (module docstring); an empty text stays empty."""
-    out: list[list[int]] = [[] for _ in texts]
-    for rendered_chat in (False, True):
-        rows = [
-            i
-            for i, (text, is_chat) in enumerate(zip(texts, chat))
-            if is_chat == rendered_chat and text
-        ]
-        if not rows:
-            continue
-        add = (not rendered_chat) if add_special_tokens is None else add_special_tokens
-        ids = tokenizer(
-            [texts[i] for i in rows],
-            add_special_tokens=add,
-            truncation=True,
-            max_length=max_seq_len,
-        )["input_ids"]
-        for i, row_ids in zip(rows, ids):
-            out[i] = list(row_ids)
-    return out
+    return [
+        list(
+            tokenizer(
+                text,
+                add_special_tokens=not is_chat
+                if add_special_tokens is None
+                else add_special_tokens,
+                truncation=True,
+                max_length=max_seq_len,
+            )["input_ids"]
+        )
+        if text
+        else []
+        for text, is_chat in zip(texts, chat)
+    ]
 
 
 def _bare_and_full(tokenizer: Any) -> tuple[list[int], list[int]]:
     """A one-letter text's ids without and with the tokenizer's default special tokens."""
-    return tokenizer("a", add_special_tokens=False)["input_ids"], tokenizer(
-        "a", add_special_tokens=True
-    )["input_ids"]
+    return tuple(tokenizer("a", add_special_tokens=add)["input_ids"] for add in (False, True))
 
 
 def default_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids the tokenizer adds around plain text by default (BOS, EOS ...), in order."""
     bare, full = _bare_and_full(tokenizer)
-    return tuple(i for i in full if i not in bare) if full != bare else ()
+    return tuple(i for i in full if i not in bare)
 
 
 def leading_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids the tokenizer puts before plain text by default (BOS), in order; () if none."""
     bare, full = _bare_and_full(tokenizer)
-    for start in range(len(full) - len(bare) + 1):
-        if full[start : start + len(bare)] == bare:
-            return tuple(full[:start])
-    return ()
+    starts = [s for s in range(len(full) - len(bare) + 1) if full[s : s + len(bare)] == bare]
+    return tuple(full[: starts[0]]) if starts else ()
 
 
 def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> tuple[str, bool]:
@@ -395,10 +361,8 @@ def batches(
     order = sorted(sequences, key=len, reverse=True)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        width = len(chunk[0])
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        ids = torch.full((len(chunk), len(chunk[0])), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
         for row, seq in enumerate(chunk):
-            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[row, : len(seq)] = 1
+            ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
         yield ids, mask

@@ -11,19 +11,11 @@ from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, parse_kv_sche
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
 
 __all__ = [
-    "LLAMA_ARCHITECTURES",
-    "LLAMA_METHODS",
-    "PLATFORM_PREFIX",
     "QCFG_LOCATION",
-    "SCALE_LOADER_ARCHITECTURES",
-    "SCALE_LOADER_MODEL_TYPES",
-    "UNSCALED_FP8_MODEL_TYPES",
     "declared_kv_cache_scheme",
-    "json_type",
     "llama_gate",
     "neuron_quantization_verdict",
     "portability_findings",
-    "vllm_quantization_config",
 ]
 
 QCFG_LOCATION = "config.json:quantization_config"
@@ -47,27 +39,27 @@ SCALE_LOADER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "gpt_oss"})
 UNSCALED_FP8_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 
-_JSON_TYPES = (
-    (type(None), "null"),
-    (bool, "a boolean"),
-    ((int, float), "a number"),
-    (str, "a string"),
-    (list, "an array"),
-)
-
-
 def json_type(value: Any) -> str:
     """The JSON name of a parsed value's type, for messages."""
-    return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "an object")
+    names = {
+        type(None): "null",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+    }
+    return names.get(type(value), "an array" if isinstance(value, list) else "an object")
 
 
 def _malformed(message: str, location: str, hint: str) -> Finding:
     return Finding("NEURON-QCFG-MALFORMED", ERROR, message, hint, location)
 
 
-def _rejected(rule: str, what: str, group: str, location: str, hint: str) -> Finding:
+def _rejected(rule: str, what: str, group: str, hint: str | None = None) -> Finding:
     message = f"{PLATFORM_PREFIX} {what} in config_groups['{group}'] is not supported."
-    return Finding(rule, ERROR, message, hint, location)
+    return Finding(
+        rule, ERROR, message, hint or _KV_ONLY_HINT, f"{QCFG_LOCATION}.config_groups['{group}']"
+    )
 
 
 _KV_ONLY_HINT = (
@@ -196,25 +188,32 @@ def _group_verdict(name: str, group: Any) -> Finding | None:
             "each config group must be an object; remove this one for a KV-only checkpoint",
         )
     if group.get("weights"):
-        return _rejected(
-            "NEURON-QCFG-WEIGHTS", "Weight quantization", name, location, _KV_ONLY_HINT
-        )
+        return _rejected("NEURON-QCFG-WEIGHTS", "Weight quantization", name)
     if group.get("output_activations"):
-        return _rejected(
-            "NEURON-QCFG-OUTPUT-ACT",
-            "Output activation quantization",
-            name,
-            location,
-            _KV_ONLY_HINT,
-        )
+        return _rejected("NEURON-QCFG-OUTPUT-ACT", "Output activation quantization", name)
     if not group.get("input_activations"):
         return None
     targets = group.get("targets", [])
-    matched = _attention_target(targets, name, location)
-    if isinstance(matched, Finding):
-        return matched
-    if matched:
-        return None
+    try:  # the platform's own test, run as it runs: its crash is a finding too
+        if any("Attention" in t for t in targets):
+            return None
+    except (
+        TypeError
+    ):  # targets not iterable, or a target `in` cannot test (substring, element or key membership)
+        if not isinstance(targets, list):
+            return _malformed(
+                f"config_groups['{name}'].targets is {json_type(targets)} while input_activations "
+                "is set: the Neuron platform crashes iterating it (TypeError)",
+                f"{location}.targets",
+                'write targets as a list of module names, e.g. ["LlamaAttention"]',
+            )
+        i = next(i for i, t in enumerate(targets) if not isinstance(t, (str, list, dict)))
+        return _malformed(
+            f"config_groups['{name}'].targets[{i}] is {json_type(targets[i])}, not a string: the Neuron "
+            "platform crashes testing it for 'Attention' (TypeError)",
+            f"{location}.targets[{i}]",
+            "every target must be a string (a module class name or a re: pattern)",
+        )
     hint = (
         _KV_ONLY_HINT
         if not isinstance(targets, str)
@@ -227,36 +226,8 @@ def _group_verdict(name: str, group: Any) -> Finding | None:
         "NEURON-QCFG-INPUT-ACT",
         "Input activation quantization on non-attention targets",
         name,
-        location,
         hint,
     )
-
-
-def _attention_target(targets: Any, name: str, location: str) -> bool | Finding:
-    """`any("Attention" in t for t in targets)` as Python evaluates it, crashes included."""
-    if isinstance(targets, str):
-        return False  # iterated by character: no single character contains "Attention"
-    if isinstance(targets, dict):
-        return any("Attention" in key for key in targets)
-    if not isinstance(targets, list):
-        return _malformed(
-            f"config_groups['{name}'].targets is {json_type(targets)} while input_activations "
-            "is set: the Neuron platform crashes iterating it (TypeError)",
-            f"{location}.targets",
-            'write targets as a list of module names, e.g. ["LlamaAttention"]',
-        )
-    for i, target in enumerate(targets):
-        if isinstance(target, (str, list, dict)):  # substring, element or key membership
-            if "Attention" in target:
-                return True
-        else:
-            return _malformed(
-                f"config_groups['{name}'].targets[{i}] is {json_type(target)}, not a string: the Neuron "
-                "platform crashes testing it for 'Attention' (TypeError)",
-                f"{location}.targets[{i}]",
-                "every target must be a string (a module class name or a re: pattern)",
-            )
-    return False
 
 
 def _architectures(config: dict[str, Any]) -> list[str]:
@@ -264,17 +235,12 @@ def _architectures(config: dict[str, Any]) -> list[str]:
     return [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
 
 
-def _model_type(config: dict[str, Any]) -> str | None:
-    model_type = config.get("model_type")
-    return model_type if isinstance(model_type, str) else None
-
-
 def _in_family(
     config: dict[str, Any], architectures: frozenset[str], model_types: frozenset[str]
 ) -> bool:
-    return (
-        bool(architectures.intersection(_architectures(config)))
-        or _model_type(config) in model_types
+    model_type = config.get("model_type")
+    return bool(architectures.intersection(_architectures(config))) or (
+        isinstance(model_type, str) and model_type in model_types
     )
 
 
@@ -365,7 +331,7 @@ def portability_findings(
             ", ".join(_architectures(config))
             or f"model_type {short_repr(config.get('model_type'))}"
         )
-        unscaled = _model_type(config) in UNSCALED_FP8_MODEL_TYPES
+        unscaled = _in_family(config, frozenset(), UNSCALED_FP8_MODEL_TYPES)
         findings.append(
             Finding(
                 "PORT-NO-SCALE-LOADER",
@@ -394,13 +360,12 @@ _PLAIN_FP8_SCHEME = {
 
 
 def _plain_fp8_scheme(scheme: Any) -> bool:
-    if not isinstance(scheme, dict) or not set(_PLAIN_FP8_SCHEME) <= set(scheme) <= {
-        *_PLAIN_FP8_SCHEME,
-        "observer",
-    }:
-        return False
-    exact = all(type(scheme[k]) is type(v) and scheme[k] == v for k, v in _PLAIN_FP8_SCHEME.items())
-    return exact and (scheme.get("observer") is None or type(scheme["observer"]) is str)
+    return (
+        isinstance(scheme, dict)
+        and set(scheme) - {"observer"} == set(_PLAIN_FP8_SCHEME)
+        and all(type(scheme[k]) is type(v) and scheme[k] == v for k, v in _PLAIN_FP8_SCHEME.items())
+        and type(scheme.get("observer")) in (str, type(None))
+    )
 
 
 def _kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
@@ -472,7 +437,7 @@ def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
             Finding(
                 "PORT-KV-SCHEME-INVALID",
                 ERROR,
-                f"kv_cache_scheme does not parse as compressed-tensors QuantizationArgs: {_pydantic_summary(exc)}",
+                f"kv_cache_scheme does not parse as compressed-tensors QuantizationArgs: {exc}",
                 "keep only num_bits, type, strategy, dynamic, symmetric, observer in kv_cache_scheme; "
                 "put provenance elsewhere (unknown keys are refused)",
                 location,
@@ -522,14 +487,3 @@ def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
             )
         )
     return findings
-
-
-def _pydantic_summary(exc: Exception) -> str:
-    """The first few of pydantic's errors, as `field: message`; the text of anything else."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        return "; ".join(
-            [f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors()][:3]
-        )
-    return f"{type(exc).__name__}: {exc}"

@@ -3,6 +3,7 @@ file, the other reads only the index's `weight_map`. Headers and index only; nev
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -78,13 +79,6 @@ def _single_file_shadow_findings(scan: CheckpointFiles) -> list[Finding]:
     ]
 
 
-def _is_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte
-        return False
-
-
 def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[Finding]:
     findings: list[Finding] = []
     location = f"{INDEX_FILENAME}:weight_map"
@@ -110,7 +104,7 @@ def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[F
                     location,
                 )
             )
-        elif not _is_file(scan.root / name):
+        elif not os.path.isfile(scan.root / name):  # False for a name too long, or with a NUL byte
             findings.append(
                 Finding(
                     "CKPT-INDEX-FILE-MISSING",

@@ -12,14 +12,13 @@ from kvcalib.core.checkpoint import CheckpointFiles
 from kvcalib.core.errors import KvcalibError
 from kvcalib.core.fp8 import get_target
 from kvcalib.core.schema import (
-    ATTN_HEAD,
     NEURON_ALT_LAYERS_PREFIX,
     NEURON_LAYERS_PREFIX,
     attention_groups,
     head_counts,
     is_attention_target,
     num_hidden_layers,
-    parse_q_scale_key,
+    parse_scale_key,
 )
 from kvcalib.validation.config import QCFG_LOCATION
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding
@@ -66,12 +65,13 @@ def per_head_findings(
 
 
 def _q_keys(scan: CheckpointFiles) -> dict[int, str]:
-    found: dict[int, str] = {}
-    for key in sorted(scan.key_files):
-        parsed = parse_q_scale_key(key)
-        if parsed and parsed[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX):
-            found.setdefault(parsed[1], key)
-    return found
+    """layer -> its q_scale key under either prefix Neuron reads (the first in sorted order)."""
+    parsed = ((key, parse_scale_key(key)) for key in sorted(scan.key_files, reverse=True))
+    return {
+        p[1]: key
+        for key, p in parsed
+        if p and p[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX) and p[2] == "q"
+    }
 
 
 def declared_attention_groups(config: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -100,7 +100,7 @@ def attention_group_findings(config: dict[str, Any], target: str) -> list[Findin
 
 
 def query_findings(
-    config: dict[str, Any], scan: CheckpointFiles, target: str, strategy: str | None
+    config: dict[str, Any], scan: CheckpointFiles, target: str, per_head: bool
 ) -> list[Finding]:
     """q_scale: information on Neuron (not read); on gpu, present on every layer when FP8 attention is declared."""
     keys, declared = _q_keys(scan), bool(declared_attention_groups(config))
@@ -133,13 +133,13 @@ def query_findings(
                     QCFG_LOCATION,
                 )
             )
-    expected = head_counts(config)["q"] if strategy == ATTN_HEAD else 1
+    expected = head_counts(config)["q"] if per_head else 1
     for key in keys.values():
         header = scan.header_of(key)
         if header is None:
             continue
         location, numel = f"{header.path.name}:{key}", math.prod(header.tensors[key].shape)
-        if strategy != ATTN_HEAD and numel != 1:
+        if not per_head and numel != 1:
             findings.append(
                 Finding(
                     "SCALE-Q-SHAPE",

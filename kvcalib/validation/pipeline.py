@@ -10,11 +10,15 @@ from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import read_config
 from kvcalib.core.errors import UnknownTargetError
 from kvcalib.core.fp8 import DEFAULT_TARGET, get_target
-from kvcalib.core.schema import ATTN_HEAD
 from kvcalib.validation.config import llama_gate, neuron_quantization_verdict, portability_findings
 from kvcalib.validation.files import scan_for_validation
 from kvcalib.validation.heads import attention_group_findings, query_findings
-from kvcalib.validation.provenance import outlier_findings, range_findings, token_findings
+from kvcalib.validation.provenance import (
+    outlier_findings,
+    range_findings,
+    read_provenance,
+    token_findings,
+)
 from kvcalib.validation.report import Finding, ValidationReport
 from kvcalib.validation.scales import scale_findings
 
@@ -44,11 +48,12 @@ def validate_checkpoint(
     scan, integrity = scan_for_validation(root)
     scales, check = scale_findings(config, scan, target)
     findings += scales + integrity
+    provenance = read_provenance(scan)
     findings += range_findings(scan, check, target)
-    findings += outlier_findings(config, scan, check.values, check.prefix, target)
-    findings += token_findings(scan)
+    findings += outlier_findings(config, scan, check, target, provenance)
+    findings += token_findings(scan, provenance)
     findings += portability_findings(config, target, check.present)
-    findings += query_findings(config, scan, target, ATTN_HEAD if check.per_head else None)
+    findings += query_findings(config, scan, target, check.per_head)
     findings += attention_group_findings(config, target)
     findings += [Finding(*found) for found in mxfp4.findings(config, scan.key_files, target)]
     return ValidationReport(str(path), target, tuple(findings), strict)

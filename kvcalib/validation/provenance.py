@@ -14,7 +14,6 @@ from kvcalib.core.fp8 import (
     SCALE_ROUNDING_TOLERANCE,
     TARGETS,
     get_target,
-    implied_fp8_max,
 )
 from kvcalib.core.schema import (
     KV_KINDS,
@@ -29,17 +28,7 @@ from kvcalib.core.schema import (
 from kvcalib.validation.report import ERROR, INFO, WARNING, Finding, short_repr
 from kvcalib.validation.scales import LARGEST_FP8_MAX, ScaleCheck
 
-__all__ = [
-    "OUTLIER_SHARE",
-    "clipped_unscored",
-    "finite_number",
-    "outlier_findings",
-    "provenance_kind",
-    "range_findings",
-    "read_provenance",
-    "served_special_tokens",
-    "token_findings",
-]
+__all__ = ["outlier_findings", "range_findings", "read_provenance", "token_findings"]
 
 
 def provenance_kind(entry: dict, kind: str) -> dict:
@@ -63,19 +52,15 @@ def finite_number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]:
+def _clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]:
     """RANGE-CLIPPED-UNSCORED: clipped layers (range below absmax) when `target` is not among the numerics scored on
     (`scored_on`, core.fp8.served_numerics; a record without it was scored on its target alone)."""
     layers, scored = provenance.get("layers"), provenance.get("scored_on")
-    if not isinstance(layers, list):
-        return []
     scored_on = scored if isinstance(scored, list) else [provenance.get("target")]
-    if any(name == target for name in scored_on):
+    if not isinstance(layers, list) or target in scored_on:
         return []
     clipped = []
-    for entry in layers:
-        if not isinstance(entry, dict):
-            continue
+    for entry in (e for e in layers if isinstance(e, dict)):
         for kind in KV_KINDS:
             record = provenance_kind(entry, kind)
             clip, absmax = finite_number(record.get("range")), finite_number(record.get("absmax"))
@@ -105,24 +90,11 @@ def clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]
 def read_provenance(scan: CheckpointFiles) -> dict[str, Any] | None:
     """kvcalib_calibration.json as an object; None when absent or unreadable (range_findings reports a bad one)."""
     path = scan.root / PROVENANCE_FILENAME
-    if not path.exists():
-        return None
     try:
-        data = read_json(path, "kvcalib provenance")
+        data = read_json(path, "kvcalib provenance") if path.exists() else None
     except KvcalibError:
         return None
     return data if isinstance(data, dict) else None
-
-
-def _larger_convention(target: str) -> str:
-    """What scales sized for the largest FP8 max in the table do on `target`, when its max is smaller."""
-    own = TARGETS[target].fp8_max
-    if own >= LARGEST_FP8_MAX:
-        return ""
-    return (
-        f": scales sized as absmax/{LARGEST_FP8_MAX:g} (llm-compressor, GPU vLLM) clip every value above "
-        f"{own:g}/{LARGEST_FP8_MAX:g} ≈ {own / LARGEST_FP8_MAX:.2f} of a layer's absmax on {target}"
-    )
 
 
 def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> list[Finding]:
@@ -130,45 +102,49 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
     if not check.present:
         return []
     findings: list[Finding] = []
-    sources = _provenance_sources(scan, check, findings)
+    sources, target_max = _provenance_sources(scan, check, findings), TARGETS[target].fp8_max
     if not sources:
         return findings + [
             Finding(
                 "RANGE-UNKNOWN",
                 INFO,
                 "scales present, FP8 max unknown (no kvcalib provenance)"
-                + _larger_convention(target),
+                + (
+                    f": scales sized as absmax/{LARGEST_FP8_MAX:g} (llm-compressor, GPU vLLM) clip every value "
+                    f"above {target_max:g}/{LARGEST_FP8_MAX:g} ≈ {target_max / LARGEST_FP8_MAX:.2f} of a layer's "
+                    f"absmax on {target}"
+                    if target_max < LARGEST_FP8_MAX
+                    else ""
+                ),
                 "recalibrate with kvcalib calibrate --target to be sure of the range",
             )
         ]
     (where, provenance), *rest = sources
     fp8_max = provenance.get("fp8_max")
-    for other_where, other in rest:
-        if other.get("fp8_max") != fp8_max:
-            findings.append(
-                Finding(
-                    "RANGE-PROVENANCE-DISAGREES",
-                    WARNING,
-                    f"{where} says fp8_max "
-                    f"{short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
-                    "recalibrate to get one consistent record",
-                    where,
-                )
-            )
+    findings += [
+        Finding(
+            "RANGE-PROVENANCE-DISAGREES",
+            WARNING,
+            f"{where} says fp8_max {short_repr(fp8_max)}, {other_where} says {short_repr(other.get('fp8_max'))}",
+            "recalibrate to get one consistent record",
+            where,
+        )
+        for other_where, other in rest
+        if other.get("fp8_max") != fp8_max
+    ]
     if finite_number(fp8_max) is None or fp8_max <= 0:
         return findings + [
             _malformed_provenance(where, f"fp8_max is {short_repr(fp8_max)}, not a positive number")
         ]
     fp8_max = float(fp8_max)
-    target_max = TARGETS[target].fp8_max
     calibrated_for = provenance.get("target")
     sized = f"scales were sized for FP8 max {fp8_max:g}" + (
         f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else ""
     )
     larger = fp8_max > target_max * (1 + 1e-6)
     clipped = (
-        [] if larger else clipped_unscored(provenance, where, target)
-    )  # (a larger max is an error already)
+        [] if larger else _clipped_unscored(provenance, where, target)
+    )  # larger: an error already
     if larger:
         findings.append(
             Finding(
@@ -200,15 +176,17 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
 def _provenance_sources(
     scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]
 ) -> list[tuple[str, dict]]:
-    sources: list[tuple[str, dict]] = []
-    path = scan.root / PROVENANCE_FILENAME
-    if path.exists():
-        try:
-            data = read_json(path, "kvcalib provenance")
-        except KvcalibError as exc:
-            findings.append(_malformed_provenance(PROVENANCE_FILENAME, exc.message))
-        else:
-            sources.append((PROVENANCE_FILENAME, data))
+    sources: list[tuple[str, Any]] = []
+    try:
+        if (scan.root / PROVENANCE_FILENAME).exists():
+            sources.append(
+                (
+                    PROVENANCE_FILENAME,
+                    read_json(scan.root / PROVENANCE_FILENAME, "kvcalib provenance"),
+                )
+            )
+    except KvcalibError as exc:
+        findings.append(_malformed_provenance(PROVENANCE_FILENAME, exc.message))
     for name in sorted(check.files):
         raw = (scan.headers[name].metadata or {}).get(PROVENANCE_METADATA_KEY)
         if raw is None:
@@ -251,24 +229,24 @@ def _compare_layers(
             continue
         for kind in KV_KINDS:
             key = neuron_scale_key(layer, kind, check.prefix)
-            actual = check.values.get(key)
-            record = provenance_kind(entry, kind)
+            actual, record = check.values.get(key), provenance_kind(entry, kind)
             recorded = finite_number(record.get("scale"))
             # what the scale was sized for: the range the scale objective chose, else the absmax
-            absmax = finite_number(record.get("range", record.get("absmax")))
+            absmax = finite_number(record.get("range", record.get("absmax"))) or 0.0
             if actual is None:
                 continue
-            if recorded is not None and abs(recorded - actual) > 1e-5 * max(
-                abs(recorded), abs(actual)
-            ):
+            if recorded is not None and abs(recorded - actual) > 1e-5 * max(recorded, actual):
                 disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
-            elif absmax is not None and absmax > 0 and actual > SCALE_FLOOR * 2:
-                implied = implied_fp8_max(absmax, actual)
-                # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
-                if abs(implied - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max:
-                    disagree.append(
-                        f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {implied:.6g}, not {fp8_max:g}"
-                    )
+            # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
+            elif (
+                absmax > 0
+                and actual > SCALE_FLOOR * 2
+                and abs(absmax / actual - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max
+            ):
+                disagree.append(
+                    f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {absmax / actual:.6g}, "
+                    f"not {fp8_max:g}"
+                )
     if not disagree:
         return []
     return [
@@ -291,48 +269,37 @@ def still_channels(config: dict[str, Any], size: int) -> set[int]:
     """The channels of the RoPE pairs that turn less than STILL_RADIANS over STILL_POSITIONS positions."""
     text = text_config(config)
     rope = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
-    theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 1:
-        theta = 10000.0
-    half = size // 2
-    still = {
-        i
-        for i in range(half)
-        if STILL_POSITIONS * float(theta) ** (-2.0 * i / size) < STILL_RADIANS
-    }
+    theta = finite_number(rope.get("rope_theta", text.get("rope_theta"))) or 0.0
+    theta, half = theta if theta > 1 else 10000.0, size // 2  # a huge integer is no theta either
+    still = {i for i in range(half) if STILL_POSITIONS * theta ** (-2.0 * i / size) < STILL_RADIANS}
     return still | {i + half for i in still}
 
 
 def outlier_findings(
     config: dict[str, Any],
     scan: CheckpointFiles,
-    values: dict[str, float],
-    prefix: str,
+    check: ScaleCheck,
     target: str,
+    provenance: dict[str, Any] | None,
 ) -> list[Finding]:
     """OUTLIER-K-*: a k_proj bias in a RoPE pair that barely rotates puts a K channel at a constant; sized by absmax,
     it sits on a coarse part of the FP8 grid, where rounding flips it from token to token (no model run, no torch)."""
-    objective = (read_provenance(scan) or {}).get("scale_objective")
+    objective, values, prefix = (
+        (provenance or {}).get("scale_objective"),
+        check.values,
+        check.prefix,
+    )
     if not values or objective in ("attention", "output"):
         return []  # nothing to size, or kvcalib's scale objective already weighed every layer's clip
     kv_heads, layers, size = head_counts(config)["k"], num_hidden_layers(config), head_dim(config)
     if not (kv_heads and size is not None and size > 1 and layers):
         return []
-    still, fp8_max, found, probed = (
-        still_channels(config, size),
-        get_target(target).fp8_max,
-        [],
-        False,
-    )
+    still, fp8_max = sorted(still_channels(config, size)), get_target(target).fp8_max
+    found, probed = [], False
     for layer in range(layers):
         key = f"{prefix}.{layer}.self_attn.k_proj.bias"
         header, scale = scan.header_of(key), values.get(neuron_scale_key(layer, "k", prefix))
-        if (
-            header is None
-            or scale is None
-            or not scale > 0
-            or header.tensors[key].nbytes > 4 * 65536
-        ):
+        if header is None or not (scale or 0) > 0 or header.tensors[key].nbytes > 4 * 65536:
             continue
         try:
             bias = read_values(header, key)
@@ -341,10 +308,9 @@ def outlier_findings(
         probed = True
         limit = OUTLIER_SHARE * scale * fp8_max
         for head in range(min(kv_heads, len(bias) // size)):
+            row = bias[head * size : (head + 1) * size]
             channels = [
-                (c, bias[head * size + c])
-                for c in sorted(still)
-                if math.isfinite(bias[head * size + c]) and abs(bias[head * size + c]) >= limit
+                (c, row[c]) for c in still if math.isfinite(row[c]) and abs(row[c]) >= limit
             ]
             if channels:
                 found.append((layer, head, channels, scale * fp8_max))
@@ -391,13 +357,10 @@ def served_special_tokens(scan: CheckpointFiles) -> list[str]:
         post = read_json(path, "tokenizer").get("post_processor")
     except (KvcalibError, AttributeError):
         return []
-    processors = (
-        post.get("processors", [])
-        if isinstance(post, dict) and post.get("type") == "Sequence"
-        else [post]
-    )
+    sequence = isinstance(post, dict) and post.get("type") == "Sequence"
+    processors = post.get("processors") if sequence else [post]
     found = []
-    for processor in processors:
+    for processor in processors if isinstance(processors, list) else []:
         if isinstance(processor, dict) and processor.get("type") == "TemplateProcessing":
             for piece in processor.get("single") or []:
                 special = piece.get("SpecialToken") if isinstance(piece, dict) else None
@@ -406,10 +369,9 @@ def served_special_tokens(scan: CheckpointFiles) -> list[str]:
     return found
 
 
-def token_findings(scan: CheckpointFiles) -> list[Finding]:
+def token_findings(scan: CheckpointFiles, provenance: dict[str, Any] | None) -> list[Finding]:
     """CALIB-TOKENS-NOT-AS-SERVED, from the provenance's `special_tokens`: scales measured without the special tokens
     (BOS) of the `single` template of tokenizer.json's TemplateProcessing, which vLLM's completions endpoint adds."""
-    provenance = read_provenance(scan)
     if provenance is None:
         return []
     rule = provenance.get("special_tokens")

@@ -20,7 +20,7 @@ from kvcalib.core.schema import (
     neuron_scale_key,
     num_hidden_layers,
     parse_foreign_scale_key,
-    parse_neuron_scale_key,
+    parse_scale_key,
 )
 from kvcalib.validation.config import QCFG_LOCATION, declared_kv_cache_scheme
 from kvcalib.validation.heads import per_head_findings
@@ -41,24 +41,19 @@ class ScaleCheck:
     files: set[str] = field(default_factory=set)  # files holding Neuron-named scales
     target: str = DEFAULT_TARGET
     per_head: bool = False  # kv_cache_scheme strategy attn_head: one scale per KV head (GPU vLLM)
-    heads: dict[str, int | None] = field(
-        default_factory=dict
-    )  # kind -> head count from config.json
+    heads: dict[str, int | None] = field(default_factory=dict)  # kind -> head count (config.json)
     zero: dict[str, list[int]] = field(
         default_factory=dict
     )  # kind -> the layers whose scale is 0.0
 
 
 def _layers_prefix(keys: list[str]) -> str:
-    prefixes = {parsed[0] for parsed in map(parse_neuron_scale_key, keys) if parsed}
-    alt = NEURON_ALT_LAYERS_PREFIX in prefixes or any(
-        k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in keys
+    """The other loader's prefix where the keys are under it and none is a K/V scale under the usual one."""
+    alt = any(k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in keys)
+    usual = any(
+        p and p[0] == NEURON_LAYERS_PREFIX and p[2] != "q" for p in map(parse_scale_key, keys)
     )
-    return (
-        NEURON_ALT_LAYERS_PREFIX
-        if alt and NEURON_LAYERS_PREFIX not in prefixes
-        else NEURON_LAYERS_PREFIX
-    )
+    return NEURON_ALT_LAYERS_PREFIX if alt and not usual else NEURON_LAYERS_PREFIX
 
 
 def scale_findings(
@@ -77,7 +72,7 @@ def scale_findings(
     own, foreign = _sort_scale_keys(scan, check)
     check.present = bool(own or foreign)
     if not check.present:
-        findings.append(
+        return [
             Finding(
                 "SCALE-NONE",
                 ERROR if scheme_declared else WARNING,
@@ -88,15 +83,9 @@ def scale_findings(
                     if scheme_declared
                     else ""
                 ),
-                "run kvcalib calibrate to write per-layer scales"
-                + (
-                    f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold them"
-                    if scan.unreadable
-                    else ""
-                ),
+                "run kvcalib calibrate to write per-layer scales" + _unreadable(scan),
             )
-        )
-        return findings, check
+        ], check
     n_layers = num_hidden_layers(config)
     layers: list[int] | range = range(n_layers or 0)
     if n_layers is None:
@@ -118,7 +107,40 @@ def scale_findings(
                 scan, check, layer, kind, own.get((layer, kind)), foreign.get((layer, kind))
             )
     findings = _all_zero(findings, check, len(layers))
-    findings += _whole_set_findings(check, own, n_layers, 2 * len(layers), scheme_declared, target)
+    extra = sorted(key for (layer, _), key in own.items() if layer >= n_layers)
+    if extra:
+        findings.append(
+            Finding(
+                "SCALE-EXTRA-LAYER",
+                WARNING,
+                f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for "
+                f"layers the model does not have (num_hidden_layers = {n_layers}); they are never read",
+                "check that the scales come from this model",
+            )
+        )
+    values = check.values.values()
+    if layers and len(values) == 2 * len(layers) and all(v == 1.0 for v in values):
+        findings.append(
+            Finding(
+                "SCALE-UNCALIBRATED",
+                WARNING,
+                "every K and V scale is exactly 1.0: the checkpoint "
+                "looks uncalibrated (the same as no scales)",
+                "run kvcalib calibrate to measure real per-layer scales",
+            )
+        )
+    if not scheme_declared and own:
+        findings.append(
+            Finding(
+                "SCALE-NO-KV-SCHEME",
+                WARNING if get_target(target).neuron else ERROR,
+                "KV scales are present but quantization_config declares no kv_cache_scheme: "
+                "GPU vLLM does not load them and runs FP8 KV with scales 1.0 "
+                "(Neuron reads them with --kv-cache-dtype fp8)",
+                "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
+                QCFG_LOCATION,
+            )
+        )
     return findings, check
 
 
@@ -155,67 +177,23 @@ def _sort_scale_keys(
     own: dict[tuple[int, str], str] = {}
     foreign: dict[tuple[int, str], list[str]] = {}
     for key in sorted(scan.key_files):
-        parsed = parse_neuron_scale_key(key)
+        parsed, other = parse_scale_key(key), parse_foreign_scale_key(key)
+        if parsed and parsed[2] == "q" or not (parsed or other):
+            continue
         if parsed and parsed[0] == check.prefix:
             own[(parsed[1], parsed[2])] = key
             check.files.add(scan.file_of(key))
             continue
-        if parsed:  # the right leaf name under a prefix Neuron does not read
-            layer, kinds = parsed[1], (parsed[2],)
-        else:
-            other = parse_foreign_scale_key(key)
-            if other is None:
-                continue
-            layer, kinds = other[0], ((other[1],) if other[1] else KV_KINDS)
-        for kind in kinds:
+        # the right leaf name under a prefix Neuron does not read, or a name it does not read
+        layer, only = parsed[1:] if parsed else other
+        for kind in (only,) if only else KV_KINDS:
             foreign.setdefault((layer, kind), []).append(key)
     return own, foreign
 
 
-def _whole_set_findings(
-    check: ScaleCheck,
-    own: dict[tuple[int, str], str],
-    n_layers: int,
-    expected: int,
-    scheme_declared: bool,
-    target: str,
-) -> list[Finding]:
-    """What the scales say together: extra layers, all 1.0, no kv_cache_scheme beside them."""
-    findings = []
-    extra = sorted(key for (layer, _), key in own.items() if layer >= n_layers)
-    if extra:
-        findings.append(
-            Finding(
-                "SCALE-EXTRA-LAYER",
-                WARNING,
-                f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}: scale(s) for "
-                f"layers the model does not have (num_hidden_layers = {n_layers}); they are never read",
-                "check that the scales come from this model",
-            )
-        )
-    if expected and len(check.values) == expected and all(v == 1.0 for v in check.values.values()):
-        findings.append(
-            Finding(
-                "SCALE-UNCALIBRATED",
-                WARNING,
-                "every K and V scale is exactly 1.0: the checkpoint "
-                "looks uncalibrated (the same as no scales)",
-                "run kvcalib calibrate to measure real per-layer scales",
-            )
-        )
-    if not scheme_declared and own:
-        findings.append(
-            Finding(
-                "SCALE-NO-KV-SCHEME",
-                WARNING if get_target(target).neuron else ERROR,
-                "KV scales are present but quantization_config declares no kv_cache_scheme: "
-                "GPU vLLM does not load them and runs FP8 KV with scales 1.0 "
-                "(Neuron reads them with --kv-cache-dtype fp8)",
-                "add the KV-only compressed-tensors quantization_config (kvcalib calibrate writes it)",
-                QCFG_LOCATION,
-            )
-        )
-    return findings
+def _unreadable(scan: CheckpointFiles) -> str:
+    n = len(scan.unreadable)
+    return f"; {n} safetensors file(s) could not be read and may hold scales" if n else ""
 
 
 def _layer_list(layers: list[int]) -> str:
@@ -245,11 +223,7 @@ def _check_one(
             )
         ]
     if key is None:
-        hint = "recalibrate, or add the missing scale (float32, shape [1])"
-        if scan.unreadable:
-            hint += (
-                f"; {len(scan.unreadable)} safetensors file(s) could not be read and may hold it"
-            )
+        hint = "recalibrate, or add the missing scale (float32, shape [1])" + _unreadable(scan)
         return [Finding("SCALE-MISSING", ERROR, f"{expected} is missing: {what}", hint, expected)]
     header = scan.header_of(key)
     location, info = f"{header.path.name}:{key}", header.tensors[key]
@@ -281,59 +255,44 @@ def _check_one(
             check.values[key] = max(heads)
             findings += _implausible(key, max(heads), location)
         return findings + more
-    if math.prod(info.shape) != 1:
-        return findings + [_many_values(key, info.shape, check.per_head, location)]
+    numel = math.prod(info.shape)
+    if numel != 1:
+        return findings + [
+            Finding(
+                "SCALE-SHAPE",
+                ERROR,
+                f"{key} has shape {list(info.shape)} ({numel} values, e.g. per-head): the Neuron loader's reshape "
+                f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
+                "Neuron takes one per-tensor scale per layer: write float32, shape [1]"
+                + (
+                    "; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)"
+                    if check.per_head
+                    else ""
+                ),
+                location,
+            )
+        ]
     try:
         value = checkpoint.read_values(header, key, 1)[0]
     except KvcalibError as exc:
         return findings + [Finding("SCALE-UNREADABLE", ERROR, exc.message, exc.hint, location)]
     if value == 0:
         check.zero.setdefault(kind, []).append(layer)
-    if not math.isfinite(value) or value <= 0:
-        problem = (
-            "not finite" if not math.isfinite(value) else ("zero" if value == 0 else "negative")
-        )
-        findings.append(
-            Finding(
-                "SCALE-VALUE",
-                ERROR,
-                f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
-                "recalibrate; a layer that saw only zeros still needs a tiny positive scale",
-                location,
-            )
-        )
-    elif not bf16_reciprocal_ok(value):
-        findings.append(
-            Finding(
-                "SCALE-VALUE",
-                ERROR,
-                f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which "
-                "Neuron stores, is not finite and non-zero",
-                "recalibrate; scales must stay within bf16's range",
-                location,
-            )
-        )
-    else:
+    problem = "not finite" if not math.isfinite(value) else "zero" if value == 0 else "negative"
+    if math.isfinite(value) and value > 0 and bf16_reciprocal_ok(value):
         check.values[key] = value
-        findings += _implausible(key, value, location)
-    return findings
-
-
-def _many_values(key: str, shape: tuple[int, ...], per_head: bool, location: str) -> Finding:
-    numel = math.prod(shape)
-    return Finding(
-        "SCALE-SHAPE",
-        ERROR,
-        f"{key} has shape {list(shape)} ({numel} values, e.g. per-head): the Neuron loader's reshape "
-        f"to [1, 1] crashes (RuntimeError: shape '[1, 1]' is invalid for input of size {numel})",
-        "Neuron takes one per-tensor scale per layer: write float32, shape [1]"
-        + (
-            "; per-head scales serve on GPU (kvcalib calibrate --target gpu --strategy attn_head)"
-            if per_head
-            else ""
-        ),
-        location,
-    )
+        return findings + _implausible(key, value, location)
+    return findings + [
+        Finding(
+            "SCALE-VALUE",
+            ERROR,
+            f"{key} = {value!r}: its reciprocal bf16(1 / bf16(s)), which Neuron stores, is not finite and non-zero"
+            if math.isfinite(value) and value > 0
+            else f"{key} = {value!r} is {problem}: a scale must be finite and > 0",
+            "recalibrate; a scale must be positive (a layer that saw only zeros too) and within bf16's range",
+            location,
+        )
+    ]
 
 
 # Bounds outside which no real K or V needs the scale (above 2^6, |x| <= 1 falls below E4M3's smallest normal).

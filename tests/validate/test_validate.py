@@ -34,7 +34,7 @@ from kvcalib.core.schema import (
 )
 from kvcalib.validation.config import neuron_quantization_verdict
 from kvcalib.validation.pipeline import validate_checkpoint
-from kvcalib.validation.report import Finding, ValidationReport
+from kvcalib.validation.report import ValidationReport
 from kvcalib.validation.rules import RULE
 
 # --- building calibrated checkpoints ------------------------------------------------------
@@ -1254,11 +1254,6 @@ def test_report_to_dict_and_strict(tiny_llama: Path) -> None:
     assert list(as_dict["findings"][0]) == ["rule", "severity", "message", "hint", "location"]
 
 
-def test_finding_refuses_an_unknown_severity() -> None:
-    with pytest.raises(ValueError):
-        Finding("X", "fatal", "m")
-
-
 def test_location_names_the_config_group(calibrated: Path) -> None:
     edit_config(lambda c: c["quantization_config"].update(config_groups={"group_0": WEIGHTS}))(
         calibrated
@@ -1288,9 +1283,6 @@ def test_reads_only_the_scale_tensors(calibrated: Path, monkeypatch: pytest.Monk
         checkpoint,
         "read_values",
         lambda header, key, count=None: read.append(key) or real(header, key, count),
-    )
-    monkeypatch.setattr(
-        checkpoint, "read_tensor", lambda *a: pytest.fail("a whole tensor was read")
     )
     for name in ("safe_open", "load_file"):
         for module in (safetensors, safetensors.torch):
@@ -1335,30 +1327,36 @@ def _header_file(path: Path, header: bytes, length: int | None = None, data: byt
     [
         (
             lambda p: p.write_bytes(b"\x01\x02"),
-            "{p}: truncated safetensors file (2 bytes, no header length)",
+            "{p}: truncated or oversized: a header of -1 bytes in 2",
         ),
         (
             lambda p: _header_file(p, b"{}", length=64),
-            "{p}: truncated safetensors file (header says 64 bytes, file has 10)",
+            "{p}: truncated or oversized: a header of 64 bytes in 10",
         ),
         (
             lambda p: _header_file(p, b"{}", length=MAX_HEADER_BYTES + 1),
-            "{p}: safetensors header of 100000001 bytes is over the 100000000 byte limit",
+            "{p}: truncated or oversized: a header of 100000001 bytes in 10",
         ),
-        (lambda p: _header_file(p, b"{nope"), "{p}: safetensors header is not valid JSON"),
-        (lambda p: _header_file(p, b"[" * 100_000), "{p}: safetensors header is not valid JSON"),
-        (lambda p: _header_file(p, b"[1]"), "{p}: safetensors header is not a JSON object"),
+        (lambda p: _header_file(p, b"{nope"), "{p}: the header is not valid JSON"),
+        (lambda p: _header_file(p, b"[" * 100_000), "{p}: the header is not valid JSON"),
+        (lambda p: _header_file(p, b"[1]"), "{p}: the header is not a JSON object"),
         (
             lambda p: _header_file(
                 p, b'{"t": {"dtype": [1], "shape": [1], "data_offsets": [0, 4]}}', data=b"\0" * 4
             ),
-            "{p}: malformed header entry for tensor 't'",
+            "{p}: tensor 't' is malformed",
         ),
         (
             lambda p: _header_file(
                 p, b'{"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', data=b"\0" * 4
             ),
-            "{p}: tensor 't' points outside the file or has the wrong byte size",
+            "{p}: the tensors cover 8 of the 4 data bytes",
+        ),
+        (
+            lambda p: _header_file(
+                p, b'{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', data=b"\0" * 8
+            ),
+            "{p}: the tensors cover 4 of the 8 data bytes; safetensors refuses the file",
         ),
     ],
     ids=[
@@ -1370,6 +1368,7 @@ def _header_file(path: Path, header: bytes, length: int | None = None, data: byt
         "not an object",
         "unhashable dtype",
         "data past the end",
+        "bytes no tensor covers",
     ],
 )
 def test_header_reader_refuses_broken_files(tmp_path: Path, make, message) -> None:
@@ -1384,11 +1383,7 @@ def test_header_reader_refuses_broken_files(tmp_path: Path, make, message) -> No
     "text,message",
     [
         ("[" * 100_000, "cannot parse x {p}"),
-        (
-            '{"n": ' + "1" * 5000 + "}",
-            "x {p} holds an integer of more than 4300 digits, which Python refuses to read "
-            "(its integer-size limit, sys.get_int_max_str_digits): the JSON is valid",
-        ),
+        ('{"n": ' + "1" * 5000 + "}", "cannot parse x {p}: Exceeds the limit (4300 digits)"),
         ("{", "cannot parse x {p}: Expecting property name"),
     ],
     ids=["deep", "huge integer", "not JSON"],
@@ -1401,7 +1396,7 @@ def test_read_json_turns_every_parse_failure_into_a_read_error(
     with pytest.raises(CheckpointReadError) as info:
         read_json(path, "x")
     assert info.value.message.startswith(message.format(p=path)), info.value.message
-    assert ("not valid JSON" in info.value.hint) == ("integer" not in message), info.value.hint
+    assert "restore it from the original checkpoint" in info.value.hint, info.value.hint
 
 
 def _schemes() -> list:
