@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from kvcalib.core.schema import max_position_embeddings, text_config
 from kvcalib.evaluation.emulate import KVErrorMeter, LayerQuantStats
 from kvcalib.evaluation.pipeline import prepare_scales
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
-from kvcalib.hf.attention import RecordingCache, observing_queries
+from kvcalib.hf.attention import ObservedCache, observing_attention
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import leading_special_tokens, load_rows, resolve_column
 from kvcalib.hf.internals import cache_kwargs
@@ -231,12 +230,12 @@ def _last_quarter_nll(
 ) -> torch.Tensor:
     """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in pipeline's log_probs."""
     q = scored_positions(ids.shape[1])
-    with compute_path(compute, weights), observing_queries(hook) if hook.queries else nullcontext():
+    with compute_path(compute, weights), observing_attention(model, hook):
         logits = (
             model(
                 input_ids=ids,
                 use_cache=True,
-                **cache_kwargs(model, RecordingCache(model.config, hook)),
+                **cache_kwargs(model, ObservedCache(model.config, hook.observe, store=False)),
                 logits_to_keep=q + 1,
             )
             .logits[0, :-1]
