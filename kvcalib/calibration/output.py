@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,7 +48,7 @@ from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, Scale, head_sc
 from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.scoring import row_sums, scored_tokens, token_kl
 from kvcalib.evaluation.significance import paired_bootstrap
-from kvcalib.hf.attention import RecordingCache, observing_queries
+from kvcalib.hf.attention import ObservedCache, observing_attention
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.data import batches
 from kvcalib.hf.internals import cache_kwargs
@@ -189,11 +188,7 @@ class _Scorer:
                         for name, (at, quantizer) in branches.items():
                             if at <= i:
                                 switch.hook = hook = self._hook(quantizer, mask)
-                                with (
-                                    observing_queries(hook)
-                                    if getattr(hook, "queries", False)
-                                    else nullcontext()
-                                ):
+                                with observing_attention(stream.model, hook):
                                     out = layer(hidden[name][b], *args, **kwargs)
                                 hidden[name][b] = out[0] if isinstance(out, tuple) else out
             sums: dict[Any, list[torch.Tensor]] = {
@@ -231,7 +226,7 @@ class _Scorer:
                     use_cache=True,
                     **cache_kwargs(
                         self.stream.model,
-                        RecordingCache(self.stream.model.config, OneLayer(None, None)),
+                        ObservedCache(self.stream.model.config, store=False),
                     ),
                 ).logits
         finally:

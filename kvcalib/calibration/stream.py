@@ -17,26 +17,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.core import mxfp4
 from kvcalib.core.checkpoint import Checkpoint, CheckpointFiles, load_tensors
 from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.core.progress import Progress
-from kvcalib.core.schema import is_kv_scale_key
 from kvcalib.hf import internals
 from kvcalib.hf.attention import (
     KVAbsmaxObserver,
-    RecordingCache,
+    ObservedCache,
     StopForward,
     attention_modules,
-    observing_queries,
+    observing_attention,
 )
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
 from kvcalib.hf.memory import MemoryLimit, available_memory, release_free_memory
 from kvcalib.hf.model import (
     build_skeleton,
+    check_loading_info,
     effective_dtype,
     faithful_attention,
     num_layers,
@@ -136,39 +137,46 @@ def stream_engine(inputs: EngineInputs) -> Observation:
         copies,
         inputs.memory or available_memory(),
     )
+    sizes = [(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]
     with (
         torch.inference_mode(),
         compute_path(inputs.compute),
+        observing_attention(model, observer),
         _HiddenStates(spill, inputs.machine.scratch_dir) as states,
     ):
-        for b, (ids, mask) in enumerate(batch_list):
-            hidden, _args, _kwargs = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)
-            states.put(b, hidden)
-        sizes = [(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]
+        for b, (ids, mask) in enumerate(batch_list):  # the embeddings: layer 0's inputs
+            states.put(b, capture_layer_inputs(decoder, layers, 0, ids, mask, observer)[0])
         for i in range(n_layers)[: inputs.probe_layers]:
             with stream.layer(i) as layer:
                 for b, (ids, mask) in enumerate(batch_list):
                     _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
-                    observer.start_batch(ids, mask)
-                    try:
-                        with (
-                            observing_queries(observer)
-                            if observer.sees_attention_calls
-                            else nullcontext()
-                        ):
-                            out = layer(states.get(b).to(inputs.device), *args, **kwargs)
+                    # the last layer's observer stops the forward once its K/V (and Q) are seen
+                    with observer.batch(ids, mask):
+                        out = layer(states.get(b).to(inputs.device), *args, **kwargs)
                         states.put(b, out[0] if isinstance(out, tuple) else out)
-                    except StopForward:  # the last layer: nothing after its K/V is needed
-                        pass
-                    finally:
-                        observer.end_batch()
                     inputs.notify(_progress(sizes, n_layers, i, b))
     observation = Observation.of(observer, attn_paths, time.perf_counter() - started, model)
     return replace(observation, model=stream)  # the whole-model step streams it again
 
 
-class _Captured(Exception):
-    """Raised in place of layer `index`'s forward, with the (args, kwargs) it was given."""
+class _StandIn(torch.nn.Module):
+    """In a decoder layer's place while capture_layer_inputs runs the decoder: hands the hidden states on, or
+    (`wanted`) stops the forward with the inputs the layer was given; the layer's attributes read through."""
+
+    def __init__(self, layer: torch.nn.Module, wanted: bool) -> None:
+        super().__init__()
+        self.layer, self.wanted = layer, wanted
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.layer, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.wanted:
+            raise StopForward(args, kwargs)
+        return args[0] if args else kwargs["hidden_states"]
 
 
 def capture_layer_inputs(
@@ -179,26 +187,21 @@ def capture_layer_inputs(
     attention_mask: torch.Tensor,
     observer: KVAbsmaxObserver,
 ) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]:
-    """(hidden states (real for layer 0 only), args, kwargs) the decoder's forward passes to layer `index`."""
-
-    def stand_in(i: int):
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if i == index:
-                raise _Captured(args, kwargs)
-            return args[0] if args else kwargs["hidden_states"]
-
-        return forward
-
-    for i, layer in enumerate(layers):
-        layer.forward = stand_in(i)  # an instance attribute shadows the class's forward
+    """(hidden states (real for layer 0 only), args, kwargs) the decoder's forward passes to layer `index`: the
+    decoder run with every layer a stand-in (no layer's weights needed), its cache showing K/V to `observer`."""
+    originals = list(layers)
+    for i, layer in enumerate(originals):
+        layers[i] = _StandIn(layer, i == index)
     try:
         decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             use_cache=True,
-            **internals.cache_kwargs(decoder, RecordingCache(decoder.config, observer)),
+            **internals.cache_kwargs(
+                decoder, ObservedCache(decoder.config, observer.observe, store=False)
+            ),
         )
-    except _Captured as captured:
+    except StopForward as captured:
         args, kwargs = captured.args[0], dict(captured.args[1])
     else:
         raise UnsupportedModelError(
@@ -206,8 +209,8 @@ def capture_layer_inputs(
             hint="calibrate this model without --stream-layers",
         )
     finally:
-        for layer in layers:
-            vars(layer).pop("forward", None)
+        for i, layer in enumerate(originals):
+            layers[i] = layer
     return (args[0], args[1:], kwargs) if args else (kwargs.pop("hidden_states"), (), kwargs)
 
 
@@ -222,36 +225,18 @@ class _Weights:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        self.model, self.model_dir, self.files, self.device, self.dtype = (
-            model,
-            model_dir,
-            files,
-            device,
-            dtype,
-        )
+        self.model, self.model_dir, self.files = model, model_dir, files
+        self.device, self.dtype = device, dtype
         # as from_pretrained dequantizes MXFP4 experts
         self.quantizer = dequantizer(files.key_files)
         meta = dict(model.state_dict())
         rename = internals.renamer(model, self.quantizer, meta)
-        self.sources: dict[
-            str, list[str]
-        ] = {}  # model parameter -> the checkpoint keys it is made from
-        keys = (
-            self.files.index.get("weight_map", {})
-            if isinstance(self.files.index, dict)
-            else self.files.key_files
-        )
-        for key in keys:
-            target = rename(key)
-            self.sources.setdefault(target, []).append(key)
-        # checkpoint tensors the model has no place for (earlier KV scales aside)
-        self.unexpected = sorted(
-            k
-            for target, ks in self.sources.items()
-            if target not in meta
-            for k in ks
-            if not is_kv_scale_key(k)
-        )
+        # model parameter -> the checkpoint keys it is made from
+        self.sources: dict[str, list[str]] = {}
+        for key in files.weight_map if files.weight_map is not None else files.key_files:
+            self.sources.setdefault(rename(key), []).append(key)
+        # checkpoint tensors the model has no place for
+        self.unexpected = [k for name, ks in self.sources.items() if name not in meta for k in ks]
 
     def _under(self, prefix: str, skip: str | None) -> list[tuple[str, torch.Tensor]]:
         return [
@@ -269,12 +254,7 @@ class _Weights:
 
     def check(self, prefix: str) -> None:
         """Every weight under `prefix` has a source in the checkpoint, and every tensor a place."""
-        if self.unexpected:
-            raise UnsupportedModelError(
-                f"{self.model_dir}: the safetensors weights do not match config.json: {len(self.unexpected)} not in "
-                f"the model ({', '.join(self.unexpected[:3])}{', ...' if len(self.unexpected) > 3 else ''})",
-                hint="use the config.json and the *.safetensors files of one and the same model",
-            )
+        check_loading_info(self.model_dir, {"unexpected_keys": self.unexpected})
         for name, tensor in self._under(prefix, None):
             if tensor.device.type == "meta" and name not in self.sources:
                 raise self._missing(name)
@@ -334,7 +314,7 @@ class _Weights:
 
 
 class _HiddenStates:
-    """Each batch's hidden states between two layers: in memory, or one safetensors file per batch."""
+    """Each batch's hidden states between two layers: in memory, or (`spill`) one safetensors file per batch."""
 
     def __init__(self, spill: bool, scratch_dir: Path | None) -> None:
         self._memory: dict[int, torch.Tensor] = {}
@@ -352,26 +332,18 @@ class _HiddenStates:
         if self._dir is not None:
             self._dir.cleanup()
 
-    def _path(self, b: int) -> Path:
-        assert self._dir is not None
-        return Path(self._dir.name) / f"batch-{b:06d}.safetensors"
-
     def put(self, b: int, hidden: torch.Tensor) -> None:
         if self._dir is None:
             self._memory[b] = hidden.cpu()  # the tensor itself if it is on the CPU
             return
-        from safetensors.torch import save_file
-
-        tmp = self._path(b).with_suffix(".tmp")
-        save_file({"hidden": hidden.detach().contiguous().cpu()}, str(tmp))
-        os.replace(tmp, self._path(b))
+        path = Path(self._dir.name, f"batch-{b:06d}.safetensors")
+        save_file({"hidden": hidden.detach().contiguous().cpu()}, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
 
     def get(self, b: int) -> torch.Tensor:
         if self._dir is None:
             return self._memory[b]
-        from safetensors.torch import load_file
-
-        return load_file(str(self._path(b)))["hidden"]
+        return load_file(Path(self._dir.name, f"batch-{b:06d}.safetensors"))["hidden"]
 
 
 def _spill_needed(
@@ -397,9 +369,9 @@ def _spill_needed(
 
 def _progress(sizes: list[tuple[int, int]], num_layers: int, layer: int, b: int) -> Progress:
     """After batch `b` of `layer`: (samples, tokens) per batch in `sizes`, reported as through the whole model."""
-    total = [sum(size[k] for size in sizes) for k in (0, 1)]
+    total = [sum(column) for column in zip(*sizes)]
     done = [
-        (layer * total[k] + sum(size[k] for size in sizes[: b + 1])) // num_layers for k in (0, 1)
+        (layer * t + sum(column[: b + 1])) // num_layers for t, column in zip(total, zip(*sizes))
     ]
     return Progress(
         "observe", done[0], total[0], done[1], total[1], layer=layer, num_layers=num_layers

@@ -114,9 +114,7 @@ class KVQuantizer:
         self.num_layers = len(k_scales)
         self.k_scales, self.v_scales, self.q_scales = k_scales, v_scales, q_scales
         self.target, self.fp8_attention = target, fp8_attention
-        self.queries = (
-            fp8_attention  # kvcalib.hf.attention.observing_queries runs while this is set
-        )
+        self.sees_attention_calls = fp8_attention  # kvcalib.hf.attention.observing_attention
 
     def _quantize(self, x: torch.Tensor, scale: Scale) -> torch.Tensor:
         if isinstance(scale, torch.Tensor):
@@ -166,17 +164,13 @@ class FreshPrefill:
     """An attention hook: `hook` (a KVQuantizer, or any whose `observe` returns quantised K/V or None) read by the
     decode rows (decode_rows(mask) of the batch's [B, S] mask) only; the others attend to the fresh K/V."""
 
-    queries = (
-        True  # kvcalib.hf.attention.observing_queries runs: `attend` takes every attention call
-    )
+    sees_attention_calls = True  # `attend` takes every attention call (kvcalib.hf.attention)
 
     def __init__(self, hook: Any, mask: torch.Tensor) -> None:
         self.hook, self.decode = hook, decode_rows(mask)
 
-    def observe(
-        self, *args: Any
-    ) -> None:  # the cache hands attention the fresh K/V; `attend` quantises them
-        return None
+    def observe(self, *args: Any) -> None:
+        """The cache hands attention the fresh K/V; `attend` quantises them."""
 
     def attend(
         self,
@@ -188,21 +182,17 @@ class FreshPrefill:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        fresh = function(module, query, key, value, *args, **kwargs)
+        fresh, weights = function(module, query, key, value, *args, **kwargs)
         quantised = self.hook.observe(getattr(module, "layer_idx", None), key, value)
         if quantised is None:
-            return fresh
-        attend = (
-            self.hook.attend
-            if getattr(self.hook, "fp8_attention", False)
-            else lambda f, *a, **kw: f(*a, **kw)
-        )
-        read = attend(function, module, query, *quantised, *args, **kwargs)[
-            0
-        ]  # [B, S, heads, head_dim]
-        return torch.where(self.decode[:, :, None, None], read.to(fresh[0].dtype), fresh[0]), fresh[
-            1
-        ]
+            return fresh, weights
+        if getattr(self.hook, "fp8_attention", False):
+            read = self.hook.attend(function, module, query, *quantised, *args, **kwargs)[0]
+        else:
+            read = function(module, query, *quantised, *args, **kwargs)[
+                0
+            ]  # [B, S, heads, head_dim]
+        return torch.where(self.decode[:, :, None, None], read.to(fresh.dtype), fresh), weights
 
 
 class KVErrorMeter:
@@ -222,9 +212,7 @@ class KVErrorMeter:
         self.sampler = (
             sampler  # attention samples: each configuration's attention-output error per layer
         )
-        self.queries = (
-            self.fp8_attention or sampler is not None
-        )  # kvcalib.hf.attention.observing_queries runs
+        self.sees_attention_calls = self.fp8_attention or sampler is not None
         # [config, layer, kind(k/v/q), (signal, noise, clipped, count)] float64 sums; absmax [layer, kind]
         self._sums = torch.zeros(
             len(configs), self.num_layers, 3, 4, dtype=torch.float64, device=device

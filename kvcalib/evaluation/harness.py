@@ -9,7 +9,7 @@ line cannot see it: call it from Python, or use `kvcalib eval CKPT --tasks ...`)
 
 `scales`: `checkpoint` (its own k_scale/v_scale), `unit` (every scale 1.0), `none` (no quantisation: the baseline)
 or another checkpoint's path. The model is lm-eval's HFLM whose every forward, scoring and generation alike, gets a
-QuantizingCache: K/V stored as the target stores them (KVQuantizer), read back by every later token."""
+ObservedCache: K/V stored as the target stores them (KVQuantizer), read back by every later token."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from kvcalib.core.fp8 import DEFAULT_TARGET
 from kvcalib.core.options import ModelOptions
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.pipeline import CHECKPOINT, UNIT, Prepared, scale_set
-from kvcalib.hf.attention import QuantizingCache
+from kvcalib.hf.attention import ObservedCache
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.model import resolve_target
@@ -100,8 +100,8 @@ class KvcalibLM(HFLM):
         self.quantizer = quantizer_for(loaded, self.scales, target)
         super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, **kwargs)
 
-    def _cache(self) -> QuantizingCache:
-        return QuantizingCache(self.model.config, self.quantizer)
+    def _cache(self) -> ObservedCache:
+        return ObservedCache(self.model.config, self.quantizer and self.quantizer.observe)
 
     def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
         # the longest continuation: _model_call's logits need cover no more than that past each row's end

@@ -25,7 +25,7 @@ from kvcalib.core.errors import DatasetError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.evaluation.context import prepare_long_context
 from kvcalib.evaluation.significance import Interval, paired_bootstrap, wilson
-from kvcalib.hf.attention import FanOutCache, QuantizingCache
+from kvcalib.hf.attention import ObservedCache, fan_out
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.internals import cache_kwargs
 
@@ -242,16 +242,17 @@ def answer(
     config = model.config
     if reads_fp8:
         runs = {
-            name: QuantizingCache(config, q) for name, q in {BASELINE: None, **quantizers}.items()
+            name: ObservedCache(config, q and q.observe)
+            for name, q in {BASELINE: None, **quantizers}.items()
         }
         return {
             name: _greedy(model, cache, _forward(model, ids, cache, device), device)
             for name, cache in runs.items()
         }
-    children = {name: QuantizingCache(config, q) for name, q in quantizers.items()}
-    fan = FanOutCache(config, list(children.values()))
+    children = {name: ObservedCache(config, q.observe) for name, q in quantizers.items()}
+    fan = ObservedCache(config, fan_out(list(children.values())))
     logits = _forward(model, ids, fan, device)
-    fan.children = []  # decoding writes each run's own cache only
+    fan.observe = None  # decoding writes each run's own cache only
     return {
         BASELINE: _greedy(model, fan, logits, device),
         **{name: _greedy(model, cache, logits, device) for name, cache in children.items()},

@@ -3,14 +3,13 @@ log-probabilities with a hook on its K/V, which predictions are scored, and the 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from kvcalib.core.cpu import ComputePath
 from kvcalib.evaluation.emulate import decode_rows
-from kvcalib.hf.attention import RecordingCache, observing_queries
+from kvcalib.hf.attention import ObservedCache, observing_attention
 from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.internals import cache_kwargs
 
@@ -30,15 +29,12 @@ def log_probs(
 ) -> torch.Tensor:
     """Next-token log-probabilities [B, S-1, V] in float32, with `hook` on every layer's K/V (`keep`: of the last
     keep - 1 tokens only, [B, keep - 1, V]; asked of the model only then: remote code may not know logits_to_keep)."""
-    with (
-        compute_path(compute, weights),
-        observing_queries(hook) if getattr(hook, "queries", False) else nullcontext(),
-    ):
+    with compute_path(compute, weights), observing_attention(model, hook):
         logits = model(
             input_ids=input_ids,
             attention_mask=mask,
             use_cache=True,
-            **cache_kwargs(model, RecordingCache(model.config, hook)),
+            **cache_kwargs(model, ObservedCache(model.config, hook.observe, store=False)),
             **({"logits_to_keep": keep} if keep else {}),
         ).logits
     return torch.log_softmax(logits[:, :-1].float(), dim=-1)

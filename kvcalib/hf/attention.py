@@ -1,39 +1,44 @@
 """Observe the K and V each attention layer writes to its KV cache, by being that cache: every transformers
 attention module calls its cache's `update(key, value, layer_idx)` with exactly what it stores (K after RoPE and
-any k-norm, V as is, `[batch, kv_heads, seq, head_dim]`); a `RecordingCache` shows them to an observer (which may
-return replacements: eval's FP8 cache) and hands them back, the model's own attention unchanged. Q never reaches the
-cache: `observing_queries` wraps the function transformers' AttentionInterface returns, which also feeds hf.samples."""
+any k-norm, V as is, `[batch, kv_heads, seq, head_dim]`); an `ObservedCache` shows them to an observer (which may
+return replacements: eval's FP8 cache). Q never reaches the cache: `observing_attention` switches the model to an
+attention function registered with transformers' AttentionInterface that shows each call to the observer (Q, and
+hf.samples) and runs the model's own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
 
 from kvcalib.core.errors import UnsupportedModelError
-from kvcalib.hf.internals import attention_functions, cache_kwargs
+from kvcalib.hf import internals
 
 __all__ = [
-    "FanOutCache",
     "KVAbsmaxObserver",
-    "QuantizingCache",
-    "RecordingCache",
+    "ObservedCache",
     "StopForward",
     "attention_modules",
+    "fan_out",
     "observe_batch",
-    "observing_queries",
+    "observing_attention",
 ]
 
 
-class RecordingCache(DynamicCache):
-    """A DynamicCache for one prefill whose `update` shows K/V to an observer and stores nothing."""
+class ObservedCache(DynamicCache):
+    """A DynamicCache whose `update` first hands each layer's fresh K/V to `observe(layer_idx, key, value)`: an
+    observer's record, eval's FP8 round trip (it returns the K/V to use instead), another cache's write (the needle
+    probe's fan-out); with `store` False it keeps nothing (one prefill) and returns them."""
 
-    def __init__(self, config: Any, observer: Any) -> None:
+    def __init__(
+        self, config: Any, observe: Callable[..., Any] | None = None, store: bool = True
+    ) -> None:
         super().__init__(config=config)
-        self.observer = observer
+        self.observe, self.store = observe, store
 
     def update(
         self,
@@ -43,71 +48,42 @@ class RecordingCache(DynamicCache):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        replaced = self.observer.observe(layer_idx, key_states, value_states)
-        return replaced if replaced is not None else (key_states, value_states)
-
-
-class QuantizingCache(DynamicCache):
-    """A real DynamicCache that stores what `quantizer.observe` makes of every K/V (None: an ordinary cache)."""
-
-    def __init__(self, config: Any, quantizer: Any) -> None:
-        super().__init__(config=config)
-        self.quantizer = quantizer
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.quantizer is not None:
-            key_states, value_states = self.quantizer.observe(layer_idx, key_states, value_states)
+        replaced = self.observe and self.observe(layer_idx, key_states, value_states)
+        if replaced is not None:
+            key_states, value_states = replaced
+        if not self.store:
+            return key_states, value_states
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-class FanOutCache(DynamicCache):
-    """An ordinary cache that also writes every K/V into `children` (e.g. a QuantizingCache per scale set)
-    while attention reads the fresh K/V; empty `children` to stop."""
+def fan_out(caches: list[DynamicCache]) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+    """An ObservedCache's `observe` that writes every fresh K/V into each of `caches` as well (the needle probe's
+    prefill: attention reads the fresh K/V, each scale set's cache stores its own)."""
 
-    def __init__(self, config: Any, children: list[DynamicCache]) -> None:
-        super().__init__(config=config)
-        self.children = children
+    def write(layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        for cache in caches:
+            cache.update(key, value, layer_idx)
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        for child in self.children:
-            child.update(key_states, value_states, layer_idx, *args, **kwargs)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+    return write
 
 
 class StopForward(Exception):
-    """Raised after the last layer's K/V are recorded: nothing after it is needed."""
+    """The one way kvcalib ends a forward early, raised by an observer or hook once nothing after is needed (after
+    the last layer's K/V or attention call; at the decoder layer whose inputs are wanted, carrying them)."""
 
 
 class KVAbsmaxObserver:
-    """Running absmax of K, V (and Q with `queries`) per layer and head, padding masked out (`start_batch`)."""
+    """Running absmax of K, V (and Q with `queries`) per layer and head, padding masked out (`batch`)."""
 
     def __init__(self, num_layers: int, queries: bool = False, sampler: Any = None) -> None:
         self.num_layers = num_layers
-        self.queries = (
-            queries  # also observe Q (see observing_queries); the forward stops after the last Q
-        )
-        self.sampler = sampler  # a kvcalib.hf.samples.AttentionSampler: keeps the chosen sequences' attention calls
-        self.k_heads: list[torch.Tensor | None] = [
-            None
-        ] * num_layers  # [kv_heads] float32 per layer
+        self.queries = queries  # also Q: the forward then stops after the last attention call
+        # a kvcalib.hf.samples.AttentionSampler: keeps the chosen sequences' attention calls
+        self.sampler = sampler
+        # per layer: [kv_heads] float32 (K, V), [attention heads] (Q)
+        self.k_heads: list[torch.Tensor | None] = [None] * num_layers
         self.v_heads: list[torch.Tensor | None] = [None] * num_layers
-        self.q_heads: list[torch.Tensor | None] = [
-            None
-        ] * num_layers  # [attention heads] float32 per layer
+        self.q_heads: list[torch.Tensor | None] = [None] * num_layers
         self.observed = [0] * num_layers  # forward calls that reached each layer
         self.q_observed = [0] * num_layers
         self.token_mask: torch.Tensor | None = None
@@ -119,55 +95,47 @@ class KVAbsmaxObserver:
                 hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
             )
 
-    def _head_absmax(self, layer_idx: int, states: torch.Tensor) -> torch.Tensor:
+    def _head_absmax(self, states: torch.Tensor) -> torch.Tensor:
         """[B, H, S, D] -> absmax per head [H] over the real tokens (NaN/inf propagate on purpose)."""
         per_token = states.detach().abs().amax(dim=3).float()  # [B, H, S]
-        mask = self.token_mask
-        if mask is not None:
-            if mask.shape != (per_token.shape[0], per_token.shape[2]):
-                raise RuntimeError(
-                    f"layer {layer_idx}: K/V/Q cover {(per_token.shape[0], per_token.shape[2])} "
-                    f"tokens but the batch mask is {tuple(mask.shape)}"
-                )
-            per_token = per_token.masked_fill(~mask[:, None, :], 0.0)
+        if self.token_mask is not None:
+            per_token = per_token.masked_fill(~self.token_mask[:, None, :], 0.0)
         return per_token.amax(dim=(0, 2))
 
-    @staticmethod
     def _merge(
-        store: list[torch.Tensor | None], layer_idx: int, heads: torch.Tensor, what: str
+        self, store: list[torch.Tensor | None], layer_idx: int, states: torch.Tensor
     ) -> None:
-        old = store[layer_idx]
-        if old is not None and old.shape != heads.shape:
-            raise UnsupportedModelError(
-                f"layer {layer_idx}: {what} had {old.numel()} heads in one forward and "
-                f"{heads.numel()} in another",
-                hint="kvcalib needs a fixed head count per layer",
-            )
+        heads, old = self._head_absmax(states), store[layer_idx]
         store[layer_idx] = heads if old is None else torch.maximum(old, heads)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
         self._check_layer(layer_idx)
-        self._merge(self.k_heads, layer_idx, self._head_absmax(layer_idx, key), "K")
-        self._merge(self.v_heads, layer_idx, self._head_absmax(layer_idx, value), "V")
+        self._merge(self.k_heads, layer_idx, key)
+        self._merge(self.v_heads, layer_idx, value)
         self.observed[layer_idx] += 1
         if layer_idx == self.num_layers - 1 and not self.sees_attention_calls:
             raise StopForward
 
     @property
     def sees_attention_calls(self) -> bool:
-        """Whether the attention function's calls are needed (Q, or the objective's samples): observing_queries."""
+        """Whether the attention calls are needed (Q, or the objective's samples): observing_attention."""
         return self.queries or self.sampler is not None
 
-    def start_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Before each forward: which tokens are real (padding never counts), which rows are sampled."""
+    @contextmanager
+    def batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Iterator[None]:
+        """Around each forward: which tokens are real (padding never counts), which rows are sampled; the StopForward
+        that ends the forward ends here."""
         self.token_mask = attention_mask.bool()
         if self.sampler is not None:
             self.sampler.start_batch(input_ids, attention_mask)
-
-    def end_batch(self) -> None:
-        self.token_mask = None
-        if self.sampler is not None:
-            self.sampler.end_batch()
+        try:
+            yield
+        except StopForward:
+            pass
+        finally:
+            self.token_mask = None
+            if self.sampler is not None:
+                self.sampler.end_batch()
 
     def observe_call(
         self,
@@ -181,10 +149,9 @@ class KVAbsmaxObserver:
         """One attention call as the module makes it: Q's absmax, the objective's sample; stops after the last."""
         layer_idx = getattr(module, "layer_idx", None)
         self._check_layer(layer_idx)
-        if (
-            self.queries
-        ):  # Q as the module hands it to its attention function: after RoPE (and q-norm)
-            self._merge(self.q_heads, layer_idx, self._head_absmax(layer_idx, query), "Q")
+        # Q as the module hands it to its attention function: after RoPE (and q-norm)
+        if self.queries:
+            self._merge(self.q_heads, layer_idx, query)
             self.q_observed[layer_idx] += 1
         if self.sampler is not None:
             self.sampler.record(layer_idx, query, key, value, attention_mask, kwargs, module)
@@ -192,40 +159,58 @@ class KVAbsmaxObserver:
             raise StopForward
 
 
+# transformers' attention functions for a model switched to kvcalib's: (observer, the model's own implementation)
+_OBSERVING: ContextVar[tuple[Any, str]] = ContextVar("kvcalib_observing")
+
+
+def _observed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    observer, real = _OBSERVING.get()
+    # the model's own function: the registered one (sdpa), or its modeling file's eager
+    function = AttentionInterface().get(real) or internals.eager_attention(type(module))
+    # an observer that runs the attention itself (eval's FP8)
+    attend = getattr(observer, "attend", None)
+    if attend is not None:
+        return attend(function, module, query, key, value, attention_mask, *args, **kwargs)
+    observer.observe_call(module, query, key, value, attention_mask, kwargs)
+    return function(module, query, key, value, attention_mask, *args, **kwargs)
+
+
 @contextmanager
-def observing_queries(observer: Any) -> Iterator[None]:
-    """While inside, each attention module's call through transformers' AttentionInterface goes to
-    `observer.observe_call` first, or to `observer.attend(function, module, ...)` where it has one (eval's FP8)."""
-    interface = attention_functions()
-    real = type(interface).get_interface
-
-    def get_interface(attn_implementation: str, default: Any) -> Any:
-        function = real(interface, attn_implementation, default)
-
-        def observed(
-            module: torch.nn.Module,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            attention_mask: torch.Tensor | None,
-            *args: Any,
-            **kwargs: Any,
-        ) -> Any:
-            attend = getattr(
-                observer, "attend", None
-            )  # an observer that runs the attention itself (eval's FP8)
-            if attend is not None:
-                return attend(function, module, query, key, value, attention_mask, *args, **kwargs)
-            observer.observe_call(module, query, key, value, attention_mask, kwargs)
-            return function(module, query, key, value, attention_mask, *args, **kwargs)
-
-        return observed
-
-    interface.get_interface = get_interface  # an instance attribute shadows the class's method
+def observing_attention(model: Any, observer: Any) -> Iterator[None]:
+    """While inside, where `observer.sees_attention_calls`, each attention call of `model` goes to
+    `observer.observe_call` and then the model's own attention (eager or sdpa, as it was loaded), or to
+    `observer.attend(function, module, ...)` where it has one: `model` switched (its `attn_implementation`) to a
+    function registered with transformers' AttentionInterface, and back after."""
+    if not getattr(observer, "sees_attention_calls", False):
+        yield
+        return
+    real = model.config._attn_implementation
+    name = f"kvcalib_{real}"
+    AttentionInterface.register(name, _observed_attention)
+    masks = AttentionMaskInterface()
+    if real in masks:  # the masks the model's own implementation takes
+        AttentionMaskInterface.register(name, masks[real])
+    token = _OBSERVING.set((observer, real))
     try:
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s attention does not go through transformers' AttentionInterface, "
+                "where kvcalib observes Q and the attention calls",
+                hint="calibrate without --attention-scales (and eval without FP8 attention or attention error)",
+            )
         yield
     finally:
-        vars(interface).pop("get_interface", None)
+        model.set_attn_implementation(real)
+        _OBSERVING.reset(token)
 
 
 def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:
@@ -252,16 +237,12 @@ def observe_batch(
     attention_mask: torch.Tensor,
 ) -> None:
     """Run one right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
-    observer.start_batch(input_ids, attention_mask)
-    try:
-        with observing_queries(observer) if observer.sees_attention_calls else nullcontext():
-            decoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                use_cache=True,
-                **cache_kwargs(decoder, RecordingCache(decoder.config, observer)),
-            )
-    except StopForward:
-        pass
-    finally:
-        observer.end_batch()
+    with observer.batch(input_ids, attention_mask), observing_attention(decoder, observer):
+        decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            **internals.cache_kwargs(
+                decoder, ObservedCache(decoder.config, observer.observe, store=False)
+            ),
+        )

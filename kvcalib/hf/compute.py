@@ -4,8 +4,7 @@ A weight is upcast only for the call, in row blocks, unless a `Float32Weights` k
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -51,10 +50,10 @@ class Float32Weights:
         return copy
 
 
-@contextmanager
-def compute_path(path: ComputePath, weights: Float32Weights | None = None) -> Iterator[None]:
-    with bf16_via_float32(weights) if path.emulated else nullcontext():
-        yield
+def compute_path(
+    path: ComputePath, weights: Float32Weights | None = None
+) -> AbstractContextManager[Any]:
+    return bf16_via_float32(weights) if path.emulated else nullcontext()
 
 
 def bf16_via_float32(weights: Float32Weights | None = None) -> TorchFunctionMode:

@@ -9,8 +9,8 @@ What kvcalib uses, and what for:
 - `core_model_loading.rename_source_key`, `.WeightConverter`, `.convert_and_load_state_dict_in_model`,
   `conversion_mapping.get_model_conversion_mapping`, `modeling_utils.LoadStateDictConfig`: --stream-layers loads one
   module's weights at a time, renamed, fused and converted as `from_pretrained` would (calibration/stream.py).
-- `modeling_utils.ALL_ATTENTION_FUNCTIONS.get_interface`: Q as each attention module hands it to its attention
-  function (hf/attention.py `observing_queries`).
+- `eager_attention_forward` in a model's modeling file: what its attention modules call when loaded with eager,
+  which the attention function kvcalib switches in runs (hf/attention.py `observing_attention`).
 - `models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: which architectures are causal LMs (hf/model.py).
 - `integrations.mxfp4.convert_moe_packed_tensors` and `._convert_moe_packed_tensors`,
   `quantizers.auto.AutoHfQuantizer`: MXFP4 experts dequantised as they load, by kvcalib's table (hf/mxfp4.py)."""
@@ -29,10 +29,10 @@ from kvcalib.core.errors import MissingDependencyError, UnsupportedModelError
 
 __all__ = [
     "TESTED",
-    "attention_functions",
     "cache_kwargs",
     "causal_lm_names",
     "conversion_mapping",
+    "eager_attention",
     "internal",
     "load_state_dict",
     "mxfp4_dequantizing",
@@ -47,12 +47,14 @@ INSTALL = "pip install 'transformers>=5.17,<5.26'"
 
 
 def internal(module: str, name: str, *params: str) -> Any:
-    """`transformers.<module>.<name>`, which must take `params`; a one-line refusal where it is missing or changed."""
+    """`transformers.<module>.<name>` (`module` absolute where it starts with transformers: remote code's
+    transformers_modules), which must take `params`; a one-line refusal where it is missing or changed."""
     import transformers
 
-    where = f"transformers.{module}.{name}"
+    module = module if module.startswith("transformers") else f"transformers.{module}"
+    where = f"{module}.{name}"
     try:
-        found = attrgetter(name)(importlib.import_module(f"transformers.{module}"))
+        found = attrgetter(name)(importlib.import_module(module))
     except (ImportError, AttributeError):
         found, changed = None, "is missing"
     else:
@@ -146,12 +148,17 @@ def load_state_dict(
         )
 
 
-def attention_functions() -> Any:
-    """transformers' attention-function registry, whose `get_interface(attn_implementation, default)` every attention
-    module calls for its function."""
-    registry = "ALL_ATTENTION_FUNCTIONS"
-    internal("modeling_utils", f"{registry}.get_interface", "attn_implementation", "default")
-    return internal("modeling_utils", registry)
+def eager_attention(attention: type) -> Callable[..., Any]:
+    """The eager attention function of the modeling file that defines the attention module class `attention`."""
+    return internal(
+        attention.__module__,
+        "eager_attention_forward",
+        "module",
+        "query",
+        "key",
+        "value",
+        "attention_mask",
+    )
 
 
 def causal_lm_names() -> dict[str, str]:

@@ -168,12 +168,9 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
         )
     qcfg = config.get("quantization_config") or config.get("compression_config")
     if qcfg:
-        method = (
-            str(qcfg.get("quant_method", "")).lower().replace("_", "-")
-            if isinstance(qcfg, dict)
-            else ""
-        )
-        groups = qcfg.get("config_groups") if isinstance(qcfg, dict) else None
+        qcfg = qcfg if isinstance(qcfg, dict) else {}
+        method = str(qcfg.get("quant_method", "")).lower().replace("_", "-")
+        groups = qcfg.get("config_groups")
         # MXFP4 experts are calibrated as they are (core.mxfp4: only --target gpu is refused, by calibrate);
         # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
         released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
@@ -216,9 +213,8 @@ def _refuse_special_files(model_dir: Path) -> None:
 
 def check_index_files(checkpoint: Checkpoint) -> None:
     """Every shard the index names exists (transformers would stop on the first one missing, with a traceback)."""
-    missing: dict[
-        str, list[str]
-    ] = {}  # the scanner refused an index that is not an object, or its weight_map
+    # the scanner refused an index that is not an object, or its weight_map
+    missing: dict[str, list[str]] = {}
     for key, name in (checkpoint.files.weight_map or {}).items():
         if not isinstance(name, str) or name not in checkpoint.files.headers:
             missing.setdefault(str(name), []).append(key)

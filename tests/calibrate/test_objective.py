@@ -39,7 +39,7 @@ def planted_gpu(tmp_path_factory, text_dataset):
 
 
 class _OneLayerK:
-    """Quantises layer 0's K alone (RecordingCache observer): what one scale choice does to the model."""
+    """Quantises layer 0's K alone (an ObservedCache observer): what one scale choice does to the model."""
 
     def __init__(self, scale: float, target: fp8.Target):
         self.scale, self.target = scale, target
@@ -49,7 +49,7 @@ class _OneLayerK:
 
 
 def _kl(model, sequences, observer) -> float:
-    from kvcalib.hf.attention import RecordingCache
+    from kvcalib.hf.attention import ObservedCache
 
     total, count = 0.0, 0
     with torch.inference_mode():
@@ -60,7 +60,9 @@ def _kl(model, sequences, observer) -> float:
                 model(
                     input_ids=ids,
                     use_cache=True,
-                    **cache_kwargs(model, RecordingCache(model.config, observer)),
+                    **cache_kwargs(
+                        model, ObservedCache(model.config, observer.observe, store=False)
+                    ),
                 )
                 .logits.float()
                 .log_softmax(-1)

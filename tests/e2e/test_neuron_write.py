@@ -9,7 +9,7 @@ import torch
 from helpers import fortune_texts
 
 from kvcalib.core import fp8
-from kvcalib.hf.attention import RecordingCache
+from kvcalib.hf.attention import ObservedCache
 from kvcalib.hf.internals import cache_kwargs
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,11 @@ def test_trn2_quantiser_equals_the_plugins_write_path_on_real_kv(smollm2):
     )
     recorder = _Recorder()
     with torch.inference_mode():
-        model(**ids, use_cache=True, **cache_kwargs(model, RecordingCache(model.config, recorder)))
+        model(
+            **ids,
+            use_cache=True,
+            **cache_kwargs(model, ObservedCache(model.config, recorder.observe, store=False)),
+        )
     trn2 = fp8.get_target("trn2")
     f32_product = dataclasses.replace(trn2, bf16_product=False)
     codes = changed = 0

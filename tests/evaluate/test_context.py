@@ -29,7 +29,7 @@ from kvcalib.evaluation.context import (
 )
 from kvcalib.evaluation.pipeline import EvalOptions
 from kvcalib.evaluation.scales import read_scale_set
-from kvcalib.hf.attention import RecordingCache
+from kvcalib.hf.attention import ObservedCache
 from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.model import load_model, load_tokenizer
 
@@ -89,7 +89,8 @@ def test_the_last_quarter_and_saturation_are_what_a_hand_computation_gives(
             for sample in samples:
                 ids = torch.tensor([sample])
                 logits = model(
-                    input_ids=ids, **cache_kwargs(model, RecordingCache(model.config, seen))
+                    input_ids=ids,
+                    **cache_kwargs(model, ObservedCache(model.config, seen.observe, store=False)),
                 ).logits[0]
                 nll.append(
                     torch.nn.functional.cross_entropy(

@@ -33,7 +33,7 @@ from kvcalib.evaluation.needle import (
 )
 from kvcalib.evaluation.pipeline import CHECKPOINT, EvalOptions, scale_set
 from kvcalib.evaluation.significance import wilson
-from kvcalib.hf.attention import FanOutCache, QuantizingCache
+from kvcalib.hf.attention import ObservedCache, fan_out
 from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.model import load_model, load_tokenizer
 
@@ -123,9 +123,9 @@ def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_
     model = load_model(cal, torch.float32, torch.device("cpu"), False)
     quantizers = _quantizers(cal, small)
     ids = torch.tensor([list(range(5, 105))])
-    children = {name: QuantizingCache(model.config, q) for name, q in quantizers.items()}
+    children = {name: ObservedCache(model.config, q.observe) for name, q in quantizers.items()}
     with torch.inference_mode():
-        fan = FanOutCache(model.config, list(children.values()))
+        fan = ObservedCache(model.config, fan_out(list(children.values())))
         fresh = model(input_ids=ids, **cache_kwargs(model, fan), use_cache=True).logits
         plain_cache = DynamicCache(config=model.config)
         plain = model(input_ids=ids, **cache_kwargs(model, plain_cache), use_cache=True).logits
@@ -134,7 +134,7 @@ def test_one_fresh_prefill_fills_every_runs_fp8_cache_with_the_fresh_k_v_as_the_
                 k, v = q.observe(i, theirs.keys, theirs.values)
                 assert torch.equal(mine.keys, k) and torch.equal(mine.values, v)
                 assert not torch.equal(mine.keys, theirs.keys)
-            own = QuantizingCache(model.config, q)
+            own = ObservedCache(model.config, q.observe)
             model(input_ids=ids, **cache_kwargs(model, own), use_cache=True)
             assert not torch.equal(own.layers[-1].keys, children[name].layers[-1].keys)
     assert torch.equal(fresh, plain)

@@ -4,7 +4,6 @@ order follows the target unless --order says otherwise, and --json and the table
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from kvcalib.core.errors import UsageError
 from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, decode_rows
 from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
-from kvcalib.hf.attention import FanOutCache, QuantizingCache, RecordingCache, observing_queries
+from kvcalib.hf.attention import ObservedCache, fan_out, observing_attention
 from kvcalib.hf.internals import cache_kwargs
 
 LENGTHS = (11, 6)  # two rows, right-padded: prompts of 6 and 3 tokens
@@ -24,25 +23,25 @@ LENGTHS = (11, 6)  # two rows, right-padded: prompts of 6 and 3 tokens
 
 @torch.inference_mode()
 def _one_forward(model, ids, mask, hook):
-    with observing_queries(hook) if getattr(hook, "queries", False) else nullcontext():
+    with observing_attention(model, hook):
         return model(
             input_ids=ids,
             attention_mask=mask,
             use_cache=True,
-            **cache_kwargs(model, RecordingCache(model.config, hook)),
+            **cache_kwargs(model, ObservedCache(model.config, hook.observe, store=False)),
         ).logits
 
 
 @torch.inference_mode()
 def _prefill_then_decode(model, row, quantizer):
-    """Neuron's order literally: the prompt attends to fresh K/V while the FP8 cache is written (FanOutCache, as the
+    """Neuron's order literally: the prompt attends to fresh K/V while the FP8 cache is written (fan_out, as the
     needle probe does), then each later token alone, reading the cache with its own K/V quantised first."""
     p = (len(row) + 1) // 2
-    cache = QuantizingCache(model.config, quantizer)
+    cache = ObservedCache(model.config, quantizer.observe)
     logits = [
         model(
             input_ids=torch.tensor([row[:p]]),
-            **cache_kwargs(model, FanOutCache(model.config, [cache])),
+            **cache_kwargs(model, ObservedCache(model.config, fan_out([cache]))),
             use_cache=True,
         ).logits[0]
     ]

@@ -18,7 +18,7 @@ from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
-from kvcalib.hf.attention import QuantizingCache
+from kvcalib.hf.attention import ObservedCache
 from kvcalib.hf.internals import cache_kwargs
 
 TASKS = ["kvcalib_tiny_mc", "kvcalib_tiny_gen"]
@@ -112,9 +112,9 @@ def test_generation_decodes_from_the_quantised_cache(calibrated):
     ids = torch.tensor([[5, 17, 23, 42, 8, 9, 11]])
     with torch.inference_mode():
         whole = loaded.model(
-            ids, **cache_kwargs(loaded.model, QuantizingCache(loaded.model.config, quantizer))
+            ids, **cache_kwargs(loaded.model, ObservedCache(loaded.model.config, quantizer.observe))
         ).logits[0, -1]
-        cache = QuantizingCache(loaded.model.config, quantizer)
+        cache = ObservedCache(loaded.model.config, quantizer.observe)
         loaded.model(ids[:, :-1], **cache_kwargs(loaded.model, cache))
         stepped = loaded.model(ids[:, -1:], **cache_kwargs(loaded.model, cache)).logits[0, -1]
     torch.testing.assert_close(stepped, whole, atol=1e-4, rtol=1e-4)

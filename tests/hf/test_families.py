@@ -396,6 +396,8 @@ class _Comparing:
     """Runs each attention call itself: the model's own function, and the scale objective's recomputation
     (kvcalib.hf.samples.attention_rows) of the same rows, side by side."""
 
+    sees_attention_calls = True
+
     def __init__(self, sampler):
         self.sampler, self.outputs = sampler, {}
 
@@ -413,7 +415,7 @@ def test_the_objectives_attention_is_the_models_own(family, attn, text_dataset):
     rows, for every family, padded batch included."""
     from transformers import AutoModelForCausalLM
 
-    from kvcalib.hf.attention import RecordingCache, observing_queries
+    from kvcalib.hf.attention import ObservedCache, observing_attention
     from kvcalib.hf.data import batches
     from kvcalib.hf.model import faithful_attention
     from kvcalib.hf.samples import AttentionSampler, attention_rows
@@ -431,12 +433,15 @@ def test_the_objectives_attention_is_the_models_own(family, attn, text_dataset):
     ids, mask = next(batches(tuple(sequences), 4, 0))
     hook = _Comparing(sampler)
     sampler.start_batch(ids, mask)
-    with torch.inference_mode(), observing_queries(hook):
+    with torch.inference_mode(), observing_attention(model, hook):
         model.model(
             input_ids=ids,
             attention_mask=mask,
             use_cache=True,
-            **cache_kwargs(model.model, RecordingCache(model.config, hook_cache := _PassThrough())),
+            **cache_kwargs(
+                model.model,
+                ObservedCache(model.config, (hook_cache := _PassThrough()).observe, store=False),
+            ),
         )
     assert hook_cache.calls == 3
     order = sorted(sequences, key=len, reverse=True)
@@ -448,6 +453,60 @@ def test_the_objectives_attention_is_the_models_own(family, attn, text_dataset):
             theirs = hook.outputs[layer][row, positions].transpose(0, 1)  # [heads, rows, head_dim]
             theirs = theirs.reshape(mine.shape)
             assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), (name, attn, layer, row)
+
+
+class _Calls:
+    """Sees every attention call and does nothing with it."""
+
+    sees_attention_calls, calls = True, 0
+
+    def observe_call(self, module, query, key, value, attention_mask, kwargs):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("attn", ["eager", None])
+def test_observed_attention_is_the_models_own_bit_for_bit(family, attn, text_dataset):
+    """observing_attention switches the model to kvcalib's registered attention function and back: it runs the
+    model's own (eager, or transformers' default: SDPA where the family has it) for every call, so a padded batch's
+    logits are bit for bit the unobserved ones (soft-capping, sliding windows, sinks included)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcalib.hf.attention import observing_attention
+    from kvcalib.hf.data import batches
+
+    name, model_dir = family
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation=attn, dtype=torch.float32
+    ).eval()
+    loaded = model.config._attn_implementation
+    sequences = [tuple(s) for s in calibration_sequences(model_dir, text_dataset, 3, 40)]
+    ids, mask = next(batches(tuple(sequences), 3, 0))
+    hook = _Calls()
+    with torch.inference_mode():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+        with observing_attention(model, hook):
+            assert model.config._attn_implementation == f"kvcalib_{loaded}"
+            observed = model(input_ids=ids, attention_mask=mask).logits
+    assert hook.calls == 3 and model.config._attn_implementation == loaded, (name, loaded)
+    assert torch.equal(observed, plain), (name, loaded)
+
+
+def test_a_model_whose_attention_bypasses_the_interface_is_refused():
+    """Falcon's attention modules never ask transformers' AttentionInterface for their function: observing its
+    attention calls is refused by name, and the model is left as it was loaded."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from kvcalib.core.errors import UnsupportedModelError
+    from kvcalib.hf.attention import observing_attention
+
+    model = FalconForCausalLM(
+        FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    )
+    loaded = model.config._attn_implementation
+    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM's attention does not go"):
+        with observing_attention(model, _Calls()):
+            pass
+    assert model.config._attn_implementation == loaded
 
 
 class _PassThrough:

@@ -19,8 +19,11 @@ from kvcalib.hf.model import load_model
 
 def test_every_internal_resolves_on_the_installed_release(tiny_llama):
     """What each accessor returns on this release (CI: 5.17.0 and 5.25.0)."""
+    from transformers.models.llama import modeling_llama
+
     assert internals.causal_lm_names()["llama"] == "LlamaForCausalLM"
-    assert callable(internals.attention_functions().get_interface)
+    eager = internals.eager_attention(modeling_llama.LlamaAttention)
+    assert eager is modeling_llama.eager_attention_forward
     assert type(internals.mxfp4_quantizer()).__name__ == "Mxfp4HfQuantizer"
     table = internals.mxfp4_table(
         torch.bfloat16
@@ -60,6 +63,14 @@ def _narrow(monkeypatch, module: str, name: str) -> None:
             "_convert_moe_packed_tensors",
             ["mxfp4", "--stream-layers"],
             "is missing",
+        ),
+        # GPT-OSS runs eager attention: Q is observed around its modeling file's own function
+        (
+            _narrow,
+            "models.gpt_oss.modeling_gpt_oss",
+            "eager_attention_forward",
+            ["mxfp4", "--attention-scales"],
+            "no longer takes module, query, key, value, attention_mask",
         ),
     ],
 )
