@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 __all__ = [
     "calibrate",
     "dequantize_mxfp4",
-    "eval_options",
     "evaluate",
     "evaluate_context",
     "evaluate_needle",
@@ -45,7 +44,6 @@ __all__ = [
     "run_calibration",
     "serve_calibrated",
     "serve_check",
-    "task_options",
     "validate",
 ]
 
@@ -96,14 +94,6 @@ def _keywords(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return func
 
     return mark
-
-
-def eval_options(**fields: Any) -> EvalOptions:
-    return _options(EvalOptions, None, fields, "EvalOptions")
-
-
-def task_options(**fields: Any) -> TaskOptions:
-    return _options(TaskOptions, None, fields, "TaskOptions")
 
 
 def plan_serve_check(
