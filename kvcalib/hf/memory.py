@@ -112,25 +112,24 @@ def choose_engine(
     return EngineChoice("native", host, None)
 
 
-def _read_kib_fields(path: Path, prefix: str = "") -> dict[str, int]:
-    """`Name:  123 kB` lines of a /proc file (fields starting with `prefix`), in bytes."""
+def _read_kib_fields(path: Path) -> dict[str, int]:
+    """`Name:  123 kB` lines of a /proc file, in bytes."""
     try:
-        with open(path, encoding="ascii") as f:
-            lines = f.read().splitlines()
+        lines = path.read_text().splitlines()
     except OSError:
         return {}
     out: dict[str, int] = {}
     for line in lines:
         name, _, rest = line.partition(":")
         parts = rest.split()
-        if name.startswith(prefix) and parts and parts[0].isdigit():
+        if parts and parts[0].isdigit():
             out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return out
 
 
 def proc_status(proc: Path = PROC) -> dict[str, int]:
     """VmSize, VmData, VmRSS, VmHWM, ... of this process in bytes."""
-    return _read_kib_fields(proc / "self" / "status", prefix="Vm")
+    return _read_kib_fields(proc / "self" / "status")
 
 
 def _read_int(path: Path) -> int | None:
