@@ -422,12 +422,12 @@ def serve_check(
 
 def main() -> None:
     # kvcalib draws its own progress; the libraries' bars and notices (llm-compressor's on stdout) are noise
-    for name, value in {
-        "TRANSFORMERS_VERBOSITY": "error",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TQDM_DISABLE": "1",
-        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-        "LLM_COMPRESSOR_LOG_DISABLED": "true",
-    }.items():
-        os.environ.setdefault(name, value)
+    for setting in (
+        "TRANSFORMERS_VERBOSITY=error",
+        "HF_HUB_DISABLE_PROGRESS_BARS=1",
+        "TQDM_DISABLE=1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS=1",
+        "LLM_COMPRESSOR_LOG_DISABLED=true",
+    ):
+        os.environ.setdefault(*setting.split("="))
     app(prog_name="kvcalib")

@@ -61,13 +61,13 @@ def available_memory(
     device: torch.device | None = None, proc: Path = PROC, sys: Path = SYS
 ) -> MemoryLimit:
     """The tightest of MemAvailable, the cgroup limit, the rlimits (and a CUDA device's free memory)."""
-    limits: list[MemoryLimit] = []
-    meminfo = _read_kib_fields(proc / "meminfo")
-    if "MemAvailable" in meminfo:
-        limits.append(MemoryLimit(meminfo["MemAvailable"], "MemAvailable"))
-    cgroup = _cgroup_headroom(proc, sys)
-    if cgroup is not None:
-        limits.append(MemoryLimit(cgroup, "cgroup memory limit"))
+    found = (
+        (_read_kib_fields(proc / "meminfo").get("MemAvailable"), "MemAvailable"),
+        (_cgroup_headroom(proc, sys), "cgroup memory limit"),
+    )
+    limits = [
+        MemoryLimit(available, source) for available, source in found if available is not None
+    ]
     status = proc_status(proc)
     for name, used_key in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
         soft, _hard = resource.getrlimit(getattr(resource, name))
