@@ -8,6 +8,7 @@ module loads no torch."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import typing
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = [
     "calibrate",
     "dequantize_mxfp4",
-    "eval_options",
     "evaluate",
     "evaluate_context",
     "evaluate_needle",
@@ -45,7 +45,6 @@ __all__ = [
     "run_calibration",
     "serve_calibrated",
     "serve_check",
-    "task_options",
     "validate",
 ]
 
@@ -77,11 +76,17 @@ def _options(cls: type, options: Any, fields: dict[str, Any], name: str) -> Any:
 
 
 def _keywords(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Show `cls`'s fields in place of the function's **fields (help(), inspect.signature)."""
+    """The function takes `cls`'s fields as keywords, shown in place of `options`' (help(), inspect.signature), and
+    gets `options`: the one given, or a `cls` of the keywords (_options)."""
 
     def mark(func: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(func)
-        own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+
+        @functools.wraps(func)
+        def call(*args: Any, options: Any = None, **fields: Any) -> Any:
+            own = {k: fields.pop(k) for k in list(fields) if k in sig.parameters}
+            return func(*args, options=_options(cls, options, fields, func.__name__), **own)
+
         fields = [
             inspect.Parameter(
                 f.name,
@@ -92,18 +97,10 @@ def _keywords(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             for f in dataclasses.fields(cls)
             if f.name not in sig.parameters
         ]
-        func.__signature__ = sig.replace(parameters=[*own, *fields])  # type: ignore[attr-defined]
-        return func
+        call.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *fields])  # type: ignore[attr-defined]
+        return call
 
     return mark
-
-
-def eval_options(**fields: Any) -> EvalOptions:
-    return _options(EvalOptions, None, fields, "EvalOptions")
-
-
-def task_options(**fields: Any) -> TaskOptions:
-    return _options(TaskOptions, None, fields, "TaskOptions")
 
 
 def plan_serve_check(
@@ -171,13 +168,11 @@ def plan(
     *,
     options: CalibrateOptions | None = None,
     progress: ProgressCallback | None = None,
-    **fields: Any,
 ) -> CalibrationPlan:
     """`kvcalib calibrate ... --plan` (kvcalib.calibration.plan): what `calibrate` with these keywords would do and
     take."""
     from kvcalib.calibration.plan import plan_calibration
 
-    options = _options(CalibrateOptions, options, fields, "plan")
     return plan_calibration(model, dataset, output, options, progress=progress)
 
 
@@ -192,19 +187,17 @@ def calibrate(
     options: CalibrateOptions | None = None,
     progress: ProgressCallback | None = None,
     serve_progress: Callable[[ServeEvent], None] | None = None,
-    **fields: Any,
 ) -> CalibrationResult:
     """`kvcalib calibrate`: an FP8-KV checkpoint of `model` at `output`, scales from `dataset`; the CalibrationResult.
     serve_check: a device to serve the result on, as `kvcalib calibrate --serve-check` does (`serve`: ServeOptions
     fields, as for `serve_check`)."""
-    calibration = _options(CalibrateOptions, options, fields, "calibrate")
-    machine = Machine.read(calibration)
+    machine = Machine.read(options)
     serving = (
         None
         if serve_check is None
-        else plan_serve_check(model, calibration, serve_check, **(serve or {}))
+        else plan_serve_check(model, options, serve_check, **(serve or {}))
     )
-    result = run_calibration(model, dataset, output, calibration, machine, progress)
+    result = run_calibration(model, dataset, output, options, machine, progress)
     return result if serving is None else serve_calibrated(result, serving, machine, serve_progress)
 
 
@@ -224,13 +217,11 @@ def evaluate(
     *,
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
-    **fields: Any,
 ) -> EvalResult:
     """`kvcalib eval`: FP8-KV accuracy on held-out text against the unquantised cache (compare: "unit"
     or other checkpoints); the keywords are EvalOptions' fields, or `options` made already."""
     from kvcalib.evaluation.pipeline import evaluate as run
 
-    options = _options(EvalOptions, options, fields, "evaluate")
     return run(str(checkpoint), dataset, options, progress=progress)
 
 
@@ -243,13 +234,11 @@ def evaluate_context(
     nll: bool = True,
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
-    **fields: Any,
 ) -> ContextResult:
     """`kvcalib eval-context --lengths L,...`: K/V saturation and ΔNLL (nll) per length and layer; the keywords are
     EvalOptions' fields (num_samples: samples per length), or `options` made already."""
     from kvcalib.evaluation.context import evaluate_context as run
 
-    options = _options(EvalOptions, options, fields, "evaluate_context")
     return run(str(checkpoint), dataset, tuple(lengths), options, progress=progress, nll=nll)
 
 
@@ -262,13 +251,11 @@ def evaluate_needle(
     keys: int | None = None,
     options: EvalOptions | None = None,
     progress: ProgressCallback | None = None,
-    **fields: Any,
 ) -> NeedleResult:
     """`kvcalib eval-needle --lengths L,...`: keys found per length and depth, per scale set (`keys` per length
     and depth; None: the needle's default); the keywords are EvalOptions' fields, or `options` made already."""
     from kvcalib.evaluation.needle import evaluate_needle as run
 
-    options = _options(EvalOptions, options, fields, "evaluate_needle")
     return run(str(checkpoint), dataset, tuple(lengths), options, keys, progress=progress)
 
 
@@ -279,15 +266,13 @@ def evaluate_tasks(
     *,
     options: TaskOptions | None = None,
     progress: ProgressCallback | None = None,
-    **fields: Any,
 ) -> TaskResult:
     """`kvcalib eval-tasks`: lm-eval tasks under the chip's FP8-KV numerics, paired item by item; the keywords
-    are TaskOptions' fields, or `options` made already."""
+    are TaskOptions' fields, or `options` made already (`tasks`, when given, in place of its tasks)."""
     from kvcalib.evaluation.tasks import evaluate_tasks as run
 
-    if tasks is not None and (options is None or tuple(tasks) != options.tasks):
-        fields["tasks"] = tasks
-    options = _options(TaskOptions, options, fields, "evaluate_tasks")
+    if tasks is not None and tuple(tasks) != options.tasks:
+        options = dataclasses.replace(options, tasks=tuple(tasks))
     return run(str(checkpoint), options, progress=progress)
 
 
@@ -297,11 +282,9 @@ def serve_check(
     *,
     options: ServeOptions | None = None,
     progress: Callable[[ServeEvent], None] | None = None,
-    **fields: Any,
 ) -> ServeCheckResult:
     """`kvcalib serve-check`: serve `checkpoint` on `device` with vLLM's FP8 KV cache, probe it, compare with a
     baseline, always stop the servers; the ServeCheckResult."""
     from kvcalib.serving.pipeline import serve_check as run
 
-    options = _options(ServeOptions, options, fields, "serve_check")
     return _logged(run(Path(checkpoint), options, progress))

@@ -5,18 +5,16 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
-
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.calibration.objective import OUTPUT
-from kvcalib.core.progress import Progress, ProgressCallback
+from kvcalib.core.progress import Progress
 from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules, observe_batch
 from kvcalib.hf.compute import compute_path
-from kvcalib.hf.data import CalibrationData, batches
+from kvcalib.hf.data import batches
 from kvcalib.hf.model import faithful_attention, load_model, num_layers
 from kvcalib.hf.samples import AttentionSample
 
-__all__ = ["native_engine", "observe_all", "sample_attention"]
+__all__ = ["native_engine", "sample_attention"]
 
 
 def native_engine(inputs: EngineInputs) -> Observation:
@@ -33,41 +31,27 @@ def native_engine(inputs: EngineInputs) -> Observation:
     observer = KVAbsmaxObserver(
         layers, queries=inputs.attention_scales, sampler=inputs.sampler(layers)
     )
+    decoder = getattr(
+        hf_model, hf_model.base_model_prefix, hf_model
+    )  # the stack without the LM head
+    data, done_samples, done_tokens = inputs.data, 0, 0
+    inputs.notify(Progress("observe", 0, len(data.sequences), 0, data.num_tokens))
     started = time.perf_counter()
-    with compute_path(inputs.compute):
-        observe_all(
-            hf_model,
-            observer,
-            inputs.data,
-            inputs.options.batch_size,
-            inputs.pad_id,
-            inputs.device,
-            inputs.notify,
-        )
+    with compute_path(
+        inputs.compute
+    ):  # every right-padded batch through the decoder stack, K/V absmax recorded
+        for input_ids, mask in batches(data.sequences, inputs.options.batch_size, inputs.pad_id):
+            observe_batch(decoder, observer, input_ids.to(inputs.device), mask.to(inputs.device))
+            done_samples, done_tokens = (
+                done_samples + input_ids.shape[0],
+                done_tokens + int(mask.sum()),
+            )
+            inputs.notify(
+                Progress("observe", done_samples, len(data.sequences), done_tokens, data.num_tokens)
+            )
     observation = Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
     keep = inputs.options.scale_objective == OUTPUT  # the whole-model step runs it again
     return dataclasses.replace(observation, model=hf_model if keep else None)
-
-
-def observe_all(
-    model: torch.nn.Module,
-    observer: KVAbsmaxObserver,
-    data: CalibrationData,
-    batch_size: int,
-    pad_id: int,
-    device: torch.device,
-    notify: ProgressCallback,
-) -> None:
-    """Every right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
-    decoder = getattr(model, model.base_model_prefix, model)  # the stack without the LM head
-    total_samples, total_tokens = len(data.sequences), data.num_tokens
-    done_samples = done_tokens = 0
-    notify(Progress("observe", 0, total_samples, 0, total_tokens))
-    for input_ids, mask in batches(data.sequences, batch_size, pad_id):
-        observe_batch(decoder, observer, input_ids.to(device), mask.to(device))
-        done_samples += input_ids.shape[0]
-        done_tokens += int(mask.sum())
-        notify(Progress("observe", done_samples, total_samples, done_tokens, total_tokens))
 
 
 def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:

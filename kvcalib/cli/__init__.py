@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import typer
 from rich.console import Console
 
+from kvcalib import api
 from kvcalib._version import __version__
 from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.cli.common import _errors, _print_json, _stderr, captured_notes
@@ -129,33 +130,32 @@ def calibrate(
     **values: Any,
 ) -> None:
     """Choose per-layer K/V scales on a dataset and write an FP8-KV checkpoint (then serve-check it)."""
-    from kvcalib.api import plan as run_plan
-    from kvcalib.api import plan_serve_check, run_calibration
-
     with _errors():  # kvcalib.calibrate(...) is these calls; the CLI renders between them
         options = CalibrateOptions(**split_options(CalibrateOptions, values))
-        if stream_layers and options.engine not in ("auto", "stream"):
-            raise UsageError(  # --stream-layers is --engine stream
-                f"--stream-layers contradicts --engine {options.engine}", hint="pass one of them"
-            )
-        options = dataclasses.replace(options, engine="stream") if stream_layers else options
+        if stream_layers:  # --stream-layers is --engine stream
+            if options.engine not in ("auto", "stream"):
+                raise UsageError(
+                    f"--stream-layers contradicts --engine {options.engine}",
+                    hint="pass one of them",
+                )
+            options = dataclasses.replace(options, engine="stream")
         machine = Machine.read(options)
     console = _stderr(quiet)
     if plan:
         with _errors(), progress_bar(console, "probing", "plan") as on_progress:
-            result = run_plan(model, dataset, output, options=options, progress=on_progress)
+            result = api.plan(model, dataset, output, options=options, progress=on_progress)
         return _show(render_plan, console, result, as_json)
     if machine.ranks is not None and not machine.ranks.is_writer:  # rank 0 reports
         with _errors(quiet=True):
-            run_calibration(model, dataset, output, options, machine)
+            api.run_calibration(model, dataset, output, options, machine)
         return
     serving = None
     if serve_device is not None:  # all serving needs but the scales, before the calibration
         with _errors():
-            serve = split_options(ServeOptions, values)
-            serving = plan_serve_check(model, options, **{**serve, "device": serve_device})
+            serve = {**split_options(ServeOptions, values), "device": serve_device}
+            serving = api.plan_serve_check(model, options, **serve)
     with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
-        result = run_calibration(model, dataset, output, options, machine, on_progress)
+        result = api.run_calibration(model, dataset, output, options, machine, on_progress)
     _report_calibration(console, result, notes, serving, machine, as_json)
 
 
@@ -169,8 +169,6 @@ def _report_calibration(
     console: Console, result: Any, notes: list[str], serving: Any, machine: Any, as_json: bool
 ) -> None:
     """The table; with --serve-check, serve-check's run on the published checkpoint and its exit code."""
-    from kvcalib.api import serve_calibrated
-
     if serving is None:
         return _show(render_calibration, console, result, as_json, notes)
     render_calibration(console, result, notes)
@@ -179,7 +177,7 @@ def _report_calibration(
         serve_status(console) as on_event,
         captured_notes() as notes,
     ):
-        served = serve_calibrated(result, serving, machine, on_event).serve_check
+        served = api.serve_calibrated(result, serving, machine, on_event).serve_check
     render_serve_check(console, served, notes)
     if as_json:
         _print_json({"calibration": result.to_dict(), "serve_check": served.to_dict()})
@@ -197,10 +195,8 @@ def validate(
     quiet: Quiet = False,
 ) -> None:
     """Check a checkpoint against vLLM-on-Neuron's rules and the silent failures it lets through."""
-    from kvcalib.api import validate as run_validate
-
     with _errors():
-        report = run_validate(checkpoint, target=target, strict=strict)
+        report = api.validate(checkpoint, target=target, strict=strict)
     _show(render_report, _stderr(quiet), report, as_json)
     raise typer.Exit(0 if report.ok else 1)
 
@@ -271,7 +267,8 @@ def eval_command(
     **values: Any,
 ) -> None:
     """Predict FP8-KV accuracy on held-out text with the chip's numerics, against an unquantised KV cache."""
-    _evaluate("evaluate", checkpoint, dataset, values, plot, as_json, quiet, per_layer)
+    result = _evaluate(api.evaluate, checkpoint, dataset, values, quiet, plot)
+    _show(render_eval, *result, as_json, per_layer)
 
 
 @command(app, "eval-context", (EvalOptions, LONG))
@@ -298,17 +295,16 @@ def eval_context(
 ) -> None:
     """Long prompts: per length and layer the K/V saturation past the scales, and ΔNLL on the last quarter."""
     values.update(num_samples=num_samples)
-    _evaluate(
-        "evaluate_context",
+    result = _evaluate(
+        api.evaluate_context,
         checkpoint,
         dataset,
         values,
-        None,
-        as_json,
         quiet,
         lengths=lengths,
         nll=not saturation_only,
     )
+    _show(render_context, *result, as_json)
 
 
 @command(app, "eval-needle", (EvalOptions, (*LONG, "seed", "order")))
@@ -333,50 +329,38 @@ def eval_needle(
     **values: Any,
 ) -> None:
     """Passkey retrieval at 0-100% depth of long prompts, decoded from the FP8 cache against the unquantised."""
-    _evaluate(
-        "evaluate_needle",
-        checkpoint,
-        dataset,
-        values,
-        plot,
-        as_json,
-        quiet,
-        lengths=lengths,
-        keys=keys,
+    result = _evaluate(
+        api.evaluate_needle, checkpoint, dataset, values, quiet, plot, lengths=lengths, keys=keys
     )
+    _show(render_needle, *result, as_json)
 
 
 def _evaluate(
-    job: str,
+    job: Any,
     checkpoint: str,
     dataset: str,
     values: dict[str, Any],
-    plot: Path | None,
-    as_json: bool,
     quiet: bool,
-    per_layer: bool = False,
+    plot: Path | None = None,
     **keywords: Any,
-) -> None:
-    """eval, eval-context, eval-needle: the options (the host CPU read), --plot's path checked before the work, the
-    job (kvcalib.api's function `job`), its picture, its table."""
-    import kvcalib.api as api
+) -> tuple[Console, Any]:
+    """eval, eval-context, eval-needle: the options, --plot's path checked before the work, the job (a kvcalib.api
+    function), its picture; the console and the result, to render."""
     from kvcalib.evaluation import plot as plots
     from kvcalib.evaluation.context import parse_lengths
 
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
-        options = api.eval_options(**values)
+        options = EvalOptions(**values)
         if "lengths" in keywords:
             keywords["lengths"] = parse_lengths(keywords["lengths"])
         if plot is not None:
             plots.check_plot_path(plot, [checkpoint, dataset, *options.compare])
-        run = getattr(api, job)
-        result = run(checkpoint, dataset, options=options, progress=on_progress, **keywords)
+        result = job(checkpoint, dataset, options=options, progress=on_progress, **keywords)
         if plot is not None:
-            draw = plots.plot_eval if job == "evaluate" else plots.plot_needle
+            draw = plots.plot_eval if job is api.evaluate else plots.plot_needle
             result = dataclasses.replace(result, plot=str(draw(result, plot)))
-    render = {"evaluate": render_eval, "evaluate_context": render_context}.get(job, render_needle)
-    _show(render, console, result, as_json, *([per_layer] if job == "evaluate" else []))
+    return console, result
 
 
 @command(app, "eval-tasks", TaskOptions)
@@ -388,12 +372,12 @@ def eval_tasks(
     **values: Any,
 ) -> None:
     """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against an unquantised KV cache."""
-    from kvcalib.api import evaluate_tasks, task_options
-
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "evaluating tasks", "eval") as on_progress:
-        options = task_options(**values, tasks=[t.strip() for t in tasks.split(",") if t.strip()])
-        result = evaluate_tasks(checkpoint, options.tasks, options=options, progress=on_progress)
+        options = TaskOptions(
+            **values, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip())
+        )
+        result = api.evaluate_tasks(checkpoint, options=options, progress=on_progress)
     _show(render_tasks, console, result, as_json)
 
 
@@ -415,7 +399,6 @@ def serve_check(
     **values: Any,
 ) -> None:
     """Serve CKPT with vLLM's FP8 KV cache, probe it, compare with a baseline, and always stop the server."""
-    from kvcalib.api import serve_check as run_serve_check
     from kvcalib.serving.prompts import read_prompts_file
     from kvcalib.serving.tasks import TaskSpec
 
@@ -426,7 +409,7 @@ def serve_check(
         captured_notes() as notes,
     ):
         spec = TaskSpec.from_flags(tasks, values.pop("limit"), values.pop("task_data"))
-        result = run_serve_check(
+        result = api.serve_check(
             checkpoint,
             **values,
             prompts=read_prompts_file(prompts) if prompts else None,
@@ -439,12 +422,12 @@ def serve_check(
 
 def main() -> None:
     # kvcalib draws its own progress; the libraries' bars and notices (llm-compressor's on stdout) are noise
-    for name, value in {
-        "TRANSFORMERS_VERBOSITY": "error",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TQDM_DISABLE": "1",
-        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-        "LLM_COMPRESSOR_LOG_DISABLED": "true",
-    }.items():
-        os.environ.setdefault(name, value)
+    for setting in (
+        "TRANSFORMERS_VERBOSITY=error",
+        "HF_HUB_DISABLE_PROGRESS_BARS=1",
+        "TQDM_DISABLE=1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS=1",
+        "LLM_COMPRESSOR_LOG_DISABLED=true",
+    ):
+        os.environ.setdefault(*setting.split("="))
     app(prog_name="kvcalib")

@@ -41,32 +41,25 @@ def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") 
         raise Interrupted(signum)
 
     previous = {}
-    for name in ("SIGTERM", "SIGHUP"):
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            try:
-                previous[signum] = signal.signal(signum, interrupt)
-            except ValueError:  # not the main thread: leave signals alone
-                break
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        pass
     try:
         yield
     except KvcalibError as err:
-        if (
-            not quiet
-        ):  # quiet: a torchrun rank other than 0; rank 0 reports (with this rank's message)
-            console = _stderr()
-            console.print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
-            if (
-                err.hint
-            ):  # escaped: a hint such as `pip install kvcalib[llmcompressor]` is no markup
-                console.print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
+        # quiet: a torchrun rank other than 0; rank 0 reports (with this rank's message). Escaped: a hint such as
+        # `pip install kvcalib[llmcompressor]` is no markup.
+        _stderr(quiet).print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
+        if err.hint:
+            _stderr(quiet).print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        if not quiet:
-            _stderr().print(
-                f"[bold red]interrupted[/] ({signal.Signals(signum).name}): {escape(interrupted)}"
-            )
+        _stderr(quiet).print(
+            f"[bold red]interrupted[/] ({signal.Signals(signum).name}): {escape(interrupted)}"
+        )
         raise typer.Exit(128 + signum) from None
     finally:
         for signum, handler in previous.items():

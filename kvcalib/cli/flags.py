@@ -1,6 +1,7 @@
 """The commands' flags, built from the options dataclasses that declare them (kvcalib.core.options): name, type,
 default, choices, help and panel are read from the field, so a flag is written once, in the library. One name per flag
-is shown in --help: an alias and the other half of an on/off pair are accepted, not listed (the help names it)."""
+is shown in --help: an alias (click's token_normalize_func maps it to the flag) and the other half of an on/off pair
+are accepted, not listed (the help names it)."""
 
 from __future__ import annotations
 
@@ -18,28 +19,26 @@ from kvcalib.core.options import choices_of, flag_of
 __all__ = ["command", "split_options"]
 
 _KW = inspect.Parameter.KEYWORD_ONLY
-# One field's flag: its parameters (the one --help shows, then the hidden ones) and how the field's value is read
-# back from the values typer parsed.
-Flag = tuple[list[inspect.Parameter], Callable[[dict[str, Any]], Any]]
 
 
-def _flag(field: dataclasses.Field) -> Flag:
+def _flag(field: dataclasses.Field) -> tuple[list[inspect.Parameter], tuple[bool, Any] | None]:
     """The flag of options field `field`: shown with the field's type (its choices as a Literal, a tuple repeatable),
-    default and help; each alias a hidden flag that sets the field; of an on/off pair, the half that changes the
-    default shown and the other hidden."""
+    default and help; of an on/off pair, the half that changes the default shown, the other a hidden `NAME__off`, and
+    (the value the shown half sets, the field's default)."""
     meta, name = field.metadata, field.name
-    default = (
-        field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
-    )
+    factory = field.default_factory is not dataclasses.MISSING
+    default = field.default_factory() if factory else field.default
     shown, kind, help = flag_of(field), field.type, meta["help"]
-    hidden: list[tuple[str, Any]] = [
-        (a, None) for a in meta["aliases"]
-    ]  # (flag, value: None = its own)
-    switch = None  # an on/off pair: (the value the shown half sets, the field's default)
+    params, switch = [], None
     if "/" in shown:
         on, off = shown.split("/")
         shown, other, value = (off, on, False) if default is True else (on, off, True)
-        hidden.append((other, not value))
+        hidden = typer.Option(other, hidden=True)
+        params.append(
+            inspect.Parameter(
+                f"{name}__off", _KW, default=False, annotation=Annotated[bool, hidden]
+            )
+        )
         help, switch, kind, default = (
             f"{help} The opposite: {other}.",
             (value, default),
@@ -47,52 +46,22 @@ def _flag(field: dataclasses.Field) -> Flag:
             False,
         )
     elif (choices := choices_of(field)) is not None:
-        optional = type(None) in typing.get_args(kind)
-        kind = Literal[choices] | None if optional else Literal[choices]
+        kind = Literal[choices] | None if type(None) in typing.get_args(kind) else Literal[choices]
     elif typing.get_origin(kind) is tuple:
         kind, default = list[typing.get_args(kind)[0]], list(default)  # repeatable
-    decls = (shown, *([meta["short"]] if meta["short"] else []))
-    show_default = field.default_factory is dataclasses.MISSING and kind is not bool
-    params = [
-        inspect.Parameter(
-            name,
-            _KW,
-            default=... if default is dataclasses.MISSING else default,
-            annotation=Annotated[
-                kind,
-                typer.Option(
-                    *decls,
-                    help=help,
-                    rich_help_panel=meta["panel"],
-                    metavar=meta["metavar"],
-                    show_default=show_default and default is not None,
-                ),
-            ],
-        )
-    ]
-    for i, (decl, value) in enumerate(hidden):
-        params.append(
-            inspect.Parameter(
-                f"{name}__{i}",
-                _KW,
-                default=None if value is None else False,
-                annotation=Annotated[
-                    kind if value is None else bool, typer.Option(decl, hidden=True)
-                ],
-            )
-        )
-
-    def read(parsed: dict[str, Any]) -> Any:
-        value = parsed[name]
-        if switch is not None:
-            value = switch[0] if value else switch[1]
-        for i, (_, sets) in enumerate(hidden):
-            given = parsed[f"{name}__{i}"]
-            if given not in (None, False, []):
-                value = given if sets is None else sets
-        return tuple(value) if isinstance(value, list) else value
-
-    return params, read
+    option = typer.Option(
+        shown,
+        *filter(None, [meta["short"]]),
+        help=help,
+        rich_help_panel=meta["panel"],
+        metavar=meta["metavar"],
+        show_default=not factory and kind is not bool and default is not None,
+    )
+    default = ... if default is dataclasses.MISSING else default
+    return [
+        inspect.Parameter(name, _KW, default=default, annotation=Annotated[kind, option]),
+        *params,
+    ], switch
 
 
 def command(
@@ -109,6 +78,8 @@ def command(
             if "help" in field.metadata and (names is None or field.name in names):
                 fields.setdefault(field.name, field)
     flags = {field_name: _flag(field) for field_name, field in fields.items()}
+    # click hands token_normalize_func a flag without its dashes
+    aliases = {a[2:]: flag_of(f)[2:] for f in fields.values() for a in f.metadata["aliases"]}
 
     def register(func: Callable[..., Any]) -> Callable[..., Any]:
         hints = typing.get_type_hints(func, include_extras=True)
@@ -120,12 +91,24 @@ def command(
 
         @functools.wraps(func)
         def run(**parsed: Any) -> Any:
-            values = {field_name: read(parsed) for field_name, (_, read) in flags.items()}
-            return func(**{p.name: parsed[p.name] for p in own}, **values)
+            for field_name, (_, switch) in flags.items():
+                value = parsed[field_name]
+                if switch is not None:
+                    value = (
+                        not switch[0]
+                        if parsed.pop(f"{field_name}__off")
+                        else switch[0]
+                        if value
+                        else switch[1]
+                    )
+                parsed[field_name] = tuple(value) if isinstance(value, list) else value
+            return func(**parsed)
 
-        params = [p for field_params, _ in flags.values() for p in field_params]
-        run.__signature__ = inspect.Signature([*own, *params])  # type: ignore[attr-defined]
-        return app.command(name)(run)
+        run.__signature__ = inspect.Signature(
+            [*own, *(p for params, _ in flags.values() for p in params)]
+        )
+        settings = {"token_normalize_func": lambda opt: aliases.get(opt, opt)}
+        return app.command(name, context_settings=settings)(run)
 
     return register
 

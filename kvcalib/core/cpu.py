@@ -13,18 +13,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BF16_COMPUTE_CHOICES", "ComputePath", "HostCpu", "choose_compute", "parse_cpu_flags"]
+__all__ = ["FLOAT32", "NATIVE", "ComputePath", "HostCpu", "choose_compute", "parse_cpu_flags"]
 
 # Native bf16 dot products: x86 AVX512-BF16 or AMX-BF16; Arm's "bf16" feature.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 # vLLM's CPU backend keeps an FP8 KV cache only on x86 with AVX-512 or AMX.
-VLLM_FP8_KV_FLAGS = ("avx512f", "amx_tile")
+VLLM_FP8_KV_FLAGS = frozenset({"avx512f", "amx_tile"})
 # torch CPU capabilities under which oneDNN's bf16 kernels are not used (ATEN_CPU_CAPABILITY can force one).
 _SLOW_CAPABILITIES = frozenset({"DEFAULT", "NO AVX", "AVX2"})
-
-BF16_COMPUTE_CHOICES = ("auto", "native", "float32")
-NATIVE = "native"
-FLOAT32 = "float32"
+NATIVE, FLOAT32 = "native", "float32"
 
 
 def parse_cpu_flags(cpuinfo_text: str) -> frozenset[str] | None:
@@ -54,21 +51,22 @@ class HostCpu:
                 frozenset(override.replace(",", " ").split()), capability, "KVCALIB_CPU_FLAGS"
             )
         try:
-            flags = parse_cpu_flags(Path(path).read_text(errors="replace"))
+            return cls(
+                parse_cpu_flags(Path(path).read_text(errors="replace")), capability, str(path)
+            )
         except OSError:
-            flags = None
-        return cls(flags, capability, str(path))
+            return cls(None, capability, str(path))
 
     @classmethod
     def detect(cls, with_capability: bool = True) -> HostCpu:
         """The CPU this runs on: /proc/cpuinfo's flags, or $KVCALIB_CPU_FLAGS; torch's capability too."""
         capability = "unknown"
-        if with_capability:
+        if with_capability:  # imports torch
             import torch
 
             capability = torch.backends.cpu.get_cpu_capability()
         return cls.from_cpuinfo(
-            Path("/proc/cpuinfo"), capability, override=os.environ.get("KVCALIB_CPU_FLAGS")
+            Path("/proc/cpuinfo"), capability, os.environ.get("KVCALIB_CPU_FLAGS")
         )
 
     @property
@@ -81,17 +79,15 @@ class HostCpu:
     @property
     def vllm_fp8_kv(self) -> bool | None:
         """Whether vLLM's CPU backend can keep an FP8 KV cache here; None when the flags are unknown."""
-        return None if self.flags is None else any(flag in self.flags for flag in VLLM_FP8_KV_FLAGS)
+        return None if self.flags is None else bool(self.flags & VLLM_FP8_KV_FLAGS)
 
     def describe(self) -> str:
         if self.flags is None:
             return (
                 f"CPU flags unknown ({self.source} unreadable), torch capability {self.capability}"
             )
-        shown = sorted(self.flags & (NATIVE_BF16_FLAGS | {"avx2", "avx512f", "amx_tile"})) or [
-            "no AVX2"
-        ]
-        return f"CPU {' '.join(shown)} (from {self.source}), torch capability {self.capability}"
+        shown = sorted(self.flags & (NATIVE_BF16_FLAGS | VLLM_FP8_KV_FLAGS | {"avx2"}))
+        return f"CPU {' '.join(shown or ['no AVX2'])} (from {self.source}), torch capability {self.capability}"
 
 
 @dataclass(frozen=True)
@@ -106,31 +102,26 @@ class ComputePath:
         return self.bf16_matmul == FLOAT32
 
     def describe(self) -> str:
-        what = (
-            "bf16 model, matmuls and attention in float32 with bf16 rounding"
-            if self.emulated
-            else "native matmuls in the model's dtype"
-        )
-        return f"{what} ({self.reason})"
+        if self.emulated:
+            return (
+                f"bf16 model, matmuls and attention in float32 with bf16 rounding ({self.reason})"
+            )
+        return f"native matmuls in the model's dtype ({self.reason})"
 
 
 def choose_compute(
     requested: str, dtype: torch.dtype, device: torch.device, cpu: HostCpu | None
 ) -> ComputePath:
-    """The compute path for a model in `dtype` on `device`; ValueError for an unknown `requested`."""
+    """The compute path for a model in `dtype` on `device` (`requested`: "auto" or the path, as --bf16-compute)."""
     import torch
 
-    if requested not in BF16_COMPUTE_CHOICES:
-        raise ValueError(
-            f"unknown bf16 compute {requested!r}; use one of {', '.join(BF16_COMPUTE_CHOICES)}"
-        )
     if dtype != torch.bfloat16:
         return ComputePath(NATIVE, f"the model runs in {str(dtype).removeprefix('torch.')}")
     if device.type != "cpu":
         return ComputePath(NATIVE, f"bf16 on {device}")
     if requested != "auto":
         return ComputePath(requested, f"--bf16-compute {requested}")
-    native = cpu.native_bf16 if cpu is not None else None
+    native = None if cpu is None else cpu.native_bf16
     if native is None:
         return ComputePath(NATIVE, "CPU not known: assumed to have native bf16 matmul")
     if native:

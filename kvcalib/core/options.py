@@ -75,16 +75,12 @@ def choices_of(field: dataclasses.Field) -> tuple[str, ...] | None:
 def check_options(options: Any) -> None:
     """Every declared bound and choice of `options`, a UsageError naming the flag for the first one broken."""
     for field in dataclasses.fields(options):
-        value = getattr(options, field.name)
-        if "help" not in field.metadata or value is None:
+        value, meta = getattr(options, field.name), field.metadata
+        if "help" not in meta or value is None:
             continue
-        if field.metadata["minimum"] is not None:
-            check_at_least(
-                flag_of(field), value, field.metadata["minimum"], what=field.metadata["what"]
-            )
-        allowed = (
-            None if field.metadata["choices"] else choices_of(field)
-        )  # a table's: its own error
+        if meta["minimum"] is not None:
+            check_at_least(flag_of(field), value, meta["minimum"], what=meta["what"])
+        allowed = None if meta["choices"] else choices_of(field)  # a table's: its own error
         if allowed is not None and value not in allowed:
             raise UsageError(
                 f"unknown {flag_of(field)} {value!r}", hint=f"use one of {', '.join(allowed)}"

@@ -3,11 +3,9 @@ less what is mapped), how much the weights need (from the safetensors headers), 
 
 from __future__ import annotations
 
-import functools
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -63,13 +61,13 @@ def available_memory(
     device: torch.device | None = None, proc: Path = PROC, sys: Path = SYS
 ) -> MemoryLimit:
     """The tightest of MemAvailable, the cgroup limit, the rlimits (and a CUDA device's free memory)."""
-    limits: list[MemoryLimit] = []
-    meminfo = _read_kib_fields(proc / "meminfo")
-    if "MemAvailable" in meminfo:
-        limits.append(MemoryLimit(meminfo["MemAvailable"], "MemAvailable"))
-    cgroup = _cgroup_headroom(proc, sys)
-    if cgroup is not None:
-        limits.append(MemoryLimit(cgroup, "cgroup memory limit"))
+    found = (
+        (_read_kib_fields(proc / "meminfo").get("MemAvailable"), "MemAvailable"),
+        (_cgroup_headroom(proc, sys), "cgroup memory limit"),
+    )
+    limits = [
+        MemoryLimit(available, source) for available, source in found if available is not None
+    ]
     status = proc_status(proc)
     for name, used_key in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
         soft, _hard = resource.getrlimit(getattr(resource, name))
@@ -98,50 +96,40 @@ def choose_engine(
         if dtype is not None
         else "/".join(checkpoint.stored_float_dtypes()) or "the stored dtypes"
     )
-    limits = [host]
+    limits = [(host, max(copies, 1))]
     if device.type == "cuda":  # the in-memory engine loads on the host, then moves to the GPU
-        limits.append(available_memory(device))
-    for limit in limits:
-        per_process = (
-            limit.available
-            if limit.source.startswith("cuda")
-            else limit.available // max(copies, 1)
-        )
-        if needed * HEADROOM > per_process:
-            who = (
-                f" per process ({copies} on this host)"
-                if copies > 1 and not limit.source.startswith("cuda")
-                else ""
-            )
+        limits.append((available_memory(device), 1))
+    for limit, shared in limits:
+        if needed * HEADROOM > limit.available // shared:
+            who = f" per process ({copies} on this host)" if shared > 1 else ""
             return EngineChoice(
                 "stream",
                 limit,
-                f"streaming the model layer by layer: its weights need "
-                f"{needed / GiB:.2f} GiB in {in_dtype} (x{HEADROOM} headroom) but only "
-                f"{per_process / GiB:.2f} GiB is available{who} ({limit.source})",
+                f"streaming the model layer by layer: its weights need {needed / GiB:.2f} GiB in {in_dtype} "
+                f"(x{HEADROOM} headroom) but only {limit.available // shared / GiB:.2f} GiB is available{who} "
+                f"({limit.source})",
             )
     return EngineChoice("native", host, None)
 
 
-def _read_kib_fields(path: Path, prefix: str = "") -> dict[str, int]:
-    """`Name:  123 kB` lines of a /proc file (fields starting with `prefix`), in bytes."""
+def _read_kib_fields(path: Path) -> dict[str, int]:
+    """`Name:  123 kB` lines of a /proc file, in bytes."""
     try:
-        with open(path, encoding="ascii") as f:
-            lines = f.read().splitlines()
+        lines = path.read_text().splitlines()
     except OSError:
         return {}
     out: dict[str, int] = {}
     for line in lines:
         name, _, rest = line.partition(":")
         parts = rest.split()
-        if name.startswith(prefix) and parts and parts[0].isdigit():
+        if parts and parts[0].isdigit():
             out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     return out
 
 
 def proc_status(proc: Path = PROC) -> dict[str, int]:
     """VmSize, VmData, VmRSS, VmHWM, ... of this process in bytes."""
-    return _read_kib_fields(proc / "self" / "status", prefix="Vm")
+    return _read_kib_fields(proc / "self" / "status")
 
 
 def _read_int(path: Path) -> int | None:
@@ -158,27 +146,19 @@ def _cgroup_headroom(proc: Path, sys: Path) -> int | None:
         entries = (proc / "self" / "cgroup").read_text().splitlines()
     except OSError:
         return None
-    root = sys / "fs" / "cgroup"
     for entry in entries:
         _id, controllers, path = entry.split(":", 2)
-        rel = path.lstrip("/")
         if controllers == "":  # v2 unified hierarchy
-            candidates = [
-                (root / rel / "memory.max", root / rel / "memory.current"),
-                (root / "memory.max", root / "memory.current"),
-            ]
+            root, limit_name, usage_name = sys / "fs/cgroup", "memory.max", "memory.current"
         elif "memory" in controllers.split(","):
-            base = root / "memory"
-            candidates = [
-                (base / rel / "memory.limit_in_bytes", base / rel / "memory.usage_in_bytes"),
-                (base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"),
-            ]
+            root, limit_name = sys / "fs/cgroup/memory", "memory.limit_in_bytes"
+            usage_name = "memory.usage_in_bytes"
         else:
             continue
-        for limit_path, usage_path in candidates:
-            limit = _read_int(limit_path)
+        for base in (root / path.lstrip("/"), root):
+            limit = _read_int(base / limit_name)
             if limit is not None and limit < _NO_LIMIT:
-                return max(0, limit - (_read_int(usage_path) or 0))
+                return max(0, limit - (_read_int(base / usage_name) or 0))
     return None
 
 
@@ -187,25 +167,15 @@ def peak_rss_bytes() -> int:
 
 
 def release_free_memory() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's `malloc_trim(0)`); False without glibc."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's malloc_trim among the symbols the process has loaded (None: musl, macOS, Windows)."""
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim(0)`); False without glibc (musl, macOS,
+    Windows)."""
     import ctypes
 
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
     except (OSError, AttributeError, TypeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+        return False
+    return True
 
 
 def out_of_memory_error(
@@ -213,20 +183,16 @@ def out_of_memory_error(
 ) -> OutOfMemoryError | None:
     """A clear error for an allocation that failed (host or GPU); None for any other exception."""
     text = str(exc)
-    oom = (
+    if not (
         isinstance(exc, (MemoryError, torch.OutOfMemoryError))
         or "allocate memory" in text
         or "out of memory" in text.lower()
-    )
-    if not oom:
+    ):
         return None
-    first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    hint = (
-        "rerun with --stream-layers (one decoder layer in memory at a time)"
-        if engine != "stream"
-        else "lower --batch-size or --max-seq-len, or free memory on this machine"
-    )
+    first_line = (text.strip() or type(exc).__name__).splitlines()[0]
     return OutOfMemoryError(
         f"ran out of memory on {device} calibrating with the {engine} engine ({first_line})",
-        hint=hint,
+        hint="lower --batch-size or --max-seq-len, or free memory on this machine"
+        if engine == "stream"
+        else "rerun with --stream-layers (one decoder layer in memory at a time)",
     )
