@@ -11,6 +11,7 @@ from kvcalib.core.errors import UsageError
 from kvcalib.evaluation.significance import Interval
 from kvcalib.evaluation.tasks import (
     BASELINE_NAME,
+    SEEDS,
     LmEvalOutput,
     TaskOptions,
     TaskRow,
@@ -119,8 +120,7 @@ def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
 def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> LmEvalOutput:
     """The tasks against the server at `url`, through lm-eval's local-completions model (token ids sent as lm-eval
     tokenises them with the checkpoint's tokenizer, one request at a time)."""
-    lm_eval, seed = require_lm_eval(), spec.seed
-    return lm_eval.simple_evaluate(
+    return require_lm_eval().simple_evaluate(
         model="local-completions",
         model_args={
             "model": str(checkpoint),
@@ -135,10 +135,7 @@ def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> LmEvalOutput
         limit=spec.limit,
         task_manager=task_manager(spec),
         log_samples=True,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
+        **dict.fromkeys(SEEDS, spec.seed),
         bootstrap_iters=0,
     )
 
