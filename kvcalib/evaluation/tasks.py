@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,6 @@ from kvcalib.evaluation.significance import Interval, paired_bootstrap
 
 __all__ = [
     "BASELINE_NAME",
-    "SEEDS",
     "TaskOptions",
     "TaskResult",
     "TaskRow",
@@ -33,11 +33,11 @@ __all__ = [
     "LmEvalOutput",
     "paired_rows",
     "require_lm_eval",
+    "run_lm_eval",
     "task_manager",
 ]
 
 BASELINE_NAME = "baseline"
-SEEDS = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
 LmEvalOutput = dict[str, Any]
 """lm-eval's simple_evaluate output with log_samples: its "samples", "results" and "configs", as lm-eval writes them."""
 
@@ -170,6 +170,13 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
 def check_data(manager: Any, options: TaskOptions) -> None:
     """Every task's data read before any model loads: one that cannot be read (offline, no copy) is refused."""
     for task in options.tasks:
+        hub = _hub_dataset(manager, task)
+        if hub is not None and not _offline_mode() and not _hub_reachable():
+            raise UsageError(
+                f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
+                hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` "
+                "and pass --task-data DIR; copies in the Hugging Face cache: set HF_DATASETS_OFFLINE=1",
+            )
         try:
             loaded = manager.load([task])["tasks"]  # {name: Task}, every leaf of a group
         except (
@@ -178,8 +185,8 @@ def check_data(manager: Any, options: TaskOptions) -> None:
             raise UsageError(
                 f"task {task}: its data could not be read ({type(exc).__name__}: {str(exc)[:300]})",
                 hint="offline: lay out lm-eval's tasks with local data by `python "
-                "scripts/prepare_tasks.py DIR` and pass --task-data DIR (copies in the Hugging Face cache: "
-                "set HF_DATASETS_OFFLINE=1), or give your own task YAML with --include-path",
+                "scripts/prepare_tasks.py DIR` and pass --task-data DIR, or give your own task YAML "
+                "with --include-path",
             ) from None
         if options.num_fewshot:
             for name, task_obj in loaded.items():
@@ -202,6 +209,37 @@ def _fewshot_pool(task: Any) -> int:
     return max(size - 1, 0) if same else size
 
 
+LOCAL_BUILDERS = {"json", "arrow", "csv", "parquet", "text", "pandas"}
+
+
+def _hub_dataset(manager: Any, task: str) -> str | None:
+    """The hub dataset `task` reads (None: local files, or not known from its YAML)."""
+    entry = getattr(manager, "task_index", {}).get(task)
+    path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
+    return (
+        path
+        if isinstance(path, str) and path not in LOCAL_BUILDERS and not Path(path).exists()
+        else None
+    )
+
+
+def _offline_mode() -> bool:
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
+
+
+@functools.cache
+def _hub_reachable(host: str = "huggingface.co") -> bool:
+    """A TCP connection to the hub within 3 s (once per process); else a download would retry for half a minute."""
+    try:
+        with socket.create_connection((host, 443), timeout=3):
+            return True
+    except OSError:
+        return False
+
+
 def evaluate_tasks(
     checkpoint: str, options: TaskOptions, progress: ProgressCallback | None = None
 ) -> TaskResult:
@@ -215,9 +253,7 @@ def evaluate_tasks(
     check_data(manager, options)
     started = time.perf_counter()
     notify(Progress("load-model"))
-    loaded = harness.load(
-        checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code
-    )
+    loaded = harness.load(checkpoint, options)
     runs = {
         BASELINE_NAME: (harness.BASELINE, options.target),
         **{name: (name, options.target) for name in (harness.CHECKPOINT, *options.compare)},
@@ -229,16 +265,7 @@ def evaluate_tasks(
         model = harness.KvcalibLM(
             loaded, target=target, scales=scales, batch_size=options.batch_size
         )
-        outputs[name] = lm_eval.simple_evaluate(
-            model=model,
-            tasks=list(options.tasks),
-            num_fewshot=options.num_fewshot,
-            limit=options.limit,
-            task_manager=manager,
-            log_samples=True,
-            bootstrap_iters=0,
-            **dict.fromkeys(SEEDS, options.seed),
-        )
+        outputs[name] = run_lm_eval(model, options, manager)
     rows = tuple(row for task in options.tasks for row in paired_rows(task, outputs))
     return TaskResult(
         checkpoint=str(checkpoint),
@@ -251,6 +278,24 @@ def evaluate_tasks(
         compute=loaded.compute.describe(),
         seconds=time.perf_counter() - started,
         lm_eval_version=getattr(lm_eval, "__version__", ""),
+    )
+
+
+def run_lm_eval(model: Any, options: TaskOptions, manager: Any, **more: Any) -> LmEvalOutput:
+    """lm-eval's simple_evaluate of `model` on `options.tasks`, every item logged, every seed options.seed."""
+    return require_lm_eval().simple_evaluate(
+        model=model,
+        tasks=list(options.tasks),
+        num_fewshot=options.num_fewshot,
+        limit=options.limit,
+        task_manager=manager,
+        log_samples=True,
+        bootstrap_iters=0,
+        **dict.fromkeys(
+            ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"),
+            options.seed,
+        ),
+        **more,
     )
 
 
