@@ -276,10 +276,12 @@ def summarise(
                 )
                 for d in depths
             )
-            differences = [h - b for h, b in zip(hits, base)]
-            paired = paired_bootstrap(differences, worse_if_higher=False)
             found, n = sum(hits), len(mine)
-            interval = None if name == BASELINE else paired
+            interval = (
+                None
+                if name == BASELINE
+                else paired_bootstrap([h - b for h, b in zip(hits, base)], worse_if_higher=False)
+            )
             rows.append(NeedleRow(length, name, found, n, by_depth, wilson(found, n), interval))
     return tuple(rows)
 

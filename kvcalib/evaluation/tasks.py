@@ -170,8 +170,14 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
 def check_data(manager: Any, options: TaskOptions) -> None:
     """Every task's data read before any model loads: one that cannot be read (offline, no copy) is refused."""
     for task in options.tasks:
-        hub = _hub_dataset(manager, task)
-        if hub is not None and not _offline_mode() and not _hub_reachable():
+        entry = getattr(manager, "task_index", {}).get(task)
+        hub = (getattr(entry, "cfg", None) or {}).get("dataset_path")
+        offline = any(
+            os.environ.get(v, "").lower() in ("1", "true", "yes")
+            for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+        )
+        local = not isinstance(hub, str) or hub in LOCAL_BUILDERS or Path(hub).exists()
+        if not local and not offline and not _hub_reachable():
             raise UsageError(
                 f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
                 hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` "
@@ -210,24 +216,6 @@ def _fewshot_pool(task: Any) -> int:
 
 
 LOCAL_BUILDERS = {"json", "arrow", "csv", "parquet", "text", "pandas"}
-
-
-def _hub_dataset(manager: Any, task: str) -> str | None:
-    """The hub dataset `task` reads (None: local files, or not known from its YAML)."""
-    entry = getattr(manager, "task_index", {}).get(task)
-    path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
-    return (
-        path
-        if isinstance(path, str) and path not in LOCAL_BUILDERS and not Path(path).exists()
-        else None
-    )
-
-
-def _offline_mode() -> bool:
-    return any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes")
-        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-    )
 
 
 @functools.cache
