@@ -32,7 +32,6 @@ __all__ = [
     "BLOCK",
     "ContextResult",
     "ContextRow",
-    "LongContext",
     "check_lengths",
     "evaluate_context",
     "forward_bytes",
@@ -262,25 +261,15 @@ def run_length(
     )
 
 
-@dataclass(frozen=True)
-class LongContext:
-    """What eval-context and eval-needle share before a forward: the prepared job, the text as tokens."""
-
-    job: Prepared
-    memory_bound: int
-    tokenizer: Any
-    stream: list[int]
-    prefix: list[int]
-
-
 def prepare_long_context(
     checkpoint: str | Path,
     dataset: str,
     lengths: tuple[int, ...],
     opts: Any,
     notify: ProgressCallback,
-) -> LongContext:
-    """Scales and lengths checked and the text read, before the model loads."""
+) -> tuple[Prepared, int, Any, list[int], list[int]]:
+    """What eval-context and eval-needle share before a forward, scales and lengths checked and the text read:
+    the prepared job, the memory bound, the tokenizer, the text as tokens and the prefix."""
     job = prepare_scales(checkpoint, opts)
     ckpt = job.run.checkpoint
     weight_bytes = sum(f.stat().st_size for f in ckpt.root.glob("*.safetensors"))
@@ -288,8 +277,7 @@ def prepare_long_context(
     bound = check_lengths(lengths, ckpt.config, ckpt.root, weight_bytes, available)
     notify(Progress("load-data"))
     tokenizer = job.tokenizer()
-    stream, prefix = packed_stream(dataset, tokenizer, opts.split, opts.text_column)
-    return LongContext(job, bound, tokenizer, stream, prefix)
+    return (job, bound, tokenizer, *packed_stream(dataset, tokenizer, opts.split, opts.text_column))
 
 
 def evaluate_context(
@@ -302,18 +290,15 @@ def evaluate_context(
 ) -> ContextResult:
     """eval-context (the module docstring); without `nll` (--saturation-only) no ΔNLL, one forward a sample."""
     started, notify = time.perf_counter(), progress or no_progress
-    long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
-    packed = {
-        length: pack(long.stream, long.prefix, length, opts.num_samples) for length in lengths
-    }
+    job, bound, _, stream, prefix = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
+    packed = {length: pack(stream, prefix, length, opts.num_samples) for length in lengths}
     for length, samples in packed.items():
         if not samples:
             raise DatasetError(
-                f"{dataset}: {len(long.stream)} tokens of text, too few for one sample of {length} "
+                f"{dataset}: {len(stream)} tokens of text, too few for one sample of {length} "
                 f"(--lengths {length})",
                 hint="pass a longer held-out text, or shorter lengths",
             )
-    job = long.job
     model = job.model(notify)
     forward = functools.partial(
         _last_quarter_nll, model=model, compute=job.compute, weights=Float32Weights()
@@ -327,8 +312,8 @@ def evaluate_context(
         str(checkpoint),
         opts.target,
         max_position_embeddings(job.run.checkpoint.config),
-        len(long.stream),
-        long.memory_bound,
+        len(stream),
+        bound,
         rows,
         time.perf_counter() - started,
     )

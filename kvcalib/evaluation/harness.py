@@ -48,18 +48,8 @@ class LoadedModel:
     weights: Float32Weights  # float32 copies of the weights, kept across forwards (when compute is emulated)
 
 
-def load(
-    checkpoint: str | Path,
-    dtype: str = "auto",
-    device: str = "cpu",
-    bf16_compute: str = "auto",
-    trust_remote_code: bool = False,
-    cpu: HostCpu | None = None,
-) -> LoadedModel:
+def load(checkpoint: str | Path, options: ModelOptions, cpu: HostCpu | None = None) -> LoadedModel:
     """The model as `kvcalib eval` loads it (faithful attention, the compute path for this CPU)."""
-    options = ModelOptions(
-        dtype=dtype, device=device, trust_remote_code=trust_remote_code, bf16_compute=bf16_compute
-    )
     job = Prepared.open(checkpoint, options, cpu or HostCpu.detect(with_capability=False))
     return LoadedModel(
         job.run.checkpoint, job.model(), job.tokenizer(), job.compute, Float32Weights()
@@ -93,7 +83,10 @@ class KvcalibLM(HFLM):
         self.loaded = loaded = (
             pretrained
             if isinstance(pretrained, LoadedModel)
-            else load(pretrained, dtype, device, bf16_compute, bool(trust_remote_code))
+            else load(
+                pretrained,
+                ModelOptions(dtype, device, bool(trust_remote_code), bf16_compute),
+            )
         )
         # lm-eval's model_args parser turns "none" into None
         self.scales = BASELINE if scales is None or str(scales).lower() == BASELINE else str(scales)

@@ -277,10 +277,12 @@ def summarise(
                 )
                 for d in depths
             )
-            differences = [h - b for h, b in zip(hits, base)]
-            paired = paired_bootstrap(differences, worse_if_higher=False)
             found, n = sum(hits), len(mine)
-            interval = None if name == BASELINE else paired
+            interval = (
+                None
+                if name == BASELINE
+                else paired_bootstrap([h - b for h, b in zip(hits, base)], worse_if_higher=False)
+            )
             rows.append(NeedleRow(length, name, found, n, by_depth, wilson(found, n), interval))
     return tuple(rows)
 
@@ -301,16 +303,15 @@ def evaluate_needle(
             f"--keys {keys}: the needle needs at least one key per length and depth",
             hint=f"pass --keys 1 or more (default {DEFAULT_KEYS})",
         )
-    long = prepare_long_context(checkpoint, dataset, lengths, opts, notify)
-    breaks = line_breaks(long.stream, long.tokenizer)
+    job, _, tokenizer, stream, prefix = prepare_long_context(
+        checkpoint, dataset, lengths, opts, notify
+    )
+    breaks = line_breaks(stream, tokenizer)
     prompts = [
         p
         for length in lengths
-        for p in needle_prompts(
-            long.stream, long.prefix, long.tokenizer, length, DEPTHS, keys, opts.seed, breaks
-        )
+        for p in needle_prompts(stream, prefix, tokenizer, length, DEPTHS, keys, opts.seed, breaks)
     ]
-    job = long.job
     model, weights = job.model(notify), Float32Weights()
     reads_fp8 = (opts.order or job.target.order) == fp8.GPU_ORDER
     trials, done, total = [], 0, sum(len(ids) for _, ids in prompts)
@@ -319,7 +320,7 @@ def evaluate_needle(
         with compute_path(job.compute, weights):
             answers = answer(model, ids, job.quantizers, reads_fp8, job.run.device)
         trials.append(
-            replace(trial, answers={name: long.tokenizer.decode(t) for name, t in answers.items()})
+            replace(trial, answers={name: tokenizer.decode(t) for name, t in answers.items()})
         )
         done += len(ids)
     return NeedleResult(

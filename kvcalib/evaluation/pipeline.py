@@ -102,11 +102,11 @@ class RunResult:
 
     @property
     def k_clipped(self) -> float:
-        return sum(s.k.clipped for s in self.layers) / max(len(self.layers), 1)
+        return sum(s.k.clipped for s in self.layers) / len(self.layers)
 
     @property
     def v_clipped(self) -> float:
-        return sum(s.v.clipped for s in self.layers) / max(len(self.layers), 1)
+        return sum(s.v.clipped for s in self.layers) / len(self.layers)
 
     def to_dict(self) -> dict[str, Any]:
         nll, accuracy = self.intervals
@@ -209,7 +209,7 @@ class _Totals:
         return top1
 
     def tokens(self) -> torch.Tensor:
-        return torch.cat(self.token_nll) if self.token_nll else torch.zeros(0, dtype=torch.float64)
+        return torch.cat(self.token_nll)  # evaluate scores one row at least
 
 
 def evaluate(

@@ -89,8 +89,6 @@ def paired_bootstrap(
     items resampled with replacement. None with fewer than MIN_ITEMS items or no weight at all."""
     d = torch.tensor([float(x) for x in differences], dtype=torch.float64)
     w = torch.tensor([1.0] * len(d) if weights is None else weights, dtype=torch.float64)
-    if d.shape != w.shape:
-        raise ValueError(f"{d.numel()} differences but {w.numel()} weights")
     n = d.numel()
     if n < MIN_ITEMS or w.sum() <= 0 or not d.isfinite().all():
         return None

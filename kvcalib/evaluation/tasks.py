@@ -33,6 +33,7 @@ __all__ = [
     "LmEvalOutput",
     "paired_rows",
     "require_lm_eval",
+    "run_lm_eval",
     "task_manager",
 ]
 
@@ -169,8 +170,14 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
 def check_data(manager: Any, options: TaskOptions) -> None:
     """Every task's data read before any model loads: one that cannot be read (offline, no copy) is refused."""
     for task in options.tasks:
-        hub = _hub_dataset(manager, task)
-        if hub is not None and not _offline_mode() and not _hub_reachable():
+        entry = getattr(manager, "task_index", {}).get(task)
+        hub = (getattr(entry, "cfg", None) or {}).get("dataset_path")
+        offline = any(
+            os.environ.get(v, "").lower() in ("1", "true", "yes")
+            for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+        )
+        local = not isinstance(hub, str) or hub in LOCAL_BUILDERS or Path(hub).exists()
+        if not local and not offline and not _hub_reachable():
             raise UsageError(
                 f"task {task} reads {hub} from the Hugging Face hub, which this machine cannot reach",
                 hint="lay out lm-eval's tasks with local data by `python scripts/prepare_tasks.py DIR` "
@@ -211,24 +218,6 @@ def _fewshot_pool(task: Any) -> int:
 LOCAL_BUILDERS = {"json", "arrow", "csv", "parquet", "text", "pandas"}
 
 
-def _hub_dataset(manager: Any, task: str) -> str | None:
-    """The hub dataset `task` reads (None: local files, or not known from its YAML)."""
-    entry = getattr(manager, "task_index", {}).get(task)
-    path = (getattr(entry, "cfg", None) or {}).get("dataset_path")
-    return (
-        path
-        if isinstance(path, str) and path not in LOCAL_BUILDERS and not Path(path).exists()
-        else None
-    )
-
-
-def _offline_mode() -> bool:
-    return any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes")
-        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-    )
-
-
 @functools.cache
 def _hub_reachable(host: str = "huggingface.co") -> bool:
     """A TCP connection to the hub within 3 s (once per process); else a download would retry for half a minute."""
@@ -252,9 +241,7 @@ def evaluate_tasks(
     check_data(manager, options)
     started = time.perf_counter()
     notify(Progress("load-model"))
-    loaded = harness.load(
-        checkpoint, options.dtype, options.device, options.bf16_compute, options.trust_remote_code
-    )
+    loaded = harness.load(checkpoint, options)
     runs = {
         BASELINE_NAME: (harness.BASELINE, options.target),
         **{name: (name, options.target) for name in (harness.CHECKPOINT, *options.compare)},
@@ -266,17 +253,7 @@ def evaluate_tasks(
         model = harness.KvcalibLM(
             loaded, target=target, scales=scales, batch_size=options.batch_size
         )
-        seeds = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
-        outputs[name] = lm_eval.simple_evaluate(
-            model=model,
-            tasks=list(options.tasks),
-            num_fewshot=options.num_fewshot,
-            limit=options.limit,
-            task_manager=manager,
-            log_samples=True,
-            bootstrap_iters=0,
-            **dict.fromkeys(seeds, options.seed),
-        )
+        outputs[name] = run_lm_eval(model, options, manager)
     rows = tuple(row for task in options.tasks for row in paired_rows(task, outputs))
     return TaskResult(
         checkpoint=str(checkpoint),
@@ -289,6 +266,24 @@ def evaluate_tasks(
         compute=loaded.compute.describe(),
         seconds=time.perf_counter() - started,
         lm_eval_version=getattr(lm_eval, "__version__", ""),
+    )
+
+
+def run_lm_eval(model: Any, options: TaskOptions, manager: Any, **more: Any) -> LmEvalOutput:
+    """lm-eval's simple_evaluate of `model` on `options.tasks`, every item logged, every seed options.seed."""
+    return require_lm_eval().simple_evaluate(
+        model=model,
+        tasks=list(options.tasks),
+        num_fewshot=options.num_fewshot,
+        limit=options.limit,
+        task_manager=manager,
+        log_samples=True,
+        bootstrap_iters=0,
+        **dict.fromkeys(
+            ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"),
+            options.seed,
+        ),
+        **more,
     )
 
 

@@ -18,6 +18,7 @@ from kvcalib.evaluation.tasks import (
     evaluate_tasks,
     paired_rows,
     require_lm_eval,
+    run_lm_eval,
     task_manager,
 )
 
@@ -119,9 +120,10 @@ def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:
 def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> LmEvalOutput:
     """The tasks against the server at `url`, through lm-eval's local-completions model (token ids sent as lm-eval
     tokenises them with the checkpoint's tokenizer, one request at a time)."""
-    lm_eval, seed = require_lm_eval(), spec.seed
-    return lm_eval.simple_evaluate(
-        model="local-completions",
+    return run_lm_eval(
+        "local-completions",
+        spec,
+        task_manager(spec),
         model_args={
             "model": str(checkpoint),
             "base_url": f"{url}/v1/completions",
@@ -131,15 +133,6 @@ def run_served_tasks(url: str, checkpoint: Path, spec: TaskSpec) -> LmEvalOutput
             "num_concurrent": 1,
             "max_retries": 2,
         },
-        tasks=list(spec.tasks),
-        limit=spec.limit,
-        task_manager=task_manager(spec),
-        log_samples=True,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-        bootstrap_iters=0,
     )
 
 

@@ -16,6 +16,7 @@ import kvcalib.evaluation.harness as harness
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
+from kvcalib.core.options import ModelOptions
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.tasks import TaskOptions, evaluate_tasks
 from kvcalib.hf.attention import ObservedCache
@@ -107,7 +108,7 @@ def test_eval_tasks_end_to_end(hf_run, calibrated, task_dir):
 def test_generation_decodes_from_the_quantised_cache(calibrated):
     """Prefill then one decoded token reads the same FP8 K/V as one prefill of the whole sequence; generation
     writes every new token's K/V through the quantiser."""
-    loaded = harness.load(calibrated, dtype="float32")
+    loaded = harness.load(calibrated, ModelOptions(dtype="float32"))
     quantizer = harness.quantizer_for(loaded, "checkpoint", "trn2")
     ids = torch.tensor([[5, 17, 23, 42, 8, 9, 11]])
     with torch.inference_mode():
@@ -139,7 +140,7 @@ def test_generation_decodes_from_the_quantised_cache(calibrated):
 def test_scoring_the_continuations_logits_only_changes_no_answer(calibrated, task_dir):
     """Under FP8 KV, logits are made for the last positions of each batch only (the longest continuation plus the
     padding): every log-likelihood and greedy flag is the one full logits give, in right-padded batches too."""
-    loaded = harness.load(calibrated, dtype="float32")
+    loaded = harness.load(calibrated, ModelOptions(dtype="float32"))
     kept, full = (harness.KvcalibLM(loaded, scales="checkpoint", batch_size=3) for _ in range(2))
     full._logits_to_keep = lambda inps: 0
     widths = []
