@@ -28,6 +28,7 @@ from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import DEFAULT_TARGET
 from kvcalib.core.options import Bf16Compute, Device, Dtype
 from kvcalib.core.progress import ProgressCallback
+from kvcalib.core.records import to_json
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
 from kvcalib.hf.mxfp4 import dequantize_mxfp4
 from kvcalib.serving.options import ServeOptions
@@ -151,7 +152,7 @@ def serve_calibrated(
     from kvcalib.calibration.card import summarize, write_card
 
     served = serve_check(result.output, device=serving.device, options=serving, progress=progress)
-    write_card(Path(result.output), summarize(result.validation), serve=served.to_dict())
+    write_card(Path(result.output), summarize(result.validation), serve=to_json(served))
     return dataclasses.replace(result, serve_check=served)
 
 

@@ -44,6 +44,7 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import (
     ATTN_HEAD,
     SCALES_FILENAME,
@@ -572,6 +573,6 @@ def _provenance(
         "observer": "static_minmax",
         "strategy": opts.strategy,
         "attention_scales": opts.attention_scales,
-        "layers": [layer.to_dict(keys=False) for layer in layers],
+        "layers": to_json(layers, drop=frozenset({"key"})),  # no tensor names
         **opts.extra_provenance,
     }

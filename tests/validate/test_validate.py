@@ -24,6 +24,7 @@ from kvcalib.core.errors import (
     CheckpointReadError,
     UnknownTargetError,
 )
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import (
     CONFIG_FILENAME,
     INDEX_FILENAME,
@@ -1248,7 +1249,7 @@ def test_report_to_dict_and_strict(tiny_llama: Path) -> None:
     strict = validate_checkpoint(tiny_llama, "trn3", strict=True)
     assert [f.rule for f in lenient.warnings] == ["SCALE-NONE"] and lenient.errors == ()
     assert (lenient.ok, strict.ok) == (True, False)
-    as_dict = json.loads(json.dumps(strict.to_dict()))
+    as_dict = json.loads(json.dumps(to_json(strict)))
     assert list(as_dict) == ["checkpoint", "target", "ok", "findings"]
     assert as_dict["ok"] is False and as_dict["target"] == "trn3"
     assert list(as_dict["findings"][0]) == ["rule", "severity", "message", "hint", "location"]
