@@ -1,4 +1,5 @@
-"""Every result's docstring names each key of its to_json() (its command's --json), so the README need not.
+"""Every result's docstring names each key of its to_json() (its command's --json), so the README need not; and
+to_json itself, the one serialiser, on a record of its own.
 
 Results come from real runs on the tiny Llama where one is cheap; the rest are built from their fields, whose
 to_json() keys do not depend on the values (the optional ones are all set)."""
@@ -171,3 +172,49 @@ def test_kv_cache_size_with_sliding_layers():
     size = kv_cache_size(config)
     assert size.windowed is not None
     assert_documented(KvCacheSize, to_json(size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    sqnr_db: float
+    absmax: float | None = None
+
+    OMIT_NONE = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    name: str
+    seconds: float
+    interval: tuple[float, ...]
+    costs: tuple[tuple[str, float], ...]
+    k: _Part
+    parts: dict[str, _Part]
+    hidden: str = "x"
+    key: str = "tensor"
+
+    JSON = {
+        "hidden": None,
+        "k": None,
+        "k_": "k",
+        "range": "interval",
+        "interval": None,
+        "size": lambda r: len(r.name),
+    }
+
+
+def test_to_json_writes_the_fields_and_only_the_declared_differences():
+    record = _Record(
+        "abc", 1.23456, (0.5, 1.5), (("a", 0.25),), _Part(30.0), {"v": _Part(20.0, 4.0)}
+    )
+    assert to_json(record) == {
+        "name": "abc",
+        "seconds": 1.235,  # a key ending in seconds: to the millisecond
+        "range": [0.5, 1.5],  # renamed: the tuple as a list
+        "costs": {"a": 0.25},  # (name, value) pairs as an object
+        "k_sqnr_db": 30.0,  # spread under the prefix; the None absmax left out (OMIT_NONE)
+        "parts": {"v": {"sqnr_db": 20.0, "absmax": 4.0}},
+        "key": "tensor",
+        "size": 3,
+    }
+    assert "key" not in to_json(record, drop=frozenset({"key"}))

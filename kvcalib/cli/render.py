@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -44,7 +45,7 @@ def progress_bar(
     console: Console, label: str = "calibrating", name: str = "calibrate"
 ) -> Iterator[Callable[[RunProgress], None]]:
     """A progress callback: on a terminal a rich bar (`label` and how far), elsewhere (a log, a pipe, CI) plain
-    lines, `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 9m12s`: a stage's first, and the observing's
+    lines, `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 0:09:12`: a stage's first, and the observing's
     at its start and end and at most every PLAIN_INTERVAL_S between."""
     bar = (
         Progress(
@@ -125,25 +126,18 @@ def _table(
     columns: Iterable[str],
     rows: Iterable[Iterable[str]],
     left: Iterable[str] = (),
-    **column: Any,
 ) -> Table:
-    """A table titled `title` with `columns` (right-justified but those in `left`) and `rows`."""
+    """A table titled `title` with `columns` (right-justified but those in `left`; a long cell folds) and `rows`."""
     table = Table(title=title)
     for name in columns:
-        table.add_column(name, justify="left" if name in left else "right", **column)
+        table.add_column(name, justify="left" if name in left else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
     return table
 
 
 def _duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    return (
-        (f"{hours}h" if hours else "")
-        + (f"{rest // 60}m" if hours or rest >= 60 else "")
-        + f"{rest % 60}s"
-    )
+    return str(timedelta(seconds=round(max(seconds, 0))))  # 0:09:12
 
 
 def _chosen(choice: ScaleChoice | None) -> str:
@@ -325,7 +319,7 @@ def render_report(console: Console, report: ValidationReport) -> None:
             for f in report.findings
         )
         title = f"validate {report.checkpoint} for {report.target}"
-        console.print(_table(title, columns, rows, columns, overflow="fold"))
+        console.print(_table(title, columns, rows, columns))
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     console.print(
         f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
@@ -389,7 +383,6 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
             for run in result.runs
         ),
         ("scales", "kind"),
-        overflow="fold",
     )
     console.print(table)
     order = (
@@ -459,7 +452,6 @@ def render_context(console: Console, result: ContextResult) -> None:
             for row in result.rows
         ),
         ("scales",),
-        overflow="fold",
     )
     console.print(table)
     console.print(
@@ -499,7 +491,6 @@ def render_needle(console: Console, result: NeedleResult) -> None:
             for row in result.rows
         ),
         ("scales", "verdict"),
-        overflow="fold",
     )
     console.print(table)
     _line(
@@ -543,7 +534,6 @@ def render_tasks(console: Console, result: TaskResult) -> None:
             for name, score in row.scores.items()
         ),
         ("task", "metric", "scales", "verdict"),
-        overflow="fold",
     )
     console.print(table)
     console.print(

@@ -64,7 +64,7 @@ def render_serve_check(console: Console, result: ServeCheckResult, notes: list[s
         for p in result.prompts
     )
     title = escape(f"serve-check {result.checkpoint} on {result.device}")
-    console.print(_table(title, columns, rows, columns, overflow="fold"))
+    console.print(_table(title, columns, rows, columns))
     baseline = f", baseline {result.nll_baseline:.3f}" if result.nll_baseline is not None else ""
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
     baseline_ready = (
@@ -135,7 +135,6 @@ def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> No
             for row in rows
         ),
         ("task", "metric"),
-        overflow="fold",
     )
     console.print(table)
     for row in rows:
