@@ -25,6 +25,7 @@ from kvcalib.api import (
     serve_check,
     validate,
 )
+from kvcalib.core.records import to_json
 
 __all__ = [
     "__version__",
@@ -36,6 +37,7 @@ __all__ = [
     "evaluate_tasks",
     "plan",
     "serve_check",
+    "to_json",
     "validate",
 ]
 

@@ -20,6 +20,7 @@ from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, Mac
 from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import DEFAULT_TARGET
 from kvcalib.core.progress import ProgressCallback
+from kvcalib.core.records import to_json
 from kvcalib.evaluation.options import EvalOptions, TaskOptions
 from kvcalib.hf.mxfp4 import dequantize_mxfp4
 from kvcalib.serving.options import ServeOptions
@@ -156,7 +157,7 @@ def serve_calibrated(
     from kvcalib.serving.pipeline import serve_check as run
 
     served = _logged(run(Path(result.output), serving, progress, machine.memory.available))
-    write_card(Path(result.output), summarize(result.validation), serve=served.to_dict())
+    write_card(Path(result.output), summarize(result.validation), serve=to_json(served))
     return dataclasses.replace(result, serve_check=served)
 
 

@@ -179,6 +179,8 @@ def table(name: str, nll: dict, tasks: dict) -> str:
 
 
 def main() -> None:
+    import kvcalib
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "models",
@@ -215,16 +217,14 @@ def main() -> None:
             json.dumps(
                 {
                     "nll": {
-                        f"{t} {s}": [d, None if i is None else i.to_dict()]
+                        f"{t} {s}": [d, kvcalib.to_json(i)]
                         for (t, s), (d, i) in nll["rows"].items()
                     },
                     "tokens": nll["tokens"],
                     "baseline": tasks["baseline"],
                     "items": tasks["items"],
                     "tasks": {
-                        f"{t} {s}": {
-                            k: [v, None if i is None else i.to_dict()] for k, (v, i) in r.items()
-                        }
+                        f"{t} {s}": {k: [v, kvcalib.to_json(i)] for k, (v, i) in r.items()}
                         for (t, s), r in tasks["rows"].items()
                     },
                 },

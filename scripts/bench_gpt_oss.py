@@ -283,7 +283,7 @@ def child_calibrate(args: argparse.Namespace) -> None:
                 "objective_s": result.objective_seconds,
                 "search_s": search_s,
                 "step_s": step_s,
-                "output_step": result.output_step.to_dict() if result.output_step else None,
+                "output_step": kvcalib.to_json(result.output_step),
                 "world": int(os.environ.get("WORLD_SIZE", "1")),
                 "tokens": result.num_tokens,
                 "layers": [marks[k] for k in sorted(marks)],

@@ -52,7 +52,7 @@ r = kvcalib.calibrate(model, data, out, engine=engine, num_samples=int(samples),
 peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB, the VmHWM
 print(json.dumps({"peak_rss": peak_rss, "tokens_per_s": r.tokens_per_s, "seconds": r.seconds,
                   "objective_seconds": r.objective_seconds, "warnings": r.warnings,
-                  "step": r.output_step and r.output_step.to_dict(),
+                  "step": kvcalib.to_json(r.output_step),
                   "absmax": [[l.k.absmax, l.v.absmax] for l in r.layers],
                   "scales": [[l.k.scale, l.v.scale] for l in r.layers]}))
 """

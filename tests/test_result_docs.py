@@ -1,7 +1,8 @@
-"""Every result's docstring names each key of its to_dict() (its command's --json), so the README need not.
+"""Every result's docstring names each key of its to_json() (its command's --json), so the README need not; and
+to_json itself, the one serialiser, on a record of its own.
 
 Results come from real runs on the tiny Llama where one is cheap; the rest are built from their fields, whose
-to_dict() keys do not depend on the values (the optional ones are all set)."""
+to_json() keys do not depend on the values (the optional ones are all set)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvcalib.calibration.options import (
 )
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.calibration.plan import CalibrationPlan, Probe, plan_calibration
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import KvCacheSize, kv_cache_size
 from kvcalib.evaluation.context import ContextResult, ContextRow, evaluate_context
 from kvcalib.evaluation.emulate import KindQuantStats, LayerQuantStats
@@ -61,14 +63,14 @@ def test_calibrate_and_its_layers(tiny_llama_master, text_dataset, tmp_path):
             target="gpu", strategy="attn_head", attention_scales=True, num_samples=4, max_seq_len=32
         ),
     )
-    payload = result.to_dict()
+    payload = to_json(result)
     assert_documented(CalibrationResult, payload)
     assert_documented(LayerScales, payload["layers"][0])
     k, q = payload["layers"][0]["k"], payload["layers"][0]["q"]
     assert {"head_scales", "range", "choice"} <= set(k)
     assert_documented(KindScales, {**q, **k})
     assert_documented(KvCacheSize, payload["kv_cache"])
-    assert_documented(StepReport, every_field(StepReport).to_dict())
+    assert_documented(StepReport, to_json(every_field(StepReport)))
 
 
 def test_calibrate_plan(tiny_llama_master, text_dataset, tmp_path):
@@ -76,39 +78,39 @@ def test_calibrate_plan(tiny_llama_master, text_dataset, tmp_path):
         tiny_llama_master, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL)
     )
     assert plan.ok
-    assert_documented(CalibrationPlan, plan.to_dict())
-    assert_documented(Probe, plan.to_dict()["probe"])
+    assert_documented(CalibrationPlan, to_json(plan))
+    assert_documented(Probe, to_json(plan)["probe"])
 
 
 def test_validate(tiny_llama_master):
     report = validate_checkpoint(tiny_llama_master, "trn2")  # no scales: findings
     assert report.findings
-    assert_documented(ValidationReport, report.to_dict())
-    assert_documented(Finding, every_field(Finding, "x", severity="error").to_dict())
+    assert_documented(ValidationReport, to_json(report))
+    assert_documented(Finding, to_json(every_field(Finding, "x", severity="error")))
 
 
 def test_eval(calibrated, text_dataset):
     result = evaluate(calibrated, str(text_dataset), EvalOptions(compare=("unit",), **SMALL))
-    payload = result.to_dict()
+    payload = to_json(result)
     assert_documented(EvalResult, payload)
     assert_documented(RunResult, payload["runs"][0])
     assert_documented(Interval, payload["runs"][0]["delta_nll_interval"])
     kind = every_field(KindQuantStats)
     layer = every_field(LayerQuantStats, k=kind, v=kind, q=KindQuantStats(1.0, 1.0))
-    assert_documented(LayerQuantStats, layer.to_dict())
+    assert_documented(LayerQuantStats, to_json(layer))
     assert_documented(KindQuantStats, dataclasses.asdict(kind))
 
 
 def test_eval_context_and_needle(calibrated, text_dataset):
-    context = evaluate_context(
-        calibrated, str(text_dataset), (32,), EvalOptions(num_samples=1)
-    ).to_dict()
+    context = to_json(
+        evaluate_context(calibrated, str(text_dataset), (32,), EvalOptions(num_samples=1))
+    )
     assert_documented(ContextResult, context)
     assert_documented(ContextRow, context["rows"][0])
     needle = evaluate_needle(
         calibrated, str(text_dataset), (300,), EvalOptions(dtype="float32"), keys=1
     )
-    assert_documented(NeedleResult, needle.to_dict())
+    assert_documented(NeedleResult, to_json(needle))
 
 
 def test_eval_tasks():
@@ -116,15 +118,15 @@ def test_eval_tasks():
     row = TaskRow(
         "task", "acc", "none", 4, True, 0.5, {"checkpoint": 0.5}, {"checkpoint": interval}
     )
-    assert_documented(TaskRow, row.to_dict())
+    assert_documented(TaskRow, to_json(row))
     assert_documented(
-        TaskResult, TaskResult("ckpt", "trn2", ("task",), (row,), ("checkpoint",), 4, 0).to_dict()
+        TaskResult, to_json(TaskResult("ckpt", "trn2", ("task",), (row,), ("checkpoint",), 4, 0))
     )
 
 
 @pytest.mark.parametrize("cls", [PromptResult, CanaryResult, KvCapacity])
 def test_serve_check_parts(cls):
-    assert_documented(cls, every_field(cls, "x").to_dict())
+    assert_documented(cls, to_json(every_field(cls, "x")))
 
 
 def test_serve_check():
@@ -133,9 +135,9 @@ def test_serve_check():
     canary = CanaryResult(True, 1 / 64, 3.0, 0.2, "the scales are applied")
     scores = TaskScores(0.5, 0.25, interval, "worse")
     row = ServedTaskRow("task", "acc", "none", 4, scores, scores, "trn2")
-    assert_documented(ServedTaskRow, row.to_dict())
-    assert_documented(TaskScores, scores.to_dict())
-    assert_documented(DeltaIntervals, DeltaIntervals(interval, interval, interval).to_dict())
+    assert_documented(ServedTaskRow, to_json(row))
+    assert_documented(TaskScores, to_json(scores))
+    assert_documented(DeltaIntervals, to_json(DeltaIntervals(interval, interval, interval)))
     result = ServeCheckResult(
         "ckpt",
         "cpu",
@@ -154,7 +156,7 @@ def test_serve_check():
         "0.0",
         canary=canary,
     )
-    assert_documented(ServeCheckResult, result.to_dict())
+    assert_documented(ServeCheckResult, to_json(result))
 
 
 def test_kv_cache_size_with_sliding_layers():
@@ -169,4 +171,50 @@ def test_kv_cache_size_with_sliding_layers():
     }
     size = kv_cache_size(config)
     assert size.windowed is not None
-    assert_documented(KvCacheSize, size.to_dict())
+    assert_documented(KvCacheSize, to_json(size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    sqnr_db: float
+    absmax: float | None = None
+
+    OMIT_NONE = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    name: str
+    seconds: float
+    interval: tuple[float, ...]
+    costs: tuple[tuple[str, float], ...]
+    k: _Part
+    parts: dict[str, _Part]
+    hidden: str = "x"
+    key: str = "tensor"
+
+    JSON = {
+        "hidden": None,
+        "k": None,
+        "k_": "k",
+        "range": "interval",
+        "interval": None,
+        "size": lambda r: len(r.name),
+    }
+
+
+def test_to_json_writes_the_fields_and_only_the_declared_differences():
+    record = _Record(
+        "abc", 1.23456, (0.5, 1.5), (("a", 0.25),), _Part(30.0), {"v": _Part(20.0, 4.0)}
+    )
+    assert to_json(record) == {
+        "name": "abc",
+        "seconds": 1.235,  # a key ending in seconds: to the millisecond
+        "range": [0.5, 1.5],  # renamed: the tuple as a list
+        "costs": {"a": 0.25},  # (name, value) pairs as an object
+        "k_sqnr_db": 30.0,  # spread under the prefix; the None absmax left out (OMIT_NONE)
+        "parts": {"v": {"sqnr_db": 20.0, "absmax": 4.0}},
+        "key": "tensor",
+        "size": 3,
+    }
+    assert "key" not in to_json(record, drop=frozenset({"key"}))

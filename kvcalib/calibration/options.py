@@ -208,12 +208,7 @@ class KindScales:
     range: float | None = None
     choice: ScaleChoice | None = None
 
-    def to_dict(self, keys: bool = True) -> dict[str, Any]:
-        return {
-            k: list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, ScaleChoice) else v
-            for k, v in vars(self).items()
-            if v is not None and (keys or k != "key")
-        }
+    OMIT_NONE = True
 
 
 @dataclass(frozen=True)
@@ -230,10 +225,7 @@ class LayerScales:
             kind: s for kind, s in (("k", self.k), ("v", self.v), ("q", self.q)) if s is not None
         }
 
-    def to_dict(
-        self, keys: bool = True
-    ) -> dict[str, Any]:  # keys=False: no tensor names (the provenance's)
-        return {"layer": self.layer, **{kind: s.to_dict(keys) for kind, s in self.kinds().items()}}
+    OMIT_NONE = True
 
 
 @dataclass(frozen=True)
@@ -261,13 +253,12 @@ class StepReport:
     non_finite: tuple[str, ...] | None = None
     skipped: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+    OMIT_NONE = True
 
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """What `calibrate` wrote; to_dict() is its --json (with --serve-check, its "calibration", beside "serve_check": the
+    """What `calibrate` wrote; to_json() is its --json (with --serve-check, its "calibration", beside "serve_check": the
     ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens, token_budget (why that
     many), seconds, tokens_per_s
     (of observing), objective_seconds (the scale objective's search and whole-model step), compute (the compute path),
@@ -297,23 +288,4 @@ class CalibrationResult:
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.observe_seconds if self.observe_seconds > 0 else float("nan")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "output": self.output,
-            "model": self.model,
-            "target": self.target,
-            "fp8_max": self.fp8_max,
-            "num_samples": self.num_samples,
-            "num_tokens": self.num_tokens,
-            "token_budget": self.token_budget,
-            "seconds": round(self.seconds, 3),
-            "tokens_per_s": round(self.tokens_per_s, 1),
-            "compute": self.compute,
-            "scale_objective": self.scale_objective,
-            "objective_seconds": round(self.objective_seconds, 3),
-            "output_step": self.output_step and self.output_step.to_dict(),
-            "layers": [layer.to_dict() for layer in self.layers],
-            "warnings": list(self.warnings),
-            "validation": self.validation and self.validation.to_dict(),
-            "kv_cache": self.kv_cache and self.kv_cache.to_dict(),
-        }
+    JSON = {"observe_seconds": None, "serve_check": None, "tokens_per_s": "tokens_per_s"}

@@ -49,6 +49,7 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.errors import UsageError, ValidationFailedError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import (
     ATTN_HEAD,
     SCALES_FILENAME,
@@ -561,6 +562,6 @@ def _provenance(
         "observer": "static_minmax",
         "strategy": plan.recipe.strategy,
         "attention_scales": plan.attention_scales,
-        "layers": [layer.to_dict(keys=False) for layer in layers],
+        "layers": to_json(layers, drop=frozenset({"key"})),  # no tensor names
         **plan.provenance,
     }

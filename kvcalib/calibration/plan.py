@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +71,7 @@ class Estimate:
     def total(self) -> float:
         return self.load + self.observe + self.objective + self.step + self.write
 
-    def to_dict(self) -> dict[str, float]:
-        return {
-            k: round(getattr(self, k), 2)
-            for k in ("load", "observe", "objective", "step", "write", "total")
-        }
+    JSON = {"total": "total"}
 
 
 @dataclass(frozen=True)
@@ -108,13 +104,10 @@ class Probe:
     layer_load_seconds: float
     setup_seconds: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class CalibrationPlan:
-    """What `calibrate` would do; to_dict() is `calibrate --plan --json`. model, output, refusals (what would stop the
+    """What `calibrate` would do; to_json() is `calibrate --plan --json`. model, output, refusals (what would stop the
     run; then the rest is null or 0), target, engine, engine_reason, compute, num_layers, num_samples, num_tokens,
     token_budget (why that many), weight_bytes (in the calibration dtype), peak_memory_bytes (estimated),
     memory_limit_bytes, memory_source (null: no limit), weights_linked (or copied), output_bytes (new on its
@@ -148,14 +141,11 @@ class CalibrationPlan:
     def ok(self) -> bool:
         return not self.refusals
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "estimate"},
-            "refusals": list(self.refusals),
-            "probe": self.probe.to_dict() if self.probe else {},
-            "kv_cache": self.kv_cache and self.kv_cache.to_dict(),
-            "estimate_seconds": None if self.estimate is None else self.estimate.to_dict(),
-        }
+    JSON = {
+        "estimate": None,
+        "estimate_seconds": "estimate",
+        "probe": lambda plan: plan.probe or {},
+    }
 
 
 def plan_calibration(

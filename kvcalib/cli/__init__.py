@@ -1,5 +1,5 @@
 """The `kvcalib` command line: a thin Typer shell over the library, the only package that imports typer or rich.
-Each command parses, calls one library function and renders: `--json` prints the result's `to_dict()` on stdout,
+Each command parses, calls one library function and renders: `--json` prints the result's `to_json` on stdout,
 everything for humans goes to stderr; `KvcalibError` is the one error boundary (kvcalib.cli.common)."""
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def calibrate(
 def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
     render(console, result, *args)
     if as_json:
-        _print_json(result.to_dict())
+        _print_json(result)
 
 
 def _report_calibration(
@@ -180,7 +180,7 @@ def _report_calibration(
         served = api.serve_calibrated(result, serving, machine, on_event).serve_check
     render_serve_check(console, served, notes)
     if as_json:
-        _print_json({"calibration": result.to_dict(), "serve_check": served.to_dict()})
+        _print_json({"calibration": result, "serve_check": served})
     raise typer.Exit(0 if served.ok else 1)
 
 

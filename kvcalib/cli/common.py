@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvcalib.core.errors import KvcalibError
+from kvcalib.core.records import to_json
 
 __all__ = ["Interrupted", "_errors", "_print_json", "_stderr", "captured_notes"]
 
@@ -86,5 +87,5 @@ def captured_notes() -> Iterator[list[str]]:
         logger.propagate = propagate
 
 
-def _print_json(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(to_json(obj), indent=2, sort_keys=True) + "\n")

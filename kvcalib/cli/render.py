@@ -6,11 +6,12 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvcalib.core import fp8
@@ -43,50 +44,63 @@ __all__ = [
 def progress_bar(
     console: Console, label: str = "calibrating", name: str = "calibrate"
 ) -> Iterator[Callable[[RunProgress], None]]:
-    """A progress callback: the rich bar on a terminal, plain `name: ...` lines elsewhere (a log, a pipe, CI)."""
-    if not console.is_terminal:
-        yield plain_progress(console, name)
-        return
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[samples]} samples"),
-        TextColumn("{task.fields[tokens]} tok"),
-        TextColumn("{task.fields[rate]} tok/s"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
+    """A progress callback: on a terminal a rich bar (`label` and how far), elsewhere (a log, a pipe, CI) plain
+    lines, `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 0:09:12`: a stage's first, and the observing's
+    at its start and end and at most every PLAIN_INTERVAL_S between."""
+    bar = (
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        if console.is_terminal
+        else None
     )
-    task = bar.add_task("starting", total=None, samples="-", tokens="-", rate="-")
-    observe_started: list[float] = []
+    task = bar.add_task("starting", total=None) if bar else None
+    stage = started = last = None
+    finished = False
 
     def on_progress(p: RunProgress) -> None:
-        if not bar.live.is_started:
+        nonlocal stage, started, last, finished
+        now, was, stage = time.monotonic(), stage, p.stage
+        if bar and not bar.live.is_started:
             bar.start()
         if p.stage != "observe":
-            bar.update(task, description=_STAGES.get(p.stage, p.stage))
+            if bar:
+                bar.update(task, description=_STAGES.get(p.stage, p.stage))
+            elif p.stage != was:
+                _line(console, f"{name}: {_STAGES.get(p.stage, p.stage)}")
             return
-        if not observe_started:
-            observe_started.append(time.perf_counter())
-        elapsed = time.perf_counter() - observe_started[0]
-        rate = f"{p.tokens_done / elapsed:,.0f}" if elapsed > 0 and p.tokens_done else "-"
-        where = f" layer {p.layer + 1}/{p.num_layers}" if p.num_layers else ""
-        bar.update(
-            task,
-            description=label + where,
-            total=p.tokens_total,
-            completed=p.tokens_done,
-            samples=f"{p.samples_done}/{p.samples_total}",
-            tokens=f"{p.tokens_done:,}/{p.tokens_total:,}",
-            rate=rate,
+        started, layers = started or now, p.num_layers
+        done = p.tokens_done >= p.tokens_total and (not layers or p.layer + 1 == layers)
+        if (
+            not bar
+            and last is not None
+            and now - last < PLAIN_INTERVAL_S
+            and (finished or not done)
+        ):
+            return
+        last, finished = now, done
+        rate = p.tokens_done / (now - started) if now > started and p.tokens_done else 0.0
+        where = f" layer {p.layer + 1}/{layers}," if layers else ""
+        eta = _duration((p.tokens_total - p.tokens_done) / rate) if rate else "-"
+        text = (
+            f"{where} {p.samples_done}/{p.samples_total} samples, {p.tokens_done:,} tokens, "
+            f"{rate:,.0f} tok/s, ETA {eta}"
         )
+        if bar:
+            bar.update(
+                task, description=label + text, total=p.tokens_total, completed=p.tokens_done
+            )
+        else:
+            _line(console, name + ":" + text)
 
     try:
         yield on_progress
     finally:
-        if bar.live.is_started:
+        if bar and bar.live.is_started:
             bar.stop()
 
 
@@ -102,62 +116,28 @@ _STAGES = {
 }
 
 
-def plain_progress(console: Console, name: str) -> Callable[[RunProgress], None]:
-    """Progress as plain lines: `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 9m12s`."""
-    state: dict[str, Any] = {"stage": None, "started": None, "last": None, "finished": False}
-
-    def on_progress(p: RunProgress) -> None:
-        now = time.monotonic()
-        if p.stage != "observe":
-            if p.stage != state["stage"]:
-                console.print(
-                    f"{name}: {_STAGES.get(p.stage, p.stage)}", markup=False, highlight=False
-                )
-            state["stage"] = p.stage
-            return
-        state["stage"] = "observe"
-        state["started"] = state["started"] or now
-        layers = p.num_layers
-        finished = p.tokens_done >= p.tokens_total and (not layers or p.layer + 1 == layers)
-        due = (
-            state["last"] is None
-            or now - state["last"] >= PLAIN_INTERVAL_S
-            or (finished and not state["finished"])
-        )
-        if not due:
-            return
-        state["last"], state["finished"] = now, finished
-        elapsed = now - state["started"]
-        rate = p.tokens_done / elapsed if elapsed > 0 and p.tokens_done else 0.0
-        where = f" layer {p.layer + 1}/{layers}," if layers else ""
-        eta = _duration((p.tokens_total - p.tokens_done) / rate) if rate else "-"
-        console.print(
-            f"{name}:{where} {p.samples_done}/{p.samples_total} samples, {p.tokens_done:,} tokens, "
-            f"{rate:,.0f} tok/s, ETA {eta}",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-        )
-
-    return on_progress
+def _line(console: Console, text: str, **style: Any) -> None:
+    """`text` as it is (no markup, no highlighting), wrapped by the terminal rather than by rich."""
+    console.print(text, soft_wrap=True, markup=False, highlight=False, **style)
 
 
-def _table(title: str, columns: Iterable[str], left: Iterable[str] = (), **column: Any) -> Table:
-    """A table titled `title` with `columns`, right-justified but those in `left`."""
+def _table(
+    title: str,
+    columns: Iterable[str],
+    rows: Iterable[Iterable[str]],
+    left: Iterable[str] = (),
+) -> Table:
+    """A table titled `title` with `columns` (right-justified but those in `left`; a long cell folds) and `rows`."""
     table = Table(title=title)
     for name in columns:
-        table.add_column(name, justify="left" if name in left else "right", **column)
+        table.add_column(name, justify="left" if name in left else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
 def _duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    return (
-        (f"{hours}h" if hours else "")
-        + (f"{rest // 60}m" if hours or rest >= 60 else "")
-        + f"{rest % 60}s"
-    )
+    return str(timedelta(seconds=round(max(seconds, 0))))  # 0:09:12
 
 
 def _chosen(choice: ScaleChoice | None) -> str:
@@ -229,7 +209,7 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
     rule = (
         f"the {result.scale_objective} objective (FP8 max {result.fp8_max:g})"
         if searched
-        else "absmax / " + f"{result.fp8_max:g}"
+        else f"absmax / {result.fp8_max:g}"
     )
     table = _table(
         f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
@@ -243,16 +223,19 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
             *(("k chosen", "v chosen") if searched else ()),
             *(("q absmax", "q_scale") if queries else ()),
         ),
+        (
+            (
+                str(layer.layer),
+                *(
+                    f"{x:.4g}"
+                    for x in (layer.k.absmax, layer.v.absmax, layer.k.scale, layer.v.scale)
+                ),
+                *(_chosen(s.choice) for s in (layer.k, layer.v) if searched),
+                *((f"{layer.q.absmax:.4g}", f"{layer.q.scale:.4g}") if queries else ()),
+            )
+            for layer in result.layers
+        ),
     )
-    for layer in result.layers:
-        k, v, q = layer.k, layer.v, (layer.q.absmax, layer.q.scale) if queries else ()
-        chosen = tuple(_chosen(s.choice) for s in (k, v)) if searched else ()
-        table.add_row(
-            str(layer.layer),
-            *(f"{x:.4g}" for x in (k.absmax, v.absmax, k.scale, v.scale)),
-            *chosen,
-            *(f"{x:.4g}" for x in q),
-        )
     console.print(table)
     if searched:
         _print_objective(console, result)
@@ -264,14 +247,15 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
             f"validation: [green]ok[/] for {result.target}"
             + (f" ({n_warn} warning(s))" if n_warn else "")
         )
-    console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
+    _line(console, f"compute: {result.compute}")
     if result.kv_cache is not None:
-        console.print(f"KV cache: {result.kv_cache.describe()}", soft_wrap=True, markup=False)
-    console.print(
+        _line(console, f"KV cache: {result.kv_cache.describe()}")
+    _line(
+        console,
         f"wrote {result.output}: {result.num_samples} samples, {result.num_tokens:,} tokens, "
-        f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all"
+        f"{result.tokens_per_s:,.0f} tok/s, {result.seconds:.1f} s in all",
     )
-    console.print(f"tokens: {result.token_budget}", soft_wrap=True, markup=False)  # why that many
+    _line(console, f"tokens: {result.token_budget}")  # why that many
 
 
 def _size(n: int) -> str:
@@ -280,80 +264,62 @@ def _size(n: int) -> str:
 
 def render_plan(console: Console, plan: CalibrationPlan) -> None:
     """calibrate --plan: what would stop the run, else the engine, memory, disk and the estimated time."""
-    if plan.refusals:
-        for refusal in plan.refusals:
-            console.print(f"[red]calibrate would stop:[/] {escape(refusal)}", soft_wrap=True)
-        console.print("plan: nothing written")
-        return
-    est, probe = plan.estimate, plan.probe
-    available = (
-        f"{_size(plan.memory_limit_bytes)}, {plan.memory_source})"
-        if plan.memory_limit_bytes
-        else "unknown)"
-    )
-    rows = [
-        ("target", plan.target),
-        ("engine", plan.engine + (f" ({plan.engine_reason})" if plan.engine_reason else "")),
-        ("compute", plan.compute),
-        (
-            "samples",
-            f"{plan.num_samples:,} ({plan.num_tokens:,} tokens: {plan.token_budget}), "
+    for refusal in plan.refusals:
+        console.print(f"[red]calibrate would stop:[/] {escape(refusal)}", soft_wrap=True)
+    if not plan.refusals:
+        est, probe = plan.estimate, plan.probe
+        available = (
+            f"{_size(plan.memory_limit_bytes)}, {plan.memory_source}"
+            if plan.memory_limit_bytes
+            else "unknown"
+        )
+        rows = {
+            "target": plan.target,
+            "engine": plan.engine + (f" ({plan.engine_reason})" if plan.engine_reason else ""),
+            "compute": plan.compute,
+            "samples": f"{plan.num_samples:,} ({plan.num_tokens:,} tokens: {plan.token_budget}), "
             f"{plan.num_layers} layers",
-        ),
-        (
-            "peak memory",
-            f"~{_size(plan.peak_memory_bytes)} (weights {_size(plan.weight_bytes)}; available {available}",
-        ),
-        (
-            "output",
-            f"{_size(plan.output_bytes)} new, weights {'hard-linked' if plan.weights_linked else 'copied'}; "
-            f"{_size(plan.free_bytes)} free",
-        ),
-        ("scratch", _size(plan.scratch_bytes) if plan.scratch_bytes else "none"),
-        (
-            "KV cache",
-            plan.kv_cache.describe()
+            "peak memory": f"~{_size(plan.peak_memory_bytes)} (weights {_size(plan.weight_bytes)}; "
+            f"available {available})",
+            "output": f"{_size(plan.output_bytes)} new, weights "
+            f"{'hard-linked' if plan.weights_linked else 'copied'}; {_size(plan.free_bytes)} free",
+            "scratch": _size(plan.scratch_bytes) if plan.scratch_bytes else "none",
+            "KV cache": plan.kv_cache.describe()
             if plan.kv_cache
             else "unknown (config.json's layers, heads, head_dim)",
-        ),
-        (
-            "probe",
-            f"{probe.batches} batch(es), {probe.layers} layer(s), {probe.tokens:,} tokens: "
+            "probe": f"{probe.batches} batch(es), {probe.layers} layer(s), {probe.tokens:,} tokens: "
             f"{probe.seconds:.1f} s",
-        ),
-        (
-            "estimate",
-            f"{_duration(est.total)} (load {est.load:.0f} s, observe {est.observe:.0f} s, objective "
-            f"{est.objective:.0f} s, step {est.step:.0f} s, write {est.write:.0f} s)",
-        ),
-    ]
-    table = Table(
-        title=f"calibrate --plan: {escape(plan.model)} -> {escape(plan.output)}", show_header=False
-    )
-    table.add_column("", style="bold")
-    table.add_column("", overflow="fold")
-    for name, value in rows:
-        table.add_row(name, escape(str(value)))
-    console.print(table)
+            "estimate": f"{_duration(est.total)} (load {est.load:.0f} s, observe {est.observe:.0f} s, "
+            f"objective {est.objective:.0f} s, step {est.step:.0f} s, write {est.write:.0f} s)",
+        }
+        table = Table(
+            title=f"calibrate --plan: {escape(plan.model)} -> {escape(plan.output)}",
+            show_header=False,
+        )
+        table.add_column("", style="bold")
+        table.add_column("", overflow="fold")
+        for name, value in rows.items():
+            table.add_row(name, escape(str(value)))
+        console.print(table)
     console.print("plan: nothing written")
 
 
 def render_report(console: Console, report: ValidationReport) -> None:
     if report.findings:
         columns = ("rule", "severity", "where", "message", "hint")
-        table = _table(
-            f"validate {report.checkpoint} for {report.target}", columns, columns, overflow="fold"
-        )
         colors = {"error": "red", "warning": "yellow", "info": "cyan"}
-        for f in report.findings:
-            table.add_row(
+        rows = (
+            (
                 f.rule,
-                f"[{colors.get(f.severity, 'white')}]{f.severity}[/]",
+                f"[{colors[f.severity]}]{f.severity}[/]",
                 f.location or "",
                 f.message,
                 f.hint or "",
             )
-        console.print(table)
+            for f in report.findings
+        )
+        title = f"validate {report.checkpoint} for {report.target}"
+        console.print(_table(title, columns, rows, columns))
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     console.print(
         f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
@@ -372,8 +338,13 @@ def _spread(interval: Interval | None, fmt: str = "+.4f") -> str:
     return f"{interval.estimate:{fmt}} [{interval.low:{fmt}}, {interval.high:{fmt}}]"
 
 
-def _worst(values: list[tuple[float, int]], fmt: str) -> str:
-    return "-" if not values else (fmt + " (layer {})").format(*max(values))
+def _worst(layers: Iterable[Any], name: str, fmt: str) -> str:
+    """The layers' largest `name` and its layer; "-" where none measured it."""
+    value, layer = max(
+        ((getattr(s, name), s.layer) for s in layers if getattr(s, name) is not None),
+        default=(None, 0),
+    )
+    return "-" if value is None else f"{value:{fmt}} (layer {layer})"
 
 
 def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -> None:
@@ -394,53 +365,42 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
             "V SQNR",
             "Q SQNR",
         ),
+        (
+            (
+                run.name,
+                run.kind,
+                f"{run.delta_nll:+.4f}",
+                f"{run.kl:.5f}",
+                f"{run.top1:.2%}",
+                f"{run.k_clipped:.2%}",
+                f"{run.v_clipped:.2%}",
+                _worst(run.layers, "attention_error", ".3f"),
+                _worst(run.layers, "kl_alone", ".5f"),
+                f"{min(s.k.sqnr_db for s in run.layers):.1f}",
+                f"{min(s.v.sqnr_db for s in run.layers):.1f}",
+                _num(min((s.q.sqnr_db for s in run.layers if s.q), default=None), ".1f"),
+            )
+            for run in result.runs
+        ),
         ("scales", "kind"),
-        overflow="fold",
     )
-    for run in result.runs:
-        q = [s.q.sqnr_db for s in run.layers if s.q is not None]
-        table.add_row(
-            run.name,
-            run.kind,
-            f"{run.delta_nll:+.4f}",
-            f"{run.kl:.5f}",
-            f"{run.top1:.2%}",
-            f"{run.k_clipped:.2%}",
-            f"{run.v_clipped:.2%}",
-            _worst(
-                [(s.attention_error, s.layer) for s in run.layers if s.attention_error is not None],
-                "{:.3f}",
-            ),
-            _worst([(s.kl_alone, s.layer) for s in run.layers if s.kl_alone is not None], "{:.5f}"),
-            f"{min(s.k.sqnr_db for s in run.layers):.1f}",
-            f"{min(s.v.sqnr_db for s in run.layers):.1f}",
-            f"{min(q):.1f}" if q else "-",
-        )
     console.print(table)
     order = (
         "Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)"
         if result.order == fp8.NEURON_ORDER
         else "GPU order (every position reads FP8)"
     )
-    console.print(f"scored in the {order}", soft_wrap=True, highlight=False)
+    _line(console, f"scored in the {order}")
+    methods = []
     for run in result.runs:
-        nll, accuracy = run.intervals
-        for interval, what, fmt in (
-            (nll, "ΔNLL (nats)", "{:+.4f}"),
-            (accuracy, "next-token top-1 accuracy", "{:+.2%}"),
+        for interval, what, fmt in zip(
+            run.intervals, ("ΔNLL (nats)", "next-token top-1 accuracy"), ("{:+.4f}", "{:+.2%}")
         ):
             if interval is not None:
-                console.print(
-                    f"{escape(run.name)}: {what}: {escape(interval.verdict(fmt))}",
-                    soft_wrap=True,
-                    highlight=False,
-                )
-    if any(i is not None for run in result.runs for i in run.intervals):
-        console.print(
-            f"intervals: {result.runs[0].intervals[0].method if result.runs[0].intervals[0] else ''}, "
-            "sequences whole, per-token means",
-            style="dim",
-        )
+                _line(console, f"{run.name}: {what}: {interval.verdict(fmt)}")
+                methods.append(interval.method)
+    if methods:
+        _line(console, f"intervals: {methods[0]}, sequences whole, per-token means", style="dim")
     if per_layer:
         for run in result.runs:
             _render_layers(console, run, result.layer_rows)
@@ -456,9 +416,9 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
         "layer's with --per-layer, in --json and --plot",
         style="dim",
     )
-    console.print(f"compute: {result.compute}", soft_wrap=True, markup=False)
+    _line(console, f"compute: {result.compute}")
     if result.plot:
-        console.print(f"plot: {result.plot}")
+        _line(console, f"plot: {result.plot}")
 
 
 def render_context(console: Console, result: ContextResult) -> None:
@@ -477,24 +437,22 @@ def render_context(console: Console, result: ContextResult) -> None:
             "K absmax/clip",
             "V absmax/clip",
         ),
+        (
+            (
+                f"{row.length:,}",
+                escape(row.name),
+                str(row.samples),
+                f"{row.baseline_nll:.4f}",
+                _num(row.delta_nll, "+.4f")
+                + (f" [{row.interval.low:+.4f}, {row.interval.high:+.4f}]" if row.interval else ""),
+                f"{row.k_clipped:.3%}",
+                f"{row.v_clipped:.3%}",
+                *(f"{ratio:.2f} (L{layer})" for ratio, layer in map(row.beyond, ("k", "v"))),
+            )
+            for row in result.rows
+        ),
         ("scales",),
-        overflow="fold",
     )
-    for row in result.rows:
-        spread = (
-            "" if row.interval is None else f" [{row.interval.low:+.4f}, {row.interval.high:+.4f}]"
-        )
-        delta = "-" if row.delta_nll is None else f"{row.delta_nll:+.4f}{spread}"
-        table.add_row(
-            f"{row.length:,}",
-            escape(row.name),
-            str(row.samples),
-            f"{row.baseline_nll:.4f}",
-            delta,
-            f"{row.k_clipped:.3%}",
-            f"{row.v_clipped:.3%}",
-            *(f"{ratio:.2f} (L{layer})" for ratio, layer in map(row.beyond, ("k", "v"))),
-        )
     console.print(table)
     console.print(
         "ΔNLL on the last quarter of each sample's positions; interval: paired bootstrap over 64-token "
@@ -520,27 +478,27 @@ def render_needle(console: Console, result: NeedleResult) -> None:
             "difference [95%]",
             "verdict",
         ),
+        (
+            (
+                f"{row.length:,}",
+                escape(row.name),
+                f"{row.found}/{row.trials}",
+                f"{row.rate:.0%} [{row.rate_interval[0]:.0%}, {row.rate_interval[1]:.0%}]",
+                *(f"{f}/{n}" for _, f, n in row.by_depth),
+                _spread(row.interval, "+.1%"),
+                escape(row.verdict(cell=True)),
+            )
+            for row in result.rows
+        ),
         ("scales", "verdict"),
-        overflow="fold",
     )
-    for row in result.rows:
-        low, high = row.rate_interval
-        table.add_row(
-            f"{row.length:,}",
-            escape(row.name),
-            f"{row.found}/{row.trials}",
-            f"{row.rate:.0%} [{low:.0%}, {high:.0%}]",
-            *(f"{f}/{n}" for _, f, n in row.by_depth),
-            _spread(row.interval, "+.1%"),
-            escape(row.verdict(cell=True)),
-        )
     console.print(table)
-    console.print(
+    _line(
+        console,
         "a trial is found when the key's 6 digits are in the greedy answer; difference: paired bootstrap "
         "over trials (2000 resamples, seed 0) of the run's hits minus the unquantised cache's"
         + (f"; heatmap: {result.plot}" if result.plot else ""),
         style="dim",
-        soft_wrap=True,
     )
 
 
@@ -561,12 +519,8 @@ def render_tasks(console: Console, result: TaskResult) -> None:
             "difference (95% interval)",
             "verdict",
         ),
-        ("task", "metric", "scales", "verdict"),
-        overflow="fold",
-    )
-    for row in result.rows:
-        for name, score in row.scores.items():
-            table.add_row(
+        (
+            (
                 row.task,
                 f"{row.metric} ({row.filter})",
                 str(row.items),
@@ -576,15 +530,18 @@ def render_tasks(console: Console, result: TaskResult) -> None:
                 _spread(row.intervals.get(name)),
                 escape(row.verdict(name, cell=True)),
             )
+            for row in result.rows
+            for name, score in row.scores.items()
+        ),
+        ("task", "metric", "scales", "verdict"),
+    )
     console.print(table)
     console.print(
         "intervals: paired bootstrap over the task's items (2000 resamples, seed 0) of the run's score "
         "minus the baseline's on the same item",
         style="dim",
     )
-    console.print(
-        f"compute: {result.compute}; lm-eval {result.lm_eval_version}", soft_wrap=True, markup=False
-    )
+    _line(console, f"compute: {result.compute}; lm-eval {result.lm_eval_version}")
 
 
 def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
@@ -613,21 +570,23 @@ def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
             "K absmax",
             *(("K chosen", "V chosen") if chosen else ()),
         ),
+        (
+            (
+                str(s.layer),
+                _num(s.attention_error, ".3f"),
+                _num(s.delta_nll_alone, "+.4f"),
+                _num(s.kl_alone, ".5f"),
+                f"{s.k.sqnr_db:.1f}",
+                f"{s.v.sqnr_db:.1f}",
+                f"{s.k.clipped:.2%}",
+                f"{s.v.clipped:.2%}",
+                f"{s.k.clip_at:.4g}",
+                f"{s.k.absmax:.4g}",
+                *(_chosen((s.chosen or {}).get(kind)) for kind in "kv" if chosen),
+            )
+            for s in run.layers
+        ),
     )
-    for s in run.layers:
-        table.add_row(
-            str(s.layer),
-            _num(s.attention_error, ".3f"),
-            _num(s.delta_nll_alone, "+.4f"),
-            _num(s.kl_alone, ".5f"),
-            f"{s.k.sqnr_db:.1f}",
-            f"{s.v.sqnr_db:.1f}",
-            f"{s.k.clipped:.2%}",
-            f"{s.v.clipped:.2%}",
-            f"{s.k.clip_at:.4g}",
-            f"{s.k.absmax:.4g}",
-            *(_chosen((s.chosen or {}).get(kind)) for kind in "kv" if chosen),
-        )
     console.print(table)
     _print_weighed(
         console,

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
-from kvcalib.cli.render import PLAIN_INTERVAL_S, _num, _spread, _table
+from kvcalib.cli.render import PLAIN_INTERVAL_S, _line, _num, _spread, _table
 
 if TYPE_CHECKING:
     from kvcalib.serving.pipeline import PromptResult, ServeCheckResult, ServeEvent
-    from kvcalib.serving.predict import DeltaIntervals
     from kvcalib.serving.tasks import ServedTaskRow
 
 __all__ = ["render_serve_check", "serve_status"]
@@ -27,87 +26,63 @@ def serve_status(console: Console) -> Iterator[Callable[[ServeEvent], None]]:
 
     def on_event(event: ServeEvent) -> None:
         if event.stage == "launch":
-            console.print(
-                f"{event.server} server: {event.message}",
-                soft_wrap=True,
-                markup=False,
-                style="bold",
-            )
-            if status is not None:
+            _line(console, f"{event.server} server: {event.message}", style="bold")
+            if status:
                 status.start()
         elif event.stage == "wait":
             line = f"{event.server}: waiting for /health, {event.elapsed_s:.0f} s | {event.message[-100:]}"
-            if status is not None:
-                status.update(line)
-            elif (
-                event.elapsed_s - last_print[0] >= PLAIN_INTERVAL_S
-                or event.elapsed_s < last_print[0]
-            ):
+            if status:
+                status.update(escape(line))
+            elif not 0 <= event.elapsed_s - last_print[0] < PLAIN_INTERVAL_S:
                 last_print[0] = event.elapsed_s
-                console.print(line, soft_wrap=True, markup=False)
+                _line(console, line)
         elif event.stage == "ready":
             console.print(f"{event.server} server healthy after {event.elapsed_s:.1f} s")
             last_print[0] = 0.0
-        elif event.stage == "probe" and status is not None:
-            status.update(f"{event.server}: {event.message}")
-        elif event.stage == "stopped" and status is not None:
+        elif event.stage == "probe" and status:
+            status.update(escape(f"{event.server}: {event.message}"))
+        elif event.stage == "stopped" and status:
             status.stop()
 
     try:
         yield on_event
     finally:
-        if status is not None:
+        if status:
             status.stop()
-
-
-def _problem(p: PromptResult) -> str:
-    if p.problem is None:
-        return ""
-    if not p.failed:
-        return f" [yellow]{escape(p.problem)}, as the baseline's[/]"
-    return f" [red]{escape(p.problem)}[/]"
 
 
 def render_serve_check(console: Console, result: ServeCheckResult, notes: list[str]) -> None:
     """serve-check's table, its variants and tasks, then `notes` (the kvcalib logger's records), failures, verdict."""
     columns = ("prompt", "output (FP8 KV)", "baseline", "agreement")
-    table = _table(
-        escape(f"serve-check {result.checkpoint} on {result.device}"),
-        columns,
-        columns,
-        overflow="fold",
-    )
-    for p in result.prompts:
-        agreement = "-" if p.agreement is None else f"{p.agreement:.2f}"
-        table.add_row(
+    rows = (
+        (
             escape(p.label or p.prompt),
             escape(repr(p.output)),
             "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
-            agreement + _problem(p),
+            _num(p.agreement, ".2f") + _problem(p),
         )
-    console.print(table)
-    nll = f"NLL fp8 {result.nll_fp8:.3f}" + (
-        "" if result.nll_baseline is None else f", baseline {result.nll_baseline:.3f}"
+        for p in result.prompts
     )
+    title = escape(f"serve-check {result.checkpoint} on {result.device}")
+    console.print(_table(title, columns, rows, columns))
+    baseline = f", baseline {result.nll_baseline:.3f}" if result.nll_baseline is not None else ""
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
     baseline_ready = (
         "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
     )
-    console.print(
-        f"ready in {result.ready_s:.1f} s{baseline_ready}; {nll}{agreement}; log {escape(result.log)}"
+    _line(
+        console,
+        f"ready in {result.ready_s:.1f} s{baseline_ready}; NLL fp8 {result.nll_fp8:.3f}{baseline}{agreement}; "
+        f"log {result.log}",
     )
     if result.kv_capacity:  # as vLLM logged it (serving.server.kv_capacity)
-        console.print(
-            "KV cache vLLM logged: "
-            + "; ".join(
-                f"{name} not logged"
-                if c.tokens is None
-                else f"{name} {c.tokens:,} tokens ({_num(c.max_concurrency, '.2f')}x --max-model-len requests)"
-                for name, c in result.kv_capacity.items()
-            ),
-            soft_wrap=True,
-            markup=False,
+        logged = (
+            f"{name} not logged"
+            if c.tokens is None
+            else f"{name} {c.tokens:,} tokens ({_num(c.max_concurrency, '.2f')}x --max-model-len requests)"
+            for name, c in result.kv_capacity.items()
         )
+        _line(console, "KV cache vLLM logged: " + "; ".join(logged))
     if result.canary is not None or result.prediction is not None:
         render_variants(console, result)
     if result.tasks:
@@ -117,6 +92,14 @@ def render_serve_check(console: Console, result: ServeCheckResult, notes: list[s
     for failure in result.failures:
         console.print(f"[red]failed:[/] {escape(failure)}", soft_wrap=True)
     console.print("[bold green]PASSED[/]" if result.ok else "[bold red]FAILED[/]")
+
+
+def _problem(p: PromptResult) -> str:
+    if p.problem is None:
+        return ""
+    if not p.failed:
+        return f" [yellow]{escape(p.problem)}, as the baseline's[/]"
+    return f" [red]{escape(p.problem)}[/]"
 
 
 def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> None:
@@ -134,72 +117,65 @@ def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> No
             "predicted FP8",
             "predicted difference",
         ),
+        (
+            (
+                row.task,
+                f"{row.metric} ({row.filter})",
+                str(row.items),
+                *(
+                    cell
+                    for s in (row.served, row.predicted)
+                    for cell in (
+                        (f"{s.baseline:.4f}", f"{s.fp8:.4f}", _spread(s.interval))
+                        if s
+                        else ("-",) * 3
+                    )
+                ),
+            )
+            for row in rows
+        ),
         ("task", "metric"),
-        overflow="fold",
     )
-    for row in rows:
-        served, predicted = row.served, row.predicted
-        table.add_row(
-            row.task,
-            f"{row.metric} ({row.filter})",
-            str(row.items),
-            f"{served.baseline:.4f}",
-            f"{served.fp8:.4f}",
-            _spread(served.interval),
-            "-" if predicted is None else f"{predicted.baseline:.4f}",
-            "-" if predicted is None else f"{predicted.fp8:.4f}",
-            _spread(predicted and predicted.interval),
-        )
     console.print(table)
     for row in rows:
-        console.print(
-            f"{row.task} {row.metric}: served {escape(row.served.verdict)}",
-            soft_wrap=True,
-            highlight=False,
-        )
+        _line(console, f"{row.task} {row.metric}: served {row.served.verdict}")
 
 
 def render_variants(console: Console, result: ServeCheckResult) -> None:
-    """Calibrated vs 1.0 vs the canary: what each server measured, and what kvcalib predicted."""
+    """Calibrated vs 1.0 vs the canary: what each server measured, and what kvcalib predicted; the calibrated scales'
+    ΔNLL on the probe text, served and predicted, with their 95 % intervals; the canary's verdict."""
     table = _table(
         "KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline",
         ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"),
+        (
+            (
+                row["name"],
+                _num(row["nll"], ".4f"),
+                _num(row["agreement"], ".2f"),
+                _num(row["served_delta_nll"], "+.4f"),
+                _num(row["predicted_delta_nll"], "+.4f"),
+            )
+            for row in result.variants()
+        ),
         ("scales",),
     )
-    for row in result.variants():
-        table.add_row(
-            row["name"],
-            _num(row["nll"], ".4f"),
-            _num(row["agreement"], ".2f"),
-            _num(row["served_delta_nll"], "+.4f"),
-            _num(row["predicted_delta_nll"], "+.4f"),
-        )
     console.print(table)
-    _render_delta_intervals(console, result.intervals)
+    shown = {name: i for name, i in vars(result.intervals).items() if i is not None}
+    words = {
+        "served": "served ΔNLL",
+        "predicted": "predicted ΔNLL",
+        "served_minus_predicted": "served - predicted",
+    }
+    if shown:
+        parts = (f"{words[name]} {_spread(i)} ({i.items} blocks)" for name, i in shown.items())
+        _line(
+            console,
+            f"calibrated scales, approximate 95% intervals ({next(iter(shown.values())).method}): "
+            + "; ".join(parts),
+        )
     if result.canary is not None:
         color = "green" if result.canary.ok else "red"
         console.print(
             f"canary: [{color}]{'ok' if result.canary.ok else 'FAILED'}[/] {escape(result.canary.reason)}",
             soft_wrap=True,
         )
-
-
-def _render_delta_intervals(console: Console, intervals: DeltaIntervals) -> None:
-    """The calibrated scales' ΔNLL on the probe text, served and predicted, with their 95 % intervals."""
-    shown = {name: found for name, found in intervals.__dict__.items() if found is not None}
-    if not shown:
-        return
-    words = {
-        "served": "served ΔNLL",
-        "predicted": "predicted ΔNLL",
-        "served_minus_predicted": "served - predicted",
-    }
-    parts = [
-        f"{words[name]} {_spread(found)} ({found.items} blocks)" for name, found in shown.items()
-    ]
-    method = next(iter(shown.values())).method
-    console.print(
-        f"calibrated scales, approximate 95% intervals ({method}): " + "; ".join(parts),
-        soft_wrap=True,
-        highlight=False,
-    )

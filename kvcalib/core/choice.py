@@ -4,7 +4,6 @@ and the provenance it writes) and what eval reads back from that provenance (`la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["ScaleChoice"]
 
@@ -28,9 +27,4 @@ class ScaleChoice:
     step: str | None = None
     output: tuple[tuple[str, float], ...] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            k: dict(v) if isinstance(v, tuple) else v
-            for k, v in vars(self).items()
-            if v is not None
-        }
+    OMIT_NONE = True

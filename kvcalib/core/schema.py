@@ -4,7 +4,7 @@ and the KV-only compressed-tensors `quantization_config`."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -123,9 +123,6 @@ class KvCacheSize:
     windowed: dict[str, int] | None = None
     window: int | None = None
     sliding_layers: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def describe(self) -> str:
         text = f"{self.per_token['bf16']:,} B/token bf16, {self.per_token['fp8']:,} FP8"

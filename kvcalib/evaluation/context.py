@@ -78,26 +78,19 @@ class ContextRow:
         ]
         return max(ratios, default=(0.0, -1))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "length": self.length,
-            "name": self.name,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "baseline_nll": self.baseline_nll,
-            "delta_nll": self.delta_nll,
-            "delta_nll_interval": None if self.interval is None else self.interval.to_dict(),
-            "k_clipped_max": self.k_clipped,
-            "v_clipped_max": self.v_clipped,
-            "k_beyond": self.beyond("k")[0],
-            "v_beyond": self.beyond("v")[0],
-            "layers": [s.to_dict() for s in self.layers],
-        }
+    JSON = {
+        "interval": None,
+        "delta_nll_interval": "interval",
+        "k_clipped_max": "k_clipped",
+        "v_clipped_max": "v_clipped",
+        "k_beyond": lambda row: row.beyond("k")[0],
+        "v_beyond": lambda row: row.beyond("v")[0],
+    }
 
 
 @dataclass(frozen=True)
 class ContextResult:
-    """What `eval-context` measured; to_dict() is its --json: checkpoint, target, max_positions (null: unknown),
+    """What `eval-context` measured; to_json() is its --json: checkpoint, target, max_positions (null: unknown),
     tokens_available, memory_bound, block (positions per bootstrap unit), rows (ContextRow), seconds."""
 
     checkpoint: str
@@ -108,17 +101,7 @@ class ContextResult:
     rows: tuple[ContextRow, ...]
     seconds: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint,
-            "target": self.target,
-            "max_positions": self.max_positions,
-            "tokens_available": self.tokens_available,
-            "memory_bound": self.memory_bound,
-            "block": BLOCK,
-            "rows": [r.to_dict() for r in self.rows],
-            "seconds": round(self.seconds, 3),
-        }
+    JSON = {"block": lambda _: BLOCK}
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:

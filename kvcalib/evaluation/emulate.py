@@ -13,7 +13,7 @@ position's K/V come from its own row's path, so this is prefill + token-by-token
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,11 +45,13 @@ class KindQuantStats:
     absmax: float | None = None
     clip_at: float | None = None
 
+    OMIT_NONE = True
+
 
 @dataclass(frozen=True)
 class LayerQuantStats:
     """One layer's quantisation error in eval's layers: layer, k, v, q (KindQuantStats; q with FP8 attention), in
-    to_dict() as k_sqnr_db, v_sqnr_db, k_clipped, v_clipped (fraction saturated at ±fp8_max), k_absmax, v_absmax
+    to_json() as k_sqnr_db, v_sqnr_db, k_clipped, v_clipped (fraction saturated at ±fp8_max), k_absmax, v_absmax
     (unquantised), k_clip_at, v_clip_at (|x| that saturates; per head, the largest scale's), q_sqnr_db, q_clipped;
     where measured: attention_error (||ΔO|| / ||O||), delta_nll_alone, kl_alone (nats with only this layer's K/V
     quantised, on eval's first layer_rows rows); chosen (from a kvcalib checkpoint's provenance: {"k": ..., "v": ...},
@@ -65,17 +67,15 @@ class LayerQuantStats:
     kl_alone: float | None = None
     chosen: dict[str, ScaleChoice] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        kinds = {"k": self.k, "v": self.v, "q": self.q}
-        out = {
-            key: {kind: c.to_dict() for kind, c in v.items()} if isinstance(v, dict) else v
-            for key, v in self.__dict__.items()
-            if key not in kinds and v is not None
-        }
-        for kind, stats in kinds.items():  # flat: k_sqnr_db, ...
-            figures = asdict(stats) if stats else {}
-            out.update({f"{kind}_{key}": v for key, v in figures.items() if v is not None})
-        return out
+    OMIT_NONE = True
+    JSON = {
+        "k": None,
+        "v": None,
+        "q": None,
+        "k_": "k",
+        "v_": "v",
+        "q_": "q",
+    }  # flat: k_sqnr_db, ...
 
 
 Scale = float | torch.Tensor  # one per layer, or [1, heads, 1, 1] per head

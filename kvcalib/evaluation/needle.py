@@ -69,16 +69,7 @@ class Trial:
     def found(self, name: str) -> bool:
         return found(self.key, self.answers[name])
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "length": self.length,
-            "depth": self.depth,
-            "key": self.key,
-            "offset": self.offset,
-            "position": self.position,
-            "answers": dict(self.answers),
-            "found": {name: self.found(name) for name in self.answers},
-        }
+    JSON = {"found": lambda trial: {name: trial.found(name) for name in trial.answers}}
 
 
 def found(key: str, answer: str) -> bool:
@@ -112,22 +103,17 @@ class NeedleRow:
             else self.interval.verdict("{:+.1%}", cell)
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "length": self.length,
-            "name": self.name,
-            "found": self.found,
-            "trials": self.trials,
-            "rate": self.rate,
-            "rate_interval": list(self.rate_interval),
-            "by_depth": [{"depth": d, "found": f, "trials": n} for d, f, n in self.by_depth],
-            "difference": None if self.interval is None else self.interval.to_dict(),
-        }
+    JSON = {
+        "interval": None,
+        "difference": "interval",
+        "rate": "rate",
+        "by_depth": lambda row: [{"depth": d, "found": f, "trials": n} for d, f, n in row.by_depth],
+    }
 
 
 @dataclass(frozen=True)
 class NeedleResult:
-    """What `eval-needle` found; to_dict() is its --json: checkpoint, target, prefill ("fresh K/V (Neuron)" or "FP8
+    """What `eval-needle` found; to_json() is its --json: checkpoint, target, prefill ("fresh K/V (Neuron)" or "FP8
     cache (GPU vLLM)"), depths, needle, question, answer_tokens (greedy tokens read), rows, trials, seconds, plot."""
 
     checkpoint: str
@@ -139,20 +125,11 @@ class NeedleResult:
     seconds: float = 0.0
     plot: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint,
-            "target": self.target,
-            "prefill": self.prefill,
-            "depths": list(self.depths),
-            "needle": NEEDLE,
-            "question": QUESTION,
-            "answer_tokens": ANSWER_TOKENS,
-            "rows": [r.to_dict() for r in self.rows],
-            "trials": [t.to_dict() for t in self.trials],
-            "seconds": round(self.seconds, 3),
-            "plot": self.plot,
-        }
+    JSON = {
+        "needle": lambda _: NEEDLE,
+        "question": lambda _: QUESTION,
+        "answer_tokens": lambda _: ANSWER_TOKENS,
+    }
 
 
 def insertion_point(stream: list[int], start: int, at: int, breaks: set[int]) -> int:

@@ -93,7 +93,7 @@ class RunResult:
         None,
         None,
     )  # paired: ΔNLL, Δ accuracy (None: < 2 rows)
-    # every scored token's NLL, row after row (float64; not in to_dict): serve-check pairs them with the server's
+    # every scored token's NLL, row after row (float64; not in its JSON): serve-check pairs them with the server's
     token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -108,26 +108,17 @@ class RunResult:
     def v_clipped(self) -> float:
         return sum(s.v.clipped for s in self.layers) / len(self.layers)
 
-    def to_dict(self) -> dict[str, Any]:
-        nll, accuracy = self.intervals
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "nll": self.nll,
-            "ppl": self.ppl,
-            "delta_nll": self.delta_nll,
-            "kl": self.kl,
-            "top1": self.top1,
-            "accuracy": self.accuracy,
-            "delta_nll_interval": None if nll is None else nll.to_dict(),
-            "delta_accuracy_interval": None if accuracy is None else accuracy.to_dict(),
-            "layers": [s.to_dict() for s in self.layers],
-        }
+    JSON = {
+        "intervals": None,
+        "token_nll": None,
+        "delta_nll_interval": "delta_nll_interval",
+        "delta_accuracy_interval": lambda run: run.intervals[1],
+    }
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    """What `eval --dataset` measured; to_dict() is its --json: checkpoint, target, fp8_max, order (neuron: only the
+    """What `eval --dataset` measured; to_json() is its --json: checkpoint, target, fp8_max, order (neuron: only the
     decode steps after a fresh-K/V prefill of each row's first half are scored; gpu: every position reads FP8), compute,
     num_samples, num_tokens, baseline (the unquantised run's nll, ppl, accuracy), runs (RunResult), seconds, plot,
     layer_rows."""
@@ -149,25 +140,16 @@ class EvalResult:
     )  # as RunResult's
     order: str = fp8.GPU_ORDER
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint,
-            "target": self.target,
-            "fp8_max": self.fp8_max,
-            "order": self.order,
-            "compute": self.compute,
-            "num_samples": self.num_samples,
-            "num_tokens": self.num_tokens,
-            "baseline": {
-                "nll": self.baseline_nll,
-                "ppl": math.exp(self.baseline_nll),
-                "accuracy": self.baseline_accuracy,
-            },
-            "runs": [r.to_dict() for r in self.runs],
-            "seconds": round(self.seconds, 3),
-            "plot": self.plot,
-            "layer_rows": self.layer_rows,
-        }
+    JSON = {
+        "baseline_nll": None,
+        "baseline_accuracy": None,
+        "baseline_token_nll": None,
+        "baseline": lambda r: {
+            "nll": r.baseline_nll,
+            "ppl": math.exp(r.baseline_nll),
+            "accuracy": r.baseline_accuracy,
+        },
+    }
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -64,17 +63,7 @@ class Interval:
         )
         return f"{self.outcome} by {size} ± {spread}" + ("" if cell else f" ({bounds})")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "estimate": self.estimate,
-            "low": self.low,
-            "high": self.high,
-            "items": self.items,
-            "level": self.level,
-            "method": self.method,
-            "significant": self.significant,
-            "outcome": self.outcome,
-        }
+    JSON = {"worse_if_higher": None, "significant": "significant", "outcome": "outcome"}
 
 
 def paired_bootstrap(

@@ -68,24 +68,12 @@ class TaskRow:
             )
         return interval.verdict(cell=cell)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "task": self.task,
-            "metric": self.metric,
-            "filter": self.filter,
-            "items": self.items,
-            "higher_is_better": self.higher_is_better,
-            "baseline": self.baseline,
-            "scores": self.scores,
-            "intervals": {n: None if i is None else i.to_dict() for n, i in self.intervals.items()},
-            "verdicts": {n: self.verdict(n) for n in self.scores},
-            "no_interval_reason": self.no_interval_reason,
-        }
+    JSON = {"verdicts": lambda row: {n: row.verdict(n) for n in row.scores}}
 
 
 @dataclass(frozen=True)
 class TaskResult:
-    """What `eval --tasks` scored; to_dict() is its --json: checkpoint, target, tasks, runs (the scale sets), limit,
+    """What `eval --tasks` scored; to_json() is its --json: checkpoint, target, tasks, runs (the scale sets), limit,
     num_fewshot (null: lm-eval's), compute, seconds, lm_eval (its version), rows (TaskRow)."""
 
     checkpoint: str
@@ -99,19 +87,7 @@ class TaskResult:
     seconds: float = 0.0
     lm_eval_version: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint,
-            "target": self.target,
-            "tasks": list(self.tasks),
-            "runs": list(self.runs),
-            "limit": self.limit,
-            "num_fewshot": self.num_fewshot,
-            "compute": self.compute,
-            "seconds": round(self.seconds, 3),
-            "lm_eval": self.lm_eval_version,
-            "rows": [r.to_dict() for r in self.rows],
-        }
+    JSON = {"lm_eval_version": None, "lm_eval": "lm_eval_version"}
 
 
 def require_lm_eval() -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,6 @@ class CanaryResult:
     nll: float
     agreement: float | None
     reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def make_variant(

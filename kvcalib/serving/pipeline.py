@@ -86,21 +86,10 @@ class PromptResult:
         """Degenerate where the baseline is not (or with no baseline to compare)."""
         return self.problem is not None and self.baseline_problem is None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt,
-            "output": self.output,
-            "baseline_output": self.baseline_output,
-            "agreement": self.agreement,
-            "expected": self.expected,
-            "expected_found": None
-            if self.expected is None
-            else contains(self.output, self.expected),
-            "problem": self.problem,
-            "baseline_problem": self.baseline_problem,
-            "failed": self.failed,
-            "label": self.label,
-        }
+    JSON = {
+        "expected_found": lambda p: None if p.expected is None else contains(p.output, p.expected),
+        "failed": "failed",
+    }
 
 
 @dataclass(frozen=True)
@@ -126,7 +115,7 @@ class ServerRun:
 
 @dataclass(frozen=True)
 class ServeCheckResult:
-    """What `serve-check` found; to_dict() is its --json: checkpoint, device, ok, failures, warnings, ready_s, command,
+    """What `serve-check` found; to_json() is its --json: checkpoint, device, ok, failures, warnings, ready_s, command,
     log (the FP8 server's), baseline_ready_s, baseline_command, baseline_log (null: no baseline), prompts
     (PromptResult), nll (fp8, baseline: nats per token of the fixed text), agreement, thresholds, fp8_max,
     tensor_parallel_size, vllm; null unless run: canary (CanaryResult), unit (every scale 1.0), prediction (eval's);
@@ -182,42 +171,24 @@ class ServeCheckResult:
             for name, nll, agreement, predicted in rows
         ]
 
-    def to_dict(self) -> dict[str, Any]:
-        pred, unit, base = self.prediction, self.unit, self.nll_baseline
-        return {
-            "checkpoint": self.checkpoint,
-            "device": self.device,
-            "ok": self.ok,
-            "ready_s": self.ready_s,
-            "command": self.command,
-            "log": self.log,
-            "prompts": [p.to_dict() for p in self.prompts],
-            "nll": {"fp8": self.nll_fp8, "baseline": self.nll_baseline},
-            "agreement": self.agreement,
-            "thresholds": {"agreement": AGREEMENT_THRESHOLD, "nll_tolerance": NLL_TOLERANCE},
-            "failures": list(self.failures),
-            "warnings": list(self.warnings),
-            "fp8_max": self.fp8_max,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "vllm": self.vllm_version,
-            "baseline_ready_s": self.baseline_ready_s,
-            "baseline_command": self.baseline_command,
-            "baseline_log": self.baseline_log,
-            "canary": self.canary.to_dict() if self.canary else None,
-            "unit": None
-            if unit is None
-            else {"nll": unit.nll, "agreement": mean_agreement(unit.agreements)},
-            "prediction": pred.to_dict() if pred else None,
-            "delta_nll": {
-                "served": None if base is None else self.nll_fp8 - base,
-                "predicted": pred.delta_nll if pred else None,
-                "intervals": self.intervals.to_dict(),
-            },
-            "variants": self.variants(),
-            "server_pids": dict(self.server_pids),
-            "tasks": [row.to_dict() for row in self.tasks],
-            "kv_capacity": {name: c.to_dict() for name, c in self.kv_capacity.items()},
-        }
+    JSON = {
+        "nll_fp8": None,
+        "nll_baseline": None,
+        "vllm_version": None,
+        "intervals": None,
+        "vllm": "vllm_version",
+        "nll": lambda r: {"fp8": r.nll_fp8, "baseline": r.nll_baseline},
+        "thresholds": lambda _: {"agreement": AGREEMENT_THRESHOLD, "nll_tolerance": NLL_TOLERANCE},
+        "unit": lambda r: (
+            r.unit and {"nll": r.unit.nll, "agreement": mean_agreement(r.unit.agreements)}
+        ),
+        "delta_nll": lambda r: {
+            "served": None if r.nll_baseline is None else r.nll_fp8 - r.nll_baseline,
+            "predicted": r.prediction and r.prediction.delta_nll,
+            "intervals": r.intervals,
+        },
+        "variants": lambda r: r.variants(),
+    }
 
 
 def _run_server(

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvcalib.evaluation.significance import Interval
@@ -34,12 +34,7 @@ class Prediction:
     ] = ()  # per scored token: the checkpoint's NLL minus the unquantised one
     order: str = ""  # the order scored (fp8.NEURON_ORDER, fp8.GPU_ORDER): the server's
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            k: round(v, 3) if k == "seconds" else v
-            for k, v in asdict(self).items()
-            if k != "token_delta"
-        }
+    JSON = {"token_delta": None}
 
 
 @dataclass(frozen=True)
@@ -50,9 +45,6 @@ class DeltaIntervals:
     served: Interval | None = None
     predicted: Interval | None = None
     served_minus_predicted: Interval | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: found and found.to_dict() for name, found in self.__dict__.items()}
 
 
 def predict(

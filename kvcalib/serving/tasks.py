@@ -3,11 +3,11 @@ server's per-item scores paired with the baseline's, next to kvcalib's emulation
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from kvcalib.core.errors import UsageError
+from kvcalib.core.records import to_json
 from kvcalib.evaluation.significance import Interval
 from kvcalib.evaluation.tasks import (
     BASELINE_NAME,
@@ -72,9 +72,6 @@ class TaskScores:
         """Run `name`'s scores in an eval row, against the row's baseline."""
         return cls(row.baseline, row.scores[name], row.intervals.get(name), row.verdict(name))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "interval": self.interval and self.interval.to_dict()}
-
 
 @dataclass(frozen=True)
 class ServedTaskRow:
@@ -90,10 +87,12 @@ class ServedTaskRow:
     predicted: TaskScores | None = None
     numerics: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        row = {key: v for key, v in self.__dict__.items() if key != "numerics"}
-        predicted = self.predicted and {"numerics": self.numerics, **self.predicted.to_dict()}
-        return {**row, "served": self.served.to_dict(), "predicted": predicted}
+    JSON = {
+        "numerics": None,
+        "predicted": lambda row: (
+            row.predicted and {"numerics": row.numerics, **to_json(row.predicted)}
+        ),
+    }
 
 
 def check_tasks(spec: TaskSpec, with_baseline: bool = True) -> None:

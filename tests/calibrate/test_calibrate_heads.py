@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import SCALES_FILENAME, neuron_scale_key
 from kvcalib.validation.pipeline import validate_checkpoint
 
@@ -161,8 +162,8 @@ def test_streamed_equals_in_memory_per_head_bit_for_bit(tiny_llama_master, text_
         tmp_path / "stream",
         CalibrateOptions(engine="stream", **opts),
     )
-    assert [layer.to_dict() for layer in streamed.layers] == [
-        layer.to_dict() for layer in memory.layers
+    assert [to_json(layer) for layer in streamed.layers] == [
+        to_json(layer) for layer in memory.layers
     ]
     assert scale_bits(tmp_path / "stream") == scale_bits(tmp_path / "memory")
 

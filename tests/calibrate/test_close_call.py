@@ -11,6 +11,7 @@ import torch
 from kvcalib.calibration import objective
 from kvcalib.calibration.output import close_call
 from kvcalib.core.choice import ScaleChoice
+from kvcalib.core.records import to_json
 
 # absmax, a clip (half absmax's range), 1.0 and a wider scale: the last two keep absmax's range
 SCALES = (1.0, 0.5, 2.0, 4.0)
@@ -47,10 +48,10 @@ def test_a_choice_record_reads_as_its_json():
     choice = ScaleChoice(
         "absmax x0.5", clipped=0.01, attention_error_on=(("trn2", 0.1),), step="output"
     )
-    assert choice.to_dict() == {
+    assert to_json(choice) == {
         "label": "absmax x0.5",
         "clipped": 0.01,
         "attention_error_on": {"trn2": 0.1},
         "step": "output",
     }
-    assert choice.to_dict() == json.loads(json.dumps(choice.to_dict()))
+    assert to_json(choice) == json.loads(json.dumps(to_json(choice)))

@@ -18,6 +18,7 @@ from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import PROVENANCE_FILENAME
 from kvcalib.hf.internals import cache_kwargs
 from kvcalib.validation.pipeline import validate_checkpoint
@@ -161,8 +162,8 @@ def test_stream_engine_chooses_what_the_native_engine_chooses(planted, text_data
     streamed = calibrate(
         planted, str(text_dataset), tmp_path / "s", CalibrateOptions(engine="stream", **SMALL)
     )
-    assert [layer.to_dict() for layer in streamed.layers] == [
-        layer.to_dict() for layer in native.layers
+    assert [to_json(layer) for layer in streamed.layers] == [
+        to_json(layer) for layer in native.layers
     ]
 
 
@@ -404,7 +405,7 @@ def test_two_processes_choose_what_one_chooses(engine_args, planted, text_datase
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)
-    assert two["layers"] == [layer.to_dict() for layer in one.layers]
+    assert two["layers"] == [to_json(layer) for layer in one.layers]
     assert two["layers"][0]["k"]["choice"]["label"] != "absmax"
 
 

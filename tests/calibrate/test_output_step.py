@@ -27,6 +27,7 @@ from kvcalib.calibration.scales import layer_scales
 from kvcalib.cli.render import render_calibration
 from kvcalib.core import fp8
 from kvcalib.core.choice import ScaleChoice
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import PROVENANCE_FILENAME
 
 # 64 rows of 64 tokens: the objective samples 32 (2,048 tokens), the step scores 16 of the rest (1,024 tokens)
@@ -123,8 +124,8 @@ def test_the_step_weighs_a_close_call_and_records_it(planted, text_dataset, tmp_
     )  # the written scale is the pick's
     provenance = json.loads((tmp_path / "out" / PROVENANCE_FILENAME).read_text())
     assert provenance["scale_objective"] == "output"
-    assert provenance["layers"][0]["k"]["choice"] == k.choice.to_dict()
-    assert result.to_dict()["output_step"]["weighed"] == step.weighed
+    assert provenance["layers"][0]["k"]["choice"] == to_json(k.choice)
+    assert to_json(result)["output_step"]["weighed"] == step.weighed
     console = Console(file=io.StringIO(), width=300)
     render_calibration(console, result, [])
     assert "(in-sample: on the rows that chose)" in console.file.getvalue()
@@ -196,8 +197,8 @@ def test_streamed_the_step_weighs_what_it_weighs_in_memory(
     )
     assert any(w.startswith("streaming the model layer by layer") for w in streamed.warnings)
     assert streamed.output_step == whole.output_step and whole.output_step.skipped is None
-    assert [layer.to_dict() for layer in streamed.layers] == [
-        layer.to_dict() for layer in whole.layers
+    assert [to_json(layer) for layer in streamed.layers] == [
+        to_json(layer) for layer in whole.layers
     ]
     step = whole.output_step
     if passes == "capped":
@@ -251,8 +252,8 @@ def test_two_processes_weigh_what_one_weighs(planted, text_dataset, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads(proc.stdout)
-    assert one.output_step.weighed >= 1 and two["output_step"] == one.output_step.to_dict()
-    assert two["layers"] == [layer.to_dict() for layer in one.layers]
+    assert one.output_step.weighed >= 1 and two["output_step"] == to_json(one.output_step)
+    assert two["layers"] == [to_json(layer) for layer in one.layers]
 
 
 def test_out_of_memory_in_the_step_leaves_the_objectives_picks(
@@ -271,8 +272,8 @@ def test_out_of_memory_in_the_step_leaves_the_objectives_picks(
     monkeypatch.setattr(output._Scorer, "run", run)
     result = calibrate(planted, str(text_dataset), tmp_path / "out", CalibrateOptions(**STEP))
     assert result.validation.ok and (tmp_path / "out" / PROVENANCE_FILENAME).is_file()
-    assert [layer.to_dict() for layer in result.layers] == [
-        layer.to_dict() for layer in attention.layers
+    assert [to_json(layer) for layer in result.layers] == [
+        to_json(layer) for layer in attention.layers
     ]
     step = result.output_step
     assert step.skipped.startswith("out of memory, MemoryError: planted; a lower --max-memory")
@@ -364,8 +365,8 @@ def test_two_nodes_weigh_what_one_process_weighs(planted, text_dataset, tmp_path
     printed = [out for out in printed if out.strip()]
     assert len(printed) == 1, printed  # one JSON object: only global rank 0 prints
     two = json.loads(printed[0])
-    assert two["layers"] == [layer.to_dict() for layer in one.layers]
-    assert one.output_step.weighed >= 1 and two["output_step"] == one.output_step.to_dict()
+    assert two["layers"] == [to_json(layer) for layer in one.layers]
+    assert one.output_step.weighed >= 1 and two["output_step"] == to_json(one.output_step)
     assert scale_bits(tmp_path / "two") == scale_bits(tmp_path / "one")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], (
         "no temporary output"

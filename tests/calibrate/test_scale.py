@@ -23,6 +23,7 @@ from kvcalib.calibration.ranks import Ranks
 from kvcalib.cli import app
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import UsageError
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import PROVENANCE_FILENAME
 from kvcalib.hf.data import batches
 from kvcalib.hf.memory import (
@@ -560,7 +561,7 @@ def test_two_processes_equal_one_bit_for_bit(
     two = json.loads(proc.stdout)  # one JSON object: only rank 0 prints
     assert [(layer["k"]["absmax"], layer["v"]["absmax"]) for layer in two["layers"]] == absmax(one)
     assert two["layers"] == [
-        layer.to_dict() for layer in one.layers
+        to_json(layer) for layer in one.layers
     ]  # per head and Q too, where observed
     assert two["num_samples"] == 24 and two["num_tokens"] == one.num_tokens
     assert scale_bits(tmp_path / "two") == scale_bits(tmp_path / "one")

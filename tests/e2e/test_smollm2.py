@@ -11,6 +11,7 @@ from oracle import calibration_sequences, oracle_absmax, oracle_heads, tree_dige
 
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import SCALES_FILENAME, neuron_scale_key
 
 pytestmark = pytest.mark.slow
@@ -319,7 +320,7 @@ def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(
     expected = bits(tmp_path / "memory")
     assert len(expected) == 90 and len(expected["model.layers.0.self_attn.k_scale"]) == 3
     assert bits(tmp_path / "stream") == expected and bits(tmp_path / "two") == expected
-    assert [layer.to_dict() for layer in streamed.layers] == [
-        layer.to_dict() for layer in memory.layers
+    assert [to_json(layer) for layer in streamed.layers] == [
+        to_json(layer) for layer in memory.layers
     ]
-    assert json.loads(proc.stdout)["layers"] == [layer.to_dict() for layer in memory.layers]
+    assert json.loads(proc.stdout)["layers"] == [to_json(layer) for layer in memory.layers]

@@ -17,6 +17,7 @@ from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import DatasetError, UsageError
+from kvcalib.core.records import to_json
 from kvcalib.evaluation.context import packed_stream
 from kvcalib.evaluation.emulate import KVQuantizer
 from kvcalib.evaluation.needle import (
@@ -191,7 +192,7 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, t
             base = [t.found(BASELINE) for t in trials]
             assert row.interval.estimate == pytest.approx((sum(hits) - sum(base)) / 10)
             assert row.interval.items == 10
-    out = json.loads(json.dumps(result.to_dict()))
+    out = json.loads(json.dumps(to_json(result)))
     assert out["trials"][0]["answers"].keys() == {BASELINE, "checkpoint", str(small)}
     pytest.importorskip("matplotlib")
     runner = CliRunner()

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from kvcalib.cli import app
 from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
+from kvcalib.core.records import to_json
 from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, decode_rows
 from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
@@ -106,7 +107,7 @@ def test_the_order_follows_the_target_and_scores_the_decode_steps(calibrated, te
     lengths = [int(n) for n in _lengths(calibrated, text_dataset)]
     assert runs["trn2", "gpu"].num_tokens == sum(n - 1 for n in lengths)
     assert runs["trn2", None].num_tokens == sum(n // 2 - 1 for n in lengths)
-    assert runs["trn2", None].to_dict()["order"] == "neuron"
+    assert to_json(runs["trn2", None])["order"] == "neuron"
 
 
 def _lengths(checkpoint, dataset):

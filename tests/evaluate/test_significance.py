@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from kvcalib.core.records import to_json
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 from kvcalib.evaluation.significance import paired_bootstrap
 
@@ -44,7 +45,7 @@ def test_a_known_shift_is_recovered():
         interval.verdict(cell=True) == f"worse by 0.1000 ± {(interval.high - interval.low) / 2:.4f}"
     )
     better = paired_bootstrap([-d for d in differences], tokens)
-    assert better.to_dict()["outcome"] == "better" and better.verdict().startswith("better by 0.1")
+    assert to_json(better)["outcome"] == "better" and better.verdict().startswith("better by 0.1")
     accuracy = paired_bootstrap([-d for d in differences], tokens, worse_if_higher=False)
     assert accuracy.outcome == "worse" and accuracy.verdict("{:+.2%}").startswith("worse by 10.")
 
@@ -84,7 +85,7 @@ def test_eval_reports_paired_intervals(calibrated, text_dataset):
         assert nll.estimate == pytest.approx(run.delta_nll, abs=1e-9)
         assert accuracy.estimate == pytest.approx(run.accuracy - result.baseline_accuracy, abs=1e-9)
         assert nll.low <= nll.estimate <= nll.high
-        payload = run.to_dict()
+        payload = to_json(run)
         assert payload["delta_nll_interval"]["method"].startswith("paired bootstrap over items")
         assert set(payload["delta_accuracy_interval"]) == {
             "estimate",

@@ -20,6 +20,7 @@ from oracle import calibration_sequences, oracle_heads
 import kvcalib
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
+from kvcalib.core.records import to_json
 from kvcalib.hf.internals import cache_kwargs
 
 OPTS = dict(num_samples=6, max_seq_len=48, batch_size=3, target="gpu")
@@ -662,6 +663,6 @@ def test_released_gpt_oss_streamed_gets_the_whole_model_step_as_in_memory(tmp_pa
     )
     assert whole.output_step.skipped is None and whole.output_step.passes >= 2
     assert streamed.output_step == whole.output_step
-    assert [layer.to_dict() for layer in streamed.layers] == [
-        layer.to_dict() for layer in whole.layers
+    assert [to_json(layer) for layer in streamed.layers] == [
+        to_json(layer) for layer in whole.layers
     ]

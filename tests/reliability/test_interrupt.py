@@ -26,6 +26,7 @@ from test_corpus import snapshot
 from typer.testing import CliRunner
 
 from kvcalib.cli import app
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import PROVENANCE_FILENAME
 from kvcalib.validation.pipeline import validate_checkpoint
 
@@ -73,7 +74,7 @@ def state_of(out: Path, old: dict) -> str:
     provenance = json.loads((out / PROVENANCE_FILENAME).read_text())
     assert provenance.get("tool") == "kvcalib", provenance
     report = validate_checkpoint(out, "trn2")
-    assert report.ok, report.to_dict()
+    assert report.ok, to_json(report)
     return "new"
 
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import kvcalib
 from kvcalib.cli import app
+from kvcalib.core.records import to_json
 
 TIMING = re.compile(
     r"seconds|_s$|tokens_per_s|^pid|server_pids|ready|^log|^baseline_log|checkpoint|output|path|"
@@ -101,11 +102,11 @@ def test_the_api_gives_the_cli_results(head32_model, text_dataset, cpu_python, t
         assert a == b, [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
         return True
 
-    assert same(calibrated.to_dict(), cli["calibration"]) and same(
-        calibrated.serve_check.to_dict(), cli["serve_check"]
+    assert same(to_json(calibrated), cli["calibration"]) and same(
+        to_json(calibrated.serve_check), cli["serve_check"]
     )
-    assert validated[0] == 0 and same(report.to_dict(), validated[1])
-    assert checked[0] == 0 and same(served.to_dict(), checked[1])
+    assert validated[0] == 0 and same(to_json(report), validated[1])
+    assert checked[0] == 0 and same(to_json(served), checked[1])
     # the model card: validate's and serve-check's figures, the same text but for the paths
     api_card = (api_out / "README.md").read_text().replace(str(api_out), "<out>")
     assert "### serve-check" in api_card

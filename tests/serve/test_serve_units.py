@@ -14,6 +14,7 @@ from serve_helpers import FAKE_BIN, listening
 
 from kvcalib.core.cpu import HostCpu
 from kvcalib.core.errors import DeviceError, ServerError, UsageError
+from kvcalib.core.records import to_json
 from kvcalib.serving.launch import baseline_kv_dtype, cpu_kv_cache_bytes
 from kvcalib.serving.neuron import neuron_cores, parse_neuron_ls_json
 from kvcalib.serving.pipeline import ServerRun, degenerate, judge
@@ -459,7 +460,7 @@ def test_judge(fp8, baseline, failures):
     assert warnings == []
     assert found == failures
     assert agreement == (fp8.agreements[0] if baseline else None)
-    assert results[0].to_dict()["expected_found"] == ("Paris" in fp8.completions[0].text)
+    assert to_json(results[0])["expected_found"] == ("Paris" in fp8.completions[0].text)
     assert results[0].failed == bool(failures and "degenerate" in failures[-1])
 
 

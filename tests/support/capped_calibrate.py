@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core.errors import KvcalibError
+from kvcalib.core.records import to_json
 from kvcalib.hf.data import load_calibration_data
 from kvcalib.hf.memory import proc_status
 
@@ -48,7 +49,7 @@ try:
 except KvcalibError as err:
     print(json.dumps({"error": type(err).__name__, "message": err.message, "hint": err.hint}))
     sys.exit(1)
-payload = result.to_dict()
+payload = to_json(result)
 with open(f"{out}/kvcalib_calibration.json") as f:
     payload["engine"] = json.load(f)["engine"]
 print(json.dumps(payload))

@@ -24,6 +24,7 @@ from kvcalib.core.errors import (
     CheckpointReadError,
     UnknownTargetError,
 )
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import (
     CONFIG_FILENAME,
     INDEX_FILENAME,
@@ -1243,13 +1244,13 @@ def test_unknown_target_raises(calibrated: Path) -> None:
 # --- the report ---------------------------------------------------------------------------
 
 
-def test_report_to_dict_and_strict(tiny_llama: Path) -> None:
+def test_report_json_and_strict(tiny_llama: Path) -> None:
     lenient = validate_checkpoint(tiny_llama, "trn3")
     strict = validate_checkpoint(tiny_llama, "trn3", strict=True)
     assert [f.rule for f in lenient.warnings] == ["SCALE-NONE"] and lenient.errors == ()
     assert (lenient.ok, strict.ok) == (True, False)
-    as_dict = json.loads(json.dumps(strict.to_dict()))
-    assert list(as_dict) == ["checkpoint", "target", "ok", "findings"]
+    as_dict = json.loads(json.dumps(to_json(strict)))
+    assert sorted(as_dict) == ["checkpoint", "findings", "ok", "target"]
     assert as_dict["ok"] is False and as_dict["target"] == "trn3"
     assert list(as_dict["findings"][0]) == ["rule", "severity", "message", "hint", "location"]
 

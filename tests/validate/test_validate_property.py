@@ -16,6 +16,7 @@ from checkpoints import neuron_platform
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcalib.core.records import to_json
 from kvcalib.core.schema import (
     CONFIG_FILENAME,
     INDEX_FILENAME,
@@ -195,7 +196,7 @@ def workdir(handmade_master: Path, tmp_path: Path) -> Path:
 
 def _never_raises(ckpt: Path, target: str, neuron_config: Any = None) -> dict:
     report = validate_checkpoint(ckpt, target, neuron_config=neuron_config)
-    return json.loads(json.dumps(report.to_dict()))
+    return json.loads(json.dumps(to_json(report)))
 
 
 @settings(
@@ -216,7 +217,7 @@ def test_any_quantization_config_gives_findings_not_tracebacks(
     reread = json.loads(json.dumps(qc))  # what validate read back (NaN != NaN otherwise)
     verdict = neuron_quantization_verdict(reread, neuron_config)
     platform = [f for f in report["findings"] if f["rule"].startswith("NEURON-QCFG-")]
-    assert platform == ([verdict.to_dict()] if verdict else [])
+    assert platform == ([to_json(verdict)] if verdict else [])
 
 
 tensor_entries = st.fixed_dictionaries(
