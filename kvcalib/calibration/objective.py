@@ -23,7 +23,7 @@ import torch
 
 from kvcalib.core import fp8
 from kvcalib.core.choice import ScaleChoice
-from kvcalib.hf.samples import AttentionSample, attention_rows
+from kvcalib.hf.samples import AttentionSample, attention_rows, projected
 
 __all__ = [
     "ABSMAX",
@@ -152,14 +152,17 @@ def sample_terms(
                 else {"value": quantised, "probabilities": probabilities}
             )
             error = (
-                (attention_rows(sample, **put)[0] - output).pow(2).sum(dim=-1).double()
+                projected(sample, attention_rows(sample, **put)[0] - output)
+                .pow(2)
+                .sum(dim=-1)
+                .double()
             )  # [C, Hkv, rows]
             terms[n, kind, :2, chosen] = (error @ halves).permute(2, 0, 1)
             saturated = (
                 values.abs().flatten(-2)[None] > cands.clip_at[chosen, :, None]
             )  # [C, Hkv, L * D]
             terms[n, kind, 2, chosen] = saturated.sum(dim=-1).double()
-    return terms, (output.pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
+    return terms, (projected(sample, output).pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
 
 
 def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Attention samples: what the scale objective scores, each layer's attention call on a few calibration sequences
 (the same in every engine and rank) kept as the model made it; `attention_rows` recomputes those rows' output in
-float32 with any K or V put in (the eager formula, tested against the model's own attention function)."""
+float32 with any K or V put in (the eager formula, tested against the model's own attention function), and
+`projected` weighs it as the attention block's o_proj does."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ __all__ = [
     "AttentionSampler",
     "attention_error",
     "attention_rows",
+    "projected",
     "sample_sequences",
 ]
 
@@ -43,6 +45,9 @@ class AttentionSample:
     scaling: float
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [heads] float32 (GPT-OSS)
+    mix: torch.Tensor | None = (
+        None  # [heads, head_dim, k]: R_hᵀ of o_proj's block W_h = Q_h R_h (None: no o_proj)
+    )
 
 
 def sample_sequences(
@@ -83,6 +88,7 @@ class AttentionSampler:
         self._batch: list[
             tuple[int, int]
         ] = []  # (row in the batch, length) of the current batch's chosen rows
+        self._mixes: dict[int, torch.Tensor | None] = {}  # per layer, its o_proj's R_hᵀ
 
     def start_batch(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
         lengths = mask.sum(dim=1).tolist()
@@ -110,6 +116,8 @@ class AttentionSampler:
             getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
         )
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+        if self._batch and layer not in self._mixes:
+            self._mixes[layer] = _mix(module, query.shape[1], query.shape[-1])
         for row, length in self._batch:
             positions = _rows(length, self.rows)
             index = torch.tensor(positions, device=query.device)
@@ -126,8 +134,24 @@ class AttentionSampler:
                     sinks=sinks.detach().float().cpu().clone()
                     if isinstance(sinks, torch.Tensor)
                     else None,
+                    mix=self._mixes[layer],
                 )
             )
+
+
+def _mix(module: torch.nn.Module, heads: int, head_dim: int) -> torch.Tensor | None:
+    """[heads, head_dim, k]: R_hᵀ of each query head's o_proj block W_h ([hidden, head_dim]) = Q_h R_h, so that
+    ||x R_hᵀ|| = ||W_h x||; None where the module has no such o_proj (its output is scored as it is)."""
+    weight = getattr(getattr(module, "o_proj", None), "weight", None)
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.is_meta
+        or weight.dim() != 2
+        or weight.shape[1] != heads * head_dim
+    ):
+        return None
+    blocks = weight.detach().cpu().double().reshape(-1, heads, head_dim).transpose(0, 1)
+    return torch.linalg.qr(blocks, mode="r").R.transpose(-1, -2).float().contiguous()
 
 
 def _bias(
@@ -187,6 +211,18 @@ def attention_rows(
     ), probabilities
 
 
+def projected(sample: AttentionSample, output: torch.Tensor) -> torch.Tensor:
+    """attention_rows' `output` ([..., kv_heads, groups * rows, head_dim]) as o_proj weighs it: each query head's rows
+    times its R_hᵀ, so squared norms and errors are those of the attention block's output (heads apart)."""
+    if sample.mix is None:
+        return output
+    kv_heads, rows = sample.key.shape[0], sample.query.shape[1]
+    mix = sample.mix.reshape(
+        kv_heads, -1, *sample.mix.shape[-2:]
+    )  # [kv_heads, groups, head_dim, k]
+    return torch.matmul(output.unflatten(-2, (mix.shape[1], rows)), mix).flatten(-3, -2)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q kᵀ, leading dimensions of k folded into one bmm batch (broadcasting would copy kᵀ first)."""
     if k.dim() == 3:
@@ -213,7 +249,8 @@ def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def attention_error(
     samples: Sequence[AttentionSample], k_scale: Any, v_scale: Any, target: Any
 ) -> float | None:
-    """Relative attention-output error ||O(K̂, V̂) - O|| / ||O||, K and V quantised on `target`; None: no samples."""
+    """Relative attention-block output error ||O(K̂, V̂) - O|| / ||O|| (projected: after o_proj), K and V quantised on
+    `target`; None: no samples."""
     from kvcalib.core import fp8
 
     if not samples:
@@ -224,8 +261,8 @@ def attention_error(
         k = fp8.fake_quantize(sample.key, _per_head(k_scale), target)
         v = fp8.fake_quantize(sample.value, _per_head(v_scale), target)
         output, _ = attention_rows(sample, key=k, value=v)
-        error.append(float((output - reference).double().pow(2).sum()))
-        norm.append(float(reference.double().pow(2).sum()))
+        error.append(float(projected(sample, output - reference).double().pow(2).sum()))
+        norm.append(float(projected(sample, reference).double().pow(2).sum()))
     total = math.fsum(norm)
     return math.sqrt(math.fsum(error) / total) if total > 0 else 0.0
 
