@@ -8,7 +8,6 @@ import time
 import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
-from kvcalib.calibration.objective import OUTPUT
 from kvcalib.core.progress import Progress, ProgressCallback
 from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules, observe_batch
 from kvcalib.hf.compute import compute_path
@@ -44,9 +43,7 @@ def native_engine(inputs: EngineInputs) -> Observation:
             inputs.device,
             inputs.notify,
         )
-    observation = Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
-    keep = inputs.options.scale_objective == OUTPUT  # the whole-model step runs it again
-    return dataclasses.replace(observation, model=hf_model if keep else None)
+    return Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
 
 
 def observe_all(

@@ -27,8 +27,6 @@ from kvcalib.hf.samples import AttentionSample, attention_rows, projected
 
 __all__ = [
     "ABSMAX",
-    "ATTENTION",
-    "OUTPUT",
     "FACTORS",
     "GAIN",
     "TOLERANCE",
@@ -47,8 +45,6 @@ __all__ = [
     "worst",
 ]
 
-ATTENTION = "attention"
-OUTPUT = "output"  # the default: the attention objective, then the whole-model step (kvcalib.calibration.output)
 FACTORS = tuple(2.0 ** (-j / 2) for j in range(11))
 WIDER = tuple(
     2.0 ** (j / 4) for j in range(1, 4)
@@ -208,13 +204,8 @@ class Scored:
         err = math.fsum(self.held[n, c, h].item() for h, c in enumerate(self.per_head(index)))
         return math.sqrt(err / self.norm) if self.norm > 0 else 0.0
 
-    def pick(
-        self,
-        index: tuple[int, ...] | None = None,
-        step: str = ATTENTION,
-        output: tuple[tuple[str, float], ...] | None = None,
-    ) -> Pick:
-        """Candidate `index` (default: the objective's pick) chosen by `step`, to be written, and its record."""
+    def pick(self, index: tuple[int, ...] | None = None) -> Pick:
+        """Candidate `index` (default: the objective's pick), to be written, and its record."""
         kept = self.index if index is None else index
         index = self.per_head(kept)
         labels = {self.candidates.labels[c] for c in index}
@@ -228,8 +219,6 @@ class Scored:
             attention_error_on=tuple(
                 (name, self.held_error(index, n)) for n, name in enumerate(self.numerics)
             ),
-            step=step,
-            output=output,
         )
         return Pick(self.candidates, kept, choice)
 

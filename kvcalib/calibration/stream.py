@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +163,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
                     finally:
                         observer.end_batch()
                     inputs.notify(_progress(sizes, n_layers, i, b))
-    observation = Observation.of(observer, attn_paths, time.perf_counter() - started, model)
-    return replace(observation, model=stream)  # the whole-model step streams it again
+    return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
 
 
 class _Captured(Exception):

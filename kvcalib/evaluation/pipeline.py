@@ -334,13 +334,7 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
     chosen: dict[Any, dict[str, ScaleChoice]] = {}
     for entry in (provenance or {}).get("layers") or ():
         kinds = {
-            kind: ScaleChoice(
-                choice["label"],
-                step=choice.get("step"),
-                output=tuple(output.items())
-                if isinstance(output := choice.get("output"), dict)
-                else None,
-            )
+            kind: ScaleChoice(choice["label"])
             for kind in "kv"
             if isinstance(entry, dict)
             and isinstance(entry.get(kind), dict)
