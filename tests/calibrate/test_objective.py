@@ -136,6 +136,14 @@ def test_absmax_objective_keeps_the_never_clipping_rule(planted, text_dataset, t
         calibrate(
             planted, str(tmp_path), tmp_path / "x", CalibrateOptions(scale_objective="mse", **SMALL)
         )
+    with pytest.raises(UsageError, match="--scale-objective output: not a choice") as refused:
+        calibrate(
+            planted,
+            str(tmp_path),
+            tmp_path / "x",
+            CalibrateOptions(scale_objective="output", **SMALL),
+        )
+    assert refused.value.hint == "use --scale-objective attention, or leave the flag out"
     assert not (tmp_path / "x").exists()
 
 
