@@ -34,7 +34,6 @@ __all__ = [
     "WIDER_GAIN",
     "Candidates",
     "Gather",
-    "Pick",
     "Scored",
     "candidates",
     "choose",
@@ -171,16 +170,6 @@ def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Pick:
-    """One layer's K or V as it is written: its candidates, the chosen one per KV head (one entry per tensor) and the
-    record of the choice."""
-
-    candidates: Candidates
-    index: tuple[int, ...]
-    choice: ScaleChoice
-
-
-@dataclass(frozen=True)
 class Scored:
     """One layer's K or V as the attention objective scored it (`choose`): per server (target first), candidate and
     KV head, the summed squared attention-output error on the choosing rows and on the held-out rows; per candidate and
@@ -204,32 +193,30 @@ class Scored:
         err = math.fsum(self.held[n, c, h].item() for h, c in enumerate(self.per_head(index)))
         return math.sqrt(err / self.norm) if self.norm > 0 else 0.0
 
-    def pick(self, index: tuple[int, ...] | None = None) -> Pick:
-        """Candidate `index` (default: the objective's pick), to be written, and its record."""
-        kept = self.index if index is None else index
-        index = self.per_head(kept)
+    @property
+    def choice(self) -> ScaleChoice:
+        """The record of the objective's pick, as it is written."""
+        index = self.per_head(self.index)
         labels = {self.candidates.labels[c] for c in index}
-        choice = ScaleChoice(
+        return ScaleChoice(
             label=labels.pop() if len(labels) == 1 else "per head",
             clipped=math.fsum(self.saturated[c, h].item() for h, c in enumerate(index))
             / self.elements,
-            attention_error=self.held_error(index),
+            attention_error=self.error,
             attention_error_absmax=self.error_absmax,
-            attention_error_unit=self.held_error((self.candidates.unit,)),
+            attention_error_unit=self.error_unit,
             attention_error_on=tuple(
                 (name, self.held_error(index, n)) for n, name in enumerate(self.numerics)
             ),
         )
-        return Pick(self.candidates, kept, choice)
 
-    # the objective's pick, as attributes
     @property
     def label(self) -> str:
-        return self.pick().choice.label
+        return self.choice.label
 
     @property
     def clipped(self) -> float | None:
-        return self.pick().choice.clipped
+        return self.choice.clipped
 
     @property
     def error(self) -> float:
@@ -245,7 +232,7 @@ class Scored:
 
     @property
     def errors_on(self) -> tuple[tuple[str, float], ...] | None:
-        return self.pick().choice.attention_error_on
+        return self.choice.attention_error_on
 
 
 def worst(errors: torch.Tensor) -> list[float]:

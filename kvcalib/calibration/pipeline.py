@@ -21,7 +21,7 @@ from kvcalib.calibration.native import native_engine, sample_attention
 from kvcalib.calibration.objective import (
     ABSMAX,
     Gather,
-    Pick,
+    Scored,
     absmax_warnings,
     scored_numerics,
     search,
@@ -321,12 +321,12 @@ def check_run(
 
 def _observe(
     plan: RunPlan, inputs: EngineInputs
-) -> tuple[Observation, list[list[Pick]] | None, float]:
+) -> tuple[Observation, list[tuple[Scored, Scored]] | None, float]:
     """The engine's observation, the scale objective's picks (None: absmax) and the seconds the search took."""
     engine, ranks = ENGINES[plan.options.engine], plan.options.ranks
     timing = [0.0]
 
-    def finish(observation: Observation, gather: Gather) -> list[list[Pick]] | None:
+    def finish(observation: Observation, gather: Gather) -> list[tuple[Scored, Scored]] | None:
         if not inputs.sample_sequences:
             return None
         inputs.notify(Progress("objective"))
@@ -348,9 +348,8 @@ def _observe(
             plan.recipe.strategy == ATTN_HEAD,
             gather,
         )
-        picks = [[kind.pick() for kind in layer] for layer in scored]
         timing[0] = time.perf_counter() - started
-        return picks
+        return scored
 
     try:
         if ranks is not None and ranks.world_size > 1:

@@ -45,9 +45,7 @@ class AttentionSample:
     scaling: float
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [heads] float32 (GPT-OSS)
-    mix: torch.Tensor | None = (
-        None  # [heads, head_dim, k]: R_hᵀ of o_proj's block W_h = Q_h R_h (None: no o_proj)
-    )
+    mix: torch.Tensor | None = None  # [kv_heads, groups, head_dim, k]: _mix's (None: no o_proj)
 
 
 def sample_sequences(
@@ -117,7 +115,7 @@ class AttentionSampler:
         )
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         if self._batch and layer not in self._mixes:
-            self._mixes[layer] = _mix(module, query.shape[1], query.shape[-1])
+            self._mixes[layer] = _mix(module, key.shape[1], *query.shape[1::2])
         for row, length in self._batch:
             positions = _rows(length, self.rows)
             index = torch.tensor(positions, device=query.device)
@@ -139,19 +137,14 @@ class AttentionSampler:
             )
 
 
-def _mix(module: torch.nn.Module, heads: int, head_dim: int) -> torch.Tensor | None:
-    """[heads, head_dim, k]: R_hᵀ of each query head's o_proj block W_h ([hidden, head_dim]) = Q_h R_h, so that
-    ||x R_hᵀ|| = ||W_h x||; None where the module has no such o_proj (its output is scored as it is)."""
+def _mix(module: torch.nn.Module, kv_heads: int, heads: int, head_dim: int) -> torch.Tensor | None:
+    """[kv_heads, groups, head_dim, k]: R_hᵀ of each query head's o_proj block W_h ([hidden, head_dim]) = Q_h R_h,
+    so that ||x R_hᵀ|| = ||W_h x||; None where the module has no such o_proj (its output is scored as it is)."""
     weight = getattr(getattr(module, "o_proj", None), "weight", None)
-    if (
-        not isinstance(weight, torch.Tensor)
-        or weight.is_meta
-        or weight.dim() != 2
-        or weight.shape[1] != heads * head_dim
-    ):
+    if weight is None or weight.is_meta or weight.shape[-1] != heads * head_dim:
         return None
-    blocks = weight.detach().cpu().double().reshape(-1, heads, head_dim).transpose(0, 1)
-    return torch.linalg.qr(blocks, mode="r").R.transpose(-1, -2).float().contiguous()
+    blocks = weight.detach().cpu().double().unflatten(1, (heads, head_dim)).transpose(0, 1)
+    return torch.linalg.qr(blocks, mode="r").R.mT.float().unflatten(0, (kv_heads, -1))
 
 
 def _bias(
@@ -216,11 +209,10 @@ def projected(sample: AttentionSample, output: torch.Tensor) -> torch.Tensor:
     times its R_hᵀ, so squared norms and errors are those of the attention block's output (heads apart)."""
     if sample.mix is None:
         return output
-    kv_heads, rows = sample.key.shape[0], sample.query.shape[1]
-    mix = sample.mix.reshape(
-        kv_heads, -1, *sample.mix.shape[-2:]
-    )  # [kv_heads, groups, head_dim, k]
-    return torch.matmul(output.unflatten(-2, (mix.shape[1], rows)), mix).flatten(-3, -2)
+    split = output.unflatten(
+        -2, (sample.mix.shape[1], -1)
+    )  # [..., kv_heads, groups, rows, head_dim]
+    return torch.matmul(split, sample.mix).flatten(-3, -2)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
