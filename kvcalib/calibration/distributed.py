@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -20,8 +20,6 @@ from kvcalib.core.errors import CalibrationError, KvcalibError, UsageError
 from kvcalib.hf.data import batches
 
 __all__ = ["COLLECTIVE_TIMEOUT", "RanksFailed", "batch_shares", "observe_across_ranks"]
-
-T = TypeVar("T")
 
 COLLECTIVE_TIMEOUT = timedelta(
     minutes=60

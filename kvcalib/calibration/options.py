@@ -131,8 +131,8 @@ class CalibrateOptions(RunOptions):
         """The values a user passes, checked before anything is read (UsageError naming the flag)."""
         if self.scale_objective == "output":
             raise UsageError(
-                "--scale-objective output: not a choice; attention (the default) scores what it weighed, "
-                "the attention block's output after o_proj",
+                "--scale-objective output: not a choice; the default, attention, scores the attention "
+                "block's output after o_proj",
                 hint="use --scale-objective attention, or leave the flag out",
             )
         check_options(self)
