@@ -37,7 +37,8 @@ __all__ = [
 
 Engine = Literal["auto", "native", "stream", "llmcompressor"]
 Strategy = Literal["tensor", "attn_head"]
-ScaleObjective = Literal["attention", "absmax"]
+# "output" (an old spelling) is parsed only to be refused with its hint (check_arguments); --help does not list it
+ScaleObjective = Literal["attention", "absmax", "output"]
 
 
 @dataclass(frozen=True)
