@@ -8,8 +8,7 @@ One run, three fresh processes in turn, on the same model, samples, dtype and th
   (b) oneshot    llm-compressor's `oneshot(model=MODEL, recipe=recipes/kv-fp8-trn2.yaml,
                  dataset=<the same token ids>, output_dir=OUT)`, end to end, as a user runs it
                  (its defaults: batch size 1, sequential pipeline; it saves the model)
-  (d) absmax     (a) with --scale-objective absmax: a/d is what the scale objective costs (its search and the
-                 whole-model step)
+  (d) absmax     (a) with --scale-objective absmax: a/d is what the scale objective costs (its search)
   (c) forward    the floor: a process that imports torch and transformers, reads the same
                  samples through the same selection, loads the model and runs one full
                  `AutoModelForCausalLM` forward (every layer and the LM head, no KV cache,
@@ -23,7 +22,7 @@ MKL_NUM_THREADS = --threads. Wall time is measured around the process; CPU time 
 system) and peak RSS are the child's own rusage from wait4. With --reps, a, b and c take
 turns and the medians are printed. Prints the ratios a/b (target <= 0.5), a/c (target
 <= 0.85: the forward stops after the last layer's K/V, so the floor is about 0.8) and a/d (the scale objective's
-search and whole-model step, target <= 1.3), and with --reps each run's own a/c and their median. On a shared
+search, target <= 1.3), and with --reps each run's own a/c and their median. On a shared
 machine wall time swings with the other load, and CPU time with it where that load slows the core rather than
 taking it (measured here: 31.7-37.5 s for the same (a) over five runs).
 Timing is for reading: nothing is asserted.
@@ -290,8 +289,7 @@ def main() -> None:
             print(f"{label:30s} {med[key][0]:8.1f} {med[key][1]:8.1f} {med[key][2]:13.0f}")
     print(
         f"kvcalib observing: {info['tokens_per_s']:,.0f} tok/s, {info['seconds']:.1f} s inside calibrate(), "
-        f"{info['objective_seconds']:.1f} s of it the scale objective's search and whole-model step "
-        f"({info.get('output_step')})"
+        f"{info['objective_seconds']:.1f} s of it the scale objective's search"
     )
     if "b" in med:
         ratio = {i: med["a"][i] / med["b"][i] for i in range(3)}

@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""Scale-out benchmark: peak RSS streamed vs in memory, the whole-model step streamed, and throughput of 1 vs 2
-processes.
+"""Scale-out benchmark: peak RSS streamed vs in memory, and throughput of 1 vs 2 processes.
 
 1. Peak RSS. Builds a synthetic bf16 Llama of a few GB (random weights, one shard per layer;
    by default hidden 2048, 24 layers: 2.9 GiB) in a temporary directory, calibrates it once
@@ -12,15 +11,12 @@ processes.
    process with one thread (OMP_NUM_THREADS=1), alternating, --reps times each. Reports the
    calibration throughput (tokens / observe time, the slowest rank's for two processes) and
    the wall time of the whole command. Target: 2 processes >= 1.7x one. Scales must be equal.
-3. The whole-model step. A real model (default SmolLM2-135M, scripts/prepare_model.py's .cache/smollm2) calibrated
-   at the defaults but the samples, in memory and with --max-memory 0 (streamed, the step too), each in a fresh
-   process: peak RSS, time, the step's passes; the scales must be equal.
 
 Everything is removed afterwards unless --keep. Nothing is asserted: numbers are for reading;
 on a shared machine run it more than once.
 
     python scripts/bench_scale.py [--reps 3] [--rss-hidden 2048 --rss-layers 24] [--tp-hidden 1024 --tp-layers 8]
-        [--step-model .cache/smollm2 --step-samples 64 --step-seq-len 256] [--skip-rss|step|throughput]
+        [--skip-rss|throughput]
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ r = kvcalib.calibrate(model, data, out, engine=engine, num_samples=int(samples),
 peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB, the VmHWM
 print(json.dumps({"peak_rss": peak_rss, "tokens_per_s": r.tokens_per_s, "seconds": r.seconds,
                   "objective_seconds": r.objective_seconds, "warnings": r.warnings,
-                  "step": kvcalib.to_json(r.output_step),
                   "absmax": [[l.k.absmax, l.v.absmax] for l in r.layers],
                   "scales": [[l.k.scale, l.v.scale] for l in r.layers]}))
 """
@@ -226,40 +221,6 @@ def bench_rss(root: Path, data: Path, args: argparse.Namespace) -> None:
     shutil.rmtree(model, ignore_errors=True)
 
 
-def bench_step(root: Path, data: Path, args: argparse.Namespace) -> None:
-    """The default objective's whole-model step on a real model: in memory, and streamed (--max-memory 0)."""
-    print(
-        f"the whole-model step: {args.step_model}, {args.step_samples} samples x {args.step_seq_len} tokens",
-        flush=True,
-    )
-    runs = {
-        name: run_child(
-            "auto",
-            args.step_model,
-            data,
-            root / f"out-{name}",
-            args.step_samples,
-            args.step_seq_len,
-            **more,
-        )
-        for name, more in (("in memory", {}), ("streamed", {"max_memory": 0}))
-    }
-    for name, r in runs.items():
-        step = r["step"] or {}
-        print(
-            f"  {name:9s} peak RSS {r['peak_rss'] / GiB:5.2f} GiB, {r['seconds']:6.1f} s, choosing the scales "
-            f"{r['objective_seconds']:6.1f} s; step: weighed {step.get('weighed')}, changed "
-            f"{step.get('changed')}, forwards {step.get('forwards')}, passes {step.get('passes')}"
-            + (f", skipped: {step['skipped']}" if step.get("skipped") else "")
-        )
-    a, b = runs.values()
-    print(
-        f"  streamed / in memory: peak RSS {b['peak_rss'] / a['peak_rss']:.2f}x, time "
-        f"{b['seconds'] / a['seconds']:.2f}x; scales equal: {a['scales'] == b['scales']}",
-        flush=True,
-    )
-
-
 def bench_throughput(root: Path, data: Path, args: argparse.Namespace) -> None:
     model, size = build(root, "tp-model", args.tp_hidden, args.tp_layers)
     print(
@@ -319,10 +280,6 @@ def main() -> None:
     parser.add_argument("--tp-layers", type=int, default=8)
     parser.add_argument("--tp-samples", type=int, default=128)
     parser.add_argument("--tp-seq-len", type=int, default=256)
-    parser.add_argument("--step-model", type=Path, default=REPO / ".cache" / "smollm2")
-    parser.add_argument("--step-samples", type=int, default=64)
-    parser.add_argument("--step-seq-len", type=int, default=256)
-    parser.add_argument("--skip-step", action="store_true")
     parser.add_argument("--skip-rss", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -331,12 +288,10 @@ def main() -> None:
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     root = Path(tempfile.mkdtemp(prefix="kvcalib-bench-scale-"))
     try:
-        rows = max(args.rss_samples, args.tp_samples, args.step_samples)
+        rows = max(args.rss_samples, args.tp_samples)
         data = write_dataset(root / "fortunes.jsonl", rows)
         if not args.skip_rss:
             bench_rss(root, data, args)
-        if not args.skip_step:
-            bench_step(root, data, args)
         if not args.skip_throughput:
             bench_throughput(root, data, args)
     finally:

@@ -4,8 +4,7 @@ against the largest budget's scales.
 
 Calibration text: long rows of the Python library reference (Debian's python3.11-doc, `_sources/library`), each
 budget the first N rows of --row tokens. Held out: the Python tutorial (`_sources/tutorial`). Per model and budget:
-- calibrate (kvcalib's defaults but the budget): wall time, of it observing and choosing the scales (the search and
-  the whole-model step), and the step's forwards;
+- calibrate (kvcalib's defaults but the budget): wall time, of it observing and choosing the scales (the search);
 - the scales against the largest budget's: the largest |log2| ratio of a K or V scale, and how many differ;
 - ΔNLL against the unquantised cache in the Neuron order (`kvcalib eval`), and the paired interval over held-out
   rows of ΔNLL(budget) − ΔNLL(largest budget), on the same rows (rows of equal length: --held-out);
@@ -92,10 +91,10 @@ def main() -> None:
     )
     compute = dict(bf16_compute=args.bf16_compute)
     lines = [
-        "| model | tokens | calibrate s | observe s | choose s | step forwards | scales ≠ largest "
+        "| model | tokens | calibrate s | observe s | choose s | scales ≠ largest "
         "| max abs log2 ratio | ΔNLL | − largest's [95 %] | K / V clipped at "
         f"{args.context} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for model in args.models:
         name = Path(model).name
@@ -135,7 +134,6 @@ def main() -> None:
                 out, str(held), [args.context], nll=False, num_samples=1, **compute
             )
             row = context.rows[0]
-            step = result.output_step
             versus = (
                 "-"
                 if interval is None
@@ -143,7 +141,7 @@ def main() -> None:
             )
             lines.append(
                 f"| {name} | {result.num_tokens:,} | {result.seconds:.0f} | {result.observe_seconds:.0f} "
-                f"| {result.objective_seconds:.0f} | {step.forwards if step else 0} | {differ} of {len(mine)} "
+                f"| {result.objective_seconds:.0f} | {differ} of {len(mine)} "
                 f"| {worst:.3f} | {run.delta_nll:+.4f} "
                 f"| {versus} "
                 f"| {row.k_clipped:.2e} / {row.v_clipped:.2e} |"

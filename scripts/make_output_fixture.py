@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A fixture where the attention objective's pick is worse at the output than a deeper clip: the whole-model step's.
+"""A fixture where an objective scoring attention before o_proj picks a scale far worse at the output than a deeper
+clip: kvcalib's, which scores the attention block's output after o_proj, must not.
 
 scripts/make_constant_k_model.py's mechanism (near-constant K channels on FP8 rounding boundaries flip from token to
 token; a clip that saturates them makes them constants, which softmax ignores) in two KV heads of `--layer`, whose K
@@ -9,17 +10,17 @@ shares one per-tensor scale:
 - KV head 0 (hidden): channels on the rounding boundaries of the scale absmax x `--clip` / fp8_max, between
   `--clip` / √2 and `--clip` x absmax: that candidate flips them, the next deeper (x `--clip` / √2) and below saturate
   them. Its v_proj rows are divided by `--hide-scale` s and the o_proj columns reading it multiplied by s: the model is
-  the same (the attention output is linear in V), but the head's share of ||ΔO|| / ||O||, what the attention objective
-  scores, is s times smaller, while the output pays for it in full.
-So the objective's rule (the least clipping candidate within 25 % of the best, among clips that halve absmax's
-attention error) picks absmax x `--clip`, whose flips in head 0 only the model's output sees.
+  the same (the attention output is linear in V), but the head's share of ||ΔO|| / ||O|| before o_proj is s times
+  smaller, while the output pays for it in full.
+So before o_proj, the objective's rule (the least clipping candidate within 25 % of the best, among clips that halve
+absmax's attention error) picks absmax x `--clip`, whose flips in head 0 only the model's output sees.
 
 The planted channels sit on the midpoints of the grid (a cast to nearest: GPU, the default target; no bf16-product
 shift for Neuron): a first build measures what the k_proj rows alone put there (their mean over `--dataset`) and the
 bias subtracts it, a second measures the absmax the calibration will see. The query heads get ±`--q-bias` in the
 planted channels but the absmax channel, whose spread is then all a clip removes there. Measured on SmolLM2 (16 rows of
-256 tokens, gpu): the objective picks x0.7071 (attention error 0.37 against absmax's 0.76); next-token KL on held-out
-rows x0.7071 0.35, x0.25 0.057, absmax 0.67 (tests/e2e/test_output_fixture.py).
+256 tokens, gpu): scored before o_proj, x0.7071 (attention error 0.37 against absmax's 0.76); next-token KL on
+held-out rows x0.7071 0.35, x0.25 0.057, absmax 0.67 (tests/e2e/test_output_fixture.py).
 
     python scripts/make_output_fixture.py SRC OUT --dataset DATA [--target gpu] [--layer 0] [--clip 0.7071]
         [--hide-scale 32] [--absmax 350] [--q-bias 3] [--k-spread 1.0] [--num-samples 32] [--max-seq-len 256]

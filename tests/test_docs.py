@@ -60,7 +60,7 @@ def test_help_is_readable_at_80_columns(command):
     assert "…" not in out  # no option name or help cut off
     assert max(len(line) for line in out.splitlines()) <= 80
     if command == "calibrate":
-        for choices in ("trn2|trn3|gpu", "output|attention|absmax"):
+        for choices in ("trn2|trn3|gpu", "attention|absmax"):
             assert choices in out.replace(
                 "\n", ""
             )  # --target and --scale-objective list their choices

@@ -244,17 +244,12 @@ def _summary(provenance: dict[str, Any], per_head: bool) -> str:
         f"`k_scale = {'range' if chosen else 'absmax'}(K) / {fp8_max:g}` per "
         f"{'head' if per_head else 'layer'}, after rotary embedding (the same for V)."
     )
-    if chosen and objective not in ("attention", "output"):
+    if chosen and objective != "attention":
         text += f" The range is {wider}."
     elif chosen:
         text += (
             " The range (the table's range columns) is the candidate around absmax(K) with the least "
-            "attention error"
-            + (
-                ", the model's own next-token KL deciding where candidates differ materially"
-                if objective == "output"
-                else ""
-            )
+            "error in the attention block's output"
             + (f"; where it clips nothing, at least {wider}" if headroom != 1.0 else "")
             + "."
         )

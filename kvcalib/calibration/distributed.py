@@ -2,8 +2,7 @@
 
 Ranks get whole batches of the single process's batching; one all_gather of a status and two all_reduces (absmax:
 MAX, counts: SUM) make the scales one process's bit for bit, and the objective's terms are summed exactly. Only
-rank 0 writes; a failing rank still joins the status exchange, then all raise (the whole-model step's gathers carry
-a status too: `together`); COLLECTIVE_TIMEOUT bounds waits."""
+rank 0 writes; a failing rank still joins the status exchange, then all raise; COLLECTIVE_TIMEOUT bounds waits."""
 
 from __future__ import annotations
 
@@ -11,19 +10,16 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
-from kvcalib.calibration.objective import Gather
 from kvcalib.calibration.ranks import Ranks
 from kvcalib.core.errors import CalibrationError, KvcalibError, UsageError
 from kvcalib.hf.data import batches
 
-__all__ = ["COLLECTIVE_TIMEOUT", "RanksFailed", "batch_shares", "observe_across_ranks", "together"]
-
-T = TypeVar("T")
+__all__ = ["COLLECTIVE_TIMEOUT", "RanksFailed", "batch_shares", "observe_across_ranks"]
 
 COLLECTIVE_TIMEOUT = timedelta(
     minutes=60
@@ -94,12 +90,10 @@ def observe_across_ranks(
 
 
 class RanksFailed(CalibrationError):
-    """Raised on the ranks that did not fail (by `together` on every rank where every failure ran out of memory),
-    from each failed rank's error: `detail`, those in words ("rank R: ERROR"; the error alone in one process);
-    `out_of_memory`, every one ran out of memory."""
+    """Raised on the ranks that did not fail, from each failed rank's error: `detail`, those in words ("rank R: ERROR";
+    the error alone in one process)."""
 
-    def __init__(self, failures: dict[int, str], world_size: int, out_of_memory: bool = False):
-        self.out_of_memory = out_of_memory
+    def __init__(self, failures: dict[int, str], world_size: int):
         self.detail = "; ".join(
             f"rank {r}: {message}" if world_size > 1 else message
             for r, message in sorted(failures.items())
@@ -109,37 +103,6 @@ class RanksFailed(CalibrationError):
             "nothing was written",
             hint="fix what the failing rank reports and run again",
         )
-
-
-def together(
-    step: Callable[[Gather], T], gather: Gather, out_of_memory: Callable[[Exception], bool]
-) -> T:
-    """`step(checked)`, every gather through `checked` (and one after the step) exchanging each rank's status with
-    its data. Every rank runs the same gathers in the same order, so a rank whose step fails posts its error in the
-    gather the others reach next: there they raise RanksFailed naming it, and it raises its own error (RanksFailed
-    where every failure ran out of memory), none waiting out COLLECTIVE_TIMEOUT."""
-
-    def exchange(status: tuple[str, bool] | None, local: list[Any]) -> list[Any]:
-        parts = gather([(status, local)])
-        failed = {r: s for r, (s, _) in enumerate(parts) if s is not None}
-        if failed:
-            messages = {r: message for r, (message, _) in failed.items()}
-            raise RanksFailed(messages, len(parts), all(oom for _, oom in failed.values()))
-        return [item for _, part in parts for item in part]
-
-    try:
-        result = step(lambda local: exchange(None, local))
-    except RanksFailed:
-        raise
-    except Exception as exc:
-        try:
-            exchange((_describe(exc), out_of_memory(exc)), [])
-        except RanksFailed as failed:
-            if failed.out_of_memory:
-                raise
-        raise
-    exchange(None, [])
-    return result
 
 
 def _describe(exc: BaseException) -> str:

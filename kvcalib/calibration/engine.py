@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,9 +71,6 @@ class Observation:
     samples: tuple[
         tuple[AttentionSample, ...], ...
     ] = ()  # per layer: the scale objective's (this rank's)
-    model: Any = field(
-        default=None, compare=False, repr=False
-    )  # the whole-model step's: the loaded model held whole, or the stream engine's LayerStream
 
     @classmethod
     def of(

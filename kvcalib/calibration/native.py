@@ -6,7 +6,6 @@ import dataclasses
 import time
 
 from kvcalib.calibration.engine import EngineInputs, Observation
-from kvcalib.calibration.objective import OUTPUT
 from kvcalib.core.progress import Progress
 from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules, observe_batch
 from kvcalib.hf.compute import compute_path
@@ -49,9 +48,7 @@ def native_engine(inputs: EngineInputs) -> Observation:
             inputs.notify(
                 Progress("observe", done_samples, len(data.sequences), done_tokens, data.num_tokens)
             )
-    observation = Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
-    keep = inputs.options.scale_objective == OUTPUT  # the whole-model step runs it again
-    return dataclasses.replace(observation, model=hf_model if keep else None)
+    return Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
 
 
 def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:

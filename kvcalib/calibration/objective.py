@@ -2,7 +2,8 @@
 
 `absmax / fp8_max` never clips and can be the worst scale: a large, nearly constant K channel near an FP8 rounding
 boundary flips between two grid points from token to token, noise in every q·k; saturated, it is constant, which
-softmax ignores. So a candidate is scored by the squared attention-output error (kvcalib.hf.samples: the model's own
+softmax ignores. So a candidate is scored by the squared error of the attention block's output, after o_proj (a head
+whose V is small and o_proj columns large counts as the model counts it), from kvcalib.hf.samples (the model's own
 Q, mask, scaling, soft-capping, sinks) with K, then V, fake-quantised, on every numerics the checkpoint is served
 with (core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2, 448 x s on trn3 and GPU), and judged by
 its largest error there. Candidates: absmax x 2^(-j/2) (j = 0..10), absmax / M for each larger FP8 max M, 1.0, and
@@ -23,12 +24,10 @@ import torch
 
 from kvcalib.core import fp8
 from kvcalib.core.choice import ScaleChoice
-from kvcalib.hf.samples import AttentionSample, attention_rows
+from kvcalib.hf.samples import AttentionSample, attention_rows, projected
 
 __all__ = [
     "ABSMAX",
-    "ATTENTION",
-    "OUTPUT",
     "FACTORS",
     "GAIN",
     "TOLERANCE",
@@ -36,7 +35,6 @@ __all__ = [
     "WIDER_GAIN",
     "Candidates",
     "Gather",
-    "Pick",
     "Scored",
     "candidates",
     "choose",
@@ -47,8 +45,6 @@ __all__ = [
     "worst",
 ]
 
-ATTENTION = "attention"
-OUTPUT = "output"  # the default: the attention objective, then the whole-model step (kvcalib.calibration.output)
 FACTORS = tuple(2.0 ** (-j / 2) for j in range(11))
 WIDER = tuple(
     2.0 ** (j / 4) for j in range(1, 4)
@@ -152,14 +148,17 @@ def sample_terms(
                 else {"value": quantised, "probabilities": probabilities}
             )
             error = (
-                (attention_rows(sample, **put)[0] - output).pow(2).sum(dim=-1).double()
+                projected(sample, attention_rows(sample, **put)[0] - output)
+                .pow(2)
+                .sum(dim=-1)
+                .double()
             )  # [C, Hkv, rows]
             terms[n, kind, :2, chosen] = (error @ halves).permute(2, 0, 1)
             saturated = (
                 values.abs().flatten(-2)[None] > cands.clip_at[chosen, :, None]
             )  # [C, Hkv, L * D]
             terms[n, kind, 2, chosen] = saturated.sum(dim=-1).double()
-    return terms, (output.pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
+    return terms, (projected(sample, output).pow(2).sum(dim=-1, dtype=torch.float64) @ halves).T
 
 
 def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -169,16 +168,6 @@ def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
     stacked = torch.stack([t.double() for t in per_sample]).reshape(len(per_sample), -1)
     sums = [math.fsum(column) for column in stacked.T.tolist()]
     return torch.tensor(sums, dtype=torch.float64).reshape(per_sample[0].shape)
-
-
-@dataclass(frozen=True)
-class Pick:
-    """One layer's K or V as it is written: its candidates, the chosen one per KV head (one entry per tensor) and the
-    record of the choice."""
-
-    candidates: Candidates
-    index: tuple[int, ...]
-    choice: ScaleChoice
 
 
 @dataclass(frozen=True)
@@ -205,39 +194,30 @@ class Scored:
         err = math.fsum(self.held[n, c, h].item() for h, c in enumerate(self.per_head(index)))
         return math.sqrt(err / self.norm) if self.norm > 0 else 0.0
 
-    def pick(
-        self,
-        index: tuple[int, ...] | None = None,
-        step: str = ATTENTION,
-        output: tuple[tuple[str, float], ...] | None = None,
-    ) -> Pick:
-        """Candidate `index` (default: the objective's pick) chosen by `step`, to be written, and its record."""
-        kept = self.index if index is None else index
-        index = self.per_head(kept)
+    @property
+    def choice(self) -> ScaleChoice:
+        """The record of the objective's pick, as it is written."""
+        index = self.per_head(self.index)
         labels = {self.candidates.labels[c] for c in index}
-        choice = ScaleChoice(
+        return ScaleChoice(
             label=labels.pop() if len(labels) == 1 else "per head",
             clipped=math.fsum(self.saturated[c, h].item() for h, c in enumerate(index))
             / self.elements,
-            attention_error=self.held_error(index),
+            attention_error=self.error,
             attention_error_absmax=self.error_absmax,
-            attention_error_unit=self.held_error((self.candidates.unit,)),
+            attention_error_unit=self.error_unit,
             attention_error_on=tuple(
                 (name, self.held_error(index, n)) for n, name in enumerate(self.numerics)
             ),
-            step=step,
-            output=output,
         )
-        return Pick(self.candidates, kept, choice)
 
-    # the objective's pick, as attributes
     @property
     def label(self) -> str:
-        return self.pick().choice.label
+        return self.choice.label
 
     @property
     def clipped(self) -> float | None:
-        return self.pick().choice.clipped
+        return self.choice.clipped
 
     @property
     def error(self) -> float:
@@ -253,7 +233,7 @@ class Scored:
 
     @property
     def errors_on(self) -> tuple[tuple[str, float], ...] | None:
-        return self.pick().choice.attention_error_on
+        return self.choice.attention_error_on
 
 
 def worst(errors: torch.Tensor) -> list[float]:

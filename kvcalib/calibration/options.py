@@ -19,7 +19,7 @@ from kvcalib.validation.report import ValidationReport
 # Why the default budget: scripts/bench_tokens.py's study (scripts/BENCHMARKS.md, "How many calibration tokens")
 TOKEN_STUDY = (
     "the fewest measured whose scales are within the noise of 1M tokens' (held-out ΔNLL, paired) on SmolLM2-135M, "
-    "Gemma-3-270M and Qwen2.5-Coder-0.5B (kvcalib's token study), with 8 held-out rows for the whole-model step"
+    "Gemma-3-270M and Qwen2.5-Coder-0.5B (kvcalib's token study)"
 )
 
 if TYPE_CHECKING:
@@ -37,12 +37,12 @@ __all__ = [
     "CalibrationResult",
     "KindScales",
     "LayerScales",
-    "StepReport",
 ]
 
 Engine = Literal["auto", "native", "stream", "llmcompressor"]
 Strategy = Literal["tensor", "attn_head"]
-ScaleObjective = Literal["output", "attention", "absmax"]
+# "output" (an old spelling) is parsed only to be refused with its hint (check_arguments); --help does not list it
+ScaleObjective = Literal["attention", "absmax", "output"]
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,7 @@ class CalibrateOptions(RunOptions):
     num_samples: int = option(
         32,
         "First N rows of the split. The default 32 x --max-seq-len 2048 (64k tokens) is the fewest measured whose "
-        "scales are within the noise of 1M tokens' on three real models and that leaves the whole-model step its "
-        "8 held-out rows.",
+        "scales are within the noise of 1M tokens' on three real models.",
         aliases=("--num-calibration-samples",),
         minimum=1,
         what="rows of the dataset to calibrate on",
@@ -81,7 +80,7 @@ class CalibrateOptions(RunOptions):
     max_memory: float | None = option(
         None,
         "GiB of host memory this run may use (as accelerate's max_memory): a model that does not fit streams "
-        "layer by layer, the whole-model step too, and --plan sizes the run by it. Default: what is free.",
+        "layer by layer, and --plan sizes the run by it. Default: what is free.",
         panel="Engine",
         minimum=0,
         what="GiB",
@@ -114,14 +113,12 @@ class CalibrateOptions(RunOptions):
         panel="Scales",
     )
     scale_objective: ScaleObjective = option(
-        "output",
-        "output: the attention objective, then where its candidates differ materially, the few best "
-        "scored by the model's next-token KL on held-out calibration rows, in the target's numerics and server "
-        "order; attention: per layer, the scale whose attention output is closest to the unquantised one on every "
-        "server the scales are for, clipping where that helps; absmax: absmax / FP8 max, never clipping "
-        "(llm-compressor's rule).",
+        "attention",
+        "attention: per layer, the scale whose attention block output (after o_proj) is closest to the "
+        "unquantised one on every server the scales are for, clipping where that helps; absmax: absmax / FP8 "
+        "max, never clipping (llm-compressor's rule).",
         panel="Scales",
-        metavar="output|attention|absmax",
+        metavar="attention|absmax",
     )
     headroom: float = option(
         1.0,
@@ -133,6 +130,12 @@ class CalibrateOptions(RunOptions):
 
     def check_arguments(self) -> None:
         """The values a user passes, checked before anything is read (UsageError naming the flag)."""
+        if self.scale_objective == "output":
+            raise UsageError(
+                "--scale-objective output: not a choice; the default, attention, scores the attention "
+                "block's output after o_proj",
+                hint="use --scale-objective attention, or leave the flag out",
+            )
         check_options(self)
         if not 1.0 <= self.headroom <= 16.0:
             raise UsageError(
@@ -229,41 +232,12 @@ class LayerScales:
 
 
 @dataclass(frozen=True)
-class StepReport:
-    """The whole-model step (calibration.output) in CalibrationResult.output_step: rows and tokens scored on, material
-    (layer-kinds whose candidates differ materially), weighed (those the budget and MAX_PASSES allowed), changed
-    (whose scale it changed), forwards (runs over the rows through the layers, each from the layer it weighs on, the
-    reference's included), passes (over the decoder layers: 1, and 1 more after each change but the last), budget
-    (forwards allowed), kl_before and kl_after (mean next-token KL with the objective's choices and with the step's,
-    in-sample: on the rows that chose), non_finite (the layer-kinds whose every candidate's KL was not finite: the
-    objective's choice stands); skipped: why it did not run, or why its changes were undone."""
-
-    rows: int = 0
-    tokens: int = 0
-    material: int = 0
-    weighed: int = 0
-    changed: int = 0
-    forwards: int = 0
-    passes: int = 0
-    budget: int = 0
-    kl_before: float | None = (
-        None  # mean next-token KL (TOP-token bound) with the objective's choices
-    )
-    kl_after: float | None = None  # with the step's
-    non_finite: tuple[str, ...] | None = None
-    skipped: str | None = None
-
-    OMIT_NONE = True
-
-
-@dataclass(frozen=True)
 class CalibrationResult:
     """What `calibrate` wrote; to_json() is its --json (with --serve-check, its "calibration", beside "serve_check": the
     ServeCheckResult in `serve_check`). output, model, target, fp8_max, num_samples, num_tokens, token_budget (why that
-    many), seconds, tokens_per_s
-    (of observing), objective_seconds (the scale objective's search and whole-model step), compute (the compute path),
-    scale_objective, output_step (StepReport; null unless scale_objective is output), layers
-    (LayerScales), warnings, validation (ValidationReport of what was written), kv_cache (KvCacheSize)."""
+    many), seconds, tokens_per_s (of observing), objective_seconds (the scale objective's search), compute (the compute
+    path), scale_objective, layers (LayerScales), warnings, validation (ValidationReport of what was written),
+    kv_cache (KvCacheSize)."""
 
     output: str
     model: str
@@ -281,7 +255,6 @@ class CalibrationResult:
     objective_seconds: float = 0.0
     serve_check: "ServeCheckResult | None" = None
     kv_cache: KvCacheSize | None = None
-    output_step: StepReport | None = None
     token_budget: str = ""  # why num_tokens (CalibrateOptions.token_budget)
 
     @property

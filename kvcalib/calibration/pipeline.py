@@ -14,26 +14,19 @@ import torch
 
 from kvcalib._version import __version__
 from kvcalib.calibration.card import summarize, write_card
-from kvcalib.calibration.distributed import RanksFailed, observe_across_ranks, together
+from kvcalib.calibration.distributed import observe_across_ranks
 from kvcalib.calibration.engine import Engine, EngineInputs, Observation
 from kvcalib.calibration.llmcompressor import llmcompressor_engine
 from kvcalib.calibration.native import native_engine, sample_attention
 from kvcalib.calibration.objective import (
     ABSMAX,
     Gather,
-    Pick,
     Scored,
     absmax_warnings,
     scored_numerics,
     search,
 )
-from kvcalib.calibration.options import (
-    CalibrateOptions,
-    CalibrationResult,
-    LayerScales,
-    Machine,
-)
-from kvcalib.calibration.output import OUTPUT, StepReport, close_call, output_step
+from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales, Machine
 from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import (
     LLMCOMPRESSOR_ENGINE,
@@ -42,7 +35,7 @@ from kvcalib.calibration.recipe import (
     require_llmcompressor,
 )
 from kvcalib.calibration.scales import layer_scales, scale_tensors
-from kvcalib.calibration.stream import LayerStream, open_stream, stream_engine
+from kvcalib.calibration.stream import stream_engine
 from kvcalib.calibration.writer import WritePlan, check_output_path, check_room, write_checkpoint
 from kvcalib.core import fp8, mxfp4
 from kvcalib.core.checkpoint import Checkpoint
@@ -57,12 +50,9 @@ from kvcalib.core.schema import (
     kv_only_quantization_config,
     max_position_embeddings,
 )
-from kvcalib.evaluation.emulate import head_scale
 from kvcalib.hf.data import CalibrationData, load_calibration_data
 from kvcalib.hf.memory import EngineChoice, choose_engine, out_of_memory_error
 from kvcalib.hf.model import (
-    faithful_attention,
-    load_model,
     load_tokenizer,
     pad_id,
     prepare_run,
@@ -130,7 +120,7 @@ def calibrate(
     notify(Progress("load-data"))
     data, pad = read_data(plan, dataset)
     inputs = engine_inputs(plan, data, pad, notify)
-    observation, choices, objective_seconds, step = _observe(plan, inputs)
+    observation, choices, objective_seconds = _observe(plan, inputs)
 
     layers, warnings = layer_scales(
         observation,
@@ -145,16 +135,6 @@ def calibrate(
         warnings.extend(absmax_warnings(layers, observation.samples, plan.target))
     if plan.engine.reason:
         warnings.append(plan.engine.reason)
-    if step is not None and step.skipped and step.material and not step.forwards:
-        warnings.append(
-            f"the whole-model step did not run ({step.skipped}): the attention objective's choices "
-            f"stand for {step.material} layer K/V(s) whose candidates differ materially"
-        )
-    if step is not None and step.non_finite:
-        warnings.append(
-            f"the whole-model step: next-token KL was not finite for every candidate of "
-            f"{', '.join(step.non_finite)}: the attention objective's choice stands"
-        )
     warnings.extend(
         context_warning(data, opts.max_seq_len, plan.checkpoint.config, output, opts.headroom)
     )
@@ -176,7 +156,6 @@ def calibrate(
             scale_objective=opts.scale_objective,
             objective_seconds=objective_seconds,
             kv_cache=kv_cache_size(plan.checkpoint.config),
-            output_step=step,
             token_budget=opts.token_budget(data),
         )
 
@@ -328,13 +307,12 @@ def check_run(
 
 def _observe(
     plan: RunPlan, inputs: EngineInputs
-) -> tuple[Observation, list[list[Pick]] | None, float, StepReport | None]:
-    """The engine's observation, the scale objective's picks (None: absmax), the seconds the search and the
-    whole-model step took, and what the step did (None: not asked for)."""
+) -> tuple[Observation, list[tuple[Scored, Scored]] | None, float]:
+    """The engine's observation, the scale objective's picks (None: absmax) and the seconds the search took."""
     engine, ranks = ENGINES[plan.engine.engine], plan.machine.ranks
-    timing: list[Any] = [0.0, None]
+    timing = [0.0]
 
-    def finish(observation: Observation, gather: Gather) -> list[list[Pick]] | None:
+    def finish(observation: Observation, gather: Gather) -> list[tuple[Scored, Scored]] | None:
         if not inputs.sample_sequences:
             return None
         inputs.notify(Progress("objective"))
@@ -356,13 +334,8 @@ def _observe(
             plan.recipe.strategy == ATTN_HEAD,
             gather,
         )
-        if plan.options.scale_objective == OUTPUT:
-            inputs.notify(Progress("output"))
-            picks, timing[1] = _optional_step(plan, inputs, observation, scored, gather)
-        else:
-            picks = [[kind.pick() for kind in layer] for layer in scored]
         timing[0] = time.perf_counter() - started
-        return picks
+        return scored
 
     try:
         if ranks is not None and ranks.world_size > 1:
@@ -375,92 +348,7 @@ def _observe(
         if error is None:
             raise
         raise error from exc
-    return replace(observation, model=None), choices, timing[0], timing[1]
-
-
-def _optional_step(
-    plan: RunPlan,
-    inputs: EngineInputs,
-    observation: Observation,
-    scored: list[tuple[Scored, Scored]],
-    gather: Gather,
-) -> tuple[list[list[Pick]], StepReport]:
-    """_output_step, its gathers exchanging each rank's status (distributed.together): where it ran out of memory
-    (every rank that failed did), the attention objective's picks and a StepReport saying why it did not run; any
-    other failure raises on every rank at once."""
-    try:
-        return together(
-            lambda checked: _output_step(plan, inputs, observation, scored, checked),
-            gather,
-            lambda exc: out_of_memory_error(exc, plan.engine.engine, plan.device) is not None,
-        )
-    except RanksFailed as failed:
-        if not failed.out_of_memory:
-            raise
-        skipped = (
-            f"out of memory, {failed.detail}; a lower --max-memory streams the model through it, "
-            "--scale-objective attention does without it"
-        )
-        material = sum(close_call(kind) is not None for layer in scored for kind in layer)
-        picks = [[kind.pick() for kind in layer] for layer in scored]
-        return picks, StepReport(material=material, skipped=skipped)
-
-
-def _output_step(
-    plan: RunPlan,
-    inputs: EngineInputs,
-    observation: Observation,
-    scored: list[tuple[Scored, Scored]],
-    gather: Gather,
-) -> tuple[list[list[Pick]], StepReport]:
-    """kvcalib.calibration.output with the engine's model: held whole, or streamed again (the stream engine's, or
-    one opened for the step where the whole model does not fit)."""
-    opts, model, ranks = plan.options, observation.model, plan.machine.ranks
-    if isinstance(model, LayerStream):
-        stream = model
-    elif model is not None:
-        stream = LayerStream.whole(model, plan.checkpoint.root)
-    else:
-        copies = ranks.local_world_size if ranks else 1
-        engine = choose_engine(
-            "auto", plan.checkpoint, plan.dtype, plan.device, copies, plan.machine.memory
-        )
-        stream = (
-            LayerStream.whole(
-                load_model(
-                    plan.checkpoint,
-                    plan.dtype,
-                    plan.device,
-                    opts.trust_remote_code,
-                    attn_implementation=faithful_attention(plan.checkpoint.config),
-                ),
-                plan.checkpoint.root,
-            )
-            if engine.engine == "native"
-            else open_stream(plan.checkpoint, plan.dtype, plan.device, opts.trust_remote_code)
-        )
-    rank, world = (ranks.rank, ranks.world_size) if ranks else (0, 1)
-    q_scales = None
-    if plan.attention_scales:  # the Q scales written: the step weighs FP8 attention
-        written, _ = layer_scales(
-            observation, plan.target, plan.checkpoint.root, plan.recipe.strategy, queries=True
-        )
-        q_scales = [head_scale(list(s.q.head_scales or (s.q.scale,))) for s in written]
-    return output_step(
-        stream,
-        scored,
-        inputs.data.sequences,
-        inputs.sample_sequences,
-        plan.target,
-        plan.compute,
-        inputs.pad_id,
-        plan.device,
-        opts.headroom,
-        q_scales,
-        rank,
-        world,
-        gather,
-    )
+    return observation, choices, timing[0]
 
 
 def _write(

@@ -4,9 +4,7 @@ calibrate's checks run as they would (what stops the run is a refusal, not raise
 first batches (longest first) through its engine (stream: the first PROBE_LAYERS layers), PROBE_BATCHES at least and
 every one the objective samples, then the objective's search on the first PROBE_LAYERS layers: on the run's own
 sequences, since its cost is per sequence more than per token (16 query rows each). The estimate scales each part by
-what the run has more of: load (checks, data, weights), observe, objective (the search, by layers), step (the
-whole-model step: 2 forwards and its close calls' shortlists, from the probed layers' and one at least, within its
-budget; each the held-out tokens through the model at the probe's rate) and write."""
+what the run has more of: load (checks, data, weights), observe, objective (the search, by layers) and write."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ from typing import Any
 
 from kvcalib.calibration.objective import search
 from kvcalib.calibration.options import CalibrateOptions
-from kvcalib.calibration.output import MIN_ROWS, OUTPUT, budget, close_call, held_out_rows
 from kvcalib.calibration.pipeline import ENGINES, RunPlan, check_run, engine_inputs, read_data
 from kvcalib.calibration.writer import measure_room
 from kvcalib.core.errors import KvcalibError, UsageError
@@ -48,10 +45,6 @@ PROBE_LAYERS = (
 WRITE_BYTES_PER_S = (
     200e6  # copying weights where hard links do not work (an assumption, not measured)
 )
-ONE_CALL = 2  # forwards one close call adds: the step is assumed to find one where the probed layers had none
-STEP_COST = (
-    1.2  # a step forward's seconds per token against the observing engine's (measured: 1.2, 1.25)
-)
 VALIDATE_SECONDS = (
     0.1  # writing config, card, scales, links, then validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
 )
@@ -64,12 +57,11 @@ class Estimate:
     load: float
     observe: float
     objective: float
-    step: float
     write: float
 
     @property
     def total(self) -> float:
-        return self.load + self.observe + self.objective + self.step + self.write
+        return self.load + self.observe + self.objective + self.write
 
     JSON = {"total": "total"}
 
@@ -79,9 +71,7 @@ class Probe:
     """The timed probe in CalibrationPlan's probe: engine (the one timed), batches, layers and tokens it ran on,
     objective_tokens (the objective's search ran on: the run's own) and run_objective_tokens (the run's),
     objective_layers (searched), seconds, objective_seconds (of the search) and objective_first_seconds (its first
-    layer's, with what the run pays once), close_calls (in the searched layers: K/Vs the whole-model step would
-    weigh), step_tokens (the held-out tokens it scores; 0: too few rows, it would not run), step_forwards
-    (estimated, within its budget), peak_rss_bytes; from its progress events: load_seconds (paid
+    layer's, with what the run pays once), peak_rss_bytes; from its progress events: load_seconds (paid
     once), compute_seconds (the probed batches: native the whole model, stream one layer), layer_load_seconds
     (stream: one layer's load); setup_seconds (calibrate's checks and data, before the engine)."""
 
@@ -95,9 +85,6 @@ class Probe:
     seconds: float
     objective_seconds: float
     objective_first_seconds: float
-    close_calls: int
-    step_tokens: int
-    step_forwards: int
     peak_rss_bytes: int
     load_seconds: float
     compute_seconds: float
@@ -112,7 +99,7 @@ class CalibrationPlan:
     token_budget (why that many), weight_bytes (in the calibration dtype), peak_memory_bytes (estimated),
     memory_limit_bytes, memory_source (null: no limit), weights_linked (or copied), output_bytes (new on its
     filesystem), free_bytes, scratch_bytes (the stream engine's spill, at most), probe (Probe; {} with refusals),
-    estimate_seconds (load, observe, objective, step, write, total), kv_cache."""
+    estimate_seconds (load, observe, objective, write, total), kv_cache."""
 
     model: str
     output: str
@@ -234,20 +221,12 @@ def _probe(
     started = time.perf_counter()
     observation = ENGINES[name](inputs)
     observed = time.perf_counter()
-    scored: list[Any] = []
     times: list[float] = []  # the search's, layer by layer: the first pays what the run pays once
     ob, per_head = observation, plan.recipe.strategy == ATTN_HEAD
     for i in range(probed) if inputs.sample_sequences else ():
         began, one = time.perf_counter(), slice(i, i + 1)
-        scored += search(ob.samples[one], ob.k_heads[one], ob.v_heads[one], plan.target, per_head)
+        search(ob.samples[one], ob.k_heads[one], ob.v_heads[one], plan.target, per_head)
         times.append(time.perf_counter() - began)
-    calls = [c for layer in scored for kind in layer if (c := close_call(kind)) is not None]
-    step_tokens = forwards = 0
-    held = held_out_rows(data.sequences, sampled)
-    if opts.scale_objective == OUTPUT and times and len(held) >= MIN_ROWS:
-        step_tokens = sum(map(len, held))
-        weighs = max(sum(len(shortlist) - 1 for shortlist, _ in calls) * layers / probed, ONE_CALL)
-        forwards = 2 + min(budget(data.num_tokens, step_tokens) - 2, round(weighs))
     return Probe(
         engine=name,
         batches=math.ceil(len(rows) / opts.batch_size),
@@ -259,9 +238,6 @@ def _probe(
         seconds=round(observed - started + sum(times), 3),
         objective_seconds=round(sum(times), 3),
         objective_first_seconds=round(times[0] if times else 0.0, 3),
-        close_calls=len(calls),
-        step_tokens=step_tokens,
-        step_forwards=forwards,
         peak_rss_bytes=peak_rss_bytes(),
         **_split(stamps, started, observed, stream),
         setup_seconds=setup,
@@ -317,15 +293,11 @@ def _estimate(probe: Probe, tokens: int, layers: int, output_bytes: int, linked:
     first, searched = probe.objective_first_seconds, probe.objective_layers
     rest = (probe.objective_seconds - first) / (searched - 1) if searched > 1 else first
     objective = first + rest * (layers - 1) if searched else 0.0
-    step = probe.step_forwards * probe.step_tokens * per_token * STEP_COST + (
-        loads if probe.step_forwards else 0.0
-    )
     write = VALIDATE_SECONDS + (0.0 if linked else output_bytes / WRITE_BYTES_PER_S)
     return Estimate(
         probe.setup_seconds + probe.load_seconds,
         per_token * tokens + loads,
         objective,
-        step,
         write,
     )
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvcalib.calibration.engine import Observation
-from kvcalib.calibration.objective import Pick
+from kvcalib.calibration.objective import Scored
 from kvcalib.calibration.options import KindScales, LayerScales
 from kvcalib.core import fp8
 from kvcalib.core.errors import CalibrationError
@@ -71,7 +71,7 @@ def layer_scales(
     model_dir: Path,
     strategy: str = "tensor",
     queries: bool = False,
-    choices: list[list[Pick]] | None = None,
+    choices: list[tuple[Scored, Scored]] | None = None,
     headroom: float = 1.0,
 ) -> tuple[list[LayerScales], list[str]]:
     """Per-layer scales: absmax / fp8_max, or for K/V the objective's `choices`; as written_scales writes them."""
@@ -106,7 +106,7 @@ def _kind_scales(
     target: fp8.Target,
     key: str,
     per_head: bool,
-    pick: Pick | None,
+    pick: Scored | None,
     headroom: float,
 ) -> KindScales:
     head_scales, chosen = fp8.scale_from_absmax(heads, target), None

@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,31 +59,17 @@ HIDDEN_STATES_MEMORY_SHARE = 0.5
 
 @dataclass
 class LayerStream:
-    """A causal LM run one decoder layer at a time: with `weights` None, every layer in memory; else its other
-    weights loaded and each layer loaded from the checkpoint when reached (layer()), back to meta after."""
+    """A causal LM run one decoder layer at a time: its other weights loaded and each layer loaded from the
+    checkpoint when reached (layer()), back to meta after."""
 
     model: torch.nn.Module
     decoder: torch.nn.Module
     layers: torch.nn.ModuleList
-    weights: _Weights | None = None
-    prefix: str = ""  # the layers' state-dict path, e.g. "model.layers."
-
-    @classmethod
-    def whole(cls, model: torch.nn.Module, where: Path) -> LayerStream:
-        decoder = getattr(model, model.base_model_prefix, model)
-        return cls(model, decoder, _decoder_layers(decoder, num_layers(model), where)[1])
-
-    def load_head(self) -> None:
-        """The output embeddings as well (the observation never needs them): tied to the input's, or loaded."""
-        if self.weights is not None:
-            self.model.tie_weights()
-            self.weights.load("", skip=self.prefix)
+    weights: _Weights
+    prefix: str  # the layers' state-dict path, e.g. "model.layers."
 
     @contextmanager
     def layer(self, i: int) -> Iterator[torch.nn.Module]:
-        if self.weights is None:
-            yield self.layers[i]
-            return
         self.weights.load(f"{self.prefix}{i}.")
         try:
             yield self.layers[i]
@@ -155,8 +141,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
                         out = layer(states.get(b).to(inputs.device), *args, **kwargs)
                         states.put(b, out[0] if isinstance(out, tuple) else out)
                     inputs.notify(_progress(sizes, n_layers, i, b))
-    observation = Observation.of(observer, attn_paths, time.perf_counter() - started, model)
-    return replace(observation, model=stream)  # the whole-model step streams it again
+    return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
 
 
 class _StandIn(torch.nn.Module):

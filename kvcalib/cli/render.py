@@ -110,7 +110,6 @@ _STAGES = {
     "load-data": "reading dataset",
     "load-model": "loading model",
     "objective": "choosing the scales",
-    "output": "weighing close calls at the output",
     "write": "writing checkpoint",
     "layers-alone": "quantising one layer at a time",
 }
@@ -141,64 +140,24 @@ def _duration(seconds: float) -> str:
 
 
 def _chosen(choice: ScaleChoice | None) -> str:
-    """The table's "chosen" cell: the candidate, and "(output)" where the whole-model step weighed others."""
-    if not choice:
-        return ""
-    return choice.label.replace("absmax x", "x") + (" (output)" if choice.output else "")
+    """The table's "chosen" cell: the candidate."""
+    return choice.label.replace("absmax x", "x") if choice else ""
 
 
 def _print_objective(console: Console, result: CalibrationResult) -> None:
-    """The clipped or widened scales, and what the whole-model step weighed: each candidate's KL at the output."""
+    """The clipped or widened scales."""
     clipped = [
         f"layer {layer.layer} {kind.upper()} {s.choice.label}"
         for layer in result.layers
         for kind, s in layer.kinds().items()
         if s.choice and s.choice.label != "absmax"
     ]
-    step = result.output_step
-    none = (
-        "none (the whole-model step kept absmax)"
-        if step and step.changed
-        else "none (no clip halves any layer's attention error)"
-    )
     console.print(
         f"scale objective: {result.scale_objective}; not absmax / {result.fp8_max:g}: "
-        + (", ".join(clipped) if clipped else none),
+        + (", ".join(clipped) if clipped else "none (no clip halves any layer's attention error)"),
         soft_wrap=True,
         markup=False,
     )
-    if step is None:
-        return
-    if not step.forwards:
-        console.print(f"whole-model step: not run ({step.skipped})", soft_wrap=True, markup=False)
-        return
-    console.print(
-        f"whole-model step: {step.weighed} of {step.material} close call(s) weighed by next-token KL on "
-        f"{step.rows} held-out rows ({step.tokens:,} tokens scored, {step.forwards} forwards), "
-        f"{step.changed} changed, KL {step.kl_before:.3g} -> {step.kl_after:.3g} (in-sample: on the rows that "
-        "chose)" + (f"; undone: {step.skipped}" if step.skipped else ""),
-        soft_wrap=True,
-        markup=False,
-    )
-    _print_weighed(
-        console, [(layer.layer, layer.k.choice, layer.v.choice) for layer in result.layers]
-    )
-
-
-def _print_weighed(
-    console: Console, layers: list[tuple[int, ScaleChoice | None, ScaleChoice | None]]
-) -> None:
-    """A line per layer K/V the whole-model step weighed: the pick, and each candidate's next-token KL."""
-    for layer, *choices in layers:
-        for kind, choice in zip("KV", choices):
-            if choice and choice.output:
-                costs = ", ".join(f"{label} {kl:.3g}" for label, kl in choice.output)
-                console.print(
-                    f"  layer {layer} {kind}: {choice.label} by the {choice.step} step "
-                    f"(next-token KL: {costs})",
-                    soft_wrap=True,
-                    markup=False,
-                )
 
 
 def render_calibration(console: Console, result: CalibrationResult, notes: list[str]) -> None:
@@ -290,7 +249,7 @@ def render_plan(console: Console, plan: CalibrationPlan) -> None:
             "probe": f"{probe.batches} batch(es), {probe.layers} layer(s), {probe.tokens:,} tokens: "
             f"{probe.seconds:.1f} s",
             "estimate": f"{_duration(est.total)} (load {est.load:.0f} s, observe {est.observe:.0f} s, "
-            f"objective {est.objective:.0f} s, step {est.step:.0f} s, write {est.write:.0f} s)",
+            f"objective {est.objective:.0f} s, write {est.write:.0f} s)",
         }
         table = Table(
             title=f"calibrate --plan: {escape(plan.model)} -> {escape(plan.output)}",
@@ -546,7 +505,7 @@ def render_tasks(console: Console, result: TaskResult) -> None:
 
 def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
     """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping; the scale the
-    checkpoint's objective chose, and what the whole-model step found the alternatives cost."""
+    checkpoint's objective chose."""
     chosen = any(s.chosen for s in run.layers)
     table = _table(
         escape(
@@ -588,7 +547,3 @@ def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
         ),
     )
     console.print(table)
-    _print_weighed(
-        console,
-        [(s.layer, *((s.chosen or {}).get(kind) for kind in "kv")) for s in run.layers],
-    )

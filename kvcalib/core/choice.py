@@ -13,10 +13,8 @@ class ScaleChoice:
     """label: the candidate ("absmax", "absmax x0.5", "1.0", "per head", ...); clipped: the fraction of the sampled
     elements it saturates on the target; attention_error, attention_error_absmax, attention_error_unit: the held-out
     relative attention-output error ||ΔO|| / ||O|| of the choice, of absmax and of 1.0 on the target;
-    attention_error_on: the choice's on each server it was scored for, target first; step: which step chose it
-    ("attention": the attention objective, "output": the whole-model step); output: each candidate the whole-model
-    step weighed and its mean next-token KL. Eval reads back label, step and output. A field left None is not
-    recorded."""
+    attention_error_on: the choice's on each server it was scored for, target first. Eval reads back the label. A
+    field left None is not recorded."""
 
     label: str
     clipped: float | None = None
@@ -24,7 +22,5 @@ class ScaleChoice:
     attention_error_absmax: float | None = None
     attention_error_unit: float | None = None
     attention_error_on: tuple[tuple[str, float], ...] | None = None
-    step: str | None = None
-    output: tuple[tuple[str, float], ...] | None = None
 
     OMIT_NONE = True

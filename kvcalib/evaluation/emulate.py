@@ -55,8 +55,7 @@ class LayerQuantStats:
     (unquantised), k_clip_at, v_clip_at (|x| that saturates; per head, the largest scale's), q_sqnr_db, q_clipped;
     where measured: attention_error (||ΔO|| / ||O||), delta_nll_alone, kl_alone (nats with only this layer's K/V
     quantised, on eval's first layer_rows rows); chosen (from a kvcalib checkpoint's provenance: {"k": ..., "v": ...},
-    each the scale objective's choice: label, step and, where the whole-model step weighed candidates, output: each
-    one's next-token KL))."""
+    each the scale objective's choice: its label))."""
 
     layer: int
     k: KindQuantStats

@@ -291,11 +291,7 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
     for entry in (provenance or {}).get("layers") or ():
         try:  # a provenance kvcalib did not write, or an older one: the layer shows no choice
             chosen[entry["layer"]] = {
-                kind: ScaleChoice(
-                    str(c["label"]),
-                    step=c.get("step"),
-                    output=tuple(c["output"].items()) if "output" in c else None,
-                )
+                kind: ScaleChoice(str(c["label"]))
                 for kind in "kv"
                 if kind in entry and (c := entry[kind]["choice"])
             }

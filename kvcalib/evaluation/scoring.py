@@ -1,4 +1,4 @@
-"""Next-token scoring as eval, its per-layer runs (layers.py) and calibrate's whole-model step do it: the model's
+"""Next-token scoring as eval and its per-layer runs (layers.py) do it: the model's
 log-probabilities with a hook on its K/V, which predictions are scored, and the KL against a reference run."""
 
 from __future__ import annotations

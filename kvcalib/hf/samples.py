@@ -1,6 +1,7 @@
 """Attention samples: what the scale objective scores, each layer's attention call on a few calibration sequences
 (the same in every engine and rank) kept as the model made it; `attention_rows` recomputes those rows' output in
-float32 with any K or V put in (the eager formula, tested against the model's own attention function)."""
+float32 with any K or V put in (the eager formula, tested against the model's own attention function), and
+`projected` weighs it as the attention block's o_proj does."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ __all__ = [
     "AttentionSampler",
     "attention_error",
     "attention_rows",
+    "projected",
     "sample_sequences",
 ]
 
@@ -43,6 +45,7 @@ class AttentionSample:
     scaling: float
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [heads] float32 (GPT-OSS)
+    mix: torch.Tensor | None = None  # [kv_heads, groups, head_dim, k]: _mix's (None: no o_proj)
 
 
 def sample_sequences(
@@ -83,6 +86,7 @@ class AttentionSampler:
         self._batch: list[
             tuple[int, int]
         ] = []  # (row in the batch, length) of the current batch's chosen rows
+        self._mixes: dict[int, torch.Tensor | None] = {}  # per layer, its o_proj's R_hᵀ
 
     def start_batch(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
         lengths = mask.sum(dim=1).tolist()
@@ -110,6 +114,8 @@ class AttentionSampler:
             getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
         )
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+        if self._batch and layer not in self._mixes:
+            self._mixes[layer] = _mix(module, key.shape[1], *query.shape[1::2])
         for row, length in self._batch:
             positions = _rows(length, self.rows)
             index = torch.tensor(positions, device=query.device)
@@ -126,8 +132,19 @@ class AttentionSampler:
                     sinks=sinks.detach().float().cpu().clone()
                     if isinstance(sinks, torch.Tensor)
                     else None,
+                    mix=self._mixes[layer],
                 )
             )
+
+
+def _mix(module: torch.nn.Module, kv_heads: int, heads: int, head_dim: int) -> torch.Tensor | None:
+    """[kv_heads, groups, head_dim, k]: R_hᵀ of each query head's o_proj block W_h ([hidden, head_dim]) = Q_h R_h,
+    so that ||x R_hᵀ|| = ||W_h x||; None where the module has no such o_proj (its output is scored as it is)."""
+    weight = getattr(getattr(module, "o_proj", None), "weight", None)
+    if weight is None or weight.is_meta or weight.shape[-1] != heads * head_dim:
+        return None
+    blocks = weight.detach().cpu().double().unflatten(1, (heads, head_dim)).transpose(0, 1)
+    return torch.linalg.qr(blocks, mode="r").R.mT.float().unflatten(0, (kv_heads, -1))
 
 
 def _bias(
@@ -187,6 +204,17 @@ def attention_rows(
     ), probabilities
 
 
+def projected(sample: AttentionSample, output: torch.Tensor) -> torch.Tensor:
+    """attention_rows' `output` ([..., kv_heads, groups * rows, head_dim]) as o_proj weighs it: each query head's rows
+    times its R_hᵀ, so squared norms and errors are those of the attention block's output (heads apart)."""
+    if sample.mix is None:
+        return output
+    split = output.unflatten(
+        -2, (sample.mix.shape[1], -1)
+    )  # [..., kv_heads, groups, rows, head_dim]
+    return torch.matmul(split, sample.mix).flatten(-3, -2)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q kᵀ, leading dimensions of k folded into one bmm batch (broadcasting would copy kᵀ first)."""
     if k.dim() == 3:
@@ -213,7 +241,8 @@ def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def attention_error(
     samples: Sequence[AttentionSample], k_scale: Any, v_scale: Any, target: Any
 ) -> float | None:
-    """Relative attention-output error ||O(K̂, V̂) - O|| / ||O||, K and V quantised on `target`; None: no samples."""
+    """Relative attention-block output error ||O(K̂, V̂) - O|| / ||O|| (projected: after o_proj), K and V quantised on
+    `target`; None: no samples."""
     from kvcalib.core import fp8
 
     if not samples:
@@ -224,8 +253,8 @@ def attention_error(
         k = fp8.fake_quantize(sample.key, _per_head(k_scale), target)
         v = fp8.fake_quantize(sample.value, _per_head(v_scale), target)
         output, _ = attention_rows(sample, key=k, value=v)
-        error.append(float((output - reference).double().pow(2).sum()))
-        norm.append(float(reference.double().pow(2).sum()))
+        error.append(float(projected(sample, output - reference).double().pow(2).sum()))
+        norm.append(float(projected(sample, reference).double().pow(2).sum()))
     total = math.fsum(norm)
     return math.sqrt(math.fsum(error) / total) if total > 0 else 0.0
 

@@ -129,7 +129,7 @@ def test_the_formula_states_what_was_written(name, text_dataset, tmp_path):
         return
     assert result.layers[0].k.range < result.layers[0].k.absmax  # clipped
     assert "`k_scale = range(K) / 240` per layer" in text
-    assert "next-token KL deciding where candidates differ materially" in text
+    assert "with the least error in the attention block's output" in text
     assert "Clipped below absmax: K in layer 0. Scored on trn2 and on trn3, gpu, vllm-cpu," in text
     for row, layer in zip(rows, result.layers):
         for kind in "kv":

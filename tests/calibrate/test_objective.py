@@ -111,6 +111,35 @@ def test_the_search_agrees_with_a_brute_force_oracle(planted, text_dataset, tmp_
     assert provenance["layers"][0]["k"]["choice"]["label"] == chosen.k.choice.label
 
 
+def test_a_head_hidden_behind_o_proj_counts_as_the_model_counts_it(planted, text_dataset, tmp_path):
+    """The objective scores the attention block's output after o_proj: the planted KV head's V divided by 32 and
+    the o_proj columns that read it multiplied by 32 (powers of two: the same model, bit for bit) leave layer 0 K's
+    errors and choice as they were. Scored before o_proj, that head's share of the error would be 32 times smaller
+    (scripts/make_output_fixture.py builds this on SmolLM2)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hidden = tmp_path / "hidden"
+    shutil.copytree(planted, hidden)
+    config = json.loads((planted / "config.json").read_text())
+    head_dim = config["head_dim"]
+    group = config["num_attention_heads"] // config["num_key_value_heads"] * head_dim
+    [weights] = hidden.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.self_attn.v_proj.weight"][:head_dim] /= 32  # KV head 0: the planted one
+    tensors["model.layers.0.self_attn.o_proj.weight"][:, :group] *= 32  # its query heads' columns
+    save_file(tensors, weights, metadata={"format": "pt"})
+    mine, theirs = (
+        calibrate(model, str(text_dataset), tmp_path / name, CalibrateOptions(**SMALL)).layers[0].k
+        for model, name in ((planted, "planted"), (hidden, "out"))
+    )
+    assert theirs.choice.label == mine.choice.label != "absmax"
+    assert [theirs.choice.attention_error, theirs.choice.attention_error_absmax] == pytest.approx(
+        [mine.choice.attention_error, mine.choice.attention_error_absmax], rel=1e-4
+    )
+
+
 def test_the_warning_names_the_layer_the_head_and_the_channels(planted, text_dataset, tmp_path):
     result = calibrate(planted, str(text_dataset), tmp_path / "out", CalibrateOptions(**SMALL))
     [warning] = [w for w in result.warnings if "would cost attention-output error" in w]
@@ -139,6 +168,14 @@ def test_absmax_objective_keeps_the_never_clipping_rule(planted, text_dataset, t
         calibrate(
             planted, str(tmp_path), tmp_path / "x", CalibrateOptions(scale_objective="mse", **SMALL)
         )
+    with pytest.raises(UsageError, match="--scale-objective output: not a choice") as refused:
+        calibrate(
+            planted,
+            str(tmp_path),
+            tmp_path / "x",
+            CalibrateOptions(scale_objective="output", **SMALL),
+        )
+    assert refused.value.hint == "use --scale-objective attention, or leave the flag out"
     assert not (tmp_path / "x").exists()
 
 

@@ -590,69 +590,12 @@ def test_the_stream_engine_dequantises_mxfp4_from_the_stored_bytes(
     assert seen and set(seen) == {(torch.uint8, torch.uint8)}, seen
 
 
-@pytest.mark.parametrize("target", ["trn2", "gpu"])
-def test_the_steps_layer_by_layer_scores_are_the_whole_models(family, target, text_dataset):
-    """The whole-model step runs its candidates through the layers side by side, one layer at a time (in memory,
-    and streamed from the checkpoint): every row's KL equals, to the bit, the whole model's forward with the same
-    K/V quantiser (kvcalib.evaluation.scoring, as eval scores), for every family, in either server's order; a
-    branch that leaves the base at a later layer, and a pass restarted from the base's saved hidden states
-    there, score as the whole model with their choices."""
-    from kvcalib.calibration.output import BASE, REFERENCE, _Scorer
-    from kvcalib.calibration.stream import LayerStream, open_stream
-    from kvcalib.core import fp8
-    from kvcalib.core.checkpoint import Checkpoint
-    from kvcalib.core.cpu import NATIVE, ComputePath
-    from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer
-    from kvcalib.evaluation.layers import OneLayer
-    from kvcalib.evaluation.scoring import log_probs, row_sums, scored_tokens, token_kl
-    from kvcalib.hf.model import faithful_attention, load_model
-
-    name, model_dir = family
-    checkpoint, cpu, compute = (
-        Checkpoint.open(model_dir),
-        torch.device("cpu"),
-        ComputePath(NATIVE, ""),
-    )
-    rows = [tuple(s) for s in calibration_sequences(model_dir, text_dataset, 6, 24)]
-    tgt = fp8.get_target(target)
-    a, b = (KVQuantizer([s * 2.0**-i for i in range(3)], [s] * 3, tgt) for s in (0.01, 0.003))
-    mixed = KVQuantizer([*a.k_scales[:1], *b.k_scales[1:]], [*a.v_scales[:1], *b.v_scales[1:]], tgt)
-    model = load_model(
-        checkpoint, None, cpu, False, attn_implementation=faithful_attention(checkpoint.config)
-    )
-
-    def whole(quantizer):  # the model's own forward, as eval scores it
-        fresh, sums = tgt.order == fp8.NEURON_ORDER, []
-        for ids, mask in scorer.batches:
-            ref = log_probs(model, ids, mask, OneLayer(None, None), compute=compute)
-            hook = FreshPrefill(quantizer, mask) if fresh else quantizer
-            logp = log_probs(model, ids, mask, hook, compute=compute)
-            top, index = ref.topk(min(1024, ref.shape[-1]), dim=-1)
-            lumped = [
-                torch.cat([t, torch.log1p(-t.exp().sum(-1).clamp(max=1 - 1e-7))[..., None]], -1)
-                for t in (top, logp.gather(-1, index))
-            ]
-            sums += row_sums(token_kl(*lumped), scored_tokens(mask, fresh)).tolist()
-        return sums
-
-    for stream in (LayerStream.whole(model, model_dir), open_stream(checkpoint, None, cpu, False)):
-        scorer = _Scorer(stream, rows, tgt, compute, 0, cpu)
-        sums, saved = scorer.run(0, None, {BASE: (0, a), REFERENCE: (0, None), "b": (1, mixed)})
-        assert sums[BASE] == whole(a) and sums["b"] == whole(mixed), (name, target)
-        assert sum(sums[BASE]) > 0 and sums[BASE] != sums["b"]
-        again, _ = scorer.run(1, saved[1], {BASE: (1, mixed)})
-        assert again[BASE] == sums["b"], (name, target)
-
-
-def test_released_gpt_oss_streamed_gets_the_whole_model_step_as_in_memory(tmp_path, monkeypatch):
-    """GPT-OSS as released (MXFP4), calibrated for trn2 with the default objective: --max-memory 0 streams it, the
-    whole-model step too (every kind weighed, several passes), and its picks and report equal the in-memory
-    run's, to the bit."""
+def test_released_gpt_oss_streamed_gets_the_objectives_picks_as_in_memory(tmp_path):
+    """GPT-OSS as released (MXFP4), calibrated for trn2 with the default objective: --max-memory 0 streams it, and
+    its picks equal the in-memory run's, to the bit."""
     from helpers import fortune_texts, write_jsonl
-    from planted import every_kind_weighed
 
     released = build_released_gpt_oss(tmp_path / "gpt-oss-mxfp4")
-    every_kind_weighed(monkeypatch)
     data = write_jsonl(
         tmp_path / "data.jsonl", [{"text": t} for t in fortune_texts(160, chars=200)]
     )
@@ -661,8 +604,6 @@ def test_released_gpt_oss_streamed_gets_the_whole_model_step_as_in_memory(tmp_pa
         calibrate(released, str(data), tmp_path / name, CalibrateOptions(**opts, **more))
         for name, more in [("whole", {}), ("streamed", {"max_memory": 0})]
     )
-    assert whole.output_step.skipped is None and whole.output_step.passes >= 2
-    assert streamed.output_step == whole.output_step
     assert [to_json(layer) for layer in streamed.layers] == [
         to_json(layer) for layer in whole.layers
     ]

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from helpers import SCRIPTS, build_tokenizer
 
-import kvcalib.calibration.output
-
 
 def build_planted_llama(out_dir: Path, dataset: Path, target: str = "trn2") -> Path:
     import torch
@@ -50,19 +48,3 @@ def build_planted_llama(out_dir: Path, dataset: Path, target: str = "trn2") -> P
         sys.path.pop(0)
     make(base, out_dir, str(dataset), target=target, k_spread=0.05, num_samples=16, max_seq_len=64)
     return out_dir
-
-
-def every_kind_weighed(monkeypatch):
-    """(A test's monkeypatch.) Every layer's K and V weighed (the pick, absmax, 1.0) and the lowest mean KL
-    taken: the step changes picks early and late, so its layers run again after each change (passes > 1)."""
-
-    def close_call(scored):
-        n = len(scored.index)
-        return tuple(dict.fromkeys([scored.index, (0,) * n, (scored.candidates.unit,) * n])), True
-
-    def decide(costs, tokens, cands, chosen):
-        return min(costs, key=lambda index: (sum(costs[index]), index != chosen))
-
-    monkeypatch.setattr(kvcalib.calibration.output, "close_call", close_call)
-    monkeypatch.setattr(kvcalib.calibration.output, "decide", decide)
-    monkeypatch.setattr(kvcalib.calibration.output, "budget", lambda *_: 1000)

@@ -33,7 +33,7 @@ def trn2_beats_448(
         tmp_path / "448",
         CalibrateOptions(target="gpu", scale_objective="absmax", **opts),
     )
-    assert ours.scale_objective == "output" and theirs.scale_objective == "absmax"
+    assert ours.scale_objective == "attention" and theirs.scale_objective == "absmax"
     report = validate_checkpoint(tmp_path / "trn2", "trn2")
     assert report.ok, report
     result = evaluate(
