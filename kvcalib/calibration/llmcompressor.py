@@ -72,7 +72,7 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
 
     _, sized_for = calculate_range(scheme, "cpu")  # the FP8 max llm-compressor divided by
     absmax: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
-    per_head = str(getattr(scheme.strategy, "value", scheme.strategy)) == ATTN_HEAD
+    per_head = scheme.strategy == ATTN_HEAD  # a str enum
     for i in range(n_layers):
         module = model.get_submodule(attn_paths[i])
         for kind in ("k", "v"):

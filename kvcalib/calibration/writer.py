@@ -260,7 +260,11 @@ def write_checkpoint(
 def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
     index: _Index = {}
     notes = _write_weights(source, dest, index)
-    _copy_other_files(source.root, dest)
+    for entry in _other_files(source.root):
+        if entry.is_dir():
+            shutil.copytree(entry, dest / entry.name, copy_function=_carry)
+        elif entry.is_file():
+            _carry(entry, dest / entry.name)
     _write_scales(dest, plan, index)
     _write_index(dest, source.files.index, index)
     config = dict(source.config)
@@ -355,14 +359,6 @@ def _other_files(source: Path) -> list[Path]:
             or entry.name.endswith(".safetensors")
         )
     ]
-
-
-def _copy_other_files(source: Path, dest: Path) -> None:
-    for entry in _other_files(source):
-        if entry.is_dir():
-            shutil.copytree(entry, dest / entry.name, copy_function=_carry)
-        elif entry.is_file():
-            _carry(entry, dest / entry.name)
 
 
 def _carry(src: str | Path, dst: str | Path, link: bool = False) -> None:

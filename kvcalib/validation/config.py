@@ -322,7 +322,11 @@ def portability_findings(
             )
         scheme = qc.get("kv_cache_scheme")
         if scheme is not None:
-            findings.extend(_kv_scheme_findings(scheme, target))
+            findings += observer_findings(scheme)
+            if not _plain_fp8_scheme(
+                scheme
+            ):  # else nothing more: exactly what compressed-tensors' parse gives
+                findings += _parsed_kv_scheme_findings(scheme, target)
     loaded = _in_family(
         config, SCALE_LOADER_ARCHITECTURES, SCALE_LOADER_MODEL_TYPES
     )  # by a Neuron KV-scale loader
@@ -366,13 +370,6 @@ def _plain_fp8_scheme(scheme: Any) -> bool:
         and all(type(scheme[k]) is type(v) and scheme[k] == v for k, v in _PLAIN_FP8_SCHEME.items())
         and type(scheme.get("observer")) in (str, type(None))
     )
-
-
-def _kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
-    plain = _plain_fp8_scheme(
-        scheme
-    )  # nothing more, exactly as compressed-tensors' parse would give
-    return observer_findings(scheme) + ([] if plain else _parsed_kv_scheme_findings(scheme, target))
 
 
 # What the observer a kv_cache_scheme records made of the scales (llm-compressor 0.14,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from kvcalib.core.checkpoint import CheckpointFiles, read_json, read_values
@@ -31,43 +32,46 @@ from kvcalib.validation.scales import LARGEST_FP8_MAX, ScaleCheck
 __all__ = ["outlier_findings", "range_findings", "read_provenance", "token_findings"]
 
 
-def provenance_kind(entry: dict, kind: str) -> dict:
-    """One layer's K or V in kvcalib's provenance: `{"k": {"absmax": ...}}`, or flat `k_absmax` (before 0.2.0)."""
-    nested = entry.get(kind)
-    return (
-        nested
-        if isinstance(nested, dict)
-        else {n[2:]: v for n, v in entry.items() if n.startswith(f"{kind}_")}
-    )
+def _records(provenance: dict) -> list[tuple[Any, str, dict]]:
+    """(layer, kind, record) for each K and V of the provenance's layers: `{"k": {"absmax": ...}}`, or flat `k_absmax`
+    (before 0.2.0)."""
+    layers = provenance.get("layers")
+    return [
+        (
+            entry.get("layer"),
+            kind,
+            nested
+            if isinstance(nested := entry.get(kind), dict)
+            else {n[2:]: v for n, v in entry.items() if n.startswith(f"{kind}_")},
+        )
+        for entry in (layers if isinstance(layers, list) else ())
+        if isinstance(entry, dict)
+        for kind in KV_KINDS
+    ]
 
 
 def finite_number(value: Any) -> float | None:
-    """A finite JSON number as a float; None for anything else (a huge integer included)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
+    """A finite JSON number as a float; None for anything else (a boolean or a huge integer included)."""
     try:
-        number = float(value)
+        return float(value) if type(value) in (int, float) and math.isfinite(value) else None
     except OverflowError:
         return None
-    return number if math.isfinite(number) else None
 
 
 def _clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]:
     """RANGE-CLIPPED-UNSCORED: clipped layers (range below absmax) when `target` is not among the numerics scored on
     (`scored_on`, core.fp8.served_numerics; a record without it was scored on its target alone)."""
-    layers, scored = provenance.get("layers"), provenance.get("scored_on")
+    scored = provenance.get("scored_on")
     scored_on = scored if isinstance(scored, list) else [provenance.get("target")]
-    if not isinstance(layers, list) or target in scored_on:
+    if target in scored_on:
         return []
     clipped = []
-    for entry in (e for e in layers if isinstance(e, dict)):
-        for kind in KV_KINDS:
-            record = provenance_kind(entry, kind)
-            clip, absmax = finite_number(record.get("range")), finite_number(record.get("absmax"))
-            if clip is not None and absmax is not None and 0 <= clip < absmax * (1 - 1e-6):
-                clipped.append(
-                    f"layer {short_repr(entry.get('layer'))} {kind.upper()} at {clip / absmax:.2f} x absmax"
-                )
+    for layer, kind, record in _records(provenance):
+        clip, absmax = finite_number(record.get("range")), finite_number(record.get("absmax"))
+        if clip is not None and absmax is not None and 0 <= clip < absmax * (1 - 1e-6):
+            clipped.append(
+                f"layer {short_repr(layer)} {kind.upper()} at {clip / absmax:.2f} x absmax"
+            )
     if not clipped:
         return []
     scored_text = ", ".join(
@@ -89,12 +93,8 @@ def _clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding
 
 def read_provenance(scan: CheckpointFiles) -> dict[str, Any] | None:
     """kvcalib_calibration.json as an object; None when absent or unreadable (range_findings reports a bad one)."""
-    path = scan.root / PROVENANCE_FILENAME
-    try:
-        data = read_json(path, "kvcalib provenance") if path.exists() else None
-    except KvcalibError:
-        return None
-    return data if isinstance(data, dict) else None
+    sources = _provenance_sources(scan, (), [])
+    return sources[0][1] if sources else None
 
 
 def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> list[Finding]:
@@ -102,7 +102,7 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
     if not check.present:
         return []
     findings: list[Finding] = []
-    sources, target_max = _provenance_sources(scan, check, findings), TARGETS[target].fp8_max
+    sources, target_max = _provenance_sources(scan, check.files, findings), TARGETS[target].fp8_max
     if not sources:
         return findings + [
             Finding(
@@ -145,28 +145,22 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
     clipped = (
         [] if larger else _clipped_unscored(provenance, where, target)
     )  # larger: an error already
-    if larger:
-        findings.append(
-            Finding(
-                "RANGE-TARGET-MISMATCH",
-                ERROR,
-                f"{sized}, but {target} saturates at {target_max:g}: values above "
-                f"{target_max:g}/{fp8_max:g} ≈ {target_max / fp8_max:.2f} of each layer's absmax clip",
-                f"recalibrate with kvcalib calibrate --target {target} "
-                "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)",
-                where,
-            )
-        )
-    elif (
+    if larger or (
         fp8_max < target_max * (1 - 1e-6) and not clipped
-    ):  # "safe" unless a clip was never scored there
+    ):  # "safe" unless a clip was never scored
         findings.append(
             Finding(
                 "RANGE-TARGET-MISMATCH",
-                INFO,
-                f"{sized}; {target} saturates at {target_max:g}: safe, using {fp8_max:g}/{target_max:g} "
+                ERROR if larger else INFO,
+                f"{sized}, but {target} saturates at {target_max:g}: values above "
+                f"{target_max:g}/{fp8_max:g} ≈ {target_max / fp8_max:.2f} of each layer's absmax clip"
+                if larger
+                else f"{sized}; {target} saturates at {target_max:g}: safe, using {fp8_max:g}/{target_max:g} "
                 f"≈ {fp8_max / target_max:.2f} of the FP8 range",
-                f"recalibrate with --target {target} for the full range",
+                f"recalibrate with kvcalib calibrate --target {target} "
+                "(a trn2 checkpoint from kvcalib is chosen for 448-range servers too)"
+                if larger
+                else f"recalibrate with --target {target} for the full range",
                 where,
             )
         )
@@ -174,20 +168,17 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
 
 
 def _provenance_sources(
-    scan: CheckpointFiles, check: ScaleCheck, findings: list[Finding]
+    scan: CheckpointFiles, files: Iterable[str], findings: list[Finding]
 ) -> list[tuple[str, dict]]:
-    sources: list[tuple[str, Any]] = []
+    """The provenance file, then each of `files`' metadata record, that is a JSON object (findings for the rest)."""
+    path, sources = scan.root / PROVENANCE_FILENAME, []
     try:
-        if (scan.root / PROVENANCE_FILENAME).exists():
-            sources.append(
-                (
-                    PROVENANCE_FILENAME,
-                    read_json(scan.root / PROVENANCE_FILENAME, "kvcalib provenance"),
-                )
-            )
+        sources += (
+            [(PROVENANCE_FILENAME, read_json(path, "kvcalib provenance"))] if path.exists() else []
+        )
     except KvcalibError as exc:
         findings.append(_malformed_provenance(PROVENANCE_FILENAME, exc.message))
-    for name in sorted(check.files):
+    for name in sorted(files):
         raw = (scan.headers[name].metadata or {}).get(PROVENANCE_METADATA_KEY)
         if raw is None:
             continue
@@ -218,35 +209,28 @@ def _compare_layers(
     provenance: dict, where: str, fp8_max: float, check: ScaleCheck
 ) -> list[Finding]:
     layers = provenance.get("layers")
-    if layers is None:
-        return []
-    if not isinstance(layers, list):
+    if layers is not None and not isinstance(layers, list):
         return [_malformed_provenance(where, f"layers is {type(layers).__name__}, not a list")]
     disagree: list[str] = []
-    for entry in layers:
-        layer = entry.get("layer") if isinstance(entry, dict) else None
-        if not isinstance(layer, int) or isinstance(layer, bool):
+    for layer, kind, record in _records(provenance):
+        key = neuron_scale_key(layer, kind, check.prefix) if type(layer) is int else None
+        actual, recorded = check.values.get(key), finite_number(record.get("scale"))
+        # what the scale was sized for: the range the scale objective chose, else the absmax
+        absmax = finite_number(record.get("range", record.get("absmax"))) or 0.0
+        if actual is None:
             continue
-        for kind in KV_KINDS:
-            key = neuron_scale_key(layer, kind, check.prefix)
-            actual, record = check.values.get(key), provenance_kind(entry, kind)
-            recorded = finite_number(record.get("scale"))
-            # what the scale was sized for: the range the scale objective chose, else the absmax
-            absmax = finite_number(record.get("range", record.get("absmax"))) or 0.0
-            if actual is None:
-                continue
-            if recorded is not None and abs(recorded - actual) > 1e-5 * max(recorded, actual):
-                disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
-            # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
-            elif (
-                absmax > 0
-                and actual > SCALE_FLOOR * 2
-                and abs(absmax / actual - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max
-            ):
-                disagree.append(
-                    f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {absmax / actual:.6g}, "
-                    f"not {fp8_max:g}"
-                )
+        if recorded is not None and abs(recorded - actual) > 1e-5 * max(recorded, actual):
+            disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
+        # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
+        elif (
+            absmax > 0
+            and actual > SCALE_FLOOR * 2
+            and abs(absmax / actual - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max
+        ):
+            disagree.append(
+                f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {absmax / actual:.6g}, "
+                f"not {fp8_max:g}"
+            )
     if not disagree:
         return []
     return [
