@@ -690,7 +690,7 @@ CASES = [
     Case(
         "serve-vllm-python-missing",
         SERVE + ("--vllm-python", "{w}/bin/python"),
-        2,
+        3,
         "{w}/bin/python",
         setup=fake_vllm_python,
     ),
