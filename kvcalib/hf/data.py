@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from kvcalib.core.errors import DatasetError
 from kvcalib.core.options import RunOptions
@@ -361,8 +362,6 @@ def batches(
     order = sorted(sequences, key=len, reverse=True)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        ids = torch.full((len(chunk), len(chunk[0])), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, seq in enumerate(chunk):
-            ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
-        yield ids, mask
+        ids = pad_sequence([torch.tensor(s) for s in chunk], batch_first=True, padding_value=pad_id)
+        lengths = torch.tensor([len(s) for s in chunk])
+        yield ids, (torch.arange(ids.shape[1]) < lengths[:, None]).long()

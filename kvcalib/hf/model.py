@@ -342,8 +342,7 @@ def build_skeleton(
 
 def text_config(model: torch.nn.Module) -> Any:
     """The language model's config (a multimodal model's text_config)."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return model.config.get_text_config()
 
 
 def num_layers(model: torch.nn.Module) -> int:
