@@ -96,9 +96,7 @@ def _sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """SDPA on bf16 inputs as torch's CPU flash-attention kernel rounds: float32 scores, exp and sum, the exps in
-    bf16 for the product with V (float32 accumulation), the output rounded to bf16 once."""
-    if dropout_p:
-        raise ValueError("kvcalib's float32 attention does not implement dropout")
+    bf16 for the product with V (float32 accumulation), the output rounded to bf16 once; no dropout (eval only)."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)

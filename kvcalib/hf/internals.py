@@ -58,10 +58,7 @@ def internal(module: str, name: str, *params: str) -> Any:
     except (ImportError, AttributeError):
         found, changed = None, "is missing"
     else:
-        try:
-            taken = inspect.signature(found).parameters if params else {}
-        except (TypeError, ValueError):  # no signature to read (a builtin): nothing to check
-            taken = dict.fromkeys(params)
+        taken = inspect.signature(found).parameters if params else {}
         absent = [p for p in params if p not in taken]
         changed = f"no longer takes {', '.join(absent)}" if absent else ""
     if changed:  # one line: the release, what changed, the tested range, what to install

@@ -17,25 +17,12 @@ from kvcalib.hf import internals
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["dequantize", "dequantize_mxfp4", "dequantized_on_load", "dequantizer", "expert_chunks"]
+__all__ = ["dequantize", "dequantize_mxfp4", "dequantizer", "expert_chunks"]
 
 
 def dequantizer(keys: Iterable[str]) -> Any:
     """transformers' MXFP4 quantizer, set to dequantize as they load; None without MXFP4 weights."""
     return internals.mxfp4_quantizer() if weights(keys) else None
-
-
-@contextmanager
-def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, Any]]:
-    """from_pretrained's extra arguments: with MXFP4 weights, `config` declares them and they dequantize on load."""
-    if not weights(keys):
-        yield {}
-        return
-    from transformers import Mxfp4Config
-
-    config.quantization_config = {"quant_method": "mxfp4"}
-    with expert_chunks():
-        yield {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def dequantize(
