@@ -57,9 +57,16 @@ class PreparedRun:
 
 
 def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
-    """--dtype (auto: None) and --device (their values checked by the options), then the checkpoint: found, read
-    once, a causal LM kvcalib can run."""
-    device = torch.device(options.device)
+    """--dtype (auto: None) and --device (checked again: lm-eval's model_args reach here unchecked), then the
+    checkpoint: found, read once, a causal LM kvcalib can run."""
+    if options.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise UsageError(
+            f"unknown --dtype {options.dtype!r}", hint="use auto, bfloat16, float16 or float32"
+        )
+    try:
+        device = torch.device(options.device)
+    except RuntimeError:
+        raise UsageError(f"unknown --device {options.device!r}", hint="use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(
             "--device cuda was asked for but torch sees no CUDA device", hint="use --device cpu"
