@@ -95,17 +95,14 @@ class KVAbsmaxObserver:
                 hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
             )
 
-    def _head_absmax(self, states: torch.Tensor) -> torch.Tensor:
-        """[B, H, S, D] -> absmax per head [H] over the real tokens (NaN/inf propagate on purpose)."""
-        per_token = states.detach().abs().amax(dim=3).float()  # [B, H, S]
-        if self.token_mask is not None:
-            per_token = per_token.masked_fill(~self.token_mask[:, None, :], 0.0)
-        return per_token.amax(dim=(0, 2))
-
     def _merge(
         self, store: list[torch.Tensor | None], layer_idx: int, states: torch.Tensor
     ) -> None:
-        heads, old = self._head_absmax(states), store[layer_idx]
+        """[B, H, S, D] -> absmax per head [H] over the real tokens (NaN/inf propagate on purpose), into `store`."""
+        per_token = states.detach().abs().amax(dim=3).float()  # [B, H, S]
+        if self.token_mask is not None:
+            per_token = per_token.masked_fill(~self.token_mask[:, None, :], 0.0)
+        heads, old = per_token.amax(dim=(0, 2)), store[layer_idx]
         store[layer_idx] = heads if old is None else torch.maximum(old, heads)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:

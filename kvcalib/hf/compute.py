@@ -32,9 +32,8 @@ class Float32Weights:
 
     def __init__(self, budget: int = FLOAT32_WEIGHTS_BUDGET) -> None:
         self.budget, self.used = budget, 0
-        self._copies: dict[
-            int, tuple[torch.Tensor, torch.Tensor]
-        ] = {}  # id -> (the parameter, its copy)
+        # id -> (the parameter, its copy)
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The float32 copy of `weight` (a bf16 nn.Parameter), made now if the budget allows; else None."""
@@ -50,17 +49,9 @@ class Float32Weights:
         return copy
 
 
-def compute_path(
-    path: ComputePath, weights: Float32Weights | None = None
-) -> AbstractContextManager[Any]:
-    return bf16_via_float32(weights) if path.emulated else nullcontext()
-
-
-def bf16_via_float32(weights: Float32Weights | None = None) -> TorchFunctionMode:
-    return _Bf16ViaFloat32(weights)
-
-
 def _up(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return type(x)(_up(a) for a in x)
     return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
 
 
@@ -71,24 +62,22 @@ def _linear(
     weights: Float32Weights | None = None,
 ) -> torch.Tensor:
     """F.linear with bf16 inputs in float32, the weight taken from `weights` or upcast in row blocks."""
-    xf = x.float()
     kept = None if weights is None or weight.dtype != torch.bfloat16 else weights.get(weight)
-    if kept is not None:
-        return torch.nn.functional.linear(xf, kept, _up(bias)).to(torch.bfloat16)
-    rows = max(1, UPCAST_BLOCK_ELEMENTS // max(1, weight.shape[-1]))
-    if weight.shape[0] <= rows:
-        return torch.nn.functional.linear(xf, weight.float(), _up(bias)).to(torch.bfloat16)
-    return torch.cat(
-        [
-            torch.nn.functional.linear(
-                xf,
-                weight[i : i + rows].float(),
-                None if bias is None else bias[i : i + rows].float(),
-            ).to(torch.bfloat16)
-            for i in range(0, weight.shape[0], rows)
-        ],
-        dim=-1,
+    xf, weight = x.float(), weight if kept is None else kept
+    rows = (
+        len(weight)
+        if kept is not None
+        else max(1, UPCAST_BLOCK_ELEMENTS // max(1, weight.shape[-1]))
     )
+    blocks = [
+        torch.nn.functional.linear(
+            xf,
+            weight[i : i + rows].float(),
+            None if bias is None else _up(bias[i : i + rows]),
+        ).to(torch.bfloat16)
+        for i in range(0, len(weight), rows)
+    ]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
 
 
 # Query rows per block of the emulated attention: bounds its float32 scores to [B, H, 64, S], and a causal block
@@ -107,9 +96,7 @@ def _sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """SDPA on bf16 inputs as torch's CPU flash-attention kernel rounds: float32 scores, exp and sum, the exps in
-    bf16 for the product with V (float32 accumulation), the output rounded to bf16 once."""
-    if dropout_p:
-        raise ValueError("kvcalib's float32 attention does not implement dropout")
+    bf16 for the product with V (float32 accumulation), the output rounded to bf16 once; no dropout (eval only)."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
@@ -189,19 +176,14 @@ class _Bf16ViaFloat32(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if (
-            func is _F.linear
-            and args
-            and isinstance(args[0], torch.Tensor)
-            and args[0].dtype == torch.bfloat16
-        ):
+        if func is _F.linear and _any_bf16(args[:1]):
             return _linear(*args, **kwargs, weights=self.weights)
         if func is _F.scaled_dot_product_attention and _any_bf16(args[:3]):
             return _sdpa(*args, **kwargs)
         if func in _GROUPED_MM and _any_bf16(args[:2]) and _experts_layout(*args, **kwargs):
             return _grouped_mm(*args, **kwargs)
         if func in _UPCAST_OPS and _any_bf16(args):
-            out = func(*(_up_all(a) for a in args), **{k: _up_all(v) for k, v in kwargs.items()})
+            out = func(*(_up(a) for a in args), **{k: _up(v) for k, v in kwargs.items()})
             return (
                 out.to(torch.bfloat16)
                 if isinstance(out, torch.Tensor) and out.is_floating_point()
@@ -221,14 +203,10 @@ def _experts_layout(
 ) -> bool:
     """grouped_mm as MoE experts call it (transformers.integrations.moe); anything else runs as it is."""
     return (
-        bias is None
+        offs is not None
+        and bias is None
         and out_dtype in (None, torch.bfloat16)
-        and isinstance(offs, torch.Tensor)
-        and isinstance(mat_a, torch.Tensor)
-        and isinstance(mat_b, torch.Tensor)
-        and mat_a.dim() == 2
-        and mat_b.dim() == 3
-        and offs.numel() == mat_b.shape[0]
+        and (mat_a.dim(), mat_b.dim()) == (2, 3)
     )
 
 
@@ -248,5 +226,10 @@ def _any_bf16(args: tuple[Any, ...]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args)
 
 
-def _up_all(x: Any) -> Any:
-    return type(x)(_up(a) for a in x) if isinstance(x, (list, tuple)) else _up(x)
+bf16_via_float32 = _Bf16ViaFloat32
+
+
+def compute_path(
+    path: ComputePath, weights: Float32Weights | None = None
+) -> AbstractContextManager[Any]:
+    return bf16_via_float32(weights) if path.emulated else nullcontext()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from kvcalib.core.errors import DatasetError
 from kvcalib.core.options import RunOptions
@@ -33,8 +34,6 @@ __all__ = [
 # file suffix -> datasets' packaged builder
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _SAVED = ("dataset_info.json", "dataset_dict.json", "state.json")  # what save_to_disk writes
-CHAT_COLUMN = "messages"
-DEFAULT_TEXT_COLUMN = "text"
 
 
 @dataclass(frozen=True)
@@ -67,25 +66,30 @@ def load_rows(dataset: str, split: str):
 
     path = Path(dataset).expanduser()
     try:
-        if os.path.lexists(path) and not path.is_dir():
-            require_regular_file(
-                path,
-                "dataset file",
-                error=DatasetError,
-                missing=DatasetError,
-                hint=f"pass a {', '.join(sorted(BUILDERS))} file, or a directory of them",
-            )
-            return _load_files([path], split)
+        if path.is_dir() and any((path / name).exists() for name in _SAVED):
+            saved = datasets.load_from_disk(str(path))
+            if isinstance(saved, datasets.DatasetDict) and split not in saved:
+                raise DatasetError(
+                    f"dataset {dataset} has no split {split!r}; it has {sorted(saved)}",
+                    hint="pass one of them with --split",
+                )
+            return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
+        # a directory's data files (_load_files refuses an entry with a data suffix that is no regular file)
         if path.is_dir():
-            if any((path / name).exists() for name in _SAVED):
-                saved = datasets.load_from_disk(str(path))
-                if isinstance(saved, datasets.DatasetDict) and split not in saved:
-                    raise DatasetError(
-                        f"dataset {dataset} has no split {split!r}; it has {sorted(saved)}",
-                        hint="pass one of them with --split",
-                    )
-                return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
-            return _load_files(_data_files(path), split)
+            found = [
+                e
+                for e in sorted(path.rglob("*"))
+                if e.suffix.lower() in BUILDERS and not e.is_dir()
+            ]
+            if not found:
+                raise DatasetError(
+                    f"no data files in {path}",
+                    hint=f"put {', '.join(sorted(BUILDERS))} files "
+                    "there, or a dataset saved with save_to_disk",
+                )
+            return _load_files(found, split)
+        if os.path.lexists(path):
+            return _load_files([path], split)
         if dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS:
             raise DatasetError(f"dataset not found: {dataset}", hint="check the path")
         return datasets.load_dataset(dataset, split=split)
@@ -109,24 +113,17 @@ def load_rows(dataset: str, split: str):
         ) from None
 
 
-def _data_files(path: Path) -> list[Path]:
-    """The data files under a directory; an entry with a data suffix that is no regular file is refused."""
-    files = [
-        require_regular_file(entry, "dataset file", error=DatasetError, missing=DatasetError)
-        for entry in sorted(path.rglob("*"))
-        if entry.suffix.lower() in BUILDERS and not entry.is_dir()
-    ]
-    if not files:
-        raise DatasetError(
-            f"no data files in {path}",
-            hint=f"put {', '.join(sorted(BUILDERS))} files there, or a dataset saved with save_to_disk",
-        )
-    return files
-
-
 def _load_files(files: list[Path], split: str):
     import datasets
 
+    for path in files:
+        require_regular_file(
+            path,
+            "dataset file",
+            error=DatasetError,
+            missing=DatasetError,
+            hint=f"pass {', '.join(sorted(BUILDERS))} files, or a dataset saved with save_to_disk",
+        )
     suffixes = {p.suffix.lower() for p in files}
     builders = {BUILDERS.get(s) for s in suffixes}
     if None in builders or len(builders) > 1:
@@ -196,7 +193,7 @@ def resolve_column(column_names: list[str], text_column: str | None, source: str
                 hint="pass one of them with --text-column",
             )
         return text_column
-    for candidate in (DEFAULT_TEXT_COLUMN, CHAT_COLUMN):
+    for candidate in ("text", "messages"):
         if candidate in column_names:
             return candidate
     raise DatasetError(
@@ -361,8 +358,6 @@ def batches(
     order = sorted(sequences, key=len, reverse=True)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        ids = torch.full((len(chunk), len(chunk[0])), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, seq in enumerate(chunk):
-            ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), 1
-        yield ids, mask
+        ids = pad_sequence([torch.tensor(s) for s in chunk], batch_first=True, padding_value=pad_id)
+        lengths = torch.tensor([len(s) for s in chunk])
+        yield ids, (torch.arange(ids.shape[1]) < lengths[:, None]).long()

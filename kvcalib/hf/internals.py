@@ -58,10 +58,7 @@ def internal(module: str, name: str, *params: str) -> Any:
     except (ImportError, AttributeError):
         found, changed = None, "is missing"
     else:
-        try:
-            taken = inspect.signature(found).parameters if params else {}
-        except (TypeError, ValueError):  # no signature to read (a builtin): nothing to check
-            taken = dict.fromkeys(params)
+        taken = inspect.signature(found).parameters if params else {}
         absent = [p for p in params if p not in taken]
         changed = f"no longer takes {', '.join(absent)}" if absent else ""
     if changed:  # one line: the release, what changed, the tested range, what to install
@@ -194,16 +191,14 @@ def mxfp4_table(dtype: Any) -> Any:
 
 
 @contextmanager
-def mxfp4_dequantizing(
-    replacement: Callable[[Callable[..., Any]], Callable[..., Any]],
-) -> Iterator[None]:
+def mxfp4_dequantizing(replacement: Callable[..., Any]) -> Iterator[None]:
     """While inside, transformers' MXFP4 dequantisation (`convert_moe_packed_tensors(blocks, scales, dtype=)`, what
-    its loader calls) is `replacement(original)`. `mxfp4_table`'s internal is checked here, on entry: inside a
-    load, transformers records what a conversion raises instead of raising it."""
+    its loader calls) is `replacement`. `mxfp4_table`'s internal is checked here, on entry: inside a load,
+    transformers records what a conversion raises instead of raising it."""
     internal("integrations.mxfp4", "_convert_moe_packed_tensors", "dtype")
     original = internal("integrations.mxfp4", "convert_moe_packed_tensors", "dtype")
     module = importlib.import_module("transformers.integrations.mxfp4")
-    module.convert_moe_packed_tensors = replacement(original)
+    module.convert_moe_packed_tensors = replacement
     try:
         yield
     finally:

@@ -3,6 +3,7 @@ choices made from the command line's words (target, dtype, device, compute path)
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,9 @@ from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 from kvcalib.core.schema import INDEX_FILENAME, fp8_attention_groups, is_kv_scale_key
 from kvcalib.hf import internals
-from kvcalib.hf.mxfp4 import dequantized_on_load
+from kvcalib.hf.mxfp4 import expert_chunks
 
 __all__ = [
-    "DTYPES",
     "PreparedRun",
     "check_index_files",
     "check_loading_info",
@@ -41,14 +41,10 @@ __all__ = [
     "num_layers",
     "pad_id",
     "resolve_compute",
-    "resolve_device",
-    "resolve_dtype",
     "resolve_model_dir",
     "resolve_target",
     "text_config",
 ]
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -61,11 +57,25 @@ class PreparedRun:
 
 
 def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
-    """--dtype, --device, then the checkpoint: found, read once, a causal LM kvcalib can run."""
-    dtype, device = resolve_dtype(options.dtype), resolve_device(options.device)
+    """--dtype (auto: None) and --device (checked again: lm-eval's model_args reach here unchecked), then the
+    checkpoint: found, read once, a causal LM kvcalib can run."""
+    if options.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise UsageError(
+            f"unknown --dtype {options.dtype!r}", hint="use auto, bfloat16, float16 or float32"
+        )
+    try:
+        device = torch.device(options.device)
+    except RuntimeError:
+        raise UsageError(f"unknown --device {options.device!r}", hint="use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            "--device cuda was asked for but torch sees no CUDA device", hint="use --device cpu"
+        )
     checkpoint = Checkpoint.open(resolve_model_dir(model))
     check_supported_model(checkpoint, options.trust_remote_code)
-    return PreparedRun(checkpoint, dtype, device)
+    return PreparedRun(
+        checkpoint, None if options.dtype == "auto" else getattr(torch, options.dtype), device
+    )
 
 
 def resolve_target(name: str) -> fp8.Target:
@@ -73,27 +83,6 @@ def resolve_target(name: str) -> fp8.Target:
         return fp8.get_target(name)
     except ValueError as exc:
         raise UnknownTargetError(str(exc), hint="use --target trn2, trn3 or gpu") from None
-
-
-def resolve_dtype(name: str) -> torch.dtype | None:
-    """--dtype: None for auto (the checkpoint's own)."""
-    if name == "auto":
-        return None
-    if name not in DTYPES:
-        raise UsageError(f"unknown --dtype {name!r}", hint=f"use auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def resolve_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"unknown --device {name!r}", hint="use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(
-            "--device cuda was asked for but torch sees no CUDA device", hint="use --device cpu"
-        )
-    return device
 
 
 def effective_dtype(checkpoint: Checkpoint, dtype: torch.dtype | None) -> torch.dtype:
@@ -264,13 +253,17 @@ def load_model(
     attn_implementation: str | None = None,
 ) -> torch.nn.Module:
     """The model in `dtype` (None: stored) on `device`, eval mode; MXFP4 experts dequantized as they load."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
     checkpoint = model if isinstance(model, Checkpoint) else Checkpoint.open(Path(model))
     model_dir = checkpoint.root
     config = load_model_config(model_dir, trust_remote_code)
     try:
-        with dequantized_on_load(checkpoint.files.key_files, config) as quantization:
+        quantization = {}
+        if mxfp4.weights(checkpoint.files.key_files):  # declared, and dequantized as they load
+            config.quantization_config = {"quant_method": "mxfp4"}
+            quantization = {"quantization_config": Mxfp4Config(dequantize=True)}
+        with expert_chunks() if quantization else nullcontext():
             model, info = AutoModelForCausalLM.from_pretrained(
                 model_dir,
                 config=config,
@@ -299,9 +292,8 @@ def check_loading_info(model_dir: Path, info: dict[str, Any]) -> None:
     """UnsupportedModelError when the loaded weights do not match the config (transformers fills gaps at random)."""
     missing = sorted(info.get("missing_keys") or ())
     unexpected = sorted(k for k in info.get("unexpected_keys") or () if not is_kv_scale_key(k))
-    mismatched = sorted(
-        str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or ()
-    )
+    # mismatched: (key, stored shape, model shape)
+    mismatched = sorted(m[0] for m in info.get("mismatched_keys") or ())
     problems = [
         f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
         for what, keys in (
@@ -342,8 +334,7 @@ def build_skeleton(
 
 def text_config(model: torch.nn.Module) -> Any:
     """The language model's config (a multimodal model's text_config)."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return model.config.get_text_config()
 
 
 def num_layers(model: torch.nn.Module) -> int:

@@ -6,7 +6,7 @@ table (the internals: kvcalib.hf.internals)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,25 +17,12 @@ from kvcalib.hf import internals
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["dequantize", "dequantize_mxfp4", "dequantized_on_load", "dequantizer", "expert_chunks"]
+__all__ = ["dequantize", "dequantize_mxfp4", "dequantizer", "expert_chunks"]
 
 
 def dequantizer(keys: Iterable[str]) -> Any:
     """transformers' MXFP4 quantizer, set to dequantize as they load; None without MXFP4 weights."""
     return internals.mxfp4_quantizer() if weights(keys) else None
-
-
-@contextmanager
-def dequantized_on_load(keys: Iterable[str], config: Any) -> Iterator[dict[str, Any]]:
-    """from_pretrained's extra arguments: with MXFP4 weights, `config` declares them and they dequantize on load."""
-    if not weights(keys):
-        yield {}
-        return
-    from transformers import Mxfp4Config
-
-    config.quantization_config = {"quant_method": "mxfp4"}
-    with expert_chunks():
-        yield {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def dequantize(
@@ -66,18 +53,10 @@ def dequantize(
 def expert_chunks(per_chunk: int = 4) -> Iterator[None]:
     """transformers' MXFP4 dequantisation, while loading, done by `dequantize` (`per_chunk` experts at a time):
     the same values, ~10x faster, a chunk's transient memory instead of twice a layer's experts (+8.5 GB for
-    GPT-OSS-120B's gate_up alone). Blocks of other ranks, and dtypes of other widths, go to transformers' own."""
-    import torch
-
-    def by_table(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def convert(blocks: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-            if blocks.dim() != 4 or kwargs.get("dtype", torch.bfloat16).itemsize not in (2, 4):
-                return original(blocks, scales, **kwargs)
-            return dequantize(blocks, scales, per_chunk=per_chunk, **kwargs)
-
-        return convert
-
-    with internals.mxfp4_dequantizing(by_table):
+    GPT-OSS-120B's gate_up alone)."""
+    with internals.mxfp4_dequantizing(
+        lambda blocks, scales, **kwargs: dequantize(blocks, scales, per_chunk=per_chunk, **kwargs)
+    ):
         yield
 
 
