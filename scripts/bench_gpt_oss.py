@@ -41,7 +41,7 @@ sequence length read from CalibrateOptions; 36 layers) and the whole run, not on
   search   the scale objective's search per layer, x 36, x the K/V tokens it samples at the defaults over those
            it sampled here (kvcalib.hf.samples.sample_sequences: whole batches until SAMPLE_TOKENS, whatever the
            budget: one batch of 4 x 2048 at the defaults, 2 of 4 x 256 at the script's).
-  write    the output: links to the released weights plus ~20 kB (measured here), no time to speak of.
+  write    the output: links to the released weights plus a few kB of files (measured here), no time to speak of.
 A total each for this machine (the measured ranks x threads) and for a 192-vCPU host, where the observe and search
 compute are divided by a speed-up S, --speedup, by default 96 physical cores / (ranks x threads) x --efficiency
 (0.5): the compute assumed to scale with the cores at that share of linear; the load is not scaled. The formula
