@@ -28,9 +28,8 @@ each rank with --threads threads: kvcalib.calibrate shares whole batches between
 (kvcalib.calibration.distributed), so the samples must make R batches at least. Rank 0 prints the JSON (its
 progress marks, its /proc/self/io); wall and CPU are the whole torchrun tree's, and the peak RSS from wait4 is
 the largest single process of the tree (Linux's maxrss of a reaped child takes the largest of its own reaped
-children, RUSAGE_CHILDREN's), not the ranks' sum. (a) also reports the scale choice: the whole-model step's
-StepReport (forwards, passes, budget, tokens, skipped) and objective_seconds, split at the step's progress event
-into the search and the step (the step reports no seconds of its own).
+children, RUSAGE_CHILDREN's), not the ranks' sum. (a) also reports the scale objective's search
+(objective_seconds).
 
 The prediction for the whole model is built from the parts measured, for kvcalib's own defaults (samples and
 sequence length read from CalibrateOptions; 36 layers) and the whole run, not only the observation:
@@ -42,21 +41,14 @@ sequence length read from CalibrateOptions; 36 layers) and the whole run, not on
   search   the scale objective's search per layer, x 36, x the K/V tokens it samples at the defaults over those
            it sampled here (kvcalib.hf.samples.sample_sequences: whole batches until SAMPLE_TOKENS, whatever the
            budget: one batch of 4 x 2048 at the defaults, 2 of 4 x 256 at the script's).
-  step     the whole-model step (kvcalib.calibration.output): budget(default tokens, TOKENS) forwards, each of
-           TOKENS tokens in rows of ROW_TOKENS through all 36 layers (an upper bound: a candidate's branch runs
-           from its own layer on) and the LM head, at the measured per-token rate FLOPs-scaled to ROW_TOKENS
-           (the head by its FLOPs too). Streamed, it also re-reads the weights: up to MAX_PASSES passes, each
-           reading all 36 layers again (worst case: a change at layer 0) at the measured load time, not scaled.
-Two totals each for this machine (the measured ranks x threads) and for a 192-vCPU host: streamed (worst case,
-MAX_PASSES re-reads) and in memory (a host whose memory holds the dequantised model, ~240 GB: e.g.
-trn2.48xlarge's 2 TiB; loaded once, no re-reads). On the 192-vCPU host the observe, search and step compute are
-divided by a speed-up S, --speedup, by default 96 physical cores / (ranks x threads) x --efficiency (0.5): the
-compute assumed to scale with the cores at that share of linear; the load and the re-reads are not scaled. The
-formula and its numbers are printed with the prediction. RSS (one process): (a)'s peak without its hidden states,
-plus its share of the default tokens' hidden states unless they spill (kvcalib.calibration.stream spills them to
-disk when they would take more than half the memory left). Disk: the released files read once (streamed, the
-step's re-reads on top); the output is links plus ~20 kB; a spill writes and reads the hidden states once per
-layer.
+  write    the output: links to the released weights plus a few kB of files (measured here), no time to speak of.
+A total each for this machine (the measured ranks x threads) and for a 192-vCPU host, where the observe and search
+compute are divided by a speed-up S, --speedup, by default 96 physical cores / (ranks x threads) x --efficiency
+(0.5): the compute assumed to scale with the cores at that share of linear; the load is not scaled. The formula
+and its numbers are printed with the prediction. RSS (one process): (a)'s peak without its hidden states, plus its
+share of the default tokens' hidden states unless they spill (kvcalib.calibration.stream spills them to disk when
+they would take more than half the memory left). Disk: the released files read once; the output is links plus
+~20 kB; a spill writes and reads the hidden states once per layer.
 
     python scripts/bench_gpt_oss.py [--layers 2] [--num-samples 16] [--max-seq-len 256] [--threads 2] [--ranks 1]
         [--efficiency 0.5 | --speedup S]
@@ -242,16 +234,11 @@ def child_calibrate(args: argparse.Namespace) -> None:
     import kvcalib
 
     marks: dict[int, list[float]] = {}
-    stages: dict[
-        str, float
-    ] = {}  # when the search ("objective") and the whole-model step ("output") began
     started = time.perf_counter()
 
     def progress(p) -> None:
         if p.stage == "observe":
             marks.setdefault(p.layer, []).append(time.perf_counter() - started)
-        elif p.stage in ("objective", "output"):
-            stages.setdefault(p.stage, time.perf_counter() - started)
 
     result = kvcalib.calibrate(
         args.model,
@@ -266,24 +253,12 @@ def child_calibrate(args: argparse.Namespace) -> None:
     )
     if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 reports
         return
-    # objective_s covers the search and the whole-model step; the step reports no seconds of its own, so they
-    # are split at the step's progress event ("output"): the search from "objective" to it, the step after
-    search_s = step_s = None
-    if "objective" in stages:
-        search_s = (
-            stages.get("output", stages["objective"] + result.objective_seconds)
-            - stages["objective"]
-        )
-        step_s = result.objective_seconds - search_s
     print(
         json.dumps(
             {
                 "wall": time.perf_counter() - started,
                 "observe_s": result.observe_seconds,
                 "objective_s": result.objective_seconds,
-                "search_s": search_s,
-                "step_s": step_s,
-                "output_step": kvcalib.to_json(result.output_step),
                 "world": int(os.environ.get("WORLD_SIZE", "1")),
                 "tokens": result.num_tokens,
                 "layers": [marks[k] for k in sorted(marks)],
@@ -363,16 +338,15 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, flo
         )
 
 
-def full_run() -> tuple[dict, object]:
-    """kvcalib's own defaults (CalibrateOptions' fields) and its whole-model step's module (its constants, budget)."""
+def full_run() -> dict:
+    """kvcalib's own defaults (CalibrateOptions' fields)."""
     import dataclasses
 
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from kvcalib.calibration import output
     from kvcalib.calibration.options import CalibrateOptions
 
-    return {f.name: f.default for f in dataclasses.fields(CalibrateOptions)}, output
+    return {f.name: f.default for f in dataclasses.fields(CalibrateOptions)}
 
 
 def layer_bytes(model: Path) -> tuple[int, int, int]:
@@ -553,14 +527,6 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
         f"included), compute {a_compute:.1f} s ({tokens * args.layers / a_compute:,.0f} token-layers/s), scale "
         f"objective {a['objective_s']:.1f} s; peak RSS {a_rss / GiB:.2f} GiB"
     )
-    step = a["output_step"] or {}
-    if a["search_s"] is not None:
-        print(
-            f"    scale objective: search {a['search_s']:.1f} s, whole-model step {a['step_s']:.1f} s (split at the "
-            f"step's progress event); step: {step.get('forwards', 0)} forward(s), {step.get('passes', 0)} pass(es), "
-            f"budget {step.get('budget', 0)}, {step.get('tokens', 0):,} tokens"
-            + (f"; skipped: {step['skipped']}" if step.get("skipped") else "")
-        )
     io = a["io"]
     print(
         f"    disk: read_bytes {io['read_bytes'] / GiB:.2f} GiB (0 where the page cache held the files), rchar "
@@ -585,8 +551,8 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
             f"{(a['observe_s'] - a_compute) / c['load_s']:.2f}   wall a/c = "
             f"{a_wall / c_wall:.2f}   peak RSS a/c = {a_rss / c_rss:.2f}"
         )
-    # the whole model: kvcalib's own defaults for samples and length, the step's own constants
-    defaults, output = full_run()
+    # the whole model: kvcalib's own defaults for samples and length
+    defaults = full_run()
     full_samples, full_seq = defaults["num_samples"], defaults["max_seq_len"]
     load_s = sum(loads) / len(loads) if loads else (a["observe_s"] - a_compute) / args.layers
     per_token = per_layer / tokens  # seconds per token per layer, all ranks together
@@ -601,15 +567,7 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
     sampled = sampled_tokens(args.batch_size, full_seq) / sampled_tokens(
         args.batch_size, args.max_seq_len
     )
-    search = FULL_LAYERS * (a["search_s"] or 0.0) / args.layers * sampled
-    # (4) the whole-model step: budget() forwards of TOKENS tokens in rows of ROW_TOKENS, each through every layer
-    # (an upper bound: a candidate's branch runs from its own layer on) and the LM head; streamed, up to
-    # MAX_PASSES passes re-read every layer (worst case: a change at layer 0)
-    forwards = output.budget(full_tokens, output.TOKENS)
-    row_scale = flops_per_token(output.ROW_TOKENS) / flops_per_token(args.max_seq_len)
-    head_scale = 2 * SHAPE["hidden_size"] * SHAPE["vocab_size"] / flops_per_token(args.max_seq_len)
-    step_compute = forwards * output.TOKENS * per_token * (FULL_LAYERS * row_scale + head_scale)
-    rereads = output.MAX_PASSES * FULL_LAYERS * load_s
+    search = FULL_LAYERS * a["objective_s"] / args.layers * sampled
     full_hidden = full_tokens * SHAPE["hidden_size"] * 2
     print(
         f"\nwhole GPT-OSS-120B ({FULL_LAYERS} layers, kvcalib's defaults {full_samples} x {full_seq} = "
@@ -624,36 +582,24 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
         f"{full_seq}) x {full_tokens:,} tokens x {FULL_LAYERS} = {observe / 3600:.2f} h here"
     )
     print(
-        f"  search   {a['search_s'] or 0.0:.1f} s / {args.layers} layers x {FULL_LAYERS} x {sampled:.1f} (the K/V "
+        f"  search   {a['objective_s']:.1f} s / {args.layers} layers x {FULL_LAYERS} x {sampled:.1f} (the K/V "
         f"tokens it samples at the defaults over here) = {search / 60:.1f} min here"
     )
+    print(f"  write    links + ~{written / 1e3:.0f} kB (measured here): no time to speak of")
     print(
-        f"  step     {forwards} forwards (budget({full_tokens:,}, {output.TOKENS}), {output.BUDGET_SHARE:.0%} of the "
-        f"tokens) x {output.TOKENS} tokens in rows of {output.ROW_TOKENS} through {FULL_LAYERS} layers (an upper "
-        f"bound) + the LM head, FLOPs-scaled from the per-token rate: {step_compute / 60:.1f} min here; streamed, "
-        f"up to {output.MAX_PASSES} passes re-reading all {FULL_LAYERS} layers (worst case) at {load_s:.1f} s: "
-        f"+{rereads / 60:.1f} min, not scaled"
-    )
-    print(
-        f"  192-vCPU host: observe, search and step compute / S, S = 96 cores / ({ranks} x {args.threads} measured) x "
+        f"  192-vCPU host: observe and search compute / S, S = 96 cores / ({ranks} x {args.threads} measured) x "
         f"efficiency {args.efficiency:g} = {speedup:.1f}"
         + (f" (given: --speedup {args.speedup:g})" if args.speedup else "")
-        + "; the load and the re-reads not scaled"
+        + "; the load not scaled"
     )
     for name, by in ((f"this machine ({ranks} x {args.threads})", 1.0), ("192-vCPU host", speedup)):
-        in_memory = load + (observe + search + step_compute) / by
-        print(
-            f"  {name}: streamed (worst case, {output.MAX_PASSES} passes) {(in_memory + rereads) / 3600:.2f} h; "
-            f"in memory (the dequantised model, ~240 GB, held: e.g. trn2.48xlarge's 2 TiB; loaded once) "
-            f"{in_memory / 3600:.2f} h"
-        )
+        print(f"  {name}: {(load + (observe + search) / by) / 3600:.2f} h")
     print(
         f"  peak RSS (one process): {(a_rss - hidden) / GiB:.1f} GiB + its hidden states "
         f"{full_hidden / ranks / GiB:.1f} GiB (spilled to disk where that is over half the free memory)"
     )
     print(
-        f"  disk read {(FULL_LAYERS * layer_disk + rest_disk) / GiB:.0f} GiB (the released files once; streamed, "
-        f"the step's re-reads up to {output.MAX_PASSES * FULL_LAYERS * layer_disk / GiB:.0f} GiB more); written "
+        f"  disk read {(FULL_LAYERS * layer_disk + rest_disk) / GiB:.0f} GiB (the released files once); written "
         f"~{written / 1e3:.0f} kB + links, and with a spill {FULL_LAYERS * full_hidden / GiB:.0f} GiB of hidden "
         "states written and read back (once a layer)"
     )

@@ -20,10 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kvcalib
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core import fp8
-from kvcalib.core.cpu import HostCpu
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 from kvcalib.evaluation.significance import paired_bootstrap
 from kvcalib.hf.data import load_calibration_data
@@ -50,19 +50,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, length = args.calib
     new_ck, old_ck = out / f"{args.name}-{args.target}-new", out / f"{args.name}-{args.target}-old"
-    new = calibrate(
-        args.model,
-        args.data,
-        new_ck,
-        CalibrateOptions(
-            target=args.target,
-            num_samples=rows,
-            max_seq_len=length,
-            bf16_compute=args.bf16_compute,
-            overwrite=True,
-            cpu=HostCpu.detect(),
-        ),
-    ).to_dict()
+    new = kvcalib.to_json(
+        calibrate(
+            args.model,
+            args.data,
+            new_ck,
+            CalibrateOptions(
+                target=args.target,
+                num_samples=rows,
+                max_seq_len=length,
+                bf16_compute=args.bf16_compute,
+                overwrite=True,
+            ),
+        )
+    )
     command = [sys.executable, "-m", "kvcalib", "calibrate", args.model, "--dataset", args.data]
     command += ["--output", str(old_ck), "--target", args.target, "--num-samples", str(rows)]
     command += ["--max-seq-len", str(length), "--bf16-compute", args.bf16_compute, "--json"]
@@ -85,7 +86,6 @@ def main() -> None:
         compare=(str(old_ck),),
         layer_rows=0,
         bf16_compute=args.bf16_compute,
-        cpu=HostCpu.detect(),
     )
     result = evaluate(new_ck, args.held_out_data, opts)
     mine, theirs = result.runs
@@ -105,9 +105,9 @@ def main() -> None:
         "target": args.target,
         "order": result.order,
         "tokens": result.num_tokens,
-        "new": mine.delta_nll_interval.to_dict(),
-        "old": theirs.delta_nll_interval.to_dict(),
-        "new_minus_old": paired_bootstrap(diffs, tokens).to_dict(),
+        "new": kvcalib.to_json(mine.delta_nll_interval),
+        "old": kvcalib.to_json(theirs.delta_nll_interval),
+        "new_minus_old": kvcalib.to_json(paired_bootstrap(diffs, tokens)),
         "differ (layer, kind, old, new)": differ,
         "old_step": old.get("output_step"),
         "seconds (new, old)": (round(new["seconds"], 1), round(old["seconds"], 1)),
