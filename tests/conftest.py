@@ -169,9 +169,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The real Gemma and Qwen tests run last: scripts/test.sh converts those models in the background
-    # meanwhile. Under pytest-xdist every worker sorts alike, so the controller hands their files out last.
-    items.sort(key=lambda item: item.get_closest_marker("real_model") is not None)
+    # The real-SmolLM2 tests (the longest files) run first, so that no worker is left with one at the end; the
+    # real Gemma and Qwen tests run last: scripts/test.sh converts those models in the background meanwhile.
+    # Under pytest-xdist every worker sorts alike, so the controller hands their files out in this order.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("real_model") is not None,
+            item.path not in slow_files,
+        )
+    )
     for item in items:
         marker = item.get_closest_marker("proof")
         if marker is None and item.get_closest_marker("real_model") is not None:
