@@ -50,7 +50,10 @@ def test_help_is_readable_at_80_columns(command, monkeypatch):
     from kvcalib.cli import app
 
     width = {"COLUMNS": "80", "TERMINAL_WIDTH": "80", "NO_COLOR": "1"}
-    for key, value in width.items():  # rich reads the width when the console is made, in this process
+    for (
+        key,
+        value,
+    ) in width.items():  # rich reads the width when the console is made, in this process
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     result = CliRunner().invoke(app, [command, "--help"], env=width)
