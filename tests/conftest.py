@@ -111,6 +111,15 @@ def handmade_master(tiny_llama_master: Path, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="session")
+def planted_master(text_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with near-constant outlier K channels in layer 0 (tests/support/planted.py), for trn2.
+    Do not modify."""
+    from planted import build_planted_llama
+
+    return build_planted_llama(tmp_path_factory.mktemp("planted") / "planted", text_dataset)
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real SmolLM2-135M-Instruct as a safetensors checkpoint (converted once)."""
     return smollm2_checkpoint(tmp_path_factory.mktemp("smollm2"))
@@ -169,9 +178,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The real Gemma and Qwen tests run last: scripts/test.sh converts those models in the background
-    # meanwhile. Under pytest-xdist every worker sorts alike, so the controller hands their files out last.
-    items.sort(key=lambda item: item.get_closest_marker("real_model") is not None)
+    # Whole files, in this order (pytest-xdist's --dist loadfile hands a file to one worker, at its first test):
+    # the files with real-SmolLM2 tests (the longest) first, so that no worker is left with one at the end; the
+    # files with real Gemma and Qwen tests last (scripts/test.sh converts those models in the background
+    # meanwhile), those with other tests before them first among them. Every worker sorts alike.
+    def files(marker: str) -> set[Path]:
+        return {item.path for item in items if item.get_closest_marker(marker) is not None}
+
+    slow, real = files("slow"), files("real_model")
+    mixed = {item.path for item in items if item.get_closest_marker("real_model") is None} & real
+    items.sort(key=lambda item: (item.path in real, item.path not in slow, item.path not in mixed))
     for item in items:
         marker = item.get_closest_marker("proof")
         if marker is None and item.get_closest_marker("real_model") is not None:

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from planted import build_planted_llama
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -63,9 +62,8 @@ def scale_table(text: str) -> list[dict[str, float]]:
     ]
 
 
-def test_scale_table_is_the_scales_file(tiny_llama_master, text_dataset, tmp_path):
-    out = tmp_path / "out"
-    calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(**SMALL))
+def test_scale_table_is_the_scales_file(calibrate_tiny):
+    out = calibrate_tiny(**SMALL)
     text = (out / "README.md").read_text()
     rows = scale_table(text)
     scales = load_file(out / SCALES_FILENAME)
@@ -89,15 +87,14 @@ FORMULAS = {
 
 
 @pytest.mark.parametrize("name", FORMULAS)
-def test_the_formula_states_what_was_written(name, text_dataset, tmp_path):
+def test_the_formula_states_what_was_written(name, planted_master, text_dataset, tmp_path):
     """The card's first paragraph is what the scales are: absmax / 240 where nothing else was chosen, else the
     range the objective (or --headroom) chose, shown per layer; it names what clips and every server it was
     scored on (on the tiny Llama with near-constant K channels, whose layer 0 K the objective clips), and it
     stays short: the details are in the table and the provenance."""
-    model = build_planted_llama(tmp_path / "planted", text_dataset)
     out = tmp_path / name
     result = calibrate(
-        model,
+        planted_master,
         str(text_dataset),
         out,
         CalibrateOptions(num_samples=16, max_seq_len=64, **FORMULAS[name]),
@@ -154,11 +151,10 @@ def test_recalibration_replaces_its_section_and_keeps_the_users_text(
     assert "The user's own words." in text and "A note the user added after calibrating." in text
 
 
-def test_serve_commands_are_the_ones_serve_check_runs(tiny_llama_master, text_dataset, tmp_path):
+def test_serve_commands_are_the_ones_serve_check_runs(calibrate_tiny):
     """Each server gets its own command: Neuron's packed FP8 prefill (a whole prompt in one batch) and host
     sampling (no async scheduling) are Neuron's flags, not GPU vLLM's."""
-    out = tmp_path / "out"
-    calibrate(tiny_llama_master, str(text_dataset), out, CalibrateOptions(**SMALL))
+    out = calibrate_tiny(**SMALL)
     blocks = re.findall(r"```bash\n(.*?)\n```", (out / "README.md").read_text(), re.S)
     expected = [
         shlex.join(

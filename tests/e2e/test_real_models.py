@@ -7,13 +7,19 @@ import json
 
 import pytest
 from oracle import oracle_absmax
-from real_models import FAST, trn2_beats_448
+from real_models import FAST, calibrate_trn2_and_448, trn2_beats_448
 
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+
+@pytest.fixture(scope="module")
+def gemma3_calibrated(gemma3, prose, tmp_path_factory):
+    """Gemma calibrated for trn2 and as absmax/448 (real_models.calibrate_trn2_and_448), once for this file."""
+    return calibrate_trn2_and_448(gemma3, prose, tmp_path_factory.mktemp("real") / "gemma-3-270m")
 
 
 def _texts(path) -> list[str]:
@@ -52,25 +58,20 @@ def test_gemma3_calibrates_the_bos_prefixed_stream_vllm_builds(gemma3, prose, tm
     assert provenance["special_tokens_added"] == [2]
 
 
-def test_gemma3_eval_scores_the_models_real_nll(gemma3, prose, tmp_path):
+def test_gemma3_eval_scores_the_models_real_nll(gemma3_calibrated, prose):
     """With its <bos>, Gemma 3 scores prose at its real NLL (measured on these 4 x 128 fortunes: 3.98 nats with
-    it, 6.21 without; 3.8 and 6.6 on 32 rows)."""
-    calibrate(
-        gemma3,
-        str(prose),
-        tmp_path / "ckpt",
-        CalibrateOptions(num_samples=4, max_seq_len=96, **FAST),
-    )
+    it, 6.21 without; 3.8 and 6.6 on 32 rows). The unquantised baseline: any calibrated checkpoint serves."""
+    trn2, _ = gemma3_calibrated
     opts = dict(num_samples=4, max_seq_len=128, layer_rows=0, **FAST)
-    served = evaluate(tmp_path / "ckpt", str(prose), EvalOptions(**opts))
-    bare = evaluate(tmp_path / "ckpt", str(prose), EvalOptions(add_special_tokens=False, **opts))
+    served = evaluate(trn2, str(prose), EvalOptions(**opts))
+    bare = evaluate(trn2, str(prose), EvalOptions(add_special_tokens=False, **opts))
     print(
         f"Gemma 3 NLL on fortunes: {served.baseline_nll:.3f} with <bos>, {bare.baseline_nll:.3f} without"
     )
     assert served.baseline_nll < 4.5 and bare.baseline_nll > served.baseline_nll + 1.0
 
 
-def test_trn2_scales_beat_llm_compressors_448_on_trn2(gemma3, prose, tutorial, tmp_path):
+def test_trn2_scales_beat_llm_compressors_448_on_trn2(gemma3_calibrated, tutorial):
     """See real_models.trn2_beats_448; Qwen2.5-Coder-0.5B's is in test_real_qwen.py (pytest-xdist runs the two
     files side by side)."""
-    trn2_beats_448(gemma3, prose, tutorial, tmp_path, gap=0.008)
+    trn2_beats_448(gemma3_calibrated, tutorial, gap=0.008)

@@ -5,10 +5,15 @@ tests (tests/e2e/test_real_models.py), both last, while the two models convert."
 from __future__ import annotations
 
 import pytest
-from real_models import trn2_beats_448
+from real_models import calibrate_trn2_and_448, trn2_beats_448
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 
 def test_trn2_scales_beat_llm_compressors_448_on_trn2(qwen25, prose, tutorial, tmp_path):
-    trn2_beats_448(qwen25, prose, tutorial, tmp_path, gap=0.04, eval_samples=4)
+    trn2_beats_448(
+        calibrate_trn2_and_448(qwen25, prose, tmp_path / "qwen2.5-coder-0.5b"),
+        tutorial,
+        gap=0.04,
+        eval_samples=4,
+    )

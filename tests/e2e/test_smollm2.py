@@ -250,18 +250,7 @@ def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(
 ):
     """Per-head K/V and Q scales of the real bf16 model: layer by layer, and split over 2 torchrun processes,
     the very bits of the in-memory run."""
-    import os
-    import subprocess
-    import sys
-
-    from helpers import REPO, SUPPORT
-    from safetensors.torch import load_file
-
-    def bits(ckpt):
-        return {
-            k: v.view(torch.int32).reshape(-1).tolist()
-            for k, v in load_file(ckpt / SCALES_FILENAME).items()
-        }
+    from helpers import scale_bits, torchrun
 
     # One compute path for all three, named: the library's default (no CPU given: native bf16) and the CLI's
     # (this CPU's flags: float32 matmuls without avx512_bf16/amx) differ on AVX2 machines, and so do the bits.
@@ -277,49 +266,17 @@ def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(
     streamed = calibrate(
         smollm2, str(text_dataset), tmp_path / "stream", CalibrateOptions(engine="stream", **args)
     )
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1"
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "kvcalib",
-            "calibrate",
-            str(smollm2),
-            "--dataset",
-            str(text_dataset),
-            "-o",
-            str(tmp_path / "two"),
-            "--target",
-            "gpu",
-            "--strategy",
-            "attn_head",
-            "--attention-scales",
-            "--bf16-compute",
-            "float32",
-            "--batch-size",
-            "2",
-            "--num-samples",
-            str(OPTS["num_samples"]),
-            "--max-seq-len",
-            str(OPTS["max_seq_len"]),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    proc = torchrun(
+        *("-m", "kvcalib", "calibrate", str(smollm2), "--dataset", str(text_dataset)),
+        *("-o", str(tmp_path / "two"), "--target", "gpu", "--strategy", "attn_head"),
+        *("--attention-scales", "--bf16-compute", "float32", "--batch-size", "2", "--json"),
+        *("--num-samples", str(OPTS["num_samples"]), "--max-seq-len", str(OPTS["max_seq_len"])),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = bits(tmp_path / "memory")
+    expected = scale_bits(tmp_path / "memory")
     assert len(expected) == 90 and len(expected["model.layers.0.self_attn.k_scale"]) == 3
-    assert bits(tmp_path / "stream") == expected and bits(tmp_path / "two") == expected
+    assert scale_bits(tmp_path / "stream") == expected and scale_bits(tmp_path / "two") == expected
     assert [to_json(layer) for layer in streamed.layers] == [
         to_json(layer) for layer in memory.layers
     ]

@@ -1,35 +1,32 @@
-"""Run one calibrate and count the files kvcalib's own code opens (for tests/calibrate/test_reads.py).
+"""Count the files kvcalib's own code opens (for tests/calibrate/test_reads.py).
 
-    python count_reads.py MODEL DATASET OUT [ENGINE]
-
-An audit hook sees every `open`; an open counts as kvcalib's when the innermost frame outside
-the standard library is in the kvcalib package (transformers' and safetensors' own reads do
-not count). Prints {path: opens} for the model directory's files as JSON on the last line.
+An audit hook sees every `open`; an open counts as kvcalib's when the innermost frame outside the standard
+library is in the kvcalib package (transformers' and safetensors' own reads do not count). An audit hook
+cannot be removed, so one is added per process and counts only inside `count_opens`.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import sysconfig
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from kvcalib.calibration.options import CalibrateOptions
-from kvcalib.calibration.pipeline import calibrate
+import kvcalib
 
-MODEL, DATASET, OUT = (Path(a).resolve() for a in sys.argv[1:4])
-ENGINE = sys.argv[4] if len(sys.argv) > 4 else "native"
-PACKAGE = str(Path(__file__).resolve().parents[2] / "kvcalib")
+PACKAGE = str(Path(kvcalib.__file__).resolve().parent)
 STDLIB = sysconfig.get_paths()["stdlib"]
-opens: Counter[str] = Counter()
+_counting: list[tuple[str, Counter[str]]] = []  # (the directory watched, its opens) while counting
 
 
-def hook(event: str, args: tuple) -> None:
-    if event != "open" or not isinstance(args[0], (str, Path)):
+def _hook(event: str, args: tuple) -> None:
+    if not _counting or event != "open" or not isinstance(args[0], (str, Path)):
         return
+    directory, opens = _counting[-1]
     path = str(args[0])
-    if not path.startswith(str(MODEL)):
+    if not path.startswith(directory):
         return
     frame = sys._getframe(1)
     while frame is not None and (
@@ -40,6 +37,15 @@ def hook(event: str, args: tuple) -> None:
         opens[Path(path).name] += 1
 
 
-sys.addaudithook(hook)
-calibrate(MODEL, str(DATASET), OUT, CalibrateOptions(num_samples=8, max_seq_len=32, engine=ENGINE))
-print(json.dumps(dict(opens)))
+sys.addaudithook(_hook)
+
+
+@contextmanager
+def count_opens(directory: Path) -> Iterator[Counter[str]]:
+    """{file name: opens by kvcalib's code} of the files under `directory`, while the block runs."""
+    opens: Counter[str] = Counter()
+    _counting.append((str(directory.resolve()), opens))
+    try:
+        yield opens
+    finally:
+        _counting.pop()

@@ -137,6 +137,29 @@ def smollm2_checkpoint(tmp_dir: Path) -> Path:
     return out
 
 
+def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node 2 ARGS` (a module with -m, or a script), with this tree and
+    tests/support on the path and one thread per process: the real launcher, its ranks real processes."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1"
+    )
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
 def no_vllm_reason() -> str:
     """Why there is no real vLLM CPU to run: scripts/test.sh's reason (KVCALIB_VLLM_SKIP: a disk too small), or how
     to build one."""
