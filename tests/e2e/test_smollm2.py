@@ -27,7 +27,8 @@ def smol_calibrated(smollm2, text_dataset, tmp_path_factory):
         smollm2,
         str(text_dataset),
         out,
-        CalibrateOptions(batch_size=1, scale_objective="absmax", **OPTS),
+        # native bf16 matmuls, as transformers computes the oracle (on any CPU; auto picks float32 without bf16)
+        CalibrateOptions(batch_size=1, scale_objective="absmax", bf16_compute="native", **OPTS),
     )
     assert tree_digest(smollm2) == before
     return out, result
@@ -202,6 +203,7 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(
             strategy="attn_head",
             attention_scales=True,
             scale_objective="absmax",
+            bf16_compute="native",  # as transformers computes the oracle
             **OPTS,
         ),
     )
