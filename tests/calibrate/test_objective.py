@@ -398,46 +398,29 @@ def test_validate_says_when_it_cannot_tell(tiny_llama, text_dataset, tmp_path):
 def test_two_processes_choose_what_one_chooses(engine_args, planted, text_dataset, tmp_path):
     """Every rank scores its own samples; the terms are gathered and summed exactly: the choice, and every
     error the provenance records, are one process's to the bit."""
-    import os
-    import subprocess
-    import sys
 
-    from helpers import REPO, SUPPORT
+    from helpers import torchrun
 
     one = calibrate(
         planted, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=4, **SMALL)
     )
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1"
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "kvcalib",
-            "calibrate",
-            str(planted),
-            "--dataset",
-            str(text_dataset),
-            "-o",
-            str(tmp_path / "two"),
-            "--num-samples",
-            "16",
-            "--max-seq-len",
-            "64",
-            "--batch-size",
-            "4",
-            *engine_args,
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    proc = torchrun(
+        "-m",
+        "kvcalib",
+        "calibrate",
+        str(planted),
+        "--dataset",
+        str(text_dataset),
+        "-o",
+        str(tmp_path / "two"),
+        "--num-samples",
+        "16",
+        "--max-seq-len",
+        "64",
+        "--batch-size",
+        "4",
+        *engine_args,
+        "--json",
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

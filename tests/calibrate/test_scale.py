@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, SCRIPTS, SUPPORT, build_tokenizer, scale_bits
+from helpers import REPO, SCRIPTS, SUPPORT, build_tokenizer, scale_bits, torchrun
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -490,27 +490,6 @@ def test_ranks_from_torchrun_env(env, expected):
         assert Ranks.from_env(env) == expected
 
 
-def _torchrun(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]), OMP_NUM_THREADS="1"
-    )
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-
-
 CLI_ARGS = ["--num-samples", "24", "--max-seq-len", "64", "--batch-size", "4"]
 
 
@@ -542,8 +521,8 @@ def test_two_processes_equal_one_bit_for_bit(
         tmp_path / "one",
         CalibrateOptions(num_samples=24, max_seq_len=64, batch_size=4, **per_head),
     )
-    proc = _torchrun(
-        [
+    proc = torchrun(
+        *[
             "-m",
             "kvcalib",
             "calibrate",
@@ -578,8 +557,8 @@ def test_two_processes_equal_one_bit_for_bit(
 )
 @pytest.mark.parametrize("mode", ["raise", "die"])
 def test_a_failing_rank_does_not_hang_the_others(mode, tiny_llama_master, text_dataset, tmp_path):
-    proc = _torchrun(
-        [
+    proc = torchrun(
+        *[
             str(SUPPORT / "torchrun_faulty_rank.py"),
             mode,
             "calibrate",
@@ -611,8 +590,8 @@ def test_a_failing_rank_does_not_hang_the_others(mode, tiny_llama_master, text_d
 def test_more_processes_than_batches_is_a_usage_error_on_every_rank(
     tiny_llama_master, text_dataset, tmp_path
 ):
-    proc = _torchrun(
-        [
+    proc = torchrun(
+        *[
             "-m",
             "kvcalib",
             "calibrate",
