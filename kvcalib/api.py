@@ -73,7 +73,9 @@ def _options(cls: type, options: Any, fields: dict[str, Any], name: str) -> Any:
         if key not in known:
             raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
     tuples = {k for k, f in known.items() if typing.get_origin(f.type) is tuple}
-    return cls(**{k: tuple(v) if k in tuples else v for k, v in fields.items()})
+    # a string given for a tuple field is one entry (compare="unit"), not its characters
+    one = {k: (v,) if isinstance(v, str) else tuple(v) for k, v in fields.items() if k in tuples}
+    return cls(**{**fields, **one})
 
 
 def _keywords(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -272,6 +274,8 @@ def evaluate_tasks(
     are TaskOptions' fields, or `options` made already (`tasks`, when given, in place of its tasks)."""
     from kvcalib.evaluation.tasks import evaluate_tasks as run
 
+    if isinstance(tasks, str):  # "a,b" as the CLI takes it
+        tasks = [t.strip() for t in tasks.split(",") if t.strip()]
     if tasks is not None and tuple(tasks) != options.tasks:
         options = dataclasses.replace(options, tasks=tuple(tasks))
     return run(str(checkpoint), options, progress=progress)

@@ -2,8 +2,9 @@
 
 `absmax / fp8_max` never clips and can be the worst scale: a large, nearly constant K channel near an FP8 rounding
 boundary flips between two grid points from token to token, noise in every q·k; saturated, it is constant, which
-softmax ignores. So a candidate is scored by the squared error of the attention block's output, after o_proj (a head
-whose V is small and o_proj columns large counts as the model counts it), from kvcalib.hf.samples (the model's own
+softmax ignores. So a candidate is scored by the squared error of the attention block's output, after o_proj: the
+sum over query heads of ||W_h Δo_h||² (W_h: the head's o_proj columns; a head whose V is small and o_proj columns
+large counts as the model counts it; the heads' cross terms are left out), from kvcalib.hf.samples (the model's own
 Q, mask, scaling, soft-capping, sinks) with K, then V, fake-quantised, on every numerics the checkpoint is served
 with (core.fp8.served_numerics: a trn2 scale saturates at 240 x s on trn2, 448 x s on trn3 and GPU), and judged by
 its largest error there. Candidates: absmax x 2^(-j/2) (j = 0..10), absmax / M for each larger FP8 max M, 1.0, and

@@ -381,7 +381,7 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
 
 
 def render_context(console: Console, result: ContextResult) -> None:
-    """eval --context: per length and scale set, ΔNLL on the last quarter, and the worst layer's saturation."""
+    """eval-context: per length and scale set, ΔNLL on the last quarter, and the worst layer's saturation."""
     table = _table(
         f"FP8 KV on {result.target} at long context: {result.tokens_available:,} tokens of text packed "
         f"(model's max {result.max_positions or '?'}, memory's {result.memory_bound:,})",
@@ -422,7 +422,7 @@ def render_context(console: Console, result: ContextResult) -> None:
 
 
 def render_needle(console: Console, result: NeedleResult) -> None:
-    """eval --context --needle: keys found per length and scale set, by depth, and the paired verdict."""
+    """eval-needle: keys found per length and scale set, by depth, and the paired verdict."""
     table = _table(
         escape(
             f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
@@ -462,7 +462,7 @@ def render_needle(console: Console, result: NeedleResult) -> None:
 
 
 def render_tasks(console: Console, result: TaskResult) -> None:
-    """eval --tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
+    """eval-tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
     table = _table(
         escape(
             f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"

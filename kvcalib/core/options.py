@@ -89,7 +89,7 @@ def check_options(options: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
-    """How the model runs: what calibrate, eval and eval --tasks all take."""
+    """How the model runs: what calibrate, eval and eval-tasks all take."""
 
     dtype: Dtype = option("auto", "Weights' dtype: auto is the checkpoint's.", panel="Engine")
     device: Device = option("cpu", "Where the model runs.", panel="Engine")

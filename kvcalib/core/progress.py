@@ -12,7 +12,7 @@ __all__ = ["Progress", "ProgressCallback", "no_progress"]
 class Progress:
     """One step of a long run: its stage, and how far it is."""
 
-    stage: str  # "load-data" | "load-model" | "observe" | "objective" | "output" | "write"
+    stage: str  # "load-data" | "load-model" | "observe" | "objective" | "write"
     samples_done: int = 0
     samples_total: int = 0
     tokens_done: int = 0

@@ -1,5 +1,5 @@
 """What eval takes: EvalOptions (held-out text, context, needle) and TaskOptions (lm-eval tasks), both
-ScoreOptions (the chip, the scale sets, the model), so `eval --dataset` and `eval --tasks` share their defaults."""
+ScoreOptions (the chip, the scale sets, the model), so `eval --dataset` and `eval-tasks` share their defaults."""
 
 from dataclasses import dataclass
 

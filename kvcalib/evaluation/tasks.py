@@ -1,4 +1,4 @@
-"""eval --tasks: lm-eval-harness tasks under the target chip's FP8 KV numerics, paired against the baseline.
+"""eval-tasks: lm-eval-harness tasks under the target chip's FP8 KV numerics, paired against the baseline.
 
 lm-eval runs the same items for the unquantised baseline and every scale set, through harness.KvcalibLM (one model
 in memory). Per task and metric: each run's score and, for a mean over items (acc, exact_match, ...), a paired
@@ -73,7 +73,7 @@ class TaskRow:
 
 @dataclass(frozen=True)
 class TaskResult:
-    """What `eval --tasks` scored; to_json() is its --json: checkpoint, target, tasks, runs (the scale sets), limit,
+    """What `eval-tasks` scored; to_json() is its --json: checkpoint, target, tasks, runs (the scale sets), limit,
     num_fewshot (null: lm-eval's), compute, seconds, lm_eval (its version), rows (TaskRow)."""
 
     checkpoint: str

@@ -206,8 +206,10 @@ def observing_attention(model: Any, observer: Any) -> Iterator[None]:
             )
         yield
     finally:
-        model.set_attn_implementation(real)
-        _OBSERVING.reset(token)
+        try:
+            model.set_attn_implementation(real)
+        finally:
+            _OBSERVING.reset(token)
 
 
 def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:

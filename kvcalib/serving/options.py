@@ -97,7 +97,9 @@ class ServeOptions:
         False, "Serve scales sized for a larger FP8 max than the chip's.", panel="Serving"
     )
     # the environment servers and tools inherit (default: this process's)
-    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    env: Mapping[str, str] = field(
+        default_factory=lambda: dict(os.environ), repr=False
+    )  # no secrets in a repr
     sysfs_root: Path = Path("/sys")
     dev_root: Path = Path("/dev")
     canary: bool | None = option(

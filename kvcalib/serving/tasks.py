@@ -36,7 +36,7 @@ FP8_NAME = "fp8"
 
 @dataclass(frozen=True)
 class TaskSpec(TaskOptions):
-    """What serve-check --tasks runs: eval --tasks' options (lm-eval task names, items per task, where their data
+    """What serve-check --tasks runs: eval-tasks' options (lm-eval task names, items per task, where their data
     comes from)."""
 
     @classmethod
