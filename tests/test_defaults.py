@@ -133,3 +133,14 @@ def test_the_token_budget_says_why_a_run_has_its_tokens():
     )
     empty = dataclasses.replace(data(12, 256), rows_selected=16, rows_empty=4)
     assert small.token_budget(empty) == "asked --num-samples 16 x --max-seq-len 256; 4 rows empty"
+
+
+def test_a_string_for_a_tuple_keyword_is_one_entry():
+    """compare="unit" is the scale set "unit", not its four letters."""
+    from kvcalib.api import _options
+
+    assert _options(EvalOptions, None, {"compare": "unit"}, "evaluate").compare == ("unit",)
+    assert _options(EvalOptions, None, {"compare": ["unit", "b"]}, "evaluate").compare == (
+        "unit",
+        "b",
+    )
