@@ -493,9 +493,13 @@ def test_observed_attention_is_the_models_own_bit_for_bit(family, attn, text_dat
 
 
 def test_a_model_whose_attention_bypasses_the_interface_is_refused():
-    """Falcon's attention modules never ask transformers' AttentionInterface for their function: observing its
-    attention calls is refused by name, and the model is left as it was loaded."""
+    """Falcon's attention modules (transformers 5.17) never ask transformers' AttentionInterface for their function:
+    observing its attention calls is refused by name, and the model is left as it was loaded. Where the release's
+    Falcon asks the interface (5.25), it is observed as any family is, and restored after."""
+    import inspect
+
     from transformers import FalconConfig, FalconForCausalLM
+    from transformers.models.falcon import modeling_falcon
 
     from kvcalib.core.errors import UnsupportedModelError
     from kvcalib.hf.attention import observing_attention
@@ -504,9 +508,15 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused():
         FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
     )
     loaded = model.config._attn_implementation
-    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM's attention does not go"):
+    if "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(modeling_falcon):
         with observing_attention(model, _Calls()):
-            pass
+            assert model.config._attn_implementation == f"kvcalib_{loaded}"
+    else:
+        with pytest.raises(
+            UnsupportedModelError, match="FalconForCausalLM's attention does not go"
+        ):
+            with observing_attention(model, _Calls()):
+                pass
     assert model.config._attn_implementation == loaded
 
 
