@@ -34,6 +34,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Tests read the CLI's messages whole: a console wide enough that rich wraps no path (pytest-xdist's
 # temporary paths are long).
 os.environ.setdefault("COLUMNS", "240")
+# typer reads TERMINAL_WIDTH once, when its rich_utils is imported: imported here, under the suite's environment, so
+# that a test which sets a width for itself (monkeypatching typer.rich_utils.MAX_WIDTH) leaves the next one none.
+import typer.rich_utils  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")

@@ -56,6 +56,8 @@ def test_help_is_readable_at_80_columns(command, monkeypatch):
     ) in width.items():  # rich reads the width when the console is made, in this process
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("FORCE_COLOR", raising=False)
+    # typer reads TERMINAL_WIDTH once, when typer.rich_utils is imported: whichever test of this process came first
+    monkeypatch.setattr("typer.rich_utils.MAX_WIDTH", 80)
     result = CliRunner().invoke(app, [command, "--help"], env=width)
     assert result.exit_code == 0, result.output
     out = result.stdout

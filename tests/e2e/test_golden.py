@@ -196,6 +196,8 @@ def test_flags_are_unchanged(command, monkeypatch):
             monkeypatch.delenv(key, raising=False)
         else:
             monkeypatch.setenv(key, value)
+    # typer reads TERMINAL_WIDTH once, when typer.rich_utils is imported: whichever test of this process came first
+    monkeypatch.setattr("typer.rich_utils.MAX_WIDTH", int(HELP_ENV["TERMINAL_WIDTH"]))
     args = ([command] if command else []) + ["--help"]
     result = CliRunner().invoke(app, args, env={k: v for k, v in HELP_ENV.items() if v is not None})
     assert result.exit_code == 0
