@@ -30,7 +30,7 @@ from kvcalib.evaluation.pipeline import EvalResult, RunResult, evaluate
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
 from kvcalib.evaluation.tasks import TaskResult, TaskRow
 from kvcalib.serving.canary import CanaryResult
-from kvcalib.serving.pipeline import PromptResult, ServeCheckResult
+from kvcalib.serving.pipeline import PromptResult, ServeCheckResult, ServerRun
 from kvcalib.serving.predict import DeltaIntervals
 from kvcalib.serving.server import KvCapacity
 from kvcalib.serving.tasks import ServedTaskRow, TaskScores
@@ -136,23 +136,9 @@ def test_serve_check():
     assert_documented(ServedTaskRow, to_json(row))
     assert_documented(TaskScores, to_json(scores))
     assert_documented(DeltaIntervals, to_json(DeltaIntervals(interval, interval, interval)))
+    run = ServerRun("vllm serve", "vllm.log", 1.0, (), (2.0,))
     result = ServeCheckResult(
-        "ckpt",
-        "cpu",
-        True,
-        1.0,
-        "vllm serve",
-        "vllm.log",
-        (prompt,),
-        2.0,
-        1.9,
-        1.0,
-        (),
-        (),
-        240.0,
-        1,
-        "0.0",
-        canary=canary,
+        "ckpt", "cpu", True, (prompt,), 1.0, (), (), 240.0, 1, "0.0", {"fp8": run}, canary=canary
     )
     assert_documented(ServeCheckResult, to_json(result))
 

@@ -65,15 +65,14 @@ def render_serve_check(console: Console, result: ServeCheckResult, notes: list[s
     )
     title = escape(f"serve-check {result.checkpoint} on {result.device}")
     console.print(_table(title, columns, rows, columns))
-    baseline = f", baseline {result.nll_baseline:.3f}" if result.nll_baseline is not None else ""
+    fp8, base = result.runs["fp8"], result.runs.get("baseline")
+    baseline = f", baseline {base.nll:.3f}" if base else ""
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
-    baseline_ready = (
-        "" if result.baseline_ready_s is None else f" (baseline {result.baseline_ready_s:.1f} s)"
-    )
+    baseline_ready = f" (baseline {base.ready_s:.1f} s)" if base else ""
     _line(
         console,
-        f"ready in {result.ready_s:.1f} s{baseline_ready}; NLL fp8 {result.nll_fp8:.3f}{baseline}{agreement}; "
-        f"log {result.log}",
+        f"ready in {fp8.ready_s:.1f} s{baseline_ready}; NLL fp8 {fp8.nll:.3f}{baseline}{agreement}; "
+        f"log {fp8.log}",
     )
     if result.kv_capacity:  # as vLLM logged it (serving.server.kv_capacity)
         logged = (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,6 +112,19 @@ class ServerRun:
     def nll(self) -> float:
         return sum(self.token_nll) / len(self.token_nll)
 
+    @property
+    def agreement(self) -> float | None:
+        return mean_agreement(self.agreements)
+
+
+# each server's row in the variants table, and the Prediction attribute of its predicted ΔNLL
+VARIANTS = {
+    "baseline": ("baseline", None),
+    "fp8": ("calibrated", "delta_nll"),
+    "unit": ("scales 1.0", "unit_delta_nll"),
+    "canary": (f"scales x{1 / CANARY_DIVISOR:g}", "canary_delta_nll"),
+}
+
 
 @dataclass(frozen=True)
 class ServeCheckResult:
@@ -125,69 +138,67 @@ class ServeCheckResult:
     checkpoint: str
     device: str
     ok: bool
-    ready_s: float
-    command: str
-    log: str
     prompts: tuple[PromptResult, ...]
-    nll_fp8: float
-    nll_baseline: float | None
     agreement: float | None
     failures: tuple[str, ...]
     warnings: tuple[str, ...]
     fp8_max: float | None
     tensor_parallel_size: int
     vllm_version: str
-    baseline_ready_s: float | None = None
-    baseline_command: str | None = None
-    baseline_log: str | None = None
+    runs: Mapping[str, ServerRun]  # the servers that ran, in VARIANTS' order (fp8 always)
     canary: CanaryResult | None = None
-    unit: ServerRun | None = None
     prediction: Prediction | None = None
-    server_pids: Mapping[str, int] = field(default_factory=dict)
     tasks: tuple[ServedTaskRow, ...] = ()
     intervals: DeltaIntervals = DeltaIntervals()
-    kv_capacity: Mapping[str, KvCapacity] = field(default_factory=dict)
+
+    def served_delta(self, run: ServerRun) -> float | None:
+        base = self.runs.get("baseline")
+        return base and run.nll - base.nll
+
+    @property
+    def kv_capacity(self) -> dict[str, KvCapacity]:
+        return {
+            name: self.runs[name].kv_capacity for name in ("baseline", "fp8") if name in self.runs
+        }
 
     def variants(self) -> list[dict[str, Any]]:
         """The table: each server's NLL and agreement, served and predicted ΔNLL."""
-        pred, unit, canary, base = self.prediction, self.unit, self.canary, self.nll_baseline
-        rows = [("calibrated", self.nll_fp8, self.agreement, pred and pred.delta_nll)]
-        if base is not None:
-            rows.insert(0, ("baseline", base, None, pred and 0.0))
-        if unit:
-            agreement = mean_agreement(unit.agreements)
-            rows.append(("scales 1.0", unit.nll, agreement, pred and pred.unit_delta_nll))
-        if canary:
-            name = f"scales x{canary.factor:g}"
-            rows.append((name, canary.nll, canary.agreement, pred and pred.canary_delta_nll))
+        p = self.prediction
         return [
             {
-                "name": name,
-                "nll": nll,
-                "agreement": agreement,
-                "served_delta_nll": None if base is None else nll - base,
-                "predicted_delta_nll": predicted,
+                "name": label,
+                "nll": run.nll,
+                "agreement": run.agreement,
+                "served_delta_nll": self.served_delta(run),
+                "predicted_delta_nll": p and (getattr(p, attr) if attr else 0.0),
             }
-            for name, nll, agreement, predicted in rows
+            for name, run in self.runs.items()
+            for label, attr in [VARIANTS[name]]
         ]
 
     JSON = {
-        "nll_fp8": None,
-        "nll_baseline": None,
+        "runs": None,
         "vllm_version": None,
         "intervals": None,
         "vllm": "vllm_version",
-        "nll": lambda r: {"fp8": r.nll_fp8, "baseline": r.nll_baseline},
+        **{
+            f"{name}_{attr}".removeprefix("fp8_"): lambda r, n=name, a=attr: getattr(
+                r.runs.get(n), a, None
+            )
+            for name in ("fp8", "baseline")
+            for attr in ("ready_s", "command", "log")
+        },
+        "nll": lambda r: {n: getattr(r.runs.get(n), "nll", None) for n in ("fp8", "baseline")},
         "thresholds": lambda _: {"agreement": AGREEMENT_THRESHOLD, "nll_tolerance": NLL_TOLERANCE},
-        "unit": lambda r: (
-            r.unit and {"nll": r.unit.nll, "agreement": mean_agreement(r.unit.agreements)}
-        ),
+        "unit": lambda r: (u := r.runs.get("unit")) and {"nll": u.nll, "agreement": u.agreement},
         "delta_nll": lambda r: {
-            "served": None if r.nll_baseline is None else r.nll_fp8 - r.nll_baseline,
+            "served": r.served_delta(r.runs["fp8"]),
             "predicted": r.prediction and r.prediction.delta_nll,
             "intervals": r.intervals,
         },
         "variants": lambda r: r.variants(),
+        "server_pids": lambda r: {name: run.pid for name, run in r.runs.items()},
+        "kv_capacity": "kv_capacity",
     }
 
 
@@ -389,8 +400,9 @@ def serve_check(
     serve = partial(
         _run_server, options=options, pre=pre, log_dir=log_dir, prompts=prompts, progress=progress
     )
-    baseline = serve("baseline", checkpoint, None) if with_baseline else None
-    fp8 = serve("fp8", checkpoint, baseline and baseline.completions)
+    runs = {"baseline": serve("baseline", checkpoint, None)} if with_baseline else {}
+    baseline = runs.get("baseline")
+    fp8 = runs["fp8"] = serve("fp8", checkpoint, baseline and baseline.completions)
     results, failures, unjudged, agreement = judge(prompts, fp8, baseline)
     warnings += unjudged
     intervals = delta_intervals(
@@ -404,43 +416,32 @@ def serve_check(
         tasks = served_rows(
             options.tasks, baseline.task_output, fp8.task_output, checkpoint, numerics
         )
-    canary = unit = canary_run = None
+    canary = None
     if canary_dir:
         reference = (baseline or fp8).completions
         if options.device == "cpu":  # cheap here: the table shows calibrated vs 1.0 vs broken
             unit_dir = make_variant(checkpoint, variants / "scales-1.0", value=1.0)
-            unit = serve("unit", unit_dir, reference)
-        canary_run = serve("canary", canary_dir, reference)
+            runs["unit"] = serve("unit", unit_dir, reference)
+        runs["canary"] = serve("canary", canary_dir, reference)
         calibrated = fp8 if baseline else self_agreement(fp8)
-        canary = judge_canary(calibrated, canary_run, options.device, pre.vllm_version)
+        canary = judge_canary(calibrated, runs["canary"], options.device, pre.vllm_version)
         failures += [] if canary.ok else [canary.reason]
-    runs = {"baseline": baseline, "fp8": fp8, "unit": unit, "canary": canary_run}
     return ServeCheckResult(
         str(checkpoint),
         options.device,
         not failures,
-        fp8.ready_s,
-        fp8.command,
-        fp8.log,
         tuple(results),
-        fp8.nll,
-        baseline and baseline.nll,
         agreement,
         tuple(failures),
         tuple(warnings),
         pre.fp8_max,
         pre.tensor_parallel_size,
         pre.vllm_version,
-        baseline and baseline.ready_s,
-        baseline and baseline.command,
-        baseline and baseline.log,
+        runs,
         canary,
-        unit,
         prediction,
-        {name: run.pid for name, run in runs.items() if run},
         tuple(tasks),
         intervals,
-        {name: run.kv_capacity for name, run in list(runs.items())[:2] if run},
     )
 
 

@@ -42,14 +42,7 @@ __all__ = [
     "require_free_port",
 ]
 
-POLL_S = 0.5
-HEALTH_TIMEOUT_S = 5.0
-LOG_TAIL_LINES = 25
-DIAGNOSE_LINES = 400  # a root cause sits above vLLM's long multi-process tracebacks
-PORT_FREE_TIMEOUT_S = 15.0
 HOST = "127.0.0.1"
-REQUEST_TIMEOUT_S = 600.0
-DEATH_GRACE_S = 5.0  # a dropped connection often means a process on its way out
 
 # What a failed start looks like in the log -> (what it means, what to do). First match wins.
 KNOWN_CAUSES: tuple[tuple[str, str, str], ...] = (
@@ -246,9 +239,6 @@ class VllmServer:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
-    def exit_code(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
     def __enter__(self) -> VllmServer:
         with open(self.log_path, "ab") as log:
             try:
@@ -274,10 +264,10 @@ class VllmServer:
     def wait_healthy(self, timeout_s: float, progress: Callable[[ServeEvent], None]) -> float:
         """Seconds until `GET /health` answered 200; ServerError if the process exits or time runs out."""
         start = time.monotonic()
-        while (code := self.exit_code()) is None:
+        while (code := self.process.poll()) is None:
             elapsed = time.monotonic() - start
             with contextlib.suppress(OSError):  # not up yet (URLError, refused, timed out)
-                with urllib.request.urlopen(f"{self.url}/health", timeout=HEALTH_TIMEOUT_S) as r:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5.0) as r:
                     if r.status == 200:
                         return time.monotonic() - start
             if elapsed >= timeout_s:
@@ -288,18 +278,19 @@ class VllmServer:
                 )
             last = log_tail(self.log_path, 5, 8192).strip().rsplit("\n", 1)[-1].strip()
             progress(ServeEvent("wait", self.name, elapsed, last))
-            time.sleep(POLL_S)
+            time.sleep(0.5)
         raise self.failure(
             f"the {self.name} vLLM server exited with code {code} before it was healthy"
         )
 
     def failure(self, message: str, default_hint: str | None = None) -> ServerError:
         """A ServerError with the log's tail and, when recognised, the cause and what to do."""
-        text = log_tail(self.log_path, lines=DIAGNOSE_LINES, max_bytes=256 * 1024)
+        # a root cause sits above vLLM's long multi-process tracebacks
+        text = log_tail(self.log_path, lines=400, max_bytes=256 * 1024)
         found, hint = diagnose(text), default_hint or "read the log tail above"
         if found is not None:
             message, hint = f"{message}: {found[0]}\n  {found[2]}", found[1]
-        tail = "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+        tail = "\n".join(text.splitlines()[-25:])
         message += (
             f"\n--- last lines of {self.log_path} ---\n{tail}"
             if tail
@@ -329,7 +320,7 @@ class VllmServer:
                 _wait(alive, 10.0, 0.05)
         with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL cannot be ignored
             process.wait(timeout=10.0)
-        _wait(lambda: port_in_use(self.port), PORT_FREE_TIMEOUT_S, 0.1)
+        _wait(lambda: port_in_use(self.port), 15.0, 0.1)
         if interrupted:
             raise KeyboardInterrupt
 
@@ -349,7 +340,7 @@ class VllmServer:
         )
         log = str(self.log_path)
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            with urllib.request.urlopen(request, timeout=600.0) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
@@ -359,10 +350,11 @@ class VllmServer:
                 log=log,
             ) from None
         except (OSError, http.client.HTTPException) as err:
-            _wait(lambda: self.exit_code() is None, DEATH_GRACE_S, 0.05)
-            if self.exit_code() is not None:  # it died: show why, as for a failed start
+            # a dropped connection often means a process on its way out
+            _wait(lambda: self.process.poll() is None, 5.0, 0.05)
+            if self.process.poll() is not None:  # it died: show why, as for a failed start
                 raise self.failure(
-                    f"the {self.name} vLLM server exited with code {self.exit_code()} during the probe"
+                    f"the {self.name} vLLM server exited with code {self.process.poll()} during the probe"
                 ) from None
             raise ServerError(
                 f"the {self.name} vLLM server stopped answering {path} ({err})",

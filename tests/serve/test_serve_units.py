@@ -490,12 +490,12 @@ def test_teardown_kills_the_whole_group_and_frees_the_port(tmp_path, ignore_sigt
     with server:
         deadline = time.monotonic() + 30
         while not listening(port):
-            assert time.monotonic() < deadline and server.exit_code() is None
+            assert time.monotonic() < deadline and server.process.poll() is None
             time.sleep(0.05)
         pgid = server.process.pid
         assert len(group_members(pgid)) == 2  # the server and the child that ignores SIGTERM
     assert group_members(pgid) == [] and not port_in_use(port)
-    assert server.exit_code() == (-9 if ignore_sigterm else -15)
+    assert server.process.poll() == (-9 if ignore_sigterm else -15)
 
 
 def test_teardown_on_an_exception_inside_the_context(tmp_path):
@@ -570,7 +570,7 @@ def test_a_dropped_connection_waits_for_the_process_to_finish_dying(tmp_path):
     with server, pytest.raises(ServerError) as caught:
         deadline = time.monotonic() + 30
         while not listening(port):
-            assert time.monotonic() < deadline and server.exit_code() is None
+            assert time.monotonic() < deadline and server.process.poll() is None
             time.sleep(0.05)
         server.complete("hello", 4)
     assert caught.value.message.startswith(
