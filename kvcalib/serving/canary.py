@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,6 @@ __all__ = [
     "CanaryResult",
     "judge_canary",
     "make_variant",
-    "mean_agreement",
-    "self_agreement",
 ]
 
 CANARY_DIVISOR = 64.0  # measured on SmolLM2 / vLLM CPU: /100 makes it print "-" over and over
@@ -89,15 +86,12 @@ def make_variant(
     return dest
 
 
-def mean_agreement(values: Sequence[float | None] | None) -> float | None:
-    scored = [v for v in values or () if v is not None]
-    return sum(scored) / len(scored) if scored else None
-
-
-def judge_canary(calibrated: Any, canary: Any, device: str, server: str) -> CanaryResult:
-    """Compare the variant's run with the checkpoint's (two `ServerRun`s against the same reference)."""
-    change, factor = canary.nll - calibrated.nll, 1 / CANARY_DIVISOR
-    agreement, reference = mean_agreement(canary.agreements), mean_agreement(calibrated.agreements)
+def judge_canary(
+    calibrated: Any, canary: Any, reference: float | None, device: str, server: str
+) -> CanaryResult:
+    """Compare the variant's run with the checkpoint's (two `ServerRun`s against the same reference; `reference`:
+    the checkpoint's mean agreement with it)."""
+    change, factor, agreement = canary.nll - calibrated.nll, 1 / CANARY_DIVISOR, canary.agreement
     same_text = [c.text for c in canary.completions] == [c.text for c in calibrated.completions]
     same_agreement = None in (agreement, reference) or abs(agreement - reference) < SAME_AGREEMENT
     shown = f"NLL {canary.nll:.3f} vs {calibrated.nll:.3f}" + (
@@ -120,8 +114,3 @@ def judge_canary(calibrated: Any, canary: Any, device: str, server: str) -> Cana
             f"scales x{factor:g} changed the answers ({shown}): the server applies the checkpoint's scales",
         )
     return CanaryResult(ok, factor, canary.nll, agreement, reason)
-
-
-def self_agreement(run: Any) -> Any:
-    """`run` (a ServerRun) with every prompt's agreement 1.0: the reference when there is no baseline."""
-    return replace(run, agreements=tuple(1.0 if c.token_ids else None for c in run.completions))

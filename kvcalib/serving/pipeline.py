@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcalib.core.checkpoint import Checkpoint, read_config
+from kvcalib.core.checkpoint import read_config
 from kvcalib.core.errors import UsageError, VllmNotFoundError
 from kvcalib.core.paths import overlapping
 from kvcalib.serving.canary import (
@@ -24,8 +24,6 @@ from kvcalib.serving.canary import (
     CanaryResult,
     judge_canary,
     make_variant,
-    mean_agreement,
-    self_agreement,
 )
 from kvcalib.serving.launch import interpreter_path, server_argv, server_env
 from kvcalib.serving.options import DEVICES, NEURON_DEVICES, ServeOptions
@@ -114,7 +112,8 @@ class ServerRun:
 
     @property
     def agreement(self) -> float | None:
-        return mean_agreement(self.agreements)
+        scored = [v for v in self.agreements or () if v is not None]
+        return sum(scored) / len(scored) if scored else None
 
 
 # each server's row in the variants table, and the Prediction attribute of its predicted ΔNLL
@@ -203,15 +202,14 @@ class ServeCheckResult:
 
 
 def _run_server(
-    name: str,
-    checkpoint: Path,
-    reference: Sequence[Completion] | None,
-    *,
     options: ServeOptions,
     pre: Preflight,
     log_dir: Path,
     prompts: Sequence[Prompt],
     progress: Callable[[ServeEvent], None],
+    name: str,
+    checkpoint: Path,
+    reference: Sequence[Completion] | None,
 ) -> ServerRun:
     """Serve `checkpoint`, ask it the prompts, the NLL text, the agreement with `reference` and the tasks."""
     port = options.port or free_port()  # --port was checked free before the first server
@@ -320,7 +318,7 @@ def judge(
                     f"{prompt.expected}, the FP8 server does not ({out.text[:40]!r})"
                 )
         results.append(result)
-    agreement = baseline and mean_agreement(fp8.agreements)
+    agreement = fp8.agreement  # None without a baseline: nothing to agree with
     if agreement is not None and agreement < AGREEMENT_THRESHOLD:
         failures.append(f"mean agreement with the baseline {agreement:.2f} < {AGREEMENT_THRESHOLD}")
     if baseline and fp8.nll > baseline.nll * (1 + NLL_TOLERANCE):
@@ -396,10 +394,10 @@ def serve_check(
     )
     # the server's numerics: vLLM CPU truncates to E4M3 (core.fp8.EMULATED), the others are their validate target's
     numerics = ("vllm-cpu" if options.device == "cpu" else pre.target) if options.predict else None
-    prediction = _predict(checkpoint, options, numerics, canary_dir or None, warnings, memory)
-    serve = partial(
-        _run_server, options=options, pre=pre, log_dir=log_dir, prompts=prompts, progress=progress
+    prediction = numerics and predict(
+        checkpoint, numerics, canary_dir or None, options.device == "cpu", memory, warnings
     )
+    serve = partial(_run_server, options, pre, log_dir, prompts, progress)
     runs = {"baseline": serve("baseline", checkpoint, None)} if with_baseline else {}
     baseline = runs.get("baseline")
     fp8 = runs["fp8"] = serve("fp8", checkpoint, baseline and baseline.completions)
@@ -423,8 +421,9 @@ def serve_check(
             unit_dir = make_variant(checkpoint, variants / "scales-1.0", value=1.0)
             runs["unit"] = serve("unit", unit_dir, reference)
         runs["canary"] = serve("canary", canary_dir, reference)
-        calibrated = fp8 if baseline else self_agreement(fp8)
-        canary = judge_canary(calibrated, runs["canary"], options.device, pre.vllm_version)
+        # without a baseline the reference is the FP8 server's own answers
+        agreement_fp8 = fp8.agreement if baseline else 1.0
+        canary = judge_canary(fp8, runs["canary"], agreement_fp8, options.device, pre.vllm_version)
         failures += [] if canary.ok else [canary.reason]
     return ServeCheckResult(
         str(checkpoint),
@@ -442,35 +441,4 @@ def serve_check(
         prediction,
         tuple(tasks),
         intervals,
-    )
-
-
-def _predict(
-    checkpoint: Path,
-    options: ServeOptions,
-    numerics: str | None,
-    canary_dir: Path | None,
-    warnings: list[str],
-    memory: int | None,
-) -> Prediction | None:
-    """kvcalib's emulation of the same text, in-process on CPU; None (with a warning) when skipped."""
-    if numerics is None:
-        return None
-    weights = Checkpoint.open(checkpoint).weight_bytes(4)  # the emulation runs in float32 at worst
-    if memory is None:
-        from kvcalib.hf.memory import available_memory  # torch: only where the prediction runs
-
-        memory = available_memory().available
-    if weights > memory // 2:
-        warnings.append(
-            f"no prediction: the model needs about {weights / 2**30:.1f} GiB in float32, more than half "
-            f"of the {memory / 2**30:.1f} GiB this run may use"
-        )
-        return None
-    return predict(
-        checkpoint,
-        numerics,
-        NLL_TEXT,
-        canary=canary_dir,
-        unit=options.device == "cpu",
     )

@@ -12,6 +12,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvcalib.core.checkpoint import Checkpoint
+from kvcalib.serving.prompts import NLL_TEXT
+
 if TYPE_CHECKING:
     from kvcalib.evaluation.significance import Interval
 
@@ -50,19 +53,32 @@ class DeltaIntervals:
 def predict(
     checkpoint: Path,
     target: str,
-    text: str,
-    *,
-    canary: Path | None = None,
-    unit: bool = True,
-) -> Prediction:
-    """The emulated NLLs of `text` (one sample, as the server scores it) for the checkpoint's scales and the others.
-    kvcalib.evaluation (torch) is imported here so that `import kvcalib.serving` stays light."""
+    canary: Path | None,
+    unit: bool,
+    memory: int | None,
+    warnings: list[str],
+) -> Prediction | None:
+    """The emulated NLLs of prompts.NLL_TEXT (one sample, as the server scores it) for the checkpoint's scales and the
+    others, in-process on CPU; None (with a warning) where the model needs more than half of `memory` (None: what
+    this host has free) in float32. kvcalib.evaluation (torch) is imported here so that `import kvcalib.serving`
+    stays light."""
+    weights = Checkpoint.open(checkpoint).weight_bytes(4)  # the emulation runs in float32 at worst
+    if memory is None:
+        from kvcalib.hf.memory import available_memory
+
+        memory = available_memory().available
+    if weights > memory // 2:
+        warnings.append(
+            f"no prediction: the model needs about {weights / 2**30:.1f} GiB in float32, more than half "
+            f"of the {memory / 2**30:.1f} GiB this run may use"
+        )
+        return None
     from kvcalib.evaluation.pipeline import UNIT, EvalOptions, evaluate
 
     compare = ((UNIT,) if unit else ()) + ((str(canary),) if canary is not None else ())
     with tempfile.TemporaryDirectory(prefix="kvcalib-predict-") as tmp:
         data = Path(tmp) / "probe.jsonl"
-        data.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+        data.write_text(json.dumps({"text": NLL_TEXT}) + "\n", encoding="utf-8")
         result = evaluate(
             checkpoint,
             str(data),

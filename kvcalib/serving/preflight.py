@@ -109,9 +109,9 @@ def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
     ]
 
 
-def check_cpu(config: dict[str, Any], cpu: HostCpu | None) -> None:
-    """DeviceError when vLLM's CPU backend cannot keep this model's KV cache in FP8 here (`cpu` None: left to vLLM)."""
-    if cpu is not None and cpu.vllm_fp8_kv is False:
+def check_cpu(config: dict[str, Any], cpu: HostCpu) -> None:
+    """DeviceError when vLLM's CPU backend cannot keep this model's KV cache in FP8 (unknown flags: left to vLLM)."""
+    if cpu.vllm_fp8_kv is False:
         raise DeviceError(
             "this CPU has neither AVX-512 (avx512f) nor AMX (amx_tile): vLLM on CPU cannot use an FP8 KV cache here "
             "(it stops with 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX.')",
@@ -161,37 +161,37 @@ def find_vllm(python: Path, env: Mapping[str, str], device: str, tp: int | None 
             hint="install vllm-neuron into that environment, or pass --vllm-python",
         )
     if device == "cuda":
-        _check_cuda(python, found, env.get("CUDA_VISIBLE_DEVICES"), tp)
+        if "torch_error" in found:
+            raise VllmNotFoundError(
+                f"{python} cannot import torch ({found['torch_error']})", hint=_CUDA_HINT
+            )
+        if not found.get("torch_cuda"):
+            raise DeviceError(
+                f"the torch in {python}'s environment is a CPU build: no CUDA, so no GPU vLLM",
+                hint=_CUDA_HINT,
+            )
+        if found.get("platform") != "cuda":
+            why = found.get("platform_error") or f"its platform is {found.get('platform')!r}"
+            raise VllmNotFoundError(
+                f"the vLLM in {python}'s environment is not a CUDA build ({why})", hint=_CUDA_HINT
+            )
+        devices = found["devices"]
+        if devices < 1:
+            raise DeviceError(
+                f"no CUDA device is visible to {python}"
+                + (
+                    f" (CUDA_VISIBLE_DEVICES={visible!r})"
+                    if (visible := env.get("CUDA_VISIBLE_DEVICES"))
+                    else ""
+                ),
+                hint="run on a host with an NVIDIA GPU and its driver, or fix CUDA_VISIBLE_DEVICES",
+            )
+        if tp is not None and tp > devices:
+            raise UsageError(
+                f"--tp {tp} needs {tp} GPUs; {python} sees {devices}",
+                hint=f"pass --tp {devices} or less, or make more GPUs visible",
+            )
     return found.get("version") or "vllm (version unknown)"
-
-
-def _check_cuda(python: Path, found: dict[str, Any], visible: str | None, tp: int | None) -> None:
-    if "torch_error" in found:
-        raise VllmNotFoundError(
-            f"{python} cannot import torch ({found['torch_error']})", hint=_CUDA_HINT
-        )
-    if not found.get("torch_cuda"):
-        raise DeviceError(
-            f"the torch in {python}'s environment is a CPU build: no CUDA, so no GPU vLLM",
-            hint=_CUDA_HINT,
-        )
-    if found.get("platform") != "cuda":
-        why = found.get("platform_error") or f"its platform is {found.get('platform')!r}"
-        raise VllmNotFoundError(
-            f"the vLLM in {python}'s environment is not a CUDA build ({why})", hint=_CUDA_HINT
-        )
-    devices = found["devices"]
-    if devices < 1:
-        raise DeviceError(
-            f"no CUDA device is visible to {python}"
-            + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible else ""),
-            hint="run on a host with an NVIDIA GPU and its driver, or fix CUDA_VISIBLE_DEVICES",
-        )
-    if tp is not None and tp > devices:
-        raise UsageError(
-            f"--tp {tp} needs {tp} GPUs; {python} sees {devices}",
-            hint=f"pass --tp {devices} or less, or make more GPUs visible",
-        )
 
 
 def check_strategy(strategy: Any, device: str) -> None:

@@ -161,11 +161,8 @@ def test_rows_too_short_to_decode_are_refused_with_the_way_out(calibrated, tmp_p
 
 def test_serve_checks_prediction_is_in_the_order_of_the_server_it_predicts(calibrated):
     from kvcalib.serving.predict import predict
-    from kvcalib.serving.prompts import NLL_TEXT
 
-    cpu, neuron = (
-        predict(calibrated, numerics, NLL_TEXT, unit=False) for numerics in ("vllm-cpu", "trn2")
-    )
+    cpu, neuron = (predict(calibrated, n, None, False, None, []) for n in ("vllm-cpu", "trn2"))
     assert (cpu.order, neuron.order) == (
         "gpu",
         "neuron",
