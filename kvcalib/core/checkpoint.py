@@ -57,7 +57,6 @@ _CORRUPT = "the file is corrupt, cut short or not a safetensors file; copy it ag
 class TensorInfo:
     """One tensor as its safetensors header describes it."""
 
-    key: str
     dtype: str
     shape: tuple[int, ...]
     data_offsets: tuple[int, int]
@@ -142,7 +141,7 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
         ) from None
     metadata = header.pop("__metadata__", None)
     tensors = {
-        key: TensorInfo(key, entry["dtype"], tuple(entry["shape"]), tuple(entry["data_offsets"]))
+        key: TensorInfo(entry["dtype"], tuple(entry["shape"]), tuple(entry["data_offsets"]))
         for key, entry in header.items()
     }
     unknown = sorted(key for key, info in tensors.items() if info.dtype not in _DTYPES)

@@ -63,10 +63,7 @@ def neuron_cores(
     dev_root: Path = Path("/dev"),
 ) -> int:
     """The NeuronCores of this host, whose chip family must be `device`; DeviceError saying what was looked for."""
-    fallback = NEURON_TOOLS_DIR / "neuron-ls"
-    neuron_ls = shutil.which("neuron-ls", path=env.get("PATH")) or (
-        str(fallback) if os.access(fallback, os.X_OK) else None
-    )
+    neuron_ls = shutil.which("neuron-ls", path=f"{env.get('PATH', os.defpath)}:{NEURON_TOOLS_DIR}")
     if neuron_ls is None:
         nodes = len(list(dev_root.glob("neuron*")))
         seen = f"{nodes} /dev/neuron* node(s)" if nodes else "no /dev/neuron* devices"

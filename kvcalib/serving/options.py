@@ -4,6 +4,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ __all__ = ["DEVICES", "NEURON_DEVICES", "ServeOptions"]
 
 NEURON_DEVICES = tuple(name for name, target in TARGETS.items() if target.neuron)  # trn2, trn3
 DEVICES = (*NEURON_DEVICES, "cpu", "cuda")
+serving = partial(option, panel="Serving")
 
 
 @dataclass(frozen=True)
@@ -28,100 +30,86 @@ class ServeOptions:
         panel="Engine",
         choices=lambda: DEVICES,
     )
-    tp: int | None = option(
+    tp: int | None = serving(
         None,
         "Tensor-parallel size (default: every NeuronCore; 1 on cpu).",
-        panel="Serving",
         minimum=1,
         what="tensor-parallel size",
     )
-    max_model_len: int = option(
+    max_model_len: int = serving(
         2048,
         "Also the server's max-num-batched-tokens (Neuron needs them equal).",
-        panel="Serving",
         minimum=1,
         what="tokens per sequence",
     )
-    max_num_seqs: int = option(
+    max_num_seqs: int = serving(
         4,
         "Sequences the server runs at once.",
-        panel="Serving",
         minimum=1,
         what="sequences at once",
     )
-    port: int | None = option(
+    port: int | None = serving(
         None,
         "Port on 127.0.0.1 (default: a free one).",
-        panel="Serving",
         minimum=1,
         what="a TCP port",
     )
-    startup_timeout_s: float = option(
+    startup_timeout_s: float = serving(
         1800.0,
         "Seconds to wait for GET /health.",
-        panel="Serving",
         flag="--startup-timeout",
         minimum=1,
         what="seconds to wait for the server",
     )
-    stop_timeout_s: float = option(
+    stop_timeout_s: float = serving(
         60.0,
         "Seconds between SIGTERM and SIGKILL.",
-        panel="Serving",
         flag="--stop-timeout",
         minimum=0,
         what="seconds between SIGTERM and SIGKILL",
     )
     prompts: tuple[Prompt, ...] | None = None  # None: BUILTIN_PROMPTS (the CLI's --prompts FILE)
-    baseline: bool | None = option(
+    baseline: bool | None = serving(
         None,
         "Also serve without FP8 KV and compare (default: on for cpu).",
-        panel="Serving",
         flag="--baseline/--no-baseline",
     )
     max_tokens: int = 32
-    vllm_python: Path = option(
+    vllm_python: Path = serving(
         help="Interpreter of the environment with vLLM (default: this Python).",
-        panel="Serving",
         factory=lambda: Path(sys.executable),
     )
-    log_dir: Path | None = option(
+    log_dir: Path | None = serving(
         None,
         "Where the server logs go (default: a new temporary directory, kept).",
-        panel="Serving",
     )
-    neuron_visible_devices: str | None = option(
-        None, "NEURON_VISIBLE_DEVICES for the server, e.g. 0-7.", panel="Serving"
+    neuron_visible_devices: str | None = serving(
+        None, "NEURON_VISIBLE_DEVICES for the server, e.g. 0-7."
     )
-    force: bool = option(
-        False, "Serve scales sized for a larger FP8 max than the chip's.", panel="Serving"
-    )
+    force: bool = serving(False, "Serve scales sized for a larger FP8 max than the chip's.")
     # the environment servers and tools inherit (default: this process's)
     env: Mapping[str, str] = field(
         default_factory=lambda: dict(os.environ), repr=False
     )  # no secrets in a repr
     sysfs_root: Path = Path("/sys")
     dev_root: Path = Path("/dev")
-    canary: bool | None = option(
+    canary: bool | None = serving(
         None,
         "Also serve a copy with every K/V scale divided by 64, which must answer worse: proof that the "
         "server applies the scales (default: on for cpu and cuda, off on Neuron, where each copy is another "
         "compile).",
-        panel="Serving",
         flag="--canary/--no-canary",
     )
-    predict: bool = option(
+    predict: bool = serving(
         True,
         "kvcalib's emulated ΔNLL of the probe text (in-process on CPU) next to the served one.",
-        panel="Serving",
         flag="--predict/--no-predict",
     )
     tasks: "TaskSpec | None" = None  # lm-eval tasks against the baseline and FP8 servers
-    context: int | None = option(
+    context: int | None = serving(
         None,
         "Also send a passkey prompt of about this many tokens (within --max-model-len): the FP8 server "
         "must find the key where the baseline does.",
-        panel="Serving",
         minimum=MIN_CONTEXT,
         what="tokens in the long prompt",
     )

@@ -18,7 +18,7 @@ from kvcalib.core.errors import DeviceError, UsageError, ValidationFailedError, 
 from kvcalib.core.schema import ATTN_HEAD, NEURON_PER_HEAD_REASON, head_dim
 from kvcalib.serving.neuron import neuron_cores
 from kvcalib.serving.options import NEURON_DEVICES, ServeOptions
-from kvcalib.serving.server import require_free_port
+from kvcalib.serving.server import port_in_use
 from kvcalib.validation.config import declared_kv_cache_scheme
 from kvcalib.validation.pipeline import validate_checkpoint
 from kvcalib.validation.provenance import finite_number, read_provenance
@@ -28,7 +28,6 @@ __all__ = [
     "check_cpu",
     "check_environment",
     "check_strategy",
-    "check_validation",
     "find_vllm",
     "preflight",
     "validate_target",
@@ -79,34 +78,6 @@ class Preflight:
 
 def validate_target(device: str) -> str:
     return device if device in NEURON_DEVICES else "gpu"  # vLLM CPU shares GPU vLLM's rules
-
-
-def check_validation(checkpoint: Path, target: str, force: bool) -> list[str]:
-    """Warnings to carry on; ValidationFailedError for errors (`force` lets the FP8-range one through)."""
-    report = validate_checkpoint(checkpoint, target)
-    forced = [f for f in report.errors if force and f.rule in FORCEABLE_RULES]
-    blocking = [f for f in report.errors if f not in forced]
-    if blocking:
-        listed = "; ".join(f"{f.rule}: {f.message}" for f in blocking[:3])
-        more = f" (and {len(blocking) - 3} more)" if len(blocking) > 3 else ""
-        raise ValidationFailedError(
-            f"{checkpoint} fails validation for {target}: {listed}{more}",
-            hint=(
-                f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
-                if all(f.rule in FORCEABLE_RULES for f in blocking)
-                else f"run `kvcalib validate {checkpoint} --target {target}` for the details"
-            ),
-        )
-    unscaled = [f.rule for f in report.warnings if f.rule in UNSCALED_RULES]
-    if unscaled:
-        raise ValidationFailedError(
-            f"{checkpoint} has no calibrated KV scales ({unscaled[0]}): serve-check would serve every layer's "
-            "k_scale and v_scale as 1.0, which proves nothing about a calibrated checkpoint",
-            hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT",
-        )
-    return [f"forced past {f.rule}: {f.message}" for f in forced] + [
-        f"{f.rule}: {f.message}" for f in report.warnings
-    ]
 
 
 def check_cpu(config: dict[str, Any], cpu: HostCpu) -> None:
@@ -225,18 +196,44 @@ def check_environment(config: dict[str, Any], options: ServeOptions) -> tuple[in
     elif device == "cpu":
         check_cpu(config, HostCpu.detect(with_capability=False))
     version = find_vllm(options.vllm_python, options.env, device, options.tp)
-    if options.port:
-        require_free_port(options.port)
+    if options.port and port_in_use(options.port):
+        raise UsageError(
+            f"port {options.port} on 127.0.0.1 is already in use",
+            hint="pick another --port, or leave it out to use a free one",
+        )
     return options.tp or cores, version
 
 
 def preflight(checkpoint: Path, options: ServeOptions) -> Preflight:
     """Everything checkable before a server starts, cheapest first; raises a KvcalibError to stop."""
     config, target = read_config(checkpoint), validate_target(options.device)
-    warnings = check_validation(checkpoint, target, options.force)
+    # the validation's errors stop it (--force lets the FP8-range one through); its warnings are carried on
+    report = validate_checkpoint(checkpoint, target)
+    forced = [f for f in report.errors if options.force and f.rule in FORCEABLE_RULES]
+    blocking = [f for f in report.errors if f not in forced]
+    if blocking:
+        listed = "; ".join(f"{f.rule}: {f.message}" for f in blocking[:3])
+        more = f" (and {len(blocking) - 3} more)" if len(blocking) > 3 else ""
+        raise ValidationFailedError(
+            f"{checkpoint} fails validation for {target}: {listed}{more}",
+            hint=(
+                f"recalibrate with kvcalib calibrate --target {target}, or pass --force to serve it anyway"
+                if all(f.rule in FORCEABLE_RULES for f in blocking)
+                else f"run `kvcalib validate {checkpoint} --target {target}` for the details"
+            ),
+        )
+    unscaled = [f.rule for f in report.warnings if f.rule in UNSCALED_RULES]
+    if unscaled:
+        raise ValidationFailedError(
+            f"{checkpoint} has no calibrated KV scales ({unscaled[0]}): serve-check would serve every layer's "
+            "k_scale and v_scale as 1.0, which proves nothing about a calibrated checkpoint",
+            hint=f"calibrate it first: kvcalib calibrate {checkpoint} --dataset DATA --target {target} -o OUT",
+        )
+    warnings = [f"forced past {f.rule}: {f.message}" for f in forced] + [
+        f"{f.rule}: {f.message}" for f in report.warnings
+    ]
     tp, version = check_environment(config, options)
     scan = scan_checkpoint(checkpoint)
-    experts = options.device in NEURON_DEVICES and mxfp4.weights(scan.key_files)
     return Preflight(
         tp,
         version,
@@ -244,5 +241,5 @@ def preflight(checkpoint: Path, options: ServeOptions) -> Preflight:
         finite_number((read_provenance(scan) or {}).get("fp8_max")),
         config,
         tuple(warnings),
-        mxfp4.neuron_quantization(options.device) if experts else None,
+        mxfp4.neuron_quantization(options.device) if mxfp4.weights(scan.key_files) else None,
     )

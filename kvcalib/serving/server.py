@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core import mxfp4
-from kvcalib.core.errors import ServerError, UsageError
+from kvcalib.core.errors import ServerError
 
 __all__ = [
     "Completion",
@@ -39,7 +39,6 @@ __all__ = [
     "group_members",
     "kv_capacity",
     "port_in_use",
-    "require_free_port",
 ]
 
 HOST = "127.0.0.1"
@@ -173,14 +172,6 @@ def port_in_use(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1.0)
         return sock.connect_ex((HOST, port)) == 0
-
-
-def require_free_port(port: int) -> None:
-    if port_in_use(port):
-        raise UsageError(
-            f"port {port} on {HOST} is already in use",
-            hint="pick another --port, or leave it out to use a free one",
-        )
 
 
 def log_tail(path: Path, lines: int, max_bytes: int) -> str:
@@ -341,7 +332,7 @@ class VllmServer:
         log = str(self.log_path)
         try:
             with urllib.request.urlopen(request, timeout=600.0) as response:
-                answer = json.loads(response.read())
+                return {**json.loads(response.read())["choices"][0]}
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
             raise ServerError(
@@ -352,21 +343,19 @@ class VllmServer:
         except (OSError, http.client.HTTPException) as err:
             # a dropped connection often means a process on its way out
             _wait(lambda: self.process.poll() is None, 5.0, 0.05)
-            if self.process.poll() is not None:  # it died: show why, as for a failed start
+            if (
+                code := self.process.poll()
+            ) is not None:  # it died: show why, as for a failed start
                 raise self.failure(
-                    f"the {self.name} vLLM server exited with code {self.process.poll()} during the probe"
+                    f"the {self.name} vLLM server exited with code {code} during the probe"
                 ) from None
             raise ServerError(
                 f"the {self.name} vLLM server stopped answering {path} ({err})",
                 hint="the server is still running but did not answer in time; see its log",
                 log=log,
             ) from None
-        except ValueError:  # not JSON
-            answer = None
-        choices = answer.get("choices") if isinstance(answer, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise ServerError(f"the server's answer to {path} has no choices", log=log)
-        return choices[0]
+        except (ValueError, LookupError, TypeError):  # not JSON, or no choices[0] object
+            raise ServerError(f"the server's answer to {path} has no choices", log=log) from None
 
     def complete(self, prompt: str | Sequence[int], max_tokens: int) -> Completion:
         choice = self._completion(prompt, max_tokens)

@@ -64,16 +64,6 @@ def per_head_findings(
     return [], values
 
 
-def _q_keys(scan: CheckpointFiles) -> dict[int, str]:
-    """layer -> its q_scale key under either prefix Neuron reads (the first in sorted order)."""
-    parsed = ((key, parse_scale_key(key)) for key in sorted(scan.key_files, reverse=True))
-    return {
-        p[1]: key
-        for key, p in parsed
-        if p and p[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX) and p[2] == "q"
-    }
-
-
 def declared_attention_groups(config: dict[str, Any]) -> list[tuple[str, Any]]:
     """(name, targets) of every config group that declares FP8 attention (core.schema.attention_groups)."""
     qc = config.get("quantization_config")
@@ -103,7 +93,14 @@ def query_findings(
     config: dict[str, Any], scan: CheckpointFiles, target: str, per_head: bool
 ) -> list[Finding]:
     """q_scale: information on Neuron (not read); on gpu, present on every layer when FP8 attention is declared."""
-    keys, declared = _q_keys(scan), bool(declared_attention_groups(config))
+    # layer -> its q_scale key under either prefix Neuron reads (the first in sorted order)
+    parsed = ((key, parse_scale_key(key)) for key in sorted(scan.key_files, reverse=True))
+    keys = {
+        p[1]: key
+        for key, p in parsed
+        if p and p[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX) and p[2] == "q"
+    }
+    declared = bool(declared_attention_groups(config))
     if get_target(target).neuron:
         if not keys:
             return []

@@ -249,16 +249,6 @@ STILL_RADIANS = 0.25  # a RoPE pair that turns less than this over STILL_POSITIO
 STILL_POSITIONS = 1024
 
 
-def still_channels(config: dict[str, Any], size: int) -> set[int]:
-    """The channels of the RoPE pairs that turn less than STILL_RADIANS over STILL_POSITIONS positions."""
-    text = text_config(config)
-    rope = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
-    theta = finite_number(rope.get("rope_theta", text.get("rope_theta"))) or 0.0
-    theta, half = theta if theta > 1 else 10000.0, size // 2  # a huge integer is no theta either
-    still = {i for i in range(half) if STILL_POSITIONS * theta ** (-2.0 * i / size) < STILL_RADIANS}
-    return still | {i + half for i in still}
-
-
 def outlier_findings(
     config: dict[str, Any],
     scan: CheckpointFiles,
@@ -278,7 +268,13 @@ def outlier_findings(
     kv_heads, layers, size = head_counts(config)["k"], num_hidden_layers(config), head_dim(config)
     if not (kv_heads and size is not None and size > 1 and layers):
         return []
-    still, fp8_max = sorted(still_channels(config, size)), get_target(target).fp8_max
+    # the channels of the RoPE pairs that turn less than STILL_RADIANS over STILL_POSITIONS positions
+    text = text_config(config)
+    rope = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
+    theta = finite_number(rope.get("rope_theta", text.get("rope_theta"))) or 0.0
+    theta, half = theta if theta > 1 else 10000.0, size // 2  # a huge integer is no theta either
+    still = [i for i in range(half) if STILL_POSITIONS * theta ** (-2.0 * i / size) < STILL_RADIANS]
+    still, fp8_max = still + [i + half for i in still], get_target(target).fp8_max
     found, probed = [], False
     for layer in range(layers):
         key = f"{prefix}.{layer}.self_attn.k_proj.bias"

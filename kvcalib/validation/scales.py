@@ -47,15 +47,6 @@ class ScaleCheck:
     )  # kind -> the layers whose scale is 0.0
 
 
-def _layers_prefix(keys: list[str]) -> str:
-    """The other loader's prefix where the keys are under it and none is a K/V scale under the usual one."""
-    alt = any(k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in keys)
-    usual = any(
-        p and p[0] == NEURON_LAYERS_PREFIX and p[2] != "q" for p in map(parse_scale_key, keys)
-    )
-    return NEURON_ALT_LAYERS_PREFIX if alt and not usual else NEURON_LAYERS_PREFIX
-
-
 def scale_findings(
     config: dict[str, Any], scan: CheckpointFiles, target: str
 ) -> tuple[list[Finding], ScaleCheck]:
@@ -63,8 +54,14 @@ def scale_findings(
     findings: list[Finding] = []
     scheme = declared_kv_cache_scheme(config)
     scheme_declared = scheme is not None
+    # the other loader's prefix where the keys are under it and none is a K/V scale under the usual one
+    alt = any(k.startswith(NEURON_ALT_LAYERS_PREFIX + ".") for k in scan.key_files)
+    usual = any(
+        p and p[0] == NEURON_LAYERS_PREFIX and p[2] != "q"
+        for p in map(parse_scale_key, scan.key_files)
+    )
     check = ScaleCheck(
-        prefix=_layers_prefix(sorted(scan.key_files)),
+        prefix=NEURON_ALT_LAYERS_PREFIX if alt and not usual else NEURON_LAYERS_PREFIX,
         target=target,
         heads=head_counts(config),
         per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD,
