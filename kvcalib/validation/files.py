@@ -47,7 +47,21 @@ def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
                 str(root),
             )
         )
-    findings += _duplicate_findings(scan)
+    by_files: dict[tuple[str, ...], list[str]] = {}
+    for key, names in scan.key_files.items():
+        if len(names) > 1:
+            by_files.setdefault(names, []).append(key)
+    findings += [
+        Finding(
+            "CKPT-DUPLICATE-KEY",
+            ERROR,
+            f"{_examples([k for k in keys if is_kv_scale_key(k)] or keys)} stored "
+            f"in more than one file ({', '.join(names)}): which copy a loader uses is not defined",
+            "keep each tensor in exactly one file",
+            ", ".join(names),
+        )
+        for names, keys in sorted(by_files.items())
+    ]
     if scan.index is not None:
         findings += _index_findings(scan, scan.index["weight_map"])
         findings += _total_size_findings(scan, scan.index)
@@ -154,24 +168,6 @@ def _per_key_or_file(
             Finding(rule, WARNING, message.replace("{keys}", _examples(other)), hint, name)
         )
     return findings
-
-
-def _duplicate_findings(scan: CheckpointFiles) -> list[Finding]:
-    by_files: dict[tuple[str, ...], list[str]] = {}
-    for key, names in scan.key_files.items():
-        if len(names) > 1:
-            by_files.setdefault(names, []).append(key)
-    return [
-        Finding(
-            "CKPT-DUPLICATE-KEY",
-            ERROR,
-            f"{_examples([k for k in keys if is_kv_scale_key(k)] or keys)} stored "
-            f"in more than one file ({', '.join(names)}): which copy a loader uses is not defined",
-            "keep each tensor in exactly one file",
-            ", ".join(names),
-        )
-        for names, keys in sorted(by_files.items())
-    ]
 
 
 def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[Finding]:

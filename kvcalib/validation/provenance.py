@@ -164,7 +164,43 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
                 where,
             )
         )
-    return findings + clipped + _compare_layers(provenance, where, fp8_max, check)
+    findings += clipped
+    layers = provenance.get("layers")
+    if layers is not None and not isinstance(layers, list):
+        return findings + [
+            _malformed_provenance(where, f"layers is {type(layers).__name__}, not a list")
+        ]
+    disagree: list[str] = []
+    for layer, kind, record in _records(provenance):
+        key = neuron_scale_key(layer, kind, check.prefix) if type(layer) is int else None
+        actual, recorded = check.values.get(key), finite_number(record.get("scale"))
+        # what the scale was sized for: the range the scale objective chose, else the absmax
+        absmax = finite_number(record.get("range", record.get("absmax"))) or 0.0
+        if actual is None:
+            continue
+        if recorded is not None and abs(recorded - actual) > 1e-5 * max(recorded, actual):
+            disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
+        # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
+        elif (
+            absmax > 0
+            and actual > SCALE_FLOOR * 2
+            and abs(absmax / actual - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max
+        ):
+            disagree.append(
+                f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {absmax / actual:.6g}, "
+                f"not {fp8_max:g}"
+            )
+    if disagree:
+        findings.append(
+            Finding(
+                "RANGE-PROVENANCE-DISAGREES",
+                WARNING,
+                f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
+                "the scales were edited after calibration; recalibrate, or trust neither",
+                where,
+            )
+        )
+    return findings
 
 
 def _provenance_sources(
@@ -203,45 +239,6 @@ def _malformed_provenance(where: str, problem: str) -> Finding:
         "recalibrate with kvcalib calibrate to rewrite it",
         where,
     )
-
-
-def _compare_layers(
-    provenance: dict, where: str, fp8_max: float, check: ScaleCheck
-) -> list[Finding]:
-    layers = provenance.get("layers")
-    if layers is not None and not isinstance(layers, list):
-        return [_malformed_provenance(where, f"layers is {type(layers).__name__}, not a list")]
-    disagree: list[str] = []
-    for layer, kind, record in _records(provenance):
-        key = neuron_scale_key(layer, kind, check.prefix) if type(layer) is int else None
-        actual, recorded = check.values.get(key), finite_number(record.get("scale"))
-        # what the scale was sized for: the range the scale objective chose, else the absmax
-        absmax = finite_number(record.get("range", record.get("absmax"))) or 0.0
-        if actual is None:
-            continue
-        if recorded is not None and abs(recorded - actual) > 1e-5 * max(recorded, actual):
-            disagree.append(f"{key} is {actual:.6g}, provenance says {recorded:.6g}")
-        # kvcalib rounds scales up by < SCALE_ROUNDING_TOLERANCE (bf16 grid, see fp8.py)
-        elif (
-            absmax > 0
-            and actual > SCALE_FLOOR * 2
-            and abs(absmax / actual - fp8_max) > SCALE_ROUNDING_TOLERANCE * fp8_max
-        ):
-            disagree.append(
-                f"{key} = {actual:.6g} sized for {absmax:.6g} means FP8 max {absmax / actual:.6g}, "
-                f"not {fp8_max:g}"
-            )
-    if not disagree:
-        return []
-    return [
-        Finding(
-            "RANGE-PROVENANCE-DISAGREES",
-            WARNING,
-            f"{len(disagree)} scale(s) disagree with the provenance in {where}: {'; '.join(disagree[:3])}",
-            "the scales were edited after calibration; recalibrate, or trust neither",
-            where,
-        )
-    ]
 
 
 OUTLIER_SHARE = 0.25  # a bias this share of the k_scale's range (or more) is an outlier channel

@@ -66,7 +66,20 @@ def scale_findings(
         heads=head_counts(config),
         per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD,
     )
-    own, foreign = _sort_scale_keys(scan, check)
+    own: dict[tuple[int, str], str] = {}
+    foreign: dict[tuple[int, str], list[str]] = {}
+    for key in sorted(scan.key_files):
+        parsed, other = parse_scale_key(key), parse_foreign_scale_key(key)
+        if parsed and parsed[2] == "q" or not (parsed or other):
+            continue
+        if parsed and parsed[0] == check.prefix:  # (layer, kind) -> the key under the chosen prefix
+            own[(parsed[1], parsed[2])] = key
+            check.files.add(scan.file_of(key))
+            continue
+        # the right leaf name under a prefix Neuron does not read, or a name it does not read
+        layer, only = parsed[1:] if parsed else other
+        for kind in (only,) if only else KV_KINDS:
+            foreign.setdefault((layer, kind), []).append(key)
     check.present = bool(own or foreign)
     if not check.present:
         return [
@@ -103,7 +116,28 @@ def scale_findings(
             findings += _check_one(
                 scan, check, layer, kind, own.get((layer, kind)), foreign.get((layer, kind))
             )
-    findings = _all_zero(findings, check, len(layers))
+    # SCALE-ALL-ZERO: every K (or V) scale 0.0 (an observer that never saw K or V), one error for all layers
+    for kind in KV_KINDS:
+        zero = check.zero.get(kind, [])
+        if len(layers) < 2 or len(zero) < len(layers):
+            continue
+        names = {f"{check.prefix}.{layer}.self_attn.{kind}_scale" for layer in zero}
+        findings = [
+            f
+            for f in findings
+            if not (f.rule == "SCALE-VALUE" and f.location.rsplit(":", 1)[-1] in names)
+        ]
+        findings.append(
+            Finding(
+                "SCALE-ALL-ZERO",
+                ERROR,
+                f"every {kind}_scale is 0.0 (layers {_layer_list(zero)}): no {kind.upper()} was observed, and served "
+                f"with FP8 KV every {kind.upper()} becomes inf or NaN (x / 0)",
+                "recalibrate, e.g. `kvcalib calibrate`; with llm-compressor, check that its KV observer hooks this "
+                "model's attention class (a non-zero scale on each layer)",
+                f"{check.prefix}.*.self_attn.{kind}_scale",
+            )
+        )
     extra = sorted(key for (layer, _), key in own.items() if layer >= n_layers)
     if extra:
         findings.append(
@@ -139,53 +173,6 @@ def scale_findings(
             )
         )
     return findings, check
-
-
-def _all_zero(findings: list[Finding], check: ScaleCheck, n_layers: int) -> list[Finding]:
-    """SCALE-ALL-ZERO: every K (or V) scale 0.0 (an observer that never saw K or V), one error for all layers."""
-    for kind in KV_KINDS:
-        zero = check.zero.get(kind, [])
-        if n_layers < 2 or len(zero) < n_layers:
-            continue
-        names = {f"{check.prefix}.{layer}.self_attn.{kind}_scale" for layer in zero}
-        findings = [
-            f
-            for f in findings
-            if not (f.rule == "SCALE-VALUE" and f.location.rsplit(":", 1)[-1] in names)
-        ]
-        findings.append(
-            Finding(
-                "SCALE-ALL-ZERO",
-                ERROR,
-                f"every {kind}_scale is 0.0 (layers {_layer_list(zero)}): no {kind.upper()} was observed, and served "
-                f"with FP8 KV every {kind.upper()} becomes inf or NaN (x / 0)",
-                "recalibrate, e.g. `kvcalib calibrate`; with llm-compressor, check that its KV observer hooks this "
-                "model's attention class (a non-zero scale on each layer)",
-                f"{check.prefix}.*.self_attn.{kind}_scale",
-            )
-        )
-    return findings
-
-
-def _sort_scale_keys(
-    scan: CheckpointFiles, check: ScaleCheck
-) -> tuple[dict[tuple[int, str], str], dict[tuple[int, str], list[str]]]:
-    """(layer, kind) -> the key under the chosen prefix; (layer, kind) -> the names Neuron ignores."""
-    own: dict[tuple[int, str], str] = {}
-    foreign: dict[tuple[int, str], list[str]] = {}
-    for key in sorted(scan.key_files):
-        parsed, other = parse_scale_key(key), parse_foreign_scale_key(key)
-        if parsed and parsed[2] == "q" or not (parsed or other):
-            continue
-        if parsed and parsed[0] == check.prefix:
-            own[(parsed[1], parsed[2])] = key
-            check.files.add(scan.file_of(key))
-            continue
-        # the right leaf name under a prefix Neuron does not read, or a name it does not read
-        layer, only = parsed[1:] if parsed else other
-        for kind in (only,) if only else KV_KINDS:
-            foreign.setdefault((layer, kind), []).append(key)
-    return own, foreign
 
 
 def _unreadable(scan: CheckpointFiles) -> str:
