@@ -154,10 +154,8 @@ def scale_from_absmax(absmax: torch.Tensor | float, target: Target) -> torch.Ten
 
 def bf16_reciprocal_ok(scale: float) -> bool:
     """Whether the Neuron plugin's `bf16(1 / bf16(s))` is finite and non-zero (pure Python, no torch)."""
-    s_bf16 = _bf16(scale)
-    if not math.isfinite(s_bf16) or s_bf16 == 0:
-        return False
-    r = _bf16(_f32(1.0 / s_bf16))
+    s = _bf16(scale)
+    r = _bf16(1.0 / s) if s else 0.0  # 1 / ±inf is 0, 1 / nan is nan: refused as well
     return math.isfinite(r) and r != 0
 
 

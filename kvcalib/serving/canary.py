@@ -51,7 +51,6 @@ def make_variant(
     import torch
     from safetensors.torch import save_file
 
-    checkpoint, dest = Path(checkpoint).resolve(), Path(dest)
     if dest.exists() or dest.is_symlink():
         ours = (
             dest.is_dir()

@@ -242,7 +242,8 @@ def _run_server(
                 step(f"prompt {i}/{len(prompts)}")
                 completions.append(server.complete(prompt.text, options.max_tokens))
             step("NLL of the fixed text")
-            token_nll, agreements, task_output = server.token_nlls(NLL_TEXT), None, None
+            token_nll = tuple(-logprob for logprob, _ in server.prompt_logprobs(NLL_TEXT, 0))
+            agreements = task_output = None
             if reference is not None:
                 step("agreement with the baseline")
                 agreements = tuple(

@@ -257,10 +257,11 @@ class VllmServer:
         start = time.monotonic()
         while (code := self.process.poll()) is None:
             elapsed = time.monotonic() - start
-            with contextlib.suppress(OSError):  # not up yet (URLError, refused, timed out)
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5.0) as r:
-                    if r.status == 200:
-                        return time.monotonic() - start
+            with contextlib.suppress(
+                OSError
+            ):  # not up yet (URLError, an HTTP error, refused, timed out)
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5.0):
+                    return time.monotonic() - start
             if elapsed >= timeout_s:
                 raise self.failure(
                     f"the {self.name} vLLM server was not healthy after {timeout_s:.0f} s (--startup-timeout)",
@@ -291,9 +292,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """SIGTERM the group, SIGKILL it after the grace period, reap, and wait for the port to be free."""
-        process = self.process
-        if process is None:
-            return
+        process = self.process  # started: __exit__ runs only after __enter__ did
         pgid, interrupted = process.pid, False
 
         def alive() -> bool:
@@ -365,8 +364,8 @@ class VllmServer:
             tuple(choice.get("prompt_token_ids") or ()),
         )
 
-    def _prompt_logprobs(self, prompt: str | Sequence[int], top: int) -> list[tuple[float, Any]]:
-        """(log-prob, rank) of each prompt token after the first."""
+    def prompt_logprobs(self, prompt: str | Sequence[int], top: int) -> list[tuple[float, Any]]:
+        """(log-prob, rank) of each prompt token after the first (`top` 0: the token NLLs of a text)."""
         choice = self._completion(prompt, 1, prompt_logprobs=top)
         try:
             positions, ids = choice["prompt_logprobs"][1:], choice["prompt_token_ids"][1:]
@@ -381,16 +380,12 @@ class VllmServer:
                 log=str(self.log_path),
             ) from None
 
-    def token_nlls(self, text: str) -> tuple[float, ...]:
-        """The negative log-likelihood (nats) of each token of `text` after its first."""
-        return tuple(-logprob for logprob, _ in self._prompt_logprobs(text, 0))
-
     def top1_agreement(
         self, prompt_ids: Sequence[int], continuation_ids: Sequence[int]
     ) -> float | None:
         """Share of `continuation_ids` this server ranks first, given the same prefix (None if empty)."""
         if not continuation_ids:
             return None
-        scored = self._prompt_logprobs([*prompt_ids, *continuation_ids], 1)
+        scored = self.prompt_logprobs([*prompt_ids, *continuation_ids], 1)
         ranks = [rank for _, rank in scored[len(prompt_ids) - 1 :]]
         return ranks.count(1) / len(ranks)

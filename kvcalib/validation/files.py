@@ -65,32 +65,25 @@ def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
     if scan.index is not None:
         findings += _index_findings(scan, scan.index["weight_map"])
         findings += _total_size_findings(scan, scan.index)
-        findings += _single_file_shadow_findings(scan)
-    return scan, findings
-
-
-def _single_file_shadow_findings(scan: CheckpointFiles) -> list[Finding]:
-    """transformers loads a top-level model.safetensors and never reads the index beside it."""
-    if SINGLE_WEIGHTS_FILENAME not in scan.headers:
-        return []
-    shadowed = sorted(
-        k for k, files in scan.key_files.items() if SINGLE_WEIGHTS_FILENAME not in files
-    )
-    if not shadowed:
-        return []
-    scales = [k for k in shadowed if is_kv_scale_key(k)]
-    return [
-        Finding(
-            "CKPT-SINGLE-FILE-SHADOWS-INDEX",
-            WARNING,
-            f"{SINGLE_WEIGHTS_FILENAME} exists beside {INDEX_FILENAME}: transformers (and compressed-tensors "
-            f"through it) loads only {SINGLE_WEIGHTS_FILENAME} and ignores {_examples(scales or shadowed)} in other "
-            "files; vLLM and the Neuron loaders are not affected",
-            f"rename {SINGLE_WEIGHTS_FILENAME} to model-00001-of-00001.safetensors and update weight_map "
-            "(kvcalib calibrate writes this layout)",
-            SINGLE_WEIGHTS_FILENAME,
+        # transformers loads a top-level model.safetensors and never reads the index beside it
+        shadowed = sorted(
+            k for k, files in scan.key_files.items() if SINGLE_WEIGHTS_FILENAME not in files
         )
-    ]
+        if SINGLE_WEIGHTS_FILENAME in scan.headers and shadowed:
+            scales = [k for k in shadowed if is_kv_scale_key(k)]
+            findings.append(
+                Finding(
+                    "CKPT-SINGLE-FILE-SHADOWS-INDEX",
+                    WARNING,
+                    f"{SINGLE_WEIGHTS_FILENAME} exists beside {INDEX_FILENAME}: transformers (and "
+                    f"compressed-tensors through it) loads only {SINGLE_WEIGHTS_FILENAME} and ignores "
+                    f"{_examples(scales or shadowed)} in other files; vLLM and the Neuron loaders are not affected",
+                    f"rename {SINGLE_WEIGHTS_FILENAME} to model-00001-of-00001.safetensors and update weight_map "
+                    "(kvcalib calibrate writes this layout)",
+                    SINGLE_WEIGHTS_FILENAME,
+                )
+            )
+    return scan, findings
 
 
 def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[Finding]:

@@ -100,7 +100,6 @@ def query_findings(
         for key, p in parsed
         if p and p[0] in (NEURON_LAYERS_PREFIX, NEURON_ALT_LAYERS_PREFIX) and p[2] == "q"
     }
-    declared = bool(declared_attention_groups(config))
     if get_target(target).neuron:
         if not keys:
             return []
@@ -116,7 +115,7 @@ def query_findings(
         ]
     findings: list[Finding] = []
     n_layers = num_hidden_layers(config)
-    if declared and n_layers is not None:
+    if declared_attention_groups(config) and n_layers is not None:
         missing = [i for i in range(n_layers) if i not in keys]
         if missing:
             findings.append(
@@ -132,9 +131,7 @@ def query_findings(
             )
     expected = head_counts(config)["q"] if per_head else 1
     for key in keys.values():
-        header = scan.header_of(key)
-        if header is None:
-            continue
+        header = scan.header_of(key)  # a key of the scan: its file's header is there
         location, numel = f"{header.path.name}:{key}", math.prod(header.tensors[key].shape)
         if not per_head and numel != 1:
             findings.append(
