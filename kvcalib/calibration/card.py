@@ -19,13 +19,14 @@ from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME,
 from kvcalib.serving.launch import (
     server_argv,  # the card's commands are serve-check's (declared: pyproject.toml)
 )
+from kvcalib.serving.options import ServeOptions
 from kvcalib.validation.report import ValidationReport
 
 __all__ = [
     "BEGIN",
     "CARD_FILENAME",
     "END",
-    "SERVE_DEFAULTS",
+    "SERVE_PORT",
     "TAGS",
     "card_text",
     "serve_commands",
@@ -39,8 +40,7 @@ BEGIN = "<!-- kvcalib:begin: written by `kvcalib calibrate`, replaced when it ru
 END = "<!-- kvcalib:end -->"
 TAGS = ("fp8", "kv-cache", "kvcalib", "vllm", "neuron", "compressed-tensors")
 _SECTION = re.compile(re.escape(BEGIN.split(":", 2)[0]) + r".*?" + re.escape(END) + r"\n?", re.S)
-# serve-check's defaults, so the card's commands are the ones it runs (kvcalib.serving.launch.server_argv)
-SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 4}
+SERVE_PORT = 8000  # the rest is serve-check's defaults: the card's commands are the ones it runs
 
 
 def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
@@ -48,11 +48,10 @@ def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
     return {
         device: shlex.join(
             server_argv(
-                Path("python"),
+                ServeOptions(device, vllm_python=Path("python")),
                 Path(checkpoint),
-                fp8=True,
-                device=device,
-                **SERVE_DEFAULTS,
+                SERVE_PORT,
+                True,
                 neuron_quantization=neuron_quantization(device) if mxfp4 else None,
             )
         )

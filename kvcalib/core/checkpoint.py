@@ -191,7 +191,7 @@ def scan_checkpoint(ckpt_dir: Path, *, tolerant: bool = False) -> CheckpointFile
     """Every top-level header and the index; one unusable raises, or with `tolerant` is listed in `problems`."""
     ckpt_dir = Path(ckpt_dir)
     files = tuple(sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.is_file()))
-    headers: dict[str, SafetensorsHeader] = {}
+    headers = {}
     index, problems, key_files = None, [], {}
     for name in (*files, INDEX_FILENAME):
         try:

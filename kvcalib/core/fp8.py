@@ -37,16 +37,14 @@ __all__ = [
 ]
 
 # How a server takes x into the FP8 domain (Target.scaling):
-BF16_RECIPROCAL = (
-    "bf16-reciprocal"  # x * bf16(1 / bf16(s)), clamped at ±fp8_max: vLLM's Neuron plugin
-)
+# x * bf16(1 / bf16(s)), clamped at ±fp8_max: vLLM's Neuron plugin
+BF16_RECIPROCAL = "bf16-reciprocal"
 F32_RECIPROCAL = "f32-reciprocal"  # x * (1 / s) in float32
 DIVIDE = "divide"  # x / s in float32: GPU vLLM
 
 NEURON_ORDER = "neuron"  # Target.order (eval --order): prefill attends to the fresh K/V it writes; decode to FP8
-GPU_ORDER = (
-    "gpu"  # every position reads the FP8 cache (the K/V are written first, prefill included)
-)
+# every position reads the FP8 cache (the K/V are written first, prefill included)
+GPU_ORDER = "gpu"
 
 
 @dataclass(frozen=True)
@@ -58,9 +56,8 @@ class Target:
     fp8_max: float
     scaling: str = DIVIDE  # BF16_RECIPROCAL, F32_RECIPROCAL or DIVIDE
     toward_zero: bool = False  # the cast truncates the mantissa instead of rounding to nearest even
-    mxfp4: bool = (
-        False  # runs MXFP4 matmuls natively (vLLM-Neuron's GPT-OSS keeps MXFP4 experts as they are)
-    )
+    # runs MXFP4 matmuls natively (vLLM-Neuron's GPT-OSS keeps MXFP4 experts as they are)
+    mxfp4: bool = False
     bf16_product: bool = False  # the product x * r is rounded to bf16 before the clamp and the cast
     order: str = GPU_ORDER  # NEURON_ORDER or GPU_ORDER
 

@@ -34,9 +34,8 @@ def require_regular_file(
         st = os.stat(path)
     except FileNotFoundError:
         raise missing(f"{what} not found: {path}", hint=hint or "check the path") from None
-    except (
-        OSError
-    ) as exc:  # a permission-denied directory on the way, a loop of links, a name too long
+    # a permission-denied directory on the way, a loop of links, a name too long
+    except OSError as exc:
         raise error(
             f"cannot read {what} {path}: {exc.strerror}", hint="check the path and its permissions"
         ) from None

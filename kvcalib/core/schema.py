@@ -48,9 +48,8 @@ PROVENANCE_FILENAME = "kvcalib_calibration.json"
 CONFIG_FILENAME = "config.json"
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILENAME = "model.safetensors"
-PROVENANCE_METADATA_KEY = (
-    "kvcalib"  # the scale file's safetensors metadata key holding the provenance JSON
-)
+# the scale file's safetensors metadata key holding the provenance JSON
+PROVENANCE_METADATA_KEY = "kvcalib"
 
 # The decoder-layer prefix every Neuron scale loader reads (vllm-neuron's models, _load_kv_cache_scales; one fork
 # of a multimodal model reads the language_model one).

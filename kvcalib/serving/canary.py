@@ -25,9 +25,8 @@ __all__ = [
 ]
 
 CANARY_DIVISOR = 64.0  # measured on SmolLM2 / vLLM CPU: /100 makes it print "-" over and over
-MIN_NLL_CHANGE = (
-    0.05  # nats: less than this on the fixed text, and the same outputs, is "no change"
-)
+# nats: less than this on the fixed text, and the same outputs, is "no change"
+MIN_NLL_CHANGE = 0.05
 SAME_AGREEMENT = 0.01  # agreement within this of the calibrated run's is "the same"
 
 

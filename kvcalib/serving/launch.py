@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core.schema import kv_cache_size
+from kvcalib.serving.options import ServeOptions
 
 __all__ = [
     "baseline_kv_dtype",
@@ -41,26 +42,24 @@ def baseline_kv_dtype(config: Mapping[str, Any]) -> str:
 
 
 def server_argv(
-    python: Path,
+    options: ServeOptions,
     checkpoint: Path,
     port: int,
-    *,
     fp8: bool,
-    device: str,
-    tp: int,
-    max_model_len: int,
-    max_num_seqs: int,
+    tp: int = 1,
     config: Mapping[str, Any] | None = None,
     neuron_quantization: str | None = None,
 ) -> list[str]:
-    """The vLLM command line: the same for both servers except `--kv-cache-dtype` (the baseline's from `config`, the
-    checkpoint's config.json). `neuron_quantization`: the neuron_config quantization to name (GPT-OSS with MXFP4
-    experts: "bf16" on trn2, "mxfp4" on trn3)."""
+    """The vLLM command line for --vllm-python, --device, --max-model-len and --max-num-seqs: the same for both
+    servers except `--kv-cache-dtype` (the baseline's from `config`, the checkpoint's config.json).
+    `neuron_quantization`: the neuron_config quantization to name (GPT-OSS with MXFP4 experts: "bf16" on trn2,
+    "mxfp4" on trn3)."""
+    device, max_model_len = options.device, options.max_model_len
     # Neuron's FP8 prefill reads a packed KV cache (a whole prompt in one batch) and it samples
     # on the host (no async scheduling); vLLM CPU is served the same. GPU vLLM needs neither.
     packed = device != "cuda"
     argv = [
-        str(python),
+        str(options.vllm_python),
         "-m",
         API_SERVER_MODULE,
         "--model",
@@ -75,7 +74,7 @@ def server_argv(
         str(max_model_len),
         *(("--max-num-batched-tokens", str(max_model_len)) if packed else ()),
         "--max-num-seqs",
-        str(max_num_seqs),
+        str(options.max_num_seqs),
         "--no-enable-prefix-caching",
         *(("--no-async-scheduling",) if packed else ()),
         # The baseline names its KV dtype: with "auto", vLLM (CPU and GPU) turns FP8 on by itself when
@@ -89,7 +88,7 @@ def server_argv(
             json.dumps({"neuron_config": {"quantization": neuron_quantization}}),
         ]
     if device == "cpu":
-        kv_bytes = cpu_kv_cache_bytes(config or {}, max_model_len, max_num_seqs)
+        kv_bytes = cpu_kv_cache_bytes(config or {}, max_model_len, options.max_num_seqs)
         argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes)]
     return argv
 

@@ -100,9 +100,8 @@ class ServerRun:
     completions: tuple[Completion, ...]
     token_nll: tuple[float, ...]  # each token's NLL of the fixed text
     agreements: tuple[float | None, ...] | None = None
-    task_output: LmEvalOutput | None = (
-        None  # serve-check --tasks: lm-eval's output against this server
-    )
+    # serve-check --tasks: lm-eval's output against this server
+    task_output: LmEvalOutput | None = None
     pid: int | None = None  # the server's process id: it leads its own session and process group
     kv_capacity: KvCapacity = KvCapacity()  # the KV cache vLLM logged
 
@@ -214,16 +213,13 @@ def _run_server(
     """Serve `checkpoint`, ask it the prompts, the NLL text, the agreement with `reference` and the tasks."""
     port = options.port or free_port()  # --port was checked free before the first server
     argv = server_argv(
-        options.vllm_python,
+        options,
         checkpoint,
         port,
-        fp8=name != "baseline",
-        device=options.device,
-        tp=pre.tensor_parallel_size,
-        max_model_len=options.max_model_len,
-        max_num_seqs=options.max_num_seqs,
-        config=pre.config,
-        neuron_quantization=pre.neuron_quantization,
+        name != "baseline",
+        pre.tensor_parallel_size,
+        pre.config,
+        pre.neuron_quantization,
     )
     env, command = server_env(argv, options.env, log_dir / "cache", options.neuron_visible_devices)
     log = log_dir / f"vllm-{name}.log"

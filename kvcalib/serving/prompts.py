@@ -37,9 +37,8 @@ MIN_CONTEXT = 64  # tokens: below this the "long" prompt is no longer than the b
 class Prompt:
     text: str
     expected: str | None = None  # a word a sane continuation contains (informative, not judged)
-    required: bool = (
-        False  # judged: the FP8 output must contain `expected` where the baseline's does
-    )
+    # judged: the FP8 output must contain `expected` where the baseline's does
+    required: bool = False
     tokens: int | None = None  # the prompt's length in the model's tokens, where it was measured
 
 

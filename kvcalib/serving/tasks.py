@@ -144,7 +144,7 @@ def served_rows(
 ) -> list[ServedTaskRow]:
     """Per task and metric: the served baseline and FP8 scores with the paired interval, and kvcalib's prediction
     of both on the same items (numerics None: no prediction)."""
-    predicted: dict[tuple[str, str, str], TaskRow] = {}
+    predicted = {}
     if numerics is not None:
         result = evaluate_tasks(str(checkpoint), replace(spec, target=numerics))
         predicted = {(r.task, r.metric, r.filter): r for r in result.rows}

@@ -197,9 +197,8 @@ def _group_verdict(name: str, group: Any) -> Finding | None:
     try:  # the platform's own test, run as it runs: its crash is a finding too
         if any("Attention" in t for t in targets):
             return None
-    except (
-        TypeError
-    ):  # targets not iterable, or a target `in` cannot test (substring, element or key membership)
+    # targets not iterable, or a target `in` cannot test (substring, element or key membership)
+    except TypeError:
         if not isinstance(targets, list):
             return _malformed(
                 f"config_groups['{name}'].targets is {json_type(targets)} while input_activations "
@@ -277,12 +276,11 @@ def portability_findings(
     config: dict[str, Any], target: str, scales_present: bool
 ) -> list[Finding]:
     """PORT-*: what GPU vLLM and compressed-tensors need, and what Neuron ignores."""
-    findings: list[Finding] = []
+    findings = []
     qc, cc = config.get("quantization_config"), config.get("compression_config")
     cc_method = cc.get("quant_method", "") if isinstance(cc, dict) else None
-    if (
-        qc is None and cc is not None and not isinstance(cc_method, str)
-    ):  # vLLM normalises it in qc's place
+    # vLLM normalises it in qc's place
+    if qc is None and cc is not None and not isinstance(cc_method, str):
         what = (
             f"compression_config is {json_type(cc)}, not an object"
             if cc_method is None

@@ -47,7 +47,7 @@ def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
                 str(root),
             )
         )
-    by_files: dict[tuple[str, ...], list[str]] = {}
+    by_files = {}
     for key, names in scan.key_files.items():
         if len(names) > 1:
             by_files.setdefault(names, []).append(key)
@@ -63,7 +63,59 @@ def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
         for names, keys in sorted(by_files.items())
     ]
     if scan.index is not None:
-        findings += _index_findings(scan, scan.index["weight_map"])
+        weight_map = scan.index["weight_map"]
+        location = f"{INDEX_FILENAME}:weight_map"
+        by_file = {}
+        for key, name in weight_map.items():
+            by_file.setdefault(name if isinstance(name, str) else short_repr(name), []).append(key)
+        for name, keys in by_file.items():  # a bare name: no directory, drive (":") or leading "."
+            if (
+                not name.endswith(".safetensors")
+                or name.startswith(".")
+                or any(c in name for c in "/\\:")
+            ):
+                findings.append(
+                    Finding(
+                        "CKPT-INDEX-FILE-NAME",
+                        ERROR,
+                        f"weight_map names {name!r} for {_examples(keys)}: an index-based "
+                        "loader accepts only bare top-level *.safetensors file names and refuses the checkpoint",
+                        "move the file next to config.json and map its keys to its bare file name",
+                        location,
+                    )
+                )
+            elif not os.path.isfile(
+                scan.root / name
+            ):  # False for a name too long, or with a NUL byte
+                findings.append(
+                    Finding(
+                        "CKPT-INDEX-FILE-MISSING",
+                        ERROR,
+                        f"weight_map names {name!r}, which does not exist, for "
+                        f"{_examples(keys)}: an index-based loader refuses the checkpoint",
+                        "restore the missing file, or rebuild the index from the files present",
+                        location,
+                    )
+                )
+            elif name in scan.headers:
+                stale = [key for key in keys if key not in scan.headers[name].tensors]
+                findings += _per_key_or_file(
+                    "CKPT-INDEX-KEY-STALE",
+                    stale,
+                    name,
+                    f"weight_map maps {{keys}} to {name}, which holds no such "
+                    "tensor: an index-based loader cannot find it",
+                    "rebuild weight_map from the safetensors headers",
+                )
+        for name, header in scan.headers.items():
+            findings += _per_key_or_file(
+                "CKPT-INDEX-KEY-UNMAPPED",
+                [key for key in header.tensors if key not in weight_map],
+                name,
+                f"{{keys}} in {name} is missing from weight_map: loaders that glob *.safetensors read "
+                "it, index-based loaders silently ignore it (a scale missing there runs at 1.0)",
+                f"add every key of {name} to weight_map with the bare file name {name!r}",
+            )
         findings += _total_size_findings(scan, scan.index)
         # transformers loads a top-level model.safetensors and never reads the index beside it
         shadowed = sorted(
@@ -84,64 +136,6 @@ def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
                 )
             )
     return scan, findings
-
-
-def _index_findings(scan: CheckpointFiles, weight_map: dict[str, Any]) -> list[Finding]:
-    findings: list[Finding] = []
-    location = f"{INDEX_FILENAME}:weight_map"
-    by_file: dict[str, list[str]] = {}
-    for key, name in weight_map.items():
-        by_file.setdefault(name if isinstance(name, str) else short_repr(name), []).append(key)
-    for (
-        name,
-        keys,
-    ) in by_file.items():  # a bare name: no directory, drive (":" on Windows) or leading "."
-        if (
-            not name.endswith(".safetensors")
-            or name.startswith(".")
-            or any(c in name for c in "/\\:")
-        ):
-            findings.append(
-                Finding(
-                    "CKPT-INDEX-FILE-NAME",
-                    ERROR,
-                    f"weight_map names {name!r} for {_examples(keys)}: an index-based "
-                    "loader accepts only bare top-level *.safetensors file names and refuses the checkpoint",
-                    "move the file next to config.json and map its keys to its bare file name",
-                    location,
-                )
-            )
-        elif not os.path.isfile(scan.root / name):  # False for a name too long, or with a NUL byte
-            findings.append(
-                Finding(
-                    "CKPT-INDEX-FILE-MISSING",
-                    ERROR,
-                    f"weight_map names {name!r}, which does not exist, for "
-                    f"{_examples(keys)}: an index-based loader refuses the checkpoint",
-                    "restore the missing file, or rebuild the index from the files present",
-                    location,
-                )
-            )
-        elif name in scan.headers:
-            stale = [key for key in keys if key not in scan.headers[name].tensors]
-            findings += _per_key_or_file(
-                "CKPT-INDEX-KEY-STALE",
-                stale,
-                name,
-                f"weight_map maps {{keys}} to {name}, which holds no such "
-                "tensor: an index-based loader cannot find it",
-                "rebuild weight_map from the safetensors headers",
-            )
-    for name, header in scan.headers.items():
-        findings += _per_key_or_file(
-            "CKPT-INDEX-KEY-UNMAPPED",
-            [key for key in header.tensors if key not in weight_map],
-            name,
-            f"{{keys}} in {name} is missing from weight_map: loaders that glob *.safetensors read "
-            "it, index-based loaders silently ignore it (a scale missing there runs at 1.0)",
-            f"add every key of {name} to weight_map with the bare file name {name!r}",
-        )
-    return findings
 
 
 def _per_key_or_file(

@@ -32,9 +32,8 @@ def per_head_findings(
     """A per-head scale for GPU vLLM: one value per head, each finite and > 0; (findings, its values)."""
     info = header.tensors[key]
     numel, what = math.prod(info.shape), "KV heads" if kind in ("k", "v") else "attention heads"
-    if (
-        expected is not None and numel != expected and not (numel == 1 and kind != "q")
-    ):  # [1]: vLLM broadcasts
+    # [1]: vLLM broadcasts
+    if expected is not None and numel != expected and not (numel == 1 and kind != "q"):
         return [
             Finding(
                 "SCALE-HEADS" if kind != "q" else "SCALE-Q-SHAPE",
@@ -113,7 +112,7 @@ def query_findings(
                 keys[min(keys)],
             )
         ]
-    findings: list[Finding] = []
+    findings = []
     n_layers = num_hidden_layers(config)
     if declared_attention_groups(config) and n_layers is not None:
         missing = [i for i in range(n_layers) if i not in keys]

@@ -44,7 +44,7 @@ def validate_checkpoint(
     verdict = neuron_quantization_verdict(config.get("quantization_config"), neuron_config)
     # the Llama model is built only once the platform has accepted the config
     first = verdict if verdict is not None else llama_gate(config)
-    findings: list[Finding] = [] if first is None else [first]
+    findings = [] if first is None else [first]
     scan, integrity = scan_for_validation(root)
     scales, check = scale_findings(config, scan, target)
     findings += scales + integrity

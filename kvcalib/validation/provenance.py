@@ -101,7 +101,7 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
     """RANGE-*: the FP8 max the scales were sized for, from kvcalib's provenance, against the target."""
     if not check.present:
         return []
-    findings: list[Finding] = []
+    findings = []
     sources, target_max = _provenance_sources(scan, check.files, findings), TARGETS[target].fp8_max
     if not sources:
         return findings + [
@@ -142,9 +142,8 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
         f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else ""
     )
     larger = fp8_max > target_max * (1 + 1e-6)
-    clipped = (
-        [] if larger else _clipped_unscored(provenance, where, target)
-    )  # larger: an error already
+    # larger: an error already
+    clipped = [] if larger else _clipped_unscored(provenance, where, target)
     if larger or (
         fp8_max < target_max * (1 - 1e-6) and not clipped
     ):  # "safe" unless a clip was never scored
@@ -170,7 +169,7 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
         return findings + [
             _malformed_provenance(where, f"layers is {type(layers).__name__}, not a list")
         ]
-    disagree: list[str] = []
+    disagree = []
     for layer, kind, record in _records(provenance):
         key = neuron_scale_key(layer, kind, check.prefix) if type(layer) is int else None
         actual, recorded = check.values.get(key), finite_number(record.get("scale"))

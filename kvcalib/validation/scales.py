@@ -51,7 +51,7 @@ def scale_findings(
     config: dict[str, Any], scan: CheckpointFiles, target: str
 ) -> tuple[list[Finding], ScaleCheck]:
     """SCALE-*: every layer's k_scale and v_scale, under the exact name Neuron reads."""
-    findings: list[Finding] = []
+    findings = []
     scheme = declared_kv_cache_scheme(config)
     scheme_declared = scheme is not None
     # the other loader's prefix where the keys are under it and none is a K/V scale under the usual one
@@ -66,8 +66,8 @@ def scale_findings(
         heads=head_counts(config),
         per_head=isinstance(scheme, dict) and scheme.get("strategy") == ATTN_HEAD,
     )
-    own: dict[tuple[int, str], str] = {}
-    foreign: dict[tuple[int, str], list[str]] = {}
+    own = {}
+    foreign = {}
     for key in sorted(scan.key_files):
         parsed, other = parse_scale_key(key), parse_foreign_scale_key(key)
         if parsed and parsed[2] == "q" or not (parsed or other):
@@ -97,7 +97,7 @@ def scale_findings(
             )
         ], check
     n_layers = num_hidden_layers(config)
-    layers: list[int] | range = range(n_layers or 0)
+    layers = range(n_layers or 0)
     if n_layers is None:
         layers = sorted({layer for layer, _ in [*own, *foreign]})
         n_layers = layers[-1] + 1

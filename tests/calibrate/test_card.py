@@ -16,7 +16,7 @@ from kvcalib.calibration.card import (
     BEGIN,
     CHECKPOINT_PLACEHOLDER,
     END,
-    SERVE_DEFAULTS,
+    SERVE_PORT,
     TAGS,
     write_card,
 )
@@ -25,6 +25,7 @@ from kvcalib.calibration.pipeline import calibrate
 from kvcalib.cli import app
 from kvcalib.core.schema import SCALES_FILENAME
 from kvcalib.serving.launch import server_argv
+from kvcalib.serving.options import ServeOptions
 
 SMALL = {"num_samples": 4, "max_seq_len": 32}
 USER_CARD = "---\nlicense: apache-2.0\ntags: [tiny]\n---\n# Tiny Llama\n\nThe user's own words.\n"
@@ -159,14 +160,10 @@ def test_serve_commands_are_the_ones_serve_check_runs(calibrate_tiny):
     expected = [
         shlex.join(
             server_argv(
-                Path("python"),
+                ServeOptions(device, vllm_python=Path("python")),
                 Path(CHECKPOINT_PLACEHOLDER),
-                SERVE_DEFAULTS["port"],
-                fp8=True,
-                device=device,
-                tp=SERVE_DEFAULTS["tp"],
-                max_model_len=SERVE_DEFAULTS["max_model_len"],
-                max_num_seqs=SERVE_DEFAULTS["max_num_seqs"],
+                SERVE_PORT,
+                True,
             )
         )
         for device in ("trn2", "cuda")

@@ -623,19 +623,12 @@ def test_the_fake_refuses_what_the_real_server_refuses(
     ckpt, tmp_path, platform, drop, add, message, known
 ):
     from kvcalib.serving.launch import server_argv
+    from kvcalib.serving.options import ServeOptions
     from kvcalib.serving.server import diagnose
 
     python = fake_python(tmp_path / "fake", neuron=(platform == "neuron"))
-    argv = server_argv(
-        python,
-        ckpt,
-        1,
-        fp8=True,
-        device="trn2" if platform == "neuron" else "cpu",
-        tp=1,
-        max_model_len=2048,
-        max_num_seqs=4,
-    )
+    device = "trn2" if platform == "neuron" else "cpu"
+    argv = server_argv(ServeOptions(device, vllm_python=python), ckpt, 1, True)
     argv = [a for a in argv if a != drop] + add
     if "--kv-cache-dtype" in add:
         i = argv.index("--kv-cache-dtype")

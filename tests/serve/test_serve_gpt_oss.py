@@ -19,6 +19,7 @@ from serve_helpers import FAKE_BIN, assert_nothing_left, fake_python, serve
 from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import calibrate
 from kvcalib.serving.launch import server_argv
+from kvcalib.serving.options import ServeOptions
 from kvcalib.serving.server import free_port
 
 LAYERS = 3
@@ -54,14 +55,10 @@ def start(
 ) -> tuple[int | None, str]:
     """Start the fake server on a Neuron host of `chip` until it serves or exits: (exit code or None, its output)."""
     argv = server_argv(
-        python,
+        ServeOptions(chip, max_model_len=256, vllm_python=python),
         model,
         free_port(),
-        fp8=kv == "fp8",
-        device=chip,
-        tp=1,
-        max_model_len=256,
-        max_num_seqs=4,
+        kv == "fp8",
         neuron_quantization=(neuron_config or {}).get("quantization"),
     )
     env = {**os.environ, "FAKE_NEURON_LS": chip, "FAKE_VLLM_HEALTH_DELAY": "0"}
