@@ -197,8 +197,16 @@ def scan_checkpoint(ckpt_dir: Path, *, tolerant: bool = False) -> CheckpointFile
         try:
             if name != INDEX_FILENAME:
                 headers[name] = read_safetensors_header(ckpt_dir / name)
-            elif (ckpt_dir / name).exists():
-                index = _read_index(ckpt_dir / name)
+            elif (ckpt_dir / name).exists():  # an object whose weight_map is an object
+                found = read_json(ckpt_dir / name, "safetensors index")
+                if not isinstance(found, dict) or not isinstance(found.get("weight_map"), dict):
+                    what = "its weight_map" if isinstance(found, dict) else "the index"
+                    raise CheckpointReadError(
+                        f"{name}: {what} is not a JSON object: an index-based loader cannot use it",
+                        hint="restore the index from the original checkpoint, or delete it if all "
+                        "weights are in one file",
+                    )
+                index = found
         except KvcalibError as exc:
             if not tolerant:
                 raise
@@ -207,19 +215,6 @@ def scan_checkpoint(ckpt_dir: Path, *, tolerant: bool = False) -> CheckpointFile
         for key in header.tensors:
             key_files[key] = (*key_files.get(key, ()), name)
     return CheckpointFiles(ckpt_dir, files, headers, index, key_files, tuple(problems))
-
-
-def _read_index(path: Path) -> dict[str, Any]:
-    """The safetensors index: an object whose weight_map is an object."""
-    index = read_json(path, "safetensors index")
-    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-        what = "its weight_map" if isinstance(index, dict) else "the index"
-        raise CheckpointReadError(
-            f"{path.name}: {what} is not a JSON object: an index-based loader cannot use it",
-            hint="restore the index from the original checkpoint, or delete it if all "
-            "weights are in one file",
-        )
-    return index
 
 
 def read_values(header: SafetensorsHeader, key: str, count: int | None = None) -> list[float]:

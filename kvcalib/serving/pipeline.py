@@ -149,10 +149,6 @@ class ServeCheckResult:
     tasks: tuple[ServedTaskRow, ...] = ()
     intervals: DeltaIntervals = DeltaIntervals()
 
-    def served_delta(self, run: ServerRun) -> float | None:
-        base = self.runs.get("baseline")
-        return base and run.nll - base.nll
-
     @property
     def kv_capacity(self) -> dict[str, KvCapacity]:
         return {
@@ -161,13 +157,13 @@ class ServeCheckResult:
 
     def variants(self) -> list[dict[str, Any]]:
         """The table: each server's NLL and agreement, served and predicted ΔNLL."""
-        p = self.prediction
+        p, base = self.prediction, self.runs.get("baseline")
         return [
             {
                 "name": label,
                 "nll": run.nll,
                 "agreement": run.agreement,
-                "served_delta_nll": self.served_delta(run),
+                "served_delta_nll": base and run.nll - base.nll,
                 "predicted_delta_nll": p and (getattr(p, attr) if attr else 0.0),
             }
             for name, run in self.runs.items()
@@ -190,7 +186,7 @@ class ServeCheckResult:
         "thresholds": lambda _: {"agreement": AGREEMENT_THRESHOLD, "nll_tolerance": NLL_TOLERANCE},
         "unit": lambda r: (u := r.runs.get("unit")) and {"nll": u.nll, "agreement": u.agreement},
         "delta_nll": lambda r: {
-            "served": r.served_delta(r.runs["fp8"]),
+            "served": (b := r.runs.get("baseline")) and r.runs["fp8"].nll - b.nll,
             "predicted": r.prediction and r.prediction.delta_nll,
             "intervals": r.intervals,
         },

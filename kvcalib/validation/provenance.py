@@ -324,36 +324,28 @@ def outlier_findings(
 AS_SERVED = "as served"  # how the provenance's rule starts when rows were tokenised as vLLM does
 
 
-def served_special_tokens(scan: CheckpointFiles) -> list[str]:
-    """The special tokens tokenizer.json's post-processor puts around a plain prompt ([] if none or unknown)."""
-    path = scan.root / "tokenizer.json"
-    if not path.is_file():
-        return []
-    try:
-        post = read_json(path, "tokenizer").get("post_processor")
-    except (KvcalibError, AttributeError):
-        return []
-    sequence = isinstance(post, dict) and post.get("type") == "Sequence"
-    processors = post.get("processors") if sequence else [post]
-    found = []
-    for processor in processors if isinstance(processors, list) else []:
-        if isinstance(processor, dict) and processor.get("type") == "TemplateProcessing":
-            for piece in processor.get("single") or []:
-                special = piece.get("SpecialToken") if isinstance(piece, dict) else None
-                if isinstance(special, dict) and isinstance(special.get("id"), str):
-                    found.append(special["id"])
-    return found
-
-
 def token_findings(scan: CheckpointFiles, provenance: dict[str, Any] | None) -> list[Finding]:
     """CALIB-TOKENS-NOT-AS-SERVED, from the provenance's `special_tokens`: scales measured without the special tokens
     (BOS) of the `single` template of tokenizer.json's TemplateProcessing, which vLLM's completions endpoint adds."""
     if provenance is None:
         return []
     rule = provenance.get("special_tokens")
-    if isinstance(rule, str) and (rule.startswith(AS_SERVED) or rule.startswith("every row")):
+    if isinstance(rule, str) and rule.startswith((AS_SERVED, "every row")):
         return []
-    added = served_special_tokens(scan)
+    # the special tokens tokenizer.json's post-processor puts around a plain prompt (none if unknown)
+    path, added = scan.root / "tokenizer.json", []
+    try:
+        post = read_json(path, "tokenizer").get("post_processor") if path.is_file() else None
+    except (KvcalibError, AttributeError):
+        post = None
+    sequence = isinstance(post, dict) and post.get("type") == "Sequence"
+    processors = post.get("processors") if sequence else [post]
+    for processor in processors if isinstance(processors, list) else []:
+        if isinstance(processor, dict) and processor.get("type") == "TemplateProcessing":
+            for piece in processor.get("single") or []:
+                special = piece.get("SpecialToken") if isinstance(piece, dict) else None
+                if isinstance(special, dict) and isinstance(special.get("id"), str):
+                    added.append(special["id"])
     if not added:
         return []
     how = (
