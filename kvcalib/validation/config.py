@@ -320,7 +320,29 @@ def portability_findings(
             )
         scheme = qc.get("kv_cache_scheme")
         if scheme is not None:
-            findings += observer_findings(scheme)
+            # KV-OBSERVER: an observer that is not a whole-set maximum (or none named)
+            observer = (
+                scheme.get("observer")
+                if isinstance(scheme, dict) and scheme.get("dynamic") is False
+                else "static_minmax"
+            )
+            # a partial observer or none (static_minmax keeps the whole set's maximum; an unknown one: no finding)
+            if observer is None or isinstance(observer, str) and observer in PARTIAL_OBSERVERS:
+                what = (
+                    _NO_OBSERVER
+                    if observer is None
+                    else f"records observer {observer!r}: {PARTIAL_OBSERVERS[observer]}"
+                )
+                findings.append(
+                    Finding(
+                        "KV-OBSERVER",
+                        WARNING,
+                        f"kv_cache_scheme {what}; K/V beyond those scales saturate in FP8",
+                        "recalibrate with observer: static_minmax in the recipe's kv_cache_scheme (as kvcalib's "
+                        "recipes/kv-fp8-trn2.yaml), or with `kvcalib calibrate`, which takes the whole set's absmax",
+                        f"{QCFG_LOCATION}.kv_cache_scheme.observer",
+                    )
+                )
             if not _plain_fp8_scheme(
                 scheme
             ):  # else nothing more: exactly what compressed-tensors' parse gives
@@ -393,32 +415,6 @@ _NO_OBSERVER = (
     + "; compressed-tensors versions that fill the field in (QuantizationArgs.validate_model_after) "
     "write memoryless_minmax, " + _LAST_BATCH
 )
-
-
-def observer_findings(scheme: Any) -> list[Finding]:
-    """KV-OBSERVER: a kv_cache_scheme whose observer is not a whole-set maximum (or names none)."""
-    if not isinstance(scheme, dict) or scheme.get("dynamic") is not False:
-        return []
-    observer = scheme.get("observer")
-    if observer is not None and (
-        not isinstance(observer, str) or observer not in PARTIAL_OBSERVERS
-    ):
-        return []  # static_minmax (the whole set's maximum), or an observer kvcalib does not know
-    what = (
-        _NO_OBSERVER
-        if observer is None
-        else f"records observer {observer!r}: {PARTIAL_OBSERVERS[observer]}"
-    )
-    return [
-        Finding(
-            "KV-OBSERVER",
-            WARNING,
-            f"kv_cache_scheme {what}; K/V beyond those scales saturate in FP8",
-            "recalibrate with observer: static_minmax in the recipe's kv_cache_scheme (as kvcalib's "
-            "recipes/kv-fp8-trn2.yaml), or with `kvcalib calibrate`, which takes the whole set's absmax",
-            f"{QCFG_LOCATION}.kv_cache_scheme.observer",
-        )
-    ]
 
 
 def _parsed_kv_scheme_findings(scheme: Any, target: str) -> list[Finding]:
