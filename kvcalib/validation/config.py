@@ -47,8 +47,9 @@ def json_type(value: Any) -> str:
         int: "a number",
         float: "a number",
         str: "a string",
+        list: "an array",
     }
-    return names.get(type(value), "an array" if isinstance(value, list) else "an object")
+    return names.get(type(value), "an object")
 
 
 def _malformed(message: str, location: str, hint: str) -> Finding:

@@ -58,39 +58,6 @@ def finite_number(value: Any) -> float | None:
         return None
 
 
-def _clipped_unscored(provenance: dict, where: str, target: str) -> list[Finding]:
-    """RANGE-CLIPPED-UNSCORED: clipped layers (range below absmax) when `target` is not among the numerics scored on
-    (`scored_on`, core.fp8.served_numerics; a record without it was scored on its target alone)."""
-    scored = provenance.get("scored_on")
-    scored_on = scored if isinstance(scored, list) else [provenance.get("target")]
-    if target in scored_on:
-        return []
-    clipped = []
-    for layer, kind, record in _records(provenance):
-        clip, absmax = finite_number(record.get("range")), finite_number(record.get("absmax"))
-        if clip is not None and absmax is not None and 0 <= clip < absmax * (1 - 1e-6):
-            clipped.append(
-                f"layer {short_repr(layer)} {kind.upper()} at {clip / absmax:.2f} x absmax"
-            )
-    if not clipped:
-        return []
-    scored_text = ", ".join(
-        name[:24] if isinstance(name, str) else short_repr(name, 24) for name in scored_on[:4]
-    ) + (", ..." if len(scored_on) > 4 else "")
-    return [
-        Finding(
-            "RANGE-CLIPPED-UNSCORED",
-            WARNING,
-            f"the scale objective clipped {len(clipped)} scale(s) ({'; '.join(clipped[:3])}) scoring them on "
-            f"{scored_text} only, not on {target}: where {target} saturates elsewhere, a clip chosen to saturate "
-            "near-constant channels can put them on FP8 rounding boundaries instead",
-            f"recalibrate with kvcalib calibrate --target {target}, or with a kvcalib that scores every server "
-            "(its provenance lists them in scored_on)",
-            where,
-        )
-    ]
-
-
 def read_provenance(scan: CheckpointFiles) -> dict[str, Any] | None:
     """kvcalib_calibration.json as an object; None when absent or unreadable (range_findings reports a bad one)."""
     sources = _provenance_sources(scan, (), [])
@@ -142,8 +109,17 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
         f" (calibrated for {calibrated_for[:24]})" if isinstance(calibrated_for, str) else ""
     )
     larger = fp8_max > target_max * (1 + 1e-6)
-    # larger: an error already
-    clipped = [] if larger else _clipped_unscored(provenance, where, target)
+    # clipped layers (range below absmax) when `target` is not among the numerics scored on (`scored_on`,
+    # core.fp8.served_numerics; a record without it was scored on its target alone); larger: an error already
+    scored = provenance.get("scored_on")
+    scored_on = scored if isinstance(scored, list) else [provenance.get("target")]
+    clipped = []
+    for layer, kind, record in [] if larger or target in scored_on else _records(provenance):
+        clip, absmax = finite_number(record.get("range")), finite_number(record.get("absmax"))
+        if clip is not None and absmax is not None and 0 <= clip < absmax * (1 - 1e-6):
+            clipped.append(
+                f"layer {short_repr(layer)} {kind.upper()} at {clip / absmax:.2f} x absmax"
+            )
     if larger or (
         fp8_max < target_max * (1 - 1e-6) and not clipped
     ):  # "safe" unless a clip was never scored
@@ -163,7 +139,22 @@ def range_findings(scan: CheckpointFiles, check: ScaleCheck, target: str) -> lis
                 where,
             )
         )
-    findings += clipped
+    if clipped:  # RANGE-CLIPPED-UNSCORED
+        scored_text = ", ".join(
+            name[:24] if isinstance(name, str) else short_repr(name, 24) for name in scored_on[:4]
+        ) + (", ..." if len(scored_on) > 4 else "")
+        findings.append(
+            Finding(
+                "RANGE-CLIPPED-UNSCORED",
+                WARNING,
+                f"the scale objective clipped {len(clipped)} scale(s) ({'; '.join(clipped[:3])}) scoring them on "
+                f"{scored_text} only, not on {target}: where {target} saturates elsewhere, a clip chosen to saturate "
+                "near-constant channels can put them on FP8 rounding boundaries instead",
+                f"recalibrate with kvcalib calibrate --target {target}, or with a kvcalib that scores every server "
+                "(its provenance lists them in scored_on)",
+                where,
+            )
+        )
     layers = provenance.get("layers")
     if layers is not None and not isinstance(layers, list):
         return findings + [
