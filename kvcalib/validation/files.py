@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from kvcalib.core.checkpoint import CheckpointFiles, scan_checkpoint
 from kvcalib.core.schema import INDEX_FILENAME, SINGLE_WEIGHTS_FILENAME, is_kv_scale_key
@@ -116,7 +115,35 @@ def scan_for_validation(root: Path) -> tuple[CheckpointFiles, list[Finding]]:
                 "it, index-based loaders silently ignore it (a scale missing there runs at 1.0)",
                 f"add every key of {name} to weight_map with the bare file name {name!r}",
             )
-        findings += _total_size_findings(scan, scan.index)
+        # CKPT-TOTAL-SIZE: metadata.total_size against the bytes of the tensors in weight_map (an unreadable or
+        # missing file: reported above, no size to compare)
+        metadata = scan.index.get("metadata")
+        total_size = metadata.get("total_size") if isinstance(metadata, dict) else None
+        location = f"{INDEX_FILENAME}:metadata.total_size"
+        headers = [scan.headers.get(n) if isinstance(n, str) else None for n in weight_map.values()]
+        actual = None
+        if None not in headers:
+            actual = sum(h.tensors[k].nbytes for k, h in zip(weight_map, headers) if k in h.tensors)
+        if total_size is not None and (type(total_size) is not int):
+            findings.append(
+                Finding(
+                    "CKPT-TOTAL-SIZE",
+                    WARNING,
+                    f"metadata.total_size is {short_repr(total_size)}, not an integer",
+                    "set it to the sum of the byte sizes of the tensors in weight_map",
+                    location,
+                )
+            )
+        elif total_size is not None and actual not in (None, total_size):
+            findings.append(
+                Finding(
+                    "CKPT-TOTAL-SIZE",
+                    WARNING,
+                    f"metadata.total_size is {total_size}, but the tensors in weight_map hold {actual} bytes",
+                    f"set metadata.total_size to {actual}",
+                    location,
+                )
+            )
         # transformers loads a top-level model.safetensors and never reads the index beside it
         shadowed = sorted(
             k for k, files in scan.key_files.items() if SINGLE_WEIGHTS_FILENAME not in files
@@ -155,40 +182,3 @@ def _per_key_or_file(
             Finding(rule, WARNING, message.replace("{keys}", _examples(other)), hint, name)
         )
     return findings
-
-
-def _total_size_findings(scan: CheckpointFiles, index: dict[str, Any]) -> list[Finding]:
-    metadata = index.get("metadata")
-    total_size = metadata.get("total_size") if isinstance(metadata, dict) else None
-    if total_size is None:
-        return []
-    location = f"{INDEX_FILENAME}:metadata.total_size"
-    if not isinstance(total_size, int) or isinstance(total_size, bool):
-        return [
-            Finding(
-                "CKPT-TOTAL-SIZE",
-                WARNING,
-                f"metadata.total_size is {short_repr(total_size)}, not an integer",
-                "set it to the sum of the byte sizes of the tensors in weight_map",
-                location,
-            )
-        ]
-    actual = 0
-    for key, name in index["weight_map"].items():
-        header = scan.headers.get(name) if isinstance(name, str) else None
-        if header is None:
-            return []  # an unreadable or missing file: reported above, no size to compare
-        if key in header.tensors:
-            actual += header.tensors[key].nbytes
-    if actual == total_size:
-        return []
-    return [
-        Finding(
-            "CKPT-TOTAL-SIZE",
-            WARNING,
-            f"metadata.total_size is {total_size}, but the tensors in weight_map "
-            f"hold {actual} bytes",
-            f"set metadata.total_size to {actual}",
-            location,
-        )
-    ]
