@@ -167,67 +167,58 @@ def neuron_quantization_verdict(
             f"{QCFG_LOCATION}.config_groups",
             'write "config_groups": {} for a KV-only checkpoint',
         )
-    return next(
-        (
-            v
-            for v in (_group_verdict(name, group) for name, group in groups.items())
-            if v is not None
-        ),
-        None,
-    )
-
-
-def _group_verdict(name: str, group: Any) -> Finding | None:
-    """One config group, as the platform checks it: weights, output activations, then input activations on
-    targets none of which contains "Attention" (in that order)."""
-    location = f"{QCFG_LOCATION}.config_groups['{name}']"
-    if not isinstance(group, dict):
-        return _malformed(
-            f"config_groups['{name}'] is {json_type(group)}, not an object: the Neuron "
-            "platform crashes reading it (group.get)",
-            location,
-            "each config group must be an object; remove this one for a KV-only checkpoint",
-        )
-    if group.get("weights"):
-        return _rejected("NEURON-QCFG-WEIGHTS", "Weight quantization", name)
-    if group.get("output_activations"):
-        return _rejected("NEURON-QCFG-OUTPUT-ACT", "Output activation quantization", name)
-    if not group.get("input_activations"):
-        return None
-    targets = group.get("targets", [])
-    try:  # the platform's own test, run as it runs: its crash is a finding too
-        if any("Attention" in t for t in targets):
-            return None
-    # targets not iterable, or a target `in` cannot test (substring, element or key membership)
-    except TypeError:
-        if not isinstance(targets, list):
+    # each config group, as the platform checks it: weights, output activations, then input activations on
+    # targets none of which contains "Attention" (in that order); the first refused is the verdict
+    for name, group in groups.items():
+        location = f"{QCFG_LOCATION}.config_groups['{name}']"
+        if not isinstance(group, dict):
             return _malformed(
-                f"config_groups['{name}'].targets is {json_type(targets)} while input_activations "
-                "is set: the Neuron platform crashes iterating it (TypeError)",
-                f"{location}.targets",
-                'write targets as a list of module names, e.g. ["LlamaAttention"]',
+                f"config_groups['{name}'] is {json_type(group)}, not an object: the Neuron "
+                "platform crashes reading it (group.get)",
+                location,
+                "each config group must be an object; remove this one for a KV-only checkpoint",
             )
-        i = next(i for i, t in enumerate(targets) if not isinstance(t, (str, list, dict)))
-        return _malformed(
-            f"config_groups['{name}'].targets[{i}] is {json_type(targets[i])}, not a string: the Neuron "
-            "platform crashes testing it for 'Attention' (TypeError)",
-            f"{location}.targets[{i}]",
-            "every target must be a string (a module class name or a re: pattern)",
+        if group.get("weights"):
+            return _rejected("NEURON-QCFG-WEIGHTS", "Weight quantization", name)
+        if group.get("output_activations"):
+            return _rejected("NEURON-QCFG-OUTPUT-ACT", "Output activation quantization", name)
+        if not group.get("input_activations"):
+            continue
+        targets = group.get("targets", [])
+        try:  # the platform's own test, run as it runs: its crash is a finding too
+            if any("Attention" in t for t in targets):
+                continue
+        # targets not iterable, or a target `in` cannot test (substring, element or key membership)
+        except TypeError:
+            if not isinstance(targets, list):
+                return _malformed(
+                    f"config_groups['{name}'].targets is {json_type(targets)} while input_activations "
+                    "is set: the Neuron platform crashes iterating it (TypeError)",
+                    f"{location}.targets",
+                    'write targets as a list of module names, e.g. ["LlamaAttention"]',
+                )
+            i = next(i for i, t in enumerate(targets) if not isinstance(t, (str, list, dict)))
+            return _malformed(
+                f"config_groups['{name}'].targets[{i}] is {json_type(targets[i])}, not a string: the Neuron "
+                "platform crashes testing it for 'Attention' (TypeError)",
+                f"{location}.targets[{i}]",
+                "every target must be a string (a module class name or a re: pattern)",
+            )
+        hint = (
+            _KV_ONLY_HINT
+            if not isinstance(targets, str)
+            else (
+                f"targets is a string, which the platform reads character by character "
+                f'and never matches; write a list such as ["LlamaAttention"]. {_KV_ONLY_HINT}'
+            )
         )
-    hint = (
-        _KV_ONLY_HINT
-        if not isinstance(targets, str)
-        else (
-            f"targets is a string, which the platform reads character by character "
-            f'and never matches; write a list such as ["LlamaAttention"]. {_KV_ONLY_HINT}'
+        return _rejected(
+            "NEURON-QCFG-INPUT-ACT",
+            "Input activation quantization on non-attention targets",
+            name,
+            hint,
         )
-    )
-    return _rejected(
-        "NEURON-QCFG-INPUT-ACT",
-        "Input activation quantization on non-attention targets",
-        name,
-        hint,
-    )
+    return None
 
 
 def _architectures(config: dict[str, Any]) -> list[str]:
