@@ -144,22 +144,6 @@ def _chosen(choice: ScaleChoice | None) -> str:
     return choice.label.replace("absmax x", "x") if choice else ""
 
 
-def _print_objective(console: Console, result: CalibrationResult) -> None:
-    """The clipped or widened scales."""
-    clipped = [
-        f"layer {layer.layer} {kind.upper()} {s.choice.label}"
-        for layer in result.layers
-        for kind, s in layer.kinds().items()
-        if s.choice and s.choice.label != "absmax"
-    ]
-    console.print(
-        f"scale objective: {result.scale_objective}; not absmax / {result.fp8_max:g}: "
-        + (", ".join(clipped) if clipped else "none (no clip halves any layer's attention error)"),
-        soft_wrap=True,
-        markup=False,
-    )
-
-
 def render_calibration(console: Console, result: CalibrationResult, notes: list[str]) -> None:
     """The scales table and what calibrate says of them; `notes`: the kvcalib logger's records."""
     per_head = any(layer.k.head_scales is not None for layer in result.layers)
@@ -196,8 +180,6 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
         ),
     )
     console.print(table)
-    if searched:
-        _print_objective(console, result)
     for note in notes:
         console.print(f"[yellow]warning:[/] {note}", soft_wrap=True)
     if result.validation is not None:
@@ -352,10 +334,11 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
     _line(console, f"scored in the {order}")
     methods = []
     for run in result.runs:
-        for interval, what, fmt in zip(
-            run.intervals, ("ΔNLL (nats)", "next-token top-1 accuracy"), ("{:+.4f}", "{:+.2%}")
+        for interval, what, fmt in (
+            (run.delta_nll_interval, "ΔNLL (nats)", "{:+.4f}"),
+            (run.delta_accuracy_interval, "next-token top-1 accuracy", "{:+.2%}"),
         ):
-            if interval is not None:
+            if interval:
                 _line(console, f"{run.name}: {what}: {interval.verdict(fmt)}")
                 methods.append(interval.method)
     if methods:
@@ -445,7 +428,7 @@ def render_needle(console: Console, result: NeedleResult) -> None:
                 f"{row.rate:.0%} [{row.rate_interval[0]:.0%}, {row.rate_interval[1]:.0%}]",
                 *(f"{f}/{n}" for _, f, n in row.by_depth),
                 _spread(row.interval, "+.1%"),
-                escape(row.verdict(cell=True)),
+                escape(row.verdict()),
             )
             for row in result.rows
         ),

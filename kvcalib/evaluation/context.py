@@ -38,7 +38,6 @@ __all__ = [
     "pack",
     "parse_lengths",
     "prepare_long_context",
-    "scored_positions",
 ]
 
 BLOCK = 64  # scored positions per bootstrap unit
@@ -109,12 +108,12 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     try:
         lengths = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
+        lengths = ()
+    if not lengths:
         raise UsageError(
             f"--lengths {text!r}: not a comma-separated list of token counts",
             hint="e.g. --lengths 2048,8192",
-        ) from None
-    if not lengths:
-        raise UsageError("--lengths names no length", hint="e.g. --lengths 2048,8192")
+        )
     return lengths
 
 
@@ -126,21 +125,16 @@ def pack(stream: list[int], prefix: list[int], length: int, count: int) -> list[
     ]
 
 
-def scored_positions(length: int) -> int:
-    """How many of a sample's last positions are scored: its last quarter."""
-    return length // 4
-
-
 def forward_bytes(config: dict[str, Any], length: int, weight_bytes: int) -> int:
     """A generous estimate of one batch-1 forward's peak memory at `length` tokens: weights and float32 copies,
-    float32 activations, one 256-query block's attention scores, the last quarter's logits and log-probs."""
+    float32 activations, one 256-query block's attention scores, the last quarter's (scored) logits and log-probs."""
     text = text_config(config)
     hidden = int(text.get("hidden_size") or 0)
     inter = int(text.get("intermediate_size") or 4 * hidden)
     heads, vocab = int(text.get("num_attention_heads") or 1), int(text.get("vocab_size") or 0)
     activations = length * (8 * hidden + 3 * inter) * 4
     scores = 3 * heads * 256 * length * 4
-    logits = 3 * (scored_positions(length) + 1) * vocab * 4
+    logits = 3 * (length // 4 + 1) * vocab * 4
     return 3 * weight_bytes + activations + scores + logits
 
 
@@ -201,7 +195,7 @@ def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
 
 def _last_quarter_nll(ids: torch.Tensor, hook: Any, **forward: Any) -> torch.Tensor:
     """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in eval's scoring."""
-    q = scored_positions(ids.shape[1])
+    q = ids.shape[1] // 4
     logp = log_probs(input_ids=ids, mask=None, hook=hook, keep=q + 1, **forward)
     return -logp[0].gather(-1, ids[0, -q:, None])[:, 0]
 

@@ -32,7 +32,7 @@ from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.model import resolve_target
 
-__all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load", "quantizer_for"]
+__all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load"]
 
 BASELINE = "none"  # scales=none: no quantisation
 
@@ -54,15 +54,6 @@ def load(checkpoint: str | Path, options: ModelOptions, cpu: HostCpu | None = No
     return LoadedModel(
         job.run.checkpoint, job.model(), job.tokenizer(), job.compute, Float32Weights()
     )
-
-
-def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuantizer | None:
-    """The quantiser of `scales` (see the module docstring) on `target_name`'s numerics; None for the baseline."""
-    target = resolve_target(target_name)
-    if scales == BASELINE:
-        return None
-    chosen = scale_set(scales, loaded.checkpoint, target, what=f"scales={scales}")
-    return KVQuantizer(chosen.k, chosen.v, target)
 
 
 @register_model("kvcalib")
@@ -88,9 +79,13 @@ class KvcalibLM(HFLM):
                 ModelOptions(dtype, device, bool(trust_remote_code), bf16_compute),
             )
         )
-        # lm-eval's model_args parser turns "none" into None
-        self.scales = BASELINE if scales is None or str(scales).lower() == BASELINE else str(scales)
-        self.quantizer = quantizer_for(loaded, self.scales, target)
+        self.quantizer = (
+            None  # the baseline, scales=none (lm-eval's model_args parser turns "none" into None)
+        )
+        if scales is not None and str(scales).lower() != BASELINE:
+            chip = resolve_target(target)
+            chosen = scale_set(str(scales), loaded.checkpoint, chip, what=f"scales={scales}")
+            self.quantizer = KVQuantizer(chosen.k, chosen.v, chip)
         super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, **kwargs)
 
     def _cache(self) -> ObservedCache:

@@ -89,16 +89,10 @@ class RunResult:
     accuracy: float = (
         0.0  # next-token top-1 accuracy (top1 is the agreement with the unquantised run's top-1)
     )
-    intervals: tuple[Interval | None, Interval | None] = (
-        None,
-        None,
-    )  # paired: ΔNLL, Δ accuracy (None: < 2 rows)
+    delta_nll_interval: Interval | None = None  # paired over rows (None: < 2 rows)
+    delta_accuracy_interval: Interval | None = None
     # every scored token's NLL, row after row (float64; not in its JSON): serve-check pairs them with the server's
     token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def delta_nll_interval(self) -> Interval | None:
-        return self.intervals[0]
 
     @property
     def k_clipped(self) -> float:
@@ -108,12 +102,7 @@ class RunResult:
     def v_clipped(self) -> float:
         return sum(s.v.clipped for s in self.layers) / len(self.layers)
 
-    JSON = {
-        "intervals": None,
-        "token_nll": None,
-        "delta_nll_interval": "delta_nll_interval",
-        "delta_accuracy_interval": lambda run: run.intervals[1],
-    }
+    JSON = {"token_nll": None}
 
 
 @dataclass(frozen=True)
@@ -251,13 +240,13 @@ def evaluate(
             layers=_chosen(meter.layer_stats(name, alone.get(name)), job.run.checkpoint.root, name),
             kind=_kind(job.quantizers[name]),
             accuracy=sum(t.row_correct) / t.count,
-            intervals=(  # paired over rows: ΔNLL per token, the change in next-token accuracy
-                paired_bootstrap([q - b for q, b in zip(t.row_nll, baseline.row_nll)], tokens),
-                paired_bootstrap(
-                    [q - b for q, b in zip(t.row_correct, baseline.row_correct)],
-                    tokens,
-                    worse_if_higher=False,
-                ),
+            delta_nll_interval=paired_bootstrap(
+                [q - b for q, b in zip(t.row_nll, baseline.row_nll)], tokens
+            ),
+            delta_accuracy_interval=paired_bootstrap(
+                [q - b for q, b in zip(t.row_correct, baseline.row_correct)],
+                tokens,
+                worse_if_higher=False,
             ),
             token_nll=t.tokens(),
         )
@@ -374,13 +363,10 @@ def _score(
     for input_ids, mask in batches(sequences, batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
         scored, targets = scored_tokens(mask, fresh), input_ids[:, 1:]
-        if meter is not None:
+        if meter:  # evaluate's meter has a sampler
             meter.token_mask = mask.bool()
-            meter.sampler.start_batch(input_ids, mask)  # evaluate's meter always has one
+            meter.sampler.start_batch(input_ids, mask)
         base_logp = forward(input_ids, mask, meter or OneLayer(None, None))
-        if meter is not None:
-            meter.token_mask = None
-            meter.sampler.end_batch()
         base = (base_logp, baseline.add(base_logp, targets, scored))
         for key, hook in hooks.items():
             logp = forward(input_ids, mask, FreshPrefill(hook, mask) if fresh else hook)

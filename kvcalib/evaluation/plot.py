@@ -94,17 +94,19 @@ def plot_eval(result: Any, path: Path) -> Path:
     fig, axes = plt.subplots(3, len(kinds), figsize=(6 * len(kinds), 11), squeeze=False)
     for col, kind in enumerate(kinds):
         upper = kind.upper()
-        panels = (
-            ("clip_at", f"{upper}: absmax vs where each run saturates"),
-            ("sqnr_db", f"{upper} SQNR (dB)"),
-            ("clipped", f"{upper} fraction clipped"),
-        )
-        for row, (attr, title) in enumerate(panels):
+        panels = {
+            "clip_at": ": absmax vs where each run saturates",
+            "sqnr_db": " SQNR (dB)",
+            "clipped": " fraction clipped",
+        }
+        for row, (attr, title) in enumerate(panels.items()):
             ax = axes[row][col]
             for run in runs:
                 stats = [getattr(s, kind) for s in run.layers]
                 if stats[0] is not None and getattr(stats[0], attr) is not None:
-                    points = [_finite(getattr(x, attr)) for x in stats]
+                    points = [
+                        v if math.isfinite(v := getattr(x, attr)) else math.nan for x in stats
+                    ]
                     ax.plot(
                         layers, points, "--" if row == 0 else "o-", ms=3, label=_label(run.name)
                     )
@@ -112,7 +114,7 @@ def plot_eval(result: Any, path: Path) -> Path:
                 absmax = [getattr(s, kind).absmax for s in runs[0].layers]
                 ax.plot(layers, absmax, "k-", lw=2, label=f"{upper} absmax")
                 ax.set_yscale("log")
-            ax.set_title(title if ax.lines else f"{upper}: not measured", fontsize=9)
+            ax.set_title(upper + (title if ax.lines else ": not measured"), fontsize=9)
             ax.set_xlabel("layer")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if ax.lines:
@@ -137,7 +139,6 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
         fig.savefig(partial, dpi=90)
         os.replace(partial, path)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
         raise UsageError(
             f"--plot: cannot write {path}: {exc.strerror or exc}",
             hint="pick a path in a directory you can write to, on a filesystem with room",
@@ -146,10 +147,6 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
         plt.close(fig)
         partial.unlink(missing_ok=True)
     return path
-
-
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else float("nan")
 
 
 def _label(name: str) -> str:

@@ -132,11 +132,10 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
     from lm_eval.tasks import TaskManager
 
     index_log = logging.getLogger("lm_eval.tasks._index")
-    level = index_log.level
-    if (
-        quiet
-    ):  # --task-data's YAML overrides lm-eval's on purpose: no warning line per task for that
-        index_log.setLevel(logging.ERROR)
+    level = (
+        index_log.level
+    )  # quiet: --task-data's YAML overrides lm-eval's on purpose, no warning per task for that
+    index_log.setLevel(logging.ERROR if quiet else level)
     try:
         return TaskManager(include_path=list(folders) or None)
     finally:
@@ -145,13 +144,13 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
 
 def check_data(manager: Any, options: TaskOptions) -> None:
     """Every task's data read before any model loads: one that cannot be read (offline, no copy) is refused."""
+    offline = any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
     for task in options.tasks:
         entry = getattr(manager, "task_index", {}).get(task)
         hub = (getattr(entry, "cfg", None) or {}).get("dataset_path")
-        offline = any(
-            os.environ.get(v, "").lower() in ("1", "true", "yes")
-            for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-        )
         local = not isinstance(hub, str) or hub in LOCAL_BUILDERS or Path(hub).exists()
         if not local and not offline and not _hub_reachable():
             raise UsageError(
@@ -271,6 +270,9 @@ def paired_rows(task: str, outputs: dict[str, LmEvalOutput]) -> list[TaskRow]:
     for spec in config.get("metric_list", []):
         metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
         higher_is_better = bool(spec.get("higher_is_better", True))
+        reason = (
+            "" if aggregation == "mean" else f"aggregated by {aggregation}, not a mean over items"
+        )
         values = {
             name: _values(out["samples"].get(task, []), metric) for name, out in outputs.items()
         }
@@ -296,11 +298,6 @@ def paired_rows(task: str, outputs: dict[str, LmEvalOutput]) -> list[TaskRow]:
                 for name in scores
                 if name != BASELINE_NAME
             }
-            reason = (
-                ""
-                if aggregation == "mean"
-                else f"aggregated by {aggregation}, not a mean over items"
-            )
             baseline = scores.pop(BASELINE_NAME)
             rows.append(
                 TaskRow(
