@@ -156,22 +156,9 @@ def calibrate(
             serving = api.plan_serve_check(model, options, **serve)
     with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
         result = api.run_calibration(model, dataset, output, options, machine, on_progress)
-    _report_calibration(console, result, notes, serving, machine, as_json)
-
-
-def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
-    render(console, result, *args)
-    if as_json:
-        _print_json(result)
-
-
-def _report_calibration(
-    console: Console, result: Any, notes: list[str], serving: Any, machine: Any, as_json: bool
-) -> None:
-    """The table; with --serve-check, serve-check's run on the published checkpoint and its exit code."""
     if serving is None:
         return _show(render_calibration, console, result, as_json, notes)
-    render_calibration(console, result, notes)
+    render_calibration(console, result, notes)  # then serve-check's run on the published checkpoint
     with (
         _errors(interrupted="every vLLM server serve-check started was stopped"),
         serve_status(console) as on_event,
@@ -182,6 +169,12 @@ def _report_calibration(
     if as_json:
         _print_json({"calibration": result, "serve_check": served})
     raise typer.Exit(0 if served.ok else 1)
+
+
+def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
+    render(console, result, *args)
+    if as_json:
+        _print_json(result)
 
 
 @app.command()
@@ -374,10 +367,8 @@ def eval_tasks(
     """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against an unquantised KV cache."""
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "evaluating tasks", "eval") as on_progress:
-        options = TaskOptions(
-            **values, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip())
-        )
-        result = api.evaluate_tasks(checkpoint, options=options, progress=on_progress)
+        options = TaskOptions(**values)
+        result = api.evaluate_tasks(checkpoint, tasks, options=options, progress=on_progress)
     _show(render_tasks, console, result, as_json)
 
 

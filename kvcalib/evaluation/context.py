@@ -187,12 +187,6 @@ def packed_stream(
     return list(stream), list(leading_special_tokens(tokenizer))
 
 
-def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
-    """Σ NLL and the token count of each BLOCK of the scored positions."""
-    blocks = nll.double().split(BLOCK)
-    return [float(b.sum()) for b in blocks], [b.numel() for b in blocks]
-
-
 def _last_quarter_nll(ids: torch.Tensor, hook: Any, **forward: Any) -> torch.Tensor:
     """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in eval's scoring."""
     q = ids.shape[1] // 4
@@ -201,41 +195,37 @@ def _last_quarter_nll(ids: torch.Tensor, hook: Any, **forward: Any) -> torch.Ten
 
 
 def run_length(
-    samples: list[list[int]],
-    quantizers: dict[str, Any],
-    device: torch.device,
-    forward: Any,
-    notify: ProgressCallback,
-    length: int,
-    nll: bool = True,
+    samples: list[list[int]], job: Prepared, forward: Any, notify: ProgressCallback, nll: bool
 ) -> tuple[ContextRow, ...]:
     """Every sample of one length: the baseline with the meter riding along, then (with `nll`) each scale set."""
-    meter = KVErrorMeter(quantizers, device)
-    base: list[float] = []  # per 64-token block of the scored positions, Σ NLL
-    tokens: list[int] = []
-    runs: dict[str, list[float]] = {name: [] for name in quantizers}
-    for n, sample in enumerate(samples):
-        notify(Progress(f"context {length}", n, len(samples), n * length, len(samples) * length))
-        ids = torch.tensor([sample], device=device)
-        sums, counts = _block_sums(forward(ids, meter))
-        base += sums
-        tokens += counts
-        for name, quantizer in quantizers.items() if nll else ():
-            runs[name] += _block_sums(forward(ids, quantizer))[0]
-    total = sum(tokens)
-    return tuple(
-        ContextRow(
-            length=length,
-            name=name,
-            samples=len(samples),
-            tokens=total,
-            baseline_nll=sum(base) / total,
-            delta_nll=(sum(run) - sum(base)) / total if nll else None,
-            interval=paired_bootstrap([r - b for r, b in zip(run, base)], tokens) if nll else None,
-            layers=tuple(meter.layer_stats(name)),
+    length, n = len(samples[0]), len(samples)
+    meter = KVErrorMeter(job.quantizers, job.run.device)
+    hooks = {None: meter, **(job.quantizers if nll else {})}
+    blocks: dict[Any, list[torch.Tensor]] = {
+        name: [] for name in hooks
+    }  # of BLOCK scored positions
+    for i, sample in enumerate(samples):
+        notify(Progress(f"context {length}", i, n, i * length, n * length))
+        ids = torch.tensor([sample], device=job.run.device)
+        for name, hook in hooks.items():
+            blocks[name] += forward(ids, hook).double().split(BLOCK)
+    base, tokens = [float(b.sum()) for b in blocks[None]], [b.numel() for b in blocks[None]]
+    rows = []
+    for name in job.quantizers:
+        deltas = [float(r.sum()) - b for r, b in zip(blocks.get(name, ()), base)]
+        rows.append(
+            ContextRow(
+                length,
+                name,
+                n,
+                sum(tokens),
+                sum(base) / sum(tokens),
+                sum(deltas) / sum(tokens) if nll else None,
+                paired_bootstrap(deltas, tokens),  # None without nll: no deltas
+                tuple(meter.layer_stats(name)),
+            )
         )
-        for name, run in runs.items()
-    )
+    return tuple(rows)
 
 
 def prepare_long_context(
@@ -276,14 +266,11 @@ def evaluate_context(
                 f"(--lengths {length})",
                 hint="pass a longer held-out text, or shorter lengths",
             )
-    model = job.model(notify)
     forward = functools.partial(
-        _last_quarter_nll, model=model, compute=job.compute, weights=Float32Weights()
+        _last_quarter_nll, model=job.model(notify), compute=job.compute, weights=Float32Weights()
     )
     rows = tuple(
-        row
-        for length, samples in packed.items()
-        for row in run_length(samples, job.quantizers, job.run.device, forward, notify, length, nll)
+        row for samples in packed.values() for row in run_length(samples, job, forward, notify, nll)
     )
     return ContextResult(
         str(checkpoint),

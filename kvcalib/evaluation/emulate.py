@@ -263,8 +263,10 @@ class KVErrorMeter:
                 [signal, noise, clipped.double(), signal.new_tensor(xf.numel())]
             )
 
-    def layer_stats(self, name: str, alone: list[Any] | None = None) -> list[LayerQuantStats]:
-        """Per layer, configuration `name`'s figures; `alone`: each layer's ΔNLL quantised alone, if measured."""
+    def layer_stats(
+        self, name: str, alone: list[tuple[float, float]] | None = None
+    ) -> list[LayerQuantStats]:
+        """Per layer, configuration `name`'s figures; `alone`: each layer's (ΔNLL, KL) quantised alone, if measured."""
         c = list(self.configs).index(name)
         quantizer = self.configs[name]
         sums, absmax = self._sums[c].cpu(), self._absmax.cpu()
@@ -280,7 +282,6 @@ class KVErrorMeter:
                 )
                 for j, (x, scales) in enumerate(((k, quantizer.k_scales), (v, quantizer.v_scales)))
             )
-            one = None if alone is None else alone[i]
             stats.append(
                 LayerQuantStats(
                     i,
@@ -294,8 +295,7 @@ class KVErrorMeter:
                         quantizer.v_scales[i],
                         quantizer.target,
                     ),
-                    one and one.delta_nll,
-                    one and one.kl,
+                    *(alone[i] if alone else (None, None)),
                 )
             )
         return stats

@@ -33,7 +33,7 @@ from kvcalib.evaluation.emulate import (
     LayerQuantStats,
     is_per_head,
 )
-from kvcalib.evaluation.layers import LayerAlone, OneLayer
+from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.scales import ScaleSet, read_scale_set
 from kvcalib.evaluation.scoring import log_probs, row_sums, scored_tokens, token_kl
@@ -383,9 +383,9 @@ def _layers_alone(
     rows: list[list[int]],
     quantizers: dict[str, KVQuantizer],
     notify: ProgressCallback,
-) -> dict[str, list[LayerAlone | None]]:
-    """name -> per layer, ΔNLL and KL with only that layer's K/V quantised (evaluation.layers), on `rows`; an FP8
-    attention run: None per layer; no rows: {}."""
+) -> dict[str, list[tuple[float, float]]]:
+    """name -> per layer, (ΔNLL, KL) with only that layer's K/V quantised (evaluation.layers), on `rows`; no FP8
+    attention run; no rows: {}."""
     if not rows:
         return {}
     layers = range(quantizers[CHECKPOINT].num_layers)
@@ -398,13 +398,9 @@ def _layers_alone(
     base, totals = score(rows, hooks, notify, stage="layers-alone")
     n = max(base.count, 1)
     return {
-        name: [
-            LayerAlone((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n)
-            if (name, i) in totals
-            else None
-            for i in layers
-        ]
-        for name in quantizers
+        name: [((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n) for i in layers]
+        for name, q in quantizers.items()
+        if not q.fp8_attention
     }
 
 
