@@ -386,7 +386,7 @@ def render_context(console: Console, result: ContextResult) -> None:
                 str(row.samples),
                 f"{row.baseline_nll:.4f}",
                 _num(row.delta_nll, "+.4f")
-                + (f" [{row.interval.low:+.4f}, {row.interval.high:+.4f}]" if row.interval else ""),
+                + (f" [{i.low:+.4f}, {i.high:+.4f}]" if (i := row.delta_nll_interval) else ""),
                 f"{row.k_clipped:.3%}",
                 f"{row.v_clipped:.3%}",
                 *(f"{ratio:.2f} (L{layer})" for ratio, layer in map(row.beyond, ("k", "v"))),
@@ -427,7 +427,7 @@ def render_needle(console: Console, result: NeedleResult) -> None:
                 f"{row.found}/{row.trials}",
                 f"{row.rate:.0%} [{row.rate_interval[0]:.0%}, {row.rate_interval[1]:.0%}]",
                 *(f"{f}/{n}" for _, f, n in row.by_depth),
-                _spread(row.interval, "+.1%"),
+                _spread(row.difference, "+.1%"),
                 escape(row.verdict()),
             )
             for row in result.rows
@@ -483,7 +483,7 @@ def render_tasks(console: Console, result: TaskResult) -> None:
         "minus the baseline's on the same item",
         style="dim",
     )
-    _line(console, f"compute: {result.compute}; lm-eval {result.lm_eval_version}")
+    _line(console, f"compute: {result.compute}; lm-eval {result.lm_eval}")
 
 
 def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:

@@ -57,7 +57,7 @@ class ContextRow:
     tokens: int  # predictions scored (last quarter of every sample)
     baseline_nll: float
     delta_nll: float | None  # None: saturation only (no forward with the scale set)
-    interval: Interval | None
+    delta_nll_interval: Interval | None
     layers: tuple[LayerQuantStats, ...]
 
     @property
@@ -78,8 +78,6 @@ class ContextRow:
         return max(ratios, default=(0.0, -1))
 
     JSON = {
-        "interval": None,
-        "delta_nll_interval": "interval",
         "k_clipped_max": "k_clipped",
         "v_clipped_max": "v_clipped",
         "k_beyond": lambda row: row.beyond("k")[0],

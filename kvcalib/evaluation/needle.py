@@ -86,7 +86,7 @@ class NeedleRow:
     trials: int
     by_depth: tuple[tuple[float, int, int], ...]  # (depth, found, trials)
     rate_interval: tuple[float, float]  # Wilson 95%
-    interval: (
+    difference: (
         Interval | None
     )  # paired bootstrap of (this run found - unquantised found) over trials; None: baseline
 
@@ -97,14 +97,12 @@ class NeedleRow:
     def verdict(self) -> str:
         """The difference's verdict (Interval.verdict, for a table), or the baseline's own rate."""
         return (
-            self.interval.verdict("{:+.1%}", True)
-            if self.interval
+            self.difference.verdict("{:+.1%}", True)
+            if self.difference
             else "the unquantised cache's own rate"
         )
 
     JSON = {
-        "interval": None,
-        "difference": "interval",
         "rate": "rate",
         "by_depth": lambda row: [{"depth": d, "found": f, "trials": n} for d, f, n in row.by_depth],
     }

@@ -313,9 +313,9 @@ class Prepared:
     def model(self, notify: ProgressCallback = no_progress) -> torch.nn.Module:
         """The one way every eval job loads the model: in its dtype and device, attention as it serves."""
         notify(Progress("load-model"))
-        ckpt = self.run.checkpoint
-        attention = faithful_attention(ckpt.config)
-        return load_model(ckpt, self.run.dtype, self.run.device, self.trust_remote_code, attention)
+        run = self.run
+        attention = faithful_attention(run.checkpoint.config)
+        return load_model(run.checkpoint, run.dtype, run.device, self.trust_remote_code, attention)
 
 
 def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> Prepared:

@@ -55,7 +55,7 @@ def _pyplot() -> Any:
 
 def plot_needle(result: Any, path: Path) -> Path:
     """Write the needle heatmaps (a NeedleResult), one per scale set: keys found by depth x length, atomically."""
-    plt, path = _pyplot(), check_plot_path(path)
+    plt = _pyplot()  # the path: check_plot_path, before the work
     names = list(dict.fromkeys(row.name for row in result.rows))
     lengths = list(dict.fromkeys(row.length for row in result.rows))
     fig, axes = plt.subplots(
@@ -86,7 +86,7 @@ def plot_eval(result: Any, path: Path) -> Path:
     """Write a PNG for an `EvalResult` to `path` (atomically) and return the path: per layer and kind (K, V; Q with
     FP8 attention) the absmax against where each run saturates, the SQNR and the fraction clipped; each run's ΔNLL,
     KL and top-1 agreement in the title."""
-    plt, path = _pyplot(), check_plot_path(path)
+    plt = _pyplot()  # the path: check_plot_path, before the work
     from matplotlib.ticker import MaxNLocator
 
     runs, layers = result.runs, [s.layer for s in result.runs[0].layers]

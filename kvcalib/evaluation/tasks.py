@@ -85,9 +85,7 @@ class TaskResult:
     num_fewshot: int | None
     compute: str = ""
     seconds: float = 0.0
-    lm_eval_version: str = ""
-
-    JSON = {"lm_eval_version": None, "lm_eval": "lm_eval_version"}
+    lm_eval: str = ""  # its version
 
 
 def require_lm_eval() -> Any:
@@ -240,7 +238,7 @@ def evaluate_tasks(
         num_fewshot=options.num_fewshot,
         compute=loaded.compute.describe(),
         seconds=time.perf_counter() - started,
-        lm_eval_version=getattr(lm_eval, "__version__", ""),
+        lm_eval=getattr(lm_eval, "__version__", ""),
     )
 
 

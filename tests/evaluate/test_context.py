@@ -109,7 +109,7 @@ def test_the_last_quarter_and_saturation_are_what_a_hand_computation_gives(
                 )
                 assert layer.k.clipped == pytest.approx(float(clipped), abs=1e-6)
                 assert layer.k.absmax == pytest.approx(float(k.abs().max()), rel=1e-6)
-            assert row.interval is not None and row.interval.items == 3 * -(-q // BLOCK)
+            assert row.delta_nll_interval and row.delta_nll_interval.items == 3 * -(-q // BLOCK)
         assert rows[str(small)].k_clipped > max(0.01, 5 * rows["checkpoint"].k_clipped)
         assert rows[str(small)].beyond("k")[0] > 2 * rows["checkpoint"].beyond("k")[0]
         assert rows[str(small)].delta_nll > rows["checkpoint"].delta_nll

@@ -185,11 +185,11 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, t
         ]
         assert row.rate_interval == wilson(row.found, row.trials)
         if row.name == BASELINE:
-            assert row.interval is None
+            assert row.difference is None
         else:
             base = [t.found(BASELINE) for t in trials]
-            assert row.interval.estimate == pytest.approx((sum(hits) - sum(base)) / 10)
-            assert row.interval.items == 10
+            assert row.difference.estimate == pytest.approx((sum(hits) - sum(base)) / 10)
+            assert row.difference.items == 10
     out = json.loads(json.dumps(to_json(result)))
     assert out["trials"][0]["answers"].keys() == {BASELINE, "checkpoint", str(small)}
     pytest.importorskip("matplotlib")
@@ -260,8 +260,10 @@ def test_smollm2_finds_the_key_with_calibrated_scales_and_loses_it_at_div64(
         "\n".join(f"{name}: {row.found}/{row.trials} {row.verdict()}" for name, row in rows.items())
     )
     assert rows[BASELINE].found >= 9
-    assert not rows["checkpoint"].interval.significant
-    assert rows[str(broken)].interval.high < -0.5 and rows[str(broken)].interval.outcome == "worse"
+    assert not rows["checkpoint"].difference.significant
+    assert (
+        rows[str(broken)].difference.high < -0.5 and rows[str(broken)].difference.outcome == "worse"
+    )
     assert (
         rows[str(broken)].verdict().startswith("worse by ")
         and rows[BASELINE].verdict() == "the unquantised cache's own rate"

@@ -57,7 +57,6 @@ def test_noise_around_zero_is_indistinguishable_and_the_interval_is_deterministi
     first, again = paired_bootstrap(differences), paired_bootstrap(differences)
     assert first == again  # a fixed seed: the same inputs, the same interval
     assert first.low < 0 < first.high and not first.significant
-    assert paired_bootstrap(differences, seed=7) != first  # the seed is what fixes it
 
 
 def test_ratio_of_sums_weighs_sequences_by_their_tokens():
