@@ -143,18 +143,13 @@ class EvalResult:
 
 @dataclass
 class _Totals:
-    """Running sums over scored tokens for one configuration, and per sequence (for the paired intervals)."""
+    """One configuration's scored tokens: per row, their NLLs (float64) and how many its top-1 got right; against
+    the baseline, Σ KL(baseline || this) and Σ agreement with its top-1."""
 
-    nll: float = 0.0
-    kl: float = 0.0  # against the baseline: KL(baseline || this), agreement with its top-1
-    agree: float = 0.0
-    count: int = 0
-    row_nll: list[float] = field(default_factory=list)  # per sequence: Σ NLL, correct top-1, tokens
+    token_nll: list[torch.Tensor] = field(default_factory=list)
     row_correct: list[float] = field(default_factory=list)
-    row_tokens: list[int] = field(default_factory=list)
-    token_nll: list[torch.Tensor] = field(
-        default_factory=list
-    )  # per row: its tokens' NLLs (float64)
+    kl: float = 0.0
+    agree: float = 0.0
 
     def add(
         self,
@@ -166,12 +161,7 @@ class _Totals:
         """One batch's next-token log-probabilities [B, S-1, V] against `targets` [B, S-1] (and the baseline's
         log-probabilities and top-1, `base`); returns the top-1."""
         token_nll, top1 = -logp.gather(-1, targets[..., None])[..., 0], logp.argmax(-1)
-        nll = row_sums(token_nll, scored)
-        self.nll += float(nll.sum())
-        self.count += int(scored.sum())
-        self.row_nll += nll.tolist()
         self.row_correct += row_sums(top1 == targets, scored).tolist()
-        self.row_tokens += scored.sum(dim=1).tolist()
         values, masks = token_nll.double().cpu(), scored.cpu()  # one transfer a batch
         self.token_nll += [row[mask] for row, mask in zip(values, masks)]
         if base is not None:
@@ -179,8 +169,17 @@ class _Totals:
             self.agree += (top1 == base[1])[scored].sum().item()
         return top1
 
-    def tokens(self) -> torch.Tensor:
-        return torch.cat(self.token_nll)  # evaluate scores one row at least
+    @property
+    def row_nll(self) -> list[float]:
+        return [float(row.sum()) for row in self.token_nll]
+
+    @property
+    def nll(self) -> float:
+        return sum(self.row_nll)
+
+    @property
+    def count(self) -> int:
+        return sum(len(row) for row in self.token_nll)
 
 
 def evaluate(
@@ -227,31 +226,34 @@ def evaluate(
         _score, forward, batch_size=opts.batch_size, pad=pad, device=job.run.device, fresh=fresh
     )
     baseline, totals = score(data.sequences, job.quantizers, notify, meter=meter)
-    rows, tokens = data.sequences[: opts.layer_rows], baseline.row_tokens
+    rows, tokens = data.sequences[: opts.layer_rows], [len(r) for r in baseline.token_nll]
     alone = _layers_alone(score, rows, job.quantizers, notify)
-    runs = tuple(
-        RunResult(
-            name=name,
-            nll=t.nll / t.count,
-            ppl=math.exp(t.nll / t.count),
-            delta_nll=(t.nll - baseline.nll) / t.count,
-            kl=t.kl / t.count,
-            top1=t.agree / t.count,
-            layers=_chosen(meter.layer_stats(name, alone.get(name)), job.run.checkpoint.root, name),
-            kind=_kind(job.quantizers[name]),
-            accuracy=sum(t.row_correct) / t.count,
-            delta_nll_interval=paired_bootstrap(
-                [q - b for q, b in zip(t.row_nll, baseline.row_nll)], tokens
-            ),
-            delta_accuracy_interval=paired_bootstrap(
-                [q - b for q, b in zip(t.row_correct, baseline.row_correct)],
-                tokens,
-                worse_if_higher=False,
-            ),
-            token_nll=t.tokens(),
+    runs = []
+    for name, t in totals.items():
+        n, quantizer = t.count, job.quantizers[name]
+        stats = _chosen(meter.layer_stats(name, alone.get(name)), job.run.checkpoint.root, name)
+        heads = "per-head" if is_per_head(quantizer.k_scales, quantizer.v_scales) else "per-tensor"
+        runs.append(
+            RunResult(
+                name,
+                t.nll / n,
+                math.exp(t.nll / n),
+                (t.nll - baseline.nll) / n,
+                t.kl / n,
+                t.agree / n,
+                stats,
+                f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}",
+                sum(t.row_correct) / n,
+                # paired over rows: ΔNLL per token, the change in next-token accuracy
+                paired_bootstrap([q - b for q, b in zip(t.row_nll, baseline.row_nll)], tokens),
+                paired_bootstrap(
+                    [q - b for q, b in zip(t.row_correct, baseline.row_correct)],
+                    tokens,
+                    worse_if_higher=False,
+                ),
+                torch.cat(t.token_nll),  # evaluate scores one row at least
+            )
         )
-        for name, t in totals.items()
-    )
     return EvalResult(
         checkpoint=str(checkpoint),
         target=job.target.name,
@@ -261,11 +263,11 @@ def evaluate(
         num_tokens=baseline.count,
         baseline_nll=baseline.nll / baseline.count,
         baseline_accuracy=sum(baseline.row_correct) / baseline.count,
-        runs=runs,
+        runs=tuple(runs),
         seconds=time.perf_counter() - started,
         compute=job.compute.describe(),
         layer_rows=len(rows),
-        baseline_token_nll=baseline.tokens(),
+        baseline_token_nll=torch.cat(baseline.token_nll),
     )
 
 
@@ -438,8 +440,3 @@ def scale_set(
             hint="evaluate per-head scales with --target gpu; calibrate per tensor for Neuron",
         )
     return scales
-
-
-def _kind(quantizer: KVQuantizer) -> str:
-    heads = "per-head" if is_per_head(quantizer.k_scales, quantizer.v_scales) else "per-tensor"
-    return f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}"
