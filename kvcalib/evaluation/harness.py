@@ -105,11 +105,8 @@ class KvcalibLM(HFLM):
         logits, so this scores the same, with the LM head over a few positions (Gemma 3: most of a forward)."""
         if not getattr(self, "_continuation", 0):
             return 0
-        nonzero = (inps != 0).int()
-        last = torch.where(
-            nonzero.any(dim=1), nonzero.shape[1] - 1 - nonzero.flip(1).argmax(dim=1), -1
-        )
-        keep = self._continuation + int((inps.shape[1] - 1 - last).max())
+        padding = (inps != 0).flip(1).cumsum(1).eq(0).sum(1)  # each row's trailing zeros
+        keep = self._continuation + int(padding.max())
         return 0 if keep >= inps.shape[1] else keep
 
     def _model_call(

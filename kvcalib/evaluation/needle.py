@@ -227,7 +227,7 @@ def summarise(trials: list[Trial], names: list[str]) -> tuple[NeedleRow, ...]:
             by_depth = tuple(
                 (
                     d,
-                    sum(h for h, t in zip(hits, mine) if t.depth == d),
+                    sum(t.found(name) for t in mine if t.depth == d),
                     [t.depth for t in mine].count(d),
                 )
                 for d in DEPTHS

@@ -167,25 +167,18 @@ def check_data(manager: Any, options: TaskOptions) -> None:
                 "scripts/prepare_tasks.py DIR` and pass --task-data DIR, or give your own task YAML "
                 "with --include-path",
             ) from None
-        if options.num_fewshot:
-            for name, task_obj in loaded.items():
-                pool = _fewshot_pool(task_obj)
-                if pool < options.num_fewshot:
-                    raise UsageError(
-                        f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw "
-                        "from",
-                        hint=f"pass --num-fewshot {max(pool - 1, 0)} or less",
-                    )
-
-
-def _fewshot_pool(task: Any) -> int:
-    """How many documents lm-eval can draw few-shot examples from (less the evaluated one, from its own split)."""
-    docs = task.fewshot_docs()
-    size = len(docs) if docs is not None else 0
-    same = docs is not None and any(
-        docs is getattr(task, f"{split}_docs")() for split in ("test", "validation")
-    )
-    return max(size - 1, 0) if same else size
+        for name, task_obj in loaded.items() if options.num_fewshot else ():
+            # the documents lm-eval draws few-shot examples from, less the evaluated one if from its own split
+            docs = task_obj.fewshot_docs()
+            same = docs is not None and any(
+                docs is getattr(task_obj, f"{split}_docs")() for split in ("test", "validation")
+            )
+            pool = max(len(docs if docs is not None else ()) - same, 0)
+            if pool < options.num_fewshot:
+                raise UsageError(
+                    f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw from",
+                    hint=f"pass --num-fewshot {max(pool - 1, 0)} or less",
+                )
 
 
 LOCAL_BUILDERS = {"json", "arrow", "csv", "parquet", "text", "pandas"}
