@@ -206,12 +206,28 @@ HeldOut = Annotated[
         rich_help_panel="Data",
     ),
 ]
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """--lengths L1,L2,...: token counts (the library checks each against the model and the memory)."""
+    try:
+        lengths = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths:
+        raise typer.BadParameter(
+            f"{text!r} is not a comma-separated list of token counts (e.g. 2048,8192)"
+        )
+    return lengths
+
+
 Lengths = Annotated[
-    str,
+    str,  # parsed by _lengths
     typer.Option(
         "--lengths",
         help="Prompt lengths in tokens, comma-separated (e.g. 2048,8192).",
         rich_help_panel="Data",
+        callback=_lengths,
     ),
 ]
 # eval-context's and eval-needle's EvalOptions fields (one long prompt at a time: no batch, rows or layer runs)
@@ -264,15 +280,11 @@ def eval_command(
     _show(render_eval, *result, as_json, per_layer)
 
 
-@command(app, "eval-context", (EvalOptions, LONG))
+@command(app, "eval-context", (EvalOptions, (*LONG, "num_samples")))
 def eval_context(
     checkpoint: Checkpoint,
     dataset: HeldOut,
     lengths: Lengths,
-    num_samples: Annotated[
-        int,
-        typer.Option("--num-samples", help="Samples per length at most.", rich_help_panel="Data"),
-    ] = EvalOptions.num_samples,
     saturation_only: Annotated[
         bool,
         typer.Option(
@@ -287,7 +299,6 @@ def eval_context(
     **values: Any,
 ) -> None:
     """Long prompts: per length and layer the K/V saturation past the scales, and ΔNLL on the last quarter."""
-    values.update(num_samples=num_samples)
     result = _evaluate(
         api.evaluate_context,
         checkpoint,
@@ -340,13 +351,10 @@ def _evaluate(
     """eval, eval-context, eval-needle: the options, --plot's path checked before the work, the job (a kvcalib.api
     function), its picture; the console and the result, to render."""
     from kvcalib.evaluation import plot as plots
-    from kvcalib.evaluation.context import parse_lengths
 
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
         options = EvalOptions(**values)
-        if "lengths" in keywords:
-            keywords["lengths"] = parse_lengths(keywords["lengths"])
         if plot is not None:
             plots.check_plot_path(plot, [checkpoint, dataset, *options.compare])
         result = job(checkpoint, dataset, options=options, progress=on_progress, **keywords)

@@ -36,7 +36,6 @@ __all__ = [
     "evaluate_context",
     "forward_bytes",
     "pack",
-    "parse_lengths",
     "prepare_long_context",
 ]
 
@@ -99,20 +98,6 @@ class ContextResult:
     seconds: float = 0.0
 
     JSON = {"block": lambda _: BLOCK}
-
-
-def parse_lengths(text: str) -> tuple[int, ...]:
-    """--lengths L1,L2,...: positive token counts (UsageError otherwise)."""
-    try:
-        lengths = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        lengths = ()
-    if not lengths:
-        raise UsageError(
-            f"--lengths {text!r}: not a comma-separated list of token counts",
-            hint="e.g. --lengths 2048,8192",
-        )
-    return lengths
 
 
 def pack(stream: list[int], prefix: list[int], length: int, count: int) -> list[list[int]]:
