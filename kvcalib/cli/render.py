@@ -121,18 +121,19 @@ def _line(console: Console, text: str, **style: Any) -> None:
 
 
 def _table(
+    console: Console,
     title: str,
     columns: Iterable[str],
     rows: Iterable[Iterable[str]],
     left: Iterable[str] = (),
-) -> Table:
-    """A table titled `title` with `columns` (right-justified but those in `left`; a long cell folds) and `rows`."""
+) -> None:
+    """Print a table titled `title` with `columns` (right-justified but those in `left`; a long cell folds), `rows`."""
     table = Table(title=title)
     for name in columns:
         table.add_column(name, justify="left" if name in left else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
-    return table
+    console.print(table)
 
 
 def _duration(seconds: float) -> str:
@@ -154,7 +155,8 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
         if searched
         else f"absmax / {result.fp8_max:g}"
     )
-    table = _table(
+    _table(
+        console,
         f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
         + (" (each layer's largest head; every head's in --json)" if per_head else ""),
         (
@@ -179,7 +181,6 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
             for layer in result.layers
         ),
     )
-    console.print(table)
     for note in notes:
         console.print(f"[yellow]warning:[/] {note}", soft_wrap=True)
     if result.validation is not None:
@@ -260,7 +261,7 @@ def render_report(console: Console, report: ValidationReport) -> None:
             for f in report.findings
         )
         title = f"validate {report.checkpoint} for {report.target}"
-        console.print(_table(title, columns, rows, columns))
+        _table(console, title, columns, rows, columns)
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     console.print(
         f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
@@ -289,7 +290,8 @@ def _worst(layers: Iterable[Any], name: str, fmt: str) -> str:
 
 
 def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -> None:
-    table = _table(
+    _table(
+        console,
         f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
         f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens",
         (
@@ -325,7 +327,6 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
         ),
         ("scales", "kind"),
     )
-    console.print(table)
     order = (
         "Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)"
         if result.order == fp8.NEURON_ORDER
@@ -365,7 +366,8 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
 
 def render_context(console: Console, result: ContextResult) -> None:
     """eval-context: per length and scale set, ΔNLL on the last quarter, and the worst layer's saturation."""
-    table = _table(
+    _table(
+        console,
         f"FP8 KV on {result.target} at long context: {result.tokens_available:,} tokens of text packed "
         f"(model's max {result.max_positions or '?'}, memory's {result.memory_bound:,})",
         (
@@ -395,7 +397,6 @@ def render_context(console: Console, result: ContextResult) -> None:
         ),
         ("scales",),
     )
-    console.print(table)
     console.print(
         "ΔNLL on the last quarter of each sample's positions; interval: paired bootstrap over 64-token "
         "blocks of them. Clipped: the worst layer's fraction of elements that saturate; absmax/clip: the "
@@ -406,7 +407,8 @@ def render_context(console: Console, result: ContextResult) -> None:
 
 def render_needle(console: Console, result: NeedleResult) -> None:
     """eval-needle: keys found per length and scale set, by depth, and the paired verdict."""
-    table = _table(
+    _table(
+        console,
         escape(
             f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
             f"{result.prefill}; decoding reads the FP8 cache)"
@@ -434,7 +436,6 @@ def render_needle(console: Console, result: NeedleResult) -> None:
         ),
         ("scales", "verdict"),
     )
-    console.print(table)
     _line(
         console,
         "a trial is found when the key's 6 digits are in the greedy answer; difference: paired bootstrap "
@@ -446,7 +447,8 @@ def render_needle(console: Console, result: NeedleResult) -> None:
 
 def render_tasks(console: Console, result: TaskResult) -> None:
     """eval-tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
-    table = _table(
+    _table(
+        console,
         escape(
             f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
             + (f", {result.limit} items per task at most" if result.limit else "")
@@ -477,7 +479,6 @@ def render_tasks(console: Console, result: TaskResult) -> None:
         ),
         ("task", "metric", "scales", "verdict"),
     )
-    console.print(table)
     console.print(
         "intervals: paired bootstrap over the task's items (2000 resamples, seed 0) of the run's score "
         "minus the baseline's on the same item",
@@ -490,7 +491,8 @@ def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
     """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping; the scale the
     checkpoint's objective chose."""
     chosen = any(s.chosen for s in run.layers)
-    table = _table(
+    _table(
+        console,
         escape(
             f"{run.name}: per layer"
             + (
@@ -529,4 +531,3 @@ def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
             for s in run.layers
         ),
     )
-    console.print(table)
