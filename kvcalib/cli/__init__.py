@@ -56,29 +56,27 @@ def _root(
     """FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU."""
 
 
-# The commands' own flags; the rest come from the options dataclasses (kvcalib.cli.flags).
-AsJson = Annotated[
+def _option(kind: Any, *names: str, panel: str, **more: Any) -> Any:
+    """A command's own flag (the rest come from the options dataclasses, kvcalib.cli.flags): `names`, shown in
+    --help's `panel`; `more`, typer.Option's (help, metavar, ...)."""
+    return Annotated[kind, typer.Option(*names, rich_help_panel=panel, **more)]
+
+
+AsJson = _option(bool, "--json", help="Print the result as JSON on stdout.", panel="Output")
+Quiet = _option(
     bool,
-    typer.Option("--json", help="Print the result as JSON on stdout.", rich_help_panel="Output"),
-]
-Quiet = Annotated[
-    bool,
-    typer.Option(
-        "--quiet",
-        "-q",
-        help="Print nothing on stderr but errors: no progress, no table.",
-        rich_help_panel="Output",
-    ),
-]
-Tasks = Annotated[
+    "--quiet",
+    "-q",
+    help="Print nothing on stderr but errors: no progress, no table.",
+    panel="Output",
+)
+Tasks = _option(
     str | None,
-    typer.Option(
-        "--tasks",
-        help="lm-eval tasks, comma-separated (e.g. lambada_openai,arc_easy), each scored on the same items "
-        "with and without FP8 KV, paired (lm-eval: the 'tasks' extra).",
-        rich_help_panel="Data",
-    ),
-]
+    "--tasks",
+    help="lm-eval tasks, comma-separated (e.g. lambada_openai,arc_easy), each scored on the same items "
+    "with and without FP8 KV, paired (lm-eval: the 'tasks' extra).",
+    panel="Data",
+)
 DATA_HELP = "Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, or a hub id."
 
 
@@ -89,42 +87,31 @@ def calibrate(
         str,
         typer.Argument(help="Local Hugging Face checkpoint directory (or a hub id when online)."),
     ],
-    dataset: Annotated[
-        str, typer.Option("--dataset", "-d", help=DATA_HELP, rich_help_panel="Data")
-    ],
-    output: Annotated[
-        Path,
-        typer.Option(
-            "--output", "-o", help="New checkpoint directory to write.", rich_help_panel="Output"
-        ),
-    ],
-    stream_layers: Annotated[
+    dataset: _option(str, "--dataset", "-d", help=DATA_HELP, panel="Data"),
+    output: _option(
+        Path, "--output", "-o", help="New checkpoint directory to write.", panel="Output"
+    ),
+    stream_layers: _option(
         bool,
-        typer.Option(
-            "--stream-layers",
-            help="--engine stream: one decoder layer at a time, for models larger than memory.",
-            rich_help_panel="Engine",
-        ),
-    ] = False,
-    serve_device: Annotated[
+        "--stream-layers",
+        help="--engine stream: one decoder layer at a time, for models larger than memory.",
+        panel="Engine",
+    ) = False,
+    serve_device: _option(
         Literal[DEVICES] | None,
-        typer.Option(
-            "--serve-check",
-            metavar="|".join(DEVICES),
-            help="Then serve the new checkpoint with FP8 KV and probe it, as serve-check does (with its "
-            "serving flags), on this device; the device and vLLM are checked before calibrating.",
-            rich_help_panel="Serving",
-        ),
-    ] = None,
-    plan: Annotated[
+        "--serve-check",
+        metavar="|".join(DEVICES),
+        help="Then serve the new checkpoint with FP8 KV and probe it, as serve-check does (with its "
+        "serving flags), on this device; the device and vLLM are checked before calibrating.",
+        panel="Serving",
+    ) = None,
+    plan: _option(
         bool,
-        typer.Option(
-            "--plan",
-            help="Print what the run would do and take (engine, memory, disk, an estimated time from a short "
-            "timed probe, anything that would stop it), write nothing, exit 0.",
-            rich_help_panel="Output",
-        ),
-    ] = False,
+        "--plan",
+        help="Print what the run would do and take (engine, memory, disk, an estimated time from a short "
+        "timed probe, anything that would stop it), write nothing, exit 0.",
+        panel="Output",
+    ) = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     **values: Any,
@@ -197,15 +184,9 @@ def validate(
 Checkpoint = Annotated[
     str, typer.Argument(help="Calibrated checkpoint directory (its weights and scales).")
 ]
-HeldOut = Annotated[
-    str,
-    typer.Option(
-        "--dataset",
-        "-d",
-        help="Held-out text, in any form calibrate accepts.",
-        rich_help_panel="Data",
-    ),
-]
+HeldOut = _option(
+    str, "--dataset", "-d", help="Held-out text, in any form calibrate accepts.", panel="Data"
+)
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -251,22 +232,18 @@ def _moved(flag: str, to: str, kind: type = bool) -> Any:
 def eval_command(
     checkpoint: Checkpoint,
     dataset: HeldOut,
-    plot: Annotated[
+    plot: _option(
         Path | None,
-        typer.Option(
-            "--plot",
-            help="Write a PNG of per-layer absmax, SQNR and clipping.",
-            rich_help_panel="Output",
-        ),
-    ] = None,
-    per_layer: Annotated[
+        "--plot",
+        help="Write a PNG of per-layer absmax, SQNR and clipping.",
+        panel="Output",
+    ) = None,
+    per_layer: _option(
         bool,
-        typer.Option(
-            "--per-layer",
-            help="Print every layer's attention error, ΔNLL alone, SQNR and clipping.",
-            rich_help_panel="Output",
-        ),
-    ] = False,
+        "--per-layer",
+        help="Print every layer's attention error, ΔNLL alone, SQNR and clipping.",
+        panel="Output",
+    ) = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     tasks: _moved("--tasks", "eval-tasks", str | None) = None,
@@ -285,15 +262,13 @@ def eval_context(
     checkpoint: Checkpoint,
     dataset: HeldOut,
     lengths: Lengths,
-    saturation_only: Annotated[
+    saturation_only: _option(
         bool,
-        typer.Option(
-            "--saturation-only",
-            help="Only the unquantised forward per sample (saturation and absmax against each scale set), "
-            "no ΔNLL.",
-            rich_help_panel="Data",
-        ),
-    ] = False,
+        "--saturation-only",
+        help="Only the unquantised forward per sample (saturation and absmax against each scale set), "
+        "no ΔNLL.",
+        panel="Data",
+    ) = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     **values: Any,
@@ -316,18 +291,12 @@ def eval_needle(
     checkpoint: Checkpoint,
     dataset: HeldOut,
     lengths: Lengths,
-    keys: Annotated[
-        int | None,
-        typer.Option(
-            "--keys", help="Keys per length and depth (default 4).", rich_help_panel="Data"
-        ),
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot", help="Write a PNG heatmap of the keys found.", rich_help_panel="Output"
-        ),
-    ] = None,
+    keys: _option(
+        int | None, "--keys", help="Keys per length and depth (default 4).", panel="Data"
+    ) = None,
+    plot: _option(
+        Path | None, "--plot", help="Write a PNG heatmap of the keys found.", panel="Output"
+    ) = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     **values: Any,
@@ -384,14 +353,12 @@ def eval_tasks(
 @command(app, "serve-check", ServeOptions, (TaskOptions, ("limit", "task_data")))
 def serve_check(
     checkpoint: Annotated[Path, typer.Argument(help="Calibrated checkpoint directory to serve.")],
-    prompts: Annotated[
+    prompts: _option(
         Path | None,
-        typer.Option(
-            "--prompts",
-            help="Prompts: one per line, or .jsonl with 'prompt'.",
-            rich_help_panel="Serving",
-        ),
-    ] = None,
+        "--prompts",
+        help="Prompts: one per line, or .jsonl with 'prompt'.",
+        panel="Serving",
+    ) = None,
     tasks: Tasks = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
