@@ -129,7 +129,7 @@ def calibrate(
         machine = Machine.read(options)
     console = _stderr(quiet)
     if plan:
-        with _errors(), progress_bar(console, "probing", "plan") as on_progress:
+        with _errors(), progress_bar(console, "plan") as on_progress:
             result = api.plan(model, dataset, output, options=options, progress=on_progress)
         return _show(render_plan, console, result, as_json)
     if machine.ranks is not None and not machine.ranks.is_writer:  # rank 0 reports
@@ -322,7 +322,7 @@ def _evaluate(
     from kvcalib.evaluation import plot as plots
 
     console = _stderr(quiet)
-    with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
+    with _errors(), progress_bar(console, "eval") as on_progress:
         options = EvalOptions(**values)
         if plot is not None:
             plots.check_plot_path(plot, [checkpoint, dataset, *options.compare])
@@ -343,7 +343,7 @@ def eval_tasks(
 ) -> None:
     """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against an unquantised KV cache."""
     console = _stderr(quiet)
-    with _errors(), progress_bar(console, "evaluating tasks", "eval") as on_progress:
+    with _errors(), progress_bar(console, "eval") as on_progress:
         options = TaskOptions(**values)
         result = api.evaluate_tasks(checkpoint, tasks, options=options, progress=on_progress)
     _show(render_tasks, console, result, as_json)

@@ -42,10 +42,10 @@ __all__ = [
 
 @contextmanager
 def progress_bar(
-    console: Console, label: str = "calibrating", name: str = "calibrate"
+    console: Console, name: str = "calibrate"
 ) -> Iterator[Callable[[RunProgress], None]]:
-    """A progress callback: on a terminal a rich bar (`label` and how far), elsewhere (a log, a pipe, CI) plain
-    lines, `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 0:09:12`: a stage's first, and the observing's
+    """A progress callback: on a terminal a rich bar, elsewhere (a log, a pipe, CI) plain lines, each how far
+    `name` is: `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 0:09:12`: a stage's first, and the observing's
     at its start and end and at most every PLAIN_INTERVAL_S between."""
     bar = (
         Progress(
@@ -92,7 +92,7 @@ def progress_bar(
         )
         if bar:
             bar.update(
-                task, description=label + text, total=p.tokens_total, completed=p.tokens_done
+                task, description=name + ":" + text, total=p.tokens_total, completed=p.tokens_done
             )
         else:
             _line(console, name + ":" + text)
