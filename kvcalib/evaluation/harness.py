@@ -48,9 +48,9 @@ class LoadedModel:
     weights: Float32Weights  # float32 copies of the weights, kept across forwards (when compute is emulated)
 
 
-def load(checkpoint: str | Path, options: ModelOptions, cpu: HostCpu | None = None) -> LoadedModel:
+def load(checkpoint: str | Path, options: ModelOptions) -> LoadedModel:
     """The model as `kvcalib eval` loads it (faithful attention, the compute path for this CPU)."""
-    job = Prepared.open(checkpoint, options, cpu or HostCpu.detect(with_capability=False))
+    job = Prepared.open(checkpoint, options, HostCpu.detect(with_capability=False))
     return LoadedModel(
         job.run.checkpoint, job.model(), job.tokenizer(), job.compute, Float32Weights()
     )

@@ -222,16 +222,16 @@ def evaluate_tasks(
         outputs[name] = run_lm_eval(model, options, manager)
     rows = tuple(row for task in options.tasks for row in paired_rows(task, outputs))
     return TaskResult(
-        checkpoint=str(checkpoint),
-        target=options.target,
-        tasks=options.tasks,
-        rows=rows,
-        runs=tuple(runs),
-        limit=options.limit,
-        num_fewshot=options.num_fewshot,
-        compute=loaded.compute.describe(),
-        seconds=time.perf_counter() - started,
-        lm_eval=getattr(lm_eval, "__version__", ""),
+        str(checkpoint),
+        options.target,
+        options.tasks,
+        rows,
+        tuple(runs),
+        options.limit,
+        options.num_fewshot,
+        loaded.compute.describe(),
+        time.perf_counter() - started,
+        getattr(lm_eval, "__version__", ""),
     )
 
 
