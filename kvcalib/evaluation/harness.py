@@ -79,9 +79,8 @@ class KvcalibLM(HFLM):
                 ModelOptions(dtype, device, bool(trust_remote_code), bf16_compute),
             )
         )
-        self.quantizer = (
-            None  # the baseline, scales=none (lm-eval's model_args parser turns "none" into None)
-        )
+        # the baseline (scales=none; lm-eval's model_args parser turns "none" into None) has no quantiser
+        self.quantizer = None
         if scales is not None and str(scales).lower() != BASELINE:
             chip = resolve_target(target)
             chosen = scale_set(str(scales), loaded.checkpoint, chip, what=f"scales={scales}")

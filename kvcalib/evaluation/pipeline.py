@@ -31,12 +31,13 @@ from kvcalib.evaluation.emulate import (
     KVErrorMeter,
     KVQuantizer,
     LayerQuantStats,
+    decode_rows,
     is_per_head,
 )
 from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.scales import ScaleSet, read_scale_set
-from kvcalib.evaluation.scoring import log_probs, row_sums, scored_tokens, token_kl
+from kvcalib.evaluation.scoring import log_probs
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
 from kvcalib.hf.compute import Float32Weights
 from kvcalib.hf.data import batches, load_calibration_data
@@ -161,11 +162,12 @@ class _Totals:
         """One batch's next-token log-probabilities [B, S-1, V] against `targets` [B, S-1] (and the baseline's
         log-probabilities and top-1, `base`); returns the top-1."""
         token_nll, top1 = -logp.gather(-1, targets[..., None])[..., 0], logp.argmax(-1)
-        self.row_correct += row_sums(top1 == targets, scored).tolist()
+        self.row_correct += ((top1 == targets) & scored).sum(1).tolist()
         values, masks = token_nll.double().cpu(), scored.cpu()  # one transfer a batch
         self.token_nll += [row[mask] for row, mask in zip(values, masks)]
         if base is not None:
-            self.kl += token_kl(base[0], logp)[scored].double().sum().item()
+            kl = (base[0].exp() * (base[0] - logp)).sum(-1)  # KL(baseline || this) per position
+            self.kl += kl[scored].double().sum().item()
             self.agree += (top1 == base[1])[scored].sum().item()
         return top1
 
@@ -364,7 +366,9 @@ def _score(
     notify(Progress(stage, 0, len(sequences), 0, num_tokens))
     for input_ids, mask in batches(sequences, batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
-        scored, targets = scored_tokens(mask, fresh), input_ids[:, 1:]
+        scored, targets = (mask[:, 1:] & mask[:, :-1]).bool(), input_ids[:, 1:]  # real from real
+        if fresh:  # Neuron's order: the decode steps only
+            scored &= decode_rows(mask)[:, :-1]
         if meter:  # evaluate's meter has a sampler
             meter.token_mask = mask.bool()
             meter.sampler.start_batch(input_ids, mask)
