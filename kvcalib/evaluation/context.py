@@ -9,6 +9,7 @@ on the last quarter of positions, with a paired bootstrap over 64-token blocks (
 
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from dataclasses import dataclass
@@ -121,23 +122,16 @@ def forward_bytes(config: dict[str, Any], length: int, weight_bytes: int) -> int
     return 3 * weight_bytes + activations + scores + logits
 
 
-def memory_bound(config: dict[str, Any], weight_bytes: int, available: int) -> int:
-    """The longest length whose forward_bytes fits MEMORY_SHARE of `available` (0: none does)."""
-    low, high = 0, 1 << 24
-    while low < high:
-        mid = (low + high + 1) // 2
-        if forward_bytes(config, mid, weight_bytes) <= available * MEMORY_SHARE:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
 def check_lengths(
     lengths: tuple[int, ...], config: dict[str, Any], where: Path, weight_bytes: int, available: int
 ) -> int:
     """Each --lengths length at least MIN_LENGTH, within max_position_embeddings and memory; the memory bound."""
-    limit, bound = max_position_embeddings(config), memory_bound(config, weight_bytes, available)
+    limit = max_position_embeddings(config)
+    bound = bisect.bisect_right(  # the longest length whose forward fits MEMORY_SHARE of `available` (0: none)
+        range(1, 1 << 24),
+        available * MEMORY_SHARE,
+        key=lambda n: forward_bytes(config, n, weight_bytes),
+    )
     for length in lengths:
         if length < MIN_LENGTH:
             raise UsageError(

@@ -30,7 +30,6 @@ __all__ = [
     "LayerQuantStats",
     "Scale",
     "decode_rows",
-    "head_scale",
     "is_per_head",
 ]
 
@@ -78,13 +77,6 @@ class LayerQuantStats:
 
 
 Scale = float | torch.Tensor  # one per layer, or [1, heads, 1, 1] per head
-
-
-def head_scale(values: list[float]) -> Scale:
-    """A layer's scale as the quantiser takes it: a float for one value, [1, H, 1, 1] for one per head."""
-    if len(values) == 1:
-        return float(values[0])
-    return torch.tensor(values, dtype=torch.float32).reshape(1, -1, 1, 1)
 
 
 def is_per_head(*per_layer: list[Scale]) -> bool:

@@ -72,9 +72,8 @@ def plot_needle(result: Any, path: Path) -> Path:
         ax.set_xticks(range(len(lengths)), [f"{length:,}" for length in lengths])
         ax.set_yticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths])
         ax.set_xlabel("context length (tokens)")
-        if ax is axes[0][0]:
-            ax.set_ylabel("needle depth")
         ax.set_title(_label(name), fontsize=9)
+    axes[0][0].set_ylabel("needle depth")
     fig.colorbar(image, ax=axes[0].tolist(), label="keys found")
     fig.suptitle(
         f"needle retrieval, FP8 KV on {result.target} (prefill: {result.prefill})", fontsize=10
