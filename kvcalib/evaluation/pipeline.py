@@ -334,14 +334,16 @@ def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> Prepared:
         configs[entry] = scale_set(entry, job.run.checkpoint, target)
     quantizers = {name: KVQuantizer(s.k, s.v, target) for name, s in configs.items()}
     if opts.fp8_attention:  # one more run for each that has q_scale
-        with_q = {name: s for name, s in configs.items() if s.q is not None}
-        if not with_q:
+        quantizers |= {
+            name + FP8_ATTN: KVQuantizer(s.k, s.v, target, s.q, fp8_attention=True)
+            for name, s in configs.items()
+            if s.q is not None
+        }
+        if len(quantizers) == len(configs):
             raise UsageError(
                 "--fp8-attention needs q_scale, and no checkpoint evaluated has one",
                 hint="calibrate with kvcalib calibrate --attention-scales",
             )
-        for name, s in with_q.items():
-            quantizers[name + FP8_ATTN] = KVQuantizer(s.k, s.v, target, s.q, fp8_attention=True)
     return replace(job, target=target, quantizers=quantizers)
 
 

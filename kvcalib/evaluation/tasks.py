@@ -208,25 +208,22 @@ def evaluate_tasks(
     started = time.perf_counter()
     notify(Progress("load-model"))
     loaded = harness.load(checkpoint, options)
-    runs = {
-        BASELINE_NAME: (harness.BASELINE, options.target),
-        **{name: (name, options.target) for name in (harness.CHECKPOINT, *options.compare)},
-        **{name: (scales, target) for name, scales, target in options.extra_runs},
-    }
+    runs = [  # (name, scales, target)
+        (BASELINE_NAME, harness.BASELINE, options.target),
+        *((name, name, options.target) for name in (harness.CHECKPOINT, *options.compare)),
+        *options.extra_runs,
+    ]
     outputs: dict[str, LmEvalOutput] = {}
-    for done, (name, (scales, target)) in enumerate(runs.items()):
+    for done, (name, scales, target) in enumerate(runs):
         notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs)"))
-        model = harness.KvcalibLM(
-            loaded, target=target, scales=scales, batch_size=options.batch_size
-        )
+        model = harness.KvcalibLM(loaded, target, scales, batch_size=options.batch_size)
         outputs[name] = run_lm_eval(model, options, manager)
-    rows = tuple(row for task in options.tasks for row in paired_rows(task, outputs))
     return TaskResult(
         str(checkpoint),
         options.target,
         options.tasks,
-        rows,
-        tuple(runs),
+        tuple(row for task in options.tasks for row in paired_rows(task, outputs)),
+        tuple(outputs),
         options.limit,
         options.num_fewshot,
         loaded.compute.describe(),
