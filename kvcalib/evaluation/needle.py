@@ -198,13 +198,12 @@ def answer(
 ) -> dict[str, list[int]]:
     """Each run's greedy answer to one prompt: the baseline, then every scale set (order: module docstring)."""
     config = model.config
-    if reads_fp8:
-        runs = {
-            name: ObservedCache(config, q and q.observe)
-            for name, q in {BASELINE: None, **quantizers}.items()
-        }
+    if reads_fp8:  # each run's prefill writes its own cache and attends from it
         return {
-            name: _greedy(model, cache, _forward(model, ids, cache)) for name, cache in runs.items()
+            name: _greedy(
+                model, c := ObservedCache(config, q and q.observe), _forward(model, ids, c)
+            )
+            for name, q in {BASELINE: None, **quantizers}.items()
         }
     children = {name: ObservedCache(config, q.observe) for name, q in quantizers.items()}
     fan = ObservedCache(config, fan_out(list(children.values())))
