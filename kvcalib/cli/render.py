@@ -65,8 +65,8 @@ def progress_bar(
     def on_progress(p: RunProgress) -> None:
         nonlocal stage, started, last, finished
         now, was, stage = time.monotonic(), stage, p.stage
-        if bar and not bar.live.is_started:
-            bar.start()
+        if bar:
+            bar.start()  # at the first progress (again: nothing)
         if p.stage != "observe":
             if bar:
                 bar.update(task, description=_STAGES.get(p.stage, p.stage))
