@@ -225,11 +225,17 @@ def evaluate(
     meter = KVErrorMeter(job.quantizers, job.run.device, sampler)
     forward = functools.partial(log_probs, model, compute=job.compute, weights=Float32Weights())
     score = functools.partial(
-        _score, forward, batch_size=opts.batch_size, pad=pad, device=job.run.device, fresh=fresh
+        _score,
+        forward,
+        notify=notify,
+        batch_size=opts.batch_size,
+        pad=pad,
+        device=job.run.device,
+        fresh=fresh,
     )
-    baseline, totals = score(data.sequences, job.quantizers, notify, meter=meter)
+    baseline, totals = score(data.sequences, job.quantizers, meter=meter)
     rows, tokens = data.sequences[: opts.layer_rows], [len(r) for r in baseline.token_nll]
-    alone = _layers_alone(score, rows, job.quantizers, notify)
+    alone = _layers_alone(score, rows, job.quantizers)
     runs = []
     for name, t in totals.items():
         n, quantizer = t.count, job.quantizers[name]
@@ -277,9 +283,7 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
     """`stats` with what kvcalib's scale objective chose per layer, where the run's checkpoint provenance says."""
     base = name.removesuffix(FP8_ATTN)
     source = root if base == CHECKPOINT else None if base == UNIT else Path(base)
-    provenance = (
-        source and source.is_dir() and read_provenance(scan_checkpoint(source, tolerant=True))
-    )
+    provenance = source and read_provenance(scan_checkpoint(source, tolerant=True))
     chosen: dict[Any, dict[str, ScaleChoice]] = {}
     for entry in (provenance or {}).get("layers") or ():
         try:  # a provenance kvcalib did not write, or an older one: the layer shows no choice
@@ -351,8 +355,8 @@ def _score(
     forward: Callable[..., torch.Tensor],
     sequences: list[list[int]],
     hooks: dict[Any, Any],
-    notify: ProgressCallback,
     *,
+    notify: ProgressCallback,
     batch_size: int,
     pad: int,
     device: torch.device,
@@ -390,7 +394,6 @@ def _layers_alone(
     score: Callable[..., tuple[_Totals, dict[Any, _Totals]]],
     rows: list[list[int]],
     quantizers: dict[str, KVQuantizer],
-    notify: ProgressCallback,
 ) -> dict[str, list[tuple[float, float]]]:
     """name -> per layer, (ΔNLL, KL) with only that layer's K/V quantised (evaluation.layers), on `rows`; no FP8
     attention run; no rows: {}."""
@@ -403,7 +406,7 @@ def _layers_alone(
         if not q.fp8_attention
         for i in layers
     }
-    base, totals = score(rows, hooks, notify, stage="layers-alone")
+    base, totals = score(rows, hooks, stage="layers-alone")
     n = max(base.count, 1)
     return {
         name: [((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n) for i in layers]
