@@ -127,8 +127,9 @@ def _table(
     rows: Iterable[Iterable[str]],
     left: Iterable[str] = (),
 ) -> None:
-    """Print a table titled `title` with `columns` (right-justified but those in `left`; a long cell folds), `rows`."""
-    table = Table(title=title)
+    """Print a table titled `title` (no markup) with `columns` (right-justified but those in `left`; a long cell
+    folds), `rows`."""
+    table = Table(title=escape(title))
     for name in columns:
         table.add_column(name, justify="left" if name in left else "right", overflow="fold")
     for row in rows:
@@ -409,10 +410,8 @@ def render_needle(console: Console, result: NeedleResult) -> None:
     """eval-needle: keys found per length and scale set, by depth, and the paired verdict."""
     _table(
         console,
-        escape(
-            f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
-            f"{result.prefill}; decoding reads the FP8 cache)"
-        ),
+        f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
+        f"{result.prefill}; decoding reads the FP8 cache)",
         (
             "length",
             "scales",
@@ -449,10 +448,8 @@ def render_tasks(console: Console, result: TaskResult) -> None:
     """eval-tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
     _table(
         console,
-        escape(
-            f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
-            + (f", {result.limit} items per task at most" if result.limit else "")
-        ),
+        f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
+        + (f", {result.limit} items per task at most" if result.limit else ""),
         (
             "task",
             "metric",
@@ -493,13 +490,11 @@ def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
     chosen = any(s.chosen for s in run.layers)
     _table(
         console,
-        escape(
-            f"{run.name}: per layer"
-            + (
-                f" (alone: that layer quantised, the others not, on {layer_rows} row(s))"
-                if layer_rows
-                else ""
-            )
+        f"{run.name}: per layer"
+        + (
+            f" (alone: that layer quantised, the others not, on {layer_rows} row(s))"
+            if layer_rows
+            else ""
         ),
         (
             "layer",

@@ -63,7 +63,7 @@ def render_serve_check(console: Console, result: ServeCheckResult, notes: list[s
         )
         for p in result.prompts
     )
-    title = escape(f"serve-check {result.checkpoint} on {result.device}")
+    title = f"serve-check {result.checkpoint} on {result.device}"
     _table(console, title, columns, rows, columns)
     baseline = f", baseline {result.nll_baseline:.3f}" if result.nll_baseline is not None else ""
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
