@@ -56,7 +56,7 @@ def _root(
     """FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU."""
 
 
-def _option(kind: Any, *names: str, panel: str, **more: Any) -> Any:
+def _option(kind: Any, *names: str, panel: str | None = None, **more: Any) -> Any:
     """A command's own flag (the rest come from the options dataclasses, kvcalib.cli.flags): `names`, shown in
     --help's `panel`; `more`, typer.Option's (help, metavar, ...)."""
     return Annotated[kind, typer.Option(*names, rich_help_panel=panel, **more)]
@@ -167,10 +167,10 @@ def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any)
 @app.command()
 def validate(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory to check.")],
-    target: Annotated[
-        Literal[tuple(TARGETS)], typer.Option("--target", "-t", help="The chip it is for.")
-    ] = DEFAULT_TARGET,
-    strict: Annotated[bool, typer.Option("--strict", help="Count warnings as errors.")] = False,
+    target: _option(
+        Literal[tuple(TARGETS)], "--target", "-t", help="The chip it is for."
+    ) = DEFAULT_TARGET,
+    strict: _option(bool, "--strict", help="Count warnings as errors.") = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
