@@ -116,19 +116,17 @@ class EvalResult:
     checkpoint: str
     target: str
     fp8_max: float
+    order: str
     num_samples: int
     num_tokens: int  # next-token predictions scored
     baseline_nll: float
+    baseline_accuracy: float  # next-token top-1 accuracy of the unquantised run
     runs: tuple[RunResult, ...]
-    baseline_accuracy: float = 0.0  # next-token top-1 accuracy of the unquantised run
-    seconds: float = 0.0
+    seconds: float
+    compute: str
+    layer_rows: int  # rows the per-layer ΔNLL (LayerQuantStats.delta_nll_alone) was measured on
+    baseline_token_nll: torch.Tensor = field(compare=False, repr=False)  # as RunResult's
     plot: str | None = None
-    compute: str = ""
-    layer_rows: int = 0  # rows the per-layer ΔNLL (LayerQuantStats.delta_nll_alone) was measured on
-    baseline_token_nll: torch.Tensor | None = field(
-        default=None, compare=False, repr=False
-    )  # as RunResult's
-    order: str = fp8.GPU_ORDER
 
     JSON = {
         "baseline_nll": None,
@@ -263,19 +261,19 @@ def evaluate(
             )
         )
     return EvalResult(
-        checkpoint=str(checkpoint),
-        target=job.target.name,
-        fp8_max=job.target.fp8_max,
-        order=order,
-        num_samples=len(data.sequences),
-        num_tokens=baseline.count,
-        baseline_nll=baseline.nll / baseline.count,
-        baseline_accuracy=sum(baseline.row_correct) / baseline.count,
-        runs=tuple(runs),
-        seconds=time.perf_counter() - started,
-        compute=job.compute.describe(),
-        layer_rows=len(rows),
-        baseline_token_nll=torch.cat(baseline.token_nll),
+        str(checkpoint),
+        job.target.name,
+        job.target.fp8_max,
+        order,
+        len(data.sequences),
+        baseline.count,
+        baseline.nll / baseline.count,
+        sum(baseline.row_correct) / baseline.count,
+        tuple(runs),
+        time.perf_counter() - started,
+        job.compute.describe(),
+        len(rows),
+        torch.cat(baseline.token_nll),
     )
 
 
