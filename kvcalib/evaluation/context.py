@@ -96,7 +96,7 @@ class ContextResult:
     tokens_available: int  # in the packed held-out text
     memory_bound: int  # the longest length whose forward fits (by forward_bytes)
     rows: tuple[ContextRow, ...]
-    seconds: float = 0.0
+    seconds: float
 
     JSON = {"block": lambda _: BLOCK}
 

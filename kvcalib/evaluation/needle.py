@@ -119,7 +119,7 @@ class NeedleResult:
     depths: tuple[float, ...]
     rows: tuple[NeedleRow, ...]
     trials: tuple[Trial, ...]
-    seconds: float = 0.0
+    seconds: float
     plot: str | None = None
 
     JSON = {

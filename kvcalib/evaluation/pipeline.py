@@ -84,16 +84,16 @@ class RunResult:
     kl: float
     top1: float
     layers: tuple[LayerQuantStats, ...]
-    kind: str = (
-        ""  # "KV per-tensor", "KV per-head", "FP8 attn, per-tensor" (Q too), "FP8 attn, per-head"
+    kind: (
+        str  # "KV per-tensor", "KV per-head", "FP8 attn, per-tensor" (Q too), "FP8 attn, per-head"
     )
-    accuracy: float = (
-        0.0  # next-token top-1 accuracy (top1 is the agreement with the unquantised run's top-1)
+    accuracy: (
+        float  # next-token top-1 accuracy (top1 is the agreement with the unquantised run's top-1)
     )
-    delta_nll_interval: Interval | None = None  # paired over rows (None: < 2 rows)
-    delta_accuracy_interval: Interval | None = None
+    delta_nll_interval: Interval | None  # paired over rows (None: < 2 rows)
+    delta_accuracy_interval: Interval | None
     # every scored token's NLL, row after row (float64; not in its JSON): serve-check pairs them with the server's
-    token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    token_nll: torch.Tensor = field(compare=False, repr=False)
 
     @property
     def k_clipped(self) -> float:
