@@ -178,9 +178,8 @@ def run_length(
     length, n = len(samples[0]), len(samples)
     meter = KVErrorMeter(job.quantizers, job.run.device)
     hooks = {None: meter, **(job.quantizers if nll else {})}
-    blocks: dict[Any, list[torch.Tensor]] = {
-        name: [] for name in hooks
-    }  # of BLOCK scored positions
+    # per hook (None: the baseline), each sample's NLL in BLOCKs of the scored positions
+    blocks: dict[Any, list[torch.Tensor]] = {name: [] for name in hooks}
     for i, sample in enumerate(samples):
         notify(Progress(f"context {length}", i, n, i * length, n * length))
         ids = torch.tensor([sample], device=job.run.device)

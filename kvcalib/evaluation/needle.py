@@ -86,9 +86,8 @@ class NeedleRow:
     trials: int
     by_depth: tuple[tuple[float, int, int], ...]  # (depth, found, trials)
     rate_interval: tuple[float, float]  # Wilson 95%
-    difference: (
-        Interval | None
-    )  # paired bootstrap of (this run found - unquantised found) over trials; None: baseline
+    # paired bootstrap of (this run found - unquantised found) over trials; None: the baseline
+    difference: Interval | None
 
     @property
     def rate(self) -> float:

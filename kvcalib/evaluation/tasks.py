@@ -130,9 +130,8 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
     from lm_eval.tasks import TaskManager
 
     index_log = logging.getLogger("lm_eval.tasks._index")
-    level = (
-        index_log.level
-    )  # quiet: --task-data's YAML overrides lm-eval's on purpose, no warning per task for that
+    # quiet: --task-data's YAML overrides lm-eval's on purpose, no warning line per task for that
+    level = index_log.level
     index_log.setLevel(logging.ERROR if quiet else level)
     try:
         return TaskManager(include_path=list(folders) or None)
