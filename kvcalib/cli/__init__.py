@@ -37,6 +37,12 @@ from kvcalib.serving.options import DEVICES, ServeOptions
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
 
+def _option(kind: Any, *names: str, panel: str | None = None, **more: Any) -> Any:
+    """A command's own flag (the rest come from the options dataclasses, kvcalib.cli.flags): `names`, shown in
+    --help's `panel`; `more`, typer.Option's (help, metavar, ...)."""
+    return Annotated[kind, typer.Option(*names, rich_help_panel=panel, **more)]
+
+
 def _print_version(value: bool) -> None:
     if value:
         sys.stdout.write(f"kvcalib {__version__}\n")
@@ -45,21 +51,15 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(
-        False,
+    version: _option(
+        bool,
         "--version",
         callback=_print_version,
         is_eager=True,
         help="Print kvcalib's version and exit.",
-    ),
+    ) = False,
 ) -> None:
     """FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU."""
-
-
-def _option(kind: Any, *names: str, panel: str | None = None, **more: Any) -> Any:
-    """A command's own flag (the rest come from the options dataclasses, kvcalib.cli.flags): `names`, shown in
-    --help's `panel`; `more`, typer.Option's (help, metavar, ...)."""
-    return Annotated[kind, typer.Option(*names, rich_help_panel=panel, **more)]
 
 
 AsJson = _option(bool, "--json", help="Print the result as JSON on stdout.", panel="Output")
@@ -77,7 +77,6 @@ Tasks = _option(
     "with and without FP8 KV, paired (lm-eval: the 'tasks' extra).",
     panel="Data",
 )
-DATA_HELP = "Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, or a hub id."
 
 
 # Its flags: CalibrateOptions' fields, then ServeOptions' for --serve-check (their --device is --serve-check's).
@@ -87,7 +86,14 @@ def calibrate(
         str,
         typer.Argument(help="Local Hugging Face checkpoint directory (or a hub id when online)."),
     ],
-    dataset: _option(str, "--dataset", "-d", help=DATA_HELP, panel="Data"),
+    dataset: _option(
+        str,
+        "--dataset",
+        "-d",
+        help="Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, "
+        "or a hub id.",
+        panel="Data",
+    ),
     output: _option(
         Path, "--output", "-o", help="New checkpoint directory to write.", panel="Output"
     ),
