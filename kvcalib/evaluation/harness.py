@@ -87,8 +87,10 @@ class KvcalibLM(HFLM):
             self.quantizer = KVQuantizer(chosen.k, chosen.v, chip)
         super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, **kwargs)
 
-    def _cache(self) -> ObservedCache:
-        return ObservedCache(self.model.config, self.quantizer and self.quantizer.observe)
+    def _cache(self) -> dict[str, Any]:
+        """The model's keywords for a new cache that stores K/V through the quantiser."""
+        cache = ObservedCache(self.model.config, self.quantizer and self.quantizer.observe)
+        return cache_kwargs(self.model, cache)
 
     def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
         # the longest continuation: _model_call's logits need cover no more than that past each row's end
@@ -114,12 +116,11 @@ class KvcalibLM(HFLM):
         """Every run, the baseline too (no quantiser), through the same cache and LM-head slice."""
         keep = self._logits_to_keep(inps)
         with compute_path(self.loaded.compute, self.loaded.weights), torch.no_grad():
-            cache = cache_kwargs(self.model, self._cache())
-            return self.model(inps, **cache, use_cache=True, logits_to_keep=keep).logits
+            return self.model(inps, **self._cache(), use_cache=True, logits_to_keep=keep).logits
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
     ) -> torch.Tensor:
-        generation_kwargs.update(cache_kwargs(self.model, self._cache()))
+        generation_kwargs.update(self._cache())
         with compute_path(self.loaded.compute, self.loaded.weights):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
