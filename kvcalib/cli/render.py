@@ -68,10 +68,11 @@ def progress_bar(
         if bar:
             bar.start()  # at the first progress (again: nothing)
         if p.stage != "observe":
+            text = f"{name}: {_STAGES.get(p.stage, p.stage)}"
             if bar:
-                bar.update(task, description=_STAGES.get(p.stage, p.stage))
+                bar.update(task, description=text)
             elif p.stage != was:
-                _line(console, f"{name}: {_STAGES.get(p.stage, p.stage)}")
+                _line(console, text)
             return
         started, layers = started or now, p.num_layers
         done = p.tokens_done >= p.tokens_total and (not layers or p.layer + 1 == layers)
@@ -87,15 +88,13 @@ def progress_bar(
         where = f" layer {p.layer + 1}/{layers}," if layers else ""
         eta = _duration((p.tokens_total - p.tokens_done) / rate) if rate else "-"
         text = (
-            f"{where} {p.samples_done}/{p.samples_total} samples, {p.tokens_done:,} tokens, "
+            f"{name}:{where} {p.samples_done}/{p.samples_total} samples, {p.tokens_done:,} tokens, "
             f"{rate:,.0f} tok/s, ETA {eta}"
         )
         if bar:
-            bar.update(
-                task, description=name + ":" + text, total=p.tokens_total, completed=p.tokens_done
-            )
+            bar.update(task, description=text, total=p.tokens_total, completed=p.tokens_done)
         else:
-            _line(console, name + ":" + text)
+            _line(console, text)
 
     try:
         yield on_progress
