@@ -231,7 +231,7 @@ def _moved(flag: str, to: str, kind: type = bool) -> Any:
         if value:
             raise typer.BadParameter(f"now its own command: kvcalib {to} (see its --help)")
 
-    return Annotated[kind, typer.Option(flag, hidden=True, callback=refuse)]
+    return _option(kind, flag, hidden=True, callback=refuse)
 
 
 @command(app, "eval", EvalOptions)
