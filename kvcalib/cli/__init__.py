@@ -37,6 +37,12 @@ from kvcalib.serving.options import DEVICES, ServeOptions
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
 
+def _option(kind: Any, *names: str, panel: str | None = None, **more: Any) -> Any:
+    """A command's own flag (the rest come from the options dataclasses, kvcalib.cli.flags): `names`, shown in
+    --help's `panel`; `more`, typer.Option's (help, metavar, ...)."""
+    return Annotated[kind, typer.Option(*names, rich_help_panel=panel, **more)]
+
+
 def _print_version(value: bool) -> None:
     if value:
         sys.stdout.write(f"kvcalib {__version__}\n")
@@ -45,41 +51,32 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(
-        False,
+    version: _option(
+        bool,
         "--version",
         callback=_print_version,
         is_eager=True,
         help="Print kvcalib's version and exit.",
-    ),
+    ) = False,
 ) -> None:
     """FP8 KV-cache calibration for vLLM on AWS Neuron (Trainium 2/3) and GPU."""
 
 
-# The commands' own flags; the rest come from the options dataclasses (kvcalib.cli.flags).
-AsJson = Annotated[
+AsJson = _option(bool, "--json", help="Print the result as JSON on stdout.", panel="Output")
+Quiet = _option(
     bool,
-    typer.Option("--json", help="Print the result as JSON on stdout.", rich_help_panel="Output"),
-]
-Quiet = Annotated[
-    bool,
-    typer.Option(
-        "--quiet",
-        "-q",
-        help="Print nothing on stderr but errors: no progress, no table.",
-        rich_help_panel="Output",
-    ),
-]
-Tasks = Annotated[
+    "--quiet",
+    "-q",
+    help="Print nothing on stderr but errors: no progress, no table.",
+    panel="Output",
+)
+Tasks = _option(
     str | None,
-    typer.Option(
-        "--tasks",
-        help="lm-eval tasks, comma-separated (e.g. lambada_openai,arc_easy), each scored on the same items "
-        "with and without FP8 KV, paired (lm-eval: the 'tasks' extra).",
-        rich_help_panel="Data",
-    ),
-]
-DATA_HELP = "Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, or a hub id."
+    "--tasks",
+    help="lm-eval tasks, comma-separated (e.g. lambada_openai,arc_easy), each scored on the same items "
+    "with and without FP8 KV, paired (lm-eval: the 'tasks' extra).",
+    panel="Data",
+)
 
 
 # Its flags: CalibrateOptions' fields, then ServeOptions' for --serve-check (their --device is --serve-check's).
@@ -89,42 +86,38 @@ def calibrate(
         str,
         typer.Argument(help="Local Hugging Face checkpoint directory (or a hub id when online)."),
     ],
-    dataset: Annotated[
-        str, typer.Option("--dataset", "-d", help=DATA_HELP, rich_help_panel="Data")
-    ],
-    output: Annotated[
-        Path,
-        typer.Option(
-            "--output", "-o", help="New checkpoint directory to write.", rich_help_panel="Output"
-        ),
-    ],
-    stream_layers: Annotated[
+    dataset: _option(
+        str,
+        "--dataset",
+        "-d",
+        help="Text file(s) .txt/.jsonl/.json/.parquet/.csv, a directory of them, a save_to_disk directory, "
+        "or a hub id.",
+        panel="Data",
+    ),
+    output: _option(
+        Path, "--output", "-o", help="New checkpoint directory to write.", panel="Output"
+    ),
+    stream_layers: _option(
         bool,
-        typer.Option(
-            "--stream-layers",
-            help="--engine stream: one decoder layer at a time, for models larger than memory.",
-            rich_help_panel="Engine",
-        ),
-    ] = False,
-    serve_device: Annotated[
+        "--stream-layers",
+        help="--engine stream: one decoder layer at a time, for models larger than memory.",
+        panel="Engine",
+    ) = False,
+    serve_device: _option(
         Literal[DEVICES] | None,
-        typer.Option(
-            "--serve-check",
-            metavar="|".join(DEVICES),
-            help="Then serve the new checkpoint with FP8 KV and probe it, as serve-check does (with its "
-            "serving flags), on this device; the device and vLLM are checked before calibrating.",
-            rich_help_panel="Serving",
-        ),
-    ] = None,
-    plan: Annotated[
+        "--serve-check",
+        metavar="|".join(DEVICES),
+        help="Then serve the new checkpoint with FP8 KV and probe it, as serve-check does (with its "
+        "serving flags), on this device; the device and vLLM are checked before calibrating.",
+        panel="Serving",
+    ) = None,
+    plan: _option(
         bool,
-        typer.Option(
-            "--plan",
-            help="Print what the run would do and take (engine, memory, disk, an estimated time from a short "
-            "timed probe, anything that would stop it), write nothing, exit 0.",
-            rich_help_panel="Output",
-        ),
-    ] = False,
+        "--plan",
+        help="Print what the run would do and take (engine, memory, disk, an estimated time from a short "
+        "timed probe, anything that would stop it), write nothing, exit 0.",
+        panel="Output",
+    ) = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     **values: Any,
@@ -142,7 +135,7 @@ def calibrate(
         machine = Machine.read(options)
     console = _stderr(quiet)
     if plan:
-        with _errors(), progress_bar(console, "probing", "plan") as on_progress:
+        with _errors(), progress_bar(console, "plan") as on_progress:
             result = api.plan(model, dataset, output, options=options, progress=on_progress)
         return _show(render_plan, console, result, as_json)
     if machine.ranks is not None and not machine.ranks.is_writer:  # rank 0 reports
@@ -156,22 +149,9 @@ def calibrate(
             serving = api.plan_serve_check(model, options, **serve)
     with _errors(), progress_bar(console) as on_progress, captured_notes() as notes:
         result = api.run_calibration(model, dataset, output, options, machine, on_progress)
-    _report_calibration(console, result, notes, serving, machine, as_json)
-
-
-def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
-    render(console, result, *args)
-    if as_json:
-        _print_json(result)
-
-
-def _report_calibration(
-    console: Console, result: Any, notes: list[str], serving: Any, machine: Any, as_json: bool
-) -> None:
-    """The table; with --serve-check, serve-check's run on the published checkpoint and its exit code."""
     if serving is None:
         return _show(render_calibration, console, result, as_json, notes)
-    render_calibration(console, result, notes)
+    render_calibration(console, result, notes)  # then serve-check's run on the published checkpoint
     with (
         _errors(interrupted="every vLLM server serve-check started was stopped"),
         serve_status(console) as on_event,
@@ -184,13 +164,19 @@ def _report_calibration(
     raise typer.Exit(0 if served.ok else 1)
 
 
+def _show(render: Any, console: Console, result: Any, as_json: bool, *args: Any) -> None:
+    render(console, result, *args)
+    if as_json:
+        _print_json(result)
+
+
 @app.command()
 def validate(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory to check.")],
-    target: Annotated[
-        Literal[tuple(TARGETS)], typer.Option("--target", "-t", help="The chip it is for.")
-    ] = DEFAULT_TARGET,
-    strict: Annotated[bool, typer.Option("--strict", help="Count warnings as errors.")] = False,
+    target: _option(
+        Literal[tuple(TARGETS)], "--target", "-t", help="The chip it is for."
+    ) = DEFAULT_TARGET,
+    strict: _option(bool, "--strict", help="Count warnings as errors.") = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
@@ -204,21 +190,31 @@ def validate(
 Checkpoint = Annotated[
     str, typer.Argument(help="Calibrated checkpoint directory (its weights and scales).")
 ]
-HeldOut = Annotated[
-    str,
-    typer.Option(
-        "--dataset",
-        "-d",
-        help="Held-out text, in any form calibrate accepts.",
-        rich_help_panel="Data",
-    ),
-]
+HeldOut = _option(
+    str, "--dataset", "-d", help="Held-out text, in any form calibrate accepts.", panel="Data"
+)
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """--lengths L1,L2,...: token counts (the library checks each against the model and the memory)."""
+    try:
+        lengths = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths:
+        raise typer.BadParameter(
+            f"{text!r} is not a comma-separated list of token counts (e.g. 2048,8192)"
+        )
+    return lengths
+
+
 Lengths = Annotated[
-    str,
+    str,  # parsed by _lengths
     typer.Option(
         "--lengths",
         help="Prompt lengths in tokens, comma-separated (e.g. 2048,8192).",
         rich_help_panel="Data",
+        callback=_lengths,
     ),
 ]
 # eval-context's and eval-needle's EvalOptions fields (one long prompt at a time: no batch, rows or layer runs)
@@ -235,29 +231,25 @@ def _moved(flag: str, to: str, kind: type = bool) -> Any:
         if value:
             raise typer.BadParameter(f"now its own command: kvcalib {to} (see its --help)")
 
-    return Annotated[kind, typer.Option(flag, hidden=True, callback=refuse)]
+    return _option(kind, flag, hidden=True, callback=refuse)
 
 
 @command(app, "eval", EvalOptions)
 def eval_command(
     checkpoint: Checkpoint,
     dataset: HeldOut,
-    plot: Annotated[
+    plot: _option(
         Path | None,
-        typer.Option(
-            "--plot",
-            help="Write a PNG of per-layer absmax, SQNR and clipping.",
-            rich_help_panel="Output",
-        ),
-    ] = None,
-    per_layer: Annotated[
+        "--plot",
+        help="Write a PNG of per-layer absmax, SQNR and clipping.",
+        panel="Output",
+    ) = None,
+    per_layer: _option(
         bool,
-        typer.Option(
-            "--per-layer",
-            help="Print every layer's attention error, ΔNLL alone, SQNR and clipping.",
-            rich_help_panel="Output",
-        ),
-    ] = False,
+        "--per-layer",
+        help="Print every layer's attention error, ΔNLL alone, SQNR and clipping.",
+        panel="Output",
+    ) = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     tasks: _moved("--tasks", "eval-tasks", str | None) = None,
@@ -271,30 +263,23 @@ def eval_command(
     _show(render_eval, *result, as_json, per_layer)
 
 
-@command(app, "eval-context", (EvalOptions, LONG))
+@command(app, "eval-context", (EvalOptions, (*LONG, "num_samples")))
 def eval_context(
     checkpoint: Checkpoint,
     dataset: HeldOut,
     lengths: Lengths,
-    num_samples: Annotated[
-        int,
-        typer.Option("--num-samples", help="Samples per length at most.", rich_help_panel="Data"),
-    ] = EvalOptions.num_samples,
-    saturation_only: Annotated[
+    saturation_only: _option(
         bool,
-        typer.Option(
-            "--saturation-only",
-            help="Only the unquantised forward per sample (saturation and absmax against each scale set), "
-            "no ΔNLL.",
-            rich_help_panel="Data",
-        ),
-    ] = False,
+        "--saturation-only",
+        help="Only the unquantised forward per sample (saturation and absmax against each scale set), "
+        "no ΔNLL.",
+        panel="Data",
+    ) = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     **values: Any,
 ) -> None:
     """Long prompts: per length and layer the K/V saturation past the scales, and ΔNLL on the last quarter."""
-    values.update(num_samples=num_samples)
     result = _evaluate(
         api.evaluate_context,
         checkpoint,
@@ -312,18 +297,12 @@ def eval_needle(
     checkpoint: Checkpoint,
     dataset: HeldOut,
     lengths: Lengths,
-    keys: Annotated[
-        int | None,
-        typer.Option(
-            "--keys", help="Keys per length and depth (default 4).", rich_help_panel="Data"
-        ),
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot", help="Write a PNG heatmap of the keys found.", rich_help_panel="Output"
-        ),
-    ] = None,
+    keys: _option(
+        int | None, "--keys", help="Keys per length and depth (default 4).", panel="Data"
+    ) = None,
+    plot: _option(
+        Path | None, "--plot", help="Write a PNG heatmap of the keys found.", panel="Output"
+    ) = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
     **values: Any,
@@ -347,13 +326,10 @@ def _evaluate(
     """eval, eval-context, eval-needle: the options, --plot's path checked before the work, the job (a kvcalib.api
     function), its picture; the console and the result, to render."""
     from kvcalib.evaluation import plot as plots
-    from kvcalib.evaluation.context import parse_lengths
 
     console = _stderr(quiet)
-    with _errors(), progress_bar(console, "evaluating", "eval") as on_progress:
+    with _errors(), progress_bar(console, "eval") as on_progress:
         options = EvalOptions(**values)
-        if "lengths" in keywords:
-            keywords["lengths"] = parse_lengths(keywords["lengths"])
         if plot is not None:
             plots.check_plot_path(plot, [checkpoint, dataset, *options.compare])
         result = job(checkpoint, dataset, options=options, progress=on_progress, **keywords)
@@ -373,11 +349,9 @@ def eval_tasks(
 ) -> None:
     """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against an unquantised KV cache."""
     console = _stderr(quiet)
-    with _errors(), progress_bar(console, "evaluating tasks", "eval") as on_progress:
-        options = TaskOptions(
-            **values, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip())
-        )
-        result = api.evaluate_tasks(checkpoint, options=options, progress=on_progress)
+    with _errors(), progress_bar(console, "eval") as on_progress:
+        options = TaskOptions(**values)
+        result = api.evaluate_tasks(checkpoint, tasks, options=options, progress=on_progress)
     _show(render_tasks, console, result, as_json)
 
 
@@ -385,14 +359,12 @@ def eval_tasks(
 @command(app, "serve-check", ServeOptions, (TaskOptions, ("limit", "task_data")))
 def serve_check(
     checkpoint: Annotated[Path, typer.Argument(help="Calibrated checkpoint directory to serve.")],
-    prompts: Annotated[
+    prompts: _option(
         Path | None,
-        typer.Option(
-            "--prompts",
-            help="Prompts: one per line, or .jsonl with 'prompt'.",
-            rich_help_panel="Serving",
-        ),
-    ] = None,
+        "--prompts",
+        help="Prompts: one per line, or .jsonl with 'prompt'.",
+        panel="Serving",
+    ) = None,
     tasks: Tasks = None,
     as_json: AsJson = False,
     quiet: Quiet = False,

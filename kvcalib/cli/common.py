@@ -47,18 +47,19 @@ def _errors(quiet: bool = False, interrupted: str = "nothing partial was left") 
             previous[signum] = signal.signal(signum, interrupt)
     except ValueError:  # not the main thread: leave signals alone
         pass
+    console = _stderr(quiet)
     try:
         yield
     except KvcalibError as err:
         # quiet: a torchrun rank other than 0; rank 0 reports (with this rank's message). Escaped: a hint such as
         # `pip install kvcalib[llmcompressor]` is no markup.
-        _stderr(quiet).print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(err.message)}", soft_wrap=True)
         if err.hint:
-            _stderr(quiet).print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
+            console.print(f"[yellow]hint:[/] {escape(err.hint)}", soft_wrap=True)
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        _stderr(quiet).print(
+        signum = getattr(exc, "signum", signal.SIGINT)
+        console.print(
             f"[bold red]interrupted[/] ({signal.Signals(signum).name}): {escape(interrupted)}"
         )
         raise typer.Exit(128 + signum) from None

@@ -42,10 +42,10 @@ __all__ = [
 
 @contextmanager
 def progress_bar(
-    console: Console, label: str = "calibrating", name: str = "calibrate"
+    console: Console, name: str = "calibrate"
 ) -> Iterator[Callable[[RunProgress], None]]:
-    """A progress callback: on a terminal a rich bar (`label` and how far), elsewhere (a log, a pipe, CI) plain
-    lines, `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 0:09:12`: a stage's first, and the observing's
+    """A progress callback: on a terminal a rich bar, elsewhere (a log, a pipe, CI) plain lines, each how far
+    `name` is: `calibrate: 37/128 samples, 18,944 tokens, 69 tok/s, ETA 0:09:12`: a stage's first, and the observing's
     at its start and end and at most every PLAIN_INTERVAL_S between."""
     bar = (
         Progress(
@@ -65,13 +65,14 @@ def progress_bar(
     def on_progress(p: RunProgress) -> None:
         nonlocal stage, started, last, finished
         now, was, stage = time.monotonic(), stage, p.stage
-        if bar and not bar.live.is_started:
-            bar.start()
+        if bar:
+            bar.start()  # at the first progress (again: nothing)
         if p.stage != "observe":
+            text = f"{name}: {_STAGES.get(p.stage, p.stage)}"
             if bar:
-                bar.update(task, description=_STAGES.get(p.stage, p.stage))
+                bar.update(task, description=text)
             elif p.stage != was:
-                _line(console, f"{name}: {_STAGES.get(p.stage, p.stage)}")
+                _line(console, text)
             return
         started, layers = started or now, p.num_layers
         done = p.tokens_done >= p.tokens_total and (not layers or p.layer + 1 == layers)
@@ -87,15 +88,13 @@ def progress_bar(
         where = f" layer {p.layer + 1}/{layers}," if layers else ""
         eta = _duration((p.tokens_total - p.tokens_done) / rate) if rate else "-"
         text = (
-            f"{where} {p.samples_done}/{p.samples_total} samples, {p.tokens_done:,} tokens, "
+            f"{name}:{where} {p.samples_done}/{p.samples_total} samples, {p.tokens_done:,} tokens, "
             f"{rate:,.0f} tok/s, ETA {eta}"
         )
         if bar:
-            bar.update(
-                task, description=label + text, total=p.tokens_total, completed=p.tokens_done
-            )
+            bar.update(task, description=text, total=p.tokens_total, completed=p.tokens_done)
         else:
-            _line(console, name + ":" + text)
+            _line(console, text)
 
     try:
         yield on_progress
@@ -121,18 +120,20 @@ def _line(console: Console, text: str, **style: Any) -> None:
 
 
 def _table(
+    console: Console,
     title: str,
     columns: Iterable[str],
     rows: Iterable[Iterable[str]],
     left: Iterable[str] = (),
-) -> Table:
-    """A table titled `title` with `columns` (right-justified but those in `left`; a long cell folds) and `rows`."""
-    table = Table(title=title)
+) -> None:
+    """Print a table titled `title` (no markup) with `columns` (right-justified but those in `left`; a long cell
+    folds), `rows`."""
+    table = Table(title=escape(title))
     for name in columns:
         table.add_column(name, justify="left" if name in left else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
-    return table
+    console.print(table)
 
 
 def _duration(seconds: float) -> str:
@@ -142,22 +143,6 @@ def _duration(seconds: float) -> str:
 def _chosen(choice: ScaleChoice | None) -> str:
     """The table's "chosen" cell: the candidate."""
     return choice.label.replace("absmax x", "x") if choice else ""
-
-
-def _print_objective(console: Console, result: CalibrationResult) -> None:
-    """The clipped or widened scales."""
-    clipped = [
-        f"layer {layer.layer} {kind.upper()} {s.choice.label}"
-        for layer in result.layers
-        for kind, s in layer.kinds().items()
-        if s.choice and s.choice.label != "absmax"
-    ]
-    console.print(
-        f"scale objective: {result.scale_objective}; not absmax / {result.fp8_max:g}: "
-        + (", ".join(clipped) if clipped else "none (no clip halves any layer's attention error)"),
-        soft_wrap=True,
-        markup=False,
-    )
 
 
 def render_calibration(console: Console, result: CalibrationResult, notes: list[str]) -> None:
@@ -170,7 +155,8 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
         if searched
         else f"absmax / {result.fp8_max:g}"
     )
-    table = _table(
+    _table(
+        console,
         f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
         + (" (each layer's largest head; every head's in --json)" if per_head else ""),
         (
@@ -195,9 +181,6 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
             for layer in result.layers
         ),
     )
-    console.print(table)
-    if searched:
-        _print_objective(console, result)
     for note in notes:
         console.print(f"[yellow]warning:[/] {note}", soft_wrap=True)
     if result.validation is not None:
@@ -278,7 +261,7 @@ def render_report(console: Console, report: ValidationReport) -> None:
             for f in report.findings
         )
         title = f"validate {report.checkpoint} for {report.target}"
-        console.print(_table(title, columns, rows, columns))
+        _table(console, title, columns, rows, columns)
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     console.print(
         f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
@@ -307,7 +290,8 @@ def _worst(layers: Iterable[Any], name: str, fmt: str) -> str:
 
 
 def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -> None:
-    table = _table(
+    _table(
+        console,
         f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
         f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens",
         (
@@ -343,7 +327,6 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
         ),
         ("scales", "kind"),
     )
-    console.print(table)
     order = (
         "Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)"
         if result.order == fp8.NEURON_ORDER
@@ -352,10 +335,11 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
     _line(console, f"scored in the {order}")
     methods = []
     for run in result.runs:
-        for interval, what, fmt in zip(
-            run.intervals, ("ΔNLL (nats)", "next-token top-1 accuracy"), ("{:+.4f}", "{:+.2%}")
+        for interval, what, fmt in (
+            (run.delta_nll_interval, "ΔNLL (nats)", "{:+.4f}"),
+            (run.delta_accuracy_interval, "next-token top-1 accuracy", "{:+.2%}"),
         ):
-            if interval is not None:
+            if interval:
                 _line(console, f"{run.name}: {what}: {interval.verdict(fmt)}")
                 methods.append(interval.method)
     if methods:
@@ -382,7 +366,8 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
 
 def render_context(console: Console, result: ContextResult) -> None:
     """eval-context: per length and scale set, ΔNLL on the last quarter, and the worst layer's saturation."""
-    table = _table(
+    _table(
+        console,
         f"FP8 KV on {result.target} at long context: {result.tokens_available:,} tokens of text packed "
         f"(model's max {result.max_positions or '?'}, memory's {result.memory_bound:,})",
         (
@@ -403,7 +388,7 @@ def render_context(console: Console, result: ContextResult) -> None:
                 str(row.samples),
                 f"{row.baseline_nll:.4f}",
                 _num(row.delta_nll, "+.4f")
-                + (f" [{row.interval.low:+.4f}, {row.interval.high:+.4f}]" if row.interval else ""),
+                + (f" [{i.low:+.4f}, {i.high:+.4f}]" if (i := row.delta_nll_interval) else ""),
                 f"{row.k_clipped:.3%}",
                 f"{row.v_clipped:.3%}",
                 *(f"{ratio:.2f} (L{layer})" for ratio, layer in map(row.beyond, ("k", "v"))),
@@ -412,7 +397,6 @@ def render_context(console: Console, result: ContextResult) -> None:
         ),
         ("scales",),
     )
-    console.print(table)
     console.print(
         "ΔNLL on the last quarter of each sample's positions; interval: paired bootstrap over 64-token "
         "blocks of them. Clipped: the worst layer's fraction of elements that saturate; absmax/clip: the "
@@ -423,11 +407,10 @@ def render_context(console: Console, result: ContextResult) -> None:
 
 def render_needle(console: Console, result: NeedleResult) -> None:
     """eval-needle: keys found per length and scale set, by depth, and the paired verdict."""
-    table = _table(
-        escape(
-            f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
-            f"{result.prefill}; decoding reads the FP8 cache)"
-        ),
+    _table(
+        console,
+        f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
+        f"{result.prefill}; decoding reads the FP8 cache)",
         (
             "length",
             "scales",
@@ -444,14 +427,13 @@ def render_needle(console: Console, result: NeedleResult) -> None:
                 f"{row.found}/{row.trials}",
                 f"{row.rate:.0%} [{row.rate_interval[0]:.0%}, {row.rate_interval[1]:.0%}]",
                 *(f"{f}/{n}" for _, f, n in row.by_depth),
-                _spread(row.interval, "+.1%"),
-                escape(row.verdict(cell=True)),
+                _spread(row.difference, "+.1%"),
+                escape(row.verdict()),
             )
             for row in result.rows
         ),
         ("scales", "verdict"),
     )
-    console.print(table)
     _line(
         console,
         "a trial is found when the key's 6 digits are in the greedy answer; difference: paired bootstrap "
@@ -463,11 +445,10 @@ def render_needle(console: Console, result: NeedleResult) -> None:
 
 def render_tasks(console: Console, result: TaskResult) -> None:
     """eval-tasks: per task and metric, the baseline's score, each run's, and its paired verdict."""
-    table = _table(
-        escape(
-            f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
-            + (f", {result.limit} items per task at most" if result.limit else "")
-        ),
+    _table(
+        console,
+        f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
+        + (f", {result.limit} items per task at most" if result.limit else ""),
         (
             "task",
             "metric",
@@ -494,27 +475,25 @@ def render_tasks(console: Console, result: TaskResult) -> None:
         ),
         ("task", "metric", "scales", "verdict"),
     )
-    console.print(table)
     console.print(
         "intervals: paired bootstrap over the task's items (2000 resamples, seed 0) of the run's score "
         "minus the baseline's on the same item",
         style="dim",
     )
-    _line(console, f"compute: {result.compute}; lm-eval {result.lm_eval_version}")
+    _line(console, f"compute: {result.compute}; lm-eval {result.lm_eval}")
 
 
 def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
     """One run's figures layer by layer: attention error and ΔNLL alone next to SQNR and clipping; the scale the
     checkpoint's objective chose."""
     chosen = any(s.chosen for s in run.layers)
-    table = _table(
-        escape(
-            f"{run.name}: per layer"
-            + (
-                f" (alone: that layer quantised, the others not, on {layer_rows} row(s))"
-                if layer_rows
-                else ""
-            )
+    _table(
+        console,
+        f"{run.name}: per layer"
+        + (
+            f" (alone: that layer quantised, the others not, on {layer_rows} row(s))"
+            if layer_rows
+            else ""
         ),
         (
             "layer",
@@ -546,4 +525,3 @@ def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
             for s in run.layers
         ),
     )
-    console.print(table)

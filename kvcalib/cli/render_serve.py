@@ -63,8 +63,8 @@ def render_serve_check(console: Console, result: ServeCheckResult, notes: list[s
         )
         for p in result.prompts
     )
-    title = escape(f"serve-check {result.checkpoint} on {result.device}")
-    console.print(_table(title, columns, rows, columns))
+    title = f"serve-check {result.checkpoint} on {result.device}"
+    _table(console, title, columns, rows, columns)
     fp8, base = result.runs["fp8"], result.runs.get("baseline")
     baseline = f", baseline {base.nll:.3f}" if base else ""
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
@@ -103,7 +103,8 @@ def _problem(p: PromptResult) -> str:
 
 def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> None:
     """serve-check --tasks: served baseline and FP8 scores with the paired interval, and kvcalib's prediction."""
-    table = _table(
+    _table(
+        console,
         "lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib",
         (
             "task",
@@ -135,7 +136,6 @@ def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> No
         ),
         ("task", "metric"),
     )
-    console.print(table)
     for row in rows:
         _line(console, f"{row.task} {row.metric}: served {row.served.verdict}")
 
@@ -143,7 +143,8 @@ def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> No
 def render_variants(console: Console, result: ServeCheckResult) -> None:
     """Calibrated vs 1.0 vs the canary: what each server measured, and what kvcalib predicted; the calibrated scales'
     ΔNLL on the probe text, served and predicted, with their 95 % intervals; the canary's verdict."""
-    table = _table(
+    _table(
+        console,
         "KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline",
         ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"),
         (
@@ -158,7 +159,6 @@ def render_variants(console: Console, result: ServeCheckResult) -> None:
         ),
         ("scales",),
     )
-    console.print(table)
     shown = {name: i for name, i in vars(result.intervals).items() if i is not None}
     words = {
         "served": "served ΔNLL",

@@ -9,6 +9,7 @@ on the last quarter of positions, with a paired bootstrap over 64-token blocks (
 
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from dataclasses import dataclass
@@ -36,9 +37,7 @@ __all__ = [
     "evaluate_context",
     "forward_bytes",
     "pack",
-    "parse_lengths",
     "prepare_long_context",
-    "scored_positions",
 ]
 
 BLOCK = 64  # scored positions per bootstrap unit
@@ -58,7 +57,7 @@ class ContextRow:
     tokens: int  # predictions scored (last quarter of every sample)
     baseline_nll: float
     delta_nll: float | None  # None: saturation only (no forward with the scale set)
-    interval: Interval | None
+    delta_nll_interval: Interval | None
     layers: tuple[LayerQuantStats, ...]
 
     @property
@@ -79,8 +78,6 @@ class ContextRow:
         return max(ratios, default=(0.0, -1))
 
     JSON = {
-        "interval": None,
-        "delta_nll_interval": "interval",
         "k_clipped_max": "k_clipped",
         "v_clipped_max": "v_clipped",
         "k_beyond": lambda row: row.beyond("k")[0],
@@ -99,23 +96,9 @@ class ContextResult:
     tokens_available: int  # in the packed held-out text
     memory_bound: int  # the longest length whose forward fits (by forward_bytes)
     rows: tuple[ContextRow, ...]
-    seconds: float = 0.0
+    seconds: float
 
     JSON = {"block": lambda _: BLOCK}
-
-
-def parse_lengths(text: str) -> tuple[int, ...]:
-    """--lengths L1,L2,...: positive token counts (UsageError otherwise)."""
-    try:
-        lengths = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UsageError(
-            f"--lengths {text!r}: not a comma-separated list of token counts",
-            hint="e.g. --lengths 2048,8192",
-        ) from None
-    if not lengths:
-        raise UsageError("--lengths names no length", hint="e.g. --lengths 2048,8192")
-    return lengths
 
 
 def pack(stream: list[int], prefix: list[int], length: int, count: int) -> list[list[int]]:
@@ -126,41 +109,29 @@ def pack(stream: list[int], prefix: list[int], length: int, count: int) -> list[
     ]
 
 
-def scored_positions(length: int) -> int:
-    """How many of a sample's last positions are scored: its last quarter."""
-    return length // 4
-
-
 def forward_bytes(config: dict[str, Any], length: int, weight_bytes: int) -> int:
     """A generous estimate of one batch-1 forward's peak memory at `length` tokens: weights and float32 copies,
-    float32 activations, one 256-query block's attention scores, the last quarter's logits and log-probs."""
+    float32 activations, one 256-query block's attention scores, the last quarter's (scored) logits and log-probs."""
     text = text_config(config)
     hidden = int(text.get("hidden_size") or 0)
     inter = int(text.get("intermediate_size") or 4 * hidden)
     heads, vocab = int(text.get("num_attention_heads") or 1), int(text.get("vocab_size") or 0)
     activations = length * (8 * hidden + 3 * inter) * 4
     scores = 3 * heads * 256 * length * 4
-    logits = 3 * (scored_positions(length) + 1) * vocab * 4
+    logits = 3 * (length // 4 + 1) * vocab * 4
     return 3 * weight_bytes + activations + scores + logits
-
-
-def memory_bound(config: dict[str, Any], weight_bytes: int, available: int) -> int:
-    """The longest length whose forward_bytes fits MEMORY_SHARE of `available` (0: none does)."""
-    low, high = 0, 1 << 24
-    while low < high:
-        mid = (low + high + 1) // 2
-        if forward_bytes(config, mid, weight_bytes) <= available * MEMORY_SHARE:
-            low = mid
-        else:
-            high = mid - 1
-    return low
 
 
 def check_lengths(
     lengths: tuple[int, ...], config: dict[str, Any], where: Path, weight_bytes: int, available: int
 ) -> int:
     """Each --lengths length at least MIN_LENGTH, within max_position_embeddings and memory; the memory bound."""
-    limit, bound = max_position_embeddings(config), memory_bound(config, weight_bytes, available)
+    limit = max_position_embeddings(config)
+    bound = bisect.bisect_right(  # the longest length whose forward fits MEMORY_SHARE of `available` (0: none)
+        range(1, 1 << 24),
+        available * MEMORY_SHARE,
+        key=lambda n: forward_bytes(config, n, weight_bytes),
+    )
     for length in lengths:
         if length < MIN_LENGTH:
             raise UsageError(
@@ -193,55 +164,44 @@ def packed_stream(
     return list(stream), list(leading_special_tokens(tokenizer))
 
 
-def _block_sums(nll: torch.Tensor) -> tuple[list[float], list[int]]:
-    """Σ NLL and the token count of each BLOCK of the scored positions."""
-    blocks = nll.double().split(BLOCK)
-    return [float(b.sum()) for b in blocks], [b.numel() for b in blocks]
-
-
 def _last_quarter_nll(ids: torch.Tensor, hook: Any, **forward: Any) -> torch.Tensor:
     """NLL of each of the last quarter's tokens [q] (float32), `hook` on K/V (and Q) as in eval's scoring."""
-    q = scored_positions(ids.shape[1])
+    q = ids.shape[1] // 4
     logp = log_probs(input_ids=ids, mask=None, hook=hook, keep=q + 1, **forward)
     return -logp[0].gather(-1, ids[0, -q:, None])[:, 0]
 
 
 def run_length(
-    samples: list[list[int]],
-    quantizers: dict[str, Any],
-    device: torch.device,
-    forward: Any,
-    notify: ProgressCallback,
-    length: int,
-    nll: bool = True,
+    samples: list[list[int]], job: Prepared, forward: Any, notify: ProgressCallback, nll: bool
 ) -> tuple[ContextRow, ...]:
     """Every sample of one length: the baseline with the meter riding along, then (with `nll`) each scale set."""
-    meter = KVErrorMeter(quantizers, device)
-    base: list[float] = []  # per 64-token block of the scored positions, Σ NLL
-    tokens: list[int] = []
-    runs: dict[str, list[float]] = {name: [] for name in quantizers}
-    for n, sample in enumerate(samples):
-        notify(Progress(f"context {length}", n, len(samples), n * length, len(samples) * length))
-        ids = torch.tensor([sample], device=device)
-        sums, counts = _block_sums(forward(ids, meter))
-        base += sums
-        tokens += counts
-        for name, quantizer in quantizers.items() if nll else ():
-            runs[name] += _block_sums(forward(ids, quantizer))[0]
-    total = sum(tokens)
-    return tuple(
-        ContextRow(
-            length=length,
-            name=name,
-            samples=len(samples),
-            tokens=total,
-            baseline_nll=sum(base) / total,
-            delta_nll=(sum(run) - sum(base)) / total if nll else None,
-            interval=paired_bootstrap([r - b for r, b in zip(run, base)], tokens) if nll else None,
-            layers=tuple(meter.layer_stats(name)),
+    length, n = len(samples[0]), len(samples)
+    meter = KVErrorMeter(job.quantizers, job.run.device)
+    hooks = {None: meter, **(job.quantizers if nll else {})}
+    # per hook (None: the baseline), each sample's NLL in BLOCKs of the scored positions
+    blocks: dict[Any, list[torch.Tensor]] = {name: [] for name in hooks}
+    for i, sample in enumerate(samples):
+        notify(Progress(f"context {length}", i, n, i * length, n * length))
+        ids = torch.tensor([sample], device=job.run.device)
+        for name, hook in hooks.items():
+            blocks[name] += forward(ids, hook).double().split(BLOCK)
+    base, tokens = [float(b.sum()) for b in blocks[None]], [b.numel() for b in blocks[None]]
+    rows = []
+    for name in job.quantizers:
+        deltas = [float(r.sum()) - b for r, b in zip(blocks.get(name, ()), base)]
+        rows.append(
+            ContextRow(
+                length,
+                name,
+                n,
+                sum(tokens),
+                sum(base) / sum(tokens),
+                sum(deltas) / sum(tokens) if nll else None,
+                paired_bootstrap(deltas, tokens),  # None without nll: no deltas
+                tuple(meter.layer_stats(name)),
+            )
         )
-        for name, run in runs.items()
-    )
+    return tuple(rows)
 
 
 def prepare_long_context(
@@ -282,14 +242,11 @@ def evaluate_context(
                 f"(--lengths {length})",
                 hint="pass a longer held-out text, or shorter lengths",
             )
-    model = job.model(notify)
     forward = functools.partial(
-        _last_quarter_nll, model=model, compute=job.compute, weights=Float32Weights()
+        _last_quarter_nll, model=job.model(notify), compute=job.compute, weights=Float32Weights()
     )
     rows = tuple(
-        row
-        for length, samples in packed.items()
-        for row in run_length(samples, job.quantizers, job.run.device, forward, notify, length, nll)
+        row for samples in packed.values() for row in run_length(samples, job, forward, notify, nll)
     )
     return ContextResult(
         str(checkpoint),

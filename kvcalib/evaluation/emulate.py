@@ -30,7 +30,6 @@ __all__ = [
     "LayerQuantStats",
     "Scale",
     "decode_rows",
-    "head_scale",
     "is_per_head",
 ]
 
@@ -78,13 +77,6 @@ class LayerQuantStats:
 
 
 Scale = float | torch.Tensor  # one per layer, or [1, heads, 1, 1] per head
-
-
-def head_scale(values: list[float]) -> Scale:
-    """A layer's scale as the quantiser takes it: a float for one value, [1, H, 1, 1] for one per head."""
-    if len(values) == 1:
-        return float(values[0])
-    return torch.tensor(values, dtype=torch.float32).reshape(1, -1, 1, 1)
 
 
 def is_per_head(*per_layer: list[Scale]) -> bool:
@@ -220,16 +212,8 @@ class KVErrorMeter:
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
         i = _layer(layer_idx, self.num_layers)
-        for kind, x in enumerate((key, value)):
-            self._measure(
-                i,
-                kind,
-                x,
-                [
-                    (c, (q.k_scales, q.v_scales)[kind][i], q.target)
-                    for c, q in enumerate(self.configs.values())
-                ],
-            )
+        self._measure(i, 0, key, lambda q: q.k_scales)
+        self._measure(i, 1, value, lambda q: q.v_scales)
 
     def observe_call(
         self,
@@ -243,41 +227,38 @@ class KVErrorMeter:
         """One unquantised attention call: Q's error under FP8 attention, and the attention samples."""
         i = _layer(getattr(module, "layer_idx", None), self.num_layers)
         if self.fp8_attention:
-            self._measure(
-                i,
-                2,
-                query,
-                [
-                    (c, q.q_scales[i], q.target)
-                    for c, q in enumerate(self.configs.values())
-                    if q.fp8_attention
-                ],
-            )
+            self._measure(i, 2, query, lambda q: q.fp8_attention and q.q_scales)
         if self.sampler is not None:
             self.sampler.record(i, query, key, value, attention_mask, kwargs, module)
 
-    def _measure(
-        self, layer: int, kind: int, x: torch.Tensor, scales: list[tuple[int, Scale, fp8.Target]]
-    ) -> None:
-        xf = x.float()  # [B, H, S, D]
+    def _measure(self, layer: int, kind: int, x: torch.Tensor, scales_of: Any) -> None:
+        """Sums for `x`, K/V/Q (`kind` 0/1/2) of `layer`, under each configuration whose scales_of(quantizer) are
+        its per-layer scales (falsy: not measured)."""
+        xf = x.float().transpose(1, 2)  # [B, S, H, D]
         if self.token_mask is not None:
-            xf = xf.transpose(1, 2)[self.token_mask]  # [real tokens, H, D]
+            xf = xf[self.token_mask]  # [real tokens, H, D]
         if xf.numel() == 0:
             return
         self._absmax[layer, kind] = torch.maximum(
             self._absmax[layer, kind], xf.abs().max().double()
         )
         signal = xf.double().pow(2).sum()
-        count = torch.tensor(float(xf.numel()), dtype=torch.float64, device=xf.device)
-        for c, scale, target in scales:
-            if isinstance(scale, torch.Tensor):  # [1, H, 1, 1] -> [1, H, 1] for [tokens, H, D]
+        for c, q in enumerate(self.configs.values()):
+            if not (scales := scales_of(q)):
+                continue
+            scale, target = scales[layer], q.target
+            if isinstance(scale, torch.Tensor):  # [1, H, 1, 1] -> [1, H, 1] for [..., H, D]
                 scale = scale.reshape(1, -1, 1).to(xf.device)
             noise = (fp8.fake_quantize(xf, scale, target) - xf).double().pow(2).sum()
             clipped = (fp8.to_fp8_domain(xf, scale, target).abs() > target.fp8_max).sum()
-            self._sums[c, layer, kind] += torch.stack([signal, noise, clipped.double(), count])
+            self._sums[c, layer, kind] += torch.stack(
+                [signal, noise, clipped.double(), signal.new_tensor(xf.numel())]
+            )
 
-    def layer_stats(self, name: str, alone: list[Any] | None = None) -> list[LayerQuantStats]:
-        """Per layer, configuration `name`'s figures; `alone`: each layer's ΔNLL quantised alone, if measured."""
+    def layer_stats(
+        self, name: str, alone: list[tuple[float, float]] | None = None
+    ) -> list[LayerQuantStats]:
+        """Per layer, configuration `name`'s figures; `alone`: each layer's (ΔNLL, KL) quantised alone, if measured."""
         c = list(self.configs).index(name)
         quantizer = self.configs[name]
         sums, absmax = self._sums[c].cpu(), self._absmax.cpu()
@@ -287,31 +268,26 @@ class KVErrorMeter:
                 KindQuantStats(fp8.sqnr_db(signal, noise), clipped / max(count, 1.0))
                 for signal, noise, clipped, count in sums[i].tolist()
             )
-            one = None if alone is None else alone[i]
+            k, v = (
+                replace(
+                    x, absmax=absmax[i, j].item(), clip_at=_clip_at(scales[i], quantizer.target)
+                )
+                for j, (x, scales) in enumerate(((k, quantizer.k_scales), (v, quantizer.v_scales)))
+            )
             stats.append(
                 LayerQuantStats(
-                    layer=i,
-                    k=replace(
-                        k,
-                        absmax=absmax[i, 0].item(),
-                        clip_at=_clip_at(quantizer.k_scales[i], quantizer.target),
-                    ),
-                    v=replace(
-                        v,
-                        absmax=absmax[i, 1].item(),
-                        clip_at=_clip_at(quantizer.v_scales[i], quantizer.target),
-                    ),
-                    q=q if quantizer.fp8_attention else None,
-                    attention_error=None
-                    if self.sampler is None
-                    else attention_error(
+                    i,
+                    k,
+                    v,
+                    q if quantizer.fp8_attention else None,
+                    self.sampler
+                    and attention_error(
                         self.sampler.samples[i],
                         quantizer.k_scales[i],
                         quantizer.v_scales[i],
                         quantizer.target,
                     ),
-                    delta_nll_alone=None if one is None else one.delta_nll,
-                    kl_alone=None if one is None else one.kl,
+                    *(alone[i] if alone else (None, None)),
                 )
             )
         return stats

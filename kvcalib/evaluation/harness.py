@@ -32,7 +32,7 @@ from kvcalib.hf.compute import Float32Weights, compute_path
 from kvcalib.hf.internals import cache_kwargs
 from kvcalib.hf.model import resolve_target
 
-__all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load", "quantizer_for"]
+__all__ = ["BASELINE", "CHECKPOINT", "UNIT", "KvcalibLM", "LoadedModel", "load"]
 
 BASELINE = "none"  # scales=none: no quantisation
 
@@ -48,21 +48,12 @@ class LoadedModel:
     weights: Float32Weights  # float32 copies of the weights, kept across forwards (when compute is emulated)
 
 
-def load(checkpoint: str | Path, options: ModelOptions, cpu: HostCpu | None = None) -> LoadedModel:
+def load(checkpoint: str | Path, options: ModelOptions) -> LoadedModel:
     """The model as `kvcalib eval` loads it (faithful attention, the compute path for this CPU)."""
-    job = Prepared.open(checkpoint, options, cpu or HostCpu.detect(with_capability=False))
+    job = Prepared.open(checkpoint, options, HostCpu.detect(with_capability=False))
     return LoadedModel(
         job.run.checkpoint, job.model(), job.tokenizer(), job.compute, Float32Weights()
     )
-
-
-def quantizer_for(loaded: LoadedModel, scales: str, target_name: str) -> KVQuantizer | None:
-    """The quantiser of `scales` (see the module docstring) on `target_name`'s numerics; None for the baseline."""
-    target = resolve_target(target_name)
-    if scales == BASELINE:
-        return None
-    chosen = scale_set(scales, loaded.checkpoint, target, what=f"scales={scales}")
-    return KVQuantizer(chosen.k, chosen.v, target)
 
 
 @register_model("kvcalib")
@@ -88,13 +79,18 @@ class KvcalibLM(HFLM):
                 ModelOptions(dtype, device, bool(trust_remote_code), bf16_compute),
             )
         )
-        # lm-eval's model_args parser turns "none" into None
-        self.scales = BASELINE if scales is None or str(scales).lower() == BASELINE else str(scales)
-        self.quantizer = quantizer_for(loaded, self.scales, target)
+        # the baseline (scales=none; lm-eval's model_args parser turns "none" into None) has no quantiser
+        self.quantizer = None
+        if scales is not None and str(scales).lower() != BASELINE:
+            chip = resolve_target(target)
+            chosen = scale_set(str(scales), loaded.checkpoint, chip, what=f"scales={scales}")
+            self.quantizer = KVQuantizer(chosen.k, chosen.v, chip)
         super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, **kwargs)
 
-    def _cache(self) -> ObservedCache:
-        return ObservedCache(self.model.config, self.quantizer and self.quantizer.observe)
+    def _cache(self) -> dict[str, Any]:
+        """The model's keywords for a new cache that stores K/V through the quantiser."""
+        cache = ObservedCache(self.model.config, self.quantizer and self.quantizer.observe)
+        return cache_kwargs(self.model, cache)
 
     def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
         # the longest continuation: _model_call's logits need cover no more than that past each row's end
@@ -110,11 +106,8 @@ class KvcalibLM(HFLM):
         logits, so this scores the same, with the LM head over a few positions (Gemma 3: most of a forward)."""
         if not getattr(self, "_continuation", 0):
             return 0
-        nonzero = (inps != 0).int()
-        last = torch.where(
-            nonzero.any(dim=1), nonzero.shape[1] - 1 - nonzero.flip(1).argmax(dim=1), -1
-        )
-        keep = self._continuation + int((inps.shape[1] - 1 - last).max())
+        padding = (inps != 0).flip(1).cumsum(1).eq(0).sum(1)  # each row's trailing zeros
+        keep = self._continuation + int(padding.max())
         return 0 if keep >= inps.shape[1] else keep
 
     def _model_call(
@@ -123,12 +116,11 @@ class KvcalibLM(HFLM):
         """Every run, the baseline too (no quantiser), through the same cache and LM-head slice."""
         keep = self._logits_to_keep(inps)
         with compute_path(self.loaded.compute, self.loaded.weights), torch.no_grad():
-            cache = cache_kwargs(self.model, self._cache())
-            return self.model(inps, **cache, use_cache=True, logits_to_keep=keep).logits
+            return self.model(inps, **self._cache(), use_cache=True, logits_to_keep=keep).logits
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any
     ) -> torch.Tensor:
-        generation_kwargs.update(cache_kwargs(self.model, self._cache()))
+        generation_kwargs.update(self._cache())
         with compute_path(self.loaded.compute, self.loaded.weights):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)

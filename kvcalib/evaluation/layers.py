@@ -7,14 +7,13 @@ not add up."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvcalib.evaluation.emulate import KVQuantizer
 
-__all__ = ["LayerAlone", "OneLayer"]
+__all__ = ["OneLayer"]
 
 
 class OneLayer:
@@ -27,11 +26,3 @@ class OneLayer:
         self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.quantizer.observe(layer_idx, key, value) if layer_idx == self.layer else None
-
-
-@dataclass(frozen=True)
-class LayerAlone:
-    """One layer quantised alone: ΔNLL and KL(unquantised || quantised), means over the scored tokens."""
-
-    delta_nll: float
-    kl: float

@@ -41,7 +41,6 @@ __all__ = [
     "evaluate_needle",
     "found",
     "insertion_point",
-    "line_breaks",
     "needle_prompts",
 ]
 
@@ -87,25 +86,22 @@ class NeedleRow:
     trials: int
     by_depth: tuple[tuple[float, int, int], ...]  # (depth, found, trials)
     rate_interval: tuple[float, float]  # Wilson 95%
-    interval: (
-        Interval | None
-    )  # paired bootstrap of (this run found - unquantised found) over trials; None: baseline
+    # paired bootstrap of (this run found - unquantised found) over trials; None: the baseline
+    difference: Interval | None
 
     @property
     def rate(self) -> float:
         return self.found / self.trials if self.trials else 0.0
 
-    def verdict(self, cell: bool = False) -> str:
-        """The difference's verdict (Interval.verdict; `cell`: for a table), or the baseline's own rate."""
+    def verdict(self) -> str:
+        """The difference's verdict (Interval.verdict, for a table), or the baseline's own rate."""
         return (
-            "the unquantised cache's own rate"
-            if self.interval is None
-            else self.interval.verdict("{:+.1%}", cell)
+            self.difference.verdict("{:+.1%}", True)
+            if self.difference
+            else "the unquantised cache's own rate"
         )
 
     JSON = {
-        "interval": None,
-        "difference": "interval",
         "rate": "rate",
         "by_depth": lambda row: [{"depth": d, "found": f, "trials": n} for d, f, n in row.by_depth],
     }
@@ -122,7 +118,7 @@ class NeedleResult:
     depths: tuple[float, ...]
     rows: tuple[NeedleRow, ...]
     trials: tuple[Trial, ...]
-    seconds: float = 0.0
+    seconds: float
     plot: str | None = None
 
     JSON = {
@@ -140,26 +136,20 @@ def insertion_point(stream: list[int], start: int, at: int, breaks: set[int]) ->
     return at
 
 
-def line_breaks(stream: list[int], tokenizer: Any) -> set[int]:
-    return {t for t in set(stream) if "\n" in tokenizer.decode([t])}
-
-
 def needle_prompts(
     stream: list[int],
     prefix: list[int],
     tokenizer: Any,
     length: int,
-    depths: tuple[float, ...],
     keys: int,
     seed: int,
-    breaks: set[int] | None = None,
 ) -> list[tuple[Trial, list[int]]]:
-    """`keys` trials per depth at `length` tokens: prefix, haystack with the needle at depth, the question."""
+    """`keys` trials per depth (DEPTHS) at `length` tokens: prefix, haystack with the needle at depth, the question."""
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-    breaks = line_breaks(stream, tokenizer) if breaks is None else breaks
+    breaks = {t for t in set(stream) if "\n" in tokenizer.decode([t])}
     rng = random.Random(f"{seed}-{length}")
     out = []
-    for depth in depths:
+    for depth in DEPTHS:
         for _ in range(keys):
             key = str(rng.randint(100000, 999999))
             needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
@@ -178,67 +168,53 @@ def needle_prompts(
                     hint="pass a longer held-out text, or shorter lengths",
                 )
             start = rng.randint(0, len(stream) - body)
-            at, hay = (
-                insertion_point(stream, start, round(depth * body), breaks),
-                stream[start : start + body],
-            )
+            at = insertion_point(stream, start, round(depth * body), breaks)
+            hay = stream[start : start + body]
             ids = prefix + hay[:at] + needle + hay[at:] + question
             out.append((Trial(length, depth, key, start, len(prefix) + at, {}), ids))
     return out
 
 
 @torch.inference_mode()
-def _forward(
-    model: torch.nn.Module, ids: list[int], cache: Any, device: torch.device
-) -> torch.Tensor:
+def _forward(model: Any, ids: list[int], cache: Any) -> torch.Tensor:
     """The logits at the last of `ids`, their K/V written to (and read from) `cache`."""
-    kwargs = cache_kwargs(model, cache)
+    ids = torch.tensor([ids], device=model.device)
     return model(
-        input_ids=torch.tensor([ids], device=device), **kwargs, use_cache=True, logits_to_keep=1
+        input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1
     ).logits
 
 
-def _greedy(
-    model: torch.nn.Module, cache: Any, logits: torch.Tensor, device: torch.device
-) -> list[int]:
+def _greedy(model: Any, cache: Any, logits: torch.Tensor) -> list[int]:
     """ANSWER_TOKENS greedy tokens after a prefill whose last logits are `logits`, decoding from `cache`."""
     got = [int(logits[0, -1].argmax())]
     while len(got) < ANSWER_TOKENS:
-        got.append(int(_forward(model, got[-1:], cache, device)[0, -1].argmax()))
+        got.append(int(_forward(model, got[-1:], cache)[0, -1].argmax()))
     return got
 
 
 def answer(
-    model: torch.nn.Module,
-    ids: list[int],
-    quantizers: dict[str, Any],
-    reads_fp8: bool,
-    device: torch.device,
+    model: Any, ids: list[int], quantizers: dict[str, Any], reads_fp8: bool
 ) -> dict[str, list[int]]:
     """Each run's greedy answer to one prompt: the baseline, then every scale set (order: module docstring)."""
     config = model.config
-    if reads_fp8:
-        runs = {
-            name: ObservedCache(config, q and q.observe)
-            for name, q in {BASELINE: None, **quantizers}.items()
-        }
+    if reads_fp8:  # each run's prefill writes its own cache and attends from it
         return {
-            name: _greedy(model, cache, _forward(model, ids, cache, device), device)
-            for name, cache in runs.items()
+            name: _greedy(
+                model, c := ObservedCache(config, q and q.observe), _forward(model, ids, c)
+            )
+            for name, q in {BASELINE: None, **quantizers}.items()
         }
     children = {name: ObservedCache(config, q.observe) for name, q in quantizers.items()}
     fan = ObservedCache(config, fan_out(list(children.values())))
-    logits = _forward(model, ids, fan, device)
+    logits = _forward(model, ids, fan)
     fan.observe = None  # decoding writes each run's own cache only
     return {
-        BASELINE: _greedy(model, fan, logits, device),
-        **{name: _greedy(model, cache, logits, device) for name, cache in children.items()},
+        BASELINE: _greedy(model, fan, logits),
+        **{name: _greedy(model, cache, logits) for name, cache in children.items()},
     }
 
 
-def summarise(
-    trials: list[Trial], names: list[str], depths: tuple[float, ...]
-) -> tuple[NeedleRow, ...]:
+def summarise(trials: list[Trial], names: list[str]) -> tuple[NeedleRow, ...]:
     """Per length and run: keys found (by depth too), their Wilson interval, the paired difference from BASELINE."""
     rows = []
     for length in dict.fromkeys(t.length for t in trials):
@@ -249,10 +225,10 @@ def summarise(
             by_depth = tuple(
                 (
                     d,
-                    sum(h for h, t in zip(hits, mine) if t.depth == d),
+                    sum(t.found(name) for t in mine if t.depth == d),
                     [t.depth for t in mine].count(d),
                 )
-                for d in depths
+                for d in DEPTHS
             )
             found, n = sum(hits), len(mine)
             interval = (
@@ -283,11 +259,10 @@ def evaluate_needle(
     job, _, tokenizer, stream, prefix = prepare_long_context(
         checkpoint, dataset, lengths, opts, notify
     )
-    breaks = line_breaks(stream, tokenizer)
     prompts = [
         p
         for length in lengths
-        for p in needle_prompts(stream, prefix, tokenizer, length, DEPTHS, keys, opts.seed, breaks)
+        for p in needle_prompts(stream, prefix, tokenizer, length, keys, opts.seed)
     ]
     model, weights = job.model(notify), Float32Weights()
     reads_fp8 = (opts.order or job.target.order) == fp8.GPU_ORDER
@@ -295,7 +270,7 @@ def evaluate_needle(
     for n, (trial, ids) in enumerate(prompts):
         notify(Progress(f"needle {trial.length}", n, len(prompts), done, total))
         with compute_path(job.compute, weights):
-            answers = answer(model, ids, job.quantizers, reads_fp8, job.run.device)
+            answers = answer(model, ids, job.quantizers, reads_fp8)
         trials.append(
             replace(trial, answers={name: tokenizer.decode(t) for name, t in answers.items()})
         )
@@ -305,7 +280,7 @@ def evaluate_needle(
         opts.target,
         "FP8 cache (GPU vLLM)" if reads_fp8 else "fresh K/V (Neuron)",
         DEPTHS,
-        summarise(trials, [BASELINE, *job.quantizers], DEPTHS),
+        summarise(trials, [BASELINE, *job.quantizers]),
         tuple(trials),
         time.perf_counter() - started,
     )

@@ -39,7 +39,7 @@ class ScoreOptions(ModelOptions):
 class EvalOptions(RunOptions, ScoreOptions):
     num_samples: int = option(
         64,
-        "First N rows of the split.",
+        "First N rows of the split (eval-context: N samples per length).",
         minimum=1,
         what="rows of the dataset to score",
     )

@@ -31,12 +31,13 @@ from kvcalib.evaluation.emulate import (
     KVErrorMeter,
     KVQuantizer,
     LayerQuantStats,
+    decode_rows,
     is_per_head,
 )
-from kvcalib.evaluation.layers import LayerAlone, OneLayer
+from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.scales import ScaleSet, read_scale_set
-from kvcalib.evaluation.scoring import log_probs, row_sums, scored_tokens, token_kl
+from kvcalib.evaluation.scoring import log_probs
 from kvcalib.evaluation.significance import Interval, paired_bootstrap
 from kvcalib.hf.compute import Float32Weights
 from kvcalib.hf.data import batches, load_calibration_data
@@ -83,22 +84,16 @@ class RunResult:
     kl: float
     top1: float
     layers: tuple[LayerQuantStats, ...]
-    kind: str = (
-        ""  # "KV per-tensor", "KV per-head", "FP8 attn, per-tensor" (Q too), "FP8 attn, per-head"
+    kind: (
+        str  # "KV per-tensor", "KV per-head", "FP8 attn, per-tensor" (Q too), "FP8 attn, per-head"
     )
-    accuracy: float = (
-        0.0  # next-token top-1 accuracy (top1 is the agreement with the unquantised run's top-1)
+    accuracy: (
+        float  # next-token top-1 accuracy (top1 is the agreement with the unquantised run's top-1)
     )
-    intervals: tuple[Interval | None, Interval | None] = (
-        None,
-        None,
-    )  # paired: ΔNLL, Δ accuracy (None: < 2 rows)
+    delta_nll_interval: Interval | None  # paired over rows (None: < 2 rows)
+    delta_accuracy_interval: Interval | None
     # every scored token's NLL, row after row (float64; not in its JSON): serve-check pairs them with the server's
-    token_nll: torch.Tensor | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def delta_nll_interval(self) -> Interval | None:
-        return self.intervals[0]
+    token_nll: torch.Tensor = field(compare=False, repr=False)
 
     @property
     def k_clipped(self) -> float:
@@ -108,12 +103,7 @@ class RunResult:
     def v_clipped(self) -> float:
         return sum(s.v.clipped for s in self.layers) / len(self.layers)
 
-    JSON = {
-        "intervals": None,
-        "token_nll": None,
-        "delta_nll_interval": "delta_nll_interval",
-        "delta_accuracy_interval": lambda run: run.intervals[1],
-    }
+    JSON = {"token_nll": None}
 
 
 @dataclass(frozen=True)
@@ -126,19 +116,17 @@ class EvalResult:
     checkpoint: str
     target: str
     fp8_max: float
+    order: str
     num_samples: int
     num_tokens: int  # next-token predictions scored
     baseline_nll: float
+    baseline_accuracy: float  # next-token top-1 accuracy of the unquantised run
     runs: tuple[RunResult, ...]
-    baseline_accuracy: float = 0.0  # next-token top-1 accuracy of the unquantised run
-    seconds: float = 0.0
+    seconds: float
+    compute: str
+    layer_rows: int  # rows the per-layer ΔNLL (LayerQuantStats.delta_nll_alone) was measured on
+    baseline_token_nll: torch.Tensor = field(compare=False, repr=False)  # as RunResult's
     plot: str | None = None
-    compute: str = ""
-    layer_rows: int = 0  # rows the per-layer ΔNLL (LayerQuantStats.delta_nll_alone) was measured on
-    baseline_token_nll: torch.Tensor | None = field(
-        default=None, compare=False, repr=False
-    )  # as RunResult's
-    order: str = fp8.GPU_ORDER
 
     JSON = {
         "baseline_nll": None,
@@ -154,18 +142,13 @@ class EvalResult:
 
 @dataclass
 class _Totals:
-    """Running sums over scored tokens for one configuration, and per sequence (for the paired intervals)."""
+    """One configuration's scored tokens: per row, their NLLs (float64) and how many its top-1 got right; against
+    the baseline, Σ KL(baseline || this) and Σ agreement with its top-1."""
 
-    nll: float = 0.0
-    kl: float = 0.0  # against the baseline: KL(baseline || this), agreement with its top-1
-    agree: float = 0.0
-    count: int = 0
-    row_nll: list[float] = field(default_factory=list)  # per sequence: Σ NLL, correct top-1, tokens
+    token_nll: list[torch.Tensor] = field(default_factory=list)
     row_correct: list[float] = field(default_factory=list)
-    row_tokens: list[int] = field(default_factory=list)
-    token_nll: list[torch.Tensor] = field(
-        default_factory=list
-    )  # per row: its tokens' NLLs (float64)
+    kl: float = 0.0
+    agree: float = 0.0
 
     def add(
         self,
@@ -177,21 +160,26 @@ class _Totals:
         """One batch's next-token log-probabilities [B, S-1, V] against `targets` [B, S-1] (and the baseline's
         log-probabilities and top-1, `base`); returns the top-1."""
         token_nll, top1 = -logp.gather(-1, targets[..., None])[..., 0], logp.argmax(-1)
-        nll = row_sums(token_nll, scored)
-        self.nll += float(nll.sum())
-        self.count += int(scored.sum())
-        self.row_nll += nll.tolist()
-        self.row_correct += row_sums(top1 == targets, scored).tolist()
-        self.row_tokens += scored.sum(dim=1).tolist()
+        self.row_correct += ((top1 == targets) & scored).sum(1).tolist()
         values, masks = token_nll.double().cpu(), scored.cpu()  # one transfer a batch
         self.token_nll += [row[mask] for row, mask in zip(values, masks)]
         if base is not None:
-            self.kl += token_kl(base[0], logp)[scored].double().sum().item()
+            kl = (base[0].exp() * (base[0] - logp)).sum(-1)  # KL(baseline || this) per position
+            self.kl += kl[scored].double().sum().item()
             self.agree += (top1 == base[1])[scored].sum().item()
         return top1
 
-    def tokens(self) -> torch.Tensor:
-        return torch.cat(self.token_nll)  # evaluate scores one row at least
+    @property
+    def row_nll(self) -> list[float]:
+        return [float(row.sum()) for row in self.token_nll]
+
+    @property
+    def nll(self) -> float:
+        return sum(self.row_nll)
+
+    @property
+    def count(self) -> int:
+        return sum(len(row) for row in self.token_nll)
 
 
 def evaluate(
@@ -235,48 +223,57 @@ def evaluate(
     meter = KVErrorMeter(job.quantizers, job.run.device, sampler)
     forward = functools.partial(log_probs, model, compute=job.compute, weights=Float32Weights())
     score = functools.partial(
-        _score, forward, batch_size=opts.batch_size, pad=pad, device=job.run.device, fresh=fresh
+        _score,
+        forward,
+        notify=notify,
+        batch_size=opts.batch_size,
+        pad=pad,
+        device=job.run.device,
+        fresh=fresh,
     )
-    baseline, totals = score(data.sequences, job.quantizers, notify, meter=meter)
-    rows, tokens = data.sequences[: opts.layer_rows], baseline.row_tokens
-    alone = _layers_alone(score, rows, job.quantizers, notify)
-    runs = tuple(
-        RunResult(
-            name=name,
-            nll=t.nll / t.count,
-            ppl=math.exp(t.nll / t.count),
-            delta_nll=(t.nll - baseline.nll) / t.count,
-            kl=t.kl / t.count,
-            top1=t.agree / t.count,
-            layers=_chosen(meter.layer_stats(name, alone.get(name)), job.run.checkpoint.root, name),
-            kind=_kind(job.quantizers[name]),
-            accuracy=sum(t.row_correct) / t.count,
-            intervals=(  # paired over rows: ΔNLL per token, the change in next-token accuracy
+    baseline, totals = score(data.sequences, job.quantizers, meter=meter)
+    rows, tokens = data.sequences[: opts.layer_rows], [len(r) for r in baseline.token_nll]
+    alone = _layers_alone(score, rows, job.quantizers)
+    runs = []
+    for name, t in totals.items():
+        n, quantizer = t.count, job.quantizers[name]
+        stats = _chosen(meter.layer_stats(name, alone.get(name)), job.run.checkpoint.root, name)
+        heads = "per-head" if is_per_head(quantizer.k_scales, quantizer.v_scales) else "per-tensor"
+        runs.append(
+            RunResult(
+                name,
+                t.nll / n,
+                math.exp(t.nll / n),
+                (t.nll - baseline.nll) / n,
+                t.kl / n,
+                t.agree / n,
+                stats,
+                f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}",
+                sum(t.row_correct) / n,
+                # paired over rows: ΔNLL per token, the change in next-token accuracy
                 paired_bootstrap([q - b for q, b in zip(t.row_nll, baseline.row_nll)], tokens),
                 paired_bootstrap(
                     [q - b for q, b in zip(t.row_correct, baseline.row_correct)],
                     tokens,
                     worse_if_higher=False,
                 ),
-            ),
-            token_nll=t.tokens(),
+                torch.cat(t.token_nll),  # evaluate scores one row at least
+            )
         )
-        for name, t in totals.items()
-    )
     return EvalResult(
-        checkpoint=str(checkpoint),
-        target=job.target.name,
-        fp8_max=job.target.fp8_max,
-        order=order,
-        num_samples=len(data.sequences),
-        num_tokens=baseline.count,
-        baseline_nll=baseline.nll / baseline.count,
-        baseline_accuracy=sum(baseline.row_correct) / baseline.count,
-        runs=runs,
-        seconds=time.perf_counter() - started,
-        compute=job.compute.describe(),
-        layer_rows=len(rows),
-        baseline_token_nll=baseline.tokens(),
+        str(checkpoint),
+        job.target.name,
+        job.target.fp8_max,
+        order,
+        len(data.sequences),
+        baseline.count,
+        baseline.nll / baseline.count,
+        sum(baseline.row_correct) / baseline.count,
+        tuple(runs),
+        time.perf_counter() - started,
+        job.compute.describe(),
+        len(rows),
+        torch.cat(baseline.token_nll),
     )
 
 
@@ -284,9 +281,7 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
     """`stats` with what kvcalib's scale objective chose per layer, where the run's checkpoint provenance says."""
     base = name.removesuffix(FP8_ATTN)
     source = root if base == CHECKPOINT else None if base == UNIT else Path(base)
-    provenance = (
-        source and source.is_dir() and read_provenance(scan_checkpoint(source, tolerant=True))
-    )
+    provenance = source and read_provenance(scan_checkpoint(source, tolerant=True))
     chosen: dict[Any, dict[str, ScaleChoice]] = {}
     for entry in (provenance or {}).get("layers") or ():
         try:  # a provenance kvcalib did not write, or an older one: the layer shows no choice
@@ -324,9 +319,9 @@ class Prepared:
     def model(self, notify: ProgressCallback = no_progress) -> torch.nn.Module:
         """The one way every eval job loads the model: in its dtype and device, attention as it serves."""
         notify(Progress("load-model"))
-        ckpt = self.run.checkpoint
-        attention = faithful_attention(ckpt.config)
-        return load_model(ckpt, self.run.dtype, self.run.device, self.trust_remote_code, attention)
+        run = self.run
+        attention = faithful_attention(run.checkpoint.config)
+        return load_model(run.checkpoint, run.dtype, run.device, self.trust_remote_code, attention)
 
 
 def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> Prepared:
@@ -341,14 +336,16 @@ def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> Prepared:
         configs[entry] = scale_set(entry, job.run.checkpoint, target)
     quantizers = {name: KVQuantizer(s.k, s.v, target) for name, s in configs.items()}
     if opts.fp8_attention:  # one more run for each that has q_scale
-        with_q = {name: s for name, s in configs.items() if s.q is not None}
-        if not with_q:
+        quantizers |= {
+            name + FP8_ATTN: KVQuantizer(s.k, s.v, target, s.q, fp8_attention=True)
+            for name, s in configs.items()
+            if s.q is not None
+        }
+        if len(quantizers) == len(configs):
             raise UsageError(
                 "--fp8-attention needs q_scale, and no checkpoint evaluated has one",
                 hint="calibrate with kvcalib calibrate --attention-scales",
             )
-        for name, s in with_q.items():
-            quantizers[name + FP8_ATTN] = KVQuantizer(s.k, s.v, target, s.q, fp8_attention=True)
     return replace(job, target=target, quantizers=quantizers)
 
 
@@ -356,8 +353,8 @@ def _score(
     forward: Callable[..., torch.Tensor],
     sequences: list[list[int]],
     hooks: dict[Any, Any],
-    notify: ProgressCallback,
     *,
+    notify: ProgressCallback,
     batch_size: int,
     pad: int,
     device: torch.device,
@@ -373,14 +370,13 @@ def _score(
     notify(Progress(stage, 0, len(sequences), 0, num_tokens))
     for input_ids, mask in batches(sequences, batch_size, pad):
         input_ids, mask = input_ids.to(device), mask.to(device)
-        scored, targets = scored_tokens(mask, fresh), input_ids[:, 1:]
-        if meter is not None:
+        scored, targets = (mask[:, 1:] & mask[:, :-1]).bool(), input_ids[:, 1:]  # real from real
+        if fresh:  # Neuron's order: the decode steps only
+            scored &= decode_rows(mask)[:, :-1]
+        if meter:  # evaluate's meter has a sampler
             meter.token_mask = mask.bool()
-            meter.sampler.start_batch(input_ids, mask)  # evaluate's meter always has one
+            meter.sampler.start_batch(input_ids, mask)
         base_logp = forward(input_ids, mask, meter or OneLayer(None, None))
-        if meter is not None:
-            meter.token_mask = None
-            meter.sampler.end_batch()
         base = (base_logp, baseline.add(base_logp, targets, scored))
         for key, hook in hooks.items():
             logp = forward(input_ids, mask, FreshPrefill(hook, mask) if fresh else hook)
@@ -396,10 +392,9 @@ def _layers_alone(
     score: Callable[..., tuple[_Totals, dict[Any, _Totals]]],
     rows: list[list[int]],
     quantizers: dict[str, KVQuantizer],
-    notify: ProgressCallback,
-) -> dict[str, list[LayerAlone | None]]:
-    """name -> per layer, ΔNLL and KL with only that layer's K/V quantised (evaluation.layers), on `rows`; an FP8
-    attention run: None per layer; no rows: {}."""
+) -> dict[str, list[tuple[float, float]]]:
+    """name -> per layer, (ΔNLL, KL) with only that layer's K/V quantised (evaluation.layers), on `rows`; no FP8
+    attention run; no rows: {}."""
     if not rows:
         return {}
     layers = range(quantizers[CHECKPOINT].num_layers)
@@ -409,16 +404,12 @@ def _layers_alone(
         if not q.fp8_attention
         for i in layers
     }
-    base, totals = score(rows, hooks, notify, stage="layers-alone")
+    base, totals = score(rows, hooks, stage="layers-alone")
     n = max(base.count, 1)
     return {
-        name: [
-            LayerAlone((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n)
-            if (name, i) in totals
-            else None
-            for i in layers
-        ]
-        for name in quantizers
+        name: [((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n) for i in layers]
+        for name, q in quantizers.items()
+        if not q.fp8_attention
     }
 
 
@@ -456,8 +447,3 @@ def scale_set(
             hint="evaluate per-head scales with --target gpu; calibrate per tensor for Neuron",
         )
     return scales
-
-
-def _kind(quantizer: KVQuantizer) -> str:
-    heads = "per-head" if is_per_head(quantizer.k_scales, quantizer.v_scales) else "per-tensor"
-    return f"FP8 attn, {heads}" if quantizer.fp8_attention else f"KV {heads}"

@@ -55,7 +55,7 @@ def _pyplot() -> Any:
 
 def plot_needle(result: Any, path: Path) -> Path:
     """Write the needle heatmaps (a NeedleResult), one per scale set: keys found by depth x length, atomically."""
-    plt, path = _pyplot(), check_plot_path(path)
+    plt = _pyplot()  # the path: check_plot_path, before the work
     names = list(dict.fromkeys(row.name for row in result.rows))
     lengths = list(dict.fromkeys(row.length for row in result.rows))
     fig, axes = plt.subplots(
@@ -72,9 +72,8 @@ def plot_needle(result: Any, path: Path) -> Path:
         ax.set_xticks(range(len(lengths)), [f"{length:,}" for length in lengths])
         ax.set_yticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths])
         ax.set_xlabel("context length (tokens)")
-        if ax is axes[0][0]:
-            ax.set_ylabel("needle depth")
         ax.set_title(_label(name), fontsize=9)
+    axes[0][0].set_ylabel("needle depth")
     fig.colorbar(image, ax=axes[0].tolist(), label="keys found")
     fig.suptitle(
         f"needle retrieval, FP8 KV on {result.target} (prefill: {result.prefill})", fontsize=10
@@ -86,7 +85,7 @@ def plot_eval(result: Any, path: Path) -> Path:
     """Write a PNG for an `EvalResult` to `path` (atomically) and return the path: per layer and kind (K, V; Q with
     FP8 attention) the absmax against where each run saturates, the SQNR and the fraction clipped; each run's ΔNLL,
     KL and top-1 agreement in the title."""
-    plt, path = _pyplot(), check_plot_path(path)
+    plt = _pyplot()  # the path: check_plot_path, before the work
     from matplotlib.ticker import MaxNLocator
 
     runs, layers = result.runs, [s.layer for s in result.runs[0].layers]
@@ -94,17 +93,19 @@ def plot_eval(result: Any, path: Path) -> Path:
     fig, axes = plt.subplots(3, len(kinds), figsize=(6 * len(kinds), 11), squeeze=False)
     for col, kind in enumerate(kinds):
         upper = kind.upper()
-        panels = (
-            ("clip_at", f"{upper}: absmax vs where each run saturates"),
-            ("sqnr_db", f"{upper} SQNR (dB)"),
-            ("clipped", f"{upper} fraction clipped"),
-        )
-        for row, (attr, title) in enumerate(panels):
+        panels = {
+            "clip_at": ": absmax vs where each run saturates",
+            "sqnr_db": " SQNR (dB)",
+            "clipped": " fraction clipped",
+        }
+        for row, (attr, title) in enumerate(panels.items()):
             ax = axes[row][col]
             for run in runs:
                 stats = [getattr(s, kind) for s in run.layers]
                 if stats[0] is not None and getattr(stats[0], attr) is not None:
-                    points = [_finite(getattr(x, attr)) for x in stats]
+                    points = [
+                        v if math.isfinite(v := getattr(x, attr)) else math.nan for x in stats
+                    ]
                     ax.plot(
                         layers, points, "--" if row == 0 else "o-", ms=3, label=_label(run.name)
                     )
@@ -112,7 +113,7 @@ def plot_eval(result: Any, path: Path) -> Path:
                 absmax = [getattr(s, kind).absmax for s in runs[0].layers]
                 ax.plot(layers, absmax, "k-", lw=2, label=f"{upper} absmax")
                 ax.set_yscale("log")
-            ax.set_title(title if ax.lines else f"{upper}: not measured", fontsize=9)
+            ax.set_title(upper + (title if ax.lines else ": not measured"), fontsize=9)
             ax.set_xlabel("layer")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if ax.lines:
@@ -137,7 +138,6 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
         fig.savefig(partial, dpi=90)
         os.replace(partial, path)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
         raise UsageError(
             f"--plot: cannot write {path}: {exc.strerror or exc}",
             hint="pick a path in a directory you can write to, on a filesystem with room",
@@ -146,10 +146,6 @@ def _save(fig: Any, plt: Any, path: Path) -> Path:
         plt.close(fig)
         partial.unlink(missing_ok=True)
     return path
-
-
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else float("nan")
 
 
 def _label(name: str) -> str:

@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kvcalib.core.checkpoint import read_scale_values, scan_checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import neuron_scale_key
-from kvcalib.evaluation.emulate import Scale, head_scale, is_per_head
+from kvcalib.evaluation.emulate import Scale, is_per_head
 
 __all__ = ["ScaleSet", "read_scale_set"]
 
@@ -53,7 +55,11 @@ def read_scale_set(
                     for g in range(kv_heads)
                     for _ in range(group)
                 ]
-            found[kind].append(head_scale(values))
+            found[kind].append(  # a float for one value, [1, H, 1, 1] for one per head
+                float(values[0])
+                if len(values) == 1
+                else torch.tensor(values, dtype=torch.float32).reshape(1, -1, 1, 1)
+            )
     q = found["q"] if len(found["q"]) == num_layers else None
     if found["q"] and q is None:
         raise UsageError(

@@ -69,31 +69,28 @@ class Interval:
 def paired_bootstrap(
     differences: Sequence[float],
     weights: Sequence[float] | None = None,
-    resamples: int = RESAMPLES,
-    seed: int = SEED,
-    level: float = LEVEL,
     worse_if_higher: bool = True,
 ) -> Interval | None:
     """The interval of Σ differences / Σ weights (weights: tokens per item; None: 1 each, a plain mean) over
-    items resampled with replacement. None with fewer than MIN_ITEMS items or no weight at all."""
+    items resampled with replacement (RESAMPLES, SEED, LEVEL). None with fewer than MIN_ITEMS items or no weight."""
     d = torch.tensor([float(x) for x in differences], dtype=torch.float64)
     w = torch.tensor([1.0] * len(d) if weights is None else weights, dtype=torch.float64)
     n = d.numel()
     if n < MIN_ITEMS or w.sum() <= 0 or not d.isfinite().all():
         return None
-    index = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))
+    index = torch.randint(n, (RESAMPLES, n), generator=torch.Generator().manual_seed(SEED))
     totals = w[index].sum(dim=1)
     stats = (d[index].sum(dim=1) / totals)[totals > 0]
-    tail = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    tail = torch.tensor([(1 - LEVEL) / 2, (1 + LEVEL) / 2], dtype=torch.float64)
     low, high = torch.quantile(stats, tail).tolist()
-    return Interval(float(d.sum() / w.sum()), low, high, n, level, worse_if_higher=worse_if_higher)
+    return Interval(float(d.sum() / w.sum()), low, high, n, worse_if_higher=worse_if_higher)
 
 
-def wilson(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson's score interval (95% by default) for a rate of successes / trials; (0, 1) with no trial."""
+def wilson(successes: int, trials: int) -> tuple[float, float]:
+    """Wilson's score interval (95%: z 1.96) for a rate of successes / trials; (0, 1) with no trial."""
     if trials <= 0:
         return 0.0, 1.0
-    p = successes / trials
+    p, z = successes / trials, 1.959964
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = (
         z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)

@@ -85,9 +85,7 @@ class TaskResult:
     num_fewshot: int | None
     compute: str = ""
     seconds: float = 0.0
-    lm_eval_version: str = ""
-
-    JSON = {"lm_eval_version": None, "lm_eval": "lm_eval_version"}
+    lm_eval: str = ""  # its version
 
 
 def require_lm_eval() -> Any:
@@ -132,11 +130,9 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
     from lm_eval.tasks import TaskManager
 
     index_log = logging.getLogger("lm_eval.tasks._index")
+    # quiet: --task-data's YAML overrides lm-eval's on purpose, no warning line per task for that
     level = index_log.level
-    if (
-        quiet
-    ):  # --task-data's YAML overrides lm-eval's on purpose: no warning line per task for that
-        index_log.setLevel(logging.ERROR)
+    index_log.setLevel(logging.ERROR if quiet else level)
     try:
         return TaskManager(include_path=list(folders) or None)
     finally:
@@ -145,13 +141,13 @@ def _indexed(folders: tuple[str, ...], mtimes: tuple[int, ...], quiet: bool) -> 
 
 def check_data(manager: Any, options: TaskOptions) -> None:
     """Every task's data read before any model loads: one that cannot be read (offline, no copy) is refused."""
+    offline = any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes")
+        for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
     for task in options.tasks:
         entry = getattr(manager, "task_index", {}).get(task)
         hub = (getattr(entry, "cfg", None) or {}).get("dataset_path")
-        offline = any(
-            os.environ.get(v, "").lower() in ("1", "true", "yes")
-            for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-        )
         local = not isinstance(hub, str) or hub in LOCAL_BUILDERS or Path(hub).exists()
         if not local and not offline and not _hub_reachable():
             raise UsageError(
@@ -170,25 +166,18 @@ def check_data(manager: Any, options: TaskOptions) -> None:
                 "scripts/prepare_tasks.py DIR` and pass --task-data DIR, or give your own task YAML "
                 "with --include-path",
             ) from None
-        if options.num_fewshot:
-            for name, task_obj in loaded.items():
-                pool = _fewshot_pool(task_obj)
-                if pool < options.num_fewshot:
-                    raise UsageError(
-                        f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw "
-                        "from",
-                        hint=f"pass --num-fewshot {max(pool - 1, 0)} or less",
-                    )
-
-
-def _fewshot_pool(task: Any) -> int:
-    """How many documents lm-eval can draw few-shot examples from (less the evaluated one, from its own split)."""
-    docs = task.fewshot_docs()
-    size = len(docs) if docs is not None else 0
-    same = docs is not None and any(
-        docs is getattr(task, f"{split}_docs")() for split in ("test", "validation")
-    )
-    return max(size - 1, 0) if same else size
+        for name, task_obj in loaded.items() if options.num_fewshot else ():
+            # the documents lm-eval draws few-shot examples from, less the evaluated one if from its own split
+            docs = task_obj.fewshot_docs()
+            same = docs is not None and any(
+                docs is getattr(task_obj, f"{split}_docs")() for split in ("test", "validation")
+            )
+            pool = max(len(docs if docs is not None else ()) - same, 0)
+            if pool < options.num_fewshot:
+                raise UsageError(
+                    f"--num-fewshot {options.num_fewshot}: task {name} has {pool} example(s) to draw from",
+                    hint=f"pass --num-fewshot {max(pool - 1, 0)} or less",
+                )
 
 
 LOCAL_BUILDERS = {"json", "arrow", "csv", "parquet", "text", "pandas"}
@@ -218,30 +207,27 @@ def evaluate_tasks(
     started = time.perf_counter()
     notify(Progress("load-model"))
     loaded = harness.load(checkpoint, options)
-    runs = {
-        BASELINE_NAME: (harness.BASELINE, options.target),
-        **{name: (name, options.target) for name in (harness.CHECKPOINT, *options.compare)},
-        **{name: (scales, target) for name, scales, target in options.extra_runs},
-    }
+    runs = [  # (name, scales, target)
+        (BASELINE_NAME, harness.BASELINE, options.target),
+        *((name, name, options.target) for name in (harness.CHECKPOINT, *options.compare)),
+        *options.extra_runs,
+    ]
     outputs: dict[str, LmEvalOutput] = {}
-    for done, (name, (scales, target)) in enumerate(runs.items()):
+    for done, (name, scales, target) in enumerate(runs):
         notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs)"))
-        model = harness.KvcalibLM(
-            loaded, target=target, scales=scales, batch_size=options.batch_size
-        )
+        model = harness.KvcalibLM(loaded, target, scales, batch_size=options.batch_size)
         outputs[name] = run_lm_eval(model, options, manager)
-    rows = tuple(row for task in options.tasks for row in paired_rows(task, outputs))
     return TaskResult(
-        checkpoint=str(checkpoint),
-        target=options.target,
-        tasks=options.tasks,
-        rows=rows,
-        runs=tuple(runs),
-        limit=options.limit,
-        num_fewshot=options.num_fewshot,
-        compute=loaded.compute.describe(),
-        seconds=time.perf_counter() - started,
-        lm_eval_version=getattr(lm_eval, "__version__", ""),
+        str(checkpoint),
+        options.target,
+        options.tasks,
+        tuple(row for task in options.tasks for row in paired_rows(task, outputs)),
+        tuple(outputs),
+        options.limit,
+        options.num_fewshot,
+        loaded.compute.describe(),
+        time.perf_counter() - started,
+        getattr(lm_eval, "__version__", ""),
     )
 
 
@@ -271,6 +257,9 @@ def paired_rows(task: str, outputs: dict[str, LmEvalOutput]) -> list[TaskRow]:
     for spec in config.get("metric_list", []):
         metric, aggregation = spec["metric"], spec.get("aggregation", "mean")
         higher_is_better = bool(spec.get("higher_is_better", True))
+        reason = (
+            "" if aggregation == "mean" else f"aggregated by {aggregation}, not a mean over items"
+        )
         values = {
             name: _values(out["samples"].get(task, []), metric) for name, out in outputs.items()
         }
@@ -296,11 +285,6 @@ def paired_rows(task: str, outputs: dict[str, LmEvalOutput]) -> list[TaskRow]:
                 for name in scores
                 if name != BASELINE_NAME
             }
-            reason = (
-                ""
-                if aggregation == "mean"
-                else f"aggregated by {aggregation}, not a mean over items"
-            )
             baseline = scores.pop(BASELINE_NAME)
             rows.append(
                 TaskRow(

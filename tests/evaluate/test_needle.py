@@ -75,7 +75,7 @@ def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_
     tokenizer = load_tokenizer(cal, False)
     stream, prefix = packed_stream(str(text_dataset), tokenizer, "train", None)
     question = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-    prompts = needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, seed=7)
+    prompts = needle_prompts(stream, prefix, tokenizer, 400, 2, seed=7)
     bodies = []
     assert len(prompts) == 2 * len(DEPTHS)
     assert [t.depth for t, _ in prompts] == [d for d in DEPTHS for _ in range(2)]
@@ -88,19 +88,17 @@ def test_each_prompt_is_prefix_haystack_needle_haystack_question_at_exactly_its_
         assert len(ids) == 400 and len(trial.key) == 6
         assert ids == prefix + hay[:at] + needle + hay[at:] + question
         assert abs(at - round(trial.depth * body)) <= 64
-    assert prompts == needle_prompts(
-        stream, prefix, tokenizer, 400, DEPTHS, 2, seed=7
-    )  # deterministic
+    assert prompts == needle_prompts(stream, prefix, tokenizer, 400, 2, seed=7)  # deterministic
     assert [t.key for t, _ in prompts] != [
-        t.key for t, _ in needle_prompts(stream, prefix, tokenizer, 400, DEPTHS, 2, 8)
+        t.key for t, _ in needle_prompts(stream, prefix, tokenizer, 400, 2, 8)
     ]
     with pytest.raises(UsageError, match="--lengths 40: too short"):
-        needle_prompts(stream, prefix, tokenizer, 40, DEPTHS, 1, seed=7)
+        needle_prompts(stream, prefix, tokenizer, 40, 1, seed=7)
     short = stream[: min(bodies) - 1]
     with pytest.raises(
         DatasetError, match=f"{len(short)} tokens of held-out text, too few for one haystack"
     ):
-        needle_prompts(short, prefix, tokenizer, 400, DEPTHS, 1, seed=7)
+        needle_prompts(short, prefix, tokenizer, 400, 1, seed=7)
 
 
 def _quantizers(cal, small):
@@ -149,8 +147,8 @@ def test_neuron_decodes_every_run_from_the_fresh_prefill_gpu_prefills_each_from_
     model = load_model(cal, torch.float32, torch.device("cpu"), False)
     quantizers = _quantizers(cal, small)
     ids = list(range(5, 205))
-    neuron = answer(model, ids, quantizers, reads_fp8=False, device=torch.device("cpu"))
-    gpu = answer(model, ids, quantizers, reads_fp8=True, device=torch.device("cpu"))
+    neuron = answer(model, ids, quantizers, reads_fp8=False)
+    gpu = answer(model, ids, quantizers, reads_fp8=True)
     assert all(len(tokens) == ANSWER_TOKENS for tokens in [*neuron.values(), *gpu.values()])
     assert neuron[BASELINE] == gpu[BASELINE]  # no quantisation: one order
     assert {tokens[0] for tokens in neuron.values()} == {
@@ -187,11 +185,11 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, t
         ]
         assert row.rate_interval == wilson(row.found, row.trials)
         if row.name == BASELINE:
-            assert row.interval is None
+            assert row.difference is None
         else:
             base = [t.found(BASELINE) for t in trials]
-            assert row.interval.estimate == pytest.approx((sum(hits) - sum(base)) / 10)
-            assert row.interval.items == 10
+            assert row.difference.estimate == pytest.approx((sum(hits) - sum(base)) / 10)
+            assert row.difference.items == 10
     out = json.loads(json.dumps(to_json(result)))
     assert out["trials"][0]["answers"].keys() == {BASELINE, "checkpoint", str(small)}
     pytest.importorskip("matplotlib")
@@ -262,9 +260,11 @@ def test_smollm2_finds_the_key_with_calibrated_scales_and_loses_it_at_div64(
         "\n".join(f"{name}: {row.found}/{row.trials} {row.verdict()}" for name, row in rows.items())
     )
     assert rows[BASELINE].found >= 9
-    assert not rows["checkpoint"].interval.significant
-    assert rows[str(broken)].interval.high < -0.5 and rows[str(broken)].interval.outcome == "worse"
+    assert not rows["checkpoint"].difference.significant
     assert (
-        rows[str(broken)].verdict(cell=True).startswith("worse by ")
-        and rows[BASELINE].verdict(cell=True) == "the unquantised cache's own rate"
+        rows[str(broken)].difference.high < -0.5 and rows[str(broken)].difference.outcome == "worse"
+    )
+    assert (
+        rows[str(broken)].verdict().startswith("worse by ")
+        and rows[BASELINE].verdict() == "the unquantised cache's own rate"
     )

@@ -109,7 +109,8 @@ def test_generation_decodes_from_the_quantised_cache(calibrated):
     """Prefill then one decoded token reads the same FP8 K/V as one prefill of the whole sequence; generation
     writes every new token's K/V through the quantiser."""
     loaded = harness.load(calibrated, ModelOptions(dtype="float32"))
-    quantizer = harness.quantizer_for(loaded, "checkpoint", "trn2")
+    model = harness.KvcalibLM(loaded, scales="checkpoint")
+    quantizer = model.quantizer
     ids = torch.tensor([[5, 17, 23, 42, 8, 9, 11]])
     with torch.inference_mode():
         whole = loaded.model(
@@ -127,7 +128,6 @@ def test_generation_decodes_from_the_quantised_cache(calibrated):
             calls.append(key.shape[2])
             return super().observe(layer_idx, key, value)
 
-    model = harness.KvcalibLM(loaded, scales="checkpoint")
     model.quantizer = Counting(quantizer.k_scales, quantizer.v_scales, fp8.get_target("trn2"))
     out = model._model_generate(ids, max_length=ids.shape[1] + 4, stop=[], do_sample=False)
     layers = loaded.model.config.num_hidden_layers
