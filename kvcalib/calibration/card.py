@@ -28,7 +28,6 @@ __all__ = [
     "SERVE_DEFAULTS",
     "TAGS",
     "card_text",
-    "serve_commands",
     "summarize",
     "write_card",
 ]
@@ -41,23 +40,13 @@ TAGS = ("fp8", "kv-cache", "kvcalib", "vllm", "neuron", "compressed-tensors")
 _SECTION = re.compile(re.escape(BEGIN.split(":", 2)[0]) + r".*?" + re.escape(END) + r"\n?", re.S)
 # serve-check's defaults, so the card's commands are the ones it runs (kvcalib.serving.launch.server_argv)
 SERVE_DEFAULTS = {"port": 8000, "tp": 1, "max_model_len": 2048, "max_num_seqs": 4}
-
-
-def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
-    """device -> the vLLM command serve-check runs for `checkpoint`; `mxfp4`: GPT-OSS with MXFP4 experts."""
-    return {
-        device: shlex.join(
-            server_argv(
-                Path("python"),
-                Path(checkpoint),
-                fp8=True,
-                device=device,
-                **SERVE_DEFAULTS,
-                neuron_quantization=neuron_quantization(device) if mxfp4 else None,
-            )
-        )
-        for device in (*(name for name, chip in fp8.TARGETS.items() if chip.neuron), "cuda")
-    }
+# serve-check's variants' columns in the card: (field, format)
+SERVE_COLUMNS = (
+    ("nll", ".4f"),
+    ("agreement", ".2f"),
+    ("served_delta_nll", "+.4f"),
+    ("predicted_delta_nll", "+.4f"),
+)
 
 
 def write_card(
@@ -132,54 +121,75 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         "",
     ]
     mxfp4 = bool(provenance.get("mxfp4_weights"))
-    commands = serve_commands(CHECKPOINT_PLACEHOLDER, mxfp4)
-    lines += ["### Serving it", ""]
-    if per_head:
-        lines += [
+
+    def command(device: str) -> str:  # the vLLM command serve-check runs
+        argv = server_argv(
+            Path("python"),
+            Path(CHECKPOINT_PLACEHOLDER),
+            fp8=True,
+            device=device,
+            **SERVE_DEFAULTS,
+            neuron_quantization=neuron_quantization(device) if mxfp4 else None,
+        )
+        return f"```bash\n{shlex.join(argv)}\n```"
+
+    trn3 = json.dumps({"neuron_config": {"quantization": neuron_quantization(_MXFP4_CHIP)}})
+    paragraphs = [
+        (True, "### Serving it"),
+        (
+            per_head,
             "GPU vLLM reads per-head scales on its FlashAttention backend; vLLM on Neuron cannot load them.",
-            "",
-        ]
-    if queries:
-        lines += [
+        ),
+        (
+            queries,
             "`q_scale` (Q after rotary embedding) and the FP8-attention config group are for GPU vLLM's FP8 "
             "attention; the Neuron plugin does not read them.",
-            "",
-        ]
-    if not per_head:
-        lines += [
+        ),
+        (
+            not per_head,
             "vLLM on Neuron (Trainium 2"
             + ("" if mxfp4 else "; `trn3` is the same command")
             + "), as `kvcalib serve-check CKPT --device trn2` "
             f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
-            "it is):",
-            "",
-            "```bash",
-            commands[fp8.DEFAULT_TARGET],
-            "```",
-            "",
-        ]
-    if mxfp4:
-        trn3 = json.dumps({"neuron_config": {"quantization": neuron_quantization(_MXFP4_CHIP)}})
-        lines += [
+            f"it is):\n\n{command(fp8.DEFAULT_TARGET)}",
+        ),
+        (
+            mxfp4,
             f"On Trainium 3 the same with `--additional-config '{trn3}'`: its GPT-OSS model runs the MXFP4 "
-            "experts as they are (on Trainium 2 it dequantizes them at load).",
-            "",
+            "experts as they are (on Trainium 2 it dequantizes them at load).\n\n"
             "Not for GPU: the experts stay MXFP4, which GPU vLLM loads only under its MXFP4 config, and that "
             "reads no KV scales (FP8 KV at 1.0). For GPU calibrate the dequantised form (`dequantize_mxfp4`, "
             "then `--target gpu`).",
-            "",
-        ]
-    else:
-        lines += [
-            "vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):",
-            "",
-            "```bash",
-            commands["cuda"],
-            "```",
-            "",
-        ]
+        ),
+        (
+            not mxfp4,
+            f"vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):\n\n{command('cuda')}",
+        ),
+    ]
+    lines += [line for shown, text in paragraphs if shown for line in (text, "")]
     if serve is not None:
-        lines += _serve_lines(serve)
+        verdict = (
+            "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
+        )
+        lines += [
+            "### serve-check",
+            "",
+            f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: {verdict}.",
+            "",
+            "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |",
+            "|---|---:|---:|---:|---:|",
+            *(
+                "| "
+                + " | ".join(
+                    [row["name"]]
+                    + ["-" if row[k] is None else format(row[k], f) for k, f in SERVE_COLUMNS]
+                )
+                + " |"
+                for row in serve.get("variants") or []
+            ),
+            *(["", f"Canary: {serve['canary']['reason']}."] if serve.get("canary") else []),
+            "",
+        ]
     fields = [
         ("k", "absmax"),
         ("v", "absmax"),
@@ -230,10 +240,6 @@ def _ranges(provenance: dict[str, Any]) -> tuple[bool, dict[str, list[int]]]:
     return chosen, {kind: layers for kind, layers in clipped.items() if layers}
 
 
-def _layers(layers: list[int]) -> str:
-    return f"layer {layers[0]}" if len(layers) == 1 else "layers " + ", ".join(map(str, layers))
-
-
 def _summary(provenance: dict[str, Any], per_head: bool) -> str:
     """The card's first paragraph: what was written, how the range was chosen, what clips, where it was scored."""
     fp8_max, target = provenance["fp8_max"], provenance["target"]
@@ -255,7 +261,8 @@ def _summary(provenance: dict[str, Any], per_head: bool) -> str:
         )
     if clipped:
         text += " Clipped below absmax: " + "; ".join(
-            f"{kind} in {_layers(layers)}" for kind, layers in clipped.items()
+            f"{kind} in layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))}"
+            for kind, layers in clipped.items()
         )
         scored = [name for name in provenance.get("scored_on") or [] if name != target]
         text += (
@@ -292,31 +299,6 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, d
             "scale": max(read_values(header, key)),
         }  # per head: the largest
     return dict(sorted(rows.items()))
-
-
-def _serve_lines(serve: dict[str, Any]) -> list[str]:
-    verdict = "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
-    lines = [
-        "### serve-check",
-        "",
-        f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: "
-        f"{verdict}.",
-        "",
-        "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |",
-        "|---|---:|---:|---:|---:|",
-    ]
-
-    def num(value: Any, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
-    for row in serve.get("variants") or []:
-        lines.append(
-            f"| {row['name']} | {num(row['nll'], '.4f')} | {num(row['agreement'], '.2f')} | "
-            f"{num(row['served_delta_nll'], '+.4f')} | {num(row['predicted_delta_nll'], '+.4f')} |"
-        )
-    if serve.get("canary"):
-        lines += ["", f"Canary: {serve['canary']['reason']}."]
-    return lines + [""]
 
 
 def summarize(report: ValidationReport) -> str:

@@ -52,7 +52,7 @@ def observe_across_ranks(
     engine: Callable[[EngineInputs], Observation],
     inputs: EngineInputs,
     ranks: Ranks,
-    finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any] | None = None,
+    finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any],
 ) -> tuple[Observation, Any]:
     """Run `engine` on this rank's share and combine every rank's observation; then `finish(observation, gather)`
     (the scale objective), where `gather(local_list)` returns every rank's lists concatenated in rank order."""
@@ -68,7 +68,15 @@ def observe_across_ranks(
             observation = engine(local_inputs)
         except Exception as exc:  # joins the status exchange below, then is raised again
             failure = exc
-        status = None if failure is None else _describe(failure)
+        status = (  # what the other ranks report of this one's failure
+            None
+            if failure is None
+            else failure.message
+            if isinstance(failure, KvcalibError)
+            else f"{type(failure).__name__}: {failure}"
+            if str(failure)
+            else type(failure).__name__
+        )
         try:
             statuses = _all_gather(status, ranks.world_size)
         except RuntimeError as exc:  # a peer vanished (killed, crashed) mid-exchange
@@ -86,29 +94,19 @@ def observe_across_ranks(
         def gather(local: list[Any]) -> list[Any]:
             return [item for part in _all_gather(local, ranks.world_size) for item in part]
 
-        return reduced, finish(reduced, gather) if finish is not None else None
+        return reduced, finish(reduced, gather)
 
 
 class RanksFailed(CalibrationError):
-    """Raised on the ranks that did not fail, from each failed rank's error: `detail`, those in words ("rank R: ERROR";
-    the error alone in one process)."""
+    """Raised on the ranks that did not fail, from each failed rank's error ("rank R: ERROR")."""
 
     def __init__(self, failures: dict[int, str], world_size: int):
-        self.detail = "; ".join(
-            f"rank {r}: {message}" if world_size > 1 else message
-            for r, message in sorted(failures.items())
-        )
+        detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failures.items()))
         super().__init__(
-            f"{len(failures)} of {world_size} processes failed during calibration ({self.detail}); "
+            f"{len(failures)} of {world_size} processes failed during calibration ({detail}); "
             "nothing was written",
             hint="fix what the failing rank reports and run again",
         )
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, KvcalibError):
-        return exc.message
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 @contextmanager
@@ -148,27 +146,19 @@ def _reduce(local: Observation, device: torch.device) -> Observation:
     """absmax per head and observe time: MAX (exact in float64); forward counts: SUM."""
     import torch.distributed as dist
 
-    groups = [*local.k_heads, *local.v_heads, *local.q_heads]
-    sizes = [g.numel() for g in groups]
-    packed = torch.cat(
-        [
-            *(g.reshape(-1).double() for g in groups),
-            torch.tensor([local.seconds], dtype=torch.float64),
-        ]
-    )
-    packed = packed.to(device)
+    groups = [*local.k_heads, *local.v_heads, *local.q_heads, torch.tensor([local.seconds])]
+    packed = torch.cat([g.reshape(-1).double() for g in groups]).to(device)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     counts = torch.tensor([*local.observed, *local.q_observed], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    packed, counts = packed.cpu(), counts.cpu().tolist()
-    reduced = [part.float() for part in torch.split(packed[:-1], sizes)]
-    n_kv, n_q = len(local.k_heads), len(local.q_heads)
+    parts, counts = torch.split(packed.cpu(), [g.numel() for g in groups]), counts.cpu().tolist()
+    n = len(local.k_heads)
     return dataclasses.replace(
         local,
-        k_heads=tuple(reduced[:n_kv]),
-        v_heads=tuple(reduced[n_kv : 2 * n_kv]),
-        q_heads=tuple(reduced[2 * n_kv : 2 * n_kv + n_q]),
-        observed=tuple(int(c) for c in counts[:n_kv]),
-        q_observed=tuple(int(c) for c in counts[n_kv:]),
-        seconds=float(packed[-1]),
+        k_heads=tuple(p.float() for p in parts[:n]),
+        v_heads=tuple(p.float() for p in parts[n : 2 * n]),
+        q_heads=tuple(p.float() for p in parts[2 * n : -1]),
+        observed=tuple(counts[:n]),
+        q_observed=tuple(counts[n:]),
+        seconds=float(parts[-1]),
     )

@@ -12,8 +12,10 @@ from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import NATIVE, ComputePath
 from kvcalib.core.progress import ProgressCallback
+from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules
 from kvcalib.hf.data import CalibrationData
 from kvcalib.hf.memory import MemoryLimit
+from kvcalib.hf.model import num_layers
 from kvcalib.hf.samples import AttentionSample, AttentionSampler
 
 __all__ = ["Engine", "EngineInputs", "Observation"]
@@ -43,11 +45,12 @@ class EngineInputs:
         None  # calibrate --plan's timed probe: the stream engine stops after this many layers
     )
 
-    def sampler(self, num_layers: int) -> AttentionSampler | None:
-        """What keeps the scale objective's attention samples (None when the objective needs none)."""
-        return (
-            AttentionSampler(num_layers, self.sample_sequences) if self.sample_sequences else None
-        )
+    def observer(self, model: torch.nn.Module) -> tuple[KVAbsmaxObserver, dict[int, str]]:
+        """What observes `model` (K/V, Q if asked, the scale objective's samples) and its attention modules' paths."""
+        n = num_layers(model)
+        sampler = AttentionSampler(n, self.sample_sequences) if self.sample_sequences else None
+        observer = KVAbsmaxObserver(n, queries=self.attention_scales, sampler=sampler)
+        return observer, attention_modules(model, n, self.checkpoint.root)
 
 
 @dataclass(frozen=True)

@@ -164,8 +164,6 @@ def sample_terms(
 
 def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
     """The exactly rounded sum over samples (math.fsum, element by element): independent of their order."""
-    if not per_sample:
-        raise ValueError("no attention samples to sum")
     stacked = torch.stack([t.double() for t in per_sample]).reshape(len(per_sample), -1)
     sums = [math.fsum(column) for column in stacked.T.tolist()]
     return torch.tensor(sums, dtype=torch.float64).reshape(per_sample[0].shape)
@@ -204,37 +202,13 @@ class Scored:
             label=labels.pop() if len(labels) == 1 else "per head",
             clipped=math.fsum(self.saturated[c, h].item() for h, c in enumerate(index))
             / self.elements,
-            attention_error=self.error,
-            attention_error_absmax=self.error_absmax,
-            attention_error_unit=self.error_unit,
+            attention_error=self.held_error(index),
+            attention_error_absmax=self.held_error((0,)),
+            attention_error_unit=self.held_error((self.candidates.unit,)),
             attention_error_on=tuple(
                 (name, self.held_error(index, n)) for n, name in enumerate(self.numerics)
             ),
         )
-
-    @property
-    def label(self) -> str:
-        return self.choice.label
-
-    @property
-    def clipped(self) -> float | None:
-        return self.choice.clipped
-
-    @property
-    def error(self) -> float:
-        return self.held_error(self.index)
-
-    @property
-    def error_absmax(self) -> float:
-        return self.held_error((0,))
-
-    @property
-    def error_unit(self) -> float:
-        return self.held_error((self.candidates.unit,))
-
-    @property
-    def errors_on(self) -> tuple[tuple[str, float], ...] | None:
-        return self.choice.attention_error_on
 
 
 def worst(errors: torch.Tensor) -> list[float]:
@@ -390,26 +364,6 @@ FAR_WORSE = 2.0  # absmax's attention error this many times the chosen scale's (
 WORTH_WARNING = 0.05
 
 
-def near_constant_channels(
-    samples: Sequence[AttentionSample], kind: str, absmax: float, limit: int = 6
-) -> tuple[int, list[tuple[int, float, float]]] | None:
-    """(head, [(channel, mean, std)]) of the head with the most channels of |mean| >= absmax / 4, std < 5 % of it."""
-    if not samples:
-        return None
-    x = torch.cat(
-        [(s.key if kind == "k" else s.value).float() for s in samples], dim=1
-    )  # [Hkv, tokens, D]
-    mean, std = x.mean(dim=1), x.std(dim=1, correction=0)
-    flagged = (mean.abs() >= 0.25 * absmax) & (std <= 0.05 * mean.abs())
-    if not bool(flagged.any()):
-        return None
-    head = int(flagged.sum(dim=1).argmax())
-    channels = sorted(
-        flagged[head].nonzero().flatten().tolist(), key=lambda c: -abs(float(mean[head, c]))
-    )
-    return head, [(c, float(mean[head, c]), float(std[head, c])) for c in channels[:limit]]
-
-
 def absmax_warnings(
     layers: Sequence[Any], samples: Sequence[Sequence[AttentionSample]], target: fp8.Target
 ) -> list[str]:
@@ -427,14 +381,27 @@ def absmax_warnings(
                 f"{choice.attention_error_absmax:.3f} against {choice.attention_error:.3f} for the chosen "
                 f"{choice.label} ({choice.clipped:.1%} clipped)"
             )
-            found = near_constant_channels(
-                samples[layer.layer] if layer.layer < len(samples) else (),
-                kind,
-                getattr(layer, kind).absmax,
-            )
-            if found is not None:
-                head, channels = found
-                listed = ", ".join(f"{c} (mean {m:.4g}, std {s:.2g})" for c, m, s in channels)
-                line += f"; KV head {head} has near-constant outlier channels: {listed}"
+            layer_samples = samples[layer.layer] if layer.layer < len(samples) else ()
+            if (
+                layer_samples
+            ):  # the KV head with the most channels of |mean| >= absmax / 4, std < 5 % of it
+                x = torch.cat(
+                    [(s.key if kind == "k" else s.value).float() for s in layer_samples], dim=1
+                )
+                mean, std = x.mean(dim=1), x.std(dim=1, correction=0)
+                flagged = (mean.abs() >= 0.25 * getattr(layer, kind).absmax) & (
+                    std <= 0.05 * mean.abs()
+                )
+                head = int(flagged.sum(dim=1).argmax())
+                channels = sorted(
+                    flagged[head].nonzero().flatten().tolist(),
+                    key=lambda c: -abs(float(mean[head, c])),
+                )
+                listed = ", ".join(
+                    f"{c} (mean {float(mean[head, c]):.4g}, std {float(std[head, c]):.2g})"
+                    for c in channels[:6]
+                )
+                if channels:
+                    line += f"; KV head {head} has near-constant outlier channels: {listed}"
             lines.append(line)
     return lines

@@ -169,24 +169,16 @@ def _alive(pid: int, host: str, started: float) -> bool:
         return False
     except PermissionError:  # another user's process
         pass
-    began = _process_start(pid)
-    return (
-        began is None or began <= started + 2.0
-    )  # a process that began after the marker reuses the pid
-
-
-def _process_start(pid: int) -> float | None:
-    """When `pid` started (seconds since the epoch), from /proc; None where that cannot be read."""
-    try:
+    try:  # when it began, from /proc: a process that began after the marker reuses the pid
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         boot = next(
             float(line.split()[1])
             for line in Path("/proc/stat").read_text().splitlines()
             if line.startswith("btime ")
         )
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK") <= started + 2.0
     except (OSError, ValueError, IndexError, StopIteration):
-        return None
+        return True
 
 
 def _rename_exchange(a: Path, b: Path) -> None:

@@ -136,7 +136,19 @@ def load_recipe(path: str | Path) -> KvRecipe:
             f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
             hint=_SEE_SHIPPED,
         )
-    target = _recipe_target(obj, path)
+    settings, target = obj.get(RECIPE_KEY), None
+    if settings is not None:
+        if not isinstance(settings, dict) or set(settings) - {"target"}:
+            raise RecipeError(
+                f"{path}: {RECIPE_KEY} must be a mapping with the key target only, not {settings!r}",
+                hint=f"{RECIPE_KEY}: {{target: trn2}}",
+            )
+        target = settings.get("target")
+        if target is not None and target not in fp8.TARGETS:
+            raise RecipeError(
+                f"{path}: {RECIPE_KEY}.target {target!r} is not a known target",
+                hint=f"use one of {', '.join(sorted(fp8.TARGETS))}",
+            )
     found, ignored, attention = _find_kv_schemes(obj, path)
     if not found:
         raise RecipeError(
@@ -222,16 +234,35 @@ def plan_recipe(
             hint=f"drop --target, or use --recipe {target}",
         )
     chosen = target or (recipe.target if recipe else None) or fp8.DEFAULT_TARGET
-    warnings: list[str] = []
+    known, warnings = fp8.TARGETS.get(chosen), []  # an unknown name: the caller reports it
     if recipe is not None:
-        if (known := fp8.TARGETS.get(chosen)) is not None:  # an unknown name: the caller reports it
+        if known is not None:
             check_servable(recipe, known)
         if recipe.ignored:
             warnings.append(
                 f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
                 f"{', '.join(recipe.ignored)}"
             )
-    strategy = _plan_strategy(strategy, recipe, chosen)
+    if strategy is not None and strategy not in STRATEGIES:
+        raise UsageError(
+            f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
+            hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)",
+        )
+    from_recipe = recipe.scheme.get("strategy") if recipe is not None else None
+    if strategy is not None and from_recipe is not None and strategy != from_recipe:
+        raise RecipeError(
+            f"--strategy {strategy} contradicts {recipe.path}, whose {KV_SCHEME_KEY} has strategy "
+            f"{from_recipe}",
+            hint="drop --strategy, or change the recipe",
+        )
+    strategy = strategy or from_recipe or TENSOR
+    if strategy == ATTN_HEAD and known is not None and known.neuron:
+        raise UsageError(
+            f"--strategy attn_head (one scale per KV head) cannot serve on {chosen}: "
+            f"{NEURON_PER_HEAD_REASON}",
+            hint="use --strategy tensor for Neuron; per-head scales are for "
+            "--target gpu (vLLM's FlashAttention backend)",
+        )
     if (
         engine == LLMCOMPRESSOR_ENGINE
     ):  # installed? check_run asks, after what the flags cannot do together
@@ -257,35 +288,11 @@ def plan_recipe(
         strategy,
         bool(recipe and recipe.attention),
         tuple(warnings),
-        {"observer": observer}
-        if recipe is None
-        else {"observer": observer, "recipe": recipe.path, "kv_cache_scheme": recipe.scheme},
+        {
+            "observer": observer,
+            **({"recipe": recipe.path, "kv_cache_scheme": recipe.scheme} if recipe else {}),
+        },
     )
-
-
-def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -> str:
-    """--strategy, else the recipe's; refused for a Neuron target before anything is loaded."""
-    if strategy is not None and strategy not in STRATEGIES:
-        raise UsageError(
-            f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
-            hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)",
-        )
-    from_recipe = recipe.scheme.get("strategy") if recipe is not None else None
-    if strategy is not None and from_recipe is not None and strategy != from_recipe:
-        raise RecipeError(
-            f"--strategy {strategy} contradicts {recipe.path}, whose {KV_SCHEME_KEY} has strategy "
-            f"{from_recipe}",
-            hint="drop --strategy, or change the recipe",
-        )
-    chosen, known = strategy or from_recipe or TENSOR, fp8.TARGETS.get(target)
-    if chosen == ATTN_HEAD and known is not None and known.neuron:
-        raise UsageError(
-            f"--strategy attn_head (one scale per KV head) cannot serve on {target}: "
-            f"{NEURON_PER_HEAD_REASON}",
-            hint="use --strategy tensor for Neuron; per-head scales are for "
-            "--target gpu (vLLM's FlashAttention backend)",
-        )
-    return chosen
 
 
 def require_llmcompressor() -> str:
@@ -296,24 +303,6 @@ def require_llmcompressor() -> str:
             hint=LLMCOMPRESSOR_HINT,
         )
     return version("llmcompressor")
-
-
-def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:
-    settings = obj.get(RECIPE_KEY)
-    if settings is None:
-        return None
-    if not isinstance(settings, dict) or set(settings) - {"target"}:
-        raise RecipeError(
-            f"{path}: {RECIPE_KEY} must be a mapping with the key target only, not {settings!r}",
-            hint=f"{RECIPE_KEY}: {{target: trn2}}",
-        )
-    target = settings.get("target")
-    if target is not None and target not in fp8.TARGETS:
-        raise RecipeError(
-            f"{path}: {RECIPE_KEY}.target {target!r} is not a known target",
-            hint=f"use one of {', '.join(sorted(fp8.TARGETS))}",
-        )
-    return target
 
 
 def _find_kv_schemes(

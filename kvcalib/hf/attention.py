@@ -24,7 +24,7 @@ __all__ = [
     "StopForward",
     "attention_modules",
     "fan_out",
-    "observe_batch",
+    "observed_forward",
     "observing_attention",
 ]
 
@@ -228,20 +228,15 @@ def attention_modules(model: torch.nn.Module, num_layers: int, where: object) ->
     return found
 
 
-@torch.inference_mode()
-def observe_batch(
-    decoder: torch.nn.Module,
-    observer: KVAbsmaxObserver,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-) -> None:
-    """Run one right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
-    with observer.batch(input_ids, attention_mask), observing_attention(decoder, observer):
-        decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            **internals.cache_kwargs(
-                decoder, ObservedCache(decoder.config, observer.observe, store=False)
-            ),
-        )
+def observed_forward(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, observe: Any, **kwargs: Any
+) -> Any:
+    """`model` on one right-padded batch, its cache showing each layer's fresh K/V to `observe` and keeping none."""
+    cache = ObservedCache(model.config, observe, store=False)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=True,
+        **internals.cache_kwargs(model, cache),
+        **kwargs,
+    )

@@ -28,7 +28,6 @@ from kvcalib.hf.mxfp4 import expert_chunks
 
 __all__ = [
     "PreparedRun",
-    "check_index_files",
     "check_loading_info",
     "faithful_attention",
     "prepare_run",
@@ -177,32 +176,7 @@ def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> No
             f"{model_dir}: no *.safetensors weights",
             hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
         )
-    check_index_files(checkpoint)
-    _refuse_special_files(model_dir)
-    layers = config.get("num_hidden_layers", schema.text_config(config).get("num_hidden_layers"))
-    if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
-        raise UnsupportedModelError(
-            f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
-            hint="a decoder needs at least one layer; restore config.json from the original",
-        )
-
-
-def _refuse_special_files(model_dir: Path) -> None:
-    """A FIFO or device among the checkpoint's files would block the tokenizer or the loader for ever."""
-    for entry in sorted(model_dir.iterdir()):
-        if entry.is_dir() or entry.name.startswith("."):
-            continue
-        require_regular_file(
-            entry,
-            "checkpoint file",
-            error=CheckpointReadError,
-            hint="every file of a checkpoint is a regular file; replace it with the real one",
-        )
-
-
-def check_index_files(checkpoint: Checkpoint) -> None:
-    """Every shard the index names exists (transformers would stop on the first one missing, with a traceback)."""
-    # the scanner refused an index that is not an object, or its weight_map
+    # every shard the index names exists (transformers would stop on the first one missing, with a traceback)
     missing: dict[str, list[str]] = {}
     for key, name in (checkpoint.files.weight_map or {}).items():
         if not isinstance(name, str) or name not in checkpoint.files.headers:
@@ -210,10 +184,26 @@ def check_index_files(checkpoint: Checkpoint) -> None:
     if missing:
         name, keys = min(missing.items())
         raise CheckpointReadError(
-            f"{checkpoint.root / INDEX_FILENAME} names {name}, which is not in {checkpoint.root} "
+            f"{model_dir / INDEX_FILENAME} names {name}, which is not in {model_dir} "
             f"({len(keys)} tensor(s), e.g. {min(keys)})"
             + (f"; {len(missing) - 1} more file(s) are missing" if len(missing) > 1 else ""),
             hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way",
+        )
+    for entry in sorted(
+        model_dir.iterdir()
+    ):  # a FIFO or device would block the tokenizer or loader for ever
+        if not (entry.is_dir() or entry.name.startswith(".")):
+            require_regular_file(
+                entry,
+                "checkpoint file",
+                error=CheckpointReadError,
+                hint="every file of a checkpoint is a regular file; replace it with the real one",
+            )
+    layers = config.get("num_hidden_layers", schema.text_config(config).get("num_hidden_layers"))
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
+        raise UnsupportedModelError(
+            f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
+            hint="a decoder needs at least one layer; restore config.json from the original",
         )
 
 
