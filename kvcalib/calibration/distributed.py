@@ -17,7 +17,7 @@ import torch
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.calibration.ranks import Ranks
 from kvcalib.core.errors import CalibrationError, KvcalibError, UsageError
-from kvcalib.hf.data import batches
+from kvcalib.hf.data import batched
 
 __all__ = ["COLLECTIVE_TIMEOUT", "RanksFailed", "batch_shares", "observe_across_ranks"]
 
@@ -27,13 +27,10 @@ COLLECTIVE_TIMEOUT = timedelta(
 
 
 def batch_shares(
-    sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int, pad_id: int = 0
+    sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int
 ) -> list[tuple[tuple[int, ...], ...]]:
     """Each rank's sequences: whole batches of the single-process batching, about equal in padded tokens."""
-    global_batches = [
-        tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
-        for ids, mask in batches(sequences, batch_size, pad_id)
-    ]
+    global_batches = batched(sequences, batch_size)
     if len(global_batches) < world_size:
         raise UsageError(
             f"{len(global_batches)} batch(es) of {batch_size} cannot be split across {world_size} processes",
@@ -56,9 +53,9 @@ def observe_across_ranks(
 ) -> tuple[Observation, Any]:
     """Run `engine` on this rank's share and combine every rank's observation; then `finish(observation, gather)`
     (the scale objective), where `gather(local_list)` returns every rank's lists concatenated in rank order."""
-    share = batch_shares(
-        inputs.data.sequences, inputs.options.batch_size, ranks.world_size, inputs.pad_id
-    )[ranks.rank]
+    share = batch_shares(inputs.data.sequences, inputs.options.batch_size, ranks.world_size)[
+        ranks.rank
+    ]
     local_inputs = dataclasses.replace(
         inputs, data=dataclasses.replace(inputs.data, sequences=share)
     )

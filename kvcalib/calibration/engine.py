@@ -10,7 +10,7 @@ import torch
 
 from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.core.checkpoint import Checkpoint
-from kvcalib.core.cpu import NATIVE, ComputePath
+from kvcalib.core.cpu import ComputePath
 from kvcalib.core.progress import ProgressCallback
 from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules
 from kvcalib.hf.data import CalibrationData
@@ -34,10 +34,8 @@ class EngineInputs:
     device: torch.device
     pad_id: int
     notify: ProgressCallback
-    compute: ComputePath = ComputePath(NATIVE, "not chosen")
-    memory: MemoryLimit | None = (
-        None  # this host's memory limit (the stream engine sizes its spill by it)
-    )
+    compute: ComputePath
+    memory: MemoryLimit  # this host's memory limit (the stream engine sizes its spill by it)
     sample_sequences: frozenset[tuple[int, ...]] = (
         frozenset()
     )  # the scale objective's sequences (none: absmax)

@@ -215,7 +215,7 @@ def engine_inputs(
         pad,
         notify,
         plan.compute,
-        plan.engine.limit if plan.engine.limit is not None else plan.machine.memory,
+        plan.engine.limit or plan.machine.memory,
         sample_sequences=sampled,
         probe_layers=probe_layers,
     )

@@ -32,7 +32,7 @@ from kvcalib.hf.attention import (
 )
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
-from kvcalib.hf.memory import available_memory, release_free_memory
+from kvcalib.hf.memory import release_free_memory
 from kvcalib.hf.model import (
     build_skeleton,
     check_loading_info,
@@ -121,9 +121,11 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     # layer and its load-time copy (the ranks on this host share it)
     hidden_bytes = sum(ids.numel() for ids, _ in batch_list) * int(text_config(decoder).hidden_size)
     largest = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
-    left = (inputs.memory or available_memory()).available // (
-        inputs.machine.ranks.local_world_size if inputs.machine.ranks else 1
-    ) - 2 * largest
+    left = (
+        inputs.memory.available
+        // (inputs.machine.ranks.local_world_size if inputs.machine.ranks else 1)
+        - 2 * largest
+    )
     spill = hidden_bytes * stream.weights.dtype.itemsize > HIDDEN_STATES_MEMORY_SHARE * left
     # (samples, tokens) per batch, and in all: reported as through the whole model
     sizes = list(zip(*[(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]))
@@ -233,19 +235,16 @@ class _Weights:
             if name.startswith(prefix) and not (skip and name.startswith(skip))
         ]
 
-    def _missing(self, name: str) -> UnsupportedModelError:
-        return UnsupportedModelError(
-            f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
-            hint="the checkpoint does not hold every weight this model's config describes; calibrate it in "
-            "memory (without --stream-layers) to see transformers' own report",
-        )
-
     def check(self, prefix: str) -> None:
         """Every weight under `prefix` has a source in the checkpoint, and every tensor a place."""
         check_loading_info(self.model_dir, {"unexpected_keys": self.unexpected})
         for name, tensor in self._under(prefix, None):
             if tensor.device.type == "meta" and name not in self.sources:
-                raise self._missing(name)
+                raise UnsupportedModelError(
+                    f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
+                    hint="the checkpoint does not hold every weight this model's config describes; calibrate it "
+                    "in memory (without --stream-layers) to see transformers' own report",
+                )
 
     def load(self, prefix: str, skip: str | None = None) -> None:
         """Put the meta weights under `prefix` (except those under `skip`) on the device."""
@@ -264,8 +263,6 @@ class _Weights:
         for name in alone:
             self._convert([name], quantized=True)
         for name, tensor in self._under(prefix, skip):
-            if tensor.device.type == "meta":
-                raise self._missing(name)
             if tensor.device != self.device:
                 owner, _, attr = name.rpartition(".")
                 holder = self.model.get_submodule(owner) if owner else self.model

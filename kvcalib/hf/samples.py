@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvcalib.hf.data import batches
+from kvcalib.hf.data import batched
 
 __all__ = [
     "ROWS_PER_SEQUENCE",
@@ -51,19 +51,17 @@ class AttentionSample:
 def sample_sequences(
     sequences: tuple[tuple[int, ...], ...],
     batch_size: int,
-    pad_id: int,
+    pad_id: int = 0,  # unused: the batching does not depend on it
     budget: int = SAMPLE_TOKENS,
 ) -> frozenset[tuple[int, ...]]:
     """The sequences the objective scores: whole batches of the run's own batching, in order, to `budget` tokens."""
     chosen: set[tuple[int, ...]] = set()
     tokens = 0
-    for ids, mask in batches(sequences, batch_size, pad_id):
+    for chunk in batched(sequences, batch_size):
         if chosen and tokens >= budget:
             break
-        for row in range(ids.shape[0]):
-            length = int(mask[row].sum())
-            chosen.add(tuple(ids[row, :length].tolist()))
-            tokens += length
+        chosen.update(chunk)
+        tokens += sum(map(len, chunk))
     return frozenset(chosen)
 
 

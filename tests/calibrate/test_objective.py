@@ -559,25 +559,13 @@ def test_candidates_ruled_out_early_change_nothing(target):
         # to a millionth (another CPU's kernels may order their sums differently)
         for found, whole in zip(chosen, everything):
             for mine, theirs in zip(found, whole):
-                mine, theirs, index = mine.choice, theirs.choice, (mine.index, theirs.index)
-                assert (mine.label, mine.clipped) == (theirs.label, theirs.clipped) and len(
-                    set(index)
-                ) == 1
-                assert [
-                    mine.attention_error,
-                    mine.attention_error_absmax,
-                    mine.attention_error_unit,
-                ] == (
-                    pytest.approx(
-                        [
-                            theirs.attention_error,
-                            theirs.attention_error_absmax,
-                            theirs.attention_error_unit,
-                        ],
-                        rel=1e-6,
-                    )
+                a, b = mine.choice, theirs.choice
+                assert (mine.index, a.label, a.clipped) == (theirs.index, b.label, b.clipped)
+                errors = ("attention_error", "attention_error_absmax", "attention_error_unit")
+                assert [getattr(a, e) for e in errors] == pytest.approx(
+                    [getattr(b, e) for e in errors], rel=1e-6
                 )
-                assert [name for name, _ in mine.attention_error_on] == [n.name for n in numerics]
+                assert [name for name, _ in a.attention_error_on] == [n.name for n in numerics]
         labels |= {c.choice.label for pair in chosen for c in pair}
     if (
         target == "gpu"
