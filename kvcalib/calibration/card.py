@@ -27,7 +27,6 @@ __all__ = [
     "END",
     "SERVE_DEFAULTS",
     "TAGS",
-    "card_text",
     "summarize",
     "write_card",
 ]
@@ -52,30 +51,24 @@ SERVE_COLUMNS = (
 def write_card(
     ckpt: Path, validation: str, serve: dict[str, Any] | None = None, base_model: str | None = None
 ) -> Path:
-    """Write (atomically) `ckpt`/README.md: its current text with kvcalib's section put in or replaced."""
-    ckpt = Path(ckpt)
+    """Write (atomically) `ckpt`/README.md: its current text (a card or nothing) with kvcalib's section put in or
+    replaced between the markers and kvcalib's front matter merged in."""
+    from huggingface_hub import ModelCard
+
     path = ckpt / CARD_FILENAME
     existing = path.read_text(encoding="utf-8") if path.is_file() else ""
-    text = card_text(existing, _section(ckpt, validation, serve), base_model)
+    card = ModelCard(existing if existing.startswith("---") else "---\ntags: []\n---\n" + existing)
+    body = _SECTION.sub("", card.text).rstrip()
+    card.text = (body + "\n\n" if body else "") + _section(ckpt, validation, serve)
+    card.data.tags = sorted(set(card.data.tags or []) | set(TAGS))
+    if base_model and not getattr(card.data, "base_model", None):
+        card.data.base_model = base_model
     partial = ckpt / f".{CARD_FILENAME}.partial"
-    partial.write_text(text, encoding="utf-8")
+    partial.write_text(str(card), encoding="utf-8")
     os.replace(
         partial, path
     )  # a hard-linked README.md from the input is replaced, never written through
     return path
-
-
-def card_text(existing: str, section: str, base_model: str | None) -> str:
-    """`existing` (a card or nothing) with `section` between the markers and kvcalib's front matter merged in."""
-    from huggingface_hub import ModelCard
-
-    card = ModelCard(existing if existing.startswith("---") else "---\ntags: []\n---\n" + existing)
-    body = _SECTION.sub("", card.text).rstrip()
-    card.text = (body + "\n\n" if body else "") + section
-    card.data.tags = sorted(set(card.data.tags or []) | set(TAGS))
-    if base_model and not getattr(card.data, "base_model", None):
-        card.data.base_model = base_model
-    return str(card)
 
 
 _MXFP4_CHIP = next(

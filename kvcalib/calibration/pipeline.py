@@ -27,7 +27,6 @@ from kvcalib.calibration.objective import (
     search,
 )
 from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales, Machine
-from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import (
     LLMCOMPRESSOR_ENGINE,
     RecipePlan,
@@ -264,7 +263,16 @@ def check_run(
     )
     if writer:
         check_room(output, checkpoint)
-    device = rank_device(device, ranks)
+    if (
+        ranks is not None and device.type == "cuda" and device.index is None
+    ):  # cuda: this rank's own GPU
+        if ranks.local_rank >= torch.cuda.device_count():
+            raise UsageError(
+                f"rank {ranks.rank} (local rank {ranks.local_rank}) has no GPU: torch sees "
+                f"{torch.cuda.device_count()}",
+                hint="run at most one process per GPU (torchrun --nproc-per-node <number of GPUs>)",
+            )
+        device = torch.device("cuda", ranks.local_rank)
     copies = ranks.local_world_size if ranks else 1
     choice = choose_engine(opts.engine, checkpoint, dtype, device, copies, machine.memory)
     compute = (  # oneshot runs the model as its users run it

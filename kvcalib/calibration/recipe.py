@@ -149,7 +149,41 @@ def load_recipe(path: str | Path) -> KvRecipe:
                 f"{path}: {RECIPE_KEY}.target {target!r} is not a known target",
                 hint=f"use one of {', '.join(sorted(fp8.TARGETS))}",
             )
-    found, ignored, attention = _find_kv_schemes(obj, path)
+    # (modifier location, field, scheme) for every kv_cache_scheme and FP8-attention group's input activations;
+    # the modifiers (or their parts) that quantise something else
+    found: list[tuple[str, str, Any]] = []
+    ignored: list[str] = []
+    modifiers = [
+        (f"{stage_key}.{group_key}.{modifier}", {} if arguments is None else arguments)
+        for stage_key, stage in obj.items()
+        if str(stage_key).endswith("_stage") and isinstance(stage, dict)
+        for group_key, group in stage.items()
+        if str(group_key).endswith("_modifiers") and isinstance(group, dict)
+        for modifier, arguments in group.items()
+    ]
+    for location, arguments in modifiers:
+        if not isinstance(arguments, dict):
+            raise RecipeError(
+                f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
+                hint=f"see the shipped recipe for the layout {_SHIPPED}",
+            )
+        groups, scheme = arguments.get("config_groups"), arguments.get(KV_SCHEME_KEY)
+        fp8_attention = fp8_attention_groups(groups)
+        found += [
+            (location, f"config_groups.{name}.input_activations", args)
+            for name, args in fp8_attention.items()
+        ]
+        found += [(location, KV_SCHEME_KEY, scheme)] if scheme is not None else []
+        others = [
+            key
+            for key in OTHER_SCHEME_KEYS
+            if arguments.get(key)
+            and not (key == "config_groups" and len(fp8_attention) == len(groups))
+        ]
+        if scheme is None and not fp8_attention:
+            ignored.append(location)
+        elif others:
+            ignored.append(f"{location} ({', '.join(others)})")
     if not found:
         raise RecipeError(
             f"{path}: no {KV_SCHEME_KEY} in the recipe",
@@ -171,6 +205,7 @@ def load_recipe(path: str | Path) -> KvRecipe:
             "quantises K/V with its own input_activations)",
         )
     location, scheme = parsed[0]
+    attention = any(field != KV_SCHEME_KEY for _, field, _ in found)
     return KvRecipe(str(path), location, scheme, target, tuple(ignored), attention)
 
 
@@ -303,47 +338,6 @@ def require_llmcompressor() -> str:
             hint=LLMCOMPRESSOR_HINT,
         )
     return version("llmcompressor")
-
-
-def _find_kv_schemes(
-    obj: dict[str, Any], path: str | Path
-) -> tuple[list[tuple[str, str, Any]], list[str], bool]:
-    """(modifier location, field, scheme) for every kv_cache_scheme and FP8-attention group's input activations;
-    modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
-    found: list[tuple[str, str, Any]] = []
-    ignored: list[str] = []
-    modifiers = [
-        (f"{stage_key}.{group_key}.{modifier}", {} if arguments is None else arguments)
-        for stage_key, stage in obj.items()
-        if str(stage_key).endswith("_stage") and isinstance(stage, dict)
-        for group_key, group in stage.items()
-        if str(group_key).endswith("_modifiers") and isinstance(group, dict)
-        for modifier, arguments in group.items()
-    ]
-    for location, arguments in modifiers:
-        if not isinstance(arguments, dict):
-            raise RecipeError(
-                f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                hint=f"see the shipped recipe for the layout {_SHIPPED}",
-            )
-        groups, scheme = arguments.get("config_groups"), arguments.get(KV_SCHEME_KEY)
-        fp8_attention = fp8_attention_groups(groups)
-        found += [
-            (location, f"config_groups.{name}.input_activations", args)
-            for name, args in fp8_attention.items()
-        ]
-        found += [(location, KV_SCHEME_KEY, scheme)] if scheme is not None else []
-        others = [
-            key
-            for key in OTHER_SCHEME_KEYS
-            if arguments.get(key)
-            and not (key == "config_groups" and len(fp8_attention) == len(groups))
-        ]
-        if scheme is None and not fp8_attention:
-            ignored.append(location)
-        elif others:
-            ignored.append(f"{location} ({', '.join(others)})")
-    return found, ignored, any(field != KV_SCHEME_KEY for _, field, _ in found)
 
 
 def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from kvcalib.hf.model import (
     num_layers,
     text_config,
 )
-from kvcalib.hf.mxfp4 import dequantizer, expert_chunks
+from kvcalib.hf.mxfp4 import expert_chunks
 
 __all__ = [
     "HIDDEN_STATES_MEMORY_SHARE",
@@ -218,7 +218,7 @@ class _Weights:
         self.model, self.model_dir, self.files = model, model_dir, files
         self.device, self.dtype = device, dtype
         # as from_pretrained dequantizes MXFP4 experts
-        self.quantizer = dequantizer(files.key_files)
+        self.quantizer = internals.mxfp4_quantizer() if mxfp4.weights(files.key_files) else None
         meta = dict(model.state_dict())
         rename = internals.renamer(model, self.quantizer, meta)
         # model parameter -> the checkpoint keys it is made from

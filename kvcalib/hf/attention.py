@@ -80,6 +80,8 @@ class KVAbsmaxObserver:
         self.queries = queries  # also Q: the forward then stops after the last attention call
         # a kvcalib.hf.samples.AttentionSampler: keeps the chosen sequences' attention calls
         self.sampler = sampler
+        # the attention calls are needed (Q, or the objective's samples): observing_attention
+        self.sees_attention_calls = queries or sampler is not None
         # per layer: [kv_heads] float32 (K, V), [attention heads] (Q)
         self.k_heads: list[torch.Tensor | None] = [None] * num_layers
         self.v_heads: list[torch.Tensor | None] = [None] * num_layers
@@ -112,11 +114,6 @@ class KVAbsmaxObserver:
         self.observed[layer_idx] += 1
         if layer_idx == self.num_layers - 1 and not self.sees_attention_calls:
             raise StopForward
-
-    @property
-    def sees_attention_calls(self) -> bool:
-        """Whether the attention calls are needed (Q, or the objective's samples): observing_attention."""
-        return self.queries or self.sampler is not None
 
     @contextmanager
     def batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Iterator[None]:

@@ -117,14 +117,13 @@ class AttentionSampler:
         for row, length in self._batch:
             positions = _rows(length, self.rows)
             index = torch.tensor(positions, device=query.device)
-            held_out = torch.tensor([j % 2 == 1 for j in range(len(positions))])
             self.samples[layer].append(
                 AttentionSample(
                     query=query[row].index_select(1, index).detach().float().cpu(),
                     key=key[row, :, :length].detach().float().cpu(),
                     value=value[row, :, :length].detach().float().cpu(),
                     bias=_bias(attention_mask, row, index, length),
-                    held_out=held_out,
+                    held_out=torch.arange(len(positions)) % 2 == 1,
                     scaling=float(scaling),
                     softcap=float(softcap) if softcap else None,
                     sinks=sinks.detach().float().cpu().clone()
