@@ -93,11 +93,66 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         if per_head
         else "Per-tensor FP8 KV-cache scales"
     )
+    # whether some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE (chosen), and per kind the
+    # layers where a range is below its absmax (clipped)
+    chosen, clipped = False, {"K": [], "V": []}
+    for row in provenance.get("layers", []):
+        for kind in "kv":
+            record, pairs = row[kind], []
+            if record.get("head_scales") and record.get("head_absmax"):
+                pairs = [
+                    (s * fp8_max, a) for s, a in zip(record["head_scales"], record["head_absmax"])
+                ]
+            elif record.get("range") is not None:
+                pairs = [(record["range"], record["absmax"])]
+            pairs = [(r, a) for r, a in pairs if a > 0]
+            chosen |= any(not a <= r <= a * (1 + fp8.SCALE_ROUNDING_TOLERANCE) for r, a in pairs)
+            if any(r < a * (1 - 1e-6) for r, a in pairs):
+                clipped[kind.upper()].append(row["layer"])
+    clipped = {kind: layers for kind, layers in clipped.items() if layers}
+    # the first paragraph: what was written, how the range was chosen, what clips, where it was scored
+    headroom, objective = provenance.get("headroom") or 1.0, provenance.get("scale_objective")
+    wider = f"{headroom:g} x absmax(K) (--headroom)"
+    text = (
+        f"`k_scale = {'range' if chosen else 'absmax'}(K) / {fp8_max:g}` per "
+        f"{'head' if per_head else 'layer'}, after rotary embedding (the same for V)."
+    )
+    if chosen and objective != "attention":
+        text += f" The range is {wider}."
+    elif chosen:
+        text += (
+            " The range (the table's range columns) is the candidate around absmax(K) with the least "
+            "error in the attention block's output"
+            + (f"; where it clips nothing, at least {wider}" if headroom != 1.0 else "")
+            + "."
+        )
+    if clipped:
+        text += " Clipped below absmax: " + "; ".join(
+            f"{kind} in layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))}"
+            for kind, layers in clipped.items()
+        )
+        scored = [name for name in provenance.get("scored_on") or [] if name != target]
+        text += (
+            f". Scored on {target} and on {', '.join(scored)}, each at its own FP8 max."
+            if scored
+            else f". Scored on {target} alone: serve these scales there only."
+        )
+    else:
+        served = provenance.get("scored_on") or (
+            [target] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))]
+        )
+        text += f" Nothing clips: right on {', '.join(served)}."
+    smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]
+    if smaller:
+        text += (
+            f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate with --target "
+            f"{smaller[0]} to serve there."
+        )
     lines = [
         BEGIN,
         "## FP8 KV cache (kvcalib)",
         "",
-        f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {_summary(provenance, per_head)}",
+        f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {text}",
         "",
         "| | |",
         "|---|---|",
@@ -186,7 +241,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     fields = [
         ("k", "absmax"),
         ("v", "absmax"),
-        *((("k", "range"), ("v", "range")) if _ranges(provenance)[0] else ()),
+        *((("k", "range"), ("v", "range")) if chosen else ()),
         ("k", "scale"),
         ("v", "scale"),
         *((("q", "absmax"), ("q", "scale")) if queries else ()),
@@ -204,81 +259,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         + " |",
         "|---:|" + "---:|" * len(fields),
     ]
-    lines += [
-        f"| {layer} | "
-        + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields)
-        + " |"
-        for layer, row in _scale_rows(ckpt, provenance).items()
-    ]
-    return "\n".join(lines + ["", END, ""])
-
-
-def _ranges(provenance: dict[str, Any]) -> tuple[bool, dict[str, list[int]]]:
-    """(some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE, kind -> the layers where a
-    range is below its absmax: clipped)."""
-    fp8_max, chosen, clipped = provenance["fp8_max"], False, {"K": [], "V": []}
-    for row in provenance.get("layers", []):
-        for kind in "kv":
-            record, pairs = row[kind], []
-            if record.get("head_scales") and record.get("head_absmax"):
-                pairs = [
-                    (s * fp8_max, a) for s, a in zip(record["head_scales"], record["head_absmax"])
-                ]
-            elif isinstance(record.get("range"), (int, float)):
-                pairs = [(record["range"], record["absmax"])]
-            pairs = [(r, a) for r, a in pairs if a > 0]
-            chosen |= any(not a <= r <= a * (1 + fp8.SCALE_ROUNDING_TOLERANCE) for r, a in pairs)
-            if any(r < a * (1 - 1e-6) for r, a in pairs):
-                clipped[kind.upper()].append(row["layer"])
-    return chosen, {kind: layers for kind, layers in clipped.items() if layers}
-
-
-def _summary(provenance: dict[str, Any], per_head: bool) -> str:
-    """The card's first paragraph: what was written, how the range was chosen, what clips, where it was scored."""
-    fp8_max, target = provenance["fp8_max"], provenance["target"]
-    headroom, objective = provenance.get("headroom") or 1.0, provenance.get("scale_objective")
-    chosen, clipped = _ranges(provenance)
-    wider = f"{headroom:g} x absmax(K) (--headroom)"
-    text = (
-        f"`k_scale = {'range' if chosen else 'absmax'}(K) / {fp8_max:g}` per "
-        f"{'head' if per_head else 'layer'}, after rotary embedding (the same for V)."
-    )
-    if chosen and objective != "attention":
-        text += f" The range is {wider}."
-    elif chosen:
-        text += (
-            " The range (the table's range columns) is the candidate around absmax(K) with the least "
-            "error in the attention block's output"
-            + (f"; where it clips nothing, at least {wider}" if headroom != 1.0 else "")
-            + "."
-        )
-    if clipped:
-        text += " Clipped below absmax: " + "; ".join(
-            f"{kind} in layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))}"
-            for kind, layers in clipped.items()
-        )
-        scored = [name for name in provenance.get("scored_on") or [] if name != target]
-        text += (
-            f". Scored on {target} and on {', '.join(scored)}, each at its own FP8 max."
-            if scored
-            else f". Scored on {target} alone: serve these scales there only."
-        )
-    else:
-        served = provenance.get("scored_on") or (
-            [target] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))]
-        )
-        text += f" Nothing clips: right on {', '.join(served)}."
-    smaller = [t.name for t in fp8.TARGETS.values() if t.fp8_max < fp8_max]
-    if smaller:
-        text += (
-            f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate with --target "
-            f"{smaller[0]} to serve there."
-        )
-    return text
-
-
-def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
-    """Per layer and kind: absmax and range from the provenance, the scale read back from the scales file itself."""
+    # per layer and kind: absmax and range from the provenance, the scale read back from the scales file itself
     header = read_safetensors_header(ckpt / SCALES_FILENAME)
     by_layer = {row["layer"]: row for row in provenance.get("layers", [])}
     rows: dict[int, dict[str, dict[str, float]]] = {}
@@ -289,9 +270,15 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, d
         rows.setdefault(layer, {})[kind] = {
             "absmax": absmax,
             "range": prov.get("range", absmax),
-            "scale": max(read_values(header, key)),
-        }  # per head: the largest
-    return dict(sorted(rows.items()))
+            "scale": max(read_values(header, key)),  # per head: the largest
+        }
+    lines += [
+        f"| {layer} | "
+        + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields)
+        + " |"
+        for layer, row in sorted(rows.items())
+    ]
+    return "\n".join(lines + ["", END, ""])
 
 
 def summarize(report: ValidationReport) -> str:

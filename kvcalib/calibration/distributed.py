@@ -75,7 +75,7 @@ def observe_across_ranks(
             else type(failure).__name__
         )
         try:
-            statuses = _all_gather(status, ranks.world_size)
+            statuses = _all_gather(status)
         except RuntimeError as exc:  # a peer vanished (killed, crashed) mid-exchange
             raise CalibrationError(
                 f"rank {ranks.rank}: lost the other processes ({exc})",
@@ -89,7 +89,7 @@ def observe_across_ranks(
         reduced = _reduce(observation, collective_device)
 
         def gather(local: list[Any]) -> list[Any]:
-            return [item for part in _all_gather(local, ranks.world_size) for item in part]
+            return [item for part in _all_gather(local) for item in part]
 
         return reduced, finish(reduced, gather)
 
@@ -131,10 +131,10 @@ def _process_group(ranks: Ranks, device: torch.device) -> Iterator[torch.device]
             dist.destroy_process_group()
 
 
-def _all_gather(obj: Any, world_size: int) -> list[Any]:
+def _all_gather(obj: Any) -> list[Any]:
     import torch.distributed as dist
 
-    everyone: list[Any] = [None] * world_size
+    everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, obj)
     return everyone
 

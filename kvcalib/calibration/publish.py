@@ -132,7 +132,11 @@ def recover(output: Path) -> list[str]:
         if path not in marked
     ]
     for root in marked:
-        owner = _owner(root)
+        try:  # (pid, host, started) from the marker; None if unreadable (a run killed while writing it)
+            marker = json.loads((root / MARKER).read_text())
+            owner = int(marker["pid"]), str(marker["host"]), float(marker["started"])
+        except (OSError, ValueError, KeyError, TypeError):
+            owner = None
         if owner is not None and _alive(*owner):
             raise OutputExistsError(
                 f"another kvcalib (pid {owner[0]}) is writing {output} (its staging directory {root})",
@@ -146,15 +150,6 @@ def recover(output: Path) -> list[str]:
         )
         notes.append(f"{done}, left by an interrupted run ({who})")
     return notes
-
-
-def _owner(root: Path) -> tuple[int, str, float] | None:
-    """(pid, host, started) from the marker; None if missing or unreadable (a run killed while writing it)."""
-    try:
-        marker = json.loads((root / MARKER).read_text())
-        return int(marker["pid"]), str(marker["host"]), float(marker["started"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _alive(pid: int, host: str, started: float) -> bool:

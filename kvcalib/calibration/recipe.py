@@ -190,10 +190,21 @@ def load_recipe(path: str | Path) -> KvRecipe:
             hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} "
             f"(or an FP8-attention config group); {_SEE_SHIPPED}",
         )
-    parsed = [
-        (location, _parse_scheme(value, f"{location}.{field}", path))
-        for location, field, value in found
-    ]
+    parsed = []  # through compressed-tensors' QuantizationArgs, as JSON types; the observer as written
+    for location, key, value in found:
+        where = f"{path}: {location}.{key}"
+        if not isinstance(value, dict):
+            raise RecipeError(
+                f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
+                hint=_SEE_SHIPPED,
+            )
+        try:
+            parsed.append((location, parse_kv_scheme(value).model_dump(mode="json")))
+        except ValueError as exc:
+            raise RecipeError(
+                f"{where} is not a valid compressed-tensors QuantizationArgs: {exc}",
+                hint=_SEE_SHIPPED,
+            ) from None
     if len({json.dumps(scheme, sort_keys=True) for _, scheme in parsed}) > 1:
         places = ", ".join(
             f"{location}.{field}" if field != KV_SCHEME_KEY else location
@@ -338,21 +349,3 @@ def require_llmcompressor() -> str:
             hint=LLMCOMPRESSOR_HINT,
         )
     return version("llmcompressor")
-
-
-def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:
-    """The scheme through compressed-tensors' QuantizationArgs, as JSON types; the observer as written."""
-    where = f"{path}: {location}"
-    if not isinstance(value, dict):
-        raise RecipeError(
-            f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
-            hint=_SEE_SHIPPED,
-        )
-    try:
-        args = parse_kv_scheme(value)
-    except ValueError as exc:
-        raise RecipeError(
-            f"{where} is not a valid compressed-tensors QuantizationArgs: {exc}",
-            hint=_SEE_SHIPPED,
-        ) from None
-    return args.model_dump(mode="json")

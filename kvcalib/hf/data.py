@@ -242,8 +242,11 @@ def load_calibration_data(
             f"dataset {dataset}: all {len(texts)} selected rows of column {column!r} are empty",
             hint="pass a dataset with text in it",
         )
+    bare, full = _bare_and_full(
+        tokenizer
+    )  # the ids the tokenizer adds around plain text (BOS, EOS ...)
     added = (
-        default_special_tokens(tokenizer)
+        tuple(i for i in full if i not in bare)
         if add_special_tokens is not False and not all(chat)
         else ()
     )
@@ -296,12 +299,6 @@ def tokenize_as_served(
 def _bare_and_full(tokenizer: Any) -> tuple[list[int], list[int]]:
     """A one-letter text's ids without and with the tokenizer's default special tokens."""
     return tuple(tokenizer("a", add_special_tokens=add)["input_ids"] for add in (False, True))
-
-
-def default_special_tokens(tokenizer: Any) -> tuple[int, ...]:
-    """The ids the tokenizer adds around plain text by default (BOS, EOS ...), in order."""
-    bare, full = _bare_and_full(tokenizer)
-    return tuple(i for i in full if i not in bare)
 
 
 def leading_special_tokens(tokenizer: Any) -> tuple[int, ...]:

@@ -65,14 +65,6 @@ def sample_sequences(
     return frozenset(chosen)
 
 
-def _rows(length: int, count: int) -> list[int]:
-    """`count` query positions spread evenly over 1..length-1, the last included, in order."""
-    if length <= 1:
-        return [0]
-    count = min(count, length - 1)
-    return sorted({length - 1 - (j * (length - 1)) // count for j in range(count)})
-
-
 class AttentionSampler:
     """Keeps the attention calls of the chosen sequences, per layer (see the module docstring)."""
 
@@ -115,7 +107,13 @@ class AttentionSampler:
         if self._batch and layer not in self._mixes:
             self._mixes[layer] = _mix(module, key.shape[1], *query.shape[1::2])
         for row, length in self._batch:
-            positions = _rows(length, self.rows)
+            # self.rows query positions spread evenly over 1..length-1, the last included, in order
+            count = min(self.rows, length - 1)
+            positions = (
+                sorted({length - 1 - j * (length - 1) // count for j in range(count)})
+                if length > 1
+                else [0]
+            )
             index = torch.tensor(positions, device=query.device)
             self.samples[layer].append(
                 AttentionSample(
