@@ -287,7 +287,19 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
             shutil.copytree(entry, dest / entry.name, copy_function=_carry)
         elif entry.is_file():
             _carry(entry, dest / entry.name)
-    _write_scales(dest, plan, index)
+    from safetensors.torch import save_file
+
+    # (a scale key the weights also hold is in two files: validate refuses it before publishing)
+    scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
+    metadata = {
+        "format": "pt",
+        PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True),
+    }
+    save_file(scales, str(dest / SCALES_FILENAME), metadata=metadata)
+    os.chmod(dest / SCALES_FILENAME, 0o644)
+    index.update(
+        (k, (SCALES_FILENAME, t.numel() * t.element_size(), t.numel())) for k, t in scales.items()
+    )
     out: dict[str, Any] = dict(source.files.index or {})
     metadata = dict(out.get("metadata") or {})
     metadata["total_size"] = sum(nbytes for _, nbytes, _ in index.values())
@@ -302,28 +314,6 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
     write_json(dest / CONFIG_FILENAME, config)
     write_json(dest / PROVENANCE_FILENAME, plan.provenance)
     return notes
-
-
-def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
-    from safetensors.torch import save_file
-
-    # (a scale key the weights also hold is in two files: validate refuses it before publishing)
-    scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
-    save_file(
-        scales,
-        str(tmp / SCALES_FILENAME),
-        metadata={
-            "format": "pt",
-            PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True),
-        },
-    )
-    os.chmod(tmp / SCALES_FILENAME, 0o644)
-    index.update(
-        {
-            key: (SCALES_FILENAME, t.numel() * t.element_size(), t.numel())
-            for key, t in scales.items()
-        }
-    )
 
 
 # Files at least this large (pytorch_model.bin, original/consolidated.pth) are hard-linked like the weights; smaller
