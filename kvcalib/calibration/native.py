@@ -9,10 +9,7 @@ import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.core.progress import Progress
-from kvcalib.hf.attention import (
-    observed_forward,
-    observing_attention,
-)
+from kvcalib.hf.attention import observed_forward, observing_attention
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
 from kvcalib.hf.model import faithful_attention, load_model
