@@ -201,7 +201,9 @@ def calibrate(
         else plan_serve_check(model, options, serve_check, **(serve or {}))
     )
     result = run_calibration(model, dataset, output, options, machine, progress)
-    return result if serving is None else serve_calibrated(result, serving, machine, serve_progress)
+    if serving is None or result.validation is None:  # under torchrun, rank 0 serves what it wrote
+        return result
+    return serve_calibrated(result, serving, machine, serve_progress)
 
 
 def validate(

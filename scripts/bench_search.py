@@ -139,7 +139,9 @@ def main() -> None:
                     chosen = run()
                     seconds[name].append(time.perf_counter() - started)
                     picks[name] = [
-                        (c.label, c.index, c.clipped) for layer in chosen for c in layer[:2]
+                        (c.choice.label, c.index, c.choice.clipped)
+                        for layer in chosen
+                        for c in layer[:2]
                     ]
                     if name == "kvcalib":
                         result = chosen

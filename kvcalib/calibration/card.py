@@ -28,8 +28,6 @@ __all__ = [
     "END",
     "SERVE_PORT",
     "TAGS",
-    "card_text",
-    "serve_commands",
     "summarize",
     "write_card",
 ]
@@ -41,51 +39,36 @@ END = "<!-- kvcalib:end -->"
 TAGS = ("fp8", "kv-cache", "kvcalib", "vllm", "neuron", "compressed-tensors")
 _SECTION = re.compile(re.escape(BEGIN.split(":", 2)[0]) + r".*?" + re.escape(END) + r"\n?", re.S)
 SERVE_PORT = 8000  # the rest is serve-check's defaults: the card's commands are the ones it runs
-
-
-def serve_commands(checkpoint: str, mxfp4: bool = False) -> dict[str, str]:
-    """device -> the vLLM command serve-check runs for `checkpoint`; `mxfp4`: GPT-OSS with MXFP4 experts."""
-    return {
-        device: shlex.join(
-            server_argv(
-                ServeOptions(device, vllm_python=Path("python")),
-                Path(checkpoint),
-                SERVE_PORT,
-                True,
-                neuron_quantization=neuron_quantization(device) if mxfp4 else None,
-            )
-        )
-        for device in (*(name for name, chip in fp8.TARGETS.items() if chip.neuron), "cuda")
-    }
+# serve-check's variants' columns in the card: (field, format)
+SERVE_COLUMNS = (
+    ("nll", ".4f"),
+    ("agreement", ".2f"),
+    ("served_delta_nll", "+.4f"),
+    ("predicted_delta_nll", "+.4f"),
+)
 
 
 def write_card(
     ckpt: Path, validation: str, serve: dict[str, Any] | None = None, base_model: str | None = None
 ) -> Path:
-    """Write (atomically) `ckpt`/README.md: its current text with kvcalib's section put in or replaced."""
-    ckpt = Path(ckpt)
+    """Write (atomically) `ckpt`/README.md: its current text (a card or nothing) with kvcalib's section put in or
+    replaced between the markers and kvcalib's front matter merged in."""
+    from huggingface_hub import ModelCard
+
     path = ckpt / CARD_FILENAME
     existing = path.read_text(encoding="utf-8") if path.is_file() else ""
-    text = card_text(existing, _section(ckpt, validation, serve), base_model)
+    card = ModelCard(existing if existing.startswith("---") else "---\ntags: []\n---\n" + existing)
+    body = _SECTION.sub("", card.text).rstrip()
+    card.text = (body + "\n\n" if body else "") + _section(ckpt, validation, serve)
+    card.data.tags = sorted(set(card.data.tags or []) | set(TAGS))
+    if base_model and not getattr(card.data, "base_model", None):
+        card.data.base_model = base_model
     partial = ckpt / f".{CARD_FILENAME}.partial"
-    partial.write_text(text, encoding="utf-8")
+    partial.write_text(str(card), encoding="utf-8")
     os.replace(
         partial, path
     )  # a hard-linked README.md from the input is replaced, never written through
     return path
-
-
-def card_text(existing: str, section: str, base_model: str | None) -> str:
-    """`existing` (a card or nothing) with `section` between the markers and kvcalib's front matter merged in."""
-    from huggingface_hub import ModelCard
-
-    card = ModelCard(existing if existing.startswith("---") else "---\ntags: []\n---\n" + existing)
-    body = _SECTION.sub("", card.text).rstrip()
-    card.text = (body + "\n\n" if body else "") + section
-    card.data.tags = sorted(set(card.data.tags or []) | set(TAGS))
-    if base_model and not getattr(card.data, "base_model", None):
-        card.data.base_model = base_model
-    return str(card)
 
 
 _MXFP4_CHIP = next(
@@ -110,109 +93,9 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         if per_head
         else "Per-tensor FP8 KV-cache scales"
     )
-    lines = [
-        BEGIN,
-        "## FP8 KV cache (kvcalib)",
-        "",
-        f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {_summary(provenance, per_head)}",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
-        f"{provenance.get('column')}) |",
-        f"| samples | {provenance.get('num_samples')} (at most {provenance.get('max_seq_len')} tokens each, seed "
-        f"{provenance.get('seed')}); {provenance.get('num_tokens'):,} tokens: {provenance.get('token_budget')} |",
-        f"| tokens | {provenance.get('special_tokens')}"  # how the rows were tokenised
-        + (f"; ids added to plain text: {added}" if added else "")
-        + " |",
-        f"| KV cache | {kv.describe() if kv else 'unknown (config.json lacks layers, KV heads or head_dim)'} |",
-        f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
-        f"| validate | {validation} |",
-        "",
-    ]
-    mxfp4 = bool(provenance.get("mxfp4_weights"))
-    commands = serve_commands(CHECKPOINT_PLACEHOLDER, mxfp4)
-    lines += ["### Serving it", ""]
-    if per_head:
-        lines += [
-            "GPU vLLM reads per-head scales on its FlashAttention backend; vLLM on Neuron cannot load them.",
-            "",
-        ]
-    if queries:
-        lines += [
-            "`q_scale` (Q after rotary embedding) and the FP8-attention config group are for GPU vLLM's FP8 "
-            "attention; the Neuron plugin does not read them.",
-            "",
-        ]
-    if not per_head:
-        lines += [
-            "vLLM on Neuron (Trainium 2"
-            + ("" if mxfp4 else "; `trn3` is the same command")
-            + "), as `kvcalib serve-check CKPT --device trn2` "
-            f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
-            "it is):",
-            "",
-            "```bash",
-            commands[fp8.DEFAULT_TARGET],
-            "```",
-            "",
-        ]
-    if mxfp4:
-        trn3 = json.dumps({"neuron_config": {"quantization": neuron_quantization(_MXFP4_CHIP)}})
-        lines += [
-            f"On Trainium 3 the same with `--additional-config '{trn3}'`: its GPT-OSS model runs the MXFP4 "
-            "experts as they are (on Trainium 2 it dequantizes them at load).",
-            "",
-            "Not for GPU: the experts stay MXFP4, which GPU vLLM loads only under its MXFP4 config, and that "
-            "reads no KV scales (FP8 KV at 1.0). For GPU calibrate the dequantised form (`dequantize_mxfp4`, "
-            "then `--target gpu`).",
-            "",
-        ]
-    else:
-        lines += [
-            "vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):",
-            "",
-            "```bash",
-            commands["cuda"],
-            "```",
-            "",
-        ]
-    if serve is not None:
-        lines += _serve_lines(serve)
-    fields = [
-        ("k", "absmax"),
-        ("v", "absmax"),
-        *((("k", "range"), ("v", "range")) if _ranges(provenance)[0] else ()),
-        ("k", "scale"),
-        ("v", "scale"),
-        *((("q", "absmax"), ("q", "scale")) if queries else ()),
-    ]
-    lines += [
-        "### Scales",
-        "",
-        *(
-            ["Each layer's largest head; every head's in `kvcalib_calibration.json`.", ""]
-            if per_head
-            else []
-        ),
-        "| layer | "
-        + " | ".join(f"{k}_scale" if f == "scale" else f"{k} {f}" for k, f in fields)
-        + " |",
-        "|---:|" + "---:|" * len(fields),
-    ]
-    lines += [
-        f"| {layer} | "
-        + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields)
-        + " |"
-        for layer, row in _scale_rows(ckpt, provenance).items()
-    ]
-    return "\n".join(lines + ["", END, ""])
-
-
-def _ranges(provenance: dict[str, Any]) -> tuple[bool, dict[str, list[int]]]:
-    """(some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE, kind -> the layers where a
-    range is below its absmax: clipped)."""
-    fp8_max, chosen, clipped = provenance["fp8_max"], False, {"K": [], "V": []}
+    # whether some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE (chosen), and per kind the
+    # layers where a range is below its absmax (clipped)
+    chosen, clipped = False, {"K": [], "V": []}
     for row in provenance.get("layers", []):
         for kind in "kv":
             record, pairs = row[kind], []
@@ -220,24 +103,15 @@ def _ranges(provenance: dict[str, Any]) -> tuple[bool, dict[str, list[int]]]:
                 pairs = [
                     (s * fp8_max, a) for s, a in zip(record["head_scales"], record["head_absmax"])
                 ]
-            elif isinstance(record.get("range"), (int, float)):
+            elif record.get("range") is not None:
                 pairs = [(record["range"], record["absmax"])]
             pairs = [(r, a) for r, a in pairs if a > 0]
             chosen |= any(not a <= r <= a * (1 + fp8.SCALE_ROUNDING_TOLERANCE) for r, a in pairs)
             if any(r < a * (1 - 1e-6) for r, a in pairs):
                 clipped[kind.upper()].append(row["layer"])
-    return chosen, {kind: layers for kind, layers in clipped.items() if layers}
-
-
-def _layers(layers: list[int]) -> str:
-    return f"layer {layers[0]}" if len(layers) == 1 else "layers " + ", ".join(map(str, layers))
-
-
-def _summary(provenance: dict[str, Any], per_head: bool) -> str:
-    """The card's first paragraph: what was written, how the range was chosen, what clips, where it was scored."""
-    fp8_max, target = provenance["fp8_max"], provenance["target"]
+    clipped = {kind: layers for kind, layers in clipped.items() if layers}
+    # the first paragraph: what was written, how the range was chosen, what clips, where it was scored
     headroom, objective = provenance.get("headroom") or 1.0, provenance.get("scale_objective")
-    chosen, clipped = _ranges(provenance)
     wider = f"{headroom:g} x absmax(K) (--headroom)"
     text = (
         f"`k_scale = {'range' if chosen else 'absmax'}(K) / {fp8_max:g}` per "
@@ -254,7 +128,8 @@ def _summary(provenance: dict[str, Any], per_head: bool) -> str:
         )
     if clipped:
         text += " Clipped below absmax: " + "; ".join(
-            f"{kind} in {_layers(layers)}" for kind, layers in clipped.items()
+            f"{kind} in layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))}"
+            for kind, layers in clipped.items()
         )
         scored = [name for name in provenance.get("scored_on") or [] if name != target]
         text += (
@@ -273,11 +148,117 @@ def _summary(provenance: dict[str, Any], per_head: bool) -> str:
             f" They clip on {', '.join(smaller)} (a smaller FP8 max): calibrate with --target "
             f"{smaller[0]} to serve there."
         )
-    return text
+    lines = [
+        BEGIN,
+        "## FP8 KV cache (kvcalib)",
+        "",
+        f"{what} sized for **{target}** ({form}, max {fp8_max:g}): {text}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| dataset | `{provenance.get('dataset')}` (split {provenance.get('split')}, column "
+        f"{provenance.get('column')}) |",
+        f"| samples | {provenance.get('num_samples')} (at most {provenance.get('max_seq_len')} tokens each, seed "
+        f"{provenance.get('seed')}); {provenance.get('num_tokens'):,} tokens: {provenance.get('token_budget')} |",
+        f"| tokens | {provenance.get('special_tokens')}"  # how the rows were tokenised
+        + (f"; ids added to plain text: {added}" if added else "")
+        + " |",
+        f"| KV cache | {kv.describe() if kv else 'unknown (config.json lacks layers, KV heads or head_dim)'} |",
+        f"| kvcalib | {provenance.get('kvcalib_version')}, engine {provenance.get('engine')} |",
+        f"| validate | {validation} |",
+        "",
+    ]
+    mxfp4 = bool(provenance.get("mxfp4_weights"))
 
+    def command(device: str) -> str:  # the vLLM command serve-check runs
+        argv = server_argv(
+            ServeOptions(device, vllm_python=Path("python")),
+            Path(CHECKPOINT_PLACEHOLDER),
+            SERVE_PORT,
+            True,
+            neuron_quantization=neuron_quantization(device) if mxfp4 else None,
+        )
+        return f"```bash\n{shlex.join(argv)}\n```"
 
-def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, dict[str, float]]]:
-    """Per layer and kind: absmax and range from the provenance, the scale read back from the scales file itself."""
+    trn3 = json.dumps({"neuron_config": {"quantization": neuron_quantization(_MXFP4_CHIP)}})
+    paragraphs = [
+        (True, "### Serving it"),
+        (
+            per_head,
+            "GPU vLLM reads per-head scales on its FlashAttention backend; vLLM on Neuron cannot load them.",
+        ),
+        (
+            queries,
+            "`q_scale` (Q after rotary embedding) and the FP8-attention config group are for GPU vLLM's FP8 "
+            "attention; the Neuron plugin does not read them.",
+        ),
+        (
+            not per_head,
+            "vLLM on Neuron (Trainium 2"
+            + ("" if mxfp4 else "; `trn3` is the same command")
+            + "), as `kvcalib serve-check CKPT --device trn2` "
+            f"runs it (set `--tensor-parallel-size` to your NeuronCores, and `{CHECKPOINT_PLACEHOLDER}` to where "
+            f"it is):\n\n{command(fp8.DEFAULT_TARGET)}",
+        ),
+        (
+            mxfp4,
+            f"On Trainium 3 the same with `--additional-config '{trn3}'`: its GPT-OSS model runs the MXFP4 "
+            "experts as they are (on Trainium 2 it dequantizes them at load).\n\n"
+            "Not for GPU: the experts stay MXFP4, which GPU vLLM loads only under its MXFP4 config, and that "
+            "reads no KV scales (FP8 KV at 1.0). For GPU calibrate the dequantised form (`dequantize_mxfp4`, "
+            "then `--target gpu`).",
+        ),
+        (
+            not mxfp4,
+            f"vLLM on GPU (`kvcalib serve-check CKPT --device cuda`):\n\n{command('cuda')}",
+        ),
+    ]
+    lines += [line for shown, text in paragraphs if shown for line in (text, "")]
+    if serve is not None:
+        verdict = (
+            "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
+        )
+        lines += [
+            "### serve-check",
+            "",
+            f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: {verdict}.",
+            "",
+            "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |",
+            "|---|---:|---:|---:|---:|",
+            *(
+                "| "
+                + " | ".join(
+                    [row["name"]]
+                    + ["-" if row[k] is None else format(row[k], f) for k, f in SERVE_COLUMNS]
+                )
+                + " |"
+                for row in serve.get("variants") or []
+            ),
+            *(["", f"Canary: {serve['canary']['reason']}."] if serve.get("canary") else []),
+            "",
+        ]
+    fields = [
+        ("k", "absmax"),
+        ("v", "absmax"),
+        *((("k", "range"), ("v", "range")) if chosen else ()),
+        ("k", "scale"),
+        ("v", "scale"),
+        *((("q", "absmax"), ("q", "scale")) if queries else ()),
+    ]
+    lines += [
+        "### Scales",
+        "",
+        *(
+            ["Each layer's largest head; every head's in `kvcalib_calibration.json`.", ""]
+            if per_head
+            else []
+        ),
+        "| layer | "
+        + " | ".join(f"{k}_scale" if f == "scale" else f"{k} {f}" for k, f in fields)
+        + " |",
+        "|---:|" + "---:|" * len(fields),
+    ]
+    # per layer and kind: absmax and range from the provenance, the scale read back from the scales file itself
     header = read_safetensors_header(ckpt / SCALES_FILENAME)
     by_layer = {row["layer"]: row for row in provenance.get("layers", [])}
     rows: dict[int, dict[str, dict[str, float]]] = {}
@@ -288,34 +269,15 @@ def _scale_rows(ckpt: Path, provenance: dict[str, Any]) -> dict[int, dict[str, d
         rows.setdefault(layer, {})[kind] = {
             "absmax": absmax,
             "range": prov.get("range", absmax),
-            "scale": max(read_values(header, key)),
-        }  # per head: the largest
-    return dict(sorted(rows.items()))
-
-
-def _serve_lines(serve: dict[str, Any]) -> list[str]:
-    verdict = "passed" if serve.get("ok") else "FAILED: " + "; ".join(serve.get("failures") or [])
-    lines = [
-        "### serve-check",
-        "",
-        f"`kvcalib calibrate --serve-check {serve.get('device')}` on {serve.get('vllm')}: "
-        f"{verdict}.",
-        "",
-        "| scales | NLL | agreement | served ΔNLL | predicted ΔNLL |",
-        "|---|---:|---:|---:|---:|",
+            "scale": max(read_values(header, key)),  # per head: the largest
+        }
+    lines += [
+        f"| {layer} | "
+        + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields)
+        + " |"
+        for layer, row in sorted(rows.items())
     ]
-
-    def num(value: Any, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
-    for row in serve.get("variants") or []:
-        lines.append(
-            f"| {row['name']} | {num(row['nll'], '.4f')} | {num(row['agreement'], '.2f')} | "
-            f"{num(row['served_delta_nll'], '+.4f')} | {num(row['predicted_delta_nll'], '+.4f')} |"
-        )
-    if serve.get("canary"):
-        lines += ["", f"Canary: {serve['canary']['reason']}."]
-    return lines + [""]
+    return "\n".join(lines + ["", END, ""])
 
 
 def summarize(report: ValidationReport) -> str:

@@ -17,7 +17,7 @@ import torch
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.calibration.ranks import Ranks
 from kvcalib.core.errors import CalibrationError, KvcalibError, UsageError
-from kvcalib.hf.data import batches
+from kvcalib.hf.data import batched
 
 __all__ = ["COLLECTIVE_TIMEOUT", "RanksFailed", "batch_shares", "observe_across_ranks"]
 
@@ -27,13 +27,10 @@ COLLECTIVE_TIMEOUT = timedelta(
 
 
 def batch_shares(
-    sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int, pad_id: int = 0
+    sequences: tuple[tuple[int, ...], ...], batch_size: int, world_size: int
 ) -> list[tuple[tuple[int, ...], ...]]:
     """Each rank's sequences: whole batches of the single-process batching, about equal in padded tokens."""
-    global_batches = [
-        tuple(tuple(ids[row, : int(mask[row].sum())].tolist()) for row in range(ids.shape[0]))
-        for ids, mask in batches(sequences, batch_size, pad_id)
-    ]
+    global_batches = batched(sequences, batch_size)
     if len(global_batches) < world_size:
         raise UsageError(
             f"{len(global_batches)} batch(es) of {batch_size} cannot be split across {world_size} processes",
@@ -52,13 +49,13 @@ def observe_across_ranks(
     engine: Callable[[EngineInputs], Observation],
     inputs: EngineInputs,
     ranks: Ranks,
-    finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any] | None = None,
+    finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any],
 ) -> tuple[Observation, Any]:
     """Run `engine` on this rank's share and combine every rank's observation; then `finish(observation, gather)`
     (the scale objective), where `gather(local_list)` returns every rank's lists concatenated in rank order."""
-    share = batch_shares(
-        inputs.data.sequences, inputs.options.batch_size, ranks.world_size, inputs.pad_id
-    )[ranks.rank]
+    share = batch_shares(inputs.data.sequences, inputs.options.batch_size, ranks.world_size)[
+        ranks.rank
+    ]
     local_inputs = dataclasses.replace(
         inputs, data=dataclasses.replace(inputs.data, sequences=share)
     )
@@ -68,9 +65,17 @@ def observe_across_ranks(
             observation = engine(local_inputs)
         except Exception as exc:  # joins the status exchange below, then is raised again
             failure = exc
-        status = None if failure is None else _describe(failure)
+        status = (  # what the other ranks report of this one's failure
+            None
+            if failure is None
+            else failure.message
+            if isinstance(failure, KvcalibError)
+            else f"{type(failure).__name__}: {failure}"
+            if str(failure)
+            else type(failure).__name__
+        )
         try:
-            statuses = _all_gather(status, ranks.world_size)
+            statuses = _all_gather(status)
         except RuntimeError as exc:  # a peer vanished (killed, crashed) mid-exchange
             raise CalibrationError(
                 f"rank {ranks.rank}: lost the other processes ({exc})",
@@ -84,31 +89,21 @@ def observe_across_ranks(
         reduced = _reduce(observation, collective_device)
 
         def gather(local: list[Any]) -> list[Any]:
-            return [item for part in _all_gather(local, ranks.world_size) for item in part]
+            return [item for part in _all_gather(local) for item in part]
 
-        return reduced, finish(reduced, gather) if finish is not None else None
+        return reduced, finish(reduced, gather)
 
 
 class RanksFailed(CalibrationError):
-    """Raised on the ranks that did not fail, from each failed rank's error: `detail`, those in words ("rank R: ERROR";
-    the error alone in one process)."""
+    """Raised on the ranks that did not fail, from each failed rank's error ("rank R: ERROR")."""
 
     def __init__(self, failures: dict[int, str], world_size: int):
-        self.detail = "; ".join(
-            f"rank {r}: {message}" if world_size > 1 else message
-            for r, message in sorted(failures.items())
-        )
+        detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failures.items()))
         super().__init__(
-            f"{len(failures)} of {world_size} processes failed during calibration ({self.detail}); "
+            f"{len(failures)} of {world_size} processes failed during calibration ({detail}); "
             "nothing was written",
             hint="fix what the failing rank reports and run again",
         )
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, KvcalibError):
-        return exc.message
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 @contextmanager
@@ -136,10 +131,10 @@ def _process_group(ranks: Ranks, device: torch.device) -> Iterator[torch.device]
             dist.destroy_process_group()
 
 
-def _all_gather(obj: Any, world_size: int) -> list[Any]:
+def _all_gather(obj: Any) -> list[Any]:
     import torch.distributed as dist
 
-    everyone: list[Any] = [None] * world_size
+    everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, obj)
     return everyone
 
@@ -148,27 +143,19 @@ def _reduce(local: Observation, device: torch.device) -> Observation:
     """absmax per head and observe time: MAX (exact in float64); forward counts: SUM."""
     import torch.distributed as dist
 
-    groups = [*local.k_heads, *local.v_heads, *local.q_heads]
-    sizes = [g.numel() for g in groups]
-    packed = torch.cat(
-        [
-            *(g.reshape(-1).double() for g in groups),
-            torch.tensor([local.seconds], dtype=torch.float64),
-        ]
-    )
-    packed = packed.to(device)
+    groups = [*local.k_heads, *local.v_heads, *local.q_heads, torch.tensor([local.seconds])]
+    packed = torch.cat([g.reshape(-1).double() for g in groups]).to(device)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     counts = torch.tensor([*local.observed, *local.q_observed], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    packed, counts = packed.cpu(), counts.cpu().tolist()
-    reduced = [part.float() for part in torch.split(packed[:-1], sizes)]
-    n_kv, n_q = len(local.k_heads), len(local.q_heads)
+    parts, counts = torch.split(packed.cpu(), [g.numel() for g in groups]), counts.cpu().tolist()
+    n = len(local.k_heads)
     return dataclasses.replace(
         local,
-        k_heads=tuple(reduced[:n_kv]),
-        v_heads=tuple(reduced[n_kv : 2 * n_kv]),
-        q_heads=tuple(reduced[2 * n_kv : 2 * n_kv + n_q]),
-        observed=tuple(int(c) for c in counts[:n_kv]),
-        q_observed=tuple(int(c) for c in counts[n_kv:]),
-        seconds=float(packed[-1]),
+        k_heads=tuple(p.float() for p in parts[:n]),
+        v_heads=tuple(p.float() for p in parts[n : 2 * n]),
+        q_heads=tuple(p.float() for p in parts[2 * n : -1]),
+        observed=tuple(counts[:n]),
+        q_observed=tuple(counts[n:]),
+        seconds=float(parts[-1]),
     )

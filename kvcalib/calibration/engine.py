@@ -10,10 +10,12 @@ import torch
 
 from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.core.checkpoint import Checkpoint
-from kvcalib.core.cpu import NATIVE, ComputePath
+from kvcalib.core.cpu import ComputePath
 from kvcalib.core.progress import ProgressCallback
+from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules
 from kvcalib.hf.data import CalibrationData
 from kvcalib.hf.memory import MemoryLimit
+from kvcalib.hf.model import num_layers
 from kvcalib.hf.samples import AttentionSample, AttentionSampler
 
 __all__ = ["Engine", "EngineInputs", "Observation"]
@@ -32,10 +34,8 @@ class EngineInputs:
     device: torch.device
     pad_id: int
     notify: ProgressCallback
-    compute: ComputePath = ComputePath(NATIVE, "not chosen")
-    memory: MemoryLimit | None = (
-        None  # this host's memory limit (the stream engine sizes its spill by it)
-    )
+    compute: ComputePath
+    memory: MemoryLimit  # this host's memory limit (the stream engine sizes its spill by it)
     sample_sequences: frozenset[tuple[int, ...]] = (
         frozenset()
     )  # the scale objective's sequences (none: absmax)
@@ -43,11 +43,12 @@ class EngineInputs:
         None  # calibrate --plan's timed probe: the stream engine stops after this many layers
     )
 
-    def sampler(self, num_layers: int) -> AttentionSampler | None:
-        """What keeps the scale objective's attention samples (None when the objective needs none)."""
-        return (
-            AttentionSampler(num_layers, self.sample_sequences) if self.sample_sequences else None
-        )
+    def observer(self, model: torch.nn.Module) -> tuple[KVAbsmaxObserver, dict[int, str]]:
+        """What observes `model` (K/V, Q if asked, the scale objective's samples) and its attention modules' paths."""
+        n = num_layers(model)
+        sampler = AttentionSampler(n, self.sample_sequences) if self.sample_sequences else None
+        observer = KVAbsmaxObserver(n, queries=self.attention_scales, sampler=sampler)
+        return observer, attention_modules(model, n, self.checkpoint.root)
 
 
 @dataclass(frozen=True)

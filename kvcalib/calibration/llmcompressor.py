@@ -47,9 +47,21 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
             "attention_mask": [[1] * len(s) for s in sequences],
         }
     )
-    calls = [0] * n_layers
+    calls, samples, tokens = [0] * n_layers, len(sequences), inputs.data.num_tokens
+
+    def counter(layer: int) -> Any:  # each sequence reaches a layer twice: calibrate, propagate
+        def hook(_module: torch.nn.Module, _args: Any) -> None:
+            calls[layer] += 1
+            done = (layer * 2 * samples + min(calls[layer], 2 * samples)) / (n_layers * 2 * samples)
+            done = min(1.0, done)
+            inputs.notify(
+                Progress("observe", round(done * samples), samples, round(done * tokens), tokens)
+            )
+
+        return hook
+
     handles = [
-        model.get_submodule(path).register_forward_pre_hook(_counter(calls, i, inputs, n_layers))
+        model.get_submodule(path).register_forward_pre_hook(counter(i))
         for i, path in attn_paths.items()
         if i < n_layers
     ]
@@ -92,26 +104,3 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
         attention_paths=attn_paths,
         seconds=seconds,
     )
-
-
-def _counter(calls: list[int], layer: int, inputs: EngineInputs, num_layers: int) -> Any:
-    """A pre-hook counting the attention module's calls (each sequence twice a layer: calibrate, propagate)."""
-    total_samples, total_tokens = len(inputs.data.sequences), inputs.data.num_tokens
-    per_layer = 2 * total_samples
-
-    def hook(_module: torch.nn.Module, _args: Any) -> None:
-        calls[layer] += 1
-        done = min(
-            1.0, (layer * per_layer + min(calls[layer], per_layer)) / (num_layers * per_layer)
-        )
-        inputs.notify(
-            Progress(
-                "observe",
-                round(done * total_samples),
-                total_samples,
-                round(done * total_tokens),
-                total_tokens,
-            )
-        )
-
-    return hook

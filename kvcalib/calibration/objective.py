@@ -164,8 +164,6 @@ def sample_terms(
 
 def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
     """The exactly rounded sum over samples (math.fsum, element by element): independent of their order."""
-    if not per_sample:
-        raise ValueError("no attention samples to sum")
     stacked = torch.stack([t.double() for t in per_sample]).reshape(len(per_sample), -1)
     sums = [math.fsum(column) for column in stacked.T.tolist()]
     return torch.tensor(sums, dtype=torch.float64).reshape(per_sample[0].shape)
@@ -173,68 +171,12 @@ def sum_terms(per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Scored:
-    """One layer's K or V as the attention objective scored it (`choose`): per server (target first), candidate and
-    KV head, the summed squared attention-output error on the choosing rows and on the held-out rows; per candidate and
-    KV head, the elements it saturates on the target; and the objective's pick (the module's rule)."""
+    """One layer's K or V as the attention objective scored it (`choose`): its candidates, the pick per KV head (one
+    entry per tensor, by the module's rule), and the record of the pick as it is written."""
 
     candidates: Candidates
-    index: tuple[int, ...]  # the pick per KV head (one entry per tensor)
-    choosing: torch.Tensor  # [numerics, C, kv_heads] float64
-    held: torch.Tensor  # [numerics, C, kv_heads] float64
-    saturated: torch.Tensor  # [C, kv_heads] float64
-    elements: float  # the sampled elements (at least 1)
-    norm: float  # the held-out rows' squared attention output, summed
-    numerics: tuple[str, ...] = ()  # the servers' names
-
-    def per_head(self, index: tuple[int, ...]) -> tuple[int, ...]:
-        """`index` with one entry per KV head (a per-tensor index repeated)."""
-        return index * self.held.shape[2] if len(index) == 1 else index
-
-    def held_error(self, index: tuple[int, ...], n: int = 0) -> float:
-        """The held-out relative attention-output error of candidate `index` on numerics `n`."""
-        err = math.fsum(self.held[n, c, h].item() for h, c in enumerate(self.per_head(index)))
-        return math.sqrt(err / self.norm) if self.norm > 0 else 0.0
-
-    @property
-    def choice(self) -> ScaleChoice:
-        """The record of the objective's pick, as it is written."""
-        index = self.per_head(self.index)
-        labels = {self.candidates.labels[c] for c in index}
-        return ScaleChoice(
-            label=labels.pop() if len(labels) == 1 else "per head",
-            clipped=math.fsum(self.saturated[c, h].item() for h, c in enumerate(index))
-            / self.elements,
-            attention_error=self.error,
-            attention_error_absmax=self.error_absmax,
-            attention_error_unit=self.error_unit,
-            attention_error_on=tuple(
-                (name, self.held_error(index, n)) for n, name in enumerate(self.numerics)
-            ),
-        )
-
-    @property
-    def label(self) -> str:
-        return self.choice.label
-
-    @property
-    def clipped(self) -> float | None:
-        return self.choice.clipped
-
-    @property
-    def error(self) -> float:
-        return self.held_error(self.index)
-
-    @property
-    def error_absmax(self) -> float:
-        return self.held_error((0,))
-
-    @property
-    def error_unit(self) -> float:
-        return self.held_error((self.candidates.unit,))
-
-    @property
-    def errors_on(self) -> tuple[tuple[str, float], ...] | None:
-        return self.choice.attention_error_on
+    index: tuple[int, ...]
+    choice: ScaleChoice
 
 
 def worst(errors: torch.Tensor) -> list[float]:
@@ -266,16 +208,33 @@ def choose(
         )
     else:
         index = (_pick(worst(choosing), worst(held), keeps.all(dim=1).tolist()),)
-    return Scored(
-        cands,
-        index,
-        choosing,
-        held,
-        clipped,
+    heads, elements, norm = (
+        held.shape[2],
         max(math.fsum(count[0].tolist()), 1.0),
         math.fsum(norms[1].tolist()),
-        tuple(chip.name for chip in numerics),
     )
+
+    def held_error(pick: tuple[int, ...], n: int = 0) -> float:
+        """The held-out relative attention-output error of candidate `pick` (per KV head) on numerics `n`."""
+        return (
+            math.sqrt(math.fsum(held[n, c, h].item() for h, c in enumerate(pick)) / norm)
+            if norm > 0
+            else 0.0
+        )
+
+    chosen = index * heads if len(index) == 1 else index
+    labels = {cands.labels[c] for c in chosen}
+    choice = ScaleChoice(
+        label=labels.pop() if len(labels) == 1 else "per head",
+        clipped=math.fsum(clipped[c, h].item() for h, c in enumerate(chosen)) / elements,
+        attention_error=held_error(chosen),
+        attention_error_absmax=held_error((0,) * heads),
+        attention_error_unit=held_error((cands.unit,) * heads),
+        attention_error_on=tuple(
+            (chip.name, held_error(chosen, n)) for n, chip in enumerate(numerics)
+        ),
+    )
+    return Scored(cands, index, choice)
 
 
 def _pick(errors: Sequence[float], held_out: Sequence[float], keeps_range: Sequence[bool]) -> int:
@@ -306,6 +265,10 @@ def scored_numerics(target: fp8.Target, per_head: bool) -> tuple[fp8.Target, ...
     return (target,) if per_head else fp8.served_numerics(target)
 
 
+# a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one (math.fsum's in choose())
+_MARGIN = 1.0 + 1e-9
+
+
 def search(
     samples: Sequence[Sequence[AttentionSample]],
     k_heads: Sequence[torch.Tensor],
@@ -331,8 +294,38 @@ def search(
         if not pairs:
             raise ValueError(f"layer {i}: no attention samples")
         bars = sum_terms([t for t, _ in pairs])
-        rest = _scored_until_ruled_out(layer, grids, numerics, per_head, bars, anchors)
-        terms = sum_terms([t for t, _ in pairs] + [t for rank in gather([rest]) for t in rank])
+        # each other candidate's terms, sample after sample, until its error so far reaches its bar
+        gains = [  # [C(, kv_heads)]
+            torch.where(
+                c.keeps_range if per_head else c.keeps_range.all(dim=1), WIDER_GAIN**2, GAIN**2
+            ).double()
+            for c in grids[0]
+        ]
+        bar = [
+            bars[:, kind, :2, 0] if per_head else bars[:, kind, :2, 0].sum(dim=-1)
+            for kind in range(2)
+        ]
+        active = tuple(
+            [c for c in range(len(gains[kind])) if c not in anchors[kind]] for kind in range(2)
+        )
+        sums, out = torch.zeros_like(bars), []
+        for sample in layer:
+            if not any(active):
+                break
+            terms, _ = sample_terms(sample, grids, numerics, active)
+            terms[:, :, 3] = 0.0  # the sample's elements are counted once, with the anchors
+            out.append(terms)
+            sums += terms
+            for kind in range(2):
+                errors = (
+                    sums[:, kind, :2] if per_head else sums[:, kind, :2].sum(dim=-1)
+                )  # [numerics, 2, C(, kv_heads)]
+                past = (
+                    errors.amax(dim=0) >= gains[kind] * bar[kind].amax(dim=0)[:, None] * _MARGIN
+                )  # [2, C(, kv_heads)]
+                ruled = past.any(dim=0).all(dim=1) if per_head else past.any(dim=0)
+                active[kind][:] = [c for c in active[kind] if not ruled[c]]
+        terms = sum_terms([t for t, _ in pairs] + [t for rank in gather([out]) for t in rank])
         norms = sum_terms([n for _, n in pairs])
         chosen.append(
             (
@@ -343,71 +336,8 @@ def search(
     return chosen
 
 
-# a float64 sum of a few thousand non-negative terms is within 1e-12 of the exact one (math.fsum's in choose())
-_MARGIN = 1.0 + 1e-9
-
-
-def _scored_until_ruled_out(
-    layer: Sequence[AttentionSample],
-    grids: Sequence[tuple[Candidates, Candidates]],
-    numerics: Sequence[fp8.Target],
-    per_head: bool,
-    bars: torch.Tensor,
-    anchors: tuple[list[int], list[int]],
-) -> list[torch.Tensor]:
-    """Each non-anchor candidate's terms, sample after sample, until its error so far reaches its bar (`bars`)."""
-    keeps = [cands.keeps_range if per_head else cands.keeps_range.all(dim=1) for cands in grids[0]]
-    gains = [
-        torch.where(keep, WIDER_GAIN**2, GAIN**2).double() for keep in keeps
-    ]  # [C(, kv_heads)]
-    bar = [
-        bars[:, kind, :2, 0] if per_head else bars[:, kind, :2, 0].sum(dim=-1) for kind in range(2)
-    ]
-    active = tuple(
-        [c for c in range(len(gains[kind])) if c not in anchors[kind]] for kind in range(2)
-    )
-    sums, out = torch.zeros_like(bars), []
-    for sample in layer:
-        if not any(active):
-            break
-        terms, _ = sample_terms(sample, grids, numerics, active)
-        terms[:, :, 3] = 0.0  # the sample's elements are counted once, with the anchors
-        out.append(terms)
-        sums += terms
-        for kind in range(2):
-            errors = (
-                sums[:, kind, :2] if per_head else sums[:, kind, :2].sum(dim=-1)
-            )  # [numerics, 2, C(, kv_heads)]
-            past = (
-                errors.amax(dim=0) >= gains[kind] * bar[kind].amax(dim=0)[:, None] * _MARGIN
-            )  # [2, C(, kv_heads)]
-            ruled = past.any(dim=0).all(dim=1) if per_head else past.any(dim=0)
-            active[kind][:] = [c for c in active[kind] if not ruled[c]]
-    return out
-
-
 FAR_WORSE = 2.0  # absmax's attention error this many times the chosen scale's (and above WORTH_WARNING): warn
 WORTH_WARNING = 0.05
-
-
-def near_constant_channels(
-    samples: Sequence[AttentionSample], kind: str, absmax: float, limit: int = 6
-) -> tuple[int, list[tuple[int, float, float]]] | None:
-    """(head, [(channel, mean, std)]) of the head with the most channels of |mean| >= absmax / 4, std < 5 % of it."""
-    if not samples:
-        return None
-    x = torch.cat(
-        [(s.key if kind == "k" else s.value).float() for s in samples], dim=1
-    )  # [Hkv, tokens, D]
-    mean, std = x.mean(dim=1), x.std(dim=1, correction=0)
-    flagged = (mean.abs() >= 0.25 * absmax) & (std <= 0.05 * mean.abs())
-    if not bool(flagged.any()):
-        return None
-    head = int(flagged.sum(dim=1).argmax())
-    channels = sorted(
-        flagged[head].nonzero().flatten().tolist(), key=lambda c: -abs(float(mean[head, c]))
-    )
-    return head, [(c, float(mean[head, c]), float(std[head, c])) for c in channels[:limit]]
 
 
 def absmax_warnings(
@@ -427,14 +357,27 @@ def absmax_warnings(
                 f"{choice.attention_error_absmax:.3f} against {choice.attention_error:.3f} for the chosen "
                 f"{choice.label} ({choice.clipped:.1%} clipped)"
             )
-            found = near_constant_channels(
-                samples[layer.layer] if layer.layer < len(samples) else (),
-                kind,
-                getattr(layer, kind).absmax,
-            )
-            if found is not None:
-                head, channels = found
-                listed = ", ".join(f"{c} (mean {m:.4g}, std {s:.2g})" for c, m, s in channels)
-                line += f"; KV head {head} has near-constant outlier channels: {listed}"
+            layer_samples = samples[layer.layer] if layer.layer < len(samples) else ()
+            if (
+                layer_samples
+            ):  # the KV head with the most channels of |mean| >= absmax / 4, std < 5 % of it
+                x = torch.cat(
+                    [(s.key if kind == "k" else s.value).float() for s in layer_samples], dim=1
+                )
+                mean, std = x.mean(dim=1), x.std(dim=1, correction=0)
+                flagged = (mean.abs() >= 0.25 * getattr(layer, kind).absmax) & (
+                    std <= 0.05 * mean.abs()
+                )
+                head = int(flagged.sum(dim=1).argmax())
+                channels = sorted(
+                    flagged[head].nonzero().flatten().tolist(),
+                    key=lambda c: -abs(float(mean[head, c])),
+                )
+                listed = ", ".join(
+                    f"{c} (mean {float(mean[head, c]):.4g}, std {float(std[head, c]):.2g})"
+                    for c in channels[:6]
+                )
+                if channels:
+                    line += f"; KV head {head} has near-constant outlier channels: {listed}"
             lines.append(line)
     return lines

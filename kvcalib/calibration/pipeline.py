@@ -27,7 +27,6 @@ from kvcalib.calibration.objective import (
     search,
 )
 from kvcalib.calibration.options import CalibrateOptions, CalibrationResult, LayerScales, Machine
-from kvcalib.calibration.ranks import rank_device
 from kvcalib.calibration.recipe import (
     LLMCOMPRESSOR_ENGINE,
     RecipePlan,
@@ -126,46 +125,51 @@ def calibrate(
         observation,
         plan.target,
         plan.checkpoint.root,
-        plan.recipe.strategy,
-        queries=plan.attention_scales,
-        choices=choices,
-        headroom=opts.headroom,
+        plan.recipe.strategy == ATTN_HEAD,
+        plan.attention_scales,
+        choices,
+        opts.headroom,
     )
     if choices is not None:
         warnings.extend(absmax_warnings(layers, observation.samples, plan.target))
     if plan.engine.reason:
         warnings.append(plan.engine.reason)
-    warnings.extend(
-        context_warning(data, opts.max_seq_len, plan.checkpoint.config, output, opts.headroom)
-    )
-
-    def result(more_warnings: list[str], validation: ValidationReport | None) -> CalibrationResult:
-        return CalibrationResult(
-            output=str(output),
-            model=str(model),
-            target=plan.target.name,
-            fp8_max=plan.target.fp8_max,
-            num_samples=len(data.sequences),
-            num_tokens=data.num_tokens,
-            layers=tuple(layers),
-            seconds=time.perf_counter() - started,
-            observe_seconds=observation.seconds,
-            warnings=tuple(more_warnings),
-            validation=validation,
-            compute=plan.compute.describe(),
-            scale_objective=opts.scale_objective,
-            objective_seconds=objective_seconds,
-            kv_cache=kv_cache_size(plan.checkpoint.config),
-            token_budget=opts.token_budget(data),
+    context = max_position_embeddings(plan.checkpoint.config)
+    if context is not None and 2 * data.longest < context and opts.headroom == 1.0:
+        warnings.append(  # samples under half the served context (SmolLM2 at 8k tokens: K absmax 1.18x)
+            f"calibration samples are at most {data.longest} tokens (--max-seq-len {opts.max_seq_len}), the model "
+            f"serves up to {context}: K/V later in long prompts can exceed the absmax seen here and saturate. Measure "
+            f"it with `kvcalib eval-context {output} --dataset HELD_OUT --lengths {min(context, 8192)}`; calibrate "
+            "with --headroom 1.4142 (room for the growth), or on longer samples (--max-seq-len)"
         )
 
+    validation = None
     if ranks is not None and not ranks.is_writer:  # rank 0 writes and validates
-        return result(warnings + [f"rank {ranks.rank}: nothing written (rank 0 writes)"], None)
-    notify(Progress("write"))
-    notes, validation = _write(
-        plan, data, layers, observation.attention_classes if plan.attention_scales else ()
+        warnings.append(f"rank {ranks.rank}: nothing written (rank 0 writes)")
+    else:
+        notify(Progress("write"))
+        notes, validation = _write(
+            plan, data, layers, observation.attention_classes if plan.attention_scales else ()
+        )
+        warnings = [*plan.recovered, *plan.recipe.warnings, *warnings, *notes]
+    return CalibrationResult(
+        output=str(output),
+        model=str(model),
+        target=plan.target.name,
+        fp8_max=plan.target.fp8_max,
+        num_samples=len(data.sequences),
+        num_tokens=data.num_tokens,
+        layers=tuple(layers),
+        seconds=time.perf_counter() - started,
+        observe_seconds=observation.seconds,
+        warnings=tuple(warnings),
+        validation=validation,
+        compute=plan.compute.describe(),
+        scale_objective=opts.scale_objective,
+        objective_seconds=objective_seconds,
+        kv_cache=kv_cache_size(plan.checkpoint.config),
+        token_budget=opts.token_budget(data),
     )
-    return result(list(plan.recovered) + list(plan.recipe.warnings) + warnings + notes, validation)
 
 
 def read_data(plan: RunPlan, dataset: str) -> tuple[CalibrationData, int]:
@@ -210,30 +214,10 @@ def engine_inputs(
         pad,
         notify,
         plan.compute,
-        plan.engine.limit if plan.engine.limit is not None else plan.machine.memory,
+        plan.engine.limit or plan.machine.memory,
         sample_sequences=sampled,
         probe_layers=probe_layers,
     )
-
-
-def context_warning(
-    data: CalibrationData,
-    max_seq_len: int,
-    config: dict[str, Any],
-    output: str | Path,
-    headroom: float = 1.0,
-) -> list[str]:
-    """A warning when samples are under half the served context, no headroom (SmolLM2 at 8k tokens: K absmax 1.18x)."""
-    context = max_position_embeddings(config)
-    longest = data.longest
-    if context is None or 2 * longest >= context or headroom > 1.0:
-        return []
-    return [
-        f"calibration samples are at most {longest} tokens (--max-seq-len {max_seq_len}), the model serves up "
-        f"to {context}: K/V later in long prompts can exceed the absmax seen here and saturate. Measure it with "
-        f"`kvcalib eval-context {output} --dataset HELD_OUT --lengths {min(context, 8192)}`; calibrate with --headroom "
-        f"1.4142 (room for the growth), or on longer samples (--max-seq-len)"
-    ]
 
 
 def check_run(
@@ -279,7 +263,16 @@ def check_run(
     )
     if writer:
         check_room(output, checkpoint)
-    device = rank_device(device, ranks)
+    if (
+        ranks is not None and device.type == "cuda" and device.index is None
+    ):  # cuda: this rank's own GPU
+        if ranks.local_rank >= torch.cuda.device_count():
+            raise UsageError(
+                f"rank {ranks.rank} (local rank {ranks.local_rank}) has no GPU: torch sees "
+                f"{torch.cuda.device_count()}",
+                hint="run at most one process per GPU (torchrun --nproc-per-node <number of GPUs>)",
+            )
+        device = torch.device("cuda", ranks.local_rank)
     copies = ranks.local_world_size if ranks else 1
     choice = choose_engine(opts.engine, checkpoint, dtype, device, copies, machine.memory)
     compute = (  # oneshot runs the model as its users run it
@@ -310,11 +303,10 @@ def _observe(
 ) -> tuple[Observation, list[tuple[Scored, Scored]] | None, float]:
     """The engine's observation, the scale objective's picks (None: absmax) and the seconds the search took."""
     engine, ranks = ENGINES[plan.engine.engine], plan.machine.ranks
-    timing = [0.0]
 
-    def finish(observation: Observation, gather: Gather) -> list[tuple[Scored, Scored]] | None:
+    def finish(observation: Observation, gather: Gather) -> tuple[Any, float]:
         if not inputs.sample_sequences:
-            return None
+            return None, 0.0
         inputs.notify(Progress("objective"))
         started = time.perf_counter()
         samples = observation.samples
@@ -334,21 +326,20 @@ def _observe(
             plan.recipe.strategy == ATTN_HEAD,
             gather,
         )
-        timing[0] = time.perf_counter() - started
-        return scored
+        return scored, time.perf_counter() - started
 
     try:
         if ranks is not None and ranks.world_size > 1:
-            observation, choices = observe_across_ranks(engine, inputs, ranks, finish)
+            observation, (choices, seconds) = observe_across_ranks(engine, inputs, ranks, finish)
         else:
             observation = engine(inputs)
-            choices = finish(observation, lambda local: local)
+            choices, seconds = finish(observation, lambda local: local)
     except (MemoryError, RuntimeError) as exc:
         error = out_of_memory_error(exc, plan.engine.engine, plan.device)
         if error is None:
             raise
         raise error from exc
-    return observation, choices, timing[0]
+    return observation, choices, seconds
 
 
 def _write(
@@ -358,60 +349,8 @@ def _write(
     attention_classes: tuple[str, ...],
 ) -> tuple[list[str], ValidationReport | None]:
     """Write, validate and publish the checkpoint; (notes, the validation report, naming the output)."""
-    config = plan.checkpoint.config
-    dtype_name = (
-        str(plan.dtype).removeprefix("torch.")
-        if plan.dtype
-        else str(config.get("dtype") or config.get("torch_dtype"))
-    )
-    provenance = _provenance(plan, data, layers, dtype_name, config)
-    provenance["compute"] = plan.compute.describe()
-    scales = scale_tensors(layers)
-    validation: list[ValidationReport] = []
-
-    def check(tmp_dir: Path) -> None:
-        report = validate_checkpoint(tmp_dir, plan.target.name)
-        validation.append(replace(report, checkpoint=str(plan.output)))
-        if not report.ok:
-            first = report.errors[0]
-            raise ValidationFailedError(
-                f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} "
-                f"error(s)); first: [{first.rule}] {first.message}",
-                hint="nothing was written; please report this as a kvcalib bug",
-            )
-        write_card(
-            tmp_dir, summarize(report), base_model=_base_model(config)
-        )  # validate's verdict, published too
-
-    quantization = kv_only_quantization_config(plan.recipe.strategy, attention_classes)
-    notes = write_checkpoint(
-        plan.checkpoint,
-        plan.output,
-        WritePlan(scales, quantization, provenance),
-        overwrite=plan.options.overwrite,
-        check=check,
-        inputs=plan.inputs,
-    )
-    return notes, validation[0] if validation else None
-
-
-def _base_model(config: dict[str, Any]) -> str | None:
-    """The hub id the model came from, when config.json names one (a local path is no base_model)."""
-    name = config.get("_name_or_path")
-    if isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~")):
-        return name
-    return None
-
-
-def _provenance(
-    plan: RunPlan,
-    data: CalibrationData,
-    layers: list[LayerScales],
-    dtype_name: str,
-    config: dict[str, Any],
-) -> dict[str, Any]:
-    opts, target = plan.options, plan.target
-    return {
+    opts, target, config = plan.options, plan.target, plan.checkpoint.config
+    provenance = {
         "tool": "kvcalib",
         "kvcalib_version": __version__,
         "scale_convention": "x = fp8 * scale; scale = range / fp8_max, rounded up so the chip never saturates "
@@ -429,7 +368,9 @@ def _provenance(
         else [],
         "scales_file": SCALES_FILENAME,
         "model": str(plan.checkpoint.root),
-        "dtype": dtype_name,
+        "dtype": str(plan.dtype).removeprefix("torch.")
+        if plan.dtype
+        else str(config.get("dtype") or config.get("torch_dtype")),
         "engine": plan.engine.engine,
         "dataset": data.source,
         "split": data.split,
@@ -444,7 +385,7 @@ def _provenance(
         "special_tokens": data.special_tokens_rule,
         "special_tokens_added": list(
             data.special_tokens
-        ),  # e.g. [BOS]: what the plain-text rows start with
+        ),  # e.g. [BOS]: what plain-text rows start with
         "num_tokens": data.num_tokens,
         "token_budget": opts.token_budget(data),
         "observer": "static_minmax",
@@ -452,4 +393,33 @@ def _provenance(
         "attention_scales": plan.attention_scales,
         "layers": to_json(layers, drop=frozenset({"key"})),  # no tensor names
         **plan.provenance,
+        "compute": plan.compute.describe(),
     }
+    # the hub id the model came from, when config.json names one (a local path is no base_model)
+    name = config.get("_name_or_path")
+    hub_id = isinstance(name, str) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    validation: list[ValidationReport] = []
+
+    def check(tmp_dir: Path) -> None:
+        report = validate_checkpoint(tmp_dir, target.name)
+        validation.append(replace(report, checkpoint=str(plan.output)))
+        if not report.ok:
+            first = report.errors[0]
+            raise ValidationFailedError(
+                f"the checkpoint kvcalib wrote fails validation ({len(report.errors)} "
+                f"error(s)); first: [{first.rule}] {first.message}",
+                hint="nothing was written; please report this as a kvcalib bug",
+            )
+        # validate's verdict, published too
+        write_card(tmp_dir, summarize(report), base_model=name if hub_id else None)
+
+    quantization = kv_only_quantization_config(plan.recipe.strategy, attention_classes)
+    notes = write_checkpoint(
+        plan.checkpoint,
+        plan.output,
+        WritePlan(scale_tensors(layers), quantization, provenance),
+        overwrite=opts.overwrite,
+        check=check,
+        inputs=plan.inputs,
+    )
+    return notes, validation[0] if validation else None

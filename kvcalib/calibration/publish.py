@@ -132,7 +132,11 @@ def recover(output: Path) -> list[str]:
         if path not in marked
     ]
     for root in marked:
-        owner = _owner(root)
+        try:  # (pid, host, started) from the marker; None if unreadable (a run killed while writing it)
+            marker = json.loads((root / MARKER).read_text())
+            owner = int(marker["pid"]), str(marker["host"]), float(marker["started"])
+        except (OSError, ValueError, KeyError, TypeError):
+            owner = None
         if owner is not None and _alive(*owner):
             raise OutputExistsError(
                 f"another kvcalib (pid {owner[0]}) is writing {output} (its staging directory {root})",
@@ -148,15 +152,6 @@ def recover(output: Path) -> list[str]:
     return notes
 
 
-def _owner(root: Path) -> tuple[int, str, float] | None:
-    """(pid, host, started) from the marker; None if missing or unreadable (a run killed while writing it)."""
-    try:
-        marker = json.loads((root / MARKER).read_text())
-        return int(marker["pid"]), str(marker["host"]), float(marker["started"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def _alive(pid: int, host: str, started: float) -> bool:
     """Whether the marker's writer still runs. On another host it cannot be known: assume it does."""
     if host != socket.gethostname():
@@ -169,24 +164,16 @@ def _alive(pid: int, host: str, started: float) -> bool:
         return False
     except PermissionError:  # another user's process
         pass
-    began = _process_start(pid)
-    return (
-        began is None or began <= started + 2.0
-    )  # a process that began after the marker reuses the pid
-
-
-def _process_start(pid: int) -> float | None:
-    """When `pid` started (seconds since the epoch), from /proc; None where that cannot be read."""
-    try:
+    try:  # when it began, from /proc: a process that began after the marker reuses the pid
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         boot = next(
             float(line.split()[1])
             for line in Path("/proc/stat").read_text().splitlines()
             if line.startswith("btime ")
         )
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK") <= started + 2.0
     except (OSError, ValueError, IndexError, StopIteration):
-        return None
+        return True
 
 
 def _rename_exchange(a: Path, b: Path) -> None:

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from kvcalib.core.errors import UsageError
 
-__all__ = ["Ranks", "rank_device"]
+__all__ = ["Ranks"]
 
 
 @dataclass(frozen=True)
@@ -47,15 +45,3 @@ class Ranks:
                 hint="launch with torchrun, which sets them",
             )
         return cls(rank, world, local_rank, local_world)
-
-
-def rank_device(device: torch.device, ranks: Ranks | None) -> torch.device:
-    """`cuda` (no index) means this rank's own GPU, cuda:LOCAL_RANK; anything else as given."""
-    if ranks is None or device.type != "cuda" or device.index is not None:
-        return device
-    if ranks.local_rank >= torch.cuda.device_count():
-        raise UsageError(
-            f"rank {ranks.rank} (local rank {ranks.local_rank}) has no GPU: torch sees {torch.cuda.device_count()}",
-            hint="run at most one process per GPU (torchrun --nproc-per-node <number of GPUs>)",
-        )
-    return torch.device("cuda", ranks.local_rank)

@@ -136,18 +136,75 @@ def load_recipe(path: str | Path) -> KvRecipe:
             f"{path}: a recipe is a mapping of `<name>_stage` sections, not {type(obj).__name__}",
             hint=_SEE_SHIPPED,
         )
-    target = _recipe_target(obj, path)
-    found, ignored, attention = _find_kv_schemes(obj, path)
+    settings, target = obj.get(RECIPE_KEY), None
+    if settings is not None:
+        if not isinstance(settings, dict) or set(settings) - {"target"}:
+            raise RecipeError(
+                f"{path}: {RECIPE_KEY} must be a mapping with the key target only, not {settings!r}",
+                hint=f"{RECIPE_KEY}: {{target: trn2}}",
+            )
+        target = settings.get("target")
+        if target is not None and target not in fp8.TARGETS:
+            raise RecipeError(
+                f"{path}: {RECIPE_KEY}.target {target!r} is not a known target",
+                hint=f"use one of {', '.join(sorted(fp8.TARGETS))}",
+            )
+    # (modifier location, field, scheme) for every kv_cache_scheme and FP8-attention group's input activations;
+    # the modifiers (or their parts) that quantise something else
+    found: list[tuple[str, str, Any]] = []
+    ignored: list[str] = []
+    modifiers = [
+        (f"{stage_key}.{group_key}.{modifier}", {} if arguments is None else arguments)
+        for stage_key, stage in obj.items()
+        if str(stage_key).endswith("_stage") and isinstance(stage, dict)
+        for group_key, group in stage.items()
+        if str(group_key).endswith("_modifiers") and isinstance(group, dict)
+        for modifier, arguments in group.items()
+    ]
+    for location, arguments in modifiers:
+        if not isinstance(arguments, dict):
+            raise RecipeError(
+                f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
+                hint=f"see the shipped recipe for the layout {_SHIPPED}",
+            )
+        groups, scheme = arguments.get("config_groups"), arguments.get(KV_SCHEME_KEY)
+        fp8_attention = fp8_attention_groups(groups)
+        found += [
+            (location, f"config_groups.{name}.input_activations", args)
+            for name, args in fp8_attention.items()
+        ]
+        found += [(location, KV_SCHEME_KEY, scheme)] if scheme is not None else []
+        others = [
+            key
+            for key in OTHER_SCHEME_KEYS
+            if arguments.get(key)
+            and not (key == "config_groups" and len(fp8_attention) == len(groups))
+        ]
+        if scheme is None and not fp8_attention:
+            ignored.append(location)
+        elif others:
+            ignored.append(f"{location} ({', '.join(others)})")
     if not found:
         raise RecipeError(
             f"{path}: no {KV_SCHEME_KEY} in the recipe",
             hint=f"kvcalib reads <name>_stage: <group>_modifiers: QuantizationModifier: {KV_SCHEME_KEY} "
             f"(or an FP8-attention config group); {_SEE_SHIPPED}",
         )
-    parsed = [
-        (location, _parse_scheme(value, f"{location}.{field}", path))
-        for location, field, value in found
-    ]
+    parsed = []  # through compressed-tensors' QuantizationArgs, as JSON types; the observer as written
+    for location, key, value in found:
+        where = f"{path}: {location}.{key}"
+        if not isinstance(value, dict):
+            raise RecipeError(
+                f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
+                hint=_SEE_SHIPPED,
+            )
+        try:
+            parsed.append((location, parse_kv_scheme(value).model_dump(mode="json")))
+        except ValueError as exc:
+            raise RecipeError(
+                f"{where} is not a valid compressed-tensors QuantizationArgs: {exc}",
+                hint=_SEE_SHIPPED,
+            ) from None
     if len({json.dumps(scheme, sort_keys=True) for _, scheme in parsed}) > 1:
         places = ", ".join(
             f"{location}.{field}" if field != KV_SCHEME_KEY else location
@@ -159,6 +216,7 @@ def load_recipe(path: str | Path) -> KvRecipe:
             "quantises K/V with its own input_activations)",
         )
     location, scheme = parsed[0]
+    attention = any(field != KV_SCHEME_KEY for _, field, _ in found)
     return KvRecipe(str(path), location, scheme, target, tuple(ignored), attention)
 
 
@@ -222,16 +280,35 @@ def plan_recipe(
             hint=f"drop --target, or use --recipe {target}",
         )
     chosen = target or (recipe.target if recipe else None) or fp8.DEFAULT_TARGET
-    warnings: list[str] = []
+    known, warnings = fp8.TARGETS.get(chosen), []  # an unknown name: the caller reports it
     if recipe is not None:
-        if (known := fp8.TARGETS.get(chosen)) is not None:  # an unknown name: the caller reports it
+        if known is not None:
             check_servable(recipe, known)
         if recipe.ignored:
             warnings.append(
                 f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
                 f"{', '.join(recipe.ignored)}"
             )
-    strategy = _plan_strategy(strategy, recipe, chosen)
+    if strategy is not None and strategy not in STRATEGIES:
+        raise UsageError(
+            f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
+            hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)",
+        )
+    from_recipe = recipe.scheme.get("strategy") if recipe is not None else None
+    if strategy is not None and from_recipe is not None and strategy != from_recipe:
+        raise RecipeError(
+            f"--strategy {strategy} contradicts {recipe.path}, whose {KV_SCHEME_KEY} has strategy "
+            f"{from_recipe}",
+            hint="drop --strategy, or change the recipe",
+        )
+    strategy = strategy or from_recipe or TENSOR
+    if strategy == ATTN_HEAD and known is not None and known.neuron:
+        raise UsageError(
+            f"--strategy attn_head (one scale per KV head) cannot serve on {chosen}: "
+            f"{NEURON_PER_HEAD_REASON}",
+            hint="use --strategy tensor for Neuron; per-head scales are for "
+            "--target gpu (vLLM's FlashAttention backend)",
+        )
     if (
         engine == LLMCOMPRESSOR_ENGINE
     ):  # installed? check_run asks, after what the flags cannot do together
@@ -257,35 +334,11 @@ def plan_recipe(
         strategy,
         bool(recipe and recipe.attention),
         tuple(warnings),
-        {"observer": observer}
-        if recipe is None
-        else {"observer": observer, "recipe": recipe.path, "kv_cache_scheme": recipe.scheme},
+        {
+            "observer": observer,
+            **({"recipe": recipe.path, "kv_cache_scheme": recipe.scheme} if recipe else {}),
+        },
     )
-
-
-def _plan_strategy(strategy: str | None, recipe: KvRecipe | None, target: str) -> str:
-    """--strategy, else the recipe's; refused for a Neuron target before anything is loaded."""
-    if strategy is not None and strategy not in STRATEGIES:
-        raise UsageError(
-            f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
-            hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)",
-        )
-    from_recipe = recipe.scheme.get("strategy") if recipe is not None else None
-    if strategy is not None and from_recipe is not None and strategy != from_recipe:
-        raise RecipeError(
-            f"--strategy {strategy} contradicts {recipe.path}, whose {KV_SCHEME_KEY} has strategy "
-            f"{from_recipe}",
-            hint="drop --strategy, or change the recipe",
-        )
-    chosen, known = strategy or from_recipe or TENSOR, fp8.TARGETS.get(target)
-    if chosen == ATTN_HEAD and known is not None and known.neuron:
-        raise UsageError(
-            f"--strategy attn_head (one scale per KV head) cannot serve on {target}: "
-            f"{NEURON_PER_HEAD_REASON}",
-            hint="use --strategy tensor for Neuron; per-head scales are for "
-            "--target gpu (vLLM's FlashAttention backend)",
-        )
-    return chosen
 
 
 def require_llmcompressor() -> str:
@@ -296,80 +349,3 @@ def require_llmcompressor() -> str:
             hint=LLMCOMPRESSOR_HINT,
         )
     return version("llmcompressor")
-
-
-def _recipe_target(obj: dict[str, Any], path: str | Path) -> str | None:
-    settings = obj.get(RECIPE_KEY)
-    if settings is None:
-        return None
-    if not isinstance(settings, dict) or set(settings) - {"target"}:
-        raise RecipeError(
-            f"{path}: {RECIPE_KEY} must be a mapping with the key target only, not {settings!r}",
-            hint=f"{RECIPE_KEY}: {{target: trn2}}",
-        )
-    target = settings.get("target")
-    if target is not None and target not in fp8.TARGETS:
-        raise RecipeError(
-            f"{path}: {RECIPE_KEY}.target {target!r} is not a known target",
-            hint=f"use one of {', '.join(sorted(fp8.TARGETS))}",
-        )
-    return target
-
-
-def _find_kv_schemes(
-    obj: dict[str, Any], path: str | Path
-) -> tuple[list[tuple[str, str, Any]], list[str], bool]:
-    """(modifier location, field, scheme) for every kv_cache_scheme and FP8-attention group's input activations;
-    modifiers (or parts) that quantise something else; whether the recipe asks for FP8 attention."""
-    found: list[tuple[str, str, Any]] = []
-    ignored: list[str] = []
-    modifiers = [
-        (f"{stage_key}.{group_key}.{modifier}", {} if arguments is None else arguments)
-        for stage_key, stage in obj.items()
-        if str(stage_key).endswith("_stage") and isinstance(stage, dict)
-        for group_key, group in stage.items()
-        if str(group_key).endswith("_modifiers") and isinstance(group, dict)
-        for modifier, arguments in group.items()
-    ]
-    for location, arguments in modifiers:
-        if not isinstance(arguments, dict):
-            raise RecipeError(
-                f"{path}: {location} must be a mapping of arguments, not {arguments!r}",
-                hint=f"see the shipped recipe for the layout {_SHIPPED}",
-            )
-        groups, scheme = arguments.get("config_groups"), arguments.get(KV_SCHEME_KEY)
-        fp8_attention = fp8_attention_groups(groups)
-        found += [
-            (location, f"config_groups.{name}.input_activations", args)
-            for name, args in fp8_attention.items()
-        ]
-        found += [(location, KV_SCHEME_KEY, scheme)] if scheme is not None else []
-        others = [
-            key
-            for key in OTHER_SCHEME_KEYS
-            if arguments.get(key)
-            and not (key == "config_groups" and len(fp8_attention) == len(groups))
-        ]
-        if scheme is None and not fp8_attention:
-            ignored.append(location)
-        elif others:
-            ignored.append(f"{location} ({', '.join(others)})")
-    return found, ignored, any(field != KV_SCHEME_KEY for _, field, _ in found)
-
-
-def _parse_scheme(value: Any, location: str, path: str | Path) -> dict[str, Any]:
-    """The scheme through compressed-tensors' QuantizationArgs, as JSON types; the observer as written."""
-    where = f"{path}: {location}"
-    if not isinstance(value, dict):
-        raise RecipeError(
-            f"{where} must be a mapping (num_bits, type, strategy, ...), not {value!r}",
-            hint=_SEE_SHIPPED,
-        )
-    try:
-        args = parse_kv_scheme(value)
-    except ValueError as exc:
-        raise RecipeError(
-            f"{where} is not a valid compressed-tensors QuantizationArgs: {exc}",
-            hint=_SEE_SHIPPED,
-        ) from None
-    return args.model_dump(mode="json")

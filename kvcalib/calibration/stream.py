@@ -7,7 +7,6 @@ captured from the model's own forward (capture_layer_inputs): the scales equal t
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,14 +26,13 @@ from kvcalib.core.progress import Progress
 from kvcalib.hf import internals
 from kvcalib.hf.attention import (
     KVAbsmaxObserver,
-    ObservedCache,
     StopForward,
-    attention_modules,
+    observed_forward,
     observing_attention,
 )
 from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
-from kvcalib.hf.memory import MemoryLimit, available_memory, release_free_memory
+from kvcalib.hf.memory import release_free_memory
 from kvcalib.hf.model import (
     build_skeleton,
     check_loading_info,
@@ -43,7 +41,7 @@ from kvcalib.hf.model import (
     num_layers,
     text_config,
 )
-from kvcalib.hf.mxfp4 import dequantizer, expert_chunks
+from kvcalib.hf.mxfp4 import expert_chunks
 
 __all__ = [
     "HIDDEN_STATES_MEMORY_SHARE",
@@ -89,7 +87,17 @@ def open_stream(
     )
     decoder = getattr(model, model.base_model_prefix, model)
     prefix = f"{model.base_model_prefix}." if decoder is not model else ""
-    layers_name, layers = _decoder_layers(decoder, num_layers(model), model_dir)
+    found = [
+        (name, child)
+        for name, child in decoder.named_children()
+        if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers(model)
+    ]
+    if not found:
+        raise UnsupportedModelError(
+            f"{model_dir}: no list of {num_layers(model)} decoder layers found in {type(decoder).__name__}",
+            hint="calibrate this model without --stream-layers",
+        )
+    layers_name, layers = found[0]
     weights = _Weights(model, model_dir, checkpoint.files, device, dtype)
     weights.check(prefix)  # every weight findable before the long work starts
     weights.load(prefix, skip=f"{prefix}{layers_name}.")
@@ -103,44 +111,48 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     )
     model, decoder, layers = stream.model, stream.decoder, stream.layers
     n_layers = len(layers)
-    attn_paths = attention_modules(model, n_layers, inputs.checkpoint.root)
-    observer = KVAbsmaxObserver(
-        n_layers, queries=inputs.attention_scales, sampler=inputs.sampler(n_layers)
-    )
+    observer, attn_paths = inputs.observer(model)
     batch_list = [
         (ids.to(inputs.device), mask.to(inputs.device))
         for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)
     ]
     started = time.perf_counter()
-    copies = (
-        inputs.machine.ranks.local_world_size if inputs.machine.ranks else 1
-    )  # ranks sharing this host
-    spill = _spill_needed(
-        decoder,
-        layers,
-        batch_list,
-        effective_dtype(inputs.checkpoint, inputs.dtype),
-        copies,
-        inputs.memory or available_memory(),
+    # spill when every batch's hidden states would take over a share of the memory this process has left beside a
+    # layer and its load-time copy (the ranks on this host share it)
+    hidden_bytes = sum(ids.numel() for ids, _ in batch_list) * int(text_config(decoder).hidden_size)
+    largest = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+    left = (
+        inputs.memory.available
+        // (inputs.machine.ranks.local_world_size if inputs.machine.ranks else 1)
+        - 2 * largest
     )
-    sizes = [(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]
+    spill = hidden_bytes * stream.weights.dtype.itemsize > HIDDEN_STATES_MEMORY_SHARE * left
+    # (samples, tokens) per batch, and in all: reported as through the whole model
+    sizes = list(zip(*[(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]))
+    total = [sum(column) for column in sizes]
     with (
         torch.inference_mode(),
         compute_path(inputs.compute),
         observing_attention(model, observer),
-        _HiddenStates(spill, inputs.machine.scratch_dir) as states,
+        tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=inputs.machine.scratch_dir)
+        if spill
+        else nullcontext() as folder,
     ):
+        states = _Spilled(folder) if spill else {}  # each batch's hidden states, on the CPU
         for b, (ids, mask) in enumerate(batch_list):  # the embeddings: layer 0's inputs
-            states.put(b, capture_layer_inputs(decoder, layers, 0, ids, mask, observer)[0])
+            states[b] = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)[0].cpu()
         for i in range(n_layers)[: inputs.probe_layers]:
             with stream.layer(i) as layer:
                 for b, (ids, mask) in enumerate(batch_list):
                     _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
                     # the last layer's observer stops the forward once its K/V (and Q) are seen
                     with observer.batch(ids, mask):
-                        out = layer(states.get(b).to(inputs.device), *args, **kwargs)
-                        states.put(b, out[0] if isinstance(out, tuple) else out)
-                    inputs.notify(_progress(sizes, n_layers, i, b))
+                        out = layer(states[b].to(inputs.device), *args, **kwargs)
+                        states[b] = (out[0] if isinstance(out, tuple) else out).cpu()
+                    done = [(i * t + sum(c[: b + 1])) // n_layers for t, c in zip(total, sizes)]
+                    inputs.notify(
+                        Progress("observe", done[0], total[0], done[1], total[1], i, n_layers)
+                    )
     return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
 
 
@@ -178,14 +190,7 @@ def capture_layer_inputs(
     for i, layer in enumerate(originals):
         layers[i] = _StandIn(layer, i == index)
     try:
-        decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            **internals.cache_kwargs(
-                decoder, ObservedCache(decoder.config, observer.observe, store=False)
-            ),
-        )
+        observed_forward(decoder, input_ids, attention_mask, observer.observe)
     except StopForward as captured:
         args, kwargs = captured.args[0], dict(captured.args[1])
     else:
@@ -213,7 +218,7 @@ class _Weights:
         self.model, self.model_dir, self.files = model, model_dir, files
         self.device, self.dtype = device, dtype
         # as from_pretrained dequantizes MXFP4 experts
-        self.quantizer = dequantizer(files.key_files)
+        self.quantizer = internals.mxfp4_quantizer() if mxfp4.weights(files.key_files) else None
         meta = dict(model.state_dict())
         rename = internals.renamer(model, self.quantizer, meta)
         # model parameter -> the checkpoint keys it is made from
@@ -230,19 +235,16 @@ class _Weights:
             if name.startswith(prefix) and not (skip and name.startswith(skip))
         ]
 
-    def _missing(self, name: str) -> UnsupportedModelError:
-        return UnsupportedModelError(
-            f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
-            hint="the checkpoint does not hold every weight this model's config describes; calibrate it in "
-            "memory (without --stream-layers) to see transformers' own report",
-        )
-
     def check(self, prefix: str) -> None:
         """Every weight under `prefix` has a source in the checkpoint, and every tensor a place."""
         check_loading_info(self.model_dir, {"unexpected_keys": self.unexpected})
         for name, tensor in self._under(prefix, None):
             if tensor.device.type == "meta" and name not in self.sources:
-                raise self._missing(name)
+                raise UnsupportedModelError(
+                    f"{self.model_dir}: the model's weight {name} is not in the checkpoint's safetensors files",
+                    hint="the checkpoint does not hold every weight this model's config describes; calibrate it "
+                    "in memory (without --stream-layers) to see transformers' own report",
+                )
 
     def load(self, prefix: str, skip: str | None = None) -> None:
         """Put the meta weights under `prefix` (except those under `skip`) on the device."""
@@ -261,8 +263,6 @@ class _Weights:
         for name in alone:
             self._convert([name], quantized=True)
         for name, tensor in self._under(prefix, skip):
-            if tensor.device.type == "meta":
-                raise self._missing(name)
             if tensor.device != self.device:
                 owner, _, attr = name.rpartition(".")
                 holder = self.model.get_submodule(owner) if owner else self.model
@@ -298,78 +298,15 @@ class _Weights:
             )
 
 
-class _HiddenStates:
-    """Each batch's hidden states between two layers: in memory, or (`spill`) one safetensors file per batch."""
+class _Spilled(dict):
+    """Each batch's hidden states between two layers, one safetensors file per batch in `folder`."""
 
-    def __init__(self, spill: bool, scratch_dir: Path | None) -> None:
-        self._memory: dict[int, torch.Tensor] = {}
-        self._dir = (
-            tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=scratch_dir)
-            if spill
-            else None
-        )
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
 
-    def __enter__(self) -> _HiddenStates:
-        return self
+    def __setitem__(self, b: int, hidden: torch.Tensor) -> None:
+        save_file({"hidden": hidden.contiguous()}, Path(self.folder, f"batch-{b:06d}.safetensors"))
 
-    def __exit__(self, *exc: object) -> None:
-        self._memory.clear()
-        if self._dir is not None:
-            self._dir.cleanup()
-
-    def put(self, b: int, hidden: torch.Tensor) -> None:
-        if self._dir is None:
-            self._memory[b] = hidden.cpu()  # the tensor itself if it is on the CPU
-            return
-        path = Path(self._dir.name, f"batch-{b:06d}.safetensors")
-        save_file({"hidden": hidden.detach().contiguous().cpu()}, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
-
-    def get(self, b: int) -> torch.Tensor:
-        if self._dir is None:
-            return self._memory[b]
-        return load_file(Path(self._dir.name, f"batch-{b:06d}.safetensors"))["hidden"]
-
-
-def _spill_needed(
-    decoder: torch.nn.Module,
-    layers: torch.nn.ModuleList,
-    batch_list: list[tuple[torch.Tensor, torch.Tensor]],
-    dtype: torch.dtype,
-    copies: int,
-    memory: MemoryLimit,
-) -> bool:
-    """Spill when the hidden states of every batch would take over a share of this process's memory left."""
-    hidden_size, element = (
-        int(text_config(decoder).hidden_size),
-        torch.tensor([], dtype=dtype).element_size(),
-    )
-    hidden_bytes = sum(ids.numel() for ids, _mask in batch_list) * hidden_size * element
-    largest_layer = max(
-        sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers
-    )
-    left = memory.available // copies - 2 * largest_layer  # a layer, and its load-time copy
-    return hidden_bytes > HIDDEN_STATES_MEMORY_SHARE * left
-
-
-def _progress(sizes: list[tuple[int, int]], num_layers: int, layer: int, b: int) -> Progress:
-    """After batch `b` of `layer`: (samples, tokens) per batch in `sizes`, reported as through the whole model."""
-    total = [sum(column) for column in zip(*sizes)]
-    done = [
-        (layer * t + sum(column[: b + 1])) // num_layers for t, column in zip(total, zip(*sizes))
-    ]
-    return Progress(
-        "observe", done[0], total[0], done[1], total[1], layer=layer, num_layers=num_layers
-    )
-
-
-def _decoder_layers(
-    decoder: torch.nn.Module, num_layers: int, model_dir: Path
-) -> tuple[str, torch.nn.ModuleList]:
-    for name, child in decoder.named_children():
-        if isinstance(child, torch.nn.ModuleList) and len(child) == num_layers:
-            return name, child
-    raise UnsupportedModelError(
-        f"{model_dir}: no list of {num_layers} decoder layers found in {type(decoder).__name__}",
-        hint="calibrate this model without --stream-layers",
-    )
+    def __getitem__(self, b: int) -> torch.Tensor:
+        return load_file(Path(self.folder, f"batch-{b:06d}.safetensors"))["hidden"]

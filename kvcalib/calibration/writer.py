@@ -238,7 +238,10 @@ def write_checkpoint(
     source = source if isinstance(source, Checkpoint) else Checkpoint.open(source)
     output = Path(os.path.abspath(output))
     notes = check_output_path(output, [("the model checkpoint", source.root), *inputs], overwrite)
-    created, staging = _make_parents(output), None
+    parents = list(output.parents)  # OUT's missing parents, deepest first: removed again on failure
+    created, staging = parents[: parents.index(_existing_ancestor(output.parent))], None
+    for path in reversed(created):
+        path.mkdir()
     try:
         staging = stage(output)
         notes += _write_files(source, staging.checkpoint, plan)
@@ -258,34 +261,9 @@ def write_checkpoint(
 
 
 def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
+    """Link (or copy without earlier KV scales) every weight file into `dest`, carry the other files over, write
+    the scales, the index, config and provenance; notes for the user."""
     index: _Index = {}
-    notes = _write_weights(source, dest, index)
-    for entry in _other_files(source.root):
-        if entry.is_dir():
-            shutil.copytree(entry, dest / entry.name, copy_function=_carry)
-        elif entry.is_file():
-            _carry(entry, dest / entry.name)
-    _write_scales(dest, plan, index)
-    _write_index(dest, source.files.index, index)
-    config = dict(source.config)
-    config.pop("compression_config", None)  # the 2024 name of quantization_config
-    config["quantization_config"] = plan.quantization_config
-    write_json(dest / CONFIG_FILENAME, config)
-    write_json(dest / PROVENANCE_FILENAME, plan.provenance)
-    return notes
-
-
-def _make_parents(output: Path) -> list[Path]:
-    """Create OUT's missing parents; the ones created, deepest first (removed again on failure)."""
-    parents = list(output.parents)
-    missing = parents[: parents.index(_existing_ancestor(output.parent))]
-    for path in reversed(missing):
-        path.mkdir()
-    return missing
-
-
-def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
-    """Link (or copy without earlier KV scales) every weight file into `tmp`; notes for the user."""
     notes = []
     for name in source.files.files:
         if name == SCALES_FILENAME:
@@ -295,51 +273,47 @@ def _write_weights(source: Checkpoint, tmp: Path, index: _Index) -> list[str]:
         stale = {k for k in header.tensors if is_kv_scale_key(k)}
         out_name = SHARDED_SINGLE_FILENAME if name == SINGLE_WEIGHTS_FILENAME else name
         if stale:
-            copy_without_keys(header, tmp / out_name, stale)
+            copy_without_keys(header, dest / out_name, stale)
             notes.append(f"{name}: dropped {len(stale)} earlier KV scale tensor(s)")
         else:
-            _carry(source.root / name, tmp / out_name, link=True)
+            _carry(source.root / name, dest / out_name, link=True)
         index.update(
-            {
-                key: (out_name, info.nbytes, math.prod(info.shape))
-                for key, info in header.tensors.items()
-                if key not in stale
-            }
+            (key, (out_name, info.nbytes, math.prod(info.shape)))
+            for key, info in header.tensors.items()
+            if key not in stale
         )
-    return notes
-
-
-def _write_scales(tmp: Path, plan: WritePlan, index: _Index) -> None:
+    for entry in _other_files(source.root):
+        if entry.is_dir():
+            shutil.copytree(entry, dest / entry.name, copy_function=_carry)
+        elif entry.is_file():
+            _carry(entry, dest / entry.name)
     from safetensors.torch import save_file
 
     # (a scale key the weights also hold is in two files: validate refuses it before publishing)
     scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
-    save_file(
-        scales,
-        str(tmp / SCALES_FILENAME),
-        metadata={
-            "format": "pt",
-            PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True),
-        },
-    )
-    os.chmod(tmp / SCALES_FILENAME, 0o644)
+    metadata = {
+        "format": "pt",
+        PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True),
+    }
+    save_file(scales, str(dest / SCALES_FILENAME), metadata=metadata)
+    os.chmod(dest / SCALES_FILENAME, 0o644)
     index.update(
-        {
-            key: (SCALES_FILENAME, t.numel() * t.element_size(), t.numel())
-            for key, t in scales.items()
-        }
+        (k, (SCALES_FILENAME, t.numel() * t.element_size(), t.numel())) for k, t in scales.items()
     )
-
-
-def _write_index(tmp: Path, source_index: dict[str, Any] | None, index: _Index) -> None:
-    out: dict[str, Any] = dict(source_index or {})
+    out: dict[str, Any] = dict(source.files.index or {})
     metadata = dict(out.get("metadata") or {})
     metadata["total_size"] = sum(nbytes for _, nbytes, _ in index.values())
     if "total_parameters" in metadata:  # newer transformers record it; keep it true
         metadata["total_parameters"] = sum(numel for _, _, numel in index.values())
     out["metadata"] = metadata
     out["weight_map"] = {key: file for key, (file, _, _) in sorted(index.items())}
-    write_json(tmp / INDEX_FILENAME, out)
+    write_json(dest / INDEX_FILENAME, out)
+    config = dict(source.config)
+    config.pop("compression_config", None)  # the 2024 name of quantization_config
+    config["quantization_config"] = plan.quantization_config
+    write_json(dest / CONFIG_FILENAME, config)
+    write_json(dest / PROVENANCE_FILENAME, plan.provenance)
+    return notes
 
 
 # Files at least this large (pytorch_model.bin, original/consolidated.pth) are hard-linked like the weights; smaller

@@ -24,7 +24,7 @@ __all__ = [
     "StopForward",
     "attention_modules",
     "fan_out",
-    "observe_batch",
+    "observed_forward",
     "observing_attention",
 ]
 
@@ -80,6 +80,8 @@ class KVAbsmaxObserver:
         self.queries = queries  # also Q: the forward then stops after the last attention call
         # a kvcalib.hf.samples.AttentionSampler: keeps the chosen sequences' attention calls
         self.sampler = sampler
+        # the attention calls are needed (Q, or the objective's samples): observing_attention
+        self.sees_attention_calls = queries or sampler is not None
         # per layer: [kv_heads] float32 (K, V), [attention heads] (Q)
         self.k_heads: list[torch.Tensor | None] = [None] * num_layers
         self.v_heads: list[torch.Tensor | None] = [None] * num_layers
@@ -112,11 +114,6 @@ class KVAbsmaxObserver:
         self.observed[layer_idx] += 1
         if layer_idx == self.num_layers - 1 and not self.sees_attention_calls:
             raise StopForward
-
-    @property
-    def sees_attention_calls(self) -> bool:
-        """Whether the attention calls are needed (Q, or the objective's samples): observing_attention."""
-        return self.queries or self.sampler is not None
 
     @contextmanager
     def batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Iterator[None]:
@@ -228,20 +225,15 @@ def attention_modules(model: torch.nn.Module, num_layers: int, where: object) ->
     return found
 
 
-@torch.inference_mode()
-def observe_batch(
-    decoder: torch.nn.Module,
-    observer: KVAbsmaxObserver,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-) -> None:
-    """Run one right-padded batch through the decoder stack (no LM head), recording K/V absmax."""
-    with observer.batch(input_ids, attention_mask), observing_attention(decoder, observer):
-        decoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            **internals.cache_kwargs(
-                decoder, ObservedCache(decoder.config, observer.observe, store=False)
-            ),
-        )
+def observed_forward(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, observe: Any, **kwargs: Any
+) -> Any:
+    """`model` on one right-padded batch, its cache showing each layer's fresh K/V to `observe` and keeping none."""
+    cache = ObservedCache(model.config, observe, store=False)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        use_cache=True,
+        **internals.cache_kwargs(model, cache),
+        **kwargs,
+    )

@@ -22,6 +22,7 @@ from kvcalib.core.paths import require_regular_file
 
 __all__ = [
     "CalibrationData",
+    "batched",
     "batches",
     "leading_special_tokens",
     "load_calibration_data",
@@ -241,8 +242,11 @@ def load_calibration_data(
             f"dataset {dataset}: all {len(texts)} selected rows of column {column!r} are empty",
             hint="pass a dataset with text in it",
         )
+    bare, full = _bare_and_full(
+        tokenizer
+    )  # the ids the tokenizer adds around plain text (BOS, EOS ...)
     added = (
-        default_special_tokens(tokenizer)
+        tuple(i for i in full if i not in bare)
         if add_special_tokens is not False and not all(chat)
         else ()
     )
@@ -297,12 +301,6 @@ def _bare_and_full(tokenizer: Any) -> tuple[list[int], list[int]]:
     return tuple(tokenizer("a", add_special_tokens=add)["input_ids"] for add in (False, True))
 
 
-def default_special_tokens(tokenizer: Any) -> tuple[int, ...]:
-    """The ids the tokenizer adds around plain text by default (BOS, EOS ...), in order."""
-    bare, full = _bare_and_full(tokenizer)
-    return tuple(i for i in full if i not in bare)
-
-
 def leading_special_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids the tokenizer puts before plain text by default (BOS), in order; () if none."""
     bare, full = _bare_and_full(tokenizer)
@@ -323,8 +321,16 @@ def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> t
                 f"{where} holds chat messages but the model has no chat template",
                 hint="pass a text column with --text-column",
             )
+        hint = 'a chat message is {"role": "user", "content": "..."}, both strings'
         for number, message in enumerate(value, start=1):
-            _check_message(message, f"{where}, message {number}")
+            for key in ("role", "content"):
+                if message.get(key) is None:  # datasets fills a key other rows have with None
+                    raise DatasetError(f"{where}, message {number} has no {key!r}", hint=hint)
+                if not isinstance(message[key], str):
+                    raise DatasetError(
+                        f"{where}, message {number}: {key!r} is {type(message[key]).__name__}, not a string",
+                        hint=hint,
+                    )
         try:
             return tokenizer.apply_chat_template(value, tokenize=False), True
         except Exception as exc:  # noqa: BLE001 -- jinja2's errors, or the template's own raise_exception
@@ -340,24 +346,19 @@ def _render(value: Any, column: str, tokenizer: Any, source: str, row: int) -> t
     )
 
 
-def _check_message(message: dict, where: str) -> None:
-    hint = 'a chat message is {"role": "user", "content": "..."}, both strings'
-    for key in ("role", "content"):
-        if message.get(key) is None:  # datasets fills a key other rows have with None
-            raise DatasetError(f"{where} has no {key!r}", hint=hint)
-        if not isinstance(message[key], str):
-            raise DatasetError(
-                f"{where}: {key!r} is {type(message[key]).__name__}, not a string", hint=hint
-            )
+def batched(
+    sequences: tuple[tuple[int, ...], ...], batch_size: int
+) -> list[tuple[tuple[int, ...], ...]]:
+    """The sequences in batches, longest first to waste little padding."""
+    order = sorted(sequences, key=len, reverse=True)
+    return [tuple(order[start : start + batch_size]) for start in range(0, len(order), batch_size)]
 
 
 def batches(
     sequences: tuple[tuple[int, ...], ...], batch_size: int, pad_id: int = 0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Right-padded (input_ids, attention_mask) batches, longest first to waste little padding."""
-    order = sorted(sequences, key=len, reverse=True)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
+    """Right-padded (input_ids, attention_mask) batches (`batched`)."""
+    for chunk in batched(sequences, batch_size):
         ids = pad_sequence([torch.tensor(s) for s in chunk], batch_first=True, padding_value=pad_id)
         lengths = torch.tensor([len(s) for s in chunk])
         yield ids, (torch.arange(ids.shape[1]) < lengths[:, None]).long()

@@ -28,12 +28,10 @@ from kvcalib.hf.mxfp4 import expert_chunks
 
 __all__ = [
     "PreparedRun",
-    "check_index_files",
     "check_loading_info",
     "faithful_attention",
     "prepare_run",
     "build_skeleton",
-    "check_supported_model",
     "effective_dtype",
     "load_model",
     "load_model_config",
@@ -72,7 +70,76 @@ def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
             "--device cuda was asked for but torch sees no CUDA device", hint="use --device cpu"
         )
     checkpoint = Checkpoint.open(resolve_model_dir(model))
-    check_supported_model(checkpoint, options.trust_remote_code)
+    # a causal LM, unquantised (or KV-only), with safetensors weights
+    causal_names = internals.causal_lm_names()
+
+    model_dir, config = checkpoint.root, checkpoint.config
+    model_type, architectures = config.get("model_type"), config.get("architectures") or []
+    remote = options.trust_remote_code and "AutoModelForCausalLM" in (config.get("auto_map") or {})
+    causal = (
+        any(
+            isinstance(a, str) and (a in causal_names.values() or a.endswith("ForCausalLM"))
+            for a in architectures
+        )
+        if architectures
+        else model_type in causal_names
+    )
+    if not (causal or remote):
+        raise UnsupportedModelError(
+            f"{model_dir}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a causal "
+            "language model transformers can load with AutoModelForCausalLM",
+            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)",
+        )
+    qcfg = config.get("quantization_config") or config.get("compression_config")
+    if qcfg:
+        qcfg = qcfg if isinstance(qcfg, dict) else {}
+        method = str(qcfg.get("quant_method", "")).lower().replace("_", "-")
+        groups = qcfg.get("config_groups")
+        # MXFP4 experts are calibrated as they are (core.mxfp4: only --target gpu is refused, by calibrate);
+        # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
+        released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
+        if not released_mxfp4 and (
+            method != "compressed-tensors"
+            or (groups and len(fp8_attention_groups(groups)) != len(groups))
+        ):
+            raise UnsupportedModelError(
+                f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
+                f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
+                hint="calibrate from the unquantised (bf16/fp16) checkpoint",
+            )
+    if not checkpoint.files.files:
+        raise UnsupportedModelError(
+            f"{model_dir}: no *.safetensors weights",
+            hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
+        )
+    # every shard the index names exists (transformers would stop on the first one missing, with a traceback)
+    missing: dict[str, list[str]] = {}
+    for key, name in (checkpoint.files.weight_map or {}).items():
+        if not isinstance(name, str) or name not in checkpoint.files.headers:
+            missing.setdefault(str(name), []).append(key)
+    if missing:
+        name, keys = min(missing.items())
+        raise CheckpointReadError(
+            f"{model_dir / INDEX_FILENAME} names {name}, which is not in {model_dir} "
+            f"({len(keys)} tensor(s), e.g. {min(keys)})"
+            + (f"; {len(missing) - 1} more file(s) are missing" if len(missing) > 1 else ""),
+            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way",
+        )
+    # a FIFO or device among the checkpoint's files would block the tokenizer or loader for ever
+    for entry in sorted(model_dir.iterdir()):
+        if not (entry.is_dir() or entry.name.startswith(".")):
+            require_regular_file(
+                entry,
+                "checkpoint file",
+                error=CheckpointReadError,
+                hint="every file of a checkpoint is a regular file; replace it with the real one",
+            )
+    layers = config.get("num_hidden_layers", schema.text_config(config).get("num_hidden_layers"))
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
+        raise UnsupportedModelError(
+            f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
+            hint="a decoder needs at least one layer; restore config.json from the original",
+        )
     return PreparedRun(
         checkpoint, None if options.dtype == "auto" else getattr(torch, options.dtype), device
     )
@@ -132,89 +199,6 @@ def resolve_model_dir(model: str | Path) -> Path:
             f"model {model} is not a local directory and could not be fetched from the hub ({type(exc).__name__})",
             hint="pass a local checkpoint directory, or run where the hub is reachable",
         ) from None
-
-
-def check_supported_model(checkpoint: Checkpoint, trust_remote_code: bool) -> None:
-    """A causal LM, unquantised (or KV-only), with safetensors weights."""
-    causal_names = internals.causal_lm_names()
-
-    model_dir, config = checkpoint.root, checkpoint.config
-    model_type, architectures = config.get("model_type"), config.get("architectures") or []
-    remote = trust_remote_code and "AutoModelForCausalLM" in (config.get("auto_map") or {})
-    causal = (
-        any(
-            isinstance(a, str) and (a in causal_names.values() or a.endswith("ForCausalLM"))
-            for a in architectures
-        )
-        if architectures
-        else model_type in causal_names
-    )
-    if not (causal or remote):
-        raise UnsupportedModelError(
-            f"{model_dir}: model_type {model_type!r} (architectures {config.get('architectures')}) is not a causal "
-            "language model transformers can load with AutoModelForCausalLM",
-            hint="kvcalib calibrates decoder-only LLMs (Llama, Qwen3, Mistral, ...)",
-        )
-    qcfg = config.get("quantization_config") or config.get("compression_config")
-    if qcfg:
-        qcfg = qcfg if isinstance(qcfg, dict) else {}
-        method = str(qcfg.get("quant_method", "")).lower().replace("_", "-")
-        groups = qcfg.get("config_groups")
-        # MXFP4 experts are calibrated as they are (core.mxfp4: only --target gpu is refused, by calibrate);
-        # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
-        released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
-        if not released_mxfp4 and (
-            method != "compressed-tensors"
-            or (groups and len(fp8_attention_groups(groups)) != len(groups))
-        ):
-            raise UnsupportedModelError(
-                f"{model_dir}: the model is already quantised (quant_method {method or '?'!r}"
-                f"{', weight/activation groups ' + str(sorted(groups)) if groups else ''})",
-                hint="calibrate from the unquantised (bf16/fp16) checkpoint",
-            )
-    if not checkpoint.files.files:
-        raise UnsupportedModelError(
-            f"{model_dir}: no *.safetensors weights",
-            hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
-        )
-    check_index_files(checkpoint)
-    _refuse_special_files(model_dir)
-    layers = config.get("num_hidden_layers", schema.text_config(config).get("num_hidden_layers"))
-    if isinstance(layers, int) and not isinstance(layers, bool) and layers < 1:
-        raise UnsupportedModelError(
-            f"{model_dir / 'config.json'}: num_hidden_layers is {layers}",
-            hint="a decoder needs at least one layer; restore config.json from the original",
-        )
-
-
-def _refuse_special_files(model_dir: Path) -> None:
-    """A FIFO or device among the checkpoint's files would block the tokenizer or the loader for ever."""
-    for entry in sorted(model_dir.iterdir()):
-        if entry.is_dir() or entry.name.startswith("."):
-            continue
-        require_regular_file(
-            entry,
-            "checkpoint file",
-            error=CheckpointReadError,
-            hint="every file of a checkpoint is a regular file; replace it with the real one",
-        )
-
-
-def check_index_files(checkpoint: Checkpoint) -> None:
-    """Every shard the index names exists (transformers would stop on the first one missing, with a traceback)."""
-    # the scanner refused an index that is not an object, or its weight_map
-    missing: dict[str, list[str]] = {}
-    for key, name in (checkpoint.files.weight_map or {}).items():
-        if not isinstance(name, str) or name not in checkpoint.files.headers:
-            missing.setdefault(str(name), []).append(key)
-    if missing:
-        name, keys = min(missing.items())
-        raise CheckpointReadError(
-            f"{checkpoint.root / INDEX_FILENAME} names {name}, which is not in {checkpoint.root} "
-            f"({len(keys)} tensor(s), e.g. {min(keys)})"
-            + (f"; {len(missing) - 1} more file(s) are missing" if len(missing) > 1 else ""),
-            hint="copy the missing shard(s) from the original checkpoint; a download may have stopped part way",
-        )
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:

@@ -6,23 +6,17 @@ table (the internals: kvcalib.hf.internals)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcalib.core.mxfp4 import weights
 from kvcalib.hf import internals
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["dequantize", "dequantize_mxfp4", "dequantizer", "expert_chunks"]
-
-
-def dequantizer(keys: Iterable[str]) -> Any:
-    """transformers' MXFP4 quantizer, set to dequantize as they load; None without MXFP4 weights."""
-    return internals.mxfp4_quantizer() if weights(keys) else None
+__all__ = ["dequantize", "dequantize_mxfp4", "expert_chunks"]
 
 
 def dequantize(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvcalib.hf.data import batches
+from kvcalib.hf.data import batched
 
 __all__ = [
     "ROWS_PER_SEQUENCE",
@@ -51,28 +51,18 @@ class AttentionSample:
 def sample_sequences(
     sequences: tuple[tuple[int, ...], ...],
     batch_size: int,
-    pad_id: int,
+    pad_id: int = 0,  # unused: the batching does not depend on it
     budget: int = SAMPLE_TOKENS,
 ) -> frozenset[tuple[int, ...]]:
     """The sequences the objective scores: whole batches of the run's own batching, in order, to `budget` tokens."""
     chosen: set[tuple[int, ...]] = set()
     tokens = 0
-    for ids, mask in batches(sequences, batch_size, pad_id):
+    for chunk in batched(sequences, batch_size):
         if chosen and tokens >= budget:
             break
-        for row in range(ids.shape[0]):
-            length = int(mask[row].sum())
-            chosen.add(tuple(ids[row, :length].tolist()))
-            tokens += length
+        chosen.update(chunk)
+        tokens += sum(map(len, chunk))
     return frozenset(chosen)
-
-
-def _rows(length: int, count: int) -> list[int]:
-    """`count` query positions spread evenly over 1..length-1, the last included, in order."""
-    if length <= 1:
-        return [0]
-    count = min(count, length - 1)
-    return sorted({length - 1 - (j * (length - 1)) // count for j in range(count)})
 
 
 class AttentionSampler:
@@ -117,16 +107,21 @@ class AttentionSampler:
         if self._batch and layer not in self._mixes:
             self._mixes[layer] = _mix(module, key.shape[1], *query.shape[1::2])
         for row, length in self._batch:
-            positions = _rows(length, self.rows)
+            # self.rows query positions spread evenly over 1..length-1, the last included, in order
+            count = min(self.rows, length - 1)
+            positions = (
+                sorted({length - 1 - j * (length - 1) // count for j in range(count)})
+                if length > 1
+                else [0]
+            )
             index = torch.tensor(positions, device=query.device)
-            held_out = torch.tensor([j % 2 == 1 for j in range(len(positions))])
             self.samples[layer].append(
                 AttentionSample(
                     query=query[row].index_select(1, index).detach().float().cpu(),
                     key=key[row, :, :length].detach().float().cpu(),
                     value=value[row, :, :length].detach().float().cpu(),
                     bias=_bias(attention_mask, row, index, length),
-                    held_out=held_out,
+                    held_out=torch.arange(len(positions)) % 2 == 1,
                     scaling=float(scaling),
                     softcap=float(softcap) if softcap else None,
                     sinks=sinks.detach().float().cpu().clone()

@@ -305,8 +305,13 @@ def test_each_candidate_is_judged_on_the_server_where_it_does_worst():
     assert objective.choose(trn2, norms, k, False).index == (1,)  # trn2 alone: the least clipping
     servers = [fp8.get_target(name) for name in ("trn2", "gpu")]
     both = objective.choose(torch.stack([trn2, elsewhere]), norms, k, False, servers)
-    assert both.index == (3,) and [name for name, _ in both.errors_on] == ["trn2", "gpu"]
-    assert [error for _, error in both.errors_on] == pytest.approx([0.1, math.sqrt(0.2)])
+    assert both.index == (3,) and [name for name, _ in both.choice.attention_error_on] == [
+        "trn2",
+        "gpu",
+    ]
+    assert [error for _, error in both.choice.attention_error_on] == pytest.approx(
+        [0.1, math.sqrt(0.2)]
+    )
     elsewhere[:2, 3] = 0.5  # no clip halves absmax's error everywhere: absmax
     assert objective.choose(torch.stack([trn2, elsewhere]), norms, k, False).index == (0,)
 
@@ -554,16 +559,14 @@ def test_candidates_ruled_out_early_change_nothing(target):
         # to a millionth (another CPU's kernels may order their sums differently)
         for found, whole in zip(chosen, everything):
             for mine, theirs in zip(found, whole):
-                assert (mine.label, mine.index, mine.clipped) == (
-                    theirs.label,
-                    theirs.index,
-                    theirs.clipped,
+                a, b = mine.choice, theirs.choice
+                assert (mine.index, a.label, a.clipped) == (theirs.index, b.label, b.clipped)
+                errors = ("attention_error", "attention_error_absmax", "attention_error_unit")
+                assert [getattr(a, e) for e in errors] == pytest.approx(
+                    [getattr(b, e) for e in errors], rel=1e-6
                 )
-                assert [mine.error, mine.error_absmax, mine.error_unit] == pytest.approx(
-                    [theirs.error, theirs.error_absmax, theirs.error_unit], rel=1e-6
-                )
-                assert [name for name, _ in mine.errors_on] == [n.name for n in numerics]
-        labels |= {choice.label for pair in chosen for choice in pair}
+                assert [name for name, _ in a.attention_error_on] == [n.name for n in numerics]
+        labels |= {c.choice.label for pair in chosen for c in pair}
     if (
         target == "gpu"
     ):  # (on trn2 what helps is worse than absmax on vLLM CPU here: absmax is chosen)

@@ -25,7 +25,7 @@ from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.records import to_json
 from kvcalib.core.schema import PROVENANCE_FILENAME
-from kvcalib.hf.data import batches
+from kvcalib.hf.data import batched
 from kvcalib.hf.memory import (
     MemoryLimit,
     available_memory,
@@ -442,13 +442,8 @@ def test_streamed_run_completes_under_a_memory_cap_the_in_memory_run_cannot(
 )
 def test_batch_shares_are_whole_single_process_batches(sizes, batch_size, world):
     sequences = tuple(tuple([n] * n + [i]) for i, n in enumerate(sizes))  # distinct, lengths n + 1
-    pad = 0
-    whole = [(ids.tolist(), mask.tolist()) for ids, mask in batches(sequences, batch_size, pad)]
-    shares = batch_shares(sequences, batch_size, world, pad)
-    per_rank = [
-        [(ids.tolist(), mask.tolist()) for ids, mask in batches(share, batch_size, pad)]
-        for share in shares
-    ]
+    whole = batched(sequences, batch_size)
+    per_rank = [batched(share, batch_size) for share in batch_shares(sequences, batch_size, world)]
     assert all(per_rank), "every rank gets work"
     assert sorted(b for rank in per_rank for b in rank) == sorted(whole)
     for rank in per_rank:  # each rank's batches are single-process batches, in the same order

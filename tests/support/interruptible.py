@@ -45,8 +45,8 @@ def main() -> None:
         real_observe = pipeline._observe
         pipeline._observe = lambda *a: (pause(point), real_observe(*a))[1]
     elif point == "write":
-        real_scales = writer._write_scales
-        writer._write_scales = lambda *a: (pause(point), real_scales(*a))[1]
+        real_write = writer._write_files
+        writer._write_files = lambda *a: (pause(point), real_write(*a))[1]
     elif point == "publish":
         real_exchange = publish._rename_exchange
         publish._rename_exchange = lambda *a: (pause(point), real_exchange(*a))[1]
