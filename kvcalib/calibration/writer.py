@@ -188,14 +188,15 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
     """Write `header`'s file minus the tensors in `drop`; every kept tensor's bytes are copied verbatim (a short read
     leaves a file that validate, before publishing, refuses)."""
     kept = sorted(
-        (i for i in header.tensors.values() if i.key not in drop), key=lambda i: i.data_offsets
+        ((k, i) for k, i in header.tensors.items() if k not in drop),
+        key=lambda ki: ki[1].data_offsets,
     )
     new_header: dict[str, Any] = (
         {} if header.metadata is None else {"__metadata__": header.metadata}
     )
     offset = 0
-    for info in kept:
-        new_header[info.key] = {
+    for key, info in kept:
+        new_header[key] = {
             "dtype": info.dtype,
             "shape": list(info.shape),
             "data_offsets": [offset, offset + info.nbytes],
@@ -205,7 +206,7 @@ def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> N
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
     with open(header.path, "rb") as fin, open(dst, "wb") as fout:
         fout.write(struct.pack("<Q", len(raw)) + raw)
-        for info in kept:
+        for _, info in kept:
             fin.seek(header.data_start + info.data_offsets[0])
             for done in range(0, info.nbytes, 64 << 20):
                 fout.write(fin.read(min(64 << 20, info.nbytes - done)))
