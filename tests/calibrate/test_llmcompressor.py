@@ -84,55 +84,51 @@ def eager_absmax(model_dir, sequences):
     return oracle_absmax(model_dir, sequences, attn_implementation="eager")
 
 
-def cross_check(native, static, default, label):
-    """Per-layer relative differences; prints the table, returns the largest |static - native| / native."""
+def cross_check(native, static, label, default=None):
+    """Per-layer relative differences; prints the table, returns the largest |static - native| / native and, per
+    layer-kind, how far the default observer's absmax is below the native one (none without `default`)."""
     print(
         f"\n{label}: layer, kind, native absmax, static_minmax rel diff, default observer rel diff"
     )
     largest = 0.0
     below = []
-    for n, s, d in zip(native.layers, static.layers, default.layers):
+    for i, (n, s) in enumerate(zip(native.layers, static.layers)):
         for kind in ("k", "v"):
-            a, b, c = (getattr(x, kind).absmax for x in (n, s, d))
+            a, b = getattr(n, kind).absmax, getattr(s, kind).absmax
             largest = max(largest, abs(b - a) / a)
-            below.append((a - c) / a)
-            print(f"{label} {n.layer:3d} {kind} {a:10.5g} {(b - a) / a:+.2e} {(c - a) / a:+.2%}")
-    print(
-        f"{label}: largest |static_minmax - native| / native over all layers: {largest:.2e}; "
-        f"default observer below the absmax by {min(below):.2%} to {max(below):.2%} (median "
-        f"{sorted(below)[len(below) // 2]:.2%})"
-    )
+            row = f"{label} {n.layer:3d} {kind} {a:10.5g} {(b - a) / a:+.2e}"
+            if default is not None:
+                below.append((a - getattr(default.layers[i], kind).absmax) / a)
+                row += f" {-below[-1]:+.2%}"
+            print(row)
+    print(f"{label}: largest |static_minmax - native| / native over all layers: {largest:.2e}")
     return largest, below
 
 
-def three_engines(model, dataset, root, data_opts):
-    """The same samples through the native engine, llm-compressor static_minmax, and its default observer, all
-    computing natively (oneshot does; the native engine would emulate bf16 in float32 on a CPU without bf16)."""
+def engines(model, dataset, root, data_opts, *recipes):
+    """The same samples through the native engine and llm-compressor's oneshot with each recipe, all computing
+    natively (oneshot does; the native engine would emulate bf16 in float32 on a CPU without bf16)."""
     opts = dict(target="gpu", batch_size=1, bf16_compute="native", **data_opts)
     native = calibrate(model, str(dataset), root / "native", CalibrateOptions(**opts))
-    static = calibrate(
-        model,
-        str(dataset),
-        root / "static",
-        CalibrateOptions(engine="llmcompressor", recipe=str(RECIPES / "kv-fp8-gpu.yaml"), **opts),
+    return native, *(
+        calibrate(
+            model,
+            str(dataset),
+            root / f"llmc{i}",
+            CalibrateOptions(engine="llmcompressor", recipe=str(recipe), **opts),
+        )
+        for i, recipe in enumerate(recipes)
     )
-    default = calibrate(
-        model,
-        str(dataset),
-        root / "default",
-        CalibrateOptions(
-            engine="llmcompressor",
-            recipe=str(default_observer_recipe(root / "default.yaml")),
-            **opts,
-        ),
-    )
-    return native, static, default
 
 
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_llama_master, text_dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("llmc-tiny")
-    return (*three_engines(tiny_llama_master, text_dataset, root, TINY), root)
+    default = default_observer_recipe(root / "default.yaml")
+    return (
+        *engines(tiny_llama_master, text_dataset, root, TINY, RECIPES / "kv-fp8-gpu.yaml", default),
+        root,
+    )
 
 
 @pytest.mark.parametrize("target", ["trn2", "trn3", "gpu"])
@@ -167,7 +163,7 @@ def test_recipes_run_in_llmcompressors_own_oneshot(
 
 def test_tiny_native_equals_llmcompressor_static_minmax(tiny_runs):
     native, static, default, _ = tiny_runs
-    largest, below = cross_check(native, static, default, "tiny")
+    largest, below = cross_check(native, static, "tiny", default)
     assert largest <= 1e-6  # float32 model: scales held in float32
     for s, d in zip(
         static.layers, default.layers
@@ -266,8 +262,9 @@ def test_engine_end_to_end_from_the_command_line(
 
 @pytest.mark.slow
 def test_smollm2_native_equals_llmcompressor_static_minmax(smollm2, text_dataset, tmp_path):
-    native, static, default = three_engines(smollm2, text_dataset, tmp_path, SMOL)
-    largest, below = cross_check(native, static, default, "smollm2")
+    """static_minmax on a real bf16 model (the default observer's drift below the absmax: the tiny test)."""
+    native, static = engines(smollm2, text_dataset, tmp_path, SMOL, RECIPES / "kv-fp8-gpu.yaml")
+    largest, _ = cross_check(native, static, "smollm2")
     assert len(native.layers) == 30
     assert largest <= BF16_STEP + BF16_SCALE_ROUNDING
     # why they differ: llm-compressor's scales are bf16(absmax / 448) of an eager-attention forward, exactly
@@ -277,13 +274,6 @@ def test_smollm2_native_equals_llmcompressor_static_minmax(smollm2, text_dataset
             assert theirs == pytest.approx(
                 torch.tensor(eager / 448).bfloat16().item() * 448, rel=1e-6
             ), layer.layer
-    for s, d in zip(
-        static.layers, default.layers
-    ):  # both bf16: the moving average may round one step up
-        assert d.k.absmax <= s.k.absmax * (1 + BF16_STEP) and d.v.absmax <= s.v.absmax * (
-            1 + BF16_STEP
-        )
-    assert max(below) > 0.01
 
 
 def test_per_head_native_equals_llmcompressor_attn_head(tiny_llama_master, text_dataset, tmp_path):

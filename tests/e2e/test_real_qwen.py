@@ -1,6 +1,6 @@
 """Real Qwen2.5-Coder-0.5B (scripts/prepare_model.py; q/k/v biases, K absmax ~200): kvcalib's trn2 scales against
 llm-compressor's absmax/448 under trn2 numerics. A file of its own so that pytest-xdist runs it beside the Gemma
-tests (tests/e2e/test_real_models.py), both last, while the two models convert."""
+tests (tests/e2e/test_real_models.py), both after the slow files, which run while the two models convert."""
 
 from __future__ import annotations
 

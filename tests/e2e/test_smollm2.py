@@ -140,13 +140,13 @@ def test_smollm2_float32_path_stays_within_bf16_noise_of_native_bf16(smollm2, tm
     kernels (oneDNN with AVX512-BF16, and the AVX2 fallback) differ from each other by up to 1.7%
     on SmolLM2 (2 of 60 layer values beyond 2^-6). The float32 path is as close to either as they
     are to each other, measured: at most 1.4-2.2% on 8x256, 16x256, 32x256, 8x512 and 32x128 tokens, with
-    at most 2 of 60 values beyond 2^-6.
+    at most 2 of 60 values beyond 2^-6 (1.2% and none on the 4x256 run here).
     """
     opts = dict(
-        num_samples=8, max_seq_len=256
-    )  # native bf16 is slow on AVX2: 8 x 256 keeps it near a minute
+        num_samples=4, max_seq_len=256
+    )  # native bf16 is slow on AVX2: 4 x 256 keeps it near 30 s
     long_texts = write_jsonl(
-        tmp_path / "long.jsonl", [{"text": t} for t in fortune_texts(8, chars=2000)]
+        tmp_path / "long.jsonl", [{"text": t} for t in fortune_texts(4, chars=2000)]
     )
     result = calibrate(
         smollm2,
@@ -157,7 +157,7 @@ def test_smollm2_float32_path_stays_within_bf16_noise_of_native_bf16(smollm2, tm
     assert result.compute.startswith(
         "bf16 model, matmuls and attention in float32 with bf16 rounding"
     )
-    assert result.num_tokens == 8 * 256
+    assert result.num_tokens == 4 * 256
     k, v = oracle_absmax(smollm2, calibration_sequences(smollm2, long_texts, **opts))  # native bf16
     diffs = [
         abs(mine - theirs) / theirs
