@@ -250,7 +250,7 @@ def _memory(
     """(peak, scratch) bytes: `held` (this process before its engine, the objective's samples), the weights (in
     memory: all; streamed: the embeddings and two layers), the largest batch's activations (its MLP's: the activation,
     up_proj's output in the compute dtype and in the model's, their product) and, streamed, every batch's hidden
-    states, or (spilled to scratch when over half the memory left) one batch's."""
+    states, or (spilled to scratch when over half the memory left beside two layers) one batch's."""
     config, stored = text_config(plan.checkpoint.config), plan.dtype.itemsize if plan.dtype else 2
     hidden, longest = int(config.get("hidden_size") or 0), max(map(len, data.sequences))
     inner = int(config.get("intermediate_size") or 4 * hidden)
@@ -264,8 +264,8 @@ def _memory(
         * stored
         * (2 - bool(config.get("tie_word_embeddings")))
     )
-    held += embed + 2 * max(weights - embed, 0) // layers
-    states = len(data.sequences) * longest * hidden * stored
-    if states > (available - held) // 2:
+    two_layers = 2 * max(weights - embed, 0) // layers
+    held, states = held + embed + two_layers, len(data.sequences) * longest * hidden * stored
+    if states > (available - two_layers) // 2:  # as the stream engine decides
         return held + batch * hidden * stored, states
     return held + states, 0
