@@ -49,14 +49,6 @@ def test_the_plan_estimates_the_smollm2_run(smollm2, text_dataset, tmp_path):
     # the peak holds this process, every layer's samples, the weights and a batch's activations
     held = probe["base_rss_bytes"] + probe["sample_bytes"] * 30
     assert planned["peak_memory_bytes"] > held + planned["weight_bytes"] > held + (200 << 20)
-    # bf16 computed in float32 holds up_proj's output in float32 besides bf16, native bf16 in bf16 alone: 2 bytes more
-    # a token of the largest batch (4 rows of at most 64) and an intermediate unit (1,536)
-    native_args = [*args[:4], "--bf16-compute", "native"]
-    code, native, _ = plan(smollm2, "--dataset", text_dataset, "-o", out, *native_args)
-    assert code == 0 and native["compute"].startswith("native"), native
-    held_native = native["probe"]["base_rss_bytes"] + native["probe"]["sample_bytes"] * 30
-    more = planned["peak_memory_bytes"] - held - (native["peak_memory_bytes"] - held_native)
-    assert more % (2 * 4 * 1536) == 0 and 0 < more <= 2 * 4 * 64 * 1536
     assert "plan: nothing written" in stderr and "estimate" in stderr
     run = runner.invoke(
         app,
@@ -80,27 +72,27 @@ def test_the_plan_estimates_the_smollm2_run(smollm2, text_dataset, tmp_path):
 
 
 def test_the_stream_engine_is_probed_on_its_first_layers(tiny_llama_master, text_dataset, tmp_path):
-    code, planned, stderr = plan(
-        tiny_llama_master,
-        "--dataset",
-        text_dataset,
-        "-o",
-        tmp_path / "out",
-        "--num-samples",
-        "8",
-        "--max-seq-len",
-        "32",
-        "--engine",
-        "stream",
-        "--max-memory",
-        "1",
+    flags = (
+        "--num-samples 8 --max-seq-len 32 --engine stream --max-memory 1 --dtype bfloat16".split()
     )
+    args = (tiny_llama_master, "--dataset", text_dataset, "-o", tmp_path / "out", *flags)
+    code, planned, stderr = plan(*args, "--bf16-compute", "float32")
     assert code == 0 and planned["engine"] == "stream", stderr
     # the plan sizes by the memory check_run resolved: --max-memory's cap, not only the host's
     assert planned["memory_limit_bytes"] == 1 << 30 and planned["memory_source"] == "--max-memory 1"
     probe, estimate = planned["probe"], planned["estimate_seconds"]
     assert probe["layers"] == 2 and probe["batches"] == 2 and planned["num_layers"] == 3
     assert estimate["total"] > 0 and estimate["observe"] > 0 and listing(tmp_path) == []
+    # bf16 computed in float32 holds up_proj's output in float32 besides bf16, native bf16 in bf16 alone: 2 bytes
+    # more a token of the largest batch (4 rows of at most 32) and an intermediate unit
+    inner = json.loads((tiny_llama_master / "config.json").read_text())["intermediate_size"]
+    native = plan(*args, "--bf16-compute", "native")[1]
+    assert native["compute"].startswith("native"), native
+    held = [
+        p["probe"]["base_rss_bytes"] + 3 * p["probe"]["sample_bytes"] for p in (planned, native)
+    ]
+    more = planned["peak_memory_bytes"] - held[0] - (native["peak_memory_bytes"] - held[1])
+    assert more % (2 * 4 * inner) == 0 and 0 < more <= 2 * 4 * 32 * inner
     kv = planned["kv_cache"]  # what FP8 buys: half the bytes per token and per max-length sequence
     assert kv["per_token"]["fp8"] * 2 == kv["per_token"]["bf16"] > 0 and kv["windowed"] is None
     assert (
