@@ -112,17 +112,8 @@ def test_what_would_stop_the_run_is_a_refusal_and_nothing_is_touched(
     )  # an interrupted run's staging directory: only a run recovers it
     leftover.mkdir()
     before = listing(tmp_path)
-    code, planned, stderr = plan(
-        tiny_llama_master,
-        "--dataset",
-        text_dataset,
-        "-o",
-        out,
-        "--num-samples",
-        "4",
-        "--max-seq-len",
-        "32",
-    )
+    args = (tiny_llama_master, "--dataset", text_dataset, "-o", out, "--num-samples", "4")
+    code, planned, stderr = plan(*args, "--max-seq-len", "32")
     assert code == 0 and len(planned["refusals"]) == 1 and "exists" in planned["refusals"][0], (
         stderr
     )
@@ -132,21 +123,8 @@ def test_what_would_stop_the_run_is_a_refusal_and_nothing_is_touched(
         and listing(out) == ["mine.txt"]
     )
     # wrong arguments are usage errors, as for a run (exit 2, before anything is read)
-    bad = runner.invoke(
-        app,
-        [
-            "calibrate",
-            str(tiny_llama_master),
-            "--dataset",
-            str(text_dataset),
-            "-o",
-            str(tmp_path / "o2"),
-            "--num-samples",
-            "0",
-            "--plan",
-        ],
-    )
-    assert bad.exit_code == 2 and "--num-samples" in bad.stderr
+    code, _, stderr = plan(*args[:5], "--num-samples", "0")
+    assert code == 2 and "--num-samples" in stderr
 
 
 def test_the_plan_estimates_the_tiny_mxfp4_gpt_oss_run(text_dataset, tmp_path):
@@ -168,15 +146,7 @@ def test_the_plan_estimates_the_tiny_mxfp4_gpt_oss_run(text_dataset, tmp_path):
         str(text_dataset),
         "-o",
         str(out),
-        "--num-samples",
-        "16",
-        "--max-seq-len",
-        "64",
-        "--target",
-        "trn2",
-        "--engine",
-        "stream",
-        "--json",
+        *"--num-samples 16 --max-seq-len 64 --target trn2 --engine stream --json".split(),
     ]
     planned = subprocess.run([*command, "--plan"], capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0 and "Traceback" not in planned.stderr, planned.stderr
