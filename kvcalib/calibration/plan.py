@@ -5,7 +5,8 @@ engine the run uses: the rows the objective samples (the run's first whole batch
 them a batch (a batch's compute told apart from a layer's load), through the first PROBE_LAYERS decoder layers with
 the stream engine (a layer computes as in the whole model), then the objective's search on those layers' samples:
 the run's own. The estimate scales each part by what the run has more of: load (checks, data, the weights: per
-layer, by layers), observe (a layer's compute, by tokens and layers), objective (by layers) and write."""
+layer, by layers), observe (a layer's compute, by tokens and layers), objective (by layers) and write. The peak
+memory: _memory's terms, the compute dtype's among them (bf16 computed in float32 holds float32 activations)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,8 @@ from kvcalib.hf.memory import proc_status, weight_bytes
 __all__ = ["PROBE_LAYERS", "CalibrationPlan", "Estimate", "Probe", "plan_calibration"]
 
 PROBE_LAYERS = 2  # two, so a layer's load is told apart from what a run pays once
-WRITE_BYTES_PER_S = (
-    200e6  # copying weights where hard links do not work (an assumption, not measured)
-)
+# copying weights where hard links do not work (an assumption, not measured)
+WRITE_BYTES_PER_S = 200e6
 VALIDATE_SECONDS = 0.1  # config, card, scales, links, validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
 
 
