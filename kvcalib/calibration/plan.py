@@ -248,24 +248,22 @@ def _memory(
     plan: RunPlan, data: Any, weights: int, layers: int, held: int, available: int
 ) -> tuple[int, int]:
     """(peak, scratch) bytes: `held` (this process before its engine, the objective's samples), the weights (in
-    memory: all; streamed: the embeddings and two layers), the largest batch's activations (its MLP's: the activation,
-    up_proj's output in the compute dtype and in the model's, their product) and, streamed, every batch's hidden
-    states, or (spilled to scratch when over half the memory left beside two layers) one batch's."""
+    memory: all but an untied lm_head, which the decoder never reads; streamed: the embeddings, the lm_head and two
+    layers), the largest batch's activations (its MLP's: the activation, up_proj's output in the compute dtype and in
+    the model's, their product; bf16 computed in float32: the attention's float32 K, V and scores too, measured 32
+    bytes a hidden unit and token) and, streamed, every batch's hidden states, or (spilled to scratch when over half
+    the memory left beside two layers) one batch's."""
     config, stored = text_config(plan.checkpoint.config), plan.dtype.itemsize if plan.dtype else 2
     hidden, longest = int(config.get("hidden_size") or 0), max(map(len, data.sequences))
-    inner = int(config.get("intermediate_size") or 4 * hidden)
+    inner, emulated = int(config.get("intermediate_size") or 4 * hidden), plan.compute.emulated
     batch = plan.options.batch_size * longest
-    held += batch * inner * ((4 if plan.compute.emulated else stored) + 2 * stored)
+    held += batch * (inner * ((4 if emulated else stored) + 2 * stored) + 32 * hidden * emulated)
+    table = int(config.get("vocab_size") or 0) * hidden * stored
+    head = 0 if config.get("tie_word_embeddings") else table
     if plan.engine.engine != "stream":
-        return held + weights, 0
-    embed = (
-        int(config.get("vocab_size") or 0)
-        * hidden
-        * stored
-        * (2 - bool(config.get("tie_word_embeddings")))
-    )
-    two_layers = 2 * max(weights - embed, 0) // layers
-    held, states = held + embed + two_layers, len(data.sequences) * longest * hidden * stored
+        return held + weights - head, 0
+    two_layers = 2 * max(weights - table - head, 0) // layers
+    held, states = held + table + head + two_layers, len(data.sequences) * longest * hidden * stored
     if states > (available - two_layers) // 2:  # as the stream engine decides
         return held + batch * hidden * stored, states
     return held + states, 0

@@ -83,16 +83,17 @@ def test_the_stream_engine_is_probed_on_its_first_layers(tiny_llama_master, text
     probe, estimate = planned["probe"], planned["estimate_seconds"]
     assert probe["layers"] == 2 and probe["batches"] == 2 and planned["num_layers"] == 3
     assert estimate["total"] > 0 and estimate["observe"] > 0 and listing(tmp_path) == []
-    # bf16 computed in float32 holds up_proj's output in float32 besides bf16, native bf16 in bf16 alone: 2 bytes
-    # more a token of the largest batch (4 rows of at most 32) and an intermediate unit
-    inner = json.loads((tiny_llama_master / "config.json").read_text())["intermediate_size"]
+    # bf16 computed in float32 holds up_proj's output in float32 besides bf16 (2 bytes more an intermediate unit)
+    # and the attention's float32 K, V and scores (32 a hidden unit), a token of the largest batch (4 rows of <= 32)
+    config = json.loads((tiny_llama_master / "config.json").read_text())
+    per_token = 2 * config["intermediate_size"] + 32 * config["hidden_size"]
     native = plan(*args, "--bf16-compute", "native")[1]
     assert native["compute"].startswith("native"), native
     held = [
         p["probe"]["base_rss_bytes"] + 3 * p["probe"]["sample_bytes"] for p in (planned, native)
     ]
     more = planned["peak_memory_bytes"] - held[0] - (native["peak_memory_bytes"] - held[1])
-    assert more % (2 * 4 * inner) == 0 and 0 < more <= 2 * 4 * 32 * inner
+    assert more % (4 * per_token) == 0 and 0 < more <= 4 * 32 * per_token
     kv = planned["kv_cache"]  # what FP8 buys: half the bytes per token and per max-length sequence
     assert kv["per_token"]["fp8"] * 2 == kv["per_token"]["bf16"] > 0 and kv["windowed"] is None
     assert (
