@@ -1,10 +1,12 @@
 """`calibrate --plan`: what a run would do and take, before it runs; nothing is written (leftovers are left).
 
-calibrate's checks run as they would (what stops the run is a refusal, not raised); then a timed probe: the run's
-first batches (longest first) through its engine (stream: the first PROBE_LAYERS layers), PROBE_BATCHES at least and
-every one the objective samples, then the objective's search on the first PROBE_LAYERS layers: on the run's own
-sequences, since its cost is per sequence more than per token (16 query rows each). The estimate scales each part by
-what the run has more of: load (checks, data, weights), observe, objective (the search, by layers) and write."""
+calibrate's checks run as they would (what stops the run is a refusal, not raised); then a timed probe, whatever
+engine the run uses: the rows the objective samples (the run's first whole batches, longest first), at most half of
+them a batch (a batch's compute told apart from a layer's load), through the first PROBE_LAYERS decoder layers with
+the stream engine (a layer computes as in the whole model), then the objective's search on those layers' samples:
+the run's own. The estimate scales each part by what the run has more of: load (checks, data, the weights: per
+layer, by layers), observe (a layer's compute, by tokens and layers), objective (by layers) and write. The peak
+memory: _memory's terms, the compute dtype's among them (bf16 computed in float32 holds float32 activations)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from typing import Any
 
 from kvcalib.calibration.objective import search
 from kvcalib.calibration.options import CalibrateOptions
-from kvcalib.calibration.pipeline import ENGINES, RunPlan, check_run, engine_inputs, read_data
+from kvcalib.calibration.pipeline import RunPlan, check_run, engine_inputs, read_data
+from kvcalib.calibration.stream import stream_engine
 from kvcalib.calibration.writer import measure_room
 from kvcalib.core.errors import KvcalibError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
@@ -27,27 +30,14 @@ from kvcalib.core.schema import (
     num_hidden_layers,
     text_config,
 )
-from kvcalib.hf.memory import HEADROOM, peak_rss_bytes, weight_bytes
+from kvcalib.hf.memory import proc_status, weight_bytes
 
-__all__ = [
-    "PROBE_BATCHES",
-    "PROBE_LAYERS",
-    "CalibrationPlan",
-    "Estimate",
-    "Probe",
-    "plan_calibration",
-]
+__all__ = ["PROBE_LAYERS", "CalibrationPlan", "Estimate", "Probe", "plan_calibration"]
 
-PROBE_BATCHES = 2  # two, so a batch's compute is told apart from what a run pays once
-PROBE_LAYERS = (
-    2  # the stream engine's probe: two layers, so a layer's load is told apart from its compute
-)
-WRITE_BYTES_PER_S = (
-    200e6  # copying weights where hard links do not work (an assumption, not measured)
-)
-VALIDATE_SECONDS = (
-    0.1  # writing config, card, scales, links, then validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
-)
+PROBE_LAYERS = 2  # two, so a layer's load is told apart from what a run pays once
+# copying weights where hard links do not work (an assumption, not measured)
+WRITE_BYTES_PER_S = 200e6
+VALIDATE_SECONDS = 0.1  # config, card, scales, links, validate: 0.01-0.03 s (SmolLM2, Qwen2.5-0.5B)
 
 
 @dataclass(frozen=True)
@@ -68,37 +58,33 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Probe:
-    """The timed probe in CalibrationPlan's probe: engine (the one timed), batches, layers and tokens it ran on,
-    objective_tokens (the objective's search ran on: the run's own) and run_objective_tokens (the run's),
-    objective_layers (searched), seconds, objective_seconds (of the search) and objective_first_seconds (its first
-    layer's, with what the run pays once), peak_rss_bytes; from its progress events: load_seconds (paid
-    once), compute_seconds (the probed batches: native the whole model, stream one layer), layer_load_seconds
-    (stream: one layer's load); setup_seconds (calibrate's checks and data, before the engine)."""
+    """The timed probe in CalibrationPlan's probe: batches, layers and tokens it ran (stream engine), seconds (in
+    all), from its progress events: load_seconds (the rest of the model, paid once), layer_load_seconds (one layer),
+    compute_seconds (one layer, every probed batch); objective_seconds (the search on `layers`, the first with what
+    the run pays once: objective_first_seconds), setup_seconds (calibrate's checks and data, before the engine),
+    base_rss_bytes (this process then), sample_bytes (the objective's samples, one layer)."""
 
-    engine: str
     batches: int
     layers: int
     tokens: int
-    objective_tokens: int
-    run_objective_tokens: int
-    objective_layers: int
     seconds: float
+    load_seconds: float
+    layer_load_seconds: float
+    compute_seconds: float
     objective_seconds: float
     objective_first_seconds: float
-    peak_rss_bytes: int
-    load_seconds: float
-    compute_seconds: float
-    layer_load_seconds: float
     setup_seconds: float
+    base_rss_bytes: int
+    sample_bytes: int
 
 
 @dataclass(frozen=True)
 class CalibrationPlan:
     """What `calibrate` would do; to_json() is `calibrate --plan --json`. model, output, refusals (what would stop the
     run; then the rest is null or 0), target, engine, engine_reason, compute, num_layers, num_samples, num_tokens,
-    token_budget (why that many), weight_bytes (in the calibration dtype), peak_memory_bytes (estimated),
-    memory_limit_bytes, memory_source (null: no limit), weights_linked (or copied), output_bytes (new on its
-    filesystem), free_bytes, scratch_bytes (the stream engine's spill, at most), probe (Probe; {} with refusals),
+    token_budget (why that many), weight_bytes (in the calibration dtype), peak_memory_bytes (estimated: hf.memory's
+    peak_bytes), memory_limit_bytes, memory_source (null: no limit), weights_linked (or copied), output_bytes (new on
+    its filesystem), free_bytes, scratch_bytes (the stream engine's spill, at most), probe (Probe; {} with refusals),
     estimate_seconds (load, observe, objective, write, total), kv_cache."""
 
     model: str
@@ -157,13 +143,11 @@ def plan_calibration(
         refusal = err.message + (f" ({err.hint})" if err.hint else "")
         return CalibrationPlan(str(model), str(output), refusals=(refusal,))
     layers = num_hidden_layers(plan.checkpoint.config) or 1
-    setup = (
-        time.perf_counter() - began
-    )  # check_run and read_data: what the run does before its engine
-    probe = _probe(plan, data, pad, layers, notify, round(setup, 3))
+    probe = _probe(plan, data, pad, notify, time.perf_counter() - began)
     needed = weight_bytes(plan.checkpoint, plan.dtype)
-    peak, scratch = _memory(plan, data, needed, layers)
     limit = plan.engine.limit or plan.machine.memory  # --max-memory's cap, as check_run resolved it
+    held = probe.base_rss_bytes + probe.sample_bytes * layers
+    peak, scratch = _memory(plan, data, needed, layers, held, limit.available)
     return CalibrationPlan(
         model=str(model),
         output=str(output),
@@ -174,11 +158,11 @@ def plan_calibration(
         num_layers=layers,
         num_samples=len(data.sequences),
         num_tokens=data.num_tokens,
-        token_budget=plan.options.token_budget(data),
+        token_budget=opts.token_budget(data),
         weight_bytes=needed,
         peak_memory_bytes=peak,
-        memory_limit_bytes=limit.available if limit else None,
-        memory_source=limit.source if limit else None,
+        memory_limit_bytes=limit.available,
+        memory_source=limit.source,
         weights_linked=room.linkable,
         output_bytes=room.needed,
         free_bytes=room.free,
@@ -189,128 +173,97 @@ def plan_calibration(
     )
 
 
-def _probe(
-    plan: RunPlan, data: Any, pad: int, layers: int, notify: ProgressCallback, setup: float
-) -> Probe:
-    """Time the run's engine on its first batches (see the module docstring), then the objective's search."""
-    opts = plan.options
+def _probe(plan: RunPlan, data: Any, pad: int, notify: ProgressCallback, setup: float) -> Probe:
+    """Time the stream engine on the objective's rows and first layers, then the search (the module docstring)."""
+    size, base = plan.options.batch_size, proc_status().get("VmRSS", 0)
     sampled = engine_inputs(plan, data, pad, no_progress).sample_sequences  # the run's objective's
     order = sorted(data.sequences, key=len, reverse=True)  # as the engines batch them
-    seen: set[tuple[int, ...]] = set()
-    count = opts.batch_size * PROBE_BATCHES
-    for i, seq in enumerate(order):  # the objective's are the first whole batches
-        if len(seen) == len(sampled):
-            count = max(count, i)
-            break
-        seen.update({tuple(seq)} & sampled)
-    else:
-        count = len(order)
-    rows = tuple(order[:count])
-    probe_data = replace(data, sequences=rows)
-    engine = plan.engine.engine
-    stream = engine == "stream"
-    probed = min(PROBE_LAYERS, layers)
+    count = max([i + 1 for i, row in enumerate(order) if row in sampled], default=1)
+    rows = order[: math.ceil(count / size) * size]
+    size = min(size, math.ceil(len(rows) / 2))
     stamps: list[tuple[float, Progress]] = []
 
     def stamp(event: Progress) -> None:
         stamps.append((time.perf_counter(), event))
         notify(event)
 
-    name = "native" if engine == "llmcompressor" else engine  # oneshot: native's probe
-    inputs = engine_inputs(plan, probe_data, pad, stamp, probe_layers=probed if stream else None)
+    small = replace(plan, options=replace(plan.options, batch_size=size))
+    inputs = engine_inputs(small, replace(data, sequences=tuple(rows)), pad, stamp, PROBE_LAYERS)
     started = time.perf_counter()
-    observation = ENGINES[name](inputs)
+    ob = stream_engine(replace(inputs, sample_sequences=sampled))
     observed = time.perf_counter()
-    times: list[float] = []  # the search's, layer by layer: the first pays what the run pays once
-    ob, per_head = observation, plan.recipe.strategy == ATTN_HEAD
-    for i in range(probed) if inputs.sample_sequences else ():
-        began, one = time.perf_counter(), slice(i, i + 1)
-        search(ob.samples[one], ob.k_heads[one], ob.v_heads[one], plan.target, per_head)
-        times.append(time.perf_counter() - began)
+    times = []  # the search's, layer by layer: the first pays what the run pays once
+    for i in range(min(PROBE_LAYERS, len(ob.samples))):
+        searched, one = time.perf_counter(), slice(i, i + 1)
+        search(
+            ob.samples[one],
+            ob.k_heads[one],
+            ob.v_heads[one],
+            plan.target,
+            plan.recipe.strategy == ATTN_HEAD,
+        )
+        times.append(time.perf_counter() - searched)
+    # per layer, the time after each of its batches
+    ends = [
+        [t for t, e in stamps if e.stage == "observe" and e.layer == i] for i in range(PROBE_LAYERS)
+    ]
+    ends = [e for e in ends if e]
+    per_batch = (ends[0][-1] - ends[0][0]) / (len(ends[0]) - 1) if len(ends[0]) > 1 else 0.0
+    cycle = ends[-1][-1] - ends[-2][-1] if len(ends) > 1 else ends[0][-1] - started
+    layer_load = max(cycle - len(ends[0]) * per_batch, 0.0) if per_batch else 0.0
+    samples = ob.samples[0] if ob.samples else ()
     return Probe(
-        engine=name,
-        batches=math.ceil(len(rows) / opts.batch_size),
-        layers=layers if not stream else probed,
-        tokens=probe_data.num_tokens,
-        objective_tokens=sum(len(s) for s in inputs.sample_sequences),
-        run_objective_tokens=sum(len(s) for s in sampled),
-        objective_layers=probed if inputs.sample_sequences else 0,
+        batches=len(ends[0]),
+        layers=len(ends),
+        tokens=sum(map(len, rows)),
         seconds=round(observed - started + sum(times), 3),
+        load_seconds=round(max(ends[0][0] - started - layer_load - per_batch, 0.0), 4),
+        layer_load_seconds=round(layer_load, 4),
+        compute_seconds=round(cycle - layer_load, 4),
         objective_seconds=round(sum(times), 3),
         objective_first_seconds=round(times[0] if times else 0.0, 3),
-        peak_rss_bytes=peak_rss_bytes(),
-        **_split(stamps, started, observed, stream),
-        setup_seconds=setup,
+        setup_seconds=round(setup, 3),
+        base_rss_bytes=base,
+        sample_bytes=sum(
+            t.numel() * t.element_size()
+            for s in samples
+            for t in vars(s).values()
+            if hasattr(t, "element_size")
+        ),
     )
-
-
-def _split(
-    stamps: list[tuple[float, Progress]], started: float, ended: float, stream: bool
-) -> dict[str, float]:
-    """The probe's time from its progress events: paid once (load), per layer (stream loads), per batch."""
-    observe = [(t, e) for t, e in stamps if e.stage == "observe"]
-    if not stream:  # native: "observe" 0 after the load, then one after each batch
-        first = observe[0][0] if observe else ended
-        return {
-            "load_seconds": round(first - started, 4),
-            "compute_seconds": round(ended - first, 4),
-            "layer_load_seconds": 0.0,
-        }
-    by_layer: dict[int, list[float]] = {}
-    for t, e in observe:
-        by_layer.setdefault(e.layer, []).append(t)
-    firsts, lasts = (
-        sorted(times[0] for times in by_layer.values()),
-        sorted(times[-1] for times in by_layer.values()),
-    )
-    batches = max(len(times) for times in by_layer.values()) if by_layer else 1
-    compute_one = (
-        sum(times[-1] - times[0] for times in by_layer.values()) / len(by_layer) / (batches - 1)
-        if by_layer and batches > 1
-        else 0.0
-    )
-    cycle = (
-        lasts[-1] - lasts[-2]
-        if len(lasts) > 1
-        else (lasts[0] - started if lasts else ended - started)
-    )
-    layer_load = max(cycle - batches * compute_one, 0.0) if batches > 1 else 0.0
-    compute = (cycle - layer_load) if batches > 1 else cycle
-    first = firsts[0] if firsts else ended
-    return {
-        "load_seconds": round(max(first - started - layer_load - compute_one, 0.0), 4),
-        "compute_seconds": round(compute, 4),  # one layer, every probed batch
-        "layer_load_seconds": round(layer_load, 4),
-    }
 
 
 def _estimate(probe: Probe, tokens: int, layers: int, output_bytes: int, linked: bool) -> Estimate:
-    stream = probe.engine == "stream"
-    per_token = (
-        probe.compute_seconds / max(probe.tokens, 1) * (layers if stream else 1)
-    )  # the model
-    loads = probe.layer_load_seconds * layers  # stream: every layer loaded, once a pass
-    first, searched = probe.objective_first_seconds, probe.objective_layers
+    first, searched = probe.objective_first_seconds, probe.layers if probe.objective_seconds else 0
     rest = (probe.objective_seconds - first) / (searched - 1) if searched > 1 else first
-    objective = first + rest * (layers - 1) if searched else 0.0
-    write = VALIDATE_SECONDS + (0.0 if linked else output_bytes / WRITE_BYTES_PER_S)
     return Estimate(
-        probe.setup_seconds + probe.load_seconds,
-        per_token * tokens + loads,
-        objective,
-        write,
+        probe.setup_seconds + probe.load_seconds + probe.layer_load_seconds * layers,
+        probe.compute_seconds / max(probe.tokens, 1) * tokens * layers,
+        first + rest * (layers - 1) if searched else 0.0,
+        VALIDATE_SECONDS + (0.0 if linked else output_bytes / WRITE_BYTES_PER_S),
     )
 
 
-def _memory(plan: RunPlan, data: Any, weights: int, layers: int) -> tuple[int, int]:
-    """(peak, scratch) bytes: the weights x HEADROOM; stream: two layers and the hidden states (or one batch's)."""
+def _memory(
+    plan: RunPlan, data: Any, weights: int, layers: int, held: int, available: int
+) -> tuple[int, int]:
+    """(peak, scratch) bytes: `held` (this process before its engine, the objective's samples), the weights (in
+    memory: all but an untied lm_head, which the decoder never reads; streamed: the embeddings, the lm_head and two
+    layers), the largest batch's activations (its MLP's: the activation, up_proj's output in the compute dtype and in
+    the model's, their product; bf16 computed in float32: the attention's float32 K, V and scores too, measured 32
+    bytes a hidden unit and token) and, streamed, every batch's hidden states, or (spilled to scratch when over half
+    the memory left beside two layers) one batch's."""
+    config, stored = text_config(plan.checkpoint.config), plan.dtype.itemsize if plan.dtype else 2
+    hidden, longest = int(config.get("hidden_size") or 0), max(map(len, data.sequences))
+    inner, emulated = int(config.get("intermediate_size") or 4 * hidden), plan.compute.emulated
+    batch = plan.options.batch_size * longest
+    held += batch * (inner * ((4 if emulated else stored) + 2 * stored) + 32 * hidden * emulated)
+    table = int(config.get("vocab_size") or 0) * hidden * stored
+    head = 0 if config.get("tie_word_embeddings") else table
     if plan.engine.engine != "stream":
-        return int(weights * HEADROOM), 0
-    hidden = int(text_config(plan.checkpoint.config).get("hidden_size") or 0)
-    element = plan.dtype.itemsize if plan.dtype is not None else 2
-    longest = max((len(s) for s in data.sequences), default=0)
-    states = len(data.sequences) * longest * hidden * element
-    limit, one_layer = plan.engine.limit or plan.machine.memory, weights // max(layers, 1)
-    if limit is not None and states + 2 * one_layer > limit.available:
-        return 2 * one_layer + plan.options.batch_size * longest * hidden * element, states
-    return 2 * one_layer + states, 0
+        return held + weights - head, 0
+    two_layers = 2 * max(weights - table - head, 0) // layers
+    held, states = held + table + head + two_layers, len(data.sequences) * longest * hidden * stored
+    if states > (available - two_layers) // 2:  # as the stream engine decides
+        return held + batch * hidden * stored, states
+    return held + states, 0
