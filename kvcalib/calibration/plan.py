@@ -21,7 +21,7 @@ from kvcalib.calibration.options import CalibrateOptions
 from kvcalib.calibration.pipeline import RunPlan, check_run, engine_inputs, read_data
 from kvcalib.calibration.stream import stream_engine
 from kvcalib.calibration.writer import measure_room
-from kvcalib.core.errors import KvcalibError, UsageError
+from kvcalib.core.errors import KvcalibError, UnsupportedModelError, UsageError
 from kvcalib.core.progress import Progress, ProgressCallback, no_progress
 from kvcalib.core.schema import (
     ATTN_HEAD,
@@ -143,7 +143,15 @@ def plan_calibration(
         refusal = err.message + (f" ({err.hint})" if err.hint else "")
         return CalibrationPlan(str(model), str(output), refusals=(refusal,))
     layers = num_hidden_layers(plan.checkpoint.config) or 1
-    probe = _probe(plan, data, pad, notify, time.perf_counter() - began)
+    try:
+        probe = _probe(plan, data, pad, notify, time.perf_counter() - began)
+    except (
+        UnsupportedModelError
+    ) as err:  # the probe streams layers, whatever engine the run would use
+        raise UnsupportedModelError(
+            f"--plan cannot time this model: its probe streams layers, and {err.message}",
+            hint="calibrate it without --plan (the run itself uses the engine the plan would name)",
+        ) from err
     needed = weight_bytes(plan.checkpoint, plan.dtype)
     limit = plan.engine.limit or plan.machine.memory  # --max-memory's cap, as check_run resolved it
     held = probe.base_rss_bytes + probe.sample_bytes * layers
