@@ -321,15 +321,16 @@ def _evaluate(
     values: dict[str, Any],
     quiet: bool,
     plot: Path | None = None,
+    cls: type = EvalOptions,
     **keywords: Any,
 ) -> tuple[Console, Any]:
-    """eval, eval-context, eval-needle: the options, --plot's path checked before the work, the job (a kvcalib.api
-    function), its picture; the console and the result, to render."""
+    """eval, eval-context, eval-needle, eval-tasks: the options (`cls`), --plot's path checked before the work, the
+    job (a kvcalib.api function), its picture; the console and the result, to render."""
     from kvcalib.evaluation import plot as plots
 
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "eval") as on_progress:
-        options = EvalOptions(**values)
+        options = cls(**values)
         if plot is not None:
             plots.check_plot_path(plot, [checkpoint, dataset, *options.compare])
         result = job(checkpoint, dataset, options=options, progress=on_progress, **keywords)
@@ -348,11 +349,8 @@ def eval_tasks(
     **values: Any,
 ) -> None:
     """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against an unquantised KV cache."""
-    console = _stderr(quiet)
-    with _errors(), progress_bar(console, "eval") as on_progress:
-        options = TaskOptions(**values)
-        result = api.evaluate_tasks(checkpoint, tasks, options=options, progress=on_progress)
-    _show(render_tasks, console, result, as_json)
+    result = _evaluate(api.evaluate_tasks, checkpoint, tasks, values, quiet, cls=TaskOptions)
+    _show(render_tasks, *result, as_json)
 
 
 # Its flags: ServeOptions' fields, and TaskOptions' --limit and --task-data for --tasks.
