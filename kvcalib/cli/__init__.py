@@ -72,7 +72,6 @@ Quiet = _option(
 )
 Tasks = _option(
     str | None,
-    "--tasks",
     help="lm-eval tasks, comma-separated (e.g. lambada_openai,arc_easy), each scored on the same items "
     "with and without FP8 KV, paired (lm-eval: the 'tasks' extra).",
     panel="Data",
@@ -211,7 +210,6 @@ def _lengths(text: str) -> tuple[int, ...]:
 Lengths = Annotated[
     str,  # parsed by _lengths
     typer.Option(
-        "--lengths",
         help="Prompt lengths in tokens, comma-separated (e.g. 2048,8192).",
         rich_help_panel="Data",
         callback=_lengths,
@@ -240,7 +238,6 @@ def eval_command(
     dataset: HeldOut,
     plot: _option(
         Path | None,
-        "--plot",
         help="Write a PNG of per-layer absmax, SQNR and clipping.",
         panel="Output",
     ) = None,
@@ -297,11 +294,9 @@ def eval_needle(
     checkpoint: Checkpoint,
     dataset: HeldOut,
     lengths: Lengths,
-    keys: _option(
-        int | None, "--keys", help="Keys per length and depth (default 4).", panel="Data"
-    ) = None,
+    keys: _option(int | None, help="Keys per length and depth (default 4).", panel="Data") = None,
     plot: _option(
-        Path | None, "--plot", help="Write a PNG heatmap of the keys found.", panel="Output"
+        Path | None, help="Write a PNG heatmap of the keys found.", panel="Output"
     ) = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
@@ -359,7 +354,6 @@ def serve_check(
     checkpoint: Annotated[Path, typer.Argument(help="Calibrated checkpoint directory to serve.")],
     prompts: _option(
         Path | None,
-        "--prompts",
         help="Prompts: one per line, or .jsonl with 'prompt'.",
         panel="Serving",
     ) = None,
