@@ -72,7 +72,6 @@ Quiet = _option(
 )
 Tasks = _option(
     str | None,
-    "--tasks",
     help="lm-eval tasks, comma-separated (e.g. lambada_openai,arc_easy), each scored on the same items "
     "with and without FP8 KV, paired (lm-eval: the 'tasks' extra).",
     panel="Data",
@@ -211,7 +210,6 @@ def _lengths(text: str) -> tuple[int, ...]:
 Lengths = Annotated[
     str,  # parsed by _lengths
     typer.Option(
-        "--lengths",
         help="Prompt lengths in tokens, comma-separated (e.g. 2048,8192).",
         rich_help_panel="Data",
         callback=_lengths,
@@ -240,7 +238,6 @@ def eval_command(
     dataset: HeldOut,
     plot: _option(
         Path | None,
-        "--plot",
         help="Write a PNG of per-layer absmax, SQNR and clipping.",
         panel="Output",
     ) = None,
@@ -297,11 +294,9 @@ def eval_needle(
     checkpoint: Checkpoint,
     dataset: HeldOut,
     lengths: Lengths,
-    keys: _option(
-        int | None, "--keys", help="Keys per length and depth (default 4).", panel="Data"
-    ) = None,
+    keys: _option(int | None, help="Keys per length and depth (default 4).", panel="Data") = None,
     plot: _option(
-        Path | None, "--plot", help="Write a PNG heatmap of the keys found.", panel="Output"
+        Path | None, help="Write a PNG heatmap of the keys found.", panel="Output"
     ) = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
@@ -321,15 +316,16 @@ def _evaluate(
     values: dict[str, Any],
     quiet: bool,
     plot: Path | None = None,
+    cls: type = EvalOptions,
     **keywords: Any,
 ) -> tuple[Console, Any]:
-    """eval, eval-context, eval-needle: the options, --plot's path checked before the work, the job (a kvcalib.api
-    function), its picture; the console and the result, to render."""
+    """eval, eval-context, eval-needle, eval-tasks: the options (`cls`), --plot's path checked before the work, the
+    job (a kvcalib.api function), its picture; the console and the result, to render."""
     from kvcalib.evaluation import plot as plots
 
     console = _stderr(quiet)
     with _errors(), progress_bar(console, "eval") as on_progress:
-        options = EvalOptions(**values)
+        options = cls(**values)
         if plot is not None:
             plots.check_plot_path(plot, [checkpoint, dataset, *options.compare])
         result = job(checkpoint, dataset, options=options, progress=on_progress, **keywords)
@@ -348,11 +344,8 @@ def eval_tasks(
     **values: Any,
 ) -> None:
     """Run lm-eval tasks with the chip's FP8-KV numerics, each item paired against an unquantised KV cache."""
-    console = _stderr(quiet)
-    with _errors(), progress_bar(console, "eval") as on_progress:
-        options = TaskOptions(**values)
-        result = api.evaluate_tasks(checkpoint, tasks, options=options, progress=on_progress)
-    _show(render_tasks, console, result, as_json)
+    result = _evaluate(api.evaluate_tasks, checkpoint, tasks, values, quiet, cls=TaskOptions)
+    _show(render_tasks, *result, as_json)
 
 
 # Its flags: ServeOptions' fields, and TaskOptions' --limit and --task-data for --tasks.
@@ -361,7 +354,6 @@ def serve_check(
     checkpoint: Annotated[Path, typer.Argument(help="Calibrated checkpoint directory to serve.")],
     prompts: _option(
         Path | None,
-        "--prompts",
         help="Prompts: one per line, or .jsonl with 'prompt'.",
         panel="Serving",
     ) = None,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvcalib.core.errors import CheckpointNotFoundError, CheckpointReadError, KvcalibError
 from kvcalib.core.paths import require_regular_file
@@ -29,25 +30,25 @@ __all__ = [
     "write_json",
 ]
 
-# The one table of safetensors dtypes: name -> (bytes per element, torch dtype name, struct format or None: FP8 and
-# BF16, which struct cannot read; BF16 is read as the top half of a float32, FP8 through torch).
+# The one table of safetensors dtypes: name -> the torch dtype's name, numpy's too but for BF16 (read as the top half
+# of a float32) and FP8 (read through torch).
 _DTYPES = {
-    "BOOL": (1, "bool", "?"),
-    "U8": (1, "uint8", "B"),
-    "I8": (1, "int8", "b"),
-    "F8_E4M3": (1, "float8_e4m3fn", None),
-    "F8_E5M2": (1, "float8_e5m2", None),
-    "F8_E8M0": (1, "float8_e8m0fnu", None),
-    "I16": (2, "int16", "h"),
-    "U16": (2, "uint16", "H"),
-    "F16": (2, "float16", "e"),
-    "BF16": (2, "bfloat16", None),
-    "I32": (4, "int32", "i"),
-    "U32": (4, "uint32", "I"),
-    "F32": (4, "float32", "f"),
-    "I64": (8, "int64", "q"),
-    "U64": (8, "uint64", "Q"),
-    "F64": (8, "float64", "d"),
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F64": "float64",
 }
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what from_pretrained casts to the model's dtype
 _CORRUPT = "the file is corrupt, cut short or not a safetensors file; copy it again from the source"
@@ -218,9 +219,9 @@ def scan_checkpoint(ckpt_dir: Path, *, tolerant: bool = False) -> CheckpointFile
 
 
 def read_values(header: SafetensorsHeader, key: str, count: int | None = None) -> list[float]:
-    """The first `count` elements (None: all) of one tensor as floats, read with `struct` (torch only for FP8)."""
+    """The first `count` elements (None: all) of one tensor as floats, read with numpy (torch only for FP8)."""
     info = header.tensors[key]
-    size, torch_name, fmt = _DTYPES[info.dtype]
+    size = _size(info.dtype)
     count = info.nbytes // size if count is None else count
     try:
         with open(header.path, "rb") as f:
@@ -235,12 +236,23 @@ def read_values(header: SafetensorsHeader, key: str, count: int | None = None) -
             f"{header.path}: unexpected end of file reading tensor {key!r}", hint=_CORRUPT
         )
     if info.dtype == "BF16":  # the top half of a float32
-        raw, fmt = b"".join(b"\0\0" + raw[i : i + 2] for i in range(0, len(raw), 2)), "f"
-    if fmt is None:  # FP8: only torch decodes it
+        return (np.frombuffer(raw, "<u2").astype("<u4") << 16).view("<f4").tolist()
+    if info.dtype.startswith("F8"):  # only torch decodes it
         import torch
 
-        return torch.frombuffer(bytearray(raw), dtype=getattr(torch, torch_name)).double().tolist()
-    return [float(x) for (x,) in struct.iter_unpack("<" + fmt, raw)]
+        return (
+            torch.frombuffer(bytearray(raw), dtype=getattr(torch, _DTYPES[info.dtype]))
+            .double()
+            .tolist()
+        )
+    return (
+        np.frombuffer(raw, np.dtype(_DTYPES[info.dtype]).newbyteorder("<")).astype(float).tolist()
+    )
+
+
+def _size(dtype: str) -> int:
+    """Bytes per element of safetensors dtype `dtype`."""
+    return 2 if dtype == "BF16" else 1 if dtype[:2] == "F8" else np.dtype(_DTYPES[dtype]).itemsize
 
 
 def load_tensors(path: Path, keys: Iterable[str]) -> dict[str, Any]:
@@ -288,17 +300,17 @@ class Checkpoint:
     def stored_dtype(self) -> str | None:
         """What `from_pretrained(dtype="auto")` picks: config's dtype, else the first floating tensor's."""
         name = self.config.get("dtype") or self.config.get("torch_dtype")
-        if isinstance(name, str) and name in {torch for _size, torch, _fmt in _DTYPES.values()}:
+        if name in _DTYPES.values():
             return name
-        return next((_DTYPES[info.dtype][1] for info in self._float_tensors()), None)
+        return next((_DTYPES[info.dtype] for info in self._float_tensors()), None)
 
     def stored_float_dtypes(self) -> list[str]:
-        return sorted({_DTYPES[info.dtype][1] for info in self._float_tensors()})
+        return sorted({_DTYPES[info.dtype] for info in self._float_tensors()})
 
     def weight_bytes(self, element_size: int | None) -> int:
         """Bytes the tensors take with floating ones at `element_size` (None: as stored)."""
         return sum(
-            info.nbytes // _DTYPES[info.dtype][0] * element_size
+            info.nbytes // _size(info.dtype) * element_size
             if element_size is not None and info.dtype in _FLOAT_DTYPES
             else info.nbytes
             for header in self.files.headers.values()

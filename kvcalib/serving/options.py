@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvcalib.core.errors import UsageError
 from kvcalib.core.fp8 import TARGETS
@@ -25,10 +25,9 @@ serving = partial(option, panel="Serving")
 
 @dataclass(frozen=True)
 class ServeOptions:
-    device: str = option(
+    device: Literal[DEVICES] = option(
         help="trn2 or trn3 (vLLM on Neuron), cpu (vLLM on CPU) or cuda (vLLM on GPU).",
         panel="Engine",
-        choices=lambda: DEVICES,
     )
     tp: int | None = serving(
         None,

@@ -26,7 +26,7 @@ from kvcalib.serving.canary import (
     make_variant,
 )
 from kvcalib.serving.launch import interpreter_path, server_argv, server_env
-from kvcalib.serving.options import DEVICES, NEURON_DEVICES, ServeOptions
+from kvcalib.serving.options import NEURON_DEVICES, ServeOptions
 from kvcalib.serving.predict import DeltaIntervals, Prediction, delta_intervals, predict
 from kvcalib.serving.preflight import Preflight, check_environment, preflight
 from kvcalib.serving.prompts import (
@@ -324,10 +324,6 @@ def judge(
 def _checked(options: ServeOptions, checkpoint: Path) -> ServeOptions:
     """The arguments, then the options with --vllm-python made absolute."""
     options.check_arguments()
-    if options.device not in DEVICES:
-        raise UsageError(
-            f"unknown --device {options.device!r}", hint=f"choose one of: {', '.join(DEVICES)}"
-        )
     if options.log_dir is not None and overlapping(options.log_dir, checkpoint):
         raise UsageError(
             f"--log-dir {options.log_dir} overlaps the checkpoint {checkpoint}",
