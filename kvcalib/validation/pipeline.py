@@ -1,6 +1,6 @@
 """`kvcalib validate`: will vLLM on Neuron accept this checkpoint, and use its scales? Reads config.json, the index,
-the safetensors headers and the scale tensors only; every finding code, its severity and source:
-scripts/VALIDATE_RULES.md."""
+the safetensors headers and the scale tensors only; every finding code, its severity and source: validation/rules.py,
+rendered as scripts/VALIDATE_RULES.md."""
 
 from __future__ import annotations
 

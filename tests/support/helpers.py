@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +24,6 @@ _CORPUS = [
     "FP8 keeps eight bits per element: four for the exponent and three for the mantissa.",
     "Trainium two saturates at two hundred and forty; the OCP format at four hundred and forty-eight.",
 ]
-
-
-def rule_catalogue() -> dict[str, tuple[str, str, str]]:
-    """scripts/VALIDATE_RULES.md, validate's rule catalogue: code -> (severity, what it catches, what it follows)."""
-    text = (SCRIPTS / "VALIDATE_RULES.md").read_text(encoding="utf-8")
-    rows = re.findall(r"^\| `(.+?)` \| (.+?) \| (.+?) \| (.+?) \|$", text, flags=re.M)
-    return {code: tuple(c.replace("\\|", "|") for c in cells) for code, *cells in rows}
 
 
 def build_tokenizer():

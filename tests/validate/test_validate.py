@@ -15,7 +15,6 @@ import torch
 from checkpoints import PREFIX, make_calibrated, sync_index
 from checkpoints import read_json as _read
 from checkpoints import write_json as _write
-from helpers import rule_catalogue
 from safetensors.torch import load_file, save_file
 
 from kvcalib.calibration.writer import WritePlan, write_checkpoint
@@ -37,8 +36,8 @@ from kvcalib.core.schema import (
 from kvcalib.validation.config import neuron_quantization_verdict
 from kvcalib.validation.pipeline import validate_checkpoint
 from kvcalib.validation.report import ValidationReport
+from kvcalib.validation.rules import RULE
 
-RULE = rule_catalogue()  # code -> (severity, what it catches, what it follows)
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses a header above 100 MB
 REFUSED = "safetensors refuses the file"  # its own words vary by version
 
@@ -901,8 +900,8 @@ def assert_findings(
     got = sorted((f.rule, f.severity) for f in report.findings)
     for f in (
         report.findings
-    ):  # a code in the catalogue (scripts/VALIDATE_RULES.md), at a severity it gives
-        assert f.rule in RULE and f.severity in RULE[f.rule][0], f
+    ):  # a code in the catalogue (kvcalib/validation/rules.py), at a severity it gives
+        assert f.rule in RULE and f.severity in RULE[f.rule].severity, f
     assert got == sorted((rule, severity) for rule, severity, _ in expected), report.findings
     for rule, _, message in expected:
         if message is not None:
