@@ -119,14 +119,18 @@ def _line(console: Console, text: str, **style: Any) -> None:
     console.print(text, soft_wrap=True, markup=False, highlight=False, **style)
 
 
-def _table(console: Console, title: str, columns: str, rows: Iterable[Iterable[str]]) -> None:
-    """Print a table titled `title` (no markup) with `columns`, "|"-separated names, right-justified but those marked
-    "<" (a long cell folds), and `rows`."""
+def _table(
+    console: Console,
+    title: str,
+    columns: Iterable[str],
+    rows: Iterable[Iterable[str]],
+    left: Iterable[str] = (),
+) -> None:
+    """Print a table titled `title` (no markup) with `columns` (right-justified but those in `left`; a long cell
+    folds), `rows`."""
     table = Table(title=escape(title))
-    for name in columns.split("|"):
-        table.add_column(
-            name.lstrip("<"), justify="left" if name[0] == "<" else "right", overflow="fold"
-        )
+    for name in columns:
+        table.add_column(name, justify="left" if name in left else "right", overflow="fold")
     for row in rows:
         table.add_row(*row)
     console.print(table)
@@ -155,9 +159,15 @@ def render_calibration(console: Console, result: CalibrationResult, notes: list[
         console,
         f"{'per-head ' if per_head else ''}KV scales for {result.target}: {rule}"
         + (" (each layer's largest head; every head's in --json)" if per_head else ""),
-        "layer|k absmax|v absmax|k_scale|v_scale"
-        + "|k chosen|v chosen" * searched
-        + "|q absmax|q_scale" * queries,
+        (
+            "layer",
+            "k absmax",
+            "v absmax",
+            "k_scale",
+            "v_scale",
+            *(("k chosen", "v chosen") if searched else ()),
+            *(("q absmax", "q_scale") if queries else ()),
+        ),
         (
             (
                 str(layer.layer),
@@ -238,22 +248,20 @@ def render_plan(console: Console, plan: CalibrationPlan) -> None:
 
 def render_report(console: Console, report: ValidationReport) -> None:
     if report.findings:
+        columns = ("rule", "severity", "where", "message", "hint")
         colors = {"error": "red", "warning": "yellow", "info": "cyan"}
-        _table(
-            console,
-            f"validate {report.checkpoint} for {report.target}",
-            "<rule|<severity|<where|<message|<hint",
+        rows = (
             (
-                (
-                    f.rule,
-                    f"[{colors[f.severity]}]{f.severity}[/]",
-                    f.location or "",
-                    f.message,
-                    f.hint or "",
-                )
-                for f in report.findings
-            ),
+                f.rule,
+                f"[{colors[f.severity]}]{f.severity}[/]",
+                f.location or "",
+                f.message,
+                f.hint or "",
+            )
+            for f in report.findings
         )
+        title = f"validate {report.checkpoint} for {report.target}"
+        _table(console, title, columns, rows, columns)
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     console.print(
         f"{verdict}: {len(report.errors)} error(s), {len(report.warnings)} warning(s)"
@@ -286,7 +294,20 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
         console,
         f"FP8 KV on {result.target} vs an unquantised KV cache (NLL {result.baseline_nll:.4f}, "
         f"PPL {math.exp(result.baseline_nll):.3f}), {result.num_tokens:,} tokens",
-        "<scales|<kind|ΔNLL|KL|top-1|K clip|V clip|attn err|layer alone|K SQNR|V SQNR|Q SQNR",
+        (
+            "scales",
+            "kind",
+            "ΔNLL",
+            "KL",
+            "top-1",
+            "K clip",
+            "V clip",
+            "attn err",
+            "layer alone",
+            "K SQNR",
+            "V SQNR",
+            "Q SQNR",
+        ),
         (
             (
                 run.name,
@@ -304,6 +325,7 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
             )
             for run in result.runs
         ),
+        ("scales", "kind"),
     )
     order = (
         "Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)"
@@ -348,7 +370,17 @@ def render_context(console: Console, result: ContextResult) -> None:
         console,
         f"FP8 KV on {result.target} at long context: {result.tokens_available:,} tokens of text packed "
         f"(model's max {result.max_positions or '?'}, memory's {result.memory_bound:,})",
-        "length|<scales|samples|base NLL|ΔNLL last quarter [95%]|K clipped|V clipped|K absmax/clip|V absmax/clip",
+        (
+            "length",
+            "scales",
+            "samples",
+            "base NLL",
+            "ΔNLL last quarter [95%]",
+            "K clipped",
+            "V clipped",
+            "K absmax/clip",
+            "V absmax/clip",
+        ),
         (
             (
                 f"{row.length:,}",
@@ -363,6 +395,7 @@ def render_context(console: Console, result: ContextResult) -> None:
             )
             for row in result.rows
         ),
+        ("scales",),
     )
     console.print(
         "ΔNLL on the last quarter of each sample's positions; interval: paired bootstrap over 64-token "
@@ -378,9 +411,15 @@ def render_needle(console: Console, result: NeedleResult) -> None:
         console,
         f"needle retrieval with FP8 KV on {result.target} (prefill attends to the "
         f"{result.prefill}; decoding reads the FP8 cache)",
-        "length|<scales|found|rate [Wilson 95%]|"
-        + "".join(f"depth {d:.0%}|" for d in result.depths)
-        + "difference [95%]|<verdict",
+        (
+            "length",
+            "scales",
+            "found",
+            "rate [Wilson 95%]",
+            *(f"depth {d:.0%}" for d in result.depths),
+            "difference [95%]",
+            "verdict",
+        ),
         (
             (
                 f"{row.length:,}",
@@ -393,6 +432,7 @@ def render_needle(console: Console, result: NeedleResult) -> None:
             )
             for row in result.rows
         ),
+        ("scales", "verdict"),
     )
     _line(
         console,
@@ -409,7 +449,16 @@ def render_tasks(console: Console, result: TaskResult) -> None:
         console,
         f"lm-eval tasks with FP8 KV on {result.target} vs an unquantised KV cache"
         + (f", {result.limit} items per task at most" if result.limit else ""),
-        "<task|<metric|items|baseline|<scales|score|difference (95% interval)|<verdict",
+        (
+            "task",
+            "metric",
+            "items",
+            "baseline",
+            "scales",
+            "score",
+            "difference (95% interval)",
+            "verdict",
+        ),
         (
             (
                 row.task,
@@ -424,6 +473,7 @@ def render_tasks(console: Console, result: TaskResult) -> None:
             for row in result.rows
             for name, score in row.scores.items()
         ),
+        ("task", "metric", "scales", "verdict"),
     )
     console.print(
         "intervals: paired bootstrap over the task's items (2000 resamples, seed 0) of the run's score "
@@ -445,8 +495,19 @@ def _render_layers(console: Console, run: RunResult, layer_rows: int) -> None:
             if layer_rows
             else ""
         ),
-        "layer|attn err|ΔNLL alone|KL alone|K SQNR|V SQNR|K clip|V clip|K clips above|K absmax"
-        + "|K chosen|V chosen" * chosen,
+        (
+            "layer",
+            "attn err",
+            "ΔNLL alone",
+            "KL alone",
+            "K SQNR",
+            "V SQNR",
+            "K clip",
+            "V clip",
+            "K clips above",
+            "K absmax",
+            *(("K chosen", "V chosen") if chosen else ()),
+        ),
         (
             (
                 str(s.layer),

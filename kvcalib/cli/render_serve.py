@@ -53,20 +53,18 @@ def serve_status(console: Console) -> Iterator[Callable[[ServeEvent], None]]:
 
 def render_serve_check(console: Console, result: ServeCheckResult, notes: list[str]) -> None:
     """serve-check's table, its variants and tasks, then `notes` (the kvcalib logger's records), failures, verdict."""
-    _table(
-        console,
-        f"serve-check {result.checkpoint} on {result.device}",
-        "<prompt|<output (FP8 KV)|<baseline|<agreement",
+    columns = ("prompt", "output (FP8 KV)", "baseline", "agreement")
+    rows = (
         (
-            (
-                escape(p.label or p.prompt),
-                escape(repr(p.output)),
-                "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
-                _num(p.agreement, ".2f") + _problem(p),
-            )
-            for p in result.prompts
-        ),
+            escape(p.label or p.prompt),
+            escape(repr(p.output)),
+            "-" if p.baseline_output is None else escape(repr(p.baseline_output)),
+            _num(p.agreement, ".2f") + _problem(p),
+        )
+        for p in result.prompts
     )
+    title = f"serve-check {result.checkpoint} on {result.device}"
+    _table(console, title, columns, rows, columns)
     fp8, base = result.runs["fp8"], result.runs.get("baseline")
     baseline = f", baseline {base.nll:.3f}" if base else ""
     agreement = "" if result.agreement is None else f", mean agreement {result.agreement:.2f}"
@@ -108,8 +106,17 @@ def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> No
     _table(
         console,
         "lm-eval tasks served (FP8 vs baseline, same items) and predicted by kvcalib",
-        "<task|<metric|items|served baseline|served FP8|served difference|predicted baseline|predicted FP8|"
-        "predicted difference",
+        (
+            "task",
+            "metric",
+            "items",
+            "served baseline",
+            "served FP8",
+            "served difference",
+            "predicted baseline",
+            "predicted FP8",
+            "predicted difference",
+        ),
         (
             (
                 row.task,
@@ -127,6 +134,7 @@ def render_served_tasks(console: Console, rows: tuple[ServedTaskRow, ...]) -> No
             )
             for row in rows
         ),
+        ("task", "metric"),
     )
     for row in rows:
         _line(console, f"{row.task} {row.metric}: served {row.served.verdict}")
@@ -138,7 +146,7 @@ def render_variants(console: Console, result: ServeCheckResult) -> None:
     _table(
         console,
         "KV scales served: NLL of the probe text, agreement with the baseline, ΔNLL vs the baseline",
-        "<scales|NLL|agreement|served ΔNLL|predicted ΔNLL",
+        ("scales", "NLL", "agreement", "served ΔNLL", "predicted ΔNLL"),
         (
             (
                 row["name"],
@@ -149,6 +157,7 @@ def render_variants(console: Console, result: ServeCheckResult) -> None:
             )
             for row in result.variants()
         ),
+        ("scales",),
     )
     shown = {name: i for name, i in vars(result.intervals).items() if i is not None}
     words = {
