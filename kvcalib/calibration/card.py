@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core import fp8
-from kvcalib.core.checkpoint import read_config, read_safetensors_header, read_values
+from kvcalib.core.checkpoint import read_config
 from kvcalib.core.mxfp4 import neuron_quantization
-from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME, kv_cache_size
+from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, kv_cache_size
 from kvcalib.serving.launch import (
     server_argv,  # the card's commands are serve-check's (declared: pyproject.toml)
 )
@@ -258,24 +258,15 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         + " |",
         "|---:|" + "---:|" * len(fields),
     ]
-    # per layer and kind: absmax and range from the provenance, the scale read back from the scales file itself
-    header = read_safetensors_header(ckpt / SCALES_FILENAME)
-    by_layer = {row["layer"]: row for row in provenance.get("layers", [])}
-    rows: dict[int, dict[str, dict[str, float]]] = {}
-    for key in header.tensors:
-        layer, kind = int(re.search(r"\.(\d+)\.", key).group(1)), key.rsplit(".", 1)[1][0]
-        prov = by_layer.get(layer, {}).get(kind, {})
-        absmax = prov.get("absmax", math.nan)
-        rows.setdefault(layer, {})[kind] = {
-            "absmax": absmax,
-            "range": prov.get("range", absmax),
-            "scale": max(read_values(header, key)),  # per head: the largest
-        }
+    # per layer and kind: absmax, range (absmax where none was chosen) and scale (per head: the largest), as recorded
     lines += [
-        f"| {layer} | "
-        + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields)
+        f"| {row['layer']} | "
+        + " | ".join(
+            f"{({'range': row[k]['absmax'], **row[k]} if k in row else {}).get(f, math.nan):.6g}"
+            for k, f in fields
+        )
         + " |"
-        for layer, row in sorted(rows.items())
+        for row in sorted(provenance.get("layers", []), key=lambda row: row["layer"])
     ]
     return "\n".join(lines + ["", END, ""])
 

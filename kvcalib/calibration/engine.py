@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,8 @@ from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath
 from kvcalib.core.progress import ProgressCallback
-from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules
+from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules, observing_attention
+from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import CalibrationData
 from kvcalib.hf.memory import MemoryLimit
 from kvcalib.hf.model import num_layers
@@ -43,12 +45,22 @@ class EngineInputs:
         None  # calibrate --plan's timed probe: the stream engine stops after this many layers
     )
 
-    def observer(self, model: torch.nn.Module) -> tuple[KVAbsmaxObserver, dict[int, str]]:
-        """What observes `model` (K/V, Q if asked, the scale objective's samples) and its attention modules' paths."""
+    def observe(
+        self, model: torch.nn.Module, decoder: torch.nn.Module, run: Callable[[Any], None]
+    ) -> Observation:
+        """`run(observer)` with `decoder`'s attention observed (K/V, Q if asked, the scale objective's samples)."""
         n = num_layers(model)
+        paths = attention_modules(model, n, self.checkpoint.root)
         sampler = AttentionSampler(n, self.sample_sequences) if self.sample_sequences else None
         observer = KVAbsmaxObserver(n, queries=self.attention_scales, sampler=sampler)
-        return observer, attention_modules(model, n, self.checkpoint.root)
+        started = time.perf_counter()
+        with (
+            torch.inference_mode(),
+            compute_path(self.compute),
+            observing_attention(decoder, observer),
+        ):
+            run(observer)
+        return Observation.of(observer, paths, time.perf_counter() - started, model)
 
 
 @dataclass(frozen=True)

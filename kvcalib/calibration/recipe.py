@@ -289,11 +289,6 @@ def plan_recipe(
                 f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
                 f"{', '.join(recipe.ignored)}"
             )
-    if strategy is not None and strategy not in STRATEGIES:
-        raise UsageError(
-            f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
-            hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)",
-        )
     from_recipe = recipe.scheme.get("strategy") if recipe is not None else None
     if strategy is not None and from_recipe is not None and strategy != from_recipe:
         raise RecipeError(
