@@ -60,7 +60,25 @@ class EngineInputs:
             observing_attention(decoder, observer),
         ):
             run(observer)
-        return Observation.of(observer, paths, time.perf_counter() - started, model)
+        seconds = time.perf_counter() - started
+
+        def heads(store: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+            """float32 on the CPU; a layer never observed gets one zero per head."""
+            return tuple(h.float().cpu() if h is not None else torch.zeros(1) for h in store)
+
+        return Observation(
+            heads(observer.k_heads),
+            heads(observer.v_heads),
+            tuple(observer.observed),
+            paths,
+            seconds,
+            q_heads=heads(observer.q_heads) if observer.queries else (),
+            q_observed=tuple(observer.q_observed) if observer.queries else (),
+            attention_classes=tuple(
+                sorted({type(model.get_submodule(p)).__name__ for p in paths.values()})
+            ),
+            samples=tuple(tuple(layer) for layer in sampler.samples) if sampler is not None else (),
+        )
 
 
 @dataclass(frozen=True)
@@ -84,31 +102,6 @@ class Observation:
     samples: tuple[
         tuple[AttentionSample, ...], ...
     ] = ()  # per layer: the scale objective's (this rank's)
-
-    @classmethod
-    def of(
-        cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module
-    ) -> Observation:
-        """From a kvcalib.hf.attention.KVAbsmaxObserver (a layer never observed gets one zero per head)."""
-
-        def heads(store: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-            return tuple(h.float().cpu() if h is not None else torch.zeros(1) for h in store)
-
-        return cls(
-            k_heads=heads(observer.k_heads),
-            v_heads=heads(observer.v_heads),
-            observed=tuple(observer.observed),
-            attention_paths=attention_paths,
-            seconds=seconds,
-            q_heads=heads(observer.q_heads) if observer.queries else (),
-            q_observed=tuple(observer.q_observed) if observer.queries else (),
-            attention_classes=tuple(
-                sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})
-            ),
-            samples=tuple(tuple(layer) for layer in observer.sampler.samples)
-            if observer.sampler is not None
-            else (),
-        )
 
 
 Engine = Callable[[EngineInputs], Observation]

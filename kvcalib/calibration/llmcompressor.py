@@ -96,10 +96,4 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
                 )
             # llm-compressor's per-head scales are [kv_heads, 1, 1]
             absmax[kind].append(scale.detach().float().cpu().reshape(-1) * sized_for.float().cpu())
-    return Observation(
-        k_heads=tuple(absmax["k"]),
-        v_heads=tuple(absmax["v"]),
-        observed=tuple(calls),
-        attention_paths=attn_paths,
-        seconds=seconds,
-    )
+    return Observation(tuple(absmax["k"]), tuple(absmax["v"]), tuple(calls), attn_paths, seconds)

@@ -223,11 +223,6 @@ class LayerScales:
     v: KindScales
     q: KindScales | None = None
 
-    def kinds(self) -> dict[str, KindScales]:
-        return {
-            kind: s for kind, s in (("k", self.k), ("v", self.v), ("q", self.q)) if s is not None
-        }
-
     OMIT_NONE = True
 
 

@@ -99,5 +99,6 @@ def scale_tensors(layers: list[LayerScales]) -> dict[str, torch.Tensor]:
         if s.head_scales is not None
         else torch.tensor([s.scale], dtype=torch.float32)
         for layer in layers
-        for s in layer.kinds().values()
+        for s in (layer.k, layer.v, layer.q)
+        if s is not None
     }

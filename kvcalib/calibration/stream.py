@@ -121,9 +121,7 @@ def stream_engine(inputs: EngineInputs) -> Observation:
         - 2 * largest
     )
     spill = hidden_bytes * stream.weights.dtype.itemsize > HIDDEN_STATES_MEMORY_SHARE * left
-    # (samples, tokens) per batch, and in all: reported as through the whole model
-    sizes = list(zip(*[(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]))
-    total = [sum(column) for column in sizes]
+    samples, tokens = len(inputs.data.sequences), inputs.data.num_tokens
 
     def run(observer: KVAbsmaxObserver) -> None:
         with (
@@ -144,12 +142,17 @@ def stream_engine(inputs: EngineInputs) -> Observation:
                         with observer.batch(ids, mask):
                             out = layer(states[b].to(inputs.device), *args, **kwargs)
                             states[b] = (out[0] if isinstance(out, tuple) else out).cpu()
-                        done = [
-                            (i * t + sum(c[: b + 1])) // len(layers) for t, c in zip(total, sizes)
-                        ]
+                        # reported as through the whole model
+                        done = (i * len(batch_list) + b + 1) / (len(layers) * len(batch_list))
                         inputs.notify(
                             Progress(
-                                "observe", done[0], total[0], done[1], total[1], i, len(layers)
+                                "observe",
+                                int(done * samples),
+                                samples,
+                                int(done * tokens),
+                                tokens,
+                                i,
+                                len(layers),
                             )
                         )
 

@@ -192,11 +192,6 @@ class WritePlan:
     provenance: dict[str, Any]
 
 
-_Index = dict[
-    str, tuple[str, int, int]
-]  # the new index, built up as files are written: key -> (file, bytes, numel)
-
-
 def write_checkpoint(
     source: Checkpoint | Path,
     output: Path,
@@ -237,7 +232,7 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
     the scales, the index, config and provenance; notes for the user."""
     from safetensors.torch import save_file
 
-    index: _Index = {}
+    index: dict[str, tuple[str, int, int]] = {}  # the new index: key -> (file, bytes, numel)
     notes = []
     for name in source.files.files:
         if name == SCALES_FILENAME:
