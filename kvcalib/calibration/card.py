@@ -84,10 +84,10 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     )  # the FP8 format's name from its dtype: E4M3 (float8_e4m3fn), E5M2, ...
     form = chip.dtype.removeprefix("float8_").removesuffix("fn").upper() if chip else "FP8"
     per_head, queries = (
-        provenance.get("strategy") == ATTN_HEAD,
-        bool(provenance.get("attention_scales")),
+        provenance["strategy"] == ATTN_HEAD,
+        provenance["attention_scales"],
     )
-    kv, added = kv_cache_size(read_config(ckpt)), provenance.get("special_tokens_added")
+    kv, added = kv_cache_size(read_config(ckpt)), provenance["special_tokens_added"]
     what = (
         "Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, shape `[kv_heads, 1, 1]`)"
         if per_head
@@ -96,7 +96,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     # whether some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE (chosen), and per kind the
     # layers where a range is below its absmax (clipped)
     chosen, clipped = False, {"K": [], "V": []}
-    for row in provenance.get("layers", []):
+    for row in provenance["layers"]:
         for kind in "kv":
             record, pairs = row[kind], []
             if record.get("head_scales") and record.get("head_absmax"):
@@ -111,7 +111,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
                 clipped[kind.upper()].append(row["layer"])
     clipped = {kind: layers for kind, layers in clipped.items() if layers}
     # the first paragraph: what was written, how the range was chosen, what clips, where it was scored
-    headroom, objective = provenance.get("headroom") or 1.0, provenance.get("scale_objective")
+    headroom, objective = provenance["headroom"], provenance["scale_objective"]
     wider = f"{headroom:g} x absmax(K) (--headroom)"
     text = (
         f"`k_scale = {'range' if chosen else 'absmax'}(K) / {fp8_max:g}` per "
@@ -131,14 +131,14 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
             f"{kind} in layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))}"
             for kind, layers in clipped.items()
         )
-        scored = [name for name in provenance.get("scored_on") or [] if name != target]
+        scored = [name for name in provenance["scored_on"] if name != target]
         text += (
             f". Scored on {target} and on {', '.join(scored)}, each at its own FP8 max."
             if scored
             else f". Scored on {target} alone: serve these scales there only."
         )
     else:
-        served = provenance.get("scored_on") or (
+        served = provenance["scored_on"] or (
             [target] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))]
         )
         text += f" Nothing clips: right on {', '.join(served)}."
@@ -266,7 +266,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
             for k, f in fields
         )
         + " |"
-        for row in sorted(provenance.get("layers", []), key=lambda row: row["layer"])
+        for row in sorted(provenance["layers"], key=lambda row: row["layer"])
     ]
     return "\n".join(lines + ["", END, ""])
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvcalib.calibration.engine import EngineInputs, Observation
+from kvcalib.calibration.engine import Engine, EngineInputs, Observation
 from kvcalib.calibration.ranks import Ranks
 from kvcalib.core.errors import CalibrationError, UsageError
 from kvcalib.hf.data import batched
@@ -39,14 +39,14 @@ def batch_shares(
     loads = [0] * world_size
     shares: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
     for chunk in global_batches:  # longest first: greedy balancing of padded tokens
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        rank = min(range(world_size), key=loads.__getitem__)  # the first of the least loaded
         shares[rank].extend(chunk)
         loads[rank] += len(chunk) * max(len(s) for s in chunk)
     return [tuple(share) for share in shares]
 
 
 def observe_across_ranks(
-    engine: Callable[[EngineInputs], Observation],
+    engine: Engine,
     inputs: EngineInputs,
     ranks: Ranks,
     finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any],

@@ -187,7 +187,7 @@ def _write_error(exc: OSError, output: Path, where: Path | None = None) -> Outpu
 class WritePlan:
     """What `write_checkpoint` puts next to the original files."""
 
-    scales: Mapping[str, Any]  # key -> float32 tensor [1]
+    scales: Mapping[str, Any]  # key -> float32 CPU tensor [1] (per head: [heads, 1, 1])
     quantization_config: dict[str, Any]
     provenance: dict[str, Any]
 
@@ -258,7 +258,7 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
         elif entry.is_file():
             _carry(entry, dest / entry.name)
     # (a scale key the weights also hold is in two files: validate refuses it before publishing)
-    scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
+    scales = dict(plan.scales)  # CPU tensors (scales.scale_tensors)
     metadata = {
         "format": "pt",
         PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True),
