@@ -118,6 +118,7 @@ def plan_serve_check(
 
     options = _options(ServeOptions, None, {**serve, "device": device}, "serve")
     options.check_arguments()
+    calibration.check_arguments()
     plan = plan_recipe(
         calibration.recipe, calibration.target, calibration.engine, calibration.strategy
     )

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.core import fp8
-from kvcalib.core.checkpoint import read_config, read_safetensors_header, read_values
+from kvcalib.core.checkpoint import read_config
 from kvcalib.core.mxfp4 import neuron_quantization
-from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, SCALES_FILENAME, kv_cache_size
+from kvcalib.core.schema import ATTN_HEAD, PROVENANCE_FILENAME, kv_cache_size
 from kvcalib.serving.launch import (
     server_argv,  # the card's commands are serve-check's (declared: pyproject.toml)
 )
@@ -84,10 +84,10 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     )  # the FP8 format's name from its dtype: E4M3 (float8_e4m3fn), E5M2, ...
     form = chip.dtype.removeprefix("float8_").removesuffix("fn").upper() if chip else "FP8"
     per_head, queries = (
-        provenance.get("strategy") == ATTN_HEAD,
-        bool(provenance.get("attention_scales")),
+        provenance["strategy"] == ATTN_HEAD,
+        provenance["attention_scales"],
     )
-    kv, added = kv_cache_size(read_config(ckpt)), provenance.get("special_tokens_added")
+    kv, added = kv_cache_size(read_config(ckpt)), provenance["special_tokens_added"]
     what = (
         "Per-KV-head FP8 KV-cache scales (`strategy: attn_head`, shape `[kv_heads, 1, 1]`)"
         if per_head
@@ -96,7 +96,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
     # whether some K/V range differs from its absmax beyond fp8.SCALE_ROUNDING_TOLERANCE (chosen), and per kind the
     # layers where a range is below its absmax (clipped)
     chosen, clipped = False, {"K": [], "V": []}
-    for row in provenance.get("layers", []):
+    for row in provenance["layers"]:
         for kind in "kv":
             record, pairs = row[kind], []
             if record.get("head_scales") and record.get("head_absmax"):
@@ -111,7 +111,7 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
                 clipped[kind.upper()].append(row["layer"])
     clipped = {kind: layers for kind, layers in clipped.items() if layers}
     # the first paragraph: what was written, how the range was chosen, what clips, where it was scored
-    headroom, objective = provenance.get("headroom") or 1.0, provenance.get("scale_objective")
+    headroom, objective = provenance["headroom"], provenance["scale_objective"]
     wider = f"{headroom:g} x absmax(K) (--headroom)"
     text = (
         f"`k_scale = {'range' if chosen else 'absmax'}(K) / {fp8_max:g}` per "
@@ -131,14 +131,14 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
             f"{kind} in layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))}"
             for kind, layers in clipped.items()
         )
-        scored = [name for name in provenance.get("scored_on") or [] if name != target]
+        scored = [name for name in provenance["scored_on"] if name != target]
         text += (
             f". Scored on {target} and on {', '.join(scored)}, each at its own FP8 max."
             if scored
             else f". Scored on {target} alone: serve these scales there only."
         )
     else:
-        served = provenance.get("scored_on") or (
+        served = provenance["scored_on"] or (
             [target] if per_head else [t.name for t in fp8.served_numerics(fp8.get_target(target))]
         )
         text += f" Nothing clips: right on {', '.join(served)}."
@@ -258,24 +258,15 @@ def _section(ckpt: Path, validation: str, serve: dict[str, Any] | None) -> str:
         + " |",
         "|---:|" + "---:|" * len(fields),
     ]
-    # per layer and kind: absmax and range from the provenance, the scale read back from the scales file itself
-    header = read_safetensors_header(ckpt / SCALES_FILENAME)
-    by_layer = {row["layer"]: row for row in provenance.get("layers", [])}
-    rows: dict[int, dict[str, dict[str, float]]] = {}
-    for key in header.tensors:
-        layer, kind = int(re.search(r"\.(\d+)\.", key).group(1)), key.rsplit(".", 1)[1][0]
-        prov = by_layer.get(layer, {}).get(kind, {})
-        absmax = prov.get("absmax", math.nan)
-        rows.setdefault(layer, {})[kind] = {
-            "absmax": absmax,
-            "range": prov.get("range", absmax),
-            "scale": max(read_values(header, key)),  # per head: the largest
-        }
+    # per layer and kind: absmax, range (absmax where none was chosen) and scale (per head: the largest), as recorded
     lines += [
-        f"| {layer} | "
-        + " | ".join(f"{row.get(k, {}).get(f, math.nan):.6g}" for k, f in fields)
+        f"| {row['layer']} | "
+        + " | ".join(
+            f"{({'range': row[k]['absmax'], **row[k]} if k in row else {}).get(f, math.nan):.6g}"
+            for k, f in fields
+        )
         + " |"
-        for layer, row in sorted(rows.items())
+        for row in sorted(provenance["layers"], key=lambda row: row["layer"])
     ]
     return "\n".join(lines + ["", END, ""])
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from kvcalib.calibration.engine import EngineInputs, Observation
+from kvcalib.calibration.engine import Engine, EngineInputs, Observation
 from kvcalib.calibration.ranks import Ranks
-from kvcalib.core.errors import CalibrationError, KvcalibError, UsageError
+from kvcalib.core.errors import CalibrationError, UsageError
 from kvcalib.hf.data import batched
 
-__all__ = ["COLLECTIVE_TIMEOUT", "RanksFailed", "batch_shares", "observe_across_ranks"]
+__all__ = ["COLLECTIVE_TIMEOUT", "batch_shares", "observe_across_ranks"]
 
 COLLECTIVE_TIMEOUT = timedelta(
     minutes=60
@@ -39,14 +39,14 @@ def batch_shares(
     loads = [0] * world_size
     shares: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
     for chunk in global_batches:  # longest first: greedy balancing of padded tokens
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        rank = min(range(world_size), key=loads.__getitem__)  # the first of the least loaded
         shares[rank].extend(chunk)
         loads[rank] += len(chunk) * max(len(s) for s in chunk)
     return [tuple(share) for share in shares]
 
 
 def observe_across_ranks(
-    engine: Callable[[EngineInputs], Observation],
+    engine: Engine,
     inputs: EngineInputs,
     ranks: Ranks,
     finish: Callable[[Observation, Callable[[list[Any]], list[Any]]], Any],
@@ -59,23 +59,19 @@ def observe_across_ranks(
     local_inputs = dataclasses.replace(
         inputs, data=dataclasses.replace(inputs.data, sequences=share)
     )
-    with _process_group(ranks, inputs.device) as collective_device:
+    with _process_group(ranks, inputs.device):
         observation = failure = None
         try:
             observation = engine(local_inputs)
         except Exception as exc:  # joins the status exchange below, then is raised again
             failure = exc
-        status = (  # what the other ranks report of this one's failure
-            None
-            if failure is None
-            else failure.message
-            if isinstance(failure, KvcalibError)
-            else f"{type(failure).__name__}: {failure}"
-            if str(failure)
-            else type(failure).__name__
-        )
-        try:
-            statuses = _all_gather(status)
+        try:  # what the other ranks report of this one's failure
+            statuses = _all_gather(
+                None
+                if failure is None
+                else getattr(failure, "message", None)
+                or f"{type(failure).__name__}: {failure}".removesuffix(": ")
+            )
         except RuntimeError as exc:  # a peer vanished (killed, crashed) mid-exchange
             raise CalibrationError(
                 f"rank {ranks.rank}: lost the other processes ({exc})",
@@ -84,9 +80,14 @@ def observe_across_ranks(
         failed = {r: s for r, s in enumerate(statuses) if s is not None}
         if failure is not None:
             raise failure
-        if failed or observation is None:
-            raise RanksFailed(failed, ranks.world_size)
-        reduced = _reduce(observation, collective_device)
+        if failed:  # raised on the ranks that did not fail, from each failed rank's error
+            raise CalibrationError(
+                f"{len(failed)} of {ranks.world_size} processes failed during calibration ("
+                + "; ".join(f"rank {r}: {message}" for r, message in failed.items())
+                + "); nothing was written",
+                hint="fix what the failing rank reports and run again",
+            )
+        reduced = _reduce(observation)
 
         def gather(local: list[Any]) -> list[Any]:
             return [item for part in _all_gather(local) for item in part]
@@ -94,20 +95,8 @@ def observe_across_ranks(
         return reduced, finish(reduced, gather)
 
 
-class RanksFailed(CalibrationError):
-    """Raised on the ranks that did not fail, from each failed rank's error ("rank R: ERROR")."""
-
-    def __init__(self, failures: dict[int, str], world_size: int):
-        detail = "; ".join(f"rank {r}: {message}" for r, message in sorted(failures.items()))
-        super().__init__(
-            f"{len(failures)} of {world_size} processes failed during calibration ({detail}); "
-            "nothing was written",
-            hint="fix what the failing rank reports and run again",
-        )
-
-
 @contextmanager
-def _process_group(ranks: Ranks, device: torch.device) -> Iterator[torch.device]:
+def _process_group(ranks: Ranks, device: torch.device) -> Iterator[None]:
     """gloo on CPU, nccl on CUDA; torchrun's env:// rendezvous. Reuses a group the caller started."""
     import torch.distributed as dist
 
@@ -125,7 +114,7 @@ def _process_group(ranks: Ranks, device: torch.device) -> Iterator[torch.device]
             **kwargs,
         )
     try:
-        yield device if dist.get_backend() == "nccl" else torch.device("cpu")
+        yield
     finally:
         if owned:
             dist.destroy_process_group()
@@ -139,23 +128,33 @@ def _all_gather(obj: Any) -> list[Any]:
     return everyone
 
 
-def _reduce(local: Observation, device: torch.device) -> Observation:
-    """absmax per head and observe time: MAX (exact in float64); forward counts: SUM."""
-    import torch.distributed as dist
+def _reduce(local: Observation) -> Observation:
+    """Every rank's observation: absmax per head and observe time their MAX (exact), forward counts their SUM."""
+    k, v, q, observed, q_observed, seconds = zip(
+        *_all_gather(
+            (
+                local.k_heads,
+                local.v_heads,
+                local.q_heads,
+                local.observed,
+                local.q_observed,
+                local.seconds,
+            )
+        )
+    )
 
-    groups = [*local.k_heads, *local.v_heads, *local.q_heads, torch.tensor([local.seconds])]
-    packed = torch.cat([g.reshape(-1).double() for g in groups]).to(device)
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    counts = torch.tensor([*local.observed, *local.q_observed], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    parts, counts = torch.split(packed.cpu(), [g.numel() for g in groups]), counts.cpu().tolist()
-    n = len(local.k_heads)
+    def most(ranks: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.stack(layer).amax(dim=0) for layer in zip(*ranks))
+
+    def total(ranks: tuple[Any, ...]) -> tuple[int, ...]:
+        return tuple(map(sum, zip(*ranks)))
+
     return dataclasses.replace(
         local,
-        k_heads=tuple(p.float() for p in parts[:n]),
-        v_heads=tuple(p.float() for p in parts[n : 2 * n]),
-        q_heads=tuple(p.float() for p in parts[2 * n : -1]),
-        observed=tuple(counts[:n]),
-        q_observed=tuple(counts[n:]),
-        seconds=float(parts[-1]),
+        k_heads=most(k),
+        v_heads=most(v),
+        q_heads=most(q),
+        observed=total(observed),
+        q_observed=total(q_observed),
+        seconds=max(seconds),
     )

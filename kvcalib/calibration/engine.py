@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,8 @@ from kvcalib.calibration.options import CalibrateOptions, Machine
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.cpu import ComputePath
 from kvcalib.core.progress import ProgressCallback
-from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules
+from kvcalib.hf.attention import KVAbsmaxObserver, attention_modules, observing_attention
+from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import CalibrationData
 from kvcalib.hf.memory import MemoryLimit
 from kvcalib.hf.model import num_layers
@@ -43,12 +45,40 @@ class EngineInputs:
         None  # calibrate --plan's timed probe: the stream engine stops after this many layers
     )
 
-    def observer(self, model: torch.nn.Module) -> tuple[KVAbsmaxObserver, dict[int, str]]:
-        """What observes `model` (K/V, Q if asked, the scale objective's samples) and its attention modules' paths."""
+    def observe(
+        self, model: torch.nn.Module, decoder: torch.nn.Module, run: Callable[[Any], None]
+    ) -> Observation:
+        """`run(observer)` with `decoder`'s attention observed (K/V, Q if asked, the scale objective's samples)."""
         n = num_layers(model)
+        paths = attention_modules(model, n, self.checkpoint.root)
         sampler = AttentionSampler(n, self.sample_sequences) if self.sample_sequences else None
         observer = KVAbsmaxObserver(n, queries=self.attention_scales, sampler=sampler)
-        return observer, attention_modules(model, n, self.checkpoint.root)
+        started = time.perf_counter()
+        with (
+            torch.inference_mode(),
+            compute_path(self.compute),
+            observing_attention(decoder, observer),
+        ):
+            run(observer)
+        seconds = time.perf_counter() - started
+
+        def heads(store: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+            """float32 on the CPU; a layer never observed gets one zero per head."""
+            return tuple(h.float().cpu() if h is not None else torch.zeros(1) for h in store)
+
+        return Observation(
+            heads(observer.k_heads),
+            heads(observer.v_heads),
+            tuple(observer.observed),
+            paths,
+            seconds,
+            q_heads=heads(observer.q_heads) if observer.queries else (),
+            q_observed=tuple(observer.q_observed) if observer.queries else (),
+            attention_classes=tuple(
+                sorted({type(model.get_submodule(p)).__name__ for p in paths.values()})
+            ),
+            samples=tuple(tuple(layer) for layer in sampler.samples) if sampler is not None else (),
+        )
 
 
 @dataclass(frozen=True)
@@ -72,31 +102,6 @@ class Observation:
     samples: tuple[
         tuple[AttentionSample, ...], ...
     ] = ()  # per layer: the scale objective's (this rank's)
-
-    @classmethod
-    def of(
-        cls, observer: Any, attention_paths: dict[int, str], seconds: float, model: torch.nn.Module
-    ) -> Observation:
-        """From a kvcalib.hf.attention.KVAbsmaxObserver (a layer never observed gets one zero per head)."""
-
-        def heads(store: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-            return tuple(h.float().cpu() if h is not None else torch.zeros(1) for h in store)
-
-        return cls(
-            k_heads=heads(observer.k_heads),
-            v_heads=heads(observer.v_heads),
-            observed=tuple(observer.observed),
-            attention_paths=attention_paths,
-            seconds=seconds,
-            q_heads=heads(observer.q_heads) if observer.queries else (),
-            q_observed=tuple(observer.q_observed) if observer.queries else (),
-            attention_classes=tuple(
-                sorted({type(model.get_submodule(p)).__name__ for p in attention_paths.values()})
-            ),
-            samples=tuple(tuple(layer) for layer in observer.sampler.samples)
-            if observer.sampler is not None
-            else (),
-        )
 
 
 Engine = Callable[[EngineInputs], Observation]

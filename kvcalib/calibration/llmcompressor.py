@@ -5,6 +5,7 @@ its `k_scale`/`v_scale`, sized for compressed-tensors' FP8 max (448), are turned
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -49,19 +50,17 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
     )
     calls, samples, tokens = [0] * n_layers, len(sequences), inputs.data.num_tokens
 
-    def counter(layer: int) -> Any:  # each sequence reaches a layer twice: calibrate, propagate
-        def hook(_module: torch.nn.Module, _args: Any) -> None:
-            calls[layer] += 1
-            done = (layer * 2 * samples + min(calls[layer], 2 * samples)) / (n_layers * 2 * samples)
-            done = min(1.0, done)
-            inputs.notify(
-                Progress("observe", round(done * samples), samples, round(done * tokens), tokens)
-            )
-
-        return hook
+    def count(
+        layer: int, *_: Any
+    ) -> None:  # each sequence reaches a layer twice: calibrate, propagate
+        calls[layer] += 1
+        done = (layer + min(calls[layer] / (2 * samples), 1.0)) / n_layers
+        inputs.notify(
+            Progress("observe", round(done * samples), samples, round(done * tokens), tokens)
+        )
 
     handles = [
-        model.get_submodule(path).register_forward_pre_hook(counter(i))
+        model.get_submodule(path).register_forward_pre_hook(functools.partial(count, i))
         for i, path in attn_paths.items()
         if i < n_layers
     ]
@@ -97,10 +96,4 @@ def llmcompressor_engine(inputs: EngineInputs) -> Observation:
                 )
             # llm-compressor's per-head scales are [kv_heads, 1, 1]
             absmax[kind].append(scale.detach().float().cpu().reshape(-1) * sized_for.float().cpu())
-    return Observation(
-        k_heads=tuple(absmax["k"]),
-        v_heads=tuple(absmax["v"]),
-        observed=tuple(calls),
-        attention_paths=attn_paths,
-        seconds=seconds,
-    )
+    return Observation(tuple(absmax["k"]), tuple(absmax["v"]), tuple(calls), attn_paths, seconds)

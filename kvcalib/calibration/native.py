@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import time
-
-import torch
 
 from kvcalib.calibration.engine import EngineInputs, Observation
 from kvcalib.core.progress import Progress
-from kvcalib.hf.attention import observed_forward, observing_attention
-from kvcalib.hf.compute import compute_path
+from kvcalib.hf.attention import KVAbsmaxObserver, observed_forward
 from kvcalib.hf.data import batches
 from kvcalib.hf.model import faithful_attention, load_model
 from kvcalib.hf.samples import AttentionSample
@@ -27,18 +23,13 @@ def native_engine(inputs: EngineInputs) -> Observation:
         inputs.options.trust_remote_code,
         attn_implementation=faithful_attention(inputs.checkpoint.config),
     )
-    observer, attn_paths = inputs.observer(hf_model)
-    decoder = getattr(
-        hf_model, hf_model.base_model_prefix, hf_model
-    )  # the stack without the LM head
-    data, done = inputs.data, (0, 0)
+    data = inputs.data
     inputs.notify(Progress("observe", 0, len(data.sequences), 0, data.num_tokens))
-    started = time.perf_counter()
-    with (  # every right-padded batch through the decoder stack, K/V absmax recorded
-        torch.inference_mode(),
-        compute_path(inputs.compute),
-        observing_attention(decoder, observer),
-    ):
+
+    def run(
+        observer: KVAbsmaxObserver,
+    ) -> None:  # every right-padded batch through the decoder stack
+        done = (0, 0)
         for ids, mask in batches(data.sequences, inputs.options.batch_size, inputs.pad_id):
             ids, mask = ids.to(inputs.device), mask.to(inputs.device)
             with observer.batch(ids, mask):
@@ -47,7 +38,10 @@ def native_engine(inputs: EngineInputs) -> Observation:
             inputs.notify(
                 Progress("observe", done[0], len(data.sequences), done[1], data.num_tokens)
             )
-    return Observation.of(observer, attn_paths, time.perf_counter() - started, hf_model)
+
+    # the stack without the LM head
+    decoder = getattr(hf_model, hf_model.base_model_prefix, hf_model)
+    return inputs.observe(hf_model, decoder, run)
 
 
 def sample_attention(inputs: EngineInputs) -> tuple[tuple[AttentionSample, ...], ...]:

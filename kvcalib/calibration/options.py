@@ -3,7 +3,6 @@
 TYPE_CHECKING is written as a string."""
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -171,7 +170,7 @@ class Machine:
     cpu: HostCpu
     memory: "MemoryLimit"
     ranks: "Ranks | None"
-    scratch_dir: Path
+    scratch_dir: Path | None  # None: the system's temporary directory
 
     @classmethod
     def read(
@@ -193,7 +192,7 @@ class Machine:
             cpu or HostCpu.detect(),
             memory,
             Ranks.from_env(os.environ),
-            scratch_dir or Path(tempfile.gettempdir()),
+            scratch_dir,
         )
 
 
@@ -222,11 +221,6 @@ class LayerScales:
     k: KindScales
     v: KindScales
     q: KindScales | None = None
-
-    def kinds(self) -> dict[str, KindScales]:
-        return {
-            kind: s for kind, s in (("k", self.k), ("v", self.v), ("q", self.q)) if s is not None
-        }
 
     OMIT_NONE = True
 

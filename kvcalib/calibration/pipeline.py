@@ -215,8 +215,8 @@ def engine_inputs(
         notify,
         plan.compute,
         plan.engine.limit or plan.machine.memory,
-        sample_sequences=sampled,
-        probe_layers=probe_layers,
+        sampled,
+        probe_layers,
     )
 
 

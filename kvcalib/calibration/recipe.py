@@ -35,7 +35,6 @@ __all__ = [
 ]
 
 RECIPE_KEY = "kvcalib"  # the top-level key with kvcalib's own settings
-STRATEGIES = (TENSOR, ATTN_HEAD)
 
 KV_SCHEME_KEY = "kv_cache_scheme"
 OTHER_SCHEME_KEYS = (
@@ -250,7 +249,7 @@ def check_servable(recipe: KvRecipe, target: fp8.Target) -> None:
             f"set strategy: tensor, as in {example}",
         ),
         (
-            s["strategy"] not in STRATEGIES,
+            s["strategy"] not in (TENSOR, ATTN_HEAD),
             f"strategy {s['strategy']!r}, which is no KV-cache strategy {chip} serves",
             f"set strategy: tensor, as in {example}",
         ),
@@ -289,11 +288,6 @@ def plan_recipe(
                 f"{recipe.path}: kvcalib runs the {KV_SCHEME_KEY} only and ignores "
                 f"{', '.join(recipe.ignored)}"
             )
-    if strategy is not None and strategy not in STRATEGIES:
-        raise UsageError(
-            f"--strategy {strategy!r} is not a KV-cache strategy kvcalib writes",
-            hint=f"use {' or '.join(STRATEGIES)} (llm-compressor's names)",
-        )
     from_recipe = recipe.scheme.get("strategy") if recipe is not None else None
     if strategy is not None and from_recipe is not None and strategy != from_recipe:
         raise RecipeError(

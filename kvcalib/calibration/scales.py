@@ -46,19 +46,6 @@ def layer_scales(
         _unobserved(observation.q_observed, model_dir, "had their Q")
         kinds["q"] = observation.q_heads
     warnings: list[str] = []
-    for kind, per_layer in kinds.items():
-        for i, heads in enumerate(per_layer):
-            value = float(heads.max())  # NaN and inf propagate through max
-            if not math.isfinite(value):
-                raise CalibrationError(
-                    f"layer {i}: {kind.upper()} absmax is {value} (overflow in the calibration dtype)",
-                    hint="calibrate with --dtype bfloat16 or --dtype float32",
-                )
-            if value == 0.0:
-                warnings.append(
-                    f"layer {i}: {kind.upper()} was exactly zero on every token; its scale is floored at "
-                    f"{fp8.SCALE_FLOOR}"
-                )
     layers = []
     for i in range(len(observation.observed)):
         picks = dict(zip("kv", choices[i])) if choices is not None else {}
@@ -69,6 +56,17 @@ def layer_scales(
                 picks.get(kind),
                 headroom if kind != "q" else 1.0,
             )
+            absmax = float(heads.max())  # NaN and inf propagate through max
+            if not math.isfinite(absmax):
+                raise CalibrationError(
+                    f"layer {i}: {kind.upper()} absmax is {absmax} (overflow in the calibration dtype)",
+                    hint="calibrate with --dtype bfloat16 or --dtype float32",
+                )
+            if absmax == 0.0:
+                warnings.append(
+                    f"layer {i}: {kind.upper()} was exactly zero on every token; its scale is floored at "
+                    f"{fp8.SCALE_FLOOR}"
+                )
             scales, chosen = fp8.scale_from_absmax(heads, target), None
             if pick is not None:
                 index = pick.index * heads.numel() if len(pick.index) == 1 else pick.index
@@ -83,7 +81,7 @@ def layer_scales(
                 scales = torch.where(keeps, wider, scales)
                 chosen = float(scales.max()) * target.fp8_max
             records[kind] = KindScales(
-                absmax=float(heads.max()),
+                absmax=absmax,
                 scale=float(scales.max()),
                 key=scale_key(observation.attention_paths[i], kind),
                 head_absmax=tuple(heads.tolist()) if per_head else None,
@@ -101,5 +99,6 @@ def scale_tensors(layers: list[LayerScales]) -> dict[str, torch.Tensor]:
         if s.head_scales is not None
         else torch.tensor([s.scale], dtype=torch.float32)
         for layer in layers
-        for s in layer.kinds().values()
+        for s in (layer.k, layer.v, layer.q)
+        if s is not None
     }

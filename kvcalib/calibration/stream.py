@@ -8,7 +8,6 @@ captured from the model's own forward (capture_layer_inputs): the scales equal t
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -28,9 +27,7 @@ from kvcalib.hf.attention import (
     KVAbsmaxObserver,
     StopForward,
     observed_forward,
-    observing_attention,
 )
-from kvcalib.hf.compute import compute_path
 from kvcalib.hf.data import batches
 from kvcalib.hf.memory import release_free_memory
 from kvcalib.hf.model import (
@@ -109,14 +106,11 @@ def stream_engine(inputs: EngineInputs) -> Observation:
     stream = open_stream(
         inputs.checkpoint, inputs.dtype, inputs.device, inputs.options.trust_remote_code
     )
-    model, decoder, layers = stream.model, stream.decoder, stream.layers
-    n_layers = len(layers)
-    observer, attn_paths = inputs.observer(model)
+    decoder, layers = stream.decoder, stream.layers
     batch_list = [
         (ids.to(inputs.device), mask.to(inputs.device))
         for ids, mask in batches(inputs.data.sequences, inputs.options.batch_size, inputs.pad_id)
     ]
-    started = time.perf_counter()
     # spill when every batch's hidden states would take over a share of the memory this process has left beside a
     # layer and its load-time copy (the ranks on this host share it)
     hidden_bytes = sum(ids.numel() for ids, _ in batch_list) * int(text_config(decoder).hidden_size)
@@ -127,33 +121,42 @@ def stream_engine(inputs: EngineInputs) -> Observation:
         - 2 * largest
     )
     spill = hidden_bytes * stream.weights.dtype.itemsize > HIDDEN_STATES_MEMORY_SHARE * left
-    # (samples, tokens) per batch, and in all: reported as through the whole model
-    sizes = list(zip(*[(int(ids.shape[0]), int(mask.sum())) for ids, mask in batch_list]))
-    total = [sum(column) for column in sizes]
-    with (
-        torch.inference_mode(),
-        compute_path(inputs.compute),
-        observing_attention(model, observer),
-        tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=inputs.machine.scratch_dir)
-        if spill
-        else nullcontext() as folder,
-    ):
-        states = _Spilled(folder) if spill else {}  # each batch's hidden states, on the CPU
-        for b, (ids, mask) in enumerate(batch_list):  # the embeddings: layer 0's inputs
-            states[b] = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)[0].cpu()
-        for i in range(n_layers)[: inputs.probe_layers]:
-            with stream.layer(i) as layer:
-                for b, (ids, mask) in enumerate(batch_list):
-                    _, args, kwargs = capture_layer_inputs(decoder, layers, i, ids, mask, observer)
-                    # the last layer's observer stops the forward once its K/V (and Q) are seen
-                    with observer.batch(ids, mask):
-                        out = layer(states[b].to(inputs.device), *args, **kwargs)
-                        states[b] = (out[0] if isinstance(out, tuple) else out).cpu()
-                    done = [(i * t + sum(c[: b + 1])) // n_layers for t, c in zip(total, sizes)]
-                    inputs.notify(
-                        Progress("observe", done[0], total[0], done[1], total[1], i, n_layers)
-                    )
-    return Observation.of(observer, attn_paths, time.perf_counter() - started, model)
+    samples, tokens = len(inputs.data.sequences), inputs.data.num_tokens
+
+    def run(observer: KVAbsmaxObserver) -> None:
+        with (
+            tempfile.TemporaryDirectory(prefix="kvcalib-hidden-", dir=inputs.machine.scratch_dir)
+            if spill
+            else nullcontext() as folder
+        ):
+            states = _Spilled(folder) if spill else {}  # each batch's hidden states, on the CPU
+            for b, (ids, mask) in enumerate(batch_list):  # the embeddings: layer 0's inputs
+                states[b] = capture_layer_inputs(decoder, layers, 0, ids, mask, observer)[0].cpu()
+            for i in range(len(layers))[: inputs.probe_layers]:
+                with stream.layer(i) as layer:
+                    for b, (ids, mask) in enumerate(batch_list):
+                        _, args, kwargs = capture_layer_inputs(
+                            decoder, layers, i, ids, mask, observer
+                        )
+                        # the last layer's observer stops the forward once its K/V (and Q) are seen
+                        with observer.batch(ids, mask):
+                            out = layer(states[b].to(inputs.device), *args, **kwargs)
+                            states[b] = (out[0] if isinstance(out, tuple) else out).cpu()
+                        # reported as through the whole model
+                        done = (i * len(batch_list) + b + 1) / (len(layers) * len(batch_list))
+                        inputs.notify(
+                            Progress(
+                                "observe",
+                                int(done * samples),
+                                samples,
+                                int(done * tokens),
+                                tokens,
+                                i,
+                                len(layers),
+                            )
+                        )
+
+    return inputs.observe(stream.model, stream.model, run)
 
 
 class _StandIn(torch.nn.Module):

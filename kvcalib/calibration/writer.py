@@ -10,7 +10,6 @@ import json
 import math
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcalib.calibration.publish import discard, publish, recover, stage
-from kvcalib.core.checkpoint import Checkpoint, SafetensorsHeader, write_json
+from kvcalib.core.checkpoint import Checkpoint, load_tensors, write_json
 from kvcalib.core.errors import OutputExistsError, OutputWriteError
 from kvcalib.core.paths import overlapping
 from kvcalib.core.schema import (
@@ -184,46 +183,13 @@ def _write_error(exc: OSError, output: Path, where: Path | None = None) -> Outpu
     )
 
 
-def copy_without_keys(header: SafetensorsHeader, dst: Path, drop: set[str]) -> None:
-    """Write `header`'s file minus the tensors in `drop`; every kept tensor's bytes are copied verbatim (a short read
-    leaves a file that validate, before publishing, refuses)."""
-    kept = sorted(
-        ((k, i) for k, i in header.tensors.items() if k not in drop),
-        key=lambda ki: ki[1].data_offsets,
-    )
-    new_header: dict[str, Any] = (
-        {} if header.metadata is None else {"__metadata__": header.metadata}
-    )
-    offset = 0
-    for key, info in kept:
-        new_header[key] = {
-            "dtype": info.dtype,
-            "shape": list(info.shape),
-            "data_offsets": [offset, offset + info.nbytes],
-        }
-        offset += info.nbytes
-    raw = json.dumps(new_header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
-    with open(header.path, "rb") as fin, open(dst, "wb") as fout:
-        fout.write(struct.pack("<Q", len(raw)) + raw)
-        for _, info in kept:
-            fin.seek(header.data_start + info.data_offsets[0])
-            for done in range(0, info.nbytes, 64 << 20):
-                fout.write(fin.read(min(64 << 20, info.nbytes - done)))
-
-
 @dataclass(frozen=True)
 class WritePlan:
     """What `write_checkpoint` puts next to the original files."""
 
-    scales: Mapping[str, Any]  # key -> float32 tensor [1]
+    scales: Mapping[str, Any]  # key -> float32 CPU tensor [1] (per head: [heads, 1, 1])
     quantization_config: dict[str, Any]
     provenance: dict[str, Any]
-
-
-_Index = dict[
-    str, tuple[str, int, int]
-]  # the new index, built up as files are written: key -> (file, bytes, numel)
 
 
 def write_checkpoint(
@@ -264,7 +230,9 @@ def write_checkpoint(
 def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
     """Link (or copy without earlier KV scales) every weight file into `dest`, carry the other files over, write
     the scales, the index, config and provenance; notes for the user."""
-    index: _Index = {}
+    from safetensors.torch import save_file
+
+    index: dict[str, tuple[str, int, int]] = {}  # the new index: key -> (file, bytes, numel)
     notes = []
     for name in source.files.files:
         if name == SCALES_FILENAME:
@@ -273,8 +241,9 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
         header = source.files.headers[name]
         stale = {k for k in header.tensors if is_kv_scale_key(k)}
         out_name = SHARDED_SINGLE_FILENAME if name == SINGLE_WEIGHTS_FILENAME else name
-        if stale:
-            copy_without_keys(header, dest / out_name, stale)
+        if stale:  # the other tensors' bytes as they are
+            kept = load_tensors(header.path, [k for k in header.tensors if k not in stale])
+            save_file(kept, str(dest / out_name), metadata=header.metadata)
             notes.append(f"{name}: dropped {len(stale)} earlier KV scale tensor(s)")
         else:
             _carry(source.root / name, dest / out_name, link=True)
@@ -288,10 +257,8 @@ def _write_files(source: Checkpoint, dest: Path, plan: WritePlan) -> list[str]:
             shutil.copytree(entry, dest / entry.name, copy_function=_carry)
         elif entry.is_file():
             _carry(entry, dest / entry.name)
-    from safetensors.torch import save_file
-
     # (a scale key the weights also hold is in two files: validate refuses it before publishing)
-    scales = {k: v.detach().to("cpu").contiguous() for k, v in plan.scales.items()}
+    scales = dict(plan.scales)  # CPU tensors (scales.scale_tensors)
     metadata = {
         "format": "pt",
         PROVENANCE_METADATA_KEY: json.dumps(plan.provenance, sort_keys=True),

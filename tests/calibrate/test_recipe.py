@@ -172,10 +172,8 @@ def test_per_head_is_refused_for_neuron_before_anything_is_loaded(target, tmp_pa
         "(RuntimeError: shape '[1, 1]' is invalid)"
     )
     assert "--target gpu" in exc.value.hint
-    with pytest.raises(
-        UsageError, match="--strategy 'channel' is not a KV-cache strategy kvcalib writes"
-    ):
-        plan_recipe(None, "gpu", "native", "channel")
+    with pytest.raises(UsageError, match="unknown --strategy 'channel'"):
+        CalibrateOptions(strategy="channel").check_arguments()
     assert not (tmp_path / "out").exists()
 
 
