@@ -199,7 +199,7 @@ def engine_inputs(
     """What the engine gets for `data`: the scale objective's sequences among them, the memory limit it sizes by."""
     opts = plan.options
     sampled = (
-        sample_sequences(data.sequences, opts.batch_size, pad)
+        sample_sequences(data.sequences, opts.batch_size)
         if opts.scale_objective != ABSMAX
         else frozenset()
     )

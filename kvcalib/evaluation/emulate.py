@@ -20,6 +20,7 @@ import torch
 
 from kvcalib.core import fp8
 from kvcalib.core.choice import ScaleChoice
+from kvcalib.hf.attention import check_layer
 from kvcalib.hf.samples import AttentionSampler, attention_error
 
 __all__ = [
@@ -83,14 +84,6 @@ def is_per_head(*per_layer: list[Scale]) -> bool:
     return any(isinstance(s, torch.Tensor) for scales in per_layer for s in scales)
 
 
-def _layer(layer_idx: Any, num_layers: int) -> int:
-    if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
-        raise RuntimeError(
-            f"attention layer {layer_idx!r} is outside the model's {num_layers} layers"
-        )
-    return layer_idx
-
-
 class KVQuantizer:
     """An attention hook: K/V as their FP8 round trip on the target; with `fp8_attention` Q too (module docstring)."""
 
@@ -118,7 +111,7 @@ class KVQuantizer:
     def observe(
         self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        i = _layer(layer_idx, self.num_layers)
+        i = check_layer(layer_idx, self.num_layers)
         return self._quantize(key, self.k_scales[i]), self._quantize(value, self.v_scales[i])
 
     def attend(
@@ -132,7 +125,7 @@ class KVQuantizer:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        i = _layer(getattr(module, "layer_idx", None), self.num_layers)
+        i = check_layer(getattr(module, "layer_idx", None), self.num_layers)
         q = self._quantize(query, self.q_scales[i])
         mask = (
             attention_mask.float()
@@ -211,7 +204,7 @@ class KVErrorMeter:
         self._absmax = torch.zeros(self.num_layers, 3, dtype=torch.float64, device=device)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        i = _layer(layer_idx, self.num_layers)
+        i = check_layer(layer_idx, self.num_layers)
         self._measure(i, 0, key, lambda q: q.k_scales)
         self._measure(i, 1, value, lambda q: q.v_scales)
 
@@ -225,7 +218,7 @@ class KVErrorMeter:
         kwargs: dict[str, Any],
     ) -> None:
         """One unquantised attention call: Q's error under FP8 attention, and the attention samples."""
-        i = _layer(getattr(module, "layer_idx", None), self.num_layers)
+        i = check_layer(getattr(module, "layer_idx", None), self.num_layers)
         if self.fp8_attention:
             self._measure(i, 2, query, lambda q: q.fp8_attention and q.q_scales)
         if self.sampler is not None:

@@ -218,7 +218,7 @@ def evaluate(
     model, pad = job.model(notify), pad_id(tokenizer)
     sampler = AttentionSampler(
         job.quantizers[CHECKPOINT].num_layers,
-        sample_sequences(data.sequences, opts.batch_size, pad),
+        sample_sequences(data.sequences, opts.batch_size),
     )
     meter = KVErrorMeter(job.quantizers, job.run.device, sampler)
     forward = functools.partial(log_probs, model, compute=job.compute, weights=Float32Weights())

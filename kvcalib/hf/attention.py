@@ -23,6 +23,7 @@ __all__ = [
     "ObservedCache",
     "StopForward",
     "attention_modules",
+    "check_layer",
     "fan_out",
     "observed_forward",
     "observing_attention",
@@ -72,6 +73,16 @@ class StopForward(Exception):
     the last layer's K/V or attention call; at the decoder layer whose inputs are wanted, carrying them)."""
 
 
+def check_layer(layer_idx: Any, num_layers: int) -> int:
+    """`layer_idx` as an attention module reported it, checked to be one of the model's `num_layers`."""
+    if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
+        raise UnsupportedModelError(
+            f"an attention layer reported layer_idx {layer_idx!r}, outside the model's {num_layers} layers",
+            hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
+        )
+    return layer_idx
+
+
 class KVAbsmaxObserver:
     """Running absmax of K, V (and Q with `queries`) per layer and head, padding masked out (`batch`)."""
 
@@ -90,13 +101,6 @@ class KVAbsmaxObserver:
         self.q_observed = [0] * num_layers
         self.token_mask: torch.Tensor | None = None
 
-    def _check_layer(self, layer_idx: Any) -> None:
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise UnsupportedModelError(
-                f"an attention layer reported layer_idx {layer_idx!r}, outside the model's {self.num_layers} layers",
-                hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
-            )
-
     def _merge(
         self, store: list[torch.Tensor | None], layer_idx: int, states: torch.Tensor
     ) -> None:
@@ -108,7 +112,7 @@ class KVAbsmaxObserver:
         store[layer_idx] = heads if old is None else torch.maximum(old, heads)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        self._check_layer(layer_idx)
+        check_layer(layer_idx, self.num_layers)
         self._merge(self.k_heads, layer_idx, key)
         self._merge(self.v_heads, layer_idx, value)
         self.observed[layer_idx] += 1
@@ -142,7 +146,7 @@ class KVAbsmaxObserver:
     ) -> None:
         """One attention call as the module makes it: Q's absmax, the objective's sample; stops after the last."""
         layer_idx = getattr(module, "layer_idx", None)
-        self._check_layer(layer_idx)
+        check_layer(layer_idx, self.num_layers)
         # Q as the module hands it to its attention function: after RoPE (and q-norm)
         if self.queries:
             self._merge(self.q_heads, layer_idx, query)

@@ -51,7 +51,6 @@ class AttentionSample:
 def sample_sequences(
     sequences: tuple[tuple[int, ...], ...],
     batch_size: int,
-    pad_id: int = 0,  # unused: the batching does not depend on it
     budget: int = SAMPLE_TOKENS,
 ) -> frozenset[tuple[int, ...]]:
     """The sequences the objective scores: whole batches of the run's own batching, in order, to `budget` tokens."""
