@@ -13,7 +13,7 @@ position's K/V come from its own row's path, so this is prefill + token-by-token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,8 +94,12 @@ class KVQuantizer:
         target: fp8.Target,
         q_scales: list[Scale] | None = None,
         fp8_attention: bool = False,
+        only: int | None = None,
     ) -> None:
-        self.num_layers = len(k_scales)
+        self.num_layers, self.only = (
+            len(k_scales),
+            only,
+        )  # only: this layer's K/V quantised (eval's layers alone)
         self.k_scales, self.v_scales, self.q_scales = k_scales, v_scales, q_scales
         self.target, self.fp8_attention = target, fp8_attention
         self.sees_attention_calls = fp8_attention  # kvcalib.hf.attention.observing_attention
@@ -110,9 +114,11 @@ class KVQuantizer:
 
     def observe(
         self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         i = check_layer(layer_idx, self.num_layers)
-        return self._quantize(key, self.k_scales[i]), self._quantize(value, self.v_scales[i])
+        if self.only in (None, i):
+            return self._quantize(key, self.k_scales[i]), self._quantize(value, self.v_scales[i])
+        return None
 
     def attend(
         self,
@@ -145,7 +151,7 @@ def decode_rows(mask: torch.Tensor) -> torch.Tensor:
 
 
 class FreshPrefill:
-    """An attention hook: `hook` (a KVQuantizer, or any whose `observe` returns quantised K/V or None) read by the
+    """An attention hook: `hook` (a KVQuantizer, whose `observe` returns quantised K/V or None) read by the
     decode rows (decode_rows(mask) of the batch's [B, S] mask) only; the others attend to the fresh K/V."""
 
     sees_attention_calls = True  # `attend` takes every attention call (kvcalib.hf.attention)
@@ -205,8 +211,8 @@ class KVErrorMeter:
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
         i = check_layer(layer_idx, self.num_layers)
-        self._measure(i, 0, key, lambda q: q.k_scales)
-        self._measure(i, 1, value, lambda q: q.v_scales)
+        self._measure(i, 0, key)
+        self._measure(i, 1, value)
 
     def observe_call(
         self,
@@ -220,13 +226,13 @@ class KVErrorMeter:
         """One unquantised attention call: Q's error under FP8 attention, and the attention samples."""
         i = check_layer(getattr(module, "layer_idx", None), self.num_layers)
         if self.fp8_attention:
-            self._measure(i, 2, query, lambda q: q.fp8_attention and q.q_scales)
+            self._measure(i, 2, query)
         if self.sampler is not None:
             self.sampler.record(i, query, key, value, attention_mask, kwargs, module)
 
-    def _measure(self, layer: int, kind: int, x: torch.Tensor, scales_of: Any) -> None:
-        """Sums for `x`, K/V/Q (`kind` 0/1/2) of `layer`, under each configuration whose scales_of(quantizer) are
-        its per-layer scales (falsy: not measured)."""
+    def _measure(self, layer: int, kind: int, x: torch.Tensor) -> None:
+        """Sums for `x`, K/V/Q (`kind` 0/1/2) of `layer`, under each configuration that has its scales (Q: the FP8
+        attention runs only)."""
         xf = x.float().transpose(1, 2)  # [B, S, H, D]
         if self.token_mask is not None:
             xf = xf[self.token_mask]  # [real tokens, H, D]
@@ -237,7 +243,7 @@ class KVErrorMeter:
         )
         signal = xf.double().pow(2).sum()
         for c, q in enumerate(self.configs.values()):
-            if not (scales := scales_of(q)):
+            if not (scales := (q.k_scales, q.v_scales, q.q_scales)[kind]):
                 continue
             scale, target = scales[layer], q.target
             if isinstance(scale, torch.Tensor):  # [1, H, 1, 1] -> [1, H, 1] for [..., H, D]
@@ -252,20 +258,23 @@ class KVErrorMeter:
         self, name: str, alone: list[tuple[float, float]] | None = None
     ) -> list[LayerQuantStats]:
         """Per layer, configuration `name`'s figures; `alone`: each layer's (ΔNLL, KL) quantised alone, if measured."""
-        c = list(self.configs).index(name)
-        quantizer = self.configs[name]
-        sums, absmax = self._sums[c].cpu(), self._absmax.cpu()
+        quantizer, sums = self.configs[name], self._sums[list(self.configs).index(name)].cpu()
+        absmax = self._absmax.cpu()
         stats = []
         for i in range(self.num_layers):
             k, v, q = (
-                KindQuantStats(fp8.sqnr_db(signal, noise), clipped / max(count, 1.0))
-                for signal, noise, clipped, count in sums[i].tolist()
-            )
-            k, v = (
-                replace(
-                    x, absmax=absmax[i, j].item(), clip_at=_clip_at(scales[i], quantizer.target)
+                KindQuantStats(fp8.sqnr_db(signal, noise), clipped / max(count, 1.0), *extra)
+                for (signal, noise, clipped, count), extra in zip(
+                    sums[i].tolist(),
+                    [
+                        *(
+                            (absmax[i, j].item(), _clip_at(scales[i], quantizer.target))
+                            for j, scales in enumerate((quantizer.k_scales, quantizer.v_scales))
+                        ),
+                        (),  # Q: no absmax, no clip level
+                    ],
+                    strict=True,
                 )
-                for j, (x, scales) in enumerate(((k, quantizer.k_scales), (v, quantizer.v_scales)))
             )
             stats.append(
                 LayerQuantStats(

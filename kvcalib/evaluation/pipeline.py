@@ -34,7 +34,6 @@ from kvcalib.evaluation.emulate import (
     decode_rows,
     is_per_head,
 )
-from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.scales import ScaleSet, read_scale_set
 from kvcalib.evaluation.scoring import log_probs
@@ -376,7 +375,7 @@ def _score(
         if meter:  # evaluate's meter has a sampler
             meter.token_mask = mask.bool()
             meter.sampler.start_batch(input_ids, mask)
-        base_logp = forward(input_ids, mask, meter or OneLayer(None, None))
+        base_logp = forward(input_ids, mask, meter)
         base = (base_logp, baseline.add(base_logp, targets, scored))
         for key, hook in hooks.items():
             logp = forward(input_ids, mask, FreshPrefill(hook, mask) if fresh else hook)
@@ -393,23 +392,24 @@ def _layers_alone(
     rows: list[list[int]],
     quantizers: dict[str, KVQuantizer],
 ) -> dict[str, list[tuple[float, float]]]:
-    """name -> per layer, (ΔNLL, KL) with only that layer's K/V quantised (evaluation.layers), on `rows`; no FP8
-    attention run; no rows: {}."""
+    """name -> per layer, (ΔNLL, KL) with only that layer's K/V quantised, on `rows`; no FP8 attention run; no
+    rows: {}. A per-layer error figure (SQNR, attention error) says how far the values move, not what that costs the
+    prediction (a near-constant K channel can make SQNR rank scales backwards); KL is the steadier on few tokens.
+    Layers interact, so these need not add up."""
     if not rows:
         return {}
     layers = range(quantizers[CHECKPOINT].num_layers)
+    plain = {name: q for name, q in quantizers.items() if not q.fp8_attention}
     hooks = {
-        (name, i): OneLayer(q, i)
-        for name, q in quantizers.items()
-        if not q.fp8_attention
+        (name, i): KVQuantizer(q.k_scales, q.v_scales, q.target, only=i)
+        for name, q in plain.items()
         for i in layers
     }
     base, totals = score(rows, hooks, stage="layers-alone")
     n = max(base.count, 1)
     return {
         name: [((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n) for i in layers]
-        for name, q in quantizers.items()
-        if not q.fp8_attention
+        for name in plain
     }
 
 
