@@ -176,16 +176,7 @@ def read_data(plan: RunPlan, dataset: str) -> tuple[CalibrationData, int]:
     """The calibration samples, tokenised as the run tokenises them, and the padding id."""
     opts = plan.options
     tokenizer = load_tokenizer(plan.checkpoint.root, opts.trust_remote_code)
-    data = load_calibration_data(
-        dataset,
-        tokenizer,
-        split=opts.split,
-        text_column=opts.text_column,
-        num_samples=opts.num_samples,
-        max_seq_len=opts.max_seq_len,
-        seed=opts.seed,
-        add_special_tokens=opts.add_special_tokens,
-    )
+    data = load_calibration_data(dataset, tokenizer, opts)
     return data, pad_id(tokenizer)
 
 

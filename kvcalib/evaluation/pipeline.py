@@ -197,16 +197,7 @@ def evaluate(
 
     notify(Progress("load-data"))
     tokenizer = job.tokenizer()
-    data = load_calibration_data(
-        dataset,
-        tokenizer,
-        split=opts.split,
-        text_column=opts.text_column,
-        num_samples=opts.num_samples,
-        max_seq_len=opts.max_seq_len,
-        seed=opts.seed,
-        add_special_tokens=opts.add_special_tokens,
-    )
+    data = load_calibration_data(dataset, tokenizer, opts)
     if sum(len(s) // 2 - 1 if fresh else len(s) - 1 for s in data.sequences) < 1:
         raise UsageError(
             f"the evaluation samples are all {'under 4 tokens' if fresh else 'one token'} long: "

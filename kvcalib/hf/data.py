@@ -17,7 +17,6 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from kvcalib.core.errors import DatasetError
-from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 
 __all__ = [
@@ -203,39 +202,31 @@ def resolve_column(column_names: list[str], text_column: str | None, source: str
     )
 
 
-def load_calibration_data(
-    dataset: str,
-    tokenizer: Any,
-    *,
-    num_samples: int,
-    max_seq_len: int,
-    split: str = RunOptions.split,
-    text_column: str | None = RunOptions.text_column,
-    seed: int = RunOptions.seed,
-    add_special_tokens: bool | None = RunOptions.add_special_tokens,
-) -> CalibrationData:
-    """Select, render and tokenise calibration samples (see the module docstring); the defaults are calibrate's and
-    eval's (RunOptions), `num_samples` and `max_seq_len` differ between them, so the caller names them."""
+def load_calibration_data(dataset: str, tokenizer: Any, opts: Any) -> CalibrationData:
+    """Select, render and tokenise calibration samples (see the module docstring) as `opts` (a RunOptions with
+    num_samples and max_seq_len: calibrate's or eval's) say."""
     import datasets
 
+    split, add_special_tokens = opts.split, opts.add_special_tokens
+
     ds = load_rows(dataset, split)
-    column = resolve_column(list(ds.column_names), text_column, dataset)
+    column = resolve_column(list(ds.column_names), opts.text_column, dataset)
     if len(ds) == 0:
         raise DatasetError(
             f"dataset {dataset} (split {split!r}) has no rows",
             hint="pass a dataset with text in it",
         )
-    ds = ds.select(range(min(num_samples, len(ds))))
+    ds = ds.select(range(min(opts.num_samples, len(ds))))
     rendered = [
         _render(row, column, tokenizer, dataset, number)
         for number, row in enumerate(ds[column], start=1)
     ]
     # the order ds.shuffle(seed=seed) gives, as llm-compressor's
-    order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=seed)[
+    order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=opts.seed)[
         "row"
     ]
     texts, chat = [rendered[i][0] for i in order], [rendered[i][1] for i in order]
-    encoded = tokenize_as_served(tokenizer, texts, chat, max_seq_len, add_special_tokens)
+    encoded = tokenize_as_served(tokenizer, texts, chat, opts.max_seq_len, add_special_tokens)
     sequences = tuple(tuple(ids) for ids in encoded if len(ids) > 0)
     if not sequences:
         raise DatasetError(

@@ -111,11 +111,7 @@ def _lengths(checkpoint, dataset):
     data = load_calibration_data(
         str(dataset),
         load_tokenizer(checkpoint, False),
-        split="train",
-        text_column=None,
-        num_samples=4,
-        max_seq_len=64,
-        seed=42,
+        EvalOptions(num_samples=4, max_seq_len=64),
     )
     return [len(s) for s in data.sequences]
 
