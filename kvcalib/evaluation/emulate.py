@@ -176,7 +176,7 @@ class FreshPrefill:
         quantised = self.hook.observe(getattr(module, "layer_idx", None), key, value)
         if quantised is None:
             return fresh, weights
-        if getattr(self.hook, "fp8_attention", False):
+        if self.hook.fp8_attention:
             read = self.hook.attend(function, module, query, *quantised, *args, **kwargs)[0]
         else:
             read = function(module, query, *quantised, *args, **kwargs)[

@@ -45,7 +45,6 @@ from kvcalib.hf.model import (
     faithful_attention,
     load_model,
     load_tokenizer,
-    pad_id,
     prepare_run,
     resolve_compute,
     resolve_target,
@@ -78,7 +77,6 @@ class RunResult:
 
     name: str
     nll: float
-    ppl: float
     delta_nll: float
     kl: float
     top1: float
@@ -102,7 +100,7 @@ class RunResult:
     def v_clipped(self) -> float:
         return sum(s.v.clipped for s in self.layers) / len(self.layers)
 
-    JSON = {"token_nll": None}
+    JSON = {"token_nll": None, "ppl": lambda r: math.exp(r.nll)}
 
 
 @dataclass(frozen=True)
@@ -205,7 +203,7 @@ def evaluate(
             hint="pass longer texts or a larger --max-seq-len"
             + (", or --order gpu" if fresh else ""),
         )
-    model, pad = job.model(notify), pad_id(tokenizer)
+    model = job.model(notify)
     sampler = AttentionSampler(
         job.quantizers[CHECKPOINT].num_layers,
         sample_sequences(data.sequences, opts.batch_size),
@@ -217,7 +215,6 @@ def evaluate(
         forward,
         notify=notify,
         batch_size=opts.batch_size,
-        pad=pad,
         device=job.run.device,
         fresh=fresh,
     )
@@ -233,7 +230,6 @@ def evaluate(
             RunResult(
                 name,
                 t.nll / n,
-                math.exp(t.nll / n),
                 (t.nll - baseline.nll) / n,
                 t.kl / n,
                 t.agree / n,
@@ -346,7 +342,6 @@ def _score(
     *,
     notify: ProgressCallback,
     batch_size: int,
-    pad: int,
     device: torch.device,
     fresh: bool,
     meter: KVErrorMeter | None = None,
@@ -358,7 +353,7 @@ def _score(
     done_samples = done_tokens = 0
     num_tokens = sum(len(s) for s in sequences)
     notify(Progress(stage, 0, len(sequences), 0, num_tokens))
-    for input_ids, mask in batches(sequences, batch_size, pad):
+    for input_ids, mask in batches(sequences, batch_size):  # padding is masked: any id does
         input_ids, mask = input_ids.to(device), mask.to(device)
         scored, targets = (mask[:, 1:] & mask[:, :-1]).bool(), input_ids[:, 1:]  # real from real
         if fresh:  # Neuron's order: the decode steps only

@@ -145,8 +145,7 @@ class KVAbsmaxObserver:
         kwargs: dict[str, Any],
     ) -> None:
         """One attention call as the module makes it: Q's absmax, the objective's sample; stops after the last."""
-        layer_idx = getattr(module, "layer_idx", None)
-        check_layer(layer_idx, self.num_layers)
+        layer_idx = check_layer(getattr(module, "layer_idx", None), self.num_layers)
         # Q as the module hands it to its attention function: after RoPE (and q-norm)
         if self.queries:
             self._merge(self.q_heads, layer_idx, query)
