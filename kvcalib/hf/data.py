@@ -27,7 +27,7 @@ __all__ = [
     "load_calibration_data",
     "load_rows",
     "resolve_column",
-    "special_tokens_rule",
+    "SPECIAL_TOKENS_RULES",
     "tokenize_as_served",
 ]
 
@@ -49,7 +49,7 @@ class CalibrationData:
     special_tokens: tuple[
         int, ...
     ] = ()  # what the tokenizer added to the plain-text rows (e.g. BOS)
-    special_tokens_rule: str = ""  # how rows were tokenised (special_tokens_rule())
+    special_tokens_rule: str = ""  # how rows were tokenised (SPECIAL_TOKENS_RULES)
 
     @property
     def num_tokens(self) -> int:
@@ -225,9 +225,9 @@ def load_calibration_data(dataset: str, tokenizer: Any, opts: Any) -> Calibratio
     order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=opts.seed)[
         "row"
     ]
-    texts, chat = [rendered[i][0] for i in order], [rendered[i][1] for i in order]
+    texts, chat = zip(*(rendered[i] for i in order))
     encoded = tokenize_as_served(tokenizer, texts, chat, opts.max_seq_len, add_special_tokens)
-    sequences = tuple(tuple(ids) for ids in encoded if len(ids) > 0)
+    sequences = tuple(tuple(ids) for ids in encoded if ids)
     if not sequences:
         raise DatasetError(
             f"dataset {dataset}: all {len(texts)} selected rows of column {column!r} are empty",
@@ -249,17 +249,16 @@ def load_calibration_data(dataset: str, tokenizer: Any, opts: Any) -> Calibratio
         len(texts),
         len(texts) - len(sequences),
         added,
-        special_tokens_rule(add_special_tokens),
+        SPECIAL_TOKENS_RULES[add_special_tokens],
     )
 
 
-def special_tokens_rule(add_special_tokens: bool | None) -> str:
-    """The provenance's words for how the rows were tokenised."""
-    return {
-        None: "as served: plain text with the tokenizer's default special tokens, chat-template text with none",
-        True: "every row with the tokenizer's special tokens",
-        False: "no special tokens added",
-    }[add_special_tokens]
+# add_special_tokens -> the provenance's words for how the rows were tokenised
+SPECIAL_TOKENS_RULES = {
+    None: "as served: plain text with the tokenizer's default special tokens, chat-template text with none",
+    True: "every row with the tokenizer's special tokens",
+    False: "no special tokens added",
+}
 
 
 def tokenize_as_served(

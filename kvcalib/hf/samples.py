@@ -98,10 +98,7 @@ class AttentionSampler:
         kwargs: dict[str, Any],
         module: torch.nn.Module,
     ) -> None:
-        scaling = kwargs.get("scaling")
-        scaling = (
-            getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
-        )
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         if self._batch and layer not in self._mixes:
             self._mixes[layer] = _mix(module, key.shape[1], *query.shape[1::2])
@@ -180,14 +177,9 @@ def attention_rows(
         if (
             sample.sinks is not None
         ):  # one logit per query head that takes probability and gives no value
-            sinks = (
-                sample.sinks.float()
-                .reshape(kv_heads, groups, 1, 1)
-                .expand(-1, -1, sample.query.shape[1], 1)
-            )
-            combined = torch.cat(
-                [logits, sinks.reshape(kv_heads, -1, 1).expand(*logits.shape[:-1], 1)], dim=-1
-            )
+            sinks = sample.sinks.float().reshape(kv_heads, groups, 1)
+            sinks = sinks.repeat_interleave(sample.query.shape[1], 1).expand(*logits.shape[:-1], 1)
+            combined = torch.cat([logits, sinks], dim=-1)
             probabilities = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[
                 ..., :-1
             ]
