@@ -94,11 +94,9 @@ class KVAbsmaxObserver:
         # the attention calls are needed (Q, or the objective's samples): observing_attention
         self.sees_attention_calls = queries or sampler is not None
         # per layer: [kv_heads] float32 (K, V), [attention heads] (Q)
-        self.k_heads: list[torch.Tensor | None] = [None] * num_layers
-        self.v_heads: list[torch.Tensor | None] = [None] * num_layers
-        self.q_heads: list[torch.Tensor | None] = [None] * num_layers
-        self.observed = [0] * num_layers  # forward calls that reached each layer
-        self.q_observed = [0] * num_layers
+        self.k_heads, self.v_heads, self.q_heads = ([None] * num_layers for _ in "kvq")
+        # forward calls that reached each layer (K/V, Q)
+        self.observed, self.q_observed = [0] * num_layers, [0] * num_layers
         self.token_mask: torch.Tensor | None = None
 
     def _merge(
