@@ -164,8 +164,10 @@ class _Bf16ViaFloat32(TorchFunctionMode):
             return _linear(*args, **kwargs, weights=self.weights)
         if func is _F.scaled_dot_product_attention and _any_bf16(args[:3]):
             return _sdpa(*args, **kwargs)
-        if func in _GROUPED_MM and _any_bf16(args[:2]) and _experts_layout(*args, **kwargs):
-            return _grouped_mm(*args, **kwargs)
+        if func in _GROUPED_MM and _any_bf16(args[:2]):
+            out = _grouped_mm(*args, **kwargs)
+            if out is not None:
+                return out
         if func in _UPCAST_OPS and _any_bf16(args):
             out = func(*(_up(a) for a in args), **{k: _up(v) for k, v in kwargs.items()})
             return (
@@ -182,22 +184,22 @@ _GROUPED_MM = frozenset(
 )
 
 
-def _experts_layout(
-    mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None
-) -> bool:
-    """grouped_mm as MoE experts call it (transformers.integrations.moe); anything else runs as it is."""
-    return (
-        offs is not None
-        and bias is None
-        and out_dtype in (None, torch.bfloat16)
-        and (mat_a.dim(), mat_b.dim()) == (2, 3)
-    )
-
-
 def _grouped_mm(
-    mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *_: Any, **__: Any
-) -> torch.Tensor:
-    """Each expert's rows times its own weight, upcast alone, in float32, rounded to bf16 once."""
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: Any = None,
+    bias: Any = None,
+    out_dtype: Any = None,
+) -> torch.Tensor | None:
+    """Each expert's rows times its own weight, upcast alone, in float32, rounded to bf16 once; None where grouped_mm
+    is not called as MoE experts call it (transformers.integrations.moe): that runs as it is."""
+    if (
+        offs is None
+        or bias is not None
+        or out_dtype not in (None, torch.bfloat16)
+        or (mat_a.dim(), mat_b.dim()) != (2, 3)
+    ):
+        return None
     out, start = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]), dtype=torch.bfloat16), 0
     for expert, end in enumerate(offs.tolist()):
         if end > start:
