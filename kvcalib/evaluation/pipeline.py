@@ -427,7 +427,7 @@ def scale_set(
         )
     heads = head_counts(config)
     scales = read_scale_set(source, layers, heads["k"], heads["q"])
-    if scales.per_head and target.neuron:
+    if target.neuron and is_per_head(scales.k, scales.v):
         raise UsageError(
             f"{source}: per-head KV scales, which {target.name} cannot serve: {NEURON_PER_HEAD_REASON}",
             hint="evaluate per-head scales with --target gpu; calibrate per tensor for Neuron",

@@ -11,7 +11,7 @@ import torch
 from kvcalib.core.checkpoint import read_scale_values, scan_checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import neuron_scale_key
-from kvcalib.evaluation.emulate import Scale, is_per_head
+from kvcalib.evaluation.emulate import Scale
 
 __all__ = ["ScaleSet", "read_scale_set"]
 
@@ -23,10 +23,6 @@ class ScaleSet:
     k: list[Scale]
     v: list[Scale]
     q: list[Scale] | None  # None: the checkpoint has no q_scale
-
-    @property
-    def per_head(self) -> bool:
-        return is_per_head(self.k, self.v)
 
 
 def read_scale_set(
@@ -43,7 +39,7 @@ def read_scale_set(
             values = read_scale_values(ckpt_dir, files, key, required=kind != "q")
             if values is None:  # no q_scale: a KV-only checkpoint
                 break
-            if len(values) != 1 and len(values) != heads:
+            if len(values) not in (1, heads):
                 raise UsageError(
                     f"{ckpt_dir}: {key} has {len(values)} values; the model has {heads} heads",
                     hint=f"run `kvcalib validate {ckpt_dir} --target gpu`",

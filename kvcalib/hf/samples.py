@@ -143,14 +143,10 @@ def _bias(
 ) -> torch.Tensor:
     """The additive mask of the sampled rows over the sequence's keys (causal where the model passed none)."""
     if attention_mask is None:  # SDPA's is_causal path: no padding, no window
-        keys = torch.arange(length)
-        allowed = keys[None, :] <= index.cpu()[:, None]
-        return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    rows = (
-        attention_mask[row if attention_mask.shape[0] > 1 else 0, 0]
-        .index_select(0, index)[:, :length]
-        .cpu()
-    )
+        rows = torch.arange(length)[None, :] <= index.cpu()[:, None]
+    else:
+        rows = attention_mask[row if attention_mask.shape[0] > 1 else 0, 0]
+        rows = rows.index_select(0, index)[:, :length].cpu()
     if rows.dtype == torch.bool:
         return torch.zeros(rows.shape).masked_fill(~rows, float("-inf"))
     additive = rows.float()  # eager's masks: 0 where allowed, the dtype's min where masked
