@@ -194,8 +194,7 @@ def evaluate(
     fresh = order == fp8.NEURON_ORDER
 
     notify(Progress("load-data"))
-    tokenizer = job.tokenizer()
-    data = load_calibration_data(dataset, tokenizer, opts)
+    data = load_calibration_data(dataset, job.tokenizer(), opts)
     if sum(len(s) // 2 - 1 if fresh else len(s) - 1 for s in data.sequences) < 1:
         raise UsageError(
             f"the evaluation samples are all {'under 4 tokens' if fresh else 'one token'} long: "
@@ -203,13 +202,14 @@ def evaluate(
             hint="pass longer texts or a larger --max-seq-len"
             + (", or --order gpu" if fresh else ""),
         )
-    model = job.model(notify)
     sampler = AttentionSampler(
         job.quantizers[CHECKPOINT].num_layers,
         sample_sequences(data.sequences, opts.batch_size),
     )
     meter = KVErrorMeter(job.quantizers, job.run.device, sampler)
-    forward = functools.partial(log_probs, model, compute=job.compute, weights=Float32Weights())
+    forward = functools.partial(
+        log_probs, job.model(notify), compute=job.compute, weights=Float32Weights()
+    )
     score = functools.partial(
         _score,
         forward,
