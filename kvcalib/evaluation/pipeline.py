@@ -220,7 +220,24 @@ def evaluate(
     )
     baseline, totals = score(data.sequences, job.quantizers, meter=meter)
     rows, tokens = data.sequences[: opts.layer_rows], [len(r) for r in baseline.token_nll]
-    alone = _layers_alone(score, rows, job.quantizers)
+    # per layer, (ΔNLL, KL) with only that layer's K/V quantised, on `rows` (no FP8 attention run). A per-layer error
+    # figure (SQNR, attention error) says how far the values move, not what that costs the prediction (a
+    # near-constant K channel can make SQNR rank scales backwards); KL is the steadier on few tokens. Layers
+    # interact, so these need not add up.
+    plain = {name: q for name, q in job.quantizers.items() if not q.fp8_attention}
+    layers, alone = range(meter.num_layers), {}
+    if rows:
+        hooks = {
+            (name, i): KVQuantizer(q.k_scales, q.v_scales, q.target, only=i)
+            for name, q in plain.items()
+            for i in layers
+        }
+        base, each = score(rows, hooks, stage="layers-alone")
+        n = max(base.count, 1)
+        alone = {
+            name: [((each[name, i].nll - base.nll) / n, each[name, i].kl / n) for i in layers]
+            for name in plain
+        }
     runs = []
     for name, t in totals.items():
         n, quantizer = t.count, job.quantizers[name]
@@ -371,32 +388,6 @@ def _score(
         done_tokens += int(mask.sum())
         notify(Progress(stage, done_samples, len(sequences), done_tokens, num_tokens))
     return baseline, totals
-
-
-def _layers_alone(
-    score: Callable[..., tuple[_Totals, dict[Any, _Totals]]],
-    rows: list[list[int]],
-    quantizers: dict[str, KVQuantizer],
-) -> dict[str, list[tuple[float, float]]]:
-    """name -> per layer, (ΔNLL, KL) with only that layer's K/V quantised, on `rows`; no FP8 attention run; no
-    rows: {}. A per-layer error figure (SQNR, attention error) says how far the values move, not what that costs the
-    prediction (a near-constant K channel can make SQNR rank scales backwards); KL is the steadier on few tokens.
-    Layers interact, so these need not add up."""
-    if not rows:
-        return {}
-    layers = range(quantizers[CHECKPOINT].num_layers)
-    plain = {name: q for name, q in quantizers.items() if not q.fp8_attention}
-    hooks = {
-        (name, i): KVQuantizer(q.k_scales, q.v_scales, q.target, only=i)
-        for name, q in plain.items()
-        for i in layers
-    }
-    base, totals = score(rows, hooks, stage="layers-alone")
-    n = max(base.count, 1)
-    return {
-        name: [((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n) for i in layers]
-        for name in plain
-    }
 
 
 def _config_num_layers(config: dict[str, Any], where: Path) -> int:

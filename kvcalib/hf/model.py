@@ -97,7 +97,7 @@ def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
         groups = qcfg.get("config_groups")
         # MXFP4 experts are calibrated as they are (core.mxfp4: only --target gpu is refused, by calibrate);
         # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
-        released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
+        released_mxfp4 = "mxfp4" in method and mxfp4.weights(checkpoint.files.key_files)
         if not released_mxfp4 and (
             method != "compressed-tensors"
             or (groups and len(fp8_attention_groups(groups)) != len(groups))
