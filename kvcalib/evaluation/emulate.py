@@ -84,25 +84,24 @@ def is_per_head(*per_layer: list[Scale]) -> bool:
     return any(isinstance(s, torch.Tensor) for scales in per_layer for s in scales)
 
 
+@dataclass(eq=False)
 class KVQuantizer:
     """An attention hook: K/V as their FP8 round trip on the target; with `fp8_attention` Q too (module docstring)."""
 
-    def __init__(
-        self,
-        k_scales: list[Scale],
-        v_scales: list[Scale],
-        target: fp8.Target,
-        q_scales: list[Scale] | None = None,
-        fp8_attention: bool = False,
-        only: int | None = None,
-    ) -> None:
-        self.num_layers, self.only = (
-            len(k_scales),
-            only,
-        )  # only: this layer's K/V quantised (eval's layers alone)
-        self.k_scales, self.v_scales, self.q_scales = k_scales, v_scales, q_scales
-        self.target, self.fp8_attention = target, fp8_attention
-        self.sees_attention_calls = fp8_attention  # kvcalib.hf.attention.observing_attention
+    k_scales: list[Scale]
+    v_scales: list[Scale]
+    target: fp8.Target
+    q_scales: list[Scale] | None = None
+    fp8_attention: bool = False
+    only: int | None = None  # this layer's K/V quantised only (eval's layers alone)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_scales)
+
+    @property
+    def sees_attention_calls(self) -> bool:  # kvcalib.hf.attention.observing_attention
+        return self.fp8_attention
 
     def _quantize(self, x: torch.Tensor, scale: Scale) -> torch.Tensor:
         if isinstance(scale, torch.Tensor):

@@ -227,11 +227,7 @@ def evaluate(
     plain = {name: q for name, q in job.quantizers.items() if not q.fp8_attention}
     layers, alone = range(meter.num_layers), {}
     if rows:
-        hooks = {
-            (name, i): KVQuantizer(q.k_scales, q.v_scales, q.target, only=i)
-            for name, q in plain.items()
-            for i in layers
-        }
+        hooks = {(name, i): replace(q, only=i) for name, q in plain.items() for i in layers}
         base, each = score(rows, hooks, stage="layers-alone")
         n = max(base.count, 1)
         alone = {
