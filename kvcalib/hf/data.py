@@ -90,7 +90,7 @@ def load_rows(dataset: str, split: str):
             return _load_files(found, split)
         if os.path.lexists(path):
             return _load_files([path], split)
-        if dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS:
+        if dataset.startswith((".", "/", "~")) or path.suffix.lower() in BUILDERS:
             raise DatasetError(f"dataset not found: {dataset}", hint="check the path")
         return datasets.load_dataset(dataset, split=split)
     except DatasetError:
