@@ -179,7 +179,7 @@ def run_length(
     meter = KVErrorMeter(job.quantizers, job.run.device)
     hooks = {None: meter, **(job.quantizers if nll else {})}
     # per hook (None: the baseline), each sample's NLL in BLOCKs of the scored positions
-    blocks: dict[Any, list[torch.Tensor]] = {name: [] for name in hooks}
+    blocks = {name: [] for name in hooks}
     for i, sample in enumerate(samples):
         notify(Progress(f"context {length}", i, n, i * length, n * length))
         ids = torch.tensor([sample], device=job.run.device)

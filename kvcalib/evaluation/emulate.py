@@ -13,6 +13,7 @@ position's K/V come from its own row's path, so this is prefill + token-by-token
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,9 +108,8 @@ class KVQuantizer:
         if isinstance(scale, torch.Tensor):
             scale = scale.to(x.device)
         out = fp8.fake_quantize(x, scale, self.target)
-        return (
-            out.float() if self.fp8_attention else out
-        )  # FP8 attention: the FP8 values, exactly, in float32
+        # FP8 attention: the FP8 values, exactly, in float32
+        return out.float() if self.fp8_attention else out
 
     def observe(
         self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
@@ -175,12 +175,10 @@ class FreshPrefill:
         quantised = self.hook.observe(getattr(module, "layer_idx", None), key, value)
         if quantised is None:
             return fresh, weights
-        if self.hook.fp8_attention:
-            read = self.hook.attend(function, module, query, *quantised, *args, **kwargs)[0]
-        else:
-            read = function(module, query, *quantised, *args, **kwargs)[
-                0
-            ]  # [B, S, heads, head_dim]
+        attend = (
+            functools.partial(self.hook.attend, function) if self.hook.fp8_attention else function
+        )
+        read = attend(module, query, *quantised, *args, **kwargs)[0]  # [B, S, heads, head_dim]
         return torch.where(self.decode[:, :, None, None], read.to(fresh.dtype), fresh), weights
 
 
@@ -191,12 +189,12 @@ class KVErrorMeter:
     def __init__(
         self,
         configs: dict[str, KVQuantizer],
-        device: torch.device | str = "cpu",
+        device: torch.device,
         sampler: AttentionSampler | None = None,
     ) -> None:
         self.configs = configs
         self.num_layers = next(iter(configs.values())).num_layers
-        self.token_mask: torch.Tensor | None = None
+        self.token_mask = None
         self.fp8_attention = any(q.fp8_attention for q in configs.values())
         self.sampler = (
             sampler  # attention samples: each configuration's attention-output error per layer

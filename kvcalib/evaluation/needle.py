@@ -222,7 +222,7 @@ def summarise(trials: list[Trial], names: list[str]) -> tuple[NeedleRow, ...]:
                 (
                     d,
                     sum(t.found(name) for t in mine if t.depth == d),
-                    [t.depth for t in mine].count(d),
+                    sum(t.depth == d for t in mine),
                 )
                 for d in DEPTHS
             )

@@ -281,7 +281,7 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
     base = name.removesuffix(FP8_ATTN)
     source = root if base == CHECKPOINT else None if base == UNIT else Path(base)
     provenance = source and read_provenance(scan_checkpoint(source, tolerant=True))
-    chosen: dict[Any, dict[str, ScaleChoice]] = {}
+    chosen = {}
     for entry in (provenance or {}).get("layers") or ():
         try:  # a provenance kvcalib did not write, or an older one: the layer shows no choice
             chosen[entry["layer"]] = {
@@ -328,7 +328,7 @@ def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> Prepared:
     opts.check_arguments()
     target = resolve_target(opts.target)
     job = Prepared.open(checkpoint, opts)
-    configs: dict[str, ScaleSet] = {}
+    configs = {}
     for entry in (CHECKPOINT, *opts.compare):  # the checkpoint's own scales, then each --compare
         if entry in configs:
             raise UsageError(f"--compare {entry} given twice", hint="name each comparison once")

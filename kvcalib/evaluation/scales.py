@@ -32,7 +32,7 @@ def read_scale_set(
     as GPU vLLM's loader does (max over each KV head's query group: FlashAttention takes one q scale per KV head),
     then spread back over the query heads."""
     files = scan_checkpoint(ckpt_dir)
-    found: dict[str, list[Scale]] = {"k": [], "v": [], "q": []}
+    found = {"k": [], "v": [], "q": []}
     for kind, heads in (("k", kv_heads), ("v", kv_heads), ("q", q_heads)):
         for layer in range(num_layers):
             key = neuron_scale_key(layer, kind)

@@ -97,7 +97,7 @@ class KVAbsmaxObserver:
         self.k_heads, self.v_heads, self.q_heads = ([None] * num_layers for _ in "kvq")
         # forward calls that reached each layer (K/V, Q)
         self.observed, self.q_observed = [0] * num_layers, [0] * num_layers
-        self.token_mask: torch.Tensor | None = None
+        self.token_mask = None
 
     def _merge(
         self, store: list[torch.Tensor | None], layer_idx: int, states: torch.Tensor
@@ -155,7 +155,7 @@ class KVAbsmaxObserver:
 
 
 # transformers' attention functions for a model switched to kvcalib's: (observer, the model's own implementation)
-_OBSERVING: ContextVar[tuple[Any, str]] = ContextVar("kvcalib_observing")
+_OBSERVING = ContextVar("kvcalib_observing")
 
 
 def _observed_attention(
@@ -212,7 +212,7 @@ def observing_attention(model: Any, observer: Any) -> Iterator[None]:
 
 def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:
     """layer -> path of the `...Attention` module with that `layer_idx`; every layer must have one."""
-    found: dict[int, str] = {}
+    found = {}
     for name, module in model.named_modules():
         layer_idx = getattr(module, "layer_idx", None)
         if isinstance(layer_idx, int) and type(module).__name__.endswith("Attention"):

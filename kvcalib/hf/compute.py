@@ -33,7 +33,7 @@ class Float32Weights:
     def __init__(self, budget: int = FLOAT32_WEIGHTS_BUDGET) -> None:
         self.budget, self.used = budget, 0
         # id -> (the parameter, its copy)
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copies = {}
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The float32 copy of `weight` (a bf16 nn.Parameter), made now if the budget allows; else None."""

@@ -34,7 +34,6 @@ __all__ = [
     "build_skeleton",
     "effective_dtype",
     "load_model",
-    "load_model_config",
     "load_tokenizer",
     "num_layers",
     "pad_id",
@@ -113,7 +112,7 @@ def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
             hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
         )
     # every shard the index names exists (transformers would stop on the first one missing, with a traceback)
-    missing: dict[str, list[str]] = {}
+    missing = {}
     for key, name in (checkpoint.files.weight_map or {}).items():
         if not isinstance(name, str) or name not in checkpoint.files.headers:
             missing.setdefault(str(name), []).append(key)

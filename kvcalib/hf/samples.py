@@ -38,9 +38,8 @@ class AttentionSample:
     query: torch.Tensor  # [heads, rows, head_dim]: the sampled query rows
     key: torch.Tensor  # [kv_heads, length, head_dim]
     value: torch.Tensor  # [kv_heads, length, head_dim]
-    bias: (
-        torch.Tensor
-    )  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive)
+    # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive)
+    bias: torch.Tensor
     held_out: torch.Tensor  # [rows] bool: scored for the report, never for the choice
     scaling: float
     softcap: float | None = None
@@ -54,7 +53,7 @@ def sample_sequences(
     budget: int = SAMPLE_TOKENS,
 ) -> frozenset[tuple[int, ...]]:
     """The sequences the objective scores: whole batches of the run's own batching, in order, to `budget` tokens."""
-    chosen: set[tuple[int, ...]] = set()
+    chosen = set()
     tokens = 0
     for chunk in batched(sequences, batch_size):
         if chosen and tokens >= budget:
@@ -71,18 +70,15 @@ class AttentionSampler:
         self, num_layers: int, sequences: Iterable[tuple[int, ...]], rows: int = ROWS_PER_SEQUENCE
     ):
         self.sequences, self.rows = frozenset(sequences), rows
-        self.samples: list[list[AttentionSample]] = [[] for _ in range(num_layers)]
-        self._batch: list[
-            tuple[int, int]
-        ] = []  # (row in the batch, length) of the current batch's chosen rows
-        self._mixes: dict[int, torch.Tensor | None] = {}  # per layer, its o_proj's R_hᵀ
+        self.samples = [[] for _ in range(num_layers)]
+        self._batch = []  # (row in the batch, length) of the current batch's chosen rows
+        self._mixes = {}  # per layer, its o_proj's R_hᵀ
 
     def start_batch(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
-        lengths = mask.sum(dim=1).tolist()
-        self._batch = [
-            (r, int(n))
-            for r, n in enumerate(lengths)
-            if tuple(input_ids[r, : int(n)].tolist()) in self.sequences
+        self._batch = [  # sums of an integer mask: ints
+            (r, n)
+            for r, n in enumerate(mask.sum(dim=1).tolist())
+            if tuple(input_ids[r, :n].tolist()) in self.sequences
         ]
 
     def end_batch(self) -> None:
