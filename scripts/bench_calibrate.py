@@ -114,12 +114,12 @@ def child_sequences(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
     # internal: the baselines read the very token sequences calibrate reads
+    from kvcalib.calibration.options import CalibrateOptions
     from kvcalib.hf.data import load_calibration_data
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data = load_calibration_data(
-        args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len
-    )
+    opts = CalibrateOptions(num_samples=args.num_samples, max_seq_len=args.max_seq_len)
+    data = load_calibration_data(args.dataset, tokenizer, opts)
     return tokenizer, data
 
 

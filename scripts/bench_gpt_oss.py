@@ -275,15 +275,15 @@ def child_forward(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
     # internal: the bare forward loads, batches and computes as calibrate does, so only the observing differs
+    from kvcalib.calibration.options import CalibrateOptions
     from kvcalib.core.cpu import HostCpu, choose_compute
     from kvcalib.hf.compute import compute_path
     from kvcalib.hf.data import batches, load_calibration_data
     from kvcalib.hf.mxfp4 import expert_chunks
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    data = load_calibration_data(
-        args.dataset, tokenizer, num_samples=args.num_samples, max_seq_len=args.max_seq_len
-    )
+    opts = CalibrateOptions(num_samples=args.num_samples, max_seq_len=args.max_seq_len)
+    data = load_calibration_data(args.dataset, tokenizer, opts)
     started = time.perf_counter()
     with (
         expert_chunks()

@@ -178,11 +178,11 @@ def balance_bound(
     sys.path.insert(0, str(REPO))
     # internal: how calibrate splits the batches between ranks, which no public function returns
     from kvcalib.calibration.distributed import batch_shares
+    from kvcalib.calibration.options import CalibrateOptions
     from kvcalib.hf.data import load_calibration_data
 
-    seqs = load_calibration_data(
-        str(data), AutoTokenizer.from_pretrained(model), num_samples=samples, max_seq_len=seq_len
-    ).sequences
+    opts = CalibrateOptions(num_samples=samples, max_seq_len=seq_len)
+    seqs = load_calibration_data(str(data), AutoTokenizer.from_pretrained(model), opts).sequences
     shares = batch_shares(seqs, batch_size, 2)
 
     def padded(share: tuple[tuple[int, ...], ...]) -> int:

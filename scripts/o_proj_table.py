@@ -89,14 +89,7 @@ def main() -> None:
     )
     result = evaluate(new_ck, args.held_out_data, opts)
     mine, theirs = result.runs
-    data = load_calibration_data(
-        args.held_out_data,
-        load_tokenizer(Path(args.model), False),
-        num_samples=held_rows,
-        max_seq_len=held_length,
-        seed=opts.seed,
-        add_special_tokens=opts.add_special_tokens,
-    )
+    data = load_calibration_data(args.held_out_data, load_tokenizer(Path(args.model), False), opts)
     fresh = result.order == fp8.NEURON_ORDER
     tokens = [len(s) // 2 - 1 if fresh else len(s) - 1 for s in data.sequences]
     diffs = [float(d.sum()) for d in (mine.token_nll - theirs.token_nll).split(tokens)]

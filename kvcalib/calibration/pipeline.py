@@ -176,16 +176,7 @@ def read_data(plan: RunPlan, dataset: str) -> tuple[CalibrationData, int]:
     """The calibration samples, tokenised as the run tokenises them, and the padding id."""
     opts = plan.options
     tokenizer = load_tokenizer(plan.checkpoint.root, opts.trust_remote_code)
-    data = load_calibration_data(
-        dataset,
-        tokenizer,
-        split=opts.split,
-        text_column=opts.text_column,
-        num_samples=opts.num_samples,
-        max_seq_len=opts.max_seq_len,
-        seed=opts.seed,
-        add_special_tokens=opts.add_special_tokens,
-    )
+    data = load_calibration_data(dataset, tokenizer, opts)
     return data, pad_id(tokenizer)
 
 
@@ -199,7 +190,7 @@ def engine_inputs(
     """What the engine gets for `data`: the scale objective's sequences among them, the memory limit it sizes by."""
     opts = plan.options
     sampled = (
-        sample_sequences(data.sequences, opts.batch_size, pad)
+        sample_sequences(data.sequences, opts.batch_size)
         if opts.scale_objective != ABSMAX
         else frozenset()
     )

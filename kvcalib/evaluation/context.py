@@ -179,29 +179,31 @@ def run_length(
     meter = KVErrorMeter(job.quantizers, job.run.device)
     hooks = {None: meter, **(job.quantizers if nll else {})}
     # per hook (None: the baseline), each sample's NLL in BLOCKs of the scored positions
-    blocks: dict[Any, list[torch.Tensor]] = {name: [] for name in hooks}
+    blocks = {name: [] for name in hooks}
     for i, sample in enumerate(samples):
         notify(Progress(f"context {length}", i, n, i * length, n * length))
         ids = torch.tensor([sample], device=job.run.device)
         for name, hook in hooks.items():
             blocks[name] += forward(ids, hook).double().split(BLOCK)
     base, tokens = [float(b.sum()) for b in blocks[None]], [b.numel() for b in blocks[None]]
-    rows = []
-    for name in job.quantizers:
-        deltas = [float(r.sum()) - b for r, b in zip(blocks.get(name, ()), base)]
-        rows.append(
-            ContextRow(
-                length,
-                name,
-                n,
-                sum(tokens),
-                sum(base) / sum(tokens),
-                sum(deltas) / sum(tokens) if nll else None,
-                paired_bootstrap(deltas, tokens),  # None without nll: no deltas
-                tuple(meter.layer_stats(name)),
-            )
+    total = sum(tokens)
+    deltas = {
+        name: [float(r.sum()) - b for r, b in zip(blocks.get(name, ()), base)]
+        for name in job.quantizers
+    }
+    return tuple(
+        ContextRow(
+            length,
+            name,
+            n,
+            total,
+            sum(base) / total,
+            sum(d) / total if nll else None,
+            paired_bootstrap(d, tokens),  # None without nll: no deltas
+            tuple(meter.layer_stats(name)),
         )
-    return tuple(rows)
+        for name, d in deltas.items()
+    )
 
 
 def prepare_long_context(

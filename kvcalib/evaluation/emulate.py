@@ -13,13 +13,15 @@ position's K/V come from its own row's path, so this is prefill + token-by-token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvcalib.core import fp8
 from kvcalib.core.choice import ScaleChoice
+from kvcalib.hf.attention import check_layer
 from kvcalib.hf.samples import AttentionSampler, attention_error
 
 __all__ = [
@@ -83,43 +85,39 @@ def is_per_head(*per_layer: list[Scale]) -> bool:
     return any(isinstance(s, torch.Tensor) for scales in per_layer for s in scales)
 
 
-def _layer(layer_idx: Any, num_layers: int) -> int:
-    if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
-        raise RuntimeError(
-            f"attention layer {layer_idx!r} is outside the model's {num_layers} layers"
-        )
-    return layer_idx
-
-
+@dataclass(eq=False)
 class KVQuantizer:
     """An attention hook: K/V as their FP8 round trip on the target; with `fp8_attention` Q too (module docstring)."""
 
-    def __init__(
-        self,
-        k_scales: list[Scale],
-        v_scales: list[Scale],
-        target: fp8.Target,
-        q_scales: list[Scale] | None = None,
-        fp8_attention: bool = False,
-    ) -> None:
-        self.num_layers = len(k_scales)
-        self.k_scales, self.v_scales, self.q_scales = k_scales, v_scales, q_scales
-        self.target, self.fp8_attention = target, fp8_attention
-        self.sees_attention_calls = fp8_attention  # kvcalib.hf.attention.observing_attention
+    k_scales: list[Scale]
+    v_scales: list[Scale]
+    target: fp8.Target
+    q_scales: list[Scale] | None = None
+    fp8_attention: bool = False
+    only: int | None = None  # this layer's K/V quantised only (eval's layers alone)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_scales)
+
+    @property
+    def sees_attention_calls(self) -> bool:  # kvcalib.hf.attention.observing_attention
+        return self.fp8_attention
 
     def _quantize(self, x: torch.Tensor, scale: Scale) -> torch.Tensor:
         if isinstance(scale, torch.Tensor):
             scale = scale.to(x.device)
         out = fp8.fake_quantize(x, scale, self.target)
-        return (
-            out.float() if self.fp8_attention else out
-        )  # FP8 attention: the FP8 values, exactly, in float32
+        # FP8 attention: the FP8 values, exactly, in float32
+        return out.float() if self.fp8_attention else out
 
     def observe(
         self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        i = _layer(layer_idx, self.num_layers)
-        return self._quantize(key, self.k_scales[i]), self._quantize(value, self.v_scales[i])
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        i = check_layer(layer_idx, self.num_layers)
+        if self.only in (None, i):
+            return self._quantize(key, self.k_scales[i]), self._quantize(value, self.v_scales[i])
+        return None
 
     def attend(
         self,
@@ -132,7 +130,7 @@ class KVQuantizer:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        i = _layer(getattr(module, "layer_idx", None), self.num_layers)
+        i = check_layer(getattr(module, "layer_idx", None), self.num_layers)
         q = self._quantize(query, self.q_scales[i])
         mask = (
             attention_mask.float()
@@ -152,7 +150,7 @@ def decode_rows(mask: torch.Tensor) -> torch.Tensor:
 
 
 class FreshPrefill:
-    """An attention hook: `hook` (a KVQuantizer, or any whose `observe` returns quantised K/V or None) read by the
+    """An attention hook: `hook` (a KVQuantizer, whose `observe` returns quantised K/V or None) read by the
     decode rows (decode_rows(mask) of the batch's [B, S] mask) only; the others attend to the fresh K/V."""
 
     sees_attention_calls = True  # `attend` takes every attention call (kvcalib.hf.attention)
@@ -177,12 +175,10 @@ class FreshPrefill:
         quantised = self.hook.observe(getattr(module, "layer_idx", None), key, value)
         if quantised is None:
             return fresh, weights
-        if getattr(self.hook, "fp8_attention", False):
-            read = self.hook.attend(function, module, query, *quantised, *args, **kwargs)[0]
-        else:
-            read = function(module, query, *quantised, *args, **kwargs)[
-                0
-            ]  # [B, S, heads, head_dim]
+        attend = (
+            functools.partial(self.hook.attend, function) if self.hook.fp8_attention else function
+        )
+        read = attend(module, query, *quantised, *args, **kwargs)[0]  # [B, S, heads, head_dim]
         return torch.where(self.decode[:, :, None, None], read.to(fresh.dtype), fresh), weights
 
 
@@ -193,12 +189,12 @@ class KVErrorMeter:
     def __init__(
         self,
         configs: dict[str, KVQuantizer],
-        device: torch.device | str = "cpu",
+        device: torch.device,
         sampler: AttentionSampler | None = None,
     ) -> None:
         self.configs = configs
         self.num_layers = next(iter(configs.values())).num_layers
-        self.token_mask: torch.Tensor | None = None
+        self.token_mask = None
         self.fp8_attention = any(q.fp8_attention for q in configs.values())
         self.sampler = (
             sampler  # attention samples: each configuration's attention-output error per layer
@@ -211,9 +207,9 @@ class KVErrorMeter:
         self._absmax = torch.zeros(self.num_layers, 3, dtype=torch.float64, device=device)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        i = _layer(layer_idx, self.num_layers)
-        self._measure(i, 0, key, lambda q: q.k_scales)
-        self._measure(i, 1, value, lambda q: q.v_scales)
+        i = check_layer(layer_idx, self.num_layers)
+        self._measure(i, 0, key)
+        self._measure(i, 1, value)
 
     def observe_call(
         self,
@@ -225,15 +221,15 @@ class KVErrorMeter:
         kwargs: dict[str, Any],
     ) -> None:
         """One unquantised attention call: Q's error under FP8 attention, and the attention samples."""
-        i = _layer(getattr(module, "layer_idx", None), self.num_layers)
+        i = check_layer(getattr(module, "layer_idx", None), self.num_layers)
         if self.fp8_attention:
-            self._measure(i, 2, query, lambda q: q.fp8_attention and q.q_scales)
+            self._measure(i, 2, query)
         if self.sampler is not None:
             self.sampler.record(i, query, key, value, attention_mask, kwargs, module)
 
-    def _measure(self, layer: int, kind: int, x: torch.Tensor, scales_of: Any) -> None:
-        """Sums for `x`, K/V/Q (`kind` 0/1/2) of `layer`, under each configuration whose scales_of(quantizer) are
-        its per-layer scales (falsy: not measured)."""
+    def _measure(self, layer: int, kind: int, x: torch.Tensor) -> None:
+        """Sums for `x`, K/V/Q (`kind` 0/1/2) of `layer`, under each configuration that has its scales (Q: the FP8
+        attention runs only)."""
         xf = x.float().transpose(1, 2)  # [B, S, H, D]
         if self.token_mask is not None:
             xf = xf[self.token_mask]  # [real tokens, H, D]
@@ -244,7 +240,7 @@ class KVErrorMeter:
         )
         signal = xf.double().pow(2).sum()
         for c, q in enumerate(self.configs.values()):
-            if not (scales := scales_of(q)):
+            if not (scales := (q.k_scales, q.v_scales, q.q_scales)[kind]):
                 continue
             scale, target = scales[layer], q.target
             if isinstance(scale, torch.Tensor):  # [1, H, 1, 1] -> [1, H, 1] for [..., H, D]
@@ -259,20 +255,23 @@ class KVErrorMeter:
         self, name: str, alone: list[tuple[float, float]] | None = None
     ) -> list[LayerQuantStats]:
         """Per layer, configuration `name`'s figures; `alone`: each layer's (ΔNLL, KL) quantised alone, if measured."""
-        c = list(self.configs).index(name)
-        quantizer = self.configs[name]
-        sums, absmax = self._sums[c].cpu(), self._absmax.cpu()
+        quantizer, sums = self.configs[name], self._sums[list(self.configs).index(name)].cpu()
+        absmax = self._absmax.cpu()
         stats = []
         for i in range(self.num_layers):
             k, v, q = (
-                KindQuantStats(fp8.sqnr_db(signal, noise), clipped / max(count, 1.0))
-                for signal, noise, clipped, count in sums[i].tolist()
-            )
-            k, v = (
-                replace(
-                    x, absmax=absmax[i, j].item(), clip_at=_clip_at(scales[i], quantizer.target)
+                KindQuantStats(fp8.sqnr_db(signal, noise), clipped / max(count, 1.0), *extra)
+                for (signal, noise, clipped, count), extra in zip(
+                    sums[i].tolist(),
+                    [
+                        *(
+                            (absmax[i, j].item(), _clip_at(scales[i], quantizer.target))
+                            for j, scales in enumerate((quantizer.k_scales, quantizer.v_scales))
+                        ),
+                        (),  # Q: no absmax, no clip level
+                    ],
+                    strict=True,
                 )
-                for j, (x, scales) in enumerate(((k, quantizer.k_scales), (v, quantizer.v_scales)))
             )
             stats.append(
                 LayerQuantStats(

@@ -60,6 +60,8 @@ def load(checkpoint: str | Path, options: ModelOptions) -> LoadedModel:
 class KvcalibLM(HFLM):
     """lm-eval's HFLM whose KV cache is stored in FP8 as `target` stores it (see the module docstring)."""
 
+    _continuation = 0  # while lm-eval scores continuations: the longest one (_logits_to_keep)
+
     def __init__(
         self,
         pretrained: str | LoadedModel,
@@ -104,7 +106,7 @@ class KvcalibLM(HFLM):
         """How many last positions of `inps` lm-eval reads logits at (0: all): the longest continuation plus a row's
         most right padding (trailing zeros, lm-eval's padding). HFLM slices continuations from the end of the
         logits, so this scores the same, with the LM head over a few positions (Gemma 3: most of a forward)."""
-        if not getattr(self, "_continuation", 0):
+        if not self._continuation:
             return 0
         padding = (inps != 0).flip(1).cumsum(1).eq(0).sum(1)  # each row's trailing zeros
         keep = self._continuation + int(padding.max())

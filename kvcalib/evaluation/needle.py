@@ -196,21 +196,17 @@ def answer(
     model: Any, ids: list[int], quantizers: dict[str, Any], reads_fp8: bool
 ) -> dict[str, list[int]]:
     """Each run's greedy answer to one prompt: the baseline, then every scale set (order: module docstring)."""
-    config = model.config
-    if reads_fp8:  # each run's prefill writes its own cache and attends from it
-        return {
-            name: _greedy(
-                model, c := ObservedCache(config, q and q.observe), _forward(model, ids, c)
-            )
-            for name, q in {BASELINE: None, **quantizers}.items()
-        }
-    children = {name: ObservedCache(config, q.observe) for name, q in quantizers.items()}
-    fan = ObservedCache(config, fan_out(list(children.values())))
-    logits = _forward(model, ids, fan)
-    fan.observe = None  # decoding writes each run's own cache only
+    runs = {BASELINE: None, **quantizers}
+    caches = {name: ObservedCache(model.config, q and q.observe) for name, q in runs.items()}
+    if not reads_fp8:  # one prefill on fresh K/V, written to every run's cache
+        base = caches[BASELINE]
+        base.observe = fan_out(list(caches.values())[1:])
+        logits = _forward(model, ids, base)
+        base.observe = None  # decoding writes each run's own cache only
+    # else each run's prefill writes its own cache and attends from it
     return {
-        BASELINE: _greedy(model, fan, logits),
-        **{name: _greedy(model, cache, logits) for name, cache in children.items()},
+        name: _greedy(model, cache, _forward(model, ids, cache) if reads_fp8 else logits)
+        for name, cache in caches.items()
     }
 
 
@@ -226,7 +222,7 @@ def summarise(trials: list[Trial], names: list[str]) -> tuple[NeedleRow, ...]:
                 (
                     d,
                     sum(t.found(name) for t in mine if t.depth == d),
-                    [t.depth for t in mine].count(d),
+                    sum(t.depth == d for t in mine),
                 )
                 for d in DEPTHS
             )

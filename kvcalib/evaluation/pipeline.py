@@ -34,7 +34,6 @@ from kvcalib.evaluation.emulate import (
     decode_rows,
     is_per_head,
 )
-from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.options import EvalOptions
 from kvcalib.evaluation.scales import ScaleSet, read_scale_set
 from kvcalib.evaluation.scoring import log_probs
@@ -46,7 +45,6 @@ from kvcalib.hf.model import (
     faithful_attention,
     load_model,
     load_tokenizer,
-    pad_id,
     prepare_run,
     resolve_compute,
     resolve_target,
@@ -79,7 +77,6 @@ class RunResult:
 
     name: str
     nll: float
-    ppl: float
     delta_nll: float
     kl: float
     top1: float
@@ -103,7 +100,7 @@ class RunResult:
     def v_clipped(self) -> float:
         return sum(s.v.clipped for s in self.layers) / len(self.layers)
 
-    JSON = {"token_nll": None}
+    JSON = {"token_nll": None, "ppl": lambda r: math.exp(r.nll)}
 
 
 @dataclass(frozen=True)
@@ -197,17 +194,7 @@ def evaluate(
     fresh = order == fp8.NEURON_ORDER
 
     notify(Progress("load-data"))
-    tokenizer = job.tokenizer()
-    data = load_calibration_data(
-        dataset,
-        tokenizer,
-        split=opts.split,
-        text_column=opts.text_column,
-        num_samples=opts.num_samples,
-        max_seq_len=opts.max_seq_len,
-        seed=opts.seed,
-        add_special_tokens=opts.add_special_tokens,
-    )
+    data = load_calibration_data(dataset, job.tokenizer(), opts)
     if sum(len(s) // 2 - 1 if fresh else len(s) - 1 for s in data.sequences) < 1:
         raise UsageError(
             f"the evaluation samples are all {'under 4 tokens' if fresh else 'one token'} long: "
@@ -215,25 +202,38 @@ def evaluate(
             hint="pass longer texts or a larger --max-seq-len"
             + (", or --order gpu" if fresh else ""),
         )
-    model, pad = job.model(notify), pad_id(tokenizer)
     sampler = AttentionSampler(
         job.quantizers[CHECKPOINT].num_layers,
-        sample_sequences(data.sequences, opts.batch_size, pad),
+        sample_sequences(data.sequences, opts.batch_size),
     )
     meter = KVErrorMeter(job.quantizers, job.run.device, sampler)
-    forward = functools.partial(log_probs, model, compute=job.compute, weights=Float32Weights())
+    forward = functools.partial(
+        log_probs, job.model(notify), compute=job.compute, weights=Float32Weights()
+    )
     score = functools.partial(
         _score,
         forward,
         notify=notify,
         batch_size=opts.batch_size,
-        pad=pad,
         device=job.run.device,
         fresh=fresh,
     )
     baseline, totals = score(data.sequences, job.quantizers, meter=meter)
     rows, tokens = data.sequences[: opts.layer_rows], [len(r) for r in baseline.token_nll]
-    alone = _layers_alone(score, rows, job.quantizers)
+    # per layer, (ΔNLL, KL) with only that layer's K/V quantised, on `rows` (no FP8 attention run). A per-layer error
+    # figure (SQNR, attention error) says how far the values move, not what that costs the prediction (a
+    # near-constant K channel can make SQNR rank scales backwards); KL is the steadier on few tokens. Layers
+    # interact, so these need not add up.
+    plain = {name: q for name, q in job.quantizers.items() if not q.fp8_attention}
+    layers, alone = range(meter.num_layers), {}
+    if rows:
+        hooks = {(name, i): replace(q, only=i) for name, q in plain.items() for i in layers}
+        base, each = score(rows, hooks, stage="layers-alone")
+        n = max(base.count, 1)
+        alone = {
+            name: [((each[name, i].nll - base.nll) / n, each[name, i].kl / n) for i in layers]
+            for name in plain
+        }
     runs = []
     for name, t in totals.items():
         n, quantizer = t.count, job.quantizers[name]
@@ -243,7 +243,6 @@ def evaluate(
             RunResult(
                 name,
                 t.nll / n,
-                math.exp(t.nll / n),
                 (t.nll - baseline.nll) / n,
                 t.kl / n,
                 t.agree / n,
@@ -282,7 +281,7 @@ def _chosen(stats: list[LayerQuantStats], root: Path, name: str) -> tuple[LayerQ
     base = name.removesuffix(FP8_ATTN)
     source = root if base == CHECKPOINT else None if base == UNIT else Path(base)
     provenance = source and read_provenance(scan_checkpoint(source, tolerant=True))
-    chosen: dict[Any, dict[str, ScaleChoice]] = {}
+    chosen = {}
     for entry in (provenance or {}).get("layers") or ():
         try:  # a provenance kvcalib did not write, or an older one: the layer shows no choice
             chosen[entry["layer"]] = {
@@ -329,7 +328,7 @@ def prepare_scales(checkpoint: str | Path, opts: EvalOptions) -> Prepared:
     opts.check_arguments()
     target = resolve_target(opts.target)
     job = Prepared.open(checkpoint, opts)
-    configs: dict[str, ScaleSet] = {}
+    configs = {}
     for entry in (CHECKPOINT, *opts.compare):  # the checkpoint's own scales, then each --compare
         if entry in configs:
             raise UsageError(f"--compare {entry} given twice", hint="name each comparison once")
@@ -356,7 +355,6 @@ def _score(
     *,
     notify: ProgressCallback,
     batch_size: int,
-    pad: int,
     device: torch.device,
     fresh: bool,
     meter: KVErrorMeter | None = None,
@@ -368,7 +366,7 @@ def _score(
     done_samples = done_tokens = 0
     num_tokens = sum(len(s) for s in sequences)
     notify(Progress(stage, 0, len(sequences), 0, num_tokens))
-    for input_ids, mask in batches(sequences, batch_size, pad):
+    for input_ids, mask in batches(sequences, batch_size):  # padding is masked: any id does
         input_ids, mask = input_ids.to(device), mask.to(device)
         scored, targets = (mask[:, 1:] & mask[:, :-1]).bool(), input_ids[:, 1:]  # real from real
         if fresh:  # Neuron's order: the decode steps only
@@ -376,7 +374,7 @@ def _score(
         if meter:  # evaluate's meter has a sampler
             meter.token_mask = mask.bool()
             meter.sampler.start_batch(input_ids, mask)
-        base_logp = forward(input_ids, mask, meter or OneLayer(None, None))
+        base_logp = forward(input_ids, mask, meter)
         base = (base_logp, baseline.add(base_logp, targets, scored))
         for key, hook in hooks.items():
             logp = forward(input_ids, mask, FreshPrefill(hook, mask) if fresh else hook)
@@ -386,31 +384,6 @@ def _score(
         done_tokens += int(mask.sum())
         notify(Progress(stage, done_samples, len(sequences), done_tokens, num_tokens))
     return baseline, totals
-
-
-def _layers_alone(
-    score: Callable[..., tuple[_Totals, dict[Any, _Totals]]],
-    rows: list[list[int]],
-    quantizers: dict[str, KVQuantizer],
-) -> dict[str, list[tuple[float, float]]]:
-    """name -> per layer, (ΔNLL, KL) with only that layer's K/V quantised (evaluation.layers), on `rows`; no FP8
-    attention run; no rows: {}."""
-    if not rows:
-        return {}
-    layers = range(quantizers[CHECKPOINT].num_layers)
-    hooks = {
-        (name, i): OneLayer(q, i)
-        for name, q in quantizers.items()
-        if not q.fp8_attention
-        for i in layers
-    }
-    base, totals = score(rows, hooks, stage="layers-alone")
-    n = max(base.count, 1)
-    return {
-        name: [((totals[name, i].nll - base.nll) / n, totals[name, i].kl / n) for i in layers]
-        for name, q in quantizers.items()
-        if not q.fp8_attention
-    }
 
 
 def _config_num_layers(config: dict[str, Any], where: Path) -> int:
@@ -441,7 +414,7 @@ def scale_set(
         )
     heads = head_counts(config)
     scales = read_scale_set(source, layers, heads["k"], heads["q"])
-    if scales.per_head and target.neuron:
+    if target.neuron and is_per_head(scales.k, scales.v):
         raise UsageError(
             f"{source}: per-head KV scales, which {target.name} cannot serve: {NEURON_PER_HEAD_REASON}",
             hint="evaluate per-head scales with --target gpu; calibrate per tensor for Neuron",

@@ -11,7 +11,7 @@ import torch
 from kvcalib.core.checkpoint import read_scale_values, scan_checkpoint
 from kvcalib.core.errors import UsageError
 from kvcalib.core.schema import neuron_scale_key
-from kvcalib.evaluation.emulate import Scale, is_per_head
+from kvcalib.evaluation.emulate import Scale
 
 __all__ = ["ScaleSet", "read_scale_set"]
 
@@ -24,10 +24,6 @@ class ScaleSet:
     v: list[Scale]
     q: list[Scale] | None  # None: the checkpoint has no q_scale
 
-    @property
-    def per_head(self) -> bool:
-        return is_per_head(self.k, self.v)
-
 
 def read_scale_set(
     ckpt_dir: Path, num_layers: int, kv_heads: int | None, q_heads: int | None
@@ -36,14 +32,14 @@ def read_scale_set(
     as GPU vLLM's loader does (max over each KV head's query group: FlashAttention takes one q scale per KV head),
     then spread back over the query heads."""
     files = scan_checkpoint(ckpt_dir)
-    found: dict[str, list[Scale]] = {"k": [], "v": [], "q": []}
+    found = {"k": [], "v": [], "q": []}
     for kind, heads in (("k", kv_heads), ("v", kv_heads), ("q", q_heads)):
         for layer in range(num_layers):
             key = neuron_scale_key(layer, kind)
             values = read_scale_values(ckpt_dir, files, key, required=kind != "q")
             if values is None:  # no q_scale: a KV-only checkpoint
                 break
-            if len(values) != 1 and len(values) != heads:
+            if len(values) not in (1, heads):
                 raise UsageError(
                     f"{ckpt_dir}: {key} has {len(values)} values; the model has {heads} heads",
                     hint=f"run `kvcalib validate {ckpt_dir} --target gpu`",

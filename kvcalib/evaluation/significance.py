@@ -73,9 +73,13 @@ def paired_bootstrap(
 ) -> Interval | None:
     """The interval of Σ differences / Σ weights (weights: tokens per item; None: 1 each, a plain mean) over
     items resampled with replacement (RESAMPLES, SEED, LEVEL). None with fewer than MIN_ITEMS items or no weight."""
-    d = torch.tensor([float(x) for x in differences], dtype=torch.float64)
-    w = torch.tensor([1.0] * len(d) if weights is None else weights, dtype=torch.float64)
+    d = torch.tensor(differences, dtype=torch.float64)
     n = d.numel()
+    w = (
+        torch.ones(n, dtype=torch.float64)
+        if weights is None
+        else torch.tensor(weights, dtype=torch.float64)
+    )
     if n < MIN_ITEMS or w.sum() <= 0 or not d.isfinite().all():
         return None
     index = torch.randint(n, (RESAMPLES, n), generator=torch.Generator().manual_seed(SEED))

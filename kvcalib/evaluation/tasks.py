@@ -212,7 +212,7 @@ def evaluate_tasks(
         *((name, name, options.target) for name in (harness.CHECKPOINT, *options.compare)),
         *options.extra_runs,
     ]
-    outputs: dict[str, LmEvalOutput] = {}
+    outputs = {}
     for done, (name, scales, target) in enumerate(runs):
         notify(Progress(f"tasks: {name} ({done + 1} of {len(runs)} runs)"))
         model = harness.KvcalibLM(loaded, target, scales, batch_size=options.batch_size)

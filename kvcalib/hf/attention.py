@@ -23,6 +23,7 @@ __all__ = [
     "ObservedCache",
     "StopForward",
     "attention_modules",
+    "check_layer",
     "fan_out",
     "observed_forward",
     "observing_attention",
@@ -72,6 +73,16 @@ class StopForward(Exception):
     the last layer's K/V or attention call; at the decoder layer whose inputs are wanted, carrying them)."""
 
 
+def check_layer(layer_idx: Any, num_layers: int) -> int:
+    """`layer_idx` as an attention module reported it, checked to be one of the model's `num_layers`."""
+    if not isinstance(layer_idx, int) or not 0 <= layer_idx < num_layers:
+        raise UnsupportedModelError(
+            f"an attention layer reported layer_idx {layer_idx!r}, outside the model's {num_layers} layers",
+            hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
+        )
+    return layer_idx
+
+
 class KVAbsmaxObserver:
     """Running absmax of K, V (and Q with `queries`) per layer and head, padding masked out (`batch`)."""
 
@@ -83,19 +94,10 @@ class KVAbsmaxObserver:
         # the attention calls are needed (Q, or the objective's samples): observing_attention
         self.sees_attention_calls = queries or sampler is not None
         # per layer: [kv_heads] float32 (K, V), [attention heads] (Q)
-        self.k_heads: list[torch.Tensor | None] = [None] * num_layers
-        self.v_heads: list[torch.Tensor | None] = [None] * num_layers
-        self.q_heads: list[torch.Tensor | None] = [None] * num_layers
-        self.observed = [0] * num_layers  # forward calls that reached each layer
-        self.q_observed = [0] * num_layers
-        self.token_mask: torch.Tensor | None = None
-
-    def _check_layer(self, layer_idx: Any) -> None:
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise UnsupportedModelError(
-                f"an attention layer reported layer_idx {layer_idx!r}, outside the model's {self.num_layers} layers",
-                hint="kvcalib needs attention modules numbered 0..num_hidden_layers-1 (transformers' layer_idx)",
-            )
+        self.k_heads, self.v_heads, self.q_heads = ([None] * num_layers for _ in "kvq")
+        # forward calls that reached each layer (K/V, Q)
+        self.observed, self.q_observed = [0] * num_layers, [0] * num_layers
+        self.token_mask = None
 
     def _merge(
         self, store: list[torch.Tensor | None], layer_idx: int, states: torch.Tensor
@@ -108,7 +110,7 @@ class KVAbsmaxObserver:
         store[layer_idx] = heads if old is None else torch.maximum(old, heads)
 
     def observe(self, layer_idx: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        self._check_layer(layer_idx)
+        check_layer(layer_idx, self.num_layers)
         self._merge(self.k_heads, layer_idx, key)
         self._merge(self.v_heads, layer_idx, value)
         self.observed[layer_idx] += 1
@@ -141,8 +143,7 @@ class KVAbsmaxObserver:
         kwargs: dict[str, Any],
     ) -> None:
         """One attention call as the module makes it: Q's absmax, the objective's sample; stops after the last."""
-        layer_idx = getattr(module, "layer_idx", None)
-        self._check_layer(layer_idx)
+        layer_idx = check_layer(getattr(module, "layer_idx", None), self.num_layers)
         # Q as the module hands it to its attention function: after RoPE (and q-norm)
         if self.queries:
             self._merge(self.q_heads, layer_idx, query)
@@ -154,7 +155,7 @@ class KVAbsmaxObserver:
 
 
 # transformers' attention functions for a model switched to kvcalib's: (observer, the model's own implementation)
-_OBSERVING: ContextVar[tuple[Any, str]] = ContextVar("kvcalib_observing")
+_OBSERVING = ContextVar("kvcalib_observing")
 
 
 def _observed_attention(
@@ -211,7 +212,7 @@ def observing_attention(model: Any, observer: Any) -> Iterator[None]:
 
 def attention_modules(model: torch.nn.Module, num_layers: int, where: object) -> dict[int, str]:
     """layer -> path of the `...Attention` module with that `layer_idx`; every layer must have one."""
-    found: dict[int, str] = {}
+    found = {}
     for name, module in model.named_modules():
         layer_idx = getattr(module, "layer_idx", None)
         if isinstance(layer_idx, int) and type(module).__name__.endswith("Attention"):

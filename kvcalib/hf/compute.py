@@ -33,7 +33,7 @@ class Float32Weights:
     def __init__(self, budget: int = FLOAT32_WEIGHTS_BUDGET) -> None:
         self.budget, self.used = budget, 0
         # id -> (the parameter, its copy)
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copies = {}
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The float32 copy of `weight` (a bf16 nn.Parameter), made now if the budget allows; else None."""
@@ -77,7 +77,7 @@ def _linear(
         ).to(torch.bfloat16)
         for i in range(0, len(weight), rows)
     ]
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+    return torch.cat(blocks, dim=-1)
 
 
 # Query rows per block of the emulated attention: bounds its float32 scores to [B, H, 64, S], and a causal block
@@ -96,58 +96,42 @@ def _sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """SDPA on bf16 inputs as torch's CPU flash-attention kernel rounds: float32 scores, exp and sum, the exps in
-    bf16 for the product with V (float32 accumulation), the output rounded to bf16 once; no dropout (eval only)."""
+    bf16 for the product with V (float32 accumulation), the output rounded to bf16 once; no dropout (eval only).
+    Each query block reads only the key columns [lo, hi) outside which its every row is masked."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    kf_t, vf = key.float().transpose(-1, -2), value.float()
-    blocks = []
+    kf_t, vf, blocks = key.float().transpose(-1, -2), value.float(), []
     for start in range(0, q_len, SDPA_QUERY_BLOCK):
-        stop, block_mask = min(q_len, start + SDPA_QUERY_BLOCK), None
-        if attn_mask is not None:
-            block_mask = (
-                attn_mask[..., start:stop, :] if attn_mask.shape[-2] == q_len else attn_mask
-            )
-        lo, hi = _open_columns(block_mask, kv_len, stop if is_causal else kv_len)
+        stop, mask = min(q_len, start + SDPA_QUERY_BLOCK), attn_mask
+        if is_causal:  # torch's: each row reads the keys up to its own index
+            mask = torch.arange(kv_len, device=query.device) <= torch.arange(
+                start, stop, device=query.device
+            ).unsqueeze(1)
+        elif mask is not None and mask.shape[-2] == q_len:
+            mask = mask[..., start:stop, :]
+        lo, hi = 0, kv_len
+        if mask is not None and mask.shape[-1] == kv_len:
+            allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+            columns = allowed.reshape(-1, kv_len).any(dim=0).nonzero()
+            if columns.numel():
+                lo, hi = int(columns[0]), int(columns[-1]) + 1
         # [B, H, q, hi - lo] float32, worked on in place from here on
-        scores = torch.matmul(query[..., start:stop, :].float(), kf_t[..., lo:hi]).mul_(scale)
-        if is_causal:
-            rows = torch.arange(start, stop, device=query.device)[:, None]
-            scores.masked_fill_(
-                torch.arange(lo, hi, device=query.device)[None, :] > rows, float("-inf")
-            )
-        if block_mask is not None:
-            block_mask = block_mask[..., lo:hi]
-            scores = (
-                scores.masked_fill_(~block_mask, float("-inf"))
-                if block_mask.dtype == torch.bool
-                else scores.add_(block_mask.float())
-            )
-        row_max = scores.amax(dim=-1, keepdim=True).nan_to_num_(
-            neginf=0.0
-        )  # a fully masked row: zeros
-        exp = scores.sub_(row_max).exp_()
+        scores = torch.matmul(query[..., start:stop, :].float(), kf_t[..., lo:hi])
+        scores.mul_(query.shape[-1] ** -0.5 if scale is None else scale)
+        if mask is not None:
+            mask = mask[..., lo:hi]
+            if mask.dtype == torch.bool:
+                scores.masked_fill_(~mask, float("-inf"))
+            else:
+                scores.add_(mask.float())
+        # a fully masked row: zeros
+        exp = scores.sub_(scores.amax(dim=-1, keepdim=True).nan_to_num_(neginf=0.0)).exp_()
         total = exp.sum(dim=-1, keepdim=True)
         out = torch.matmul(exp.to(torch.bfloat16).float(), vf[..., lo:hi, :]).div_(total)
         blocks.append(out.nan_to_num_(nan=0.0).to(torch.bfloat16))
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
-
-
-def _open_columns(block_mask: torch.Tensor | None, kv_len: int, causal_end: int) -> tuple[int, int]:
-    """The key columns [lo, hi) outside which every row of a query block is masked (exp(score - max) = 0)."""
-    lo, hi = 0, min(kv_len, causal_end)
-    if block_mask is not None and block_mask.shape[-1] == kv_len:
-        allowed = (
-            block_mask
-            if block_mask.dtype == torch.bool
-            else block_mask > torch.finfo(block_mask.dtype).min / 2
-        )
-        columns = allowed.reshape(-1, kv_len).any(dim=0).nonzero()
-        if columns.numel():
-            lo, hi = max(lo, int(columns[0])), min(hi, int(columns[-1]) + 1)
-    return (lo, hi) if lo < hi else (0, kv_len)
+    return torch.cat(blocks, dim=-2)
 
 
 _F = torch.nn.functional
@@ -180,8 +164,10 @@ class _Bf16ViaFloat32(TorchFunctionMode):
             return _linear(*args, **kwargs, weights=self.weights)
         if func is _F.scaled_dot_product_attention and _any_bf16(args[:3]):
             return _sdpa(*args, **kwargs)
-        if func in _GROUPED_MM and _any_bf16(args[:2]) and _experts_layout(*args, **kwargs):
-            return _grouped_mm(*args, **kwargs)
+        if func in _GROUPED_MM and _any_bf16(args[:2]):
+            out = _grouped_mm(*args, **kwargs)
+            if out is not None:
+                return out
         if func in _UPCAST_OPS and _any_bf16(args):
             out = func(*(_up(a) for a in args), **{k: _up(v) for k, v in kwargs.items()})
             return (
@@ -198,22 +184,22 @@ _GROUPED_MM = frozenset(
 )
 
 
-def _experts_layout(
-    mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None
-) -> bool:
-    """grouped_mm as MoE experts call it (transformers.integrations.moe); anything else runs as it is."""
-    return (
-        offs is not None
-        and bias is None
-        and out_dtype in (None, torch.bfloat16)
-        and (mat_a.dim(), mat_b.dim()) == (2, 3)
-    )
-
-
 def _grouped_mm(
-    mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, *_: Any, **__: Any
-) -> torch.Tensor:
-    """Each expert's rows times its own weight, upcast alone, in float32, rounded to bf16 once."""
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: Any = None,
+    bias: Any = None,
+    out_dtype: Any = None,
+) -> torch.Tensor | None:
+    """Each expert's rows times its own weight, upcast alone, in float32, rounded to bf16 once; None where grouped_mm
+    is not called as MoE experts call it (transformers.integrations.moe): that runs as it is."""
+    if (
+        offs is None
+        or bias is not None
+        or out_dtype not in (None, torch.bfloat16)
+        or (mat_a.dim(), mat_b.dim()) != (2, 3)
+    ):
+        return None
     out, start = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]), dtype=torch.bfloat16), 0
     for expert, end in enumerate(offs.tolist()):
         if end > start:

@@ -17,7 +17,6 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from kvcalib.core.errors import DatasetError
-from kvcalib.core.options import RunOptions
 from kvcalib.core.paths import require_regular_file
 
 __all__ = [
@@ -28,7 +27,7 @@ __all__ = [
     "load_calibration_data",
     "load_rows",
     "resolve_column",
-    "special_tokens_rule",
+    "SPECIAL_TOKENS_RULES",
     "tokenize_as_served",
 ]
 
@@ -50,7 +49,7 @@ class CalibrationData:
     special_tokens: tuple[
         int, ...
     ] = ()  # what the tokenizer added to the plain-text rows (e.g. BOS)
-    special_tokens_rule: str = ""  # how rows were tokenised (special_tokens_rule())
+    special_tokens_rule: str = ""  # how rows were tokenised (SPECIAL_TOKENS_RULES)
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +90,7 @@ def load_rows(dataset: str, split: str):
             return _load_files(found, split)
         if os.path.lexists(path):
             return _load_files([path], split)
-        if dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS:
+        if dataset.startswith((".", "/", "~")) or path.suffix.lower() in BUILDERS:
             raise DatasetError(f"dataset not found: {dataset}", hint="check the path")
         return datasets.load_dataset(dataset, split=split)
     except DatasetError:
@@ -203,40 +202,32 @@ def resolve_column(column_names: list[str], text_column: str | None, source: str
     )
 
 
-def load_calibration_data(
-    dataset: str,
-    tokenizer: Any,
-    *,
-    num_samples: int,
-    max_seq_len: int,
-    split: str = RunOptions.split,
-    text_column: str | None = RunOptions.text_column,
-    seed: int = RunOptions.seed,
-    add_special_tokens: bool | None = RunOptions.add_special_tokens,
-) -> CalibrationData:
-    """Select, render and tokenise calibration samples (see the module docstring); the defaults are calibrate's and
-    eval's (RunOptions), `num_samples` and `max_seq_len` differ between them, so the caller names them."""
+def load_calibration_data(dataset: str, tokenizer: Any, opts: Any) -> CalibrationData:
+    """Select, render and tokenise calibration samples (see the module docstring) as `opts` (a RunOptions with
+    num_samples and max_seq_len: calibrate's or eval's) say."""
     import datasets
 
+    split, add_special_tokens = opts.split, opts.add_special_tokens
+
     ds = load_rows(dataset, split)
-    column = resolve_column(list(ds.column_names), text_column, dataset)
+    column = resolve_column(list(ds.column_names), opts.text_column, dataset)
     if len(ds) == 0:
         raise DatasetError(
             f"dataset {dataset} (split {split!r}) has no rows",
             hint="pass a dataset with text in it",
         )
-    ds = ds.select(range(min(num_samples, len(ds))))
+    ds = ds.select(range(min(opts.num_samples, len(ds))))
     rendered = [
         _render(row, column, tokenizer, dataset, number)
         for number, row in enumerate(ds[column], start=1)
     ]
     # the order ds.shuffle(seed=seed) gives, as llm-compressor's
-    order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=seed)[
+    order = datasets.Dataset.from_dict({"row": list(range(len(rendered)))}).shuffle(seed=opts.seed)[
         "row"
     ]
-    texts, chat = [rendered[i][0] for i in order], [rendered[i][1] for i in order]
-    encoded = tokenize_as_served(tokenizer, texts, chat, max_seq_len, add_special_tokens)
-    sequences = tuple(tuple(ids) for ids in encoded if len(ids) > 0)
+    texts, chat = zip(*(rendered[i] for i in order))
+    encoded = tokenize_as_served(tokenizer, texts, chat, opts.max_seq_len, add_special_tokens)
+    sequences = tuple(tuple(ids) for ids in encoded if ids)
     if not sequences:
         raise DatasetError(
             f"dataset {dataset}: all {len(texts)} selected rows of column {column!r} are empty",
@@ -258,17 +249,16 @@ def load_calibration_data(
         len(texts),
         len(texts) - len(sequences),
         added,
-        special_tokens_rule(add_special_tokens),
+        SPECIAL_TOKENS_RULES[add_special_tokens],
     )
 
 
-def special_tokens_rule(add_special_tokens: bool | None) -> str:
-    """The provenance's words for how the rows were tokenised."""
-    return {
-        None: "as served: plain text with the tokenizer's default special tokens, chat-template text with none",
-        True: "every row with the tokenizer's special tokens",
-        False: "no special tokens added",
-    }[add_special_tokens]
+# add_special_tokens -> the provenance's words for how the rows were tokenised
+SPECIAL_TOKENS_RULES = {
+    None: "as served: plain text with the tokenizer's default special tokens, chat-template text with none",
+    True: "every row with the tokenizer's special tokens",
+    False: "no special tokens added",
+}
 
 
 def tokenize_as_served(

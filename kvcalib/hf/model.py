@@ -34,7 +34,6 @@ __all__ = [
     "build_skeleton",
     "effective_dtype",
     "load_model",
-    "load_model_config",
     "load_tokenizer",
     "num_layers",
     "pad_id",
@@ -97,7 +96,7 @@ def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
         groups = qcfg.get("config_groups")
         # MXFP4 experts are calibrated as they are (core.mxfp4: only --target gpu is refused, by calibrate);
         # FP8-attention groups only (kvcalib calibrate --attention-scales): the weights are unquantised
-        released_mxfp4 = "mxfp4" in method and bool(mxfp4.weights(checkpoint.files.key_files))
+        released_mxfp4 = "mxfp4" in method and mxfp4.weights(checkpoint.files.key_files)
         if not released_mxfp4 and (
             method != "compressed-tensors"
             or (groups and len(fp8_attention_groups(groups)) != len(groups))
@@ -113,7 +112,7 @@ def prepare_run(model: str | Path, options: RunOptions) -> PreparedRun:
             hint="convert the checkpoint to safetensors (save_pretrained does this by default)",
         )
     # every shard the index names exists (transformers would stop on the first one missing, with a traceback)
-    missing: dict[str, list[str]] = {}
+    missing = {}
     for key, name in (checkpoint.files.weight_map or {}).items():
         if not isinstance(name, str) or name not in checkpoint.files.headers:
             missing.setdefault(str(name), []).append(key)

@@ -38,9 +38,8 @@ class AttentionSample:
     query: torch.Tensor  # [heads, rows, head_dim]: the sampled query rows
     key: torch.Tensor  # [kv_heads, length, head_dim]
     value: torch.Tensor  # [kv_heads, length, head_dim]
-    bias: (
-        torch.Tensor
-    )  # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive)
+    # [rows, length] float32: 0 where a row attends, -inf where masked (or the model's additive)
+    bias: torch.Tensor
     held_out: torch.Tensor  # [rows] bool: scored for the report, never for the choice
     scaling: float
     softcap: float | None = None
@@ -51,11 +50,10 @@ class AttentionSample:
 def sample_sequences(
     sequences: tuple[tuple[int, ...], ...],
     batch_size: int,
-    pad_id: int = 0,  # unused: the batching does not depend on it
     budget: int = SAMPLE_TOKENS,
 ) -> frozenset[tuple[int, ...]]:
     """The sequences the objective scores: whole batches of the run's own batching, in order, to `budget` tokens."""
-    chosen: set[tuple[int, ...]] = set()
+    chosen = set()
     tokens = 0
     for chunk in batched(sequences, batch_size):
         if chosen and tokens >= budget:
@@ -72,18 +70,15 @@ class AttentionSampler:
         self, num_layers: int, sequences: Iterable[tuple[int, ...]], rows: int = ROWS_PER_SEQUENCE
     ):
         self.sequences, self.rows = frozenset(sequences), rows
-        self.samples: list[list[AttentionSample]] = [[] for _ in range(num_layers)]
-        self._batch: list[
-            tuple[int, int]
-        ] = []  # (row in the batch, length) of the current batch's chosen rows
-        self._mixes: dict[int, torch.Tensor | None] = {}  # per layer, its o_proj's R_hᵀ
+        self.samples = [[] for _ in range(num_layers)]
+        self._batch = []  # (row in the batch, length) of the current batch's chosen rows
+        self._mixes = {}  # per layer, its o_proj's R_hᵀ
 
     def start_batch(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
-        lengths = mask.sum(dim=1).tolist()
-        self._batch = [
-            (r, int(n))
-            for r, n in enumerate(lengths)
-            if tuple(input_ids[r, : int(n)].tolist()) in self.sequences
+        self._batch = [  # sums of an integer mask: ints
+            (r, n)
+            for r, n in enumerate(mask.sum(dim=1).tolist())
+            if tuple(input_ids[r, :n].tolist()) in self.sequences
         ]
 
     def end_batch(self) -> None:
@@ -99,10 +94,7 @@ class AttentionSampler:
         kwargs: dict[str, Any],
         module: torch.nn.Module,
     ) -> None:
-        scaling = kwargs.get("scaling")
-        scaling = (
-            getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
-        )
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         if self._batch and layer not in self._mixes:
             self._mixes[layer] = _mix(module, key.shape[1], *query.shape[1::2])
@@ -147,14 +139,10 @@ def _bias(
 ) -> torch.Tensor:
     """The additive mask of the sampled rows over the sequence's keys (causal where the model passed none)."""
     if attention_mask is None:  # SDPA's is_causal path: no padding, no window
-        keys = torch.arange(length)
-        allowed = keys[None, :] <= index.cpu()[:, None]
-        return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    rows = (
-        attention_mask[row if attention_mask.shape[0] > 1 else 0, 0]
-        .index_select(0, index)[:, :length]
-        .cpu()
-    )
+        rows = torch.arange(length)[None, :] <= index.cpu()[:, None]
+    else:
+        rows = attention_mask[row if attention_mask.shape[0] > 1 else 0, 0]
+        rows = rows.index_select(0, index)[:, :length].cpu()
     if rows.dtype == torch.bool:
         return torch.zeros(rows.shape).masked_fill(~rows, float("-inf"))
     additive = rows.float()  # eager's masks: 0 where allowed, the dtype's min where masked
@@ -181,14 +169,9 @@ def attention_rows(
         if (
             sample.sinks is not None
         ):  # one logit per query head that takes probability and gives no value
-            sinks = (
-                sample.sinks.float()
-                .reshape(kv_heads, groups, 1, 1)
-                .expand(-1, -1, sample.query.shape[1], 1)
-            )
-            combined = torch.cat(
-                [logits, sinks.reshape(kv_heads, -1, 1).expand(*logits.shape[:-1], 1)], dim=-1
-            )
+            sinks = sample.sinks.float().reshape(kv_heads, groups, 1)
+            sinks = sinks.repeat_interleave(sample.query.shape[1], 1).expand(*logits.shape[:-1], 1)
+            combined = torch.cat([logits, sinks], dim=-1)
             probabilities = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[
                 ..., :-1
             ]

@@ -343,7 +343,7 @@ def test_selection_is_first_n_rows_then_shuffled(tiny_llama_master, tmp_path):
     texts = [f"row {i} " + "word " * i for i in range(20)]
     path = write_jsonl(tmp_path / "rows.jsonl", [{"text": t} for t in texts])
     tok = AutoTokenizer.from_pretrained(tiny_llama_master)
-    data = load_calibration_data(str(path), tok, num_samples=8, max_seq_len=1000, seed=42)
+    data = load_calibration_data(str(path), tok, CalibrateOptions(num_samples=8, max_seq_len=1000))
     expected = datasets.Dataset.from_dict({"text": texts[:8]}).shuffle(seed=42)["text"]
     assert [tok.decode(list(s)) for s in data.sequences] == expected
 

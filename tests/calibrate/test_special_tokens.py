@@ -54,7 +54,7 @@ def _tokenizer(model: Path):
 def test_plain_text_gets_the_bos_the_tokenizer_adds_once(bos_llama, text_dataset):
     tok = _tokenizer(bos_llama)
     assert tok("a b")["input_ids"][0] == tok.bos_token_id  # the fixture's tokenizer does add it
-    data = load_calibration_data(str(text_dataset), tok, **SMALL)
+    data = load_calibration_data(str(text_dataset), tok, CalibrateOptions(**SMALL))
     texts = [json.loads(line)["text"] for line in text_dataset.read_text().splitlines()]
     served = {
         tuple(tok(t, truncation=True, max_length=64)["input_ids"]) for t in texts
@@ -64,7 +64,9 @@ def test_plain_text_gets_the_bos_the_tokenizer_adds_once(bos_llama, text_dataset
     assert data.special_tokens == (tok.bos_token_id,) and data.special_tokens_rule.startswith(
         "as served"
     )
-    bare = load_calibration_data(str(text_dataset), tok, add_special_tokens=False, **SMALL)
+    bare = load_calibration_data(
+        str(text_dataset), tok, CalibrateOptions(add_special_tokens=False, **SMALL)
+    )
     assert all(tok.bos_token_id not in s for s in bare.sequences) and bare.special_tokens == ()
 
 
@@ -80,11 +82,11 @@ def test_chat_text_gets_no_second_bos(bos_llama, tmp_path):
         for i in range(4)
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    data = load_calibration_data(str(path), tok, **SMALL)
+    data = load_calibration_data(str(path), tok, CalibrateOptions(**SMALL))
     for s in data.sequences:
         assert s[0] == tok.bos_token_id and tok.bos_token_id not in s[1:]
     doubled = load_calibration_data(
-        str(path), tok, add_special_tokens=True, **SMALL
+        str(path), tok, CalibrateOptions(add_special_tokens=True, **SMALL)
     )  # the override: two BOS
     assert all(s[:2] == (tok.bos_token_id,) * 2 for s in doubled.sequences)
 

@@ -21,7 +21,6 @@ from kvcalib.calibration.pipeline import calibrate
 from kvcalib.core import fp8
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.evaluation.emulate import KVQuantizer
-from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.pipeline import log_probs
 from kvcalib.evaluation.significance import paired_bootstrap
 from kvcalib.hf.compute import Float32Weights
@@ -44,9 +43,7 @@ def _oracle(fixture, texts, result, target):
     ids = torch.tensor([r[: min(map(len, rows))] for r in rows])
     mask, weights = torch.ones_like(ids), Float32Weights()
     with torch.no_grad():
-        reference = log_probs(
-            model, ids, mask, OneLayer(None, None), compute=compute, weights=weights
-        )  # no hook
+        reference = log_probs(model, ids, mask, None, compute=compute, weights=weights)
         k, v = (
             [layer.k.scale for layer in result.layers],
             [layer.v.scale for layer in result.layers],

@@ -14,9 +14,8 @@ from kvcalib.core import fp8
 from kvcalib.core.errors import UsageError
 from kvcalib.core.records import to_json
 from kvcalib.evaluation.emulate import FreshPrefill, KVQuantizer, decode_rows
-from kvcalib.evaluation.layers import OneLayer
 from kvcalib.evaluation.pipeline import EvalOptions, evaluate
-from kvcalib.hf.attention import ObservedCache, fan_out, observing_attention
+from kvcalib.hf.attention import ObservedCache, fan_out, observed_forward, observing_attention
 from kvcalib.hf.internals import cache_kwargs
 
 LENGTHS = (11, 6)  # two rows, right-padded: prompts of 6 and 3 tokens
@@ -25,12 +24,7 @@ LENGTHS = (11, 6)  # two rows, right-padded: prompts of 6 and 3 tokens
 @torch.inference_mode()
 def _one_forward(model, ids, mask, hook):
     with observing_attention(model, hook):
-        return model(
-            input_ids=ids,
-            attention_mask=mask,
-            use_cache=True,
-            **cache_kwargs(model, ObservedCache(model.config, hook.observe, store=False)),
-        ).logits
+        return observed_forward(model, ids, mask, hook and hook.observe).logits
 
 
 @torch.inference_mode()
@@ -70,7 +64,7 @@ def test_the_neuron_order_in_one_forward_is_prefill_then_token_by_token_decode(t
 
     neuron = _one_forward(model, ids, mask, FreshPrefill(quantizer, mask))
     gpu = _one_forward(model, ids, mask, quantizer)
-    fresh = _one_forward(model, ids, mask, OneLayer(None, None))  # unquantised
+    fresh = _one_forward(model, ids, mask, None)  # unquantised
     for b, row in enumerate(rows):
         literal = _prefill_then_decode(model, row, quantizer)
         p = (len(row) + 1) // 2
@@ -117,11 +111,7 @@ def _lengths(checkpoint, dataset):
     data = load_calibration_data(
         str(dataset),
         load_tokenizer(checkpoint, False),
-        split="train",
-        text_column=None,
-        num_samples=4,
-        max_seq_len=64,
-        seed=42,
+        EvalOptions(num_samples=4, max_seq_len=64),
     )
     return [len(s) for s in data.sequences]
 

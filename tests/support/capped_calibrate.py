@@ -28,8 +28,7 @@ bf16_compute = sys.argv[8] if len(sys.argv) > 8 else "auto"
 load_calibration_data(
     dataset,
     AutoTokenizer.from_pretrained(model),
-    num_samples=int(samples),
-    max_seq_len=int(seq_len),
+    CalibrateOptions(num_samples=int(samples), max_seq_len=int(seq_len)),
 )
 cap = proc_status()["VmSize"] + (int(headroom_mb) << 20)
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

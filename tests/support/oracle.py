@@ -48,13 +48,13 @@ def calibration_sequences(
 ) -> list[list[int]]:
     from transformers import AutoTokenizer
 
+    from kvcalib.calibration.options import CalibrateOptions
     from kvcalib.hf.data import load_calibration_data
 
     data = load_calibration_data(
         str(dataset),
         AutoTokenizer.from_pretrained(model_dir),
-        num_samples=num_samples,
-        max_seq_len=max_seq_len,
+        CalibrateOptions(num_samples=num_samples, max_seq_len=max_seq_len),
     )
     return [list(s) for s in data.sequences]
 
