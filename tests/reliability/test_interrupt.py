@@ -38,7 +38,6 @@ K, T, INT, H = signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP
 # the new checkpoint is in place, so SIGINT/SIGTERM there end with the new one (and exit 128+N).
 # SIGINT, SIGTERM and SIGHUP reach one handler: each is sent at least once, SIGKILL at every point.
 SCENARIOS = [
-    ("observe", INT, "old"),
     ("observe", H, "old"),
     ("observe", K, "old"),
     ("write", INT, "old"),
