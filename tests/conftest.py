@@ -182,18 +182,15 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     # Whole files, in this order (pytest-xdist's --dist loadfile hands a file to one worker, at its first test):
-    # the files with slow tests (real SmolLM2) first; then those with real Gemma and Qwen tests (scripts/test.sh
-    # converts those models in the background meanwhile: minutes, less than the slow files take), those with other
-    # tests first among them; the many short files last, so that no worker is left alone with a long one at the
-    # end. Every worker sorts alike.
+    # the files with real-SmolLM2 tests (the longest) first, so that no worker is left with one at the end; the
+    # files with real Gemma and Qwen tests last (scripts/test.sh converts those models in the background
+    # meanwhile), those with other tests before them first among them. Every worker sorts alike.
     def files(marker: str) -> set[Path]:
         return {item.path for item in items if item.get_closest_marker(marker) is not None}
 
-    slow, real = files("slow") - files("real_model"), files("real_model")
+    slow, real = files("slow"), files("real_model")
     mixed = {item.path for item in items if item.get_closest_marker("real_model") is None} & real
-    items.sort(
-        key=lambda item: (item.path not in slow, item.path not in real, item.path not in mixed)
-    )
+    items.sort(key=lambda item: (item.path in real, item.path not in slow, item.path not in mixed))
     for item in items:
         marker = item.get_closest_marker("proof")
         if marker is None and item.get_closest_marker("real_model") is not None:
