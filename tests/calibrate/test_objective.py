@@ -402,9 +402,11 @@ def test_validate_says_when_it_cannot_tell(tiny_llama, text_dataset, tmp_path):
 @pytest.mark.parametrize("engine_args", [[], ["--stream-layers"]], ids=["in-memory", "streamed"])
 def test_two_processes_choose_what_one_chooses(engine_args, planted, text_dataset, tmp_path):
     """Every rank scores its own samples; the terms are gathered and summed exactly: the choice, and every
-    error the provenance records, are one process's to the bit."""
+    error the provenance records, are one process's to the bit, and so are the scales written. Only rank 0
+    prints and writes; no temporary output is left. (Per head, with Q and streamed, across two processes:
+    tests/e2e/test_smollm2.py.)"""
 
-    from helpers import torchrun
+    from helpers import scale_bits, torchrun
 
     one = calibrate(
         planted, str(text_dataset), tmp_path / "one", CalibrateOptions(batch_size=4, **SMALL)
@@ -429,9 +431,15 @@ def test_two_processes_choose_what_one_chooses(engine_args, planted, text_datase
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    two = json.loads(proc.stdout)
+    two = json.loads(proc.stdout)  # one JSON object: only rank 0 prints
     assert two["layers"] == [to_json(layer) for layer in one.layers]
     assert two["layers"][0]["k"]["choice"]["label"] != "absmax"
+    assert two["num_samples"] == 16 and two["num_tokens"] == one.num_tokens
+    assert scale_bits(tmp_path / "two") == scale_bits(tmp_path / "one")
+    assert proc.stderr.count("KV scales for trn2") == 1 and proc.stderr.count("validation: ok") == 1
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], (
+        "no temporary output left"
+    )
 
 
 def _sample(

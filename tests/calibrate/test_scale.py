@@ -23,7 +23,6 @@ from kvcalib.calibration.ranks import Ranks
 from kvcalib.cli import app
 from kvcalib.core.checkpoint import Checkpoint
 from kvcalib.core.errors import UsageError
-from kvcalib.core.records import to_json
 from kvcalib.core.schema import PROVENANCE_FILENAME
 from kvcalib.hf.data import batched
 from kvcalib.hf.memory import (
@@ -419,13 +418,7 @@ def test_streamed_run_completes_under_a_memory_cap_the_in_memory_run_cannot(
         "(RLIMIT_AS)"
     )
 
-    # the same scales as the in-memory engine without the cap, in the same environment (one thread: the float32
-    # matmuls' sums split across threads round differently)
-    code, free = _capped("native", model, text_dataset, tmp_path / "free", 1 << 20)
-    assert code == 0, free
-    assert [(layer["k"]["absmax"], layer["v"]["absmax"]) for layer in done["layers"]] == [
-        (layer["k"]["absmax"], layer["v"]["absmax"]) for layer in free["layers"]
-    ]
+    # (that the streamed scales are the in-memory ones is test_streamed_smollm2_equals_in_memory's)
 
 
 # --- across processes ------------------------------------------------------------------------
@@ -486,62 +479,6 @@ def test_ranks_from_torchrun_env(env, expected):
 
 
 CLI_ARGS = ["--num-samples", "24", "--max-seq-len", "64", "--batch-size", "4"]
-
-
-@pytest.mark.proof("torchrun")
-@pytest.mark.skipif(
-    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
-)
-@pytest.mark.parametrize(
-    "engine_args",
-    [[], ["--stream-layers", "--target", "gpu", "--strategy", "attn_head", "--attention-scales"]],
-    ids=[
-        "in-memory",
-        "streamed-per-head-q",
-    ],  # each engine; tests/calibrate/test_objective.py runs both plain
-)
-def test_two_processes_equal_one_bit_for_bit(
-    engine_args, tiny_llama_master, text_dataset, tmp_path
-):
-    per_head = (
-        dict(target="gpu", strategy="attn_head", attention_scales=True)
-        if "--strategy" in engine_args
-        else {}
-    )
-    one = calibrate(
-        tiny_llama_master,
-        str(text_dataset),
-        tmp_path / "one",
-        CalibrateOptions(num_samples=24, max_seq_len=64, batch_size=4, **per_head),
-    )
-    proc = torchrun(
-        *[
-            "-m",
-            "kvcalib",
-            "calibrate",
-            str(tiny_llama_master),
-            "--dataset",
-            str(text_dataset),
-            "-o",
-            str(tmp_path / "two"),
-            *CLI_ARGS,
-            *engine_args,
-            "--json",
-        ]
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    two = json.loads(proc.stdout)  # one JSON object: only rank 0 prints
-    assert [(layer["k"]["absmax"], layer["v"]["absmax"]) for layer in two["layers"]] == absmax(one)
-    assert two["layers"] == [
-        to_json(layer) for layer in one.layers
-    ]  # per head and Q too, where observed
-    assert two["num_samples"] == 24 and two["num_tokens"] == one.num_tokens
-    assert scale_bits(tmp_path / "two") == scale_bits(tmp_path / "one")
-    assert proc.stderr.count(f"KV scales for {per_head.get('target', 'trn2')}") == 1
-    assert proc.stderr.count("validation: ok") == 1
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], (
-        "no temporary output left"
-    )
 
 
 @pytest.mark.proof("torchrun")

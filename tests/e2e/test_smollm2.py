@@ -250,8 +250,8 @@ def test_smollm2_per_head_and_q_scales_equal_the_oracle(
 def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(
     smollm2, text_dataset, tmp_path
 ):
-    """Per-head K/V and Q scales of the real bf16 model: layer by layer, and split over 2 torchrun processes,
-    the very bits of the in-memory run."""
+    """Per-head K/V and Q scales of the real bf16 model: layer by layer, and layer by layer split over 2 torchrun
+    processes, the very bits of the in-memory run."""
     from helpers import scale_bits, torchrun
 
     # One compute path for all three, named: the library's default (no CPU given: native bf16) and the CLI's
@@ -270,7 +270,15 @@ def test_smollm2_per_head_streamed_and_two_ranks_equal_in_memory_bit_for_bit(
     )
     proc = torchrun(
         *("-m", "kvcalib", "calibrate", str(smollm2), "--dataset", str(text_dataset)),
-        *("-o", str(tmp_path / "two"), "--target", "gpu", "--strategy", "attn_head"),
+        *(
+            "-o",
+            str(tmp_path / "two"),
+            "--stream-layers",
+            "--target",
+            "gpu",
+            "--strategy",
+            "attn_head",
+        ),
         *("--attention-scales", "--bf16-compute", "float32", "--batch-size", "2", "--json"),
         *("--num-samples", str(OPTS["num_samples"]), "--max-seq-len", str(OPTS["max_seq_len"])),
         timeout=900,

@@ -52,9 +52,8 @@ def _scales(checkpoint: Path) -> dict:
     return found
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "smollm2"])
-def test_the_newest_stack_writes_the_pinned_stacks_scales(model, request, text_dataset, tmp_path):
-    checkpoint = request.getfixturevalue(model)
+def test_the_newest_stack_writes_the_pinned_stacks_scales(smollm2, text_dataset, tmp_path):
+    checkpoint = smollm2
     assert _versions(PINNED) != _versions(sys.executable), "two environments with one stack"
     args = ["--dataset", str(text_dataset), "--num-samples", "8", "--max-seq-len", "128"]
     runs = {
