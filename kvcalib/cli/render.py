@@ -327,11 +327,13 @@ def render_eval(console: Console, result: EvalResult, per_layer: bool = False) -
         ),
         ("scales", "kind"),
     )
-    order = (
-        "Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)"
-        if result.order == fp8.NEURON_ORDER
-        else "GPU order (every position reads FP8)"
-    )
+    order = {
+        fp8.NEURON_ORDER: "Neuron order (prefill reads fresh K/V, decode reads FP8; decode steps scored)",
+        fp8.NEURON_CHUNKED_ORDER: "chunked Neuron order (the prompt in 128-token pieces, each reading the earlier "
+        "ones from FP8; decode reads FP8; decode steps scored)",
+        fp8.MXFP8_ORDER: "Neuron order over Trainium 3's MXFP8 KV cache (no per-tensor scale is used: every scale set "
+        "scores alike; decode steps scored)",
+    }.get(result.order, "GPU order (every position reads FP8)")
     _line(console, f"scored in the {order}")
     methods = []
     for run in result.runs:

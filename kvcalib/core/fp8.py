@@ -5,6 +5,7 @@ dequantisation multiplier; kernels that multiply by the reciprocal compute it th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from dataclasses import dataclass
@@ -20,7 +21,11 @@ __all__ = [
     "EMULATED",
     "F32_RECIPROCAL",
     "GPU_ORDER",
+    "MXFP8_ORDER",
+    "NEURON_CHUNKED_ORDER",
     "NEURON_ORDER",
+    "ORDERS",
+    "PREFILL_CHUNK",
     "SCALE_FLOOR",
     "SCALE_ROUNDING_TOLERANCE",
     "TARGETS",
@@ -33,6 +38,9 @@ __all__ = [
     "scale_from_absmax",
     "served_numerics",
     "sqnr_db",
+    "swa_fused_cte_round_trip",
+    "swa_fused_cte_scale",
+    "tkg_write",
     "to_fp8_domain",
 ]
 
@@ -45,6 +53,13 @@ DIVIDE = "divide"  # x / s in float32: GPU vLLM
 NEURON_ORDER = "neuron"  # Target.order (eval --order): prefill attends to the fresh K/V it writes; decode to FP8
 # every position reads the FP8 cache (the K/V are written first, prefill included)
 GPU_ORDER = "gpu"
+# the Neuron order with the prompt in PREFILL_CHUNK-token pieces, each reading the earlier ones from FP8
+NEURON_CHUNKED_ORDER = "neuron-chunked"
+PREFILL_CHUNK = 128  # swa_fused_cte's tile and the plugin's KV block
+MXFP8_ORDER = (
+    "mxfp8"  # the Neuron order with Trainium 3's MXFP8 KV cache in decode (kvcalib.core.mxfp8)
+)
+ORDERS = (NEURON_ORDER, NEURON_CHUNKED_ORDER, MXFP8_ORDER, GPU_ORDER)
 
 
 @dataclass(frozen=True)
@@ -69,9 +84,10 @@ class Target:
 
 # The one place that knows the chips. TRN2's FP8 E4M3 keeps inf/NaN encodings, so its largest finite value is 240
 # (the Neuron plugin clamps to ±240; below it the grid is E4M3FN's); TRN3 and GPUs use OCP E4M3FN with 448.
-# The Neuron plugin writes `(k * k_scale).clamp(...).to(fp8)`, bf16 K times a bf16 reciprocal: a bf16 product; its
-# prefill attends to the fresh K/V, decode to the cache (jinhuang12/vllm-neuron at ed3580d: vllm_neuron/model/llama3/
-# model.py, forward_prefill, forward_decode; vllm_neuron/accuracy/goldens/fp8_kv_golden.py, _fp8_round_trip).
+# The Neuron plugin's prefill writes `(k * k_scale).clamp(...).to(fp8)`, bf16 K times a bf16 reciprocal: a bf16
+# product, and attends to the fresh K/V; decode writes with AWS's kernel (tkg_write: the product in float32) and reads
+# the cache (jinhuang12/vllm-neuron at ed3580d: vllm_neuron/model/llama3/model.py, forward_prefill, forward_decode;
+# vllm_neuron/accuracy/goldens/fp8_kv_golden.py, _fp8_round_trip). A prompt in pieces: swa_fused_cte_round_trip.
 _NEURON = {"bf16_product": True, "order": NEURON_ORDER}
 TARGETS: dict[str, Target] = {
     "trn2": Target("trn2", "float8_e4m3fn", 240.0, BF16_RECIPROCAL, **_NEURON),  # AWS Trainium 2
@@ -210,6 +226,40 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor | float, target: Target) 
     dtype = getattr(torch, target.dtype)
     q = _toward_zero(scaled, dtype) if target.toward_zero else scaled.to(dtype).float()
     return from_fp8_domain(q, scale, target).to(x.dtype)
+
+
+def tkg_write(target: Target) -> Target:
+    """The numerics a Neuron decode step writes its own K/V with: AWS's decode kernel (aws-neuron/nki-library at
+    092a49d, experimental/transformer/attention_block_tkg.py, `_quantize_to_fp8`, which the plugin's
+    `attention_decode` calls) multiplies bf16 K/V by the plugin's bf16 multiplier loaded as float32, and clamps and
+    casts in float32: `target` without the bf16 product of the plugin's own (prefill) write; others as they are."""
+    return dataclasses.replace(target, bf16_product=False) if target.neuron else target
+
+
+def swa_fused_cte_scale(scale: torch.Tensor | float) -> torch.Tensor:
+    """The scale vLLM's Neuron plugin hands AWS's segmented-prefill kernels for a checkpoint's `s`: `bf16(1 / r)`, r
+    = neuron_reciprocal(s), the bf16 multiplier it keeps (jinhuang12/vllm-neuron at ed3580d,
+    vllm_neuron/model/gpt_oss/model_mxfp4.py: `k_scale_write = 1.0 / self.k_scale`, "the in-kernel write must
+    divide by s_ckpt"); float32 holder."""
+    import torch
+
+    return (1.0 / neuron_reciprocal(scale).to(torch.bfloat16)).float()
+
+
+def swa_fused_cte_round_trip(
+    x: torch.Tensor, scale: torch.Tensor | float, target: Target
+) -> torch.Tensor:
+    """`x` through the FP8 cache as AWS's fused sliding-window prefill writes it and reads it back for a later piece of
+    the prompt (aws-neuron/nki-library at 092a49d, experimental/attention/swa_fused_cte_torch.py: `_quant_pack_cache`,
+    `_unpack_dequant_cache`): `clip(bf16(x) / s', ±fp8_max)` in float32, cast to E4M3FN to nearest even, times s'
+    (s' = swa_fused_cte_scale(scale)); in x's dtype, as the kernel dequantises the prior window to bf16. The kernel
+    multiplies by its own float32 reciprocal of s' (`nisa.reciprocal`) where the reference divides: the same bits
+    whenever that reciprocal is exact (tests/core/test_nki_references.py)."""
+    import torch
+
+    divide = dataclasses.replace(target, scaling=DIVIDE, bf16_product=False, toward_zero=False)
+    s = swa_fused_cte_scale(scale).to(x.device)
+    return fake_quantize(x.to(torch.bfloat16).float(), s, divide).to(x.dtype)
 
 
 def _toward_zero(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,19 +8,32 @@ along the unquantised pass and measures each configuration's per-layer SQNR and 
 
 `FreshPrefill` runs the Neuron order in one forward: a row's prompt (its first ⌈n/2⌉ tokens) attends to fresh K/V,
 each later query row to all K/V quantised, as a decode step reads the FP8 cache with its own K/V written first; each
-position's K/V come from its own row's path, so this is prefill + token-by-token decode exactly (tests/evaluate).
+position's K/V come from its own row's path, so this is prefill + token-by-token decode exactly (tests/evaluate): the
+prompt's K/V as the plugin's prefill writes them, each decode step's as its decode kernel does (fp8.tkg_write).
+With `chunk`, the prompt arrives in pieces of that many tokens (segmented prefill, a prefix-cache hit): each piece
+attends to its own fresh K/V and reads the earlier pieces' from the FP8 cache as AWS's fused sliding-window prefill
+kernel writes and reads them (fp8.swa_fused_cte; aws-neuron/nki-library at 092a49d, experimental/attention/
+swa_fused_cte_torch.py): the chunked Neuron order.
+
+With `mxfp8`, FreshPrefill runs Trainium 3's MXFP8 KV cache (kvcalib.core.mxfp8): the prompt on fresh K/V, each
+decode step as AWS's attention_mxfp8_tkg reference computes it (experimental/attention_mxfp8/
+attention_mxfp8_tkg_torch.py at 092a49d): Q * scaling through MXFP8 (8 heads x 4 elements a scale), scores
+against the MXFP8 cache rounded to bf16, exp(scores - max) through MXFP8 again (8 heads x 4 tokens) before the V
+product, the sum of the unquantised exps as the denominator, the step's own K/V fresh with the unquantised Q. No
+per-tensor scale takes part.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from kvcalib.core import fp8
+from kvcalib.core import fp8, mxfp8
 from kvcalib.core.choice import ScaleChoice
+from kvcalib.core.errors import UnsupportedModelError
 from kvcalib.hf.attention import check_layer
 from kvcalib.hf.samples import AttentionSampler, attention_error
 
@@ -151,12 +164,18 @@ def decode_rows(mask: torch.Tensor) -> torch.Tensor:
 
 class FreshPrefill:
     """An attention hook: `hook` (a KVQuantizer, whose `observe` returns quantised K/V or None) read by the
-    decode rows (decode_rows(mask) of the batch's [B, S] mask) only; the others attend to the fresh K/V."""
+    decode rows (decode_rows(mask) of the batch's [B, S] mask) only; the others attend to the fresh K/V, or with
+    `chunk` to their own piece's fresh K/V and the earlier pieces' from the cache (module docstring). The cache holds
+    the prompt's K/V as the prefill wrote them (the plugin's write, or swa_fused_cte's with `chunk`) and each decode
+    step's as the decode kernel writes them (fp8.tkg_write)."""
 
     sees_attention_calls = True  # `attend` takes every attention call (kvcalib.hf.attention)
 
-    def __init__(self, hook: Any, mask: torch.Tensor) -> None:
-        self.hook, self.decode = hook, decode_rows(mask)
+    def __init__(
+        self, hook: Any, mask: torch.Tensor, chunk: int | None = None, mxfp8: bool = False
+    ) -> None:
+        self.hook, self.decode, self.chunk, self.mxfp8 = hook, decode_rows(mask), chunk, mxfp8
+        self.prompt_len = int((~self.decode & mask.bool()).sum(1).max())
 
     def observe(self, *args: Any) -> None:
         """The cache hands attention the fresh K/V; `attend` quantises them."""
@@ -172,14 +191,96 @@ class FreshPrefill:
         **kwargs: Any,
     ) -> Any:
         fresh, weights = function(module, query, key, value, *args, **kwargs)
-        quantised = self.hook.observe(getattr(module, "layer_idx", None), key, value)
-        if quantised is None:
+        if self.mxfp8:  # no per-tensor scale takes part
+            if kwargs.get("s_aux") is not None or kwargs.get("softcap"):
+                raise UnsupportedModelError(
+                    f"{type(module).__name__} has attention sinks or soft-capping, which Trainium 3's MXFP8 decode "
+                    "kernel (attention_mxfp8_tkg) does not compute",
+                    hint="evaluate this model with --order neuron",
+                )
+            scaling = kwargs.get("scaling") or module.scaling
+            read = mxfp8_decode_attention(query, key, value, args[0], scaling)  # args[0]: the mask
+            return torch.where(self.decode[:, :, None, None], read.to(fresh.dtype), fresh), weights
+        layer = getattr(module, "layer_idx", None)
+        cache = self.hook.observe(layer, key, value)  # as the prefill writes it
+        if cache is None:
             return fresh, weights
+        position = torch.arange(key.shape[2], device=key.device)
+        if self.chunk:  # the pieces' kernel writes the prompt's K/V
+            i, prompt = check_layer(layer, self.hook.num_layers), position < self.prompt_len
+            cache = tuple(
+                torch.where(
+                    prompt[:, None], fp8.swa_fused_cte_round_trip(x, s[i], self.hook.target), c
+                )
+                for x, s, c in zip((key, value), (self.hook.k_scales, self.hook.v_scales), cache)
+            )
+        if self.hook.target != (decode := fp8.tkg_write(self.hook.target)):
+            written = replace(self.hook, target=decode).observe(layer, key, value)
+            steps = self.decode[:, None, : key.shape[2], None]
+            cache = tuple(torch.where(steps, w, c) for w, c in zip(written, cache))
         attend = (
             functools.partial(self.hook.attend, function) if self.hook.fp8_attention else function
         )
-        read = attend(module, query, *quantised, *args, **kwargs)[0]  # [B, S, heads, head_dim]
-        return torch.where(self.decode[:, :, None, None], read.to(fresh.dtype), fresh), weights
+        read = attend(module, query, *cache, *args, **kwargs)[0]  # [B, S, heads, head_dim]
+        out = torch.where(self.decode[:, :, None, None], read.to(fresh.dtype), fresh)
+        for start in range(self.chunk or self.prompt_len, self.prompt_len, self.chunk or 1):
+            prior = (position < start)[None, None, :, None]  # the earlier pieces, from the cache
+            k, v = (torch.where(prior, c, x) for c, x in zip(cache, (key, value)))
+            piece = function(module, query, k, v, *args, **kwargs)[0]
+            rows = ~self.decode & (position[: self.decode.shape[1]] >= start)
+            out = torch.where(rows[:, :, None, None], piece.to(fresh.dtype), out)
+        return out, weights
+
+
+def mxfp8_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Each query row as one decode step of attention_mxfp8_tkg: keys before it from the MXFP8 cache (K grouped
+    along head_dim, V along tokens), its own key fresh with the unquantised Q. query [B, H, S, D], key/value
+    [B, Hkv, T, D] (T >= S, the last S keys the queries' own), mask the model's ([B or 1, 1, S, T], bool or additive;
+    None: causal); returns [B, S, H, D] float32."""
+    b, heads, s, d = query.shape
+    kv_heads, t = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    q = (query.float() * scaling).reshape(b, kv_heads, group, s, d)
+    # the reference's groups: 8 query heads (of one KV head; zero-padded to 8) x 4 elements
+    q_rt = mxfp8.round_trip(q, {2: 8, 4: 4})  # 8 query heads of one KV head, zero-padded
+    k_mx = mxfp8.round_trip(key, {3: mxfp8.GROUP})
+    v_mx = mxfp8.round_trip(value, {2: mxfp8.GROUP})  # 32 tokens from position 0 (a block holds 4)
+    own = torch.arange(s, device=query.device) + (t - s)  # each query's own key
+    position = torch.arange(t, device=query.device)
+    prior = position[None, :] < own[:, None]  # [S, T]: the keys before each query's own
+    if mask is not None:
+        prior = (
+            prior & (mask[..., :t] if mask.dtype == torch.bool else mask[..., :t] == 0)[:, :, None]
+        )
+    scores = torch.einsum("bkgsd,bktd->bkgst", q_rt, k_mx).masked_fill(~prior, -65504.0)
+    scores = scores.to(torch.bfloat16).float()
+    own_k, own_v = key.float()[:, :, own], value.float()[:, :, own]  # [B, Hkv, S, D]
+    own_score = torch.einsum("bkgsd,bksd->bkgs", q, own_k)
+    out = torch.zeros(b, kv_heads, group, s, d, device=query.device)
+    total = torch.zeros(b, kv_heads, group, s, device=query.device)
+    running = torch.full_like(total, -1e38)
+    for start in range(0, t, 2048):  # the kernel's chunks, each an online-softmax step
+        chunk = scores[..., start : start + 2048]
+        top = torch.maximum(running, chunk.amax(-1))
+        correction = torch.exp(running - top)
+        e = torch.exp(chunk - top[..., None])
+        total = total * correction + e.sum(-1)
+        out = out * correction[..., None] + torch.einsum(
+            "bkgst,bktd->bkgsd", mxfp8.round_trip(e, {2: 8, 4: 4}), v_mx[:, :, start : start + 2048]
+        )
+        running = top
+    top = torch.maximum(running, own_score)
+    correction, e_own = torch.exp(running - top), torch.exp(own_score - top)
+    out = out * correction[..., None] + e_own[..., None] * own_v[:, :, None]
+    total = total * correction + e_own
+    out = out / total[..., None]
+    return out.reshape(b, heads, s, d).transpose(1, 2).to(torch.bfloat16).float()
 
 
 class KVErrorMeter:

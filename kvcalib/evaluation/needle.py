@@ -252,6 +252,11 @@ def evaluate_needle(
             f"--keys {keys}: the needle needs at least one key per length and depth",
             hint=f"pass --keys 1 or more (default {DEFAULT_KEYS})",
         )
+    if opts.order not in (None, fp8.NEURON_ORDER, fp8.GPU_ORDER):
+        raise UsageError(
+            f"--order {opts.order}: eval-needle generates in the neuron or the gpu order only",
+            hint=f"score the {opts.order} order with `kvcalib eval CKPT --dataset DATA --order {opts.order}`",
+        )
     job, _, tokenizer, stream, prefix = prepare_long_context(
         checkpoint, dataset, lengths, opts, notify
     )

@@ -52,9 +52,11 @@ class EvalOptions(RunOptions, ScoreOptions):
     order: str | None = option(
         None,
         "Which K/V attention reads: neuron (each row's first half "
-        "a prompt on fresh K/V, the rest decoded from FP8 and scored) or gpu (all read FP8). Default: the target's.",
+        "a prompt on fresh K/V, the rest decoded from FP8 and scored), neuron-chunked (the prompt in 128-token "
+        "pieces, each reading the earlier ones from FP8: segmented prefill, prefix caching), mxfp8 (decode over "
+        "Trainium 3's MXFP8 block cache: no per-tensor scale is used) or gpu (all read FP8). Default: the target's.",
         panel="Scales",
-        choices=lambda: (fp8.NEURON_ORDER, fp8.GPU_ORDER),
+        choices=lambda: fp8.ORDERS,
     )
     fp8_attention: bool = option(
         False,

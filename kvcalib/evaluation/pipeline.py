@@ -3,7 +3,8 @@
 Each batch of held-out text runs once with an unquantised KV cache (the baseline) and once per scale configuration
 with K/V quantised as the chip stores them (fp8.fake_quantize through kvcalib.hf.attention's hook), teacher-forced in
 the server's order (--order, fp8.Target.order): GPU, every position reads the FP8 cache; Neuron, a row's first half
-is a prefill on fresh K/V, the decode steps that follow (alone scored) read FP8 (emulate.FreshPrefill). Against the
+is a prefill on fresh K/V, the decode steps that follow (alone scored) read FP8 (emulate.FreshPrefill; chunked, the
+prompt in pieces; mxfp8, decode over Trainium 3's MXFP8 cache). Against the
 baseline, on the same predictions: NLL, ΔNLL, KL, top-1 agreement; per layer, on the unquantised K/V: SQNR, clipping.
 """
 
@@ -191,7 +192,7 @@ def evaluate(
     started = time.perf_counter()
     job = prepare_scales(checkpoint, opts)
     order = opts.order or job.target.order
-    fresh = order == fp8.NEURON_ORDER
+    fresh = order != fp8.GPU_ORDER
 
     notify(Progress("load-data"))
     data = load_calibration_data(dataset, job.tokenizer(), opts)
@@ -216,10 +217,12 @@ def evaluate(
         notify=notify,
         batch_size=opts.batch_size,
         device=job.run.device,
-        fresh=fresh,
+        order=order,
     )
     baseline, totals = score(data.sequences, job.quantizers, meter=meter)
-    rows, tokens = data.sequences[: opts.layer_rows], [len(r) for r in baseline.token_nll]
+    # (the MXFP8 cache uses no per-tensor scale: no layer is quantised alone)
+    rows = data.sequences[: 0 if order == fp8.MXFP8_ORDER else opts.layer_rows]
+    tokens = [len(r) for r in baseline.token_nll]
     # per layer, (ΔNLL, KL) with only that layer's K/V quantised, on `rows` (no FP8 attention run). A per-layer error
     # figure (SQNR, attention error) says how far the values move, not what that costs the prediction (a
     # near-constant K channel can make SQNR rank scales backwards); KL is the steadier on few tokens. Layers
@@ -356,12 +359,12 @@ def _score(
     notify: ProgressCallback,
     batch_size: int,
     device: torch.device,
-    fresh: bool,
+    order: str,
     meter: KVErrorMeter | None = None,
     stage: str = "observe",
 ) -> tuple[_Totals, dict[Any, _Totals]]:
-    """Every batch unquantised (the baseline; `meter` rides along) and once per K/V hook (in Neuron's order,
-    `fresh`: on a fresh-K/V prefill); the baseline's totals and each hook's."""
+    """Every batch unquantised (the baseline; `meter` rides along) and once per K/V hook in `order` (in all but the
+    GPU order after a prefill); the baseline's totals and each hook's."""
     baseline, totals = _Totals(), {key: _Totals() for key in hooks}
     done_samples = done_tokens = 0
     num_tokens = sum(len(s) for s in sequences)
@@ -369,7 +372,7 @@ def _score(
     for input_ids, mask in batches(sequences, batch_size):  # padding is masked: any id does
         input_ids, mask = input_ids.to(device), mask.to(device)
         scored, targets = (mask[:, 1:] & mask[:, :-1]).bool(), input_ids[:, 1:]  # real from real
-        if fresh:  # Neuron's order: the decode steps only
+        if order != fp8.GPU_ORDER:  # after a prefill: the decode steps only
             scored &= decode_rows(mask)[:, :-1]
         if meter:  # evaluate's meter has a sampler
             meter.token_mask = mask.bool()
@@ -377,13 +380,21 @@ def _score(
         base_logp = forward(input_ids, mask, meter)
         base = (base_logp, baseline.add(base_logp, targets, scored))
         for key, hook in hooks.items():
-            logp = forward(input_ids, mask, FreshPrefill(hook, mask) if fresh else hook)
+            logp = forward(input_ids, mask, _in_order(hook, mask, order))
             totals[key].add(logp, targets, scored, base)
             del logp
         done_samples += input_ids.shape[0]
         done_tokens += int(mask.sum())
         notify(Progress(stage, done_samples, len(sequences), done_tokens, num_tokens))
     return baseline, totals
+
+
+def _in_order(hook: KVQuantizer, mask: torch.Tensor, order: str) -> Any:
+    """`hook` as the attention hook that reads the K/V in `order` (fp8.ORDERS) for a batch with this [B, S] mask."""
+    if order == fp8.GPU_ORDER:
+        return hook
+    chunk = fp8.PREFILL_CHUNK if order == fp8.NEURON_CHUNKED_ORDER else None
+    return FreshPrefill(hook, mask, chunk, mxfp8=order == fp8.MXFP8_ORDER)
 
 
 def _config_num_layers(config: dict[str, Any], where: Path) -> int:

@@ -361,6 +361,19 @@ def portability_findings(
                 "config.json:architectures",
             )
         )
+    if target == "trn3" and scales_present and loaded:
+        findings.append(
+            Finding(
+                "PORT-TRN3-KV-PATH",
+                INFO,
+                "on Trainium 3 vLLM Neuron keeps an FP8 KV cache per tensor (plain, or packed with "
+                "neuron_config.fp8_packed_kv): these k_scale/v_scale are used there, clamped at ±448. An MXFP8 KV "
+                "cache (AWS's attention_mxfp8_tkg: an E8M0 scale per 32 values) would use none of them; no public "
+                "plugin release serves one (its MXFP8 is the weights')",
+                "`kvcalib eval CKPT --target trn3 --order mxfp8` predicts the MXFP8 cache's cost",
+                QCFG_LOCATION,
+            )
+        )
     return findings
 
 

@@ -279,6 +279,13 @@ _ROWS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
             "trn2/trn3: MXFP4 experts kept as released, and how Neuron serves them",
             _GPT_OSS,
         ),
+        (
+            "PORT-TRN3-KV-PATH",
+            INFO,
+            "--target trn3: which KV path uses the scales (per-tensor FP8, packed or not) and which none (MXFP8)",
+            "aws-neuron/nki-library@092a49d experimental/attention_mxfp8/attention_mxfp8_tkg_torch.py; "
+            "jinhuang12/vllm-neuron@ed3580d vllm_neuron/model/llama3/model_mx_fp8.py",
+        ),
     ),
 }
 RULES = {group: tuple(Rule(*row) for row in rows) for group, rows in _ROWS.items()}

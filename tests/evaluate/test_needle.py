@@ -224,6 +224,11 @@ def test_counts_and_intervals_and_the_heatmap(calibrated, small, text_dataset, t
         ("eval-needle", ["--lengths", "40"], "--lengths 40: too short"),
         ("eval-needle", ["--lengths", "300", "--keys", "0"], "at least one key"),
         ("eval-needle", ["--lengths", "100000"], "above the model's max_position_embeddings 512"),
+        (
+            "eval-needle",
+            ["--lengths", "300", "--order", "mxfp8"],
+            "in the neuron or the gpu order only",
+        ),
         ("eval", ["--needle"], "now its own command: kvcalib eval-needle"),
         ("eval", ["--saturation-only"], "now its own command: kvcalib eval-context"),
     ],

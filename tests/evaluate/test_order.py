@@ -4,9 +4,11 @@ order follows the target unless --order says otherwise, and --json and the table
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
+from transformers import DynamicCache
 from typer.testing import CliRunner
 
 from kvcalib.cli import app
@@ -30,7 +32,8 @@ def _one_forward(model, ids, mask, hook):
 @torch.inference_mode()
 def _prefill_then_decode(model, row, quantizer):
     """Neuron's order literally: the prompt attends to fresh K/V while the FP8 cache is written (fan_out, as the
-    needle probe does), then each later token alone, reading the cache with its own K/V quantised first."""
+    needle probe does), then each later token alone, reading the cache with its own K/V quantised first, as the
+    decode kernel writes them (fp8.tkg_write)."""
     p = (len(row) + 1) // 2
     cache = ObservedCache(model.config, quantizer.observe)
     logits = [
@@ -40,6 +43,7 @@ def _prefill_then_decode(model, row, quantizer):
             use_cache=True,
         ).logits[0]
     ]
+    cache.observe = replace(quantizer, target=fp8.tkg_write(quantizer.target)).observe
     for token in row[p:]:
         logits.append(
             model(
@@ -73,6 +77,63 @@ def test_the_neuron_order_in_one_forward_is_prefill_then_token_by_token_decode(t
         # the decode steps do, and unlike the GPU order's prompt: both far outside 1e-4
         assert (neuron[b, p : len(row)] - fresh[b, p : len(row)]).abs().max() > 1e-2
         assert (neuron[b, :p] - gpu[b, :p]).abs().max() > 1e-2
+
+
+class _Pieces(DynamicCache):
+    """The cache of a prompt sent in pieces, literally: each piece's K/V stored as swa_fused_cte writes them, the
+    piece attending to the stored earlier pieces and its own fresh K/V; then (`decoding`) each step's K/V stored as
+    the decode kernel writes them, and everything read from the cache."""
+
+    def __init__(self, config, quantizer):
+        super().__init__(config=config)
+        self.quantizer, self.decoding = quantizer, False
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        q = self.quantizer
+        if self.decoding:
+            written = replace(q, target=fp8.tkg_write(q.target)).observe(layer_idx, key, value)
+            return super().update(*written, layer_idx, *args, **kwargs)
+        k, v = (
+            fp8.swa_fused_cte_round_trip(x, s[layer_idx], q.target)
+            for x, s in ((key, q.k_scales), (value, q.v_scales))
+        )
+        stored_k, stored_v = super().update(k, v, layer_idx, *args, **kwargs)
+        n = key.shape[2]
+        return torch.cat([stored_k[:, :, :-n], key], 2), torch.cat([stored_v[:, :, :-n], value], 2)
+
+
+def test_the_chunked_neuron_order_in_one_forward_is_the_prompt_in_pieces_then_decode(
+    tiny_llama_master,
+):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_master, dtype=torch.float32).eval()
+    layers, chunk = model.config.num_hidden_layers, 2
+    quantizer = KVQuantizer([0.01] * layers, [0.01] * layers, fp8.get_target("trn2"))
+    rows = [[(7 * i + 3 * r) % 200 + 5 for i in range(n)] for r, n in enumerate(LENGTHS)]
+    ids = torch.tensor([row + [0] * (max(LENGTHS) - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (max(LENGTHS) - len(row)) for row in rows])
+    chunked = _one_forward(model, ids, mask, FreshPrefill(quantizer, mask, chunk))
+    whole = _one_forward(model, ids, mask, FreshPrefill(quantizer, mask))
+    for b, row in enumerate(rows):
+        p = (len(row) + 1) // 2
+        cache = _Pieces(model.config, quantizer)
+        pieces = [row[start : min(start + chunk, p)] for start in range(0, p, chunk)]
+        logits = []
+        with torch.inference_mode():
+            for piece in pieces + [[token] for token in row[p:]]:
+                cache.decoding = len(logits) >= len(pieces)
+                out = model(
+                    input_ids=torch.tensor([piece]), **cache_kwargs(model, cache), use_cache=True
+                )
+                logits.append(out.logits[0])
+        literal = torch.cat(logits)
+        assert (chunked[b, : len(row)] - literal).abs().max() < 1e-4
+        assert torch.equal(
+            chunked[b, :chunk], whole[b, :chunk]
+        )  # the first piece reads nothing from the cache
+    # the later pieces of the longer prompt do, far outside 1e-4
+    assert (chunked[0, chunk:3] - whole[0, chunk:3]).abs().max() > 1e-2
 
 
 @pytest.fixture(scope="module")

@@ -249,8 +249,9 @@ def flat_provenance(p: dict) -> None:
 CASES = [
     case("calibrated checkpoint is clean", None),
     case(
-        "trn2 checkpoint on trn3: safe, says so",
+        "trn2 checkpoint on trn3: safe, says so, and which KV path uses the scales",
         None,
+        ("PORT-TRN3-KV-PATH", INFO, None),
         ("RANGE-TARGET-MISMATCH", INFO, None),
         target="trn3",
     ),
@@ -635,7 +636,12 @@ CASES = [
     ),
     # rule 5: target range
     case("448 scales on trn2 clip", calibrated_for_gpu, RANGE_448_ON_TRN2),
-    case("448 scales are fine on trn3", calibrated_for_gpu, target="trn3"),
+    case(
+        "448 scales are fine on trn3",
+        calibrated_for_gpu,
+        ("PORT-TRN3-KV-PATH", INFO, None),
+        target="trn3",
+    ),
     case(
         "448 scales on trn2, provenance only in the header",
         both(calibrated_for_gpu, unlink(PROVENANCE_FILENAME)),
