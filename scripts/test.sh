@@ -13,6 +13,8 @@ free_gb() { df -Pk . | awk 'NR == 2 {printf "%d", $4 / 1048576}'; }
 export PIP_NO_CACHE_DIR=1  # nothing is installed twice here, and the cache would double the disk used
 export UV_FIND_LINKS=${UV_FIND_LINKS:-${PIP_FIND_LINKS:-$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)}}  # as scripts/install.sh
 mkdir -p .cache
+# Converted real models kept between runs (scripts/prepare_model.py checks them by sha256 before it links them)
+export KVCALIB_MODEL_CACHE=${KVCALIB_MODEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcalib/models}
 # The real vLLM on CPU (./.venv-vllm, 3.5 GB) for serve-check's tests: tests/e2e/test_serve_vllm_cpu.py runs
 # when KVCALIB_VLLM_PYTHON is set, on CPUs with AVX-512 or AMX (vLLM's CPU FP8 KV cache needs one).
 # Elsewhere, or on a disk too small for it, it is not built and those tests skip with the reason
@@ -104,7 +106,7 @@ echo
 cat "$report" 2>/dev/null || echo "tests: no report (pytest exited $status before the end of the run)"
 [ $# -eq 0 ] || exit "$status"  # tests named by hand: the first leg only
 # The second leg, on ./.venv-newest: what proves the newest stack: the families (in memory and streamed) and
-# transformers' internals, MXFP4/GPT-OSS, eval, validate and the --help goldens, with transformers' deprecation
+# transformers' internals, MXFP4/GPT-OSS, validate and the --help and --json goldens, with transformers' deprecation
 # warnings as errors, and the same scales as the first leg's environment (tests/e2e/test_stacks.py). About 1.5 min
 # on 2 cores.
 echo
@@ -119,7 +121,7 @@ esac
 KVCALIB_PINNED_PYTHON="$PWD/.venv/bin/python" KVCALIB_PROOF_REPORT="$report" .venv-newest/bin/python -m pytest -q \
   --durations=10 -n "${KVCALIB_TEST_WORKERS:-2}" --dist loadfile -W error::FutureWarning \
   tests/hf tests/validate tests/e2e/test_stacks.py tests/e2e/test_golden.py tests/serve/test_serve_gpt_oss.py \
-  tests/evaluate/test_eval.py || status=$?
+  || status=$?
 echo
 cat "$report" 2>/dev/null || echo "tests: no report (pytest exited $status before the end of the run)"
 exit "$status"
