@@ -3,6 +3,9 @@
 # real-world checks (ran, or skipped and why) and the closing count.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Every test process imports torch and transformers: let Python keep their bytecode (a machine may set
+# PYTHONDONTWRITEBYTECODE, and uv compiles none at install), or each process compiles ~3,600 modules again (11 s).
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/install.sh
 .venv/bin/python scripts/check_layout.py  # no import circle; the code-token report
 .venv/bin/lint-imports --no-cache  # the layers: cli -> api -> jobs -> hf -> core (contracts in pyproject.toml)
