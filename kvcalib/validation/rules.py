@@ -274,6 +274,12 @@ _ROWS: dict[str, tuple[tuple[str, str, str, str], ...]] = {
             "vllm-project/vllm vllm/model_executor/layers/quantization/mxfp4.py",
         ),
         (
+            "PORT-VLLM-DROPS-SCALES",
+            ERROR,
+            "--target gpu: a vLLM release whose own loader drops this architecture's k_scale or v_scale",
+            "vllm-project/vllm vllm/model_executor/models/*.py, run by scripts/vllm_scales_table.py",
+        ),
+        (
             "PORT-MXFP4-NEURON",
             INFO,
             "trn2/trn3: MXFP4 experts kept as released, and how Neuron serves them",
