@@ -5,10 +5,9 @@ dequantisation multiplier; kernels that multiply by the reciprocal compute it th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -56,9 +55,8 @@ GPU_ORDER = "gpu"
 # the Neuron order with the prompt in PREFILL_CHUNK-token pieces, each reading the earlier ones from FP8
 NEURON_CHUNKED_ORDER = "neuron-chunked"
 PREFILL_CHUNK = 128  # swa_fused_cte's tile and the plugin's KV block
-MXFP8_ORDER = (
-    "mxfp8"  # the Neuron order with Trainium 3's MXFP8 KV cache in decode (kvcalib.core.mxfp8)
-)
+# the Neuron order with Trainium 3's MXFP8 KV cache in decode (kvcalib.core.mxfp8)
+MXFP8_ORDER = "mxfp8"
 ORDERS = (NEURON_ORDER, NEURON_CHUNKED_ORDER, MXFP8_ORDER, GPU_ORDER)
 
 
@@ -233,7 +231,7 @@ def tkg_write(target: Target) -> Target:
     092a49d, experimental/transformer/attention_block_tkg.py, `_quantize_to_fp8`, which the plugin's
     `attention_decode` calls) multiplies bf16 K/V by the plugin's bf16 multiplier loaded as float32, and clamps and
     casts in float32: `target` without the bf16 product of the plugin's own (prefill) write; others as they are."""
-    return dataclasses.replace(target, bf16_product=False) if target.neuron else target
+    return replace(target, bf16_product=False) if target.neuron else target
 
 
 def swa_fused_cte_scale(scale: torch.Tensor | float) -> torch.Tensor:
@@ -257,7 +255,7 @@ def swa_fused_cte_round_trip(
     whenever that reciprocal is exact (tests/core/test_nki_references.py)."""
     import torch
 
-    divide = dataclasses.replace(target, scaling=DIVIDE, bf16_product=False, toward_zero=False)
+    divide = replace(target, scaling=DIVIDE, bf16_product=False, toward_zero=False)
     s = swa_fused_cte_scale(scale).to(x.device)
     return fake_quantize(x.to(torch.bfloat16).float(), s, divide).to(x.dtype)
 

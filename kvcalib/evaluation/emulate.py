@@ -248,7 +248,7 @@ def mxfp8_decode_attention(
     group = heads // kv_heads
     q = (query.float() * scaling).reshape(b, kv_heads, group, s, d)
     # the reference's groups: 8 query heads (of one KV head; zero-padded to 8) x 4 elements
-    q_rt = mxfp8.round_trip(q, {2: 8, 4: 4})  # 8 query heads of one KV head, zero-padded
+    q_rt = mxfp8.round_trip(q, {2: 8, 4: 4})
     k_mx = mxfp8.round_trip(key, {3: mxfp8.GROUP})
     v_mx = mxfp8.round_trip(value, {2: mxfp8.GROUP})  # 32 tokens from position 0 (a block holds 4)
     own = torch.arange(s, device=query.device) + (t - s)  # each query's own key

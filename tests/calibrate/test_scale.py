@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from families import COMMON
 from helpers import REPO, SCRIPTS, SUPPORT, build_tokenizer, scale_bits, torchrun
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -46,18 +47,7 @@ def build_tiny(arch: str, out: Path) -> Path:
     import transformers as tf
 
     tokenizer = build_tokenizer()
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    common = dict(COMMON, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     config_cls, model_cls, extra = {
         "qwen2-sliding": (
             tf.Qwen2Config,
